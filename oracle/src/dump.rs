@@ -1,0 +1,139 @@
+//! The tensor-dump format (docs/DUMP_FORMAT.md): a directory with `manifest.json` and
+//! safetensors files holding every tap and the logits of every position. The oracle writes it
+//! (`cargo xtask dump`); external engines write it for Touchstone to read.
+//!
+//! Writes are deterministic: no timestamps, tensors in name order, fixed JSON key order, so two
+//! dumps of the same run are byte-identical.
+
+use crate::error::{OracleError, Result};
+use crate::model::RecordingTap;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+pub const FORMAT_NAME: &str = "touchstone-dump";
+pub const FORMAT_VERSION: u32 = 1;
+pub const TAPS_FILE: &str = "taps.safetensors";
+pub const LOGITS_FILE: &str = "logits.safetensors";
+pub const LOGITS_TENSOR: &str = "logits";
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TapEntry {
+    pub name: String,
+    /// `[n_positions, width]`.
+    pub shape: Vec<usize>,
+    pub dtype: String,
+    pub file: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ModelInfo {
+    pub name: String,
+    pub sha256: String,
+    pub arch: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub model: ModelInfo,
+    pub device: String,
+    pub precision: String,
+    pub token_ids: Vec<u32>,
+    /// Position of each token id (0-based).
+    pub positions: Vec<usize>,
+    /// Taps in execution order.
+    pub taps: Vec<TapEntry>,
+    pub logits: Option<TapEntry>,
+}
+
+fn to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) -> Result<()> {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, shape, b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })
+        })
+        .collect::<Result<_>>()?;
+    let tmp = path.with_extension("tmp");
+    safetensors::serialize_to_file(views, None, &tmp)
+        .map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })?;
+    std::fs::rename(&tmp, path).map_err(|e| OracleError::io(path, e))
+}
+
+/// Writes a dump of `taps` (which must include `result_output`, the logits) into `dir`.
+pub fn write_dump(dir: &Path, model: ModelInfo, device: &str, precision: &str, token_ids: &[u32], taps: &RecordingTap) -> Result<Manifest> {
+    std::fs::create_dir_all(dir).map_err(|e| OracleError::io(dir, e))?;
+    let n = token_ids.len();
+    let mut entries = Vec::new();
+    let mut tensors = Vec::new();
+    for name in &taps.order {
+        let (width, data) = &taps.tensors[name];
+        if name == "result_output" {
+            continue;
+        }
+        let rows = data.len() / width;
+        entries.push(TapEntry { name: name.clone(), shape: vec![rows, *width], dtype: "f32".into(), file: TAPS_FILE.into() });
+        tensors.push((name.clone(), vec![rows, *width], to_bytes(data)));
+    }
+    write_safetensors(&dir.join(TAPS_FILE), &tensors)?;
+    let logits = match taps.tensors.get("result_output") {
+        Some((width, data)) => {
+            let rows = data.len() / width;
+            write_safetensors(&dir.join(LOGITS_FILE), &[(LOGITS_TENSOR.into(), vec![rows, *width], to_bytes(data))])?;
+            Some(TapEntry { name: LOGITS_TENSOR.into(), shape: vec![rows, *width], dtype: "f32".into(), file: LOGITS_FILE.into() })
+        }
+        None => None,
+    };
+    let manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        model,
+        device: device.into(),
+        precision: precision.into(),
+        token_ids: token_ids.to_vec(),
+        positions: (0..n).collect(),
+        taps: entries,
+        logits,
+    };
+    let json = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
+    let mpath = dir.join("manifest.json");
+    std::fs::write(&mpath, json + "\n").map_err(|e| OracleError::io(&mpath, e))?;
+    Ok(manifest)
+}
+
+/// Reads a dump's manifest and one of its tensors as f32 (f16/bf16 are widened).
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let p = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&p).map_err(|e| OracleError::io(&p, e))?;
+    let m: Manifest = serde_json::from_str(&text).map_err(|e| OracleError::Safetensors { file: p.display().to_string(), reason: format!("invalid manifest: {e}") })?;
+    if m.format != FORMAT_NAME || m.version != FORMAT_VERSION {
+        return Err(OracleError::Safetensors {
+            file: p.display().to_string(),
+            reason: format!("format {} v{} is not {FORMAT_NAME} v{FORMAT_VERSION}", m.format, m.version),
+        });
+    }
+    Ok(m)
+}
+
+/// Reads tensor `name` from `dir/file`: (shape, values).
+pub fn read_tensor(dir: &Path, file: &str, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    let p = dir.join(file);
+    let bytes = std::fs::read(&p).map_err(|e| OracleError::io(&p, e))?;
+    let err = |r: String| OracleError::Safetensors { file: p.display().to_string(), reason: r };
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
+    let v = st.tensor(name).map_err(|e| err(format!("{name}: {e}")))?;
+    let d = v.data();
+    let vals = match v.dtype() {
+        safetensors::Dtype::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        safetensors::Dtype::F16 => d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        safetensors::Dtype::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return Err(err(format!("{name}: dtype {other:?} (f32, f16, bf16 allowed)"))),
+    };
+    Ok((v.shape().to_vec(), vals))
+}

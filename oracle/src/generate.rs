@@ -1,0 +1,138 @@
+//! Generation on the oracle: prefill the prompt, then decode one token at a time against the
+//! KV cache, greedily or with the seeded sampler. Also `AnyModel`, which hides the storage
+//! precision from callers that only want f32 logits out.
+
+use crate::error::{OracleError, Result};
+use crate::gguf::GgufFile;
+use crate::loader::open_model;
+use crate::model::{Model, Tap};
+use crate::ops::{sample, SamplerConfig, SplitMix64};
+use crate::real::Real;
+use crate::spec::ModelSpec;
+use crate::tokenizer::Tokenizer;
+use crate::Precision;
+use std::path::Path;
+use std::time::Instant;
+
+/// What a generation produced and how long it took.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Generation {
+    pub prompt: Vec<u32>,
+    /// Generated ids (not including the prompt).
+    pub tokens: Vec<u32>,
+    /// Seconds to run the prompt and produce the first token.
+    pub prefill_s: f64,
+    /// Seconds spent in decode steps (tokens after the first).
+    pub decode_s: f64,
+    pub decode_steps: usize,
+}
+
+impl Generation {
+    pub fn decode_tok_per_s(&self) -> f64 {
+        if self.decode_s > 0.0 {
+            self.decode_steps as f64 / self.decode_s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Generates up to `max_new` tokens after `prompt`; stops early at `stop` (e.g. EOS) if given.
+pub fn generate<T: Real>(
+    model: &Model<T>,
+    prompt: &[u32],
+    max_new: usize,
+    sampler: &SamplerConfig,
+    seed: u64,
+    stop: Option<u32>,
+    taps: &mut dyn Tap,
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(OracleError::Shape("generate: the prompt has no tokens".into()));
+    }
+    if prompt.len() + max_new > model.spec.context_length.max(prompt.len() + max_new).min(1 << 20) {
+        return Err(OracleError::Shape("generate: prompt + new tokens exceed 2^20 positions".into()));
+    }
+    let mut rng = SplitMix64(seed);
+    let mut cache = model.new_cache();
+    let mut tokens = Vec::with_capacity(max_new);
+    let t0 = Instant::now();
+    if max_new == 0 {
+        model.forward_last(prompt, &mut cache, taps)?;
+        return Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s: t0.elapsed().as_secs_f64(), decode_s: 0.0, decode_steps: 0 });
+    }
+    let logits = model.forward_last(prompt, &mut cache, taps)?;
+    let mut next = sample(&logits, sampler, &mut rng) as u32;
+    tokens.push(next);
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut steps = 0;
+    while tokens.len() < max_new && Some(next) != stop {
+        let logits = model.forward_last(&[next], &mut cache, taps)?;
+        next = sample(&logits, sampler, &mut rng) as u32;
+        tokens.push(next);
+        steps += 1;
+    }
+    Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s, decode_s: t1.elapsed().as_secs_f64(), decode_steps: steps })
+}
+
+/// A model at either precision.
+pub enum AnyModel {
+    F32(Model<f32>),
+    F64(Model<f64>),
+}
+
+impl AnyModel {
+    /// Loads a GGUF file or safetensors directory at `precision`, with its tokenizer when the
+    /// file carries one.
+    pub fn load(path: &Path, precision: Precision) -> Result<(AnyModel, Option<Tokenizer>)> {
+        let (src, spec, gguf): (_, ModelSpec, Option<GgufFile>) = open_model(path)?;
+        let tokenizer = match &gguf {
+            Some(g) if g.get("tokenizer.ggml.model").is_some() => Some(Tokenizer::from_gguf(g)?),
+            Some(_) => None,
+            None => {
+                let tj = path.join("tokenizer.json");
+                if tj.exists() {
+                    Some(Tokenizer::from_file(&tj)?)
+                } else {
+                    None
+                }
+            }
+        };
+        let model = match precision {
+            Precision::F32 => AnyModel::F32(Model::load(spec, src.as_ref())?),
+            Precision::F64 => AnyModel::F64(Model::load(spec, src.as_ref())?),
+        };
+        Ok((model, tokenizer))
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        match self {
+            AnyModel::F32(m) => &m.spec,
+            AnyModel::F64(m) => &m.spec,
+        }
+    }
+
+    pub fn generate(&self, prompt: &[u32], max_new: usize, sampler: &SamplerConfig, seed: u64, stop: Option<u32>, taps: &mut dyn Tap) -> Result<Generation> {
+        match self {
+            AnyModel::F32(m) => generate(m, prompt, max_new, sampler, seed, stop, taps),
+            AnyModel::F64(m) => generate(m, prompt, max_new, sampler, seed, stop, taps),
+        }
+    }
+
+    /// One prefill over `tokens` from an empty cache; logits of every position as f64 `[m, n_vocab]`.
+    pub fn prefill_logits(&self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f64>> {
+        match self {
+            AnyModel::F32(m) => Ok(m.forward(tokens, &mut m.new_cache(), taps)?.into_iter().map(|v| v as f64).collect()),
+            AnyModel::F64(m) => m.forward(tokens, &mut m.new_cache(), taps),
+        }
+    }
+
+    /// Bytes of weights read per generated token (for bandwidth figures).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        match self {
+            AnyModel::F32(m) => m.weight_bytes_per_token(),
+            AnyModel::F64(m) => m.weight_bytes_per_token(),
+        }
+    }
+}

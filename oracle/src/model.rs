@@ -1,0 +1,438 @@
+//! The one forward interpreter: runs any `ModelSpec` (Llama, Qwen2, Qwen3, MoE) over its weights,
+//! for prefill, incremental decode and append-prefill against a KV cache, recording every named
+//! intermediate ("tap", llama.cpp naming) when asked.
+
+use crate::error::{OracleError, Result};
+use crate::loader::TensorSource;
+use crate::ops::{self, AttentionParams, Mat};
+use crate::real::Real;
+use crate::spec::{Activation, ModelSpec, Stage};
+use rayon::prelude::*;
+
+/// Receives named intermediates. `data` is `[n_tokens, width]` for tokens at `start_pos..`.
+pub trait Tap {
+    /// Whether the interpreter should build tap buffers at all.
+    fn enabled(&self) -> bool {
+        true
+    }
+    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]);
+}
+
+/// A tap that records nothing.
+pub struct NoTap;
+impl Tap for NoTap {
+    fn enabled(&self) -> bool {
+        false
+    }
+    fn record(&mut self, _: &str, _: usize, _: usize, _: usize, _: &[f32]) {}
+}
+
+/// Records every tap, appending positions across calls (prefill then decode steps).
+#[derive(Default, Debug, Clone)]
+pub struct RecordingTap {
+    /// name -> (width, values for positions 0.. in order)
+    pub tensors: std::collections::BTreeMap<String, (usize, Vec<f32>)>,
+    /// Names in first-recorded order (execution order).
+    pub order: Vec<String>,
+}
+
+impl Tap for RecordingTap {
+    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        let entry = self.tensors.entry(name.to_string()).or_insert_with(|| {
+            self.order.push(name.to_string());
+            (width, Vec::new())
+        });
+        // Positions are recorded in order; a replay of earlier positions overwrites them.
+        let start = start_pos * width;
+        entry.1.truncate(start);
+        entry.1.resize(start, f32::NAN);
+        entry.1.extend_from_slice(&data[..n_tokens * width]);
+    }
+}
+
+fn tap<T: Real>(t: &mut dyn Tap, name: &str, start: usize, n: usize, width: usize, data: &[T]) {
+    if t.enabled() {
+        let v: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
+        t.record(name, start, n, width, &v);
+    }
+}
+
+pub struct DenseFfn<T> {
+    pub gate: Mat<T>,
+    pub up: Mat<T>,
+    pub down: Mat<T>,
+}
+
+pub enum Ffn<T> {
+    Dense(DenseFfn<T>),
+    Moe {
+        router: Mat<T>,
+        experts: Vec<DenseFfn<T>>,
+        shared: Option<DenseFfn<T>>,
+        shared_gate: Option<Mat<T>>,
+    },
+}
+
+pub struct Layer<T> {
+    pub attn_norm: Vec<T>,
+    pub wq: Mat<T>,
+    pub wk: Mat<T>,
+    pub wv: Mat<T>,
+    pub wo: Mat<T>,
+    pub bq: Option<Vec<T>>,
+    pub bk: Option<Vec<T>>,
+    pub bv: Option<Vec<T>>,
+    pub bo: Option<Vec<T>>,
+    pub q_norm: Option<Vec<T>>,
+    pub k_norm: Option<Vec<T>>,
+    pub ffn_norm: Vec<T>,
+    pub ffn: Ffn<T>,
+}
+
+/// A loaded model: spec + weights decoded to the storage scalar `T`.
+pub struct Model<T> {
+    pub spec: ModelSpec,
+    pub tok_embd: Mat<T>,
+    pub output_norm: Vec<T>,
+    /// None when the output projection is tied to the embedding.
+    pub output: Option<Mat<T>>,
+    pub layers: Vec<Layer<T>>,
+}
+
+/// Per-layer key/value cache: `[len, n_head_kv * head_dim]` each.
+pub struct KvCache<T> {
+    pub k: Vec<Vec<T>>,
+    pub v: Vec<Vec<T>>,
+    pub len: usize,
+}
+
+impl<T: Real> KvCache<T> {
+    pub fn new(n_layer: usize) -> Self {
+        KvCache { k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], len: 0 }
+    }
+}
+
+struct Loader<'a> {
+    src: &'a dyn TensorSource,
+}
+
+impl Loader<'_> {
+    fn get(&self, name: &str) -> Result<Option<crate::loader::LoadedTensor>> {
+        self.src.load(name)
+    }
+
+    fn vec<T: Real>(&self, name: &str, len: usize) -> Result<Vec<T>> {
+        self.opt_vec(name, len)?
+            .ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))
+    }
+
+    fn opt_vec<T: Real>(&self, name: &str, len: usize) -> Result<Option<Vec<T>>> {
+        let Some(t) = self.get(name)? else { return Ok(None) };
+        if t.data.len() != len {
+            return Err(OracleError::Spec(format!("{}: tensor `{name}` has {} values (dims {:?}), expected {len}", self.src.label(), t.data.len(), t.dims)));
+        }
+        Ok(Some(t.data.into_iter().map(T::from_f32).collect()))
+    }
+
+    /// A matrix with `rows` outputs of `cols` inputs (GGML dims [cols, rows]).
+    fn mat<T: Real>(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<T>> {
+        self.opt_mat(name, rows, cols)?
+            .ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))
+    }
+
+    fn opt_mat<T: Real>(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Mat<T>>> {
+        let Some(t) = self.get(name)? else { return Ok(None) };
+        if t.dims.len() < 2 || t.dims[0] != cols || t.dims[1] != rows || t.data.len() != rows * cols {
+            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", self.src.label(), t.dims)));
+        }
+        Ok(Some(Mat { rows, cols, data: t.data.into_iter().map(T::from_f32).collect() }))
+    }
+
+    /// Splits a 3-D expert tensor (GGML dims [cols, rows, n_expert]) into one matrix per expert.
+    fn experts<T: Real>(&self, name: &str, n_expert: usize, rows: usize, cols: usize) -> Result<Vec<Mat<T>>> {
+        let t = self.get(name)?.ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))?;
+        if t.dims != [cols, rows, n_expert] {
+            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}, {n_expert}]", self.src.label(), t.dims)));
+        }
+        Ok(t.data
+            .chunks_exact(rows * cols)
+            .map(|c| Mat { rows, cols, data: c.iter().map(|v| T::from_f32(*v)).collect() })
+            .collect())
+    }
+}
+
+impl<T: Real> Model<T> {
+    /// Decodes every weight of `spec` from `src` into storage type `T`.
+    pub fn load(spec: ModelSpec, src: &dyn TensorSource) -> Result<Model<T>> {
+        spec.validate()?;
+        let l = Loader { src };
+        let s = &spec;
+        let (d, hd) = (s.n_embd, s.head_dim);
+        let (q_dim, kv_dim) = (s.n_head * hd, s.n_head_kv * hd);
+        let tok_embd = l.mat("token_embd.weight", s.n_vocab, d)?;
+        let output_norm = l.vec("output_norm.weight", d)?;
+        let output = if s.tied_output { None } else { Some(l.mat("output.weight", s.n_vocab, d)?) };
+        let layers = (0..s.n_layer)
+            .into_par_iter()
+            .map(|i| -> Result<Layer<T>> {
+                let n = |t: &str| format!("blk.{i}.{t}");
+                let ffn = match &s.moe {
+                    None => Ffn::Dense(DenseFfn {
+                        gate: l.mat(&n("ffn_gate.weight"), s.n_ff, d)?,
+                        up: l.mat(&n("ffn_up.weight"), s.n_ff, d)?,
+                        down: l.mat(&n("ffn_down.weight"), d, s.n_ff)?,
+                    }),
+                    Some(m) => {
+                        let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
+                        let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
+                        let downs = l.experts(&n("ffn_down_exps.weight"), m.n_expert, d, m.expert_ffn)?;
+                        let experts = gates
+                            .into_iter()
+                            .zip(ups)
+                            .zip(downs)
+                            .map(|((gate, up), down)| DenseFfn { gate, up, down })
+                            .collect();
+                        let shared = match m.shared_ffn {
+                            Some(f) => Some(DenseFfn {
+                                gate: l.mat(&n("ffn_gate_shexp.weight"), f, d)?,
+                                up: l.mat(&n("ffn_up_shexp.weight"), f, d)?,
+                                down: l.mat(&n("ffn_down_shexp.weight"), d, f)?,
+                            }),
+                            None => None,
+                        };
+                        let shared_gate = if m.shared_gate { Some(l.mat(&n("ffn_gate_inp_shexp.weight"), 1, d)?) } else { None };
+                        Ffn::Moe { router: l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?, experts, shared, shared_gate }
+                    }
+                };
+                Ok(Layer {
+                    attn_norm: l.vec(&n("attn_norm.weight"), d)?,
+                    wq: l.mat(&n("attn_q.weight"), q_dim, d)?,
+                    wk: l.mat(&n("attn_k.weight"), kv_dim, d)?,
+                    wv: l.mat(&n("attn_v.weight"), kv_dim, d)?,
+                    wo: l.mat(&n("attn_output.weight"), d, q_dim)?,
+                    bq: if s.qkv_bias { Some(l.vec(&n("attn_q.bias"), q_dim)?) } else { None },
+                    bk: if s.qkv_bias { Some(l.vec(&n("attn_k.bias"), kv_dim)?) } else { None },
+                    bv: if s.qkv_bias { Some(l.vec(&n("attn_v.bias"), kv_dim)?) } else { None },
+                    bo: if s.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
+                    q_norm: if s.qk_norm { Some(l.vec(&n("attn_q_norm.weight"), hd)?) } else { None },
+                    k_norm: if s.qk_norm { Some(l.vec(&n("attn_k_norm.weight"), hd)?) } else { None },
+                    ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
+                    ffn,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Model { spec, tok_embd, output_norm, output, layers })
+    }
+
+    /// Bytes of weights read to produce one token's logits (all matrices + norms, one embedding row).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let sz = std::mem::size_of::<T>();
+        let mut b = self.output.as_ref().unwrap_or(&self.tok_embd).n_bytes() + self.spec.n_embd * sz * 2;
+        for l in &self.layers {
+            b += l.wq.n_bytes() + l.wk.n_bytes() + l.wv.n_bytes() + l.wo.n_bytes();
+            b += match &l.ffn {
+                Ffn::Dense(f) => f.gate.n_bytes() + f.up.n_bytes() + f.down.n_bytes(),
+                Ffn::Moe { router, experts, shared, .. } => {
+                    let k = self.spec.moe.as_ref().map_or(0, |m| m.n_expert_used);
+                    let e = experts.first().map_or(0, |f| f.gate.n_bytes() + f.up.n_bytes() + f.down.n_bytes());
+                    router.n_bytes() + k * e + shared.as_ref().map_or(0, |f| f.gate.n_bytes() + f.up.n_bytes() + f.down.n_bytes())
+                }
+            };
+        }
+        b
+    }
+
+    pub fn new_cache(&self) -> KvCache<T> {
+        KvCache::new(self.spec.n_layer)
+    }
+
+    /// Runs `tokens` at positions `cache.len ..`, appends their keys/values to the cache, and
+    /// returns the logits of every token: `[tokens.len(), n_vocab]`.
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache<T>, taps: &mut dyn Tap) -> Result<Vec<T>> {
+        self.forward_impl(tokens, cache, taps, true)
+    }
+
+    /// Like `forward` but computes logits only for the last token: `[n_vocab]`.
+    pub fn forward_last(&self, tokens: &[u32], cache: &mut KvCache<T>, taps: &mut dyn Tap) -> Result<Vec<T>> {
+        self.forward_impl(tokens, cache, taps, false)
+    }
+
+    fn forward_impl(&self, tokens: &[u32], cache: &mut KvCache<T>, taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<T>> {
+        let s = &self.spec;
+        let m = tokens.len();
+        if m == 0 {
+            return Err(OracleError::Shape("forward: no tokens".into()));
+        }
+        let start = cache.len;
+        let positions: Vec<usize> = (start..start + m).collect();
+        let (d, hd) = (s.n_embd, s.head_dim);
+        let (q_dim, kv_dim) = (s.n_head * hd, s.n_head_kv * hd);
+
+        // x: [m, d]
+        let mut x = ops::embed(&self.tok_embd, tokens)?;
+        tap(taps, "inp_embd", start, m, d, &x);
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            let name = |t: &str| format!("blk.{li}.{t}");
+            let mut h = Vec::new(); // normed input of the current sub-block
+            let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+            let mut attn = Vec::new();
+            let mut ffn_out = Vec::new();
+            for stage in &s.stages {
+                match stage {
+                    Stage::AttnNorm => {
+                        h = ops::rms_norm(&x, d, Some(&layer.attn_norm), s.norm_eps)?;
+                        tap(taps, &name("attn_norm"), start, m, d, &h);
+                    }
+                    Stage::QkvProj => {
+                        // q: [m, n_head*hd], k, v: [m, n_head_kv*hd]
+                        q = ops::matmul(&h, m, &layer.wq)?;
+                        k = ops::matmul(&h, m, &layer.wk)?;
+                        v = ops::matmul(&h, m, &layer.wv)?;
+                        if let (Some(bq), Some(bk), Some(bv)) = (&layer.bq, &layer.bk, &layer.bv) {
+                            ops::add_bias(&mut q, bq)?;
+                            ops::add_bias(&mut k, bk)?;
+                            ops::add_bias(&mut v, bv)?;
+                        }
+                        tap(taps, &name("attn_q"), start, m, q_dim, &q);
+                        tap(taps, &name("attn_k"), start, m, kv_dim, &k);
+                        tap(taps, &name("attn_v"), start, m, kv_dim, &v);
+                    }
+                    Stage::QkNorm => {
+                        // Per-head RMSNorm over head_dim (Qwen3).
+                        let qn = layer.q_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_q_norm".into()))?;
+                        let kn = layer.k_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_k_norm".into()))?;
+                        q = ops::rms_norm(&q, hd, Some(qn), s.norm_eps)?;
+                        k = ops::rms_norm(&k, hd, Some(kn), s.norm_eps)?;
+                        tap(taps, &name("attn_q_norm"), start, m, q_dim, &q);
+                        tap(taps, &name("attn_k_norm"), start, m, kv_dim, &k);
+                    }
+                    Stage::Rope => {
+                        ops::rope(&mut q, &positions, s.n_head, hd, &s.rope)?;
+                        ops::rope(&mut k, &positions, s.n_head_kv, hd, &s.rope)?;
+                        tap(taps, &name("attn_q_rope"), start, m, q_dim, &q);
+                        tap(taps, &name("attn_k_rope"), start, m, kv_dim, &k);
+                    }
+                    Stage::Attention => {
+                        // Append this call's keys/values at positions start.. (cache: [len, kv_dim]).
+                        cache.k[li].truncate(start * kv_dim);
+                        cache.v[li].truncate(start * kv_dim);
+                        cache.k[li].extend_from_slice(&k);
+                        cache.v[li].extend_from_slice(&v);
+                        let params = AttentionParams {
+                            n_head: s.n_head,
+                            n_head_kv: s.n_head_kv,
+                            head_dim: hd,
+                            scale: s.attn_scale,
+                            window: s.sliding_window,
+                        };
+                        attn = ops::attention(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params)?;
+                        tap(taps, &name("attn_kqv"), start, m, q_dim, &attn);
+                    }
+                    Stage::AttnOutProj => {
+                        attn = ops::matmul(&attn, m, &layer.wo)?;
+                        if let Some(bo) = &layer.bo {
+                            ops::add_bias(&mut attn, bo)?;
+                        }
+                        tap(taps, &name("attn_out"), start, m, d, &attn);
+                    }
+                    Stage::AttnResidual => {
+                        x = ops::add(&x, &attn)?;
+                        tap(taps, &name("ffn_inp"), start, m, d, &x);
+                    }
+                    Stage::FfnNorm => {
+                        h = ops::rms_norm(&x, d, Some(&layer.ffn_norm), s.norm_eps)?;
+                        tap(taps, &name("ffn_norm"), start, m, d, &h);
+                    }
+                    Stage::DenseFfn => {
+                        let Ffn::Dense(f) = &layer.ffn else {
+                            return Err(OracleError::Spec(format!("layer {li}: dense FFN stage but MoE weights")));
+                        };
+                        ffn_out = self.dense_ffn(f, &h, m, Some((taps, li, start)))?;
+                        tap(taps, &name("ffn_out"), start, m, d, &ffn_out);
+                    }
+                    Stage::MoeFfn => {
+                        ffn_out = self.moe_ffn(layer, &h, m, taps, li, start)?;
+                        tap(taps, &name("ffn_out"), start, m, d, &ffn_out);
+                    }
+                    Stage::FfnResidual => {
+                        x = ops::add(&x, &ffn_out)?;
+                        tap(taps, &name("l_out"), start, m, d, &x);
+                    }
+                }
+            }
+        }
+        cache.len = start + m;
+
+        // Only the rows whose logits are wanted go through the final norm and output head.
+        let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
+        let xs = &x[row0 * d..];
+        let normed = ops::rms_norm(xs, d, Some(&self.output_norm), s.norm_eps)?;
+        tap(taps, "result_norm", start + row0, rows, d, &normed);
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let logits = ops::matmul(&normed, rows, head)?;
+        tap(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
+        Ok(logits)
+    }
+
+    fn dense_ffn(&self, f: &DenseFfn<T>, h: &[T], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Result<Vec<T>> {
+        let gate = ops::matmul(h, m, &f.gate)?;
+        let up = ops::matmul(h, m, &f.up)?;
+        let act = match self.spec.activation {
+            Activation::Silu => ops::swiglu(&gate, &up)?,
+            Activation::GeluTanh => ops::geglu(&gate, &up)?,
+        };
+        if let Some((t, li, start)) = taps {
+            let w = f.gate.rows;
+            tap(t, &format!("blk.{li}.ffn_gate"), start, m, w, &gate);
+            tap(t, &format!("blk.{li}.ffn_up"), start, m, w, &up);
+            tap(t, &format!("blk.{li}.ffn_act"), start, m, w, &act);
+        }
+        ops::matmul(&act, m, &f.down)
+    }
+
+    fn moe_ffn(&self, layer: &Layer<T>, h: &[T], m: usize, taps: &mut dyn Tap, li: usize, start: usize) -> Result<Vec<T>> {
+        let Ffn::Moe { router, experts, shared, shared_gate } = &layer.ffn else {
+            return Err(OracleError::Spec(format!("layer {li}: MoE stage but dense weights")));
+        };
+        let ms = self.spec.moe.as_ref().ok_or_else(|| OracleError::Spec("MoE stage without MoE spec".into()))?;
+        let d = self.spec.n_embd;
+        let mut out = vec![T::default(); m * d];
+        let mut probs_tap = Vec::with_capacity(m * ms.n_expert);
+        let mut topk_tap = Vec::with_capacity(m * ms.n_expert_used);
+        for t in 0..m {
+            let ht = &h[t * d..(t + 1) * d];
+            // Router logits stay in f64: the expert choice is a discrete result and must not be
+            // decided by a rounding of the oracle's own.
+            let logits: Vec<f64> = (0..router.rows).map(|e| T::dot(ht, router.row(e))).collect();
+            let r = ops::moe_route(&logits, ms.n_expert_used, ms.gating, ms.normalize_topk);
+            probs_tap.extend(r.probs.iter().map(|p| *p as f32));
+            topk_tap.extend(r.experts.iter().map(|e| *e as f32));
+            let mut acc = vec![0.0f64; d];
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                let y = self.dense_ffn(&experts[e], ht, 1, None)?;
+                for i in 0..d {
+                    acc[i] += w * y[i].to_f64();
+                }
+            }
+            if let Some(sf) = shared {
+                let y = self.dense_ffn(sf, ht, 1, None)?;
+                let g = match shared_gate {
+                    Some(gm) => 1.0 / (1.0 + (-T::dot(ht, gm.row(0))).exp()),
+                    None => 1.0,
+                };
+                for i in 0..d {
+                    acc[i] += g * y[i].to_f64();
+                }
+            }
+            for i in 0..d {
+                out[t * d + i] = T::from_f64(acc[i]);
+            }
+        }
+        if taps.enabled() {
+            taps.record(&format!("blk.{li}.ffn_moe_probs"), start, m, ms.n_expert, &probs_tap);
+            taps.record(&format!("blk.{li}.ffn_moe_topk"), start, m, ms.n_expert_used, &topk_tap);
+        }
+        Ok(out)
+    }
+}

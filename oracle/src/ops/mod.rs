@@ -1,0 +1,32 @@
+//! The reference operators. Each is a plain function over row-major slices, generic over the
+//! storage scalar (`Real`), that accumulates in f64 in a fixed order and rounds once on store.
+//! Parallel loops split over independent outputs (rows, heads, tokens), never inside a reduction,
+//! so results do not depend on the thread count.
+
+pub mod act;
+pub mod attention;
+pub mod embed;
+pub mod matmul;
+pub mod moe;
+pub mod norm;
+pub mod rope;
+pub mod sample;
+
+pub use act::{add, add_bias, gelu_tanh, geglu, silu, softmax_rows, swiglu};
+pub use attention::{attention, AttentionParams};
+pub use embed::embed;
+pub use matmul::{matmul, Mat};
+pub use moe::{moe_route, Routing};
+pub use norm::{layer_norm, rms_norm};
+pub use rope::{rope, rope_cos_sin};
+pub use sample::{argmax, sample, top_k, SamplerConfig, SplitMix64};
+
+use crate::error::{OracleError, Result};
+
+/// Checks that a buffer holds `rows x cols` values.
+pub(crate) fn check_len(what: &str, len: usize, rows: usize, cols: usize) -> Result<()> {
+    match rows.checked_mul(cols) {
+        Some(n) if n == len => Ok(()),
+        _ => Err(OracleError::Shape(format!("{what}: buffer has {len} values, expected {rows} x {cols}"))),
+    }
+}

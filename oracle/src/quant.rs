@@ -1,0 +1,595 @@
+//! Weight codecs: the tensor types of GGUF and their exact decoders, plus a plain reference
+//! encoder for each (used to build the synthetic fixtures and to test the decoders).
+//!
+//! Decoding follows the format definitions bit for bit, in f32, with the same operation order as
+//! ggml's reference dequantizers (`y = (d*sc)*q - dmin*m` for K-quants, `y = q*d + m` for Q4_1/Q5_1),
+//! so a decoded weight equals what gguf-py or candle produce for the same bytes.
+//!
+//! The encoders are simple round-to-nearest quantizers (not ggml's iterative scale search); their
+//! job is to produce valid blocks with a known error bound, not to minimise error.
+
+use crate::error::{OracleError, Result};
+use half::{bf16, f16};
+
+/// The element types of GGUF tensors that the oracle reads (GGML type ids).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[allow(non_camel_case_types)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    BF16,
+}
+
+pub const QK_K: usize = 256;
+
+impl GgmlType {
+    /// Every supported type, in GGML id order.
+    pub const ALL: [GgmlType; 11] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::BF16,
+    ];
+
+    /// The GGML type id stored in GGUF tensor infos.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q4_K => 12,
+            GgmlType::Q5_K => 13,
+            GgmlType::Q6_K => 14,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    pub fn from_id(id: u32) -> Option<GgmlType> {
+        GgmlType::ALL.iter().copied().find(|t| t.id() == id)
+    }
+
+    /// Lower-case name as used in case ids and reports (`q4_1`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "f32",
+            GgmlType::F16 => "f16",
+            GgmlType::Q4_0 => "q4_0",
+            GgmlType::Q4_1 => "q4_1",
+            GgmlType::Q5_0 => "q5_0",
+            GgmlType::Q5_1 => "q5_1",
+            GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q4_K => "q4_k",
+            GgmlType::Q5_K => "q5_k",
+            GgmlType::Q6_K => "q6_k",
+            GgmlType::BF16 => "bf16",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<GgmlType> {
+        let lower = name.to_ascii_lowercase();
+        GgmlType::ALL.iter().copied().find(|t| t.name() == lower)
+    }
+
+    /// Elements per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q4_K => 144,
+            GgmlType::Q5_K => 176,
+            GgmlType::Q6_K => 210,
+        }
+    }
+
+    /// Bytes needed for `n_elements`, or None when `n_elements` is not a whole number of blocks
+    /// or the size overflows.
+    pub fn bytes_for(self, n_elements: u64) -> Option<u64> {
+        let bs = self.block_size() as u64;
+        if n_elements % bs != 0 {
+            return None;
+        }
+        (n_elements / bs).checked_mul(self.type_size() as u64)
+    }
+}
+
+#[inline]
+fn rd_f16(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Decodes `n` elements of type `ty` from `bytes` into `out` (which must hold `n` values).
+pub fn decode_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    let n = out.len();
+    let need = ty.bytes_for(n as u64).ok_or_else(|| {
+        OracleError::Codec(format!("{} elements is not a whole number of {} blocks ({} per block)", n, ty.name(), ty.block_size()))
+    })?;
+    if bytes.len() as u64 != need {
+        return Err(OracleError::Codec(format!(
+            "{}: {} elements need {} bytes, got {}",
+            ty.name(),
+            n,
+            need,
+            bytes.len()
+        )));
+    }
+    let ts = ty.type_size();
+    let bs = ty.block_size();
+    match ty {
+        GgmlType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        _ => {
+            for (blk, y) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
+                match ty {
+                    GgmlType::Q4_0 => decode_q4_0(blk, y),
+                    GgmlType::Q4_1 => decode_q4_1(blk, y),
+                    GgmlType::Q5_0 => decode_q5_0(blk, y),
+                    GgmlType::Q5_1 => decode_q5_1(blk, y),
+                    GgmlType::Q8_0 => decode_q8_0(blk, y),
+                    GgmlType::Q4_K => decode_q4_k(blk, y),
+                    GgmlType::Q5_K => decode_q5_k(blk, y),
+                    GgmlType::Q6_K => decode_q6_k(blk, y),
+                    _ => unreachable!("scalar types handled above"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decodes `n` elements into a new vector.
+pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
+    let mut out = vec![0.0f32; n];
+    decode_into(ty, bytes, &mut out)?;
+    Ok(out)
+}
+
+// block_q4_0: d: f16, qs[16]. Low nibbles are elements 0..16, high nibbles 16..32; value = (q - 8) * d.
+fn decode_q4_0(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    let qs = &b[2..18];
+    for j in 0..16 {
+        y[j] = ((qs[j] & 0x0F) as i32 - 8) as f32 * d;
+        y[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+// block_q4_1: d: f16, m: f16, qs[16]; value = q * d + m.
+fn decode_q4_1(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    let m = rd_f16(b, 2);
+    let qs = &b[4..20];
+    for j in 0..16 {
+        y[j] = (qs[j] & 0x0F) as f32 * d + m;
+        y[j + 16] = (qs[j] >> 4) as f32 * d + m;
+    }
+}
+
+// block_q5_0: d: f16, qh: u32 (bit j = 5th bit of element j), qs[16]; value = (q - 16) * d.
+fn decode_q5_0(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qs = &b[6..22];
+    for j in 0..16 {
+        let h0 = ((qh >> j) & 1) << 4;
+        let h1 = ((qh >> (j + 16)) & 1) << 4;
+        y[j] = (((qs[j] & 0x0F) as u32 | h0) as i32 - 16) as f32 * d;
+        y[j + 16] = (((qs[j] >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+    }
+}
+
+// block_q5_1: d: f16, m: f16, qh: u32, qs[16]; value = q * d + m.
+fn decode_q5_1(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    let m = rd_f16(b, 2);
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    let qs = &b[8..24];
+    for j in 0..16 {
+        let h0 = ((qh >> j) & 1) << 4;
+        let h1 = ((qh >> (j + 16)) & 1) << 4;
+        y[j] = ((qs[j] & 0x0F) as u32 | h0) as f32 * d + m;
+        y[j + 16] = ((qs[j] >> 4) as u32 | h1) as f32 * d + m;
+    }
+}
+
+// block_q8_0: d: f16, qs: i8[32]; value = q * d.
+fn decode_q8_0(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    for j in 0..32 {
+        y[j] = (b[2 + j] as i8) as f32 * d;
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of Q4_K/Q5_K.
+#[inline]
+pub fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+// block_q4_K: d: f16, dmin: f16, scales[12] (8 x (6-bit scale, 6-bit min)), qs[128].
+// Each 64-element chunk uses one byte row of 32 qs: low nibbles = first 32 elements, high = next 32.
+fn decode_q4_k(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    let dmin = rd_f16(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    for chunk in 0..4 {
+        let (sc0, m0) = k_scale_min(2 * chunk, scales);
+        let (sc1, m1) = k_scale_min(2 * chunk + 1, scales);
+        let (d0, min0) = (d * sc0 as f32, dmin * m0 as f32);
+        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+        let q = &qs[32 * chunk..32 * chunk + 32];
+        let out = &mut y[64 * chunk..64 * chunk + 64];
+        for l in 0..32 {
+            out[l] = d0 * (q[l] & 0x0F) as f32 - min0;
+            out[l + 32] = d1 * (q[l] >> 4) as f32 - min1;
+        }
+    }
+}
+
+// block_q5_K: d, dmin, scales[12], qh[32], qs[128]. Like Q4_K plus a 5th bit from qh:
+// chunk c takes bit 2c of qh[l] for its first 32 elements and bit 2c+1 for the next 32.
+fn decode_q5_k(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    let dmin = rd_f16(b, 2);
+    let scales = &b[4..16];
+    let qh = &b[16..48];
+    let qs = &b[48..176];
+    for chunk in 0..4 {
+        let (sc0, m0) = k_scale_min(2 * chunk, scales);
+        let (sc1, m1) = k_scale_min(2 * chunk + 1, scales);
+        let (d0, min0) = (d * sc0 as f32, dmin * m0 as f32);
+        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+        let q = &qs[32 * chunk..32 * chunk + 32];
+        let (u0, u1) = (1u8 << (2 * chunk), 1u8 << (2 * chunk + 1));
+        let out = &mut y[64 * chunk..64 * chunk + 64];
+        for l in 0..32 {
+            let h0 = if qh[l] & u0 != 0 { 16 } else { 0 };
+            let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+            out[l] = d0 * ((q[l] & 0x0F) + h0) as f32 - min0;
+            out[l + 32] = d1 * ((q[l] >> 4) + h1) as f32 - min1;
+        }
+    }
+}
+
+// block_q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales: i8[16], d: f16 (last).
+// Each 128-element half uses 64 ql, 32 qh and 8 scales; value = d * scale * (q - 32).
+fn decode_q6_k(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 208);
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+        let out = &mut y[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            out[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+            out[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+            out[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+            out[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reference encoders.
+// ---------------------------------------------------------------------------------------------
+
+/// Encodes `x` (a whole number of blocks) into type `ty`.
+pub fn encode(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
+    let need = ty.bytes_for(x.len() as u64).ok_or_else(|| {
+        OracleError::Codec(format!("{} elements is not a whole number of {} blocks ({} per block)", x.len(), ty.name(), ty.block_size()))
+    })?;
+    let mut out = Vec::with_capacity(need as usize);
+    match ty {
+        GgmlType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        GgmlType::F16 => x.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        GgmlType::BF16 => x.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+        _ => {
+            for blk in x.chunks_exact(ty.block_size()) {
+                match ty {
+                    GgmlType::Q4_0 => encode_q4_0(blk, &mut out),
+                    GgmlType::Q4_1 => encode_q4_1(blk, &mut out),
+                    GgmlType::Q5_0 => encode_q5_0(blk, &mut out),
+                    GgmlType::Q5_1 => encode_q5_1(blk, &mut out),
+                    GgmlType::Q8_0 => encode_q8_0(blk, &mut out),
+                    GgmlType::Q4_K => encode_qk_asym(blk, false, &mut out),
+                    GgmlType::Q5_K => encode_qk_asym(blk, true, &mut out),
+                    GgmlType::Q6_K => encode_q6_k(blk, &mut out),
+                    _ => unreachable!(),
+                }
+            }
+        }
+    }
+    debug_assert_eq!(out.len() as u64, need);
+    Ok(out)
+}
+
+fn push_f16(out: &mut Vec<u8>, v: f32) -> f32 {
+    let h = f16::from_f32(v);
+    out.extend_from_slice(&h.to_le_bytes());
+    h.to_f32()
+}
+
+/// The element of largest magnitude, with its sign (ggml's symmetric formats scale by it).
+fn signed_absmax(x: &[f32]) -> f32 {
+    let mut best = 0.0f32;
+    for &v in x {
+        if v.abs() > best.abs() {
+            best = v;
+        }
+    }
+    best
+}
+
+fn inv(d: f32) -> f32 {
+    if d != 0.0 {
+        1.0 / d
+    } else {
+        0.0
+    }
+}
+
+fn encode_q4_0(x: &[f32], out: &mut Vec<u8>) {
+    let max = signed_absmax(x);
+    let d = push_f16(out, max / -8.0);
+    let id = inv(d);
+    let q = |v: f32| ((v * id + 8.5).floor().clamp(0.0, 15.0)) as u8;
+    for j in 0..16 {
+        out.push(q(x[j]) | (q(x[j + 16]) << 4));
+    }
+}
+
+fn encode_q4_1(x: &[f32], out: &mut Vec<u8>) {
+    let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let d = push_f16(out, (max - min) / 15.0);
+    let m = push_f16(out, min);
+    let id = inv(d);
+    let q = |v: f32| (((v - m) * id + 0.5).floor().clamp(0.0, 15.0)) as u8;
+    for j in 0..16 {
+        out.push(q(x[j]) | (q(x[j + 16]) << 4));
+    }
+}
+
+fn encode_q5_0(x: &[f32], out: &mut Vec<u8>) {
+    let max = signed_absmax(x);
+    let d = push_f16(out, max / -16.0);
+    let id = inv(d);
+    let q = |v: f32| ((v * id + 16.5).floor().clamp(0.0, 31.0)) as u32;
+    let mut qh = 0u32;
+    let mut qs = [0u8; 16];
+    for j in 0..16 {
+        let (a, b) = (q(x[j]), q(x[j + 16]));
+        qs[j] = (a & 0x0F) as u8 | (((b & 0x0F) as u8) << 4);
+        qh |= ((a >> 4) & 1) << j;
+        qh |= ((b >> 4) & 1) << (j + 16);
+    }
+    out.extend_from_slice(&qh.to_le_bytes());
+    out.extend_from_slice(&qs);
+}
+
+fn encode_q5_1(x: &[f32], out: &mut Vec<u8>) {
+    let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let d = push_f16(out, (max - min) / 31.0);
+    let m = push_f16(out, min);
+    let id = inv(d);
+    let q = |v: f32| (((v - m) * id + 0.5).floor().clamp(0.0, 31.0)) as u32;
+    let mut qh = 0u32;
+    let mut qs = [0u8; 16];
+    for j in 0..16 {
+        let (a, b) = (q(x[j]), q(x[j + 16]));
+        qs[j] = (a & 0x0F) as u8 | (((b & 0x0F) as u8) << 4);
+        qh |= ((a >> 4) & 1) << j;
+        qh |= ((b >> 4) & 1) << (j + 16);
+    }
+    out.extend_from_slice(&qh.to_le_bytes());
+    out.extend_from_slice(&qs);
+}
+
+fn encode_q8_0(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = push_f16(out, amax / 127.0);
+    let id = inv(d);
+    for &v in x {
+        out.push(((v * id).round().clamp(-127.0, 127.0) as i8) as u8);
+    }
+}
+
+/// Packs eight 6-bit (scale, min) pairs the way `k_scale_min` unpacks them.
+fn pack_k_scales(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
+    let mut q = [0u8; 12];
+    for j in 0..8 {
+        if j < 4 {
+            q[j] |= sc[j] & 63;
+            q[j + 4] |= mn[j] & 63;
+        } else {
+            q[j + 4] = (sc[j] & 0x0F) | ((mn[j] & 0x0F) << 4);
+            q[j - 4] |= (sc[j] >> 4) << 6;
+            q[j] |= (mn[j] >> 4) << 6;
+        }
+    }
+    q
+}
+
+/// Q4_K (`five_bits = false`) or Q5_K: eight 32-element sub-blocks, each with a 6-bit scale and a
+/// 6-bit min on top of the block's f16 `d` and `dmin`; value = d*sc*q - dmin*m.
+fn encode_qk_asym(x: &[f32], five_bits: bool, out: &mut Vec<u8>) {
+    let qmax = if five_bits { 31.0f32 } else { 15.0 };
+    let mut sub_scale = [0.0f32; 8];
+    let mut sub_min = [0.0f32; 8];
+    for j in 0..8 {
+        let s = &x[32 * j..32 * j + 32];
+        let lo = s.iter().copied().fold(0.0f32, f32::min); // the min is stored as a non-negative offset
+        let hi = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        sub_scale[j] = (hi - lo) / qmax;
+        sub_min[j] = -lo;
+    }
+    let max_scale = sub_scale.iter().copied().fold(0.0f32, f32::max);
+    let max_min = sub_min.iter().copied().fold(0.0f32, f32::max);
+    let d = push_f16(out, max_scale / 63.0);
+    let dmin = push_f16(out, max_min / 63.0);
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for j in 0..8 {
+        // Scales are rounded up so the sub-block range still fits in qmax steps.
+        sc[j] = (sub_scale[j] * inv(d)).ceil().clamp(0.0, 63.0) as u8;
+        mn[j] = (sub_min[j] * inv(dmin)).round().clamp(0.0, 63.0) as u8;
+    }
+    out.extend_from_slice(&pack_k_scales(&sc, &mn));
+    let mut q = [0u8; QK_K];
+    for j in 0..8 {
+        let step = d * sc[j] as f32;
+        let off = dmin * mn[j] as f32;
+        let istep = inv(step);
+        for l in 0..32 {
+            q[32 * j + l] = ((x[32 * j + l] + off) * istep).round().clamp(0.0, qmax) as u8;
+        }
+    }
+    if five_bits {
+        let mut qh = [0u8; 32];
+        for chunk in 0..4 {
+            for l in 0..32 {
+                qh[l] |= ((q[64 * chunk + l] >> 4) & 1) << (2 * chunk);
+                qh[l] |= ((q[64 * chunk + 32 + l] >> 4) & 1) << (2 * chunk + 1);
+            }
+        }
+        out.extend_from_slice(&qh);
+    }
+    for chunk in 0..4 {
+        for l in 0..32 {
+            out.push((q[64 * chunk + l] & 0x0F) | ((q[64 * chunk + 32 + l] & 0x0F) << 4));
+        }
+    }
+}
+
+/// Q6_K: sixteen 16-element sub-blocks with signed 8-bit scales on top of an f16 `d`;
+/// value = d*sc*(q-32), q in 0..64.
+fn encode_q6_k(x: &[f32], out: &mut Vec<u8>) {
+    let mut sub = [0.0f32; 16];
+    for j in 0..16 {
+        sub[j] = signed_absmax(&x[16 * j..16 * j + 16]) / -32.0;
+    }
+    let max_sub = signed_absmax(&sub);
+    let d_f32 = max_sub / -127.0;
+    let d = f16::from_f32(d_f32).to_f32();
+    let mut sc = [0i8; 16];
+    for j in 0..16 {
+        // Sub-scales are rounded away from zero so each sub-block's range still fits in 64 steps.
+        let v = sub[j] * inv(d);
+        sc[j] = (v.signum() * v.abs().ceil()).clamp(-127.0, 127.0) as i8;
+    }
+    let mut q = [0u8; QK_K];
+    for j in 0..16 {
+        let step = d * sc[j] as f32;
+        let istep = inv(step);
+        for l in 0..16 {
+            q[16 * j + l] = ((x[16 * j + l] * istep).round() + 32.0).clamp(0.0, 63.0) as u8;
+        }
+    }
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for half in 0..2 {
+        let qq = &q[128 * half..128 * half + 128];
+        for l in 0..32 {
+            ql[64 * half + l] = (qq[l] & 0x0F) | ((qq[l + 64] & 0x0F) << 4);
+            ql[64 * half + l + 32] = (qq[l + 32] & 0x0F) | ((qq[l + 96] & 0x0F) << 4);
+            qh[32 * half + l] = (qq[l] >> 4) | ((qq[l + 32] >> 4) << 2) | ((qq[l + 64] >> 4) << 4) | ((qq[l + 96] >> 4) << 6);
+        }
+    }
+    out.extend_from_slice(&ql);
+    out.extend_from_slice(&qh);
+    out.extend(sc.iter().map(|s| *s as u8));
+    out.extend_from_slice(&f16::from_f32(d_f32).to_le_bytes());
+}
+
+/// Largest absolute error the reference encoder may make on one block of `x`, derived from the
+/// block's decoded scales: half a quantization step (round-to-nearest), plus for the asymmetric
+/// K-formats half a `dmin` step from rounding the 6-bit min, plus f32 rounding of the decode.
+pub fn encode_error_bound(ty: GgmlType, x: &[f32], block: &[u8]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let rounding = amax * 4.0 * f32::EPSILON;
+    match ty {
+        GgmlType::F32 => 0.0,
+        GgmlType::F16 => amax * 2f32.powi(-11) + 6.0e-8,
+        GgmlType::BF16 => amax * 2f32.powi(-8),
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+            // ggml's symmetric formats clamp at the positive end: q = 7 (Q4_0) / 15 (Q5_0) with scale
+            // -max/8, so an element of magnitude |max| on the other side is one full step away at most.
+            rd_f16(block, 0).abs() + rounding
+        }
+        GgmlType::Q4_1 | GgmlType::Q5_1 => 0.5 * rd_f16(block, 0).abs() + rounding + 1.0e-6 * amax,
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let d = rd_f16(block, 0);
+            let dmin = rd_f16(block, 2);
+            let mut worst = 0.0f32;
+            for j in 0..8 {
+                let (sc, _) = k_scale_min(j, &block[4..16]);
+                worst = worst.max(0.5 * d * sc as f32);
+            }
+            worst + 0.5 * dmin + amax * 2f32.powi(-9) + rounding
+        }
+        GgmlType::Q6_K => {
+            let d = rd_f16(block, 208).abs();
+            let sc = &block[192..208];
+            let worst = sc.iter().map(|s| (*s as i8).unsigned_abs() as f32).fold(0.0f32, f32::max);
+            // Round-to-nearest costs half a step; the asymmetric range (-32..31 steps) can cost one
+            // full step at the clamped end; f16 rounding of d can shave 2^-10 off the range.
+            d * worst + amax * 2f32.powi(-9) + rounding
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! `ModelSpec`: everything the forward interpreter needs to know about a model, as data.
+//!
+//! A spec is parsed from GGUF metadata (plus which tensors exist) or from a Hugging Face
+//! `config.json`. Nothing about an architecture is implied by its name inside the interpreter:
+//! the RoPE layout, QK-norm, biases, tied output, MoE routing and the stage order are explicit
+//! fields here, so one interpreter runs every supported architecture.
+
+use crate::error::{OracleError, Result};
+use crate::gguf::GgufFile;
+use serde::{Deserialize, Serialize};
+
+/// How RoPE pairs the elements of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeStyle {
+    /// Adjacent pairs (2i, 2i+1): llama.cpp's layout for `llama` GGUF files (Q/K rows permuted by the converter).
+    Normal,
+    /// Rotate-half pairs (i, i + n_rot/2): GPT-NeoX / Hugging Face layout, used by Qwen and by safetensors Llama.
+    Neox,
+}
+
+/// Context-extension scaling of RoPE frequencies.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (frequency scale 1/factor).
+    Linear { factor: f64 },
+    /// YaRN: interpolation blended with extrapolation per dimension, plus attention magnitude scaling.
+    Yarn {
+        factor: f64,
+        original_context: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        ext_factor: f64,
+        attn_factor: f64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RopeSpec {
+    pub style: RopeStyle,
+    pub theta: f64,
+    /// Number of rotated dimensions per head (the rest pass through unchanged).
+    pub n_rot: usize,
+    pub scaling: RopeScaling,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Silu,
+    GeluTanh,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeSpec {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub expert_ffn: usize,
+    pub gating: Gating,
+    /// Renormalise the selected experts' weights to sum to one.
+    pub normalize_topk: bool,
+    /// Hidden size of the always-on shared expert, if any.
+    pub shared_ffn: Option<usize>,
+    /// The shared expert's output is scaled by sigmoid(w . x) (Qwen-MoE).
+    pub shared_gate: bool,
+}
+
+/// One step of a transformer block, in execution order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    AttnNorm,
+    QkvProj,
+    QkNorm,
+    Rope,
+    Attention,
+    AttnOutProj,
+    AttnResidual,
+    FfnNorm,
+    DenseFfn,
+    MoeFfn,
+    FfnResidual,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    pub arch: String,
+    pub n_vocab: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ff: usize,
+    pub norm_eps: f64,
+    pub rope: RopeSpec,
+    pub qk_norm: bool,
+    pub qkv_bias: bool,
+    pub out_bias: bool,
+    pub tied_output: bool,
+    pub activation: Activation,
+    pub moe: Option<MoeSpec>,
+    pub sliding_window: Option<usize>,
+    pub context_length: usize,
+    /// Attention score scale; 1/sqrt(head_dim) unless the model says otherwise.
+    pub attn_scale: f64,
+    /// The stages of every block, in order.
+    pub stages: Vec<Stage>,
+}
+
+fn spec_err(msg: impl Into<String>) -> OracleError {
+    OracleError::Spec(msg.into())
+}
+
+impl ModelSpec {
+    /// Derives the stage list from the feature flags.
+    pub fn derive_stages(&mut self) {
+        let mut s = vec![Stage::AttnNorm, Stage::QkvProj];
+        if self.qk_norm {
+            s.push(Stage::QkNorm);
+        }
+        s.extend([Stage::Rope, Stage::Attention, Stage::AttnOutProj, Stage::AttnResidual, Stage::FfnNorm]);
+        s.push(if self.moe.is_some() { Stage::MoeFfn } else { Stage::DenseFfn });
+        s.push(Stage::FfnResidual);
+        self.stages = s;
+    }
+
+    /// Checks the dimensions fit together, so the interpreter can index without surprises.
+    pub fn validate(&self) -> Result<()> {
+        let pos = |v: usize, n: &str| if v == 0 { Err(spec_err(format!("{n} is zero"))) } else { Ok(()) };
+        pos(self.n_vocab, "n_vocab")?;
+        pos(self.n_embd, "n_embd")?;
+        pos(self.n_layer, "n_layer")?;
+        pos(self.n_head, "n_head")?;
+        pos(self.n_head_kv, "n_head_kv")?;
+        pos(self.head_dim, "head_dim")?;
+        if self.n_head % self.n_head_kv != 0 {
+            return Err(spec_err(format!("n_head {} is not a multiple of n_head_kv {}", self.n_head, self.n_head_kv)));
+        }
+        if self.rope.n_rot > self.head_dim || self.rope.n_rot % 2 != 0 {
+            return Err(spec_err(format!("rope n_rot {} must be even and at most head_dim {}", self.rope.n_rot, self.head_dim)));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            return Err(spec_err(format!("norm eps {} is not a finite non-negative number", self.norm_eps)));
+        }
+        if !(self.rope.theta.is_finite() && self.rope.theta > 0.0) {
+            return Err(spec_err(format!("rope theta {} is not positive", self.rope.theta)));
+        }
+        if let Some(m) = &self.moe {
+            if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
+                return Err(spec_err(format!("{} experts used out of {}", m.n_expert_used, m.n_expert)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Builds the spec of a GGUF model from its metadata and the tensors it holds.
+    pub fn from_gguf(g: &GgufFile) -> Result<ModelSpec> {
+        let arch = g
+            .get("general.architecture")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| spec_err(format!("{}: no general.architecture", g.path)))?
+            .to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let req_u = |k: &str| -> Result<usize> {
+            let full = key(k);
+            g.get(&full)
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize)
+                .ok_or_else(|| spec_err(format!("{}: missing or non-integer metadata `{full}`", g.path)))
+        };
+        let opt_u = |k: &str| g.get(&key(k)).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let opt_f = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+        let has = |name: &str| g.tensor(name).is_some();
+
+        let style = match arch.as_str() {
+            "llama" | "mistral" | "mixtral" => RopeStyle::Normal,
+            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" => RopeStyle::Neox,
+            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe)", g.path))),
+        };
+        let n_embd = req_u("embedding_length")?;
+        let n_head = req_u("attention.head_count")?;
+        let n_head_kv = opt_u("attention.head_count_kv").unwrap_or(n_head);
+        let head_dim = match opt_u("attention.key_length") {
+            Some(v) => v,
+            None if n_head > 0 && n_embd % n_head == 0 => n_embd / n_head,
+            None => return Err(spec_err(format!("{}: embedding_length {n_embd} not divisible by head_count {n_head}", g.path))),
+        };
+        let n_vocab = match opt_u("vocab_size") {
+            Some(v) => v,
+            None => g
+                .tensor("token_embd.weight")
+                .and_then(|t| t.dims.get(1).copied())
+                .ok_or_else(|| spec_err(format!("{}: no vocab size and no token_embd.weight", g.path)))? as usize,
+        };
+        let ctx = opt_u("context_length").unwrap_or(4096);
+        let scaling = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()).unwrap_or("none") {
+            "none" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: opt_f("rope.scaling.factor").unwrap_or(1.0),
+            },
+            "yarn" => RopeScaling::Yarn {
+                factor: opt_f("rope.scaling.factor").unwrap_or(1.0),
+                original_context: opt_u("rope.scaling.original_context_length").unwrap_or(ctx),
+                beta_fast: opt_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+                beta_slow: opt_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+                ext_factor: opt_f("rope.scaling.yarn_ext_factor").unwrap_or(1.0),
+                attn_factor: opt_f("rope.scaling.attn_factor").unwrap_or(1.0),
+            },
+            other => return Err(spec_err(format!("{}: rope scaling `{other}` is not supported (none, linear, yarn)", g.path))),
+        };
+        let moe = match opt_u("expert_count") {
+            Some(n_expert) if n_expert > 0 => {
+                let gating = match opt_u("expert_gating_func") {
+                    None | Some(1) => Gating::Softmax,
+                    Some(2) => Gating::Sigmoid,
+                    Some(v) => return Err(spec_err(format!("{}: expert_gating_func {v} is not supported", g.path))),
+                };
+                let normalize_default = matches!(arch.as_str(), "llama" | "mixtral" | "qwen3moe");
+                Some(MoeSpec {
+                    n_expert,
+                    n_expert_used: req_u("expert_used_count")?,
+                    expert_ffn: opt_u("expert_feed_forward_length").unwrap_or(opt_u("feed_forward_length").unwrap_or(0)),
+                    gating,
+                    normalize_topk: g.get(&key("expert_weights_norm")).and_then(|v| v.as_bool()).unwrap_or(normalize_default),
+                    shared_ffn: if has("blk.0.ffn_up_shexp.weight") {
+                        Some(opt_u("expert_shared_feed_forward_length").unwrap_or(0))
+                    } else {
+                        None
+                    },
+                    shared_gate: has("blk.0.ffn_gate_inp_shexp.weight"),
+                })
+            }
+            _ => None,
+        };
+        let mut spec = ModelSpec {
+            arch: arch.clone(),
+            n_vocab,
+            n_embd,
+            n_layer: req_u("block_count")?,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ff: opt_u("feed_forward_length").unwrap_or(0),
+            norm_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            rope: RopeSpec {
+                style,
+                theta: opt_f("rope.freq_base").unwrap_or(10_000.0),
+                n_rot: opt_u("rope.dimension_count").unwrap_or(head_dim),
+                scaling,
+            },
+            qk_norm: has("blk.0.attn_q_norm.weight"),
+            qkv_bias: has("blk.0.attn_q.bias"),
+            out_bias: has("blk.0.attn_output.bias"),
+            tied_output: !has("output.weight"),
+            activation: Activation::Silu,
+            moe,
+            sliding_window: opt_u("attention.sliding_window").filter(|w| *w > 0),
+            context_length: ctx,
+            attn_scale: 1.0 / (head_dim as f64).sqrt(),
+            stages: Vec::new(),
+        };
+        spec.derive_stages();
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Builds the spec of a safetensors model from its Hugging Face `config.json`.
+    pub fn from_hf_config(cfg: &serde_json::Value, file: &str) -> Result<ModelSpec> {
+        let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+        let u = |k: &str| cfg.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let f = |k: &str| cfg.get(k).and_then(|v| v.as_f64());
+        let req = |k: &str| u(k).ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
+        let model_type = cfg.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let arch = match model_type.as_str() {
+            "llama" | "mistral" => "llama",
+            "qwen2" => "qwen2",
+            "qwen3" => "qwen3",
+            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, qwen2, qwen3)"))),
+        };
+        let n_embd = req("hidden_size")?;
+        let n_head = req("num_attention_heads")?;
+        let head_dim = u("head_dim").unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+        let ctx = u("max_position_embeddings").unwrap_or(4096);
+        let scaling = match cfg.get("rope_scaling").filter(|v| !v.is_null()) {
+            None => RopeScaling::None,
+            Some(s) => {
+                let ty = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("");
+                let factor = s.get("factor").and_then(|v| v.as_f64()).unwrap_or(1.0);
+                match ty {
+                    "linear" => RopeScaling::Linear { factor },
+                    "yarn" => RopeScaling::Yarn {
+                        factor,
+                        original_context: s.get("original_max_position_embeddings").and_then(|v| v.as_u64()).map(|v| v as usize).unwrap_or(ctx),
+                        beta_fast: s.get("beta_fast").and_then(|v| v.as_f64()).unwrap_or(32.0),
+                        beta_slow: s.get("beta_slow").and_then(|v| v.as_f64()).unwrap_or(1.0),
+                        ext_factor: 1.0,
+                        attn_factor: s.get("attention_factor").and_then(|v| v.as_f64()).unwrap_or(1.0),
+                    },
+                    other => return Err(err(format!("config.json: rope_scaling type `{other}` is not supported (linear, yarn)"))),
+                }
+            }
+        };
+        let act = match cfg.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("silu") {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
+            other => return Err(err(format!("config.json: hidden_act `{other}` is not supported"))),
+        };
+        let mut spec = ModelSpec {
+            arch: arch.to_string(),
+            n_vocab: req("vocab_size")?,
+            n_embd,
+            n_layer: req("num_hidden_layers")?,
+            n_head,
+            n_head_kv: u("num_key_value_heads").unwrap_or(n_head),
+            head_dim,
+            n_ff: req("intermediate_size")?,
+            norm_eps: f("rms_norm_eps").unwrap_or(1e-6),
+            rope: RopeSpec {
+                // Hugging Face checkpoints keep Q/K in rotate-half order for every architecture.
+                style: RopeStyle::Neox,
+                theta: f("rope_theta").unwrap_or(10_000.0),
+                n_rot: head_dim,
+                scaling,
+            },
+            qk_norm: arch == "qwen3",
+            qkv_bias: arch == "qwen2" || cfg.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false),
+            out_bias: false,
+            tied_output: cfg.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+            activation: act,
+            moe: None,
+            sliding_window: if cfg.get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) {
+                u("sliding_window")
+            } else {
+                None
+            },
+            context_length: ctx,
+            attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+            stages: Vec::new(),
+        };
+        spec.derive_stages();
+        spec.validate()?;
+        Ok(spec)
+    }
+}

@@ -1,0 +1,9 @@
+//! # suites — the gates
+//!
+//! Today: `membw` (a memory-bandwidth probe) and `throughput` (prefill/decode timing of the
+//! oracle against that probe). The kernel, layer-diff and fixed-token gates land here next
+//! (see docs/ARCHITECTURE.md, "Roadmap").
+
+pub mod membw;
+pub mod selfcheck;
+pub mod throughput;

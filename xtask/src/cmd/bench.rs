@@ -1,0 +1,64 @@
+//! `cargo xtask bench`: throughput of the oracle with a bandwidth probe in the same run.
+
+use super::{check_device, load_model};
+use crate::Exit;
+use oracle::Precision;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[arg(long, default_value = "ref")]
+    device: String,
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// Prompt length in tokens (token ids 1..=N cycled through the vocabulary).
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    /// Tokens generated per repetition.
+    #[arg(long, default_value_t = 64)]
+    gen_len: usize,
+    /// Measured repetitions (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Write bench.json here.
+    #[arg(long)]
+    report_dir: Option<PathBuf>,
+    #[arg(long, default_value = "f32")]
+    precision: Precision,
+}
+
+pub fn main(a: BenchArgs) -> Result<u8, Exit> {
+    check_device(&a.device)?;
+    if a.prompt_len == 0 || a.gen_len < 2 || a.reps == 0 {
+        return Err(Exit { code: 2, message: "--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required".into() });
+    }
+    let (_, model, _) = load_model(&a.model, a.precision)?;
+    let n_vocab = model.spec().n_vocab as u32;
+    let prompt: Vec<u32> = (0..a.prompt_len as u32).map(|i| 1 + (i * 7919) % (n_vocab - 1)).collect();
+    let pb = indicatif::ProgressBar::new(a.reps as u64);
+    pb.set_style(indicatif::ProgressStyle::with_template("bench {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
+    let r = suites::throughput::bench_ref(&model, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?;
+    pb.finish_and_clear();
+    let med = suites::throughput::median;
+    println!("device {} model {} precision {:?}, {} threads, dot path {}", a.device, a.model, a.precision, r.threads, r.dot_path);
+    println!("prefill ({} tokens): median {:.1} tok/s   samples {:?}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
+    println!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
+    println!(
+        "weights read per token {:.1} MB -> effective {:.2} GB/s = {:.0}% of the read probe ({:.2} GB/s read, {:.2} GB/s copy over {} MB)",
+        r.weight_bytes_per_token as f64 / 1e6,
+        r.effective_gbps,
+        100.0 * r.fraction_of_read_probe,
+        r.probe.read_gbps,
+        r.probe.copy_gbps,
+        r.probe.buffer_bytes >> 20
+    );
+    if let Some(dir) = a.report_dir {
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("bench.json"), serde_json::to_string_pretty(&r)? + "\n")?;
+    }
+    Ok(0)
+}
+
+fn fmt(v: &[f64]) -> Vec<String> {
+    v.iter().map(|x| format!("{x:.2}")).collect()
+}

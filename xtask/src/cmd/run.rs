@@ -1,0 +1,99 @@
+//! `cargo xtask run`: generation on the oracle.
+
+use super::{check_device, check_ids, load_model, parse_ids};
+use crate::Exit;
+use oracle::ops::SamplerConfig;
+use oracle::{NoTap, Precision};
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file / safetensors directory.
+    #[arg(long)]
+    model: String,
+    /// Prompt text (tokenized with the model's own tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 504,3575,282.
+    #[arg(long)]
+    prompt_ids: Option<String>,
+    /// Number of tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Device to run on (`ref` = the oracle).
+    #[arg(long, default_value = "ref")]
+    device: String,
+    /// Print one JSON object: {"tokens", "text", "decode_tok_per_s", ...}.
+    #[arg(long)]
+    json: bool,
+    /// Oracle storage precision: f32 (f64 accumulation) or f64 throughout.
+    #[arg(long, default_value = "f32")]
+    precision: Precision,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Keep the k most likely tokens when sampling (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Seed of the sampler's RNG.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating after the end-of-sequence token.
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+pub fn main(a: RunArgs) -> Result<u8, Exit> {
+    check_device(&a.device)?;
+    if !(a.temperature >= 0.0 && a.top_p > 0.0 && a.top_p <= 1.0) {
+        return Err(Exit { code: 2, message: "--temperature must be >= 0 and --top-p in (0, 1]".into() });
+    }
+    let (_, model, tok) = load_model(&a.model, a.precision)?;
+    let prompt = match (&a.prompt, &a.prompt_ids) {
+        (_, Some(ids)) => parse_ids(ids)?,
+        (Some(text), None) => {
+            let tok = tok.as_ref().ok_or_else(|| Exit { code: 2, message: format!("model `{}` has no tokenizer; use --prompt-ids", a.model) })?;
+            tok.encode(text)?
+        }
+        (None, None) => unreachable!("clap requires one"),
+    };
+    check_ids(&prompt, model.spec().n_vocab)?;
+    let stop = if a.ignore_eos { None } else { tok.as_ref().and_then(|t| t.eos) };
+    let sampler = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p };
+    let g = model.generate(&prompt, a.max_new_tokens, &sampler, a.seed, stop, &mut NoTap)?;
+    let text = match &tok {
+        Some(t) => Some(t.decode(&g.tokens)?),
+        None => None,
+    };
+    if a.json {
+        let v = serde_json::json!({
+            "tokens": g.tokens,
+            "text": text,
+            "prompt_ids": g.prompt,
+            "decode_tok_per_s": g.decode_tok_per_s(),
+            "prefill_s": g.prefill_s,
+            "decode_steps": g.decode_steps,
+            "device": a.device,
+            "precision": format!("{:?}", a.precision).to_lowercase(),
+            "threads": rayon::current_num_threads(),
+        });
+        println!("{v}");
+    } else {
+        match (&tok, &text) {
+            (Some(t), Some(text)) => println!("{}{}", t.decode(&g.prompt)?, text),
+            _ => println!("{:?}", g.tokens),
+        }
+        eprintln!(
+            "\n[{} prompt tokens, {} generated; prefill {:.1} ms; decode {:.1} tok/s on {} threads ({})]",
+            g.prompt.len(),
+            g.tokens.len(),
+            g.prefill_s * 1e3,
+            g.decode_tok_per_s(),
+            rayon::current_num_threads(),
+            a.device
+        );
+    }
+    Ok(0)
+}

@@ -1,0 +1,61 @@
+//! `cargo xtask …`: Touchstone's command line. A thin dispatcher: each subcommand parses its
+//! arguments, calls the library crates, prints, and maps the outcome to the exit-code contract
+//! (0 pass, 1 gate failed, 2 could not run, 3 inconclusive).
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Touchstone: a correctness oracle and benchmarking toolkit for LLM inference engines", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The main job: run the gates that exist on the default devices and models; exit 0/1/2/3.
+    Gate(cmd::gate::GateArgs),
+    /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
+    Run(cmd::run::RunArgs),
+    /// Writes every tap and the logits of every position in the dump format (docs/DUMP_FORMAT.md).
+    Dump(cmd::dump::DumpArgs),
+    /// Throughput of a device on a model (today: the oracle, `--device ref`), with a memory-bandwidth probe.
+    Bench(cmd::bench::BenchArgs),
+    /// Generates the synthetic models and fetches/verifies the real ones (idempotent).
+    Fixtures(cmd::fixtures::FixturesArgs),
+}
+
+/// An error with the exit code it maps to.
+#[derive(Debug)]
+pub struct Exit {
+    pub code: u8,
+    pub message: String,
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Exit {
+    fn from(e: E) -> Self {
+        let e: anyhow::Error = e.into();
+        Exit { code: 2, message: format!("{e:#}") }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Gate(a) => cmd::gate::main(a),
+        Command::Run(a) => cmd::run::main(a),
+        Command::Dump(a) => cmd::dump::main(a),
+        Command::Bench(a) => cmd::bench::main(a),
+        Command::Fixtures(a) => cmd::fixtures::main(a),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("error: {}", e.message);
+            ExitCode::from(e.code)
+        }
+    }
+}
