@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""An independent f64 reference forward pass for Llama-architecture GGUF models.
+
+Weights are decoded by gguf-py (llama.cpp's own Python package: `gguf.quants.dequantize`), not by
+Touchstone's codecs; the forward pass is a plain numpy transcription of the Llama maths in float64
+(no KV cache: every step recomputes the whole sequence). Touchstone's tests compare the oracle with
+this script's output; it is a development/test peer, never a runtime dependency.
+
+Usage: llama_f64.py MODEL.gguf --prompt-ids 504,3575,282,4649,314 --greedy 32 --out ref.json
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+
+def field(reader, key):
+    f = reader.fields[key]
+    return f.contents()
+
+
+def load(path):
+    r = GGUFReader(path)
+    arch = field(r, "general.architecture")
+    if arch != "llama":
+        sys.exit(f"{path}: architecture {arch} is not llama")
+    cfg = {
+        "n_embd": int(field(r, "llama.embedding_length")),
+        "n_layer": int(field(r, "llama.block_count")),
+        "n_head": int(field(r, "llama.attention.head_count")),
+        "n_head_kv": int(field(r, "llama.attention.head_count_kv")),
+        "eps": float(field(r, "llama.attention.layer_norm_rms_epsilon")),
+        "theta": float(field(r, "llama.rope.freq_base")),
+    }
+    w = {}
+    for t in r.tensors:
+        # gguf-py returns the array in numpy order: shape reversed from GGML dims, i.e. [rows, cols].
+        w[t.name] = dequantize(t.data, t.tensor_type).astype(np.float64).reshape([int(d) for d in reversed(t.shape)])
+    return cfg, w
+
+
+def rms_norm(x, weight, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope_normal(x, positions, theta):
+    # x: [n_tok, n_head, head_dim]; llama.cpp "normal" RoPE rotates adjacent pairs (2i, 2i+1).
+    hd = x.shape[-1]
+    inv_freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # [hd/2]
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # [n_tok, hd/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = x0 * sin + x1 * cos
+    return out
+
+
+def forward(cfg, w, ids):
+    n = len(ids)
+    d, nh, nkv = cfg["n_embd"], cfg["n_head"], cfg["n_head_kv"]
+    hd = d // nh
+    x = w["token_embd.weight"][ids]  # [n, d]
+    pos = list(range(n))
+    mask = np.triu(np.full((n, n), -np.inf), k=1)
+    for i in range(cfg["n_layer"]):
+        p = f"blk.{i}."
+        h = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+        q = (h @ w[p + "attn_q.weight"].T).reshape(n, nh, hd)
+        k = (h @ w[p + "attn_k.weight"].T).reshape(n, nkv, hd)
+        v = (h @ w[p + "attn_v.weight"].T).reshape(n, nkv, hd)
+        q, k = rope_normal(q, pos, cfg["theta"]), rope_normal(k, pos, cfg["theta"])
+        group = nh // nkv
+        k = np.repeat(k, group, axis=1)
+        v = np.repeat(v, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask[None]
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
+        x = x + attn @ w[p + "attn_output.weight"].T
+        h = rms_norm(x, w[p + "ffn_norm.weight"], cfg["eps"])
+        g = h @ w[p + "ffn_gate.weight"].T
+        u = h @ w[p + "ffn_up.weight"].T
+        x = x + ((g / (1.0 + np.exp(-g))) * u) @ w[p + "ffn_down.weight"].T
+    x = rms_norm(x, w["output_norm.weight"], cfg["eps"])
+    head = w.get("output.weight", w["token_embd.weight"])
+    return x @ head.T  # [n, vocab]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--prompt-ids", required=True)
+    ap.add_argument("--greedy", type=int, default=32)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    cfg, w = load(a.model)
+    ids = [int(t) for t in a.prompt_ids.split(",")]
+    logits = forward(cfg, w, ids)
+    last = logits[-1]
+    top5 = [int(i) for i in np.argsort(-last, kind="stable")[:5]]
+    seq = list(ids)
+    greedy = []
+    step_logits = last
+    for _ in range(a.greedy):
+        nxt = int(np.argmax(step_logits))
+        greedy.append(nxt)
+        seq.append(nxt)
+        step_logits = forward(cfg, w, seq)[-1]
+    json.dump({"prompt_ids": ids, "last_logits": [float(v) for v in last], "top5": top5, "greedy": greedy}, open(a.out, "w"))
+
+
+if __name__ == "__main__":
+    main()
