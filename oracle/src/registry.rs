@@ -1,1 +1,558 @@
-//! registry (below)
+//! Every op declared once: name, reference implementation, case generator, tolerance rule, and
+//! flops/bytes counts. The kernel suite enumerates this registry; each device implements the
+//! same op names. A test fails if an entry has no case or no rule, or its reference cannot run
+//! every case it generates.
+//!
+//! Cases are small values with an identity string (`matmul(w=q4_1,k=576,n=1536,m=1,seed=0)`),
+//! inputs drawn from a recorded seed (normals with outliers, large-RMS rows, -inf masks), and
+//! shapes that include odd sizes and the real shapes of SmolLM2 and the synthetic models.
+
+use crate::error::{OracleError, Result};
+use crate::ops::{self, AttentionParams, Mat, SamplerConfig, SplitMix64};
+use crate::quant::{decode, encode, GgmlType};
+use crate::spec::{Gating, RopeScaling, RopeSpec, RopeStyle};
+use std::collections::BTreeMap;
+
+/// A dense f32 tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// One input of a case.
+#[derive(Clone, Debug)]
+pub enum Input {
+    F32(Tensor),
+    /// A weight matrix `[rows, cols]` encoded in a GGUF type (the device gets the packed bytes).
+    Quant { ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8> },
+    Ids(Vec<u32>),
+}
+
+/// One output of a reference run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    F32(Tensor),
+    /// Discrete results (ids, expert choices): must match exactly.
+    Ids(Vec<u32>),
+}
+
+#[derive(Clone, Debug)]
+pub struct OpCase {
+    pub op: &'static str,
+    pub id: String,
+    pub seed: u64,
+    pub inputs: Vec<(&'static str, Input)>,
+    pub params: BTreeMap<&'static str, f64>,
+}
+
+impl OpCase {
+    pub fn f32(&self, name: &str) -> Result<&Tensor> {
+        match self.inputs.iter().find(|(n, _)| *n == name) {
+            Some((_, Input::F32(t))) => Ok(t),
+            _ => Err(OracleError::Shape(format!("{}: no f32 input `{name}`", self.id))),
+        }
+    }
+    pub fn ids(&self, name: &str) -> Result<&[u32]> {
+        match self.inputs.iter().find(|(n, _)| *n == name) {
+            Some((_, Input::Ids(v))) => Ok(v),
+            _ => Err(OracleError::Shape(format!("{}: no id input `{name}`", self.id))),
+        }
+    }
+    /// A weight input decoded to a matrix.
+    pub fn mat(&self, name: &str) -> Result<Mat<f32>> {
+        match self.inputs.iter().find(|(n, _)| *n == name) {
+            Some((_, Input::Quant { ty, rows, cols, bytes })) => Mat::new(*rows, *cols, decode(*ty, bytes, rows * cols)?),
+            Some((_, Input::F32(t))) if t.shape.len() == 2 => Mat::new(t.shape[0], t.shape[1], t.data.clone()),
+            _ => Err(OracleError::Shape(format!("{}: no matrix input `{name}`", self.id))),
+        }
+    }
+    pub fn p(&self, name: &str) -> Result<f64> {
+        self.params.get(name).copied().ok_or_else(|| OracleError::Shape(format!("{}: no parameter `{name}`", self.id)))
+    }
+    pub fn pu(&self, name: &str) -> Result<usize> {
+        Ok(self.p(name)? as usize)
+    }
+}
+
+/// How a device's result is judged; the kernel suite turns a rule into a bound using the
+/// device's declared arithmetic (unit roundoff `u` of its storage/accumulation types and its
+/// weight/activation codecs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToleranceRule {
+    /// Discrete results: bit-for-bit / id-for-id equality.
+    Exact,
+    /// One rounding per element: |d| <= c * u * |y|.
+    Elementwise,
+    /// A dot product of length K per output: |d| <= c * u * sqrt(K) * ||a|| * ||b||
+    /// (plus the weight codec's own bound for quantized weights).
+    Dot,
+    /// A reduction-normalised row (norms, softmax): |d| <= c * u * sqrt(n) * |y|.
+    RowReduction,
+    /// Transcendental per element (rope's cos/sin, exp): |d| <= c * u * (|x| + |y|).
+    Transcendental,
+}
+
+impl ToleranceRule {
+    pub fn describe(self) -> &'static str {
+        match self {
+            ToleranceRule::Exact => "exact",
+            ToleranceRule::Elementwise => "|d| <= c*u*|y|",
+            ToleranceRule::Dot => "|d| <= c*u*sqrt(K)*||a||*||b|| (+ weight codec bound)",
+            ToleranceRule::RowReduction => "|d| <= c*u*sqrt(n)*|y|",
+            ToleranceRule::Transcendental => "|d| <= c*u*(|x|+|y|)",
+        }
+    }
+}
+
+pub struct OpEntry {
+    pub name: &'static str,
+    pub summary: &'static str,
+    pub rule: ToleranceRule,
+    pub cases: fn() -> Vec<OpCase>,
+    pub reference: fn(&OpCase) -> Result<Vec<Output>>,
+    pub flops: fn(&OpCase) -> u64,
+    pub bytes: fn(&OpCase) -> u64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Input generation.
+// ---------------------------------------------------------------------------------------------
+
+/// Realistic activations: normals, every 61st element an outlier x20, and one in four rows
+/// scaled to a large RMS (x100), as residual streams show.
+pub fn activations(rng: &mut SplitMix64, rows: usize, cols: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        let row_scale = if r % 4 == 3 { 100.0 } else { 1.0 };
+        for c in 0..cols {
+            let x = rng.next_normal() * row_scale;
+            v.push((if (r * cols + c) % 61 == 17 { x * 20.0 } else { x }) as f32);
+        }
+    }
+    v
+}
+
+fn normals(rng: &mut SplitMix64, n: usize, sigma: f64) -> Vec<f32> {
+    (0..n).map(|_| (rng.next_normal() * sigma) as f32).collect()
+}
+
+fn t(shape: &[usize], data: Vec<f32>) -> Input {
+    Input::F32(Tensor { shape: shape.to_vec(), data })
+}
+
+fn case(op: &'static str, id: String, seed: u64, inputs: Vec<(&'static str, Input)>, params: &[(&'static str, f64)]) -> OpCase {
+    OpCase { op, id, seed, inputs, params: params.iter().copied().collect() }
+}
+
+fn out(shape: &[usize], data: Vec<f32>) -> Output {
+    Output::F32(Tensor { shape: shape.to_vec(), data })
+}
+
+const SEEDS: [u64; 2] = [0, 1];
+/// Row lengths: odd sizes, the synthetic models' width, SmolLM2's width and FFN width.
+const WIDTHS: [usize; 7] = [5, 7, 13, 64, 256, 576, 1536];
+
+// ---------------------------------------------------------------------------------------------
+// Entries.
+// ---------------------------------------------------------------------------------------------
+
+fn embed_cases() -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for (vocab, d) in [(11usize, 7usize), (272, 256), (1000, 576)] {
+        for seed in SEEDS {
+            let mut r = SplitMix64(seed ^ 0xE3BE);
+            let table = normals(&mut r, vocab * d, 1.0);
+            let ids: Vec<u32> = (0..5).map(|_| (r.next_u64() % vocab as u64) as u32).collect();
+            v.push(case("embed", format!("embed(vocab={vocab},d={d},m=5,seed={seed})"), seed, vec![("table", t(&[vocab, d], table)), ("ids", Input::Ids(ids))], &[]));
+        }
+    }
+    v
+}
+
+fn embed_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let table = c.mat("table")?;
+    let ids = c.ids("ids")?;
+    Ok(vec![out(&[ids.len(), table.cols], ops::embed(&table, ids)?)])
+}
+
+fn norm_cases(op: &'static str) -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for n in WIDTHS {
+        for seed in SEEDS {
+            for eps in [1e-5, 1e-6] {
+                let mut r = SplitMix64(seed ^ n as u64);
+                let rows = 5;
+                let x = activations(&mut r, rows, n);
+                let w: Vec<f32> = (0..n).map(|_| (1.0 + 0.1 * r.next_normal()) as f32).collect();
+                let b = normals(&mut r, n, 0.1);
+                let mut inputs = vec![("x", t(&[rows, n], x)), ("weight", t(&[n], w))];
+                if op == "layer_norm" {
+                    inputs.push(("bias", t(&[n], b)));
+                }
+                v.push(case(op, format!("{op}(dtype=f32,shape=[{rows},{n}],eps={eps:e},seed={seed})"), seed, inputs, &[("eps", eps)]));
+            }
+        }
+    }
+    v
+}
+
+fn rms_norm_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    let n = x.shape[1];
+    Ok(vec![out(&x.shape, ops::rms_norm(&x.data, n, Some(&c.f32("weight")?.data), c.p("eps")?)?)])
+}
+
+fn layer_norm_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    let n = x.shape[1];
+    Ok(vec![out(&x.shape, ops::layer_norm(&x.data, n, Some(&c.f32("weight")?.data), Some(&c.f32("bias")?.data), c.p("eps")?)?)])
+}
+
+fn matmul_cases() -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for ty in GgmlType::ALL {
+        let bs = ty.block_size();
+        // (k, n): odd, tiny-model and SmolLM2 shapes; k must be a whole number of blocks.
+        let shapes: Vec<(usize, usize)> = [(7usize, 5usize), (13, 11), (32, 7), (64, 13), (256, 512), (512, 256), (576, 192), (576, 1536), (1536, 576)]
+            .into_iter()
+            .filter(|(k, _)| k % bs == 0)
+            .collect();
+        for (k, n) in shapes {
+            for m in [1usize, 5] {
+                let seed = (k * 31 + n) as u64;
+                let mut r = SplitMix64(seed ^ ty.id() as u64);
+                let w = normals(&mut r, n * k, 1.0 / (k as f64).sqrt());
+                let x = activations(&mut r, m, k);
+                let bytes = encode(ty, &w).expect("whole blocks");
+                v.push(case(
+                    "matmul",
+                    format!("matmul(w={},k={k},n={n},m={m})", ty.name()),
+                    seed,
+                    vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })],
+                    &[],
+                ));
+            }
+        }
+    }
+    v
+}
+
+fn matmul_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    let w = c.mat("w")?;
+    Ok(vec![out(&[x.shape[0], w.rows], ops::matmul(&x.data, x.shape[0], &w)?)])
+}
+
+fn binary_cases(op: &'static str) -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for n in WIDTHS {
+        for seed in SEEDS {
+            let mut r = SplitMix64(seed ^ (n as u64) << 8);
+            let rows = 3;
+            let a = activations(&mut r, rows, n);
+            let b = if op == "add_bias" { normals(&mut r, n, 0.5) } else { activations(&mut r, rows, n) };
+            let bshape = if op == "add_bias" { vec![n] } else { vec![rows, n] };
+            v.push(case(op, format!("{op}(dtype=f32,shape=[{rows},{n}],seed={seed})"), seed, vec![("a", t(&[rows, n], a)), ("b", t(&bshape, b))], &[]));
+        }
+    }
+    v
+}
+
+fn add_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let a = c.f32("a")?;
+    Ok(vec![out(&a.shape, ops::add(&a.data, &c.f32("b")?.data)?)])
+}
+
+fn add_bias_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let a = c.f32("a")?;
+    let mut y = a.data.clone();
+    ops::add_bias(&mut y, &c.f32("b")?.data)?;
+    Ok(vec![out(&a.shape, y)])
+}
+
+/// Rope scaling codes in case params: 0 none, 1 linear x4, 2 yarn x4 over a 128-position context.
+fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
+    let scaling = match c.pu("scaling")? {
+        0 => RopeScaling::None,
+        1 => RopeScaling::Linear { factor: 4.0 },
+        _ => RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
+    };
+    Ok(RopeSpec {
+        style: if c.pu("neox")? == 1 { RopeStyle::Neox } else { RopeStyle::Normal },
+        theta: c.p("theta")?,
+        n_rot: c.pu("n_rot")?,
+        scaling,
+    })
+}
+
+fn rope_cases() -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for (n_head, hd, n_rot) in [(1usize, 8usize, 8usize), (3, 64, 64), (9, 64, 64), (2, 64, 32)] {
+        for neox in [0, 1] {
+            for scaling in [0, 1, 2] {
+                for theta in [10_000.0, 1_000_000.0] {
+                    let seed = (n_head * 1000 + hd + neox * 7 + scaling) as u64;
+                    let mut r = SplitMix64(seed);
+                    let positions = [0usize, 1, 7, 300, 4095];
+                    let x = activations(&mut r, positions.len(), n_head * hd);
+                    let style = if neox == 1 { "neox" } else { "normal" };
+                    let sc = ["none", "linear", "yarn"][scaling];
+                    v.push(case(
+                        "rope",
+                        format!("rope(style={style},scaling={sc},theta={theta:e},heads={n_head},head_dim={hd},n_rot={n_rot})"),
+                        seed,
+                        vec![("x", t(&[positions.len(), n_head * hd], x)), ("pos", Input::Ids(positions.iter().map(|&p| p as u32).collect()))],
+                        &[("neox", neox as f64), ("scaling", scaling as f64), ("theta", theta), ("n_rot", n_rot as f64), ("n_head", n_head as f64), ("head_dim", hd as f64)],
+                    ));
+                }
+            }
+        }
+    }
+    v
+}
+
+fn rope_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    let pos: Vec<usize> = c.ids("pos")?.iter().map(|&p| p as usize).collect();
+    let mut y = x.data.clone();
+    ops::rope(&mut y, &pos, c.pu("n_head")?, c.pu("head_dim")?, &rope_spec_of(c)?)?;
+    Ok(vec![out(&x.shape, y)])
+}
+
+fn qk_norm_cases() -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for (n_head, hd) in [(1usize, 8usize), (4, 64), (16, 128)] {
+        for seed in SEEDS {
+            let mut r = SplitMix64(seed ^ 0x9E ^ (n_head * hd) as u64);
+            let x = activations(&mut r, 3, n_head * hd);
+            let w: Vec<f32> = (0..hd).map(|_| (1.0 + 0.2 * r.next_normal()) as f32).collect();
+            v.push(case(
+                "qk_norm",
+                format!("qk_norm(dtype=f32,tokens=3,heads={n_head},head_dim={hd},eps=1e-6,seed={seed})"),
+                seed,
+                vec![("x", t(&[3, n_head * hd], x)), ("weight", t(&[hd], w))],
+                &[("eps", 1e-6), ("head_dim", hd as f64)],
+            ));
+        }
+    }
+    v
+}
+
+fn qk_norm_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    Ok(vec![out(&x.shape, ops::rms_norm(&x.data, c.pu("head_dim")?, Some(&c.f32("weight")?.data), c.p("eps")?)?)])
+}
+
+fn attention_cases() -> Vec<OpCase> {
+    let mut v = Vec::new();
+    // (n_head, n_kv, head_dim, cache length, queries, window): MHA, GQA (SmolLM2 9/3), MQA, window.
+    let shapes = [(4usize, 4usize, 8usize, 5usize, 1usize, 0usize), (9, 3, 64, 37, 1, 0), (9, 3, 64, 11, 11, 0), (4, 1, 64, 13, 4, 0), (4, 2, 64, 40, 3, 8), (2, 2, 7, 7, 7, 0)];
+    for (nh, nkv, hd, kv_len, m, window) in shapes {
+        for seed in SEEDS {
+            let mut r = SplitMix64(seed ^ (nh * 100 + kv_len) as u64);
+            let q = activations(&mut r, m, nh * hd);
+            let k = normals(&mut r, kv_len * nkv * hd, 1.0);
+            let vv = normals(&mut r, kv_len * nkv * hd, 1.0);
+            let pos: Vec<u32> = (kv_len - m..kv_len).map(|p| p as u32).collect();
+            v.push(case(
+                "attention",
+                format!("attention(heads={nh},kv_heads={nkv},head_dim={hd},kv_len={kv_len},m={m},window={window},seed={seed})"),
+                seed,
+                vec![("q", t(&[m, nh * hd], q)), ("k", t(&[kv_len, nkv * hd], k)), ("v", t(&[kv_len, nkv * hd], vv)), ("pos", Input::Ids(pos))],
+                &[("n_head", nh as f64), ("n_head_kv", nkv as f64), ("head_dim", hd as f64), ("window", window as f64)],
+            ));
+        }
+    }
+    v
+}
+
+fn attention_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let q = c.f32("q")?;
+    let k = c.f32("k")?;
+    let hd = c.pu("head_dim")?;
+    let p = AttentionParams {
+        n_head: c.pu("n_head")?,
+        n_head_kv: c.pu("n_head_kv")?,
+        head_dim: hd,
+        scale: 1.0 / (hd as f64).sqrt(),
+        window: Some(c.pu("window")?).filter(|w| *w > 0),
+    };
+    let pos: Vec<usize> = c.ids("pos")?.iter().map(|&x| x as usize).collect();
+    Ok(vec![out(&q.shape, ops::attention(&q.data, &pos, &k.data, &c.f32("v")?.data, k.shape[0], &p)?)])
+}
+
+fn softmax_cases() -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for n in WIDTHS {
+        for seed in SEEDS {
+            let mut r = SplitMix64(seed ^ 0x50F ^ n as u64);
+            let mut x = normals(&mut r, 4 * n, 3.0);
+            // Row 1 has large logits (overflows exp without max subtraction); row 2 is half masked.
+            x[n..2 * n].iter_mut().for_each(|v| *v += 1000.0);
+            x[2 * n + n / 2 + 1..3 * n].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            v.push(case("softmax", format!("softmax(dtype=f32,shape=[4,{n}],seed={seed})"), seed, vec![("x", t(&[4, n], x))], &[]));
+        }
+    }
+    v
+}
+
+fn softmax_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    Ok(vec![out(&x.shape, ops::softmax_rows(&x.data, x.shape[1])?)])
+}
+
+fn unary_cases(op: &'static str) -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for n in [7usize, 64, 1536] {
+        for seed in SEEDS {
+            let mut r = SplitMix64(seed ^ 0xAC7 ^ n as u64);
+            let gate = activations(&mut r, 2, n);
+            let up = activations(&mut r, 2, n);
+            v.push(case(op, format!("{op}(dtype=f32,shape=[2,{n}],seed={seed})"), seed, vec![("gate", t(&[2, n], gate)), ("up", t(&[2, n], up))], &[]));
+        }
+    }
+    v
+}
+
+fn silu_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let g = c.f32("gate")?;
+    Ok(vec![out(&g.shape, g.data.iter().map(|x| ops::silu(*x as f64) as f32).collect())])
+}
+fn gelu_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let g = c.f32("gate")?;
+    Ok(vec![out(&g.shape, g.data.iter().map(|x| ops::gelu_tanh(*x as f64) as f32).collect())])
+}
+fn swiglu_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let g = c.f32("gate")?;
+    Ok(vec![out(&g.shape, ops::swiglu(&g.data, &c.f32("up")?.data)?)])
+}
+fn geglu_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let g = c.f32("gate")?;
+    Ok(vec![out(&g.shape, ops::geglu(&g.data, &c.f32("up")?.data)?)])
+}
+
+fn moe_cases() -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for (n_expert, k) in [(4usize, 2usize), (8, 2), (60, 4), (128, 8)] {
+        for gating in [0, 1] {
+            for norm in [0, 1] {
+                let seed = (n_expert * 10 + k + gating * 3 + norm) as u64;
+                let mut r = SplitMix64(seed);
+                let logits = normals(&mut r, 5 * n_expert, 2.0);
+                let g = if gating == 0 { "softmax" } else { "sigmoid" };
+                v.push(case(
+                    "moe_route",
+                    format!("moe_route(experts={n_expert},k={k},gating={g},normalize={norm})"),
+                    seed,
+                    vec![("logits", t(&[5, n_expert], logits))],
+                    &[("k", k as f64), ("sigmoid", gating as f64), ("normalize", norm as f64)],
+                ));
+            }
+        }
+    }
+    v
+}
+
+fn moe_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let l = c.f32("logits")?;
+    let (rows, n) = (l.shape[0], l.shape[1]);
+    let gating = if c.pu("sigmoid")? == 1 { Gating::Sigmoid } else { Gating::Softmax };
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    for row in l.data.chunks(n) {
+        let logits: Vec<f64> = row.iter().map(|v| *v as f64).collect();
+        let r = ops::moe_route(&logits, c.pu("k")?, gating, c.pu("normalize")? == 1);
+        ids.extend(r.experts.iter().map(|e| *e as u32));
+        weights.extend(r.weights.iter().map(|w| *w as f32));
+    }
+    let k = c.pu("k")?;
+    Ok(vec![Output::Ids(ids), out(&[rows, k], weights)])
+}
+
+fn select_cases(op: &'static str) -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for n in [5usize, 272, 49152] {
+        for seed in SEEDS {
+            let mut r = SplitMix64(seed ^ 0x5E1 ^ n as u64);
+            let mut x = normals(&mut r, 3 * n, 4.0);
+            // Row 2 has an exact tie for the maximum: the lower index must win.
+            let m = x[2 * n..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            x[2 * n + n / 3] = m + 1.0;
+            x[2 * n + n / 2] = m + 1.0;
+            v.push(case(op, format!("{op}(dtype=f32,shape=[3,{n}],seed={seed})"), seed, vec![("x", t(&[3, n], x))], &[("k", 5.0), ("temperature", 0.8), ("top_p", 0.9)]));
+        }
+    }
+    v
+}
+
+fn argmax_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    Ok(vec![Output::Ids(x.data.chunks(x.shape[1]).map(|r| ops::argmax(r) as u32).collect())])
+}
+
+fn top_k_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    let k = c.pu("k")?;
+    Ok(vec![Output::Ids(x.data.chunks(x.shape[1]).flat_map(|r| ops::top_k(r, k).into_iter().map(|i| i as u32)).collect())])
+}
+
+fn sample_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    let cfg = SamplerConfig { temperature: c.p("temperature")?, top_k: c.pu("k")?, top_p: c.p("top_p")? };
+    let mut rng = SplitMix64(c.seed);
+    Ok(vec![Output::Ids(x.data.chunks(x.shape[1]).map(|r| ops::sample(r, &cfg, &mut rng) as u32).collect())])
+}
+
+// Flops and bytes (f32 activations; weights at their encoded size).
+fn n_f32(c: &OpCase) -> u64 {
+    c.inputs
+        .iter()
+        .map(|(_, i)| match i {
+            Input::F32(t) => t.data.len() as u64 * 4,
+            Input::Quant { bytes, .. } => bytes.len() as u64,
+            Input::Ids(v) => v.len() as u64 * 4,
+        })
+        .sum()
+}
+fn elems(c: &OpCase) -> u64 {
+    c.inputs.iter().map(|(_, i)| if let Input::F32(t) = i { t.data.len() as u64 } else { 0 }).max().unwrap_or(0)
+}
+fn matmul_flops(c: &OpCase) -> u64 {
+    match (c.f32("x"), c.inputs.iter().find(|(n, _)| *n == "w")) {
+        (Ok(x), Some((_, Input::Quant { rows, cols, .. }))) => 2 * (x.shape[0] * rows * cols) as u64,
+        _ => 0,
+    }
+}
+fn attention_flops(c: &OpCase) -> u64 {
+    let g = |n: &str| c.pu(n).unwrap_or(0) as u64;
+    let m = c.f32("q").map(|q| q.shape[0] as u64).unwrap_or(0);
+    let kv = c.f32("k").map(|k| k.shape[0] as u64).unwrap_or(0);
+    4 * m * g("n_head") * kv * g("head_dim")
+}
+fn per_elem_flops(c: &OpCase) -> u64 {
+    4 * elems(c)
+}
+
+/// The registry: every op the oracle defines.
+pub fn registry() -> Vec<OpEntry> {
+    vec![
+        OpEntry { name: "embed", summary: "token embedding lookup", rule: ToleranceRule::Exact, cases: embed_cases, reference: embed_ref, flops: |_| 0, bytes: n_f32 },
+        OpEntry { name: "rms_norm", summary: "x / sqrt(mean(x^2) + eps) * w", rule: ToleranceRule::RowReduction, cases: || norm_cases("rms_norm"), reference: rms_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "layer_norm", summary: "(x - mean) / sqrt(var + eps) * w + b", rule: ToleranceRule::RowReduction, cases: || norm_cases("layer_norm"), reference: layer_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "matmul", summary: "y = x W^T, W in any GGUF type", rule: ToleranceRule::Dot, cases: matmul_cases, reference: matmul_ref, flops: matmul_flops, bytes: n_f32 },
+        OpEntry { name: "add_bias", summary: "x + b per row", rule: ToleranceRule::Elementwise, cases: || binary_cases("add_bias"), reference: add_bias_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "add", summary: "residual add", rule: ToleranceRule::Elementwise, cases: || binary_cases("add"), reference: add_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "rope", summary: "rotary embedding, normal/neox, none/linear/yarn", rule: ToleranceRule::Transcendental, cases: rope_cases, reference: rope_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "qk_norm", summary: "per-head RMSNorm over head_dim (Qwen3)", rule: ToleranceRule::RowReduction, cases: qk_norm_cases, reference: qk_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "attention", summary: "causal GQA attention over a KV cache, optional window", rule: ToleranceRule::Dot, cases: attention_cases, reference: attention_ref, flops: attention_flops, bytes: n_f32 },
+        OpEntry { name: "softmax", summary: "row softmax, max-subtracted", rule: ToleranceRule::RowReduction, cases: softmax_cases, reference: softmax_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "silu", summary: "x * sigmoid(x)", rule: ToleranceRule::Transcendental, cases: || unary_cases("silu"), reference: silu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "gelu_tanh", summary: "GELU, tanh approximation", rule: ToleranceRule::Transcendental, cases: || unary_cases("gelu_tanh"), reference: gelu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "swiglu", summary: "silu(gate) * up", rule: ToleranceRule::Transcendental, cases: || unary_cases("swiglu"), reference: swiglu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "geglu", summary: "gelu_tanh(gate) * up", rule: ToleranceRule::Transcendental, cases: || unary_cases("geglu"), reference: geglu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "moe_route", summary: "softmax/sigmoid scores, top-k experts, optional renorm", rule: ToleranceRule::Exact, cases: moe_cases, reference: moe_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "argmax", summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: || select_cases("argmax"), reference: argmax_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "top_k", summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: || select_cases("top_k"), reference: top_k_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "sample", summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: || select_cases("sample"), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
+    ]
+}

@@ -1,0 +1,78 @@
+//! The registry invariant: every op has cases, a rule, and a reference that runs every case;
+//! case ids are unique; and the matmul reference agrees with a naive f64 loop written here.
+
+use oracle::ops::SplitMix64;
+use oracle::quant::decode;
+use oracle::registry::{registry, Input, Output, ToleranceRule};
+
+#[test]
+fn every_op_has_cases_a_rule_and_a_runnable_reference() {
+    let mut ids = std::collections::HashSet::new();
+    let mut total = 0;
+    for e in registry() {
+        let cases = (e.cases)();
+        assert!(!cases.is_empty(), "{}: no cases", e.name);
+        assert!(!e.rule.describe().is_empty(), "{}: no tolerance rule", e.name);
+        for c in &cases {
+            assert_eq!(c.op, e.name);
+            assert!(c.id.starts_with(e.name), "{}", c.id);
+            assert!(ids.insert(c.id.clone()), "duplicate case id {}", c.id);
+            let outs = (e.reference)(c).unwrap_or_else(|err| panic!("{}: {err}", c.id));
+            assert!(!outs.is_empty());
+            for o in outs {
+                match o {
+                    Output::F32(t) => {
+                        assert_eq!(t.data.len(), t.shape.iter().product::<usize>(), "{}", c.id);
+                        // The softmax case masks half a row with -inf; its outputs are still finite.
+                        assert!(t.data.iter().all(|v| v.is_finite()), "{}: non-finite output", c.id);
+                    }
+                    Output::Ids(v) => assert!(!v.is_empty(), "{}", c.id),
+                }
+            }
+            assert!((e.bytes)(c) > 0, "{}: zero bytes", c.id);
+            if e.rule != ToleranceRule::Exact && e.name != "embed" {
+                assert!((e.flops)(c) > 0, "{}: zero flops", c.id);
+            }
+        }
+        total += cases.len();
+    }
+    // A floor that catches a generator silently losing its shape or seed loops.
+    assert!(total >= 350, "only {total} cases");
+}
+
+#[test]
+fn matmul_reference_equals_a_naive_f64_loop() {
+    let e = registry().into_iter().find(|e| e.name == "matmul").unwrap();
+    let mut rng = SplitMix64(5);
+    for c in (e.cases)().iter().filter(|_| rng.next_u64() % 8 == 0) {
+        let Some((_, Input::F32(x))) = c.inputs.iter().find(|(n, _)| *n == "x") else { panic!() };
+        let Some((_, Input::Quant { ty, rows, cols, bytes })) = c.inputs.iter().find(|(n, _)| *n == "w") else { panic!() };
+        let w = decode(*ty, bytes, rows * cols).unwrap();
+        let m = x.shape[0];
+        let Output::F32(y) = &(e.reference)(c).unwrap()[0] else { panic!() };
+        for t in 0..m {
+            for r in 0..*rows {
+                let mut acc = 0.0f64;
+                for i in 0..*cols {
+                    acc += x.data[t * cols + i] as f64 * w[r * cols + i] as f64;
+                }
+                // Both accumulate exact products in f64; only the order differs.
+                let got = y.data[t * rows + r] as f64;
+                assert!((got - acc).abs() <= 1e-6 * acc.abs().max(1.0), "{}: [{t},{r}] {got} vs {acc}", c.id);
+            }
+        }
+    }
+}
+
+#[test]
+fn exact_ops_resolve_ties_to_the_lower_index() {
+    let e = registry().into_iter().find(|e| e.name == "argmax").unwrap();
+    for c in (e.cases)() {
+        let Output::Ids(ids) = &(e.reference)(&c).unwrap()[0] else { panic!() };
+        let n = match &c.inputs[0].1 {
+            Input::F32(t) => t.shape[1],
+            _ => panic!(),
+        };
+        assert_eq!(ids[2] as usize, n / 3, "{}", c.id);
+    }
+}
