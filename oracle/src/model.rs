@@ -286,9 +286,8 @@ impl<T: Real> Model<T> {
                     }
                     Stage::QkvProj => {
                         // q: [m, n_head*hd], k, v: [m, n_head_kv*hd]
-                        q = ops::matmul(&h, m, &layer.wq)?;
-                        k = ops::matmul(&h, m, &layer.wk)?;
-                        v = ops::matmul(&h, m, &layer.wv)?;
+                        let mut qkv = ops::matmul_many(&h, m, &[&layer.wq, &layer.wk, &layer.wv])?.into_iter();
+                        (q, k, v) = (qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default());
                         if let (Some(bq), Some(bk), Some(bv)) = (&layer.bq, &layer.bk, &layer.bv) {
                             ops::add_bias(&mut q, bq)?;
                             ops::add_bias(&mut k, bk)?;
@@ -376,8 +375,8 @@ impl<T: Real> Model<T> {
     }
 
     fn dense_ffn(&self, f: &DenseFfn<T>, h: &[T], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Result<Vec<T>> {
-        let gate = ops::matmul(h, m, &f.gate)?;
-        let up = ops::matmul(h, m, &f.up)?;
+        let mut gate_up = ops::matmul_many(h, m, &[&f.gate, &f.up])?.into_iter();
+        let (gate, up) = (gate_up.next().unwrap_or_default(), gate_up.next().unwrap_or_default());
         let act = match self.spec.activation {
             Activation::Silu => ops::swiglu(&gate, &up)?,
             Activation::GeluTanh => ops::geglu(&gate, &up)?,

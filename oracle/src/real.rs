@@ -17,6 +17,12 @@ pub trait Real: Copy + Send + Sync + Default + PartialOrd + std::fmt::Debug + 's
     fn to_f32(self) -> f32;
     /// Dot product accumulated in f64 in the fixed lane order described at `DOT_LANES`.
     fn dot(a: &[Self], b: &[Self]) -> f64;
+    /// `dot(x, w)` with `x` already widened to f64 (bit-identical to `dot`).
+    fn dot_wide(x: &[f64], w: &[Self]) -> f64;
+    /// Four `dot_wide` sharing one weight row.
+    fn dot4_wide(xs: [&[f64]; 4], w: &[Self]) -> [f64; 4] {
+        xs.map(|x| Self::dot_wide(x, w))
+    }
 }
 
 impl Real for f32 {
@@ -41,6 +47,14 @@ impl Real for f32 {
     fn dot(a: &[f32], b: &[f32]) -> f64 {
         crate::simd::dot_f32(a, b)
     }
+    #[inline]
+    fn dot_wide(x: &[f64], w: &[f32]) -> f64 {
+        crate::simd::dot_f64_f32(x, w)
+    }
+    #[inline]
+    fn dot4_wide(xs: [&[f64]; 4], w: &[f32]) -> [f64; 4] {
+        crate::simd::dot4_f64_f32(xs, w)
+    }
 }
 
 impl Real for f64 {
@@ -64,6 +78,10 @@ impl Real for f64 {
     #[inline]
     fn dot(a: &[f64], b: &[f64]) -> f64 {
         crate::simd::dot_lanes_portable(a, b, |x| x)
+    }
+    #[inline]
+    fn dot_wide(x: &[f64], w: &[f64]) -> f64 {
+        crate::simd::dot_lanes_portable(x, w, |v| v)
     }
 }
 

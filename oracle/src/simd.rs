@@ -46,6 +46,55 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f64 {
     dot_lanes_portable(a, b, |x| x as f64)
 }
 
+/// Dot of an activation already widened to f64 with f32 weights: the same products (exact in
+/// f64) and the same lane order as `dot_f32`, so the bits are identical; the activation is widened
+/// once per matmul instead of once per weight row.
+#[inline]
+pub fn dot_f64_f32(x: &[f64], w: &[f32]) -> f64 {
+    assert_eq!(x.len(), w.len(), "dot of vectors with different lengths");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if x.len() >= DOT_LANES && has_avx512() {
+            // SAFETY: the CPU reports avx512f; lengths are equal (asserted above).
+            return unsafe { x86::dot4_f64_f32_avx512::<1>([x, x, x, x], w)[0] };
+        }
+    }
+    dot_mixed_portable(x, w)
+}
+
+/// Four dots sharing one weight row (prefill: each weight is loaded and widened once for four
+/// tokens). Each result is bit-identical to `dot_f64_f32` of that token.
+#[inline]
+pub fn dot4_f64_f32(xs: [&[f64]; 4], w: &[f32]) -> [f64; 4] {
+    for x in xs {
+        assert_eq!(x.len(), w.len(), "dot of vectors with different lengths");
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if w.len() >= DOT_LANES && has_avx512() {
+            // SAFETY: the CPU reports avx512f; lengths are equal (asserted above).
+            return unsafe { x86::dot4_f64_f32_avx512::<4>(xs, w) };
+        }
+    }
+    xs.map(|x| dot_f64_f32(x, w))
+}
+
+fn dot_mixed_portable(x: &[f64], w: &[f32]) -> f64 {
+    let mut lanes = [0.0f64; DOT_LANES];
+    let full = x.len() / DOT_LANES * DOT_LANES;
+    let mut i = 0;
+    while i < full {
+        for j in 0..DOT_LANES {
+            lanes[j] += x[i + j] * w[i + j] as f64;
+        }
+        i += DOT_LANES;
+    }
+    for t in full..x.len() {
+        lanes[t - full] += x[t] * w[t] as f64;
+    }
+    reduce_lanes(lanes)
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
     use std::sync::OnceLock;
@@ -128,6 +177,59 @@ mod x86 {
         reduce_lanes(lanes)
     }
 
+    /// `N` (1 or 4) dots of f64 activations with one f32 weight row; per token, four 8-lane
+    /// accumulators = lanes 0..32 in order.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot4_f64_f32_avx512<const N: usize>(xs: [&[f64]; 4], w: &[f32]) -> [f64; 4] {
+        let n = w.len();
+        let full = n / DOT_LANES * DOT_LANES;
+        let pw = w.as_ptr();
+        let px = xs.map(|x| x.as_ptr());
+        let mut acc = [[_mm512_setzero_pd(); 4]; N];
+        let mut i = 0;
+        while i < full {
+            let w01 = _mm512_loadu_ps(pw.add(i));
+            let w23 = _mm512_loadu_ps(pw.add(i + 16));
+            let wv = [
+                _mm512_cvtps_pd(_mm512_castps512_ps256(w01)),
+                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w01), 1))),
+                _mm512_cvtps_pd(_mm512_castps512_ps256(w23)),
+                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w23), 1))),
+            ];
+            for t in 0..N {
+                for q in 0..4 {
+                    acc[t][q] = _mm512_fmadd_pd(_mm512_loadu_pd(px[t].add(i + 8 * q)), wv[q], acc[t][q]);
+                }
+            }
+            i += DOT_LANES;
+        }
+        let mut res = [0.0f64; 4];
+        if full == n {
+            // No tail: the fixed pairwise tree done in registers. Each step adds the same lane
+            // pairs as `reduce_lanes` (j += j+16, j += j+8, j += j+4, j += j+2, j += j+1).
+            for t in 0..N {
+                let a = _mm512_add_pd(acc[t][0], acc[t][2]); // lanes 0..8 += 16..24
+                let b = _mm512_add_pd(acc[t][1], acc[t][3]); // lanes 8..16 += 24..32
+                let c = _mm512_add_pd(a, b); // lanes 0..8 += 8..16
+                let d = _mm256_add_pd(_mm512_castpd512_pd256(c), _mm512_extractf64x4_pd(c, 1)); // 0..4 += 4..8
+                let e = _mm_add_pd(_mm256_castpd256_pd128(d), _mm256_extractf128_pd(d, 1)); // 0..2 += 2..4
+                res[t] = _mm_cvtsd_f64(e) + _mm_cvtsd_f64(_mm_unpackhi_pd(e, e)); // 0 += 1
+            }
+            return res;
+        }
+        for t in 0..N {
+            let mut lanes = [0.0f64; DOT_LANES];
+            for q in 0..4 {
+                _mm512_storeu_pd(lanes.as_mut_ptr().add(8 * q), acc[t][q]);
+            }
+            for k in full..n {
+                lanes[k - full] += *px[t].add(k) * (*pw.add(k) as f64);
+            }
+            res[t] = reduce_lanes(lanes);
+        }
+        res
+    }
+
     /// Eight 4-lane f64 accumulators = lanes 0..32 in order.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f64 {
@@ -174,6 +276,22 @@ mod tests {
             let fast = dot_f32(&a, &b);
             let slow = dot_lanes_portable(&a, &b, |x| x as f64);
             assert_eq!(fast.to_bits(), slow.to_bits(), "n={n} path={}", dot_path_name());
+        }
+    }
+
+    #[test]
+    fn prepared_dots_are_bit_identical_to_dot_f32() {
+        let mut s = 11u64;
+        for n in 0..200 {
+            let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+            let xs: Vec<Vec<f32>> = (0..4).map(|_| (0..n).map(|_| lcg(&mut s)).collect()).collect();
+            let xd: Vec<Vec<f64>> = xs.iter().map(|x| x.iter().map(|v| *v as f64).collect()).collect();
+            let four = dot4_f64_f32([&xd[0], &xd[1], &xd[2], &xd[3]], &w);
+            for t in 0..4 {
+                let want = dot_lanes_portable(&xs[t], &w, |x| x as f64);
+                assert_eq!(dot_f64_f32(&xd[t], &w).to_bits(), want.to_bits(), "n={n}");
+                assert_eq!(four[t].to_bits(), want.to_bits(), "n={n} t={t}");
+            }
         }
     }
 
