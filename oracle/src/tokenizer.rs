@@ -113,6 +113,11 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(tok_err)
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
+    pub fn save(&self, path: &std::path::Path) -> Result<()> {
+        self.inner.save(path, false).map_err(|e| tok_err(format!("{}: {e}", path.display())))
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
