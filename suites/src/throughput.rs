@@ -5,7 +5,6 @@ use crate::membw::{self, Bandwidth};
 use oracle::generate::AnyModel;
 use oracle::ops::SamplerConfig;
 use oracle::NoTap;
-use std::time::Instant;
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct RefBench {
@@ -19,10 +18,13 @@ pub struct RefBench {
     /// Per repetition: decode tokens/s.
     pub decode_tok_per_s: Vec<f64>,
     pub weight_bytes_per_token: usize,
-    /// Weight bytes per token / median decode time per token, GB/s.
-    pub effective_gbps: f64,
-    pub probe: Bandwidth,
-    /// effective_gbps / probe.read_gbps.
+    /// Per repetition: weight bytes per token x decode tokens/s, GB/s.
+    pub effective_gbps: Vec<f64>,
+    /// Per repetition: the probe taken just before that repetition's generation.
+    pub probes: Vec<Bandwidth>,
+    /// Median over repetitions of effective / copy probe (the STREAM-style figure).
+    pub fraction_of_copy_probe: f64,
+    /// Median over repetitions of effective / read-only probe (the stricter figure).
     pub fraction_of_read_probe: f64,
 }
 
@@ -39,23 +41,22 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// Runs one warm-up and `reps` measured generations (greedy), then the bandwidth probe.
+/// Runs one warm-up, then `reps` repetitions of (bandwidth probe, greedy generation), so every
+/// decode figure has a probe taken seconds before it on the same noisy machine.
 pub fn bench_ref(model: &AnyModel, prompt: &[u32], gen_len: usize, reps: usize, mut progress: impl FnMut(usize)) -> oracle::Result<RefBench> {
     let greedy = SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
     model.generate(prompt, 2, &greedy, 0, None, &mut NoTap)?;
-    let mut prefill = Vec::new();
-    let mut decode = Vec::new();
+    let wb = model.weight_bytes_per_token();
+    let (mut prefill, mut decode, mut effective, mut probes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for r in 0..reps {
-        let t = Instant::now();
+        probes.push(membw::probe(512 << 20, 3));
         let g = model.generate(prompt, gen_len, &greedy, 0, None, &mut NoTap)?;
-        let _ = t;
         prefill.push(prompt.len() as f64 / g.prefill_s);
         decode.push(g.decode_tok_per_s());
+        effective.push(wb as f64 * g.decode_tok_per_s() / 1e9);
         progress(r + 1);
     }
-    let probe = membw::probe(512 << 20, 5);
-    let wb = model.weight_bytes_per_token();
-    let effective = wb as f64 * median(&decode) / 1e9;
+    let ratio = |f: fn(&Bandwidth) -> f64| median(&effective.iter().zip(&probes).map(|(e, p)| e / f(p)).collect::<Vec<_>>());
     Ok(RefBench {
         prompt_len: prompt.len(),
         gen_len,
@@ -65,8 +66,9 @@ pub fn bench_ref(model: &AnyModel, prompt: &[u32], gen_len: usize, reps: usize, 
         prefill_tok_per_s: prefill,
         decode_tok_per_s: decode,
         weight_bytes_per_token: wb,
+        fraction_of_copy_probe: ratio(|p| p.copy_gbps),
+        fraction_of_read_probe: ratio(|p| p.read_gbps),
         effective_gbps: effective,
-        fraction_of_read_probe: effective / probe.read_gbps,
-        probe,
+        probes,
     })
 }

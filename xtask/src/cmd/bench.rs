@@ -43,14 +43,19 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     println!("device {} model {} precision {:?}, {} threads, dot path {}", a.device, a.model, a.precision, r.threads, r.dot_path);
     println!("prefill ({} tokens): median {:.1} tok/s   samples {:?}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
     println!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
+    let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
+    let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
     println!(
-        "weights read per token {:.1} MB -> effective {:.2} GB/s = {:.0}% of the read probe ({:.2} GB/s read, {:.2} GB/s copy over {} MB)",
+        "weights read per token {:.1} MB -> effective {:.2} GB/s (median)   samples {:?}",
         r.weight_bytes_per_token as f64 / 1e6,
-        r.effective_gbps,
-        100.0 * r.fraction_of_read_probe,
-        r.probe.read_gbps,
-        r.probe.copy_gbps,
-        r.probe.buffer_bytes >> 20
+        med(&r.effective_gbps),
+        fmt(&r.effective_gbps)
+    );
+    println!("probe before each rep (512 MB, same threads): copy {:?} GB/s, read {:?} GB/s", fmt(&copy), fmt(&read));
+    println!(
+        "effective / probe, median of per-rep ratios: {:.0}% of STREAM-style copy, {:.0}% of read-only",
+        100.0 * r.fraction_of_copy_probe,
+        100.0 * r.fraction_of_read_probe
     );
     if let Some(dir) = a.report_dir {
         std::fs::create_dir_all(&dir)?;
