@@ -1,5 +1,102 @@
 //! # devices — the backends under test
 //!
-//! The `Device` trait and the `cpu`, `fixed`, `cuda`, `rocm` and `external` backends land here
-//! with the kernel-gate work (see docs/ARCHITECTURE.md, "Roadmap"). Nothing is implemented yet,
-//! and `cargo xtask` reports every device other than the oracle (`ref`) as unavailable.
+//! A `Device` runs the registry's ops (and, later, whole models). It declares its arithmetic per
+//! op (storage and accumulation types, activation quantization), so the kernel suite can derive
+//! the bound its results must meet. Devices may use the oracle's *types* (cases, codecs' block
+//! layouts, ModelSpec) but never call its op implementations to produce their results.
+//!
+//! Backends: `ref` (the oracle itself, for self-checks), `cpu` (an optimized engine: f32 SIMD-
+//! friendly loops, Q8 activations against packed quantized weights, rayon). `fixed`, `cuda`,
+//! `rocm` and `external` are reported as unavailable until they are built.
+
+pub mod cpu;
+#[cfg(feature = "faults")]
+pub mod faulty;
+pub mod reference;
+
+use oracle::registry::{OpCase, Output};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("device `{0}` is unavailable: {1}")]
+    Unavailable(String, String),
+    #[error("{device}: {case}: {reason}")]
+    Failed { device: String, case: String, reason: String },
+}
+
+/// Number formats a device can declare.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NumFormat {
+    F64,
+    F32,
+    /// Integer accumulation (exact within range).
+    I32,
+}
+
+impl NumFormat {
+    /// Unit roundoff (half an ulp at 1.0).
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            NumFormat::F64 => f64::EPSILON / 2.0,
+            NumFormat::F32 => f32::EPSILON as f64 / 2.0,
+            NumFormat::I32 => 0.0,
+        }
+    }
+}
+
+/// How a device computes one op: what the tolerance rule consumes.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Arithmetic {
+    /// Storage type of activations and results.
+    pub storage: NumFormat,
+    /// Accumulator of sums and dot products.
+    pub accumulate: NumFormat,
+    /// Activations quantized to symmetric 8-bit blocks of this size (llama.cpp's Q8_0) before
+    /// products with quantized weights.
+    pub activation_q8_block: Option<usize>,
+    /// Accuracy of exp/tanh/sin/cos, in units of the storage roundoff.
+    pub transcendental_ulps: f64,
+}
+
+impl Arithmetic {
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, transcendental_ulps: 1.0 };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, transcendental_ulps: 4.0 };
+}
+
+/// Whether a device runs a case, and if not, why (reported as `unsupported`, never as a pass).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Support {
+    Yes,
+    Unsupported(String),
+}
+
+/// A backend under test.
+pub trait Device: Send + Sync {
+    fn name(&self) -> String;
+    /// The arithmetic this device uses for `case` (the tolerance rule's input).
+    fn arithmetic(&self, case: &OpCase) -> Arithmetic;
+    fn supports(&self, case: &OpCase) -> Support;
+    /// Runs one op case; outputs in the same order and shapes as the registry reference.
+    fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError>;
+    /// Waits for queued work (a no-op on CPU devices).
+    fn synchronize(&self) {}
+}
+
+/// Opens a device by name, or says why it is unavailable.
+pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
+    let unavailable = |why: &str| Err(DeviceError::Unavailable(name.to_string(), why.to_string()));
+    match name {
+        "ref" => Ok(Box::new(reference::RefDevice)),
+        "cpu" => Ok(Box::new(cpu::CpuDevice)),
+        "fixed" | "fixed-int4" => unavailable("the integer fixed-point backend is not implemented yet"),
+        n if n.starts_with("cuda") => unavailable("not compiled with feature cuda"),
+        n if n.starts_with("rocm") => unavailable("not compiled with feature rocm"),
+        n if n.starts_with("external:") || n.starts_with("exec:") => unavailable("external engines are not implemented yet"),
+        _ => unavailable("unknown device (ref, cpu, fixed, cuda[:N], rocm[:N], external:DIR, exec:CMD)"),
+    }
+}
+
+pub(crate) fn fail(device: &str, case: &OpCase, reason: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Failed { device: device.to_string(), case: case.id.clone(), reason: reason.to_string() }
+}

@@ -1,8 +1,8 @@
 //! # reports — the Report schema and its writers
 //!
 //! One `Report` per suite run: schema version, provenance, summary and cases. `report.json` is the
-//! source of truth; `report.md` is rendered from it. Writes are atomic (temp file + rename).
-//! (JUnit, CSV, Parquet and plots arrive with the kernel gate; see docs/ARCHITECTURE.md.)
+//! source of truth; `report.md`, `junit.xml` and `cases.csv` are rendered from it. Writes are
+//! atomic (temp file + rename). Reports from shards merge into one (`Report::merge`).
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -112,28 +112,189 @@ impl Report {
         }
     }
 
+    /// Op name and dtype of a case id such as `matmul(w=q4_1,k=576,...)` -> ("matmul", "q4_1").
+    pub fn op_and_dtype(id: &str) -> (String, String) {
+        let op = id.split('(').next().unwrap_or(id).to_string();
+        let params = id.split_once('(').map(|(_, p)| p.trim_end_matches(')')).unwrap_or("");
+        let dtype = params
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == "w" || *k == "dtype")
+            .map(|(_, v)| v.to_string())
+            .unwrap_or_else(|| "-".into());
+        (op, dtype)
+    }
+
+    /// Coverage matrix: (op, dtype) -> device -> [pass, fail, unsupported, error].
+    pub fn coverage(&self) -> std::collections::BTreeMap<(String, String), std::collections::BTreeMap<String, [usize; 4]>> {
+        let mut m: std::collections::BTreeMap<(String, String), std::collections::BTreeMap<String, [usize; 4]>> = Default::default();
+        for c in &self.cases {
+            let cell = m.entry(Self::op_and_dtype(&c.id)).or_default().entry(c.device.clone()).or_default();
+            cell[match c.verdict {
+                Verdict::Pass => 0,
+                Verdict::Fail => 1,
+                Verdict::Unsupported => 2,
+                Verdict::Error => 3,
+            }] += 1;
+        }
+        m
+    }
+
     pub fn to_markdown(&self) -> String {
+        self.markdown(true)
+    }
+
+    /// Summary, coverage and failures, without the per-case table (for CI step summaries).
+    pub fn to_markdown_summary(&self) -> String {
+        self.markdown(false)
+    }
+
+    fn markdown(&self, with_cases: bool) -> String {
         let s = &self.summary;
         let mut out = format!(
-            "# Touchstone `{}` report\n\n{} executed, {} passed, {} failed, {} unsupported, {} errors\n\n| case | device | verdict | measured | bound | margin |\n|---|---|---|---|---|---|\n",
+            "# Touchstone `{}` report\n\n**{} executed, {} passed, {} failed, {} unsupported, {} errors**\n\n",
             self.suite, s.executed, s.passed, s.failed, s.unsupported, s.errors
         );
+        let p = &self.provenance;
+        out += &format!(
+            "git {} (dirty: {}), host `{}`, CPU {}, {} threads, touchstone {}\n\n",
+            p.git_rev.as_deref().unwrap_or("?"),
+            p.dirty.map_or("?".into(), |d| d.to_string()),
+            p.host,
+            p.cpu,
+            p.threads,
+            p.touchstone_version
+        );
+        let cov = self.coverage();
+        if cov.len() > 1 {
+            let devices: std::collections::BTreeSet<String> = cov.values().flat_map(|d| d.keys().cloned()).collect();
+            out += "## Coverage (pass / fail / unsupported / error)\n\n| op | dtype |";
+            for d in &devices {
+                out += &format!(" {d} |");
+            }
+            out += "\n|---|---|";
+            out += &"---|".repeat(devices.len());
+            out += "\n";
+            for ((op, dt), per) in &cov {
+                out += &format!("| {op} | {dt} |");
+                for d in &devices {
+                    out += &match per.get(d) {
+                        Some([p, f, u, e]) if *u > 0 && p + f + e == 0 => " unsupported |".to_string(),
+                        Some([p, f, u, e]) => format!(" {p} / {f} / {u} / {e} |"),
+                        None => " - |".to_string(),
+                    };
+                }
+                out += "\n";
+            }
+            out += "\n";
+        }
+        let failing: Vec<&Case> = self.cases.iter().filter(|c| matches!(c.verdict, Verdict::Fail | Verdict::Error)).collect();
+        if !failing.is_empty() {
+            out += "## Failures\n\n| case | device | verdict | message |\n|---|---|---|---|\n";
+            for c in failing.iter().take(200) {
+                out += &format!("| `{}` | {} | {:?} | {} |\n", c.id, c.device, c.verdict, c.message.as_deref().unwrap_or("").replace('|', "\\|"));
+            }
+            out += "\n";
+        }
+        if !with_cases {
+            return out;
+        }
+        out += "## Cases\n\n| case | device | verdict | measured max abs | bound | margin | rule |\n|---|---|---|---|---|---|---|\n";
         for c in &self.cases {
             let measured = c.metrics.get("max_abs").and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-            out += &format!("| `{}` | {} | {:?} | {:.3e} | {:.3e} | {:.3e} |\n", c.id, c.device, c.verdict, measured, c.tolerance.bound, c.margin);
+            out += &format!("| `{}` | {} | {:?} | {:.3e} | {:.3e} | {:.3e} | {} |\n", c.id, c.device, c.verdict, measured, c.tolerance.bound, c.margin, c.tolerance.rule.replace('|', "\\|"));
         }
         out
     }
 
-    /// Writes report.json and report.md into `dir` atomically.
+    /// JUnit XML: one testcase per case id (classname = device.op), failures and errors with their
+    /// message, unsupported cases as skipped.
+    pub fn to_junit(&self) -> String {
+        let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
+        let s = &self.summary;
+        let mut out = format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites>\n<testsuite name=\"touchstone.{}\" tests=\"{}\" failures=\"{}\" errors=\"{}\" skipped=\"{}\">\n",
+            esc(&self.suite),
+            s.executed,
+            s.failed,
+            s.errors,
+            s.unsupported
+        );
+        for c in &self.cases {
+            let (op, _) = Self::op_and_dtype(&c.id);
+            let secs = c.metrics.get("seconds").and_then(|v| v.as_f64()).unwrap_or(0.0);
+            out += &format!("  <testcase classname=\"{}.{}\" name=\"{}\" time=\"{secs:.6}\">", esc(&c.device), esc(&op), esc(&c.id));
+            let msg = esc(c.message.as_deref().unwrap_or(""));
+            match c.verdict {
+                Verdict::Pass => {}
+                Verdict::Fail => out += &format!("<failure message=\"{msg}\">rule: {} bound: {:e} margin: {:e}</failure>", esc(&c.tolerance.rule), c.tolerance.bound, c.margin),
+                Verdict::Error => out += &format!("<error message=\"{msg}\"/>"),
+                Verdict::Unsupported => out += &format!("<skipped message=\"unsupported: {msg}\"/>"),
+            }
+            out += "</testcase>\n";
+        }
+        out + "</testsuite>\n</testsuites>\n"
+    }
+
+    /// CSV: one row per case.
+    pub fn to_csv(&self) -> String {
+        let mut out = String::from("id,device,op,dtype,verdict,max_abs,max_rel,max_ulp,nmse,cosine,bound,margin,gbps,gflops,rule\n");
+        let q = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+        let f = |c: &Case, k: &str| c.metrics.get(k).map(|v| v.to_string()).unwrap_or_default();
+        for c in &self.cases {
+            let (op, dt) = Self::op_and_dtype(&c.id);
+            out += &format!(
+                "{},{},{},{},{:?},{},{},{},{},{},{:e},{:e},{},{},{}\n",
+                q(&c.id),
+                q(&c.device),
+                op,
+                dt,
+                c.verdict,
+                f(c, "max_abs"),
+                f(c, "max_rel"),
+                f(c, "max_ulp"),
+                f(c, "nmse"),
+                f(c, "cosine"),
+                c.tolerance.bound,
+                c.margin,
+                f(c, "gbps"),
+                f(c, "gflops"),
+                q(&c.tolerance.rule)
+            );
+        }
+        out
+    }
+
+    /// Merges shard reports of one suite: cases concatenated (sorted by id, device), summary
+    /// recomputed, provenance of the first.
+    pub fn merge(parts: Vec<Report>) -> Option<Report> {
+        let first = parts.first()?.clone();
+        let mut cases: Vec<Case> = parts.into_iter().flat_map(|r| r.cases).collect();
+        cases.sort_by(|a, b| (&a.id, &a.device).cmp(&(&b.id, &b.device)));
+        Some(Report::new(&first.suite, first.provenance, cases))
+    }
+
+    pub fn read(dir: &Path) -> std::io::Result<Report> {
+        let text = std::fs::read_to_string(dir.join("report.json"))?;
+        serde_json::from_str(&text).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {e}", dir.join("report.json").display())))
+    }
+
+    /// Writes report.json, report.md, junit.xml and cases.csv into `dir` atomically.
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         write_atomic(&dir.join("report.json"), (serde_json::to_string_pretty(self).expect("report serializes") + "\n").as_bytes())?;
+        self.render(dir)
+    }
+
+    /// Re-renders every derived file from this report (used by `report render`).
+    pub fn render(&self, dir: &Path) -> std::io::Result<()> {
         write_atomic(&dir.join("report.md"), self.to_markdown().as_bytes())?;
+        write_atomic(&dir.join("junit.xml"), self.to_junit().as_bytes())?;
+        write_atomic(&dir.join("cases.csv"), self.to_csv().as_bytes())?;
         if let Some(summary) = std::env::var_os("GITHUB_STEP_SUMMARY") {
             use std::io::Write;
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(summary)?;
-            f.write_all(self.to_markdown().as_bytes())?;
+            f.write_all(self.to_markdown_summary().as_bytes())?;
         }
         Ok(())
     }

@@ -4,6 +4,8 @@
 //! oracle against that probe). The kernel, layer-diff and fixed-token gates land here next
 //! (see docs/ARCHITECTURE.md, "Roadmap").
 
+pub mod kernels;
 pub mod membw;
 pub mod selfcheck;
 pub mod throughput;
+pub mod tolerance;

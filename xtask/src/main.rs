@@ -18,6 +18,10 @@ struct Cli {
 enum Command {
     /// The main job: run the gates that exist on the default devices and models; exit 0/1/2/3.
     Gate(cmd::gate::GateArgs),
+    /// Kernel-level gate: every registry op case on a device vs the oracle, with derived tolerances.
+    Kernels(cmd::kernels::KernelsArgs),
+    /// Merge shard reports or re-render a report's Markdown/JUnit/CSV.
+    Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
     Run(cmd::run::RunArgs),
     /// Writes every tap and the logits of every position in the dump format (docs/DUMP_FORMAT.md).
@@ -46,6 +50,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Gate(a) => cmd::gate::main(a),
+        Command::Kernels(a) => cmd::kernels::main(a),
+        Command::Report(a) => cmd::report::main(a),
         Command::Run(a) => cmd::run::main(a),
         Command::Dump(a) => cmd::dump::main(a),
         Command::Bench(a) => cmd::bench::main(a),

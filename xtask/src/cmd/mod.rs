@@ -4,6 +4,8 @@ pub mod bench;
 pub mod dump;
 pub mod fixtures;
 pub mod gate;
+pub mod kernels;
+pub mod report;
 pub mod run;
 
 use crate::Exit;
@@ -57,4 +59,31 @@ pub fn check_ids(ids: &[u32], n_vocab: usize) -> Result<(), Exit> {
         return Err(Exit { code: 2, message: format!("token id {id} at position {i} is outside the vocabulary of {n_vocab} tokens") });
     }
     Ok(())
+}
+
+/// Parses `K/N` (1 <= K <= N).
+pub fn parse_shard(s: &str) -> Result<(usize, usize), Exit> {
+    let bad = || Exit { code: 2, message: format!("--shard `{s}`: expected K/N with 1 <= K <= N, e.g. 2/4") };
+    let (k, n) = s.split_once('/').ok_or_else(bad)?;
+    let (k, n): (usize, usize) = (k.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+    if k == 0 || n == 0 || k > n {
+        return Err(bad());
+    }
+    Ok((k, n))
+}
+
+/// A progress bar on stderr (hidden when stderr is not a terminal).
+pub fn progress(total: u64, what: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(total);
+    pb.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({elapsed}, eta {eta})").expect("template").progress_chars("=> "));
+    pb.set_message(what.to_string());
+    pb
+}
+
+/// `--report-dir` or `target/touchstone/<suite>-<unix time>/`.
+pub fn report_dir(given: Option<PathBuf>, suite: &str) -> PathBuf {
+    given.unwrap_or_else(|| {
+        let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        PathBuf::from("target/touchstone").join(format!("{suite}-{ts}"))
+    })
 }

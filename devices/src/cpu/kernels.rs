@@ -1,0 +1,227 @@
+//! The cpu device's f32 kernels: norms, RoPE, attention, softmax, activations, routing and
+//! selection. Written for speed the usual way (f32 accumulation, fixed-width lanes), and on
+//! purpose independently of the oracle's code.
+
+use super::qdot::dot_f32;
+use oracle::registry::Tensor;
+use rayon::prelude::*;
+
+pub fn transpose(y_t: &[f32], n: usize, m: usize) -> Vec<f32> {
+    if m == 1 {
+        return y_t.to_vec();
+    }
+    let mut y = vec![0.0f32; n * m];
+    for r in 0..n {
+        for t in 0..m {
+            y[t * n + r] = y_t[r * m + t];
+        }
+    }
+    y
+}
+
+pub fn embed(table: &Tensor, ids: &[u32]) -> Result<Vec<f32>, String> {
+    let (vocab, d) = (table.shape[0], table.shape[1]);
+    let mut out = Vec::with_capacity(ids.len() * d);
+    for &id in ids {
+        if id as usize >= vocab {
+            return Err(format!("token id {id} outside the vocabulary of {vocab}"));
+        }
+        out.extend_from_slice(&table.data[id as usize * d..(id as usize + 1) * d]);
+    }
+    Ok(out)
+}
+
+fn sum_sq(x: &[f32]) -> f32 {
+    dot_f32(x, x)
+}
+
+pub fn rms_norm(x: &[f32], n: usize, w: &[f32], eps: f32) -> Vec<f32> {
+    let mut y = vec![0.0f32; x.len()];
+    y.par_chunks_mut(n).zip(x.par_chunks(n)).for_each(|(o, r)| {
+        let scale = 1.0 / (sum_sq(r) / n as f32 + eps).sqrt();
+        for i in 0..n {
+            o[i] = r[i] * scale * w[i];
+        }
+    });
+    y
+}
+
+pub fn layer_norm(x: &[f32], n: usize, w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+    let mut y = vec![0.0f32; x.len()];
+    for (o, r) in y.chunks_mut(n).zip(x.chunks(n)) {
+        let mean = r.iter().sum::<f32>() / n as f32;
+        let centered: Vec<f32> = r.iter().map(|v| v - mean).collect();
+        let scale = 1.0 / (sum_sq(&centered) / n as f32 + eps).sqrt();
+        for i in 0..n {
+            o[i] = centered[i] * scale * w[i] + b[i];
+        }
+    }
+    y
+}
+
+/// `a + b`, with `b` broadcast over rows when it is shorter (bias).
+pub fn add_broadcast(a: &[f32], b: &[f32]) -> Vec<f32> {
+    a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect()
+}
+
+pub struct RopeCfg {
+    pub neox: bool,
+    pub theta: f64,
+    pub n_rot: usize,
+    /// 0 none, 1 linear x4, 2 YaRN x4 over a 128-position original context (registry codes).
+    pub scaling: u32,
+}
+
+/// cos/sin tables are built in f64 on the host and stored as f32, as engines that precompute
+/// RoPE tables do; the rotation itself is f32.
+fn rope_table(cfg: &RopeCfg, pos: usize) -> Vec<(f32, f32)> {
+    let half = cfg.n_rot / 2;
+    let (factor, orig) = (4.0f64, 128.0f64);
+    let corr = |beta: f64| cfg.n_rot as f64 * (orig / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * cfg.theta.ln());
+    let (lo, hi) = (corr(32.0).floor().max(0.0), corr(1.0).ceil().min(cfg.n_rot as f64 - 1.0));
+    (0..half)
+        .map(|i| {
+            let base = pos as f64 / cfg.theta.powf(2.0 * i as f64 / cfg.n_rot as f64);
+            let (angle, mag) = match cfg.scaling {
+                0 => (base, 1.0),
+                1 => (base / factor, 1.0),
+                _ => {
+                    let ramp = 1.0 - ((i as f64 - lo) / (hi - lo).max(0.001)).clamp(0.0, 1.0);
+                    (base / factor * (1.0 - ramp) + base * ramp, 1.0 + 0.1 * factor.ln())
+                }
+            };
+            ((angle.cos() * mag) as f32, (angle.sin() * mag) as f32)
+        })
+        .collect()
+}
+
+pub fn rope(x: &mut [f32], pos: &[usize], n_head: usize, hd: usize, cfg: &RopeCfg) {
+    let half = cfg.n_rot / 2;
+    for (t, &p) in pos.iter().enumerate() {
+        let table = rope_table(cfg, p);
+        for h in 0..n_head {
+            let head = &mut x[(t * n_head + h) * hd..(t * n_head + h + 1) * hd];
+            for (i, &(c, s)) in table.iter().enumerate() {
+                let (a, b) = if cfg.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+pub struct AttnCfg {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// 0 = no sliding window.
+    pub window: usize,
+}
+
+pub fn attention(q: &[f32], pos: &[usize], k: &[f32], v: &[f32], kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
+    let (nh, nkv, hd) = (c.n_head, c.n_head_kv, c.head_dim);
+    if nkv == 0 || nh % nkv != 0 || pos.iter().any(|&p| p >= kv_len) {
+        return Err("attention: bad head counts or a query past the cache".into());
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = nh / nkv;
+    let mut out = vec![0.0f32; pos.len() * nh * hd];
+    out.par_chunks_mut(hd).enumerate().for_each(|(th, o)| {
+        let (t, h) = (th / nh, th % nh);
+        let kvh = h / group;
+        let p = pos[t];
+        let first = if c.window > 0 { (p + 1).saturating_sub(c.window) } else { 0 };
+        let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+        let scores: Vec<f32> = (first..=p).map(|j| dot_f32(qh, &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]) * scale).collect();
+        let probs = softmax(&scores);
+        for (pj, j) in probs.iter().zip(first..=p) {
+            let vj = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+            for d in 0..hd {
+                o[d] += pj * vj[d];
+            }
+        }
+    });
+    Ok(out)
+}
+
+pub fn softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = x.iter().map(|v| (v - max).exp()).collect();
+    let sum: f32 = e.iter().sum();
+    e.into_iter().map(|v| v / sum).collect()
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+pub fn gelu_tanh(x: f32) -> f32 {
+    0.5 * x * (1.0 + (0.797_884_6f32 * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// First index of the maximum.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] || x[best].is_nan() {
+            best = i;
+        }
+    }
+    best
+}
+
+pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..x.len() as u32).filter(|&i| !x[i as usize].is_nan()).collect();
+    idx.sort_by(|&a, &b| x[b as usize].total_cmp(&x[a as usize]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+pub fn moe_route(logits: &[f32], n: usize, k: usize, sigmoid: bool, normalize: bool) -> (Vec<u32>, Vec<f32>) {
+    let (mut ids, mut ws) = (Vec::new(), Vec::new());
+    for row in logits.chunks(n) {
+        let p: Vec<f32> = if sigmoid { row.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect() } else { softmax(row) };
+        let sel = top_k(&p, k);
+        let mut w: Vec<f32> = sel.iter().map(|&e| p[e as usize]).collect();
+        if normalize {
+            let s: f32 = w.iter().sum();
+            w.iter_mut().for_each(|v| *v /= s);
+        }
+        ids.extend(sel);
+        ws.extend(w);
+    }
+    (ids, ws)
+}
+
+/// Seeded sampling. The decision is discrete, so probabilities are computed in f64 to make the
+/// choice agree with any other engine that uses the same RNG stream.
+pub fn sample(x: &[f32], temperature: f64, k: usize, top_p: f64, rng: &mut oracle::ops::SplitMix64) -> u32 {
+    if temperature <= 0.0 {
+        return argmax(x) as u32;
+    }
+    let order = top_k(x, if k == 0 { x.len() } else { k });
+    let scaled: Vec<f64> = order.iter().map(|&i| x[i as usize] as f64 / temperature).collect();
+    let max = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = scaled.iter().map(|v| (v - max).exp()).collect();
+    let total: f64 = e.iter().sum();
+    let probs: Vec<f64> = e.iter().map(|v| v / total).collect();
+    let mut keep = probs.len();
+    let mut cum = 0.0;
+    for (j, p) in probs.iter().enumerate() {
+        cum += p;
+        if cum >= top_p {
+            keep = j + 1;
+            break;
+        }
+    }
+    let kept: f64 = probs[..keep].iter().sum();
+    let mut r = rng.next_f64() * kept;
+    for j in 0..keep {
+        r -= probs[j];
+        if r < 0.0 {
+            return order[j];
+        }
+    }
+    order[keep - 1]
+}

@@ -1,0 +1,177 @@
+//! `cpu`: the optimized CPU engine under test. f32 storage and accumulation, multi-threaded over
+//! output rows (rayon), SIMD-friendly fixed-width inner loops, and quantized weights multiplied
+//! directly in their packed blocks against Q8_0-quantized activations (see `qdot`).
+
+pub mod kernels;
+pub mod qdot;
+
+use crate::{fail, Arithmetic, Device, DeviceError, NumFormat, Support};
+use oracle::registry::{Input, OpCase, Output, Tensor};
+
+pub struct CpuDevice;
+
+/// Rows of a weight matrix per rayon task.
+const ROWS_PER_TASK: usize = 32;
+
+fn out(shape: &[usize], data: Vec<f32>) -> Output {
+    Output::F32(Tensor { shape: shape.to_vec(), data })
+}
+
+impl CpuDevice {
+    /// The matmul of `x: [m, k]` with a weight input, packed or float.
+    pub fn matmul(case: &OpCase, x: &Tensor, w: &Input) -> Result<Vec<f32>, String> {
+        use rayon::prelude::*;
+        let (m, k) = (x.shape[0], x.shape[1]);
+        match w {
+            Input::Quant { ty, rows, cols, bytes } => {
+                if *cols != k {
+                    return Err(format!("weight has {cols} columns, x has {k}"));
+                }
+                let row_bytes = (ty.bytes_for(*cols as u64).ok_or("partial block")?) as usize;
+                let mut y_t = vec![0.0f32; rows * m];
+                if qdot::is_float(*ty) {
+                    y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
+                        let mut wr = vec![0.0f32; k];
+                        for (dr, orow) in o.chunks_mut(m).enumerate() {
+                            let r = c * ROWS_PER_TASK + dr;
+                            qdot::float_row(*ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut wr);
+                            for (t, v) in orow.iter_mut().enumerate() {
+                                *v = qdot::dot_f32(&x.data[t * k..(t + 1) * k], &wr);
+                            }
+                        }
+                    });
+                } else {
+                    let xq: Vec<qdot::Q8Row> = x.data.chunks(k).map(qdot::quantize_q8).collect();
+                    y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
+                        for (dr, orow) in o.chunks_mut(m).enumerate() {
+                            let r = c * ROWS_PER_TASK + dr;
+                            let wrow = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                            for (t, v) in orow.iter_mut().enumerate() {
+                                *v = qdot::dot_row(*ty, wrow, &xq[t]);
+                            }
+                        }
+                    });
+                }
+                Ok(kernels::transpose(&y_t, *rows, m))
+            }
+            _ => Err(format!("{}: matmul weight must be a packed input", case.id)),
+        }
+    }
+
+    fn run(case: &OpCase) -> Result<Vec<Output>, String> {
+        let e = |r: oracle::OracleError| r.to_string();
+        Ok(match case.op {
+            "embed" => {
+                let t = case.f32("table").map_err(e)?;
+                let ids = case.ids("ids").map_err(e)?;
+                vec![out(&[ids.len(), t.shape[1]], kernels::embed(t, ids)?)]
+            }
+            "rms_norm" | "layer_norm" | "qk_norm" => {
+                let x = case.f32("x").map_err(e)?;
+                let w = &case.f32("weight").map_err(e)?.data;
+                let eps = case.p("eps").map_err(e)? as f32;
+                let n = if case.op == "qk_norm" { case.pu("head_dim").map_err(e)? } else { x.shape[1] };
+                let y = if case.op == "layer_norm" {
+                    kernels::layer_norm(&x.data, n, w, &case.f32("bias").map_err(e)?.data, eps)
+                } else {
+                    kernels::rms_norm(&x.data, n, w, eps)
+                };
+                vec![out(&x.shape, y)]
+            }
+            "matmul" => {
+                let x = case.f32("x").map_err(e)?;
+                let (_, w) = case.inputs.iter().find(|(n, _)| *n == "w").ok_or("no weight")?;
+                let rows = if let Input::Quant { rows, .. } = w { *rows } else { 0 };
+                vec![out(&[x.shape[0], rows], Self::matmul(case, x, w)?)]
+            }
+            "add" | "add_bias" => {
+                let a = case.f32("a").map_err(e)?;
+                let b = &case.f32("b").map_err(e)?.data;
+                vec![out(&a.shape, kernels::add_broadcast(&a.data, b))]
+            }
+            "rope" => {
+                let x = case.f32("x").map_err(e)?;
+                let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
+                let mut y = x.data.clone();
+                let p = |n: &str| case.p(n).map_err(e);
+                let cfg = kernels::RopeCfg {
+                    neox: p("neox")? == 1.0,
+                    theta: p("theta")?,
+                    n_rot: p("n_rot")? as usize,
+                    scaling: p("scaling")? as u32,
+                };
+                kernels::rope(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &cfg);
+                vec![out(&x.shape, y)]
+            }
+            "attention" => {
+                let (q, k, v) = (case.f32("q").map_err(e)?, case.f32("k").map_err(e)?, case.f32("v").map_err(e)?);
+                let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
+                let p = |n: &str| case.pu(n).map_err(e);
+                let a = kernels::AttnCfg { n_head: p("n_head")?, n_head_kv: p("n_head_kv")?, head_dim: p("head_dim")?, window: p("window")? };
+                vec![out(&q.shape, kernels::attention(&q.data, &pos, &k.data, &v.data, k.shape[0], &a)?)]
+            }
+            "softmax" => {
+                let x = case.f32("x").map_err(e)?;
+                vec![out(&x.shape, x.data.chunks(x.shape[1]).flat_map(kernels::softmax).collect())]
+            }
+            "silu" | "gelu_tanh" => {
+                let g = case.f32("gate").map_err(e)?;
+                let f = if case.op == "silu" { kernels::silu } else { kernels::gelu_tanh };
+                vec![out(&g.shape, g.data.iter().map(|v| f(*v)).collect())]
+            }
+            "swiglu" | "geglu" => {
+                let g = case.f32("gate").map_err(e)?;
+                let u = &case.f32("up").map_err(e)?.data;
+                let f = if case.op == "swiglu" { kernels::silu } else { kernels::gelu_tanh };
+                vec![out(&g.shape, g.data.iter().zip(u).map(|(a, b)| f(*a) * b).collect())]
+            }
+            "moe_route" => {
+                let l = case.f32("logits").map_err(e)?;
+                let k = case.pu("k").map_err(e)?;
+                let (ids, w) = kernels::moe_route(&l.data, l.shape[1], k, case.pu("sigmoid").map_err(e)? == 1, case.pu("normalize").map_err(e)? == 1);
+                vec![Output::Ids(ids), out(&[l.shape[0], k], w)]
+            }
+            "argmax" => {
+                let x = case.f32("x").map_err(e)?;
+                vec![Output::Ids(x.data.chunks(x.shape[1]).map(|r| kernels::argmax(r) as u32).collect())]
+            }
+            "top_k" => {
+                let x = case.f32("x").map_err(e)?;
+                let k = case.pu("k").map_err(e)?;
+                vec![Output::Ids(x.data.chunks(x.shape[1]).flat_map(|r| kernels::top_k(r, k)).collect())]
+            }
+            "sample" => {
+                let x = case.f32("x").map_err(e)?;
+                let mut rng = oracle::ops::SplitMix64(case.seed);
+                let (t, k, p) = (case.p("temperature").map_err(e)?, case.pu("k").map_err(e)?, case.p("top_p").map_err(e)?);
+                vec![Output::Ids(x.data.chunks(x.shape[1]).map(|r| kernels::sample(r, t, k, p, &mut rng)).collect())]
+            }
+            other => return Err(format!("op `{other}` has no cpu kernel")),
+        })
+    }
+}
+
+impl Device for CpuDevice {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+    fn arithmetic(&self, case: &OpCase) -> Arithmetic {
+        let quantized_weight = case.inputs.iter().any(|(_, i)| matches!(i, Input::Quant { ty, .. } if !qdot::is_float(*ty)));
+        Arithmetic {
+            storage: NumFormat::F32,
+            accumulate: NumFormat::F32,
+            activation_q8_block: if case.op == "matmul" && quantized_weight { Some(32) } else { None },
+            transcendental_ulps: 4.0,
+        }
+    }
+    fn supports(&self, case: &OpCase) -> Support {
+        match case.op {
+            "embed" | "rms_norm" | "layer_norm" | "qk_norm" | "matmul" | "add" | "add_bias" | "rope" | "attention" | "softmax" | "silu" | "gelu_tanh"
+            | "swiglu" | "geglu" | "moe_route" | "argmax" | "top_k" | "sample" => Support::Yes,
+            other => Support::Unsupported(format!("no cpu kernel for `{other}`")),
+        }
+    }
+    fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
+        Self::run(case).map_err(|r| fail("cpu", case, r))
+    }
+}

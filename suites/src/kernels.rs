@@ -1,0 +1,201 @@
+//! The kernel-level gate: every registry case, run on the oracle and on a device, compared
+//! element by element against the bound derived from the device's declared arithmetic.
+//!
+//! Rules of the gate: discrete outputs must match exactly; a non-finite device value where the
+//! oracle is finite fails; shapes must match; an op the device does not support is reported as
+//! `unsupported` (never a pass); a panic or error inside the device is an `error` case.
+
+use crate::tolerance::{bounds, Bounds};
+use devices::{Device, Support};
+use oracle::registry::{registry, OpCase, Output};
+use reports::{Case, Tolerance, Verdict};
+use serde_json::{Map, Value};
+use std::time::Instant;
+
+#[derive(Default, Clone)]
+pub struct KernelOptions {
+    /// Only cases whose id matches.
+    pub filter: Option<regex::Regex>,
+    /// `(k, n)`: run shard k of n (1-based), split by a stable hash of the case id.
+    pub shard: Option<(usize, usize)>,
+    /// Also time each case and report GB/s and GFLOP/s.
+    pub perf: bool,
+}
+
+/// FNV-1a of the case id: stable across runs, machines and versions.
+pub fn shard_of(id: &str, n: usize) -> usize {
+    let h = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    (h % n as u64) as usize
+}
+
+/// All registry cases selected by the options, in registry order.
+pub fn select_cases(opts: &KernelOptions) -> Vec<OpCase> {
+    let mut out = Vec::new();
+    for e in registry() {
+        for c in (e.cases)() {
+            if opts.filter.as_ref().is_some_and(|f| !f.is_match(&c.id)) {
+                continue;
+            }
+            if let Some((k, n)) = opts.shard {
+                if shard_of(&c.id, n) != k - 1 {
+                    continue;
+                }
+            }
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn ulp_distance(a: f32, b: f32) -> u64 {
+    let key = |x: f32| {
+        let i = x.to_bits() as i32;
+        if i < 0 { (i32::MIN - i) as i64 } else { i as i64 }
+    };
+    (key(a) - key(b)).unsigned_abs()
+}
+
+/// Compares device outputs with the reference under `b`; returns (pass, metrics, worst bound, margin, message).
+fn compare(reference: &[Output], device: &[Output], b: &Bounds) -> (bool, Map<String, Value>, f64, f64, Option<String>) {
+    let mut m = Map::new();
+    if reference.len() != device.len() {
+        return (false, m, 0.0, f64::NEG_INFINITY, Some(format!("device returned {} outputs, expected {}", device.len(), reference.len())));
+    }
+    let (mut max_abs, mut max_rel, mut max_ulp, mut worst_ratio) = (0.0f64, 0.0f64, 0u64, 0.0f64);
+    let (mut err2, mut ref2, mut dot, mut dev2, mut n) = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0usize);
+    let (mut bound_at_worst, mut margin) = (0.0f64, f64::INFINITY);
+    let mut pass = true;
+    let mut have_worst = false;
+    let mut message = None;
+    for (oi, (r, d)) in reference.iter().zip(device).enumerate() {
+        match (r, d, &b.per_output[oi]) {
+            (Output::Ids(a), Output::Ids(bb), _) => {
+                n += a.len();
+                if a != bb {
+                    pass = false;
+                    let first = a.iter().zip(bb).position(|(x, y)| x != y).unwrap_or(a.len().min(bb.len()));
+                    message = Some(format!("output {oi}: ids differ at index {first}: expected {:?}, got {:?}", a.get(first), bb.get(first)));
+                    margin = margin.min(-1.0);
+                } else {
+                    margin = margin.min(0.0);
+                }
+            }
+            (Output::F32(a), Output::F32(bb), Some(bound)) => {
+                if a.shape != bb.shape || a.data.len() != bb.data.len() {
+                    return (false, m, 0.0, f64::NEG_INFINITY, Some(format!("output {oi}: shape {:?}, expected {:?}", bb.shape, a.shape)));
+                }
+                for i in 0..a.data.len() {
+                    let (x, y) = (a.data[i], bb.data[i]);
+                    n += 1;
+                    if x.is_finite() != y.is_finite() || (x.is_nan() != y.is_nan()) {
+                        pass = false;
+                        margin = f64::NEG_INFINITY;
+                        message.get_or_insert_with(|| format!("output {oi}[{i}]: device {y}, oracle {x} (non-finite mismatch)"));
+                        continue;
+                    }
+                    if !x.is_finite() {
+                        if x != y && !(x.is_nan() && y.is_nan()) {
+                            pass = false;
+                            margin = f64::NEG_INFINITY;
+                        }
+                        continue;
+                    }
+                    let (xf, yf) = (x as f64, y as f64);
+                    let err = (xf - yf).abs();
+                    max_abs = max_abs.max(err);
+                    if xf.abs() > f32::MIN_POSITIVE as f64 {
+                        max_rel = max_rel.max(err / xf.abs());
+                    }
+                    max_ulp = max_ulp.max(ulp_distance(x, y));
+                    err2 += err * err;
+                    ref2 += xf * xf;
+                    dev2 += yf * yf;
+                    dot += xf * yf;
+                    let ratio = if bound[i] > 0.0 { err / bound[i] } else if err > 0.0 { f64::INFINITY } else { 0.0 };
+                    if ratio > worst_ratio || !have_worst {
+                        worst_ratio = worst_ratio.max(ratio);
+                        bound_at_worst = bound[i];
+                        have_worst = true;
+                    }
+                    margin = margin.min(bound[i] - err);
+                    if err > bound[i] {
+                        pass = false;
+                        message.get_or_insert_with(|| format!("output {oi}[{i}]: |{y} - {x}| = {err:.3e} > bound {:.3e}", bound[i]));
+                    }
+                }
+            }
+            _ => return (false, m, 0.0, f64::NEG_INFINITY, Some(format!("output {oi}: kind differs from the reference"))),
+        }
+    }
+    m.insert("max_abs".into(), max_abs.into());
+    m.insert("max_rel".into(), max_rel.into());
+    m.insert("max_ulp".into(), max_ulp.into());
+    m.insert("nmse".into(), (if ref2 > 0.0 { err2 / ref2 } else { err2 }).into());
+    m.insert("cosine".into(), (if ref2 > 0.0 && dev2 > 0.0 { dot / (ref2 * dev2).sqrt() } else { 1.0 }).into());
+    m.insert("worst_error_over_bound".into(), if worst_ratio.is_finite() { worst_ratio.into() } else { Value::Null });
+    m.insert("values".into(), n.into());
+    if n == 0 {
+        return (false, m, 0.0, f64::NEG_INFINITY, Some("no values compared".into()));
+    }
+    (pass, m, bound_at_worst, if margin == f64::INFINITY { 0.0 } else { margin }, message)
+}
+
+/// Runs one case on `device`.
+pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
+    let mk = |verdict, metrics, rule: String, bound, margin, message| Case {
+        id: case.id.clone(),
+        device: device.name(),
+        verdict,
+        metrics,
+        tolerance: Tolerance { rule, bound },
+        margin,
+        message,
+    };
+    if let Support::Unsupported(why) = device.supports(case) {
+        return mk(Verdict::Unsupported, Map::new(), "-".into(), 0.0, 0.0, Some(why));
+    }
+    let entry = registry().into_iter().find(|e| e.name == case.op).expect("case from the registry");
+    let reference = match (entry.reference)(case) {
+        Ok(r) => r,
+        Err(e) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some(format!("oracle: {e}"))),
+    };
+    let t = Instant::now();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| device.run_op(case)));
+    let mut seconds = t.elapsed().as_secs_f64();
+    let dev_out = match result {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some(e.to_string())),
+        Err(_) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some("the device panicked".into())),
+    };
+    let arith = device.arithmetic(case);
+    let b = bounds(case, &reference, &arith);
+    let (pass, mut metrics, bound, margin, message) = compare(&reference, &dev_out, &b);
+    if perf {
+        for _ in 0..2 {
+            let t = Instant::now();
+            let _ = device.run_op(case);
+            device.synchronize();
+            seconds = seconds.min(t.elapsed().as_secs_f64());
+        }
+        metrics.insert("seconds".into(), seconds.into());
+        metrics.insert("gbps".into(), ((entry.bytes)(case) as f64 / seconds / 1e9).into());
+        metrics.insert("gflops".into(), ((entry.flops)(case) as f64 / seconds / 1e9).into());
+    }
+    metrics.insert("arithmetic".into(), serde_json::to_value(arith).unwrap_or(Value::Null));
+    mk(if pass { Verdict::Pass } else { Verdict::Fail }, metrics, b.rule, bound, margin, message)
+}
+
+/// Runs the selected cases; `progress(done, total)` is called after each.
+pub fn run(device: &dyn Device, opts: &KernelOptions, mut progress: impl FnMut(usize, usize)) -> Vec<Case> {
+    let cases = select_cases(opts);
+    let total = cases.len();
+    cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let r = run_case(device, c, opts.perf);
+            progress(i + 1, total);
+            r
+        })
+        .collect()
+}

@@ -1,0 +1,218 @@
+//! Tolerances derived from a device's declared arithmetic, never tuned.
+//!
+//! For each op the registry names a rule; here the rule becomes a per-element bound from the
+//! device's unit roundoff `u` (storage) and `ua` (accumulation), the reduction lengths, the input
+//! magnitudes taken from the case itself, and — for devices that quantize activations — the exact
+//! error of the declared quantizer (the suite re-quantizes the activations the declared way).
+//! The bounds are first-order worst-case (Higham-style `gamma(n) = n*u / (1 - n*u)`), so a correct
+//! device cannot exceed them, while bugs that change values by more than rounding do.
+
+use devices::Arithmetic;
+use oracle::quant::decode;
+use oracle::registry::{Input, OpCase, Output, Tensor, ToleranceRule};
+
+/// gamma(n) = n u / (1 - n u).
+pub fn gamma(n: usize, u: f64) -> f64 {
+    let nu = n as f64 * u;
+    nu / (1.0 - nu).max(0.5)
+}
+
+/// Per-element bounds for every output of `case` (None for discrete outputs, which must match
+/// exactly), and the rule in words.
+pub struct Bounds {
+    pub per_output: Vec<Option<Vec<f64>>>,
+    pub rule: String,
+}
+
+fn f32_in<'a>(case: &'a OpCase, name: &str) -> &'a Tensor {
+    case.f32(name).expect("registry case has this input")
+}
+
+/// ggml's Q8_0 activation quantization (block 32, scale amax/127 stored as f16, round half away
+/// from zero): returns the dequantized values the device multiplies with.
+pub fn q8_dequantized(x: &[f32]) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for blk in x.chunks(32) {
+        let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let d16 = half::f16::from_f32(d).to_f32() as f64;
+        out.extend(blk.iter().map(|v| (v * id).round() as f64 * d16));
+    }
+    out
+}
+
+pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
+    let u = a.storage.unit_roundoff();
+    let ua = a.accumulate.unit_roundoff().max(u);
+    let ulps = a.transcendental_ulps;
+    let entry_rule = oracle::registry::registry().into_iter().find(|e| e.name == case.op).map(|e| e.rule);
+    let y = |i: usize| match &reference[i] {
+        Output::F32(t) => t.data.iter().map(|v| *v as f64).collect::<Vec<f64>>(),
+        Output::Ids(_) => Vec::new(),
+    };
+    let tiny = f32::MIN_POSITIVE as f64;
+    let discrete_or = |f: &dyn Fn(usize) -> Vec<f64>| -> Vec<Option<Vec<f64>>> {
+        reference.iter().enumerate().map(|(i, o)| matches!(o, Output::F32(_)).then(|| f(i))).collect()
+    };
+    match (case.op, entry_rule) {
+        ("embed", _) => Bounds { per_output: vec![Some(vec![0.0; y(0).len()])], rule: "exact copy".into() },
+        ("matmul", _) => {
+            let x = f32_in(case, "x");
+            let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else {
+                return Bounds { per_output: vec![None], rule: "matmul without a packed weight".into() };
+            };
+            let w = decode(*ty, bytes, rows * cols).expect("registry weights decode");
+            let (m, k) = (x.shape[0], *cols);
+            let xq: Vec<f64> = match a.activation_q8_block {
+                Some(32) => x.data.chunks(k).flat_map(q8_dequantized).collect(),
+                _ => x.data.iter().map(|v| *v as f64).collect(),
+            };
+            let g = gamma(k + 4, ua);
+            let mut b = vec![0.0; m * rows];
+            for t in 0..m {
+                for r in 0..*rows {
+                    let (mut d, mut s) = (0.0f64, 0.0f64);
+                    for j in 0..k {
+                        let wj = w[r * k + j] as f64;
+                        d += wj * (x.data[t * k + j] as f64 - xq[t * k + j]);
+                        s += (wj * xq[t * k + j]).abs();
+                    }
+                    b[t * rows + r] = d.abs() + g * s + u * (d.abs() + s) + tiny;
+                }
+            }
+            let act = if a.activation_q8_block.is_some() { "|sum w*(x - q8(x))| + " } else { "" };
+            Bounds { per_output: vec![Some(b)], rule: format!("{act}gamma(K+4)*sum|w*x| + u*|y|, K={k}") }
+        }
+        ("add" | "add_bias", _) => Bounds { per_output: vec![Some(y(0).iter().map(|v| 2.0 * u * v.abs() + tiny).collect())], rule: "2u*|y|".into() },
+        ("rms_norm" | "qk_norm", _) => {
+            let n = if case.op == "qk_norm" { case.pu("head_dim").unwrap_or(1) } else { f32_in(case, "x").shape[1] };
+            let rel = gamma(n, ua) / 2.0 + 6.0 * u;
+            Bounds { per_output: vec![Some(y(0).iter().map(|v| rel * v.abs() + tiny).collect())], rule: format!("(gamma(n)/2 + 6u)*|y|, n={n}") }
+        }
+        ("layer_norm", _) => {
+            let x = f32_in(case, "x");
+            let (w, bias) = (&f32_in(case, "weight").data, &f32_in(case, "bias").data);
+            let n = x.shape[1];
+            let yy = y(0);
+            let mut b = Vec::with_capacity(yy.len());
+            for (r, row) in x.data.chunks(n).enumerate() {
+                let mean = row.iter().map(|v| *v as f64).sum::<f64>() / n as f64;
+                let var = row.iter().map(|v| (*v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+                let s = 1.0 / (var + case.p("eps").unwrap_or(0.0)).sqrt();
+                let dmean = gamma(n, ua) * row.iter().map(|v| v.abs() as f64).sum::<f64>() / n as f64;
+                for i in 0..n {
+                    let c = row[i] as f64 - mean;
+                    let core = c * s * w[i] as f64;
+                    b.push((dmean + u * c.abs()) * s * (w[i] as f64).abs() + (gamma(n, ua) / 2.0 + 6.0 * u) * core.abs() + u * (yy[r * n + i] - bias[i] as f64).abs() + u * yy[r * n + i].abs() + tiny);
+                }
+            }
+            Bounds { per_output: vec![Some(b)], rule: format!("(|dmean| + u|x-mean|)*s*|w| + (gamma(n)/2+6u)*|core| + 2u|y|, n={n}") }
+        }
+        ("softmax", _) => {
+            let x = f32_in(case, "x");
+            let n = x.shape[1];
+            let yy = y(0);
+            let mut b = Vec::with_capacity(yy.len());
+            for (r, row) in x.data.chunks(n).enumerate() {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                for i in 0..n {
+                    let spread = if row[i].is_finite() { (row[i] as f64 - max).abs() } else { 0.0 };
+                    b.push(yy[r * n + i] * (gamma(n + 3, ua) + ulps * u + u * spread) + tiny);
+                }
+            }
+            Bounds { per_output: vec![Some(b)], rule: format!("y*(gamma(n+3) + ulps*u + u*|x-max|), n={n}") }
+        }
+        ("silu" | "gelu_tanh" | "swiglu" | "geglu", _) => {
+            let g = &f32_in(case, "gate").data;
+            let up: Vec<f64> = if case.op == "swiglu" || case.op == "geglu" { f32_in(case, "up").data.iter().map(|v| *v as f64).collect() } else { vec![1.0; g.len()] };
+            let gelu = case.op == "gelu_tanh" || case.op == "geglu";
+            let yy = y(0);
+            let b = (0..g.len())
+                .map(|i| {
+                    let x = g[i] as f64;
+                    let f_err = if gelu {
+                        let inner = 0.8 * x.abs() + 0.036 * x.abs().powi(3);
+                        0.5 * x.abs() * (ulps + 4.0) * u * (1.0 + inner)
+                    } else {
+                        (ulps + 3.0) * u * x.abs()
+                    };
+                    f_err * up[i].abs() + 3.0 * u * yy[i].abs() + tiny
+                })
+                .collect();
+            Bounds { per_output: vec![Some(b)], rule: "activation: (ulps+4)*u*|x|*(1+|inner|)*|up| + 3u*|y|".into() }
+        }
+        ("rope", _) => {
+            let x = f32_in(case, "x");
+            let hd = case.pu("head_dim").unwrap_or(1);
+            let n_rot = case.pu("n_rot").unwrap_or(hd);
+            let neox = case.pu("neox").unwrap_or(0) == 1;
+            let mscale = if case.pu("scaling").unwrap_or(0) == 2 { 1.0 + 0.1 * 4f64.ln() } else { 1.0 };
+            let yy = y(0);
+            let b = (0..x.data.len())
+                .map(|i| {
+                    let (head0, j) = (i - i % hd, i % hd);
+                    if j >= n_rot {
+                        return tiny;
+                    }
+                    let partner = if neox { if j < n_rot / 2 { j + n_rot / 2 } else { j - n_rot / 2 } } else { j ^ 1 };
+                    let mag = (x.data[i] as f64).abs() + (x.data[head0 + partner] as f64).abs();
+                    4.0 * u * mscale * mag + u * yy[i].abs() + tiny
+                })
+                .collect();
+            Bounds { per_output: vec![Some(b)], rule: "4u*mscale*(|x_a|+|x_b|) + u*|y|".into() }
+        }
+        ("attention", _) => attention_bounds(case, &y(0), u, ua, ulps),
+        ("moe_route", _) => {
+            let n = f32_in(case, "logits").shape[1];
+            Bounds {
+                per_output: discrete_or(&|i| y(i).iter().map(|v| v.abs() * (gamma(2 * n + 4, ua) + 2.0 * ulps * u) + tiny).collect()),
+                rule: format!("expert ids exact; weights |y|*(gamma(2n+4) + 2*ulps*u), n={n}"),
+            }
+        }
+        (_, Some(ToleranceRule::Exact)) => Bounds { per_output: discrete_or(&|i| vec![0.0; y(i).len()]), rule: "exact".into() },
+        (op, _) => Bounds { per_output: discrete_or(&|i| vec![0.0; y(i).len()]), rule: format!("no rule for `{op}`: exact") },
+    }
+}
+
+fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bounds {
+    let (q, k, v) = (f32_in(case, "q"), f32_in(case, "k"), f32_in(case, "v"));
+    let nh = case.pu("n_head").unwrap_or(1);
+    let nkv = case.pu("n_head_kv").unwrap_or(1);
+    let hd = case.pu("head_dim").unwrap_or(1);
+    let window = case.pu("window").unwrap_or(0);
+    let pos = case.ids("pos").unwrap_or(&[]);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut b = vec![0.0; yy.len()];
+    for (t, &p) in pos.iter().enumerate() {
+        let p = p as usize;
+        let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+        for h in 0..nh {
+            let kvh = h / (nh / nkv);
+            let qh = &q.data[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+            let mut s = Vec::new();
+            let mut s_err = Vec::new();
+            for j in first..=p {
+                let kj = &k.data[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                s.push(qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale);
+                s_err.push(gamma(hd + 2, ua) * scale * qh.iter().zip(kj).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>());
+            }
+            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let len = s.len();
+            let max_err = s_err.iter().copied().fold(0.0, f64::max);
+            for d in 0..hd {
+                let mut acc = 0.0;
+                for (jj, j) in (first..=p).enumerate() {
+                    let pj = e[jj] / z;
+                    let eta = 2.0 * max_err + u * (s[jj] - max).abs() + gamma(len + 4, ua) + ulps * u;
+                    acc += pj * (v.data[(j * nkv + kvh) * hd + d] as f64).abs() * (eta + gamma(len + 1, ua));
+                }
+                let i = (t * nh + h) * hd + d;
+                b[i] = acc + u * yy[i].abs() + f32::MIN_POSITIVE as f64;
+            }
+        }
+    }
+    Bounds { per_output: vec![Some(b)], rule: "sum_j p_j|v_j|*(2*max|ds| + u|s-max| + gamma(L+4) + ulps*u + gamma(L+1)) + u|y|".into() }
+}

@@ -1,0 +1,70 @@
+//! `cargo xtask kernels`: the kernel-level gate (every registry case, op vs oracle).
+
+use super::parse_shard;
+use crate::Exit;
+use reports::{Provenance, Report};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct KernelsArgs {
+    /// Device under test: ref, cpu (fixed, cuda[:N], rocm[:N] report why they are unavailable).
+    #[arg(long)]
+    device: String,
+    /// Only cases whose id matches this regular expression, e.g. 'matmul\(w=q4_1'.
+    #[arg(long)]
+    filter: Option<String>,
+    /// Also time each case (best of 3) and report GB/s and GFLOP/s.
+    #[arg(long)]
+    perf: bool,
+    /// Run shard K of N (1-based), e.g. 2/4; the split is a stable hash of the case id.
+    #[arg(long)]
+    shard: Option<String>,
+    /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-<time>/).
+    #[arg(long)]
+    report_dir: Option<PathBuf>,
+}
+
+pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
+    let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let filter = match &a.filter {
+        Some(f) => Some(regex::Regex::new(f).map_err(|e| Exit { code: 2, message: format!("--filter: {e}") })?),
+        None => None,
+    };
+    let opts = suites::kernels::KernelOptions { filter, shard: a.shard.as_deref().map(parse_shard).transpose()?, perf: a.perf };
+    let total = suites::kernels::select_cases(&opts).len();
+    let pb = super::progress(total as u64, &format!("kernels on {}", a.device));
+    let cases = suites::kernels::run(device.as_ref(), &opts, |done, _| pb.set_position(done as u64));
+    pb.finish_and_clear();
+    let report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
+    print_summary(&report);
+    let dir = super::report_dir(a.report_dir, "kernels");
+    report.write(&dir)?;
+    println!("report: {}", dir.join("report.json").display());
+    Ok(report.exit_code())
+}
+
+/// Per-op summary lines, then failures, then the totals.
+pub fn print_summary(r: &Report) {
+    println!("{:<12} {:<8} {:>6} {:>6} {:>6} {:>6} {:>14}", "op", "dtype", "pass", "fail", "unsup", "error", "worst err/bound");
+    let mut worst: std::collections::BTreeMap<(String, String), f64> = Default::default();
+    for c in &r.cases {
+        let w = c.metrics.get("worst_error_over_bound").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let e = worst.entry(Report::op_and_dtype(&c.id)).or_insert(0.0);
+        *e = e.max(w);
+    }
+    for ((op, dt), per) in r.coverage() {
+        let t = per.values().fold([0; 4], |mut acc, c| {
+            (0..4).for_each(|i| acc[i] += c[i]);
+            acc
+        });
+        println!("{op:<12} {dt:<8} {:>6} {:>6} {:>6} {:>6} {:>14.3}", t[0], t[1], t[2], t[3], worst.get(&(op.clone(), dt.clone())).copied().unwrap_or(0.0));
+    }
+    for c in r.cases.iter().filter(|c| matches!(c.verdict, reports::Verdict::Fail | reports::Verdict::Error)).take(20) {
+        println!("  {:?} {}: {}", c.verdict, c.id, c.message.as_deref().unwrap_or(""));
+    }
+    let s = &r.summary;
+    println!("\n{} executed, {} passed, {} failed, {} unsupported, {} errors", s.executed, s.passed, s.failed, s.unsupported, s.errors);
+    if s.passed == 0 {
+        println!("no case passed: the gate fails (zero executed cases is never green)");
+    }
+}
