@@ -109,7 +109,8 @@ pub struct OpEntry {
     pub name: &'static str,
     pub summary: &'static str,
     pub rule: ToleranceRule,
-    pub cases: fn() -> Vec<OpCase>,
+    /// Case generator; `base_seed` (0 = the recorded default) perturbs every input stream.
+    pub cases: fn(u64) -> Vec<OpCase>,
     pub reference: fn(&OpCase) -> Result<Vec<Output>>,
     pub flops: fn(&OpCase) -> u64,
     pub bytes: fn(&OpCase) -> u64,
@@ -149,18 +150,24 @@ fn out(shape: &[usize], data: Vec<f32>) -> Output {
     Output::F32(Tensor { shape: shape.to_vec(), data })
 }
 
-const SEEDS: [u64; 2] = [0, 1];
-/// Row lengths: odd sizes, the synthetic models' width, SmolLM2's width and FFN width.
-const WIDTHS: [usize; 7] = [5, 7, 13, 64, 256, 576, 1536];
+/// Seeds per shape for the small ops.
+const N_SEEDS: u64 = 10;
+
+/// The seed of variant `i` under a base seed (0 = the recorded default streams).
+fn seed_of(base: u64, i: u64) -> u64 {
+    i ^ base.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+/// Row lengths: odd sizes, the synthetic models' width, SmolLM2's width and FFN width, a 4096 row.
+const WIDTHS: [usize; 8] = [5, 7, 13, 64, 256, 576, 1536, 4096];
 
 // ---------------------------------------------------------------------------------------------
 // Entries.
 // ---------------------------------------------------------------------------------------------
 
-fn embed_cases() -> Vec<OpCase> {
+fn embed_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
-    for (vocab, d) in [(11usize, 7usize), (272, 256), (1000, 576)] {
-        for seed in SEEDS {
+    for (vocab, d) in [(11usize, 7usize), (272, 256), (300, 64), (1000, 576)] {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ 0xE3BE);
             let table = normals(&mut r, vocab * d, 1.0);
             let ids: Vec<u32> = (0..5).map(|_| (r.next_u64() % vocab as u64) as u32).collect();
@@ -176,14 +183,16 @@ fn embed_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&[ids.len(), table.cols], ops::embed(&table, ids)?)])
 }
 
-fn norm_cases(op: &'static str) -> Vec<OpCase> {
+fn norm_cases(op: &'static str, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in WIDTHS {
-        for seed in SEEDS {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             for eps in [1e-5, 1e-6] {
                 let mut r = SplitMix64(seed ^ n as u64);
                 let rows = 5;
-                let x = activations(&mut r, rows, n);
+                let mut x = activations(&mut r, rows, n);
+                // Row 2 has a tiny RMS (1e-3), where eps matters as much as the data does.
+                x[2 * n..3 * n].iter_mut().for_each(|v| *v *= 1e-3);
                 let w: Vec<f32> = (0..n).map(|_| (1.0 + 0.1 * r.next_normal()) as f32).collect();
                 let b = normals(&mut r, n, 0.1);
                 let mut inputs = vec![("x", t(&[rows, n], x)), ("weight", t(&[n], w))];
@@ -209,7 +218,7 @@ fn layer_norm_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&x.shape, ops::layer_norm(&x.data, n, Some(&c.f32("weight")?.data), Some(&c.f32("bias")?.data), c.p("eps")?)?)])
 }
 
-fn matmul_cases() -> Vec<OpCase> {
+fn matmul_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for ty in GgmlType::ALL {
         let bs = ty.block_size();
@@ -219,15 +228,15 @@ fn matmul_cases() -> Vec<OpCase> {
             .filter(|(k, _)| k % bs == 0)
             .collect();
         for (k, n) in shapes {
-            for m in [1usize, 5] {
-                let seed = (k * 31 + n) as u64;
+            for (m, variant) in [1usize, 3, 8].into_iter().flat_map(|m| (0..4u64).map(move |v| (m, v))) {
+                let seed = seed_of(base, (k * 31 + n) as u64 * 8 + variant);
                 let mut r = SplitMix64(seed ^ ty.id() as u64);
                 let w = normals(&mut r, n * k, 1.0 / (k as f64).sqrt());
                 let x = activations(&mut r, m, k);
                 let bytes = encode(ty, &w).expect("whole blocks");
                 v.push(case(
                     "matmul",
-                    format!("matmul(w={},k={k},n={n},m={m})", ty.name()),
+                    format!("matmul(w={},k={k},n={n},m={m},seed={seed})", ty.name()),
                     seed,
                     vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })],
                     &[],
@@ -244,10 +253,10 @@ fn matmul_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&[x.shape[0], w.rows], ops::matmul(&x.data, x.shape[0], &w)?)])
 }
 
-fn binary_cases(op: &'static str) -> Vec<OpCase> {
+fn binary_cases(op: &'static str, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in WIDTHS {
-        for seed in SEEDS {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ (n as u64) << 8);
             let rows = 3;
             let a = activations(&mut r, rows, n);
@@ -286,13 +295,13 @@ fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
     })
 }
 
-fn rope_cases() -> Vec<OpCase> {
+fn rope_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for (n_head, hd, n_rot) in [(1usize, 8usize, 8usize), (3, 64, 64), (9, 64, 64), (2, 64, 32)] {
         for neox in [0, 1] {
             for scaling in [0, 1, 2] {
-                for theta in [10_000.0, 1_000_000.0] {
-                    let seed = (n_head * 1000 + hd + neox * 7 + scaling) as u64;
+                for (theta, variant) in [10_000.0, 1_000_000.0].into_iter().flat_map(|t| (0..3u64).map(move |v| (t, v))) {
+                    let seed = seed_of(base, (n_head * 1000 + hd + neox * 7 + scaling) as u64 * 4 + variant);
                     let mut r = SplitMix64(seed);
                     let positions = [0usize, 1, 7, 300, 4095];
                     let x = activations(&mut r, positions.len(), n_head * hd);
@@ -300,7 +309,7 @@ fn rope_cases() -> Vec<OpCase> {
                     let sc = ["none", "linear", "yarn"][scaling];
                     v.push(case(
                         "rope",
-                        format!("rope(style={style},scaling={sc},theta={theta:e},heads={n_head},head_dim={hd},n_rot={n_rot})"),
+                        format!("rope(style={style},scaling={sc},theta={theta:e},heads={n_head},head_dim={hd},n_rot={n_rot},seed={seed})"),
                         seed,
                         vec![("x", t(&[positions.len(), n_head * hd], x)), ("pos", Input::Ids(positions.iter().map(|&p| p as u32).collect()))],
                         &[("neox", neox as f64), ("scaling", scaling as f64), ("theta", theta), ("n_rot", n_rot as f64), ("n_head", n_head as f64), ("head_dim", hd as f64)],
@@ -320,10 +329,10 @@ fn rope_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&x.shape, y)])
 }
 
-fn qk_norm_cases() -> Vec<OpCase> {
+fn qk_norm_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for (n_head, hd) in [(1usize, 8usize), (4, 64), (16, 128)] {
-        for seed in SEEDS {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ 0x9E ^ (n_head * hd) as u64);
             let x = activations(&mut r, 3, n_head * hd);
             let w: Vec<f32> = (0..hd).map(|_| (1.0 + 0.2 * r.next_normal()) as f32).collect();
@@ -344,12 +353,12 @@ fn qk_norm_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&x.shape, ops::rms_norm(&x.data, c.pu("head_dim")?, Some(&c.f32("weight")?.data), c.p("eps")?)?)])
 }
 
-fn attention_cases() -> Vec<OpCase> {
+fn attention_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     // (n_head, n_kv, head_dim, cache length, queries, window): MHA, GQA (SmolLM2 9/3), MQA, window.
-    let shapes = [(4usize, 4usize, 8usize, 5usize, 1usize, 0usize), (9, 3, 64, 37, 1, 0), (9, 3, 64, 11, 11, 0), (4, 1, 64, 13, 4, 0), (4, 2, 64, 40, 3, 8), (2, 2, 7, 7, 7, 0)];
+    let shapes = [(4usize, 4usize, 8usize, 5usize, 1usize, 0usize), (9, 3, 64, 37, 1, 0), (9, 3, 64, 11, 11, 0), (4, 1, 64, 13, 4, 0), (4, 2, 64, 40, 3, 8), (2, 2, 7, 7, 7, 0), (8, 8, 32, 17, 2, 0), (6, 2, 128, 9, 9, 4)];
     for (nh, nkv, hd, kv_len, m, window) in shapes {
-        for seed in SEEDS {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ (nh * 100 + kv_len) as u64);
             let q = activations(&mut r, m, nh * hd);
             let k = normals(&mut r, kv_len * nkv * hd, 1.0);
@@ -382,10 +391,10 @@ fn attention_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&q.shape, ops::attention(&q.data, &pos, &k.data, &c.f32("v")?.data, k.shape[0], &p)?)])
 }
 
-fn softmax_cases() -> Vec<OpCase> {
+fn softmax_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in WIDTHS {
-        for seed in SEEDS {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ 0x50F ^ n as u64);
             let mut x = normals(&mut r, 4 * n, 3.0);
             // Row 1 has large logits (overflows exp without max subtraction); row 2 is half masked.
@@ -402,10 +411,10 @@ fn softmax_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&x.shape, ops::softmax_rows(&x.data, x.shape[1])?)])
 }
 
-fn unary_cases(op: &'static str) -> Vec<OpCase> {
+fn unary_cases(op: &'static str, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in [7usize, 64, 1536] {
-        for seed in SEEDS {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ 0xAC7 ^ n as u64);
             let gate = activations(&mut r, 2, n);
             let up = activations(&mut r, 2, n);
@@ -432,18 +441,18 @@ fn geglu_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&g.shape, ops::geglu(&g.data, &c.f32("up")?.data)?)])
 }
 
-fn moe_cases() -> Vec<OpCase> {
+fn moe_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for (n_expert, k) in [(4usize, 2usize), (8, 2), (60, 4), (128, 8)] {
         for gating in [0, 1] {
-            for norm in [0, 1] {
-                let seed = (n_expert * 10 + k + gating * 3 + norm) as u64;
+            for (norm, variant) in [0, 1].into_iter().flat_map(|n| (0..8u64).map(move |v| (n, v))) {
+                let seed = seed_of(base, (n_expert * 10 + k + gating * 3 + norm) as u64 * 8 + variant);
                 let mut r = SplitMix64(seed);
                 let logits = normals(&mut r, 5 * n_expert, 2.0);
                 let g = if gating == 0 { "softmax" } else { "sigmoid" };
                 v.push(case(
                     "moe_route",
-                    format!("moe_route(experts={n_expert},k={k},gating={g},normalize={norm})"),
+                    format!("moe_route(experts={n_expert},k={k},gating={g},normalize={norm},seed={seed})"),
                     seed,
                     vec![("logits", t(&[5, n_expert], logits))],
                     &[("k", k as f64), ("sigmoid", gating as f64), ("normalize", norm as f64)],
@@ -469,10 +478,10 @@ fn moe_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![Output::Ids(ids), out(&[rows, k], weights)])
 }
 
-fn select_cases(op: &'static str) -> Vec<OpCase> {
+fn select_cases(op: &'static str, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
-    for n in [5usize, 272, 49152] {
-        for seed in SEEDS {
+    for n in [5usize, 272, 1000, 49152] {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ 0x5E1 ^ n as u64);
             let mut x = normals(&mut r, 3 * n, 4.0);
             // Row 2 has an exact tie for the maximum: the lower index must win.
@@ -537,22 +546,22 @@ fn per_elem_flops(c: &OpCase) -> u64 {
 pub fn registry() -> Vec<OpEntry> {
     vec![
         OpEntry { name: "embed", summary: "token embedding lookup", rule: ToleranceRule::Exact, cases: embed_cases, reference: embed_ref, flops: |_| 0, bytes: n_f32 },
-        OpEntry { name: "rms_norm", summary: "x / sqrt(mean(x^2) + eps) * w", rule: ToleranceRule::RowReduction, cases: || norm_cases("rms_norm"), reference: rms_norm_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "layer_norm", summary: "(x - mean) / sqrt(var + eps) * w + b", rule: ToleranceRule::RowReduction, cases: || norm_cases("layer_norm"), reference: layer_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "rms_norm", summary: "x / sqrt(mean(x^2) + eps) * w", rule: ToleranceRule::RowReduction, cases: |b| norm_cases("rms_norm", b), reference: rms_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "layer_norm", summary: "(x - mean) / sqrt(var + eps) * w + b", rule: ToleranceRule::RowReduction, cases: |b| norm_cases("layer_norm", b), reference: layer_norm_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { name: "matmul", summary: "y = x W^T, W in any GGUF type", rule: ToleranceRule::Dot, cases: matmul_cases, reference: matmul_ref, flops: matmul_flops, bytes: n_f32 },
-        OpEntry { name: "add_bias", summary: "x + b per row", rule: ToleranceRule::Elementwise, cases: || binary_cases("add_bias"), reference: add_bias_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "add", summary: "residual add", rule: ToleranceRule::Elementwise, cases: || binary_cases("add"), reference: add_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "add_bias", summary: "x + b per row", rule: ToleranceRule::Elementwise, cases: |b| binary_cases("add_bias", b), reference: add_bias_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "add", summary: "residual add", rule: ToleranceRule::Elementwise, cases: |b| binary_cases("add", b), reference: add_ref, flops: elems, bytes: n_f32 },
         OpEntry { name: "rope", summary: "rotary embedding, normal/neox, none/linear/yarn", rule: ToleranceRule::Transcendental, cases: rope_cases, reference: rope_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { name: "qk_norm", summary: "per-head RMSNorm over head_dim (Qwen3)", rule: ToleranceRule::RowReduction, cases: qk_norm_cases, reference: qk_norm_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { name: "attention", summary: "causal GQA attention over a KV cache, optional window", rule: ToleranceRule::Dot, cases: attention_cases, reference: attention_ref, flops: attention_flops, bytes: n_f32 },
         OpEntry { name: "softmax", summary: "row softmax, max-subtracted", rule: ToleranceRule::RowReduction, cases: softmax_cases, reference: softmax_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "silu", summary: "x * sigmoid(x)", rule: ToleranceRule::Transcendental, cases: || unary_cases("silu"), reference: silu_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "gelu_tanh", summary: "GELU, tanh approximation", rule: ToleranceRule::Transcendental, cases: || unary_cases("gelu_tanh"), reference: gelu_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "swiglu", summary: "silu(gate) * up", rule: ToleranceRule::Transcendental, cases: || unary_cases("swiglu"), reference: swiglu_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "geglu", summary: "gelu_tanh(gate) * up", rule: ToleranceRule::Transcendental, cases: || unary_cases("geglu"), reference: geglu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "silu", summary: "x * sigmoid(x)", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("silu", b), reference: silu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "gelu_tanh", summary: "GELU, tanh approximation", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("gelu_tanh", b), reference: gelu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "swiglu", summary: "silu(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("swiglu", b), reference: swiglu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "geglu", summary: "gelu_tanh(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("geglu", b), reference: geglu_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { name: "moe_route", summary: "softmax/sigmoid scores, top-k experts, optional renorm", rule: ToleranceRule::Exact, cases: moe_cases, reference: moe_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "argmax", summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: || select_cases("argmax"), reference: argmax_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "top_k", summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: || select_cases("top_k"), reference: top_k_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "sample", summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: || select_cases("sample"), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "argmax", summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: |b| select_cases("argmax", b), reference: argmax_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "top_k", summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: |b| select_cases("top_k", b), reference: top_k_ref, flops: elems, bytes: n_f32 },
+        OpEntry { name: "sample", summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: |b| select_cases("sample", b), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
     ]
 }

@@ -10,7 +10,7 @@ fn every_op_has_cases_a_rule_and_a_runnable_reference() {
     let mut ids = std::collections::HashSet::new();
     let mut total = 0;
     for e in registry() {
-        let cases = (e.cases)();
+        let cases = (e.cases)(0);
         assert!(!cases.is_empty(), "{}: no cases", e.name);
         assert!(!e.rule.describe().is_empty(), "{}: no tolerance rule", e.name);
         for c in &cases {
@@ -44,7 +44,7 @@ fn every_op_has_cases_a_rule_and_a_runnable_reference() {
 fn matmul_reference_equals_a_naive_f64_loop() {
     let e = registry().into_iter().find(|e| e.name == "matmul").unwrap();
     let mut rng = SplitMix64(5);
-    for c in (e.cases)().iter().filter(|_| rng.next_u64() % 8 == 0) {
+    for c in (e.cases)(0).iter().filter(|_| rng.next_u64() % 8 == 0) {
         let Some((_, Input::F32(x))) = c.inputs.iter().find(|(n, _)| *n == "x") else { panic!() };
         let Some((_, Input::Quant { ty, rows, cols, bytes })) = c.inputs.iter().find(|(n, _)| *n == "w") else { panic!() };
         let w = decode(*ty, bytes, rows * cols).unwrap();
@@ -67,7 +67,7 @@ fn matmul_reference_equals_a_naive_f64_loop() {
 #[test]
 fn exact_ops_resolve_ties_to_the_lower_index() {
     let e = registry().into_iter().find(|e| e.name == "argmax").unwrap();
-    for c in (e.cases)() {
+    for c in (e.cases)(0) {
         let Output::Ids(ids) = &(e.reference)(&c).unwrap()[0] else { panic!() };
         let n = match &c.inputs[0].1 {
             Input::F32(t) => t.shape[1],

@@ -20,6 +20,8 @@ pub struct KernelOptions {
     pub shard: Option<(usize, usize)>,
     /// Also time each case and report GB/s and GFLOP/s.
     pub perf: bool,
+    /// Base seed of every case's inputs (0 = the recorded default streams).
+    pub seed: u64,
 }
 
 /// FNV-1a of the case id: stable across runs, machines and versions.
@@ -32,7 +34,7 @@ pub fn shard_of(id: &str, n: usize) -> usize {
 pub fn select_cases(opts: &KernelOptions) -> Vec<OpCase> {
     let mut out = Vec::new();
     for e in registry() {
-        for c in (e.cases)() {
+        for c in (e.cases)(opts.seed) {
             if opts.filter.as_ref().is_some_and(|f| !f.is_match(&c.id)) {
                 continue;
             }

@@ -16,6 +16,9 @@ pub struct KernelsArgs {
     /// Also time each case (best of 3) and report GB/s and GFLOP/s.
     #[arg(long)]
     perf: bool,
+    /// Base seed of every case's inputs (0 = the recorded default; reported in each case id's seed=).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Run shard K of N (1-based), e.g. 2/4; the split is a stable hash of the case id.
     #[arg(long)]
     shard: Option<String>,
@@ -30,7 +33,7 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
         Some(f) => Some(regex::Regex::new(f).map_err(|e| Exit { code: 2, message: format!("--filter: {e}") })?),
         None => None,
     };
-    let opts = suites::kernels::KernelOptions { filter, shard: a.shard.as_deref().map(parse_shard).transpose()?, perf: a.perf };
+    let opts = suites::kernels::KernelOptions { filter, shard: a.shard.as_deref().map(parse_shard).transpose()?, perf: a.perf, seed: a.seed };
     let total = suites::kernels::select_cases(&opts).len();
     let pb = super::progress(total as u64, &format!("kernels on {}", a.device));
     let cases = suites::kernels::run(device.as_ref(), &opts, |done, _| pb.set_position(done as u64));

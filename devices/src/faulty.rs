@@ -1,0 +1,221 @@
+//! Test-only devices with one injected bug each (feature `faults`): the bug classes real engines
+//! ship. The gate-sensitivity tests run the kernel suite on each and require it to go red, while
+//! the correct `cpu` device stays green on the same cases. Each fault is injected by changing what
+//! the correct cpu kernels are given (or, where that cannot express the bug, a small faulty kernel).
+
+use crate::cpu::CpuDevice;
+use crate::{fail, Arithmetic, Device, DeviceError, Support};
+use oracle::quant::GgmlType;
+use oracle::registry::{Input, OpCase, Output, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// RoPE applied at position + 1.
+    RopeOffByOne,
+    /// Normal (adjacent-pair) RoPE where neox was asked for, and the reverse.
+    RopeWrongLayout,
+    /// Norm epsilon ten times too large.
+    NormEpsWrong,
+    /// The bias add forgotten.
+    MissingBias,
+    /// Weight rows read with the wrong stride (row r reads row r + 1).
+    MisstridedWeight,
+    /// Quantized block scale 3% off.
+    QuantScaleWrong,
+    /// The min/offset of Q4_1, Q5_1, Q4_K, Q5_K blocks ignored.
+    QuantMinIgnored,
+    /// Softmax without subtracting the row maximum (overflows).
+    SoftmaxNoMaxSub,
+    /// The causal mask off by one (a query does not see its own key).
+    CausalOffByOne,
+    /// Query head h uses kv head h % n_kv instead of h / (n_head / n_kv).
+    GqaMappingWrong,
+    /// Keys/values appended one position late.
+    KvWrongPosition,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 11] = [
+        Fault::RopeOffByOne,
+        Fault::RopeWrongLayout,
+        Fault::NormEpsWrong,
+        Fault::MissingBias,
+        Fault::MisstridedWeight,
+        Fault::QuantScaleWrong,
+        Fault::QuantMinIgnored,
+        Fault::SoftmaxNoMaxSub,
+        Fault::CausalOffByOne,
+        Fault::GqaMappingWrong,
+        Fault::KvWrongPosition,
+    ];
+
+    /// The ops the fault lives in.
+    pub fn ops(self) -> &'static [&'static str] {
+        match self {
+            Fault::RopeOffByOne | Fault::RopeWrongLayout => &["rope"],
+            Fault::NormEpsWrong => &["rms_norm", "layer_norm", "qk_norm"],
+            Fault::MissingBias => &["add_bias"],
+            Fault::MisstridedWeight | Fault::QuantScaleWrong | Fault::QuantMinIgnored => &["matmul"],
+            Fault::SoftmaxNoMaxSub => &["softmax"],
+            Fault::CausalOffByOne | Fault::GqaMappingWrong | Fault::KvWrongPosition => &["attention"],
+        }
+    }
+}
+
+pub struct FaultyDevice(pub Fault);
+
+fn set_param(case: &mut OpCase, name: &'static str, f: impl Fn(f64) -> f64) {
+    if let Some(v) = case.params.get_mut(name) {
+        *v = f(*v);
+    }
+}
+
+fn f32_input<'a>(case: &'a mut OpCase, name: &str) -> Option<&'a mut Tensor> {
+    case.inputs.iter_mut().find(|(n, _)| *n == name).and_then(|(_, i)| if let Input::F32(t) = i { Some(t) } else { None })
+}
+
+fn ids_input<'a>(case: &'a mut OpCase, name: &str) -> Option<&'a mut Vec<u32>> {
+    case.inputs.iter_mut().find(|(n, _)| *n == name).and_then(|(_, i)| if let Input::Ids(v) = i { Some(v) } else { None })
+}
+
+/// Byte offsets of the f16 scale (`d`) and min (`m`, if any) fields inside one block.
+fn scale_fields(ty: GgmlType) -> (Option<usize>, Option<usize>) {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => (Some(0), None),
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => (Some(0), Some(2)),
+        GgmlType::Q6_K => (Some(208), None),
+        _ => (None, None),
+    }
+}
+
+impl FaultyDevice {
+    fn inject(&self, case: &OpCase) -> Result<Vec<Output>, String> {
+        let mut c = case.clone();
+        let cpu = CpuDevice;
+        let run = |c: &OpCase| cpu.run_op(c).map_err(|e| e.to_string());
+        match self.0 {
+            Fault::RopeOffByOne => {
+                if let Some(p) = ids_input(&mut c, "pos") {
+                    p.iter_mut().for_each(|v| *v += 1);
+                }
+                run(&c)
+            }
+            Fault::RopeWrongLayout => {
+                set_param(&mut c, "neox", |v| 1.0 - v);
+                run(&c)
+            }
+            Fault::NormEpsWrong => {
+                set_param(&mut c, "eps", |v| v * 10.0);
+                run(&c)
+            }
+            Fault::MissingBias => {
+                let a = c.f32("a").map_err(|e| e.to_string())?.clone();
+                Ok(vec![Output::F32(a)])
+            }
+            Fault::MisstridedWeight | Fault::QuantScaleWrong | Fault::QuantMinIgnored => {
+                if let Some((_, Input::Quant { ty, rows, cols, bytes })) = c.inputs.iter_mut().find(|(n, _)| *n == "w") {
+                    let row_bytes = ty.bytes_for(*cols as u64).unwrap_or(0) as usize;
+                    let (d_at, m_at) = scale_fields(*ty);
+                    match self.0 {
+                        Fault::MisstridedWeight => {
+                            let orig = bytes.clone();
+                            for r in 0..*rows {
+                                let src = (r + 1) % *rows;
+                                bytes[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&orig[src * row_bytes..(src + 1) * row_bytes]);
+                            }
+                        }
+                        _ => {
+                            let at = if self.0 == Fault::QuantScaleWrong { d_at } else { m_at };
+                            if let Some(at) = at {
+                                for blk in bytes.chunks_mut(ty.type_size()) {
+                                    let v = half::f16::from_le_bytes([blk[at], blk[at + 1]]).to_f32();
+                                    let nv = if self.0 == Fault::QuantScaleWrong { v * 1.03 } else { 0.0 };
+                                    blk[at..at + 2].copy_from_slice(&half::f16::from_f32(nv).to_le_bytes());
+                                }
+                            }
+                        }
+                    }
+                }
+                run(&c)
+            }
+            Fault::SoftmaxNoMaxSub => {
+                let x = c.f32("x").map_err(|e| e.to_string())?;
+                let n = x.shape[1];
+                let data = x
+                    .data
+                    .chunks(n)
+                    .flat_map(|row| {
+                        let e: Vec<f32> = row.iter().map(|v| v.exp()).collect();
+                        let s: f32 = e.iter().sum();
+                        e.into_iter().map(move |v| v / s)
+                    })
+                    .collect();
+                Ok(vec![Output::F32(Tensor { shape: x.shape.clone(), data })])
+            }
+            Fault::CausalOffByOne => {
+                // Each query sees keys up to its position - 1 (position 0 keeps its only key).
+                if let Some(p) = ids_input(&mut c, "pos") {
+                    p.iter_mut().for_each(|v| *v = v.saturating_sub(1));
+                }
+                run(&c)
+            }
+            Fault::KvWrongPosition => {
+                let nkv_hd = c.pu("n_head_kv").unwrap_or(1) * c.pu("head_dim").unwrap_or(1);
+                for name in ["k", "v"] {
+                    if let Some(t) = f32_input(&mut c, name) {
+                        let orig = t.data.clone();
+                        for j in 1..t.shape[0] {
+                            t.data[j * nkv_hd..(j + 1) * nkv_hd].copy_from_slice(&orig[(j - 1) * nkv_hd..j * nkv_hd]);
+                        }
+                    }
+                }
+                run(&c)
+            }
+            Fault::GqaMappingWrong => {
+                let (nh, nkv, hd) = (c.pu("n_head").unwrap_or(1), c.pu("n_head_kv").unwrap_or(1), c.pu("head_dim").unwrap_or(1));
+                let group = nh / nkv.max(1);
+                // slot(h) is the head whose correct kv head is h % nkv, so running the correct
+                // kernel on permuted queries computes head h against kv head h % nkv.
+                let slot = |h: usize| (h % nkv) * group + h / nkv;
+                let q = c.f32("q").map_err(|e| e.to_string())?.clone();
+                let m = q.shape[0];
+                let mut qp = q.clone();
+                for t in 0..m {
+                    for h in 0..nh {
+                        let (src, dst) = ((t * nh + h) * hd, (t * nh + slot(h)) * hd);
+                        qp.data[dst..dst + hd].copy_from_slice(&q.data[src..src + hd]);
+                    }
+                }
+                *f32_input(&mut c, "q").ok_or("no q")? = qp;
+                let out = run(&c)?;
+                let Some(Output::F32(o)) = out.into_iter().next() else { return Err("no output".into()) };
+                let mut back = o.clone();
+                for t in 0..m {
+                    for h in 0..nh {
+                        let (dst, src) = ((t * nh + h) * hd, (t * nh + slot(h)) * hd);
+                        back.data[dst..dst + hd].copy_from_slice(&o.data[src..src + hd]);
+                    }
+                }
+                Ok(vec![Output::F32(back)])
+            }
+        }
+    }
+}
+
+impl Device for FaultyDevice {
+    fn name(&self) -> String {
+        format!("faulty:{:?}", self.0)
+    }
+    fn arithmetic(&self, case: &OpCase) -> Arithmetic {
+        CpuDevice.arithmetic(case)
+    }
+    fn supports(&self, case: &OpCase) -> Support {
+        CpuDevice.supports(case)
+    }
+    fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
+        if !self.0.ops().contains(&case.op) {
+            return CpuDevice.run_op(case);
+        }
+        self.inject(case).map_err(|r| fail(&self.name(), case, r))
+    }
+}
