@@ -81,6 +81,28 @@ pub trait Device: Send + Sync {
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError>;
     /// Waits for queued work (a no-op on CPU devices).
     fn synchronize(&self) {}
+    /// Loads a GGUF model to run whole forward passes on this device.
+    fn load_model(&self, path: &std::path::Path, _opts: &ModelOptions) -> Result<Box<dyn DeviceModel>, DeviceError> {
+        Err(DeviceError::Unavailable(self.name(), format!("{}: this device does not run whole models", path.display())))
+    }
+}
+
+/// Options of a device model run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ModelOptions {
+    /// Keep the KV cache in f16 (halves its memory, adds one rounding per cached value).
+    pub kv_f16: bool,
+}
+
+/// A model loaded on a device: prefill/decode against the device's own KV cache, with taps.
+pub trait DeviceModel: Send {
+    fn spec(&self) -> &oracle::ModelSpec;
+    /// Runs `tokens` at positions `cached()..`, appends to the cache, returns logits `[tokens, n_vocab]`.
+    fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError>;
+    /// Positions in the cache.
+    fn cached(&self) -> usize;
+    /// Empties the cache.
+    fn reset(&mut self);
 }
 
 /// Opens a device by name, or says why it is unavailable.

@@ -4,6 +4,7 @@
 
 use super::qdot::dot_f32;
 use oracle::registry::Tensor;
+use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
 use rayon::prelude::*;
 
 pub fn transpose(y_t: &[f32], n: usize, m: usize) -> Vec<f32> {
@@ -64,30 +65,25 @@ pub fn add_broadcast(a: &[f32], b: &[f32]) -> Vec<f32> {
     a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect()
 }
 
-pub struct RopeCfg {
-    pub neox: bool,
-    pub theta: f64,
-    pub n_rot: usize,
-    /// 0 none, 1 linear x4, 2 YaRN x4 over a 128-position original context (registry codes).
-    pub scaling: u32,
-}
-
 /// cos/sin tables are built in f64 on the host and stored as f32, as engines that precompute
-/// RoPE tables do; the rotation itself is f32.
-fn rope_table(cfg: &RopeCfg, pos: usize) -> Vec<(f32, f32)> {
-    let half = cfg.n_rot / 2;
-    let (factor, orig) = (4.0f64, 128.0f64);
-    let corr = |beta: f64| cfg.n_rot as f64 * (orig / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * cfg.theta.ln());
-    let (lo, hi) = (corr(32.0).floor().max(0.0), corr(1.0).ceil().min(cfg.n_rot as f64 - 1.0));
-    (0..half)
+/// RoPE tables do; the rotation itself is f32. Scaling follows llama.cpp's definitions.
+pub fn rope_table(spec: &RopeSpec, pos: usize) -> Vec<(f32, f32)> {
+    let n_rot = spec.n_rot as f64;
+    (0..spec.n_rot / 2)
         .map(|i| {
-            let base = pos as f64 / cfg.theta.powf(2.0 * i as f64 / cfg.n_rot as f64);
-            let (angle, mag) = match cfg.scaling {
-                0 => (base, 1.0),
-                1 => (base / factor, 1.0),
-                _ => {
-                    let ramp = 1.0 - ((i as f64 - lo) / (hi - lo).max(0.001)).clamp(0.0, 1.0);
-                    (base / factor * (1.0 - ramp) + base * ramp, 1.0 + 0.1 * factor.ln())
+            let base = pos as f64 / spec.theta.powf(2.0 * i as f64 / n_rot);
+            let (angle, mag) = match spec.scaling {
+                RopeScaling::None => (base, 1.0),
+                RopeScaling::Linear { factor } => (base / factor, 1.0),
+                RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
+                    let corr = |beta: f64| n_rot * (original_context as f64 / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * spec.theta.ln());
+                    let (lo, hi) = (corr(beta_fast).floor().max(0.0), corr(beta_slow).ceil().min(n_rot - 1.0));
+                    if ext_factor == 0.0 {
+                        (base / factor, attn_factor)
+                    } else {
+                        let mix = (1.0 - ((i as f64 - lo) / (hi - lo).max(0.001)).clamp(0.0, 1.0)) * ext_factor;
+                        (base / factor * (1.0 - mix) + base * mix, attn_factor * (1.0 + 0.1 * factor.ln()))
+                    }
                 }
             };
             ((angle.cos() * mag) as f32, (angle.sin() * mag) as f32)
@@ -95,14 +91,16 @@ fn rope_table(cfg: &RopeCfg, pos: usize) -> Vec<(f32, f32)> {
         .collect()
 }
 
-pub fn rope(x: &mut [f32], pos: &[usize], n_head: usize, hd: usize, cfg: &RopeCfg) {
-    let half = cfg.n_rot / 2;
+/// Rotates `x: [positions, n_head * hd]` in place.
+pub fn rope(x: &mut [f32], pos: &[usize], n_head: usize, hd: usize, spec: &RopeSpec) {
+    let half = spec.n_rot / 2;
+    let neox = spec.style == RopeStyle::Neox;
     for (t, &p) in pos.iter().enumerate() {
-        let table = rope_table(cfg, p);
+        let table = rope_table(spec, p);
         for h in 0..n_head {
             let head = &mut x[(t * n_head + h) * hd..(t * n_head + h + 1) * hd];
             for (i, &(c, s)) in table.iter().enumerate() {
-                let (a, b) = if cfg.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
                 let (x0, x1) = (head[a], head[b]);
                 head[a] = x0 * c - x1 * s;
                 head[b] = x0 * s + x1 * c;

@@ -3,10 +3,13 @@
 //! directly in their packed blocks against Q8_0-quantized activations (see `qdot`).
 
 pub mod kernels;
+pub mod model;
 pub mod qdot;
 
 use crate::{fail, Arithmetic, Device, DeviceError, NumFormat, Support};
+use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
+use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
 
 pub struct CpuDevice;
 
@@ -17,42 +20,58 @@ fn out(shape: &[usize], data: Vec<f32>) -> Output {
     Output::F32(Tensor { shape: shape.to_vec(), data })
 }
 
+/// A packed weight matrix: `rows` outputs of `cols` inputs, each row `ty`-encoded.
+#[derive(Clone, Copy)]
+pub struct Packed<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: &'a [u8],
+}
+
+/// `y = x W^T` for `x: [m, k]` on packed weights: float types in f32, quantized types with
+/// Q8_0-quantized activations and integer block dots. Split over weight rows.
+pub fn matmul_packed(x: &[f32], m: usize, w: Packed) -> Vec<f32> {
+    use rayon::prelude::*;
+    let k = w.cols;
+    let row_bytes = w.bytes.len() / w.rows.max(1);
+    let mut y_t = vec![0.0f32; w.rows * m];
+    if qdot::is_float(w.ty) {
+        y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
+            let mut wr = vec![0.0f32; k];
+            for (dr, orow) in o.chunks_mut(m).enumerate() {
+                let r = c * ROWS_PER_TASK + dr;
+                qdot::float_row(w.ty, &w.bytes[r * row_bytes..(r + 1) * row_bytes], &mut wr);
+                for (t, v) in orow.iter_mut().enumerate() {
+                    *v = qdot::dot_f32(&x[t * k..(t + 1) * k], &wr);
+                }
+            }
+        });
+    } else {
+        let xq: Vec<qdot::Q8Row> = x.chunks(k).map(qdot::quantize_q8).collect();
+        y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
+            for (dr, orow) in o.chunks_mut(m).enumerate() {
+                let r = c * ROWS_PER_TASK + dr;
+                let wrow = &w.bytes[r * row_bytes..(r + 1) * row_bytes];
+                for (t, v) in orow.iter_mut().enumerate() {
+                    *v = qdot::dot_row(w.ty, wrow, &xq[t]);
+                }
+            }
+        });
+    }
+    kernels::transpose(&y_t, w.rows, m)
+}
+
 impl CpuDevice {
     /// The matmul of `x: [m, k]` with a weight input, packed or float.
     pub fn matmul(case: &OpCase, x: &Tensor, w: &Input) -> Result<Vec<f32>, String> {
-        use rayon::prelude::*;
-        let (m, k) = (x.shape[0], x.shape[1]);
         match w {
             Input::Quant { ty, rows, cols, bytes } => {
-                if *cols != k {
-                    return Err(format!("weight has {cols} columns, x has {k}"));
+                let (m, k) = (x.shape[0], x.shape[1]);
+                if *cols != k || ty.bytes_for((*rows * *cols) as u64) != Some(bytes.len() as u64) {
+                    return Err(format!("weight [{rows}, {cols}] {} does not fit x [{m}, {k}]", ty.name()));
                 }
-                let row_bytes = (ty.bytes_for(*cols as u64).ok_or("partial block")?) as usize;
-                let mut y_t = vec![0.0f32; rows * m];
-                if qdot::is_float(*ty) {
-                    y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
-                        let mut wr = vec![0.0f32; k];
-                        for (dr, orow) in o.chunks_mut(m).enumerate() {
-                            let r = c * ROWS_PER_TASK + dr;
-                            qdot::float_row(*ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut wr);
-                            for (t, v) in orow.iter_mut().enumerate() {
-                                *v = qdot::dot_f32(&x.data[t * k..(t + 1) * k], &wr);
-                            }
-                        }
-                    });
-                } else {
-                    let xq: Vec<qdot::Q8Row> = x.data.chunks(k).map(qdot::quantize_q8).collect();
-                    y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
-                        for (dr, orow) in o.chunks_mut(m).enumerate() {
-                            let r = c * ROWS_PER_TASK + dr;
-                            let wrow = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                            for (t, v) in orow.iter_mut().enumerate() {
-                                *v = qdot::dot_row(*ty, wrow, &xq[t]);
-                            }
-                        }
-                    });
-                }
-                Ok(kernels::transpose(&y_t, *rows, m))
+                Ok(matmul_packed(&x.data, m, Packed { ty: *ty, rows: *rows, cols: *cols, bytes }))
             }
             _ => Err(format!("{}: matmul weight must be a packed input", case.id)),
         }
@@ -94,13 +113,14 @@ impl CpuDevice {
                 let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
                 let mut y = x.data.clone();
                 let p = |n: &str| case.p(n).map_err(e);
-                let cfg = kernels::RopeCfg {
-                    neox: p("neox")? == 1.0,
-                    theta: p("theta")?,
-                    n_rot: p("n_rot")? as usize,
-                    scaling: p("scaling")? as u32,
+                // Registry scaling codes: 0 none, 1 linear x4, 2 YaRN x4 over a 128-position context.
+                let scaling = match p("scaling")? as u32 {
+                    0 => RopeScaling::None,
+                    1 => RopeScaling::Linear { factor: 4.0 },
+                    _ => RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
                 };
-                kernels::rope(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &cfg);
+                let spec = RopeSpec { style: if p("neox")? == 1.0 { RopeStyle::Neox } else { RopeStyle::Normal }, theta: p("theta")?, n_rot: p("n_rot")? as usize, scaling };
+                kernels::rope(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &spec);
                 vec![out(&x.shape, y)]
             }
             "attention" => {
@@ -173,5 +193,8 @@ impl Device for CpuDevice {
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
         Self::run(case).map_err(|r| fail("cpu", case, r))
+    }
+    fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+        Ok(Box::new(model::CpuModel::load(path, opts)?))
     }
 }

@@ -36,18 +36,87 @@ pub fn quantize_q8(x: &[f32]) -> Q8Row {
     r
 }
 
-#[inline]
+#[inline(always)]
 fn rd16(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-#[inline]
+#[inline(always)]
 fn idot(a: &[i8], b: &[i8]) -> i32 {
     a.iter().zip(b).map(|(x, y)| *x as i32 * *y as i32).sum()
 }
 
+/// The integer block dots, in a portable form and (x86-64) an AVX2 form. `dot_row_impl` is
+/// generic over this, so the AVX2 copy is monomorphised inside the `avx2` target-feature function.
+trait BlockDot {
+    /// sum_j nibble_j * x_j for a 16-byte nibble block (low nibbles = elements 0..16, high = 16..32).
+    fn idot_nibbles(qs: &[u8], x: &[i8], scratch: &mut [i8; 32]) -> i32;
+    /// sum_j a_j * b_j for two 32-value i8 blocks; `b` (quantized activations) is within -127..=127.
+    fn idot_i8(a: &[i8], b: &[i8]) -> i32;
+}
+
+struct Portable;
+
+impl BlockDot for Portable {
+    #[inline(always)]
+    fn idot_nibbles(qs: &[u8], x: &[i8], scratch: &mut [i8; 32]) -> i32 {
+        nibbles(qs, scratch, 0);
+        idot(scratch, x)
+    }
+    #[inline(always)]
+    fn idot_i8(a: &[i8], b: &[i8]) -> i32 {
+        idot(a, b)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl BlockDot for Avx2 {
+    #[inline(always)]
+    fn idot_nibbles(qs: &[u8], x: &[i8], _: &mut [i8; 32]) -> i32 {
+        use std::arch::x86_64::*;
+        assert!(qs.len() >= 16 && x.len() >= 32);
+        // SAFETY: only reached from `dot_row_avx2`, which runs after the AVX2 check; lengths asserted.
+        unsafe {
+            let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+            let mask = _mm_set1_epi8(0x0F);
+            let lo = _mm_and_si128(raw, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+            let w = _mm256_set_m128i(hi, lo);
+            let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
+            // u8 x i8 pairs -> i16: at most 2 * 15 * 128, no saturation.
+            hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1)))
+        }
+    }
+    #[inline(always)]
+    fn idot_i8(a: &[i8], b: &[i8]) -> i32 {
+        use std::arch::x86_64::*;
+        assert!(a.len() >= 32 && b.len() >= 32);
+        // SAFETY: as above.
+        unsafe {
+            let av = _mm256_loadu_si256(a.as_ptr() as *const __m256i);
+            let bv = _mm256_loadu_si256(b.as_ptr() as *const __m256i);
+            // |a| as u8 times b with a's sign: pairs sum to at most 2 * 127 * 128, no saturation.
+            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(av, av), _mm256_sign_epi8(bv, av));
+            hsum_i32(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hsum_i32(v: std::arch::x86_64::__m256i) -> i32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
 /// Unpacks 16 bytes of nibbles into 32 values: low nibbles first, then high nibbles.
-#[inline]
+#[inline(always)]
 fn nibbles(qs: &[u8], out: &mut [i8; 32], offset: i8) {
     for j in 0..16 {
         out[j] = (qs[j] & 0x0F) as i8 - offset;
@@ -56,20 +125,48 @@ fn nibbles(qs: &[u8], out: &mut [i8; 32], offset: i8) {
 }
 
 /// Dot of one packed weight row (`ty`, `k` values) with quantized activations.
+///
+/// The body is plain fixed-width Rust; on x86-64 it is compiled a second time with AVX2/FMA/F16C
+/// enabled and that copy is chosen at run time (the build itself stays generic).
 pub fn dot_row(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2() {
+            // SAFETY: the CPU reports avx2, fma and f16c.
+            return unsafe { dot_row_avx2(ty, row, x) };
+        }
+    }
+    dot_row_impl::<Portable>(ty, row, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_row_avx2(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
+    dot_row_impl::<Avx2>(ty, row, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static F: OnceLock<bool> = OnceLock::new();
+    *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"))
+}
+
+#[inline(always)]
+fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
     let mut acc = 0.0f32;
     let mut w = [0i8; 32];
     match ty {
         GgmlType::Q4_0 => {
             for (b, blk) in row.chunks_exact(18).enumerate() {
-                nibbles(&blk[2..18], &mut w, 8);
-                acc += rd16(blk, 0) * x.d[b] * idot(&w, &x.q[32 * b..32 * b + 32]) as f32;
+                // sum (q - 8) x = sum q x - 8 sum x: integer, exact either way.
+                let isum = I::idot_nibbles(&blk[2..18], &x.q[32 * b..32 * b + 32], &mut w) - 8 * x.sum[b];
+                acc += rd16(blk, 0) * x.d[b] * isum as f32;
             }
         }
         GgmlType::Q4_1 => {
             for (b, blk) in row.chunks_exact(20).enumerate() {
-                nibbles(&blk[4..20], &mut w, 0);
-                let isum = idot(&w, &x.q[32 * b..32 * b + 32]) as f32;
+                let isum = I::idot_nibbles(&blk[4..20], &x.q[32 * b..32 * b + 32], &mut w) as f32;
                 acc += rd16(blk, 0) * x.d[b] * isum + rd16(blk, 2) * x.d[b] * x.sum[b] as f32;
             }
         }
@@ -92,7 +189,7 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
         GgmlType::Q8_0 => {
             for (b, blk) in row.chunks_exact(34).enumerate() {
                 let wq: &[i8] = bytemuck_i8(&blk[2..34]);
-                acc += rd16(blk, 0) * x.d[b] * idot(wq, &x.q[32 * b..32 * b + 32]) as f32;
+                acc += rd16(blk, 0) * x.d[b] * I::idot_i8(wq, &x.q[32 * b..32 * b + 32]) as f32;
             }
         }
         GgmlType::Q4_K | GgmlType::Q5_K => {
@@ -153,6 +250,65 @@ fn bytemuck_i8(b: &[u8]) -> &[i8] {
     unsafe { std::slice::from_raw_parts(b.as_ptr() as *const i8, b.len()) }
 }
 
+/// Expands one quantized row to f32 (the embedding lookup; matmuls never do this).
+pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
+    // A one-hot activation block per element would work through `dot_row` but costs O(k^2);
+    // the block layouts are simple enough to read directly.
+    let mut w = [0i8; 32];
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+            let size = ty.type_size();
+            for (b, blk) in row.chunks_exact(size).enumerate() {
+                let o = &mut out[32 * b..32 * b + 32];
+                let d = rd16(blk, 0);
+                match ty {
+                    GgmlType::Q8_0 => o.iter_mut().zip(&blk[2..34]).for_each(|(y, q)| *y = (*q as i8) as f32 * d),
+                    GgmlType::Q4_0 => {
+                        nibbles(&blk[2..18], &mut w, 8);
+                        o.iter_mut().zip(&w).for_each(|(y, q)| *y = *q as f32 * d);
+                    }
+                    GgmlType::Q4_1 => {
+                        nibbles(&blk[4..20], &mut w, 0);
+                        let m = rd16(blk, 2);
+                        o.iter_mut().zip(&w).for_each(|(y, q)| *y = *q as f32 * d + m);
+                    }
+                    _ => {
+                        let five_one = ty == GgmlType::Q5_1;
+                        let qh_at = if five_one { 4 } else { 2 };
+                        let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
+                        nibbles(&blk[qh_at + 4..qh_at + 20], &mut w, 0);
+                        for (j, y) in o.iter_mut().enumerate() {
+                            let q = (w[j] as i32 | (((qh >> j) & 1) << 4) as i32) as f32;
+                            *y = if five_one { q * d + rd16(blk, 2) } else { (q - 16.0) * d };
+                        }
+                    }
+                }
+            }
+        }
+        _ => {
+            // K-quants: run the block dot against one-hot Q8 blocks of exactly representable
+            // scale (d = 1), which returns each element's value (integer dot x scale products).
+            let k = out.len();
+            let mut x = Q8Row { q: vec![0; k], d: vec![1.0; k / 32], sum: vec![0; k / 32] };
+            for j in 0..k {
+                x.q[j] = 1;
+                x.sum[j / 32] = 1;
+                out[j] = dot_row_range(ty, row, &x, j / QK_K);
+                x.q[j] = 0;
+                x.sum[j / 32] = 0;
+            }
+        }
+    }
+}
+
+/// `dot_row` restricted to one super-block (used for one-hot decoding of K-quant rows).
+fn dot_row_range(ty: GgmlType, row: &[u8], x: &Q8Row, kb: usize) -> f32 {
+    let size = ty.type_size();
+    let blk = &row[kb * size..(kb + 1) * size];
+    let sub = Q8Row { q: x.q[kb * QK_K..(kb + 1) * QK_K].to_vec(), d: x.d[kb * 8..(kb + 1) * 8].to_vec(), sum: x.sum[kb * 8..(kb + 1) * 8].to_vec() };
+    dot_row_impl::<Portable>(ty, blk, &sub)
+}
+
 /// Widens one row of a float weight type to f32 into `out`.
 pub fn float_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
     match ty {
@@ -163,8 +319,27 @@ pub fn float_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
     }
 }
 
-/// f32 dot with eight accumulators (vectorizes on any x86-64 / ARM target).
+/// f32 dot with eight accumulators (vectorizes on any x86-64 / ARM target; AVX2 copy chosen at
+/// run time). The summation order is the same in both copies.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2() {
+            // SAFETY: the CPU reports avx2, fma and f16c.
+            return unsafe { dot_f32_avx2(a, b) };
+        }
+    }
+    dot_f32_impl(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot_f32_impl(a, b)
+}
+
+#[inline(always)]
+fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut ca = a.chunks_exact(8);
     let mut cb = b.chunks_exact(8);
@@ -179,4 +354,41 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 
 pub fn is_float(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn avx2_block_dots_equal_the_portable_ones() {
+        let mut s = 1u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        for _ in 0..500 {
+            let qs: Vec<u8> = (0..16).map(|_| next() as u8).collect();
+            let a: Vec<i8> = (0..32).map(|_| ((next() % 255) as i32 - 127) as i8).collect();
+            // Activations come from the Q8_0 quantizer: always within -127..=127.
+            let x: Vec<i8> = (0..32).map(|_| ((next() % 255) as i32 - 127) as i8).collect();
+            let mut sc = [0i8; 32];
+            let want_n = Portable::idot_nibbles(&qs, &x, &mut sc);
+            let want_i = Portable::idot_i8(&a, &x);
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: the CPU reports AVX2 (checked just above).
+                let (got_n, got_i) = unsafe { avx2_pair(&qs, &a, &x) };
+                assert_eq!((got_n, got_i), (want_n, want_i));
+            }
+            assert_eq!(want_n, (0..16).map(|j| (qs[j] & 15) as i32 * x[j] as i32 + (qs[j] >> 4) as i32 * x[j + 16] as i32).sum::<i32>());
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_pair(qs: &[u8], a: &[i8], x: &[i8]) -> (i32, i32) {
+        let mut sc = [0i8; 32];
+        (Avx2::idot_nibbles(qs, x, &mut sc), Avx2::idot_i8(a, x))
+    }
 }

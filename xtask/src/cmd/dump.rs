@@ -29,7 +29,13 @@ pub fn main(a: DumpArgs) -> Result<u8, Exit> {
     let (path, model, _) = load_model(&a.model, a.precision)?;
     check_ids(&ids, model.spec().n_vocab)?;
     let mut taps = RecordingTap::default();
-    model.prefill_logits(&ids, &mut taps)?;
+    if a.device == "ref" {
+        model.prefill_logits(&ids, &mut taps)?;
+    } else {
+        let dev = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        let mut dm = dev.load_model(&path, &devices::ModelOptions::default()).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        dm.forward(&ids, &mut taps).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    }
     let info = ModelInfo { name: a.model.clone(), sha256: ::fixtures::sha256_model(&path)?, arch: model.spec().arch.clone() };
     let precision = format!("{:?}", a.precision).to_lowercase();
     let m = write_dump(&a.out, info, &a.device, &precision, &ids, &taps)?;

@@ -14,21 +14,48 @@ use oracle::tokenizer::Tokenizer;
 use oracle::Precision;
 use std::path::PathBuf;
 
-/// Devices this build can run. Others are reported as unavailable (exit 2) with the reason.
+/// Devices that can run whole models in this build: `ref` (the oracle) and `cpu`.
 pub fn check_device(device: &str) -> Result<(), Exit> {
     match device {
-        "ref" => Ok(()),
-        "cpu" | "fixed" | "fixed-int4" => Err(Exit {
-            code: 2,
-            message: format!("device `{device}` is unavailable: this build has only the oracle (`ref`); the cpu and fixed backends are not implemented yet"),
-        }),
-        d if d.starts_with("cuda") => Err(Exit { code: 2, message: format!("device `{d}` is unavailable: not compiled with feature cuda") }),
-        d if d.starts_with("rocm") => Err(Exit { code: 2, message: format!("device `{d}` is unavailable: not compiled with feature rocm") }),
-        d if d.starts_with("external:") || d.starts_with("exec:") => {
-            Err(Exit { code: 2, message: format!("device `{d}` is unavailable: external engines are not implemented yet") })
-        }
-        d => Err(Exit { code: 2, message: format!("unknown device `{d}` (ref, cpu, fixed, cuda[:N], rocm[:N], external:DIR, exec:CMD)") }),
+        "ref" | "cpu" => Ok(()),
+        d => match devices::open(d) {
+            Err(e) => Err(Exit { code: 2, message: e.to_string() }),
+            Ok(_) => Err(Exit { code: 2, message: format!("device `{d}` cannot run whole models yet") }),
+        },
     }
+}
+
+/// Greedy/sampled generation on a device model (the same loop as the oracle's `generate`).
+pub fn generate_on_device(
+    model: &mut dyn devices::DeviceModel,
+    prompt: &[u32],
+    max_new: usize,
+    sampler: &oracle::ops::SamplerConfig,
+    seed: u64,
+    stop: Option<u32>,
+) -> Result<oracle::generate::Generation, Exit> {
+    use std::time::Instant;
+    let mut rng = oracle::ops::SplitMix64(seed);
+    let n_vocab = model.spec().n_vocab;
+    model.reset();
+    let t0 = Instant::now();
+    let logits = model.forward(prompt, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let mut tokens = Vec::new();
+    if max_new == 0 {
+        return Ok(oracle::generate::Generation { prompt: prompt.to_vec(), tokens, prefill_s: t0.elapsed().as_secs_f64(), decode_s: 0.0, decode_steps: 0 });
+    }
+    let mut next = oracle::ops::sample(&logits[logits.len() - n_vocab..], sampler, &mut rng) as u32;
+    tokens.push(next);
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut steps = 0;
+    while tokens.len() < max_new && Some(next) != stop {
+        let logits = model.forward(&[next], &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        next = oracle::ops::sample(&logits, sampler, &mut rng) as u32;
+        tokens.push(next);
+        steps += 1;
+    }
+    Ok(oracle::generate::Generation { prompt: prompt.to_vec(), tokens, prefill_s, decode_s: t1.elapsed().as_secs_f64(), decode_steps: steps })
 }
 
 /// Parses `504,3575,282` or `504 3575 282`.

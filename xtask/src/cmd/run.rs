@@ -19,7 +19,7 @@ pub struct RunArgs {
     /// Number of tokens to generate.
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
-    /// Device to run on (`ref` = the oracle).
+    /// Device to run on: `ref` (the oracle) or `cpu`.
     #[arg(long, default_value = "ref")]
     device: String,
     /// Print one JSON object: {"tokens", "text", "decode_tok_per_s", ...}.
@@ -50,7 +50,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
     if !(a.temperature >= 0.0 && a.top_p > 0.0 && a.top_p <= 1.0) {
         return Err(Exit { code: 2, message: "--temperature must be >= 0 and --top-p in (0, 1]".into() });
     }
-    let (_, model, tok) = load_model(&a.model, a.precision)?;
+    let (path, model, tok) = load_model(&a.model, a.precision)?;
     let prompt = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => parse_ids(ids)?,
         (Some(text), None) => {
@@ -62,7 +62,13 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
     check_ids(&prompt, model.spec().n_vocab)?;
     let stop = if a.ignore_eos { None } else { tok.as_ref().and_then(|t| t.eos) };
     let sampler = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p };
-    let g = model.generate(&prompt, a.max_new_tokens, &sampler, a.seed, stop, &mut NoTap)?;
+    let g = if a.device == "ref" {
+        model.generate(&prompt, a.max_new_tokens, &sampler, a.seed, stop, &mut NoTap)?
+    } else {
+        let dev = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        let mut dm = dev.load_model(&path, &devices::ModelOptions::default()).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        super::generate_on_device(dm.as_mut(), &prompt, a.max_new_tokens, &sampler, a.seed, stop)?
+    };
     let text = match &tok {
         Some(t) => Some(t.decode(&g.tokens)?),
         None => None,

@@ -1,0 +1,370 @@
+//! Whole-model runs on the cpu device: packed weights straight from the GGUF file, the cpu
+//! kernels, an f32 (or f16) KV cache, and taps under the same names as the oracle's.
+
+use super::{kernels, matmul_packed, qdot, Packed};
+use crate::{DeviceError, DeviceModel, ModelOptions};
+use oracle::gguf::GgufFile;
+use oracle::quant::GgmlType;
+use oracle::spec::{Activation, Gating, ModelSpec, Stage};
+use oracle::Tap;
+use std::path::Path;
+
+pub struct PackedMat {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: Vec<u8>,
+}
+
+impl PackedMat {
+    fn view(&self) -> Packed<'_> {
+        Packed { ty: self.ty, rows: self.rows, cols: self.cols, bytes: &self.bytes }
+    }
+}
+
+struct Ffn {
+    gate: PackedMat,
+    up: PackedMat,
+    down: PackedMat,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: PackedMat,
+    wk: PackedMat,
+    wv: PackedMat,
+    wo: PackedMat,
+    bias: Option<[Vec<f32>; 3]>,
+    bo: Option<Vec<f32>>,
+    qk_norm: Option<[Vec<f32>; 2]>,
+    ffn_norm: Vec<f32>,
+    dense: Option<Ffn>,
+    router: Option<PackedMat>,
+    experts: Vec<Ffn>,
+    shared: Option<Ffn>,
+    shared_gate: Option<Vec<f32>>,
+}
+
+pub struct CpuModel {
+    spec: ModelSpec,
+    tok_embd: PackedMat,
+    output_norm: Vec<f32>,
+    output: Option<PackedMat>,
+    layers: Vec<Layer>,
+    kv_f16: bool,
+    /// Per layer: keys and values `[len, n_head_kv * head_dim]`, f32 or f16 bits.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+}
+
+fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Failed { device: "cpu".into(), case: path.to_string(), reason: reason.to_string() }
+}
+
+struct Loader<'a> {
+    g: &'a GgufFile,
+}
+
+impl Loader<'_> {
+    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<PackedMat, DeviceError> {
+        self.opt_mat(name, rows, cols)?.ok_or_else(|| err(&self.g.path, format!("missing tensor `{name}`")))
+    }
+    fn opt_mat(&self, name: &str, rows: usize, cols: usize) -> Result<Option<PackedMat>, DeviceError> {
+        let Some(t) = self.g.tensor(name) else { return Ok(None) };
+        if t.dims.len() < 2 || t.dims[0] as usize != cols || t.n_elements() as usize != rows * cols {
+            return Err(err(&self.g.path, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
+        }
+        Ok(Some(PackedMat { ty: t.ty, rows, cols, bytes: self.g.tensor_bytes(t).to_vec() }))
+    }
+    /// One expert's matrix out of a stacked [cols, rows, n_expert] tensor.
+    fn expert(&self, name: &str, e: usize, n_expert: usize, rows: usize, cols: usize) -> Result<PackedMat, DeviceError> {
+        let t = self.g.tensor(name).ok_or_else(|| err(&self.g.path, format!("missing tensor `{name}`")))?;
+        if t.dims.iter().map(|&d| d as usize).collect::<Vec<_>>() != [cols, rows, n_expert] {
+            return Err(err(&self.g.path, format!("tensor `{name}` has dims {:?}", t.dims)));
+        }
+        let per = t.n_bytes as usize / n_expert;
+        Ok(PackedMat { ty: t.ty, rows, cols, bytes: self.g.tensor_bytes(t)[e * per..(e + 1) * per].to_vec() })
+    }
+    fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, DeviceError> {
+        let m = self.mat_like_vec(name, n)?;
+        m.ok_or_else(|| err(&self.g.path, format!("missing tensor `{name}`")))
+    }
+    fn mat_like_vec(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>, DeviceError> {
+        let Some(t) = self.g.tensor(name) else { return Ok(None) };
+        if t.n_elements() as usize != n || !qdot::is_float(t.ty) {
+            return Err(err(&self.g.path, format!("tensor `{name}`: expected {n} float values, found {:?} {}", t.dims, t.ty.name())));
+        }
+        let mut out = vec![0.0f32; n];
+        qdot::float_row(t.ty, self.g.tensor_bytes(t), &mut out);
+        Ok(Some(out))
+    }
+}
+
+impl CpuModel {
+    pub fn load(path: &Path, opts: &ModelOptions) -> Result<CpuModel, DeviceError> {
+        if path.is_dir() {
+            return Err(err(&path.display().to_string(), "the cpu device runs GGUF files; safetensors directories run on the oracle only"));
+        }
+        let g = GgufFile::open(path).map_err(|e| err(&path.display().to_string(), e))?;
+        let spec = ModelSpec::from_gguf(&g).map_err(|e| err(&g.path, e))?;
+        let l = Loader { g: &g };
+        let (d, hd) = (spec.n_embd, spec.head_dim);
+        let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
+        let ffn = |i: usize, suffix: &str, f: usize| -> Result<Ffn, DeviceError> {
+            Ok(Ffn {
+                gate: l.mat(&format!("blk.{i}.ffn_gate{suffix}.weight"), f, d)?,
+                up: l.mat(&format!("blk.{i}.ffn_up{suffix}.weight"), f, d)?,
+                down: l.mat(&format!("blk.{i}.ffn_down{suffix}.weight"), d, f)?,
+            })
+        };
+        let mut layers = Vec::with_capacity(spec.n_layer);
+        for i in 0..spec.n_layer {
+            let n = |t: &str| format!("blk.{i}.{t}");
+            let (dense, router, experts, shared, shared_gate) = match &spec.moe {
+                None => (Some(ffn(i, "", spec.n_ff)?), None, Vec::new(), None, None),
+                Some(m) => {
+                    let mut ex = Vec::new();
+                    for e in 0..m.n_expert {
+                        ex.push(Ffn {
+                            gate: l.expert(&n("ffn_gate_exps.weight"), e, m.n_expert, m.expert_ffn, d)?,
+                            up: l.expert(&n("ffn_up_exps.weight"), e, m.n_expert, m.expert_ffn, d)?,
+                            down: l.expert(&n("ffn_down_exps.weight"), e, m.n_expert, d, m.expert_ffn)?,
+                        });
+                    }
+                    let shared = match m.shared_ffn {
+                        Some(f) => Some(ffn(i, "_shexp", f)?),
+                        None => None,
+                    };
+                    let sg = if m.shared_gate { Some(l.vec(&n("ffn_gate_inp_shexp.weight"), d)?) } else { None };
+                    (None, Some(l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?), ex, shared, sg)
+                }
+            };
+            layers.push(Layer {
+                attn_norm: l.vec(&n("attn_norm.weight"), d)?,
+                wq: l.mat(&n("attn_q.weight"), qd, d)?,
+                wk: l.mat(&n("attn_k.weight"), kvd, d)?,
+                wv: l.mat(&n("attn_v.weight"), kvd, d)?,
+                wo: l.mat(&n("attn_output.weight"), d, qd)?,
+                bias: if spec.qkv_bias { Some([l.vec(&n("attn_q.bias"), qd)?, l.vec(&n("attn_k.bias"), kvd)?, l.vec(&n("attn_v.bias"), kvd)?]) } else { None },
+                bo: if spec.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
+                qk_norm: if spec.qk_norm { Some([l.vec(&n("attn_q_norm.weight"), hd)?, l.vec(&n("attn_k_norm.weight"), hd)?]) } else { None },
+                ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
+                dense,
+                router,
+                experts,
+                shared,
+                shared_gate,
+            });
+        }
+        let tok_embd = l.mat("token_embd.weight", spec.n_vocab, d)?;
+        let output = if spec.tied_output { None } else { Some(l.mat("output.weight", spec.n_vocab, d)?) };
+        let output_norm = l.vec("output_norm.weight", d)?;
+        let n_layer = spec.n_layer;
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_f16: opts.kv_f16, k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], len: 0 })
+    }
+
+    fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
+        let gate = matmul_packed(h, m, f.gate.view());
+        let up = matmul_packed(h, m, f.up.view());
+        let act_fn = match self.spec.activation {
+            Activation::Silu => kernels::silu,
+            Activation::GeluTanh => kernels::gelu_tanh,
+        };
+        let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| act_fn(*g) * u).collect();
+        if let Some((t, li, start)) = taps {
+            if t.enabled() {
+                let w = f.gate.rows;
+                t.record(&format!("blk.{li}.ffn_gate"), start, m, w, &gate);
+                t.record(&format!("blk.{li}.ffn_up"), start, m, w, &up);
+                t.record(&format!("blk.{li}.ffn_act"), start, m, w, &act);
+            }
+        }
+        matmul_packed(&act, m, f.down.view())
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, DeviceError> {
+        let d = self.spec.n_embd;
+        let row_bytes = self.tok_embd.bytes.len() / self.tok_embd.rows;
+        let mut x = Vec::with_capacity(tokens.len() * d);
+        let mut row = vec![0.0f32; d];
+        for &t in tokens {
+            if t as usize >= self.spec.n_vocab {
+                return Err(err("forward", format!("token id {t} outside the vocabulary of {}", self.spec.n_vocab)));
+            }
+            let bytes = &self.tok_embd.bytes[t as usize * row_bytes..(t as usize + 1) * row_bytes];
+            if qdot::is_float(self.tok_embd.ty) {
+                qdot::float_row(self.tok_embd.ty, bytes, &mut row);
+            } else {
+                // The embedding row is decoded with this device's own block reader.
+                qdot::dequantize_row(self.tok_embd.ty, bytes, &mut row);
+            }
+            x.extend_from_slice(&row);
+        }
+        Ok(x)
+    }
+}
+
+fn rms_rows(x: &[f32], n: usize, w: &[f32], eps: f64) -> Vec<f32> {
+    kernels::rms_norm(x, n, w, eps as f32)
+}
+
+fn record(t: &mut dyn Tap, name: &str, start: usize, m: usize, w: usize, data: &[f32]) {
+    if t.enabled() {
+        t.record(name, start, m, w, data);
+    }
+}
+
+impl DeviceModel for CpuModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+    fn cached(&self) -> usize {
+        self.len
+    }
+    fn reset(&mut self) {
+        self.k.iter_mut().for_each(|c| c.clear());
+        self.v.iter_mut().for_each(|c| c.clear());
+        self.len = 0;
+    }
+
+    fn forward(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
+        let s = self.spec.clone();
+        let m = tokens.len();
+        if m == 0 {
+            return Err(err("forward", "no tokens"));
+        }
+        let start = self.len;
+        let pos: Vec<usize> = (start..start + m).collect();
+        let (d, hd) = (s.n_embd, s.head_dim);
+        let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
+        let mut x = self.embed(tokens)?;
+        record(taps, "inp_embd", start, m, d, &x);
+        for li in 0..s.n_layer {
+            let name = |t: &str| format!("blk.{li}.{t}");
+            let (mut h, mut q, mut k, mut v, mut attn, mut ffn_out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for stage in &s.stages {
+                let layer = &self.layers[li];
+                match stage {
+                    Stage::AttnNorm => {
+                        h = rms_rows(&x, d, &layer.attn_norm, s.norm_eps);
+                        record(taps, &name("attn_norm"), start, m, d, &h);
+                    }
+                    Stage::QkvProj => {
+                        q = matmul_packed(&h, m, layer.wq.view());
+                        k = matmul_packed(&h, m, layer.wk.view());
+                        v = matmul_packed(&h, m, layer.wv.view());
+                        if let Some([bq, bk, bv]) = &layer.bias {
+                            q = kernels::add_broadcast(&q, bq);
+                            k = kernels::add_broadcast(&k, bk);
+                            v = kernels::add_broadcast(&v, bv);
+                        }
+                        record(taps, &name("attn_q"), start, m, qd, &q);
+                        record(taps, &name("attn_k"), start, m, kvd, &k);
+                        record(taps, &name("attn_v"), start, m, kvd, &v);
+                    }
+                    Stage::QkNorm => {
+                        if let Some([qn, kn]) = &layer.qk_norm {
+                            q = kernels::rms_norm(&q, hd, qn, s.norm_eps as f32);
+                            k = kernels::rms_norm(&k, hd, kn, s.norm_eps as f32);
+                        }
+                        record(taps, &name("attn_q_norm"), start, m, qd, &q);
+                        record(taps, &name("attn_k_norm"), start, m, kvd, &k);
+                    }
+                    Stage::Rope => {
+                        kernels::rope(&mut q, &pos, s.n_head, hd, &s.rope);
+                        kernels::rope(&mut k, &pos, s.n_head_kv, hd, &s.rope);
+                        record(taps, &name("attn_q_rope"), start, m, qd, &q);
+                        record(taps, &name("attn_k_rope"), start, m, kvd, &k);
+                    }
+                    Stage::Attention => {
+                        let round = |v: &[f32]| -> Vec<f32> { if self.kv_f16 { v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect() } else { v.to_vec() } };
+                        let (kc, vc) = (round(&k), round(&v));
+                        self.k[li].truncate(start * kvd);
+                        self.v[li].truncate(start * kvd);
+                        self.k[li].extend_from_slice(&kc);
+                        self.v[li].extend_from_slice(&vc);
+                        let cfg = kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.sliding_window.unwrap_or(0) };
+                        attn = kernels::attention(&q, &pos, &self.k[li], &self.v[li], start + m, &cfg).map_err(|e| err("attention", e))?;
+                        record(taps, &name("attn_kqv"), start, m, qd, &attn);
+                    }
+                    Stage::AttnOutProj => {
+                        attn = matmul_packed(&attn, m, layer.wo.view());
+                        if let Some(bo) = &layer.bo {
+                            attn = kernels::add_broadcast(&attn, bo);
+                        }
+                        record(taps, &name("attn_out"), start, m, d, &attn);
+                    }
+                    Stage::AttnResidual => {
+                        x = kernels::add_broadcast(&x, &attn);
+                        record(taps, &name("ffn_inp"), start, m, d, &x);
+                    }
+                    Stage::FfnNorm => {
+                        h = rms_rows(&x, d, &layer.ffn_norm, s.norm_eps);
+                        record(taps, &name("ffn_norm"), start, m, d, &h);
+                    }
+                    Stage::DenseFfn => {
+                        let f = layer.dense.as_ref().ok_or_else(|| err("forward", "dense stage without weights"))?;
+                        ffn_out = self.ffn(f, &h, m, Some((taps, li, start)));
+                        record(taps, &name("ffn_out"), start, m, d, &ffn_out);
+                    }
+                    Stage::MoeFfn => {
+                        ffn_out = self.moe(li, &h, m, taps, start)?;
+                        record(taps, &name("ffn_out"), start, m, d, &ffn_out);
+                    }
+                    Stage::FfnResidual => {
+                        x = kernels::add_broadcast(&x, &ffn_out);
+                        record(taps, &name("l_out"), start, m, d, &x);
+                    }
+                }
+            }
+        }
+        self.len = start + m;
+        let normed = rms_rows(&x, d, &self.output_norm, s.norm_eps);
+        record(taps, "result_norm", start, m, d, &normed);
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let logits = matmul_packed(&normed, m, head.view());
+        record(taps, "result_output", start, m, s.n_vocab, &logits);
+        Ok(logits)
+    }
+}
+
+impl CpuModel {
+    fn moe(&self, li: usize, h: &[f32], m: usize, taps: &mut dyn Tap, start: usize) -> Result<Vec<f32>, DeviceError> {
+        let layer = &self.layers[li];
+        let ms = self.spec.moe.as_ref().ok_or_else(|| err("forward", "MoE stage without MoE spec"))?;
+        let router = layer.router.as_ref().ok_or_else(|| err("forward", "MoE stage without router"))?;
+        let d = self.spec.n_embd;
+        let logits = matmul_packed(h, m, router.view());
+        let (ids, weights) = kernels::moe_route(&logits, ms.n_expert, ms.n_expert_used, ms.gating == Gating::Sigmoid, ms.normalize_topk);
+        let mut out = vec![0.0f32; m * d];
+        for t in 0..m {
+            let ht = &h[t * d..(t + 1) * d];
+            let o = &mut out[t * d..(t + 1) * d];
+            for j in 0..ms.n_expert_used {
+                let e = ids[t * ms.n_expert_used + j] as usize;
+                let y = self.ffn(&layer.experts[e], ht, 1, None);
+                let w = weights[t * ms.n_expert_used + j];
+                o.iter_mut().zip(&y).for_each(|(a, b)| *a += w * b);
+            }
+            if let Some(sf) = &layer.shared {
+                let y = self.ffn(sf, ht, 1, None);
+                let g = match &layer.shared_gate {
+                    Some(gw) => 1.0 / (1.0 + (-qdot::dot_f32(ht, gw)).exp()),
+                    None => 1.0,
+                };
+                o.iter_mut().zip(&y).for_each(|(a, b)| *a += g * b);
+            }
+        }
+        if taps.enabled() {
+            let probs: Vec<f32> = logits
+                .chunks(ms.n_expert)
+                .flat_map(|r| if ms.gating == Gating::Sigmoid { r.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect::<Vec<_>>() } else { kernels::softmax(r) })
+                .collect();
+            taps.record(&format!("blk.{li}.ffn_moe_probs"), start, m, ms.n_expert, &probs);
+            let topk: Vec<f32> = ids.iter().map(|&e| e as f32).collect();
+            taps.record(&format!("blk.{li}.ffn_moe_topk"), start, m, ms.n_expert_used, &topk);
+        }
+        Ok(out)
+    }
+}
