@@ -10,6 +10,7 @@
 //! `rocm` and `external` are reported as unavailable until they are built.
 
 pub mod cpu;
+pub mod fixed;
 #[cfg(feature = "faults")]
 pub mod faulty;
 pub mod reference;
@@ -57,11 +58,31 @@ pub struct Arithmetic {
     pub activation_q8_block: Option<usize>,
     /// Accuracy of exp/tanh/sin/cos, in units of the storage roundoff.
     pub transcendental_ulps: f64,
+    /// Integer fixed-point arithmetic (the `fixed` device); when set, the bounds come from these
+    /// quanta instead of floating-point roundoff.
+    pub fixed: Option<FixedPoint>,
+}
+
+/// A fixed-point device's formats: values are integers scaled by 2^-frac_bits.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct FixedPoint {
+    /// Fractional bits of activations (Q16).
+    pub act_frac: u32,
+    /// Fractional bits of matrix weights (Q24).
+    pub weight_frac: u32,
+    /// Fractional bits of norm scales (Q20).
+    pub norm_frac: u32,
+    /// Fractional bits of RoPE cos/sin tables (host-precomputed).
+    pub table_frac: u32,
+    /// Absolute error of the integer exp / sigmoid approximations on their Q16 outputs.
+    pub exp_abs: f64,
+    /// Group-wise INT4 weights (`fixed-int4`): values per group; each group has its own scale.
+    pub int4_group: Option<usize>,
 }
 
 impl Arithmetic {
-    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, transcendental_ulps: 1.0 };
-    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, transcendental_ulps: 4.0 };
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, transcendental_ulps: 1.0, fixed: None };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, transcendental_ulps: 4.0, fixed: None };
 }
 
 /// Whether a device runs a case, and if not, why (reported as `unsupported`, never as a pass).
@@ -111,7 +132,8 @@ pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     match name {
         "ref" => Ok(Box::new(reference::RefDevice)),
         "cpu" => Ok(Box::new(cpu::CpuDevice)),
-        "fixed" | "fixed-int4" => unavailable("the integer fixed-point backend is not implemented yet"),
+        "fixed" => Ok(Box::new(fixed::FixedDevice { int4: false })),
+        "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
         n if n.starts_with("cuda") => unavailable("not compiled with feature cuda"),
         n if n.starts_with("rocm") => unavailable("not compiled with feature rocm"),
         n if n.starts_with("external:") || n.starts_with("exec:") => unavailable("external engines are not implemented yet"),

@@ -43,6 +43,9 @@ pub fn q8_dequantized(x: &[f32]) -> Vec<f64> {
 }
 
 pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
+    if let Some(fp) = &a.fixed {
+        return fixed_bounds(case, reference, fp);
+    }
     let u = a.storage.unit_roundoff();
     let ua = a.accumulate.unit_roundoff().max(u);
     let ulps = a.transcendental_ulps;
@@ -215,4 +218,200 @@ fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bo
         }
     }
     Bounds { per_output: vec![Some(b)], rule: "sum_j p_j|v_j|*(2*max|ds| + u|s-max| + gamma(L+4) + ulps*u + gamma(L+1)) + u|y|".into() }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fixed-point devices.
+// ---------------------------------------------------------------------------------------------
+
+fn quant(x: f64, frac: u32) -> f64 {
+    let s = (1u64 << frac) as f64;
+    (x * s).round() / s
+}
+
+/// Bounds for an integer fixed-point device. Its arithmetic is fully declared (Q formats, round to
+/// nearest, exact integer sums), so the suite predicts in f64 what the device must compute from
+/// the quantized inputs, and the bound is |prediction - oracle| (the cost of the formats
+/// themselves) plus the device's own roundings and its declared exp/sigmoid error.
+pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoint) -> Bounds {
+    let h = 0.5 / (1u64 << fp.act_frac) as f64; // half an activation quantum
+    let q = 2.0 * h;
+    let eps_e = fp.exp_abs;
+    let xq = |t: &Tensor| -> Vec<f64> { t.data.iter().map(|v| if v.is_finite() { quant(*v as f64, fp.act_frac) } else { f64::NEG_INFINITY }).collect() };
+    let y: Vec<f64> = match reference.first() {
+        Some(Output::F32(t)) => t.data.iter().map(|v| *v as f64).collect(),
+        _ => Vec::new(),
+    };
+    let tiny = 1e-12;
+    // Both results cross an f32 boundary: the oracle stores f32, the device returns its Q16
+    // values as f32. Each costs half an f32 ulp of |y|.
+    let one = |b: Vec<f64>, rule: &str| Bounds {
+        per_output: vec![Some(b.iter().zip(&y).map(|(bi, yi)| bi + 2f64.powi(-23) * yi.abs()).collect())],
+        rule: format!("{rule} + 2^-23*|y|"),
+    };
+    match case.op {
+        "embed" => one(vec![h + tiny; y.len()], "fixed: h (Q16 rounding of the table)"),
+        "add" | "add_bias" => one(vec![2.0 * h + tiny; y.len()], "fixed: 2h (both inputs rounded to Q16)"),
+        "matmul" => {
+            let x = f32_in(case, "x");
+            let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else {
+                return Bounds { per_output: vec![None], rule: "matmul without a packed weight".into() };
+            };
+            let w = decode(*ty, bytes, rows * cols).expect("registry weights decode");
+            let k = *cols;
+            // The device's weights: Q24 values, or INT4 groups with a Q24 scale.
+            let wd: Vec<f64> = match fp.int4_group {
+                None => w.iter().map(|v| quant(*v as f64, fp.weight_frac)).collect(),
+                Some(g) => w
+                    .chunks(g)
+                    .flat_map(|grp| {
+                        let amax = grp.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
+                        let s = quant(amax / 7.0, fp.weight_frac);
+                        grp.iter().map(move |v| if s > 0.0 { (*v as f64 / s).round().clamp(-7.0, 7.0) * s } else { 0.0 }).collect::<Vec<_>>()
+                    })
+                    .collect(),
+            };
+            let xs = xq(x);
+            let m = x.shape[0];
+            let mut b = vec![0.0; m * rows];
+            for t in 0..m {
+                for r in 0..*rows {
+                    let (mut pred, mut mag) = (0.0f64, 0.0f64);
+                    for j in 0..k {
+                        pred += xs[t * k + j] * wd[r * k + j];
+                        mag += (xs[t * k + j] * w[r * k + j] as f64).abs();
+                    }
+                    // 2^-22 * sum|x w|: the device decodes packed blocks with its own reader
+                    // (f32 operation order may differ by an ulp from the oracle's decoder).
+                    b[t * rows + r] = (pred - y[t * rows + r]).abs() + h + mag * 2f64.powi(-22) + tiny;
+                }
+            }
+            let wf = if fp.int4_group.is_some() { "INT4 groups" } else { "Q24" };
+            one(b, &format!("fixed: |sum q16(x)*{wf}(w) - y| + h + 2^-22*sum|xw|, K={k}"))
+        }
+        "rms_norm" | "qk_norm" => {
+            let x = f32_in(case, "x");
+            let n = if case.op == "qk_norm" { case.pu("head_dim").unwrap_or(1) } else { x.shape[1] };
+            let w: Vec<f64> = f32_in(case, "weight").data.iter().map(|v| quant(*v as f64, fp.norm_frac)).collect();
+            let eps = case.p("eps").unwrap_or(0.0);
+            let xs = xq(x);
+            let mut b = Vec::with_capacity(xs.len());
+            for (ri, row) in xs.chunks(n).enumerate() {
+                let ms = row.iter().map(|v| v * v).sum::<f64>() / n as f64 + eps;
+                let s = 1.0 / ms.sqrt();
+                // Integer sqrt / reciprocal of Q32 values: relative error about 2^-32 / ms.
+                let rel = 2f64.powi(-26) + 2f64.powi(-31) / ms;
+                for (i, v) in row.iter().enumerate() {
+                    let pred = v * s * w[i % w.len()];
+                    b.push((pred - y[ri * n + i]).abs() + h + pred.abs() * rel + tiny);
+                }
+            }
+            one(b, "fixed: |q16(x)*s*q20(w) - y| + h + |pred|*(2^-26 + 2^-31/ms)")
+        }
+        "rope" => {
+            let x = f32_in(case, "x");
+            let hd = case.pu("head_dim").unwrap_or(1);
+            let n_head = case.pu("n_head").unwrap_or(1);
+            let scaling = match case.pu("scaling").unwrap_or(0) {
+                0 => oracle::spec::RopeScaling::None,
+                1 => oracle::spec::RopeScaling::Linear { factor: 4.0 },
+                _ => oracle::spec::RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
+            };
+            let neox = case.pu("neox").unwrap_or(0) == 1;
+            let spec = oracle::spec::RopeSpec {
+                style: if neox { oracle::spec::RopeStyle::Neox } else { oracle::spec::RopeStyle::Normal },
+                theta: case.p("theta").unwrap_or(10_000.0),
+                n_rot: case.pu("n_rot").unwrap_or(hd),
+                scaling,
+            };
+            let pos = case.ids("pos").unwrap_or(&[]);
+            let xs = xq(x);
+            let mut b = vec![h + tiny; xs.len()];
+            let half = spec.n_rot / 2;
+            for (t, &p) in pos.iter().enumerate() {
+                for i in 0..half {
+                    let (c, s) = oracle::ops::rope_cos_sin(&spec, p as usize, i);
+                    let (c, s) = (quant(c, fp.table_frac), quant(s, fp.table_frac));
+                    for hh in 0..n_head {
+                        let base = (t * n_head + hh) * hd;
+                        let (a, bb) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                        let (x0, x1) = (xs[base + a], xs[base + bb]);
+                        let slack = (x0.abs() + x1.abs()) * 2f64.powi(-(fp.table_frac as i32)) + tiny;
+                        b[base + a] = ((x0 * c - x1 * s) - y[base + a]).abs() + h + slack;
+                        b[base + bb] = ((x0 * s + x1 * c) - y[base + bb]).abs() + h + slack;
+                    }
+                }
+            }
+            one(b, "fixed: |rope(q16(x), q30 tables) - y| + h + (|x0|+|x1|)*2^-30")
+        }
+        "softmax" => {
+            let x = f32_in(case, "x");
+            let n = x.shape[1];
+            let xs = xq(x);
+            let mut b = Vec::with_capacity(xs.len());
+            for (ri, row) in xs.chunks(n).enumerate() {
+                let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = row.iter().map(|v| (v - max).exp()).collect();
+                let z: f64 = e.iter().sum();
+                let live = row.iter().filter(|v| v.is_finite()).count() as f64;
+                for (i, ei) in e.iter().enumerate() {
+                    let p = ei / z;
+                    b.push((p - y[ri * n + i]).abs() + eps_e * (1.0 + p * live) / (1.0 - eps_e) + h + tiny);
+                }
+            }
+            one(b, "fixed: |softmax(q16(x)) - y| + eps_exp*(1 + p*n) + h")
+        }
+        "silu" | "swiglu" => {
+            let g = xq(f32_in(case, "gate"));
+            let up: Vec<f64> = if case.op == "swiglu" { xq(f32_in(case, "up")) } else { vec![1.0; g.len()] };
+            let b = (0..g.len())
+                .map(|i| {
+                    let s = g[i] / (1.0 + (-g[i]).exp());
+                    let silu_err = g[i].abs() * (eps_e + q) + h;
+                    let extra = if case.op == "swiglu" { silu_err * up[i].abs() + h } else { silu_err };
+                    (s * up[i] - y[i]).abs() + extra + tiny
+                })
+                .collect();
+            one(b, "fixed: |silu(q16(g))*q16(u) - y| + |g|*(eps_exp + q)*|u| + 2h")
+        }
+        "attention" => {
+            let (qt, kt, vt) = (f32_in(case, "q"), f32_in(case, "k"), f32_in(case, "v"));
+            let (qs, ks, vs) = (xq(qt), xq(kt), xq(vt));
+            let nh = case.pu("n_head").unwrap_or(1);
+            let nkv = case.pu("n_head_kv").unwrap_or(1);
+            let hd = case.pu("head_dim").unwrap_or(1);
+            let window = case.pu("window").unwrap_or(0);
+            let scale = quant(1.0 / (hd as f64).sqrt(), 30);
+            let pos = case.ids("pos").unwrap_or(&[]);
+            let mut b = vec![0.0; y.len()];
+            for (t, &p) in pos.iter().enumerate() {
+                let p = p as usize;
+                let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+                for hh in 0..nh {
+                    let kvh = hh / (nh / nkv);
+                    let qh = &qs[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
+                    let sc: Vec<f64> = (first..=p).map(|j| qh.iter().zip(&ks[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
+                    let max = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|v| (v - max).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    let len = sc.len() as f64;
+                    for d in 0..hd {
+                        let (mut pred, mut err) = (0.0, 0.0);
+                        for (jj, j) in (first..=p).enumerate() {
+                            let pj = e[jj] / z;
+                            let vj = vs[(j * nkv + kvh) * hd + d];
+                            pred += pj * vj;
+                            // score rounding (2h after the max subtraction) moves p by 2h*p;
+                            // the integer exp and the Q16 division add eps_exp*(1 + p*L) + h.
+                            err += vj.abs() * (pj * 4.0 * h + eps_e * (1.0 + pj * len) / (1.0 - eps_e) + h);
+                        }
+                        let i = (t * nh + hh) * hd + d;
+                        b[i] = (pred - y[i]).abs() + err + h + tiny;
+                    }
+                }
+            }
+            one(b, "fixed: |attn(q16 inputs) - y| + sum_j |v_j|*(4h*p_j + eps_exp*(1+p_j*L) + h) + h")
+        }
+        _ => Bounds { per_output: reference.iter().map(|o| matches!(o, Output::F32(_)).then(|| vec![0.0; y.len()])).collect(), rule: "exact".into() },
+    }
 }

@@ -68,6 +68,11 @@ pub fn add_broadcast(a: &[f32], b: &[f32]) -> Vec<f32> {
 /// cos/sin tables are built in f64 on the host and stored as f32, as engines that precompute
 /// RoPE tables do; the rotation itself is f32. Scaling follows llama.cpp's definitions.
 pub fn rope_table(spec: &RopeSpec, pos: usize) -> Vec<(f32, f32)> {
+    rope_table_f64(spec, pos).into_iter().map(|(c, s)| (c as f32, s as f32)).collect()
+}
+
+/// The host-side f64 RoPE table (cos * magnitude, sin * magnitude) for one position.
+pub fn rope_table_f64(spec: &RopeSpec, pos: usize) -> Vec<(f64, f64)> {
     let n_rot = spec.n_rot as f64;
     (0..spec.n_rot / 2)
         .map(|i| {
@@ -86,7 +91,7 @@ pub fn rope_table(spec: &RopeSpec, pos: usize) -> Vec<(f32, f32)> {
                     }
                 }
             };
-            ((angle.cos() * mag) as f32, (angle.sin() * mag) as f32)
+            (angle.cos() * mag, angle.sin() * mag)
         })
         .collect()
 }

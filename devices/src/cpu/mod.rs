@@ -182,6 +182,7 @@ impl Device for CpuDevice {
             accumulate: NumFormat::F32,
             activation_q8_block: if case.op == "matmul" && quantized_weight { Some(32) } else { None },
             transcendental_ulps: 4.0,
+            fixed: None,
         }
     }
     fn supports(&self, case: &OpCase) -> Support {

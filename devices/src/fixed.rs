@@ -1,0 +1,391 @@
+//! `fixed` and `fixed-int4`: an integer-only engine in the style of the eBPF forward pass our
+//! users build. Activations are Q16 integers, matrix weights Q24 (or group-wise INT4 with a Q24
+//! scale per group of 32 in `fixed-int4`), norm scales Q20, RoPE cos/sin from host-precomputed
+//! Q30 tables; exp, sigmoid and the RMSNorm inverse square root are integer approximations;
+//! argmax compares integers. Floats appear only at the boundary: inputs are converted to Q16
+//! and results back to f32 for the comparison.
+//!
+//! Ops without an integer kernel here (layer_norm, gelu, geglu, moe_route, top_k, sample) are
+//! reported as unsupported.
+
+use crate::cpu::qdot;
+use crate::{fail, Arithmetic, Device, DeviceError, FixedPoint, NumFormat, Support};
+use oracle::quant::GgmlType;
+use oracle::registry::{Input, OpCase, Output, Tensor};
+use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
+
+pub const ACT: u32 = 16;
+pub const WGT: u32 = 24;
+pub const NORM: u32 = 20;
+pub const TABLE: u32 = 30;
+pub const INT4_GROUP: usize = 32;
+/// Declared absolute error of `exp_q16` and `sigmoid_q16` on their Q16 outputs.
+pub const EXP_ABS: f64 = 2.0 / 65536.0;
+
+pub struct FixedDevice {
+    pub int4: bool,
+}
+
+impl FixedDevice {
+    pub fn point(&self) -> FixedPoint {
+        FixedPoint { act_frac: ACT, weight_frac: WGT, norm_frac: NORM, table_frac: TABLE, exp_abs: EXP_ABS, int4_group: self.int4.then_some(INT4_GROUP) }
+    }
+}
+
+/// Round-half-away-from-zero conversion to fixed point.
+pub fn to_q(x: f64, frac: u32) -> i64 {
+    (x * (1u64 << frac) as f64).round() as i64
+}
+
+pub fn from_q(v: i64, frac: u32) -> f32 {
+    (v as f64 / (1u64 << frac) as f64) as f32
+}
+
+/// Arithmetic shift right with rounding to nearest (ties away from zero).
+#[inline]
+pub fn shr_round(v: i128, s: u32) -> i64 {
+    if s == 0 {
+        return v as i64;
+    }
+    let half = 1i128 << (s - 1);
+    (if v >= 0 { (v + half) >> s } else { -((-v + half) >> s) }) as i64
+}
+
+/// Integer square root (floor) by Newton's method.
+pub fn isqrt(n: u128) -> u128 {
+    if n < 2 {
+        return n;
+    }
+    let mut x = 1u128 << ((128 - n.leading_zeros()).div_ceil(2));
+    loop {
+        let y = (x + n / x) / 2;
+        if y >= x {
+            return x;
+        }
+        x = y;
+    }
+}
+
+/// exp(z) for z <= 0, z and result in Q16: 2^(z log2 e) = 2^-k * 2^f, with 2^f (f in [0,1)) from a
+/// Q30 Taylor series of 9 terms (truncation < 1e-7) and one rounding to Q16.
+pub fn exp_q16(z: i64) -> i64 {
+    if z > 0 {
+        return exp_q16(0);
+    }
+    // t = z * log2(e) in Q30.
+    const LOG2E_Q30: i128 = 1_549_082_005; // round(log2(e) * 2^30)
+    let t = ((z as i128) * LOG2E_Q30) >> ACT; // Q30, <= 0
+    let k = (-t) >> 30; // integer part of -t
+    let k = if ((-t) & ((1 << 30) - 1)) != 0 { k + 1 } else { k };
+    let f = t + (k << 30); // in [0, 2^30)
+    if k >= 40 {
+        return 0;
+    }
+    // 2^f = e^(f ln 2): Horner over the Taylor series in Q30.
+    const LN2_Q30: i128 = 744_261_118; // round(ln 2 * 2^30)
+    let y = (f * LN2_Q30) >> 30;
+    let mut acc: i128 = 1 << 30;
+    for n in (1..=9).rev() {
+        acc = (1 << 30) + ((acc * y) >> 30) / n;
+    }
+    shr_round(acc, (30 - ACT as i128 + k) as u32)
+}
+
+/// sigmoid(x) in Q16 from the integer exp, using the symmetry for negative inputs.
+pub fn sigmoid_q16(x: i64) -> i64 {
+    let one = 1i64 << ACT;
+    let e = exp_q16(-x.abs()); // in (0, 1]
+    let pos = ((one as i128) << ACT) / (one + e) as i128; // 1 / (1 + e^-|x|)
+    let pos = pos as i64;
+    if x >= 0 {
+        pos
+    } else {
+        one - pos
+    }
+}
+
+pub fn silu_q16(x: i64) -> i64 {
+    shr_round(x as i128 * sigmoid_q16(x) as i128, ACT)
+}
+
+/// The weights of a matrix in the device's formats: Q24 per value, or INT4 values with one Q24
+/// scale per group.
+pub enum FixedWeights {
+    Q24 { rows: usize, cols: usize, w: Vec<i64> },
+    Int4 { rows: usize, cols: usize, q: Vec<i8>, scale: Vec<i64> },
+}
+
+/// Host-side conversion of a packed row to the device's formats (the model loader's job).
+pub fn convert_weights(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], int4: bool) -> FixedWeights {
+    let row_bytes = bytes.len() / rows.max(1);
+    let mut vals = vec![0.0f32; cols];
+    let mut w = Vec::with_capacity(if int4 { 0 } else { rows * cols });
+    let (mut q, mut scale) = (Vec::new(), Vec::new());
+    for r in 0..rows {
+        let rb = &bytes[r * row_bytes..(r + 1) * row_bytes];
+        if qdot::is_float(ty) {
+            qdot::float_row(ty, rb, &mut vals);
+        } else {
+            qdot::dequantize_row(ty, rb, &mut vals);
+        }
+        if int4 {
+            for g in vals.chunks(INT4_GROUP) {
+                let (gq, gs) = int4_group(g);
+                q.extend(gq);
+                scale.push(gs);
+            }
+        } else {
+            w.extend(vals.iter().map(|v| to_q(*v as f64, WGT)));
+        }
+    }
+    if int4 {
+        FixedWeights::Int4 { rows, cols, q, scale }
+    } else {
+        FixedWeights::Q24 { rows, cols, w }
+    }
+}
+
+/// Symmetric INT4 quantization of one group: scale = amax / 7 in Q24, q = round(x / scale) in
+/// -7..=7. Returns (q, scale_q24). The tolerance rule re-derives exactly this.
+pub fn int4_group(g: &[f32]) -> (Vec<i8>, i64) {
+    let amax = g.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
+    let scale = to_q(amax / 7.0, WGT);
+    let s = scale as f64 / (1u64 << WGT) as f64;
+    let q = g.iter().map(|v| if s > 0.0 { (*v as f64 / s).round().clamp(-7.0, 7.0) as i8 } else { 0 }).collect();
+    (q, scale)
+}
+
+/// `y = x W^T` with Q16 activations: exact integer products and sums (i128), one rounding to Q16.
+pub fn matmul_q(x: &[i64], m: usize, w: &FixedWeights) -> Vec<i64> {
+    use rayon::prelude::*;
+    let (rows, cols) = match w {
+        FixedWeights::Q24 { rows, cols, .. } | FixedWeights::Int4 { rows, cols, .. } => (*rows, *cols),
+    };
+    let mut y = vec![0i64; m * rows];
+    y.par_chunks_mut(rows).enumerate().for_each(|(t, yr)| {
+        let xt = &x[t * cols..(t + 1) * cols];
+        for (r, out) in yr.iter_mut().enumerate() {
+            *out = match w {
+                FixedWeights::Q24 { w, .. } => {
+                    let acc: i128 = xt.iter().zip(&w[r * cols..(r + 1) * cols]).map(|(a, b)| *a as i128 * *b as i128).sum();
+                    shr_round(acc, WGT)
+                }
+                FixedWeights::Int4 { q, scale, .. } => {
+                    let groups = cols / INT4_GROUP;
+                    let mut acc: i128 = 0;
+                    for g in 0..groups {
+                        let qs = &q[r * cols + g * INT4_GROUP..r * cols + (g + 1) * INT4_GROUP];
+                        let s: i128 = xt[g * INT4_GROUP..(g + 1) * INT4_GROUP].iter().zip(qs).map(|(a, b)| *a as i128 * *b as i128).sum();
+                        acc += s * scale[r * groups + g] as i128;
+                    }
+                    shr_round(acc, WGT)
+                }
+            };
+        }
+    });
+    y
+}
+
+/// RMSNorm in integers: mean of squares in Q32 (exact), sqrt in Q32 via an integer square root
+/// of a Q64 value, inverse in Q32, then x * inv * w (Q20) rounded once to Q16.
+pub fn rms_norm_q(x: &[i64], n: usize, w: &[i64], eps: f64) -> Vec<i64> {
+    let eps_q32 = to_q(eps, 32) as i128;
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks(n) {
+        let ss: i128 = row.iter().map(|v| *v as i128 * *v as i128).sum(); // Q32
+        let mean = ss / n as i128 + eps_q32; // Q32
+        let root = isqrt((mean as u128) << 32).max(1); // sqrt in Q32
+        let inv = (1u128 << 64) / root; // 1/sqrt in Q32
+        for (v, wi) in row.iter().zip(w) {
+            y.push(shr_round(*v as i128 * inv as i128 * *wi as i128, 32 + NORM));
+        }
+    }
+    y
+}
+
+/// RoPE with host-precomputed Q30 cos/sin tables (computed in f64 on the host, like the eBPF
+/// engine's driver does).
+pub fn rope_q(x: &mut [i64], pos: &[usize], n_head: usize, hd: usize, spec: &RopeSpec) {
+    let half = spec.n_rot / 2;
+    let neox = spec.style == RopeStyle::Neox;
+    for (t, &p) in pos.iter().enumerate() {
+        let table: Vec<(i64, i64)> = crate::cpu::kernels::rope_table_f64(spec, p).into_iter().map(|(c, s)| (to_q(c, TABLE), to_q(s, TABLE))).collect();
+        for h in 0..n_head {
+            let head = &mut x[(t * n_head + h) * hd..(t * n_head + h + 1) * hd];
+            for (i, &(c, s)) in table.iter().enumerate() {
+                let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (x0, x1) = (head[a] as i128, head[b] as i128);
+                head[a] = shr_round(x0 * c as i128 - x1 * s as i128, TABLE);
+                head[b] = shr_round(x0 * s as i128 + x1 * c as i128, TABLE);
+            }
+        }
+    }
+}
+
+/// Softmax of Q16 values: integer exp of (x - max), exact integer sum, Q16 division.
+pub fn softmax_q(x: &[i64]) -> Vec<i64> {
+    let max = *x.iter().max().unwrap_or(&0);
+    let e: Vec<i64> = x.iter().map(|v| exp_q16(v - max)).collect();
+    let sum: i128 = e.iter().map(|v| *v as i128).sum::<i128>().max(1);
+    e.iter().map(|v| (((*v as i128) << ACT) + sum / 2) / sum).map(|v| v as i64).collect()
+}
+
+/// Masked positions (-inf in the case) are represented by this sentinel and excluded.
+const MASKED: i64 = i64::MIN;
+
+pub fn attention_q(q: &[i64], pos: &[usize], k: &[i64], v: &[i64], nh: usize, nkv: usize, hd: usize, window: usize) -> Vec<i64> {
+    // 1/sqrt(hd) in Q30 (host constant).
+    let scale_q30 = to_q(1.0 / (hd as f64).sqrt(), 30) as i128;
+    let group = nh / nkv;
+    let mut out = vec![0i64; pos.len() * nh * hd];
+    for (t, &p) in pos.iter().enumerate() {
+        let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+        for h in 0..nh {
+            let kvh = h / group;
+            let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+            let scores: Vec<i64> = (first..=p)
+                .map(|j| {
+                    let kj = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                    let dot: i128 = qh.iter().zip(kj).map(|(a, b)| *a as i128 * *b as i128).sum(); // Q32
+                    shr_round(dot * scale_q30, 30 + ACT) // Q16
+                })
+                .collect();
+            let probs = softmax_q(&scores);
+            for d in 0..hd {
+                let acc: i128 = probs.iter().zip(first..=p).map(|(pj, j)| *pj as i128 * v[(j * nkv + kvh) * hd + d] as i128).sum();
+                out[(t * nh + h) * hd + d] = shr_round(acc, ACT);
+            }
+        }
+    }
+    out
+}
+
+fn q_in(t: &Tensor) -> Vec<i64> {
+    t.data.iter().map(|v| if v.is_finite() { to_q(*v as f64, ACT) } else { MASKED }).collect()
+}
+
+fn f_out(shape: &[usize], v: &[i64]) -> Output {
+    Output::F32(Tensor { shape: shape.to_vec(), data: v.iter().map(|x| from_q(*x, ACT)).collect() })
+}
+
+impl FixedDevice {
+    fn run(&self, case: &OpCase) -> Result<Vec<Output>, String> {
+        let e = |r: oracle::OracleError| r.to_string();
+        Ok(match case.op {
+            "embed" => {
+                let t = case.f32("table").map_err(e)?;
+                let ids = case.ids("ids").map_err(e)?;
+                let d = t.shape[1];
+                let mut v = Vec::new();
+                for &id in ids {
+                    let row = t.data.get(id as usize * d..(id as usize + 1) * d).ok_or("token id outside the table")?;
+                    v.extend(row.iter().map(|x| to_q(*x as f64, ACT)));
+                }
+                vec![f_out(&[ids.len(), d], &v)]
+            }
+            "rms_norm" | "qk_norm" => {
+                let x = case.f32("x").map_err(e)?;
+                let n = if case.op == "qk_norm" { case.pu("head_dim").map_err(e)? } else { x.shape[1] };
+                let w: Vec<i64> = case.f32("weight").map_err(e)?.data.iter().map(|v| to_q(*v as f64, NORM)).collect();
+                let w_full: Vec<i64> = w.iter().cycle().take(n).copied().collect();
+                vec![f_out(&x.shape, &rms_norm_q(&q_in(x), n, &w_full, case.p("eps").map_err(e)?))]
+            }
+            "matmul" => {
+                let x = case.f32("x").map_err(e)?;
+                let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else { return Err("no weight".into()) };
+                if self.int4 && cols % INT4_GROUP != 0 {
+                    return Err(format!("k = {cols} is not a multiple of the INT4 group {INT4_GROUP}"));
+                }
+                let w = convert_weights(*ty, *rows, *cols, bytes, self.int4);
+                vec![f_out(&[x.shape[0], *rows], &matmul_q(&q_in(x), x.shape[0], &w))]
+            }
+            "add" | "add_bias" => {
+                let a = case.f32("a").map_err(e)?;
+                let b = q_in(case.f32("b").map_err(e)?);
+                let v: Vec<i64> = q_in(a).iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect();
+                vec![f_out(&a.shape, &v)]
+            }
+            "rope" => {
+                let x = case.f32("x").map_err(e)?;
+                let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
+                let p = |n: &str| case.p(n).map_err(e);
+                let scaling = match p("scaling")? as u32 {
+                    0 => RopeScaling::None,
+                    1 => RopeScaling::Linear { factor: 4.0 },
+                    _ => RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
+                };
+                let spec = RopeSpec { style: if p("neox")? == 1.0 { RopeStyle::Neox } else { RopeStyle::Normal }, theta: p("theta")?, n_rot: p("n_rot")? as usize, scaling };
+                let mut y = q_in(x);
+                rope_q(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &spec);
+                vec![f_out(&x.shape, &y)]
+            }
+            "attention" => {
+                let (q, k, v) = (case.f32("q").map_err(e)?, case.f32("k").map_err(e)?, case.f32("v").map_err(e)?);
+                let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
+                let p = |n: &str| case.pu(n).map_err(e);
+                let y = attention_q(&q_in(q), &pos, &q_in(k), &q_in(v), p("n_head")?, p("n_head_kv")?, p("head_dim")?, p("window")?);
+                vec![f_out(&q.shape, &y)]
+            }
+            "softmax" => {
+                let x = case.f32("x").map_err(e)?;
+                let n = x.shape[1];
+                let mut y = Vec::with_capacity(x.data.len());
+                for row in q_in(x).chunks(n) {
+                    let live: Vec<i64> = row.iter().copied().filter(|v| *v != MASKED).collect();
+                    let p = softmax_q(&live);
+                    let mut it = p.into_iter();
+                    y.extend(row.iter().map(|v| if *v == MASKED { 0 } else { it.next().unwrap_or(0) }));
+                }
+                vec![f_out(&x.shape, &y)]
+            }
+            "silu" => {
+                let g = case.f32("gate").map_err(e)?;
+                vec![f_out(&g.shape, &q_in(g).into_iter().map(silu_q16).collect::<Vec<_>>())]
+            }
+            "swiglu" => {
+                let g = case.f32("gate").map_err(e)?;
+                let u = q_in(case.f32("up").map_err(e)?);
+                let y: Vec<i64> = q_in(g).into_iter().zip(u).map(|(a, b)| shr_round(silu_q16(a) as i128 * b as i128, ACT)).collect();
+                vec![f_out(&g.shape, &y)]
+            }
+            "argmax" => {
+                let x = case.f32("x").map_err(e)?;
+                let n = x.shape[1];
+                let ids = q_in(x)
+                    .chunks(n)
+                    .map(|r| r.iter().enumerate().fold(0usize, |best, (i, v)| if *v > r[best] { i } else { best }) as u32)
+                    .collect();
+                vec![Output::Ids(ids)]
+            }
+            other => return Err(format!("no integer kernel for `{other}`")),
+        })
+    }
+}
+
+impl Device for FixedDevice {
+    fn name(&self) -> String {
+        if self.int4 { "fixed-int4".into() } else { "fixed".into() }
+    }
+    fn arithmetic(&self, _: &OpCase) -> Arithmetic {
+        Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, activation_q8_block: None, transcendental_ulps: 0.0, fixed: Some(self.point()) }
+    }
+    fn supports(&self, case: &OpCase) -> Support {
+        if self.int4 && case.op == "matmul" {
+            if let Some((_, Input::Quant { cols, .. })) = case.inputs.iter().find(|(n, _)| *n == "w") {
+                if cols % INT4_GROUP != 0 {
+                    return Support::Unsupported(format!("k = {cols} is not a whole number of INT4 groups of {INT4_GROUP}"));
+                }
+            }
+        }
+        match case.op {
+            "embed" | "rms_norm" | "qk_norm" | "matmul" | "add" | "add_bias" | "rope" | "attention" | "softmax" | "silu" | "swiglu" => Support::Yes,
+            // Integer argmax compares Q16 values: logits closer than 2^-17 can tie differently
+            // than in f32, so only rows whose top two are well separated are exact by design.
+            "argmax" => Support::Yes,
+            other => Support::Unsupported(format!("no integer kernel for `{other}` on {}", self.name())),
+        }
+    }
+    fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
+        self.run(case).map_err(|r| fail(&self.name(), case, r))
+    }
+}
