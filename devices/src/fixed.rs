@@ -388,4 +388,194 @@ impl Device for FixedDevice {
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
         self.run(case).map_err(|r| fail(&self.name(), case, r))
     }
+    fn load_model(&self, path: &std::path::Path, _opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+        Ok(Box::new(FixedModel::load(path, self.int4)?))
+    }
+}
+
+/// A whole model in integer arithmetic (dense Llama/Qwen; MoE is not supported here).
+pub struct FixedModel {
+    spec: oracle::ModelSpec,
+    int4: bool,
+    tok_embd: Vec<i64>,
+    output_norm: Vec<i64>,
+    head: FixedWeights,
+    layers: Vec<FixedLayer>,
+    k: Vec<Vec<i64>>,
+    v: Vec<Vec<i64>>,
+    len: usize,
+}
+
+struct FixedLayer {
+    attn_norm: Vec<i64>,
+    wq: FixedWeights,
+    wk: FixedWeights,
+    wv: FixedWeights,
+    wo: FixedWeights,
+    bias: Option<[Vec<i64>; 3]>,
+    qk_norm: Option<[Vec<i64>; 2]>,
+    ffn_norm: Vec<i64>,
+    gate: FixedWeights,
+    up: FixedWeights,
+    down: FixedWeights,
+}
+
+fn model_err(what: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Failed { device: "fixed".into(), case: "model".into(), reason: what.to_string() }
+}
+
+impl FixedModel {
+    pub fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, DeviceError> {
+        let g = oracle::gguf::GgufFile::open(path).map_err(model_err)?;
+        let spec = oracle::ModelSpec::from_gguf(&g).map_err(model_err)?;
+        if spec.moe.is_some() {
+            return Err(DeviceError::Unavailable("fixed".into(), format!("{}: MoE models have no integer kernels here", path.display())));
+        }
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<FixedWeights, DeviceError> {
+            let t = g.tensor(name).ok_or_else(|| model_err(format!("missing tensor `{name}`")))?;
+            if t.n_elements() as usize != rows * cols || t.dims[0] as usize != cols {
+                return Err(model_err(format!("tensor `{name}` has dims {:?}", t.dims)));
+            }
+            Ok(convert_weights(t.ty, rows, cols, g.tensor_bytes(t), int4 && cols % INT4_GROUP == 0))
+        };
+        let vecq = |name: &str, n: usize, frac: u32| -> Result<Vec<i64>, DeviceError> {
+            let t = g.tensor(name).ok_or_else(|| model_err(format!("missing tensor `{name}`")))?;
+            if t.n_elements() as usize != n || !qdot::is_float(t.ty) {
+                return Err(model_err(format!("tensor `{name}`: expected {n} float values")));
+            }
+            let mut f = vec![0.0f32; n];
+            qdot::float_row(t.ty, g.tensor_bytes(t), &mut f);
+            Ok(f.iter().map(|v| to_q(*v as f64, frac)).collect())
+        };
+        let (d, hd) = (spec.n_embd, spec.head_dim);
+        let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
+        let mut layers = Vec::new();
+        for i in 0..spec.n_layer {
+            let n = |t: &str| format!("blk.{i}.{t}");
+            layers.push(FixedLayer {
+                attn_norm: vecq(&n("attn_norm.weight"), d, NORM)?,
+                wq: mat(&n("attn_q.weight"), qd, d)?,
+                wk: mat(&n("attn_k.weight"), kvd, d)?,
+                wv: mat(&n("attn_v.weight"), kvd, d)?,
+                wo: mat(&n("attn_output.weight"), d, qd)?,
+                bias: if spec.qkv_bias { Some([vecq(&n("attn_q.bias"), qd, ACT)?, vecq(&n("attn_k.bias"), kvd, ACT)?, vecq(&n("attn_v.bias"), kvd, ACT)?]) } else { None },
+                qk_norm: if spec.qk_norm { Some([vecq(&n("attn_q_norm.weight"), hd, NORM)?, vecq(&n("attn_k_norm.weight"), hd, NORM)?]) } else { None },
+                ffn_norm: vecq(&n("ffn_norm.weight"), d, NORM)?,
+                gate: mat(&n("ffn_gate.weight"), spec.n_ff, d)?,
+                up: mat(&n("ffn_up.weight"), spec.n_ff, d)?,
+                down: mat(&n("ffn_down.weight"), d, spec.n_ff)?,
+            });
+        }
+        // The embedding table as Q16 activations (rows are looked up, never multiplied).
+        let te = g.tensor("token_embd.weight").ok_or_else(|| model_err("missing token_embd.weight"))?;
+        let row_bytes = te.n_bytes as usize / spec.n_vocab;
+        let mut tok_embd = Vec::with_capacity(spec.n_vocab * d);
+        let mut row = vec![0.0f32; d];
+        for r in 0..spec.n_vocab {
+            let rb = &g.tensor_bytes(te)[r * row_bytes..(r + 1) * row_bytes];
+            if qdot::is_float(te.ty) {
+                qdot::float_row(te.ty, rb, &mut row);
+            } else {
+                qdot::dequantize_row(te.ty, rb, &mut row);
+            }
+            tok_embd.extend(row.iter().map(|v| to_q(*v as f64, ACT)));
+        }
+        let head = if spec.tied_output { mat("token_embd.weight", spec.n_vocab, d)? } else { mat("output.weight", spec.n_vocab, d)? };
+        let output_norm = vecq("output_norm.weight", d, NORM)?;
+        let n_layer = spec.n_layer;
+        Ok(FixedModel { spec, int4, tok_embd, output_norm, head, layers, k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], len: 0 })
+    }
+}
+
+fn tap_q(t: &mut dyn oracle::Tap, name: &str, start: usize, m: usize, w: usize, v: &[i64]) {
+    if t.enabled() {
+        let f: Vec<f32> = v.iter().map(|x| from_q(*x, ACT)).collect();
+        t.record(name, start, m, w, &f);
+    }
+}
+
+impl crate::DeviceModel for FixedModel {
+    fn spec(&self) -> &oracle::ModelSpec {
+        &self.spec
+    }
+    fn cached(&self) -> usize {
+        self.len
+    }
+    fn reset(&mut self) {
+        self.k.iter_mut().for_each(|c| c.clear());
+        self.v.iter_mut().for_each(|c| c.clear());
+        self.len = 0;
+    }
+    fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        let s = self.spec.clone();
+        let m = tokens.len();
+        if m == 0 {
+            return Err(model_err("no tokens"));
+        }
+        let start = self.len;
+        let pos: Vec<usize> = (start..start + m).collect();
+        let (d, hd) = (s.n_embd, s.head_dim);
+        let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
+        let mut x = Vec::with_capacity(m * d);
+        for &t in tokens {
+            let t = t as usize;
+            if t >= s.n_vocab {
+                return Err(model_err(format!("token id {t} outside the vocabulary of {}", s.n_vocab)));
+            }
+            x.extend_from_slice(&self.tok_embd[t * d..(t + 1) * d]);
+        }
+        tap_q(taps, "inp_embd", start, m, d, &x);
+        let add = |a: &[i64], b: &[i64]| -> Vec<i64> { a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect() };
+        for li in 0..s.n_layer {
+            let l = &self.layers[li];
+            let name = |t: &str| format!("blk.{li}.{t}");
+            let h = rms_norm_q(&x, d, &l.attn_norm, s.norm_eps);
+            tap_q(taps, &name("attn_norm"), start, m, d, &h);
+            let (mut q, mut k, mut v) = (matmul_q(&h, m, &l.wq), matmul_q(&h, m, &l.wk), matmul_q(&h, m, &l.wv));
+            if let Some([bq, bk, bv]) = &l.bias {
+                (q, k, v) = (add(&q, bq), add(&k, bk), add(&v, bv));
+            }
+            tap_q(taps, &name("attn_q"), start, m, qd, &q);
+            tap_q(taps, &name("attn_k"), start, m, kvd, &k);
+            tap_q(taps, &name("attn_v"), start, m, kvd, &v);
+            if let Some([qn, kn]) = &l.qk_norm {
+                q = rms_norm_q(&q, hd, qn, s.norm_eps);
+                k = rms_norm_q(&k, hd, kn, s.norm_eps);
+                tap_q(taps, &name("attn_q_norm"), start, m, qd, &q);
+                tap_q(taps, &name("attn_k_norm"), start, m, kvd, &k);
+            }
+            rope_q(&mut q, &pos, s.n_head, hd, &s.rope);
+            rope_q(&mut k, &pos, s.n_head_kv, hd, &s.rope);
+            tap_q(taps, &name("attn_q_rope"), start, m, qd, &q);
+            tap_q(taps, &name("attn_k_rope"), start, m, kvd, &k);
+            self.k[li].truncate(start * kvd);
+            self.v[li].truncate(start * kvd);
+            self.k[li].extend_from_slice(&k);
+            self.v[li].extend_from_slice(&v);
+            let attn = attention_q(&q, &pos, &self.k[li], &self.v[li], s.n_head, s.n_head_kv, hd, s.sliding_window.unwrap_or(0));
+            tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
+            let attn = matmul_q(&attn, m, &l.wo);
+            tap_q(taps, &name("attn_out"), start, m, d, &attn);
+            x = add(&x, &attn);
+            tap_q(taps, &name("ffn_inp"), start, m, d, &x);
+            let h = rms_norm_q(&x, d, &l.ffn_norm, s.norm_eps);
+            tap_q(taps, &name("ffn_norm"), start, m, d, &h);
+            let (g, u) = (matmul_q(&h, m, &l.gate), matmul_q(&h, m, &l.up));
+            let act: Vec<i64> = g.iter().zip(&u).map(|(a, b)| shr_round(silu_q16(*a) as i128 * *b as i128, ACT)).collect();
+            tap_q(taps, &name("ffn_gate"), start, m, s.n_ff, &g);
+            tap_q(taps, &name("ffn_up"), start, m, s.n_ff, &u);
+            tap_q(taps, &name("ffn_act"), start, m, s.n_ff, &act);
+            let out = matmul_q(&act, m, &l.down);
+            tap_q(taps, &name("ffn_out"), start, m, d, &out);
+            x = add(&x, &out);
+            tap_q(taps, &name("l_out"), start, m, d, &x);
+        }
+        self.len = start + m;
+        let normed = rms_norm_q(&x, d, &self.output_norm, s.norm_eps);
+        tap_q(taps, "result_norm", start, m, d, &normed);
+        let logits = matmul_q(&normed, m, &self.head);
+        tap_q(taps, "result_output", start, m, s.n_vocab, &logits);
+        let _ = self.int4;
+        Ok(logits.iter().map(|v| from_q(*v, ACT)).collect())
+    }
 }

@@ -96,3 +96,31 @@ fn cpu_model_taps_have_the_oracle_names() {
     }
 }
 
+
+#[test]
+fn fixed_model_tracks_the_oracle_and_int4_drifts_further() {
+    let ids = [504u32, 3575, 282, 4649, 314];
+    let path = fixtures::resolve("smollm2", true).unwrap();
+    let (oracle, _) = AnyModel::load(&path, Precision::F32).unwrap();
+    let want = oracle.prefill_logits(&ids, &mut NoTap).unwrap();
+    let n = 49152;
+    let last = &want[4 * n..];
+    let mut errs = Vec::new();
+    for int4 in [false, true] {
+        let mut m = devices::fixed::FixedDevice { int4 }.load_model(&path, &ModelOptions::default()).unwrap();
+        let got = m.forward(&ids, &mut NoTap).unwrap();
+        let g = &got[4 * n..];
+        let mae = last.iter().zip(g).map(|(a, b)| (a - *b as f64).abs()).sum::<f64>() / n as f64;
+        eprintln!("fixed (int4: {int4}): mean |logit - oracle| = {mae:.4}, top-1 {} vs oracle {}", oracle::ops::argmax(g), oracle::ops::argmax(last));
+        errs.push(mae);
+        if !int4 {
+            assert_eq!(oracle::ops::argmax(g), oracle::ops::argmax(last), "Q16/Q24 must keep the oracle's next token");
+        }
+    }
+    assert!(errs[0] < 0.05, "Q16/Q24 mean logit error {}", errs[0]);
+    assert!(errs[1] > 5.0 * errs[0], "INT4 weights should cost far more than Q24: {errs:?}");
+    // MoE models have no integer kernels: a clear error, not a panic.
+    let moe = fixtures::resolve("tiny-moe", true).unwrap();
+    let e = devices::fixed::FixedDevice { int4: false }.load_model(&moe, &ModelOptions::default()).err().unwrap().to_string();
+    assert!(e.contains("MoE"), "{e}");
+}

@@ -1,8 +1,8 @@
 //! `cargo xtask gate`: the main job. With no arguments it runs the oracle self-check suite over
-//! the synthetic models and the kernel suite on the `cpu` device, prints a summary, writes one
-//! report, and exits per the contract. Suites and devices that are not built yet (layer-diff,
-//! fixed-token, bench; fixed, cuda, rocm, external) are named in the output and, when asked for
-//! explicitly, exit 2 — never counted as passed.
+//! the synthetic models and the kernel suite on the `cpu` and `fixed` devices, prints a summary,
+//! writes one report, and exits per the contract. Suites and devices that are not built yet
+//! (layer-diff, fixed-token, bench; cuda, rocm, external) are named in the output and, when asked
+//! for explicitly, exit 2 — never counted as passed.
 
 use super::resolve_model;
 use crate::Exit;
@@ -13,7 +13,7 @@ const SUITES: [&str; 2] = ["oracle", "kernels"];
 
 #[derive(clap::Args)]
 pub struct GateArgs {
-    /// Devices for the kernel suite (default: cpu).
+    /// Devices for the kernel suite (default: cpu and fixed).
     #[arg(long)]
     device: Vec<String>,
     /// Models for the oracle self-check (default: tiny-llama, tiny-qwen3, tiny-moe).
@@ -37,7 +37,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
             return Err(Exit { code: 2, message: format!("suite `{s}` is not available in this build (available: oracle, kernels)") });
         }
     }
-    let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into()] } else { a.device.clone() };
+    let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into(), "fixed".into()] } else { a.device.clone() };
     let devices = device_names.iter().map(|d| devices::open(d)).collect::<Result<Vec<_>, _>>().map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let shard = a.shard.as_deref().map(super::parse_shard).transpose()?;
     let mut cases = Vec::new();
@@ -62,7 +62,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     }
     let report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
     super::kernels::print_summary(&report);
-    println!("not built yet (not run, not counted): suites layers, tokens, bench; devices fixed, cuda, rocm, external");
+    println!("not built yet (not run, not counted): suites layers, tokens, bench; devices cuda, rocm, external");
     let dir = super::report_dir(a.report_dir, "gate");
     report.write(&dir)?;
     println!("report: {}", dir.join("report.json").display());

@@ -14,10 +14,10 @@ use oracle::tokenizer::Tokenizer;
 use oracle::Precision;
 use std::path::PathBuf;
 
-/// Devices that can run whole models in this build: `ref` (the oracle) and `cpu`.
+/// Devices that can run whole models in this build: `ref` (the oracle), `cpu`, `fixed`, `fixed-int4`.
 pub fn check_device(device: &str) -> Result<(), Exit> {
     match device {
-        "ref" | "cpu" => Ok(()),
+        "ref" | "cpu" | "fixed" | "fixed-int4" => Ok(()),
         d => match devices::open(d) {
             Err(e) => Err(Exit { code: 2, message: e.to_string() }),
             Ok(_) => Err(Exit { code: 2, message: format!("device `{d}` cannot run whole models yet") }),
