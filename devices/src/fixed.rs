@@ -12,7 +12,7 @@ use crate::cpu::qdot;
 use crate::{fail, Arithmetic, Device, DeviceError, FixedPoint, NumFormat, Support};
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
-use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
+use oracle::spec::{RopeSpec, RopeStyle};
 
 pub const ACT: u32 = 16;
 pub const WGT: u32 = 24;
@@ -309,12 +309,7 @@ impl FixedDevice {
                 let x = case.f32("x").map_err(e)?;
                 let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
                 let p = |n: &str| case.p(n).map_err(e);
-                let scaling = match p("scaling")? as u32 {
-                    0 => RopeScaling::None,
-                    1 => RopeScaling::Linear { factor: 4.0 },
-                    _ => RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
-                };
-                let spec = RopeSpec { style: if p("neox")? == 1.0 { RopeStyle::Neox } else { RopeStyle::Normal }, theta: p("theta")?, n_rot: p("n_rot")? as usize, scaling };
+                let spec = oracle::registry::rope_spec_of(case).map_err(e)?;
                 let mut y = q_in(x);
                 rope_q(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &spec);
                 vec![f_out(&x.shape, &y)]

@@ -280,8 +280,10 @@ fn add_bias_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&a.shape, y)])
 }
 
-/// Rope scaling codes in case params: 0 none, 1 linear x4, 2 yarn x4 over a 128-position context.
-fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
+/// The RoPE configuration a `rope` case describes. Scaling codes in case params: 0 none,
+/// 1 linear x4, 2 YaRN x4 over a 128-position original context. Devices and the suite read a
+/// case's configuration through this one function.
+pub fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
     let scaling = match c.pu("scaling")? {
         0 => RopeScaling::None,
         1 => RopeScaling::Linear { factor: 4.0 },

@@ -312,17 +312,9 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
             let x = f32_in(case, "x");
             let hd = case.pu("head_dim").unwrap_or(1);
             let n_head = case.pu("n_head").unwrap_or(1);
-            let scaling = match case.pu("scaling").unwrap_or(0) {
-                0 => oracle::spec::RopeScaling::None,
-                1 => oracle::spec::RopeScaling::Linear { factor: 4.0 },
-                _ => oracle::spec::RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
-            };
             let neox = case.pu("neox").unwrap_or(0) == 1;
-            let spec = oracle::spec::RopeSpec {
-                style: if neox { oracle::spec::RopeStyle::Neox } else { oracle::spec::RopeStyle::Normal },
-                theta: case.p("theta").unwrap_or(10_000.0),
-                n_rot: case.pu("n_rot").unwrap_or(hd),
-                scaling,
+            let Ok(spec) = oracle::registry::rope_spec_of(case) else {
+                return Bounds { per_output: vec![None], rule: "rope case without a configuration".into() };
             };
             let pos = case.ids("pos").unwrap_or(&[]);
             let xs = xq(x);

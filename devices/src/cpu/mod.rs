@@ -9,7 +9,6 @@ pub mod qdot;
 use crate::{fail, Arithmetic, Device, DeviceError, NumFormat, Support};
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
-use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
 
 pub struct CpuDevice;
 
@@ -113,13 +112,7 @@ impl CpuDevice {
                 let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
                 let mut y = x.data.clone();
                 let p = |n: &str| case.p(n).map_err(e);
-                // Registry scaling codes: 0 none, 1 linear x4, 2 YaRN x4 over a 128-position context.
-                let scaling = match p("scaling")? as u32 {
-                    0 => RopeScaling::None,
-                    1 => RopeScaling::Linear { factor: 4.0 },
-                    _ => RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
-                };
-                let spec = RopeSpec { style: if p("neox")? == 1.0 { RopeStyle::Neox } else { RopeStyle::Normal }, theta: p("theta")?, n_rot: p("n_rot")? as usize, scaling };
+                let spec = oracle::registry::rope_spec_of(case).map_err(e)?;
                 kernels::rope(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &spec);
                 vec![out(&x.shape, y)]
             }
