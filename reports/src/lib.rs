@@ -275,7 +275,8 @@ impl Report {
     }
 
     pub fn read(dir: &Path) -> std::io::Result<Report> {
-        let text = std::fs::read_to_string(dir.join("report.json"))?;
+        let path = dir.join("report.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
         serde_json::from_str(&text).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {e}", dir.join("report.json").display())))
     }
 

@@ -42,7 +42,9 @@ pub struct Exit {
 impl<E: Into<anyhow::Error>> From<E> for Exit {
     fn from(e: E) -> Self {
         let e: anyhow::Error = e.into();
-        Exit { code: 2, message: format!("{e:#}") }
+        // Our library errors already name file, field and cause in their own message; anyhow's
+        // alternate form would repeat the cause.
+        Exit { code: 2, message: format!("{e}") }
     }
 }
 

@@ -58,8 +58,8 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_read_probe
     );
     if let Some(dir) = a.report_dir {
-        std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join("bench.json"), serde_json::to_string_pretty(&r)? + "\n")?;
+        let path = dir.join("bench.json");
+        std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&path, serde_json::to_string_pretty(&r).unwrap_or_default() + "\n")).map_err(|e| super::io_exit(&path, e))?;
     }
     Ok(0)
 }

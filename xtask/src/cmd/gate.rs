@@ -64,7 +64,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     super::kernels::print_summary(&report);
     println!("not built yet (not run, not counted): suites layers, tokens, bench; devices cuda, rocm, external");
     let dir = super::report_dir(a.report_dir, "gate");
-    report.write(&dir)?;
+    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
     println!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

@@ -41,7 +41,7 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     let report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
     print_summary(&report);
     let dir = super::report_dir(a.report_dir, "kernels");
-    report.write(&dir)?;
+    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
     println!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

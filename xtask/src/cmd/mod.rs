@@ -114,3 +114,8 @@ pub fn report_dir(given: Option<PathBuf>, suite: &str) -> PathBuf {
         PathBuf::from("target/touchstone").join(format!("{suite}-{ts}"))
     })
 }
+
+/// An I/O failure on `path` as a could-not-run exit that names the path.
+pub fn io_exit(path: &std::path::Path, e: std::io::Error) -> Exit {
+    Exit { code: 2, message: format!("{}: {e}", path.display()) }
+}
