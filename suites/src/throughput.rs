@@ -2,7 +2,7 @@
 //! bandwidth of decode compared with a memory-bandwidth probe taken in the same run.
 
 use crate::membw::{self, Bandwidth};
-use oracle::generate::AnyModel;
+use oracle::generate::{AnyModel, Generation};
 use oracle::ops::SamplerConfig;
 use oracle::NoTap;
 
@@ -17,8 +17,9 @@ pub struct RefBench {
     pub prefill_tok_per_s: Vec<f64>,
     /// Per repetition: decode tokens/s.
     pub decode_tok_per_s: Vec<f64>,
+    /// Weight bytes read per generated token, when the device can say (the oracle can).
     pub weight_bytes_per_token: usize,
-    /// Per repetition: weight bytes per token x decode tokens/s, GB/s.
+    /// Per repetition: weight bytes per token x decode tokens/s, GB/s (empty when unknown).
     pub effective_gbps: Vec<f64>,
     /// Per repetition: the probe taken just before that repetition's generation.
     pub probes: Vec<Bandwidth>,
@@ -43,17 +44,32 @@ pub fn median(v: &[f64]) -> f64 {
 
 /// Runs one warm-up, then `reps` repetitions of (bandwidth probe, greedy generation), so every
 /// decode figure has a probe taken seconds before it on the same noisy machine.
-pub fn bench_ref(model: &AnyModel, prompt: &[u32], gen_len: usize, reps: usize, mut progress: impl FnMut(usize)) -> oracle::Result<RefBench> {
+pub fn bench_ref(model: &AnyModel, prompt: &[u32], gen_len: usize, reps: usize, progress: impl FnMut(usize)) -> oracle::Result<RefBench> {
     let greedy = SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
-    model.generate(prompt, 2, &greedy, 0, None, &mut NoTap)?;
-    let wb = model.weight_bytes_per_token();
+    bench_with(|p, n| model.generate(p, n, &greedy, 0, None, &mut NoTap), model.weight_bytes_per_token(), prompt, gen_len, reps, progress)
+}
+
+/// The same measurement over any generator (a device model's greedy loop, say);
+/// `weight_bytes_per_token = 0` means unknown (no bandwidth figures then).
+pub fn bench_with<E>(
+    mut generate: impl FnMut(&[u32], usize) -> Result<Generation, E>,
+    weight_bytes_per_token: usize,
+    prompt: &[u32],
+    gen_len: usize,
+    reps: usize,
+    mut progress: impl FnMut(usize),
+) -> Result<RefBench, E> {
+    generate(prompt, 2)?;
+    let wb = weight_bytes_per_token;
     let (mut prefill, mut decode, mut effective, mut probes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for r in 0..reps {
         probes.push(membw::probe(512 << 20, 3));
-        let g = model.generate(prompt, gen_len, &greedy, 0, None, &mut NoTap)?;
+        let g = generate(prompt, gen_len)?;
         prefill.push(prompt.len() as f64 / g.prefill_s);
         decode.push(g.decode_tok_per_s());
-        effective.push(wb as f64 * g.decode_tok_per_s() / 1e9);
+        if wb > 0 {
+            effective.push(wb as f64 * g.decode_tok_per_s() / 1e9);
+        }
         progress(r + 1);
     }
     let ratio = |f: fn(&Bandwidth) -> f64| median(&effective.iter().zip(&probes).map(|(e, p)| e / f(p)).collect::<Vec<_>>());

@@ -26,7 +26,7 @@ enum Command {
     Run(cmd::run::RunArgs),
     /// Writes every tap and the logits of every position in the dump format (docs/DUMP_FORMAT.md).
     Dump(cmd::dump::DumpArgs),
-    /// Throughput of a device on a model (today: the oracle, `--device ref`), with a memory-bandwidth probe.
+    /// Throughput of a device on a model (prefill, decode; for the oracle also weight bandwidth vs a memory probe).
     Bench(cmd::bench::BenchArgs),
     /// Generates the synthetic models and fetches/verifies the real ones (idempotent).
     Fixtures(cmd::fixtures::FixturesArgs),

@@ -32,17 +32,30 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     if a.prompt_len == 0 || a.gen_len < 2 || a.reps == 0 {
         return Err(Exit { code: 2, message: "--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required".into() });
     }
-    let (_, model, _) = load_model(&a.model, a.precision)?;
+    let (path, model, _) = load_model(&a.model, a.precision)?;
     let n_vocab = model.spec().n_vocab as u32;
     let prompt: Vec<u32> = (0..a.prompt_len as u32).map(|i| 1 + (i * 7919) % (n_vocab - 1)).collect();
     let pb = indicatif::ProgressBar::new(a.reps as u64);
     pb.set_style(indicatif::ProgressStyle::with_template("bench {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
-    let r = suites::throughput::bench_ref(&model, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?;
+    let r = if a.device == "ref" {
+        suites::throughput::bench_ref(&model, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?
+    } else {
+        drop(model);
+        let dev = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        let mut dm = dev.load_model(&path, &devices::ModelOptions::default()).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        let greedy = oracle::ops::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+        suites::throughput::bench_with(|p, n| super::generate_on_device(dm.as_mut(), p, n, &greedy, 0, None), 0, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?
+    };
     pb.finish_and_clear();
     let med = suites::throughput::median;
-    println!("device {} model {} precision {:?}, {} threads, dot path {}", a.device, a.model, a.precision, r.threads, r.dot_path);
+    let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
+    println!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
     println!("prefill ({} tokens): median {:.1} tok/s   samples {:?}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
     println!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
+    if r.effective_gbps.is_empty() {
+        println!("(this device does not report the bytes it reads per token: no bandwidth figures)");
+        return write_json(&a.report_dir, &r);
+    }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
     println!(
@@ -57,9 +70,13 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
     );
-    if let Some(dir) = a.report_dir {
+    write_json(&a.report_dir, &r)
+}
+
+fn write_json(dir: &Option<PathBuf>, r: &suites::throughput::RefBench) -> Result<u8, Exit> {
+    if let Some(dir) = dir {
         let path = dir.join("bench.json");
-        std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&path, serde_json::to_string_pretty(&r).unwrap_or_default() + "\n")).map_err(|e| super::io_exit(&path, e))?;
+        std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, serde_json::to_string_pretty(r).unwrap_or_default() + "\n")).map_err(|e| super::io_exit(&path, e))?;
     }
     Ok(0)
 }
