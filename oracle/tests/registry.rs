@@ -37,7 +37,8 @@ fn every_op_has_cases_a_rule_and_a_runnable_reference() {
         total += cases.len();
     }
     // A floor that catches a generator silently losing its shape or seed loops.
-    assert!(total >= 350, "only {total} cases");
+    // The kernel gate promises at least 2,000 cases on cpu.
+    assert!(total >= 2000, "only {total} cases");
 }
 
 #[test]

@@ -204,3 +204,28 @@ fn suites_count(filter: &str) -> usize {
     let opts = suites::kernels::KernelOptions { filter: Some(regex::Regex::new(filter).unwrap()), ..Default::default() };
     suites::kernels::select_cases(&opts).len()
 }
+
+/// llama.cpp (through the PyPI `llama-cpp-python` bindings, when installed) on the same Q4_1 GGUF:
+/// its CPU path also multiplies Q4_1 weights with Q8 activations, so the `cpu` device should
+/// produce the same greedy tokens. Skips, saying so, when the bindings are absent.
+#[test]
+fn cpu_device_greedy_matches_llama_cpp_when_available() {
+    let probe = Command::new("python3").args(["-c", "import llama_cpp"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED: llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+        return;
+    }
+    let model = smollm2();
+    let script = format!(
+        "from llama_cpp import Llama\nm = Llama(model_path={:?}, n_threads=2, n_ctx=256, verbose=False)\nout = []\nfor t in m.generate([{PROMPT_IDS}], temp=0.0, top_k=1):\n    out.append(t)\n    if len(out) == 8: break\nprint(out)",
+        model.display().to_string()
+    );
+    let o = Command::new("python3").args(["-c", &script]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<u64> = serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+    let r = xtask(&["run", "--model", "smollm2", "--prompt-ids", PROMPT_IDS, "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu", "--json"], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    let ours: Vec<u64> = v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    eprintln!("llama.cpp {theirs:?}\ncpu       {ours:?}");
+    assert_eq!(ours, theirs);
+}
