@@ -32,10 +32,12 @@ pub enum Fault {
     GqaMappingWrong,
     /// Keys/values appended one position late.
     KvWrongPosition,
+    /// A row-strided view of the activations read as if it were contiguous.
+    ViewStrideIgnored,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 12] = [
         Fault::RopeOffByOne,
         Fault::RopeWrongLayout,
         Fault::NormEpsWrong,
@@ -47,6 +49,7 @@ impl Fault {
         Fault::CausalOffByOne,
         Fault::GqaMappingWrong,
         Fault::KvWrongPosition,
+        Fault::ViewStrideIgnored,
     ];
 
     /// The ops the fault lives in.
@@ -55,7 +58,7 @@ impl Fault {
             Fault::RopeOffByOne | Fault::RopeWrongLayout => &["rope"],
             Fault::NormEpsWrong => &["rms_norm", "layer_norm", "qk_norm"],
             Fault::MissingBias => &["add_bias"],
-            Fault::MisstridedWeight | Fault::QuantScaleWrong | Fault::QuantMinIgnored => &["matmul"],
+            Fault::MisstridedWeight | Fault::QuantScaleWrong | Fault::QuantMinIgnored | Fault::ViewStrideIgnored => &["matmul"],
             Fault::SoftmaxNoMaxSub => &["softmax"],
             Fault::CausalOffByOne | Fault::GqaMappingWrong | Fault::KvWrongPosition => &["attention"],
         }
@@ -134,6 +137,17 @@ impl FaultyDevice {
                                 }
                             }
                         }
+                    }
+                }
+                run(&c)
+            }
+            Fault::ViewStrideIgnored => {
+                if let Some(k) = c.params.remove("x_cols") {
+                    let k = k as usize;
+                    if let Some(t) = f32_input(&mut c, "x") {
+                        let m = t.shape[0];
+                        t.data.truncate(m * k);
+                        t.shape = vec![m, k];
                     }
                 }
                 run(&c)

@@ -234,6 +234,22 @@ fn matmul_cases(base: u64) -> Vec<OpCase> {
                 let w = normals(&mut r, n * k, 1.0 / (k as f64).sqrt());
                 let x = activations(&mut r, m, k);
                 let bytes = encode(ty, &w).expect("whole blocks");
+                // One variant per shape takes x as a non-contiguous view: rows `k + 32` apart, the
+                // gap filled with NaN, so a kernel that ignores the stride poisons its result.
+                if m == 3 && variant == 1 {
+                    let stride = k + 32;
+                    let mut xv = vec![f32::NAN; m * stride];
+                    for row in 0..m {
+                        xv[row * stride..row * stride + k].copy_from_slice(&x[row * k..(row + 1) * k]);
+                    }
+                    v.push(case(
+                        "matmul",
+                        format!("matmul(w={},k={k},n={n},m={m},view=row_stride_{stride},seed={seed})", ty.name()),
+                        seed,
+                        vec![("x", t(&[m, stride], xv)), ("w", Input::Quant { ty, rows: n, cols: k, bytes: bytes.clone() })],
+                        &[("x_cols", k as f64)],
+                    ));
+                }
                 v.push(case(
                     "matmul",
                     format!("matmul(w={},k={k},n={n},m={m},seed={seed})", ty.name()),
@@ -247,10 +263,21 @@ fn matmul_cases(base: u64) -> Vec<OpCase> {
     v
 }
 
+/// The logical `[rows, cols]` of a 2-D input that may be a row-strided view (param `x_cols`
+/// smaller than the stored row length): returns (rows, cols, row stride).
+pub fn view_dims(c: &OpCase, t: &Tensor) -> (usize, usize, usize) {
+    let stride = t.shape[1];
+    let cols = c.params.get("x_cols").map_or(stride, |v| *v as usize);
+    (t.shape[0], cols, stride)
+}
+
 fn matmul_ref(c: &OpCase) -> Result<Vec<Output>> {
     let x = c.f32("x")?;
     let w = c.mat("w")?;
-    Ok(vec![out(&[x.shape[0], w.rows], ops::matmul(&x.data, x.shape[0], &w)?)])
+    let (m, k, stride) = view_dims(c, x);
+    // The oracle reads the view by copying its rows: plain, and obviously right.
+    let dense: Vec<f32> = (0..m).flat_map(|r| x.data[r * stride..r * stride + k].iter().copied()).collect();
+    Ok(vec![out(&[m, w.rows], ops::matmul(&dense, m, &w)?)])
 }
 
 fn binary_cases(op: &'static str, base: u64) -> Vec<OpCase> {

@@ -49,13 +49,13 @@ fn matmul_reference_equals_a_naive_f64_loop() {
         let Some((_, Input::F32(x))) = c.inputs.iter().find(|(n, _)| *n == "x") else { panic!() };
         let Some((_, Input::Quant { ty, rows, cols, bytes })) = c.inputs.iter().find(|(n, _)| *n == "w") else { panic!() };
         let w = decode(*ty, bytes, rows * cols).unwrap();
-        let m = x.shape[0];
+        let (m, _, stride) = oracle::registry::view_dims(c, x);
         let Output::F32(y) = &(e.reference)(c).unwrap()[0] else { panic!() };
         for t in 0..m {
             for r in 0..*rows {
                 let mut acc = 0.0f64;
                 for i in 0..*cols {
-                    acc += x.data[t * cols + i] as f64 * w[r * cols + i] as f64;
+                    acc += x.data[t * stride + i] as f64 * w[r * cols + i] as f64;
                 }
                 // Both accumulate exact products in f64; only the order differs.
                 let got = y.data[t * rows + r] as f64;

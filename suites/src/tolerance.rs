@@ -66,7 +66,9 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
                 return Bounds { per_output: vec![None], rule: "matmul without a packed weight".into() };
             };
             let w = decode(*ty, bytes, rows * cols).expect("registry weights decode");
-            let (m, k) = (x.shape[0], *cols);
+            let (m, k, stride) = oracle::registry::view_dims(case, x);
+            let dense: Vec<f32> = (0..m).flat_map(|r| x.data[r * stride..r * stride + k].iter().copied()).collect();
+            let x = &Tensor { shape: vec![m, k], data: dense };
             let xq: Vec<f64> = match a.activation_q8_block {
                 Some(32) => x.data.chunks(k).flat_map(q8_dequantized).collect(),
                 _ => x.data.iter().map(|v| *v as f64).collect(),
@@ -259,6 +261,9 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
             };
             let w = decode(*ty, bytes, rows * cols).expect("registry weights decode");
             let k = *cols;
+            let (m0, _, stride) = oracle::registry::view_dims(case, x);
+            let dense: Vec<f32> = (0..m0).flat_map(|r| x.data[r * stride..r * stride + k].iter().copied()).collect();
+            let x = &Tensor { shape: vec![m0, k], data: dense };
             // The device's weights: Q24 values, or INT4 groups with a Q24 scale.
             let wd: Vec<f64> = match fp.int4_group {
                 None => w.iter().map(|v| quant(*v as f64, fp.weight_frac)).collect(),

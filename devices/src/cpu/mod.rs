@@ -31,8 +31,14 @@ pub struct Packed<'a> {
 /// `y = x W^T` for `x: [m, k]` on packed weights: float types in f32, quantized types with
 /// Q8_0-quantized activations and integer block dots. Split over weight rows.
 pub fn matmul_packed(x: &[f32], m: usize, w: Packed) -> Vec<f32> {
+    matmul_packed_strided(x, m, w.cols, w)
+}
+
+/// `matmul_packed` with the rows of `x` `x_stride` values apart (a view into a wider buffer).
+pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) -> Vec<f32> {
     use rayon::prelude::*;
     let k = w.cols;
+    let xrow = |t: usize| &x[t * x_stride..t * x_stride + k];
     let row_bytes = w.bytes.len() / w.rows.max(1);
     let mut y_t = vec![0.0f32; w.rows * m];
     if qdot::is_float(w.ty) {
@@ -42,12 +48,12 @@ pub fn matmul_packed(x: &[f32], m: usize, w: Packed) -> Vec<f32> {
                 let r = c * ROWS_PER_TASK + dr;
                 qdot::float_row(w.ty, &w.bytes[r * row_bytes..(r + 1) * row_bytes], &mut wr);
                 for (t, v) in orow.iter_mut().enumerate() {
-                    *v = qdot::dot_f32(&x[t * k..(t + 1) * k], &wr);
+                    *v = qdot::dot_f32(xrow(t), &wr);
                 }
             }
         });
     } else {
-        let xq: Vec<qdot::Q8Row> = x.chunks(k).map(qdot::quantize_q8).collect();
+        let xq: Vec<qdot::Q8Row> = (0..m).map(|t| qdot::quantize_q8(xrow(t))).collect();
         y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
             for (dr, orow) in o.chunks_mut(m).enumerate() {
                 let r = c * ROWS_PER_TASK + dr;
@@ -66,11 +72,11 @@ impl CpuDevice {
     pub fn matmul(case: &OpCase, x: &Tensor, w: &Input) -> Result<Vec<f32>, String> {
         match w {
             Input::Quant { ty, rows, cols, bytes } => {
-                let (m, k) = (x.shape[0], x.shape[1]);
-                if *cols != k || ty.bytes_for((*rows * *cols) as u64) != Some(bytes.len() as u64) {
-                    return Err(format!("weight [{rows}, {cols}] {} does not fit x [{m}, {k}]", ty.name()));
+                let (m, k, stride) = oracle::registry::view_dims(case, x);
+                if *cols != k || stride < k || x.data.len() < m * stride || ty.bytes_for((*rows * *cols) as u64) != Some(bytes.len() as u64) {
+                    return Err(format!("weight [{rows}, {cols}] {} does not fit x [{m}, {k}] (row stride {stride})", ty.name()));
                 }
-                Ok(matmul_packed(&x.data, m, Packed { ty: *ty, rows: *rows, cols: *cols, bytes }))
+                Ok(matmul_packed_strided(&x.data, m, stride, Packed { ty: *ty, rows: *rows, cols: *cols, bytes }))
             }
             _ => Err(format!("{}: matmul weight must be a packed input", case.id)),
         }
