@@ -3,7 +3,6 @@
 //! precision from callers that only want f32 logits out.
 
 use crate::error::{OracleError, Result};
-use crate::gguf::GgufFile;
 use crate::loader::open_model;
 use crate::model::{Model, Tap};
 use crate::ops::{sample, SamplerConfig, SplitMix64};
@@ -47,28 +46,41 @@ pub fn generate<T: Real>(
     stop: Option<u32>,
     taps: &mut dyn Tap,
 ) -> Result<Generation> {
+    let mut cache = model.new_cache();
+    generate_with(|ids| model.forward_last(ids, &mut cache, taps), prompt, max_new, sampler, seed, stop)
+}
+
+/// The generation loop over any engine: `forward_last(ids)` runs `ids` after everything run so
+/// far and returns the logits of the last one. Prefill, then one decode step per token, the
+/// seeded sampler, and the timings. Device runs use the same loop as the oracle.
+pub fn generate_with<T: Real, E: From<OracleError>>(
+    mut forward_last: impl FnMut(&[u32]) -> std::result::Result<Vec<T>, E>,
+    prompt: &[u32],
+    max_new: usize,
+    sampler: &SamplerConfig,
+    seed: u64,
+    stop: Option<u32>,
+) -> std::result::Result<Generation, E> {
     if prompt.is_empty() {
-        return Err(OracleError::Shape("generate: the prompt has no tokens".into()));
+        return Err(OracleError::Shape("generate: the prompt has no tokens".into()).into());
     }
-    if prompt.len() + max_new > model.spec.context_length.max(prompt.len() + max_new).min(1 << 20) {
-        return Err(OracleError::Shape("generate: prompt + new tokens exceed 2^20 positions".into()));
+    if prompt.len() + max_new > 1 << 20 {
+        return Err(OracleError::Shape("generate: prompt + new tokens exceed 2^20 positions".into()).into());
     }
     let mut rng = SplitMix64(seed);
-    let mut cache = model.new_cache();
     let mut tokens = Vec::with_capacity(max_new);
     let t0 = Instant::now();
+    let logits = forward_last(prompt)?;
     if max_new == 0 {
-        model.forward_last(prompt, &mut cache, taps)?;
         return Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s: t0.elapsed().as_secs_f64(), decode_s: 0.0, decode_steps: 0 });
     }
-    let logits = model.forward_last(prompt, &mut cache, taps)?;
     let mut next = sample(&logits, sampler, &mut rng) as u32;
     tokens.push(next);
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut steps = 0;
     while tokens.len() < max_new && Some(next) != stop {
-        let logits = model.forward_last(&[next], &mut cache, taps)?;
+        let logits = forward_last(&[next])?;
         next = sample(&logits, sampler, &mut rng) as u32;
         tokens.push(next);
         steps += 1;
@@ -86,19 +98,7 @@ impl AnyModel {
     /// Loads a GGUF file or safetensors directory at `precision`, with its tokenizer when the
     /// file carries one.
     pub fn load(path: &Path, precision: Precision) -> Result<(AnyModel, Option<Tokenizer>)> {
-        let (src, spec, gguf): (_, ModelSpec, Option<GgufFile>) = open_model(path)?;
-        let tokenizer = match &gguf {
-            Some(g) if g.get("tokenizer.ggml.model").is_some() => Some(Tokenizer::from_gguf(g)?),
-            Some(_) => None,
-            None => {
-                let tj = path.join("tokenizer.json");
-                if tj.exists() {
-                    Some(Tokenizer::from_file(&tj)?)
-                } else {
-                    None
-                }
-            }
-        };
+        let (src, spec, tokenizer) = open_model(path)?;
         let model = match precision {
             Precision::F32 => AnyModel::F32(Model::load(spec, src.as_ref())?),
             Precision::F64 => AnyModel::F64(Model::load(spec, src.as_ref())?),

@@ -5,6 +5,7 @@
 use crate::error::{OracleError, Result};
 use crate::gguf::GgufFile;
 use crate::spec::ModelSpec;
+use crate::tokenizer::Tokenizer;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -147,16 +148,42 @@ impl TensorSource for SafetensorsDir {
     }
 }
 
-/// Opens a model: a `.gguf` file or a safetensors directory.
-pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Option<GgufFile>)> {
+/// The tokenizer a GGUF file carries in its metadata, if any.
+fn gguf_tokenizer(g: &GgufFile) -> Result<Option<Tokenizer>> {
+    match g.get("tokenizer.ggml.model") {
+        Some(_) => Ok(Some(Tokenizer::from_gguf(g)?)),
+        None => Ok(None),
+    }
+}
+
+/// The `tokenizer.json` beside a safetensors model, if any.
+fn dir_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+    let tj = dir.join("tokenizer.json");
+    if tj.exists() {
+        Ok(Some(Tokenizer::from_file(&tj)?))
+    } else {
+        Ok(None)
+    }
+}
+
+/// Opens a model: a `.gguf` file or a safetensors directory, with its tokenizer when it has one.
+pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Option<Tokenizer>)> {
     if path.is_dir() {
         let (dir, spec) = SafetensorsDir::open(path)?;
-        Ok((Box::new(dir), spec, None))
+        Ok((Box::new(dir), spec, dir_tokenizer(path)?))
     } else {
         let g = GgufFile::open(path)?;
         let spec = ModelSpec::from_gguf(&g)?;
-        // The GGUF file is also the tokenizer source; the caller gets a second handle to it.
-        let g2 = GgufFile::open(path)?;
-        Ok((Box::new(g), spec, Some(g2)))
+        let tokenizer = gguf_tokenizer(&g)?;
+        Ok((Box::new(g), spec, tokenizer))
+    }
+}
+
+/// Only the tokenizer of a model (for device runs, which load their own weights).
+pub fn open_tokenizer(path: &Path) -> Result<Option<Tokenizer>> {
+    if path.is_dir() {
+        dir_tokenizer(path)
+    } else {
+        gguf_tokenizer(&GgufFile::open(path)?)
     }
 }

@@ -1,6 +1,6 @@
 //! `cargo xtask bench`: throughput of the oracle with a bandwidth probe in the same run.
 
-use super::{check_device, load_model};
+use super::{check_device, load_engine};
 use crate::Exit;
 use oracle::Precision;
 use std::path::PathBuf;
@@ -32,19 +32,17 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     if a.prompt_len == 0 || a.gen_len < 2 || a.reps == 0 {
         return Err(Exit { code: 2, message: "--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required".into() });
     }
-    let (path, model, _) = load_model(&a.model, a.precision)?;
-    let n_vocab = model.spec().n_vocab as u32;
+    let (_, mut engine, _) = load_engine(&a.model, &a.device, a.precision)?;
+    let n_vocab = engine.spec().n_vocab as u32;
     let prompt: Vec<u32> = (0..a.prompt_len as u32).map(|i| 1 + (i * 7919) % (n_vocab - 1)).collect();
     let pb = indicatif::ProgressBar::new(a.reps as u64);
     pb.set_style(indicatif::ProgressStyle::with_template("bench {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
-    let r = if a.device == "ref" {
-        suites::throughput::bench_ref(&model, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?
-    } else {
-        drop(model);
-        let dev = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-        let mut dm = dev.load_model(&path, &devices::ModelOptions::default()).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-        let greedy = oracle::ops::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
-        suites::throughput::bench_with(|p, n| super::generate_on_device(dm.as_mut(), p, n, &greedy, 0, None), 0, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?
+    let r = match &mut engine {
+        super::Engine::Oracle(model) => suites::throughput::bench_ref(model, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?,
+        engine => {
+            let greedy = oracle::ops::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+            suites::throughput::bench_with(|p, n| engine.generate(p, n, &greedy, 0, None), 0, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?
+        }
     };
     pb.finish_and_clear();
     let med = suites::throughput::median;

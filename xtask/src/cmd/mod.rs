@@ -25,7 +25,8 @@ pub fn check_device(device: &str) -> Result<(), Exit> {
     }
 }
 
-/// Greedy/sampled generation on a device model (the same loop as the oracle's `generate`).
+/// Greedy/sampled generation on a device model: the oracle's generation loop, fed by the
+/// device's forward pass (its logits of the last position).
 pub fn generate_on_device(
     model: &mut dyn devices::DeviceModel,
     prompt: &[u32],
@@ -34,28 +35,13 @@ pub fn generate_on_device(
     seed: u64,
     stop: Option<u32>,
 ) -> Result<oracle::generate::Generation, Exit> {
-    use std::time::Instant;
-    let mut rng = oracle::ops::SplitMix64(seed);
     let n_vocab = model.spec().n_vocab;
     model.reset();
-    let t0 = Instant::now();
-    let logits = model.forward(prompt, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-    let mut tokens = Vec::new();
-    if max_new == 0 {
-        return Ok(oracle::generate::Generation { prompt: prompt.to_vec(), tokens, prefill_s: t0.elapsed().as_secs_f64(), decode_s: 0.0, decode_steps: 0 });
-    }
-    let mut next = oracle::ops::sample(&logits[logits.len() - n_vocab..], sampler, &mut rng) as u32;
-    tokens.push(next);
-    let prefill_s = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let mut steps = 0;
-    while tokens.len() < max_new && Some(next) != stop {
-        let logits = model.forward(&[next], &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-        next = oracle::ops::sample(&logits, sampler, &mut rng) as u32;
-        tokens.push(next);
-        steps += 1;
-    }
-    Ok(oracle::generate::Generation { prompt: prompt.to_vec(), tokens, prefill_s, decode_s: t1.elapsed().as_secs_f64(), decode_steps: steps })
+    let forward_last = |ids: &[u32]| -> Result<Vec<f32>, Exit> {
+        let logits = model.forward(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        Ok(logits[logits.len() - n_vocab..].to_vec())
+    };
+    oracle::generate::generate_with(forward_last, prompt, max_new, sampler, seed, stop)
 }
 
 /// Parses `504,3575,282` or `504 3575 282`.
@@ -73,11 +59,56 @@ pub fn resolve_model(model: &str) -> Result<PathBuf, Exit> {
     Ok(::fixtures::resolve(model, false)?)
 }
 
-/// Loads a model with a spinner-free message (loading SmolLM2 takes about a second).
-pub fn load_model(model: &str, precision: Precision) -> Result<(PathBuf, AnyModel, Option<Tokenizer>), Exit> {
+/// What a model runs on: the oracle, or a device's own model (which loads its own weights, so the
+/// oracle's f32 copy is never built for device runs).
+pub enum Engine {
+    Oracle(AnyModel),
+    Device(Box<dyn devices::DeviceModel>),
+}
+
+fn device_exit(e: devices::DeviceError) -> Exit {
+    Exit { code: 2, message: e.to_string() }
+}
+
+impl Engine {
+    pub fn spec(&self) -> &oracle::ModelSpec {
+        match self {
+            Engine::Oracle(m) => m.spec(),
+            Engine::Device(m) => m.spec(),
+        }
+    }
+
+    pub fn generate(&mut self, prompt: &[u32], max_new: usize, sampler: &oracle::ops::SamplerConfig, seed: u64, stop: Option<u32>) -> Result<oracle::generate::Generation, Exit> {
+        match self {
+            Engine::Oracle(m) => Ok(m.generate(prompt, max_new, sampler, seed, stop, &mut oracle::NoTap)?),
+            Engine::Device(m) => generate_on_device(m.as_mut(), prompt, max_new, sampler, seed, stop),
+        }
+    }
+
+    /// One prefill over `ids` from an empty cache, recording every tap (logits included).
+    pub fn prefill(&mut self, ids: &[u32], taps: &mut dyn oracle::Tap) -> Result<(), Exit> {
+        match self {
+            Engine::Oracle(m) => m.prefill_logits(ids, taps).map(|_| ()).map_err(Exit::from),
+            Engine::Device(m) => {
+                m.reset();
+                m.forward(ids, taps).map(|_| ()).map_err(device_exit)
+            }
+        }
+    }
+}
+
+/// Resolves `model` and loads it on `device` (`ref` = the oracle at `precision`), with the
+/// model's tokenizer when it has one.
+pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(PathBuf, Engine, Option<Tokenizer>), Exit> {
     let path = resolve_model(model)?;
-    let (m, tok) = AnyModel::load(&path, precision)?;
-    Ok((path, m, tok))
+    if device == "ref" {
+        let (m, tok) = AnyModel::load(&path, precision)?;
+        return Ok((path, Engine::Oracle(m), tok));
+    }
+    let dev = devices::open(device).map_err(device_exit)?;
+    let dm = dev.load_model(&path, &devices::ModelOptions::default()).map_err(device_exit)?;
+    let tok = oracle::loader::open_tokenizer(&path)?;
+    Ok((path, Engine::Device(dm), tok))
 }
 
 /// Checks every id is inside the vocabulary (a clear error instead of a failure deep inside).

@@ -1,9 +1,9 @@
 //! `cargo xtask run`: generation on the oracle.
 
-use super::{check_device, check_ids, load_model, parse_ids};
+use super::{check_device, check_ids, load_engine, parse_ids};
 use crate::Exit;
 use oracle::ops::SamplerConfig;
-use oracle::{NoTap, Precision};
+use oracle::Precision;
 
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -50,7 +50,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
     if !(a.temperature >= 0.0 && a.top_p > 0.0 && a.top_p <= 1.0) {
         return Err(Exit { code: 2, message: "--temperature must be >= 0 and --top-p in (0, 1]".into() });
     }
-    let (path, model, tok) = load_model(&a.model, a.precision)?;
+    let (_, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
     let prompt = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => parse_ids(ids)?,
         (Some(text), None) => {
@@ -59,16 +59,10 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         }
         (None, None) => unreachable!("clap requires one"),
     };
-    check_ids(&prompt, model.spec().n_vocab)?;
+    check_ids(&prompt, engine.spec().n_vocab)?;
     let stop = if a.ignore_eos { None } else { tok.as_ref().and_then(|t| t.eos) };
     let sampler = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p };
-    let g = if a.device == "ref" {
-        model.generate(&prompt, a.max_new_tokens, &sampler, a.seed, stop, &mut NoTap)?
-    } else {
-        let dev = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-        let mut dm = dev.load_model(&path, &devices::ModelOptions::default()).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-        super::generate_on_device(dm.as_mut(), &prompt, a.max_new_tokens, &sampler, a.seed, stop)?
-    };
+    let g = engine.generate(&prompt, a.max_new_tokens, &sampler, a.seed, stop)?;
     let text = match &tok {
         Some(t) => Some(t.decode(&g.tokens)?),
         None => None,
