@@ -187,15 +187,14 @@ pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
     mk(if pass { Verdict::Pass } else { Verdict::Fail }, metrics, b.rule, bound, margin, message)
 }
 
-/// Runs the selected cases; `progress(done, total)` is called after each.
-pub fn run(device: &dyn Device, opts: &KernelOptions, mut progress: impl FnMut(usize, usize)) -> Vec<Case> {
-    let cases = select_cases(opts);
+/// Runs `cases` (from `select_cases`) on `device`; `progress(done, total)` is called after each.
+pub fn run(device: &dyn Device, cases: &[OpCase], perf: bool, mut progress: impl FnMut(usize, usize)) -> Vec<Case> {
     let total = cases.len();
     cases
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let r = run_case(device, c, opts.perf);
+            let r = run_case(device, c, perf);
             progress(i + 1, total);
             r
         })

@@ -53,10 +53,10 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     }
     if suites.iter().any(|s| s == "kernels") {
         let opts = suites::kernels::KernelOptions { shard, ..Default::default() };
+        let selected = suites::kernels::select_cases(&opts);
         for d in &devices {
-            let total = suites::kernels::select_cases(&opts).len();
-            let pb = super::progress(total as u64, &format!("kernels on {}", d.name()));
-            cases.extend(suites::kernels::run(d.as_ref(), &opts, |done, _| pb.set_position(done as u64)));
+            let pb = super::progress(selected.len() as u64, &format!("kernels on {}", d.name()));
+            cases.extend(suites::kernels::run(d.as_ref(), &selected, false, |done, _| pb.set_position(done as u64)));
             pb.finish_and_clear();
         }
     }

@@ -34,9 +34,9 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
         None => None,
     };
     let opts = suites::kernels::KernelOptions { filter, shard: a.shard.as_deref().map(parse_shard).transpose()?, perf: a.perf, seed: a.seed };
-    let total = suites::kernels::select_cases(&opts).len();
-    let pb = super::progress(total as u64, &format!("kernels on {}", a.device));
-    let cases = suites::kernels::run(device.as_ref(), &opts, |done, _| pb.set_position(done as u64));
+    let selected = suites::kernels::select_cases(&opts);
+    let pb = super::progress(selected.len() as u64, &format!("kernels on {}", a.device));
+    let cases = suites::kernels::run(device.as_ref(), &selected, opts.perf, |done, _| pb.set_position(done as u64));
     pb.finish_and_clear();
     let report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
     print_summary(&report);
