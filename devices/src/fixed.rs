@@ -394,14 +394,11 @@ impl Device for FixedDevice {
 /// A whole model in integer arithmetic (dense Llama/Qwen; MoE is not supported here).
 pub struct FixedModel {
     spec: oracle::ModelSpec,
-    int4: bool,
     tok_embd: Vec<i64>,
     output_norm: Vec<i64>,
     head: FixedWeights,
     layers: Vec<FixedLayer>,
-    k: Vec<Vec<i64>>,
-    v: Vec<Vec<i64>>,
-    len: usize,
+    kv: crate::KvStore<i64>,
 }
 
 struct FixedLayer {
@@ -481,7 +478,7 @@ impl FixedModel {
         let head = if spec.tied_output { mat("token_embd.weight", spec.n_vocab, d)? } else { mat("output.weight", spec.n_vocab, d)? };
         let output_norm = vecq("output_norm.weight", d, NORM)?;
         let n_layer = spec.n_layer;
-        Ok(FixedModel { spec, int4, tok_embd, output_norm, head, layers, k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], len: 0 })
+        Ok(FixedModel { spec, tok_embd, output_norm, head, layers, kv: crate::KvStore::new(n_layer) })
     }
 }
 
@@ -497,12 +494,10 @@ impl crate::DeviceModel for FixedModel {
         &self.spec
     }
     fn cached(&self) -> usize {
-        self.len
+        self.kv.len
     }
     fn reset(&mut self) {
-        self.k.iter_mut().for_each(|c| c.clear());
-        self.v.iter_mut().for_each(|c| c.clear());
-        self.len = 0;
+        self.kv.reset();
     }
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
         let s = self.spec.clone();
@@ -510,7 +505,7 @@ impl crate::DeviceModel for FixedModel {
         if m == 0 {
             return Err(model_err("no tokens"));
         }
-        let start = self.len;
+        let start = self.kv.len;
         let pos: Vec<usize> = (start..start + m).collect();
         let (d, hd) = (s.n_embd, s.head_dim);
         let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
@@ -546,11 +541,8 @@ impl crate::DeviceModel for FixedModel {
             rope_q(&mut k, &pos, s.n_head_kv, hd, &s.rope);
             tap_q(taps, &name("attn_q_rope"), start, m, qd, &q);
             tap_q(taps, &name("attn_k_rope"), start, m, kvd, &k);
-            self.k[li].truncate(start * kvd);
-            self.v[li].truncate(start * kvd);
-            self.k[li].extend_from_slice(&k);
-            self.v[li].extend_from_slice(&v);
-            let attn = attention_q(&q, &pos, &self.k[li], &self.v[li], s.n_head, s.n_head_kv, hd, s.sliding_window.unwrap_or(0));
+            self.kv.write(li, start, kvd, &k, &v);
+            let attn = attention_q(&q, &pos, &self.kv.k[li], &self.kv.v[li], s.n_head, s.n_head_kv, hd, s.sliding_window.unwrap_or(0));
             tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
             let attn = matmul_q(&attn, m, &l.wo);
             tap_q(taps, &name("attn_out"), start, m, d, &attn);
@@ -568,12 +560,11 @@ impl crate::DeviceModel for FixedModel {
             x = add(&x, &out);
             tap_q(taps, &name("l_out"), start, m, d, &x);
         }
-        self.len = start + m;
+        self.kv.len = start + m;
         let normed = rms_norm_q(&x, d, &self.output_norm, s.norm_eps);
         tap_q(taps, "result_norm", start, m, d, &normed);
         let logits = matmul_q(&normed, m, &self.head);
         tap_q(taps, "result_output", start, m, s.n_vocab, &logits);
-        let _ = self.int4;
         Ok(logits.iter().map(|v| from_q(*v, ACT)).collect())
     }
 }

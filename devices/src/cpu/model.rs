@@ -2,7 +2,7 @@
 //! kernels, an f32 (or f16) KV cache, and taps under the same names as the oracle's.
 
 use super::{kernels, matmul_packed, qdot, Packed};
-use crate::{DeviceError, DeviceModel, ModelOptions};
+use crate::{DeviceError, DeviceModel, KvStore, ModelOptions};
 use oracle::gguf::GgufFile;
 use oracle::quant::GgmlType;
 use oracle::spec::{Activation, Gating, ModelSpec, Stage};
@@ -52,10 +52,8 @@ pub struct CpuModel {
     output: Option<PackedMat>,
     layers: Vec<Layer>,
     kv_f16: bool,
-    /// Per layer: keys and values `[len, n_head_kv * head_dim]`, f32 or f16 bits.
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    len: usize,
+    /// Keys and values `[len, n_head_kv * head_dim]` per layer (f16-rounded when `kv_f16`).
+    kv: KvStore<f32>,
 }
 
 fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {
@@ -161,7 +159,7 @@ impl CpuModel {
         let output = if spec.tied_output { None } else { Some(l.mat("output.weight", spec.n_vocab, d)?) };
         let output_norm = l.vec("output_norm.weight", d)?;
         let n_layer = spec.n_layer;
-        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_f16: opts.kv_f16, k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], len: 0 })
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_f16: opts.kv_f16, kv: KvStore::new(n_layer) })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
@@ -220,12 +218,10 @@ impl DeviceModel for CpuModel {
         &self.spec
     }
     fn cached(&self) -> usize {
-        self.len
+        self.kv.len
     }
     fn reset(&mut self) {
-        self.k.iter_mut().for_each(|c| c.clear());
-        self.v.iter_mut().for_each(|c| c.clear());
-        self.len = 0;
+        self.kv.reset();
     }
 
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
@@ -234,7 +230,7 @@ impl DeviceModel for CpuModel {
         if m == 0 {
             return Err(err("forward", "no tokens"));
         }
-        let start = self.len;
+        let start = self.kv.len;
         let pos: Vec<usize> = (start..start + m).collect();
         let (d, hd) = (s.n_embd, s.head_dim);
         let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
@@ -280,12 +276,9 @@ impl DeviceModel for CpuModel {
                     Stage::Attention => {
                         let round = |v: &[f32]| -> Vec<f32> { if self.kv_f16 { v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect() } else { v.to_vec() } };
                         let (kc, vc) = (round(&k), round(&v));
-                        self.k[li].truncate(start * kvd);
-                        self.v[li].truncate(start * kvd);
-                        self.k[li].extend_from_slice(&kc);
-                        self.v[li].extend_from_slice(&vc);
+                        self.kv.write(li, start, kvd, &kc, &vc);
                         let cfg = kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.sliding_window.unwrap_or(0) };
-                        attn = kernels::attention(&q, &pos, &self.k[li], &self.v[li], start + m, &cfg).map_err(|e| err("attention", e))?;
+                        attn = kernels::attention(&q, &pos, &self.kv.k[li], &self.kv.v[li], start + m, &cfg).map_err(|e| err("attention", e))?;
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
                     Stage::AttnOutProj => {
@@ -319,7 +312,7 @@ impl DeviceModel for CpuModel {
                 }
             }
         }
-        self.len = start + m;
+        self.kv.len = start + m;
         let normed = rms_rows(&x, d, &self.output_norm, s.norm_eps);
         record(taps, "result_norm", start, m, d, &normed);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
