@@ -286,27 +286,21 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
             }
         }
         _ => {
-            // K-quants: run the block dot against one-hot Q8 blocks of exactly representable
-            // scale (d = 1), which returns each element's value (integer dot x scale products).
-            let k = out.len();
-            let mut x = Q8Row { q: vec![0; k], d: vec![1.0; k / 32], sum: vec![0; k / 32] };
-            for j in 0..k {
-                x.q[j] = 1;
-                x.sum[j / 32] = 1;
-                out[j] = dot_row_range(ty, row, &x, j / QK_K);
-                x.q[j] = 0;
-                x.sum[j / 32] = 0;
+            // K-quants: run the block dot of each super-block against one-hot Q8 blocks of
+            // exactly representable scale (d = 1), which returns each element's value.
+            let size = ty.type_size();
+            let mut x = Q8Row { q: vec![0; QK_K], d: vec![1.0; QK_K / 32], sum: vec![0; QK_K / 32] };
+            for (blk, o) in row.chunks_exact(size).zip(out.chunks_exact_mut(QK_K)) {
+                for (j, y) in o.iter_mut().enumerate() {
+                    x.q[j] = 1;
+                    x.sum[j / 32] = 1;
+                    *y = dot_row_impl::<Portable>(ty, blk, &x);
+                    x.q[j] = 0;
+                    x.sum[j / 32] = 0;
+                }
             }
         }
     }
-}
-
-/// `dot_row` restricted to one super-block (used for one-hot decoding of K-quant rows).
-fn dot_row_range(ty: GgmlType, row: &[u8], x: &Q8Row, kb: usize) -> f32 {
-    let size = ty.type_size();
-    let blk = &row[kb * size..(kb + 1) * size];
-    let sub = Q8Row { q: x.q[kb * QK_K..(kb + 1) * QK_K].to_vec(), d: x.d[kb * 8..(kb + 1) * 8].to_vec(), sum: x.sum[kb * 8..(kb + 1) * 8].to_vec() };
-    dot_row_impl::<Portable>(ty, blk, &sub)
 }
 
 /// Widens one row of a float weight type to f32 into `out`.
