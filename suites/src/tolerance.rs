@@ -180,43 +180,60 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
     }
 }
 
+/// The geometry of an attention case, read once for both bound derivations.
+struct AttnGeometry {
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    /// (query row, head, kv head, first key, last key) for every output head.
+    rows: Vec<(usize, usize, usize, usize, usize)>,
+}
+
+impl AttnGeometry {
+    fn of(case: &OpCase) -> AttnGeometry {
+        let nh = case.pu("n_head").unwrap_or(1);
+        let nkv = case.pu("n_head_kv").unwrap_or(1);
+        let hd = case.pu("head_dim").unwrap_or(1);
+        let window = case.pu("window").unwrap_or(0);
+        let mut rows = Vec::new();
+        for (t, &p) in case.ids("pos").unwrap_or(&[]).iter().enumerate() {
+            let p = p as usize;
+            let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+            rows.extend((0..nh).map(|h| (t, h, h / (nh / nkv), first, p)));
+        }
+        AttnGeometry { nh, nkv, hd, rows }
+    }
+}
+
 fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bounds {
     let (q, k, v) = (f32_in(case, "q"), f32_in(case, "k"), f32_in(case, "v"));
-    let nh = case.pu("n_head").unwrap_or(1);
-    let nkv = case.pu("n_head_kv").unwrap_or(1);
-    let hd = case.pu("head_dim").unwrap_or(1);
-    let window = case.pu("window").unwrap_or(0);
-    let pos = case.ids("pos").unwrap_or(&[]);
+    let g = AttnGeometry::of(case);
+    let (nh, nkv, hd) = (g.nh, g.nkv, g.hd);
     let scale = 1.0 / (hd as f64).sqrt();
     let mut b = vec![0.0; yy.len()];
-    for (t, &p) in pos.iter().enumerate() {
-        let p = p as usize;
-        let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
-        for h in 0..nh {
-            let kvh = h / (nh / nkv);
-            let qh = &q.data[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-            let mut s = Vec::new();
-            let mut s_err = Vec::new();
-            for j in first..=p {
-                let kj = &k.data[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-                s.push(qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale);
-                s_err.push(gamma(hd + 2, ua) * scale * qh.iter().zip(kj).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>());
+    for &(t, h, kvh, first, p) in &g.rows {
+        let qh = &q.data[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+        let mut s = Vec::new();
+        let mut s_err = Vec::new();
+        for j in first..=p {
+            let kj = &k.data[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+            s.push(qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale);
+            s_err.push(gamma(hd + 2, ua) * scale * qh.iter().zip(kj).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>());
+        }
+        let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+        let z: f64 = e.iter().sum();
+        let len = s.len();
+        let max_err = s_err.iter().copied().fold(0.0, f64::max);
+        for d in 0..hd {
+            let mut acc = 0.0;
+            for (jj, j) in (first..=p).enumerate() {
+                let pj = e[jj] / z;
+                let eta = 2.0 * max_err + u * (s[jj] - max).abs() + gamma(len + 4, ua) + ulps * u;
+                acc += pj * (v.data[(j * nkv + kvh) * hd + d] as f64).abs() * (eta + gamma(len + 1, ua));
             }
-            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
-            let z: f64 = e.iter().sum();
-            let len = s.len();
-            let max_err = s_err.iter().copied().fold(0.0, f64::max);
-            for d in 0..hd {
-                let mut acc = 0.0;
-                for (jj, j) in (first..=p).enumerate() {
-                    let pj = e[jj] / z;
-                    let eta = 2.0 * max_err + u * (s[jj] - max).abs() + gamma(len + 4, ua) + ulps * u;
-                    acc += pj * (v.data[(j * nkv + kvh) * hd + d] as f64).abs() * (eta + gamma(len + 1, ua));
-                }
-                let i = (t * nh + h) * hd + d;
-                b[i] = acc + u * yy[i].abs() + f32::MIN_POSITIVE as f64;
-            }
+            let i = (t * nh + h) * hd + d;
+            b[i] = acc + u * yy[i].abs() + f32::MIN_POSITIVE as f64;
         }
     }
     Bounds { per_output: vec![Some(b)], rule: "sum_j p_j|v_j|*(2*max|ds| + u|s-max| + gamma(L+4) + ulps*u + gamma(L+1)) + u|y|".into() }
@@ -374,37 +391,29 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
         "attention" => {
             let (qt, kt, vt) = (f32_in(case, "q"), f32_in(case, "k"), f32_in(case, "v"));
             let (qs, ks, vs) = (xq(qt), xq(kt), xq(vt));
-            let nh = case.pu("n_head").unwrap_or(1);
-            let nkv = case.pu("n_head_kv").unwrap_or(1);
-            let hd = case.pu("head_dim").unwrap_or(1);
-            let window = case.pu("window").unwrap_or(0);
+            let g = AttnGeometry::of(case);
+            let (nh, nkv, hd) = (g.nh, g.nkv, g.hd);
             let scale = quant(1.0 / (hd as f64).sqrt(), 30);
-            let pos = case.ids("pos").unwrap_or(&[]);
             let mut b = vec![0.0; y.len()];
-            for (t, &p) in pos.iter().enumerate() {
-                let p = p as usize;
-                let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
-                for hh in 0..nh {
-                    let kvh = hh / (nh / nkv);
-                    let qh = &qs[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
-                    let sc: Vec<f64> = (first..=p).map(|j| qh.iter().zip(&ks[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
-                    let max = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = sc.iter().map(|v| (v - max).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    let len = sc.len() as f64;
-                    for d in 0..hd {
-                        let (mut pred, mut err) = (0.0, 0.0);
-                        for (jj, j) in (first..=p).enumerate() {
-                            let pj = e[jj] / z;
-                            let vj = vs[(j * nkv + kvh) * hd + d];
-                            pred += pj * vj;
-                            // score rounding (2h after the max subtraction) moves p by 2h*p;
-                            // the integer exp and the Q16 division add eps_exp*(1 + p*L) + h.
-                            err += vj.abs() * (pj * 4.0 * h + eps_e * (1.0 + pj * len) / (1.0 - eps_e) + h);
-                        }
-                        let i = (t * nh + hh) * hd + d;
-                        b[i] = (pred - y[i]).abs() + err + h + tiny;
+            for &(t, hh, kvh, first, p) in &g.rows {
+                let qh = &qs[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
+                let sc: Vec<f64> = (first..=p).map(|j| qh.iter().zip(&ks[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
+                let max = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|v| (v - max).exp()).collect();
+                let z: f64 = e.iter().sum();
+                let len = sc.len() as f64;
+                for d in 0..hd {
+                    let (mut pred, mut err) = (0.0, 0.0);
+                    for (jj, j) in (first..=p).enumerate() {
+                        let pj = e[jj] / z;
+                        let vj = vs[(j * nkv + kvh) * hd + d];
+                        pred += pj * vj;
+                        // score rounding (2h after the max subtraction) moves p by 2h*p;
+                        // the integer exp and the Q16 division add eps_exp*(1 + p*L) + h.
+                        err += vj.abs() * (pj * 4.0 * h + eps_e * (1.0 + pj * len) / (1.0 - eps_e) + h);
                     }
+                    let i = (t * nh + hh) * hd + d;
+                    b[i] = (pred - y[i]).abs() + err + h + tiny;
                 }
             }
             one(b, "fixed: |attn(q16 inputs) - y| + sum_j |v_j|*(4h*p_j + eps_exp*(1+p_j*L) + h) + h")
