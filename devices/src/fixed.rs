@@ -398,6 +398,8 @@ pub struct FixedModel {
     head: FixedWeights,
     layers: Vec<FixedLayer>,
     kv: crate::KvStore<i64>,
+    /// The formats this model computes in (declared to the suites).
+    point: FixedPoint,
 }
 
 struct FixedLayer {
@@ -477,7 +479,7 @@ impl FixedModel {
         let head = if spec.tied_output { mat("token_embd.weight", spec.n_vocab, d)? } else { mat("output.weight", spec.n_vocab, d)? };
         let output_norm = vecq("output_norm.weight", d, NORM)?;
         let n_layer = spec.n_layer;
-        Ok(FixedModel { spec, tok_embd, output_norm, head, layers, kv: crate::KvStore::new(n_layer) })
+        Ok(FixedModel { spec, tok_embd, output_norm, head, layers, kv: crate::KvStore::new(n_layer), point: FixedDevice { int4 }.point() })
     }
 }
 
@@ -491,6 +493,9 @@ fn tap_q(t: &mut dyn oracle::Tap, name: &str, start: usize, m: usize, w: usize, 
 impl crate::DeviceModel for FixedModel {
     fn spec(&self) -> &oracle::ModelSpec {
         &self.spec
+    }
+    fn arithmetic(&self) -> Arithmetic {
+        Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, activation_q8_block: None, transcendental_ulps: 0.0, fixed: Some(self.point) }
     }
     fn cached(&self) -> usize {
         self.kv.len

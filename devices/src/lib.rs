@@ -6,10 +6,12 @@
 //! layouts, ModelSpec) but never call its op implementations to produce their results.
 //!
 //! Backends: `ref` (the oracle itself, for self-checks), `cpu` (an optimized engine: f32 SIMD-
-//! friendly loops, Q8 activations against packed quantized weights, rayon). `fixed`, `cuda`,
-//! `rocm` and `external` are reported as unavailable until they are built.
+//! friendly loops, Q8 activations against packed quantized weights, rayon). `fixed` (integer
+//! fixed point), `external` (dumps of other engines, `external:DIR` / `exec:CMD`). `cuda` and
+//! `rocm` are reported as unavailable until they are built.
 
 pub mod cpu;
+pub mod external;
 pub mod fixed;
 #[cfg(feature = "faults")]
 pub mod faulty;
@@ -26,7 +28,7 @@ pub enum DeviceError {
 }
 
 /// Number formats a device can declare.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NumFormat {
     F64,
@@ -47,7 +49,7 @@ impl NumFormat {
 }
 
 /// How a device computes one op: what the tolerance rule consumes.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Arithmetic {
     /// Storage type of activations and results.
     pub storage: NumFormat,
@@ -64,7 +66,7 @@ pub struct Arithmetic {
 }
 
 /// A fixed-point device's formats: values are integers scaled by 2^-frac_bits.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct FixedPoint {
     /// Fractional bits of activations (Q16).
     pub act_frac: u32,
@@ -139,19 +141,33 @@ impl<T: Clone> KvStore<T> {
 }
 
 /// Options of a device model run.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct ModelOptions {
     /// Keep the KV cache in f16 (halves its memory, adds one rounding per cached value).
     pub kv_f16: bool,
+    /// The model file's sha256, when known: external dumps must name the same model.
+    pub model_sha256: Option<String>,
 }
 
 /// A model loaded on a device: prefill/decode against the device's own KV cache, with taps.
 pub trait DeviceModel: Send {
     fn spec(&self) -> &oracle::ModelSpec;
+    /// The arithmetic of this model's ops (what the layer-diff and fixed-token budgets consume).
+    fn arithmetic(&self) -> Arithmetic;
     /// Runs `tokens` at positions `cached()..`, appends to the cache, returns logits `[tokens, n_vocab]`.
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError>;
     /// Positions in the cache.
     fn cached(&self) -> usize;
+    /// Engines that generate ids themselves (token-only external engines): the greedy ids after
+    /// `prompt`, or None when this engine is stepped through `forward` instead.
+    fn generate_ids(&mut self, _prompt: &[u32], _max_new: usize) -> Option<Result<Vec<u32>, DeviceError>> {
+        None
+    }
+    /// True when the engine runs one prefill per request and cannot be stepped token by token
+    /// (external dumps): cache-consistency checks are then unsupported.
+    fn one_shot(&self) -> bool {
+        false
+    }
     /// Empties the cache.
     fn reset(&mut self);
 }
@@ -166,7 +182,8 @@ pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
         n if n.starts_with("cuda") => unavailable("not compiled with feature cuda"),
         n if n.starts_with("rocm") => unavailable("not compiled with feature rocm"),
-        n if n.starts_with("external:") || n.starts_with("exec:") => unavailable("external engines are not implemented yet"),
+        n if n == "external:" || n == "exec:" => unavailable("give a dump directory (external:DIR) or a command (exec:CMD)"),
+        n if n.starts_with("external:") || n.starts_with("exec:") => Ok(Box::new(external::ExternalDevice::parse(n).expect("prefix checked"))),
         _ => unavailable("unknown device (ref, cpu, fixed, cuda[:N], rocm[:N], external:DIR, exec:CMD)"),
     }
 }

@@ -42,9 +42,19 @@ pub struct Manifest {
     pub token_ids: Vec<u32>,
     /// Position of each token id (0-based).
     pub positions: Vec<usize>,
-    /// Taps in execution order.
+    /// Taps in execution order (empty in token-only mode).
+    #[serde(default)]
     pub taps: Vec<TapEntry>,
+    /// Logits of every position, `[n_positions, n_vocab]` (absent in token-only mode).
+    #[serde(default)]
     pub logits: Option<TapEntry>,
+    /// Token-only mode: ids the engine generated greedily after `token_ids`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generated_ids: Option<Vec<u32>>,
+    /// The engine's declared arithmetic (devices::Arithmetic as JSON), which the layer-diff and
+    /// fixed-token budgets consume; absent means f32 storage and f32 accumulation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arithmetic: Option<serde_json::Value>,
 }
 
 fn to_bytes(v: &[f32]) -> Vec<u8> {
@@ -67,7 +77,7 @@ fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) -> 
 }
 
 /// Writes a dump of `taps` (which must include `result_output`, the logits) into `dir`.
-pub fn write_dump(dir: &Path, model: ModelInfo, device: &str, precision: &str, token_ids: &[u32], taps: &RecordingTap) -> Result<Manifest> {
+pub fn write_dump(dir: &Path, model: ModelInfo, device: &str, precision: &str, token_ids: &[u32], taps: &RecordingTap, arithmetic: Option<serde_json::Value>) -> Result<Manifest> {
     std::fs::create_dir_all(dir).map_err(|e| OracleError::io(dir, e))?;
     let n = token_ids.len();
     let mut entries = Vec::new();
@@ -100,6 +110,8 @@ pub fn write_dump(dir: &Path, model: ModelInfo, device: &str, precision: &str, t
         positions: (0..n).collect(),
         taps: entries,
         logits,
+        generated_ids: None,
+        arithmetic,
     };
     let json = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
     let mpath = dir.join("manifest.json");
@@ -121,19 +133,70 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(m)
 }
 
+/// Reads every tensor of `dir/file` (a plain file name inside the dump directory) as f32
+/// (f16/bf16 widened): (name, shape, values), in file order.
+pub fn read_tensors(dir: &Path, file: &str) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    let p = dir.join(file);
+    let err = |r: String| OracleError::Safetensors { file: p.display().to_string(), reason: r };
+    if file.is_empty() || file.contains('/') || file.contains('\\') || file == ".." || file == "." {
+        return Err(err("a dump's tensor file must be a plain file name inside the dump directory".into()));
+    }
+    let bytes = std::fs::read(&p).map_err(|e| OracleError::io(&p, e))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
+    let mut out = Vec::new();
+    for (name, v) in st.tensors() {
+        let d = v.data();
+        let vals = match v.dtype() {
+            safetensors::Dtype::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            safetensors::Dtype::F16 => d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            safetensors::Dtype::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => return Err(err(format!("{name}: dtype {other:?} (f32, f16, bf16 allowed)"))),
+        };
+        out.push((name, v.shape().to_vec(), vals));
+    }
+    Ok(out)
+}
+
 /// Reads tensor `name` from `dir/file`: (shape, values).
 pub fn read_tensor(dir: &Path, file: &str, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-    let p = dir.join(file);
-    let bytes = std::fs::read(&p).map_err(|e| OracleError::io(&p, e))?;
-    let err = |r: String| OracleError::Safetensors { file: p.display().to_string(), reason: r };
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
-    let v = st.tensor(name).map_err(|e| err(format!("{name}: {e}")))?;
-    let d = v.data();
-    let vals = match v.dtype() {
-        safetensors::Dtype::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        safetensors::Dtype::F16 => d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        safetensors::Dtype::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        other => return Err(err(format!("{name}: dtype {other:?} (f32, f16, bf16 allowed)"))),
-    };
-    Ok((v.shape().to_vec(), vals))
+    read_tensors(dir, file)?
+        .into_iter()
+        .find(|(n, _, _)| n == name)
+        .map(|(_, s, v)| (s, v))
+        .ok_or_else(|| OracleError::Safetensors { file: dir.join(file).display().to_string(), reason: format!("no tensor `{name}`") })
+}
+
+/// llama.cpp eval-callback names (`attn_norm-3`, `l_out-3`, `result_output`, ...) -> ours
+/// (`blk.3.attn_norm`, ...); our own names pass through. docs/DUMP_FORMAT.md has the table.
+pub fn canonical_tap_name(name: &str) -> String {
+    if let Some((base, layer)) = name.rsplit_once('-') {
+        if let Ok(i) = layer.parse::<usize>() {
+            let ours = match base {
+                "attn_norm" => Some("attn_norm"),
+                "Qcur" => Some("attn_q"),
+                "Kcur" => Some("attn_k"),
+                "Vcur" => Some("attn_v"),
+                "Qcur_normed" => Some("attn_q_norm"),
+                "Kcur_normed" => Some("attn_k_norm"),
+                "Qcur_rope" => Some("attn_q_rope"),
+                "Kcur_rope" => Some("attn_k_rope"),
+                "kqv_out" => Some("attn_kqv"),
+                "attn_out" => Some("attn_out"),
+                "ffn_inp" => Some("ffn_inp"),
+                "ffn_norm" => Some("ffn_norm"),
+                "ffn_gate" => Some("ffn_gate"),
+                "ffn_up" => Some("ffn_up"),
+                "ffn_swiglu" | "ffn_geglu" => Some("ffn_act"),
+                "ffn_out" => Some("ffn_out"),
+                "ffn_moe_probs" => Some("ffn_moe_probs"),
+                "ffn_moe_topk" => Some("ffn_moe_topk"),
+                "l_out" => Some("l_out"),
+                _ => None,
+            };
+            if let Some(o) = ours {
+                return format!("blk.{i}.{o}");
+            }
+        }
+    }
+    name.to_string()
 }

@@ -16,6 +16,13 @@ pub trait Tap {
         true
     }
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]);
+    /// Isolated layer-diff: after recording `name`, the interpreter continues from the value this
+    /// returns instead of its own (`[n_tokens, width]`, e.g. a device's value of the same tap), so
+    /// the next op is judged on the device's inputs and its error is its own. None keeps the
+    /// interpreter's value. Only the oracle's interpreter consults it.
+    fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {
+        None
+    }
 }
 
 /// A tap that records nothing.
@@ -50,10 +57,17 @@ impl Tap for RecordingTap {
     }
 }
 
-fn tap<T: Real>(t: &mut dyn Tap, name: &str, start: usize, n: usize, width: usize, data: &[T]) {
+/// Records `data` under `name` and, when the tap substitutes a value (isolated layer-diff),
+/// replaces `data` with it.
+fn tap<T: Real>(t: &mut dyn Tap, name: &str, start: usize, n: usize, width: usize, data: &mut [T]) {
     if t.enabled() {
         let v: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
         t.record(name, start, n, width, &v);
+        if let Some(sub) = t.substitute(name, start, n, width) {
+            if sub.len() == data.len() {
+                data.iter_mut().zip(&sub).for_each(|(d, s)| *d = T::from_f32(*s));
+            }
+        }
     }
 }
 
@@ -270,7 +284,7 @@ impl<T: Real> Model<T> {
 
         // x: [m, d]
         let mut x = ops::embed(&self.tok_embd, tokens)?;
-        tap(taps, "inp_embd", start, m, d, &x);
+        tap(taps, "inp_embd", start, m, d, &mut x);
 
         for (li, layer) in self.layers.iter().enumerate() {
             let name = |t: &str| format!("blk.{li}.{t}");
@@ -282,7 +296,7 @@ impl<T: Real> Model<T> {
                 match stage {
                     Stage::AttnNorm => {
                         h = ops::rms_norm(&x, d, Some(&layer.attn_norm), s.norm_eps)?;
-                        tap(taps, &name("attn_norm"), start, m, d, &h);
+                        tap(taps, &name("attn_norm"), start, m, d, &mut h);
                     }
                     Stage::QkvProj => {
                         // q: [m, n_head*hd], k, v: [m, n_head_kv*hd]
@@ -293,9 +307,9 @@ impl<T: Real> Model<T> {
                             ops::add_bias(&mut k, bk)?;
                             ops::add_bias(&mut v, bv)?;
                         }
-                        tap(taps, &name("attn_q"), start, m, q_dim, &q);
-                        tap(taps, &name("attn_k"), start, m, kv_dim, &k);
-                        tap(taps, &name("attn_v"), start, m, kv_dim, &v);
+                        tap(taps, &name("attn_q"), start, m, q_dim, &mut q);
+                        tap(taps, &name("attn_k"), start, m, kv_dim, &mut k);
+                        tap(taps, &name("attn_v"), start, m, kv_dim, &mut v);
                     }
                     Stage::QkNorm => {
                         // Per-head RMSNorm over head_dim (Qwen3).
@@ -303,14 +317,14 @@ impl<T: Real> Model<T> {
                         let kn = layer.k_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_k_norm".into()))?;
                         q = ops::rms_norm(&q, hd, Some(qn), s.norm_eps)?;
                         k = ops::rms_norm(&k, hd, Some(kn), s.norm_eps)?;
-                        tap(taps, &name("attn_q_norm"), start, m, q_dim, &q);
-                        tap(taps, &name("attn_k_norm"), start, m, kv_dim, &k);
+                        tap(taps, &name("attn_q_norm"), start, m, q_dim, &mut q);
+                        tap(taps, &name("attn_k_norm"), start, m, kv_dim, &mut k);
                     }
                     Stage::Rope => {
                         ops::rope(&mut q, &positions, s.n_head, hd, &s.rope)?;
                         ops::rope(&mut k, &positions, s.n_head_kv, hd, &s.rope)?;
-                        tap(taps, &name("attn_q_rope"), start, m, q_dim, &q);
-                        tap(taps, &name("attn_k_rope"), start, m, kv_dim, &k);
+                        tap(taps, &name("attn_q_rope"), start, m, q_dim, &mut q);
+                        tap(taps, &name("attn_k_rope"), start, m, kv_dim, &mut k);
                     }
                     Stage::Attention => {
                         // Append this call's keys/values at positions start.. (cache: [len, kv_dim]).
@@ -326,37 +340,37 @@ impl<T: Real> Model<T> {
                             window: s.sliding_window,
                         };
                         attn = ops::attention(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params)?;
-                        tap(taps, &name("attn_kqv"), start, m, q_dim, &attn);
+                        tap(taps, &name("attn_kqv"), start, m, q_dim, &mut attn);
                     }
                     Stage::AttnOutProj => {
                         attn = ops::matmul(&attn, m, &layer.wo)?;
                         if let Some(bo) = &layer.bo {
                             ops::add_bias(&mut attn, bo)?;
                         }
-                        tap(taps, &name("attn_out"), start, m, d, &attn);
+                        tap(taps, &name("attn_out"), start, m, d, &mut attn);
                     }
                     Stage::AttnResidual => {
                         x = ops::add(&x, &attn)?;
-                        tap(taps, &name("ffn_inp"), start, m, d, &x);
+                        tap(taps, &name("ffn_inp"), start, m, d, &mut x);
                     }
                     Stage::FfnNorm => {
                         h = ops::rms_norm(&x, d, Some(&layer.ffn_norm), s.norm_eps)?;
-                        tap(taps, &name("ffn_norm"), start, m, d, &h);
+                        tap(taps, &name("ffn_norm"), start, m, d, &mut h);
                     }
                     Stage::DenseFfn => {
                         let Ffn::Dense(f) = &layer.ffn else {
                             return Err(OracleError::Spec(format!("layer {li}: dense FFN stage but MoE weights")));
                         };
                         ffn_out = self.dense_ffn(f, &h, m, Some((taps, li, start)))?;
-                        tap(taps, &name("ffn_out"), start, m, d, &ffn_out);
+                        tap(taps, &name("ffn_out"), start, m, d, &mut ffn_out);
                     }
                     Stage::MoeFfn => {
                         ffn_out = self.moe_ffn(layer, &h, m, taps, li, start)?;
-                        tap(taps, &name("ffn_out"), start, m, d, &ffn_out);
+                        tap(taps, &name("ffn_out"), start, m, d, &mut ffn_out);
                     }
                     Stage::FfnResidual => {
                         x = ops::add(&x, &ffn_out)?;
-                        tap(taps, &name("l_out"), start, m, d, &x);
+                        tap(taps, &name("l_out"), start, m, d, &mut x);
                     }
                 }
             }
@@ -366,26 +380,28 @@ impl<T: Real> Model<T> {
         // Only the rows whose logits are wanted go through the final norm and output head.
         let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
         let xs = &x[row0 * d..];
-        let normed = ops::rms_norm(xs, d, Some(&self.output_norm), s.norm_eps)?;
-        tap(taps, "result_norm", start + row0, rows, d, &normed);
+        let mut normed = ops::rms_norm(xs, d, Some(&self.output_norm), s.norm_eps)?;
+        tap(taps, "result_norm", start + row0, rows, d, &mut normed);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let logits = ops::matmul(&normed, rows, head)?;
-        tap(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
+        let mut logits = ops::matmul(&normed, rows, head)?;
+        tap(taps, "result_output", start + row0, rows, s.n_vocab, &mut logits);
         Ok(logits)
     }
 
-    fn dense_ffn(&self, f: &DenseFfn<T>, h: &[T], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Result<Vec<T>> {
+    fn dense_ffn(&self, f: &DenseFfn<T>, h: &[T], m: usize, mut taps: Option<(&mut dyn Tap, usize, usize)>) -> Result<Vec<T>> {
         let mut gate_up = ops::matmul_many(h, m, &[&f.gate, &f.up])?.into_iter();
-        let (gate, up) = (gate_up.next().unwrap_or_default(), gate_up.next().unwrap_or_default());
-        let act = match self.spec.activation {
+        let (mut gate, mut up) = (gate_up.next().unwrap_or_default(), gate_up.next().unwrap_or_default());
+        let w = f.gate.rows;
+        if let Some((t, li, start)) = taps.as_mut() {
+            tap(*t, &format!("blk.{li}.ffn_gate"), *start, m, w, &mut gate);
+            tap(*t, &format!("blk.{li}.ffn_up"), *start, m, w, &mut up);
+        }
+        let mut act = match self.spec.activation {
             Activation::Silu => ops::swiglu(&gate, &up)?,
             Activation::GeluTanh => ops::geglu(&gate, &up)?,
         };
         if let Some((t, li, start)) = taps {
-            let w = f.gate.rows;
-            tap(t, &format!("blk.{li}.ffn_gate"), start, m, w, &gate);
-            tap(t, &format!("blk.{li}.ffn_up"), start, m, w, &up);
-            tap(t, &format!("blk.{li}.ffn_act"), start, m, w, &act);
+            tap(t, &format!("blk.{li}.ffn_act"), start, m, w, &mut act);
         }
         ops::matmul(&act, m, &f.down)
     }

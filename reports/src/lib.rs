@@ -4,6 +4,8 @@
 //! source of truth; `report.md`, `junit.xml` and `cases.csv` are rendered from it. Writes are
 //! atomic (temp file + rename). Reports from shards merge into one (`Report::merge`).
 
+pub mod plot;
+
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -84,6 +86,10 @@ pub struct Report {
     pub provenance: Provenance,
     pub summary: Summary,
     pub cases: Vec<Case>,
+    /// Suite-specific sections at the top level of report.json (`first_divergence`,
+    /// `token_stats`, `ab`, ...), documented in docs/REPORT_SCHEMA.md.
+    #[serde(flatten)]
+    pub sections: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Report {
@@ -97,7 +103,7 @@ impl Report {
                 Verdict::Error => s.errors += 1,
             }
         }
-        Report { schema_version: SCHEMA_VERSION, suite: suite.into(), provenance, summary: s, cases }
+        Report { schema_version: SCHEMA_VERSION, suite: suite.into(), provenance, summary: s, cases, sections: Default::default() }
     }
 
     /// Gate outcome per the exit-code contract: 0 all passed, 1 a case failed or nothing ran,
@@ -188,6 +194,7 @@ impl Report {
             }
             out += "\n";
         }
+        out += &self.sections_markdown();
         let failing: Vec<&Case> = self.cases.iter().filter(|c| matches!(c.verdict, Verdict::Fail | Verdict::Error)).collect();
         if !failing.is_empty() {
             out += "## Failures\n\n| case | device | verdict | message |\n|---|---|---|---|\n";
@@ -274,6 +281,27 @@ impl Report {
         Some(Report::new(&first.suite, first.provenance, cases))
     }
 
+    /// Charts a suite stored in its `charts` section (`[{stem, chart}]`): drawn from report.json
+    /// so `report render` reproduces them.
+    pub fn charts(&self) -> std::io::Result<Vec<(String, plot::Chart)>> {
+        let Some(v) = self.sections.get("charts") else { return Ok(Vec::new()) };
+        let list: Vec<NamedChart> = serde_json::from_value(v.clone()).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("report.json `charts`: {e}")))?;
+        Ok(list.into_iter().map(|c| (c.stem, c.chart)).collect())
+    }
+
+    /// Adds a chart (drawn as `<stem>.png` / `<stem>.svg` when the report is written).
+    pub fn add_chart(&mut self, stem: &str, chart: plot::Chart) {
+        let entry = self.sections.entry("charts").or_insert_with(|| serde_json::Value::Array(Vec::new()));
+        if let serde_json::Value::Array(a) = entry {
+            a.push(serde_json::to_value(NamedChart { stem: stem.into(), chart }).expect("chart serializes"));
+        }
+    }
+
+    /// Adds a Markdown table section: rendered in report.md under `title`.
+    pub fn add_table(&mut self, key: &str, title: &str, columns: &[&str], rows: Vec<Vec<String>>) {
+        self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows }));
+    }
+
     pub fn read(dir: &Path) -> std::io::Result<Report> {
         let path = dir.join("report.json");
         let text = std::fs::read_to_string(&path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
@@ -292,12 +320,56 @@ impl Report {
         write_atomic(&dir.join("report.md"), self.to_markdown().as_bytes())?;
         write_atomic(&dir.join("junit.xml"), self.to_junit().as_bytes())?;
         write_atomic(&dir.join("cases.csv"), self.to_csv().as_bytes())?;
+        for (stem, chart) in self.charts()? {
+            plot::write_chart(dir, &stem, &chart)?;
+        }
         if let Some(summary) = std::env::var_os("GITHUB_STEP_SUMMARY") {
             use std::io::Write;
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(summary)?;
             f.write_all(self.to_markdown_summary().as_bytes())?;
         }
         Ok(())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct NamedChart {
+    stem: String,
+    chart: plot::Chart,
+}
+
+impl Report {
+    /// Suite-specific sections in Markdown: tables (`{title, columns, rows}`) as tables, charts as
+    /// image links, anything else as a JSON line.
+    fn sections_markdown(&self) -> String {
+        let mut out = String::new();
+        for (key, v) in &self.sections {
+            if key == "charts" {
+                for (stem, c) in self.charts().unwrap_or_default() {
+                    out += &format!("![{}]({stem}.svg)\n\n", c.title);
+                }
+                continue;
+            }
+            if let (Some(cols), Some(rows)) = (v.get("columns").and_then(|c| c.as_array()), v.get("rows").and_then(|r| r.as_array())) {
+                let title = v.get("title").and_then(|t| t.as_str()).unwrap_or(key);
+                out += &format!("## {title}\n\n|");
+                for c in cols {
+                    out += &format!(" {} |", c.as_str().unwrap_or(""));
+                }
+                out += &format!("\n|{}\n", "---|".repeat(cols.len()));
+                for r in rows {
+                    out += "|";
+                    for cell in r.as_array().into_iter().flatten() {
+                        out += &format!(" {} |", cell.as_str().map(|s| s.replace('|', "\\|")).unwrap_or_else(|| cell.to_string()));
+                    }
+                    out += "\n";
+                }
+                out += "\n";
+            } else {
+                out += &format!("**{key}**: `{v}`\n\n");
+            }
+        }
+        out
     }
 }
 

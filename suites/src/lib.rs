@@ -5,6 +5,7 @@
 //! (see docs/ARCHITECTURE.md, "Roadmap").
 
 pub mod kernels;
+pub mod layerdiff;
 pub mod membw;
 pub mod selfcheck;
 pub mod throughput;

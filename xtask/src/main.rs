@@ -20,6 +20,8 @@ enum Command {
     Gate(cmd::gate::GateArgs),
     /// Kernel-level gate: every registry op case on a device vs the oracle, with derived tolerances.
     Kernels(cmd::kernels::KernelsArgs),
+    /// Layer-diff gate: every tap of a device's forward pass vs the oracle (isolated and propagated), first divergence, plots.
+    LayerDiff(cmd::layerdiff::LayerDiffArgs),
     /// Merge shard reports or re-render a report's Markdown/JUnit/CSV.
     Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
@@ -53,6 +55,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Gate(a) => cmd::gate::main(a),
         Command::Kernels(a) => cmd::kernels::main(a),
+        Command::LayerDiff(a) => cmd::layerdiff::main(a),
         Command::Report(a) => cmd::report::main(a),
         Command::Run(a) => cmd::run::main(a),
         Command::Dump(a) => cmd::dump::main(a),

@@ -217,6 +217,13 @@ impl DeviceModel for CpuModel {
     fn spec(&self) -> &ModelSpec {
         &self.spec
     }
+    fn arithmetic(&self) -> crate::Arithmetic {
+        // Products with quantized weights take Q8_0 activations (as in the kernel suite); a model
+        // with any quantized matrix is judged by that arithmetic throughout.
+        let quantized = self.layers.iter().any(|l| !qdot::is_float(l.wq.ty) || l.dense.as_ref().is_some_and(|f| !qdot::is_float(f.down.ty)) || l.experts.iter().any(|f| !qdot::is_float(f.down.ty)))
+            || !qdot::is_float(self.output.as_ref().unwrap_or(&self.tok_embd).ty);
+        crate::Arithmetic { activation_q8_block: quantized.then_some(32), ..crate::Arithmetic::F32 }
+    }
     fn cached(&self) -> usize {
         self.kv.len
     }

@@ -32,7 +32,8 @@ pub fn main(a: DumpArgs) -> Result<u8, Exit> {
     engine.prefill(&ids, &mut taps)?;
     let info = ModelInfo { name: a.model.clone(), sha256: ::fixtures::sha256_model(&path)?, arch: engine.spec().arch.clone() };
     let precision = format!("{:?}", a.precision).to_lowercase();
-    let m = write_dump(&a.out, info, &a.device, &precision, &ids, &taps)?;
+    let arithmetic = serde_json::to_value(engine.arithmetic()).ok();
+    let m = write_dump(&a.out, info, &a.device, &precision, &ids, &taps, arithmetic)?;
     eprintln!("wrote {} taps and logits [{} x {}] to {}", m.taps.len(), ids.len(), engine.spec().n_vocab, a.out.display());
     Ok(0)
 }

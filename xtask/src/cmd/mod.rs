@@ -5,6 +5,7 @@ pub mod dump;
 pub mod fixtures;
 pub mod gate;
 pub mod kernels;
+pub mod layerdiff;
 pub mod report;
 pub mod run;
 
@@ -14,10 +15,12 @@ use oracle::tokenizer::Tokenizer;
 use oracle::Precision;
 use std::path::PathBuf;
 
-/// Devices that can run whole models in this build: `ref` (the oracle), `cpu`, `fixed`, `fixed-int4`.
+/// Devices that can run whole models in this build: `ref` (the oracle), `cpu`, `fixed`,
+/// `fixed-int4`, `external:DIR`, `exec:CMD`.
 pub fn check_device(device: &str) -> Result<(), Exit> {
     match device {
         "ref" | "cpu" | "fixed" | "fixed-int4" => Ok(()),
+        d if (d.starts_with("external:") || d.starts_with("exec:")) && devices::open(d).is_ok() => Ok(()),
         d => match devices::open(d) {
             Err(e) => Err(Exit { code: 2, message: e.to_string() }),
             Ok(_) => Err(Exit { code: 2, message: format!("device `{d}` cannot run whole models yet") }),
@@ -85,6 +88,15 @@ impl Engine {
         }
     }
 
+    /// The arithmetic the engine declares (the oracle: f32 or f64 storage, f64 accumulation).
+    pub fn arithmetic(&self) -> devices::Arithmetic {
+        match self {
+            Engine::Oracle(AnyModel::F64(_)) => devices::Arithmetic::F64,
+            Engine::Oracle(_) => devices::Arithmetic { accumulate: devices::NumFormat::F64, ..devices::Arithmetic::F32 },
+            Engine::Device(m) => m.arithmetic(),
+        }
+    }
+
     /// One prefill over `ids` from an empty cache, recording every tap (logits included).
     pub fn prefill(&mut self, ids: &[u32], taps: &mut dyn oracle::Tap) -> Result<(), Exit> {
         match self {
@@ -106,7 +118,9 @@ pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(P
         return Ok((path, Engine::Oracle(m), tok));
     }
     let dev = devices::open(device).map_err(device_exit)?;
-    let dm = dev.load_model(&path, &devices::ModelOptions::default()).map_err(device_exit)?;
+    // External dumps must name the model under test by its hash.
+    let model_sha256 = if device.starts_with("external:") || device.starts_with("exec:") { Some(::fixtures::sha256_model(&path)?) } else { None };
+    let dm = dev.load_model(&path, &devices::ModelOptions { model_sha256, ..Default::default() }).map_err(device_exit)?;
     let tok = oracle::loader::open_tokenizer(&path)?;
     Ok((path, Engine::Device(dm), tok))
 }

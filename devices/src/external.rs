@@ -1,0 +1,283 @@
+//! External engines through the dump protocol (docs/DUMP_FORMAT.md).
+//!
+//! - `external:DIR` reads a dump another engine already wrote.
+//! - `exec:CMD` runs `sh -c CMD` with the request in its environment, waits (with a timeout), then
+//!   reads the dump it wrote:
+//!   `TOUCHSTONE_MODEL` (model file), `TOUCHSTONE_PROMPT_IDS` (comma-separated ids),
+//!   `TOUCHSTONE_N_GENERATE` (greedy tokens wanted; 0 = one prefill), `TOUCHSTONE_OUT` (the
+//!   directory to write). Its stdout and stderr go to `engine.log` in that directory.
+//!
+//! Everything read is checked before it is used: format and version, the model's sha256, the token
+//! ids, each tensor's shape and every value's finiteness. A bad dump is an error naming the file
+//! and tap (exit 2 upstream), never a silent pass. An external engine runs one prefill per dump:
+//! it cannot be stepped token by token, so suites that need that report it as unsupported.
+
+use crate::{Arithmetic, Device, DeviceError, DeviceModel, ModelOptions, Support};
+use oracle::dump::{canonical_tap_name, read_manifest, read_tensors, Manifest};
+use oracle::registry::{OpCase, Output};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Default time an `exec:` engine may take for one request.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[derive(Clone, Debug)]
+pub enum Source {
+    Dir(PathBuf),
+    Exec(String),
+}
+
+pub struct ExternalDevice {
+    pub source: Source,
+    pub timeout: Duration,
+}
+
+impl ExternalDevice {
+    /// `external:DIR` or `exec:CMD`; `TOUCHSTONE_EXEC_TIMEOUT` (seconds) overrides the timeout.
+    pub fn parse(name: &str) -> Option<ExternalDevice> {
+        let timeout = std::env::var("TOUCHSTONE_EXEC_TIMEOUT").ok().and_then(|s| s.parse::<f64>().ok()).filter(|s| *s > 0.0).map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
+        if let Some(dir) = name.strip_prefix("external:") {
+            return Some(ExternalDevice { source: Source::Dir(PathBuf::from(dir)), timeout });
+        }
+        name.strip_prefix("exec:").map(|cmd| ExternalDevice { source: Source::Exec(cmd.to_string()), timeout })
+    }
+}
+
+impl Device for ExternalDevice {
+    fn name(&self) -> String {
+        match &self.source {
+            Source::Dir(d) => format!("external:{}", d.display()),
+            Source::Exec(c) => format!("exec:{c}"),
+        }
+    }
+    fn arithmetic(&self, _: &OpCase) -> Arithmetic {
+        Arithmetic::F32
+    }
+    fn supports(&self, _: &OpCase) -> Support {
+        Support::Unsupported("external engines run whole models only (the dump protocol has no op calls)".into())
+    }
+    fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
+        Err(crate::fail(&self.name(), case, "external engines run whole models only"))
+    }
+    fn load_model(&self, path: &Path, opts: &ModelOptions) -> Result<Box<dyn DeviceModel>, DeviceError> {
+        let (src, spec, _) = oracle::loader::open_model(path).map_err(|e| DeviceError::Unavailable(self.name(), e.to_string()))?;
+        drop(src);
+        Ok(Box::new(ExternalModel {
+            name: self.name(),
+            source: self.source.clone(),
+            timeout: self.timeout,
+            model_path: path.to_path_buf(),
+            model_sha256: opts.model_sha256.clone(),
+            spec,
+            cached: 0,
+            arithmetic: Arithmetic::F32,
+            workdir: None,
+        }))
+    }
+}
+
+pub struct ExternalModel {
+    name: String,
+    source: Source,
+    timeout: Duration,
+    model_path: PathBuf,
+    model_sha256: Option<String>,
+    spec: oracle::ModelSpec,
+    cached: usize,
+    arithmetic: Arithmetic,
+    /// Where `exec:` dumps go (kept until the model is dropped, so they can be inspected).
+    workdir: Option<tempfile::TempDir>,
+}
+
+/// A checked dump: manifest + taps under our names + logits.
+pub struct Dump {
+    pub manifest: Manifest,
+    pub taps: Vec<(String, usize, Vec<f32>)>,
+    pub logits: Option<Vec<f32>>,
+}
+
+fn bad(dir: &Path, what: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Failed { device: format!("external:{}", dir.display()), case: "dump".into(), reason: what.to_string() }
+}
+
+/// Reads and checks the dump in `dir` against the request: the token ids, the model hash when
+/// known, the shapes and the finiteness of every value.
+pub fn read_dump(dir: &Path, tokens: &[u32], model_sha256: Option<&str>, n_vocab: usize) -> Result<Dump, DeviceError> {
+    let manifest = read_manifest(dir).map_err(|e| bad(dir, e))?;
+    let mpath = dir.join("manifest.json");
+    if let Some(want) = model_sha256 {
+        if !manifest.model.sha256.eq_ignore_ascii_case(want) {
+            return Err(bad(dir, format!("{}: model.sha256 is {:?}, but the model under test has sha256 {want}", mpath.display(), manifest.model.sha256)));
+        }
+    }
+    if manifest.token_ids != tokens {
+        let at = manifest.token_ids.iter().zip(tokens).position(|(a, b)| a != b).unwrap_or(manifest.token_ids.len().min(tokens.len()));
+        return Err(bad(dir, format!("{}: token_ids differ from the requested ids at position {at} ({} ids in the dump, {} requested)", mpath.display(), manifest.token_ids.len(), tokens.len())));
+    }
+    let n = tokens.len();
+    if manifest.positions != (0..n).collect::<Vec<_>>() {
+        return Err(bad(dir, format!("{}: positions must be 0..{n} (one per token id, in order)", mpath.display())));
+    }
+    if let Some(g) = &manifest.generated_ids {
+        if let Some(id) = g.iter().find(|&&id| id as usize >= n_vocab) {
+            return Err(bad(dir, format!("{}: generated id {id} is outside the vocabulary of {n_vocab}", mpath.display())));
+        }
+    }
+    let mut files: Vec<&str> = manifest.taps.iter().map(|t| t.file.as_str()).chain(manifest.logits.iter().map(|l| l.file.as_str())).collect();
+    files.sort_unstable();
+    files.dedup();
+    let mut tensors = std::collections::HashMap::new();
+    for f in files {
+        for (name, shape, vals) in read_tensors(dir, f).map_err(|e| bad(dir, e))? {
+            tensors.insert((f.to_string(), name), (shape, vals));
+        }
+    }
+    let mut take = |entry: &oracle::dump::TapEntry, width_must: Option<usize>| -> Result<(usize, Vec<f32>), DeviceError> {
+        let file = dir.join(&entry.file);
+        let (shape, vals) = tensors.remove(&(entry.file.clone(), entry.name.clone())).ok_or_else(|| bad(dir, format!("{}: no tensor `{}` (listed in manifest.json)", file.display(), entry.name)))?;
+        if !["f32", "f16", "bf16"].contains(&entry.dtype.as_str()) {
+            return Err(bad(dir, format!("manifest.json: tap `{}` has dtype {:?} (f32, f16, bf16 allowed)", entry.name, entry.dtype)));
+        }
+        if shape != entry.shape || shape.len() != 2 || shape[0] != n || width_must.is_some_and(|w| shape[1] != w) {
+            return Err(bad(
+                dir,
+                format!("{}: tensor `{}` has shape {shape:?} (manifest says {:?}); expected [{n}, {}]", file.display(), entry.name, entry.shape, width_must.map_or("width".into(), |w| w.to_string())),
+            ));
+        }
+        if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
+            return Err(bad(dir, format!("{}: tensor `{}` has a non-finite value ({}) at position {}, element {}", file.display(), entry.name, vals[i], i / shape[1].max(1), i % shape[1].max(1))));
+        }
+        Ok((shape[1], vals))
+    };
+    let mut taps = Vec::new();
+    for t in &manifest.taps {
+        let (w, v) = take(t, None)?;
+        taps.push((canonical_tap_name(&t.name), w, v));
+    }
+    let logits = match &manifest.logits {
+        Some(l) => Some(take(l, Some(n_vocab))?.1),
+        None => None,
+    };
+    if logits.is_none() && manifest.generated_ids.is_none() {
+        return Err(bad(dir, format!("{}: neither logits nor generated_ids: nothing to judge", mpath.display())));
+    }
+    Ok(Dump { manifest, taps, logits })
+}
+
+impl ExternalModel {
+    /// The dump for `tokens` (and `n_generate` greedy ids): read from the directory, or produced by
+    /// running the command.
+    fn obtain(&mut self, tokens: &[u32], n_generate: usize) -> Result<Dump, DeviceError> {
+        let dir = match &self.source {
+            Source::Dir(d) => d.clone(),
+            Source::Exec(cmd) => {
+                let work = tempfile::Builder::new().prefix("touchstone-exec-").tempdir().map_err(|e| self.failed(format!("cannot create a work directory: {e}")))?;
+                let out = work.path().join("dump");
+                std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
+                run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout).map_err(|r| self.failed(r))?;
+                self.workdir = Some(work);
+                out
+            }
+        };
+        let dump = read_dump(&dir, tokens, self.model_sha256.as_deref(), self.spec.n_vocab)?;
+        if let Some(a) = &dump.manifest.arithmetic {
+            self.arithmetic = serde_json::from_value(a.clone()).map_err(|e| bad(&dir, format!("manifest.json: arithmetic: {e}")))?;
+        }
+        Ok(dump)
+    }
+
+    fn failed(&self, reason: impl std::fmt::Display) -> DeviceError {
+        DeviceError::Failed { device: self.name.clone(), case: "run".into(), reason: reason.to_string() }
+    }
+}
+
+/// Runs an `exec:` engine for one request; Err names the exit status or the timeout and shows the
+/// end of its log.
+fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &Path, timeout: Duration) -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    let log_path = out.join("engine.log");
+    let log = std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let log2 = log.try_clone().map_err(|e| e.to_string())?;
+    let ids: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .env("TOUCHSTONE_MODEL", model)
+        .env("TOUCHSTONE_PROMPT_IDS", ids.join(","))
+        .env("TOUCHSTONE_N_GENERATE", n_generate.to_string())
+        .env("TOUCHSTONE_OUT", out)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("cannot start `sh -c {cmd}`: {e}"))?;
+    let t0 = Instant::now();
+    let tail = || {
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = lines[lines.len().saturating_sub(8)..].join("\n  ");
+        if tail.is_empty() { String::new() } else { format!("; end of its log:\n  {tail}") }
+    };
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return Ok(()),
+            Ok(Some(status)) => return Err(format!("`{cmd}` exited with {status}{}", tail())),
+            Ok(None) if t0.elapsed() > timeout => {
+                // Kill the whole process group: `sh -c` may have started children of its own.
+                let _ = std::process::Command::new("kill").arg("-KILL").arg(format!("-{}", child.id())).status();
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("`{cmd}` did not finish within {:.0} s (killed; set TOUCHSTONE_EXEC_TIMEOUT to allow more){}", timeout.as_secs_f64(), tail()));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(format!("waiting for `{cmd}`: {e}")),
+        }
+    }
+}
+
+impl DeviceModel for ExternalModel {
+    fn spec(&self) -> &oracle::ModelSpec {
+        &self.spec
+    }
+    fn arithmetic(&self) -> Arithmetic {
+        self.arithmetic
+    }
+    fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        if self.cached > 0 {
+            return Err(self.failed("an external engine runs one prefill per dump; it cannot continue from a cache (decode steps are not part of the dump protocol)"));
+        }
+        let dump = self.obtain(tokens, 0)?;
+        let logits = dump.logits.ok_or_else(|| self.failed("the dump is token-only (no logits); this suite needs logits"))?;
+        for (name, width, vals) in &dump.taps {
+            taps.record(name, 0, tokens.len(), *width, vals);
+        }
+        taps.record("result_output", 0, tokens.len(), self.spec.n_vocab, &logits);
+        self.cached = tokens.len();
+        Ok(logits)
+    }
+    fn generate_ids(&mut self, prompt: &[u32], max_new: usize) -> Option<Result<Vec<u32>, DeviceError>> {
+        if let Source::Dir(d) = &self.source {
+            // A directory holds one dump: it answers a generation request only if it is a
+            // token-only dump of exactly this prompt.
+            let m = read_manifest(d).ok()?;
+            if m.token_ids != prompt || m.generated_ids.is_none() {
+                return None;
+            }
+        }
+        let dump = match self.obtain(prompt, max_new) {
+            Ok(d) => d,
+            Err(e) => return Some(Err(e)),
+        };
+        dump.manifest.generated_ids.map(Ok)
+    }
+    fn one_shot(&self) -> bool {
+        true
+    }
+    fn cached(&self) -> usize {
+        self.cached
+    }
+    fn reset(&mut self) {
+        self.cached = 0;
+    }
+}

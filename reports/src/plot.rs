@@ -1,0 +1,192 @@
+//! Line charts written as PNG and SVG (plotters, with an embedded DejaVu Sans so no system font
+//! library is needed). Suites describe a chart as data (`Chart`); this module only draws it.
+
+use plotters::prelude::*;
+use std::path::{Path, PathBuf};
+
+static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+/// One line of a chart.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+    /// Index into the palette; series sharing a colour (a measurement and its budget) share it.
+    pub colour: usize,
+    /// Dashed lines are budgets/limits, solid lines are measurements.
+    pub dashed: bool,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Chart {
+    pub title: String,
+    pub x_label: String,
+    pub y_label: String,
+    pub log_y: bool,
+    pub series: Vec<Series>,
+    /// Optional shaded horizontal band (low, high), e.g. a confidence interval.
+    pub band: Option<(f64, f64)>,
+}
+
+fn register_font() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // The font is a compile-time asset; a parse failure would be a build defect, and the
+        // charts then fall back to no text rather than failing the run.
+        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
+    });
+}
+
+/// Twenty distinguishable colours (the "tab20" ordering: dark then light of each hue).
+const PALETTE: [RGBColor; 20] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+    RGBColor(174, 199, 232),
+    RGBColor(255, 187, 120),
+    RGBColor(152, 223, 138),
+    RGBColor(255, 152, 150),
+    RGBColor(197, 176, 213),
+    RGBColor(196, 156, 148),
+    RGBColor(247, 182, 210),
+    RGBColor(0, 0, 0),
+    RGBColor(219, 219, 141),
+    RGBColor(158, 218, 229),
+];
+
+fn colour(i: usize) -> RGBColor {
+    PALETTE[i % PALETTE.len()]
+}
+
+fn draw_err(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(format!("plot: {e}"))
+}
+
+fn draw<DB: DrawingBackend>(root: DrawingArea<DB, plotters::coord::Shift>, c: &Chart) -> std::io::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(draw_err)?;
+    // The legend gets its own column on the right so it never hides data.
+    let (width, _) = root.dim_in_pixel();
+    let (root, legend) = root.split_horizontally(width.saturating_sub(230));
+    let mut y = 50;
+    for s in c.series.iter().filter(|s| !s.dashed) {
+        let col = colour(s.colour);
+        legend.draw(&PathElement::new(vec![(5, y), (30, y)], col.stroke_width(3))).map_err(draw_err)?;
+        legend.draw(&Text::new(s.name.clone(), (36, y - 7), ("sans-serif", 13))).map_err(draw_err)?;
+        y += 18;
+    }
+    if c.series.iter().any(|s| s.dashed) {
+        let grey = RGBColor(90, 90, 90);
+        legend.draw(&PathElement::new(vec![(5, y + 6), (12, y + 6)], grey.stroke_width(1))).map_err(draw_err)?;
+        legend.draw(&PathElement::new(vec![(17, y + 6), (24, y + 6)], grey.stroke_width(1))).map_err(draw_err)?;
+        legend.draw(&Text::new("dashed: budget (same colour)", (30, y - 1), ("sans-serif", 12))).map_err(draw_err)?;
+    }
+    let pts = c.series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| x.is_finite() && y.is_finite() && (!c.log_y || *y > 0.0));
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for (x, y) in pts {
+        x0 = x0.min(*x);
+        x1 = x1.max(*x);
+        y0 = y0.min(*y);
+        y1 = y1.max(*y);
+    }
+    if let Some((lo, hi)) = c.band {
+        y0 = y0.min(lo);
+        y1 = y1.max(hi);
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 1e-9, 1.0);
+    }
+    if x1 - x0 < 1e-12 {
+        x1 = x0 + 1.0;
+    }
+    if c.log_y {
+        y0 = y0.max(1e-30) / 2.0;
+        y1 = (y1 * 2.0).max(y0 * 10.0);
+    } else {
+        let pad = ((y1 - y0) * 0.08).max(1e-12);
+        (y0, y1) = (y0 - pad, y1 + pad);
+    }
+    let mut builder = ChartBuilder::on(&root);
+    builder.caption(&c.title, ("sans-serif", 22)).margin(12).x_label_area_size(40).y_label_area_size(80);
+    macro_rules! body {
+        ($chart:expr) => {{
+            let mut chart = $chart;
+            chart
+                .configure_mesh()
+                .x_desc(&c.x_label)
+                .y_desc(&c.y_label)
+                .label_style(("sans-serif", 14))
+                .x_label_formatter(&|v: &f64| if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.2}") })
+                .y_label_formatter(&|v: &f64| if c.log_y || v.abs() < 1e-3 && *v != 0.0 { format!("{v:.0e}") } else { format!("{v:.3}") })
+                .draw()
+                .map_err(draw_err)?;
+            if let Some((lo, hi)) = c.band {
+                chart.draw_series(std::iter::once(Rectangle::new([(x0, lo), (x1, hi)], RGBColor(31, 119, 180).mix(0.15).filled()))).map_err(draw_err)?;
+            }
+            for s in &c.series {
+                let col = colour(s.colour);
+                let points: Vec<(f64, f64)> = s.points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite() && (!c.log_y || *y > 0.0)).collect();
+                let style = ShapeStyle { color: col.to_rgba(), filled: false, stroke_width: if s.dashed { 1 } else { 2 } };
+                if s.dashed {
+                    chart.draw_series(DashedLineSeries::new(points, 6, 4, style)).map_err(draw_err)?;
+                } else {
+                    chart.draw_series(LineSeries::new(points, style)).map_err(draw_err)?;
+                }
+            }
+        }};
+    }
+    if c.log_y {
+        body!(builder.build_cartesian_2d(x0..x1, (y0..y1).log_scale()).map_err(draw_err)?);
+    } else {
+        body!(builder.build_cartesian_2d(x0..x1, y0..y1).map_err(draw_err)?);
+    }
+    root.present().map_err(draw_err)?;
+    Ok(())
+}
+
+/// Writes `<stem>.png` and `<stem>.svg` into `dir`; returns both paths.
+pub fn write_chart(dir: &Path, stem: &str, chart: &Chart) -> std::io::Result<Vec<PathBuf>> {
+    register_font();
+    std::fs::create_dir_all(dir)?;
+    let png = dir.join(format!("{stem}.png"));
+    let svg = dir.join(format!("{stem}.svg"));
+    let size = (1200, 650);
+    draw(BitMapBackend::new(&png, size).into_drawing_area(), chart)?;
+    draw(SVGBackend::new(&svg, size).into_drawing_area(), chart)?;
+    Ok(vec![png, svg])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_png_and_svg_with_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let chart = Chart {
+            title: "error by layer".into(),
+            x_label: "layer".into(),
+            y_label: "relative RMS error".into(),
+            log_y: true,
+            series: vec![
+                Series { name: "l_out".into(), points: vec![(0.0, 1e-7), (1.0, 3e-7), (2.0, 1e-6)], colour: 0, dashed: false },
+                Series { name: "l_out budget".into(), points: vec![(0.0, 1e-5), (2.0, 2e-5)], colour: 0, dashed: true },
+            ],
+            band: None,
+        };
+        let files = write_chart(dir.path(), "layers", &chart).unwrap();
+        let png = std::fs::read(&files[0]).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        let svg = std::fs::read_to_string(&files[1]).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("l_out") && svg.contains("dashed: budget"), "the SVG carries the legend text");
+    }
+}

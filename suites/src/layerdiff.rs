@@ -1,0 +1,663 @@
+//! The layer-diff gate: every tap (design.md §4) of a device's forward pass compared with the
+//! oracle's, per tap, against a budget derived from the device's declared arithmetic and depth.
+//!
+//! Two comparisons are made from one device run:
+//! - **propagated**: the device's taps against the oracle's own forward pass. Error accumulates
+//!   with depth, so the budget grows with the layer index.
+//! - **isolated**: the oracle's interpreter is re-run with every tap *substituted* by the device's
+//!   value (`oracle::Tap::substitute`), so each op of the oracle starts from exactly the inputs the
+//!   device's op saw. The difference at a tap is then that op's own error, separated from what it
+//!   inherited (the "shadow" comparison of PyTorch's Numeric Suite). This works for any device,
+//!   including external engines that only wrote a dump.
+//!
+//! The first tap, in execution order, whose isolated error exceeds its budget is the
+//! `first_divergence`: the guilty op.
+//!
+//! Budgets bound the RMS error of a tap over all its positions: `rms_err <= rel * rms_ref + abs`.
+//! They are a stated model (docs/ACCURACY.md, "Layer-diff budgets"), not a proof: the kernel gate
+//! proves per-element bounds op by op; this gate localizes drift in a whole model.
+
+use devices::Arithmetic;
+use oracle::generate::AnyModel;
+use oracle::{ModelSpec, RecordingTap, Tap};
+use reports::{Provenance, Report};
+use reports::plot::{Chart, Series};
+use reports::{Case, Tolerance, Verdict};
+use serde_json::{json, Map, Value};
+
+/// Safety factor on the statistical √K rounding-error rule (Higham, "Accuracy and Stability",
+/// §3.8): rounding errors of a length-K reduction typically grow like u·√K; the factor covers
+/// the spread of that estimate.
+pub const C_STAT: f64 = 4.0;
+/// An op's output error may exceed its input's relative error by the conditioning of the
+/// weights it applies; the budget allows a factor of this size (see ACCURACY.md).
+pub const C_COND: f64 = 2.0;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Propagated,
+    Isolated,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "propagated" => Ok(Mode::Propagated),
+            "isolated" => Ok(Mode::Isolated),
+            o => Err(format!("mode `{o}`: expected propagated or isolated")),
+        }
+    }
+}
+
+/// Allowed RMS error of a tap: `rel * rms(reference) + abs`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Budget {
+    pub rel: f64,
+    pub abs: f64,
+}
+
+impl Budget {
+    pub fn bound(&self, rms_ref: f64) -> f64 {
+        self.rel * rms_ref + self.abs
+    }
+}
+
+/// Model dimensions the budgets read.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub d: usize,
+    pub head_dim: usize,
+    pub q_dim: usize,
+    pub n_ff: usize,
+    pub n_pos: usize,
+    pub n_layer: usize,
+}
+
+impl Dims {
+    pub fn of(spec: &ModelSpec, n_pos: usize) -> Dims {
+        let n_ff = spec.moe.as_ref().map_or(spec.n_ff, |m| m.expert_ffn.max(m.shared_ffn.unwrap_or(0)));
+        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer }
+    }
+}
+
+/// `blk.{i}.{kind}` -> (Some(i), kind); other names -> (None, name).
+pub fn split_tap(name: &str) -> (Option<usize>, &str) {
+    if let Some(rest) = name.strip_prefix("blk.") {
+        if let Some((i, kind)) = rest.split_once('.') {
+            if let Ok(i) = i.parse() {
+                return (Some(i), kind);
+            }
+        }
+    }
+    (None, name)
+}
+
+/// What produces a tap, for its budget: a reduction of length `k`, whether its input was a
+/// matrix product's (quantized on Q8-activation devices), whether it uses exp/sin/sqrt.
+struct OpShape {
+    k: usize,
+    matmul: bool,
+    transcendental: bool,
+}
+
+fn op_shape(kind: &str, d: &Dims) -> Option<OpShape> {
+    let s = |k, matmul, transcendental| Some(OpShape { k, matmul, transcendental });
+    match kind {
+        "inp_embd" => s(1, false, false),
+        "attn_norm" | "ffn_norm" | "result_norm" => s(d.d, false, true),
+        "attn_q_norm" | "attn_k_norm" => s(d.head_dim, false, true),
+        "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" | "result_output" => s(d.d, true, false),
+        "attn_out" => s(d.q_dim, true, false),
+        "ffn_out" => s(d.n_ff, true, false),
+        "attn_q_rope" | "attn_k_rope" => s(2, false, true),
+        "attn_kqv" => s(d.n_pos.max(d.head_dim), false, true),
+        "ffn_inp" | "l_out" => s(2, false, false),
+        "ffn_act" => s(2, false, true),
+        "ffn_moe_probs" => s(d.d, true, true),
+        _ => None,
+    }
+}
+
+/// The budget of one op's own error (isolated comparison), from the device's arithmetic.
+pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
+    let op = op_shape(kind, d)?;
+    let k = op.k as f64;
+    if let Some(fp) = &a.fixed {
+        // Integer device: results are rounded to Q(act_frac); weights carry a Q(weight_frac)
+        // rounding each (relative 2^-wf, summed over K like any rounding); norm scales Q(norm_frac);
+        // exp/sigmoid approximations add their absolute error per term.
+        let q = (-(fp.act_frac as f64)).exp2();
+        let mut rel = C_STAT * (-(fp.norm_frac as f64)).exp2();
+        let mut abs = C_STAT * q;
+        if op.matmul {
+            rel += C_STAT * (-(fp.weight_frac as f64)).exp2() * k.sqrt();
+            abs += C_STAT * q * k.sqrt() / 2.0;
+            if let Some(g) = fp.int4_group {
+                // Symmetric 4-bit groups: RMS rounding error of a group <= sqrt(G) * step/2
+                // relative to the group's largest value, step = max/7.
+                rel += C_COND * (g as f64).sqrt() / 14.0;
+            }
+        }
+        if op.transcendental {
+            rel += C_STAT * fp.exp_abs * k.sqrt();
+            abs += C_STAT * fp.exp_abs;
+        }
+        return Some(Budget { rel, abs });
+    }
+    let (us, ua) = (a.storage.unit_roundoff(), a.accumulate.unit_roundoff());
+    let mut rel = C_STAT * (us + ua * k.sqrt());
+    if op.transcendental {
+        rel += C_STAT * a.transcendental_ulps * us;
+    }
+    if op.matmul {
+        if let Some(b) = a.activation_q8_block {
+            // Q8_0 activations: each element rounds to a step of max|block|/127, so the RMS
+            // error of a block is at most max/254 and its RMS value at least max/sqrt(B).
+            rel += C_COND * (b as f64).sqrt() / 254.0;
+        }
+    }
+    // Values near zero: allow one rounding of the storage format at unit scale per element.
+    Some(Budget { rel, abs: us * 1e-3 })
+}
+
+/// The propagated budget at `layer` (None before the first layer, `n_layer` after the last):
+/// the op's own budget plus one layer's worth of independent error per layer passed, added in
+/// quadrature (independent roundings).
+pub fn propagated_budget(kind: &str, layer: Option<usize>, a: &Arithmetic, d: &Dims) -> Option<Budget> {
+    let local = local_budget(kind, a, d)?;
+    let depth = match (kind, layer) {
+        (_, Some(i)) => i + 1,
+        ("inp_embd", None) => 0,
+        (_, None) => d.n_layer,
+    } as f64;
+    let per_layer = ["attn_q", "attn_out", "ffn_gate", "ffn_out", "attn_kqv", "ffn_act"]
+        .iter()
+        .filter_map(|k| local_budget(k, a, d))
+        .fold(Budget::default(), |m, b| Budget { rel: m.rel.max(b.rel), abs: m.abs.max(b.abs) });
+    Some(Budget { rel: (local.rel.powi(2) + depth * per_layer.rel.powi(2)).sqrt(), abs: (local.abs.powi(2) + depth * per_layer.abs.powi(2)).sqrt() })
+}
+
+/// Error statistics of one tap over all its positions.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ErrStats {
+    pub max_abs: f64,
+    pub rms_err: f64,
+    pub rms_ref: f64,
+    pub cosine: f64,
+    /// Positions where one side is finite and the other is not.
+    pub nonfinite: usize,
+    /// Position of the largest absolute error.
+    pub worst_pos: usize,
+}
+
+impl ErrStats {
+    pub fn rel(&self) -> f64 {
+        if self.rms_ref > 0.0 { self.rms_err / self.rms_ref } else { self.rms_err }
+    }
+}
+
+pub fn err_stats(device: &[f32], reference: &[f32], width: usize) -> ErrStats {
+    let (mut se, mut sr, mut sd, mut dot, mut max_abs, mut worst, mut nonfinite) = (0.0, 0.0, 0.0, 0.0, 0.0f64, 0usize, 0usize);
+    for (i, (&x, &r)) in device.iter().zip(reference).enumerate() {
+        if !x.is_finite() || !r.is_finite() {
+            if x.is_finite() != r.is_finite() || (x.is_nan() != r.is_nan()) {
+                nonfinite += 1;
+            }
+            continue;
+        }
+        let (x, r) = (x as f64, r as f64);
+        let e = (x - r).abs();
+        if e > max_abs {
+            max_abs = e;
+            worst = i / width.max(1);
+        }
+        se += e * e;
+        sr += r * r;
+        sd += x * x;
+        dot += x * r;
+    }
+    let n = device.len().max(1) as f64;
+    let cosine = if sr > 0.0 && sd > 0.0 { dot / (sr.sqrt() * sd.sqrt()) } else if sr == sd { 1.0 } else { 0.0 };
+    ErrStats { max_abs, rms_err: (se / n).sqrt(), rms_ref: (sr / n).sqrt(), cosine, nonfinite, worst_pos: worst }
+}
+
+/// One tap's comparison.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TapDiff {
+    pub name: String,
+    pub layer: Option<usize>,
+    pub kind: String,
+    /// The device did not produce this tap (reported as missing, never as a pass).
+    pub missing: bool,
+    /// Against the oracle's own forward pass.
+    pub propagated: Option<ErrStats>,
+    pub budget_propagated: Option<Budget>,
+    /// Against the oracle re-run on the device's inputs (the op's own error).
+    pub isolated: Option<ErrStats>,
+    pub budget_isolated: Option<Budget>,
+    /// Discrete taps (MoE expert ids): positions whose ids differ.
+    pub id_mismatches: Option<usize>,
+}
+
+impl TapDiff {
+    fn over(stats: &Option<ErrStats>, budget: &Option<Budget>) -> Option<bool> {
+        let (s, b) = (stats.as_ref()?, budget.as_ref()?);
+        Some(s.nonfinite > 0 || !(s.rms_err <= b.bound(s.rms_ref)))
+    }
+
+    /// Whether the comparison of `mode` exceeds its budget (None when it has none).
+    pub fn exceeds(&self, mode: Mode) -> Option<bool> {
+        if let Some(n) = self.id_mismatches {
+            return Some(n > 0);
+        }
+        match mode {
+            Mode::Propagated => Self::over(&self.propagated, &self.budget_propagated),
+            Mode::Isolated => Self::over(&self.isolated, &self.budget_isolated),
+        }
+    }
+
+    /// Measured RMS error over its bound (> 1 is over budget).
+    pub fn budget_use(&self, mode: Mode) -> Option<f64> {
+        let (s, b) = match mode {
+            Mode::Propagated => (self.propagated.as_ref()?, self.budget_propagated.as_ref()?),
+            Mode::Isolated => (self.isolated.as_ref()?, self.budget_isolated.as_ref()?),
+        };
+        Some(s.rms_err / b.bound(s.rms_ref))
+    }
+}
+
+/// A tap recorder that hands the interpreter another run's value of every tap it has
+/// (isolated mode: the oracle continues from the device's values).
+pub struct Substitute<'a> {
+    pub from: &'a RecordingTap,
+    pub recorded: RecordingTap,
+}
+
+impl<'a> Substitute<'a> {
+    pub fn new(from: &'a RecordingTap) -> Self {
+        Substitute { from, recorded: RecordingTap::default() }
+    }
+}
+
+impl Tap for Substitute<'_> {
+    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        self.recorded.record(name, start_pos, n_tokens, width, data);
+    }
+    fn substitute(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize) -> Option<Vec<f32>> {
+        let (w, data) = self.from.tensors.get(name)?;
+        let range = start_pos * width..(start_pos + n_tokens) * width;
+        (*w == width && data.len() >= range.end).then(|| data[range].to_vec())
+    }
+}
+
+/// A tap of the device's run that cannot be compared: wrong width or number of positions.
+#[derive(Debug)]
+pub struct ShapeError(pub String);
+
+/// Compares every tap the oracle produced with the device's (`device`), against the oracle's own
+/// run (`reference`) and, when given, the oracle re-run on the device's values (`isolated`).
+pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &RecordingTap, arith: &Arithmetic, dims: &Dims) -> Result<Vec<TapDiff>, ShapeError> {
+    let mut out = Vec::new();
+    for name in &reference.order {
+        let (width, rdata) = &reference.tensors[name];
+        let (layer, kind) = split_tap(name);
+        let mut t = TapDiff {
+            name: name.clone(),
+            layer,
+            kind: kind.to_string(),
+            missing: false,
+            propagated: None,
+            budget_propagated: propagated_budget(kind, layer, arith, dims),
+            isolated: None,
+            budget_isolated: local_budget(kind, arith, dims),
+            id_mismatches: None,
+        };
+        let Some((dw, ddata)) = device.tensors.get(name) else {
+            t.missing = true;
+            out.push(t);
+            continue;
+        };
+        if dw != width || ddata.len() != rdata.len() {
+            return Err(ShapeError(format!(
+                "tap `{name}`: the device gave {} positions x {dw}, the oracle {} positions x {width}",
+                ddata.len() / dw.max(&1),
+                rdata.len() / width.max(&1)
+            )));
+        }
+        if kind == "ffn_moe_topk" {
+            // Expert ids are discrete: a position passes only if its chosen set is the same.
+            // Compared against the isolated run (same router inputs) when there is one.
+            let against = isolated.and_then(|i| i.tensors.get(name)).map(|(_, v)| v).unwrap_or(rdata);
+            let mismatches = ddata
+                .chunks(*width)
+                .zip(against.chunks(*width))
+                .filter(|(a, b)| {
+                    let (mut a, mut b) = (a.to_vec(), b.to_vec());
+                    a.sort_by(f32::total_cmp);
+                    b.sort_by(f32::total_cmp);
+                    a != b
+                })
+                .count();
+            t.id_mismatches = Some(mismatches);
+            out.push(t);
+            continue;
+        }
+        t.propagated = Some(err_stats(ddata, rdata, *width));
+        if let Some((_, idata)) = isolated.and_then(|i| i.tensors.get(name)) {
+            t.isolated = Some(err_stats(ddata, idata, *width));
+        }
+        out.push(t);
+    }
+    Ok(out)
+}
+
+/// The first tap (execution order) whose isolated error exceeds its budget; taps without an
+/// isolated comparison fall back to the propagated one.
+pub fn first_divergence(taps: &[TapDiff]) -> Option<&TapDiff> {
+    taps.iter().find(|t| t.exceeds(Mode::Isolated).or_else(|| t.exceeds(Mode::Propagated)) == Some(true))
+}
+
+/// The `first_divergence` section of report.json.
+pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
+    match first_divergence(taps) {
+        None => Value::Null,
+        Some(t) => {
+            let mode = if t.isolated.is_some() { Mode::Isolated } else { Mode::Propagated };
+            let (stats, budget) = match mode {
+                Mode::Isolated => (t.isolated, t.budget_isolated),
+                Mode::Propagated => (t.propagated, t.budget_propagated),
+            };
+            json!({
+                "tap": t.name,
+                "layer": t.layer,
+                "kind": t.kind,
+                "compared": mode,
+                "rms_err": stats.map(|s| s.rms_err),
+                "bound": stats.zip(budget).map(|(s, b)| b.bound(s.rms_ref)),
+                "worst_position": stats.map(|s| s.worst_pos),
+                "id_mismatches": t.id_mismatches,
+            })
+        }
+    }
+}
+
+fn stats_json(prefix: &str, s: &Option<ErrStats>, b: &Option<Budget>, m: &mut Map<String, Value>) {
+    if let Some(s) = s {
+        m.insert(format!("{prefix}_rms_err"), json!(s.rms_err));
+        m.insert(format!("{prefix}_rel_rms"), json!(s.rel()));
+        m.insert(format!("{prefix}_max_abs"), json!(s.max_abs));
+        m.insert(format!("{prefix}_cosine"), json!(s.cosine));
+        m.insert(format!("{prefix}_nonfinite"), json!(s.nonfinite));
+        if let Some(b) = b {
+            m.insert(format!("{prefix}_bound"), json!(b.bound(s.rms_ref)));
+        }
+    }
+}
+
+/// One report case per tap; the verdict is the comparison of `mode`.
+pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Case> {
+    taps.iter()
+        .map(|t| {
+            let mut m = Map::new();
+            m.insert("tap".into(), json!(t.name));
+            m.insert("layer".into(), json!(t.layer));
+            m.insert("kind".into(), json!(t.kind));
+            stats_json("propagated", &t.propagated, &t.budget_propagated, &mut m);
+            stats_json("isolated", &t.isolated, &t.budget_isolated, &mut m);
+            if let Some(n) = t.id_mismatches {
+                m.insert("id_mismatches".into(), json!(n));
+            }
+            let gated = match mode {
+                Mode::Propagated => t.propagated,
+                Mode::Isolated => t.isolated,
+            };
+            let budget = match mode {
+                Mode::Propagated => t.budget_propagated,
+                Mode::Isolated => t.budget_isolated,
+            };
+            if let Some(s) = gated {
+                m.insert("max_abs".into(), json!(s.max_abs));
+            }
+            let id = format!("layer_diff(model={model},tap={},mode={})", t.name, serde_json::to_value(mode).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+            let (verdict, bound, margin, rule, message) = if t.missing {
+                (Verdict::Unsupported, 0.0, 0.0, "missing".to_string(), Some("the device did not produce this tap".to_string()))
+            } else if let Some(n) = t.id_mismatches {
+                (if n == 0 { Verdict::Pass } else { Verdict::Fail }, 0.0, -(n as f64), "expert ids identical at every position".into(), (n > 0).then(|| format!("{n} positions chose other experts")))
+            } else {
+                match (gated, budget) {
+                    (Some(s), Some(b)) => {
+                        let bound = b.bound(s.rms_ref);
+                        let over = t.exceeds(mode) == Some(true);
+                        let msg = if s.nonfinite > 0 {
+                            Some(format!("{} values non-finite on one side only", s.nonfinite))
+                        } else if over {
+                            Some(format!("RMS error {:.3e} > bound {bound:.3e} (worst position {})", s.rms_err, s.worst_pos))
+                        } else {
+                            None
+                        };
+                        (if over { Verdict::Fail } else { Verdict::Pass }, bound, bound - s.rms_err, format!("rms_err <= {:.3e}*rms_ref + {:.3e}", b.rel, b.abs), msg)
+                    }
+                    (None, _) => (Verdict::Unsupported, 0.0, 0.0, "not compared".into(), Some(format!("no {mode:?} comparison for this tap"))),
+                    (_, None) => (Verdict::Unsupported, 0.0, 0.0, "no budget".into(), Some(format!("no budget rule for tap kind `{}`", t.kind))),
+                }
+            };
+            Case { id, device: device.to_string(), verdict, metrics: m, tolerance: Tolerance { rule, bound }, margin, message }
+        })
+        .collect()
+}
+
+/// Rows of the per-layer table: layer, l_out propagated error/bound, worst isolated op.
+pub fn layer_table(taps: &[TapDiff]) -> Vec<Vec<String>> {
+    let mut groups: Vec<(String, Vec<&TapDiff>)> = Vec::new();
+    for t in taps {
+        let key = t.layer.map_or_else(|| t.name.clone(), |i| i.to_string());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(t),
+            None => groups.push((key, vec![t])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(key, ts)| {
+            let out = ts.iter().rev().find(|t| t.propagated.is_some()).copied();
+            let worst = ts.iter().filter(|t| t.budget_use(Mode::Isolated).is_some()).max_by(|a, b| a.budget_use(Mode::Isolated).unwrap_or(0.0).total_cmp(&b.budget_use(Mode::Isolated).unwrap_or(0.0)));
+            let fmt_rel = |t: Option<&TapDiff>, mode: Mode| -> String {
+                let Some(t) = t else { return "-".into() };
+                let (s, b) = match mode {
+                    Mode::Propagated => (t.propagated, t.budget_propagated),
+                    Mode::Isolated => (t.isolated, t.budget_isolated),
+                };
+                match (s, b) {
+                    (Some(s), Some(b)) => format!("{:.2e} / {:.2e}", s.rel(), b.bound(s.rms_ref) / s.rms_ref.max(f64::MIN_POSITIVE)),
+                    _ => "-".into(),
+                }
+            };
+            let missing = ts.iter().filter(|t| t.missing).count();
+            let failed_iso = ts.iter().filter(|t| t.exceeds(Mode::Isolated) == Some(true)).count();
+            let failed_prop = ts.iter().filter(|t| t.exceeds(Mode::Propagated) == Some(true)).count();
+            vec![
+                key,
+                out.map_or("-".into(), |t| t.kind.clone()),
+                fmt_rel(out, Mode::Propagated),
+                worst.map_or("-".into(), |t| t.kind.clone()),
+                fmt_rel(worst.copied(), Mode::Isolated),
+                format!("{failed_prop} / {failed_iso} / {missing}"),
+            ]
+        })
+        .collect()
+}
+
+pub const LAYER_TABLE_COLUMNS: [&str; 6] = [
+    "layer",
+    "output tap",
+    "its rel. RMS error / budget (propagated)",
+    "worst op (isolated, by budget use)",
+    "its rel. RMS error / budget (isolated)",
+    "taps over budget propagated / isolated / missing",
+];
+
+/// Error by layer: relative RMS error of each tap kind (solid) and its budget (dashed), log scale.
+pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
+    let mut kinds: Vec<&str> = Vec::new();
+    for t in taps.iter().filter(|t| t.layer.is_some()) {
+        if !kinds.contains(&t.kind.as_str()) {
+            kinds.push(&t.kind);
+        }
+    }
+    let mut series = Vec::new();
+    for (ci, kind) in kinds.iter().enumerate() {
+        let mut measured = Vec::new();
+        let mut budget = Vec::new();
+        for t in taps.iter().filter(|t| t.kind == *kind) {
+            let (s, b) = match mode {
+                Mode::Propagated => (t.propagated, t.budget_propagated),
+                Mode::Isolated => (t.isolated, t.budget_isolated),
+            };
+            if let (Some(layer), Some(s)) = (t.layer, s) {
+                // A tap equal to the oracle to the last bit has no place on a log scale; it is
+                // drawn at the smallest f32 relative step instead of vanishing.
+                measured.push((layer as f64, s.rel().max(f32::EPSILON as f64 / 4.0)));
+                if let Some(b) = b {
+                    budget.push((layer as f64, b.bound(s.rms_ref) / s.rms_ref.max(f64::MIN_POSITIVE)));
+                }
+            }
+        }
+        if measured.is_empty() {
+            continue;
+        }
+        series.push(Series { name: kind.to_string(), points: measured, colour: ci, dashed: false });
+        if !budget.is_empty() {
+            series.push(Series { name: format!("{kind} budget"), points: budget, colour: ci, dashed: true });
+        }
+    }
+    Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None }
+}
+
+/// Everything one layer-diff run produced.
+pub struct Outcome {
+    pub taps: Vec<TapDiff>,
+    pub report: Report,
+}
+
+/// Runs the oracle on `ids` (its own forward pass, then again fed the device's taps), compares
+/// with `device_taps` and builds the report (cases gated by `mode`, first divergence, per-layer
+/// table, error-by-layer charts).
+pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, model: &str, device: &str) -> Result<Outcome, String> {
+    let mut reference = RecordingTap::default();
+    oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
+    let mut sub = Substitute::new(device_taps);
+    oracle_model.prefill_logits(ids, &mut sub).map_err(|e| e.to_string())?;
+    let dims = Dims::of(oracle_model.spec(), ids.len());
+    let taps = diff(&reference, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
+    let report = report(&taps, mode, model, device, ids, None);
+    Ok(Outcome { taps, report })
+}
+
+/// `--against`: device A compared with device B tap by tap (budget: the sum of both devices'
+/// propagated budgets, since each may be that far from the oracle); the oracle's distance to each
+/// stays in the report as the reference column.
+pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap, &Arithmetic), b: (&str, &RecordingTap, &Arithmetic), model: &str) -> Result<Outcome, String> {
+    let mut reference = RecordingTap::default();
+    oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
+    let dims = Dims::of(oracle_model.spec(), ids.len());
+    let vs_oracle_a = diff(&reference, None, a.1, a.2, &dims).map_err(|e| e.0)?;
+    let vs_oracle_b = diff(&reference, None, b.1, b.2, &dims).map_err(|e| e.0)?;
+    let mut taps = diff(b.1, None, a.1, a.2, &dims).map_err(|e| e.0)?;
+    for t in &mut taps {
+        let (layer, kind) = split_tap(&t.name);
+        t.budget_propagated = match (propagated_budget(kind, layer, a.2, &dims), propagated_budget(kind, layer, b.2, &dims)) {
+            (Some(x), Some(y)) => Some(Budget { rel: x.rel + y.rel, abs: x.abs + y.abs }),
+            _ => None,
+        };
+        t.budget_isolated = None;
+    }
+    let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0));
+    let lookup = |v: &[TapDiff], name: &str| v.iter().find(|t| t.name == name).and_then(|t| t.propagated).map(|s| s.rel());
+    for c in &mut report.cases {
+        let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        c.metrics.insert(format!("oracle_vs_{}_rel_rms", a.0), json!(lookup(&vs_oracle_a, &name)));
+        c.metrics.insert(format!("oracle_vs_{}_rel_rms", b.0), json!(lookup(&vs_oracle_b, &name)));
+    }
+    Ok(Outcome { taps, report })
+}
+
+fn report(taps: &[TapDiff], mode: Mode, model: &str, device: &str, ids: &[u32], against: Option<&str>) -> Report {
+    let mut report = Report::new("layer-diff", Provenance::collect(rayon::current_num_threads()), cases(taps, device, model, mode));
+    report.sections.insert("mode".into(), json!(mode));
+    report.sections.insert("model".into(), json!(model));
+    report.sections.insert("prompt_ids".into(), json!(ids));
+    if let Some(b) = against {
+        report.sections.insert("against".into(), json!(b));
+    }
+    report.sections.insert("first_divergence".into(), first_divergence_json(taps));
+    report.add_table("layer_table", "Per layer", &LAYER_TABLE_COLUMNS, layer_table(taps));
+    report.add_chart("error_by_layer_propagated", chart(taps, Mode::Propagated, &format!("{device} on {model}: propagated error by layer")));
+    if against.is_none() {
+        report.add_chart("error_by_layer_isolated", chart(taps, Mode::Isolated, &format!("{device} on {model}: each op's own error (isolated)")));
+    }
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims() -> Dims {
+        Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4 }
+    }
+
+    #[test]
+    fn budgets_grow_with_depth_and_q8_activations() {
+        let d = dims();
+        let a = Arithmetic::F32;
+        let early = propagated_budget("l_out", Some(0), &a, &d).unwrap();
+        let late = propagated_budget("l_out", Some(3), &a, &d).unwrap();
+        assert!(late.rel > early.rel);
+        let q8 = Arithmetic { activation_q8_block: Some(32), ..a };
+        assert!(local_budget("attn_q", &q8, &d).unwrap().rel > 10.0 * local_budget("attn_q", &a, &d).unwrap().rel);
+        assert_eq!(local_budget("attn_norm", &q8, &d), local_budget("attn_norm", &a, &d), "Q8 applies to products only");
+        assert!(local_budget("no_such_tap", &a, &d).is_none());
+    }
+
+    #[test]
+    fn substitution_feeds_the_other_runs_values() {
+        let mut from = RecordingTap::default();
+        from.record("blk.0.l_out", 0, 2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let mut s = Substitute::new(&from);
+        assert_eq!(s.substitute("blk.0.l_out", 1, 1, 3), Some(vec![4.0, 5.0, 6.0]));
+        assert_eq!(s.substitute("blk.0.l_out", 0, 1, 4), None, "a width mismatch substitutes nothing");
+        assert_eq!(s.substitute("blk.1.l_out", 0, 1, 3), None);
+    }
+
+    #[test]
+    fn a_perturbed_tap_is_the_first_divergence_and_missing_taps_are_not_passes() {
+        let d = dims();
+        let mut r = RecordingTap::default();
+        let vals: Vec<f32> = (0..5 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+        for name in ["blk.0.attn_norm", "blk.0.l_out", "blk.1.l_out", "result_norm"] {
+            r.record(name, 0, 5, 64, &vals);
+        }
+        let mut dev = r.clone();
+        dev.tensors.get_mut("blk.1.l_out").unwrap().1[70] += 0.5;
+        dev.tensors.remove("result_norm");
+        let taps = diff(&r, Some(&r), &dev, &Arithmetic::F32, &d).unwrap();
+        assert_eq!(first_divergence(&taps).unwrap().name, "blk.1.l_out");
+        let cases = cases(&taps, "dev", "m", Mode::Isolated);
+        let verdicts: Vec<Verdict> = cases.iter().map(|c| c.verdict).collect();
+        assert_eq!(verdicts, [Verdict::Pass, Verdict::Pass, Verdict::Fail, Verdict::Unsupported]);
+        let mut bad = r.clone();
+        bad.tensors.get_mut("blk.0.l_out").unwrap().0 = 32;
+        assert!(diff(&r, None, &bad, &Arithmetic::F32, &d).is_err(), "a wrong width is an error");
+    }
+
+    #[test]
+    fn nan_on_one_side_fails_even_within_budget() {
+        let r = [1.0f32, 2.0, 3.0, 4.0];
+        let mut dv = r;
+        dv[2] = f32::NAN;
+        let s = err_stats(&dv, &r, 2);
+        assert_eq!(s.nonfinite, 1);
+    }
+}

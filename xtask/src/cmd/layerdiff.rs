@@ -1,0 +1,100 @@
+//! `cargo xtask layer-diff`: every tap of a device's forward pass against the oracle's, with the
+//! first divergence, a per-layer table and error-by-layer plots (suites::layerdiff).
+
+use super::{check_device, check_ids, load_engine, parse_ids, Engine};
+use crate::Exit;
+use oracle::generate::AnyModel;
+use oracle::{Precision, RecordingTap};
+use std::path::PathBuf;
+use suites::layerdiff::{self, Mode};
+
+/// The default prompt when the model has a tokenizer and no ids are given.
+pub const DEFAULT_PROMPT: &str = "The quick brown fox jumps over the lazy dog. The capital of France is";
+/// The default ids for models without a tokenizer (the synthetic fixtures have 272 tokens).
+pub const DEFAULT_IDS: [u32; 11] = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
+
+#[derive(clap::Args)]
+pub struct LayerDiffArgs {
+    /// Device under test: cpu, fixed, fixed-int4, ref, external:DIR (a dump), exec:CMD (an engine command).
+    #[arg(long)]
+    pub device: String,
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a GGUF path / safetensors directory.
+    #[arg(long)]
+    pub model: String,
+    /// Which comparison gates: `isolated` (each op fed the device's own inputs: the op's own
+    /// error) or `propagated` (the device's whole run against the oracle's: accumulated error).
+    /// Both are always measured and reported; the first divergence is always the isolated one.
+    #[arg(long, default_value = "isolated")]
+    pub mode: String,
+    /// Token ids to run, comma-separated (default: a fixed English prompt, or fixed ids when the
+    /// model has no tokenizer).
+    #[arg(long)]
+    pub prompt_ids: Option<String>,
+    /// Compare the device with this second device (or dump) tap by tap instead of gating it
+    /// against the oracle; the oracle's distance to each stays in the report.
+    #[arg(long)]
+    pub against: Option<String>,
+    /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-<time>/).
+    #[arg(long)]
+    pub report_dir: Option<PathBuf>,
+}
+
+/// The prompt ids: given, or the default prompt encoded, or the default ids.
+pub fn prompt_ids(given: Option<&str>, tok: Option<&oracle::tokenizer::Tokenizer>) -> Result<Vec<u32>, Exit> {
+    match (given, tok) {
+        (Some(s), _) => parse_ids(s),
+        (None, Some(t)) => Ok(t.encode(DEFAULT_PROMPT)?),
+        (None, None) => Ok(DEFAULT_IDS.to_vec()),
+    }
+}
+
+fn device_taps(engine: &mut Engine, ids: &[u32]) -> Result<RecordingTap, Exit> {
+    let mut taps = RecordingTap::default();
+    engine.prefill(ids, &mut taps)?;
+    Ok(taps)
+}
+
+pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
+    let mode: Mode = a.mode.parse().map_err(|e| Exit { code: 2, message: format!("--mode: {e}") })?;
+    check_device(&a.device)?;
+    if let Some(b) = &a.against {
+        check_device(b)?;
+    }
+    let (path, mut engine, tok) = load_engine(&a.model, &a.device, Precision::F32)?;
+    let ids = prompt_ids(a.prompt_ids.as_deref(), tok.as_ref())?;
+    check_ids(&ids, engine.spec().n_vocab)?;
+    eprintln!("layer-diff: {} on {} over {} tokens ...", a.device, a.model, ids.len());
+    let taps_a = device_taps(&mut engine, &ids)?;
+    let arith_a = engine.arithmetic();
+    drop(engine);
+    let (oracle_model, _) = AnyModel::load(&path, Precision::F32)?;
+    let shape_err = |e: String| Exit { code: 2, message: e };
+    let outcome = match &a.against {
+        None => layerdiff::run(&oracle_model, &ids, &taps_a, &arith_a, mode, &a.model, &a.device).map_err(shape_err)?,
+        Some(b) => {
+            let (_, mut engine_b, _) = load_engine(&a.model, b, Precision::F32)?;
+            let taps_b = device_taps(&mut engine_b, &ids)?;
+            let arith_b = engine_b.arithmetic();
+            layerdiff::run_against(&oracle_model, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model).map_err(shape_err)?
+        }
+    };
+    print_table(&outcome);
+    let dir = super::report_dir(a.report_dir, "layer-diff");
+    outcome.report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    let s = &outcome.report.summary;
+    println!("{} taps compared: {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
+    println!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());
+    Ok(outcome.report.exit_code())
+}
+
+fn print_table(o: &layerdiff::Outcome) {
+    let rows = layerdiff::layer_table(&o.taps);
+    println!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", "layer", "out tap", "prop. rel err / budget", "worst op", "iso. rel err / budget", "over p/i/m");
+    for r in rows {
+        println!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", r[0], r[1], r[2], r[3], r[4], r[5]);
+    }
+    match layerdiff::first_divergence(&o.taps) {
+        Some(t) => println!("first divergence: {} ({})", t.name, o.report.sections.get("first_divergence").map(|v| v.to_string()).unwrap_or_default()),
+        None => println!("first divergence: none (every tap within its budget)"),
+    }
+}
