@@ -4,6 +4,7 @@
 //! oracle against that probe). The kernel, layer-diff and fixed-token gates land here next
 //! (see docs/ARCHITECTURE.md, "Roadmap").
 
+pub mod fixedtoken;
 pub mod kernels;
 pub mod layerdiff;
 pub mod membw;

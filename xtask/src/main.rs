@@ -22,6 +22,8 @@ enum Command {
     Kernels(cmd::kernels::KernelsArgs),
     /// Layer-diff gate: every tap of a device's forward pass vs the oracle (isolated and propagated), first divergence, plots.
     LayerDiff(cmd::layerdiff::LayerDiffArgs),
+    /// Fixed-token gate: teacher-forced KLD/top-1/Δp vs the oracle, greedy vs the golden sequence, cache consistency.
+    FixedToken(cmd::fixedtoken::FixedTokenArgs),
     /// Merge shard reports or re-render a report's Markdown/JUnit/CSV.
     Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         Command::Gate(a) => cmd::gate::main(a),
         Command::Kernels(a) => cmd::kernels::main(a),
         Command::LayerDiff(a) => cmd::layerdiff::main(a),
+        Command::FixedToken(a) => cmd::fixedtoken::main(a),
         Command::Report(a) => cmd::report::main(a),
         Command::Run(a) => cmd::run::main(a),
         Command::Dump(a) => cmd::dump::main(a),

@@ -55,6 +55,18 @@ fn device_taps(engine: &mut Engine, ids: &[u32]) -> Result<RecordingTap, Exit> {
 }
 
 pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
+    let outcome = layer_diff(&a)?;
+    print_table(&outcome);
+    let dir = super::report_dir(a.report_dir, "layer-diff");
+    outcome.report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    let s = &outcome.report.summary;
+    println!("{} taps compared: {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
+    println!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());
+    Ok(outcome.report.exit_code())
+}
+
+/// Runs the comparison the arguments describe (no printing, no files).
+pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let mode: Mode = a.mode.parse().map_err(|e| Exit { code: 2, message: format!("--mode: {e}") })?;
     check_device(&a.device)?;
     if let Some(b) = &a.against {
@@ -69,7 +81,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     drop(engine);
     let (oracle_model, _) = AnyModel::load(&path, Precision::F32)?;
     let shape_err = |e: String| Exit { code: 2, message: e };
-    let outcome = match &a.against {
+    Ok(match &a.against {
         None => layerdiff::run(&oracle_model, &ids, &taps_a, &arith_a, mode, &a.model, &a.device).map_err(shape_err)?,
         Some(b) => {
             let (_, mut engine_b, _) = load_engine(&a.model, b, Precision::F32)?;
@@ -77,14 +89,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
             let arith_b = engine_b.arithmetic();
             layerdiff::run_against(&oracle_model, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model).map_err(shape_err)?
         }
-    };
-    print_table(&outcome);
-    let dir = super::report_dir(a.report_dir, "layer-diff");
-    outcome.report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
-    let s = &outcome.report.summary;
-    println!("{} taps compared: {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
-    println!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());
-    Ok(outcome.report.exit_code())
+    })
 }
 
 fn print_table(o: &layerdiff::Outcome) {

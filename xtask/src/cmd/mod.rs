@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod dump;
+pub mod fixedtoken;
 pub mod fixtures;
 pub mod gate;
 pub mod kernels;
