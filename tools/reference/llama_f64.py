@@ -59,16 +59,21 @@ def rope_normal(x, positions, theta):
     return out
 
 
-def forward(cfg, w, ids):
+def forward(cfg, w, ids, taps=None):
+    """Logits [n, vocab] of every position; `taps`, when a dict, receives inp_embd,
+    blk.{i}.attn_norm, blk.{i}.ffn_inp, blk.{i}.l_out and result_norm ([n, width] each)."""
+    taps = {} if taps is None else taps
     n = len(ids)
     d, nh, nkv = cfg["n_embd"], cfg["n_head"], cfg["n_head_kv"]
     hd = d // nh
     x = w["token_embd.weight"][ids]  # [n, d]
+    taps["inp_embd"] = x
     pos = list(range(n))
     mask = np.triu(np.full((n, n), -np.inf), k=1)
     for i in range(cfg["n_layer"]):
         p = f"blk.{i}."
         h = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+        taps[p + "attn_norm"] = h
         q = (h @ w[p + "attn_q.weight"].T).reshape(n, nh, hd)
         k = (h @ w[p + "attn_k.weight"].T).reshape(n, nkv, hd)
         v = (h @ w[p + "attn_v.weight"].T).reshape(n, nkv, hd)
@@ -82,11 +87,14 @@ def forward(cfg, w, ids):
         probs /= probs.sum(axis=-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
         x = x + attn @ w[p + "attn_output.weight"].T
+        taps[p + "ffn_inp"] = x
         h = rms_norm(x, w[p + "ffn_norm.weight"], cfg["eps"])
         g = h @ w[p + "ffn_gate.weight"].T
         u = h @ w[p + "ffn_up.weight"].T
         x = x + ((g / (1.0 + np.exp(-g))) * u) @ w[p + "ffn_down.weight"].T
+        taps[p + "l_out"] = x
     x = rms_norm(x, w["output_norm.weight"], cfg["eps"])
+    taps["result_norm"] = x
     head = w.get("output.weight", w["token_embd.weight"])
     return x @ head.T  # [n, vocab]
 

@@ -131,18 +131,21 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
             Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: None, routing_differs: Vec::new() }, routing))
         }
         Engine::Device(m) => {
-            if let Some(ids) = m.generate_ids(&golden.prompt_ids, n) {
-                let ids = ids.map_err(dev_err)?;
-                m.reset();
-                // A token-only engine: no logits to judge beyond its ids.
-                return Ok((None, DeviceRuns { greedy: Some(ids), cache_paths: None, routing_differs: Vec::new() }, routing));
-            }
             m.reset();
-            let logits = m.forward(&seq, &mut routing).map_err(dev_err)?;
             if m.one_shot() {
+                // An external engine: teacher-forced logits when its dump has them; otherwise a
+                // token-only engine answers with the ids it generated.
+                let forced = m.forward(&seq, &mut routing);
                 m.reset();
-                return Ok((Some(logits), DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new() }, routing));
+                return match forced {
+                    Ok(logits) => Ok((Some(logits), DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new() }, routing)),
+                    Err(e) => match m.generate_ids(&golden.prompt_ids, n) {
+                        Some(ids) => Ok((None, DeviceRuns { greedy: Some(ids.map_err(dev_err)?), cache_paths: None, routing_differs: Vec::new() }, routing)),
+                        None => Err(dev_err(e)),
+                    },
+                };
             }
+            let logits = m.forward(&seq, &mut routing).map_err(dev_err)?;
             let greedy = super::generate_on_device(m.as_mut(), &golden.prompt_ids, n, &GREEDY, 0, None)?.tokens;
             let v = m.spec().n_vocab;
             // Prefill of the prompt, then one decode step per golden token.
