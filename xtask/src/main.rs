@@ -24,6 +24,10 @@ enum Command {
     LayerDiff(cmd::layerdiff::LayerDiffArgs),
     /// Fixed-token gate: teacher-forced KLD/top-1/Δp vs the oracle, greedy vs the golden sequence, cache consistency.
     FixedToken(cmd::fixedtoken::FixedTokenArgs),
+    /// Finds the first bad commit with `git bisect run`, judging each revision by an xtask command (0 good, 1 bad, 2/3 skip).
+    Bisect(cmd::bisect::BisectArgs),
+    #[command(hide = true)]
+    BisectStep(cmd::bisect::StepArgs),
     /// Merge shard reports or re-render a report's Markdown/JUnit/CSV.
     Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
@@ -59,6 +63,8 @@ fn main() -> ExitCode {
         Command::Kernels(a) => cmd::kernels::main(a),
         Command::LayerDiff(a) => cmd::layerdiff::main(a),
         Command::FixedToken(a) => cmd::fixedtoken::main(a),
+        Command::Bisect(a) => cmd::bisect::main(a),
+        Command::BisectStep(a) => cmd::bisect::step(a),
         Command::Report(a) => cmd::report::main(a),
         Command::Run(a) => cmd::run::main(a),
         Command::Dump(a) => cmd::dump::main(a),

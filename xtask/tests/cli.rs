@@ -137,7 +137,11 @@ fn exit_codes_follow_the_contract() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("outside the vocabulary"), "{}", stderr(&o));
 
-    let o = xtask(&["gate", "--suite", "layers"], &[]);
+    let o = xtask(&["gate", "--suite", "bench"], &[]);
+    assert_eq!(o.status.code(), Some(2), "a suite that is not built is could-not-run, never a pass");
+    let o = xtask(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--mode", "sideways"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let o = xtask(&["fixed-token", "--device", "cuda", "--model", "tiny-llama"], &[]);
     assert_eq!(o.status.code(), Some(2));
     let o = xtask(&["kernels", "--device", "cpu", "--filter", "no_such_op"], &[]);
     assert_eq!(o.status.code(), Some(1), "zero executed cases must fail");
@@ -174,6 +178,12 @@ fn gate_passes_and_writes_reports() {
     assert_eq!(r["summary"]["errors"], 0);
     assert!(unsupported > 0);
     assert_eq!(passed + unsupported, executed);
+    let ids: Vec<(&str, &str, &str)> = r["cases"].as_array().unwrap().iter().map(|c| (c["id"].as_str().unwrap(), c["device"].as_str().unwrap(), c["verdict"].as_str().unwrap())).collect();
+    for device in ["cpu", "fixed"] {
+        assert!(ids.iter().filter(|(id, d, v)| id.starts_with("layer_diff(") && *d == device && *v == "pass").count() > 50, "layer-diff ran on {device}");
+        assert!(ids.iter().filter(|(id, d, v)| id.starts_with("fixed_token(") && id.contains("gate=greedy") && *d == device && *v == "pass").count() >= 2, "fixed-token ran on {device}");
+    }
+    assert!(ids.iter().any(|(id, d, v)| id.starts_with("layers(model=tiny-moe") && *d == "fixed" && *v == "unsupported"), "MoE on fixed is unsupported, not passed");
     for f in ["report.md", "junit.xml", "cases.csv"] {
         assert!(dir.path().join(f).exists(), "{f}");
     }

@@ -1,6 +1,7 @@
 //! One module per subcommand, plus the argument helpers they share.
 
 pub mod bench;
+pub mod bisect;
 pub mod dump;
 pub mod fixedtoken;
 pub mod fixtures;
