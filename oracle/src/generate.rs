@@ -24,6 +24,8 @@ pub struct Generation {
     /// Seconds spent in decode steps (tokens after the first).
     pub decode_s: f64,
     pub decode_steps: usize,
+    /// Seconds of each decode step (inter-token latencies), in order.
+    pub step_s: Vec<f64>,
 }
 
 impl Generation {
@@ -72,20 +74,21 @@ pub fn generate_with<T: Real, E: From<OracleError>>(
     let t0 = Instant::now();
     let logits = forward_last(prompt)?;
     if max_new == 0 {
-        return Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s: t0.elapsed().as_secs_f64(), decode_s: 0.0, decode_steps: 0 });
+        return Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s: t0.elapsed().as_secs_f64(), decode_s: 0.0, decode_steps: 0, step_s: Vec::new() });
     }
     let mut next = sample(&logits, sampler, &mut rng) as u32;
     tokens.push(next);
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    let mut steps = 0;
+    let mut step_s = Vec::with_capacity(max_new);
     while tokens.len() < max_new && Some(next) != stop {
+        let ts = Instant::now();
         let logits = forward_last(&[next])?;
         next = sample(&logits, sampler, &mut rng) as u32;
         tokens.push(next);
-        steps += 1;
+        step_s.push(ts.elapsed().as_secs_f64());
     }
-    Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s, decode_s: t1.elapsed().as_secs_f64(), decode_steps: steps })
+    Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s, decode_s: t1.elapsed().as_secs_f64(), decode_steps: step_s.len(), step_s })
 }
 
 /// A model at either precision.

@@ -18,6 +18,8 @@ pub enum Verdict {
     Fail,
     Unsupported,
     Error,
+    /// A statistical comparison that needs more samples to decide (A/B): exit code 3.
+    Inconclusive,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -46,6 +48,8 @@ pub struct Summary {
     pub failed: usize,
     pub unsupported: usize,
     pub errors: usize,
+    #[serde(default)]
+    pub inconclusive: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -101,17 +105,22 @@ impl Report {
                 Verdict::Fail => s.failed += 1,
                 Verdict::Unsupported => s.unsupported += 1,
                 Verdict::Error => s.errors += 1,
+                Verdict::Inconclusive => s.inconclusive += 1,
             }
         }
         Report { schema_version: SCHEMA_VERSION, suite: suite.into(), provenance, summary: s, cases, sections: Default::default() }
     }
 
     /// Gate outcome per the exit-code contract: 0 all passed, 1 a case failed or nothing ran,
-    /// 2 a case could not run.
+    /// 2 a case could not run, 3 a statistical case is inconclusive.
     pub fn exit_code(&self) -> u8 {
         if self.summary.errors > 0 {
             2
-        } else if self.summary.failed > 0 || self.summary.passed == 0 {
+        } else if self.summary.failed > 0 {
+            1
+        } else if self.summary.inconclusive > 0 {
+            3
+        } else if self.summary.passed == 0 {
             1
         } else {
             0
@@ -140,7 +149,7 @@ impl Report {
                 Verdict::Pass => 0,
                 Verdict::Fail => 1,
                 Verdict::Unsupported => 2,
-                Verdict::Error => 3,
+                Verdict::Error | Verdict::Inconclusive => 3,
             }] += 1;
         }
         m
@@ -237,6 +246,7 @@ impl Report {
                 Verdict::Fail => out += &format!("<failure message=\"{msg}\">rule: {} bound: {:e} margin: {:e}</failure>", esc(&c.tolerance.rule), c.tolerance.bound, c.margin),
                 Verdict::Error => out += &format!("<error message=\"{msg}\"/>"),
                 Verdict::Unsupported => out += &format!("<skipped message=\"unsupported: {msg}\"/>"),
+                Verdict::Inconclusive => out += &format!("<skipped message=\"inconclusive: {msg}\"/>"),
             }
             out += "</testcase>\n";
         }
@@ -290,7 +300,12 @@ impl Report {
     }
 
     /// Adds a chart (drawn as `<stem>.png` / `<stem>.svg` when the report is written).
-    pub fn add_chart(&mut self, stem: &str, chart: plot::Chart) {
+    pub fn add_chart(&mut self, stem: &str, mut chart: plot::Chart) {
+        // JSON has no NaN/Inf: non-finite points are dropped (they could not be drawn either).
+        for s in &mut chart.series {
+            s.points.retain(|(x, y)| x.is_finite() && y.is_finite());
+        }
+        chart.band = chart.band.filter(|(lo, hi)| lo.is_finite() && hi.is_finite());
         let entry = self.sections.entry("charts").or_insert_with(|| serde_json::Value::Array(Vec::new()));
         if let serde_json::Value::Array(a) = entry {
             a.push(serde_json::to_value(NamedChart { stem: stem.into(), chart }).expect("chart serializes"));

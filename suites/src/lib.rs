@@ -4,9 +4,11 @@
 //! oracle against that probe). The kernel, layer-diff and fixed-token gates land here next
 //! (see docs/ARCHITECTURE.md, "Roadmap").
 
+pub mod ab;
 pub mod fixedtoken;
 pub mod kernels;
 pub mod layerdiff;
+pub mod machine;
 pub mod membw;
 pub mod selfcheck;
 pub mod throughput;

@@ -28,6 +28,10 @@ enum Command {
     Bisect(cmd::bisect::BisectArgs),
     #[command(hide = true)]
     BisectStep(cmd::bisect::StepArgs),
+    /// Paired, interleaved A/B benchmark of two arms (devices, git revisions, exec commands): verdict faster/slower/no change/inconclusive.
+    Ab(cmd::ab::AbArgs),
+    #[command(hide = true)]
+    AbRun(cmd::ab::AbRunArgs),
     /// Merge shard reports or re-render a report's Markdown/JUnit/CSV.
     Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
@@ -65,6 +69,8 @@ fn main() -> ExitCode {
         Command::FixedToken(a) => cmd::fixedtoken::main(a),
         Command::Bisect(a) => cmd::bisect::main(a),
         Command::BisectStep(a) => cmd::bisect::step(a),
+        Command::Ab(a) => cmd::ab::main(a),
+        Command::AbRun(a) => cmd::ab::run_main(a),
         Command::Report(a) => cmd::report::main(a),
         Command::Run(a) => cmd::run::main(a),
         Command::Dump(a) => cmd::dump::main(a),

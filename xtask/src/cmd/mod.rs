@@ -1,5 +1,6 @@
 //! One module per subcommand, plus the argument helpers they share.
 
+pub mod ab;
 pub mod bench;
 pub mod bisect;
 pub mod dump;

@@ -1,0 +1,277 @@
+//! Paired A/B statistics: per-pair B/A ratios of a timing, the median change with a seeded
+//! bootstrap 95% confidence interval, an exact Wilcoxon signed-rank p-value, and the verdict.
+//!
+//! Verdicts (threshold `t`, e.g. 0.01 = 1%), on the median change `m` (B/A - 1) and its CI
+//! `[lo, hi]`:
+//! - `no change`: the whole CI lies inside `[-t, +t]`;
+//! - `slower`: B is significantly slower (`lo > 0`, Wilcoxon p < 0.05) and the CI reaches past
+//!   `+t` (a slowdown beyond the threshold is not ruled out);
+//! - `faster`: the mirror image;
+//! - `inconclusive`: anything else — then `pairs_needed` estimates how many pairs would decide
+//!   it (the CI half-width shrinks like 1/sqrt(n)).
+//! Timings are compared as log ratios, so a 2% slowdown and a 2% speed-up are symmetric.
+
+use serde::Serialize;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AbVerdict {
+    Faster,
+    Slower,
+    NoChange,
+    Inconclusive,
+}
+
+impl AbVerdict {
+    pub fn words(self) -> &'static str {
+        match self {
+            AbVerdict::Faster => "faster",
+            AbVerdict::Slower => "slower",
+            AbVerdict::NoChange => "no change",
+            AbVerdict::Inconclusive => "inconclusive",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AbStats {
+    pub pairs: usize,
+    /// Median of B/A - 1.
+    pub median_change: f64,
+    /// Bootstrap 95% CI of the median change.
+    pub ci95: (f64, f64),
+    /// Two-sided Wilcoxon signed-rank p-value of the log ratios.
+    pub p_value: f64,
+    pub threshold: f64,
+    pub verdict: AbVerdict,
+    /// When inconclusive: the estimated number of pairs that would decide it.
+    pub pairs_needed: Option<usize>,
+}
+
+/// SplitMix64: a seeded generator for the bootstrap (no dependency, reproducible everywhere).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let (u1, u2) = (self.uniform().max(1e-300), self.uniform());
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) }
+}
+
+/// Bootstrap percentile 95% CI of the median of `x` (seeded).
+pub fn bootstrap_median_ci(x: &[f64], resamples: usize, seed: u64) -> (f64, f64) {
+    let mut rng = Rng(seed);
+    let n = x.len();
+    let mut meds = Vec::with_capacity(resamples);
+    let mut buf = vec![0.0; n];
+    for _ in 0..resamples {
+        for b in buf.iter_mut() {
+            *b = x[(rng.next_u64() % n as u64) as usize];
+        }
+        meds.push(median(&mut buf));
+    }
+    meds.sort_by(f64::total_cmp);
+    let at = |q: f64| meds[((resamples - 1) as f64 * q).round() as usize];
+    (at(0.025), at(0.975))
+}
+
+/// Exact two-sided Wilcoxon signed-rank p-value (zeros dropped; tied magnitudes get mid-ranks,
+/// counted exactly on doubled integer ranks).
+pub fn wilcoxon_p(x: &[f64]) -> f64 {
+    let mut d: Vec<f64> = x.iter().copied().filter(|v| *v != 0.0 && v.is_finite()).collect();
+    let n = d.len();
+    if n == 0 {
+        return 1.0;
+    }
+    d.sort_by(|a, b| a.abs().total_cmp(&b.abs()));
+    // Doubled mid-ranks: ties at positions i..j share rank (i+1 + j)/2, doubled = i+1+j.
+    let mut ranks2 = vec![0usize; n];
+    let mut i = 0;
+    while i < n {
+        let mut j = i;
+        while j + 1 < n && d[j + 1].abs() == d[i].abs() {
+            j += 1;
+        }
+        for r in ranks2.iter_mut().take(j + 1).skip(i) {
+            *r = i + 1 + j + 1;
+        }
+        i = j + 1;
+    }
+    let w_plus: usize = d.iter().zip(&ranks2).filter(|(v, _)| **v > 0.0).map(|(_, r)| *r).sum();
+    let total: usize = ranks2.iter().sum();
+    // counts[s] = number of sign assignments with doubled positive-rank sum s.
+    let mut counts = vec![0f64; total + 1];
+    counts[0] = 1.0;
+    for &r in &ranks2 {
+        for s in (r..=total).rev() {
+            counts[s] += counts[s - r];
+        }
+    }
+    let all: f64 = counts.iter().sum();
+    let extreme = w_plus.min(total - w_plus);
+    let tail: f64 = counts[..=extreme].iter().sum::<f64>() / all;
+    (2.0 * tail).min(1.0)
+}
+
+/// The statistics and verdict of per-pair ratios B/A (timings: > 1 means B is slower).
+pub fn analyze(ratios: &[f64], threshold: f64, seed: u64) -> AbStats {
+    let logs: Vec<f64> = ratios.iter().map(|r| r.ln()).collect();
+    let n = logs.len();
+    let med = median(&mut logs.clone()).exp() - 1.0;
+    let (lo, hi) = if n >= 2 { bootstrap_median_ci(&logs, 2000, seed) } else { (f64::NEG_INFINITY, f64::INFINITY) };
+    let (lo, hi) = (lo.exp() - 1.0, hi.exp() - 1.0);
+    let p = wilcoxon_p(&logs);
+    let verdict = if lo >= -threshold && hi <= threshold {
+        AbVerdict::NoChange
+    } else if lo > 0.0 && p < 0.05 && hi > threshold {
+        AbVerdict::Slower
+    } else if hi < 0.0 && p < 0.05 && lo < -threshold {
+        AbVerdict::Faster
+    } else {
+        AbVerdict::Inconclusive
+    };
+    let pairs_needed = (verdict == AbVerdict::Inconclusive && n >= 2).then(|| {
+        let half = ((hi - lo) / 2.0).max(1e-12);
+        // The half-width that would decide: inside ±t around the median, or clear of zero.
+        let want = if med.abs() < threshold { threshold - med.abs() } else { med.abs() }.max(threshold / 4.0);
+        ((n as f64) * (half / want).powi(2)).ceil().max(n as f64 + 1.0) as usize
+    });
+    AbStats { pairs: n, median_change: med, ci95: (lo, hi), p_value: p, threshold, verdict, pairs_needed }
+}
+
+/// Which arm runs first in pair `i` (0-based): ABBA order, pair by pair (A,B then B,A ...), so a
+/// drift of the machine within a pair cancels over two pairs.
+pub fn a_first(pair: usize) -> bool {
+    pair % 2 == 0
+}
+
+/// A simulated noisy machine, for the statistical-validity tests and docs/BENCHMARKS.md: each run's
+/// time is `base * (1 + slowdown if B) * exp(drift + sigma * N(0,1))`, where `drift` is a slow
+/// random walk shared by both arms (machine state) and `sigma` the run-to-run noise.
+pub struct NoisyMachine {
+    pub rng: Rng,
+    pub sigma: f64,
+    pub drift_step: f64,
+    drift: f64,
+}
+
+impl NoisyMachine {
+    pub fn new(seed: u64, sigma: f64, drift_step: f64) -> Self {
+        NoisyMachine { rng: Rng(seed), sigma, drift_step, drift: 0.0 }
+    }
+    pub fn run(&mut self, slowdown: f64) -> f64 {
+        self.drift += self.drift_step * self.rng.normal();
+        (1.0 + slowdown) * (self.drift + self.sigma * self.rng.normal()).exp()
+    }
+    /// One pair in ABBA order: the ratio B/A.
+    pub fn pair(&mut self, i: usize, slowdown_b: f64) -> f64 {
+        let (a, b) = if a_first(i) {
+            let a = self.run(0.0);
+            (a, self.run(slowdown_b))
+        } else {
+            let b = self.run(slowdown_b);
+            (self.run(0.0), b)
+        };
+        b / a
+    }
+}
+
+/// Runs the adaptive procedure on a simulated machine: `start` pairs, then more (as many as
+/// `pairs_needed` says, at most `max_pairs`) while inconclusive.
+pub fn simulate(m: &mut NoisyMachine, slowdown_b: f64, threshold: f64, start: usize, max_pairs: usize, seed: u64) -> AbStats {
+    let mut ratios: Vec<f64> = (0..start).map(|i| m.pair(i, slowdown_b)).collect();
+    loop {
+        let s = analyze(&ratios, threshold, seed);
+        match s.pairs_needed {
+            Some(need) if ratios.len() < max_pairs => {
+                let target = need.min(max_pairs).max(ratios.len() + 1);
+                while ratios.len() < target {
+                    let i = ratios.len();
+                    ratios.push(m.pair(i, slowdown_b));
+                }
+            }
+            _ => return s,
+        }
+    }
+}
+
+/// The noise measured on the development machine (docs/BENCHMARKS.md, "A/B statistics"):
+/// run-to-run sigma of decode time and the drift per run.
+pub const MEASURED_SIGMA: f64 = 0.02;
+pub const MEASURED_DRIFT: f64 = 0.005;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wilcoxon_matches_known_values() {
+        // All 10 differences positive: p = 2 / 2^10.
+        let x: Vec<f64> = (1..=10).map(|i| i as f64).collect();
+        assert!((wilcoxon_p(&x) - 2.0 / 1024.0).abs() < 1e-12);
+        // Symmetric around zero: p = 1.
+        assert!(wilcoxon_p(&[-1.0, 1.0, -2.0, 2.0]) > 0.99);
+        assert_eq!(wilcoxon_p(&[]), 1.0);
+    }
+
+    #[test]
+    fn verdicts_follow_the_ci() {
+        let same: Vec<f64> = (0..30).map(|i| 1.0 + if i % 2 == 0 { 0.001 } else { -0.001 }).collect();
+        assert_eq!(analyze(&same, 0.01, 1).verdict, AbVerdict::NoChange);
+        let slower: Vec<f64> = (0..20).map(|i| 1.05 + 0.002 * (i % 3) as f64).collect();
+        assert_eq!(analyze(&slower, 0.01, 1).verdict, AbVerdict::Slower);
+        let faster: Vec<f64> = slower.iter().map(|r| 1.0 / r).collect();
+        assert_eq!(analyze(&faster, 0.01, 1).verdict, AbVerdict::Faster);
+        let noisy = [1.1, 0.9, 1.05, 0.95];
+        let s = analyze(&noisy, 0.01, 1);
+        assert_eq!(s.verdict, AbVerdict::Inconclusive);
+        assert!(s.pairs_needed.unwrap() > 4);
+    }
+
+    /// Statistical validity on the measured noise: an A/A comparison says `no change` in >= 95%
+    /// of trials (given up to 60 pairs), and a real 2% slowdown is `slower` in >= 95% of trials
+    /// within 20 pairs (threshold 1%). Rates are printed for docs/BENCHMARKS.md.
+    #[test]
+    fn simulated_a_a_is_no_change_and_a_2_percent_slowdown_is_slower() {
+        let trials = 400;
+        let mut aa_no_change = 0;
+        let mut aa_false_slower = 0;
+        let mut slow_detected = 0;
+        let mut slow_pairs = Vec::new();
+        for t in 0..trials {
+            let mut m = NoisyMachine::new(1000 + t, MEASURED_SIGMA, MEASURED_DRIFT);
+            let s = simulate(&mut m, 0.0, 0.01, 10, 60, t);
+            aa_no_change += (s.verdict == AbVerdict::NoChange) as usize;
+            aa_false_slower += (s.verdict == AbVerdict::Slower) as usize;
+            let mut m = NoisyMachine::new(5000 + t, MEASURED_SIGMA, MEASURED_DRIFT);
+            let s = simulate(&mut m, 0.02, 0.01, 10, 20, t);
+            slow_detected += (s.verdict == AbVerdict::Slower) as usize;
+            slow_pairs.push(s.pairs);
+        }
+        let (aa, fs, sl) = (aa_no_change as f64 / trials as f64, aa_false_slower as f64 / trials as f64, slow_detected as f64 / trials as f64);
+        slow_pairs.sort();
+        eprintln!("A/A: no change {:.1}%, slower {:.1}% | 2% slowdown: slower {:.1}% within 20 pairs (median pairs used {})", aa * 100.0, fs * 100.0, sl * 100.0, slow_pairs[trials as usize / 2]);
+        assert!(aa >= 0.95, "A/A no-change rate {aa}");
+        assert!(sl >= 0.95, "2% slowdown detection rate {sl}");
+    }
+}

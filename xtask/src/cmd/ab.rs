@@ -1,0 +1,469 @@
+//! `cargo xtask ab --a ARM --b ARM --model M`: a paired, interleaved A/B benchmark.
+//!
+//! An ARM is a device of this build (`cpu`, `fixed`, `ref`, ...), a git revision of this
+//! repository (`git:REV` or `git:REV:DEVICE`, built once in its own worktree and cached), or an
+//! external command (`exec:CMD`) that prints one JSON line per run:
+//! `{"prefill_ms":…, "decode_ms":…, "n_prompt":…, "n_gen":…, "tokens":[…]}` (it gets
+//! TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS and TOUCHSTONE_N_GENERATE in its environment).
+//! Every run is a fresh process on identical inputs; pairs run in ABBA order; the per-pair B/A
+//! ratio of decode time per token is judged by suites::ab (bootstrap CI + Wilcoxon). Exit 0 for
+//! faster / no change, 1 for slower, 3 for inconclusive (after --max-pairs), 2 when an arm fails
+//! (the samples gathered so far are kept in the report).
+
+use crate::Exit;
+use reports::plot::{Chart, Series};
+use reports::{Case, Provenance, Report, Tolerance, Verdict};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use suites::ab::{self, AbVerdict};
+
+#[derive(clap::Args)]
+pub struct AbArgs {
+    /// Baseline arm: a device (cpu, fixed, ref), git:REV[:DEVICE], or exec:CMD.
+    #[arg(long)]
+    a: String,
+    /// Candidate arm (same forms as --a).
+    #[arg(long)]
+    b: String,
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// Pairs to run before the first verdict.
+    #[arg(long, default_value_t = 10)]
+    pairs: usize,
+    /// While inconclusive, keep adding pairs up to this many.
+    #[arg(long, default_value_t = 40)]
+    max_pairs: usize,
+    /// The change (percent) that matters: "no change" means the 95% CI lies inside ±threshold.
+    #[arg(long, default_value_t = 2.0)]
+    threshold: f64,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
+    /// Tokens generated per run.
+    #[arg(long, default_value_t = 32)]
+    gen_len: usize,
+    /// Compare arms whose outputs differ (two different engines on purpose); the report says where
+    /// their outputs first differ. Without it, different outputs are an error.
+    #[arg(long)]
+    allow_different_outputs: bool,
+    /// Seconds one run may take before it is killed (an error, exit 2).
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+    #[arg(long)]
+    report_dir: Option<PathBuf>,
+}
+
+/// Internal: one measured run on a device of this build, printed as one JSON line.
+#[derive(clap::Args)]
+pub struct AbRunArgs {
+    #[arg(long)]
+    device: String,
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    prompt_ids: String,
+    #[arg(long)]
+    gen_len: usize,
+}
+
+/// One run of an arm, as the arm protocol states it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunSample {
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    pub n_prompt: usize,
+    pub n_gen: usize,
+    pub tokens: Vec<u32>,
+    /// Optional: per-token decode latencies.
+    #[serde(default)]
+    pub step_ms: Vec<f64>,
+    /// Optional: the engine's machine (refused when the arms' differ).
+    #[serde(default)]
+    pub cpu: Option<String>,
+    /// Optional: peak resident memory of the run's process.
+    #[serde(default)]
+    pub peak_rss_kb: Option<u64>,
+}
+
+impl RunSample {
+    fn ms_per_token(&self) -> f64 {
+        self.decode_ms / (self.n_gen.saturating_sub(1).max(1)) as f64
+    }
+}
+
+pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
+    let ids = super::parse_ids(&a.prompt_ids)?;
+    let (_, mut engine, _) = super::load_engine(&a.model, &a.device, oracle::Precision::F32)?;
+    super::check_ids(&ids, engine.spec().n_vocab)?;
+    let greedy = oracle::ops::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+    // Warm-up: page in the weights and the code paths before the measured run.
+    engine.generate(&ids, 2, &greedy, 0, None)?;
+    let g = engine.generate(&ids, a.gen_len, &greedy, 0, None)?;
+    let s = RunSample {
+        prefill_ms: g.prefill_s * 1e3,
+        decode_ms: g.decode_s * 1e3,
+        n_prompt: ids.len(),
+        n_gen: g.tokens.len(),
+        tokens: g.tokens.clone(),
+        step_ms: g.step_s.iter().map(|s| s * 1e3).collect(),
+        cpu: Some(Provenance::collect(rayon::current_num_threads()).cpu),
+        peak_rss_kb: suites::machine::peak_rss_kb(),
+    };
+    println!("{}", serde_json::to_string(&s).expect("sample serializes"));
+    Ok(0)
+}
+
+enum Arm {
+    Device(String),
+    Git { rev: String, device: String },
+    Exec(String),
+}
+
+impl Arm {
+    fn parse(s: &str) -> Result<Arm, Exit> {
+        if let Some(cmd) = s.strip_prefix("exec:") {
+            return Ok(Arm::Exec(cmd.to_string()));
+        }
+        if let Some(rest) = s.strip_prefix("git:") {
+            let (rev, device) = rest.split_once(':').unwrap_or((rest, "cpu"));
+            return Ok(Arm::Git { rev: rev.to_string(), device: device.to_string() });
+        }
+        super::check_device(s)?;
+        Ok(Arm::Device(s.to_string()))
+    }
+}
+
+/// A ready-to-run arm: the command that performs one run.
+struct Runner {
+    name: String,
+    cmd: Box<dyn Fn() -> Command>,
+}
+
+fn prepare(arm_name: &str, arm: Arm, model: &Path, model_name: &str, ids: &str, gen_len: usize) -> Result<Runner, Exit> {
+    let ab_run = |bin: PathBuf, device: String| -> Box<dyn Fn() -> Command> {
+        let (model, ids) = (model_name.to_string(), ids.to_string());
+        Box::new(move || {
+            let mut c = Command::new(&bin);
+            c.args(["ab-run", "--device", &device, "--model", &model, "--prompt-ids", &ids, "--gen-len", &gen_len.to_string()]);
+            c
+        })
+    };
+    let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    Ok(match arm {
+        Arm::Device(d) => Runner { name: arm_name.to_string(), cmd: ab_run(exe, d) },
+        Arm::Git { rev, device } => Runner { name: arm_name.to_string(), cmd: ab_run(build_rev(&rev)?, device) },
+        Arm::Exec(c) => {
+            let (model, ids) = (model.to_path_buf(), ids.to_string());
+            Runner {
+                name: arm_name.to_string(),
+                cmd: Box::new(move || {
+                    let mut cmd = Command::new("sh");
+                    cmd.arg("-c").arg(&c).env("TOUCHSTONE_MODEL", &model).env("TOUCHSTONE_PROMPT_IDS", &ids).env("TOUCHSTONE_N_GENERATE", gen_len.to_string());
+                    cmd
+                }),
+            }
+        }
+    })
+}
+
+/// Builds this repository's xtask at `rev` in its own worktree (cached by commit).
+fn build_rev(rev: &str) -> Result<PathBuf, Exit> {
+    let git = |dir: &Path, args: &[&str]| -> Result<String, Exit> {
+        let o = Command::new("git").args(args).current_dir(dir).output().map_err(|e| Exit { code: 2, message: format!("git: {e}") })?;
+        if !o.status.success() {
+            return Err(Exit { code: 2, message: format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()) });
+        }
+        Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let top = PathBuf::from(git(&here, &["rev-parse", "--show-toplevel"])?);
+    let sha = git(&top, &["rev-parse", "--verify", &format!("{rev}^{{commit}}")])?;
+    let root = top.join("target/touchstone/ab");
+    let bin = root.join(format!("xtask-{sha}"));
+    if bin.exists() {
+        return Ok(bin);
+    }
+    let tree = root.join(format!("src-{sha}"));
+    if !tree.exists() {
+        git(&top, &["worktree", "add", "--detach", tree.to_str().unwrap_or_default(), &sha])?;
+    }
+    eprintln!("ab: building xtask at {sha:.10} (release; cached as {})", bin.display());
+    let st = Command::new("cargo")
+        .args(["build", "--release", "--quiet", "--package", "xtask"])
+        .current_dir(&tree)
+        .env("CARGO_TARGET_DIR", root.join("target"))
+        .status()
+        .map_err(|e| Exit { code: 2, message: format!("cargo build at {sha:.10}: {e}") })?;
+    if !st.success() {
+        return Err(Exit { code: 2, message: format!("arm git:{rev}: the build at {sha:.10} failed ({st})") });
+    }
+    std::fs::copy(root.join("target/release/xtask"), &bin).map_err(|e| super::io_exit(&bin, e))?;
+    let _ = git(&top, &["worktree", "remove", "--force", tree.to_str().unwrap_or_default()]);
+    Ok(bin)
+}
+
+/// Runs one arm once: its JSON line, or why not.
+fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
+    let out = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
+    let err = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
+    let mut cmd = (r.cmd)();
+    cmd.stdin(std::process::Stdio::null()).stdout(out.reopen().map_err(|e| e.to_string())?).stderr(err.reopen().map_err(|e| e.to_string())?);
+    let mut child = cmd.spawn().map_err(|e| format!("cannot start: {e}"))?;
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+            break s;
+        }
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("did not finish within {} s (killed)", timeout.as_secs()));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stdout = std::fs::read_to_string(out.path()).unwrap_or_default();
+    let stderr = std::fs::read_to_string(err.path()).unwrap_or_default();
+    if !status.success() {
+        let tail: Vec<&str> = stderr.lines().rev().take(4).collect();
+        return Err(format!("exited with {status}: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" / ")));
+    }
+    let line = stdout.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or("printed no JSON line")?;
+    let s: RunSample = serde_json::from_str(line).map_err(|e| format!("its JSON line is not the arm protocol ({e}): {line}"))?;
+    if s.n_gen < 2 || !(s.decode_ms > 0.0) || !(s.prefill_ms >= 0.0) {
+        return Err(format!("implausible sample (n_gen {}, decode_ms {}, prefill_ms {})", s.n_gen, s.decode_ms, s.prefill_ms));
+    }
+    Ok(s)
+}
+
+fn hash(tokens: &[u32]) -> String {
+    let h = tokens.iter().flat_map(|t| t.to_le_bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    format!("{h:016x}")
+}
+
+struct Pair {
+    a: RunSample,
+    b: RunSample,
+    a_first: bool,
+}
+
+pub fn main(a: AbArgs) -> Result<u8, Exit> {
+    if a.pairs < 2 || a.max_pairs < a.pairs || a.gen_len < 2 || a.prompt_len == 0 || !(a.threshold > 0.0) {
+        return Err(Exit { code: 2, message: "need --pairs >= 2, --max-pairs >= --pairs, --gen-len >= 2, --prompt-len >= 1, --threshold > 0".into() });
+    }
+    let model = super::resolve_model(&a.model)?;
+    let n_vocab = oracle::loader::open_model(&model)?.1.n_vocab as u32;
+    let ids: Vec<String> = (0..a.prompt_len as u32).map(|i| (1 + (i * 7919) % (n_vocab - 1)).to_string()).collect();
+    let ids = ids.join(",");
+    let ra = prepare("A", Arm::parse(&a.a)?, &model, &a.model, &ids, a.gen_len)?;
+    let rb = prepare("B", Arm::parse(&a.b)?, &model, &a.model, &ids, a.gen_len)?;
+    let timeout = Duration::from_secs(a.timeout);
+    let threshold = a.threshold / 100.0;
+    let mut pairs: Vec<Pair> = Vec::new();
+    let mut failure: Option<Exit> = None;
+    let mut target = a.pairs;
+    let mut stats;
+    let pb = super::progress(a.pairs as u64, &format!("ab {} vs {}", a.a, a.b));
+    loop {
+        while pairs.len() < target && failure.is_none() {
+            let i = pairs.len();
+            let order: [&Runner; 2] = if ab::a_first(i) { [&ra, &rb] } else { [&rb, &ra] };
+            let mut got = Vec::new();
+            for r in order {
+                match run_once(r, timeout) {
+                    Ok(s) => got.push(s),
+                    Err(e) => {
+                        let which = if r.name == "A" { &a.a } else { &a.b };
+                        failure = Some(Exit { code: 2, message: format!("arm {} (`{which}`) failed in pair {}: {e}", r.name, i + 1) });
+                        break;
+                    }
+                }
+            }
+            if failure.is_some() {
+                break;
+            }
+            let (first, second) = (got.remove(0), got.remove(0));
+            let (sa, sb) = if ab::a_first(i) { (first, second) } else { (second, first) };
+            pairs.push(Pair { a: sa, b: sb, a_first: ab::a_first(i) });
+            pb.set_length(target as u64);
+            pb.set_position(pairs.len() as u64);
+        }
+        let ratios: Vec<f64> = pairs.iter().map(|p| p.b.ms_per_token() / p.a.ms_per_token()).collect();
+        stats = ab::analyze(&ratios, threshold, 0x5eed);
+        match (stats.verdict, stats.pairs_needed, &failure) {
+            (AbVerdict::Inconclusive, Some(need), None) if pairs.len() < a.max_pairs => {
+                eprintln!("ab: inconclusive after {} pairs (CI {:+.2}%..{:+.2}%); about {need} pairs would decide, running more (max {})", pairs.len(), stats.ci95.0 * 100.0, stats.ci95.1 * 100.0, a.max_pairs);
+                target = need.min(a.max_pairs).max(pairs.len() + 1);
+            }
+            _ => break,
+        }
+    }
+    pb.finish_and_clear();
+
+    // Identical inputs must give identical outputs, run to run and arm to arm.
+    let mut problems = Vec::new();
+    let mut first_difference = None;
+    if let Some(p0) = pairs.first() {
+        for (i, p) in pairs.iter().enumerate() {
+            for (arm, s, base) in [("A", &p.a, &p0.a), ("B", &p.b, &p0.b)] {
+                if s.tokens != base.tokens {
+                    problems.push(format!("arm {arm} produced different tokens in pair {} than in pair 1 (hash {} vs {})", i + 1, hash(&s.tokens), hash(&base.tokens)));
+                }
+            }
+        }
+        if p0.a.tokens != p0.b.tokens {
+            let at = p0.a.tokens.iter().zip(&p0.b.tokens).position(|(x, y)| x != y).unwrap_or(p0.a.tokens.len().min(p0.b.tokens.len()));
+            first_difference = Some(at);
+            if !a.allow_different_outputs {
+                problems.push(format!(
+                    "the arms' outputs differ from generated token {at} (A hash {}, B hash {}): a faster wrong answer is not faster; pass --allow-different-outputs to compare different engines on purpose",
+                    hash(&p0.a.tokens),
+                    hash(&p0.b.tokens)
+                ));
+            }
+        }
+        if let (Some(ca), Some(cb)) = (&p0.a.cpu, &p0.b.cpu) {
+            if ca != cb {
+                problems.push(format!("the arms ran on different hardware (A: {ca}, B: {cb}); refusing to compare"));
+            }
+        }
+    }
+
+    let report = build_report(&a, &pairs, &stats, first_difference, failure.as_ref().map(|f| f.message.clone()).or_else(|| problems.first().cloned()));
+    let dir = super::report_dir(a.report_dir.clone(), "ab");
+    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    print_table(&a, &pairs, &stats, first_difference);
+    println!("report: {}", dir.join("report.json").display());
+    if let Some(f) = failure {
+        return Err(Exit { code: 2, message: format!("{} ({} pairs kept in {})", f.message, pairs.len(), dir.display()) });
+    }
+    if let Some(p) = problems.into_iter().next() {
+        return Err(Exit { code: 2, message: p });
+    }
+    Ok(match stats.verdict {
+        AbVerdict::Faster | AbVerdict::NoChange => 0,
+        AbVerdict::Slower => 1,
+        AbVerdict::Inconclusive => 3,
+    })
+}
+
+fn pct(x: f64) -> String {
+    format!("{:+.2}%", x * 100.0)
+}
+
+fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>) {
+    println!("pair  order   A ms/token   B ms/token   change");
+    for (i, p) in pairs.iter().enumerate() {
+        println!("{:>4}  {}   {:>10.3}   {:>10.3}   {}", i + 1, if p.a_first { "A,B" } else { "B,A" }, p.a.ms_per_token(), p.b.ms_per_token(), pct(p.b.ms_per_token() / p.a.ms_per_token() - 1.0));
+    }
+    println!(
+        "B ({}) vs A ({}), decode time per token: median {} (95% CI {} .. {}), Wilcoxon p = {:.3}, threshold ±{:.1}% -> {}{}",
+        a.b,
+        a.a,
+        pct(s.median_change),
+        pct(s.ci95.0),
+        pct(s.ci95.1),
+        s.p_value,
+        a.threshold,
+        s.verdict.words().to_uppercase(),
+        s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; --max-pairs {} reached)", a.max_pairs)).unwrap_or_default()
+    );
+    if let (Some(p), Some(at)) = (pairs.first(), first_difference) {
+        println!("outputs differ from generated token {at}: A hash {}, B hash {}", hash(&p.a.tokens), hash(&p.b.tokens));
+    } else if let Some(p) = pairs.first() {
+        println!("outputs identical in every run: hash {}", hash(&p.a.tokens));
+    }
+}
+
+fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>, problem: Option<String>) -> Report {
+    let verdict = match (&problem, s.verdict) {
+        (Some(_), _) => Verdict::Error,
+        (None, AbVerdict::Slower) => Verdict::Fail,
+        (None, AbVerdict::Inconclusive) => Verdict::Inconclusive,
+        (None, _) => Verdict::Pass,
+    };
+    let mut metrics = serde_json::Map::new();
+    metrics.insert("median_change".into(), json!(s.median_change));
+    metrics.insert("ci95".into(), json!([s.ci95.0, s.ci95.1]));
+    metrics.insert("p_value".into(), json!(s.p_value));
+    metrics.insert("pairs".into(), json!(s.pairs));
+    let case = Case {
+        id: format!("ab(metric=decode_ms_per_token,a={},b={},model={})", a.a, a.b, a.model),
+        device: format!("{} vs {}", a.b, a.a),
+        verdict,
+        metrics,
+        tolerance: Tolerance { rule: format!("no change if the 95% CI of the median change lies inside ±{}%", a.threshold), bound: s.threshold },
+        margin: s.threshold - s.median_change,
+        message: problem.or_else(|| Some(format!("{}: median {} (CI {} .. {}), p = {:.3}", s.verdict.words(), pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1), s.p_value))),
+    };
+    let mut r = Report::new("ab", Provenance::collect(rayon::current_num_threads()), vec![case]);
+    let samples: Vec<serde_json::Value> = pairs.iter().enumerate().map(|(i, p)| json!({ "pair": i + 1, "order": if p.a_first { "AB" } else { "BA" }, "a": p.a, "b": p.b, "change": p.b.ms_per_token() / p.a.ms_per_token() - 1.0 })).collect();
+    r.sections.insert(
+        "ab".into(),
+        json!({
+            "a": a.a, "b": a.b, "model": a.model, "metric": "decode ms per token", "threshold": s.threshold,
+            "stats": s, "verdict": s.verdict.words(),
+            "tokens_hash": { "a": pairs.first().map(|p| hash(&p.a.tokens)), "b": pairs.first().map(|p| hash(&p.b.tokens)) },
+            "first_output_difference": first_difference,
+            "pairs": samples,
+        }),
+    );
+    let mut rows: Vec<Vec<String>> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (ra, rb) = (p.a.ms_per_token(), p.b.ms_per_token());
+            vec![(i + 1).to_string(), if p.a_first { "A,B".into() } else { "B,A".into() }, format!("{ra:.3}"), format!("{rb:.3}"), pct(rb / ra - 1.0), format!("{:.1} / {:.1}", p.a.prefill_ms, p.b.prefill_ms)]
+        })
+        .collect();
+    rows.push(vec![
+        "**summary**".into(),
+        format!("{} pairs", pairs.len()),
+        String::new(),
+        String::new(),
+        format!("median {} (95% CI {} .. {})", pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1)),
+        format!("p = {:.3}: **{}**", s.p_value, s.verdict.words()),
+    ]);
+    r.add_table("ab_table", &format!("A = `{}`, B = `{}` on {} (decode time per token)", a.a, a.b, a.model), &["pair", "order", "A ms/token", "B ms/token", "change", "prefill ms A / B"], rows);
+    let changes: Vec<(f64, f64)> = pairs.iter().enumerate().map(|(i, p)| ((i + 1) as f64, 100.0 * (p.b.ms_per_token() / p.a.ms_per_token() - 1.0))).collect();
+    let n = pairs.len().max(1) as f64;
+    r.add_chart(
+        "ab_changes",
+        Chart {
+            title: format!("B vs A per pair ({}: {})", s.verdict.words(), pct(s.median_change)),
+            x_label: "pair".into(),
+            y_label: "change of decode time per token (%)".into(),
+            log_y: false,
+            series: vec![
+                Series { name: "B/A - 1 per pair".into(), points: changes, colour: 0, dashed: false },
+                Series { name: "median".into(), points: vec![(1.0, 100.0 * s.median_change), (n, 100.0 * s.median_change)], colour: 3, dashed: false },
+                Series { name: "+threshold".into(), points: vec![(1.0, 100.0 * s.threshold), (n, 100.0 * s.threshold)], colour: 7, dashed: true },
+                Series { name: "-threshold".into(), points: vec![(1.0, -100.0 * s.threshold), (n, -100.0 * s.threshold)], colour: 7, dashed: true },
+            ],
+            band: Some((100.0 * s.ci95.0, 100.0 * s.ci95.1)),
+        },
+    );
+    let quantiles = |arm: fn(&Pair) -> &RunSample| -> Vec<(f64, f64)> {
+        let mut v: Vec<f64> = pairs.iter().flat_map(|p| arm(p).step_ms.iter().copied()).collect();
+        if v.is_empty() {
+            v = pairs.iter().map(|p| arm(p).ms_per_token()).collect();
+        }
+        v.sort_by(f64::total_cmp);
+        let len = v.len().max(1) as f64;
+        v.iter().enumerate().map(|(i, x)| (100.0 * (i as f64 + 0.5) / len, *x)).collect()
+    };
+    r.add_chart(
+        "ab_decode_latency",
+        Chart {
+            title: "decode latency distribution (per token, all runs)".into(),
+            x_label: "percentile".into(),
+            y_label: "ms per token".into(),
+            log_y: false,
+            series: vec![Series { name: format!("A: {}", a.a), points: quantiles(|p| &p.a), colour: 0, dashed: false }, Series { name: format!("B: {}", a.b), points: quantiles(|p| &p.b), colour: 1, dashed: false }],
+            band: None,
+        },
+    );
+    r
+}
