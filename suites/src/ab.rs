@@ -165,34 +165,25 @@ pub fn a_first(pair: usize) -> bool {
     pair % 2 == 0
 }
 
-/// A simulated noisy machine, for the statistical-validity tests and docs/BENCHMARKS.md: each run's
-/// time is `base * (1 + slowdown if B) * exp(drift + sigma * N(0,1))`, where `drift` is a slow
-/// random walk shared by both arms (machine state) and `sigma` the run-to-run noise.
+/// Simulated pairs for the statistical-validity tests and docs/BENCHMARKS.md: the log of each
+/// pair's B/A ratio is `ln(1 + slowdown) + noise`, the noise a mixture measured on the development
+/// machine: with probability `1 - p_outlier` a normal of `sigma_core`, otherwise a normal of
+/// `sigma_outlier` (the host stealing time from one arm for a whole run).
 pub struct NoisyMachine {
     pub rng: Rng,
-    pub sigma: f64,
-    pub drift_step: f64,
-    drift: f64,
+    pub sigma_core: f64,
+    pub p_outlier: f64,
+    pub sigma_outlier: f64,
 }
 
 impl NoisyMachine {
-    pub fn new(seed: u64, sigma: f64, drift_step: f64) -> Self {
-        NoisyMachine { rng: Rng(seed), sigma, drift_step, drift: 0.0 }
+    pub fn measured(seed: u64) -> Self {
+        NoisyMachine { rng: Rng(seed), sigma_core: MEASURED_SIGMA, p_outlier: MEASURED_P_OUTLIER, sigma_outlier: MEASURED_SIGMA_OUTLIER }
     }
-    pub fn run(&mut self, slowdown: f64) -> f64 {
-        self.drift += self.drift_step * self.rng.normal();
-        (1.0 + slowdown) * (self.drift + self.sigma * self.rng.normal()).exp()
-    }
-    /// One pair in ABBA order: the ratio B/A.
-    pub fn pair(&mut self, i: usize, slowdown_b: f64) -> f64 {
-        let (a, b) = if a_first(i) {
-            let a = self.run(0.0);
-            (a, self.run(slowdown_b))
-        } else {
-            let b = self.run(slowdown_b);
-            (self.run(0.0), b)
-        };
-        b / a
+    /// One pair: the ratio B/A.
+    pub fn pair(&mut self, _i: usize, slowdown_b: f64) -> f64 {
+        let sigma = if self.rng.uniform() < self.p_outlier { self.sigma_outlier } else { self.sigma_core };
+        ((1.0 + slowdown_b).ln() + sigma * self.rng.normal()).exp()
     }
 }
 
@@ -215,10 +206,13 @@ pub fn simulate(m: &mut NoisyMachine, slowdown_b: f64, threshold: f64, start: us
     }
 }
 
-/// The noise measured on the development machine (docs/BENCHMARKS.md, "A/B statistics"):
-/// run-to-run sigma of decode time and the drift per run.
-pub const MEASURED_SIGMA: f64 = 0.02;
-pub const MEASURED_DRIFT: f64 = 0.005;
+/// The pair noise measured on the development machine with the `cpu` device on SmolLM2
+/// (docs/BENCHMARKS.md, "A/B statistics"): log-ratio of the per-run minimum decode step time,
+/// token-interleaved arms; robust sigma 1.1-2.1% over three A/A runs of 20-27 pairs, with
+/// occasional outliers up to 25%.
+pub const MEASURED_SIGMA: f64 = 0.015;
+pub const MEASURED_P_OUTLIER: f64 = 0.1;
+pub const MEASURED_SIGMA_OUTLIER: f64 = 0.12;
 
 #[cfg(test)]
 mod tests {
@@ -249,22 +243,23 @@ mod tests {
     }
 
     /// Statistical validity on the measured noise: an A/A comparison says `no change` in >= 95%
-    /// of trials (given up to 60 pairs), and a real 2% slowdown is `slower` in >= 95% of trials
-    /// within 20 pairs (threshold 1%). Rates are printed for docs/BENCHMARKS.md.
+    /// of trials (10 pairs, more while inconclusive, at most 40), and a real 2% slowdown is
+    /// `slower` in >= 95% of trials within 20 pairs (threshold 2%, the default). Rates are printed
+    /// for docs/BENCHMARKS.md.
     #[test]
     fn simulated_a_a_is_no_change_and_a_2_percent_slowdown_is_slower() {
-        let trials = 400;
+        let trials = 1000;
         let mut aa_no_change = 0;
         let mut aa_false_slower = 0;
         let mut slow_detected = 0;
         let mut slow_pairs = Vec::new();
         for t in 0..trials {
-            let mut m = NoisyMachine::new(1000 + t, MEASURED_SIGMA, MEASURED_DRIFT);
-            let s = simulate(&mut m, 0.0, 0.01, 10, 60, t);
+            let mut m = NoisyMachine::measured(1000 + t);
+            let s = simulate(&mut m, 0.0, 0.015, 10, 40, t);
             aa_no_change += (s.verdict == AbVerdict::NoChange) as usize;
             aa_false_slower += (s.verdict == AbVerdict::Slower) as usize;
-            let mut m = NoisyMachine::new(5000 + t, MEASURED_SIGMA, MEASURED_DRIFT);
-            let s = simulate(&mut m, 0.02, 0.01, 10, 20, t);
+            let mut m = NoisyMachine::measured(5000 + t);
+            let s = simulate(&mut m, 0.02, 0.015, 10, 20, t);
             slow_detected += (s.verdict == AbVerdict::Slower) as usize;
             slow_pairs.push(s.pairs);
         }
