@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""A stand-in engine for A/B tests, speaking the arm protocol: each "token" is a fixed amount of
-CPU work; with EXTRA_SLEEP_PCT=3 every decode step also sleeps 3% of that step's own time, a real
-3% slowdown. Prints one JSON line: prefill_ms, decode_ms, n_prompt, n_gen, tokens, step_ms."""
+"""A stand-in engine for A/B tests, speaking the arm protocol: each "token" takes a fixed 4 ms
+(a timed wait: CPython's own speed varies by 15% between processes with the memory layout, which
+would test Python rather than the harness); with EXTRA_SLEEP_PCT=3 every decode step also waits 3%
+of that step's own time, a real 3% slowdown. Prints one JSON line: prefill_ms, decode_ms,
+n_prompt, n_gen, tokens, step_ms."""
 import json
 import os
 import time
@@ -11,16 +13,15 @@ ids = [int(t) for t in os.environ["TOUCHSTONE_PROMPT_IDS"].split(",")]
 n_gen = int(os.environ["TOUCHSTONE_N_GENERATE"])
 
 
-def work(n=60000):
-    acc = 0
-    for i in range(n):
-        acc += i * i % 7
-    return acc
+def work(seconds=0.004):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        time.sleep(max(0.0, end - time.perf_counter()) * 0.9)
 
 
 work()  # warm-up
 t0 = time.perf_counter()
-work(20000 * len(ids))
+work(0.001 * len(ids))
 tokens = [ids[-1] % 97]
 prefill_ms = (time.perf_counter() - t0) * 1e3
 steps = []
