@@ -381,7 +381,12 @@ impl Report {
                 }
                 out += "\n";
             } else {
-                out += &format!("**{key}**: `{v}`\n\n");
+                let text = v.to_string();
+                if text.len() <= 400 {
+                    out += &format!("**{key}**: `{text}`\n\n");
+                } else {
+                    out += &format!("**{key}**: {} bytes of raw data in report.json\n\n", text.len());
+                }
             }
         }
         out

@@ -27,6 +27,26 @@ pub struct RefBench {
     pub fraction_of_copy_probe: f64,
     /// Median over repetitions of effective / read-only probe (the stricter figure).
     pub fraction_of_read_probe: f64,
+    /// Per repetition: time to first token (prefill + the first sampled token), ms.
+    pub ttft_ms: Vec<f64>,
+    /// Per repetition: every inter-token latency of the decode steps, ms (the raw samples).
+    pub itl_ms: Vec<Vec<f64>>,
+    /// Inter-token latency percentiles over all repetitions, ms: p50, p90, p99.
+    pub itl_p50_p90_p99_ms: [f64; 3],
+    /// Per repetition: the machine's state right after it (load, CPU clock, peak RSS so far).
+    pub machine: Vec<crate::machine::MachineState>,
+    /// Peak resident memory of the process at the end, KiB.
+    pub peak_rss_kb: Option<u64>,
+}
+
+/// The `q` quantile (0..1) of `v` by nearest rank.
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s[((s.len() - 1) as f64 * q).round() as usize]
 }
 
 pub fn median(v: &[f64]) -> f64 {
@@ -62,11 +82,15 @@ pub fn bench_with<E>(
     generate(prompt, 2)?;
     let wb = weight_bytes_per_token;
     let (mut prefill, mut decode, mut effective, mut probes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut ttft, mut itl, mut machine) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..reps {
         probes.push(membw::probe(512 << 20, 3));
         let g = generate(prompt, gen_len)?;
         prefill.push(prompt.len() as f64 / g.prefill_s);
         decode.push(g.decode_tok_per_s());
+        ttft.push(g.prefill_s * 1e3);
+        itl.push(g.step_s.iter().map(|s| s * 1e3).collect::<Vec<f64>>());
+        machine.push(crate::machine::state());
         if wb > 0 {
             effective.push(wb as f64 * g.decode_tok_per_s() / 1e9);
         }
@@ -86,5 +110,13 @@ pub fn bench_with<E>(
         fraction_of_read_probe: ratio(|p| p.read_gbps),
         effective_gbps: effective,
         probes,
+        itl_p50_p90_p99_ms: {
+            let all: Vec<f64> = itl.iter().flatten().copied().collect();
+            [percentile(&all, 0.5), percentile(&all, 0.9), percentile(&all, 0.99)]
+        },
+        ttft_ms: ttft,
+        itl_ms: itl,
+        machine,
+        peak_rss_kb: crate::machine::peak_rss_kb(),
     })
 }

@@ -1,8 +1,11 @@
-//! `cargo xtask bench`: throughput of the oracle with a bandwidth probe in the same run.
+//! `cargo xtask bench`: prefill and decode throughput, time to first token, inter-token latency
+//! percentiles, peak resident memory and the machine's state per repetition (every raw sample kept
+//! in report.json); for the oracle also its weight bandwidth against a probe taken in the same run.
 
 use super::{check_device, load_engine};
 use crate::Exit;
 use oracle::Precision;
+use serde_json::json;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -20,7 +23,7 @@ pub struct BenchArgs {
     /// Measured repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// Write bench.json here.
+    /// Where report.json (with every raw sample), report.md and the latency plot go (default target/touchstone/bench-<time>/).
     #[arg(long)]
     report_dir: Option<PathBuf>,
     #[arg(long, default_value = "f32")]
@@ -50,9 +53,11 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     println!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
     println!("prefill ({} tokens): median {:.1} tok/s   samples {:?}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
     println!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
+    let [p50, p90, p99] = r.itl_p50_p90_p99_ms;
+    println!("time to first token: median {:.1} ms; inter-token latency p50 {p50:.2} ms, p90 {p90:.2} ms, p99 {p99:.2} ms; peak RSS {}", med(&r.ttft_ms), r.peak_rss_kb.map_or("unknown".into(), |k| format!("{:.0} MiB", k as f64 / 1024.0)));
     if r.effective_gbps.is_empty() {
         println!("(this device does not report the bytes it reads per token: no bandwidth figures)");
-        return write_json(&a.report_dir, &r);
+        return write_report(&a, r);
     }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
@@ -68,14 +73,60 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
     );
-    write_json(&a.report_dir, &r)
+    write_report(&a, r)
 }
 
-fn write_json(dir: &Option<PathBuf>, r: &suites::throughput::RefBench) -> Result<u8, Exit> {
-    if let Some(dir) = dir {
-        let path = dir.join("bench.json");
-        std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, serde_json::to_string_pretty(r).unwrap_or_default() + "\n")).map_err(|e| super::io_exit(&path, e))?;
-    }
+/// report.json (the bench section holds every raw sample), report.md with the summary table, and
+/// the inter-token latency distribution plot.
+fn write_report(a: &BenchArgs, r: suites::throughput::RefBench) -> Result<u8, Exit> {
+    use reports::plot::{Chart, Series};
+    let med = suites::throughput::median;
+    let mut metrics = serde_json::Map::new();
+    metrics.insert("prefill_tok_per_s".into(), json!(med(&r.prefill_tok_per_s)));
+    metrics.insert("decode_tok_per_s".into(), json!(med(&r.decode_tok_per_s)));
+    metrics.insert("ttft_ms".into(), json!(med(&r.ttft_ms)));
+    metrics.insert("itl_p50_p90_p99_ms".into(), json!(r.itl_p50_p90_p99_ms));
+    metrics.insert("peak_rss_kb".into(), json!(r.peak_rss_kb));
+    let case = reports::Case {
+        id: format!("bench(device={},model={},prompt={},gen={})", a.device, a.model, r.prompt_len, r.gen_len),
+        device: a.device.clone(),
+        verdict: reports::Verdict::Pass,
+        metrics,
+        tolerance: reports::Tolerance { rule: "measurement (no speed target: targets live in `ab` and criterion benches)".into(), bound: 0.0 },
+        margin: 0.0,
+        message: None,
+    };
+    let mut report = reports::Report::new("bench", reports::Provenance::collect(r.threads), vec![case]);
+    let [p50, p90, p99] = r.itl_p50_p90_p99_ms;
+    report.add_table(
+        "bench_table",
+        &format!("{} on {} ({} threads)", a.device, a.model, r.threads),
+        &["prefill tok/s", "decode tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "peak RSS MiB", "reps"],
+        vec![vec![
+            format!("{:.1}", med(&r.prefill_tok_per_s)),
+            format!("{:.2}", med(&r.decode_tok_per_s)),
+            format!("{:.1}", med(&r.ttft_ms)),
+            format!("{p50:.2} / {p90:.2} / {p99:.2}"),
+            r.peak_rss_kb.map_or("-".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+            r.reps.to_string(),
+        ]],
+    );
+    let series = r
+        .itl_ms
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let mut v = v.clone();
+            v.sort_by(f64::total_cmp);
+            let n = v.len().max(1) as f64;
+            Series { name: format!("rep {}", i + 1), points: v.iter().enumerate().map(|(k, x)| (100.0 * (k as f64 + 0.5) / n, *x)).collect(), colour: i, dashed: false }
+        })
+        .collect();
+    report.add_chart("itl_distribution", Chart { title: format!("{} on {}: inter-token latency by percentile", a.device, a.model), x_label: "percentile".into(), y_label: "ms".into(), log_y: false, series, band: None });
+    report.sections.insert("bench".into(), serde_json::to_value(&r).unwrap_or_default());
+    let dir = super::report_dir(a.report_dir.clone(), "bench");
+    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    println!("report: {}", dir.join("report.json").display());
     Ok(0)
 }
 
