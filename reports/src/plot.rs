@@ -84,7 +84,23 @@ where
         legend.draw(&Text::new(s.name.clone(), (36, y - 7), ("sans-serif", 13))).map_err(draw_err)?;
         y += 18;
     }
-    if c.series.iter().any(|s| s.dashed) {
+    // Dashed series with a colour of their own (a threshold) get their own legend entry; dashed
+    // series sharing a measurement's colour are that measurement's budget.
+    let solid_colours: Vec<usize> = c.series.iter().filter(|s| !s.dashed).map(|s| s.colour).collect();
+    let mut own: Vec<&Series> = Vec::new();
+    for s in c.series.iter().filter(|s| s.dashed && !solid_colours.contains(&s.colour)) {
+        if !own.iter().any(|o| o.colour == s.colour) {
+            own.push(s);
+        }
+    }
+    for s in own {
+        let col = colour(s.colour);
+        legend.draw(&PathElement::new(vec![(5, y), (13, y)], col.stroke_width(2))).map_err(draw_err)?;
+        legend.draw(&PathElement::new(vec![(20, y), (28, y)], col.stroke_width(2))).map_err(draw_err)?;
+        legend.draw(&Text::new(s.name.clone(), (36, y - 7), ("sans-serif", 13))).map_err(draw_err)?;
+        y += 18;
+    }
+    if c.series.iter().any(|s| s.dashed && solid_colours.contains(&s.colour)) {
         let grey = RGBColor(90, 90, 90);
         legend.draw(&PathElement::new(vec![(5, y + 6), (12, y + 6)], grey.stroke_width(1))).map_err(draw_err)?;
         legend.draw(&PathElement::new(vec![(17, y + 6), (24, y + 6)], grey.stroke_width(1))).map_err(draw_err)?;
@@ -126,7 +142,7 @@ where
                 .y_desc(&c.y_label)
                 .label_style(("sans-serif", 14))
                 .x_label_formatter(&|v: &f64| if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.2}") })
-                .y_label_formatter(&|v: &f64| if c.log_y || v.abs() < 1e-3 && *v != 0.0 { format!("{v:.0e}") } else { format!("{v:.3}") })
+                .y_label_formatter(&|v: &f64| if c.log_y || v.abs() < 1e-3 && *v != 0.0 { format!("{v:.0e}") } else if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.2}") })
                 .draw()
                 .map_err(draw_err)?;
             if let Some((lo, hi)) = c.band {

@@ -647,8 +647,8 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
             series: vec![
                 Series { name: "B/A - 1 per pair".into(), points: changes, colour: 0, dashed: false },
                 Series { name: "median".into(), points: vec![(1.0, 100.0 * s.median_change), (n, 100.0 * s.median_change)], colour: 3, dashed: false },
-                Series { name: "+threshold".into(), points: vec![(1.0, 100.0 * s.threshold), (n, 100.0 * s.threshold)], colour: 7, dashed: true },
-                Series { name: "-threshold".into(), points: vec![(1.0, -100.0 * s.threshold), (n, -100.0 * s.threshold)], colour: 7, dashed: true },
+                Series { name: "±threshold (band: 95% CI)".into(), points: vec![(1.0, 100.0 * s.threshold), (n, 100.0 * s.threshold)], colour: 7, dashed: true },
+                Series { name: "±threshold (band: 95% CI)".into(), points: vec![(1.0, -100.0 * s.threshold), (n, -100.0 * s.threshold)], colour: 7, dashed: true },
             ],
             band: Some((100.0 * s.ci95.0, 100.0 * s.ci95.1)),
         },

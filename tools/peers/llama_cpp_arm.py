@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""llama.cpp as an A/B arm (`cargo xtask ab --a "exec:python3 tools/peers/llama_cpp_arm.py" ...`).
+
+A development peer, never a runtime dependency: it needs the PyPI sdist `llama-cpp-python`
+(`pip install llama-cpp-python`, which builds llama.cpp from source, ~12 min on 2 cores).
+It speaks the arm protocol: reads TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS and
+TOUCHSTONE_N_GENERATE, runs one warm-up and one measured greedy generation on 2 threads, and prints
+one JSON line: prefill_ms (to the first token), decode_ms, n_prompt, n_gen, tokens, step_ms.
+"""
+import json
+import os
+import time
+
+from llama_cpp import Llama
+
+ids = [int(t) for t in os.environ["TOUCHSTONE_PROMPT_IDS"].split(",")]
+n_gen = int(os.environ["TOUCHSTONE_N_GENERATE"])
+threads = int(os.environ.get("RAYON_NUM_THREADS", "2"))
+llm = Llama(model_path=os.environ["TOUCHSTONE_MODEL"], n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+
+
+def run():
+    llm.reset()
+    tokens, stamps = [], []
+    t0 = time.perf_counter()
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        stamps.append(time.perf_counter())
+        tokens.append(int(tok))
+        if len(tokens) == n_gen:
+            break
+    steps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return {"prefill_ms": (stamps[0] - t0) * 1e3, "decode_ms": (stamps[-1] - stamps[0]) * 1e3, "n_prompt": len(ids), "n_gen": len(tokens), "tokens": tokens, "step_ms": steps}
+
+
+run()  # warm-up
+print(json.dumps(run()))
