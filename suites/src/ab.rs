@@ -48,26 +48,9 @@ pub struct AbStats {
     pub pairs_needed: Option<usize>,
 }
 
-/// SplitMix64: a seeded generator for the bootstrap (no dependency, reproducible everywhere).
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Standard normal (Box-Muller).
-    pub fn normal(&mut self) -> f64 {
-        let (u1, u2) = (self.uniform().max(1e-300), self.uniform());
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-}
+/// The bootstrap's and the simulation's generator: the oracle's SplitMix64 (seeded, the same
+/// stream on every machine).
+pub use oracle::ops::SplitMix64 as Rng;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -182,8 +165,8 @@ impl NoisyMachine {
     }
     /// One pair: the ratio B/A.
     pub fn pair(&mut self, _i: usize, slowdown_b: f64) -> f64 {
-        let sigma = if self.rng.uniform() < self.p_outlier { self.sigma_outlier } else { self.sigma_core };
-        ((1.0 + slowdown_b).ln() + sigma * self.rng.normal()).exp()
+        let sigma = if self.rng.next_f64() < self.p_outlier { self.sigma_outlier } else { self.sigma_core };
+        ((1.0 + slowdown_b).ln() + sigma * self.rng.next_normal()).exp()
     }
 }
 

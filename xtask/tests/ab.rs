@@ -2,20 +2,11 @@
 //! an arm that fails or prints no JSON is exit 2 naming the arm and the pair, and outputs that
 //! differ between arms are an error unless allowed.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn xtask(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_xtask")).args(args).current_dir(workspace()).output().expect("xtask runs")
-}
+use common::*;
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
+use std::process::Command;
 
 fn python() -> bool {
     let ok = Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success());
@@ -35,7 +26,7 @@ fn an_exec_arm_sleeping_3_percent_per_token_is_slower() {
     let dir = tempfile::tempdir().unwrap();
     let a = format!("exec:{ENGINE}");
     let b = format!("exec:EXTRA_SLEEP_PCT=3 {ENGINE}");
-    let o = xtask(&["ab", "--a", &a, "--b", &b, "--model", "tiny-llama", "--pairs", "12", "--max-pairs", "40", "--threshold", "1", "--gen-len", "40", "--report-dir", dir.path().to_str().unwrap()]);
+    let o = xtask(&["ab", "--a", &a, "--b", &b, "--model", "tiny-llama", "--pairs", "12", "--max-pairs", "40", "--threshold", "1", "--gen-len", "40", "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("SLOWER"), "{}", text(&o));
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
@@ -51,20 +42,20 @@ fn an_exec_arm_sleeping_3_percent_per_token_is_slower() {
 #[test]
 fn failing_arms_and_different_outputs_exit_2() {
     let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["ab", "--a", "exec:echo '{\"prefill_ms\":1,\"decode_ms\":5,\"n_prompt\":16,\"n_gen\":32,\"tokens\":[1,2]}'", "--b", "exec:exit 4", "--model", "tiny-llama", "--report-dir", dir.path().to_str().unwrap()]);
+    let o = xtask(&["ab", "--a", "exec:echo '{\"prefill_ms\":1,\"decode_ms\":5,\"n_prompt\":16,\"n_gen\":32,\"tokens\":[1,2]}'", "--b", "exec:exit 4", "--model", "tiny-llama", "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("arm B") && text(&o).contains("pair 1"), "{}", text(&o));
     assert!(dir.path().join("report.json").exists(), "the report is written with what was gathered");
 
-    let o = xtask(&["ab", "--a", "exec:echo not json", "--b", "exec:true", "--model", "tiny-llama"]);
+    let o = xtask(&["ab", "--a", "exec:echo not json", "--b", "exec:true", "--model", "tiny-llama"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("arm A") && text(&o).contains("no JSON"), "{}", text(&o));
 
     let line = |toks: &str| format!("exec:echo '{{\"prefill_ms\":1,\"decode_ms\":5,\"n_prompt\":16,\"n_gen\":3,\"tokens\":[{toks}]}}'");
-    let o = xtask(&["ab", "--a", &line("1,2,3"), "--b", &line("1,2,4"), "--model", "tiny-llama", "--pairs", "2", "--max-pairs", "2"]);
+    let o = xtask(&["ab", "--a", &line("1,2,3"), "--b", &line("1,2,4"), "--model", "tiny-llama", "--pairs", "2", "--max-pairs", "2"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("outputs differ from generated token 2"), "{}", text(&o));
-    let o = xtask(&["ab", "--a", &line("1,2,3"), "--b", &line("1,2,4"), "--model", "tiny-llama", "--pairs", "2", "--max-pairs", "2", "--allow-different-outputs"]);
+    let o = xtask(&["ab", "--a", &line("1,2,3"), "--b", &line("1,2,4"), "--model", "tiny-llama", "--pairs", "2", "--max-pairs", "2", "--allow-different-outputs"], &[]);
     assert_ne!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("outputs differ from generated token 2"), "{}", text(&o));
 }

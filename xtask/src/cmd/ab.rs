@@ -367,21 +367,8 @@ fn lockstep_pair(first: &Runner, second: &Runner, gen_len: usize, timeout: Durat
 
 /// Runs one arm once: its JSON line, or why not.
 fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
-    if let Some(server) = &r.server {
-        use std::io::Write;
-        let mut sv = server.borrow_mut();
-        sv.stdin.write_all(b"run\n").and_then(|_| sv.stdin.flush()).map_err(|e| format!("the arm's server stopped ({e})"))?;
-        let line = match sv.lines.recv_timeout(timeout) {
-            Ok(l) => l,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Err(format!("did not answer within {} s", timeout.as_secs())),
-            Err(_) => {
-                let _ = sv.child.wait();
-                let text = std::fs::read_to_string(sv.stderr.path()).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(4).collect();
-                return Err(format!("exited: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" / ")));
-            }
-        };
-        return parse_sample(&line);
+    if r.server.is_some() {
+        return request(r, "run", timeout).and_then(|v| parse_sample(&v.to_string()));
     }
     let out = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
     let err = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;

@@ -1,0 +1,28 @@
+//! Helpers shared by the command-line tests: run the xtask binary in the workspace root.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn xtask(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    c.args(args).current_dir(workspace());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("xtask runs")
+}
+
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// stdout and stderr together.
+pub fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
