@@ -4,6 +4,8 @@
 //! source of truth; `report.md`, `junit.xml` and `cases.csv` are rendered from it. Writes are
 //! atomic (temp file + rename). Reports from shards merge into one (`Report::merge`).
 
+#[cfg(feature = "parquet")]
+pub mod parquet;
 pub mod plot;
 
 use serde::{Deserialize, Serialize};
@@ -338,6 +340,8 @@ impl Report {
         for (stem, chart) in self.charts()? {
             plot::write_chart(dir, &stem, &chart)?;
         }
+        #[cfg(feature = "parquet")]
+        parquet::write_all(self, dir)?;
         if let Some(summary) = std::env::var_os("GITHUB_STEP_SUMMARY") {
             use std::io::Write;
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(summary)?;

@@ -574,6 +574,10 @@ pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap
         t.budget_isolated = None;
     }
     let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0));
+    // Two builds of one engine often agree bit for bit up to a change: the first tap where they
+    // differ at all is worth knowing even when the difference is inside the budget.
+    let first_difference = taps.iter().find(|t| t.propagated.is_some_and(|s| s.rms_err > 0.0 || s.nonfinite > 0) || t.id_mismatches.is_some_and(|n| n > 0));
+    report.sections.insert("first_difference".into(), first_difference.map_or(serde_json::Value::Null, |t| json!({ "tap": t.name, "rms_err": t.propagated.map(|s| s.rms_err), "worst_position": t.propagated.map(|s| s.worst_pos) })));
     let lookup = |v: &[TapDiff], name: &str| v.iter().find(|t| t.name == name).and_then(|t| t.propagated).map(|s| s.rel());
     for c in &mut report.cases {
         let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();

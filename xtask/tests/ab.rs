@@ -47,6 +47,12 @@ fn failing_arms_and_different_outputs_exit_2() {
     assert!(text(&o).contains("arm B") && text(&o).contains("pair 1"), "{}", text(&o));
     assert!(dir.path().join("report.json").exists(), "the report is written with what was gathered");
 
+    let t0 = std::time::Instant::now();
+    let o = xtask(&["ab", "--a", "exec:sleep 30", "--b", "exec:true", "--model", "tiny-llama", "--timeout", "1"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("arm A") && text(&o).contains("did not finish within 1 s"), "{}", text(&o));
+    assert!(t0.elapsed().as_secs() < 20, "a hung arm is killed");
+
     let o = xtask(&["ab", "--a", "exec:echo not json", "--b", "exec:true", "--model", "tiny-llama"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("arm A") && text(&o).contains("no JSON"), "{}", text(&o));

@@ -46,6 +46,14 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
         assert!(tmp.path().join("ok").join(plot).exists(), "{plot} is written");
     }
 
+    // Two builds compared tap by tap: the cpu device against its own dump agrees everywhere.
+    let o = xtask(&["layer-diff", "--device", "cpu", "--against", &device, "--model", "smollm2", "--prompt-ids", IDS, "--report-dir", tmp.path().join("vs").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("vs/report.json")).unwrap()).unwrap();
+    assert_eq!(report["against"], device.as_str());
+    assert!(report["first_difference"].is_null(), "a build against its own dump differs nowhere: {}", report["first_difference"]);
+    assert!(report["cases"][0]["metrics"].as_object().unwrap().keys().any(|k| k.starts_with("oracle_vs_")), "the oracle stays as the reference column");
+
     // One layer's output off by 2% at one position: found at exactly that layer.
     edit_tap(&dump, "blk.17.l_out", |v| {
         let w = 576;
@@ -59,6 +67,13 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     assert_eq!(report["first_divergence"]["tap"], "blk.17.l_out", "{}", report["first_divergence"]);
     assert_eq!(report["first_divergence"]["worst_position"], 4);
     assert!(text(&o).contains("first divergence: blk.17.l_out"));
+    // The two-build comparison names the first tap where the builds differ at all (the 2% change
+    // of one position stays inside the sum of both builds' propagated budgets).
+    let o = xtask(&["layer-diff", "--device", "cpu", "--against", &device, "--model", "smollm2", "--prompt-ids", IDS, "--report-dir", tmp.path().join("vs2").to_str().unwrap()], &[]);
+    assert_ne!(o.status.code(), Some(2), "{}", text(&o));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("vs2/report.json")).unwrap()).unwrap();
+    assert_eq!(report["first_difference"]["tap"], "blk.17.l_out", "{}", report["first_difference"]);
+    assert_eq!(report["first_difference"]["worst_position"], 4);
 }
 
 #[test]

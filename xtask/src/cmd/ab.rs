@@ -374,6 +374,7 @@ fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
     let err = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
     let mut cmd = (r.cmd)();
     cmd.stdin(std::process::Stdio::null()).stdout(out.reopen().map_err(|e| e.to_string())?).stderr(err.reopen().map_err(|e| e.to_string())?);
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn().map_err(|e| format!("cannot start: {e}"))?;
     let t0 = Instant::now();
     let status = loop {
@@ -381,6 +382,8 @@ fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
             break s;
         }
         if t0.elapsed() > timeout {
+            // The whole process group: `sh -c` may have started children of its own.
+            let _ = Command::new("kill").arg("-KILL").arg(format!("-{}", child.id())).status();
             let _ = child.kill();
             let _ = child.wait();
             return Err(format!("did not finish within {} s (killed)", timeout.as_secs()));

@@ -98,6 +98,12 @@ fn print_table(o: &layerdiff::Outcome) {
     for r in rows {
         println!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", r[0], r[1], r[2], r[3], r[4], r[5]);
     }
+    if let Some(d) = o.report.sections.get("first_difference") {
+        match d.get("tap") {
+            Some(t) => println!("first tap where the two differ at all: {t} ({d})"),
+            None => println!("the two agree bit for bit at every tap"),
+        }
+    }
     match layerdiff::first_divergence(&o.taps) {
         Some(t) => println!("first divergence: {} ({})", t.name, o.report.sections.get("first_divergence").map(|v| v.to_string()).unwrap_or_default()),
         None => println!("first divergence: none (every tap within its budget)"),
