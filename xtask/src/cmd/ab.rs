@@ -49,6 +49,12 @@ pub struct AbArgs {
     /// their outputs first differ. Without it, different outputs are an error.
     #[arg(long)]
     allow_different_outputs: bool,
+    /// Restart both arms' server processes every N pairs, in alternating order (0 = never). A
+    /// process's luck with memory placement (huge pages, page colouring) lasts as long as the
+    /// process and showed up here as a steady 1-3% bias between two identical builds; restarting
+    /// turns that luck into noise the statistics can see.
+    #[arg(long, default_value_t = 4)]
+    respawn_every: usize,
     /// Seconds one run may take before it is killed (an error, exit 2).
     #[arg(long, default_value_t = 300)]
     timeout: u64,
@@ -313,6 +319,16 @@ fn build_rev(rev: &str) -> Result<PathBuf, Exit> {
     Ok(bin)
 }
 
+/// Replaces an arm's server process with a fresh one (no-op for per-run arms).
+fn respawn(r: &Runner) -> Result<(), String> {
+    if let Some(server) = &r.server {
+        let fresh = start_server((r.cmd)())?;
+        // The old server is dropped (killed) here.
+        *server.borrow_mut() = fresh;
+    }
+    Ok(())
+}
+
 /// Sends one request line to an arm's server and returns its JSON answer.
 fn request(r: &Runner, cmd: &str, timeout: Duration) -> Result<serde_json::Value, String> {
     use std::io::Write;
@@ -442,6 +458,18 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
         while pairs.len() < target && failure.is_none() {
             let i = pairs.len();
             let order: [&Runner; 2] = if ab::a_first(i) { [&ra, &rb] } else { [&rb, &ra] };
+            if a.respawn_every > 0 && i > 0 && i % a.respawn_every == 0 {
+                // Start the arm that goes first in this pair last, so neither arm always gets the
+                // fresher machine state.
+                for r in [order[1], order[0]] {
+                    if let Err(e) = respawn(r) {
+                        failure = Some(Exit { code: 2, message: format!("arm {} could not be restarted before pair {}: {e}", r.name, i + 1) });
+                    }
+                }
+                if failure.is_some() {
+                    break;
+                }
+            }
             if lockstep {
                 match lockstep_pair(order[0], order[1], a.gen_len, timeout) {
                     Ok((first, second)) => {
