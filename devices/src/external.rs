@@ -225,13 +225,28 @@ fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &
             Ok(Some(status)) => return Err(format!("`{cmd}` exited with {status}{}", tail())),
             Ok(None) if t0.elapsed() > timeout => {
                 // Kill the whole process group: `sh -c` may have started children of its own.
-                let _ = std::process::Command::new("kill").arg("-KILL").arg(format!("-{}", child.id())).status();
+                kill_process_group(child.id());
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(format!("`{cmd}` did not finish within {:.0} s (killed; set TOUCHSTONE_EXEC_TIMEOUT to allow more){}", timeout.as_secs_f64(), tail()));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
             Err(e) => return Err(format!("waiting for `{cmd}`: {e}")),
+        }
+    }
+}
+
+/// SIGKILL to the process group led by `pid` (a child started with `process_group(0)`), so
+/// grandchildren of `sh -c` die too. A direct system call: the `kill` program is not used because
+/// procps-ng 4.0's `kill -KILL -PGID` was seen here to signal every process of the user instead.
+pub fn kill_process_group(pid: u32) {
+    // A group id of 0 or 1 would mean "our own group" or "everyone": never signal those.
+    if let Ok(pgid) = i32::try_from(pid) {
+        if pgid > 1 {
+            // SAFETY: kill(2) with a negative pid signals exactly that process group.
+            unsafe {
+                libc::kill(-pgid, libc::SIGKILL);
+            }
         }
     }
 }

@@ -399,7 +399,7 @@ fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
         }
         if t0.elapsed() > timeout {
             // The whole process group: `sh -c` may have started children of its own.
-            let _ = Command::new("kill").arg("-KILL").arg(format!("-{}", child.id())).status();
+            devices::external::kill_process_group(child.id());
             let _ = child.kill();
             let _ = child.wait();
             return Err(format!("did not finish within {} s (killed)", timeout.as_secs()));
