@@ -32,13 +32,13 @@ enum Command {
     Ab(cmd::ab::AbArgs),
     #[command(hide = true)]
     AbRun(cmd::ab::AbRunArgs),
-    /// Merge shard reports or re-render a report's Markdown/JUnit/CSV.
+    /// Merge shard reports or re-render a report's Markdown/JUnit/CSV/plots from report.json.
     Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
     Run(cmd::run::RunArgs),
     /// Writes every tap and the logits of every position in the dump format (docs/DUMP_FORMAT.md).
     Dump(cmd::dump::DumpArgs),
-    /// Throughput of a device on a model (prefill, decode; for the oracle also weight bandwidth vs a memory probe).
+    /// Throughput of a device on a model: prefill/decode tok/s, time to first token, inter-token latency percentiles, peak RSS (for the oracle also weight bandwidth vs a memory probe).
     Bench(cmd::bench::BenchArgs),
     /// Generates the synthetic models and fetches/verifies the real ones (idempotent).
     Fixtures(cmd::fixtures::FixturesArgs),
