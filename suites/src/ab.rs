@@ -11,6 +11,7 @@
 //!   it (the CI half-width shrinks like 1/sqrt(n)).
 //! Timings are compared as log ratios, so a 2% slowdown and a 2% speed-up are symmetric.
 
+use crate::throughput::median;
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -52,14 +53,6 @@ pub struct AbStats {
 /// stream on every machine).
 pub use oracle::ops::SplitMix64 as Rng;
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) }
-}
 
 /// Bootstrap percentile 95% CI of the median of `x` (seeded).
 pub fn bootstrap_median_ci(x: &[f64], resamples: usize, seed: u64) -> (f64, f64) {
@@ -71,7 +64,7 @@ pub fn bootstrap_median_ci(x: &[f64], resamples: usize, seed: u64) -> (f64, f64)
         for b in buf.iter_mut() {
             *b = x[(rng.next_u64() % n as u64) as usize];
         }
-        meds.push(median(&mut buf));
+        meds.push(median(&buf));
     }
     meds.sort_by(f64::total_cmp);
     let at = |q: f64| meds[((resamples - 1) as f64 * q).round() as usize];
@@ -120,7 +113,7 @@ pub fn wilcoxon_p(x: &[f64]) -> f64 {
 pub fn analyze(ratios: &[f64], threshold: f64, seed: u64) -> AbStats {
     let logs: Vec<f64> = ratios.iter().map(|r| r.ln()).collect();
     let n = logs.len();
-    let med = median(&mut logs.clone()).exp() - 1.0;
+    let med = median(&logs).exp() - 1.0;
     let (lo, hi) = if n >= 2 { bootstrap_median_ci(&logs, 2000, seed) } else { (f64::NEG_INFINITY, f64::INFINITY) };
     let (lo, hi) = (lo.exp() - 1.0, hi.exp() - 1.0);
     let p = wilcoxon_p(&logs);

@@ -18,6 +18,7 @@
 //! so one model of the device's arithmetic feeds both gates.
 
 use crate::layerdiff::Budget;
+use crate::throughput::percentile;
 use reports::{Case, Tolerance, Verdict};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -68,6 +69,8 @@ fn log_softmax(x: &[f64]) -> Vec<f64> {
     x.iter().map(|v| v - lse).collect()
 }
 
+/// Not `oracle::ops::top_k`, which never picks NaN: a device logit that is NaN must show up here
+/// as the device's top token (a flip), not be skipped.
 fn top_k(x: &[f64], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..x.len()).collect();
     // Ties resolve to the lower index, as the oracle's argmax does.
@@ -122,13 +125,6 @@ pub fn wilson95(successes: usize, n: usize) -> (f64, f64) {
     ((centre - half).max(0.0), (centre + half).min(1.0))
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
-    sorted[i]
-}
 
 /// The `token_stats` section: the statistics llama.cpp's `--kl-divergence` prints.
 pub fn token_stats(stats: &[PositionStats]) -> Value {

@@ -242,6 +242,14 @@ pub struct TapDiff {
 }
 
 impl TapDiff {
+    /// The comparison of `mode` and its budget.
+    pub fn compared(&self, mode: Mode) -> (Option<ErrStats>, Option<Budget>) {
+        match mode {
+            Mode::Propagated => (self.propagated, self.budget_propagated),
+            Mode::Isolated => (self.isolated, self.budget_isolated),
+        }
+    }
+
     fn over(stats: &Option<ErrStats>, budget: &Option<Budget>) -> Option<bool> {
         let (s, b) = (stats.as_ref()?, budget.as_ref()?);
         Some(s.nonfinite > 0 || !(s.rms_err <= b.bound(s.rms_ref)))
@@ -252,18 +260,14 @@ impl TapDiff {
         if let Some(n) = self.id_mismatches {
             return Some(n > 0);
         }
-        match mode {
-            Mode::Propagated => Self::over(&self.propagated, &self.budget_propagated),
-            Mode::Isolated => Self::over(&self.isolated, &self.budget_isolated),
-        }
+        let (s, b) = self.compared(mode);
+        Self::over(&s, &b)
     }
 
     /// Measured RMS error over its bound (> 1 is over budget).
     pub fn budget_use(&self, mode: Mode) -> Option<f64> {
-        let (s, b) = match mode {
-            Mode::Propagated => (self.propagated.as_ref()?, self.budget_propagated.as_ref()?),
-            Mode::Isolated => (self.isolated.as_ref()?, self.budget_isolated.as_ref()?),
-        };
+        let (s, b) = self.compared(mode);
+        let (s, b) = (s?, b?);
         Some(s.rms_err / b.bound(s.rms_ref))
     }
 }
@@ -365,10 +369,7 @@ pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
         None => Value::Null,
         Some(t) => {
             let mode = if t.isolated.is_some() { Mode::Isolated } else { Mode::Propagated };
-            let (stats, budget) = match mode {
-                Mode::Isolated => (t.isolated, t.budget_isolated),
-                Mode::Propagated => (t.propagated, t.budget_propagated),
-            };
+            let (stats, budget) = t.compared(mode);
             json!({
                 "tap": t.name,
                 "layer": t.layer,
@@ -409,14 +410,7 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             if let Some(n) = t.id_mismatches {
                 m.insert("id_mismatches".into(), json!(n));
             }
-            let gated = match mode {
-                Mode::Propagated => t.propagated,
-                Mode::Isolated => t.isolated,
-            };
-            let budget = match mode {
-                Mode::Propagated => t.budget_propagated,
-                Mode::Isolated => t.budget_isolated,
-            };
+            let (gated, budget) = t.compared(mode);
             if let Some(s) = gated {
                 m.insert("max_abs".into(), json!(s.max_abs));
             }
@@ -465,11 +459,7 @@ pub fn layer_table(taps: &[TapDiff]) -> Vec<Vec<String>> {
             let worst = ts.iter().filter(|t| t.budget_use(Mode::Isolated).is_some()).max_by(|a, b| a.budget_use(Mode::Isolated).unwrap_or(0.0).total_cmp(&b.budget_use(Mode::Isolated).unwrap_or(0.0)));
             let fmt_rel = |t: Option<&TapDiff>, mode: Mode| -> String {
                 let Some(t) = t else { return "-".into() };
-                let (s, b) = match mode {
-                    Mode::Propagated => (t.propagated, t.budget_propagated),
-                    Mode::Isolated => (t.isolated, t.budget_isolated),
-                };
-                match (s, b) {
+                match t.compared(mode) {
                     (Some(s), Some(b)) => format!("{:.2e} / {:.2e}", s.rel(), b.bound(s.rms_ref) / s.rms_ref.max(f64::MIN_POSITIVE)),
                     _ => "-".into(),
                 }
@@ -511,10 +501,7 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
         let mut measured = Vec::new();
         let mut budget = Vec::new();
         for t in taps.iter().filter(|t| t.kind == *kind) {
-            let (s, b) = match mode {
-                Mode::Propagated => (t.propagated, t.budget_propagated),
-                Mode::Isolated => (t.isolated, t.budget_isolated),
-            };
+            let (s, b) = t.compared(mode);
             if let (Some(layer), Some(s)) = (t.layer, s) {
                 // A tap equal to the oracle to the last bit has no place on a log scale; it is
                 // drawn at the smallest f32 relative step instead of vanishing.
