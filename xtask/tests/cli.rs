@@ -16,9 +16,7 @@ fn smollm2() -> PathBuf {
 /// The independent reference (tools/reference/llama_f64.py: gguf-py decoders + numpy f64).
 /// Returns None, printing why, when Python or its packages are missing.
 fn reference(model: &Path, greedy: usize) -> Option<serde_json::Value> {
-    let probe = Command::new("python3").args(["-c", "import gguf, numpy"]).output();
-    if !matches!(probe, Ok(ref o) if o.status.success()) {
-        eprintln!("SKIPPED: python3 with gguf and numpy is not installed (pip install -r tools/reference/requirements.txt)");
+    if !python_with_reference_peers() {
         return None;
     }
     let out = tempfile::NamedTempFile::new().unwrap();

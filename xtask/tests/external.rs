@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 const IDS: &str = "504,3575,282,4649,314,260,1345,28,1116";
 
@@ -143,9 +143,7 @@ fn exec_commands_that_fail_or_hang_exit_2() {
 
 #[test]
 fn the_example_engine_is_gated_through_exec() {
-    let probe = Command::new("python3").args(["-c", "import gguf, numpy"]).output();
-    if !matches!(probe, Ok(ref o) if o.status.success()) {
-        eprintln!("SKIPPED: python3 with gguf and numpy is not installed (pip install -r tools/reference/requirements.txt)");
+    if !python_with_reference_peers() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

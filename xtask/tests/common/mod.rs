@@ -26,3 +26,14 @@ pub fn stderr(o: &Output) -> String {
 pub fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
+
+/// Whether python3 with gguf-py and numpy (tools/reference/requirements.txt) is installed; says
+/// SKIPPED when not, so a skipped test is visible in the output.
+pub fn python_with_reference_peers() -> bool {
+    let probe = Command::new("python3").args(["-c", "import gguf, numpy"]).output();
+    let ok = matches!(probe, Ok(ref o) if o.status.success());
+    if !ok {
+        eprintln!("SKIPPED: python3 with gguf and numpy is not installed (pip install -r tools/reference/requirements.txt)");
+    }
+    ok
+}
