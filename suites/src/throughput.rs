@@ -65,7 +65,7 @@ pub fn median(v: &[f64]) -> f64 {
 /// Runs one warm-up, then `reps` repetitions of (bandwidth probe, greedy generation), so every
 /// decode figure has a probe taken seconds before it on the same noisy machine.
 pub fn bench_ref(model: &AnyModel, prompt: &[u32], gen_len: usize, reps: usize, progress: impl FnMut(usize)) -> oracle::Result<RefBench> {
-    let greedy = SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+    let greedy = SamplerConfig::GREEDY;
     bench_with(|p, n| model.generate(p, n, &greedy, 0, None, &mut NoTap), model.weight_bytes_per_token(), prompt, gen_len, reps, progress)
 }
 

@@ -66,6 +66,11 @@ pub struct SamplerConfig {
     pub top_p: f64,
 }
 
+impl SamplerConfig {
+    /// Greedy decoding: always the most likely token.
+    pub const GREEDY: SamplerConfig = SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+}
+
 /// Picks the next token from `logits` with the seeded `rng`.
 pub fn sample<T: Real>(logits: &[T], cfg: &SamplerConfig, rng: &mut SplitMix64) -> usize {
     if cfg.temperature <= 0.0 {

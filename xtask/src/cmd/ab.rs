@@ -5,8 +5,10 @@
 //! external command (`exec:CMD`) that prints one JSON line per run:
 //! `{"prefill_ms":…, "decode_ms":…, "n_prompt":…, "n_gen":…, "tokens":[…]}` (it gets
 //! TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS and TOUCHSTONE_N_GENERATE in its environment).
-//! Every run is a fresh process on identical inputs; pairs run in ABBA order; the per-pair B/A
-//! ratio of decode time per token is judged by suites::ab (bootstrap CI + Wilcoxon). Exit 0 for
+//! Both arms get identical inputs; pairs run in ABBA order. Device and git arms are servers of
+//! `xtask ab-run --serve` stepped token by token in lockstep (restarted every few pairs); `exec:`
+//! arms are a fresh process per run. The per-pair B/A ratio of decode time per token is judged by
+//! suites::ab (bootstrap CI + Wilcoxon). Exit 0 for
 //! faster / no change, 1 for slower, 3 for inconclusive (after --max-pairs), 2 when an arm fails
 //! (the samples gathered so far are kept in the report).
 
@@ -117,7 +119,7 @@ impl RunSample {
 
 /// One whole measured run, as the arm protocol's JSON line.
 fn one_run(engine: &mut super::Engine, ids: &[u32], gen_len: usize, cpu: &str) -> Result<String, Exit> {
-    let greedy = oracle::ops::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+    let greedy = oracle::ops::SamplerConfig::GREEDY;
     let g = engine.generate(ids, gen_len, &greedy, 0, None)?;
     let s = RunSample {
         prefill_ms: g.prefill_s * 1e3,
@@ -132,9 +134,13 @@ fn one_run(engine: &mut super::Engine, ids: &[u32], gen_len: usize, cpu: &str) -
     Ok(serde_json::to_string(&s).expect("sample serializes"))
 }
 
-/// Greedy next token of the last row of `logits`.
-fn next_token(logits: &[f32], n_vocab: usize) -> u32 {
-    oracle::ops::argmax(&logits[logits.len() - n_vocab..]) as u32
+/// Runs `ids` on the device model and picks the greedy next token: (token, milliseconds).
+fn timed_next(m: &mut dyn devices::DeviceModel, ids: &[u32]) -> Result<(u32, f64), Exit> {
+    let t = Instant::now();
+    let logits = m.forward(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let n_vocab = m.spec().n_vocab;
+    let tok = oracle::ops::argmax(&logits[logits.len() - n_vocab..]) as u32;
+    Ok((tok, t.elapsed().as_secs_f64() * 1e3))
 }
 
 pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
@@ -142,7 +148,7 @@ pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
     let ids = super::parse_ids(&a.prompt_ids)?;
     let (_, mut engine, _) = super::load_engine(&a.model, &a.device, oracle::Precision::F32)?;
     super::check_ids(&ids, engine.spec().n_vocab)?;
-    let greedy = oracle::ops::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+    let greedy = oracle::ops::SamplerConfig::GREEDY;
     // Warm-up: page in the weights and the code paths before the measured run.
     engine.generate(&ids, 2, &greedy, 0, None)?;
     let cpu = Provenance::collect(rayon::current_num_threads()).cpu;
@@ -156,7 +162,6 @@ pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
     }
     // Server: `run` = one whole run; `begin` / `step` = the same run one token at a time, so the
     // harness can interleave two arms token by token (device models only).
-    let dev_err = |e: devices::DeviceError| Exit { code: 2, message: e.to_string() };
     let mut last: Option<u32> = None;
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).map_err(|e| Exit { code: 2, message: format!("stdin: {e}") })? > 0 {
@@ -164,19 +169,13 @@ pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
             ("run", e) => one_run(e, &ids, a.gen_len, &cpu)?,
             ("begin", super::Engine::Device(m)) => {
                 m.reset();
-                let t = Instant::now();
-                let logits = m.forward(&ids, &mut oracle::NoTap).map_err(dev_err)?;
-                let tok = next_token(&logits, m.spec().n_vocab);
-                let ms = t.elapsed().as_secs_f64() * 1e3;
+                let (tok, ms) = timed_next(m.as_mut(), &ids)?;
                 last = Some(tok);
                 json!({ "prefill_ms": ms, "token": tok, "cpu": cpu }).to_string()
             }
             ("step", super::Engine::Device(m)) => match last {
                 Some(prev) => {
-                    let t = Instant::now();
-                    let logits = m.forward(&[prev], &mut oracle::NoTap).map_err(dev_err)?;
-                    let tok = next_token(&logits, m.spec().n_vocab);
-                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    let (tok, ms) = timed_next(m.as_mut(), &[prev])?;
                     last = Some(tok);
                     json!({ "step_ms": ms, "token": tok }).to_string()
                 }
@@ -285,13 +284,7 @@ fn prepare(arm_name: &str, arm: Arm, model: &Path, model_name: &str, ids: &str, 
 
 /// Builds this repository's xtask at `rev` in its own worktree (cached by commit).
 fn build_rev(rev: &str) -> Result<PathBuf, Exit> {
-    let git = |dir: &Path, args: &[&str]| -> Result<String, Exit> {
-        let o = Command::new("git").args(args).current_dir(dir).output().map_err(|e| Exit { code: 2, message: format!("git: {e}") })?;
-        if !o.status.success() {
-            return Err(Exit { code: 2, message: format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()) });
-        }
-        Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
+    use super::git;
     let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let top = PathBuf::from(git(&here, &["rev-parse", "--show-toplevel"])?);
     let sha = git(&top, &["rev-parse", "--verify", &format!("{rev}^{{commit}}")])?;
@@ -329,6 +322,12 @@ fn respawn(r: &Runner) -> Result<(), String> {
     Ok(())
 }
 
+/// The last four lines of an arm's stderr, on one line.
+fn last_lines(text: &str) -> String {
+    let tail: Vec<&str> = text.lines().rev().take(4).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+}
+
 /// Sends one request line to an arm's server and returns its JSON answer.
 fn request(r: &Runner, cmd: &str, timeout: Duration) -> Result<serde_json::Value, String> {
     use std::io::Write;
@@ -340,9 +339,7 @@ fn request(r: &Runner, cmd: &str, timeout: Duration) -> Result<serde_json::Value
         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Err(format!("did not answer within {} s", timeout.as_secs())),
         Err(_) => {
             let _ = sv.child.wait();
-            let text = std::fs::read_to_string(sv.stderr.path()).unwrap_or_default();
-            let tail: Vec<&str> = text.lines().rev().take(4).collect();
-            return Err(format!("exited: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" / ")));
+            return Err(format!("exited: {}", last_lines(&std::fs::read_to_string(sv.stderr.path()).unwrap_or_default())));
         }
     };
     serde_json::from_str(&line).map_err(|e| format!("answered `{line}` ({e})"))
@@ -355,12 +352,12 @@ fn can_lockstep(a: &Runner, b: &Runner, timeout: Duration) -> bool {
 
 /// One pair run token by token: both arms prefill, then decode steps alternate between the arms
 /// (A,B then B,A, ...), so both see the same machine state within milliseconds.
-fn lockstep_pair(first: &Runner, second: &Runner, gen_len: usize, timeout: Duration) -> Result<(RunSample, RunSample), (String, String)> {
+fn lockstep_pair(first: &Runner, second: &Runner, gen_len: usize, n_prompt: usize, timeout: Duration) -> Result<(RunSample, RunSample), (String, String)> {
     let mut samples = Vec::new();
     for r in [first, second] {
         let v = request(r, "begin", timeout).map_err(|e| (r.name.clone(), e))?;
         let tok = v.get("token").and_then(|t| t.as_u64()).ok_or_else(|| (r.name.clone(), format!("bad answer to begin: {v}")))?;
-        samples.push(RunSample { prefill_ms: v["prefill_ms"].as_f64().unwrap_or(0.0), decode_ms: 0.0, n_prompt: 0, n_gen: 1, tokens: vec![tok as u32], step_ms: Vec::new(), cpu: v.get("cpu").and_then(|c| c.as_str()).map(String::from), peak_rss_kb: None });
+        samples.push(RunSample { prefill_ms: v["prefill_ms"].as_f64().unwrap_or(0.0), decode_ms: 0.0, n_prompt, n_gen: 1, tokens: vec![tok as u32], step_ms: Vec::new(), cpu: v.get("cpu").and_then(|c| c.as_str()).map(String::from), peak_rss_kb: None });
     }
     for k in 0..gen_len.saturating_sub(1) {
         let order = if k % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -409,8 +406,7 @@ fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
     let stdout = std::fs::read_to_string(out.path()).unwrap_or_default();
     let stderr = std::fs::read_to_string(err.path()).unwrap_or_default();
     if !status.success() {
-        let tail: Vec<&str> = stderr.lines().rev().take(4).collect();
-        return Err(format!("exited with {status}: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" / ")));
+        return Err(format!("exited with {status}: {}", last_lines(&stderr)));
     }
     let line = stdout.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or("printed no JSON line")?;
     parse_sample(line)
@@ -470,40 +466,22 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
                     break;
                 }
             }
-            if lockstep {
-                match lockstep_pair(order[0], order[1], a.gen_len, timeout) {
-                    Ok((first, second)) => {
-                        let (mut sa, mut sb) = if ab::a_first(i) { (first, second) } else { (second, first) };
-                        sa.n_prompt = a.prompt_len;
-                        sb.n_prompt = a.prompt_len;
-                        pairs.push(Pair { a: sa, b: sb, a_first: ab::a_first(i) });
-                    }
-                    Err((name, e)) => {
-                        let which = if name == "A" { &a.a } else { &a.b };
-                        failure = Some(Exit { code: 2, message: format!("arm {name} (`{which}`) failed in pair {}: {e}", i + 1) });
-                    }
+            let ran = if lockstep {
+                lockstep_pair(order[0], order[1], a.gen_len, a.prompt_len, timeout)
+            } else {
+                let run = |r: &Runner| run_once(r, timeout).map_err(|e| (r.name.clone(), e));
+                run(order[0]).and_then(|first| Ok((first, run(order[1])?)))
+            };
+            match ran {
+                Ok((first, second)) => {
+                    let (sa, sb) = if ab::a_first(i) { (first, second) } else { (second, first) };
+                    pairs.push(Pair { a: sa, b: sb, a_first: ab::a_first(i) });
                 }
-                pb.set_length(target as u64);
-                pb.set_position(pairs.len() as u64);
-                continue;
-            }
-            let mut got = Vec::new();
-            for r in order {
-                match run_once(r, timeout) {
-                    Ok(s) => got.push(s),
-                    Err(e) => {
-                        let which = if r.name == "A" { &a.a } else { &a.b };
-                        failure = Some(Exit { code: 2, message: format!("arm {} (`{which}`) failed in pair {}: {e}", r.name, i + 1) });
-                        break;
-                    }
+                Err((name, e)) => {
+                    let which = if name == "A" { &a.a } else { &a.b };
+                    failure = Some(Exit { code: 2, message: format!("arm {name} (`{which}`) failed in pair {}: {e}", i + 1) });
                 }
             }
-            if failure.is_some() {
-                break;
-            }
-            let (first, second) = (got.remove(0), got.remove(0));
-            let (sa, sb) = if ab::a_first(i) { (first, second) } else { (second, first) };
-            pairs.push(Pair { a: sa, b: sb, a_first: ab::a_first(i) });
             pb.set_length(target as u64);
             pb.set_position(pairs.len() as u64);
         }

@@ -43,7 +43,7 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     let r = match &mut engine {
         super::Engine::Oracle(model) => suites::throughput::bench_ref(model, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?,
         engine => {
-            let greedy = oracle::ops::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
+            let greedy = oracle::ops::SamplerConfig::GREEDY;
             suites::throughput::bench_with(|p, n| engine.generate(p, n, &greedy, 0, None), 0, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?
         }
     };

@@ -4,8 +4,9 @@
 //! touched): 0 = good, 1 = bad, 2/3 (could not run / inconclusive) and build failures = skip.
 //! Prints the first bad commit and where the gate's report for it is.
 
+use super::git;
 use crate::Exit;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 #[derive(clap::Args)]
@@ -42,13 +43,6 @@ pub fn bisect_code(xtask_exit: Option<i32>) -> u8 {
     }
 }
 
-fn git(dir: &Path, args: &[&str]) -> Result<String, Exit> {
-    let o = Command::new("git").args(args).current_dir(dir).output().map_err(|e| Exit { code: 2, message: format!("git: {e}") })?;
-    if !o.status.success() {
-        return Err(Exit { code: 2, message: format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()) });
-    }
-    Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
-}
 
 pub fn main(a: BisectArgs) -> Result<u8, Exit> {
     let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;

@@ -14,8 +14,6 @@ use std::path::PathBuf;
 use suites::fixedtoken::{self, DeviceRuns, Golden, RoutingTap};
 use suites::layerdiff::{propagated_budget, Dims};
 
-const GREEDY: SamplerConfig = SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 };
-
 #[derive(clap::Args)]
 pub struct FixedTokenArgs {
     /// Device under test: cpu, fixed, fixed-int4, ref, external:DIR, exec:CMD.
@@ -40,7 +38,7 @@ pub struct FixedTokenArgs {
 }
 
 fn oracle_golden(oracle: &AnyModel, model: &str, sha256: String, prompt: Vec<u32>, n: usize) -> Result<Golden, Exit> {
-    let g = oracle.generate(&prompt, n, &GREEDY, 0, None, &mut NoTap)?;
+    let g = oracle.generate(&prompt, n, &SamplerConfig::GREEDY, 0, None, &mut NoTap)?;
     Ok(Golden { model: model.to_string(), sha256, prompt_ids: prompt, continuation_ids: g.tokens, regenerate: format!("cargo xtask fixed-token --model {model} --write-golden --n-generate {n}") })
 }
 
@@ -97,11 +95,10 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     drop(oracle);
 
     let (_, mut engine, _) = load_engine(&a.model, &a.device, Precision::F32)?;
-    let arith = engine.arithmetic();
     let (device_logits, mut runs, device_routing) = device_runs(&mut engine, &golden)?;
     runs.routing_differs = fixedtoken::routing_differs(&oracle_routing, &device_routing, seq.len());
-    // The device's arithmetic may come from its dump's manifest, known only after it ran.
-    let arith = if let Engine::Device(m) = &engine { m.arithmetic() } else { arith };
+    // Asked after the run: an external engine's arithmetic comes from its dump's manifest.
+    let arith = engine.arithmetic();
     let budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit { code: 2, message: "no logit budget rule".into() })?;
     let (cases, stats) = match device_logits {
         Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, &a.device),
@@ -117,7 +114,8 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     Ok(Some(report))
 }
 
-/// The device's teacher-forced logits (None for a token-only engine) and its other runs.
+/// The device's teacher-forced logits (None for a token-only engine), its other runs, and the MoE
+/// expert choices of its teacher-forced run (compared with the oracle's by the caller).
 fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>, DeviceRuns, RoutingTap), Exit> {
     let mut routing = RoutingTap::default();
     let seq = golden.sequence();
@@ -126,7 +124,7 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
     match engine {
         Engine::Oracle(m) => {
             let logits: Vec<f32> = m.prefill_logits(&seq, &mut routing)?.iter().map(|v| *v as f32).collect();
-            let greedy = m.generate(&golden.prompt_ids, n, &GREEDY, 0, None, &mut NoTap)?.tokens;
+            let greedy = m.generate(&golden.prompt_ids, n, &SamplerConfig::GREEDY, 0, None, &mut NoTap)?.tokens;
             // The oracle's own prefill/decode/append identity is the self-check suite's job.
             Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: None, routing_differs: Vec::new() }, routing))
         }
@@ -146,7 +144,7 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
                 };
             }
             let logits = m.forward(&seq, &mut routing).map_err(dev_err)?;
-            let greedy = super::generate_on_device(m.as_mut(), &golden.prompt_ids, n, &GREEDY, 0, None)?.tokens;
+            let greedy = super::generate_on_device(m.as_mut(), &golden.prompt_ids, n, &SamplerConfig::GREEDY, 0, None)?.tokens;
             let v = m.spec().n_vocab;
             // Prefill of the prompt, then one decode step per golden token.
             m.reset();

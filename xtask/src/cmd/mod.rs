@@ -16,7 +16,8 @@ use crate::Exit;
 use oracle::generate::AnyModel;
 use oracle::tokenizer::Tokenizer;
 use oracle::Precision;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// Devices that can run whole models in this build: `ref` (the oracle), `cpu`, `fixed`,
 /// `fixed-int4`, `external:DIR`, `exec:CMD`.
@@ -166,4 +167,13 @@ pub fn report_dir(given: Option<PathBuf>, suite: &str) -> PathBuf {
 /// An I/O failure on `path` as a could-not-run exit that names the path.
 pub fn io_exit(path: &std::path::Path, e: std::io::Error) -> Exit {
     Exit { code: 2, message: format!("{}: {e}", path.display()) }
+}
+
+/// Runs `git ARGS` in `dir`; its trimmed stdout, or an exit-2 error quoting git's stderr.
+pub fn git(dir: &Path, args: &[&str]) -> Result<String, Exit> {
+    let o = Command::new("git").args(args).current_dir(dir).output().map_err(|e| Exit { code: 2, message: format!("git: {e}") })?;
+    if !o.status.success() {
+        return Err(Exit { code: 2, message: format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()) });
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
 }
