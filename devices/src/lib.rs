@@ -7,12 +7,14 @@
 //!
 //! Backends: `ref` (the oracle itself, for self-checks), `cpu` (an optimized engine: f32 SIMD-
 //! friendly loops, Q8 activations against packed quantized weights, rayon). `fixed` (integer
-//! fixed point), `external` (dumps of other engines, `external:DIR` / `exec:CMD`). `cuda` and
-//! `rocm` are reported as unavailable until they are built.
+//! fixed point), `external` (dumps of other engines, `external:DIR` / `exec:CMD`), and the GPU devices
+//! in `gpu`: `cuda[:N]` and `rocm[:N]` (features `cuda`, `rocm`; unavailable when not compiled
+//! in or when the machine has no driver) and `gpu-emu`, the same kernels run on the host.
 
 pub mod cpu;
 pub mod external;
 pub mod fixed;
+pub mod gpu;
 #[cfg(feature = "faults")]
 pub mod faulty;
 pub mod reference;
@@ -180,11 +182,10 @@ pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         "cpu" => Ok(Box::new(cpu::CpuDevice)),
         "fixed" => Ok(Box::new(fixed::FixedDevice { int4: false })),
         "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
-        n if n.starts_with("cuda") => unavailable("not compiled with feature cuda"),
-        n if n.starts_with("rocm") => unavailable("not compiled with feature rocm"),
+        n if n == "gpu-emu" || n.starts_with("cuda") || n.starts_with("rocm") => gpu::open(n),
         n if n == "external:" || n == "exec:" => unavailable("give a dump directory (external:DIR) or a command (exec:CMD)"),
         n if n.starts_with("external:") || n.starts_with("exec:") => Ok(Box::new(external::ExternalDevice::parse(n).expect("prefix checked"))),
-        _ => unavailable("unknown device (ref, cpu, fixed, cuda[:N], rocm[:N], external:DIR, exec:CMD)"),
+        _ => unavailable("unknown device (ref, cpu, fixed, fixed-int4, cuda[:N], rocm[:N], gpu-emu, external:DIR, exec:CMD)"),
     }
 }
 

@@ -203,7 +203,12 @@ pub fn sample(x: &[f32], temperature: f64, k: usize, top_p: f64, rng: &mut oracl
     if temperature <= 0.0 {
         return argmax(x) as u32;
     }
-    let order = top_k(x, if k == 0 { x.len() } else { k });
+    sample_ranked(x, &top_k(x, if k == 0 { x.len() } else { k }), temperature, top_p, rng)
+}
+
+/// The draw of `sample` once the top-k candidates `order` (best first) are known; shared with
+/// devices that rank the candidates on an accelerator and draw on the host.
+pub fn sample_ranked(x: &[f32], order: &[u32], temperature: f64, top_p: f64, rng: &mut oracle::ops::SplitMix64) -> u32 {
     let scaled: Vec<f64> = order.iter().map(|&i| x[i as usize] as f64 / temperature).collect();
     let max = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let e: Vec<f64> = scaled.iter().map(|v| (v - max).exp()).collect();

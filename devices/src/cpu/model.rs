@@ -22,38 +22,38 @@ impl PackedMat {
     }
 }
 
-struct Ffn {
-    gate: PackedMat,
-    up: PackedMat,
-    down: PackedMat,
+pub(crate) struct Ffn {
+    pub(crate) gate: PackedMat,
+    pub(crate) up: PackedMat,
+    pub(crate) down: PackedMat,
 }
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: PackedMat,
-    wk: PackedMat,
-    wv: PackedMat,
-    wo: PackedMat,
-    bias: Option<[Vec<f32>; 3]>,
-    bo: Option<Vec<f32>>,
-    qk_norm: Option<[Vec<f32>; 2]>,
-    ffn_norm: Vec<f32>,
-    dense: Option<Ffn>,
-    router: Option<PackedMat>,
-    experts: Vec<Ffn>,
-    shared: Option<Ffn>,
-    shared_gate: Option<Vec<f32>>,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) wq: PackedMat,
+    pub(crate) wk: PackedMat,
+    pub(crate) wv: PackedMat,
+    pub(crate) wo: PackedMat,
+    pub(crate) bias: Option<[Vec<f32>; 3]>,
+    pub(crate) bo: Option<Vec<f32>>,
+    pub(crate) qk_norm: Option<[Vec<f32>; 2]>,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) dense: Option<Ffn>,
+    pub(crate) router: Option<PackedMat>,
+    pub(crate) experts: Vec<Ffn>,
+    pub(crate) shared: Option<Ffn>,
+    pub(crate) shared_gate: Option<Vec<f32>>,
 }
 
 pub struct CpuModel {
-    spec: ModelSpec,
-    tok_embd: PackedMat,
-    output_norm: Vec<f32>,
-    output: Option<PackedMat>,
-    layers: Vec<Layer>,
-    kv_f16: bool,
+    pub(crate) spec: ModelSpec,
+    pub(crate) tok_embd: PackedMat,
+    pub(crate) output_norm: Vec<f32>,
+    pub(crate) output: Option<PackedMat>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) kv_f16: bool,
     /// Keys and values `[len, n_head_kv * head_dim]` per layer (f16-rounded when `kv_f16`).
-    kv: KvStore<f32>,
+    pub(crate) kv: KvStore<f32>,
 }
 
 fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {

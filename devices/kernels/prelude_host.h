@@ -1,0 +1,37 @@
+// Prelude for the host emulator (`gpu-emu`): compiles touchstone.cu as ordinary C++ so the GPU
+// kernels' logic runs, and is judged, on a machine without a GPU.
+//
+// Model: the grid's blocks run one after another; a block's threads are cooperative fibers
+// (ucontext) on one OS thread, switched only at __syncthreads(), which is exactly the guarantee
+// CUDA gives. `__shared__` variables are thread_local statics, so the block's fibers share them.
+// A kernel whose threads do not all reach the same barriers is reported as a bug (CUDA leaves it
+// undefined); see emu_runtime.cpp.
+#include <math.h>
+#include <string.h>
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+struct dim3 {
+    unsigned x, y, z;
+};
+struct uint4 {
+    unsigned x, y, z, w;
+};
+
+extern thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+void __syncthreads();
+void* ts_emu_dynamic_shared();
+
+static inline float ts_bits_to_float(u32 b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+#define __global__
+#define __device__ static inline
+#define __forceinline__
+#define __shared__ static thread_local
+#define DYNAMIC_SHARED(T, name) T* name = (T*)ts_emu_dynamic_shared()

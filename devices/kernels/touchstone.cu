@@ -1,0 +1,513 @@
+// Touchstone's GPU kernels: one source for CUDA (NVRTC), ROCm (hiprtc) and the host emulator.
+//
+// A platform prelude (devices/kernels/prelude_{cuda,hip,host}.h) is put in front of this file. It
+// defines the integer types below, `ts_bits_to_float` and `DYNAMIC_SHARED(T, name)`; everything
+// else here is the common subset of CUDA C++ that NVRTC, hiprtc and a host C++ compiler accept:
+// no headers, no warp intrinsics (AMD wavefronts are 64 wide, NVIDIA warps 32), no fast-math
+// intrinsics. Reductions are shared-memory trees over a power-of-two block, so a kernel's result
+// does not depend on scheduling: the same launch gives the same bits every time.
+//
+// Conventions: activations are f32 row-major; `*_stride` is the distance between rows in
+// elements; weights are a GGUF type's packed bytes, `row_bytes` apart. Every kernel is written
+// for any power-of-two blockDim.x the host picks (256 on GPUs, 32 in the emulator).
+
+#define TS_MAX_TOKENS 8
+#define TS_MAX_BLOCK 1024
+#define TS_NEG_INF ts_bits_to_float(0xFF800000u)
+
+// GGML type ids (the GGUF tensor-info ids).
+#define TY_F32 0
+#define TY_F16 1
+#define TY_Q4_0 2
+#define TY_Q4_1 3
+#define TY_Q5_0 6
+#define TY_Q5_1 7
+#define TY_Q8_0 8
+#define TY_Q4_K 12
+#define TY_Q5_K 13
+#define TY_Q6_K 14
+#define TY_BF16 30
+
+// ---------------------------------------------------------------------------------------------
+// Number formats, decoded by hand so no platform header is needed.
+// ---------------------------------------------------------------------------------------------
+
+// IEEE half to float, exact (subnormals, infinities and NaN included).
+__device__ __forceinline__ float ts_half(u16 h) {
+    u32 sign = ((u32)h & 0x8000u) << 16;
+    u32 exp = ((u32)h >> 10) & 0x1Fu;
+    u32 mant = (u32)h & 0x3FFu;
+    if (exp == 0x1Fu) return ts_bits_to_float(sign | 0x7F800000u | (mant << 13));
+    if (exp != 0) return ts_bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+    // Subnormal half: mant * 2^-24, exact in f32.
+    float v = (float)mant * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+}
+
+__device__ __forceinline__ float ts_bf16(u16 h) {
+    return ts_bits_to_float((u32)h << 16);
+}
+
+// Little-endian reads at any byte offset (block layouts put f16 and u32 fields at odd offsets).
+__device__ __forceinline__ u16 ts_u16(const u8* p) {
+    return (u16)(p[0] | ((u16)p[1] << 8));
+}
+__device__ __forceinline__ u32 ts_u32(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+// One float of a float-typed row.
+__device__ __forceinline__ float ts_float_at(int ty, const u8* row, long long j) {
+    if (ty == TY_F32) return ((const float*)row)[j];
+    u16 h = ts_u16(row + 2 * j);
+    return ty == TY_F16 ? ts_half(h) : ts_bf16(h);
+}
+
+// The 6-bit scale and min of sub-block j (0..8) of a Q4_K/Q5_K super-block.
+__device__ __forceinline__ void ts_k_scale_min(int j, const u8* q, float* sc, float* mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// Elements 32c..32c+32 of a packed row, for every type (float types included). The arithmetic
+// of each line is the one GGML's reference dequantizers use.
+__device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
+    switch (ty) {
+    case TY_Q4_0: {
+        const u8* b = row + 18 * c;
+        float d = ts_half(ts_u16(b));
+        for (int j = 0; j < 16; ++j) {
+            out[j] = (float)((int)(b[2 + j] & 0x0F) - 8) * d;
+            out[j + 16] = (float)((int)(b[2 + j] >> 4) - 8) * d;
+        }
+        return;
+    }
+    case TY_Q4_1: {
+        const u8* b = row + 20 * c;
+        float d = ts_half(ts_u16(b)), m = ts_half(ts_u16(b + 2));
+        for (int j = 0; j < 16; ++j) {
+            out[j] = (float)(b[4 + j] & 0x0F) * d + m;
+            out[j + 16] = (float)(b[4 + j] >> 4) * d + m;
+        }
+        return;
+    }
+    case TY_Q5_0: {
+        const u8* b = row + 22 * c;
+        float d = ts_half(ts_u16(b));
+        u32 qh = ts_u32(b + 2);
+        for (int j = 0; j < 16; ++j) {
+            int h0 = (int)(((qh >> j) & 1u) << 4), h1 = (int)(((qh >> (j + 16)) & 1u) << 4);
+            out[j] = (float)(((b[6 + j] & 0x0F) | h0) - 16) * d;
+            out[j + 16] = (float)(((b[6 + j] >> 4) | h1) - 16) * d;
+        }
+        return;
+    }
+    case TY_Q5_1: {
+        const u8* b = row + 24 * c;
+        float d = ts_half(ts_u16(b)), m = ts_half(ts_u16(b + 2));
+        u32 qh = ts_u32(b + 4);
+        for (int j = 0; j < 16; ++j) {
+            int h0 = (int)(((qh >> j) & 1u) << 4), h1 = (int)(((qh >> (j + 16)) & 1u) << 4);
+            out[j] = (float)((b[8 + j] & 0x0F) | h0) * d + m;
+            out[j + 16] = (float)((b[8 + j] >> 4) | h1) * d + m;
+        }
+        return;
+    }
+    case TY_Q8_0: {
+        const u8* b = row + 34 * c;
+        float d = ts_half(ts_u16(b));
+        for (int j = 0; j < 32; ++j) out[j] = (float)(signed char)b[2 + j] * d;
+        return;
+    }
+    case TY_Q4_K:
+    case TY_Q5_K: {
+        // Super-blocks of 256: d, dmin, scales[12], (Q5_K: qh[32]), qs[128]. Sub-block j uses
+        // the low (j even) or high (j odd) nibbles of qs[32*(j/2) ..][0..32].
+        int five = ty == TY_Q5_K;
+        const u8* b = row + (five ? 176 : 144) * (c / 8);
+        int j = c % 8;
+        float d = ts_half(ts_u16(b)), dmin = ts_half(ts_u16(b + 2));
+        float sc, mn;
+        ts_k_scale_min(j, b + 4, &sc, &mn);
+        float dj = d * sc, mj = dmin * mn;
+        const u8* qs = b + (five ? 48 : 16) + 32 * (j / 2);
+        int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; ++l) {
+            int q = (qs[l] >> shift) & 0x0F;
+            if (five && (b[16 + l] & (1u << j))) q += 16;
+            out[l] = dj * (float)q - mj;
+        }
+        return;
+    }
+    case TY_Q6_K: {
+        // Super-blocks of 256: ql[128], qh[64], scales i8[16], d. Sub-block c%8 is quarter
+        // (c%8)%4 of half (c%8)/4.
+        const u8* b = row + 210 * (c / 8);
+        int j = c % 8, half = j / 4, quarter = j % 4;
+        float d = ts_half(ts_u16(b + 208));
+        const u8* ql = b + 64 * half + (quarter % 2) * 32;
+        const u8* qh = b + 128 + 32 * half;
+        const signed char* sc = (const signed char*)(b + 192 + 8 * half);
+        int lo_shift = (quarter / 2) * 4, hi_shift = 2 * quarter;
+        for (int l = 0; l < 32; ++l) {
+            int q = (((ql[l] >> lo_shift) & 0x0F) | (((qh[l] >> hi_shift) & 3) << 4)) - 32;
+            out[l] = d * (float)sc[l / 16 + 2 * quarter] * (float)q;
+        }
+        return;
+    }
+    default:
+        for (int l = 0; l < 32; ++l) out[l] = ts_float_at(ty, row, 32LL * c + l);
+        return;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block reductions (shared-memory trees; blockDim.x a power of two).
+// ---------------------------------------------------------------------------------------------
+
+__device__ float ts_block_sum(float v, float* red) {
+    int tid = threadIdx.x;
+    red[tid] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] += red[tid + s];
+        __syncthreads();
+    }
+    float r = red[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float ts_block_max(float v, float* red) {
+    int tid = threadIdx.x;
+    red[tid] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] = fmaxf(red[tid], red[tid + s]);
+        __syncthreads();
+    }
+    float r = red[0];
+    __syncthreads();
+    return r;
+}
+
+// Is (v, i) ahead of (bv, bi) in "largest first, lowest index on ties, NaN never" order?
+// bi < 0 means "nothing yet".
+__device__ __forceinline__ int ts_ahead(float v, int i, float bv, int bi) {
+    if (i < 0 || v != v) return 0;
+    if (bi < 0) return 1;
+    return v > bv || (v == bv && i < bi);
+}
+
+// The best (value, index) of the block; every thread gets it.
+__device__ int ts_block_argbest(float v, int i, float* red, int* redi) {
+    int tid = threadIdx.x;
+    red[tid] = v;
+    redi[tid] = i;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s && ts_ahead(red[tid + s], redi[tid + s], red[tid], redi[tid])) {
+            red[tid] = red[tid + s];
+            redi[tid] = redi[tid + s];
+        }
+        __syncthreads();
+    }
+    int r = redi[0];
+    __syncthreads();
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels.
+// ---------------------------------------------------------------------------------------------
+
+// y[t, r] = sum_k x[t, k] * W[r, k] for t < m (m <= TS_MAX_TOKENS). One block per weight row r;
+// each weight element is read once and used for every token. `mode`: 0 float types element by
+// element, 1 float types eight at a time in 16-byte loads (k % 8 == 0, rows 16-byte aligned),
+// 2 packed 32-element chunks (every type; k % 32 == 0). Dynamic shared: m * blockDim floats.
+extern "C" __global__ void ts_matmul(const u8* w, int ty, long long row_bytes, int k, int mode,
+                                     const float* x, int x_stride, int m, float* y, int y_stride) {
+    DYNAMIC_SHARED(float, red);
+    int r = blockIdx.x, tid = threadIdx.x, bd = blockDim.x;
+    const u8* row = w + (long long)r * row_bytes;
+    float acc[TS_MAX_TOKENS];
+    for (int t = 0; t < TS_MAX_TOKENS; ++t) acc[t] = 0.0f;
+    if (mode == 2) {
+        float wv[32];
+        for (int c = tid; c < k / 32; c += bd) {
+            ts_dequant32(ty, row, c, wv);
+            for (int t = 0; t < m; ++t) {
+                const float* xr = x + (long long)t * x_stride + 32 * c;
+                float s = 0.0f;
+                for (int l = 0; l < 32; ++l) s += wv[l] * xr[l];
+                acc[t] += s;
+            }
+        }
+    } else if (mode == 1) {
+        for (int i = 8 * tid; i < k; i += 8 * bd) {
+            float wv[8];
+            if (ty == TY_F32) {
+                uint4 a = ((const uint4*)(row + 4LL * i))[0], b = ((const uint4*)(row + 4LL * i))[1];
+                u32 bits[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                for (int l = 0; l < 8; ++l) wv[l] = ts_bits_to_float(bits[l]);
+            } else {
+                uint4 a = ((const uint4*)(row + 2LL * i))[0];
+                u32 pairs[4] = {a.x, a.y, a.z, a.w};
+                for (int l = 0; l < 4; ++l) {
+                    u16 lo = (u16)(pairs[l] & 0xFFFFu), hi = (u16)(pairs[l] >> 16);
+                    wv[2 * l] = ty == TY_F16 ? ts_half(lo) : ts_bf16(lo);
+                    wv[2 * l + 1] = ty == TY_F16 ? ts_half(hi) : ts_bf16(hi);
+                }
+            }
+            for (int t = 0; t < m; ++t) {
+                const float* xr = x + (long long)t * x_stride + i;
+                float s = 0.0f;
+                for (int l = 0; l < 8; ++l) s += wv[l] * xr[l];
+                acc[t] += s;
+            }
+        }
+    } else {
+        for (int i = tid; i < k; i += bd) {
+            float wv = ts_float_at(ty, row, i);
+            for (int t = 0; t < m; ++t) acc[t] += wv * x[(long long)t * x_stride + i];
+        }
+    }
+    for (int t = 0; t < m; ++t) {
+        float s = ts_block_sum(acc[t], red);
+        if (tid == 0) y[(long long)t * y_stride + r] = s;
+    }
+}
+
+// Rows `ids` of a packed table: out[i, :] = decode(W[ids[i], :]). One block per id. Float
+// types go element by element (any width); packed types by 32-element chunks.
+extern "C" __global__ void ts_get_rows(const u8* w, int ty, long long row_bytes, int cols, const u32* ids, float* out) {
+    int i = blockIdx.x, tid = threadIdx.x, bd = blockDim.x;
+    const u8* row = w + (long long)ids[i] * row_bytes;
+    float* o = out + (long long)i * cols;
+    if (ty == TY_F32 || ty == TY_F16 || ty == TY_BF16) {
+        for (int j = tid; j < cols; j += bd) o[j] = ts_float_at(ty, row, j);
+    } else {
+        for (int c = tid; c < cols / 32; c += bd) ts_dequant32(ty, row, c, o + 32 * c);
+    }
+}
+
+// RMSNorm over rows of n: y = x / sqrt(mean(x^2) + eps) * w (w has n values, shared by all rows;
+// for QK-norm a "row" is one head). One block per row.
+extern "C" __global__ void ts_rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    __shared__ float red[TS_MAX_BLOCK];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = ts_block_sum(ss, red);
+    float scale = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
+}
+
+// LayerNorm: y = (x - mean) / sqrt(var + eps) * w + b. One block per row.
+extern "C" __global__ void ts_layer_norm(const float* x, const float* w, const float* b, float* y, int n, float eps) {
+    __shared__ float red[TS_MAX_BLOCK];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i];
+    float mean = ts_block_sum(s, red) / (float)n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (xr[i] - mean) * (xr[i] - mean);
+    ss = ts_block_sum(ss, red);
+    float scale = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] - mean) * scale * w[i] + b[i];
+}
+
+// y[i] = a[i] + b[i % bn] (bn = n: residual add; bn = row width: bias).
+extern "C" __global__ void ts_add(const float* a, const float* b, float* y, long long n, long long bn) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a[i] + b[i % bn];
+}
+
+__device__ __forceinline__ float ts_silu(float x) {
+    return x / (1.0f + expf(-x));
+}
+__device__ __forceinline__ float ts_gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x)));
+}
+
+// Gated activations: y = act(gate) * up, or y = act(gate) when up is null.
+// act: 0 SiLU, 1 GELU (tanh approximation), 2 sigmoid (MoE scores).
+extern "C" __global__ void ts_glu(const float* gate, const float* up, float* y, long long n, int act) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i];
+    float a = act == 0 ? ts_silu(g) : act == 1 ? ts_gelu_tanh(g) : 1.0f / (1.0f + expf(-g));
+    y[i] = up ? a * up[i] : a;
+}
+
+// RoPE in place on x: [tokens, n_head * hd]. `table`: [tokens, n_rot / 2] (cos, sin) pairs
+// computed on the host in f64 and rounded to f32. neox rotates (i, i + n_rot/2), normal
+// rotates (2i, 2i + 1). One thread per (token, head, pair).
+extern "C" __global__ void ts_rope(float* x, const float* table, int tokens, int n_head, int hd, int n_rot, int neox) {
+    int half = n_rot / 2;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)tokens * n_head * half) return;
+    int i = (int)(idx % half);
+    long long th = idx / half;
+    int t = (int)(th / n_head);
+    float* head = x + th * hd;
+    float c = table[((long long)t * half + i) * 2], s = table[((long long)t * half + i) * 2 + 1];
+    int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    float x0 = head[a], x1 = head[b];
+    head[a] = x0 * c - x1 * s;
+    head[b] = x0 * s + x1 * c;
+}
+
+// Causal GQA attention of query rows q: [m, n_head * hd] at positions pos[m] over a cache
+// k, v: [kv_len, n_kv * hd]; window > 0 keeps the last `window` positions. One block per
+// (head, query). Dynamic shared: (kv_len + blockDim) floats (scores, then probabilities).
+extern "C" __global__ void ts_attention(const float* q, const u32* pos, const float* k, const float* v, float* out,
+                                        int n_head, int n_kv, int hd, int window, float scale) {
+    DYNAMIC_SHARED(float, smem);
+    int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, bd = blockDim.x;
+    int kvh = h / (n_head / n_kv);
+    int p = (int)pos[t];
+    int first = window > 0 && p + 1 > window ? p + 1 - window : 0;
+    int len = p + 1 - first;
+    float* red = smem;
+    float* score = smem + bd;
+    const float* qh = q + ((long long)t * n_head + h) * hd;
+    long long kv_stride = (long long)n_kv * hd;
+    float local_max = TS_NEG_INF;
+    for (int j = tid; j < len; j += bd) {
+        const float* kj = k + (first + j) * kv_stride + (long long)kvh * hd;
+        float s = 0.0f;
+        for (int d = 0; d < hd; ++d) s += qh[d] * kj[d];
+        s *= scale;
+        score[j] = s;
+        local_max = fmaxf(local_max, s);
+    }
+    float mx = ts_block_max(local_max, red);
+    float local_sum = 0.0f;
+    for (int j = tid; j < len; j += bd) {
+        float e = expf(score[j] - mx);
+        score[j] = e;
+        local_sum += e;
+    }
+    float sum = ts_block_sum(local_sum, red);
+    for (int d = tid; d < hd; d += bd) {
+        float o = 0.0f;
+        for (int j = 0; j < len; ++j) o += score[j] * v[(first + j) * kv_stride + (long long)kvh * hd + d];
+        out[((long long)t * n_head + h) * hd + d] = o / sum;
+    }
+}
+
+// Row softmax, max-subtracted (-inf entries give 0). One block per row of n.
+extern "C" __global__ void ts_softmax(const float* x, float* y, int n) {
+    __shared__ float red[TS_MAX_BLOCK];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float mx = TS_NEG_INF;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, xr[i]);
+    mx = ts_block_max(mx, red);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float e = expf(xr[i] - mx);
+        yr[i] = e;
+        s += e;
+    }
+    s = ts_block_sum(s, red);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = yr[i] / s;
+}
+
+// The k best indices of each row of n (largest first, lowest index on ties, NaN skipped);
+// k <= 64. One block per row. k = 1 is argmax. Unfilled slots (all NaN) get n.
+extern "C" __global__ void ts_top_k(const float* x, u32* ids, int n, int k) {
+    __shared__ float red[TS_MAX_BLOCK];
+    __shared__ int redi[TS_MAX_BLOCK];
+    __shared__ int chosen[64];
+    const float* xr = x + (long long)blockIdx.x * n;
+    for (int j = 0; j < k; ++j) {
+        float bv = 0.0f;
+        int bi = -1;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            int taken = 0;
+            for (int c = 0; c < j; ++c) taken |= chosen[c] == i;
+            if (!taken && ts_ahead(xr[i], i, bv, bi)) {
+                bv = xr[i];
+                bi = i;
+            }
+        }
+        int best = ts_block_argbest(bv, bi, red, redi);
+        if (threadIdx.x == 0) {
+            chosen[j] = best;
+            ids[(long long)blockIdx.x * k + j] = best < 0 ? (u32)n : (u32)best;
+        }
+        __syncthreads();
+    }
+}
+
+// MoE routing of each row of n_expert logits (<= 256): softmax or sigmoid scores, the k best
+// experts (largest first, lowest index on ties), weights optionally renormalised to sum 1.
+// One thread per row: the row is short and the selection sequential.
+extern "C" __global__ void ts_moe_route(const float* logits, u32* ids, float* weights, int rows, int n_expert, int k, int sigmoid, int normalize) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const float* l = logits + (long long)r * n_expert;
+    float p[256];
+    if (sigmoid) {
+        for (int e = 0; e < n_expert; ++e) p[e] = 1.0f / (1.0f + expf(-l[e]));
+    } else {
+        float mx = TS_NEG_INF, s = 0.0f;
+        for (int e = 0; e < n_expert; ++e) mx = fmaxf(mx, l[e]);
+        for (int e = 0; e < n_expert; ++e) {
+            p[e] = expf(l[e] - mx);
+            s += p[e];
+        }
+        for (int e = 0; e < n_expert; ++e) p[e] = p[e] / s;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int e = 0; e < n_expert; ++e) {
+            int taken = 0;
+            for (int c = 0; c < j; ++c) taken |= (int)ids[(long long)r * k + c] == e;
+            if (!taken && ts_ahead(p[e], e, best < 0 ? 0.0f : p[best], best)) best = e;
+        }
+        ids[(long long)r * k + j] = best < 0 ? (u32)n_expert : (u32)best;
+        weights[(long long)r * k + j] = best < 0 ? 0.0f : p[best];
+        total += best < 0 ? 0.0f : p[best];
+    }
+    if (normalize)
+        for (int j = 0; j < k; ++j) weights[(long long)r * k + j] = weights[(long long)r * k + j] / total;
+}
+
+// out[i] += alpha[i / d] * y[i]: accumulates one expert's (or the shared expert's) output,
+// scaled per token. alpha_stride selects each token's weight in a [tokens, stride] table.
+extern "C" __global__ void ts_axpy_rows(float* out, const float* y, const float* alpha, int alpha_stride, long long n, int d) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] += alpha[(i / d) * alpha_stride] * y[i];
+}
+
+// s[t] = sigmoid(dot(x[t, :], w)) for the shared-expert gate. One block per token.
+extern "C" __global__ void ts_sigmoid_dot(const float* x, const float* w, float* s, int d) {
+    __shared__ float red[TS_MAX_BLOCK];
+    const float* xr = x + (long long)blockIdx.x * d;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) acc += xr[i] * w[i];
+    acc = ts_block_sum(acc, red);
+    if (threadIdx.x == 0) s[blockIdx.x] = 1.0f / (1.0f + expf(-acc));
+}
+
+// Copies n floats (the bandwidth probe's reference, and KV-cache appends). Reads and writes
+// 16 bytes per thread when both pointers and n allow it (vec4 = 1).
+extern "C" __global__ void ts_copy(const float* src, float* dst, long long n, int vec4) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec4) {
+        if (4 * i < n) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+    } else if (i < n) {
+        dst[i] = src[i];
+    }
+}

@@ -1,0 +1,550 @@
+//! The GPU devices: `cuda[:N]` (feature `cuda`), `rocm[:N]` (feature `rocm`) and `gpu-emu`, which
+//! runs the very same kernel source on the host.
+//!
+//! One kernel codebase (`devices/kernels/touchstone.cu`) serves every platform through a small
+//! prelude (`prelude_{cuda,hip,host}.h`), as ggml's HIP build reuses its CUDA sources. A
+//! [`Backend`] is the little a platform must provide: memory, copies, compiled kernels and a
+//! launch by name. Everything above it — the op launches ([`Gpu`]), the kernel-suite device
+//! ([`GpuDevice`]) and whole-model runs with a device-resident KV cache ([`model::GpuModel`]) — is
+//! shared, so what the emulator verifies on a CPU-only machine is the code a GPU runs, less the
+//! platform's compiler and hardware.
+
+pub mod emu;
+pub mod model;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "rocm")]
+pub mod hip;
+
+use crate::{Arithmetic, Device, DeviceError, Support};
+use oracle::quant::GgmlType;
+use oracle::registry::{Input, OpCase, Output, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// The kernel source shared by every platform.
+pub const KERNEL_SOURCE: &str = include_str!("../../kernels/touchstone.cu");
+pub const PRELUDE_CUDA: &str = include_str!("../../kernels/prelude_cuda.h");
+pub const PRELUDE_HIP: &str = include_str!("../../kernels/prelude_hip.h");
+
+/// The names of the kernels in [`KERNEL_SOURCE`] (every `__global__` function).
+pub fn kernel_names() -> Vec<&'static str> {
+    KERNEL_SOURCE
+        .split("__global__ void ")
+        .skip(1)
+        .filter_map(|rest| rest.split('(').next())
+        .map(str::trim)
+        .collect()
+}
+
+/// The most tokens one matmul launch multiplies (the kernel's register tile).
+pub const MAX_TOKENS_PER_LAUNCH: usize = 8;
+/// Shared memory a launch may ask for (the portable 48 KiB).
+const MAX_SHARED_BYTES: usize = 48 * 1024;
+
+/// A kernel argument, passed by value as cuLaunchKernel / hipModuleLaunchKernel take them.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    /// A device address (0 = null).
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    /// The argument's bytes, at the size the kernel's parameter has.
+    pub fn bytes(&self) -> Vec<u8> {
+        match *self {
+            Arg::Ptr(p) => p.to_ne_bytes().to_vec(),
+            Arg::I32(v) => v.to_ne_bytes().to_vec(),
+            Arg::I64(v) => v.to_ne_bytes().to_vec(),
+            Arg::F32(v) => v.to_ne_bytes().to_vec(),
+        }
+    }
+}
+
+/// What a GPU platform provides. Addresses are plain integers (a CUdeviceptr, a HIP pointer, a
+/// host address in the emulator); [`DevBuf`] owns them.
+pub trait Backend: Send + Sync {
+    /// `cuda:0`, `rocm:0`, `gpu-emu`.
+    fn name(&self) -> String;
+    /// The hardware and driver, for reports (`NVIDIA H200, sm_90, driver 12.8`).
+    fn describe(&self) -> String;
+    /// Threads per block for the kernels (a power of two).
+    fn block_size(&self) -> u32;
+    fn alloc(&self, bytes: usize) -> Result<u64, String>;
+    fn free(&self, ptr: u64);
+    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), String>;
+    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), String>;
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String>;
+    fn synchronize(&self) -> Result<(), String>;
+    /// Device seconds taken by the work `f` queues: CUDA/HIP events around it on GPUs, the wall
+    /// clock in the emulator.
+    fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String>;
+}
+
+/// A backend with memory accounting (bytes held now and at most).
+pub struct Gpu {
+    pub backend: Box<dyn Backend>,
+    held: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// Device memory owned by one value; freed on drop.
+pub struct DevBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+    gpu: Arc<Gpu>,
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        self.gpu.backend.free(self.ptr);
+        self.gpu.held.fetch_sub(self.bytes as u64, Ordering::Relaxed);
+    }
+}
+
+impl DevBuf {
+    /// The address `floats` f32 values into the buffer.
+    pub fn at_f32(&self, floats: usize) -> u64 {
+        self.ptr + 4 * floats as u64
+    }
+    pub fn download_f32(&self, floats: usize) -> Result<Vec<f32>, String> {
+        self.download_f32_at(0, floats)
+    }
+    pub fn download_f32_at(&self, offset: usize, floats: usize) -> Result<Vec<f32>, String> {
+        if 4 * (offset + floats) > self.bytes {
+            return Err(format!("download of {floats} floats at {offset} from a {}-byte buffer", self.bytes));
+        }
+        let mut raw = vec![0u8; 4 * floats];
+        self.gpu.backend.download(self.at_f32(offset), &mut raw)?;
+        Ok(raw.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect())
+    }
+    pub fn download_u32(&self, n: usize) -> Result<Vec<u32>, String> {
+        Ok(self.download_f32(n)?.into_iter().map(f32::to_bits).collect())
+    }
+}
+
+/// A packed weight matrix on the device: `rows` rows of `cols` values, `row_bytes` apart.
+pub struct GpuMat {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+    pub buf: DevBuf,
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn is_float(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
+impl Gpu {
+    pub fn new(backend: Box<dyn Backend>) -> Arc<Gpu> {
+        Arc::new(Gpu { backend, held: AtomicU64::new(0), peak: AtomicU64::new(0) })
+    }
+
+    /// Device bytes held by this process's buffers at most so far.
+    pub fn peak_bytes(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf, String> {
+        let ptr = self.backend.alloc(bytes.max(4))?;
+        let now = self.held.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+        Ok(DevBuf { ptr, bytes, gpu: self.clone() })
+    }
+
+    pub fn upload(self: &Arc<Self>, data: &[u8]) -> Result<DevBuf, String> {
+        let b = self.alloc(data.len())?;
+        self.backend.upload(b.ptr, data)?;
+        Ok(b)
+    }
+
+    pub fn upload_f32(self: &Arc<Self>, v: &[f32]) -> Result<DevBuf, String> {
+        self.upload(&f32_bytes(v))
+    }
+
+    pub fn upload_u32(self: &Arc<Self>, v: &[u32]) -> Result<DevBuf, String> {
+        self.upload(&v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>())
+    }
+
+    /// A packed matrix (checked: the bytes must be exactly `rows` rows of `cols` `ty` values).
+    pub fn upload_mat(self: &Arc<Self>, ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<GpuMat, String> {
+        if ty.bytes_for((rows * cols) as u64) != Some(bytes.len() as u64) || rows == 0 || cols % ty.block_size() != 0 {
+            return Err(format!("{} bytes are not a [{rows}, {cols}] {} matrix", bytes.len(), ty.name()));
+        }
+        Ok(GpuMat { ty, rows, cols, row_bytes: bytes.len() / rows, buf: self.upload(bytes)? })
+    }
+
+    fn bs(&self) -> u32 {
+        self.backend.block_size()
+    }
+
+    /// One thread per element over `n` elements.
+    fn launch_flat(&self, kernel: &str, n: usize, args: &[Arg]) -> Result<(), String> {
+        let bs = self.bs() as usize;
+        let blocks = n.div_ceil(bs).max(1);
+        self.backend.launch(kernel, [blocks as u32, 1, 1], [bs as u32, 1, 1], 0, args)
+    }
+
+    /// `y[t, :] = x[t, :] W^T` for `m` rows of `x` (`x_stride` floats apart) into `y: [m, rows]`.
+    pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), String> {
+        let k = w.cols;
+        let mode = if !is_float(w.ty) {
+            2
+        } else if k % 8 == 0 && w.row_bytes % 16 == 0 && x_stride % 4 == 0 {
+            1
+        } else {
+            0
+        };
+        let bs = self.bs();
+        for t0 in (0..m).step_by(MAX_TOKENS_PER_LAUNCH) {
+            let mt = (m - t0).min(MAX_TOKENS_PER_LAUNCH);
+            self.backend.launch(
+                "ts_matmul",
+                [w.rows as u32, 1, 1],
+                [bs, 1, 1],
+                4 * bs * mt as u32,
+                &[
+                    Arg::Ptr(w.buf.ptr),
+                    Arg::I32(w.ty.id() as i32),
+                    Arg::I64(w.row_bytes as i64),
+                    Arg::I32(k as i32),
+                    Arg::I32(mode),
+                    Arg::Ptr(x + 4 * (t0 * x_stride) as u64),
+                    Arg::I32(x_stride as i32),
+                    Arg::I32(mt as i32),
+                    Arg::Ptr(y + 4 * (t0 * w.rows) as u64),
+                    Arg::I32(w.rows as i32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Rows `ids` (device u32s, each checked by the caller to be < rows) of `w` into `out: [n, cols]`.
+    pub fn get_rows(&self, w: &GpuMat, ids: u64, n: usize, out: u64) -> Result<(), String> {
+        self.backend.launch(
+            "ts_get_rows",
+            [n as u32, 1, 1],
+            [self.bs(), 1, 1],
+            0,
+            &[Arg::Ptr(w.buf.ptr), Arg::I32(w.ty.id() as i32), Arg::I64(w.row_bytes as i64), Arg::I32(w.cols as i32), Arg::Ptr(ids), Arg::Ptr(out)],
+        )
+    }
+
+    /// RMSNorm of `rows` rows of `n` (QK-norm: rows = tokens x heads, n = head_dim).
+    pub fn rms_norm(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
+        self.backend.launch("ts_rms_norm", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
+    }
+
+    pub fn layer_norm(&self, x: u64, w: u64, b: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
+        self.backend.launch("ts_layer_norm", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(b), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
+    }
+
+    /// `y = a + b` with `b` (of `bn` values) repeated over `a`'s `n` values.
+    pub fn add(&self, a: u64, b: u64, y: u64, n: usize, bn: usize) -> Result<(), String> {
+        self.launch_flat("ts_add", n, &[Arg::Ptr(a), Arg::Ptr(b), Arg::Ptr(y), Arg::I64(n as i64), Arg::I64(bn as i64)])
+    }
+
+    /// `y = act(gate) * up` (up = 0: no product). act: 0 SiLU, 1 GELU-tanh, 2 sigmoid.
+    pub fn glu(&self, gate: u64, up: u64, y: u64, n: usize, act: i32) -> Result<(), String> {
+        self.launch_flat("ts_glu", n, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(y), Arg::I64(n as i64), Arg::I32(act)])
+    }
+
+    /// RoPE in place over `x: [tokens, n_head * hd]` with a host-computed table (see
+    /// [`rope_table`]).
+    pub fn rope(self: &Arc<Self>, x: u64, table: &[f32], tokens: usize, n_head: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
+        if n_rot > hd || n_rot % 2 != 0 || table.len() != tokens * n_rot {
+            return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} values for {tokens} tokens)", table.len()));
+        }
+        let t = self.upload_f32(table)?;
+        self.launch_flat(
+            "ts_rope",
+            tokens * n_head * (n_rot / 2),
+            &[Arg::Ptr(x), Arg::Ptr(t.ptr), Arg::I32(tokens as i32), Arg::I32(n_head as i32), Arg::I32(hd as i32), Arg::I32(n_rot as i32), Arg::I32(neox as i32)],
+        )
+    }
+
+    /// Causal attention of `m` queries at positions `pos` (device u32s) over a cache of
+    /// `kv_len` positions.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(&self, q: u64, pos: u64, k: u64, v: u64, out: u64, m: usize, kv_len: usize, cfg: &crate::cpu::kernels::AttnCfg) -> Result<(), String> {
+        let bs = self.bs() as usize;
+        let shared = 4 * (kv_len + bs);
+        if shared > MAX_SHARED_BYTES {
+            return Err(format!("attention over {kv_len} cached positions needs {shared} bytes of shared memory (at most {MAX_SHARED_BYTES})"));
+        }
+        if cfg.n_head_kv == 0 || cfg.n_head % cfg.n_head_kv != 0 {
+            return Err(format!("attention: {} heads over {} kv heads", cfg.n_head, cfg.n_head_kv));
+        }
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        self.backend.launch(
+            "ts_attention",
+            [cfg.n_head as u32, m as u32, 1],
+            [bs as u32, 1, 1],
+            shared as u32,
+            &[
+                Arg::Ptr(q),
+                Arg::Ptr(pos),
+                Arg::Ptr(k),
+                Arg::Ptr(v),
+                Arg::Ptr(out),
+                Arg::I32(cfg.n_head as i32),
+                Arg::I32(cfg.n_head_kv as i32),
+                Arg::I32(cfg.head_dim as i32),
+                Arg::I32(cfg.window as i32),
+                Arg::F32(scale),
+            ],
+        )
+    }
+
+    pub fn softmax(&self, x: u64, y: u64, rows: usize, n: usize) -> Result<(), String> {
+        self.backend.launch("ts_softmax", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(y), Arg::I32(n as i32)])
+    }
+
+    /// The `k` (<= 64) best indices of each of `rows` rows of `n`.
+    pub fn top_k(&self, x: u64, ids: u64, rows: usize, n: usize, k: usize) -> Result<(), String> {
+        if k == 0 || k > 64 {
+            return Err(format!("top_k: k = {k} (the kernel ranks 1..=64)"));
+        }
+        self.backend.launch("ts_top_k", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(ids), Arg::I32(n as i32), Arg::I32(k as i32)])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route(&self, logits: u64, ids: u64, weights: u64, rows: usize, n_expert: usize, k: usize, sigmoid: bool, normalize: bool) -> Result<(), String> {
+        if n_expert > 256 || k == 0 || k > n_expert {
+            return Err(format!("moe_route: {k} of {n_expert} experts (the kernel routes up to 256)"));
+        }
+        self.launch_flat(
+            "ts_moe_route",
+            rows,
+            &[Arg::Ptr(logits), Arg::Ptr(ids), Arg::Ptr(weights), Arg::I32(rows as i32), Arg::I32(n_expert as i32), Arg::I32(k as i32), Arg::I32(sigmoid as i32), Arg::I32(normalize as i32)],
+        )
+    }
+
+    /// `out[t, :] += alpha[t * alpha_stride] * y[t, :]` over `tokens` rows of `d`.
+    pub fn axpy_rows(&self, out: u64, y: u64, alpha: u64, alpha_stride: usize, tokens: usize, d: usize) -> Result<(), String> {
+        self.launch_flat("ts_axpy_rows", tokens * d, &[Arg::Ptr(out), Arg::Ptr(y), Arg::Ptr(alpha), Arg::I32(alpha_stride as i32), Arg::I64((tokens * d) as i64), Arg::I32(d as i32)])
+    }
+
+    pub fn sigmoid_dot(&self, x: u64, w: u64, s: u64, tokens: usize, d: usize) -> Result<(), String> {
+        self.backend.launch("ts_sigmoid_dot", [tokens as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(s), Arg::I32(d as i32)])
+    }
+
+    /// Copies `n` floats from `src` to `dst` (16 bytes per thread when aligned).
+    pub fn copy(&self, src: u64, dst: u64, n: usize) -> Result<(), String> {
+        let vec4 = n % 4 == 0 && src % 16 == 0 && dst % 16 == 0;
+        let threads = if vec4 { n / 4 } else { n };
+        self.launch_flat("ts_copy", threads, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n as i64), Arg::I32(vec4 as i32)])
+    }
+}
+
+/// RoPE cos/sin for `positions`, flattened `[t][i] = (cos, sin)`: computed on the host in f64
+/// and rounded to f32, as engines that precompute tables do (the cpu device does the same).
+pub fn rope_table(spec: &oracle::spec::RopeSpec, positions: impl Iterator<Item = usize>) -> Vec<f32> {
+    positions.flat_map(|p| crate::cpu::kernels::rope_table(spec, p)).flat_map(|(c, s)| [c, s]).collect()
+}
+
+/// A GPU (or the emulator) as a kernel-suite device.
+pub struct GpuDevice {
+    pub gpu: Arc<Gpu>,
+}
+
+fn out(shape: &[usize], data: Vec<f32>) -> Output {
+    Output::F32(Tensor { shape: shape.to_vec(), data })
+}
+
+impl GpuDevice {
+    fn run(&self, case: &OpCase) -> Result<Vec<Output>, String> {
+        let g = &self.gpu;
+        let e = |r: oracle::OracleError| r.to_string();
+        let input = |name: &str| case.f32(name).map_err(e);
+        let param = |name: &str| case.p(name).map_err(e);
+        let uparam = |name: &str| case.pu(name).map_err(e);
+        Ok(match case.op {
+            "embed" => {
+                let t = input("table")?;
+                let ids = case.ids("ids").map_err(e)?;
+                let (vocab, d) = (t.shape[0], t.shape[1]);
+                if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                    return Err(format!("token id {bad} outside the vocabulary of {vocab}"));
+                }
+                let w = g.upload_mat(GgmlType::F32, vocab, d, &f32_bytes(&t.data))?;
+                let (ib, o) = (g.upload_u32(ids)?, g.alloc(4 * ids.len() * d)?);
+                g.get_rows(&w, ib.ptr, ids.len(), o.ptr)?;
+                vec![out(&[ids.len(), d], o.download_f32(ids.len() * d)?)]
+            }
+            "rms_norm" | "qk_norm" | "layer_norm" => {
+                let x = input("x")?;
+                let n = if case.op == "qk_norm" { uparam("head_dim")? } else { x.shape[1] };
+                let (xb, wb, yb) = (g.upload_f32(&x.data)?, g.upload_f32(&input("weight")?.data)?, g.alloc(4 * x.data.len())?);
+                let eps = param("eps")? as f32;
+                if case.op == "layer_norm" {
+                    let bb = g.upload_f32(&input("bias")?.data)?;
+                    g.layer_norm(xb.ptr, wb.ptr, bb.ptr, yb.ptr, x.data.len() / n, n, eps)?;
+                } else {
+                    g.rms_norm(xb.ptr, wb.ptr, yb.ptr, x.data.len() / n, n, eps)?;
+                }
+                vec![out(&x.shape, yb.download_f32(x.data.len())?)]
+            }
+            "matmul" => {
+                let x = input("x")?;
+                let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else {
+                    return Err("matmul weight must be a packed input".into());
+                };
+                let (m, k, stride) = oracle::registry::view_dims(case, x);
+                if *cols != k || stride < k || x.data.len() < m * stride {
+                    return Err(format!("weight [{rows}, {cols}] does not fit x [{m}, {k}] (row stride {stride})"));
+                }
+                let w = g.upload_mat(*ty, *rows, *cols, bytes)?;
+                let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc(4 * m * rows)?);
+                g.matmul(&w, xb.ptr, stride, m, yb.ptr)?;
+                vec![out(&[m, *rows], yb.download_f32(m * rows)?)]
+            }
+            "add" | "add_bias" => {
+                let (a, b) = (input("a")?, input("b")?);
+                if b.data.is_empty() || a.data.len() % b.data.len() != 0 {
+                    return Err(format!("add: {} values do not repeat over {}", b.data.len(), a.data.len()));
+                }
+                let (ab, bb, yb) = (g.upload_f32(&a.data)?, g.upload_f32(&b.data)?, g.alloc(4 * a.data.len())?);
+                g.add(ab.ptr, bb.ptr, yb.ptr, a.data.len(), b.data.len())?;
+                vec![out(&a.shape, yb.download_f32(a.data.len())?)]
+            }
+            "rope" => {
+                let x = input("x")?;
+                let pos = case.ids("pos").map_err(e)?;
+                let spec = oracle::registry::rope_spec_of(case).map_err(e)?;
+                let table = rope_table(&spec, pos.iter().map(|&p| p as usize));
+                let xb = g.upload_f32(&x.data)?;
+                g.rope(xb.ptr, &table, pos.len(), uparam("n_head")?, uparam("head_dim")?, spec.n_rot, spec.style == oracle::spec::RopeStyle::Neox)?;
+                vec![out(&x.shape, xb.download_f32(x.data.len())?)]
+            }
+            "attention" => {
+                let (q, k, v) = (input("q")?, input("k")?, input("v")?);
+                let pos = case.ids("pos").map_err(e)?;
+                let kv_len = k.shape[0];
+                if pos.iter().any(|&p| p as usize >= kv_len) {
+                    return Err("attention: a query past the cache".into());
+                }
+                let cfg = crate::cpu::kernels::AttnCfg { n_head: uparam("n_head")?, n_head_kv: uparam("n_head_kv")?, head_dim: uparam("head_dim")?, window: uparam("window")? };
+                let (qb, pb, kb, vb) = (g.upload_f32(&q.data)?, g.upload_u32(pos)?, g.upload_f32(&k.data)?, g.upload_f32(&v.data)?);
+                let ob = g.alloc(4 * q.data.len())?;
+                g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg)?;
+                vec![out(&q.shape, ob.download_f32(q.data.len())?)]
+            }
+            "softmax" => {
+                let x = input("x")?;
+                let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc(4 * x.data.len())?);
+                g.softmax(xb.ptr, yb.ptr, x.shape[0], x.shape[1])?;
+                vec![out(&x.shape, yb.download_f32(x.data.len())?)]
+            }
+            "silu" | "gelu_tanh" | "swiglu" | "geglu" => {
+                let gate = input("gate")?;
+                let act = if matches!(case.op, "silu" | "swiglu") { 0 } else { 1 };
+                let (gb, yb) = (g.upload_f32(&gate.data)?, g.alloc(4 * gate.data.len())?);
+                let ub = if matches!(case.op, "swiglu" | "geglu") { Some(g.upload_f32(&input("up")?.data)?) } else { None };
+                g.glu(gb.ptr, ub.as_ref().map_or(0, |b| b.ptr), yb.ptr, gate.data.len(), act)?;
+                vec![out(&gate.shape, yb.download_f32(gate.data.len())?)]
+            }
+            "moe_route" => {
+                let l = input("logits")?;
+                let (rows, n, k) = (l.shape[0], l.shape[1], uparam("k")?);
+                let (lb, ib, wb) = (g.upload_f32(&l.data)?, g.alloc(4 * rows * k)?, g.alloc(4 * rows * k)?);
+                g.moe_route(lb.ptr, ib.ptr, wb.ptr, rows, n, k, uparam("sigmoid")? == 1, uparam("normalize")? == 1)?;
+                vec![Output::Ids(ib.download_u32(rows * k)?), out(&[rows, k], wb.download_f32(rows * k)?)]
+            }
+            "argmax" | "top_k" | "sample" => {
+                let x = input("x")?;
+                let (rows, n) = (x.shape[0], x.shape[1]);
+                let sampling = case.op == "sample" && param("temperature")? > 0.0;
+                let k = match case.op {
+                    "argmax" => 1,
+                    "sample" if !sampling => 1,
+                    _ => uparam("k")?.min(n),
+                };
+                let (xb, ib) = (g.upload_f32(&x.data)?, g.alloc(4 * rows * k)?);
+                g.top_k(xb.ptr, ib.ptr, rows, n, k)?;
+                let ranked = ib.download_u32(rows * k)?;
+                if sampling {
+                    // The device ranks the candidates; the seeded draw over them is the host's,
+                    // as in engines that sample on the CPU.
+                    let mut rng = oracle::ops::SplitMix64(case.seed);
+                    let (t, p) = (param("temperature")?, param("top_p")?);
+                    let picks = x.data.chunks(n).zip(ranked.chunks(k)).map(|(row, order)| crate::cpu::kernels::sample_ranked(row, order, t, p, &mut rng)).collect();
+                    vec![Output::Ids(picks)]
+                } else {
+                    vec![Output::Ids(ranked)]
+                }
+            }
+            other => return Err(format!("op `{other}` has no gpu kernel")),
+        })
+    }
+}
+
+impl Device for GpuDevice {
+    fn name(&self) -> String {
+        self.gpu.backend.name()
+    }
+    fn arithmetic(&self, _case: &OpCase) -> Arithmetic {
+        // f32 storage and accumulation everywhere; quantized weights are dequantized to f32 in
+        // registers (no activation quantization); expf/tanhf are within 2 ulp without fast-math.
+        Arithmetic::F32
+    }
+    fn supports(&self, case: &OpCase) -> Support {
+        match case.op {
+            "sample" if case.pu("k").unwrap_or(0) == 0 || case.pu("k").unwrap_or(0) > 64 => Support::Unsupported("sampling ranks at most 64 candidates on the device (top_k 1..=64)".into()),
+            "embed" | "rms_norm" | "layer_norm" | "qk_norm" | "matmul" | "add" | "add_bias" | "rope" | "attention" | "softmax" | "silu" | "gelu_tanh" | "swiglu"
+            | "geglu" | "moe_route" | "argmax" | "top_k" | "sample" => Support::Yes,
+            other => Support::Unsupported(format!("no gpu kernel for `{other}`")),
+        }
+    }
+    fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
+        let r = self.run(case).and_then(|o| self.gpu.backend.synchronize().map(|_| o));
+        r.map_err(|reason| crate::fail(&self.name(), case, reason))
+    }
+    fn synchronize(&self) {
+        let _ = self.gpu.backend.synchronize();
+    }
+    fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+        Ok(Box::new(model::GpuModel::load(self.gpu.clone(), path, opts)?))
+    }
+}
+
+/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu`, or says why it is unavailable.
+pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
+    let unavailable = |why: String| DeviceError::Unavailable(name.to_string(), why);
+    let index = |prefix: &str| -> Result<usize, DeviceError> {
+        match name.strip_prefix(prefix) {
+            Some("") => Ok(0),
+            Some(rest) => rest.strip_prefix(':').and_then(|n| n.parse().ok()).ok_or_else(|| unavailable(format!("expected {prefix} or {prefix}:N"))),
+            None => Err(unavailable("unknown device".into())),
+        }
+    };
+    let backend: Box<dyn Backend> = if name == "gpu-emu" {
+        Box::new(emu::EmuBackend::open().map_err(unavailable)?)
+    } else if name.starts_with("cuda") {
+        let _ordinal = index("cuda")?;
+        #[cfg(feature = "cuda")]
+        {
+            Box::new(cuda::CudaBackend::open(_ordinal).map_err(unavailable)?)
+        }
+        #[cfg(not(feature = "cuda"))]
+        return Err(unavailable("not compiled with feature cuda (cargo build --features cuda)".into()));
+    } else {
+        let _ordinal = index("rocm")?;
+        #[cfg(feature = "rocm")]
+        {
+            Box::new(hip::HipBackend::open(_ordinal).map_err(unavailable)?)
+        }
+        #[cfg(not(feature = "rocm"))]
+        return Err(unavailable("not compiled with feature rocm (cargo build --features rocm)".into()));
+    };
+    Ok(Box::new(GpuDevice { gpu: Gpu::new(backend) }))
+}

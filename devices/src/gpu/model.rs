@@ -1,0 +1,346 @@
+//! Whole-model runs on a GPU device (or the emulator): packed weights uploaded once, every op a
+//! kernel launch, a device-resident KV cache, and taps downloaded only when a suite asks for them
+//! (`Tap::enabled`). The weights come through the cpu device's GGUF loader, so both engines read
+//! a model file the same way; nothing of the cpu device's arithmetic is reused.
+
+use super::{DevBuf, Gpu, GpuMat};
+use crate::cpu::model::{CpuModel, Ffn, PackedMat};
+use crate::{Arithmetic, DeviceError, DeviceModel, ModelOptions};
+use oracle::spec::{Activation, Gating, ModelSpec, RopeStyle, Stage};
+use oracle::Tap;
+use std::sync::Arc;
+
+struct GpuFfn {
+    gate: GpuMat,
+    up: GpuMat,
+    down: GpuMat,
+}
+
+struct GpuLayer {
+    attn_norm: DevBuf,
+    wq: GpuMat,
+    wk: GpuMat,
+    wv: GpuMat,
+    wo: GpuMat,
+    bias: Option<[DevBuf; 3]>,
+    bo: Option<DevBuf>,
+    qk_norm: Option<[DevBuf; 2]>,
+    ffn_norm: DevBuf,
+    dense: Option<GpuFfn>,
+    router: Option<GpuMat>,
+    experts: Vec<GpuFfn>,
+    shared: Option<GpuFfn>,
+    shared_gate: Option<DevBuf>,
+}
+
+/// The KV cache: per layer `[capacity, n_head_kv * head_dim]` keys and values on the device.
+struct KvCache {
+    k: Vec<DevBuf>,
+    v: Vec<DevBuf>,
+    capacity: usize,
+    len: usize,
+}
+
+pub struct GpuModel {
+    gpu: Arc<Gpu>,
+    spec: ModelSpec,
+    tok_embd: GpuMat,
+    output_norm: DevBuf,
+    output: Option<GpuMat>,
+    layers: Vec<GpuLayer>,
+    kv: KvCache,
+}
+
+fn record(taps: &mut dyn Tap, name: &str, buf: &DevBuf, start: usize, m: usize, width: usize) -> Result<(), String> {
+    if taps.enabled() {
+        taps.record(name, start, m, width, &buf.download_f32(m * width)?);
+    }
+    Ok(())
+}
+
+impl GpuModel {
+    pub fn load(gpu: Arc<Gpu>, path: &std::path::Path, opts: &ModelOptions) -> Result<GpuModel, DeviceError> {
+        let name = gpu.backend.name();
+        let fail = |reason: String| DeviceError::Failed { device: name.clone(), case: path.display().to_string(), reason };
+        if opts.kv_f16 {
+            return Err(fail("an f16 KV cache is not implemented on GPU devices (the cache is f32)".into()));
+        }
+        let host = CpuModel::load(path, opts)?;
+        let mat = |p: &PackedMat| gpu.upload_mat(p.ty, p.rows, p.cols, &p.bytes);
+        let vec = |v: &Vec<f32>| gpu.upload_f32(v);
+        let ffn = |f: &Ffn| -> Result<GpuFfn, String> { Ok(GpuFfn { gate: mat(&f.gate)?, up: mat(&f.up)?, down: mat(&f.down)? }) };
+        let upload = || -> Result<GpuModel, String> {
+            let mut layers = Vec::with_capacity(host.layers.len());
+            for l in &host.layers {
+                layers.push(GpuLayer {
+                    attn_norm: vec(&l.attn_norm)?,
+                    wq: mat(&l.wq)?,
+                    wk: mat(&l.wk)?,
+                    wv: mat(&l.wv)?,
+                    wo: mat(&l.wo)?,
+                    bias: match &l.bias {
+                        Some([a, b, c]) => Some([vec(a)?, vec(b)?, vec(c)?]),
+                        None => None,
+                    },
+                    bo: l.bo.as_ref().map(vec).transpose()?,
+                    qk_norm: match &l.qk_norm {
+                        Some([a, b]) => Some([vec(a)?, vec(b)?]),
+                        None => None,
+                    },
+                    ffn_norm: vec(&l.ffn_norm)?,
+                    dense: l.dense.as_ref().map(ffn).transpose()?,
+                    router: l.router.as_ref().map(mat).transpose()?,
+                    experts: l.experts.iter().map(ffn).collect::<Result<_, _>>()?,
+                    shared: l.shared.as_ref().map(ffn).transpose()?,
+                    shared_gate: l.shared_gate.as_ref().map(vec).transpose()?,
+                });
+            }
+            Ok(GpuModel {
+                gpu: gpu.clone(),
+                spec: host.spec.clone(),
+                tok_embd: mat(&host.tok_embd)?,
+                output_norm: vec(&host.output_norm)?,
+                output: host.output.as_ref().map(mat).transpose()?,
+                layers,
+                kv: KvCache { k: Vec::new(), v: Vec::new(), capacity: 0, len: 0 },
+            })
+        };
+        upload().map_err(fail)
+    }
+
+    fn fail(&self, reason: String) -> DeviceError {
+        DeviceError::Failed { device: self.gpu.backend.name(), case: "forward".into(), reason }
+    }
+
+    /// Grows the cache to hold `need` positions, keeping what it holds.
+    fn reserve(&mut self, need: usize) -> Result<(), String> {
+        if need <= self.kv.capacity {
+            return Ok(());
+        }
+        let kvd = self.spec.n_head_kv * self.spec.head_dim;
+        let capacity = need.next_power_of_two().max(64);
+        let g = self.gpu.clone();
+        let grow = |old: &DevBuf| -> Result<DevBuf, String> {
+            let new = g.alloc(4 * capacity * kvd)?;
+            if self.kv.len > 0 {
+                g.copy(old.ptr, new.ptr, self.kv.len * kvd)?;
+            }
+            Ok(new)
+        };
+        let n_layer = self.spec.n_layer;
+        let (k, v) = if self.kv.k.is_empty() {
+            let fresh = || (0..n_layer).map(|_| g.alloc(4 * capacity * kvd)).collect::<Result<Vec<_>, _>>();
+            (fresh()?, fresh()?)
+        } else {
+            (self.kv.k.iter().map(grow).collect::<Result<Vec<_>, _>>()?, self.kv.v.iter().map(grow).collect::<Result<Vec<_>, _>>()?)
+        };
+        self.kv.k = k;
+        self.kv.v = v;
+        self.kv.capacity = capacity;
+        Ok(())
+    }
+
+    fn ffn(&self, f: &GpuFfn, h: u64, m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Result<DevBuf, String> {
+        let g = &self.gpu;
+        let width = f.gate.rows;
+        let (gate, up, act) = (g.alloc(4 * m * width)?, g.alloc(4 * m * width)?, g.alloc(4 * m * width)?);
+        g.matmul(&f.gate, h, f.gate.cols, m, gate.ptr)?;
+        g.matmul(&f.up, h, f.up.cols, m, up.ptr)?;
+        let kind = match self.spec.activation {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        };
+        g.glu(gate.ptr, up.ptr, act.ptr, m * width, kind)?;
+        if let Some((t, li, start)) = taps {
+            record(t, &format!("blk.{li}.ffn_gate"), &gate, start, m, width)?;
+            record(t, &format!("blk.{li}.ffn_up"), &up, start, m, width)?;
+            record(t, &format!("blk.{li}.ffn_act"), &act, start, m, width)?;
+        }
+        let out = g.alloc(4 * m * f.down.rows)?;
+        g.matmul(&f.down, act.ptr, width, m, out.ptr)?;
+        Ok(out)
+    }
+
+    fn moe(&self, li: usize, h: &DevBuf, m: usize, taps: &mut dyn Tap, start: usize) -> Result<DevBuf, String> {
+        let g = &self.gpu;
+        let layer = &self.layers[li];
+        let ms = self.spec.moe.as_ref().ok_or("MoE stage without an MoE spec")?;
+        let router = layer.router.as_ref().ok_or("MoE stage without a router")?;
+        let (d, ne, k) = (self.spec.n_embd, ms.n_expert, ms.n_expert_used);
+        let logits = g.alloc(4 * m * ne)?;
+        g.matmul(router, h.ptr, d, m, logits.ptr)?;
+        let (ids_buf, weights) = (g.alloc(4 * m * k)?, g.alloc(4 * m * k)?);
+        let sigmoid = ms.gating == Gating::Sigmoid;
+        g.moe_route(logits.ptr, ids_buf.ptr, weights.ptr, m, ne, k, sigmoid, ms.normalize_topk)?;
+        // The host launches the chosen experts, so it needs their ids (as engines that route
+        // on the host do); the weights stay on the device.
+        let ids = ids_buf.download_u32(m * k)?;
+        if taps.enabled() {
+            let probs = g.alloc(4 * m * ne)?;
+            if sigmoid {
+                g.glu(logits.ptr, 0, probs.ptr, m * ne, 2)?;
+            } else {
+                g.softmax(logits.ptr, probs.ptr, m, ne)?;
+            }
+            record(taps, &format!("blk.{li}.ffn_moe_probs"), &probs, start, m, ne)?;
+            let topk: Vec<f32> = ids.iter().map(|&e| e as f32).collect();
+            taps.record(&format!("blk.{li}.ffn_moe_topk"), start, m, k, &topk);
+        }
+        let out = g.upload_f32(&vec![0.0; m * d])?;
+        for t in 0..m {
+            for j in 0..k {
+                let e = ids[t * k + j] as usize;
+                let expert = layer.experts.get(e).ok_or_else(|| format!("router chose expert {e} of {}", layer.experts.len()))?;
+                let y = self.ffn(expert, h.at_f32(t * d), 1, None)?;
+                g.axpy_rows(out.at_f32(t * d), y.ptr, weights.at_f32(t * k + j), 0, 1, d)?;
+            }
+        }
+        if let Some(sf) = &layer.shared {
+            let y = self.ffn(sf, h.ptr, m, None)?;
+            let gate = match &layer.shared_gate {
+                Some(gw) => {
+                    let s = g.alloc(4 * m)?;
+                    g.sigmoid_dot(h.ptr, gw.ptr, s.ptr, m, d)?;
+                    s
+                }
+                None => g.upload_f32(&vec![1.0; m])?,
+            };
+            g.axpy_rows(out.ptr, y.ptr, gate.ptr, 1, m, d)?;
+        }
+        Ok(out)
+    }
+
+    fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, String> {
+        let s = self.spec.clone();
+        let m = tokens.len();
+        if m == 0 {
+            return Err("no tokens".into());
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= s.n_vocab) {
+            return Err(format!("token id {bad} outside the vocabulary of {}", s.n_vocab));
+        }
+        let start = self.kv.len;
+        self.reserve(start + m)?;
+        let g = self.gpu.clone();
+        let (d, hd) = (s.n_embd, s.head_dim);
+        let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
+        let eps = s.norm_eps as f32;
+        let ids = g.upload_u32(tokens)?;
+        let pos = g.upload_u32(&(start as u32..(start + m) as u32).collect::<Vec<_>>())?;
+        let x = g.alloc(4 * m * d)?;
+        g.get_rows(&self.tok_embd, ids.ptr, m, x.ptr)?;
+        record(taps, "inp_embd", &x, start, m, d)?;
+        let (h, q, k, v) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd)?, g.alloc(4 * m * kvd)?, g.alloc(4 * m * kvd)?);
+        let (attn, attn_out) = (g.alloc(4 * m * qd)?, g.alloc(4 * m * d)?);
+        let table = super::rope_table(&s.rope, start..start + m);
+        let neox = s.rope.style == RopeStyle::Neox;
+        for li in 0..s.n_layer {
+            let name = |t: &str| format!("blk.{li}.{t}");
+            let mut ffn_out: Option<DevBuf> = None;
+            for stage in &s.stages {
+                let layer = &self.layers[li];
+                match stage {
+                    Stage::AttnNorm => {
+                        g.rms_norm(x.ptr, layer.attn_norm.ptr, h.ptr, m, d, eps)?;
+                        record(taps, &name("attn_norm"), &h, start, m, d)?;
+                    }
+                    Stage::QkvProj => {
+                        g.matmul(&layer.wq, h.ptr, d, m, q.ptr)?;
+                        g.matmul(&layer.wk, h.ptr, d, m, k.ptr)?;
+                        g.matmul(&layer.wv, h.ptr, d, m, v.ptr)?;
+                        if let Some([bq, bk, bv]) = &layer.bias {
+                            g.add(q.ptr, bq.ptr, q.ptr, m * qd, qd)?;
+                            g.add(k.ptr, bk.ptr, k.ptr, m * kvd, kvd)?;
+                            g.add(v.ptr, bv.ptr, v.ptr, m * kvd, kvd)?;
+                        }
+                        record(taps, &name("attn_q"), &q, start, m, qd)?;
+                        record(taps, &name("attn_k"), &k, start, m, kvd)?;
+                        record(taps, &name("attn_v"), &v, start, m, kvd)?;
+                    }
+                    Stage::QkNorm => {
+                        if let Some([qn, kn]) = &layer.qk_norm {
+                            g.rms_norm(q.ptr, qn.ptr, q.ptr, m * s.n_head, hd, eps)?;
+                            g.rms_norm(k.ptr, kn.ptr, k.ptr, m * s.n_head_kv, hd, eps)?;
+                        }
+                        record(taps, &name("attn_q_norm"), &q, start, m, qd)?;
+                        record(taps, &name("attn_k_norm"), &k, start, m, kvd)?;
+                    }
+                    Stage::Rope => {
+                        g.rope(q.ptr, &table, m, s.n_head, hd, s.rope.n_rot, neox)?;
+                        g.rope(k.ptr, &table, m, s.n_head_kv, hd, s.rope.n_rot, neox)?;
+                        record(taps, &name("attn_q_rope"), &q, start, m, qd)?;
+                        record(taps, &name("attn_k_rope"), &k, start, m, kvd)?;
+                    }
+                    Stage::Attention => {
+                        let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
+                        g.copy(k.ptr, kc.at_f32(start * kvd), m * kvd)?;
+                        g.copy(v.ptr, vc.at_f32(start * kvd), m * kvd)?;
+                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.sliding_window.unwrap_or(0) };
+                        g.attention(q.ptr, pos.ptr, kc.ptr, vc.ptr, attn.ptr, m, start + m, &cfg)?;
+                        record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
+                    }
+                    Stage::AttnOutProj => {
+                        g.matmul(&layer.wo, attn.ptr, qd, m, attn_out.ptr)?;
+                        if let Some(bo) = &layer.bo {
+                            g.add(attn_out.ptr, bo.ptr, attn_out.ptr, m * d, d)?;
+                        }
+                        record(taps, &name("attn_out"), &attn_out, start, m, d)?;
+                    }
+                    Stage::AttnResidual => {
+                        g.add(x.ptr, attn_out.ptr, x.ptr, m * d, m * d)?;
+                        record(taps, &name("ffn_inp"), &x, start, m, d)?;
+                    }
+                    Stage::FfnNorm => {
+                        g.rms_norm(x.ptr, layer.ffn_norm.ptr, h.ptr, m, d, eps)?;
+                        record(taps, &name("ffn_norm"), &h, start, m, d)?;
+                    }
+                    Stage::DenseFfn => {
+                        let f = layer.dense.as_ref().ok_or("dense stage without weights")?;
+                        let o = self.ffn(f, h.ptr, m, Some((&mut *taps, li, start)))?;
+                        record(taps, &name("ffn_out"), &o, start, m, d)?;
+                        ffn_out = Some(o);
+                    }
+                    Stage::MoeFfn => {
+                        let o = self.moe(li, &h, m, taps, start)?;
+                        record(taps, &name("ffn_out"), &o, start, m, d)?;
+                        ffn_out = Some(o);
+                    }
+                    Stage::FfnResidual => {
+                        let o = ffn_out.as_ref().ok_or("FFN residual before an FFN stage")?;
+                        g.add(x.ptr, o.ptr, x.ptr, m * d, m * d)?;
+                        record(taps, &name("l_out"), &x, start, m, d)?;
+                    }
+                }
+            }
+        }
+        self.kv.len = start + m;
+        g.rms_norm(x.ptr, self.output_norm.ptr, h.ptr, m, d, eps)?;
+        record(taps, "result_norm", &h, start, m, d)?;
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let logits = g.alloc(4 * m * s.n_vocab)?;
+        g.matmul(head, h.ptr, d, m, logits.ptr)?;
+        let out = logits.download_f32(m * s.n_vocab)?;
+        if taps.enabled() {
+            taps.record("result_output", start, m, s.n_vocab, &out);
+        }
+        Ok(out)
+    }
+}
+
+impl DeviceModel for GpuModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+    fn arithmetic(&self) -> Arithmetic {
+        Arithmetic::F32
+    }
+    fn forward(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps).map_err(|r| self.fail(r))
+    }
+    fn cached(&self) -> usize {
+        self.kv.len
+    }
+    fn reset(&mut self) {
+        self.kv.len = 0;
+    }
+}
