@@ -99,6 +99,15 @@ pub enum Support {
 /// A backend under test.
 pub trait Device: Send + Sync {
     fn name(&self) -> String;
+    /// The hardware and driver behind the name, for report provenance (a GPU's model,
+    /// architecture and driver version); the name where there is nothing more to say.
+    fn describe(&self) -> String {
+        self.name()
+    }
+    /// Device memory held at most so far by this device's buffers (GPU devices), if tracked.
+    fn memory_peak_bytes(&self) -> Option<u64> {
+        None
+    }
     /// The arithmetic this device uses for `case` (the tolerance rule's input).
     fn arithmetic(&self, case: &OpCase) -> Arithmetic;
     fn supports(&self, case: &OpCase) -> Support;
@@ -174,8 +183,22 @@ pub trait DeviceModel: Send {
     fn reset(&mut self);
 }
 
-/// Opens a device by name, or says why it is unavailable.
+/// Opens a device by name, or says why it is unavailable. Every device opened is remembered with
+/// its description (see [`opened`]).
 pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
+    let d = open_device(name)?;
+    OPENED.lock().unwrap_or_else(|e| e.into_inner()).insert(d.name(), d.describe());
+    Ok(d)
+}
+
+static OPENED: std::sync::Mutex<std::collections::BTreeMap<String, String>> = std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// The devices this process opened: name -> description (for report provenance).
+pub fn opened() -> std::collections::BTreeMap<String, String> {
+    OPENED.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: &str| Err(DeviceError::Unavailable(name.to_string(), why.to_string()));
     match name {
         "ref" => Ok(Box::new(reference::RefDevice)),

@@ -5,7 +5,7 @@
 //! the test says it was skipped, and fails instead when `TOUCHSTONE_REQUIRE_NVRTC=1` (CI sets it).
 #![cfg(feature = "cuda")]
 
-use devices::gpu::{cuda, kernel_names};
+use devices::gpu::{cuda, kernel_names, KERNEL_SOURCE};
 
 /// The wheel's libnvrtc, located through python3 (None when python3 or the wheel is absent).
 fn wheel_nvrtc() -> Option<std::path::PathBuf> {
@@ -32,7 +32,7 @@ fn every_kernel_compiles_to_ptx_with_nvrtc() {
     assert!(names.len() >= 10, "kernel list looks wrong: {names:?}");
     // A100 (sm_80), H100/H200 (sm_90).
     for arch in ["sm_80", "sm_90"] {
-        let ptx = cuda::compile_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let ptx = cuda::compile_ptx(KERNEL_SOURCE, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
         for name in &names {
             assert!(ptx.contains(&format!(".entry {name}(")), "{arch}: kernel {name} missing from the PTX");
         }

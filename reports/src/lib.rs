@@ -62,6 +62,13 @@ pub struct Provenance {
     pub cpu: String,
     pub threads: usize,
     pub touchstone_version: String,
+    /// Devices the run opened: name -> hardware and driver (`cuda:0` -> `NVIDIA H200, sm_90,
+    /// CUDA driver 12.8`).
+    #[serde(default)]
+    pub devices: std::collections::BTreeMap<String, String>,
+    /// Cargo features the binary was built with (`cuda`, `rocm`, `parquet`).
+    #[serde(default)]
+    pub features: Vec<String>,
 }
 
 impl Provenance {
@@ -81,6 +88,8 @@ impl Provenance {
             cpu,
             threads,
             touchstone_version: env!("CARGO_PKG_VERSION").to_string(),
+            devices: Default::default(),
+            features: Vec::new(),
         }
     }
 }
@@ -182,6 +191,12 @@ impl Report {
             p.threads,
             p.touchstone_version
         );
+        for (name, what) in &p.devices {
+            out += &format!("- device `{name}`: {what}\n");
+        }
+        if !p.devices.is_empty() {
+            out += "\n";
+        }
         let cov = self.coverage();
         if cov.len() > 1 {
             let devices: std::collections::BTreeSet<String> = cov.values().flat_map(|d| d.keys().cloned()).collect();

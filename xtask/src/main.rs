@@ -44,6 +44,9 @@ enum Command {
     Fixtures(cmd::fixtures::FixturesArgs),
 }
 
+/// This binary's optional features and whether each was compiled in (report provenance).
+pub const FEATURES: [(&str, bool); 3] = [("cuda", cfg!(feature = "cuda")), ("rocm", cfg!(feature = "rocm")), ("parquet", cfg!(feature = "parquet"))];
+
 /// An error with the exit code it maps to.
 #[derive(Debug)]
 pub struct Exit {

@@ -49,14 +49,14 @@ pub fn preload(path: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
-/// The translation unit NVRTC compiles: the CUDA prelude and the shared kernel source.
-pub fn source() -> String {
-    format!("{}\n#line 1 \"touchstone.cu\"\n{}", super::PRELUDE_CUDA, super::KERNEL_SOURCE)
+/// The translation unit NVRTC compiles: the CUDA prelude and the kernel source.
+pub fn source(kernels: &str) -> String {
+    format!("{}\n#line 1 \"touchstone.cu\"\n{kernels}", super::PRELUDE_CUDA)
 }
 
-/// Compiles every kernel for `arch` (e.g. `sm_90`) to PTX with NVRTC. The error carries
-/// NVRTC's log (file, line, message).
-pub fn compile_ptx(arch: &str) -> Result<String, String> {
+/// Compiles every kernel of `kernels` for `arch` (e.g. `sm_90`) to PTX with NVRTC. The error
+/// carries NVRTC's log (file, line, message).
+pub fn compile_ptx(kernels: &str, arch: &str) -> Result<String, String> {
     if !nvrtc_present() {
         return Err("libnvrtc is not loadable (install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12` and put its lib/ on LD_LIBRARY_PATH)".into());
     }
@@ -65,7 +65,7 @@ pub fn compile_ptx(arch: &str) -> Result<String, String> {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
         ..Default::default()
     };
-    match cudarc::nvrtc::compile_ptx_with_opts(source(), opts) {
+    match cudarc::nvrtc::compile_ptx_with_opts(source(kernels), opts) {
         Ok(ptx) => Ok(ptx.to_src()),
         Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => Err(format!("NVRTC failed:\n{}", log.to_string_lossy())),
         Err(e) => Err(format!("NVRTC failed: {e:?}")),
@@ -73,15 +73,15 @@ pub fn compile_ptx(arch: &str) -> Result<String, String> {
 }
 
 /// PTX for `arch`, from the on-disk cache when this kernel source was compiled for it before.
-fn cached_ptx(arch: &str) -> Result<String, String> {
+fn cached_ptx(kernels: &str, arch: &str) -> Result<String, String> {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    source().hash(&mut h);
+    source(kernels).hash(&mut h);
     let path = std::env::temp_dir().join(format!("touchstone-ptx-{:016x}-{arch}.ptx", h.finish()));
     if let Ok(ptx) = std::fs::read_to_string(&path) {
         return Ok(ptx);
     }
-    let ptx = compile_ptx(arch)?;
+    let ptx = compile_ptx(kernels, arch)?;
     let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
     if std::fs::write(&tmp, &ptx).is_ok() {
         let _ = std::fs::rename(&tmp, &path);
@@ -117,16 +117,17 @@ impl CudaBackend {
         // SAFETY: a context just retained.
         driver("cuCtxSetCurrent", unsafe { result::ctx::set_current(ctx) })?;
         let arch = format!("sm_{major}{minor}");
-        let ptx = cached_ptx(&arch)?;
+        let kernels = super::kernel_source()?;
+        let ptx = cached_ptx(&kernels, &arch)?;
         let image = CString::new(ptx).map_err(|e| e.to_string())?;
         // SAFETY: a NUL-terminated PTX image; the module lives as long as the primary context.
         let module = driver("cuModuleLoadData", unsafe { result::module::load_data(image.as_ptr() as *const c_void) })?;
         let mut functions = HashMap::new();
-        for k in super::kernel_names() {
-            let cname = CString::new(k).map_err(|e| e.to_string())?;
+        for k in super::kernel_names_in(&kernels) {
+            let cname = CString::new(k.as_str()).map_err(|e| e.to_string())?;
             // SAFETY: a loaded module and a NUL-terminated name.
             let f = driver(&format!("cuModuleGetFunction({k})"), unsafe { result::module::get_function(module, cname) })?;
-            functions.insert(k.to_string(), f);
+            functions.insert(k, f);
         }
         let describe = format!("{name}, {arch}, CUDA driver {}.{}", version / 1000, (version % 1000) / 10);
         Ok(CudaBackend { ordinal, ctx, functions, describe })

@@ -25,15 +25,17 @@ pub struct EmuBackend {
     allocs: Mutex<HashMap<u64, std::alloc::Layout>>,
 }
 
-/// The translation unit the emulator compiles: prelude, kernels, kernel list, launcher.
-pub fn translation_unit() -> String {
-    let list: String = super::kernel_names().iter().map(|n| format!("X({n}) ")).collect();
-    format!("{PRELUDE_HOST}\n#line 1 \"touchstone.cu\"\n{}\n#define TS_KERNEL_LIST(X) {list}\n#line 1 \"emu_runtime.cpp\"\n{RUNTIME}", super::KERNEL_SOURCE)
+/// The translation unit the emulator compiles from a kernel source: prelude, kernels, kernel
+/// list, launcher.
+pub fn translation_unit(source: &str) -> String {
+    let list: String = super::kernel_names_in(source).iter().map(|n| format!("X({n}) ")).collect();
+    format!("{PRELUDE_HOST}\n#line 1 \"touchstone.cu\"\n{source}\n#define TS_KERNEL_LIST(X) {list}\n#line 1 \"emu_runtime.cpp\"\n{RUNTIME}")
 }
 
-fn build() -> Result<PathBuf, String> {
+/// Builds (or finds built) the emulator library for `source`.
+fn build(source: &str) -> Result<PathBuf, String> {
     use std::hash::{Hash, Hasher};
-    let tu = translation_unit();
+    let tu = translation_unit(source);
     let mut h = std::collections::hash_map::DefaultHasher::new();
     tu.hash(&mut h);
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
@@ -62,29 +64,38 @@ fn build() -> Result<PathBuf, String> {
     Ok(lib)
 }
 
-static LIBRARY: OnceLock<Result<usize, String>> = OnceLock::new();
+/// Loaded emulator libraries by path (one per kernel source), kept for the life of the process.
+static LIBRARIES: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
 
 impl EmuBackend {
     pub fn open() -> Result<EmuBackend, String> {
-        let addr = LIBRARY
-            .get_or_init(|| {
-                let lib = build()?;
+        Self::with_source(&super::kernel_source()?)
+    }
+
+    /// An emulator running the kernels of `source` (the built-in source, an override, or a test's).
+    pub fn with_source(source: &str) -> Result<EmuBackend, String> {
+        let lib = build(source)?;
+        let mut loaded = LIBRARIES.get_or_init(Default::default).lock().unwrap();
+        let addr = match loaded.get(&lib) {
+            Some(a) => *a,
+            None => {
                 let path = CString::new(lib.to_string_lossy().as_bytes()).map_err(|e| e.to_string())?;
-                // SAFETY: dlopen/dlsym on a library this process just built; the handle is kept
-                // for the life of the process (never dlclose'd), so the symbol stays valid.
-                unsafe {
+                // SAFETY: dlopen/dlsym on a library this process built; the handle is never
+                // dlclose'd, so the symbol stays valid for the life of the process.
+                let sym = unsafe {
                     let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
                     if handle.is_null() {
                         return Err(format!("dlopen {}: {}", lib.display(), std::ffi::CStr::from_ptr(libc::dlerror()).to_string_lossy()));
                     }
-                    let sym = libc::dlsym(handle, c"ts_emu_launch".as_ptr());
-                    if sym.is_null() {
-                        return Err(format!("{}: no symbol ts_emu_launch", lib.display()));
-                    }
-                    Ok(sym as usize)
+                    libc::dlsym(handle, c"ts_emu_launch".as_ptr())
+                };
+                if sym.is_null() {
+                    return Err(format!("{}: no symbol ts_emu_launch", lib.display()));
                 }
-            })
-            .clone()?;
+                loaded.insert(lib, sym as usize);
+                sym as usize
+            }
+        };
         // SAFETY: the symbol has the signature emu_runtime.cpp declares for ts_emu_launch.
         let launch = unsafe { std::mem::transmute::<usize, LaunchFn>(addr) };
         Ok(EmuBackend { launch, allocs: Mutex::new(HashMap::new()) })
@@ -174,5 +185,75 @@ impl EmuBackend {
         } else {
             Err(format!("copy of {len} bytes at {ptr:#x} outside any allocation"))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SOURCE: &str = r#"
+extern "C" __global__ void block_sums(const float* x, float* sums) {
+    __shared__ float red[64];
+    int tid = threadIdx.x;
+    red[tid] = x[blockIdx.x * blockDim.x + tid];
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] += red[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) sums[blockIdx.x] = red[0];
+}
+extern "C" __global__ void early_return(float* x) {
+    if (threadIdx.x == 3) return;
+    __syncthreads();
+    x[threadIdx.x] = 1.0f;
+}
+"#;
+
+    fn floats(b: &EmuBackend, ptr: u64, n: usize) -> Vec<f32> {
+        let mut raw = vec![0u8; 4 * n];
+        b.download(ptr, &mut raw).unwrap();
+        raw.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    fn emulator() -> Option<EmuBackend> {
+        match EmuBackend::with_source(SOURCE) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
+                eprintln!("SKIPPED: gpu-emu unavailable: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn barriers_order_a_blocks_threads_and_blocks_are_independent() {
+        let Some(b) = emulator() else { return };
+        let x: Vec<f32> = (0..3 * 16).map(|i| i as f32).collect();
+        let (xp, sp) = (b.alloc(4 * x.len()).unwrap(), b.alloc(12).unwrap());
+        b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+        b.launch("block_sums", [3, 1, 1], [16, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(sp)]).unwrap();
+        let expect: Vec<f32> = x.chunks(16).map(|c| c.iter().sum()).collect();
+        assert_eq!(floats(&b, sp, 3), expect);
+    }
+
+    #[test]
+    fn a_thread_that_skips_a_barrier_is_reported() {
+        let Some(b) = emulator() else { return };
+        let xp = b.alloc(64).unwrap();
+        let e = b.launch("early_return", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp)]).unwrap_err();
+        assert!(e.contains("1 of 8 threads returned") && e.contains("__syncthreads"), "{e}");
+        assert!(b.launch("no_such_kernel", [1, 1, 1], [8, 1, 1], 0, &[]).unwrap_err().contains("no kernel named"));
+    }
+
+    #[test]
+    fn copies_outside_an_allocation_are_refused() {
+        let Some(b) = emulator() else { return };
+        let p = b.alloc(16).unwrap();
+        assert!(b.upload(p + 8, &[0u8; 16]).unwrap_err().contains("outside any allocation"));
+        b.free(p);
+        assert!(b.download(p, &mut [0u8; 4]).is_err());
     }
 }

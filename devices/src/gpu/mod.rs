@@ -22,19 +22,29 @@ use oracle::registry::{Input, OpCase, Output, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// The kernel source shared by every platform.
+/// The kernel source shared by every platform, as built into the binary.
 pub const KERNEL_SOURCE: &str = include_str!("../../kernels/touchstone.cu");
 pub const PRELUDE_CUDA: &str = include_str!("../../kernels/prelude_cuda.h");
 pub const PRELUDE_HIP: &str = include_str!("../../kernels/prelude_hip.h");
 
-/// The names of the kernels in [`KERNEL_SOURCE`] (every `__global__` function).
-pub fn kernel_names() -> Vec<&'static str> {
-    KERNEL_SOURCE
-        .split("__global__ void ")
-        .skip(1)
-        .filter_map(|rest| rest.split('(').next())
-        .map(str::trim)
-        .collect()
+/// The kernel source the backends compile: the built-in one, or the file named by
+/// `TOUCHSTONE_KERNEL_SOURCE` (iterate on a kernel without rebuilding Touchstone, or check that
+/// the gates catch a deliberately broken one).
+pub fn kernel_source() -> Result<String, String> {
+    match std::env::var_os("TOUCHSTONE_KERNEL_SOURCE") {
+        Some(path) => std::fs::read_to_string(&path).map_err(|e| format!("TOUCHSTONE_KERNEL_SOURCE={}: {e}", std::path::Path::new(&path).display())),
+        None => Ok(KERNEL_SOURCE.to_string()),
+    }
+}
+
+/// The names of the kernels in `source` (every `__global__` function).
+pub fn kernel_names_in(source: &str) -> Vec<String> {
+    source.split("__global__ void ").skip(1).filter_map(|rest| rest.split('(').next()).map(|n| n.trim().to_string()).collect()
+}
+
+/// The names of the built-in kernels.
+pub fn kernel_names() -> Vec<String> {
+    kernel_names_in(KERNEL_SOURCE)
 }
 
 /// The most tokens one matmul launch multiplies (the kernel's register tile).
@@ -491,6 +501,12 @@ impl GpuDevice {
 impl Device for GpuDevice {
     fn name(&self) -> String {
         self.gpu.backend.name()
+    }
+    fn describe(&self) -> String {
+        self.gpu.backend.describe()
+    }
+    fn memory_peak_bytes(&self) -> Option<u64> {
+        Some(self.gpu.peak_bytes())
     }
     fn arithmetic(&self, _case: &OpCase) -> Arithmetic {
         // f32 storage and accumulation everywhere; quantized weights are dequantized to f32 in

@@ -526,9 +526,9 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
         }
     }
 
-    let report = build_report(&a, &pairs, &stats, first_difference, failure.as_ref().map(|f| f.message.clone()).or_else(|| problems.first().cloned()));
+    let mut report = build_report(&a, &pairs, &stats, first_difference, failure.as_ref().map(|f| f.message.clone()).or_else(|| problems.first().cloned()));
     let dir = super::report_dir(a.report_dir.clone(), "ab");
-    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    super::write_report(&mut report, &dir)?;
     print_table(&a, &pairs, &stats, first_difference);
     println!("report: {}", dir.join("report.json").display());
     if let Some(f) = failure {

@@ -125,7 +125,7 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench) -> Result<u8, Ex
     report.add_chart("itl_distribution", Chart { title: format!("{} on {}: inter-token latency by percentile", a.device, a.model), x_label: "percentile".into(), y_label: "ms".into(), log_y: false, series, band: None });
     report.sections.insert("bench".into(), serde_json::to_value(&r).unwrap_or_default());
     let dir = super::report_dir(a.report_dir.clone(), "bench");
-    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    super::write_report(&mut report, &dir)?;
     println!("report: {}", dir.join("report.json").display());
     Ok(0)
 }

@@ -43,10 +43,10 @@ fn oracle_golden(oracle: &AnyModel, model: &str, sha256: String, prompt: Vec<u32
 }
 
 pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
-    let Some(report) = fixed_token(&a)? else { return Ok(0) };
+    let Some(mut report) = fixed_token(&a)? else { return Ok(0) };
     print_summary(&report);
     let dir = super::report_dir(a.report_dir, "fixed-token");
-    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    super::write_report(&mut report, &dir)?;
     println!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

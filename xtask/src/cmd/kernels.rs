@@ -38,10 +38,10 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     let pb = super::progress(selected.len() as u64, &format!("kernels on {}", a.device));
     let cases = suites::kernels::run(device.as_ref(), &selected, opts.perf, |done, _| pb.set_position(done as u64));
     pb.finish_and_clear();
-    let report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
+    let mut report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
     print_summary(&report);
     let dir = super::report_dir(a.report_dir, "kernels");
-    report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    super::write_report(&mut report, &dir)?;
     println!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

@@ -55,10 +55,10 @@ fn device_taps(engine: &mut Engine, ids: &[u32]) -> Result<RecordingTap, Exit> {
 }
 
 pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
-    let outcome = layer_diff(&a)?;
+    let mut outcome = layer_diff(&a)?;
     print_table(&outcome);
     let dir = super::report_dir(a.report_dir, "layer-diff");
-    outcome.report.write(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    super::write_report(&mut outcome.report, &dir)?;
     let s = &outcome.report.summary;
     println!("{} taps compared: {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
     println!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());

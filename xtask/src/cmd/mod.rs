@@ -160,6 +160,14 @@ pub fn report_dir(given: Option<PathBuf>, suite: &str) -> PathBuf {
     })
 }
 
+/// Writes `report` under `dir` after adding what only the binary knows to its provenance: the
+/// devices it opened (with their hardware and driver) and the features it was built with.
+pub fn write_report(report: &mut reports::Report, dir: &std::path::Path) -> Result<(), Exit> {
+    report.provenance.devices.extend(devices::opened());
+    report.provenance.features = crate::FEATURES.iter().filter(|(_, on)| *on).map(|(f, _)| f.to_string()).collect();
+    report.write(dir).map_err(|e| io_exit(dir, e))
+}
+
 /// An I/O failure on `path` as a could-not-run exit that names the path.
 pub fn io_exit(path: &std::path::Path, e: std::io::Error) -> Exit {
     Exit { code: 2, message: format!("{}: {e}", path.display()) }

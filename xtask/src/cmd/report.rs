@@ -28,7 +28,7 @@ pub fn main(a: ReportArgs) -> Result<u8, Exit> {
         Action::Merge { dirs, out } => {
             let parts = dirs.iter().map(|d| Report::read(d)).collect::<Result<Vec<_>, _>>()?;
             let merged = Report::merge(parts).ok_or_else(|| Exit { code: 2, message: "nothing to merge".into() })?;
-            merged.write(&out).map_err(|e| super::io_exit(&out, e))?;
+            merged.write(&out).map_err(|e| super::io_exit(&out, e))?; // provenance of the shards, unchanged
             super::kernels::print_summary(&merged);
             println!("merged {} reports into {}", dirs.len(), out.join("report.json").display());
             Ok(merged.exit_code())

@@ -1,0 +1,91 @@
+//! The GPU devices on a machine without a GPU. `gpu-emu` runs the CUDA/ROCm kernel source on the
+//! host, so the kernel suite, layer-diff and fixed-token judge the GPU kernels' logic here; a
+//! deliberately broken kernel source (`TOUCHSTONE_KERNEL_SOURCE`) must turn them red; and `cuda`
+//! / `rocm` without a driver (or not compiled in) exit 2 with a one-line reason. The emulator
+//! needs a C++ compiler: without one these tests say SKIPPED, and fail instead when
+//! `TOUCHSTONE_REQUIRE_GPU_EMU=1` (CI sets it).
+
+mod common;
+
+use common::*;
+
+fn emulator_available() -> bool {
+    match devices::open("gpu-emu") {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
+            eprintln!("SKIPPED: {e}");
+            false
+        }
+    }
+}
+
+fn report(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn every_kernel_case_passes_on_the_emulated_gpu_kernels() {
+    if !emulator_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["kernels", "--device", "gpu-emu", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report(dir.path());
+    let n_cases: usize = oracle::registry::registry().iter().map(|e| (e.cases)(0).len()).sum();
+    assert_eq!(r["summary"]["executed"], n_cases, "every registry case ran");
+    assert_eq!(r["summary"]["passed"], n_cases, "{}", r["summary"]);
+    assert!(r["provenance"]["devices"]["gpu-emu"].as_str().unwrap().contains("emulation"));
+}
+
+#[test]
+fn models_run_on_the_emulated_gpu_within_budget() {
+    if !emulator_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let o = xtask(&["layer-diff", "--device", "gpu-emu", "--model", "tiny-qwen3", "--report-dir", d], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(report(dir.path())["summary"]["failed"], 0);
+    let o = xtask(&["fixed-token", "--device", "gpu-emu", "--model", "tiny-moe", "--report-dir", d], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report(dir.path());
+    assert!(r["summary"]["passed"].as_u64().unwrap() >= 5, "{}", r["summary"]);
+}
+
+#[test]
+fn a_broken_gpu_kernel_turns_the_gates_red() {
+    if !emulator_available() {
+        return;
+    }
+    // SiLU with a 0.1% error in its exponent's argument: inside f32 noise for a casual look,
+    // far outside the bound the device's declared arithmetic implies.
+    let src = devices::gpu::KERNEL_SOURCE;
+    let good = "return x / (1.0f + expf(-x));";
+    assert!(src.contains(good), "the SiLU line moved; update this test");
+    let broken = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(broken.path(), src.replace(good, "return x / (1.0f + expf(-1.001f * x));")).unwrap();
+    let env = [("TOUCHSTONE_KERNEL_SOURCE", broken.path().to_str().unwrap())];
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let o = xtask(&["kernels", "--device", "gpu-emu", "--filter", "^(silu|swiglu)\\(", "--report-dir", d], &env);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(report(dir.path())["summary"]["failed"].as_u64().unwrap() > 0);
+    let o = xtask(&["layer-diff", "--device", "gpu-emu", "--model", "tiny-llama", "--report-dir", d], &env);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("first divergence: blk.0.ffn_act"), "{}", text(&o));
+}
+
+#[test]
+fn gpu_devices_without_a_gpu_exit_2_with_one_line() {
+    for device in ["cuda", "cuda:1", "rocm"] {
+        let o = xtask(&["kernels", "--device", device], &[]);
+        assert_eq!(o.status.code(), Some(2), "{device}: {}", text(&o));
+        let err = stderr(&o);
+        assert_eq!(err.trim().lines().count(), 1, "{device}: {err}");
+        assert!(err.contains(&format!("device `{device}` is unavailable")), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
