@@ -115,10 +115,27 @@ pub trait Device: Send + Sync {
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError>;
     /// Waits for queued work (a no-op on CPU devices).
     fn synchronize(&self) {}
+    /// Measures copy bandwidth and GEMV (m = 1) weight bandwidth per weight type on `bytes`-sized
+    /// buffers, best of `reps` timed runs each (GPU devices; None where not implemented).
+    fn bandwidth_probe(&self, _bytes: usize, _reps: usize) -> Option<Result<BandwidthProbe, DeviceError>> {
+        None
+    }
     /// Loads a GGUF model to run whole forward passes on this device.
     fn load_model(&self, path: &std::path::Path, _opts: &ModelOptions) -> Result<Box<dyn DeviceModel>, DeviceError> {
         Err(DeviceError::Unavailable(self.name(), format!("{}: this device does not run whole models", path.display())))
     }
+}
+
+/// What [`Device::bandwidth_probe`] measured.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BandwidthProbe {
+    /// Bytes each buffer held (the copy's source; each GEMV weight matrix at most).
+    pub bytes: usize,
+    /// Device-to-device copy, counting bytes read plus bytes written.
+    pub copy_gbps: f64,
+    /// Per weight type: (type, weight bytes read per GEMV, GB/s of weights read).
+    pub gemv: Vec<(String, usize, f64)>,
+    pub reps: usize,
 }
 
 /// A device model's key/value cache: per layer, `[len, width]` keys and values of any element
@@ -181,6 +198,10 @@ pub trait DeviceModel: Send {
     }
     /// Empties the cache.
     fn reset(&mut self);
+    /// Device memory held at most so far (GPU devices), if tracked.
+    fn memory_peak_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Opens a device by name, or says why it is unavailable. Every device opened is remembered with

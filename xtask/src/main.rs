@@ -40,6 +40,8 @@ enum Command {
     Dump(cmd::dump::DumpArgs),
     /// Throughput of a device on a model: prefill/decode tok/s, time to first token, inter-token latency percentiles, peak RSS (for the oracle also weight bandwidth vs a memory probe).
     Bench(cmd::bench::BenchArgs),
+    /// GEMV weight bandwidth per weight type vs the device's copy bandwidth, measured in one run (GPU devices); gated by --min-ratio.
+    Roofline(cmd::roofline::RooflineArgs),
     /// Generates the synthetic models and fetches/verifies the real ones (idempotent).
     Fixtures(cmd::fixtures::FixturesArgs),
 }
@@ -78,6 +80,7 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd::run::main(a),
         Command::Dump(a) => cmd::dump::main(a),
         Command::Bench(a) => cmd::bench::main(a),
+        Command::Roofline(a) => cmd::roofline::main(a),
         Command::Fixtures(a) => cmd::fixtures::main(a),
     };
     match result {

@@ -531,6 +531,48 @@ impl Device for GpuDevice {
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
         Ok(Box::new(model::GpuModel::load(self.gpu.clone(), path, opts)?))
     }
+    fn bandwidth_probe(&self, bytes: usize, reps: usize) -> Option<Result<crate::BandwidthProbe, DeviceError>> {
+        Some(self.probe(bytes, reps).map_err(|reason| DeviceError::Failed { device: self.name(), case: "bandwidth probe".into(), reason }))
+    }
+}
+
+/// GEMV rows are this long in the bandwidth probe (a 7B model's hidden size is 4096, its FFN
+/// width 11008; long rows keep the per-row reduction a small share of the time).
+const PROBE_COLS: usize = 8192;
+
+impl GpuDevice {
+    /// Copy bandwidth, then GEMV weight bandwidth per type, each the best of `reps` runs timed
+    /// with device events, all in one run so the ratios are like for like.
+    fn probe(&self, bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
+        let g = &self.gpu;
+        let reps = reps.max(1);
+        let best = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<f64, String> {
+            f()?; // warm-up
+            let mut t = f64::INFINITY;
+            for _ in 0..reps {
+                t = t.min(g.backend.time(f)?);
+            }
+            Ok(t)
+        };
+        let n = (bytes / 16).max(1) * 4;
+        let (src, dst) = (g.upload_f32(&vec![1.0; n])?, g.alloc(4 * n)?);
+        let t = best(&mut || g.copy(src.ptr, dst.ptr, n))?;
+        let copy_gbps = 2.0 * (4 * n) as f64 / t / 1e9;
+        drop((src, dst));
+        let x = g.upload_f32(&(0..PROBE_COLS).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect::<Vec<_>>())?;
+        let mut gemv = Vec::new();
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+            // One encoded row, repeated: the values do not change the time, only the bytes read.
+            let row: Vec<f32> = (0..PROBE_COLS).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+            let row_bytes = oracle::quant::encode(ty, &row).map_err(|e| e.to_string())?;
+            let rows = (bytes / row_bytes.len()).max(1);
+            let w = g.upload_mat(ty, rows, PROBE_COLS, &row_bytes.repeat(rows))?;
+            let y = g.alloc(4 * rows)?;
+            let t = best(&mut || g.matmul(&w, x.ptr, PROBE_COLS, 1, y.ptr))?;
+            gemv.push((ty.name().to_string(), rows * row_bytes.len(), (rows * row_bytes.len()) as f64 / t / 1e9));
+        }
+        Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps })
+    }
 }
 
 /// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu`, or says why it is unavailable.

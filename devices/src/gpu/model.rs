@@ -343,4 +343,7 @@ impl DeviceModel for GpuModel {
     fn reset(&mut self) {
         self.kv.len = 0;
     }
+    fn memory_peak_bytes(&self) -> Option<u64> {
+        Some(self.gpu.peak_bytes())
+    }
 }

@@ -48,6 +48,7 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         }
     };
     pb.finish_and_clear();
+    let device_peak = engine.memory_peak_bytes();
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
     println!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
@@ -55,9 +56,12 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     println!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
     let [p50, p90, p99] = r.itl_p50_p90_p99_ms;
     println!("time to first token: median {:.1} ms; inter-token latency p50 {p50:.2} ms, p90 {p90:.2} ms, p99 {p99:.2} ms; peak RSS {}", med(&r.ttft_ms), r.peak_rss_kb.map_or("unknown".into(), |k| format!("{:.0} MiB", k as f64 / 1024.0)));
+    if let Some(b) = device_peak {
+        println!("device memory peak: {:.1} MiB (weights, KV cache and activations held at once)", b as f64 / (1 << 20) as f64);
+    }
     if r.effective_gbps.is_empty() {
         println!("(this device does not report the bytes it reads per token: no bandwidth figures)");
-        return write_report(&a, r);
+        return write_report(&a, r, device_peak);
     }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
@@ -73,12 +77,12 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
     );
-    write_report(&a, r)
+    write_report(&a, r, device_peak)
 }
 
 /// report.json (the bench section holds every raw sample), report.md with the summary table, and
 /// the inter-token latency distribution plot.
-fn write_report(a: &BenchArgs, r: suites::throughput::RefBench) -> Result<u8, Exit> {
+fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>) -> Result<u8, Exit> {
     use reports::plot::{Chart, Series};
     let med = suites::throughput::median;
     let mut metrics = serde_json::Map::new();
@@ -87,6 +91,7 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench) -> Result<u8, Ex
     metrics.insert("ttft_ms".into(), json!(med(&r.ttft_ms)));
     metrics.insert("itl_p50_p90_p99_ms".into(), json!(r.itl_p50_p90_p99_ms));
     metrics.insert("peak_rss_kb".into(), json!(r.peak_rss_kb));
+    metrics.insert("device_memory_peak_bytes".into(), json!(device_peak_bytes));
     let case = reports::Case {
         id: format!("bench(device={},model={},prompt={},gen={})", a.device, a.model, r.prompt_len, r.gen_len),
         device: a.device.clone(),

@@ -10,6 +10,7 @@ pub mod gate;
 pub mod kernels;
 pub mod layerdiff;
 pub mod report;
+pub mod roofline;
 pub mod run;
 
 use crate::Exit;
@@ -85,6 +86,14 @@ impl Engine {
         match self {
             Engine::Oracle(m) => Ok(m.generate(prompt, max_new, sampler, seed, stop, &mut oracle::NoTap)?),
             Engine::Device(m) => generate_on_device(m.as_mut(), prompt, max_new, sampler, seed, stop),
+        }
+    }
+
+    /// Device memory held at most by the engine's buffers (GPU devices).
+    pub fn memory_peak_bytes(&self) -> Option<u64> {
+        match self {
+            Engine::Oracle(_) => None,
+            Engine::Device(m) => m.memory_peak_bytes(),
         }
     }
 

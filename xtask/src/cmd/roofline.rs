@@ -1,0 +1,75 @@
+//! `cargo xtask roofline`: how close a device's GEMV gets to its memory bandwidth. Copy bandwidth
+//! and GEMV (one token) weight bandwidth per weight type, measured in the same run with device
+//! events; the gate is the GEMV of the chosen type reaching `--min-ratio` of the copy bandwidth.
+
+use crate::Exit;
+use reports::{Case, Provenance, Report, Tolerance, Verdict};
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct RooflineArgs {
+    /// A GPU device: cuda[:N], rocm[:N], gpu-emu (the emulator's figures say nothing about a GPU).
+    #[arg(long)]
+    device: String,
+    /// Size of the copy buffer and of each GEMV weight matrix, in MiB (large enough to defeat caches).
+    #[arg(long, default_value_t = 256)]
+    mib: usize,
+    /// Timed runs per measurement (the best is kept).
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// The weight type whose GEMV is gated.
+    #[arg(long, default_value = "f16")]
+    gate_type: String,
+    /// Gated GEMV bandwidth / copy bandwidth must reach this.
+    #[arg(long, default_value_t = 0.85)]
+    min_ratio: f64,
+    /// Where report.json and report.md go (default target/touchstone/roofline-<time>/).
+    #[arg(long)]
+    report_dir: Option<PathBuf>,
+}
+
+pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
+    let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    if a.mib == 0 || a.reps == 0 {
+        return Err(Exit { code: 2, message: "--mib and --reps must be at least 1".into() });
+    }
+    let probe = device
+        .bandwidth_probe(a.mib << 20, a.reps)
+        .ok_or_else(|| Exit { code: 2, message: format!("device `{}` has no bandwidth probe (GPU devices do)", a.device) })?
+        .map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    if !probe.gemv.iter().any(|(t, _, _)| *t == a.gate_type) {
+        return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.0).collect::<Vec<_>>()) });
+    }
+    println!("{} ({}): copy {:.1} GB/s (read + write, {} MiB, best of {})", a.device, device.describe(), probe.copy_gbps, a.mib, probe.reps);
+    let mut cases = Vec::new();
+    let mut rows = Vec::new();
+    for (ty, bytes, gbps) in &probe.gemv {
+        let ratio = gbps / probe.copy_gbps;
+        let gated = *ty == a.gate_type;
+        let verdict = if !gated || ratio >= a.min_ratio { Verdict::Pass } else { Verdict::Fail };
+        println!("  gemv {ty:<5} {:>8.1} GB/s of weights = {:>5.1}% of copy{}", gbps, 100.0 * ratio, if gated { format!("  (gate >= {:.0}%: {verdict:?})", 100.0 * a.min_ratio) } else { String::new() });
+        rows.push(vec![ty.clone(), format!("{:.1}", *bytes as f64 / (1 << 20) as f64), format!("{gbps:.1}"), format!("{:.1}%", 100.0 * ratio), if gated { format!("{verdict:?}") } else { "-".into() }]);
+        let mut metrics = serde_json::Map::new();
+        metrics.insert("gbps".into(), json!(gbps));
+        metrics.insert("copy_gbps".into(), json!(probe.copy_gbps));
+        metrics.insert("ratio_to_copy".into(), json!(ratio));
+        metrics.insert("weight_bytes".into(), json!(bytes));
+        cases.push(Case {
+            id: format!("roofline(gemv,w={ty},k=8192,m=1)"),
+            device: a.device.clone(),
+            verdict,
+            metrics,
+            tolerance: Tolerance { rule: if gated { format!("gemv GB/s >= {} x copy GB/s", a.min_ratio) } else { "measurement".into() }, bound: if gated { a.min_ratio } else { 0.0 } },
+            margin: if gated { ratio - a.min_ratio } else { 0.0 },
+            message: (verdict == Verdict::Fail).then(|| format!("{ty} GEMV reads {gbps:.1} GB/s, {:.1}% of the {:.1} GB/s copy", 100.0 * ratio, probe.copy_gbps)),
+        });
+    }
+    let mut report = Report::new("roofline", Provenance::collect(rayon::current_num_threads()), cases);
+    report.add_table("roofline_table", &format!("{}: GEMV weight bandwidth vs copy {:.1} GB/s", a.device, probe.copy_gbps), &["weights", "MiB", "GB/s", "of copy", "gate"], rows);
+    report.sections.insert("bandwidth_probe".into(), serde_json::to_value(&probe).unwrap_or_default());
+    let dir = super::report_dir(a.report_dir, "roofline");
+    super::write_report(&mut report, &dir)?;
+    println!("report: {}", dir.join("report.json").display());
+    Ok(report.exit_code())
+}
