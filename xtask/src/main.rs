@@ -42,6 +42,9 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// GEMV weight bandwidth per weight type vs the device's copy bandwidth, measured in one run (GPU devices); gated by --min-ratio.
     Roofline(cmd::roofline::RooflineArgs),
+    /// Compiles the GPU kernels to PTX with NVRTC into the PTX cache (for GPU machines without NVRTC).
+    #[cfg(feature = "cuda")]
+    Ptx(cmd::ptx::PtxArgs),
     /// Generates the synthetic models and fetches/verifies the real ones (idempotent).
     Fixtures(cmd::fixtures::FixturesArgs),
 }
@@ -81,6 +84,8 @@ fn main() -> ExitCode {
         Command::Dump(a) => cmd::dump::main(a),
         Command::Bench(a) => cmd::bench::main(a),
         Command::Roofline(a) => cmd::roofline::main(a),
+        #[cfg(feature = "cuda")]
+        Command::Ptx(a) => cmd::ptx::main(a),
         Command::Fixtures(a) => cmd::fixtures::main(a),
     };
     match result {

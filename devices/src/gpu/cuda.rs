@@ -58,7 +58,7 @@ pub fn source(kernels: &str) -> String {
 /// carries NVRTC's log (file, line, message).
 pub fn compile_ptx(kernels: &str, arch: &str) -> Result<String, String> {
     if !nvrtc_present() {
-        return Err("libnvrtc is not loadable (install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12` and put its lib/ on LD_LIBRARY_PATH)".into());
+        return Err("libnvrtc is not loadable (install the CUDA toolkit, or `pip install nvidia-cuda-nvrtc-cu12` and set TOUCHSTONE_NVRTC to its lib/libnvrtc.so.12; or run PTX compiled elsewhere with `cargo xtask ptx` and TOUCHSTONE_PTX_CACHE)".into());
     }
     let opts = cudarc::nvrtc::CompileOptions {
         name: Some("touchstone.cu".into()),
@@ -72,18 +72,29 @@ pub fn compile_ptx(kernels: &str, arch: &str) -> Result<String, String> {
     }
 }
 
-/// PTX for `arch`, from the on-disk cache when this kernel source was compiled for it before.
-fn cached_ptx(kernels: &str, arch: &str) -> Result<String, String> {
+/// Where compiled PTX is kept: `TOUCHSTONE_PTX_CACHE`, else the system temp directory.
+pub fn ptx_cache_dir() -> std::path::PathBuf {
+    std::env::var_os("TOUCHSTONE_PTX_CACHE").map(Into::into).unwrap_or_else(std::env::temp_dir)
+}
+
+/// The cache file of `kernels` compiled for `arch` (named by the source's hash).
+pub fn ptx_cache_path(kernels: &str, arch: &str) -> std::path::PathBuf {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     source(kernels).hash(&mut h);
-    let path = std::env::temp_dir().join(format!("touchstone-ptx-{:016x}-{arch}.ptx", h.finish()));
+    ptx_cache_dir().join(format!("touchstone-ptx-{:016x}-{arch}.ptx", h.finish()))
+}
+
+/// PTX for `arch`, from the cache when this kernel source was compiled for it before (so a GPU
+/// machine with a driver but no NVRTC can run PTX compiled elsewhere: `cargo xtask ptx`).
+pub fn cached_ptx(kernels: &str, arch: &str) -> Result<String, String> {
+    let path = ptx_cache_path(kernels, arch);
     if let Ok(ptx) = std::fs::read_to_string(&path) {
         return Ok(ptx);
     }
     let ptx = compile_ptx(kernels, arch)?;
     let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
-    if std::fs::write(&tmp, &ptx).is_ok() {
+    if std::fs::create_dir_all(ptx_cache_dir()).is_ok() && std::fs::write(&tmp, &ptx).is_ok() {
         let _ = std::fs::rename(&tmp, &path);
     }
     Ok(ptx)

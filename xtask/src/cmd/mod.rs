@@ -9,6 +9,8 @@ pub mod fixtures;
 pub mod gate;
 pub mod kernels;
 pub mod layerdiff;
+#[cfg(feature = "cuda")]
+pub mod ptx;
 pub mod report;
 pub mod roofline;
 pub mod run;
