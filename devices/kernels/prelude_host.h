@@ -35,3 +35,16 @@ static inline float ts_bits_to_float(u32 b) {
 #define __forceinline__
 #define __shared__ static thread_local
 #define DYNAMIC_SHARED(T, name) T* name = (T*)ts_emu_dynamic_shared()
+
+// IEEE half bits to float, exact (subnormals, infinities and NaN included); GPUs use their
+// conversion instruction instead (prelude_cuda.h, prelude_hip.h), which gives the same values.
+static inline float ts_half(u16 h) {
+    u32 sign = ((u32)h & 0x8000u) << 16;
+    u32 exp = ((u32)h >> 10) & 0x1Fu;
+    u32 mant = (u32)h & 0x3FFu;
+    if (exp == 0x1Fu) return ts_bits_to_float(sign | 0x7F800000u | (mant << 13));
+    if (exp != 0) return ts_bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+    // Subnormal half: mant * 2^-24, exact in f32.
+    float v = (float)mant * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+}

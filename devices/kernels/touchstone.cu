@@ -1,7 +1,8 @@
 // Touchstone's GPU kernels: one source for CUDA (NVRTC), ROCm (hiprtc) and the host emulator.
 //
 // A platform prelude (devices/kernels/prelude_{cuda,hip,host}.h) is put in front of this file. It
-// defines the integer types below, `ts_bits_to_float` and `DYNAMIC_SHARED(T, name)`; everything
+// defines the integer types below, `ts_bits_to_float`, `ts_half` (f16 bits to float) and
+// `DYNAMIC_SHARED(T, name)`; everything
 // else here is the common subset of CUDA C++ that NVRTC, hiprtc and a host C++ compiler accept:
 // no headers, no warp intrinsics (AMD wavefronts are 64 wide, NVIDIA warps 32), no fast-math
 // intrinsics. Reductions are shared-memory trees over a power-of-two block, so a kernel's result
@@ -32,17 +33,8 @@
 // Number formats, decoded by hand so no platform header is needed.
 // ---------------------------------------------------------------------------------------------
 
-// IEEE half to float, exact (subnormals, infinities and NaN included).
-__device__ __forceinline__ float ts_half(u16 h) {
-    u32 sign = ((u32)h & 0x8000u) << 16;
-    u32 exp = ((u32)h >> 10) & 0x1Fu;
-    u32 mant = (u32)h & 0x3FFu;
-    if (exp == 0x1Fu) return ts_bits_to_float(sign | 0x7F800000u | (mant << 13));
-    if (exp != 0) return ts_bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
-    // Subnormal half: mant * 2^-24, exact in f32.
-    float v = (float)mant * 5.9604644775390625e-8f;
-    return sign ? -v : v;
-}
+// IEEE half to float (exact): `ts_half` comes from the prelude, as one conversion instruction on
+// GPUs; the host emulator's prelude decodes the bits (prelude_host.h).
 
 __device__ __forceinline__ float ts_bf16(u16 h) {
     return ts_bits_to_float((u32)h << 16);

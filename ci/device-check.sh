@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# ci/device-check.sh — the GPU check, as ONE script: build with `cuda` (unless given a binary),
+# then on $DEVICE (default cuda:0) run the kernel suite, layer-diff and fixed-token on the three
+# synthetic models and SmolLM2, the SmolLM2 decode benchmark and the GEMV roofline, writing every
+# report and log under $OUT. Budget: under 8 minutes on an H200 (each step has its own timeout).
+#
+#   OUT=/tmp/gpu ci/device-check.sh                 # on a GPU runner with network (builds, fetches)
+#   TOUCHSTONE_BIN=target/release/xtask TOUCHSTONE_PTX_CACHE=target/ptx \
+#   TOUCHSTONE_CACHE=device-fixtures OUT=... ci/device-check.sh    # on a machine without network
+#
+# Offline use: build the binary elsewhere (`cargo build --release -p xtask --features cuda`),
+# precompile the kernels for the GPU's architecture (`cargo xtask ptx --arch sm_90 --out DIR`,
+# which needs only NVRTC, not a GPU) and bring the fixture cache (`cargo xtask fixtures` fills
+# .cache/touchstone; TOUCHSTONE_CACHE points at a copy). A step that cannot run (no SmolLM2, no
+# driver) exits 2 and is listed as such; nothing is reported green that did not run.
+#
+# DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
+# MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU).
+#
+# Exit status: 0 all steps passed, 1 a gate failed, 2 a step could not run (1 wins over 2).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-target/touchstone/device-check}
+DEVICE=${DEVICE:-cuda:0}
+MODELS=${MODELS:-"tiny-llama tiny-qwen3 tiny-moe smollm2"}
+BENCH_MODEL=${BENCH_MODEL:-smollm2}
+ROOFLINE_MIB=${ROOFLINE_MIB:-256}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+started=$(date +%s)
+worst=0
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# step NAME TIMEOUT_S COMMAND... : runs one step, its output in $OUT/NAME.log, its status in the summary.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local t0=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    local verdict
+    case $rc in
+        0) verdict=pass ;;
+        1) verdict=FAIL ;;
+        3) verdict=inconclusive ;;
+        124) verdict="TIMEOUT after ${limit}s"; rc=2 ;;
+        *) verdict="could not run (exit $rc)"; rc=2 ;;
+    esac
+    note "$(printf '%-28s %-26s %4ss' "$name" "$verdict" $(( $(date +%s) - t0 )))"
+    if [ $rc -ne 0 ]; then
+        tail -n 3 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+    fi
+    if [ $rc -eq 1 ] || { [ $rc -ne 0 ] && [ $worst -eq 0 ]; }; then worst=$rc; fi
+    [ $rc -eq 3 ] && [ $worst -eq 0 ] && worst=3
+    return 0
+}
+
+note "== Touchstone device check on $DEVICE ($(date -u +%FT%TZ))"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi not available"; } | tee "$OUT/gpu.txt" | tee -a "$SUMMARY"
+
+BIN=${TOUCHSTONE_BIN:-}
+if [ -z "$BIN" ]; then
+    step build 420 cargo build --release -p xtask --features cuda
+    BIN=target/release/xtask
+fi
+if [ ! -x "$BIN" ]; then
+    note "no xtask binary at $BIN"
+    exit 2
+fi
+
+step fixtures 120 "$BIN" fixtures
+step kernels 240 "$BIN" kernels --device "$DEVICE" --report-dir "$OUT/kernels"
+for m in $MODELS; do
+    step "layer-diff-$m" 180 "$BIN" layer-diff --device "$DEVICE" --model "$m" --report-dir "$OUT/layer-diff-$m"
+    step "fixed-token-$m" 240 "$BIN" fixed-token --device "$DEVICE" --model "$m" --report-dir "$OUT/fixed-token-$m"
+done
+step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MODEL" --prompt-len 32 --gen-len 128 --reps 5 --report-dir "$OUT/bench-$BENCH_MODEL"
+step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$OUT/roofline"
+
+note "== headline figures"
+grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|copy .* GB/s|gemv ' "$OUT"/*.log 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
+note "== done in $(( $(date +%s) - started ))s, exit $worst; reports under $OUT"
+exit $worst
