@@ -282,14 +282,16 @@ fn prepare(arm_name: &str, arm: Arm, model: &Path, model_name: &str, ids: &str, 
     }
 }
 
-/// Builds this repository's xtask at `rev` in its own worktree (cached by commit).
+/// Builds this repository's xtask at `rev` in its own worktree, with the GPU features this binary
+/// has (so `git:REV:cuda:0` works from a `--features cuda` build), cached by commit and features.
 fn build_rev(rev: &str) -> Result<PathBuf, Exit> {
     use super::git;
     let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let top = PathBuf::from(git(&here, &["rev-parse", "--show-toplevel"])?);
     let sha = git(&top, &["rev-parse", "--verify", &format!("{rev}^{{commit}}")])?;
     let root = top.join("target/touchstone/ab");
-    let bin = root.join(format!("xtask-{sha}"));
+    let features: Vec<&str> = crate::FEATURES.iter().filter(|(f, on)| *on && *f != "parquet").map(|(f, _)| *f).collect();
+    let bin = root.join(if features.is_empty() { format!("xtask-{sha}") } else { format!("xtask-{sha}-{}", features.join("-")) });
     if bin.exists() {
         return Ok(bin);
     }
@@ -300,6 +302,7 @@ fn build_rev(rev: &str) -> Result<PathBuf, Exit> {
     eprintln!("ab: building xtask at {sha:.10} (release; cached as {})", bin.display());
     let st = Command::new("cargo")
         .args(["build", "--release", "--quiet", "--package", "xtask"])
+        .args(if features.is_empty() { vec![] } else { vec!["--features".to_string(), features.join(",")] })
         .current_dir(&tree)
         .env("CARGO_TARGET_DIR", root.join("target"))
         .status()
