@@ -1,9 +1,9 @@
 // Touchstone's GPU kernels: one source for CUDA (NVRTC), ROCm (hiprtc) and the host emulator.
 //
-// A platform prelude (devices/kernels/prelude_{cuda,hip,host}.h) is put in front of this file. It
+// A platform prelude (prelude_gpu.h + prelude_{cuda,hip}.h, or prelude_host.h) comes first. It
 // defines the integer types below, `ts_bits_to_float`, `ts_half` (f16 bits to float) and
-// `DYNAMIC_SHARED(T, name)`; everything
-// else here is the common subset of CUDA C++ that NVRTC, hiprtc and a host C++ compiler accept:
+// `DYNAMIC_SHARED(T, name)`; everything else here is the common subset of CUDA C++ that NVRTC,
+// hiprtc and a host C++ compiler accept:
 // no headers, no warp intrinsics (AMD wavefronts are 64 wide, NVIDIA warps 32), no fast-math
 // intrinsics. Reductions are shared-memory trees over a power-of-two block, so a kernel's result
 // does not depend on scheduling: the same launch gives the same bits every time.

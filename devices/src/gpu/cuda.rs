@@ -51,7 +51,7 @@ pub fn preload(path: &std::path::Path) -> Result<(), String> {
 
 /// The translation unit NVRTC compiles: the CUDA prelude and the kernel source.
 pub fn source(kernels: &str) -> String {
-    format!("{}\n#line 1 \"touchstone.cu\"\n{kernels}", super::PRELUDE_CUDA)
+    format!("{}\n{}\n#line 1 \"touchstone.cu\"\n{kernels}", super::PRELUDE_GPU, super::PRELUDE_CUDA)
 }
 
 /// Compiles every kernel of `kernels` for `arch` (e.g. `sm_90`) to PTX with NVRTC. The error
@@ -184,15 +184,7 @@ impl Backend for CudaBackend {
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
         self.current()?;
         let f = *self.functions.get(kernel).ok_or_else(|| format!("no kernel named `{kernel}`"))?;
-        let mut values: Vec<[u8; 8]> = args
-            .iter()
-            .map(|a| {
-                let mut v = [0u8; 8];
-                let b = a.bytes();
-                v[..b.len()].copy_from_slice(&b);
-                v
-            })
-            .collect();
+        let mut values = Arg::pack(args);
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
         // SAFETY: one pointer per kernel parameter, each to 8 bytes holding the value at the
         // parameter's size; the launch copies them before returning.

@@ -145,15 +145,7 @@ impl Backend for EmuBackend {
     }
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
         let name = CString::new(kernel).map_err(|e| e.to_string())?;
-        let mut values: Vec<[u8; 8]> = args
-            .iter()
-            .map(|a| {
-                let mut v = [0u8; 8];
-                let b = a.bytes();
-                v[..b.len()].copy_from_slice(&b);
-                v
-            })
-            .collect();
+        let mut values = Arg::pack(args);
         let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
         let mut err = vec![0 as c_char; 512];
         // SAFETY: the launcher reads one value per kernel parameter from `ptrs` (each points to 8

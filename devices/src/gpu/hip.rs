@@ -124,7 +124,7 @@ impl Hip {
 
 /// The translation unit hiprtc compiles: the HIP prelude and the kernel source.
 pub fn source(kernels: &str) -> String {
-    format!("{}\n#line 1 \"touchstone.cu\"\n{kernels}", super::PRELUDE_HIP)
+    format!("{}\n{}\n#line 1 \"touchstone.cu\"\n{kernels}", super::PRELUDE_GPU, super::PRELUDE_HIP)
 }
 
 /// Whether the HIP runtime (with hiprtc) can be loaded.
@@ -254,15 +254,7 @@ impl Backend for HipBackend {
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
         let h = self.select()?;
         let f = *self.functions.get(kernel).ok_or_else(|| format!("no kernel named `{kernel}`"))?;
-        let mut values: Vec<[u8; 8]> = args
-            .iter()
-            .map(|a| {
-                let mut v = [0u8; 8];
-                let b = a.bytes();
-                v[..b.len()].copy_from_slice(&b);
-                v
-            })
-            .collect();
+        let mut values = Arg::pack(args);
         let mut params: Vec<Ptr> = values.iter_mut().map(|v| v.as_mut_ptr() as Ptr).collect();
         // SAFETY: one pointer per kernel parameter, each to 8 bytes holding its value.
         let rc = unsafe {

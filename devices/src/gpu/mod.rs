@@ -24,6 +24,8 @@ use std::sync::Arc;
 
 /// The kernel source shared by every platform, as built into the binary.
 pub const KERNEL_SOURCE: &str = include_str!("../../kernels/touchstone.cu");
+/// The prelude CUDA and ROCm share, then each platform's own.
+pub const PRELUDE_GPU: &str = include_str!("../../kernels/prelude_gpu.h");
 pub const PRELUDE_CUDA: &str = include_str!("../../kernels/prelude_cuda.h");
 pub const PRELUDE_HIP: &str = include_str!("../../kernels/prelude_hip.h");
 
@@ -71,6 +73,19 @@ impl Arg {
             Arg::I64(v) => v.to_ne_bytes().to_vec(),
             Arg::F32(v) => v.to_ne_bytes().to_vec(),
         }
+    }
+
+    /// Each argument's value in its own 8-byte slot, as a launch's parameter array points to
+    /// them (every parameter type the kernels use fits in 8 bytes).
+    pub fn pack(args: &[Arg]) -> Vec<[u8; 8]> {
+        args.iter()
+            .map(|a| {
+                let mut v = [0u8; 8];
+                let b = a.bytes();
+                v[..b.len()].copy_from_slice(&b);
+                v
+            })
+            .collect()
     }
 }
 

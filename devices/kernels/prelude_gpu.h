@@ -1,0 +1,7 @@
+// The part of the prelude CUDA (NVRTC) and ROCm (hiprtc) share: both compilers provide the
+// built-ins (threadIdx, __syncthreads, uint4, expf...) under the CUDA names without any header.
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define ts_bits_to_float(b) __uint_as_float(b)
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
