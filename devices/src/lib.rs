@@ -115,6 +115,11 @@ pub trait Device: Send + Sync {
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError>;
     /// Waits for queued work (a no-op on CPU devices).
     fn synchronize(&self) {}
+    /// Device time of the last `run_op`'s kernels alone (GPU devices time their launches with
+    /// events, leaving out host-device copies); None where only the wall clock is known.
+    fn last_kernel_seconds(&self) -> Option<f64> {
+        None
+    }
     /// Measures copy bandwidth and GEMV (m = 1) weight bandwidth per weight type on `bytes`-sized
     /// buffers, best of `reps` timed runs each (GPU devices; None where not implemented).
     fn bandwidth_probe(&self, _bytes: usize, _reps: usize) -> Option<Result<BandwidthProbe, DeviceError>> {

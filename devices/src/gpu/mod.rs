@@ -380,6 +380,8 @@ pub fn rope_table(spec: &oracle::spec::RopeSpec, positions: impl Iterator<Item =
 /// A GPU (or the emulator) as a kernel-suite device.
 pub struct GpuDevice {
     pub gpu: Arc<Gpu>,
+    /// Device time of the last case's kernel launches (events), for `kernels --perf`.
+    kernel_seconds: std::sync::Mutex<Option<f64>>,
 }
 
 fn out(shape: &[usize], data: Vec<f32>) -> Output {
@@ -387,6 +389,17 @@ fn out(shape: &[usize], data: Vec<f32>) -> Output {
 }
 
 impl GpuDevice {
+    pub fn new(gpu: Arc<Gpu>) -> GpuDevice {
+        GpuDevice { gpu, kernel_seconds: Default::default() }
+    }
+
+    /// Runs a case's launches under device timing (uploads and downloads stay outside).
+    fn timed(&self, mut launches: impl FnMut() -> Result<(), String>) -> Result<(), String> {
+        let t = self.gpu.backend.time(&mut launches)?;
+        *self.kernel_seconds.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        Ok(())
+    }
+
     fn run(&self, case: &OpCase) -> Result<Vec<Output>, String> {
         let g = &self.gpu;
         let e = |r: oracle::OracleError| r.to_string();
@@ -403,7 +416,7 @@ impl GpuDevice {
                 }
                 let w = g.upload_mat(GgmlType::F32, vocab, d, &f32_bytes(&t.data))?;
                 let (ib, o) = (g.upload_u32(ids)?, g.alloc(4 * ids.len() * d)?);
-                g.get_rows(&w, ib.ptr, ids.len(), o.ptr)?;
+                self.timed(|| g.get_rows(&w, ib.ptr, ids.len(), o.ptr))?;
                 vec![out(&[ids.len(), d], o.download_f32(ids.len() * d)?)]
             }
             "rms_norm" | "qk_norm" | "layer_norm" => {
@@ -413,9 +426,9 @@ impl GpuDevice {
                 let eps = param("eps")? as f32;
                 if case.op == "layer_norm" {
                     let bb = g.upload_f32(&input("bias")?.data)?;
-                    g.layer_norm(xb.ptr, wb.ptr, bb.ptr, yb.ptr, x.data.len() / n, n, eps)?;
+                    self.timed(|| g.layer_norm(xb.ptr, wb.ptr, bb.ptr, yb.ptr, x.data.len() / n, n, eps))?;
                 } else {
-                    g.rms_norm(xb.ptr, wb.ptr, yb.ptr, x.data.len() / n, n, eps)?;
+                    self.timed(|| g.rms_norm(xb.ptr, wb.ptr, yb.ptr, x.data.len() / n, n, eps))?;
                 }
                 vec![out(&x.shape, yb.download_f32(x.data.len())?)]
             }
@@ -430,7 +443,7 @@ impl GpuDevice {
                 }
                 let w = g.upload_mat(*ty, *rows, *cols, bytes)?;
                 let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc(4 * m * rows)?);
-                g.matmul(&w, xb.ptr, stride, m, yb.ptr)?;
+                self.timed(|| g.matmul(&w, xb.ptr, stride, m, yb.ptr))?;
                 vec![out(&[m, *rows], yb.download_f32(m * rows)?)]
             }
             "add" | "add_bias" => {
@@ -439,7 +452,7 @@ impl GpuDevice {
                     return Err(format!("add: {} values do not repeat over {}", b.data.len(), a.data.len()));
                 }
                 let (ab, bb, yb) = (g.upload_f32(&a.data)?, g.upload_f32(&b.data)?, g.alloc(4 * a.data.len())?);
-                g.add(ab.ptr, bb.ptr, yb.ptr, a.data.len(), b.data.len())?;
+                self.timed(|| g.add(ab.ptr, bb.ptr, yb.ptr, a.data.len(), b.data.len()))?;
                 vec![out(&a.shape, yb.download_f32(a.data.len())?)]
             }
             "rope" => {
@@ -448,7 +461,7 @@ impl GpuDevice {
                 let spec = oracle::registry::rope_spec_of(case).map_err(e)?;
                 let table = rope_table(&spec, pos.iter().map(|&p| p as usize));
                 let xb = g.upload_f32(&x.data)?;
-                g.rope(xb.ptr, &table, pos.len(), uparam("n_head")?, uparam("head_dim")?, spec.n_rot, spec.style == oracle::spec::RopeStyle::Neox)?;
+                self.timed(|| g.rope(xb.ptr, &table, pos.len(), uparam("n_head")?, uparam("head_dim")?, spec.n_rot, spec.style == oracle::spec::RopeStyle::Neox))?;
                 vec![out(&x.shape, xb.download_f32(x.data.len())?)]
             }
             "attention" => {
@@ -461,13 +474,13 @@ impl GpuDevice {
                 let cfg = crate::cpu::kernels::AttnCfg { n_head: uparam("n_head")?, n_head_kv: uparam("n_head_kv")?, head_dim: uparam("head_dim")?, window: uparam("window")? };
                 let (qb, pb, kb, vb) = (g.upload_f32(&q.data)?, g.upload_u32(pos)?, g.upload_f32(&k.data)?, g.upload_f32(&v.data)?);
                 let ob = g.alloc(4 * q.data.len())?;
-                g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg)?;
+                self.timed(|| g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg))?;
                 vec![out(&q.shape, ob.download_f32(q.data.len())?)]
             }
             "softmax" => {
                 let x = input("x")?;
                 let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc(4 * x.data.len())?);
-                g.softmax(xb.ptr, yb.ptr, x.shape[0], x.shape[1])?;
+                self.timed(|| g.softmax(xb.ptr, yb.ptr, x.shape[0], x.shape[1]))?;
                 vec![out(&x.shape, yb.download_f32(x.data.len())?)]
             }
             "silu" | "gelu_tanh" | "swiglu" | "geglu" => {
@@ -475,14 +488,14 @@ impl GpuDevice {
                 let act = if matches!(case.op, "silu" | "swiglu") { 0 } else { 1 };
                 let (gb, yb) = (g.upload_f32(&gate.data)?, g.alloc(4 * gate.data.len())?);
                 let ub = if matches!(case.op, "swiglu" | "geglu") { Some(g.upload_f32(&input("up")?.data)?) } else { None };
-                g.glu(gb.ptr, ub.as_ref().map_or(0, |b| b.ptr), yb.ptr, gate.data.len(), act)?;
+                self.timed(|| g.glu(gb.ptr, ub.as_ref().map_or(0, |b| b.ptr), yb.ptr, gate.data.len(), act))?;
                 vec![out(&gate.shape, yb.download_f32(gate.data.len())?)]
             }
             "moe_route" => {
                 let l = input("logits")?;
                 let (rows, n, k) = (l.shape[0], l.shape[1], uparam("k")?);
                 let (lb, ib, wb) = (g.upload_f32(&l.data)?, g.alloc(4 * rows * k)?, g.alloc(4 * rows * k)?);
-                g.moe_route(lb.ptr, ib.ptr, wb.ptr, rows, n, k, uparam("sigmoid")? == 1, uparam("normalize")? == 1)?;
+                self.timed(|| g.moe_route(lb.ptr, ib.ptr, wb.ptr, rows, n, k, uparam("sigmoid")? == 1, uparam("normalize")? == 1))?;
                 vec![Output::Ids(ib.download_u32(rows * k)?), out(&[rows, k], wb.download_f32(rows * k)?)]
             }
             "argmax" | "top_k" | "sample" => {
@@ -495,7 +508,7 @@ impl GpuDevice {
                     _ => uparam("k")?.min(n),
                 };
                 let (xb, ib) = (g.upload_f32(&x.data)?, g.alloc(4 * rows * k)?);
-                g.top_k(xb.ptr, ib.ptr, rows, n, k)?;
+                self.timed(|| g.top_k(xb.ptr, ib.ptr, rows, n, k))?;
                 let ranked = ib.download_u32(rows * k)?;
                 if sampling {
                     // The device ranks the candidates; the seeded draw over them is the host's,
@@ -542,6 +555,9 @@ impl Device for GpuDevice {
     }
     fn synchronize(&self) {
         let _ = self.gpu.backend.synchronize();
+    }
+    fn last_kernel_seconds(&self) -> Option<f64> {
+        *self.kernel_seconds.lock().unwrap_or_else(|e| e.into_inner())
     }
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
         Ok(Box::new(model::GpuModel::load(self.gpu.clone(), path, opts)?))
@@ -619,5 +635,5 @@ pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         #[cfg(not(feature = "rocm"))]
         return Err(unavailable("not compiled with feature rocm (cargo build --features rocm)".into()));
     };
-    Ok(Box::new(GpuDevice { gpu: Gpu::new(backend) }))
+    Ok(Box::new(GpuDevice::new(Gpu::new(backend))))
 }
