@@ -27,6 +27,10 @@ pub enum DeviceError {
     Unavailable(String, String),
     #[error("{device}: {case}: {reason}")]
     Failed { device: String, case: String, reason: String },
+    /// The device ran and its result is known to be wrong (e.g. a kernel wrote outside its
+    /// output): a failure of the device, not an inability to run.
+    #[error("{device}: {case}: {reason}")]
+    WrongResult { device: String, case: String, reason: String },
 }
 
 /// Number formats a device can declare.

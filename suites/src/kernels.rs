@@ -166,6 +166,7 @@ pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
     let mut seconds = t.elapsed().as_secs_f64();
     let dev_out = match result {
         Ok(Ok(o)) => o,
+        Ok(Err(e @ devices::DeviceError::WrongResult { .. })) => return mk(Verdict::Fail, Map::new(), "-".into(), 0.0, 0.0, Some(e.to_string())),
         Ok(Err(e)) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some(e.to_string())),
         Err(_) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some("the device panicked".into())),
     };

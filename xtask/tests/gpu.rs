@@ -79,6 +79,27 @@ fn a_broken_gpu_kernel_turns_the_gates_red() {
 }
 
 #[test]
+fn a_kernel_that_writes_past_its_output_is_caught() {
+    if !emulator_available() {
+        return;
+    }
+    let src = devices::gpu::KERNEL_SOURCE;
+    let good = "if (i < n) y[i] = a[i] + b[i % bn];";
+    assert!(src.contains(good), "the add line moved; update this test");
+    let broken = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(broken.path(), src.replace(good, "if (i <= n) y[i] = a[i] + b[i % bn];")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(
+        &["kernels", "--device", "gpu-emu", "--filter", "^add\\(dtype=f32,shape=\\[3,5\\]", "--report-dir", dir.path().to_str().unwrap()],
+        &[("TOUCHSTONE_KERNEL_SOURCE", broken.path().to_str().unwrap())],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let r = report(dir.path());
+    assert_eq!(r["summary"]["failed"], r["summary"]["executed"], "{}", r["summary"]);
+    assert!(text(&o).contains("wrote outside its 60-byte output: after it, up to 4 bytes away"), "{}", text(&o));
+}
+
+#[test]
 fn gpu_devices_without_a_gpu_exit_2_with_one_line() {
     for device in ["cuda", "cuda:1", "rocm"] {
         let o = xtask(&["kernels", "--device", device], &[]);

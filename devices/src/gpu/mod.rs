@@ -151,6 +151,57 @@ impl DevBuf {
     }
 }
 
+/// Bytes of guard zone on each side of a kernel case's output.
+const GUARD_BYTES: usize = 256;
+const GUARD_BYTE: u8 = 0xA5;
+
+/// Why a kernel case did not produce a result: it could not run, or it ran and wrote outside its
+/// output (a wrong result, judged as a failure rather than an error).
+#[derive(Debug)]
+pub enum CaseError {
+    Failed(String),
+    WroteOutside(String),
+}
+
+impl From<String> for CaseError {
+    fn from(s: String) -> Self {
+        CaseError::Failed(s)
+    }
+}
+
+impl From<&str> for CaseError {
+    fn from(s: &str) -> Self {
+        CaseError::Failed(s.to_string())
+    }
+}
+
+/// A kernel case's output buffer between two guard zones of a known pattern (and NaN inside
+/// until written): a kernel that writes outside its output is caught when the result is read.
+pub struct Guarded {
+    buf: DevBuf,
+    pub ptr: u64,
+    bytes: usize,
+}
+
+impl Guarded {
+    /// The first `n` floats, after checking that both guard zones are intact.
+    pub fn download_f32(&self, n: usize) -> Result<Vec<f32>, CaseError> {
+        for (side, offset) in [("before", 0), ("after", GUARD_BYTES + self.bytes)] {
+            let mut zone = vec![0u8; GUARD_BYTES];
+            self.buf.gpu.backend.download(self.buf.ptr + offset as u64, &mut zone)?;
+            let touched = zone.iter().position(|b| *b != GUARD_BYTE).zip(zone.iter().rposition(|b| *b != GUARD_BYTE));
+            if let Some((first, last)) = touched {
+                let reach = if side == "before" { GUARD_BYTES - first } else { last + 1 };
+                return Err(CaseError::WroteOutside(format!("a kernel wrote outside its {}-byte output: {side} it, up to {reach} bytes away", self.bytes)));
+            }
+        }
+        Ok(self.buf.download_f32_at(GUARD_BYTES / 4, n)?)
+    }
+    pub fn download_u32(&self, n: usize) -> Result<Vec<u32>, CaseError> {
+        Ok(self.download_f32(n)?.into_iter().map(f32::to_bits).collect())
+    }
+}
+
 /// A packed weight matrix on the device: `rows` rows of `cols` values, `row_bytes` apart.
 pub struct GpuMat {
     pub ty: GgmlType,
@@ -189,6 +240,25 @@ impl Gpu {
         let b = self.alloc(data.len())?;
         self.backend.upload(b.ptr, data)?;
         Ok(b)
+    }
+
+    /// An output buffer of `bytes` between guard zones (see [`Guarded`]).
+    pub fn alloc_guarded(self: &Arc<Self>, bytes: usize) -> Result<Guarded, String> {
+        let mut init = vec![GUARD_BYTE; bytes + 2 * GUARD_BYTES];
+        init[GUARD_BYTES..GUARD_BYTES + bytes].fill(0xFF);
+        self.upload_guarded_bytes(&init, bytes)
+    }
+
+    /// `v` in a guarded buffer (an input the kernel updates in place).
+    pub fn upload_guarded(self: &Arc<Self>, v: &[f32]) -> Result<Guarded, String> {
+        let mut init = vec![GUARD_BYTE; 4 * v.len() + 2 * GUARD_BYTES];
+        init[GUARD_BYTES..GUARD_BYTES + 4 * v.len()].copy_from_slice(&f32_bytes(v));
+        self.upload_guarded_bytes(&init, 4 * v.len())
+    }
+
+    fn upload_guarded_bytes(self: &Arc<Self>, init: &[u8], bytes: usize) -> Result<Guarded, String> {
+        let buf = self.upload(init)?;
+        Ok(Guarded { ptr: buf.ptr + GUARD_BYTES as u64, buf, bytes })
     }
 
     pub fn upload_f32(self: &Arc<Self>, v: &[f32]) -> Result<DevBuf, String> {
@@ -400,7 +470,7 @@ impl GpuDevice {
         Ok(())
     }
 
-    fn run(&self, case: &OpCase) -> Result<Vec<Output>, String> {
+    fn run(&self, case: &OpCase) -> Result<Vec<Output>, CaseError> {
         let g = &self.gpu;
         let e = |r: oracle::OracleError| r.to_string();
         let input = |name: &str| case.f32(name).map_err(e);
@@ -412,17 +482,17 @@ impl GpuDevice {
                 let ids = case.ids("ids").map_err(e)?;
                 let (vocab, d) = (t.shape[0], t.shape[1]);
                 if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-                    return Err(format!("token id {bad} outside the vocabulary of {vocab}"));
+                    return Err(format!("token id {bad} outside the vocabulary of {vocab}").into());
                 }
                 let w = g.upload_mat(GgmlType::F32, vocab, d, &f32_bytes(&t.data))?;
-                let (ib, o) = (g.upload_u32(ids)?, g.alloc(4 * ids.len() * d)?);
+                let (ib, o) = (g.upload_u32(ids)?, g.alloc_guarded(4 * ids.len() * d)?);
                 self.timed(|| g.get_rows(&w, ib.ptr, ids.len(), o.ptr))?;
                 vec![out(&[ids.len(), d], o.download_f32(ids.len() * d)?)]
             }
             "rms_norm" | "qk_norm" | "layer_norm" => {
                 let x = input("x")?;
                 let n = if case.op == "qk_norm" { uparam("head_dim")? } else { x.shape[1] };
-                let (xb, wb, yb) = (g.upload_f32(&x.data)?, g.upload_f32(&input("weight")?.data)?, g.alloc(4 * x.data.len())?);
+                let (xb, wb, yb) = (g.upload_f32(&x.data)?, g.upload_f32(&input("weight")?.data)?, g.alloc_guarded(4 * x.data.len())?);
                 let eps = param("eps")? as f32;
                 if case.op == "layer_norm" {
                     let bb = g.upload_f32(&input("bias")?.data)?;
@@ -439,19 +509,19 @@ impl GpuDevice {
                 };
                 let (m, k, stride) = oracle::registry::view_dims(case, x);
                 if *cols != k || stride < k || x.data.len() < m * stride {
-                    return Err(format!("weight [{rows}, {cols}] does not fit x [{m}, {k}] (row stride {stride})"));
+                    return Err(format!("weight [{rows}, {cols}] does not fit x [{m}, {k}] (row stride {stride})").into());
                 }
                 let w = g.upload_mat(*ty, *rows, *cols, bytes)?;
-                let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc(4 * m * rows)?);
+                let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc_guarded(4 * m * rows)?);
                 self.timed(|| g.matmul(&w, xb.ptr, stride, m, yb.ptr))?;
                 vec![out(&[m, *rows], yb.download_f32(m * rows)?)]
             }
             "add" | "add_bias" => {
                 let (a, b) = (input("a")?, input("b")?);
                 if b.data.is_empty() || a.data.len() % b.data.len() != 0 {
-                    return Err(format!("add: {} values do not repeat over {}", b.data.len(), a.data.len()));
+                    return Err(format!("add: {} values do not repeat over {}", b.data.len(), a.data.len()).into());
                 }
-                let (ab, bb, yb) = (g.upload_f32(&a.data)?, g.upload_f32(&b.data)?, g.alloc(4 * a.data.len())?);
+                let (ab, bb, yb) = (g.upload_f32(&a.data)?, g.upload_f32(&b.data)?, g.alloc_guarded(4 * a.data.len())?);
                 self.timed(|| g.add(ab.ptr, bb.ptr, yb.ptr, a.data.len(), b.data.len()))?;
                 vec![out(&a.shape, yb.download_f32(a.data.len())?)]
             }
@@ -460,7 +530,7 @@ impl GpuDevice {
                 let pos = case.ids("pos").map_err(e)?;
                 let spec = oracle::registry::rope_spec_of(case).map_err(e)?;
                 let table = rope_table(&spec, pos.iter().map(|&p| p as usize));
-                let xb = g.upload_f32(&x.data)?;
+                let xb = g.upload_guarded(&x.data)?;
                 self.timed(|| g.rope(xb.ptr, &table, pos.len(), uparam("n_head")?, uparam("head_dim")?, spec.n_rot, spec.style == oracle::spec::RopeStyle::Neox))?;
                 vec![out(&x.shape, xb.download_f32(x.data.len())?)]
             }
@@ -473,20 +543,20 @@ impl GpuDevice {
                 }
                 let cfg = crate::cpu::kernels::AttnCfg { n_head: uparam("n_head")?, n_head_kv: uparam("n_head_kv")?, head_dim: uparam("head_dim")?, window: uparam("window")? };
                 let (qb, pb, kb, vb) = (g.upload_f32(&q.data)?, g.upload_u32(pos)?, g.upload_f32(&k.data)?, g.upload_f32(&v.data)?);
-                let ob = g.alloc(4 * q.data.len())?;
+                let ob = g.alloc_guarded(4 * q.data.len())?;
                 self.timed(|| g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg))?;
                 vec![out(&q.shape, ob.download_f32(q.data.len())?)]
             }
             "softmax" => {
                 let x = input("x")?;
-                let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc(4 * x.data.len())?);
+                let (xb, yb) = (g.upload_f32(&x.data)?, g.alloc_guarded(4 * x.data.len())?);
                 self.timed(|| g.softmax(xb.ptr, yb.ptr, x.shape[0], x.shape[1]))?;
                 vec![out(&x.shape, yb.download_f32(x.data.len())?)]
             }
             "silu" | "gelu_tanh" | "swiglu" | "geglu" => {
                 let gate = input("gate")?;
                 let act = if matches!(case.op, "silu" | "swiglu") { 0 } else { 1 };
-                let (gb, yb) = (g.upload_f32(&gate.data)?, g.alloc(4 * gate.data.len())?);
+                let (gb, yb) = (g.upload_f32(&gate.data)?, g.alloc_guarded(4 * gate.data.len())?);
                 let ub = if matches!(case.op, "swiglu" | "geglu") { Some(g.upload_f32(&input("up")?.data)?) } else { None };
                 self.timed(|| g.glu(gb.ptr, ub.as_ref().map_or(0, |b| b.ptr), yb.ptr, gate.data.len(), act))?;
                 vec![out(&gate.shape, yb.download_f32(gate.data.len())?)]
@@ -494,7 +564,7 @@ impl GpuDevice {
             "moe_route" => {
                 let l = input("logits")?;
                 let (rows, n, k) = (l.shape[0], l.shape[1], uparam("k")?);
-                let (lb, ib, wb) = (g.upload_f32(&l.data)?, g.alloc(4 * rows * k)?, g.alloc(4 * rows * k)?);
+                let (lb, ib, wb) = (g.upload_f32(&l.data)?, g.alloc_guarded(4 * rows * k)?, g.alloc_guarded(4 * rows * k)?);
                 self.timed(|| g.moe_route(lb.ptr, ib.ptr, wb.ptr, rows, n, k, uparam("sigmoid")? == 1, uparam("normalize")? == 1))?;
                 vec![Output::Ids(ib.download_u32(rows * k)?), out(&[rows, k], wb.download_f32(rows * k)?)]
             }
@@ -507,7 +577,7 @@ impl GpuDevice {
                     "sample" if !sampling => 1,
                     _ => uparam("k")?.min(n),
                 };
-                let (xb, ib) = (g.upload_f32(&x.data)?, g.alloc(4 * rows * k)?);
+                let (xb, ib) = (g.upload_f32(&x.data)?, g.alloc_guarded(4 * rows * k)?);
                 self.timed(|| g.top_k(xb.ptr, ib.ptr, rows, n, k))?;
                 let ranked = ib.download_u32(rows * k)?;
                 if sampling {
@@ -521,7 +591,7 @@ impl GpuDevice {
                     vec![Output::Ids(ranked)]
                 }
             }
-            other => return Err(format!("op `{other}` has no gpu kernel")),
+            other => return Err(format!("op `{other}` has no gpu kernel").into()),
         })
     }
 }
@@ -550,8 +620,11 @@ impl Device for GpuDevice {
         }
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
-        let r = self.run(case).and_then(|o| self.gpu.backend.synchronize().map(|_| o));
-        r.map_err(|reason| crate::fail(&self.name(), case, reason))
+        let r = self.run(case).and_then(|o| Ok(self.gpu.backend.synchronize().map(|_| o)?));
+        r.map_err(|e| match e {
+            CaseError::Failed(reason) => crate::fail(&self.name(), case, reason),
+            CaseError::WroteOutside(reason) => DeviceError::WrongResult { device: self.name(), case: case.id.clone(), reason },
+        })
     }
     fn synchronize(&self) {
         let _ = self.gpu.backend.synchronize();
