@@ -109,12 +109,20 @@ pub trait Backend: Send + Sync {
     fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String>;
 }
 
-/// A backend with memory accounting (bytes held now and at most).
+/// A backend with memory accounting and a cache of freed buffers. Device allocation and release
+/// are slow (and a release synchronizes the device on CUDA), while a model's forward pass frees
+/// and allocates the same activation sizes every token; dropped buffers up to [`POOL_MAX_BUF`]
+/// bytes are kept by size and handed out again.
 pub struct Gpu {
     pub backend: Box<dyn Backend>,
+    /// Device bytes allocated from the backend and not yet released (live + cached).
     held: AtomicU64,
     peak: AtomicU64,
+    pool: std::sync::Mutex<std::collections::HashMap<usize, Vec<u64>>>,
 }
+
+/// Buffers larger than this go straight back to the backend (weights, big probes).
+const POOL_MAX_BUF: usize = 64 << 20;
 
 /// Device memory owned by one value; freed on drop.
 pub struct DevBuf {
@@ -125,8 +133,20 @@ pub struct DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        self.gpu.backend.free(self.ptr);
-        self.gpu.held.fetch_sub(self.bytes as u64, Ordering::Relaxed);
+        if self.bytes <= POOL_MAX_BUF {
+            self.gpu.pool.lock().unwrap_or_else(|e| e.into_inner()).entry(self.bytes).or_default().push(self.ptr);
+        } else {
+            self.gpu.backend.free(self.ptr);
+            self.gpu.held.fetch_sub(self.bytes as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        for ptr in self.pool.get_mut().unwrap_or_else(|e| e.into_inner()).drain().flat_map(|(_, v)| v) {
+            self.backend.free(ptr);
+        }
     }
 }
 
@@ -221,15 +241,18 @@ fn is_float(ty: GgmlType) -> bool {
 
 impl Gpu {
     pub fn new(backend: Box<dyn Backend>) -> Arc<Gpu> {
-        Arc::new(Gpu { backend, held: AtomicU64::new(0), peak: AtomicU64::new(0) })
+        Arc::new(Gpu { backend, held: AtomicU64::new(0), peak: AtomicU64::new(0), pool: Default::default() })
     }
 
-    /// Device bytes held by this process's buffers at most so far.
+    /// Device bytes held at most so far (live buffers and the cache of freed ones).
     pub fn peak_bytes(&self) -> u64 {
         self.peak.load(Ordering::Relaxed)
     }
 
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf, String> {
+        if let Some(ptr) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&bytes).and_then(Vec::pop) {
+            return Ok(DevBuf { ptr, bytes, gpu: self.clone() });
+        }
         let ptr = self.backend.alloc(bytes.max(4))?;
         let now = self.held.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
         self.peak.fetch_max(now, Ordering::Relaxed);
@@ -353,13 +376,14 @@ impl Gpu {
         self.launch_flat("ts_glu", n, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(y), Arg::I64(n as i64), Arg::I32(act)])
     }
 
-    /// RoPE in place over `x: [tokens, n_head * hd]` with a host-computed table (see
-    /// [`rope_table`]).
-    pub fn rope(self: &Arc<Self>, x: u64, table: &[f32], tokens: usize, n_head: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
-        if n_rot > hd || n_rot % 2 != 0 || table.len() != tokens * n_rot {
-            return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} values for {tokens} tokens)", table.len()));
+    /// RoPE in place over `x: [tokens, n_head * hd]` with a host-computed table uploaded to
+    /// `table` (see [`rope_table`]; `tokens * n_rot` floats).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(&self, x: u64, table: &DevBuf, tokens: usize, n_head: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
+        if n_rot > hd || n_rot % 2 != 0 || table.bytes != 4 * tokens * n_rot {
+            return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} bytes for {tokens} tokens)", table.bytes));
         }
-        let t = self.upload_f32(table)?;
+        let t = table;
         self.launch_flat(
             "ts_rope",
             tokens * n_head * (n_rot / 2),
@@ -529,7 +553,7 @@ impl GpuDevice {
                 let x = input("x")?;
                 let pos = case.ids("pos").map_err(e)?;
                 let spec = oracle::registry::rope_spec_of(case).map_err(e)?;
-                let table = rope_table(&spec, pos.iter().map(|&p| p as usize));
+                let table = g.upload_f32(&rope_table(&spec, pos.iter().map(|&p| p as usize)))?;
                 let xb = g.upload_guarded(&x.data)?;
                 self.timed(|| g.rope(xb.ptr, &table, pos.len(), uparam("n_head")?, uparam("head_dim")?, spec.n_rot, spec.style == oracle::spec::RopeStyle::Neox))?;
                 vec![out(&x.shape, xb.download_f32(x.data.len())?)]

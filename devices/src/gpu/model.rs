@@ -232,7 +232,7 @@ impl GpuModel {
         record(taps, "inp_embd", &x, start, m, d)?;
         let (h, q, k, v) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd)?, g.alloc(4 * m * kvd)?, g.alloc(4 * m * kvd)?);
         let (attn, attn_out) = (g.alloc(4 * m * qd)?, g.alloc(4 * m * d)?);
-        let table = super::rope_table(&s.rope, start..start + m);
+        let table = g.upload_f32(&super::rope_table(&s.rope, start..start + m))?;
         let neox = s.rope.style == RopeStyle::Neox;
         for li in 0..s.n_layer {
             let name = |t: &str| format!("blk.{li}.{t}");
