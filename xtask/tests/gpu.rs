@@ -55,6 +55,16 @@ fn models_run_on_the_emulated_gpu_within_budget() {
     assert!(r["summary"]["passed"].as_u64().unwrap() >= 5, "{}", r["summary"]);
 }
 
+/// The built-in kernel source with one line replaced, in a temporary file for
+/// `TOUCHSTONE_KERNEL_SOURCE`.
+fn broken_source(good: &str, bad: &str) -> tempfile::NamedTempFile {
+    let src = devices::gpu::KERNEL_SOURCE;
+    assert!(src.contains(good), "`{good}` is no longer in touchstone.cu; update this test");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), src.replace(good, bad)).unwrap();
+    file
+}
+
 #[test]
 fn a_broken_gpu_kernel_turns_the_gates_red() {
     if !emulator_available() {
@@ -62,11 +72,7 @@ fn a_broken_gpu_kernel_turns_the_gates_red() {
     }
     // SiLU with a 0.1% error in its exponent's argument: inside f32 noise for a casual look,
     // far outside the bound the device's declared arithmetic implies.
-    let src = devices::gpu::KERNEL_SOURCE;
-    let good = "return x / (1.0f + expf(-x));";
-    assert!(src.contains(good), "the SiLU line moved; update this test");
-    let broken = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(broken.path(), src.replace(good, "return x / (1.0f + expf(-1.001f * x));")).unwrap();
+    let broken = broken_source("return x / (1.0f + expf(-x));", "return x / (1.0f + expf(-1.001f * x));");
     let env = [("TOUCHSTONE_KERNEL_SOURCE", broken.path().to_str().unwrap())];
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
@@ -83,11 +89,7 @@ fn a_kernel_that_writes_past_its_output_is_caught() {
     if !emulator_available() {
         return;
     }
-    let src = devices::gpu::KERNEL_SOURCE;
-    let good = "if (i < n) y[i] = a[i] + b[i % bn];";
-    assert!(src.contains(good), "the add line moved; update this test");
-    let broken = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(broken.path(), src.replace(good, "if (i <= n) y[i] = a[i] + b[i % bn];")).unwrap();
+    let broken = broken_source("if (i < n) y[i] = a[i] + b[i % bn];", "if (i <= n) y[i] = a[i] + b[i % bn];");
     let dir = tempfile::tempdir().unwrap();
     let o = xtask(
         &["kernels", "--device", "gpu-emu", "--filter", "^add\\(dtype=f32,shape=\\[3,5\\]", "--report-dir", dir.path().to_str().unwrap()],
