@@ -65,7 +65,11 @@ impl GpuModel {
         if opts.kv_f16 {
             return Err(fail("an f16 KV cache is not implemented on GPU devices (the cache is f32)".into()));
         }
-        let host = CpuModel::load(path, opts)?;
+        // The file is read by the cpu device's loader; its errors are reported under this device.
+        let host = CpuModel::load(path, opts).map_err(|e| match e {
+            DeviceError::Failed { reason, .. } => fail(reason),
+            other => other,
+        })?;
         let mat = |p: &PackedMat| gpu.upload_mat(p.ty, p.rows, p.cols, &p.bytes);
         let vec = |v: &Vec<f32>| gpu.upload_f32(v);
         let ffn = |f: &Ffn| -> Result<GpuFfn, String> { Ok(GpuFfn { gate: mat(&f.gate)?, up: mat(&f.up)?, down: mat(&f.down)? }) };
