@@ -174,6 +174,9 @@ impl Device for CpuDevice {
     fn name(&self) -> String {
         "cpu".into()
     }
+    fn describe(&self) -> String {
+        format!("cpu: f32, Q8_0 activations x packed weights, {}, {} rayon threads", qdot::path_name(), rayon::current_num_threads())
+    }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
         let quantized_weight = case.inputs.iter().any(|(_, i)| matches!(i, Input::Quant { ty, .. } if !qdot::is_float(*ty)));
         Arithmetic {

@@ -145,6 +145,15 @@ unsafe fn dot_row_avx2(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
     dot_row_impl::<Avx2>(ty, row, x)
 }
 
+/// The block-dot path this machine runs (for report provenance).
+pub fn path_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        return "AVX2+FMA block dots";
+    }
+    "portable block dots"
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
     use std::sync::OnceLock;
