@@ -1,0 +1,60 @@
+//! Whole-model invariants of the GPU model code, run on `gpu-emu` (the GPU kernels on the host):
+//! the same position gives the same bits whether it was reached by one prefill or token by token,
+//! across a growth of the device KV cache (capacity 64, then doubled with a device copy); `reset`
+//! starts over; and bad input is an error, not a crash. The per-tap accuracy budgets are the
+//! layer-diff gate's job (xtask/tests/gpu.rs). Skipped, saying so, without a C++ compiler unless
+//! `TOUCHSTONE_REQUIRE_GPU_EMU=1`.
+
+use devices::{DeviceModel, ModelOptions};
+use oracle::NoTap;
+
+fn emu_model(name: &str) -> Option<Box<dyn DeviceModel>> {
+    let dev = match devices::open("gpu-emu") {
+        Ok(d) => d,
+        Err(e) => {
+            assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
+            eprintln!("SKIPPED: {e}");
+            return None;
+        }
+    };
+    let path = fixtures::resolve(name, true).unwrap();
+    Some(dev.load_model(&path, &ModelOptions::default()).unwrap())
+}
+
+#[test]
+fn prefill_and_decode_give_the_same_bits_across_a_cache_growth() {
+    for name in ["tiny-llama", "tiny-moe"] {
+        let Some(mut a) = emu_model(name) else { return };
+        let Some(mut b) = emu_model(name) else { return };
+        let n_vocab = a.spec().n_vocab;
+        let tokens: Vec<u32> = (0..80u32).map(|i| 1 + (i * 37) % (n_vocab as u32 - 1)).collect();
+        let all = a.forward(&tokens, &mut NoTap).unwrap();
+        assert_eq!(a.cached(), 80);
+        // A fresh model: 50 in one prefill (capacity 64), then one at a time; at position 65 the
+        // cache grows to 128 positions and its contents move by a device copy.
+        let mut stepped = b.forward(&tokens[..50], &mut NoTap).unwrap();
+        for t in &tokens[50..] {
+            stepped.extend(b.forward(std::slice::from_ref(t), &mut NoTap).unwrap());
+        }
+        assert_eq!(b.cached(), 80);
+        let differing = all.iter().zip(&stepped).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        assert_eq!(differing, 0, "{name}: {differing} of {} logits differ between one prefill and prefill + decode", all.len());
+        assert!(all.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+        // reset empties the cache; the same prefill again gives the same bits.
+        a.reset();
+        assert_eq!(a.cached(), 0);
+        assert!(a.forward(&tokens, &mut NoTap).unwrap().iter().zip(&all).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: a second run after reset differs");
+    }
+}
+
+#[test]
+fn bad_tokens_are_errors_and_leave_the_cache_as_it_was() {
+    let Some(mut m) = emu_model("tiny-qwen3") else { return };
+    m.forward(&[1, 2, 3], &mut NoTap).unwrap();
+    let n_vocab = m.spec().n_vocab as u32;
+    let e = m.forward(&[4, n_vocab], &mut NoTap).unwrap_err().to_string();
+    assert!(e.contains("outside the vocabulary") && e.starts_with("gpu-emu"), "{e}");
+    assert!(m.forward(&[], &mut NoTap).is_err());
+    assert_eq!(m.cached(), 3);
+    assert!(m.memory_peak_bytes().unwrap() > 0);
+}
