@@ -1,6 +1,7 @@
 //! `cargo xtask roofline`: how close a device's GEMV gets to its memory bandwidth. Copy bandwidth
 //! and GEMV (one token) weight bandwidth per weight type, measured in the same run with device
-//! events; the gate is the GEMV of the chosen type reaching `--min-ratio` of the copy bandwidth.
+//! events (wall clock on `cpu`); the gate is the GEMV of the chosen type reaching `--min-ratio`
+//! of the copy bandwidth.
 
 use crate::Exit;
 use reports::{Case, Provenance, Report, Tolerance, Verdict};
@@ -9,7 +10,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct RooflineArgs {
-    /// A GPU device: cuda[:N], rocm[:N], gpu-emu (the emulator's figures say nothing about a GPU).
+    /// cuda[:N], rocm[:N] (device events), cpu (wall clock), gpu-emu (its figures say nothing about a GPU).
     #[arg(long)]
     device: String,
     /// Size of the copy buffer and of each GEMV weight matrix, in MiB (large enough to defeat caches).
@@ -36,7 +37,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
     }
     let probe = device
         .bandwidth_probe(a.mib << 20, a.reps)
-        .ok_or_else(|| Exit { code: 2, message: format!("device `{}` has no bandwidth probe (GPU devices do)", a.device) })?
+        .ok_or_else(|| Exit { code: 2, message: format!("device `{}` has no bandwidth probe (cpu and the GPU devices have one)", a.device) })?
         .map_err(|e| Exit { code: 2, message: e.to_string() })?;
     if !probe.gemv.iter().any(|(t, _, _)| *t == a.gate_type) {
         return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.0).collect::<Vec<_>>()) });
