@@ -112,3 +112,28 @@ fn gpu_devices_without_a_gpu_exit_2_with_one_line() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+#[test]
+fn roofline_measures_every_weight_type_against_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    // cpu always; gpu-emu when the emulator builds. Small buffers: this checks the plumbing and
+    // the gate's arithmetic, not a machine's speed.
+    let mut devices = vec!["cpu"];
+    if emulator_available() {
+        devices.push("gpu-emu");
+    }
+    for device in devices {
+        let o = xtask(&["roofline", "--device", device, "--mib", "2", "--reps", "1", "--report-dir", d], &[]);
+        let r = report(dir.path());
+        let cases = r["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 7, "{device}: {}", text(&o));
+        let f16 = cases.iter().find(|c| c["id"].as_str().unwrap().contains("w=f16")).unwrap();
+        let ratio = f16["metrics"]["ratio_to_copy"].as_f64().unwrap();
+        assert!(cases.iter().all(|c| c["metrics"]["gbps"].as_f64().unwrap() > 0.0), "{device}");
+        assert_eq!(o.status.code(), Some(if ratio >= 0.85 { 0 } else { 1 }), "{device}: ratio {ratio}: {}", text(&o));
+    }
+    let o = xtask(&["roofline", "--device", "fixed"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("has no bandwidth probe"), "{}", stderr(&o));
+}
