@@ -40,7 +40,7 @@ enum Command {
     Dump(cmd::dump::DumpArgs),
     /// Throughput of a device on a model: prefill/decode tok/s, time to first token, inter-token latency percentiles, peak RSS (for the oracle also weight bandwidth vs a memory probe).
     Bench(cmd::bench::BenchArgs),
-    /// GEMV weight bandwidth per weight type vs the device's copy bandwidth, measured in one run (GPU devices); gated by --min-ratio.
+    /// GEMV weight bandwidth per weight type vs the device's copy bandwidth, measured in one run (GPU devices and cpu); gated by --min-ratio.
     Roofline(cmd::roofline::RooflineArgs),
     /// Compiles the GPU kernels to PTX with NVRTC into the PTX cache (for GPU machines without NVRTC).
     #[cfg(feature = "cuda")]
