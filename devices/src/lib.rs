@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod external;
 pub mod fixed;
 pub mod gpu;
+pub mod probe;
 #[cfg(feature = "faults")]
 pub mod faulty;
 pub mod reference;
@@ -108,10 +109,6 @@ pub trait Device: Send + Sync {
     fn describe(&self) -> String {
         self.name()
     }
-    /// Device memory held at most so far by this device's buffers (GPU devices), if tracked.
-    fn memory_peak_bytes(&self) -> Option<u64> {
-        None
-    }
     /// The arithmetic this device uses for `case` (the tolerance rule's input).
     fn arithmetic(&self, case: &OpCase) -> Arithmetic;
     fn supports(&self, case: &OpCase) -> Support;
@@ -125,7 +122,7 @@ pub trait Device: Send + Sync {
         None
     }
     /// Measures copy bandwidth and GEMV (m = 1) weight bandwidth per weight type on `bytes`-sized
-    /// buffers, best of `reps` timed runs each (GPU devices; None where not implemented).
+    /// buffers, best of `reps` timed runs each (see [`probe`]; None where not implemented).
     fn bandwidth_probe(&self, _bytes: usize, _reps: usize) -> Option<Result<BandwidthProbe, DeviceError>> {
         None
     }

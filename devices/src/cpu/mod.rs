@@ -208,34 +208,30 @@ impl Device for CpuDevice {
 /// Copy bandwidth (rayon over chunks, as the GEMV is) and GEMV weight bandwidth per type, each the
 /// best of `reps` wall-clock runs, all in one run so the ratios are like for like.
 fn probe(bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
+    use crate::probe;
     use rayon::prelude::*;
-    const COLS: usize = 8192;
-    let best = |f: &mut dyn FnMut()| -> f64 {
-        f();
-        (0..reps.max(1))
-            .map(|_| {
-                let t = std::time::Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .fold(f64::INFINITY, f64::min)
+    let wall = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<f64, String> {
+        let t = std::time::Instant::now();
+        f()?;
+        Ok(t.elapsed().as_secs_f64())
     };
-    let n = (bytes / 4).max(1);
+    let n = probe::copy_floats(bytes);
     let (src, mut dst) = (vec![1.0f32; n], vec![0.0f32; n]);
-    let t = best(&mut || dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s)));
+    let t = probe::best_of(reps, &wall, &mut || {
+        dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
+        Ok(())
+    })?;
     let copy_gbps = 2.0 * (4 * n) as f64 / t / 1e9;
     drop((src, dst));
-    let x: Vec<f32> = (0..COLS).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect();
+    let x = probe::activations();
     let mut gemv = Vec::new();
-    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K] {
-        let row: Vec<f32> = (0..COLS).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
-        let row_bytes = oracle::quant::encode(ty, &row).map_err(|e| e.to_string())?;
-        let rows = (bytes / row_bytes.len()).max(1);
-        let w = row_bytes.repeat(rows);
-        let packed = Packed { ty, rows, cols: COLS, bytes: &w };
-        let t = best(&mut || {
+    for ty in probe::TYPES {
+        let (rows, w) = probe::weights(ty, bytes)?;
+        let packed = Packed { ty, rows, cols: probe::COLS, bytes: &w };
+        let t = probe::best_of(reps, &wall, &mut || {
             std::hint::black_box(matmul_packed(&x, 1, packed));
-        });
+            Ok(())
+        })?;
         gemv.push((ty.name().to_string(), w.len(), w.len() as f64 / t / 1e9));
     }
     Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps })

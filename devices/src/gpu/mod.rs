@@ -2,7 +2,8 @@
 //! runs the very same kernel source on the host.
 //!
 //! One kernel codebase (`devices/kernels/touchstone.cu`) serves every platform through a small
-//! prelude (`prelude_{cuda,hip,host}.h`), as ggml's HIP build reuses its CUDA sources. A
+//! prelude (`prelude_gpu.h` + `prelude_{cuda,hip}.h`, or `prelude_host.h`), as ggml's HIP build
+//! reuses its CUDA sources. A
 //! [`Backend`] is the little a platform must provide: memory, copies, compiled kernels and a
 //! launch by name. Everything above it — the op launches ([`Gpu`]), the kernel-suite device
 //! ([`GpuDevice`]) and whole-model runs with a device-resident KV cache ([`model::GpuModel`]) — is
@@ -65,24 +66,18 @@ pub enum Arg {
 }
 
 impl Arg {
-    /// The argument's bytes, at the size the kernel's parameter has.
-    pub fn bytes(&self) -> Vec<u8> {
-        match *self {
-            Arg::Ptr(p) => p.to_ne_bytes().to_vec(),
-            Arg::I32(v) => v.to_ne_bytes().to_vec(),
-            Arg::I64(v) => v.to_ne_bytes().to_vec(),
-            Arg::F32(v) => v.to_ne_bytes().to_vec(),
-        }
-    }
-
     /// Each argument's value in its own 8-byte slot, as a launch's parameter array points to
-    /// them (every parameter type the kernels use fits in 8 bytes).
+    /// them (every parameter type the kernels use fits in 8 bytes; each is written at its size).
     pub fn pack(args: &[Arg]) -> Vec<[u8; 8]> {
         args.iter()
             .map(|a| {
                 let mut v = [0u8; 8];
-                let b = a.bytes();
-                v[..b.len()].copy_from_slice(&b);
+                match *a {
+                    Arg::Ptr(p) => v.copy_from_slice(&p.to_ne_bytes()),
+                    Arg::I64(x) => v.copy_from_slice(&x.to_ne_bytes()),
+                    Arg::I32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                    Arg::F32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                }
                 v
             })
             .collect()
@@ -235,10 +230,6 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_ne_bytes()).collect()
 }
 
-fn is_float(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
-}
-
 impl Gpu {
     pub fn new(backend: Box<dyn Backend>) -> Arc<Gpu> {
         Arc::new(Gpu { backend, held: AtomicU64::new(0), peak: AtomicU64::new(0), pool: Default::default() })
@@ -304,6 +295,11 @@ impl Gpu {
         self.backend.block_size()
     }
 
+    /// One block per row over `rows` rows.
+    fn launch_rows(&self, kernel: &str, rows: usize, args: &[Arg]) -> Result<(), String> {
+        self.backend.launch(kernel, [rows as u32, 1, 1], [self.bs(), 1, 1], 0, args)
+    }
+
     /// One thread per element over `n` elements.
     fn launch_flat(&self, kernel: &str, n: usize, args: &[Arg]) -> Result<(), String> {
         let bs = self.bs() as usize;
@@ -314,7 +310,7 @@ impl Gpu {
     /// `y[t, :] = x[t, :] W^T` for `m` rows of `x` (`x_stride` floats apart) into `y: [m, rows]`.
     pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), String> {
         let k = w.cols;
-        let mode = if !is_float(w.ty) {
+        let mode = if !crate::cpu::qdot::is_float(w.ty) {
             2
         } else if k % 8 == 0 && w.row_bytes % 16 == 0 && x_stride % 4 == 0 {
             1
@@ -348,22 +344,20 @@ impl Gpu {
 
     /// Rows `ids` (device u32s, each checked by the caller to be < rows) of `w` into `out: [n, cols]`.
     pub fn get_rows(&self, w: &GpuMat, ids: u64, n: usize, out: u64) -> Result<(), String> {
-        self.backend.launch(
+        self.launch_rows(
             "ts_get_rows",
-            [n as u32, 1, 1],
-            [self.bs(), 1, 1],
-            0,
+            n,
             &[Arg::Ptr(w.buf.ptr), Arg::I32(w.ty.id() as i32), Arg::I64(w.row_bytes as i64), Arg::I32(w.cols as i32), Arg::Ptr(ids), Arg::Ptr(out)],
         )
     }
 
     /// RMSNorm of `rows` rows of `n` (QK-norm: rows = tokens x heads, n = head_dim).
     pub fn rms_norm(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
-        self.backend.launch("ts_rms_norm", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
+        self.launch_rows("ts_rms_norm", rows, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
     }
 
     pub fn layer_norm(&self, x: u64, w: u64, b: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
-        self.backend.launch("ts_layer_norm", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(b), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
+        self.launch_rows("ts_layer_norm", rows, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(b), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
     }
 
     /// `y = a + b` with `b` (of `bn` values) repeated over `a`'s `n` values.
@@ -383,11 +377,10 @@ impl Gpu {
         if n_rot > hd || n_rot % 2 != 0 || table.bytes != 4 * tokens * n_rot {
             return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} bytes for {tokens} tokens)", table.bytes));
         }
-        let t = table;
         self.launch_flat(
             "ts_rope",
             tokens * n_head * (n_rot / 2),
-            &[Arg::Ptr(x), Arg::Ptr(t.ptr), Arg::I32(tokens as i32), Arg::I32(n_head as i32), Arg::I32(hd as i32), Arg::I32(n_rot as i32), Arg::I32(neox as i32)],
+            &[Arg::Ptr(x), Arg::Ptr(table.ptr), Arg::I32(tokens as i32), Arg::I32(n_head as i32), Arg::I32(hd as i32), Arg::I32(n_rot as i32), Arg::I32(neox as i32)],
         )
     }
 
@@ -425,7 +418,7 @@ impl Gpu {
     }
 
     pub fn softmax(&self, x: u64, y: u64, rows: usize, n: usize) -> Result<(), String> {
-        self.backend.launch("ts_softmax", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(y), Arg::I32(n as i32)])
+        self.launch_rows("ts_softmax", rows, &[Arg::Ptr(x), Arg::Ptr(y), Arg::I32(n as i32)])
     }
 
     /// The `k` (<= 64) best indices of each of `rows` rows of `n`.
@@ -433,7 +426,7 @@ impl Gpu {
         if k == 0 || k > 64 {
             return Err(format!("top_k: k = {k} (the kernel ranks 1..=64)"));
         }
-        self.backend.launch("ts_top_k", [rows as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(ids), Arg::I32(n as i32), Arg::I32(k as i32)])
+        self.launch_rows("ts_top_k", rows, &[Arg::Ptr(x), Arg::Ptr(ids), Arg::I32(n as i32), Arg::I32(k as i32)])
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -454,7 +447,7 @@ impl Gpu {
     }
 
     pub fn sigmoid_dot(&self, x: u64, w: u64, s: u64, tokens: usize, d: usize) -> Result<(), String> {
-        self.backend.launch("ts_sigmoid_dot", [tokens as u32, 1, 1], [self.bs(), 1, 1], 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(s), Arg::I32(d as i32)])
+        self.launch_rows("ts_sigmoid_dot", tokens, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(s), Arg::I32(d as i32)])
     }
 
     /// Copies `n` floats from `src` to `dst` (16 bytes per thread when aligned).
@@ -627,9 +620,6 @@ impl Device for GpuDevice {
     fn describe(&self) -> String {
         self.gpu.backend.describe()
     }
-    fn memory_peak_bytes(&self) -> Option<u64> {
-        Some(self.gpu.peak_bytes())
-    }
     fn arithmetic(&self, _case: &OpCase) -> Arithmetic {
         // f32 storage and accumulation everywhere; quantized weights are dequantized to f32 in
         // registers (no activation quantization); expf/tanhf are within 2 ulp without fast-math.
@@ -664,40 +654,26 @@ impl Device for GpuDevice {
     }
 }
 
-/// GEMV rows are this long in the bandwidth probe (a 7B model's hidden size is 4096, its FFN
-/// width 11008; long rows keep the per-row reduction a small share of the time).
-const PROBE_COLS: usize = 8192;
-
 impl GpuDevice {
     /// Copy bandwidth, then GEMV weight bandwidth per type, each the best of `reps` runs timed
     /// with device events, all in one run so the ratios are like for like.
     fn probe(&self, bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
+        use crate::probe;
         let g = &self.gpu;
-        let reps = reps.max(1);
-        let best = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<f64, String> {
-            f()?; // warm-up
-            let mut t = f64::INFINITY;
-            for _ in 0..reps {
-                t = t.min(g.backend.time(f)?);
-            }
-            Ok(t)
-        };
-        let n = (bytes / 16).max(1) * 4;
+        let events = |f: &mut dyn FnMut() -> Result<(), String>| g.backend.time(f);
+        let n = probe::copy_floats(bytes);
         let (src, dst) = (g.upload_f32(&vec![1.0; n])?, g.alloc(4 * n)?);
-        let t = best(&mut || g.copy(src.ptr, dst.ptr, n))?;
+        let t = probe::best_of(reps, &events, &mut || g.copy(src.ptr, dst.ptr, n))?;
         let copy_gbps = 2.0 * (4 * n) as f64 / t / 1e9;
         drop((src, dst));
-        let x = g.upload_f32(&(0..PROBE_COLS).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect::<Vec<_>>())?;
+        let x = g.upload_f32(&probe::activations())?;
         let mut gemv = Vec::new();
-        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K] {
-            // One encoded row, repeated: the values do not change the time, only the bytes read.
-            let row: Vec<f32> = (0..PROBE_COLS).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
-            let row_bytes = oracle::quant::encode(ty, &row).map_err(|e| e.to_string())?;
-            let rows = (bytes / row_bytes.len()).max(1);
-            let w = g.upload_mat(ty, rows, PROBE_COLS, &row_bytes.repeat(rows))?;
+        for ty in probe::TYPES {
+            let (rows, packed) = probe::weights(ty, bytes)?;
+            let w = g.upload_mat(ty, rows, probe::COLS, &packed)?;
             let y = g.alloc(4 * rows)?;
-            let t = best(&mut || g.matmul(&w, x.ptr, PROBE_COLS, 1, y.ptr))?;
-            gemv.push((ty.name().to_string(), rows * row_bytes.len(), (rows * row_bytes.len()) as f64 / t / 1e9));
+            let t = probe::best_of(reps, &events, &mut || g.matmul(&w, x.ptr, probe::COLS, 1, y.ptr))?;
+            gemv.push((ty.name().to_string(), packed.len(), packed.len() as f64 / t / 1e9));
         }
         Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps })
     }

@@ -124,20 +124,17 @@ impl GpuModel {
         let kvd = self.spec.n_head_kv * self.spec.head_dim;
         let capacity = need.next_power_of_two().max(64);
         let g = self.gpu.clone();
-        let grow = |old: &DevBuf| -> Result<DevBuf, String> {
+        // Each layer's new buffer receives the positions the old one holds (none on first use).
+        let grow = |old: Option<&DevBuf>| -> Result<DevBuf, String> {
             let new = g.alloc(4 * capacity * kvd)?;
-            if self.kv.len > 0 {
+            if let Some(old) = old.filter(|_| self.kv.len > 0) {
                 g.copy(old.ptr, new.ptr, self.kv.len * kvd)?;
             }
             Ok(new)
         };
         let n_layer = self.spec.n_layer;
-        let (k, v) = if self.kv.k.is_empty() {
-            let fresh = || (0..n_layer).map(|_| g.alloc(4 * capacity * kvd)).collect::<Result<Vec<_>, _>>();
-            (fresh()?, fresh()?)
-        } else {
-            (self.kv.k.iter().map(grow).collect::<Result<Vec<_>, _>>()?, self.kv.v.iter().map(grow).collect::<Result<Vec<_>, _>>()?)
-        };
+        let k = (0..n_layer).map(|l| grow(self.kv.k.get(l))).collect::<Result<Vec<_>, _>>()?;
+        let v = (0..n_layer).map(|l| grow(self.kv.v.get(l))).collect::<Result<Vec<_>, _>>()?;
         self.kv.k = k;
         self.kv.v = v;
         self.kv.capacity = capacity;

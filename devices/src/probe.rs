@@ -1,0 +1,42 @@
+//! The parts of the bandwidth probe (`Device::bandwidth_probe`, `cargo xtask roofline`) that every
+//! device shares: the weight types and row length, the activations, the weight matrices and the
+//! best-of-N timing. Each device supplies only how it copies, multiplies and times.
+
+use oracle::quant::GgmlType;
+
+/// GEMV rows are this long (a 7B model's hidden size is 4096, its FFN width 11008; long rows keep
+/// the per-row reduction a small share of the time).
+pub const COLS: usize = 8192;
+
+/// The weight types whose GEMV is measured.
+pub const TYPES: [GgmlType; 7] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K];
+
+/// The one token multiplied by every weight matrix.
+pub fn activations() -> Vec<f32> {
+    (0..COLS).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect()
+}
+
+/// About `bytes` of `ty` weights, `COLS` wide: one encoded row, repeated (the values do not change
+/// the time, only the bytes read). Returns the row count and the packed matrix.
+pub fn weights(ty: GgmlType, bytes: usize) -> Result<(usize, Vec<u8>), String> {
+    let row: Vec<f32> = (0..COLS).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+    let row_bytes = oracle::quant::encode(ty, &row).map_err(|e| e.to_string())?;
+    let rows = (bytes / row_bytes.len()).max(1);
+    Ok((rows, row_bytes.repeat(rows)))
+}
+
+/// Floats in a copy buffer of about `bytes` (a multiple of 4, so the copy can move 16 bytes at a time).
+pub fn copy_floats(bytes: usize) -> usize {
+    (bytes / 16).max(1) * 4
+}
+
+/// The best (smallest) of `reps` timings of `f` after one warm-up run; `time` measures one run
+/// (device events on GPUs, the wall clock on the CPU).
+pub fn best_of(reps: usize, time: &dyn Fn(&mut dyn FnMut() -> Result<(), String>) -> Result<f64, String>, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String> {
+    f()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        best = best.min(time(f)?);
+    }
+    Ok(best)
+}
