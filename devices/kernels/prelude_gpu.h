@@ -5,3 +5,6 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 #define ts_bits_to_float(b) __uint_as_float(b)
 #define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+// 16-byte global accesses (the pointer must be 16-byte aligned; the emulator checks).
+#define ts_load16(p) (*(const uint4*)(p))
+#define ts_store16(p, v) (*(uint4*)(p) = (v))

@@ -3,7 +3,7 @@
 //
 // Model: the grid's blocks run one after another; a block's threads are cooperative fibers
 // (ucontext) on one OS thread, switched only at __syncthreads(), which is exactly the guarantee
-// CUDA gives. `__shared__` variables are thread_local statics, so the block's fibers share them.
+// CUDA gives. `__shared__` variables are statics, so the block's fibers share them.
 // A kernel whose threads do not all reach the same barriers is reported as a bug (CUDA leaves it
 // undefined); see emu_runtime.cpp.
 #include <math.h>
@@ -16,13 +16,15 @@ typedef unsigned int u32;
 struct dim3 {
     unsigned x, y, z;
 };
-struct uint4 {
+struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
 
 extern thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 void __syncthreads();
 void* ts_emu_dynamic_shared();
+// Ends the current launch with an error (a GPU would fault): see emu_runtime.cpp.
+[[noreturn]] void ts_emu_fault(const char* what, const void* p);
 
 static inline float ts_bits_to_float(u32 b) {
     float f;
@@ -33,8 +35,24 @@ static inline float ts_bits_to_float(u32 b) {
 #define __global__
 #define __device__ static inline
 #define __forceinline__
-#define __shared__ static thread_local
+// Static shared memory lives in one section, which the launcher poisons (0xFF bytes: NaN floats)
+// before every block, as a GPU gives each block uninitialised shared memory; launches are
+// therefore serialised (emu_runtime.cpp).
+#define __shared__ static __attribute__((section("ts_shared")))
 #define DYNAMIC_SHARED(T, name) T* name = (T*)ts_emu_dynamic_shared()
+
+// 16-byte accesses: a GPU faults on a misaligned one ("misaligned address"), x86 would not, so
+// the emulator checks.
+static inline uint4 ts_load16(const void* p) {
+    if ((unsigned long)p & 15) ts_emu_fault("misaligned 16-byte load", p);
+    uint4 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+static inline void ts_store16(void* p, uint4 v) {
+    if ((unsigned long)p & 15) ts_emu_fault("misaligned 16-byte store", p);
+    memcpy(p, &v, 16);
+}
 
 // IEEE half bits to float, exact (subnormals, infinities and NaN included); GPUs use their
 // conversion instruction instead (prelude_cuda.h, prelude_hip.h), which gives the same values.

@@ -1,9 +1,9 @@
 // Touchstone's GPU kernels: one source for CUDA (NVRTC), ROCm (hiprtc) and the host emulator.
 //
 // A platform prelude (prelude_gpu.h + prelude_{cuda,hip}.h, or prelude_host.h) comes first. It
-// defines the integer types below, `ts_bits_to_float`, `ts_half` (f16 bits to float) and
-// `DYNAMIC_SHARED(T, name)`; everything else here is the common subset of CUDA C++ that NVRTC,
-// hiprtc and a host C++ compiler accept:
+// defines the integer types below, `ts_bits_to_float`, `ts_half` (f16 bits to float),
+// `DYNAMIC_SHARED(T, name)` and the 16-byte accesses `ts_load16` / `ts_store16`; everything else
+// here is the common subset of CUDA C++ that NVRTC, hiprtc and a host C++ compiler accept:
 // no headers, no warp intrinsics (AMD wavefronts are 64 wide, NVIDIA warps 32), no fast-math
 // intrinsics. Reductions are shared-memory trees over a power-of-two block, so a kernel's result
 // does not depend on scheduling: the same launch gives the same bits every time.
@@ -244,11 +244,11 @@ extern "C" __global__ void ts_matmul(const u8* w, int ty, long long row_bytes, i
         for (int i = 8 * tid; i < k; i += 8 * bd) {
             float wv[8];
             if (ty == TY_F32) {
-                uint4 a = ((const uint4*)(row + 4LL * i))[0], b = ((const uint4*)(row + 4LL * i))[1];
+                uint4 a = ts_load16(row + 4LL * i), b = ts_load16(row + 4LL * i + 16);
                 u32 bits[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
                 for (int l = 0; l < 8; ++l) wv[l] = ts_bits_to_float(bits[l]);
             } else {
-                uint4 a = ((const uint4*)(row + 2LL * i))[0];
+                uint4 a = ts_load16(row + 2LL * i);
                 u32 pairs[4] = {a.x, a.y, a.z, a.w};
                 for (int l = 0; l < 4; ++l) {
                     u16 lo = (u16)(pairs[l] & 0xFFFFu), hi = (u16)(pairs[l] >> 16);
@@ -498,7 +498,7 @@ extern "C" __global__ void ts_sigmoid_dot(const float* x, const float* w, float*
 extern "C" __global__ void ts_copy(const float* src, float* dst, long long n, int vec4) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (vec4) {
-        if (4 * i < n) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+        if (4 * i < n) ts_store16(dst + 4 * i, ts_load16(src + 4 * i));
     } else if (i < n) {
         dst[i] = src[i];
     }

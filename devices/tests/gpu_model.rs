@@ -1,15 +1,20 @@
 //! Whole-model invariants of the GPU model code, run on `gpu-emu` (the GPU kernels on the host):
 //! the same position gives the same bits whether it was reached by one prefill or token by token,
 //! across a growth of the device KV cache (capacity 64, then doubled with a device copy); `reset`
-//! starts over; and bad input is an error, not a crash. The per-tap accuracy budgets are the
-//! layer-diff gate's job (xtask/tests/gpu.rs). Skipped, saying so, without a C++ compiler unless
+//! starts over; the order in which threads and blocks run changes no bit; and bad input is an
+//! error, not a crash. The per-tap accuracy budgets are the layer-diff gate's job
+//! (xtask/tests/gpu.rs). Skipped, saying so, without a C++ compiler unless
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`.
 
 use devices::{DeviceModel, ModelOptions};
 use oracle::NoTap;
 
 fn emu_model(name: &str) -> Option<Box<dyn DeviceModel>> {
-    let dev = match devices::open("gpu-emu") {
+    emu_model_on("gpu-emu", name)
+}
+
+fn emu_model_on(device: &str, name: &str) -> Option<Box<dyn DeviceModel>> {
+    let dev = match devices::open(device) {
         Ok(d) => d,
         Err(e) => {
             assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
@@ -44,6 +49,30 @@ fn prefill_and_decode_give_the_same_bits_across_a_cache_growth() {
         a.reset();
         assert_eq!(a.cached(), 0);
         assert!(a.forward(&tokens, &mut NoTap).unwrap().iter().zip(&all).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: a second run after reset differs");
+    }
+}
+
+#[test]
+fn the_thread_order_changes_no_bit_of_the_logits() {
+    // A GPU runs a block's threads, and a grid's blocks, in no promised order; the emulator can
+    // run them forward, in reverse or shuffled. A model whose kernels have no races gives the
+    // same bits every way, prefill and decode.
+    for name in ["tiny-llama", "tiny-qwen3", "tiny-moe"] {
+        let mut runs = Vec::new();
+        for device in ["gpu-emu", "gpu-emu:reverse", "gpu-emu:shuffle"] {
+            let Some(mut m) = emu_model_on(device, name) else { return };
+            let n_vocab = m.spec().n_vocab as u32;
+            let tokens: Vec<u32> = (0..12u32).map(|i| 1 + (i * 53) % (n_vocab - 1)).collect();
+            let mut logits = m.forward(&tokens[..9], &mut NoTap).unwrap();
+            for t in &tokens[9..] {
+                logits.extend(m.forward(std::slice::from_ref(t), &mut NoTap).unwrap());
+            }
+            runs.push(logits);
+        }
+        for (i, other) in runs.iter().enumerate().skip(1) {
+            let differing = runs[0].iter().zip(other).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+            assert_eq!(differing, 0, "{name}: schedule {i}: {differing} of {} logits differ from forward order", other.len());
+        }
     }
 }
 

@@ -25,18 +25,28 @@ fn report(dir: &std::path::Path) -> serde_json::Value {
 }
 
 #[test]
-fn every_kernel_case_passes_on_the_emulated_gpu_kernels() {
+fn every_kernel_case_passes_on_the_emulated_gpu_kernels_in_any_thread_order() {
     if !emulator_available() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["kernels", "--device", "gpu-emu", "--report-dir", dir.path().to_str().unwrap()], &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let r = report(dir.path());
+    // Forward, then shuffled thread and block order: every case passes both ways, and with the
+    // same error figures, so no kernel's result depends on the order a GPU picks.
     let n_cases: usize = oracle::registry::registry().iter().map(|e| (e.cases)(0).len()).sum();
-    assert_eq!(r["summary"]["executed"], n_cases, "every registry case ran");
-    assert_eq!(r["summary"]["passed"], n_cases, "{}", r["summary"]);
-    assert!(r["provenance"]["devices"]["gpu-emu"].as_str().unwrap().contains("emulation"));
+    let mut runs = Vec::new();
+    for device in ["gpu-emu", "gpu-emu:shuffle"] {
+        let dir = tempfile::tempdir().unwrap();
+        let o = xtask(&["kernels", "--device", device, "--report-dir", dir.path().to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", text(&o));
+        let r = report(dir.path());
+        assert_eq!(r["summary"]["executed"], n_cases, "{device}: every registry case ran");
+        assert_eq!(r["summary"]["passed"], n_cases, "{device}: {}", r["summary"]);
+        assert!(r["provenance"]["devices"][device].as_str().unwrap().contains("emulation"), "{}", r["provenance"]);
+        runs.push(r);
+    }
+    let (a, b) = (runs[0]["cases"].as_array().unwrap(), runs[1]["cases"].as_array().unwrap());
+    assert_eq!(a.len(), b.len());
+    let differ: Vec<_> = a.iter().zip(b).filter(|(x, y)| x["metrics"] != y["metrics"]).map(|(x, _)| x["id"].clone()).collect();
+    assert!(differ.is_empty(), "results depend on the thread order: {differ:?}");
 }
 
 #[test]
@@ -84,12 +94,11 @@ fn a_broken_gpu_kernel_turns_the_gates_red() {
     assert!(text(&o).contains("first divergence: blk.0.ffn_act"), "{}", text(&o));
 }
 
-#[test]
-fn a_kernel_that_writes_past_its_output_is_caught() {
-    if !emulator_available() {
-        return;
-    }
-    let broken = broken_source("if (i < n) y[i] = a[i] + b[i % bn];", "if (i <= n) y[i] = a[i] + b[i % bn];");
+/// Runs the f32 `add` cases of shape [3,5] with `add`'s body replaced by `bad`; every case must
+/// fail (exit 1: a kernel's own fault is a failed case, not one that could not run). Returns the
+/// command's output text.
+fn every_add_case_fails_with(bad: &str) -> String {
+    let broken = broken_source("if (i < n) y[i] = a[i] + b[i % bn];", bad);
     let dir = tempfile::tempdir().unwrap();
     let o = xtask(
         &["kernels", "--device", "gpu-emu", "--filter", "^add\\(dtype=f32,shape=\\[3,5\\]", "--report-dir", dir.path().to_str().unwrap()],
@@ -98,7 +107,28 @@ fn a_kernel_that_writes_past_its_output_is_caught() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let r = report(dir.path());
     assert_eq!(r["summary"]["failed"], r["summary"]["executed"], "{}", r["summary"]);
-    assert!(text(&o).contains("wrote outside its 60-byte output: after it, up to 4 bytes away"), "{}", text(&o));
+    text(&o)
+}
+
+#[test]
+fn a_kernel_that_writes_past_its_output_is_caught() {
+    if !emulator_available() {
+        return;
+    }
+    let out = every_add_case_fails_with("if (i <= n) y[i] = a[i] + b[i % bn];");
+    assert!(out.contains("wrote outside its 60-byte output: after it, up to 4 bytes away"), "{out}");
+}
+
+#[test]
+fn a_kernel_that_reads_past_its_input_is_caught() {
+    if !emulator_available() {
+        return;
+    }
+    // Reads 8 elements too far into `b`: the emulator's allocation ends at an inaccessible page,
+    // so the launch fails (a GPU's illegal address) instead of adding whatever lies there.
+    let out = every_add_case_fails_with("if (i < n) y[i] = a[i] + b[i % bn + 8];");
+    assert!(out.contains("kernel fault: ts_add: block (0,0,0), thread 8: memory fault at address"), "{out}");
+    assert!(out.contains("bytes past the end of the 60-byte allocation"), "{out}");
 }
 
 #[test]

@@ -15,6 +15,8 @@ use std::ffi::{c_void, CString};
 
 pub struct CudaBackend {
     ordinal: usize,
+    /// Set at the first kernel fault (the context is unusable from then on).
+    faulted: std::sync::atomic::AtomicBool,
     ctx: sys::CUcontext,
     functions: HashMap<String, sys::CUfunction>,
     describe: String,
@@ -104,6 +106,23 @@ fn driver<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, String>
     r.map_err(|e| format!("{what}: {e}"))
 }
 
+/// Errors a kernel causes (illegal or misaligned address, illegal instruction, a trap): they
+/// leave the context unusable, so the first is reported as the kernel's fault and later calls
+/// say why they cannot run.
+fn is_kernel_fault(e: &result::DriverError) -> bool {
+    use sys::CUresult::*;
+    matches!(
+        e.0,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_LAUNCH_FAILED
+    )
+}
+
 impl CudaBackend {
     pub fn open(ordinal: usize) -> Result<CudaBackend, String> {
         // SAFETY: only tries to dlopen libcuda by its candidate names.
@@ -132,7 +151,14 @@ impl CudaBackend {
         let ptx = cached_ptx(&kernels, &arch)?;
         let image = CString::new(ptx).map_err(|e| e.to_string())?;
         // SAFETY: a NUL-terminated PTX image; the module lives as long as the primary context.
-        let module = driver("cuModuleLoadData", unsafe { result::module::load_data(image.as_ptr() as *const c_void) })?;
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| {
+            let hint = if e.0 == sys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION {
+                format!(" (the PTX was made by an NVRTC newer than CUDA driver {}.{}: compile it with an NVRTC no newer than the driver's CUDA version)", version / 1000, (version % 1000) / 10)
+            } else {
+                String::new()
+            };
+            format!("cuModuleLoadData({}): {e}{hint}", ptx_cache_path(&kernels, &arch).display())
+        })?;
         let mut functions = HashMap::new();
         for k in super::kernel_names_in(&kernels) {
             let cname = CString::new(k.as_str()).map_err(|e| e.to_string())?;
@@ -141,12 +167,25 @@ impl CudaBackend {
             functions.insert(k, f);
         }
         let describe = format!("{name}, {arch}, CUDA driver {}.{}", version / 1000, (version % 1000) / 10);
-        Ok(CudaBackend { ordinal, ctx, functions, describe })
+        Ok(CudaBackend { ordinal, faulted: Default::default(), ctx, functions, describe })
     }
 
     fn current(&self) -> Result<(), String> {
         // SAFETY: `ctx` is the retained primary context.
-        driver("cuCtxSetCurrent", unsafe { result::ctx::set_current(self.ctx) })
+        self.check("cuCtxSetCurrent", unsafe { result::ctx::set_current(self.ctx) })
+    }
+
+    /// `driver`, marking the first kernel fault as the kernel's (super::KERNEL_FAULT).
+    fn check<T>(&self, what: &str, r: Result<T, result::DriverError>) -> Result<T, String> {
+        r.map_err(|e| {
+            if !is_kernel_fault(&e) {
+                format!("{what}: {e}")
+            } else if self.faulted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                format!("{what}: {e} (the CUDA context is unusable after an earlier kernel fault)")
+            } else {
+                format!("{}{what}: {e} (an earlier launch faulted; the CUDA context is now unusable)", super::KERNEL_FAULT)
+            }
+        })
     }
 }
 
@@ -163,7 +202,7 @@ impl Backend for CudaBackend {
     fn alloc(&self, bytes: usize) -> Result<u64, String> {
         self.current()?;
         // SAFETY: a plain device allocation, freed in `free`.
-        driver(&format!("cuMemAlloc({bytes} bytes)"), unsafe { result::malloc_sync(bytes) })
+        self.check(&format!("cuMemAlloc({bytes} bytes)"), unsafe { result::malloc_sync(bytes) })
     }
     fn free(&self, ptr: u64) {
         if self.current().is_ok() {
@@ -174,12 +213,12 @@ impl Backend for CudaBackend {
     fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), String> {
         self.current()?;
         // SAFETY: DevBuf sizes every copy to its allocation.
-        driver("cuMemcpyHtoD", unsafe { result::memcpy_htod_sync(ptr, data) })
+        self.check("cuMemcpyHtoD", unsafe { result::memcpy_htod_sync(ptr, data) })
     }
     fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), String> {
         self.current()?;
         // SAFETY: as in `upload`.
-        driver("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(out, ptr) })
+        self.check("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(out, ptr) })
     }
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
         self.current()?;
@@ -188,26 +227,26 @@ impl Backend for CudaBackend {
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
         // SAFETY: one pointer per kernel parameter, each to 8 bytes holding the value at the
         // parameter's size; the launch copies them before returning.
-        driver(
+        self.check(
             &format!("launch {kernel}"),
             unsafe { result::launch_kernel(f, (grid[0], grid[1], grid[2]), (block[0], block[1], block[2]), shared_bytes, std::ptr::null_mut(), &mut params) },
         )
     }
     fn synchronize(&self) -> Result<(), String> {
         self.current()?;
-        driver("cuCtxSynchronize", result::ctx::synchronize())
+        self.check("cuCtxSynchronize", result::ctx::synchronize())
     }
     fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String> {
         self.current()?;
-        let start = driver("cuEventCreate", result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-        let end = driver("cuEventCreate", result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let start = self.check("cuEventCreate", result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = self.check("cuEventCreate", result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
         // SAFETY: events just created, recorded on the default stream, destroyed below.
         let r = unsafe {
-            driver("cuEventRecord", result::event::record(start, std::ptr::null_mut())).and_then(|_| {
+            self.check("cuEventRecord", result::event::record(start, std::ptr::null_mut())).and_then(|_| {
                 f()?;
-                driver("cuEventRecord", result::event::record(end, std::ptr::null_mut()))?;
-                driver("cuEventSynchronize", result::event::synchronize(end))?;
-                driver("cuEventElapsedTime", result::event::elapsed(start, end))
+                self.check("cuEventRecord", result::event::record(end, std::ptr::null_mut()))?;
+                self.check("cuEventSynchronize", result::event::synchronize(end))?;
+                self.check("cuEventElapsedTime", result::event::elapsed(start, end))
             })
         };
         // SAFETY: destroyed once.

@@ -5,6 +5,14 @@
 //! cannot show is a platform compiler's code generation or a real GPU's memory model; the NVRTC
 //! compile test and the GPU runners cover those.
 //!
+//! It also checks what a GPU punishes and a host forgives. Every allocation ends at an
+//! inaccessible page, so a kernel that reads or writes past the end of a buffer (or touches a
+//! freed one) ends its launch with an error naming the kernel, block, thread, address and the
+//! allocation it ran past — a GPU's "illegal address"; a misaligned 16-byte access is an error
+//! too. And the order in which a block's threads run between two barriers (and a grid's blocks)
+//! is a choice, `gpu-emu` (forward), `gpu-emu:reverse` or `gpu-emu:shuffle`: a GPU promises no
+//! order, so a kernel whose results change with it has a race.
+//!
 //! The shared library is built once per kernel-source hash under the system temp directory
 //! (`CXX` overrides the compiler, default `c++`).
 
@@ -17,12 +25,61 @@ use std::sync::{Mutex, OnceLock};
 const PRELUDE_HOST: &str = include_str!("../../kernels/prelude_host.h");
 const RUNTIME: &str = include_str!("../../kernels/emu_runtime.cpp");
 
-type LaunchFn = unsafe extern "C" fn(*const c_char, *const u32, *const u32, u32, *mut *mut c_void, *mut c_char, c_int) -> c_int;
+type LaunchFn = unsafe extern "C" fn(*const c_char, *const u32, *const u32, u32, *mut *mut c_void, c_int, *mut c_char, c_int, *mut u64) -> c_int;
+
+/// The order in which the emulator runs a block's threads between barriers, and a grid's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    Forward = 0,
+    Reverse = 1,
+    /// A fixed pseudo-random permutation per interval (the same every run).
+    Shuffle = 2,
+}
+
+impl Schedule {
+    pub fn parse(s: &str) -> Option<Schedule> {
+        match s {
+            "forward" => Some(Schedule::Forward),
+            "reverse" => Some(Schedule::Reverse),
+            "shuffle" => Some(Schedule::Shuffle),
+            _ => None,
+        }
+    }
+}
+
+/// One mapping: `bytes` usable at `ptr`, ending where an inaccessible page begins.
+struct Mapping {
+    base: *mut c_void,
+    span: usize,
+    bytes: usize,
+}
 
 pub struct EmuBackend {
     launch: LaunchFn,
-    /// Live allocations: address -> layout.
-    allocs: Mutex<HashMap<u64, std::alloc::Layout>>,
+    schedule: Schedule,
+    /// Live allocations by their address.
+    allocs: Mutex<HashMap<u64, Mapping>>,
+    /// The most recently freed allocations (address, mapping), kept mapped but inaccessible so
+    /// that a kernel using a freed buffer faults rather than reading whatever took its place.
+    freed: Mutex<std::collections::VecDeque<(u64, Mapping)>>,
+}
+
+/// How many freed allocations stay inaccessible before their address range is returned (each
+/// costs the kernel two memory mappings, of which a process may hold about 65,000).
+const QUARANTINE: usize = 1024;
+
+// SAFETY: the raw pointers in `allocs` are owned mappings, used only under the mutex.
+unsafe impl Send for EmuBackend {}
+unsafe impl Sync for EmuBackend {}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
 }
 
 /// The translation unit the emulator compiles from a kernel source: prelude, kernels, kernel
@@ -68,12 +125,12 @@ fn build(source: &str) -> Result<PathBuf, String> {
 static LIBRARIES: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
 
 impl EmuBackend {
-    pub fn open() -> Result<EmuBackend, String> {
-        Self::with_source(&super::kernel_source()?)
+    pub fn open(schedule: Schedule) -> Result<EmuBackend, String> {
+        Self::with_source(&super::kernel_source()?, schedule)
     }
 
     /// An emulator running the kernels of `source` (the built-in source, an override, or a test's).
-    pub fn with_source(source: &str) -> Result<EmuBackend, String> {
+    pub fn with_source(source: &str, schedule: Schedule) -> Result<EmuBackend, String> {
         let lib = build(source)?;
         let mut loaded = LIBRARIES.get_or_init(Default::default).lock().unwrap();
         let addr = match loaded.get(&lib) {
@@ -98,37 +155,67 @@ impl EmuBackend {
         };
         // SAFETY: the symbol has the signature emu_runtime.cpp declares for ts_emu_launch.
         let launch = unsafe { std::mem::transmute::<usize, LaunchFn>(addr) };
-        Ok(EmuBackend { launch, allocs: Mutex::new(HashMap::new()) })
+        Ok(EmuBackend { launch, schedule, allocs: Mutex::new(HashMap::new()), freed: Mutex::new(Default::default()) })
     }
 }
 
 impl Backend for EmuBackend {
     fn name(&self) -> String {
-        "gpu-emu".into()
+        match self.schedule {
+            Schedule::Forward => "gpu-emu".into(),
+            Schedule::Reverse => "gpu-emu:reverse".into(),
+            Schedule::Shuffle => "gpu-emu:shuffle".into(),
+        }
     }
     fn describe(&self) -> String {
-        "host emulation of the GPU kernels (blocks of 32 fibers)".into()
+        let order = match self.schedule {
+            Schedule::Forward => "forward",
+            Schedule::Reverse => "reverse",
+            Schedule::Shuffle => "shuffled",
+        };
+        format!("host emulation of the GPU kernels (blocks of 32 fibers, {order} thread order, memory faults and misaligned accesses caught)")
     }
     fn block_size(&self) -> u32 {
         32
     }
     fn alloc(&self, bytes: usize) -> Result<u64, String> {
-        let layout = std::alloc::Layout::from_size_align(bytes.max(16), 256).map_err(|e| e.to_string())?;
-        // SAFETY: a non-zero-sized layout; freed in `free` with the same layout.
-        let p = unsafe { std::alloc::alloc(layout) };
-        if p.is_null() {
+        // [ usable bytes, rounded up to 16, ending at a page boundary | one PROT_NONE page ]:
+        // a read or write past the end faults, and the launch reports it. 16-byte alignment is
+        // what the kernels' widest access needs (a GPU allocation is 256-byte aligned).
+        let page = page_size();
+        let usable = bytes.max(16).div_ceil(16) * 16;
+        let span = usable.div_ceil(page) * page + page;
+        // SAFETY: a fresh private anonymous mapping; checked for failure below.
+        let base = unsafe { libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        if base == libc::MAP_FAILED {
             return Err(format!("out of host memory for {bytes} bytes"));
         }
-        // Poison new memory (NaN floats) so a kernel that reads what nobody wrote shows it.
-        // SAFETY: `p` points to `layout.size()` writable bytes.
-        unsafe { std::ptr::write_bytes(p, 0xFF, layout.size()) };
-        self.allocs.lock().unwrap().insert(p as u64, layout);
+        // SAFETY: the last page of the mapping just made; `p` and the `usable` bytes after it lie
+        // inside the mapping's accessible part.
+        let p = unsafe {
+            libc::mprotect((base as *mut u8).add(span - page) as *mut c_void, page, libc::PROT_NONE);
+            let p = (base as *mut u8).add(span - page - usable);
+            // Poison new memory (NaN floats) so a kernel that reads what nobody wrote shows it.
+            std::ptr::write_bytes(p, 0xFF, usable);
+            p
+        };
+        self.allocs.lock().unwrap().insert(p as u64, Mapping { base, span, bytes });
         Ok(p as u64)
     }
     fn free(&self, ptr: u64) {
-        if let Some(layout) = self.allocs.lock().unwrap().remove(&ptr) {
-            // SAFETY: allocated by `alloc` with this layout, removed from the table once.
-            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        let Some(m) = self.allocs.lock().unwrap().remove(&ptr) else { return };
+        // SAFETY: a mapping made by `alloc`, removed from the table once: made inaccessible and
+        // its pages released, the address range kept until it leaves the quarantine.
+        unsafe {
+            libc::mprotect(m.base, m.span, libc::PROT_NONE);
+            libc::madvise(m.base, m.span, libc::MADV_DONTNEED);
+        }
+        let mut freed = self.freed.lock().unwrap();
+        freed.push_back((ptr, m));
+        if freed.len() > QUARANTINE {
+            let (_, old) = freed.pop_front().expect("non-empty");
+            // SAFETY: a mapping made by `alloc`, leaving the quarantine once.
+            unsafe { libc::munmap(old.base, old.span) };
         }
     }
     fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), String> {
@@ -148,12 +235,21 @@ impl Backend for EmuBackend {
         let mut values = Arg::pack(args);
         let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
         let mut err = vec![0 as c_char; 512];
+        let mut fault = 0u64;
         // SAFETY: the launcher reads one value per kernel parameter from `ptrs` (each points to 8
-        // bytes, enough for any parameter type the kernels use) and writes at most err.len() bytes.
-        let rc = unsafe { (self.launch)(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, ptrs.as_mut_ptr(), err.as_mut_ptr(), err.len() as c_int) };
+        // bytes, enough for any parameter type the kernels use), writes at most err.len() bytes
+        // to `err` and one u64 to `fault`.
+        let rc = unsafe {
+            (self.launch)(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, ptrs.as_mut_ptr(), self.schedule as c_int, err.as_mut_ptr(), err.len() as c_int, &mut fault)
+        };
         if rc != 0 {
             // SAFETY: snprintf wrote a NUL-terminated string into `err`.
-            return Err(unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
+            let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+            return Err(match (rc, fault) {
+                (-2, 0) => format!("{}{msg}", super::KERNEL_FAULT),
+                (-2, addr) => format!("{}{msg} ({})", super::KERNEL_FAULT, self.whose(addr)),
+                _ => msg,
+            });
         }
         Ok(())
     }
@@ -167,11 +263,41 @@ impl Backend for EmuBackend {
     }
 }
 
+impl Drop for EmuBackend {
+    fn drop(&mut self) {
+        let live = self.allocs.get_mut().unwrap().drain().map(|(_, m)| m);
+        let freed = self.freed.get_mut().unwrap().drain(..).map(|(_, m)| m);
+        for m in live.chain(freed) {
+            // SAFETY: mappings made by `alloc`, each unmapped once, none used after the backend.
+            unsafe { libc::munmap(m.base, m.span) };
+        }
+    }
+}
+
 impl EmuBackend {
+    /// Where a faulting address lies relative to the live allocations.
+    fn whose(&self, addr: u64) -> String {
+        let allocs = self.allocs.lock().unwrap();
+        let page = page_size() as u64;
+        // The allocation whose usable bytes or trailing guard page hold `addr`.
+        let hit = allocs.iter().find(|(&p, m)| addr >= p && addr < p + m.bytes.div_ceil(16) as u64 * 16 + page);
+        match hit {
+            Some((&p, m)) if addr < p + m.bytes as u64 => format!("inside the {}-byte allocation at {p:#x}, {} bytes in", m.bytes, addr - p),
+            Some((&p, m)) => format!("{} bytes past the end of the {}-byte allocation at {p:#x}", addr - p - m.bytes as u64, m.bytes),
+            None => {
+                let freed = self.freed.lock().unwrap();
+                match freed.iter().find(|(_, m)| addr >= m.base as u64 && addr < m.base as u64 + m.span as u64) {
+                    Some((p, m)) => format!("in the freed {}-byte allocation at {p:#x}", m.bytes),
+                    None => "outside every allocation".into(),
+                }
+            }
+        }
+    }
+
     /// Copies must stay inside one live allocation (the emulator's memory is the host's).
     fn check(&self, ptr: u64, len: usize) -> Result<(), String> {
         let allocs = self.allocs.lock().unwrap();
-        let ok = allocs.iter().any(|(&base, l)| ptr >= base && ptr + len as u64 <= base + l.size() as u64);
+        let ok = allocs.iter().any(|(&base, m)| ptr >= base && ptr + len as u64 <= base + m.bytes as u64);
         if ok {
             Ok(())
         } else {
@@ -201,6 +327,21 @@ extern "C" __global__ void early_return(float* x) {
     __syncthreads();
     x[threadIdx.x] = 1.0f;
 }
+// Copies n floats with one thread per element but reads `over` elements further.
+extern "C" __global__ void read_past(const float* x, float* y, int n, int over) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i + over];
+}
+extern "C" __global__ void load16_at(const u8* p, int offset, float* y) {
+    uint4 v = ts_load16(p + offset);
+    y[threadIdx.x] = (float)v.x;
+}
+// A race: thread 0 publishes a value that the others read without a barrier between.
+extern "C" __global__ void racy_broadcast(float* y) {
+    __shared__ float v;
+    if (threadIdx.x == 0) v = 7.0f;
+    y[threadIdx.x] = v;
+}
 "#;
 
     fn floats(b: &EmuBackend, ptr: u64, n: usize) -> Vec<f32> {
@@ -210,7 +351,11 @@ extern "C" __global__ void early_return(float* x) {
     }
 
     fn emulator() -> Option<EmuBackend> {
-        match EmuBackend::with_source(SOURCE) {
+        emulator_with(Schedule::Forward)
+    }
+
+    fn emulator_with(schedule: Schedule) -> Option<EmuBackend> {
+        match EmuBackend::with_source(SOURCE, schedule) {
             Ok(b) => Some(b),
             Err(e) => {
                 assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
@@ -238,6 +383,58 @@ extern "C" __global__ void early_return(float* x) {
         let e = b.launch("early_return", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp)]).unwrap_err();
         assert!(e.contains("1 of 8 threads returned") && e.contains("__syncthreads"), "{e}");
         assert!(b.launch("no_such_kernel", [1, 1, 1], [8, 1, 1], 0, &[]).unwrap_err().contains("no kernel named"));
+    }
+
+    #[test]
+    fn every_schedule_keeps_barriers_and_a_race_shows_under_another_order() {
+        let x: Vec<f32> = (0..3 * 16).map(|i| (i * i % 7) as f32).collect();
+        let expect: Vec<f32> = x.chunks(16).map(|c| c.iter().sum()).collect();
+        let mut racy = Vec::new();
+        for schedule in [Schedule::Forward, Schedule::Reverse, Schedule::Shuffle] {
+            let Some(b) = emulator_with(schedule) else { return };
+            let (xp, sp) = (b.alloc(4 * x.len()).unwrap(), b.alloc(12).unwrap());
+            b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+            b.launch("block_sums", [3, 1, 1], [16, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(sp)]).unwrap();
+            assert_eq!(floats(&b, sp, 3), expect, "{schedule:?}");
+            let yp = b.alloc(4 * 8).unwrap();
+            b.launch("racy_broadcast", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(yp)]).unwrap();
+            racy.push(floats(&b, yp, 8).iter().filter(|v| **v == 7.0).count());
+        }
+        // Forward order hides the race (thread 0 runs first); reverse and shuffled orders do not.
+        assert_eq!(racy[0], 8);
+        assert!(racy[1] < 8 && racy[2] < 8, "{racy:?}");
+    }
+
+    #[test]
+    fn a_read_past_the_end_of_a_buffer_ends_the_launch_with_an_error() {
+        let Some(b) = emulator() else { return };
+        let n = 37usize;
+        let (xp, yp) = (b.alloc(4 * n).unwrap(), b.alloc(4 * n).unwrap());
+        b.upload(xp, &vec![0u8; 4 * n]).unwrap();
+        // In bounds: fine.
+        b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(0)]).unwrap();
+        // Past the 16-byte rounding of the last row: faults, is reported, and the process lives on.
+        let e = b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(4)]).unwrap_err();
+        assert!(e.contains("read_past") && e.contains("memory fault") && e.contains("past the end of the 148-byte allocation"), "{e}");
+        // A freed buffer is outside every allocation.
+        b.free(xp);
+        let e = b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(0)]).unwrap_err();
+        assert!(e.contains("in the freed 148-byte allocation"), "{e}");
+        // And the emulator still runs kernels afterwards.
+        let xp = b.alloc(4 * n).unwrap();
+        b.upload(xp, &vec![0u8; 4 * n]).unwrap();
+        b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(0)]).unwrap();
+        assert_eq!(floats(&b, yp, n), vec![0.0; n]);
+    }
+
+    #[test]
+    fn a_misaligned_16_byte_load_is_an_error() {
+        let Some(b) = emulator() else { return };
+        let (p, y) = (b.alloc(64).unwrap(), b.alloc(4).unwrap());
+        b.upload(p, &[1u8; 64]).unwrap();
+        b.launch("load16_at", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(p), Arg::I32(16), Arg::Ptr(y)]).unwrap();
+        let e = b.launch("load16_at", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(p), Arg::I32(8), Arg::Ptr(y)]).unwrap_err();
+        assert!(e.contains("misaligned 16-byte load") && e.contains("inside the 64-byte allocation") && e.contains("8 bytes in"), "{e}");
     }
 
     #[test]

@@ -170,6 +170,11 @@ impl DevBuf {
 const GUARD_BYTES: usize = 256;
 const GUARD_BYTE: u8 = 0xA5;
 
+/// Begins a launch error that is the kernel's own doing (an out-of-bounds or misaligned access,
+/// threads that skip a barrier): a kernel case then fails as a wrong result instead of counting
+/// as "could not run".
+pub const KERNEL_FAULT: &str = "kernel fault: ";
+
 /// Why a kernel case did not produce a result: it could not run, or it ran and wrote outside its
 /// output (a wrong result, judged as a failure rather than an error).
 #[derive(Debug)]
@@ -636,6 +641,7 @@ impl Device for GpuDevice {
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
         let r = self.run(case).and_then(|o| Ok(self.gpu.backend.synchronize().map(|_| o)?));
         r.map_err(|e| match e {
+            CaseError::Failed(reason) if reason.contains(KERNEL_FAULT) => DeviceError::WrongResult { device: self.name(), case: case.id.clone(), reason },
             CaseError::Failed(reason) => crate::fail(&self.name(), case, reason),
             CaseError::WroteOutside(reason) => DeviceError::WrongResult { device: self.name(), case: case.id.clone(), reason },
         })
@@ -679,7 +685,8 @@ impl GpuDevice {
     }
 }
 
-/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu`, or says why it is unavailable.
+/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle]`, or says why it is
+/// unavailable.
 pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: String| DeviceError::Unavailable(name.to_string(), why);
     let index = |prefix: &str| -> Result<usize, DeviceError> {
@@ -689,8 +696,13 @@ pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
             None => Err(unavailable("unknown device".into())),
         }
     };
-    let backend: Box<dyn Backend> = if name == "gpu-emu" {
-        Box::new(emu::EmuBackend::open().map_err(unavailable)?)
+    let backend: Box<dyn Backend> = if let Some(rest) = name.strip_prefix("gpu-emu") {
+        let schedule = match rest.strip_prefix(':') {
+            None if rest.is_empty() => emu::Schedule::Forward,
+            Some(s) => emu::Schedule::parse(s).ok_or_else(|| unavailable(format!("unknown thread order `{s}` (gpu-emu, gpu-emu:reverse or gpu-emu:shuffle)")))?,
+            None => return Err(unavailable("unknown device".into())),
+        };
+        Box::new(emu::EmuBackend::open(schedule).map_err(unavailable)?)
     } else if name.starts_with("cuda") {
         let _ordinal = index("cuda")?;
         #[cfg(feature = "cuda")]
