@@ -2,7 +2,30 @@
 //! arguments, calls the library crates, prints, and maps the outcome to the exit-code contract
 //! (0 pass, 1 gate failed, 2 could not run, 3 inconclusive).
 
+/// `outln!` for the command's output: when whoever reads stdout has gone (`cargo xtask … |
+/// head`), the process ends quietly with status 141, as a program killed by SIGPIPE would,
+/// instead of panicking. (SIGPIPE itself stays ignored: `ab` must see a dead arm server as an
+/// error on its pipe, not die of it.)
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            crate::stdout_failed(e);
+        }
+    }};
+}
+
 mod cmd;
+
+/// Ends the process after a failed write to stdout: status 141 when the reader has gone (broken
+/// pipe), 2 for any other error.
+pub fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+    eprintln!("error: writing to stdout: {e}");
+    std::process::exit(2);
+}
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -135,6 +135,28 @@ fn exit_codes_follow_the_contract() {
 }
 
 #[test]
+fn a_reader_that_stops_early_ends_the_run_quietly() {
+    // `cargo xtask kernels | head -1`: once the reader has gone, the next write to stdout ends
+    // the process with 141 (as SIGPIPE would) and no panic message. The whole suite prints a
+    // row per op as it goes, so rows are still to come when the reader closes.
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["kernels", "--device", "cpu"])
+        .current_dir(workspace())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.starts_with("op"), "{first}");
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(141), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn corrupt_gguf_is_reported_with_field_and_offset() {
     let src = fixtures::resolve("tiny-llama", true).unwrap();
     let mut bytes = std::fs::read(&src).unwrap();

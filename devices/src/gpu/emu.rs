@@ -11,7 +11,8 @@
 //! allocation it ran past — a GPU's "illegal address"; a misaligned 16-byte access is an error
 //! too. And the order in which a block's threads run between two barriers (and a grid's blocks)
 //! is a choice, `gpu-emu` (forward), `gpu-emu:reverse` or `gpu-emu:shuffle`: a GPU promises no
-//! order, so a kernel whose results change with it has a race.
+//! order, so a kernel whose results change with it has a race. Blocks have 32 threads unless
+//! asked otherwise (`gpu-emu:256` runs the block size the GPUs use).
 //!
 //! The shared library is built once per kernel-source hash under the system temp directory
 //! (`CXX` overrides the compiler, default `c++`).
@@ -47,6 +48,9 @@ impl Schedule {
     }
 }
 
+/// Threads per block unless chosen: small, so the emulator is quick.
+const DEFAULT_THREADS: u32 = 32;
+
 /// One mapping: `bytes` usable at `ptr`, ending where an inaccessible page begins.
 struct Mapping {
     base: *mut c_void,
@@ -57,6 +61,8 @@ struct Mapping {
 pub struct EmuBackend {
     launch: LaunchFn,
     schedule: Schedule,
+    /// Threads per block the device asks for (32 unless chosen; GPUs use 256).
+    threads: u32,
     /// Live allocations by their address.
     allocs: Mutex<HashMap<u64, Mapping>>,
     /// The most recently freed allocations (address, mapping), kept mapped but inaccessible so
@@ -125,8 +131,22 @@ fn build(source: &str) -> Result<PathBuf, String> {
 static LIBRARIES: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
 
 impl EmuBackend {
-    pub fn open(schedule: Schedule) -> Result<EmuBackend, String> {
-        Self::with_source(&super::kernel_source()?, schedule)
+    /// `gpu-emu[:ORDER][:THREADS]`: ORDER is forward (the default), reverse or shuffle; THREADS
+    /// the threads per block, a power of two from 32 to 1024 (default 32; GPUs use 256).
+    pub fn open(options: &str) -> Result<EmuBackend, String> {
+        let (mut schedule, mut threads) = (Schedule::Forward, DEFAULT_THREADS);
+        for part in options.split(':').filter(|p| !p.is_empty()) {
+            if let Some(s) = Schedule::parse(part) {
+                schedule = s;
+            } else if let Some(n) = part.parse::<u32>().ok().filter(|n| n.is_power_of_two() && (32..=1024).contains(n)) {
+                threads = n;
+            } else {
+                return Err(format!("unknown option `{part}`: gpu-emu[:forward|reverse|shuffle][:THREADS], THREADS a power of two from 32 to 1024"));
+            }
+        }
+        let mut b = Self::with_source(&super::kernel_source()?, schedule)?;
+        b.threads = threads;
+        Ok(b)
     }
 
     /// An emulator running the kernels of `source` (the built-in source, an override, or a test's).
@@ -155,17 +175,22 @@ impl EmuBackend {
         };
         // SAFETY: the symbol has the signature emu_runtime.cpp declares for ts_emu_launch.
         let launch = unsafe { std::mem::transmute::<usize, LaunchFn>(addr) };
-        Ok(EmuBackend { launch, schedule, allocs: Mutex::new(HashMap::new()), freed: Mutex::new(Default::default()) })
+        Ok(EmuBackend { launch, schedule, threads: DEFAULT_THREADS, allocs: Mutex::new(HashMap::new()), freed: Mutex::new(Default::default()) })
     }
 }
 
 impl Backend for EmuBackend {
     fn name(&self) -> String {
+        let mut name = String::from("gpu-emu");
         match self.schedule {
-            Schedule::Forward => "gpu-emu".into(),
-            Schedule::Reverse => "gpu-emu:reverse".into(),
-            Schedule::Shuffle => "gpu-emu:shuffle".into(),
+            Schedule::Forward => {}
+            Schedule::Reverse => name.push_str(":reverse"),
+            Schedule::Shuffle => name.push_str(":shuffle"),
         }
+        if self.threads != DEFAULT_THREADS {
+            name.push_str(&format!(":{}", self.threads));
+        }
+        name
     }
     fn describe(&self) -> String {
         let order = match self.schedule {
@@ -173,10 +198,10 @@ impl Backend for EmuBackend {
             Schedule::Reverse => "reverse",
             Schedule::Shuffle => "shuffled",
         };
-        format!("host emulation of the GPU kernels (blocks of 32 fibers, {order} thread order, memory faults and misaligned accesses caught)")
+        format!("host emulation of the GPU kernels (blocks of {} fibers, {order} thread order, memory faults and misaligned accesses caught)", self.threads)
     }
     fn block_size(&self) -> u32 {
-        32
+        self.threads
     }
     fn alloc(&self, bytes: usize) -> Result<u64, String> {
         // [ usable bytes, rounded up to 16, ending at a page boundary | one PROT_NONE page ]:

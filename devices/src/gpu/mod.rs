@@ -685,8 +685,8 @@ impl GpuDevice {
     }
 }
 
-/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle]`, or says why it is
-/// unavailable.
+/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle][:THREADS]`, or says why it
+/// is unavailable.
 pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: String| DeviceError::Unavailable(name.to_string(), why);
     let index = |prefix: &str| -> Result<usize, DeviceError> {
@@ -697,12 +697,10 @@ pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         }
     };
     let backend: Box<dyn Backend> = if let Some(rest) = name.strip_prefix("gpu-emu") {
-        let schedule = match rest.strip_prefix(':') {
-            None if rest.is_empty() => emu::Schedule::Forward,
-            Some(s) => emu::Schedule::parse(s).ok_or_else(|| unavailable(format!("unknown thread order `{s}` (gpu-emu, gpu-emu:reverse or gpu-emu:shuffle)")))?,
-            None => return Err(unavailable("unknown device".into())),
-        };
-        Box::new(emu::EmuBackend::open(schedule).map_err(unavailable)?)
+        if !(rest.is_empty() || rest.starts_with(':')) {
+            return Err(unavailable("unknown device".into()));
+        }
+        Box::new(emu::EmuBackend::open(rest).map_err(unavailable)?)
     } else if name.starts_with("cuda") {
         let _ordinal = index("cuda")?;
         #[cfg(feature = "cuda")]

@@ -533,7 +533,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     let dir = super::report_dir(a.report_dir.clone(), "ab");
     super::write_report(&mut report, &dir)?;
     print_table(&a, &pairs, &stats, first_difference);
-    println!("report: {}", dir.join("report.json").display());
+    outln!("report: {}", dir.join("report.json").display());
     if let Some(f) = failure {
         return Err(Exit { code: 2, message: format!("{} ({} pairs kept in {})", f.message, pairs.len(), dir.display()) });
     }
@@ -552,11 +552,11 @@ fn pct(x: f64) -> String {
 }
 
 fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>) {
-    println!("pair  order   A ms/token   B ms/token   change");
+    outln!("pair  order   A ms/token   B ms/token   change");
     for (i, p) in pairs.iter().enumerate() {
-        println!("{:>4}  {}   {:>10.3}   {:>10.3}   {}", i + 1, if p.a_first { "A,B" } else { "B,A" }, p.a.ms_per_token(), p.b.ms_per_token(), pct(p.b.ms_per_token() / p.a.ms_per_token() - 1.0));
+        outln!("{:>4}  {}   {:>10.3}   {:>10.3}   {}", i + 1, if p.a_first { "A,B" } else { "B,A" }, p.a.ms_per_token(), p.b.ms_per_token(), pct(p.b.ms_per_token() / p.a.ms_per_token() - 1.0));
     }
-    println!(
+    outln!(
         "B ({}) vs A ({}), decode time per token: median {} (95% CI {} .. {}), Wilcoxon p = {:.3}, threshold ±{:.1}% -> {}{}",
         a.b,
         a.a,
@@ -569,9 +569,9 @@ fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Op
         s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; --max-pairs {} reached)", a.max_pairs)).unwrap_or_default()
     );
     if let (Some(p), Some(at)) = (pairs.first(), first_difference) {
-        println!("outputs differ from generated token {at}: A hash {}, B hash {}", hash(&p.a.tokens), hash(&p.b.tokens));
+        outln!("outputs differ from generated token {at}: A hash {}, B hash {}", hash(&p.a.tokens), hash(&p.b.tokens));
     } else if let Some(p) = pairs.first() {
-        println!("outputs identical in every run: hash {}", hash(&p.a.tokens));
+        outln!("outputs identical in every run: hash {}", hash(&p.a.tokens));
     }
 }
 

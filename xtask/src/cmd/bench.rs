@@ -51,28 +51,28 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     let device_peak = engine.memory_peak_bytes();
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
-    println!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
-    println!("prefill ({} tokens): median {:.1} tok/s   samples {:?}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
-    println!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
+    outln!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
+    outln!("prefill ({} tokens): median {:.1} tok/s   samples {:?}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
+    outln!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
     let [p50, p90, p99] = r.itl_p50_p90_p99_ms;
-    println!("time to first token: median {:.1} ms; inter-token latency p50 {p50:.2} ms, p90 {p90:.2} ms, p99 {p99:.2} ms; peak RSS {}", med(&r.ttft_ms), r.peak_rss_kb.map_or("unknown".into(), |k| format!("{:.0} MiB", k as f64 / 1024.0)));
+    outln!("time to first token: median {:.1} ms; inter-token latency p50 {p50:.2} ms, p90 {p90:.2} ms, p99 {p99:.2} ms; peak RSS {}", med(&r.ttft_ms), r.peak_rss_kb.map_or("unknown".into(), |k| format!("{:.0} MiB", k as f64 / 1024.0)));
     if let Some(b) = device_peak {
-        println!("device memory peak: {:.1} MiB (weights, KV cache and activations held at once)", b as f64 / (1 << 20) as f64);
+        outln!("device memory peak: {:.1} MiB (weights, KV cache and activations held at once)", b as f64 / (1 << 20) as f64);
     }
     if r.effective_gbps.is_empty() {
-        println!("(this device does not report the bytes it reads per token: no bandwidth figures)");
+        outln!("(this device does not report the bytes it reads per token: no bandwidth figures)");
         return write_report(&a, r, device_peak);
     }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
-    println!(
+    outln!(
         "weights read per token {:.1} MB -> effective {:.2} GB/s (median)   samples {:?}",
         r.weight_bytes_per_token as f64 / 1e6,
         med(&r.effective_gbps),
         fmt(&r.effective_gbps)
     );
-    println!("probe before each rep (512 MB, same threads): copy {:?} GB/s, read {:?} GB/s", fmt(&copy), fmt(&read));
-    println!(
+    outln!("probe before each rep (512 MB, same threads): copy {:?} GB/s, read {:?} GB/s", fmt(&copy), fmt(&read));
+    outln!(
         "effective / probe, median of per-rep ratios: {:.0}% of STREAM-style copy, {:.0}% of read-only",
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
@@ -131,7 +131,7 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_byte
     report.sections.insert("bench".into(), serde_json::to_value(&r).unwrap_or_default());
     let dir = super::report_dir(a.report_dir.clone(), "bench");
     super::write_report(&mut report, &dir)?;
-    println!("report: {}", dir.join("report.json").display());
+    outln!("report: {}", dir.join("report.json").display());
     Ok(0)
 }
 

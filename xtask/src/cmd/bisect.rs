@@ -73,8 +73,8 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
         match first_bad {
             Some(rev) => {
                 let subject = git(&top, &["log", "-1", "--format=%h %s", &rev]).unwrap_or_default();
-                println!("first bad commit: {subject}");
-                println!("its report: {}", reports.join(&rev).join("report.json").display());
+                outln!("first bad commit: {subject}");
+                outln!("its report: {}", reports.join(&rev).join("report.json").display());
                 Ok(0)
             }
             None => {

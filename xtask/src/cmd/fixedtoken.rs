@@ -47,7 +47,7 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
     print_summary(&report);
     let dir = super::report_dir(a.report_dir, "fixed-token");
     super::write_report(&mut report, &dir)?;
-    println!("report: {}", dir.join("report.json").display());
+    outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }
 
@@ -68,7 +68,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         }
         let text = serde_json::to_string_pretty(&g).expect("golden serializes") + "\n";
         reports::write_atomic(&file, text.as_bytes()).map_err(|e| super::io_exit(&file, e))?;
-        println!("wrote {} ({} prompt + {} golden tokens)", file.display(), g.prompt_ids.len(), g.continuation_ids.len());
+        outln!("wrote {} ({} prompt + {} golden tokens)", file.display(), g.prompt_ids.len(), g.continuation_ids.len());
         return Ok(None);
     }
     let (golden, origin) = match golden_file.filter(|f| f.exists() || a.golden.is_some()) {
@@ -183,7 +183,7 @@ fn kld_chart(per_pos: &serde_json::Value, device: &str, model: &str) -> Chart {
 fn print_summary(r: &Report) {
     if let Some(ts) = r.sections.get("token_stats") {
         let f = |p: &[&str]| p.iter().try_fold(ts, |v, k| v.get(k)).and_then(|v| v.as_f64()).map_or("-".into(), |x| format!("{x:.4e}"));
-        println!(
+        outln!(
             "KLD mean {} median {} p99 {} max {} (bound on mean {}); same top-1 {} (95% CI {}); near ties {}",
             f(&["kld", "mean"]),
             f(&["kld", "median"]),
@@ -196,8 +196,8 @@ fn print_summary(r: &Report) {
         );
     }
     for c in &r.cases {
-        println!("  {:<12} {}{}", format!("{:?}", c.verdict), c.id, c.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default());
+        outln!("  {:<12} {}{}", format!("{:?}", c.verdict), c.id, c.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default());
     }
     let s = &r.summary;
-    println!("{} gates: {} passed, {} failed, {} unsupported, {} errors", s.executed, s.passed, s.failed, s.unsupported, s.errors);
+    outln!("{} gates: {} passed, {} failed, {} unsupported, {} errors", s.executed, s.passed, s.failed, s.unsupported, s.errors);
 }

@@ -16,7 +16,7 @@ pub fn main(a: FixturesArgs) -> Result<u8, Exit> {
     };
     for n in names {
         let p = ::fixtures::resolve(&n, false)?;
-        println!("{n:12} {}  {}", ::fixtures::sha256_model(&p)?, p.display());
+        outln!("{n:12} {}  {}", ::fixtures::sha256_model(&p)?, p.display());
     }
     Ok(0)
 }

@@ -78,10 +78,10 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     }
     let mut report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
     super::kernels::print_summary(&report);
-    println!("not built yet (not run, not counted): suite bench; devices cuda, rocm");
+    outln!("not built yet (not run, not counted): suite bench; devices cuda, rocm");
     let dir = super::report_dir(a.report_dir, "gate");
     super::write_report(&mut report, &dir)?;
-    println!("report: {}", dir.join("report.json").display());
+    outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }
 

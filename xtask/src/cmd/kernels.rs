@@ -42,13 +42,13 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     print_summary(&report);
     let dir = super::report_dir(a.report_dir, "kernels");
     super::write_report(&mut report, &dir)?;
-    println!("report: {}", dir.join("report.json").display());
+    outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }
 
 /// Per-op summary lines, then failures, then the totals.
 pub fn print_summary(r: &Report) {
-    println!("{:<12} {:<8} {:>6} {:>6} {:>6} {:>6} {:>14}", "op", "dtype", "pass", "fail", "unsup", "error", "worst err/bound");
+    outln!("{:<12} {:<8} {:>6} {:>6} {:>6} {:>6} {:>14}", "op", "dtype", "pass", "fail", "unsup", "error", "worst err/bound");
     let mut worst: std::collections::BTreeMap<(String, String), f64> = Default::default();
     for c in &r.cases {
         let w = c.metrics.get("worst_error_over_bound").and_then(|v| v.as_f64()).unwrap_or(0.0);
@@ -60,14 +60,14 @@ pub fn print_summary(r: &Report) {
             (0..4).for_each(|i| acc[i] += c[i]);
             acc
         });
-        println!("{op:<12} {dt:<8} {:>6} {:>6} {:>6} {:>6} {:>14.3}", t[0], t[1], t[2], t[3], worst.get(&(op.clone(), dt.clone())).copied().unwrap_or(0.0));
+        outln!("{op:<12} {dt:<8} {:>6} {:>6} {:>6} {:>6} {:>14.3}", t[0], t[1], t[2], t[3], worst.get(&(op.clone(), dt.clone())).copied().unwrap_or(0.0));
     }
     for c in r.cases.iter().filter(|c| matches!(c.verdict, reports::Verdict::Fail | reports::Verdict::Error)).take(20) {
-        println!("  {:?} {}: {}", c.verdict, c.id, c.message.as_deref().unwrap_or(""));
+        outln!("  {:?} {}: {}", c.verdict, c.id, c.message.as_deref().unwrap_or(""));
     }
     let s = &r.summary;
-    println!("\n{} executed, {} passed, {} failed, {} unsupported, {} errors", s.executed, s.passed, s.failed, s.unsupported, s.errors);
+    outln!("\n{} executed, {} passed, {} failed, {} unsupported, {} errors", s.executed, s.passed, s.failed, s.unsupported, s.errors);
     if s.passed == 0 {
-        println!("no case passed: the gate fails (zero executed cases is never green)");
+        outln!("no case passed: the gate fails (zero executed cases is never green)");
     }
 }

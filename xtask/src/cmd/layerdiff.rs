@@ -60,8 +60,8 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     let dir = super::report_dir(a.report_dir, "layer-diff");
     super::write_report(&mut outcome.report, &dir)?;
     let s = &outcome.report.summary;
-    println!("{} taps compared: {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
-    println!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());
+    outln!("{} taps compared: {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
+    outln!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());
     Ok(outcome.report.exit_code())
 }
 
@@ -94,18 +94,18 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
 
 fn print_table(o: &layerdiff::Outcome) {
     let rows = layerdiff::layer_table(&o.taps);
-    println!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", "layer", "out tap", "prop. rel err / budget", "worst op", "iso. rel err / budget", "over p/i/m");
+    outln!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", "layer", "out tap", "prop. rel err / budget", "worst op", "iso. rel err / budget", "over p/i/m");
     for r in rows {
-        println!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", r[0], r[1], r[2], r[3], r[4], r[5]);
+        outln!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", r[0], r[1], r[2], r[3], r[4], r[5]);
     }
     if let Some(d) = o.report.sections.get("first_difference") {
         match d.get("tap") {
-            Some(t) => println!("first tap where the two differ at all: {t} ({d})"),
-            None => println!("the two agree bit for bit at every tap"),
+            Some(t) => outln!("first tap where the two differ at all: {t} ({d})"),
+            None => outln!("the two agree bit for bit at every tap"),
         }
     }
     match layerdiff::first_divergence(&o.taps) {
-        Some(t) => println!("first divergence: {} ({})", t.name, o.report.sections.get("first_divergence").map(|v| v.to_string()).unwrap_or_default()),
-        None => println!("first divergence: none (every tap within its budget)"),
+        Some(t) => outln!("first divergence: {} ({})", t.name, o.report.sections.get("first_divergence").map(|v| v.to_string()).unwrap_or_default()),
+        None => outln!("first divergence: none (every tap within its budget)"),
     }
 }

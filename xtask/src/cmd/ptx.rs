@@ -24,7 +24,7 @@ pub fn main(a: PtxArgs) -> Result<u8, Exit> {
     let kernels = devices::gpu::kernel_source().map_err(|e| Exit { code: 2, message: e })?;
     for arch in &a.arch {
         let ptx = devices::gpu::cuda::cached_ptx(&kernels, arch).map_err(|e| Exit { code: 2, message: format!("{arch}: {e}") })?;
-        println!("{arch}: {} bytes of PTX in {}", ptx.len(), devices::gpu::cuda::ptx_cache_path(&kernels, arch).display());
+        outln!("{arch}: {} bytes of PTX in {}", ptx.len(), devices::gpu::cuda::ptx_cache_path(&kernels, arch).display());
     }
     Ok(0)
 }

@@ -30,13 +30,13 @@ pub fn main(a: ReportArgs) -> Result<u8, Exit> {
             let merged = Report::merge(parts).ok_or_else(|| Exit { code: 2, message: "nothing to merge".into() })?;
             merged.write(&out).map_err(|e| super::io_exit(&out, e))?; // provenance of the shards, unchanged
             super::kernels::print_summary(&merged);
-            println!("merged {} reports into {}", dirs.len(), out.join("report.json").display());
+            outln!("merged {} reports into {}", dirs.len(), out.join("report.json").display());
             Ok(merged.exit_code())
         }
         Action::Render { dir } => {
             let r = Report::read(&dir)?;
             r.render(&dir).map_err(|e| super::io_exit(&dir, e))?;
-            println!("rendered {}", dir.display());
+            outln!("rendered {}", dir.display());
             Ok(r.exit_code())
         }
     }

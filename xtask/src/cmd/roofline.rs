@@ -42,14 +42,14 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
     if !probe.gemv.iter().any(|(t, _, _)| *t == a.gate_type) {
         return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.0).collect::<Vec<_>>()) });
     }
-    println!("{} ({}): copy {:.1} GB/s (read + write, {} MiB, best of {})", a.device, device.describe(), probe.copy_gbps, a.mib, probe.reps);
+    outln!("{} ({}): copy {:.1} GB/s (read + write, {} MiB, best of {})", a.device, device.describe(), probe.copy_gbps, a.mib, probe.reps);
     let mut cases = Vec::new();
     let mut rows = Vec::new();
     for (ty, bytes, gbps) in &probe.gemv {
         let ratio = gbps / probe.copy_gbps;
         let gated = *ty == a.gate_type;
         let verdict = if !gated || ratio >= a.min_ratio { Verdict::Pass } else { Verdict::Fail };
-        println!("  gemv {ty:<5} {:>8.1} GB/s of weights = {:>5.1}% of copy{}", gbps, 100.0 * ratio, if gated { format!("  (gate >= {:.0}%: {verdict:?})", 100.0 * a.min_ratio) } else { String::new() });
+        outln!("  gemv {ty:<5} {:>8.1} GB/s of weights = {:>5.1}% of copy{}", gbps, 100.0 * ratio, if gated { format!("  (gate >= {:.0}%: {verdict:?})", 100.0 * a.min_ratio) } else { String::new() });
         rows.push(vec![ty.clone(), format!("{:.1}", *bytes as f64 / (1 << 20) as f64), format!("{gbps:.1}"), format!("{:.1}%", 100.0 * ratio), if gated { format!("{verdict:?}") } else { "-".into() }]);
         let mut metrics = serde_json::Map::new();
         metrics.insert("gbps".into(), json!(gbps));
@@ -71,6 +71,6 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
     report.sections.insert("bandwidth_probe".into(), serde_json::to_value(&probe).unwrap_or_default());
     let dir = super::report_dir(a.report_dir, "roofline");
     super::write_report(&mut report, &dir)?;
-    println!("report: {}", dir.join("report.json").display());
+    outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

@@ -79,11 +79,11 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
             "precision": format!("{:?}", a.precision).to_lowercase(),
             "threads": rayon::current_num_threads(),
         });
-        println!("{v}");
+        outln!("{v}");
     } else {
         match (&tok, &text) {
-            (Some(t), Some(text)) => println!("{}{}", t.decode(&g.prompt)?, text),
-            _ => println!("{:?}", g.tokens),
+            (Some(t), Some(text)) => outln!("{}{}", t.decode(&g.prompt)?, text),
+            _ => outln!("{:?}", g.tokens),
         }
         eprintln!(
             "\n[{} prompt tokens, {} generated; prefill {:.1} ms; decode {:.1} tok/s on {} threads ({})]",
