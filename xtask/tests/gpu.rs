@@ -50,6 +50,25 @@ fn every_kernel_case_passes_on_the_emulated_gpu_kernels_in_any_thread_order() {
 }
 
 #[test]
+fn every_op_passes_with_the_block_size_the_gpus_use() {
+    if !emulator_available() {
+        return;
+    }
+    // GPUs launch 256 threads per block, the emulator 32 unless asked: one shard of eight (256
+    // fibers per block are slow; every op has cases in it) with 256 shuffled threads.
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["kernels", "--device", "gpu-emu:shuffle:256", "--shard", "3/8", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report(dir.path());
+    assert_eq!(r["summary"]["passed"], r["summary"]["executed"], "{}", r["summary"]);
+    assert!(r["provenance"]["devices"]["gpu-emu:shuffle:256"].as_str().unwrap().contains("blocks of 256 fibers"), "{}", r["provenance"]);
+    let ran: std::collections::BTreeSet<&str> = r["cases"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().split('(').next().unwrap()).collect();
+    for e in oracle::registry::registry() {
+        assert!(ran.contains(e.name), "no case of `{}` ran at 256 threads", e.name);
+    }
+}
+
+#[test]
 fn models_run_on_the_emulated_gpu_within_budget() {
     if !emulator_available() {
         return;
