@@ -118,7 +118,10 @@ impl Hip {
         }
         // SAFETY: hipGetErrorString returns a static NUL-terminated string for any code.
         let msg = unsafe { CStr::from_ptr((self.hipGetErrorString)(rc)) }.to_string_lossy().into_owned();
-        Err(format!("{what}: HIP error {rc} ({msg})"))
+        // hipErrorIllegalAddress and hipErrorLaunchFailure (an exception in a kernel) are the
+        // kernel's own doing: its case fails rather than "could not run".
+        let fault = if rc == 700 || rc == 719 { super::KERNEL_FAULT } else { "" };
+        Err(format!("{fault}{what}: HIP error {rc} ({msg})"))
     }
 }
 
