@@ -303,9 +303,8 @@ impl EmuBackend {
     /// Where a faulting address lies relative to the live allocations.
     fn whose(&self, addr: u64) -> String {
         let allocs = self.allocs.lock().unwrap();
-        let page = page_size() as u64;
-        // The allocation whose usable bytes or trailing guard page hold `addr`.
-        let hit = allocs.iter().find(|(&p, m)| addr >= p && addr < p + m.bytes.div_ceil(16) as u64 * 16 + page);
+        // The allocation whose usable bytes or trailing guard page (the mapping's end) hold `addr`.
+        let hit = allocs.iter().find(|(&p, m)| addr >= p && addr < m.base as u64 + m.span as u64);
         match hit {
             Some((&p, m)) if addr < p + m.bytes as u64 => format!("inside the {}-byte allocation at {p:#x}, {} bytes in", m.bytes, addr - p),
             Some((&p, m)) => format!("{} bytes past the end of the {}-byte allocation at {p:#x}", addr - p - m.bytes as u64, m.bytes),
