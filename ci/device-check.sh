@@ -8,11 +8,16 @@
 #   TOUCHSTONE_BIN=target/release/xtask TOUCHSTONE_PTX_CACHE=target/ptx \
 #   TOUCHSTONE_CACHE=device-fixtures OUT=... ci/device-check.sh    # on a machine without network
 #
-# Offline use: build the binary elsewhere (`cargo build --release -p xtask --features cuda`),
-# precompile the kernels for the GPU's architecture (`cargo xtask ptx --arch sm_90 --out DIR`,
+# Offline use: build the binary elsewhere (`cargo build --release -p xtask --features cuda`;
+# `objcopy --strip-debug` takes it from about 58 MB to 12 MB for the trip), precompile the kernels for the GPU's architecture (`cargo xtask ptx --arch sm_90 --out DIR`,
 # which needs only NVRTC, not a GPU) and bring the fixture cache (`cargo xtask fixtures` fills
 # .cache/touchstone; TOUCHSTONE_CACHE points at a copy). A step that cannot run (no SmolLM2, no
 # driver) exits 2 and is listed as such; nothing is reported green that did not run.
+#
+# SANITIZE=1 adds compute-sanitizer's memcheck and racecheck over one shard of eight of the
+# kernel suite (the GPU's own check of what gpu-emu approximates: out-of-bounds accesses and
+# shared-memory races). Off by default: it is slow, and some GPU sandboxes refuse it (then the
+# step says it could not run).
 #
 # DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
 # MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU).
@@ -73,6 +78,12 @@ fi
 
 step fixtures 120 "$BIN" fixtures
 step kernels 240 "$BIN" kernels --device "$DEVICE" --report-dir "$OUT/kernels"
+if [ "${SANITIZE:-0}" = 1 ]; then
+    for tool in memcheck racecheck; do
+        step "sanitize-$tool" 180 compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
+            "$BIN" kernels --device "$DEVICE" --shard 1/8 --report-dir "$OUT/sanitize-$tool"
+    done
+fi
 for m in $MODELS; do
     step "layer-diff-$m" 180 "$BIN" layer-diff --device "$DEVICE" --model "$m" --report-dir "$OUT/layer-diff-$m"
     step "fixed-token-$m" 240 "$BIN" fixed-token --device "$DEVICE" --model "$m" --report-dir "$OUT/fixed-token-$m"
