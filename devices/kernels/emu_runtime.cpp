@@ -16,6 +16,7 @@
 #include <ucontext.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -116,6 +117,70 @@ void order(std::vector<unsigned>& v, unsigned n, int schedule, Shuffler& rng) {
     if (schedule == SHUFFLE) rng.shuffle(v);
 }
 
+// Write-write races in shared memory (`gpu-emu:racecheck`): two threads changing the same 4-byte
+// word between the same two barriers, e.g. an unsynchronised `s[0] += x`. The emulator runs each
+// thread's interval whole, so the sum would come out right here while a GPU loses updates; the
+// thread orders cannot show it, this can. Each region is compared with its snapshot after every
+// thread's turn and every changed word remembers who changed it. (A read of what another thread
+// wrote in the same interval changes no memory: the thread orders are what finds those.)
+struct Region {
+    char* base;
+    size_t bytes;
+    const char* what;
+    std::vector<char> seen;        // the region as of the last check
+    std::vector<int> writer;       // per word: the thread that changed it ...
+    std::vector<unsigned> stamp;   // ... in the interval with this number
+};
+
+struct RaceCheck {
+    std::vector<Region> regions;
+    unsigned interval = 0;
+    // Checks [base, base + bytes) from now on (taking its current contents as seen).
+    void add(char* base, size_t bytes, const char* what) {
+        bytes &= ~(size_t)3;
+        for (const Region& g : regions)
+            if (g.base == base) return;
+        if (!base || !bytes) return;
+        regions.push_back(Region{base, bytes, what, std::vector<char>(base, base + bytes), std::vector<int>(bytes / 4), std::vector<unsigned>(bytes / 4)});
+    }
+    // At a block's start (after the shared memory was poisoned).
+    void begin_block() {
+        for (Region& g : regions) memcpy(g.seen.data(), g.base, g.bytes);
+    }
+    void begin_interval() {
+        ++interval;
+    }
+    // After thread t's turn: 0, or -2 with the first conflict described in err. Unchanged
+    // 256-byte chunks are skipped with memcmp, so a turn costs about one pass over the regions.
+    int after(int t, const char* kernel, char* err, int err_len) {
+        const size_t CHUNK = 256;
+        for (Region& g : regions) {
+            for (size_t off = 0; off < g.bytes; off += CHUNK) {
+                size_t len = g.bytes - off < CHUNK ? g.bytes - off : CHUNK;
+                if (memcmp(g.base + off, g.seen.data() + off, len) == 0) continue;
+                for (size_t b = off; b < off + len; b += 4) {
+                    if (memcmp(g.base + b, g.seen.data() + b, 4) == 0) continue;
+                    size_t w = b / 4;
+                    if (g.stamp[w] == interval && g.writer[w] != t) {
+                        snprintf(err, err_len,
+                                 "%s: block (%u,%u,%u): threads %d and %d both wrote the word at byte %zu of %s shared memory between two barriers (a "
+                                 "race: on a GPU one of the writes is lost)",
+                                 kernel, blockIdx.x, blockIdx.y, blockIdx.z, g.writer[w], t, b, g.what);
+                        return -2;
+                    }
+                    g.writer[w] = t;
+                    g.stamp[w] = interval;
+                    memcpy(g.seen.data() + b, g.base + b, 4);
+                }
+            }
+        }
+        return 0;
+    }
+};
+
+// The race check of the launch running on this thread (null when not checking).
+thread_local RaceCheck* current_races;
+
 // A fiber runs the kernel once per block it is resumed for; it never returns.
 void fiber_main() {
     for (;;) {
@@ -168,6 +233,10 @@ void* ts_emu_dynamic_shared() {
     return dynamic_shared.data();
 }
 
+void ts_emu_shared(void* p, unsigned long bytes) {
+    if (current_races) current_races->add((char*)p, bytes, "a static array in");
+}
+
 void ts_emu_fault(const char* what, const void* p) {
     fault_what = what;
     fault_addr = (uintptr_t)p;
@@ -178,7 +247,7 @@ void ts_emu_fault(const char* what, const void* p) {
 // kernel itself is at fault (memory fault, misaligned access, barrier divergence). After a
 // memory fault *fault holds the faulting address (the caller names its allocation).
 extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsigned* block, unsigned shared_bytes, void** args, int schedule,
-                             char* err, int err_len, uint64_t* fault) {
+                             int racecheck, char* err, int err_len, uint64_t* fault) {
     void (*call)(void**) = nullptr;
     for (const Entry& e : kernels)
         if (strcmp(e.name, name) == 0) call = e.call;
@@ -218,9 +287,15 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
     threads.reserve(n_threads);  // no reallocation after sigsetjmp
     unsigned n_blocks = grid[0] * grid[1] * grid[2];
     order(blocks, n_blocks, schedule, rng);
+    // Static shared arrays join the check as the kernel declares them (SHARED, prelude_host.h).
+    RaceCheck races;
+    races.regions.reserve(16);
+    if (racecheck) races.add(dynamic_shared.data(), dynamic_shared.size(), "dynamic");
+    current_races = racecheck ? &races : nullptr;
     // A fault anywhere below (in any fiber) comes back here with the signal mask restored.
     if (sigsetjmp(launch_abort, 1)) {
         in_launch = 0;
+        current_races = nullptr;
         snprintf(err, err_len, "%s: block (%u,%u,%u), thread %u: %s at address %#llx", name, blockIdx.x, blockIdx.y, blockIdx.z, current ? current->tid.x : 0,
                  fault_what, (unsigned long long)fault_addr);
         *fault = fault_addr;
@@ -236,11 +311,20 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
         // sees NaNs, not what the previous block left.
         memset(dynamic_shared.data(), 0xFF, dynamic_shared.size());
         if (__start_ts_shared) memset(__start_ts_shared, 0xFF, __stop_ts_shared - __start_ts_shared);
+        races.begin_block();
         for (Fiber& f : fibers) f.state = 0;
         for (;;) {
             order(threads, n_threads, schedule, rng);
-            for (unsigned t : threads)
-                if (fibers[t].state != 2) resume(fibers[t]);
+            races.begin_interval();
+            for (unsigned t : threads) {
+                if (fibers[t].state == 2) continue;
+                resume(fibers[t]);
+                if (races.after((int)t, name, err, err_len)) {
+                    in_launch = 0;
+                    current_races = nullptr;
+                    return -2;
+                }
+            }
             unsigned done = 0;
             for (const Fiber& f : fibers) done += f.state == 2;
             if (done == n_threads) break;
@@ -248,10 +332,12 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
                 in_launch = 0;
                 snprintf(err, err_len, "%s: block (%u,%u,%u): %u of %u threads returned while the others wait at __syncthreads()", name, bx, by, bz, done,
                          n_threads);
+                current_races = nullptr;
                 return -2;
             }
         }
     }
     in_launch = 0;
+    current_races = nullptr;
     return 0;
 }

@@ -4,6 +4,7 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 #define ts_bits_to_float(b) __uint_as_float(b)
+#define SHARED(T, name, n) __shared__ T name[n]
 #define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
 // 16-byte global accesses (the pointer must be 16-byte aligned; the emulator checks).
 #define ts_load16(p) (*(const uint4*)(p))

@@ -39,6 +39,12 @@ static inline float ts_bits_to_float(u32 b) {
 // before every block, as a GPU gives each block uninitialised shared memory; launches are
 // therefore serialised (emu_runtime.cpp).
 #define __shared__ static __attribute__((section("ts_shared")))
+// A static shared array, also made known to the race check (every thread registers it as it
+// passes the declaration; the runtime keeps the first).
+void ts_emu_shared(void* p, unsigned long bytes);
+#define SHARED(T, name, n) \
+    __shared__ T name[n];  \
+    ts_emu_shared(name, sizeof(name))
 #define DYNAMIC_SHARED(T, name) T* name = (T*)ts_emu_dynamic_shared()
 
 // 16-byte accesses: a GPU faults on a misaligned one ("misaligned address"), x86 would not, so

@@ -2,8 +2,9 @@
 //
 // A platform prelude (prelude_gpu.h + prelude_{cuda,hip}.h, or prelude_host.h) comes first. It
 // defines the integer types below, `ts_bits_to_float`, `ts_half` (f16 bits to float),
-// `DYNAMIC_SHARED(T, name)` and the 16-byte accesses `ts_load16` / `ts_store16`; everything else
-// here is the common subset of CUDA C++ that NVRTC, hiprtc and a host C++ compiler accept:
+// `SHARED(T, name, n)` / `DYNAMIC_SHARED(T, name)` (static / dynamic shared arrays) and the
+// 16-byte accesses `ts_load16` / `ts_store16`; everything else here is the common subset of CUDA
+// C++ that NVRTC, hiprtc and a host C++ compiler accept:
 // no headers, no warp intrinsics (AMD wavefronts are 64 wide, NVIDIA warps 32), no fast-math
 // intrinsics. Reductions are shared-memory trees over a power-of-two block, so a kernel's result
 // does not depend on scheduling: the same launch gives the same bits every time.
@@ -291,7 +292,7 @@ extern "C" __global__ void ts_get_rows(const u8* w, int ty, long long row_bytes,
 // RMSNorm over rows of n: y = x / sqrt(mean(x^2) + eps) * w (w has n values, shared by all rows;
 // for QK-norm a "row" is one head). One block per row.
 extern "C" __global__ void ts_rms_norm(const float* x, const float* w, float* y, int n, float eps) {
-    __shared__ float red[TS_MAX_BLOCK];
+    SHARED(float, red, TS_MAX_BLOCK);
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
     float ss = 0.0f;
@@ -303,7 +304,7 @@ extern "C" __global__ void ts_rms_norm(const float* x, const float* w, float* y,
 
 // LayerNorm: y = (x - mean) / sqrt(var + eps) * w + b. One block per row.
 extern "C" __global__ void ts_layer_norm(const float* x, const float* w, const float* b, float* y, int n, float eps) {
-    __shared__ float red[TS_MAX_BLOCK];
+    SHARED(float, red, TS_MAX_BLOCK);
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
     float s = 0.0f;
@@ -398,7 +399,7 @@ extern "C" __global__ void ts_attention(const float* q, const u32* pos, const fl
 
 // Row softmax, max-subtracted (-inf entries give 0). One block per row of n.
 extern "C" __global__ void ts_softmax(const float* x, float* y, int n) {
-    __shared__ float red[TS_MAX_BLOCK];
+    SHARED(float, red, TS_MAX_BLOCK);
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
     float mx = TS_NEG_INF;
@@ -417,9 +418,9 @@ extern "C" __global__ void ts_softmax(const float* x, float* y, int n) {
 // The k best indices of each row of n (largest first, lowest index on ties, NaN skipped);
 // k <= 64. One block per row. k = 1 is argmax. Unfilled slots (all NaN) get n.
 extern "C" __global__ void ts_top_k(const float* x, u32* ids, int n, int k) {
-    __shared__ float red[TS_MAX_BLOCK];
-    __shared__ int redi[TS_MAX_BLOCK];
-    __shared__ int chosen[64];
+    SHARED(float, red, TS_MAX_BLOCK);
+    SHARED(int, redi, TS_MAX_BLOCK);
+    SHARED(int, chosen, 64);
     const float* xr = x + (long long)blockIdx.x * n;
     for (int j = 0; j < k; ++j) {
         float bv = 0.0f;
@@ -485,7 +486,7 @@ extern "C" __global__ void ts_axpy_rows(float* out, const float* y, const float*
 
 // s[t] = sigmoid(dot(x[t, :], w)) for the shared-expert gate. One block per token.
 extern "C" __global__ void ts_sigmoid_dot(const float* x, const float* w, float* s, int d) {
-    __shared__ float red[TS_MAX_BLOCK];
+    SHARED(float, red, TS_MAX_BLOCK);
     const float* xr = x + (long long)blockIdx.x * d;
     float acc = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) acc += xr[i] * w[i];

@@ -55,11 +55,12 @@ fn prefill_and_decode_give_the_same_bits_across_a_cache_growth() {
 #[test]
 fn the_thread_order_changes_no_bit_of_the_logits() {
     // A GPU runs a block's threads, and a grid's blocks, in no promised order; the emulator can
-    // run them forward, in reverse or shuffled. A model whose kernels have no races gives the
-    // same bits every way, prefill and decode.
+    // run them forward, in reverse or shuffled (the last also checking that no two threads write
+    // one shared word between barriers). A model whose kernels have no races gives the same bits
+    // every way, prefill and decode.
     for name in ["tiny-llama", "tiny-qwen3", "tiny-moe"] {
         let mut runs = Vec::new();
-        for device in ["gpu-emu", "gpu-emu:reverse", "gpu-emu:shuffle"] {
+        for device in ["gpu-emu", "gpu-emu:reverse", "gpu-emu:shuffle:racecheck"] {
             let Some(mut m) = emu_model_on(device, name) else { return };
             let n_vocab = m.spec().n_vocab as u32;
             let tokens: Vec<u32> = (0..12u32).map(|i| 1 + (i * 53) % (n_vocab - 1)).collect();

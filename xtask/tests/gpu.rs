@@ -29,11 +29,12 @@ fn every_kernel_case_passes_on_the_emulated_gpu_kernels_in_any_thread_order() {
     if !emulator_available() {
         return;
     }
-    // Forward, then shuffled thread and block order: every case passes both ways, and with the
-    // same error figures, so no kernel's result depends on the order a GPU picks.
+    // Forward, then shuffled thread and block order with the shared-memory race check: every
+    // case passes both ways, with the same error figures, so no kernel's result depends on the
+    // order a GPU picks and no two threads write one shared word between barriers.
     let n_cases: usize = oracle::registry::registry().iter().map(|e| (e.cases)(0).len()).sum();
     let mut runs = Vec::new();
-    for device in ["gpu-emu", "gpu-emu:shuffle"] {
+    for device in ["gpu-emu", "gpu-emu:shuffle:racecheck"] {
         let dir = tempfile::tempdir().unwrap();
         let o = xtask(&["kernels", "--device", device, "--report-dir", dir.path().to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(0), "{device}: {}", text(&o));
@@ -55,13 +56,13 @@ fn every_op_passes_with_the_block_size_the_gpus_use() {
         return;
     }
     // GPUs launch 256 threads per block, the emulator 32 unless asked: one shard of eight (256
-    // fibers per block are slow; every op has cases in it) with 256 shuffled threads.
+    // fibers per block are slow; every op has cases in it) with 256 shuffled, race-checked threads.
     let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["kernels", "--device", "gpu-emu:shuffle:256", "--shard", "3/8", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    let o = xtask(&["kernels", "--device", "gpu-emu:shuffle:256:racecheck", "--shard", "3/8", "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report(dir.path());
     assert_eq!(r["summary"]["passed"], r["summary"]["executed"], "{}", r["summary"]);
-    assert!(r["provenance"]["devices"]["gpu-emu:shuffle:256"].as_str().unwrap().contains("blocks of 256 fibers"), "{}", r["provenance"]);
+    assert!(r["provenance"]["devices"]["gpu-emu:shuffle:256:racecheck"].as_str().unwrap().contains("blocks of 256 fibers"), "{}", r["provenance"]);
     let ran: std::collections::BTreeSet<&str> = r["cases"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().split('(').next().unwrap()).collect();
     for e in oracle::registry::registry() {
         assert!(ran.contains(e.name), "no case of `{}` ran at 256 threads", e.name);
@@ -148,6 +149,30 @@ fn a_kernel_that_reads_past_its_input_is_caught() {
     let out = every_add_case_fails_with("if (i < n) y[i] = a[i] + b[i % bn + 8];");
     assert!(out.contains("kernel fault: ts_add: block (0,0,0), thread 8: memory fault at address"), "{out}");
     assert!(out.contains("bytes past the end of the 60-byte allocation"), "{out}");
+}
+
+#[test]
+fn racecheck_finds_the_unsynchronised_sum_that_passes_everywhere_else() {
+    if !emulator_available() {
+        return;
+    }
+    // The block sum as one shared total every thread adds to without atomics. In the emulator a
+    // thread's turn runs whole, so the sum comes out right and the suite passes; on a GPU the
+    // threads' read-add-write sequences interleave and updates are lost. racecheck sees two
+    // threads write one shared word between two barriers.
+    let broken = broken_source(
+        "    red[tid] = v;\n    __syncthreads();\n    for (int s = blockDim.x / 2; s > 0; s >>= 1) {\n        if (tid < s) red[tid] += red[tid + s];\n        __syncthreads();\n    }",
+        "    if (tid == 0) red[0] = 0.0f;\n    __syncthreads();\n    red[0] += v;\n    __syncthreads();",
+    );
+    let env = [("TOUCHSTONE_KERNEL_SOURCE", broken.path().to_str().unwrap())];
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let o = xtask(&["kernels", "--device", "gpu-emu:shuffle", "--filter", "^rms_norm\\(", "--report-dir", d], &env);
+    assert_eq!(o.status.code(), Some(0), "the race is invisible without the check: {}", text(&o));
+    let o = xtask(&["kernels", "--device", "gpu-emu:racecheck", "--filter", "^rms_norm\\(", "--report-dir", d], &env);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(report(dir.path())["summary"]["passed"], 0);
+    assert!(text(&o).contains("kernel fault: ts_rms_norm: block (") && text(&o).contains("both wrote the word at byte 0 of a static array in shared memory"), "{}", text(&o));
 }
 
 #[test]

@@ -11,8 +11,10 @@
 //! allocation it ran past — a GPU's "illegal address"; a misaligned 16-byte access is an error
 //! too. And the order in which a block's threads run between two barriers (and a grid's blocks)
 //! is a choice, `gpu-emu` (forward), `gpu-emu:reverse` or `gpu-emu:shuffle`: a GPU promises no
-//! order, so a kernel whose results change with it has a race. Blocks have 32 threads unless
-//! asked otherwise (`gpu-emu:256` runs the block size the GPUs use).
+//! order, so a kernel whose results change with it has a race. `gpu-emu:racecheck` also fails a
+//! launch in which two threads write the same shared-memory word between two barriers (the
+//! races no order shows, such as an unsynchronised `+=`). Blocks have 32 threads unless asked
+//! otherwise (`gpu-emu:256` runs the block size the GPUs use).
 //!
 //! The shared library is built once per kernel-source hash under the system temp directory
 //! (`CXX` overrides the compiler, default `c++`).
@@ -26,7 +28,7 @@ use std::sync::{Mutex, OnceLock};
 const PRELUDE_HOST: &str = include_str!("../../kernels/prelude_host.h");
 const RUNTIME: &str = include_str!("../../kernels/emu_runtime.cpp");
 
-type LaunchFn = unsafe extern "C" fn(*const c_char, *const u32, *const u32, u32, *mut *mut c_void, c_int, *mut c_char, c_int, *mut u64) -> c_int;
+type LaunchFn = unsafe extern "C" fn(*const c_char, *const u32, *const u32, u32, *mut *mut c_void, c_int, c_int, *mut c_char, c_int, *mut u64) -> c_int;
 
 /// The order in which the emulator runs a block's threads between barriers, and a grid's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +65,8 @@ pub struct EmuBackend {
     schedule: Schedule,
     /// Threads per block the device asks for (32 unless chosen; GPUs use 256).
     threads: u32,
+    /// Check shared memory for write-write races between barriers (emu_runtime.cpp).
+    racecheck: bool,
     /// Live allocations by their address.
     allocs: Mutex<HashMap<u64, Mapping>>,
     /// The most recently freed allocations (address, mapping), kept mapped but inaccessible so
@@ -131,21 +135,25 @@ fn build(source: &str) -> Result<PathBuf, String> {
 static LIBRARIES: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
 
 impl EmuBackend {
-    /// `gpu-emu[:ORDER][:THREADS]`: ORDER is forward (the default), reverse or shuffle; THREADS
-    /// the threads per block, a power of two from 32 to 1024 (default 32; GPUs use 256).
+    /// `gpu-emu[:ORDER][:THREADS][:racecheck]`: ORDER is forward (the default), reverse or
+    /// shuffle; THREADS the threads per block, a power of two from 32 to 1024 (default 32; GPUs
+    /// use 256); racecheck looks for two threads writing the same shared word between barriers.
     pub fn open(options: &str) -> Result<EmuBackend, String> {
-        let (mut schedule, mut threads) = (Schedule::Forward, DEFAULT_THREADS);
+        let (mut schedule, mut threads, mut racecheck) = (Schedule::Forward, DEFAULT_THREADS, false);
         for part in options.split(':').filter(|p| !p.is_empty()) {
-            if let Some(s) = Schedule::parse(part) {
+            if part == "racecheck" {
+                racecheck = true;
+            } else if let Some(s) = Schedule::parse(part) {
                 schedule = s;
             } else if let Some(n) = part.parse::<u32>().ok().filter(|n| n.is_power_of_two() && (32..=1024).contains(n)) {
                 threads = n;
             } else {
-                return Err(format!("unknown option `{part}`: gpu-emu[:forward|reverse|shuffle][:THREADS], THREADS a power of two from 32 to 1024"));
+                return Err(format!("unknown option `{part}`: gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck], THREADS a power of two from 32 to 1024"));
             }
         }
         let mut b = Self::with_source(&super::kernel_source()?, schedule)?;
         b.threads = threads;
+        b.racecheck = racecheck;
         Ok(b)
     }
 
@@ -175,7 +183,7 @@ impl EmuBackend {
         };
         // SAFETY: the symbol has the signature emu_runtime.cpp declares for ts_emu_launch.
         let launch = unsafe { std::mem::transmute::<usize, LaunchFn>(addr) };
-        Ok(EmuBackend { launch, schedule, threads: DEFAULT_THREADS, allocs: Mutex::new(HashMap::new()), freed: Mutex::new(Default::default()) })
+        Ok(EmuBackend { launch, schedule, threads: DEFAULT_THREADS, racecheck: false, allocs: Mutex::new(HashMap::new()), freed: Mutex::new(Default::default()) })
     }
 }
 
@@ -190,6 +198,9 @@ impl Backend for EmuBackend {
         if self.threads != DEFAULT_THREADS {
             name.push_str(&format!(":{}", self.threads));
         }
+        if self.racecheck {
+            name.push_str(":racecheck");
+        }
         name
     }
     fn describe(&self) -> String {
@@ -198,7 +209,8 @@ impl Backend for EmuBackend {
             Schedule::Reverse => "reverse",
             Schedule::Shuffle => "shuffled",
         };
-        format!("host emulation of the GPU kernels (blocks of {} fibers, {order} thread order, memory faults and misaligned accesses caught)", self.threads)
+        let races = if self.racecheck { ", shared-memory write races checked" } else { "" };
+        format!("host emulation of the GPU kernels (blocks of {} fibers, {order} thread order, memory faults and misaligned accesses caught{races})", self.threads)
     }
     fn block_size(&self) -> u32 {
         self.threads
@@ -265,7 +277,18 @@ impl Backend for EmuBackend {
         // bytes, enough for any parameter type the kernels use), writes at most err.len() bytes
         // to `err` and one u64 to `fault`.
         let rc = unsafe {
-            (self.launch)(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, ptrs.as_mut_ptr(), self.schedule as c_int, err.as_mut_ptr(), err.len() as c_int, &mut fault)
+            (self.launch)(
+                name.as_ptr(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                shared_bytes,
+                ptrs.as_mut_ptr(),
+                self.schedule as c_int,
+                self.racecheck as c_int,
+                err.as_mut_ptr(),
+                err.len() as c_int,
+                &mut fault,
+            )
         };
         if rc != 0 {
             // SAFETY: snprintf wrote a NUL-terminated string into `err`.
@@ -336,7 +359,7 @@ mod tests {
 
     const SOURCE: &str = r#"
 extern "C" __global__ void block_sums(const float* x, float* sums) {
-    __shared__ float red[64];
+    SHARED(float, red, 64);
     int tid = threadIdx.x;
     red[tid] = x[blockIdx.x * blockDim.x + tid];
     __syncthreads();
@@ -359,6 +382,15 @@ extern "C" __global__ void read_past(const float* x, float* y, int n, int over) 
 extern "C" __global__ void load16_at(const u8* p, int offset, float* y) {
     uint4 v = ts_load16(p + offset);
     y[threadIdx.x] = (float)v.x;
+}
+// A race no thread order shows: every thread adds to one shared word with no atomics.
+extern "C" __global__ void racy_sum(const float* x, float* y) {
+    SHARED(float, total, 1);
+    if (threadIdx.x == 0) total[0] = 0.0f;
+    __syncthreads();
+    total[0] += x[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) y[0] = total[0];
 }
 // A race: thread 0 publishes a value that the others read without a barrier between.
 extern "C" __global__ void racy_broadcast(float* y) {
@@ -449,6 +481,24 @@ extern "C" __global__ void racy_broadcast(float* y) {
         b.upload(xp, &vec![0u8; 4 * n]).unwrap();
         b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(0)]).unwrap();
         assert_eq!(floats(&b, yp, n), vec![0.0; n]);
+    }
+
+    #[test]
+    fn racecheck_finds_two_threads_writing_one_shared_word() {
+        let Some(mut b) = emulator_with(Schedule::Shuffle) else { return };
+        let x: Vec<f32> = (1..=8).map(|i| i as f32).collect();
+        let (xp, yp) = (b.alloc(32).unwrap(), b.alloc(4).unwrap());
+        b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+        // Without the check the sum even comes out right: each thread's turn runs whole.
+        b.launch("racy_sum", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp)]).unwrap();
+        assert_eq!(floats(&b, yp, 1), vec![36.0]);
+        b.racecheck = true;
+        let e = b.launch("racy_sum", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp)]).unwrap_err();
+        assert!(e.starts_with(super::super::KERNEL_FAULT) && e.contains("both wrote the word at byte") && e.contains("a static array in shared memory"), "{e}");
+        // A correct tree reduction passes the check.
+        let sp = b.alloc(4).unwrap();
+        b.launch("block_sums", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(sp)]).unwrap();
+        assert_eq!(floats(&b, sp, 1), vec![36.0]);
     }
 
     #[test]
