@@ -171,8 +171,8 @@ const GUARD_BYTES: usize = 256;
 const GUARD_BYTE: u8 = 0xA5;
 
 /// Begins a launch error that is the kernel's own doing (an out-of-bounds or misaligned access,
-/// threads that skip a barrier): a kernel case then fails as a wrong result instead of counting
-/// as "could not run".
+/// a shared-memory race found by gpu-emu:racecheck, threads that skip a barrier): a kernel case
+/// then fails as a wrong result instead of counting as "could not run".
 pub const KERNEL_FAULT: &str = "kernel fault: ";
 
 /// Why a kernel case did not produce a result: it could not run, or it ran and wrote outside its
@@ -685,8 +685,8 @@ impl GpuDevice {
     }
 }
 
-/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle][:THREADS]`, or says why it
-/// is unavailable.
+/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck]`, or says
+/// why it is unavailable.
 pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: String| DeviceError::Unavailable(name.to_string(), why);
     let index = |prefix: &str| -> Result<usize, DeviceError> {
