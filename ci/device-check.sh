@@ -9,8 +9,9 @@
 #   TOUCHSTONE_CACHE=device-fixtures OUT=... ci/device-check.sh    # on a machine without network
 #
 # Offline use: build the binary elsewhere (`cargo build --release -p xtask --features cuda`;
-# `objcopy --strip-debug` takes it from about 58 MB to 12 MB for the trip), precompile the kernels for the GPU's architecture (`cargo xtask ptx --arch sm_90 --out DIR`,
-# which needs only NVRTC, not a GPU) and bring the fixture cache (`cargo xtask fixtures` fills
+# `objcopy --strip-debug` takes it from about 58 MB to 12 MB for the trip), precompile the
+# kernels for the GPU's architecture (`cargo xtask ptx --arch sm_90 --out DIR`, which needs only
+# NVRTC, not a GPU) and bring the fixture cache (`cargo xtask fixtures` fills
 # .cache/touchstone; TOUCHSTONE_CACHE points at a copy). A step that cannot run (no SmolLM2, no
 # driver) exits 2 and is listed as such; nothing is reported green that did not run.
 #

@@ -264,6 +264,15 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
     // One launch at a time in the process: static shared memory is a single section.
     static std::mutex launch_lock;
     std::lock_guard<std::mutex> hold(launch_lock);
+    // Every way out of the launch (return, or a fault's siglongjmp back here) leaves this
+    // thread's launch state cleared.
+    struct Reset {
+        ~Reset() {
+            in_launch = 0;
+            current_races = nullptr;
+            current = nullptr;
+        }
+    } reset;
     dynamic_shared.assign(shared_bytes + 16, 0);
     while (stacks.size() < n_threads) stacks.emplace_back(new char[STACK_BYTES]);
     std::vector<Fiber> fibers(n_threads);
@@ -295,11 +304,9 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
     // A fault anywhere below (in any fiber) comes back here with the signal mask restored.
     if (sigsetjmp(launch_abort, 1)) {
         in_launch = 0;
-        current_races = nullptr;
         snprintf(err, err_len, "%s: block (%u,%u,%u), thread %u: %s at address %#llx", name, blockIdx.x, blockIdx.y, blockIdx.z, current ? current->tid.x : 0,
                  fault_what, (unsigned long long)fault_addr);
         *fault = fault_addr;
-        current = nullptr;
         return -2;
     }
     in_launch = 1;
@@ -319,25 +326,17 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
             for (unsigned t : threads) {
                 if (fibers[t].state == 2) continue;
                 resume(fibers[t]);
-                if (races.after((int)t, name, err, err_len)) {
-                    in_launch = 0;
-                    current_races = nullptr;
-                    return -2;
-                }
+                if (races.after((int)t, name, err, err_len)) return -2;
             }
             unsigned done = 0;
             for (const Fiber& f : fibers) done += f.state == 2;
             if (done == n_threads) break;
             if (done != 0) {
-                in_launch = 0;
                 snprintf(err, err_len, "%s: block (%u,%u,%u): %u of %u threads returned while the others wait at __syncthreads()", name, bx, by, bz, done,
                          n_threads);
-                current_races = nullptr;
                 return -2;
             }
         }
     }
-    in_launch = 0;
-    current_races = nullptr;
     return 0;
 }

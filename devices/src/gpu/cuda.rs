@@ -142,6 +142,7 @@ impl CudaBackend {
         let mut version = 0i32;
         // SAFETY: writes one int.
         unsafe { sys::cuDriverGetVersion(&mut version) };
+        let cuda_version = format!("{}.{}", version / 1000, (version % 1000) / 10);
         // SAFETY: retains the device's primary context (held for the life of the process).
         let ctx = driver("cuDevicePrimaryCtxRetain", unsafe { result::primary_ctx::retain(dev) })?;
         // SAFETY: a context just retained.
@@ -153,7 +154,7 @@ impl CudaBackend {
         // SAFETY: a NUL-terminated PTX image; the module lives as long as the primary context.
         let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| {
             let hint = if e.0 == sys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION {
-                format!(" (the PTX was made by an NVRTC newer than CUDA driver {}.{}: compile it with an NVRTC no newer than the driver's CUDA version)", version / 1000, (version % 1000) / 10)
+                format!(" (the PTX was made by an NVRTC newer than CUDA driver {cuda_version}: compile it with an NVRTC no newer than the driver's CUDA version)")
             } else {
                 String::new()
             };
@@ -166,7 +167,7 @@ impl CudaBackend {
             let f = driver(&format!("cuModuleGetFunction({k})"), unsafe { result::module::get_function(module, cname) })?;
             functions.insert(k, f);
         }
-        let describe = format!("{name}, {arch}, CUDA driver {}.{}", version / 1000, (version % 1000) / 10);
+        let describe = format!("{name}, {arch}, CUDA driver {cuda_version}");
         Ok(CudaBackend { ordinal, faulted: Default::default(), ctx, functions, describe })
     }
 

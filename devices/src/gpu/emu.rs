@@ -40,13 +40,17 @@ pub enum Schedule {
 }
 
 impl Schedule {
-    pub fn parse(s: &str) -> Option<Schedule> {
-        match s {
-            "forward" => Some(Schedule::Forward),
-            "reverse" => Some(Schedule::Reverse),
-            "shuffle" => Some(Schedule::Shuffle),
-            _ => None,
+    /// The option's spelling in a device name (`gpu-emu:reverse`).
+    pub fn word(self) -> &'static str {
+        match self {
+            Schedule::Forward => "forward",
+            Schedule::Reverse => "reverse",
+            Schedule::Shuffle => "shuffle",
         }
+    }
+
+    pub fn parse(s: &str) -> Option<Schedule> {
+        [Schedule::Forward, Schedule::Reverse, Schedule::Shuffle].into_iter().find(|o| o.word() == s)
     }
 }
 
@@ -190,10 +194,8 @@ impl EmuBackend {
 impl Backend for EmuBackend {
     fn name(&self) -> String {
         let mut name = String::from("gpu-emu");
-        match self.schedule {
-            Schedule::Forward => {}
-            Schedule::Reverse => name.push_str(":reverse"),
-            Schedule::Shuffle => name.push_str(":shuffle"),
+        if self.schedule != Schedule::Forward {
+            name.push_str(&format!(":{}", self.schedule.word()));
         }
         if self.threads != DEFAULT_THREADS {
             name.push_str(&format!(":{}", self.threads));
@@ -204,13 +206,12 @@ impl Backend for EmuBackend {
         name
     }
     fn describe(&self) -> String {
-        let order = match self.schedule {
-            Schedule::Forward => "forward",
-            Schedule::Reverse => "reverse",
-            Schedule::Shuffle => "shuffled",
-        };
         let races = if self.racecheck { ", shared-memory write races checked" } else { "" };
-        format!("host emulation of the GPU kernels (blocks of {} fibers, {order} thread order, memory faults and misaligned accesses caught{races})", self.threads)
+        format!(
+            "host emulation of the GPU kernels (blocks of {} fibers, thread order {}, memory faults and misaligned accesses caught{races})",
+            self.threads,
+            self.schedule.word()
+        )
     }
     fn block_size(&self) -> u32 {
         self.threads

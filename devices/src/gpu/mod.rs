@@ -175,23 +175,28 @@ const GUARD_BYTE: u8 = 0xA5;
 /// then fails as a wrong result instead of counting as "could not run".
 pub const KERNEL_FAULT: &str = "kernel fault: ";
 
-/// Why a kernel case did not produce a result: it could not run, or it ran and wrote outside its
-/// output (a wrong result, judged as a failure rather than an error).
+/// Why a kernel case did not produce a result: it could not run, or the kernel is at fault — it
+/// wrote outside its output, or a launch ended in a [`KERNEL_FAULT`] (a wrong result, judged as a
+/// failure rather than an error).
 #[derive(Debug)]
 pub enum CaseError {
     Failed(String),
-    WroteOutside(String),
+    Wrong(String),
 }
 
 impl From<String> for CaseError {
     fn from(s: String) -> Self {
-        CaseError::Failed(s)
+        if s.contains(KERNEL_FAULT) {
+            CaseError::Wrong(s)
+        } else {
+            CaseError::Failed(s)
+        }
     }
 }
 
 impl From<&str> for CaseError {
     fn from(s: &str) -> Self {
-        CaseError::Failed(s.to_string())
+        s.to_string().into()
     }
 }
 
@@ -212,7 +217,7 @@ impl Guarded {
             let touched = zone.iter().position(|b| *b != GUARD_BYTE).zip(zone.iter().rposition(|b| *b != GUARD_BYTE));
             if let Some((first, last)) = touched {
                 let reach = if side == "before" { GUARD_BYTES - first } else { last + 1 };
-                return Err(CaseError::WroteOutside(format!("a kernel wrote outside its {}-byte output: {side} it, up to {reach} bytes away", self.bytes)));
+                return Err(CaseError::Wrong(format!("a kernel wrote outside its {}-byte output: {side} it, up to {reach} bytes away", self.bytes)));
             }
         }
         Ok(self.buf.download_f32_at(GUARD_BYTES / 4, n)?)
@@ -641,9 +646,8 @@ impl Device for GpuDevice {
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
         let r = self.run(case).and_then(|o| Ok(self.gpu.backend.synchronize().map(|_| o)?));
         r.map_err(|e| match e {
-            CaseError::Failed(reason) if reason.contains(KERNEL_FAULT) => DeviceError::WrongResult { device: self.name(), case: case.id.clone(), reason },
             CaseError::Failed(reason) => crate::fail(&self.name(), case, reason),
-            CaseError::WroteOutside(reason) => DeviceError::WrongResult { device: self.name(), case: case.id.clone(), reason },
+            CaseError::Wrong(reason) => DeviceError::WrongResult { device: self.name(), case: case.id.clone(), reason },
         })
     }
     fn synchronize(&self) {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct KernelsArgs {
-    /// Device under test: ref, cpu, fixed, fixed-int4, gpu-emu (gpu-emu:reverse, gpu-emu:shuffle: another thread order), cuda[:N], rocm[:N] (a GPU device not compiled in, or without a driver, exits 2 saying why).
+    /// Device under test: ref, cpu, fixed, fixed-int4, gpu-emu[:reverse|shuffle][:THREADS][:racecheck] (thread order, threads per block, shared-memory race check), cuda[:N], rocm[:N] (a GPU device not compiled in, or without a driver, exits 2 saying why).
     #[arg(long)]
     device: String,
     /// Only cases whose id matches this regular expression, e.g. 'matmul\(w=q4_1'.
