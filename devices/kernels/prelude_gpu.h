@@ -9,3 +9,6 @@ typedef unsigned int u32;
 // 16-byte global accesses (the pointer must be 16-byte aligned; the emulator checks).
 #define ts_load16(p) (*(const uint4*)(p))
 #define ts_store16(p, v) (*(uint4*)(p) = (v))
+// Unroll the loop that follows fully (its trip count is a constant), so an array it indexes stays
+// in registers.
+#define TS_UNROLL _Pragma("unroll")

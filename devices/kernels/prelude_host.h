@@ -35,6 +35,7 @@ static inline float ts_bits_to_float(u32 b) {
 #define __global__
 #define __device__ static inline
 #define __forceinline__
+#define TS_UNROLL
 // Static shared memory lives in one section, which the launcher poisons (0xFF bytes: NaN floats)
 // before every block, as a GPU gives each block uninitialised shared memory; launches are
 // therefore serialised (emu_runtime.cpp).

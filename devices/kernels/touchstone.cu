@@ -219,61 +219,132 @@ __device__ int ts_block_argbest(float v, int i, float* red, int* redi) {
 // Kernels.
 // ---------------------------------------------------------------------------------------------
 
-// y[t, r] = sum_k x[t, k] * W[r, k] for t < m (m <= TS_MAX_TOKENS). One block per weight row r;
-// each weight element is read once and used for every token. `mode`: 0 float types element by
-// element, 1 float types eight at a time in 16-byte loads (k % 8 == 0, rows 16-byte aligned),
-// 2 packed 32-element chunks (every type; k % 32 == 0). Dynamic shared: m * blockDim floats.
-extern "C" __global__ void ts_matmul(const u8* w, int ty, long long row_bytes, int k, int mode,
+// Matmul: y[t, r] = sum_k x[t, k] * W[r, k] for t < m (m <= TS_MAX_TOKENS); each weight element
+// is read once and used for every token. A weight row is shared by `lanes` threads (a power of
+// two dividing blockDim.x), so a block holds blockDim.x / lanes rows: the host picks lanes from
+// the row length, so a short row (SmolLM2's k = 576 is 18 Q4_1 chunks) does not leave most of a
+// block idle while a long one still gets the whole block. Three kernels by weight layout, one
+// epilogue: ts_matmul (float types element by element, any k), ts_matmul_v (float types 16 bytes
+// at a time), ts_matmul_q (packed 32-element chunks, every type). Dynamic shared: m * blockDim.x
+// floats.
+
+// Sums each row's lanes for every token with one shared-memory tree (the same tree for every
+// launch of a shape, so the result does not depend on scheduling) and lane 0 writes y (r < 0:
+// a thread past the last row, which still takes part in the barriers).
+__device__ void ts_matmul_store(const float* acc, float* red, int lanes, int r, int m, float* y, int y_stride) {
+    int tid = threadIdx.x, bd = blockDim.x, lane = tid & (lanes - 1);
+    for (int t = 0; t < TS_MAX_TOKENS; ++t)
+        if (t < m) red[t * bd + tid] = acc[t];
+    __syncthreads();
+    for (int s = lanes / 2; s > 0; s >>= 1) {
+        if (lane < s)
+            for (int t = 0; t < TS_MAX_TOKENS; ++t)
+                if (t < m) red[t * bd + tid] += red[t * bd + tid + s];
+        __syncthreads();
+    }
+    if (lane == 0 && r >= 0)
+        for (int t = 0; t < TS_MAX_TOKENS; ++t)
+            if (t < m) y[(long long)t * y_stride + r] = red[t * bd + tid];
+}
+
+// This thread's weight row index (r = -1 past the last row; the row pointer is then null), its
+// lane, and its sums set to zero.
+__device__ __forceinline__ const u8* ts_matmul_begin(const u8* w, long long row_bytes, int rows, int lanes, int* r, int* lane, float* acc) {
+    for (int t = 0; t < TS_MAX_TOKENS; ++t) acc[t] = 0.0f;
+    *lane = threadIdx.x & (lanes - 1);
+    *r = blockIdx.x * (blockDim.x / lanes) + threadIdx.x / lanes;
+    if (*r >= rows) *r = -1;
+    return *r < 0 ? 0 : w + (long long)*r * row_bytes;
+}
+
+extern "C" __global__ void ts_matmul(const u8* w, int ty, long long row_bytes, int rows, int k, int lanes,
                                      const float* x, int x_stride, int m, float* y, int y_stride) {
     DYNAMIC_SHARED(float, red);
-    int r = blockIdx.x, tid = threadIdx.x, bd = blockDim.x;
-    const u8* row = w + (long long)r * row_bytes;
+    int r, lane;
     float acc[TS_MAX_TOKENS];
-    for (int t = 0; t < TS_MAX_TOKENS; ++t) acc[t] = 0.0f;
-    if (mode == 2) {
+    const u8* row = ts_matmul_begin(w, row_bytes, rows, lanes, &r, &lane, acc);
+    if (row) {
+        for (int i = lane; i < k; i += lanes) {
+            float wv = ts_float_at(ty, row, i);
+            for (int t = 0; t < TS_MAX_TOKENS; ++t)
+                if (t < m) acc[t] += wv * x[(long long)t * x_stride + i];
+        }
+    }
+    ts_matmul_store(acc, red, lanes, r, m, y, y_stride);
+}
+
+// 16-byte units a thread loads before it uses any: a GEMV is bound by the bytes waiting on
+// memory, and one load in flight per thread is too few to cover a GPU's memory latency.
+#define TS_MATMUL_BATCH 4
+
+// Float weights 16 bytes at a time: unit u of a row is its bytes [16u, 16u + 16), 4 f32 or 8
+// f16/bf16 values, and x is read 16 bytes at a time too. Needs k * size % 16 == 0, row_bytes % 16
+// == 0, w and x 16-byte aligned and x_stride % 4 == 0 (the host checks).
+extern "C" __global__ void ts_matmul_v(const u8* w, int ty, long long row_bytes, int rows, int k, int lanes,
+                                       const float* x, int x_stride, int m, float* y, int y_stride) {
+    DYNAMIC_SHARED(float, red);
+    int r, lane;
+    float acc[TS_MAX_TOKENS];
+    const u8* row = ts_matmul_begin(w, row_bytes, rows, lanes, &r, &lane, acc);
+    if (row) {
+        int per = ty == TY_F32 ? 4 : 8;
+        int units = k / per;
+        for (int u0 = lane; u0 < units; u0 += TS_MATMUL_BATCH * lanes) {
+            uint4 q[TS_MATMUL_BATCH];
+            TS_UNROLL for (int j = 0; j < TS_MATMUL_BATCH; ++j)
+                if (u0 + j * lanes < units) q[j] = ts_load16(row + 16LL * (u0 + j * lanes));
+            TS_UNROLL for (int j = 0; j < TS_MATMUL_BATCH; ++j) {
+                int u = u0 + j * lanes;
+                if (u >= units) continue;
+                u32 bits[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
+                float wv[8];
+                for (int l = 0; l < 4; ++l) {
+                    if (ty == TY_F32) {
+                        wv[l] = ts_bits_to_float(bits[l]);
+                    } else {
+                        u16 lo = (u16)(bits[l] & 0xFFFFu), hi = (u16)(bits[l] >> 16);
+                        wv[2 * l] = ty == TY_F16 ? ts_half(lo) : ts_bf16(lo);
+                        wv[2 * l + 1] = ty == TY_F16 ? ts_half(hi) : ts_bf16(hi);
+                    }
+                }
+                for (int t = 0; t < TS_MAX_TOKENS; ++t) {
+                    if (t >= m) break;
+                    const float* xr = x + (long long)t * x_stride + (long long)u * per;
+                    uint4 a = ts_load16(xr);
+                    float s = wv[0] * ts_bits_to_float(a.x) + wv[1] * ts_bits_to_float(a.y) + wv[2] * ts_bits_to_float(a.z) + wv[3] * ts_bits_to_float(a.w);
+                    if (per == 8) {
+                        uint4 b = ts_load16(xr + 4);
+                        s += wv[4] * ts_bits_to_float(b.x) + wv[5] * ts_bits_to_float(b.y) + wv[6] * ts_bits_to_float(b.z) + wv[7] * ts_bits_to_float(b.w);
+                    }
+                    acc[t] += s;
+                }
+            }
+        }
+    }
+    ts_matmul_store(acc, red, lanes, r, m, y, y_stride);
+}
+
+// Packed weights (every type, k % 32 == 0): unit c of a row is its 32-element chunk c.
+extern "C" __global__ void ts_matmul_q(const u8* w, int ty, long long row_bytes, int rows, int k, int lanes,
+                                       const float* x, int x_stride, int m, float* y, int y_stride) {
+    DYNAMIC_SHARED(float, red);
+    int r, lane;
+    float acc[TS_MAX_TOKENS];
+    const u8* row = ts_matmul_begin(w, row_bytes, rows, lanes, &r, &lane, acc);
+    if (row) {
         float wv[32];
-        for (int c = tid; c < k / 32; c += bd) {
+        for (int c = lane; c < k / 32; c += lanes) {
             ts_dequant32(ty, row, c, wv);
-            for (int t = 0; t < m; ++t) {
+            for (int t = 0; t < TS_MAX_TOKENS; ++t) {
+                if (t >= m) break;
                 const float* xr = x + (long long)t * x_stride + 32 * c;
                 float s = 0.0f;
                 for (int l = 0; l < 32; ++l) s += wv[l] * xr[l];
                 acc[t] += s;
             }
         }
-    } else if (mode == 1) {
-        for (int i = 8 * tid; i < k; i += 8 * bd) {
-            float wv[8];
-            if (ty == TY_F32) {
-                uint4 a = ts_load16(row + 4LL * i), b = ts_load16(row + 4LL * i + 16);
-                u32 bits[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                for (int l = 0; l < 8; ++l) wv[l] = ts_bits_to_float(bits[l]);
-            } else {
-                uint4 a = ts_load16(row + 2LL * i);
-                u32 pairs[4] = {a.x, a.y, a.z, a.w};
-                for (int l = 0; l < 4; ++l) {
-                    u16 lo = (u16)(pairs[l] & 0xFFFFu), hi = (u16)(pairs[l] >> 16);
-                    wv[2 * l] = ty == TY_F16 ? ts_half(lo) : ts_bf16(lo);
-                    wv[2 * l + 1] = ty == TY_F16 ? ts_half(hi) : ts_bf16(hi);
-                }
-            }
-            for (int t = 0; t < m; ++t) {
-                const float* xr = x + (long long)t * x_stride + i;
-                float s = 0.0f;
-                for (int l = 0; l < 8; ++l) s += wv[l] * xr[l];
-                acc[t] += s;
-            }
-        }
-    } else {
-        for (int i = tid; i < k; i += bd) {
-            float wv = ts_float_at(ty, row, i);
-            for (int t = 0; t < m; ++t) acc[t] += wv * x[(long long)t * x_stride + i];
-        }
     }
-    for (int t = 0; t < m; ++t) {
-        float s = ts_block_sum(acc[t], red);
-        if (tid == 0) y[(long long)t * y_stride + r] = s;
-    }
+    ts_matmul_store(acc, red, lanes, r, m, y, y_stride);
 }
 
 // Rows `ids` of a packed table: out[i, :] = decode(W[ids[i], :]). One block per id. Float

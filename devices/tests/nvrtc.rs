@@ -52,7 +52,56 @@ fn assemble(ptx: &str, arch: &str) {
     let dir = tempfile::tempdir().unwrap();
     let (src, out) = (dir.path().join("k.ptx"), dir.path().join("k.cubin"));
     std::fs::write(&src, ptx).unwrap();
-    let o = std::process::Command::new(&ptxas).arg(format!("-arch={arch}")).arg(&src).arg("-o").arg(&out).output().unwrap();
+    let o = std::process::Command::new(&ptxas).arg("-v").arg(format!("-arch={arch}")).arg(&src).arg("-o").arg(&out).output().unwrap();
     assert!(o.status.success(), "ptxas {arch}: {}", String::from_utf8_lossy(&o.stderr));
     println!("ptxas check RAN: {} bytes of {arch} machine code", std::fs::metadata(&out).unwrap().len());
+    let usage = resource_usage(&String::from_utf8_lossy(&o.stderr));
+    for (name, u) in &usage {
+        println!("  {arch} {name:<16} {:>3} registers, {:>4} bytes stack, {} bytes spilled", u.registers, u.stack, u.spill);
+    }
+    for (name, u) in &usage {
+        assert_eq!(u.spill, 0, "{arch}: {name} spills registers to local memory");
+    }
+    // The GEMV the roofline gates: its batch of 16-byte loads must stay in registers (an array
+    // indexed in a loop the compiler did not unroll goes to the stack, i.e. to memory), and 64
+    // registers let four 256-thread blocks share an SM, i.e. 64 KiB of weight loads in flight.
+    let v = usage.get("ts_matmul_v").unwrap_or_else(|| panic!("{arch}: no ts_matmul_v in ptxas -v output"));
+    assert_eq!(v.stack, 0, "{arch}: ts_matmul_v keeps its load batch on the stack");
+    assert!(v.registers <= 64, "{arch}: ts_matmul_v uses {} registers (> 64: fewer blocks per SM)", v.registers);
+}
+
+#[derive(Default, Debug)]
+struct Usage {
+    registers: u32,
+    stack: u32,
+    spill: u32,
+}
+
+/// Per-kernel registers, stack frame and spill-store bytes from `ptxas -v`'s report
+/// ("Function properties for NAME" / "N bytes stack frame, N bytes spill stores" / "Used N registers").
+fn resource_usage(log: &str) -> std::collections::BTreeMap<String, Usage> {
+    let mut map = std::collections::BTreeMap::<String, Usage>::new();
+    let mut current = None;
+    let number_before = |line: &str, word: &str| -> Option<u32> {
+        let i = line.find(word)?;
+        line[..i].split_whitespace().last()?.parse().ok()
+    };
+    for line in log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            current = Some(name.trim().to_string());
+            continue;
+        }
+        let Some(name) = &current else { continue };
+        let u = map.entry(name.clone()).or_default();
+        if let Some(n) = number_before(line, "bytes stack frame") {
+            u.stack = n;
+        }
+        if let Some(n) = number_before(line, "bytes spill stores") {
+            u.spill = n;
+        }
+        if let Some(n) = number_before(line, "registers") {
+            u.registers = n;
+        }
+    }
+    map
 }

@@ -52,6 +52,34 @@ pub fn kernel_names() -> Vec<String> {
 
 /// The most tokens one matmul launch multiplies (the kernel's register tile).
 pub const MAX_TOKENS_PER_LAUNCH: usize = 8;
+
+/// Which matmul kernel a weight matrix takes and how many threads share one of its rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MatmulPlan {
+    pub kernel: &'static str,
+    /// Threads per weight row: a power of two, at most the block size; a block holds
+    /// `block / lanes` rows.
+    pub lanes: u32,
+}
+
+/// The plan for a `[_, cols]` matrix of `ty` with rows `row_bytes` apart; `aligned`: the weights
+/// and `x` start 16-byte aligned and x's rows are a multiple of 16 bytes apart. Packed types take
+/// 32-element chunks (`ts_matmul_q`); float types 16-byte units (`ts_matmul_v`) when the rows
+/// allow aligned 16-byte loads, else single elements (`ts_matmul`). Each row gets as many lanes
+/// as it has units, rounded up to a power of two and capped at the block: a long row keeps the
+/// whole block (each thread then loads several units at once), a short one shares it with
+/// other rows.
+pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, block: u32) -> MatmulPlan {
+    let size = if ty == GgmlType::F32 { 4 } else { 2 };
+    let (kernel, units) = if !crate::cpu::qdot::is_float(ty) {
+        ("ts_matmul_q", cols / 32)
+    } else if aligned && (cols * size) % 16 == 0 && row_bytes % 16 == 0 {
+        ("ts_matmul_v", cols * size / 16)
+    } else {
+        ("ts_matmul", cols)
+    };
+    MatmulPlan { kernel, lanes: (units.max(1).next_power_of_two() as u32).min(block) }
+}
 /// Shared memory a launch may ask for (the portable 48 KiB).
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
@@ -319,28 +347,24 @@ impl Gpu {
 
     /// `y[t, :] = x[t, :] W^T` for `m` rows of `x` (`x_stride` floats apart) into `y: [m, rows]`.
     pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), String> {
-        let k = w.cols;
-        let mode = if !crate::cpu::qdot::is_float(w.ty) {
-            2
-        } else if k % 8 == 0 && w.row_bytes % 16 == 0 && x_stride % 4 == 0 {
-            1
-        } else {
-            0
-        };
         let bs = self.bs();
+        let aligned = w.buf.ptr % 16 == 0 && x % 16 == 0 && x_stride % 4 == 0;
+        let plan = matmul_plan(w.ty, w.cols, w.row_bytes, aligned, bs);
+        let rows_per_block = bs / plan.lanes;
         for t0 in (0..m).step_by(MAX_TOKENS_PER_LAUNCH) {
             let mt = (m - t0).min(MAX_TOKENS_PER_LAUNCH);
             self.backend.launch(
-                "ts_matmul",
-                [w.rows as u32, 1, 1],
+                plan.kernel,
+                [w.rows.div_ceil(rows_per_block as usize) as u32, 1, 1],
                 [bs, 1, 1],
                 4 * bs * mt as u32,
                 &[
                     Arg::Ptr(w.buf.ptr),
                     Arg::I32(w.ty.id() as i32),
                     Arg::I64(w.row_bytes as i64),
-                    Arg::I32(k as i32),
-                    Arg::I32(mode),
+                    Arg::I32(w.rows as i32),
+                    Arg::I32(w.cols as i32),
+                    Arg::I32(plan.lanes as i32),
                     Arg::Ptr(x + 4 * (t0 * x_stride) as u64),
                     Arg::I32(x_stride as i32),
                     Arg::I32(mt as i32),
@@ -723,4 +747,36 @@ pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         return Err(unavailable("not compiled with feature rocm (cargo build --features rocm)".into()));
     };
     Ok(Box::new(GpuDevice::new(Gpu::new(backend))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(ty: GgmlType, cols: usize, aligned: bool, block: u32) -> (&'static str, u32) {
+        let row_bytes = ty.bytes_for(cols as u64).unwrap() as usize;
+        let p = matmul_plan(ty, cols, row_bytes, aligned, block);
+        (p.kernel, p.lanes)
+    }
+
+    #[test]
+    fn a_long_row_keeps_the_block_and_a_short_one_shares_it() {
+        // The roofline's GEMV: 1,024 16-byte units per row, 4 per thread of a 256-thread block.
+        assert_eq!(plan(GgmlType::F16, 8192, true, 256), ("ts_matmul_v", 256));
+        // SmolLM2's Q4_1 rows of 576: 18 chunks, 32 lanes, 8 rows per block.
+        assert_eq!(plan(GgmlType::Q4_1, 576, true, 256), ("ts_matmul_q", 32));
+        assert_eq!(plan(GgmlType::Q4_K, 1536, true, 256), ("ts_matmul_q", 64));
+        assert_eq!(plan(GgmlType::F32, 576, true, 256), ("ts_matmul_v", 256));
+        assert_eq!(plan(GgmlType::BF16, 64, true, 256), ("ts_matmul_v", 8));
+        // The emulator's 32-thread blocks cap the lanes.
+        assert_eq!(plan(GgmlType::F16, 8192, true, 32), ("ts_matmul_v", 32));
+    }
+
+    #[test]
+    fn rows_that_cannot_take_16_byte_loads_go_element_by_element() {
+        assert_eq!(plan(GgmlType::F32, 7, true, 256), ("ts_matmul", 8));
+        assert_eq!(plan(GgmlType::F16, 12, true, 256), ("ts_matmul", 16));
+        assert_eq!(plan(GgmlType::F16, 576, false, 256), ("ts_matmul", 256));
+        assert_eq!(plan(GgmlType::F32, 1, true, 256), ("ts_matmul", 1));
+    }
 }
