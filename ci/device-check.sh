@@ -15,13 +15,19 @@
 # .cache/touchstone; TOUCHSTONE_CACHE points at a copy). A step that cannot run (no SmolLM2, no
 # driver) exits 2 and is listed as such; nothing is reported green that did not run.
 #
+# Staged use (a GPU sandbox with no network and at most 64 MiB per upload): ci/device-stage.sh
+# prepares $STAGE (default .device) here — binary, PTX, SmolLM2 in two halves for two uploads — and
+# `STAGE=.device ci/device-check.sh` there joins the halves into $STAGE/cache (the loader checks
+# its sha256) and takes TOUCHSTONE_BIN, TOUCHSTONE_PTX_CACHE and TOUCHSTONE_CACHE from the stage.
+#
 # SANITIZE=1 adds compute-sanitizer's memcheck and racecheck over one shard of eight of the
 # kernel suite (the GPU's own check of what gpu-emu approximates: out-of-bounds accesses and
 # shared-memory races). Off by default: it is slow, and some GPU sandboxes refuse it (then the
 # step says it could not run).
 #
 # DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
-# MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU).
+# MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU; it then
+# ends with exit 3, the roofline being inconclusive on an emulator's timings).
 #
 # Exit status: 0 all steps passed, 1 a gate failed, 2 a step could not run (1 wins over 2).
 set -uo pipefail
@@ -37,6 +43,7 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 started=$(date +%s)
 worst=0
+ran=()  # this run's step logs (the headline figures come from these alone, not from older runs in $OUT)
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
@@ -45,6 +52,7 @@ step() {
     local name=$1 limit=$2
     shift 2
     local t0=$(date +%s)
+    ran+=("$OUT/$name.log")
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     local verdict
@@ -66,6 +74,20 @@ step() {
 
 note "== Touchstone device check on $DEVICE ($(date -u +%FT%TZ))"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi not available"; } | tee "$OUT/gpu.txt" | tee -a "$SUMMARY"
+
+if [ -n "${STAGE:-}" ]; then
+    export TOUCHSTONE_BIN=$STAGE/bin/xtask TOUCHSTONE_PTX_CACHE=$STAGE/ptx TOUCHSTONE_CACHE=$STAGE/cache
+    if [ -f "$STAGE/smol-a/dest" ]; then
+        dest=$TOUCHSTONE_CACHE/$(cat "$STAGE/smol-a/dest")
+        mkdir -p "$(dirname "$dest")"
+        if [ -f "$STAGE/smol-b/part" ]; then
+            cat "$STAGE/smol-a/part" "$STAGE/smol-b/part" > "$dest"
+            note "joined SmolLM2 from $STAGE/smol-{a,b} ($(stat -c %s "$dest") bytes; its sha256 is checked when loaded)"
+        else
+            note "$STAGE/smol-b/part is missing (the second upload): the SmolLM2 steps will not run"
+        fi
+    fi
+fi
 
 BIN=${TOUCHSTONE_BIN:-}
 if [ -z "$BIN" ]; then
@@ -93,6 +115,6 @@ step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MO
 step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$OUT/roofline"
 
 note "== headline figures"
-grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|copy .* GB/s|gemv ' "$OUT"/*.log 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
+grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
 note "== done in $(( $(date +%s) - started ))s, exit $worst; reports under $OUT"
 exit $worst

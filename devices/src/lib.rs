@@ -142,6 +142,9 @@ pub struct BandwidthProbe {
     /// Per weight type: (type, weight bytes read per GEMV, GB/s of weights read).
     pub gemv: Vec<(String, usize, f64)>,
     pub reps: usize,
+    /// Why these figures are not the hardware's (an emulator's timings); the roofline gate is
+    /// then inconclusive, never a pass.
+    pub not_hardware: Option<String>,
 }
 
 /// A device model's key/value cache: per layer, `[len, width]` keys and values of any element

@@ -205,7 +205,14 @@ fn roofline_measures_every_weight_type_against_copy() {
         let f16 = cases.iter().find(|c| c["id"].as_str().unwrap().contains("w=f16")).unwrap();
         let ratio = f16["metrics"]["ratio_to_copy"].as_f64().unwrap();
         assert!(cases.iter().all(|c| c["metrics"]["gbps"].as_f64().unwrap() > 0.0), "{device}");
-        assert_eq!(o.status.code(), Some(if ratio >= 0.85 { 0 } else { 1 }), "{device}: ratio {ratio}: {}", text(&o));
+        if device == "cpu" {
+            assert_eq!(o.status.code(), Some(if ratio >= 0.85 { 0 } else { 1 }), "{device}: ratio {ratio}: {}", text(&o));
+        } else {
+            // The emulator's timings are the host's: whatever the ratio, the gate is not passed.
+            assert_eq!(o.status.code(), Some(3), "{device}: ratio {ratio}: {}", text(&o));
+            assert_eq!(f16["verdict"], "inconclusive", "{f16}");
+            assert!(f16["message"].as_str().unwrap().contains("say nothing about a GPU"), "{f16}");
+        }
     }
     let o = xtask(&["roofline", "--device", "fixed"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));

@@ -234,5 +234,5 @@ fn probe(bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
         })?;
         gemv.push((ty.name().to_string(), w.len(), w.len() as f64 / t / 1e9));
     }
-    Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps })
+    Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: None })
 }

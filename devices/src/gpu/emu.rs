@@ -192,6 +192,9 @@ impl EmuBackend {
 }
 
 impl Backend for EmuBackend {
+    fn timings_not_of_hardware(&self) -> Option<String> {
+        Some(format!("{} runs the kernels on the host CPU: its timings say nothing about a GPU", self.name()))
+    }
     fn name(&self) -> String {
         let mut name = String::from("gpu-emu");
         if self.schedule != Schedule::Forward {

@@ -130,6 +130,10 @@ pub trait Backend: Send + Sync {
     /// Device seconds taken by the work `f` queues: CUDA/HIP events around it on GPUs, the wall
     /// clock in the emulator.
     fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String>;
+    /// Why this backend's timings say nothing about a GPU's speed (the emulator); None on GPUs.
+    fn timings_not_of_hardware(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A backend with memory accounting and a cache of freed buffers. Device allocation and release
@@ -709,7 +713,7 @@ impl GpuDevice {
             let t = probe::best_of(reps, &events, &mut || g.matmul(&w, x.ptr, probe::COLS, 1, y.ptr))?;
             gemv.push((ty.name().to_string(), packed.len(), packed.len() as f64 / t / 1e9));
         }
-        Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps })
+        Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: g.backend.timings_not_of_hardware() })
     }
 }
 

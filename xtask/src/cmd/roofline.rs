@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct RooflineArgs {
-    /// cuda[:N], rocm[:N] (device events), cpu (wall clock), gpu-emu (its figures say nothing about a GPU).
+    /// cuda[:N], rocm[:N] (device events), cpu (wall clock), gpu-emu (its figures say nothing about a GPU, so its gate is inconclusive: exit 3).
     #[arg(long)]
     device: String,
     /// Size of the copy buffer and of each GEMV weight matrix, in MiB (large enough to defeat caches).
@@ -43,12 +43,20 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
         return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.0).collect::<Vec<_>>()) });
     }
     outln!("{} ({}): copy {:.1} GB/s (read + write, {} MiB, best of {})", a.device, device.describe(), probe.copy_gbps, a.mib, probe.reps);
+    if let Some(why) = &probe.not_hardware {
+        outln!("  not a hardware measurement: {why}; the gate is inconclusive (exit 3)");
+    }
     let mut cases = Vec::new();
     let mut rows = Vec::new();
     for (ty, bytes, gbps) in &probe.gemv {
         let ratio = gbps / probe.copy_gbps;
         let gated = *ty == a.gate_type;
-        let verdict = if !gated || ratio >= a.min_ratio { Verdict::Pass } else { Verdict::Fail };
+        let verdict = match (&probe.not_hardware, gated) {
+            (_, false) => Verdict::Pass,
+            (Some(_), true) => Verdict::Inconclusive,
+            (None, true) if ratio >= a.min_ratio => Verdict::Pass,
+            (None, true) => Verdict::Fail,
+        };
         outln!("  gemv {ty:<5} {:>8.1} GB/s of weights = {:>5.1}% of copy{}", gbps, 100.0 * ratio, if gated { format!("  (gate >= {:.0}%: {verdict:?})", 100.0 * a.min_ratio) } else { String::new() });
         rows.push(vec![ty.clone(), format!("{:.1}", *bytes as f64 / (1 << 20) as f64), format!("{gbps:.1}"), format!("{:.1}%", 100.0 * ratio), if gated { format!("{verdict:?}") } else { "-".into() }]);
         let mut metrics = serde_json::Map::new();
@@ -63,7 +71,11 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
             metrics,
             tolerance: Tolerance { rule: if gated { format!("gemv GB/s >= {} x copy GB/s", a.min_ratio) } else { "measurement".into() }, bound: if gated { a.min_ratio } else { 0.0 } },
             margin: if gated { ratio - a.min_ratio } else { 0.0 },
-            message: (verdict == Verdict::Fail).then(|| format!("{ty} GEMV reads {gbps:.1} GB/s, {:.1}% of the {:.1} GB/s copy", 100.0 * ratio, probe.copy_gbps)),
+            message: match verdict {
+                Verdict::Fail => Some(format!("{ty} GEMV reads {gbps:.1} GB/s, {:.1}% of the {:.1} GB/s copy", 100.0 * ratio, probe.copy_gbps)),
+                Verdict::Inconclusive => probe.not_hardware.clone(),
+                _ => None,
+            },
         });
     }
     let mut report = Report::new("roofline", Provenance::collect(rayon::current_num_threads()), cases);
