@@ -25,7 +25,8 @@
 # shared-memory races). Off by default: it is slow, and some GPU sandboxes refuse it (then the
 # step says it could not run).
 #
-# DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
+# STEPS picks among "kernels models bench roofline" (default all; the fixtures of the models and
+# bench model are checked first). DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
 # MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU; it then
 # ends with exit 3, the roofline being inconclusive on an emulator's timings).
 #
@@ -38,6 +39,7 @@ DEVICE=${DEVICE:-cuda:0}
 MODELS=${MODELS:-"tiny-llama tiny-qwen3 tiny-moe smollm2"}
 BENCH_MODEL=${BENCH_MODEL:-smollm2}
 ROOFLINE_MIB=${ROOFLINE_MIB:-256}
+STEPS=${STEPS:-"kernels models bench roofline"}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -99,20 +101,34 @@ if [ ! -x "$BIN" ]; then
     exit 2
 fi
 
-step fixtures 120 "$BIN" fixtures
-step kernels 240 "$BIN" kernels --device "$DEVICE" --report-dir "$OUT/kernels"
-if [ "${SANITIZE:-0}" = 1 ]; then
-    for tool in memcheck racecheck; do
-        step "sanitize-$tool" 180 compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
-            "$BIN" kernels --device "$DEVICE" --shard 1/8 --report-dir "$OUT/sanitize-$tool"
+wanted() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+needed=""
+wanted models && needed="$MODELS"
+wanted bench && case " $needed " in *" $BENCH_MODEL "*) ;; *) needed="$needed $BENCH_MODEL" ;; esac
+for m in $needed; do
+    step "fixtures-$m" 120 "$BIN" fixtures --model "$m"
+done
+if wanted kernels; then
+    step kernels 240 "$BIN" kernels --device "$DEVICE" --report-dir "$OUT/kernels"
+    if [ "${SANITIZE:-0}" = 1 ]; then
+        for tool in memcheck racecheck; do
+            step "sanitize-$tool" 180 compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
+                "$BIN" kernels --device "$DEVICE" --shard 1/8 --report-dir "$OUT/sanitize-$tool"
+        done
+    fi
+fi
+if wanted models; then
+    for m in $MODELS; do
+        step "layer-diff-$m" 180 "$BIN" layer-diff --device "$DEVICE" --model "$m" --report-dir "$OUT/layer-diff-$m"
+        step "fixed-token-$m" 240 "$BIN" fixed-token --device "$DEVICE" --model "$m" --report-dir "$OUT/fixed-token-$m"
     done
 fi
-for m in $MODELS; do
-    step "layer-diff-$m" 180 "$BIN" layer-diff --device "$DEVICE" --model "$m" --report-dir "$OUT/layer-diff-$m"
-    step "fixed-token-$m" 240 "$BIN" fixed-token --device "$DEVICE" --model "$m" --report-dir "$OUT/fixed-token-$m"
-done
-step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MODEL" --prompt-len 32 --gen-len 128 --reps 5 --report-dir "$OUT/bench-$BENCH_MODEL"
-step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$OUT/roofline"
+if wanted bench; then
+    step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MODEL" --prompt-len 32 --gen-len 128 --reps 5 --report-dir "$OUT/bench-$BENCH_MODEL"
+fi
+if wanted roofline; then
+    step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$OUT/roofline"
+fi
 
 note "== headline figures"
 grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"

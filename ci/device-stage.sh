@@ -9,8 +9,9 @@
 #   $STAGE/smol-b/part      the rest (split so both trips weigh about the same)
 #   $STAGE/smol-a/dest      where the joined file goes, relative to the fixture cache
 #
-# Trip 1 carries bin, ptx and smol-a; trip 2 carries smol-b (what a trip does not carry stays on a
-# machine kept warm between the two). On the GPU machine, `STAGE=.device ci/device-check.sh`
+# Trip 1 carries bin, ptx and smol-a and runs everything but SmolLM2 (so its figures exist even if
+# trip 2 fails); trip 2 carries smol-b (what a trip does not carry stays on a machine kept warm
+# between the two) and runs SmolLM2's steps. On the GPU machine, `STAGE=.device ci/device-check.sh`
 # joins the halves into $STAGE/cache, where the fixture loader checks the file's sha256 before any
 # use (a wrong or partial join is an error, not a model), and runs everything from the stage.
 #
@@ -57,5 +58,7 @@ tree=$(git ls-files -z | du -cb --files0-from=- | tail -n 1 | cut -f1)
 trip1=$(( tree + $(du -sb "$STAGE/bin" "$STAGE/ptx" "$STAGE/smol-a" | awk '{s += $1} END {print s}') ))
 trip2=$(( tree + $(du -sb "$STAGE/smol-b" | cut -f1) ))
 echo "== staged under $STAGE: trip 1 (tree + bin + ptx + smol-a) $(( trip1 >> 20 )) MiB, trip 2 (tree + smol-b) $(( trip2 >> 20 )) MiB"
-echo "   trip 1: carry $STAGE/bin $STAGE/ptx $STAGE/smol-a; command: nvidia-smi -L; $STAGE/bin/xtask --version"
-echo "   trip 2: carry $STAGE/smol-b;  command: OUT=\$OUT STAGE=$STAGE ci/device-check.sh"
+echo "   trip 1: carry $STAGE/bin $STAGE/ptx $STAGE/smol-a; command:"
+echo "     STAGE=$STAGE STEPS='kernels models roofline' MODELS='tiny-llama tiny-qwen3 tiny-moe' ci/device-check.sh"
+echo "   trip 2 (at once, while the machine is warm): carry $STAGE/smol-b; command:"
+echo "     STAGE=$STAGE STEPS='models bench' MODELS=smollm2 ci/device-check.sh"

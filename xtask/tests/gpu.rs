@@ -55,10 +55,10 @@ fn every_op_passes_with_the_block_size_the_gpus_use() {
     if !emulator_available() {
         return;
     }
-    // GPUs launch 256 threads per block, the emulator 32 unless asked: one shard of eight (256
-    // fibers per block are slow; every op has cases in it) with 256 shuffled, race-checked threads.
+    // GPUs launch 256 threads per block, the emulator 32 unless asked: the whole suite again with
+    // 256 shuffled, race-checked threads (about 50 s here).
     let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["kernels", "--device", "gpu-emu:shuffle:256:racecheck", "--shard", "3/8", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    let o = xtask(&["kernels", "--device", "gpu-emu:shuffle:256:racecheck", "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report(dir.path());
     assert_eq!(r["summary"]["passed"], r["summary"]["executed"], "{}", r["summary"]);
@@ -83,6 +83,22 @@ fn models_run_on_the_emulated_gpu_within_budget() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report(dir.path());
     assert!(r["summary"]["passed"].as_u64().unwrap() >= 5, "{}", r["summary"]);
+}
+
+/// The real model as a GPU runs it: SmolLM2 through the GPU model code with 256 threads per
+/// block (what `cuda` and `rocm` launch), threads and blocks in shuffled order and shared-memory
+/// races checked; every layer-diff tap within its budget.
+#[test]
+fn smollm2_passes_layer_diff_at_the_gpus_block_size_in_shuffled_order_race_checked() {
+    if !emulator_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["layer-diff", "--device", "gpu-emu:shuffle:256:racecheck", "--model", "smollm2", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report(dir.path());
+    assert_eq!(r["summary"]["failed"], 0, "{}", r["summary"]);
+    assert!(r["summary"]["passed"].as_u64().unwrap() >= 400, "{}", r["summary"]);
 }
 
 /// The built-in kernel source with one line replaced, in a temporary file for
