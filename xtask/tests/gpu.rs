@@ -1,7 +1,8 @@
 //! The GPU devices on a machine without a GPU. `gpu-emu` runs the CUDA/ROCm kernel source on the
 //! host, so the kernel suite, layer-diff and fixed-token judge the GPU kernels' logic here; a
 //! deliberately broken kernel source (`TOUCHSTONE_KERNEL_SOURCE`) must turn them red; and `cuda`
-//! / `rocm` without a driver (or not compiled in) exit 2 with a one-line reason. The emulator
+//! / `rocm` without a driver (or not compiled in) exit 2 with a one-line reason; the GPU check
+//! script itself is rehearsed on the emulator from a stage. The emulator
 //! needs a C++ compiler: without one these tests say SKIPPED, and fail instead when
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1` (CI sets it).
 
@@ -99,6 +100,49 @@ fn smollm2_passes_layer_diff_at_the_gpus_block_size_in_shuffled_order_race_check
     let r = report(dir.path());
     assert_eq!(r["summary"]["failed"], 0, "{}", r["summary"]);
     assert!(r["summary"]["passed"].as_u64().unwrap() >= 400, "{}", r["summary"]);
+}
+
+/// ci/device-check.sh rehearsed on the emulator from a stage as ci/device-stage.sh lays it out:
+/// the model's two parts are joined byte for byte into the stage's cache, only the STEPS asked
+/// for run, each step is listed with its verdict, and the roofline, timed on the host, leaves the
+/// run inconclusive (exit 3) rather than passed.
+#[test]
+fn the_device_check_runs_from_a_stage_on_the_emulator() {
+    if !emulator_available() {
+        return;
+    }
+    let stage = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let s = stage.path();
+    for d in ["bin", "smol-a", "smol-b"] {
+        std::fs::create_dir_all(s.join(d)).unwrap();
+    }
+    std::fs::copy(env!("CARGO_BIN_EXE_xtask"), s.join("bin/xtask")).unwrap();
+    let model: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(s.join("smol-a/part"), &model[..600]).unwrap();
+    std::fs::write(s.join("smol-b/part"), &model[600..]).unwrap();
+    std::fs::write(s.join("smol-a/dest"), "real/staged/model.gguf\n").unwrap();
+    let o = std::process::Command::new("bash")
+        .arg("ci/device-check.sh")
+        .current_dir(workspace())
+        .envs([
+            ("STAGE", s.to_str().unwrap()),
+            ("OUT", out.path().to_str().unwrap()),
+            ("DEVICE", "gpu-emu"),
+            ("STEPS", "models roofline"),
+            ("MODELS", "tiny-llama"),
+            ("ROOFLINE_MIB", "1"),
+        ])
+        .output()
+        .unwrap();
+    let summary = std::fs::read_to_string(out.path().join("summary.txt")).unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}\n{summary}", text(&o));
+    assert_eq!(std::fs::read(s.join("cache/real/staged/model.gguf")).unwrap(), model);
+    for line in ["joined SmolLM2", "fixtures-tiny-llama", "layer-diff-tiny-llama", "fixed-token-tiny-llama", "first divergence: none", "6 gates: 6 passed"] {
+        assert!(summary.contains(line), "`{line}` missing:\n{summary}");
+    }
+    assert!(summary.lines().any(|l| l.starts_with("roofline") && l.contains("inconclusive")), "{summary}");
+    assert!(!summary.lines().any(|l| l.starts_with("kernels") || l.starts_with("bench")), "steps not asked for ran:\n{summary}");
 }
 
 /// The built-in kernel source with one line replaced, in a temporary file for
