@@ -56,6 +56,8 @@ fn dlopen_first(names: &[&str]) -> Option<Ptr> {
     })
 }
 
+// Each transmute's target is the `Hip` field it initialises, whose type spells the C signature.
+#[allow(clippy::missing_transmute_annotations)]
 fn load() -> Result<Hip, String> {
     let runtime = dlopen_first(&["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"]).ok_or("no HIP runtime on this machine (libamdhip64.so not found)")?;
     let rtc = dlopen_first(&["libhiprtc.so", "libhiprtc.so.6"]);
