@@ -40,6 +40,13 @@ MODELS=${MODELS:-"tiny-llama tiny-qwen3 tiny-moe smollm2"}
 BENCH_MODEL=${BENCH_MODEL:-smollm2}
 ROOFLINE_MIB=${ROOFLINE_MIB:-256}
 STEPS=${STEPS:-"kernels models bench roofline"}
+for s in $STEPS; do
+    case $s in
+        kernels | models | bench | roofline) ;;
+        *) echo "STEPS: unknown step \`$s' (kernels, models, bench, roofline)" >&2; exit 2 ;;
+    esac
+done
+[ -n "${STEPS// /}" ] || { echo "STEPS is empty: nothing would be checked" >&2; exit 2; }
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"

@@ -143,6 +143,10 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     }
     assert!(summary.lines().any(|l| l.starts_with("roofline") && l.contains("inconclusive")), "{summary}");
     assert!(!summary.lines().any(|l| l.starts_with("kernels") || l.starts_with("bench")), "steps not asked for ran:\n{summary}");
+    // A misspelt step must not make a run that checks nothing and exits 0.
+    let o = std::process::Command::new("bash").arg("ci/device-check.sh").current_dir(workspace()).env("STEPS", "kernel").env("OUT", out.path()).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("unknown step `kernel'"), "{}", text(&o));
 }
 
 /// The built-in kernel source with one line replaced, in a temporary file for
