@@ -137,6 +137,10 @@ if wanted roofline; then
     step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$OUT/roofline"
 fi
 
+if [ ${#ran[@]} -eq 0 ]; then
+    note "no step ran (STEPS=\"$STEPS\", MODELS=\"$MODELS\"): nothing was checked"
+    exit 2
+fi
 note "== headline figures"
 grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
 note "== done in $(( $(date +%s) - started ))s, exit $worst; reports under $OUT"
