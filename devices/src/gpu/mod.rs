@@ -80,6 +80,7 @@ pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, b
     };
     MatmulPlan { kernel, lanes: (units.max(1).next_power_of_two() as u32).min(block) }
 }
+
 /// Shared memory a launch may ask for (the portable 48 KiB).
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
