@@ -104,7 +104,11 @@ if [ -z "$BIN" ]; then
     BIN=target/release/xtask
 fi
 if [ ! -x "$BIN" ]; then
-    note "no xtask binary at $BIN"
+    if [ -n "${STAGE:-}" ]; then
+        note "no xtask binary at $BIN: this machine does not hold the first upload (a fresh machine?); upload $STAGE/bin, $STAGE/ptx and $STAGE/smol-a again, then $STAGE/smol-b at once"
+    else
+        note "no xtask binary at $BIN"
+    fi
     exit 2
 fi
 
