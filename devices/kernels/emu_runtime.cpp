@@ -260,6 +260,16 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
         snprintf(err, err_len, "%s: block of %u threads (1..=1024)", name, n_threads);
         return -1;
     }
+    // What a GPU refuses at launch: an empty or oversized grid, more dynamic shared memory than
+    // a launch gets without opting in (48 KiB on CUDA and ROCm).
+    if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || grid[0] > 0x7FFFFFFFu || grid[1] > 65535 || grid[2] > 65535) {
+        snprintf(err, err_len, "%s: grid (%u,%u,%u) (x 1..=2^31-1, y and z 1..=65535)", name, grid[0], grid[1], grid[2]);
+        return -1;
+    }
+    if (shared_bytes > 48 * 1024) {
+        snprintf(err, err_len, "%s: %u bytes of dynamic shared memory (at most 49152)", name, shared_bytes);
+        return -1;
+    }
     install_fault_handler();
     // One launch at a time in the process: static shared memory is a single section.
     static std::mutex launch_lock;

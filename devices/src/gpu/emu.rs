@@ -446,6 +446,23 @@ extern "C" __global__ void racy_broadcast(float* y) {
     }
 
     #[test]
+    fn launches_a_gpu_would_refuse_are_refused() {
+        let Some(b) = emulator() else { return };
+        let (xp, sp) = (b.alloc(64).unwrap(), b.alloc(12).unwrap());
+        let args = [Arg::Ptr(xp), Arg::Ptr(sp)];
+        for (grid, block, shared, what) in [
+            ([0, 1, 1], [16, 1, 1], 0, "grid (0,1,1)"),
+            ([1, 70000, 1], [16, 1, 1], 0, "grid (1,70000,1)"),
+            ([1, 1, 1], [2048, 1, 1], 0, "block of 2048 threads"),
+            ([1, 1, 1], [16, 1, 1], 48 * 1024 + 4, "49156 bytes of dynamic shared memory"),
+        ] {
+            let e = b.launch("block_sums", grid, block, shared, &args).unwrap_err();
+            assert!(e.contains(what) && !e.starts_with(super::super::KERNEL_FAULT), "{e}");
+        }
+        b.launch("block_sums", [1, 1, 1], [16, 1, 1], 48 * 1024, &args).unwrap();
+    }
+
+    #[test]
     fn every_schedule_keeps_barriers_and_a_race_shows_under_another_order() {
         let x: Vec<f32> = (0..3 * 16).map(|i| (i * i % 7) as f32).collect();
         let expect: Vec<f32> = x.chunks(16).map(|c| c.iter().sum()).collect();
