@@ -132,6 +132,19 @@ pub trait Device: Send + Sync {
     }
 }
 
+/// One weight type's GEMV in a [`BandwidthProbe`].
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GemvRate {
+    /// The GGUF type name (`f16`, `q4_k`...).
+    pub ty: String,
+    /// Weight bytes one GEMV reads.
+    pub weight_bytes: usize,
+    /// GB/s of weights read.
+    pub gbps: f64,
+    /// The code that ran (a GPU's kernel and launch shape), so a figure can be traced to it.
+    pub kernel: String,
+}
+
 /// What [`Device::bandwidth_probe`] measured.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BandwidthProbe {
@@ -139,8 +152,8 @@ pub struct BandwidthProbe {
     pub bytes: usize,
     /// Device-to-device copy, counting bytes read plus bytes written.
     pub copy_gbps: f64,
-    /// Per weight type: (type, weight bytes read per GEMV, GB/s of weights read).
-    pub gemv: Vec<(String, usize, f64)>,
+    /// Per weight type, the GEMV's weight bandwidth.
+    pub gemv: Vec<GemvRate>,
     pub reps: usize,
     /// Why these figures are not the hardware's (an emulator's timings); the roofline gate is
     /// then inconclusive, never a pass.

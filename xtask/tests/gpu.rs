@@ -276,6 +276,9 @@ fn roofline_measures_every_weight_type_against_copy() {
             assert_eq!(o.status.code(), Some(3), "{device}: ratio {ratio}: {}", text(&o));
             assert_eq!(f16["verdict"], "inconclusive", "{f16}");
             assert!(f16["message"].as_str().unwrap().contains("say nothing about a GPU"), "{f16}");
+            // The report names the code each figure came from.
+            let probe_f16 = r["bandwidth_probe"]["gemv"].as_array().unwrap().iter().find(|g| g["ty"] == "f16").unwrap().clone();
+            assert!(probe_f16["kernel"].as_str().unwrap().starts_with("ts_matmul_v: 32 threads per row, 1 row per 32-thread block"), "{probe_f16}");
         }
     }
     let o = xtask(&["roofline", "--device", "fixed"], &[]);

@@ -232,7 +232,8 @@ fn probe(bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
             std::hint::black_box(matmul_packed(&x, 1, packed));
             Ok(())
         })?;
-        gemv.push((ty.name().to_string(), w.len(), w.len() as f64 / t / 1e9));
+        let kernel = format!("matmul_packed over {} rayon threads", rayon::current_num_threads());
+        gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: w.len(), gbps: w.len() as f64 / t / 1e9, kernel });
     }
     Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: None })
 }

@@ -350,11 +350,16 @@ impl Gpu {
         self.backend.launch(kernel, [blocks as u32, 1, 1], [bs as u32, 1, 1], 0, args)
     }
 
+    /// The kernel and launch shape `matmul` uses for `w` and an `x` at device address `x`.
+    pub fn matmul_plan(&self, w: &GpuMat, x: u64, x_stride: usize) -> MatmulPlan {
+        let aligned = w.buf.ptr % 16 == 0 && x % 16 == 0 && x_stride % 4 == 0;
+        matmul_plan(w.ty, w.cols, w.row_bytes, aligned, self.bs())
+    }
+
     /// `y[t, :] = x[t, :] W^T` for `m` rows of `x` (`x_stride` floats apart) into `y: [m, rows]`.
     pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), String> {
         let bs = self.bs();
-        let aligned = w.buf.ptr % 16 == 0 && x % 16 == 0 && x_stride % 4 == 0;
-        let plan = matmul_plan(w.ty, w.cols, w.row_bytes, aligned, bs);
+        let plan = self.matmul_plan(w, x, x_stride);
         let rows_per_block = bs / plan.lanes;
         for t0 in (0..m).step_by(MAX_TOKENS_PER_LAUNCH) {
             let mt = (m - t0).min(MAX_TOKENS_PER_LAUNCH);
@@ -712,7 +717,10 @@ impl GpuDevice {
             let w = g.upload_mat(ty, rows, probe::COLS, &packed)?;
             let y = g.alloc(4 * rows)?;
             let t = probe::best_of(reps, &events, &mut || g.matmul(&w, x.ptr, probe::COLS, 1, y.ptr))?;
-            gemv.push((ty.name().to_string(), packed.len(), packed.len() as f64 / t / 1e9));
+            let plan = g.matmul_plan(&w, x.ptr, probe::COLS);
+            let rows_per_block = g.bs() / plan.lanes;
+            let kernel = format!("{}: {} threads per row, {} row{} per {}-thread block", plan.kernel, plan.lanes, rows_per_block, if rows_per_block == 1 { "" } else { "s" }, g.bs());
+            gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: packed.len(), gbps: packed.len() as f64 / t / 1e9, kernel });
         }
         Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: g.backend.timings_not_of_hardware() })
     }

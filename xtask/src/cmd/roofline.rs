@@ -39,8 +39,8 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
         .bandwidth_probe(a.mib << 20, a.reps)
         .ok_or_else(|| Exit { code: 2, message: format!("device `{}` has no bandwidth probe (cpu and the GPU devices have one)", a.device) })?
         .map_err(|e| Exit { code: 2, message: e.to_string() })?;
-    if !probe.gemv.iter().any(|(t, _, _)| *t == a.gate_type) {
-        return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.0).collect::<Vec<_>>()) });
+    if !probe.gemv.iter().any(|g| g.ty == a.gate_type) {
+        return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.ty).collect::<Vec<_>>()) });
     }
     outln!("{} ({}): copy {:.1} GB/s (read + write, {} MiB, best of {})", a.device, device.describe(), probe.copy_gbps, a.mib, probe.reps);
     if let Some(why) = &probe.not_hardware {
@@ -48,7 +48,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
     }
     let mut cases = Vec::new();
     let mut rows = Vec::new();
-    for (ty, bytes, gbps) in &probe.gemv {
+    for devices::GemvRate { ty, weight_bytes: bytes, gbps, kernel } in &probe.gemv {
         let ratio = gbps / probe.copy_gbps;
         let gated = *ty == a.gate_type;
         let verdict = match (&probe.not_hardware, gated) {
@@ -57,8 +57,8 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
             (None, true) if ratio >= a.min_ratio => Verdict::Pass,
             (None, true) => Verdict::Fail,
         };
-        outln!("  gemv {ty:<5} {:>8.1} GB/s of weights = {:>5.1}% of copy{}", gbps, 100.0 * ratio, if gated { format!("  (gate >= {:.0}%: {verdict:?})", 100.0 * a.min_ratio) } else { String::new() });
-        rows.push(vec![ty.clone(), format!("{:.1}", *bytes as f64 / (1 << 20) as f64), format!("{gbps:.1}"), format!("{:.1}%", 100.0 * ratio), if gated { format!("{verdict:?}") } else { "-".into() }]);
+        outln!("  gemv {ty:<5} {:>8.1} GB/s of weights = {:>5.1}% of copy{}  [{kernel}]", gbps, 100.0 * ratio, if gated { format!("  (gate >= {:.0}%: {verdict:?})", 100.0 * a.min_ratio) } else { String::new() });
+        rows.push(vec![ty.clone(), format!("{:.1}", *bytes as f64 / (1 << 20) as f64), format!("{gbps:.1}"), format!("{:.1}%", 100.0 * ratio), if gated { format!("{verdict:?}") } else { "-".into() }, kernel.clone()]);
         let mut metrics = serde_json::Map::new();
         metrics.insert("gbps".into(), json!(gbps));
         metrics.insert("copy_gbps".into(), json!(probe.copy_gbps));
@@ -79,7 +79,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
         });
     }
     let mut report = Report::new("roofline", Provenance::collect(rayon::current_num_threads()), cases);
-    report.add_table("roofline_table", &format!("{}: GEMV weight bandwidth vs copy {:.1} GB/s", a.device, probe.copy_gbps), &["weights", "MiB", "GB/s", "of copy", "gate"], rows);
+    report.add_table("roofline_table", &format!("{}: GEMV weight bandwidth vs copy {:.1} GB/s", a.device, probe.copy_gbps), &["weights", "MiB", "GB/s", "of copy", "gate", "kernel"], rows);
     report.sections.insert("bandwidth_probe".into(), serde_json::to_value(&probe).unwrap_or_default());
     let dir = super::report_dir(a.report_dir, "roofline");
     super::write_report(&mut report, &dir)?;
