@@ -57,28 +57,43 @@ pub const MAX_TOKENS_PER_LAUNCH: usize = 8;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MatmulPlan {
     pub kernel: &'static str,
-    /// Threads per weight row: a power of two, at most the block size; a block holds
-    /// `block / lanes` rows.
+    /// Threads per weight row: a power of two, at most the block size.
     pub lanes: u32,
+    /// Threads per block.
+    pub block: u32,
 }
 
-/// The plan for a `[_, cols]` matrix of `ty` with rows `row_bytes` apart; `aligned`: the weights
-/// and `x` start 16-byte aligned and x's rows are a multiple of 16 bytes apart. Packed types take
-/// 32-element chunks (`ts_matmul_q`); float types 16-byte units (`ts_matmul_v`) when the rows
-/// allow aligned 16-byte loads, else single elements (`ts_matmul`). Each row gets as many lanes
-/// as it has units, rounded up to a power of two and capped at the block: a long row keeps the
-/// whole block (each thread then loads several units at once), a short one shares it with
-/// other rows.
+impl MatmulPlan {
+    /// Weight rows one block holds.
+    pub fn rows_per_block(&self) -> u32 {
+        self.block / self.lanes
+    }
+}
+
+impl std::fmt::Display for MatmulPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rows = self.rows_per_block();
+        write!(f, "{}: {} threads per row, {rows} row{} per {}-thread block", self.kernel, self.lanes, if rows == 1 { "" } else { "s" }, self.block)
+    }
+}
+
+/// The plan for a `[_, cols]` matrix of `ty` whose packed rows are `row_bytes` long (a float
+/// row holds exactly its values, so for float types `row_bytes % 16 == 0` is a row of whole
+/// 16-byte units); `aligned`: the weights and `x` start 16-byte aligned and x's rows are a
+/// multiple of 16 bytes apart. Packed types take 32-element chunks (`ts_matmul_q`); float types
+/// 16-byte units (`ts_matmul_v`) when the rows allow aligned 16-byte loads, else single elements
+/// (`ts_matmul`). Each row gets as many lanes as it has units, rounded up to a power of two and
+/// capped at the block: a long row keeps the whole block (each thread then loads several units
+/// at once), a short one shares it with other rows.
 pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, block: u32) -> MatmulPlan {
-    let size = if ty == GgmlType::F32 { 4 } else { 2 };
     let (kernel, units) = if !crate::cpu::qdot::is_float(ty) {
         ("ts_matmul_q", cols / 32)
-    } else if aligned && (cols * size) % 16 == 0 && row_bytes % 16 == 0 {
-        ("ts_matmul_v", cols * size / 16)
+    } else if aligned && row_bytes % 16 == 0 {
+        ("ts_matmul_v", row_bytes / 16)
     } else {
         ("ts_matmul", cols)
     };
-    MatmulPlan { kernel, lanes: (units.max(1).next_power_of_two() as u32).min(block) }
+    MatmulPlan { kernel, lanes: (units.max(1).next_power_of_two() as u32).min(block), block }
 }
 
 /// Shared memory a launch may ask for (the portable 48 KiB).
@@ -358,16 +373,14 @@ impl Gpu {
 
     /// `y[t, :] = x[t, :] W^T` for `m` rows of `x` (`x_stride` floats apart) into `y: [m, rows]`.
     pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), String> {
-        let bs = self.bs();
         let plan = self.matmul_plan(w, x, x_stride);
-        let rows_per_block = bs / plan.lanes;
         for t0 in (0..m).step_by(MAX_TOKENS_PER_LAUNCH) {
             let mt = (m - t0).min(MAX_TOKENS_PER_LAUNCH);
             self.backend.launch(
                 plan.kernel,
-                [w.rows.div_ceil(rows_per_block as usize) as u32, 1, 1],
-                [bs, 1, 1],
-                4 * bs * mt as u32,
+                [w.rows.div_ceil(plan.rows_per_block() as usize) as u32, 1, 1],
+                [plan.block, 1, 1],
+                4 * plan.block * mt as u32,
                 &[
                     Arg::Ptr(w.buf.ptr),
                     Arg::I32(w.ty.id() as i32),
@@ -717,9 +730,7 @@ impl GpuDevice {
             let w = g.upload_mat(ty, rows, probe::COLS, &packed)?;
             let y = g.alloc(4 * rows)?;
             let t = probe::best_of(reps, &events, &mut || g.matmul(&w, x.ptr, probe::COLS, 1, y.ptr))?;
-            let plan = g.matmul_plan(&w, x.ptr, probe::COLS);
-            let rows_per_block = g.bs() / plan.lanes;
-            let kernel = format!("{}: {} threads per row, {} row{} per {}-thread block", plan.kernel, plan.lanes, rows_per_block, if rows_per_block == 1 { "" } else { "s" }, g.bs());
+            let kernel = g.matmul_plan(&w, x.ptr, probe::COLS).to_string();
             gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: packed.len(), gbps: packed.len() as f64 / t / 1e9, kernel });
         }
         Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: g.backend.timings_not_of_hardware() })
