@@ -102,6 +102,11 @@ fn smollm2_passes_layer_diff_at_the_gpus_block_size_in_shuffled_order_race_check
     assert!(r["summary"]["passed"].as_u64().unwrap() >= 400, "{}", r["summary"]);
 }
 
+/// ci/device-check.sh run from the workspace root with `env`.
+fn device_check(env: &[(&str, &str)]) -> std::process::Output {
+    std::process::Command::new("bash").arg("ci/device-check.sh").current_dir(workspace()).envs(env.iter().copied()).output().unwrap()
+}
+
 /// ci/device-check.sh rehearsed on the emulator from a stage as ci/device-stage.sh lays it out:
 /// the model's two parts are joined byte for byte into the stage's cache, only the STEPS asked
 /// for run, each step is listed with its verdict, and the roofline, timed on the host, leaves the
@@ -122,19 +127,8 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     std::fs::write(s.join("smol-a/part"), &model[..600]).unwrap();
     std::fs::write(s.join("smol-b/part"), &model[600..]).unwrap();
     std::fs::write(s.join("smol-a/dest"), "real/staged/model.gguf\n").unwrap();
-    let o = std::process::Command::new("bash")
-        .arg("ci/device-check.sh")
-        .current_dir(workspace())
-        .envs([
-            ("STAGE", s.to_str().unwrap()),
-            ("OUT", out.path().to_str().unwrap()),
-            ("DEVICE", "gpu-emu"),
-            ("STEPS", "models roofline"),
-            ("MODELS", "tiny-llama"),
-            ("ROOFLINE_MIB", "1"),
-        ])
-        .output()
-        .unwrap();
+    let out_dir = out.path().to_str().unwrap();
+    let o = device_check(&[("STAGE", s.to_str().unwrap()), ("OUT", out_dir), ("DEVICE", "gpu-emu"), ("STEPS", "models roofline"), ("MODELS", "tiny-llama"), ("ROOFLINE_MIB", "1")]);
     let summary = std::fs::read_to_string(out.path().join("summary.txt")).unwrap();
     assert_eq!(o.status.code(), Some(3), "{}\n{summary}", text(&o));
     assert_eq!(std::fs::read(s.join("cache/real/staged/model.gguf")).unwrap(), model);
@@ -144,7 +138,7 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     assert!(summary.lines().any(|l| l.starts_with("roofline") && l.contains("inconclusive")), "{summary}");
     assert!(!summary.lines().any(|l| l.starts_with("kernels") || l.starts_with("bench")), "steps not asked for ran:\n{summary}");
     // A misspelt step must not make a run that checks nothing and exits 0.
-    let o = std::process::Command::new("bash").arg("ci/device-check.sh").current_dir(workspace()).env("STEPS", "kernel").env("OUT", out.path()).output().unwrap();
+    let o = device_check(&[("STEPS", "kernel"), ("OUT", out_dir)]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("unknown step `kernel'"), "{}", text(&o));
 }
