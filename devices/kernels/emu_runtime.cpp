@@ -266,6 +266,12 @@ extern "C" int ts_emu_launch(const char* name, const unsigned* grid, const unsig
         snprintf(err, err_len, "%s: grid (%u,%u,%u) (x 1..=2^31-1, y and z 1..=65535)", name, grid[0], grid[1], grid[2]);
         return -1;
     }
+    // A legal grid can still hold more blocks than the emulator counts (unsigned): refuse it
+    // rather than run a wrapped-around number of them.
+    if ((unsigned long long)grid[0] * grid[1] * grid[2] > 0xFFFFFFFFull) {
+        snprintf(err, err_len, "%s: grid (%u,%u,%u) has more blocks than the emulator runs (2^32)", name, grid[0], grid[1], grid[2]);
+        return -1;
+    }
     if (shared_bytes > 48 * 1024) {
         snprintf(err, err_len, "%s: %u bytes of dynamic shared memory (at most 49152)", name, shared_bytes);
         return -1;

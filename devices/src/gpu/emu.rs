@@ -64,6 +64,13 @@ struct Mapping {
     bytes: usize,
 }
 
+impl Mapping {
+    /// Whether `addr` lies in the mapping: its usable bytes or the guard page after them.
+    fn holds(&self, addr: u64) -> bool {
+        addr >= self.base as u64 && addr < self.base as u64 + self.span as u64
+    }
+}
+
 pub struct EmuBackend {
     launch: LaunchFn,
     schedule: Schedule,
@@ -330,14 +337,15 @@ impl EmuBackend {
     /// Where a faulting address lies relative to the live allocations.
     fn whose(&self, addr: u64) -> String {
         let allocs = self.allocs.lock().unwrap();
-        // The allocation whose usable bytes or trailing guard page (the mapping's end) hold `addr`.
-        let hit = allocs.iter().find(|(&p, m)| addr >= p && addr < m.base as u64 + m.span as u64);
+        // The allocation whose usable bytes or trailing guard page hold `addr` (below the usable
+        // bytes lies only the unused head of the mapping's first page).
+        let hit = allocs.iter().find(|(&p, m)| addr >= p && m.holds(addr));
         match hit {
             Some((&p, m)) if addr < p + m.bytes as u64 => format!("inside the {}-byte allocation at {p:#x}, {} bytes in", m.bytes, addr - p),
             Some((&p, m)) => format!("{} bytes past the end of the {}-byte allocation at {p:#x}", addr - p - m.bytes as u64, m.bytes),
             None => {
                 let freed = self.freed.lock().unwrap();
-                match freed.iter().find(|(_, m)| addr >= m.base as u64 && addr < m.base as u64 + m.span as u64) {
+                match freed.iter().find(|(_, m)| m.holds(addr)) {
                     Some((p, m)) => format!("in the freed {}-byte allocation at {p:#x}", m.bytes),
                     None => "outside every allocation".into(),
                 }
@@ -453,6 +461,7 @@ extern "C" __global__ void racy_broadcast(float* y) {
         for (grid, block, shared, what) in [
             ([0, 1, 1], [16, 1, 1], 0, "grid (0,1,1)"),
             ([1, 70000, 1], [16, 1, 1], 0, "grid (1,70000,1)"),
+            ([70000, 65535, 1], [16, 1, 1], 0, "more blocks than the emulator runs"),
             ([1, 1, 1], [2048, 1, 1], 0, "block of 2048 threads"),
             ([1, 1, 1], [16, 1, 1], 48 * 1024 + 4, "49156 bytes of dynamic shared memory"),
         ] {
