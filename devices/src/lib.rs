@@ -251,7 +251,7 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         n if n.starts_with("gpu-emu") || n.starts_with("cuda") || n.starts_with("rocm") => gpu::open(n),
         n if n == "external:" || n == "exec:" => unavailable("give a dump directory (external:DIR) or a command (exec:CMD)"),
         n if n.starts_with("external:") || n.starts_with("exec:") => Ok(Box::new(external::ExternalDevice::parse(n).expect("prefix checked"))),
-        _ => unavailable("unknown device (ref, cpu, fixed, fixed-int4, cuda[:N], rocm[:N], gpu-emu[:reverse|shuffle][:THREADS][:racecheck], external:DIR, exec:CMD)"),
+        _ => unavailable("unknown device (ref, cpu, fixed, fixed-int4, cuda[:N], rocm[:N], gpu-emu[:reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2], external:DIR, exec:CMD)"),
     }
 }
 

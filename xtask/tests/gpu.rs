@@ -57,13 +57,16 @@ fn every_op_passes_with_the_block_size_the_gpus_use() {
         return;
     }
     // GPUs launch 256 threads per block, the emulator 32 unless asked: the whole suite again with
-    // 256 shuffled, race-checked threads (about 50 s here).
+    // 256 shuffled, race-checked threads and the GPU's arithmetic (products contracted into fused
+    // multiply-adds as NVRTC does, expf/tanhf at CUDA's 2-ulp worst case) (about 50 s here).
+    let device = "gpu-emu:shuffle:256:racecheck:fma:ulp2";
     let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["kernels", "--device", "gpu-emu:shuffle:256:racecheck", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    let o = xtask(&["kernels", "--device", device, "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report(dir.path());
     assert_eq!(r["summary"]["passed"], r["summary"]["executed"], "{}", r["summary"]);
-    assert!(r["provenance"]["devices"]["gpu-emu:shuffle:256:racecheck"].as_str().unwrap().contains("blocks of 256 fibers"), "{}", r["provenance"]);
+    let described = r["provenance"]["devices"][device].as_str().unwrap();
+    assert!(described.contains("blocks of 256 fibers") && described.contains("fma") && described.contains("2 ulp"), "{}", r["provenance"]);
     let ran: std::collections::BTreeSet<&str> = r["cases"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().split('(').next().unwrap()).collect();
     for e in oracle::registry::registry() {
         assert!(ran.contains(e.name), "no case of `{}` ran at 256 threads", e.name);
@@ -87,15 +90,16 @@ fn models_run_on_the_emulated_gpu_within_budget() {
 }
 
 /// The real model as a GPU runs it: SmolLM2 through the GPU model code with 256 threads per
-/// block (what `cuda` and `rocm` launch), threads and blocks in shuffled order and shared-memory
-/// races checked; every layer-diff tap within its budget.
+/// block (what `cuda` and `rocm` launch), threads and blocks in shuffled order, shared-memory
+/// races checked, products contracted into fused multiply-adds and expf/tanhf 2 ulp off (the
+/// GPU's arithmetic); every layer-diff tap within its budget.
 #[test]
-fn smollm2_passes_layer_diff_at_the_gpus_block_size_in_shuffled_order_race_checked() {
+fn smollm2_passes_layer_diff_at_the_gpus_block_size_and_arithmetic_in_shuffled_order_race_checked() {
     if !emulator_available() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["layer-diff", "--device", "gpu-emu:shuffle:256:racecheck", "--model", "smollm2", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    let o = xtask(&["layer-diff", "--device", "gpu-emu:shuffle:256:racecheck:fma:ulp2", "--model", "smollm2", "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report(dir.path());
     assert_eq!(r["summary"]["failed"], 0, "{}", r["summary"]);

@@ -16,6 +16,13 @@
 //! races no order shows, such as an unsynchronised `+=`). Blocks have 32 threads unless asked
 //! otherwise (`gpu-emu:256` runs the block size the GPUs use).
 //!
+//! Its arithmetic is exact IEEE f32 unless asked to be the GPU's: `gpu-emu:fma` contracts
+//! `a * b + c` into fused multiply-adds, as NVRTC does by default (`--fmad=true`: the PTX of
+//! these kernels holds hundreds of `fma.rn.f32`), and `gpu-emu:ulp2` makes `expf` and `tanhf`
+//! return results 2 ulp off, CUDA's documented worst case for both (the direction varies with the
+//! input, the same every run). A kernel whose results only hold up with the host's correctly
+//! rounded libm and uncontracted products fails there, not first on a GPU.
+//!
 //! The shared library is built once per kernel-source hash under the system temp directory
 //! (`CXX` overrides the compiler, default `c++`).
 
@@ -54,6 +61,38 @@ impl Schedule {
     }
 }
 
+/// How the kernels' f32 arithmetic is compiled for the host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Arith {
+    /// Contract `a * b + c` into fused multiply-adds (NVRTC's default `--fmad=true`).
+    pub fma: bool,
+    /// `expf` and `tanhf` off by 2 ulp (CUDA's documented maximum error for both).
+    pub ulp2: bool,
+}
+
+impl Arith {
+    /// The compiler flags beyond the fixed ones (`-ffp-contract=off` unless `fma`).
+    fn flags(self) -> Result<Vec<&'static str>, String> {
+        let mut f = Vec::new();
+        if self.fma {
+            f.push("-ffp-contract=fast");
+            #[cfg(target_arch = "x86_64")]
+            {
+                if !std::arch::is_x86_feature_detected!("fma") {
+                    return Err("gpu-emu:fma needs a host CPU with fused multiply-add (x86-64 FMA3), which this one lacks".into());
+                }
+                f.push("-mfma");
+            }
+        } else {
+            f.push("-ffp-contract=off");
+        }
+        if self.ulp2 {
+            f.push("-DTS_EMU_ULP2");
+        }
+        Ok(f)
+    }
+}
+
 /// Threads per block unless chosen: small, so the emulator is quick.
 const DEFAULT_THREADS: u32 = 32;
 
@@ -78,6 +117,8 @@ pub struct EmuBackend {
     threads: u32,
     /// Check shared memory for write-write races between barriers (emu_runtime.cpp).
     racecheck: bool,
+    /// How the kernels' arithmetic was compiled.
+    arith: Arith,
     /// Live allocations by their address.
     allocs: Mutex<HashMap<u64, Mapping>>,
     /// The most recently freed allocations (address, mapping), kept mapped but inaccessible so
@@ -104,20 +145,22 @@ fn page_size() -> usize {
 }
 
 /// The translation unit the emulator compiles from a kernel source: prelude, kernels, kernel
-/// list, launcher.
+/// list, launcher (the prelude's `gpu-emu:ulp2` math macros end before it).
 pub fn translation_unit(source: &str) -> String {
     let list: String = super::kernel_names_in(source).iter().map(|n| format!("X({n}) ")).collect();
-    format!("{PRELUDE_HOST}\n#line 1 \"touchstone.cu\"\n{source}\n#define TS_KERNEL_LIST(X) {list}\n#line 1 \"emu_runtime.cpp\"\n{RUNTIME}")
+    format!("{PRELUDE_HOST}\n#line 1 \"touchstone.cu\"\n{source}\n#undef expf\n#undef tanhf\n#define TS_KERNEL_LIST(X) {list}\n#line 1 \"emu_runtime.cpp\"\n{RUNTIME}")
 }
 
-/// Builds (or finds built) the emulator library for `source`.
-fn build(source: &str) -> Result<PathBuf, String> {
+/// Builds (or finds built) the emulator library for `source` with the arithmetic `arith`.
+fn build(source: &str, arith: Arith) -> Result<PathBuf, String> {
     use std::hash::{Hash, Hasher};
     let tu = translation_unit(source);
+    let flags = arith.flags()?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     tu.hash(&mut h);
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     cxx.hash(&mut h);
+    flags.hash(&mut h);
     let dir = std::env::temp_dir().join(format!("touchstone-gpu-emu-{:016x}", h.finish()));
     let lib = dir.join("libtouchstone_emu.so");
     if lib.exists() {
@@ -130,7 +173,9 @@ fn build(source: &str) -> Result<PathBuf, String> {
     std::fs::write(&src, &tu).map_err(|e| format!("{}: {e}", src.display()))?;
     let out = tmp.path().join("lib.so");
     let result = std::process::Command::new(&cxx)
-        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-o"])
+        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-fast-math"])
+        .args(&flags)
+        .arg("-o")
         .arg(&out)
         .arg(&src)
         .output()
@@ -146,31 +191,36 @@ fn build(source: &str) -> Result<PathBuf, String> {
 static LIBRARIES: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
 
 impl EmuBackend {
-    /// `gpu-emu[:ORDER][:THREADS][:racecheck]`: ORDER is forward (the default), reverse or
-    /// shuffle; THREADS the threads per block, a power of two from 32 to 1024 (default 32; GPUs
-    /// use 256); racecheck looks for two threads writing the same shared word between barriers.
+    /// `gpu-emu[:ORDER][:THREADS][:racecheck][:fma][:ulp2]`: ORDER is forward (the default),
+    /// reverse or shuffle; THREADS the threads per block, a power of two from 32 to 1024 (default
+    /// 32; GPUs use 256); racecheck looks for two threads writing the same shared word between
+    /// barriers; fma and ulp2 give the kernels the GPU's arithmetic (see [`Arith`]).
     pub fn open(options: &str) -> Result<EmuBackend, String> {
-        let (mut schedule, mut threads, mut racecheck) = (Schedule::Forward, DEFAULT_THREADS, false);
+        let (mut schedule, mut threads, mut racecheck, mut arith) = (Schedule::Forward, DEFAULT_THREADS, false, Arith::default());
         for part in options.split(':').filter(|p| !p.is_empty()) {
             if part == "racecheck" {
                 racecheck = true;
+            } else if part == "fma" {
+                arith.fma = true;
+            } else if part == "ulp2" {
+                arith.ulp2 = true;
             } else if let Some(s) = Schedule::parse(part) {
                 schedule = s;
             } else if let Some(n) = part.parse::<u32>().ok().filter(|n| n.is_power_of_two() && (32..=1024).contains(n)) {
                 threads = n;
             } else {
-                return Err(format!("unknown option `{part}`: gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck], THREADS a power of two from 32 to 1024"));
+                return Err(format!("unknown option `{part}`: gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2], THREADS a power of two from 32 to 1024"));
             }
         }
-        let mut b = Self::with_source(&super::kernel_source()?, schedule)?;
+        let mut b = Self::with_source(&super::kernel_source()?, schedule, arith)?;
         b.threads = threads;
         b.racecheck = racecheck;
         Ok(b)
     }
 
     /// An emulator running the kernels of `source` (the built-in source, an override, or a test's).
-    pub fn with_source(source: &str, schedule: Schedule) -> Result<EmuBackend, String> {
-        let lib = build(source)?;
+    pub fn with_source(source: &str, schedule: Schedule, arith: Arith) -> Result<EmuBackend, String> {
+        let lib = build(source, arith)?;
         let mut loaded = LIBRARIES.get_or_init(Default::default).lock().unwrap();
         let addr = match loaded.get(&lib) {
             Some(a) => *a,
@@ -194,7 +244,7 @@ impl EmuBackend {
         };
         // SAFETY: the symbol has the signature emu_runtime.cpp declares for ts_emu_launch.
         let launch = unsafe { std::mem::transmute::<usize, LaunchFn>(addr) };
-        Ok(EmuBackend { launch, schedule, threads: DEFAULT_THREADS, racecheck: false, allocs: Mutex::new(HashMap::new()), freed: Mutex::new(Default::default()) })
+        Ok(EmuBackend { launch, schedule, threads: DEFAULT_THREADS, racecheck: false, arith, allocs: Mutex::new(HashMap::new()), freed: Mutex::new(Default::default()) })
     }
 }
 
@@ -213,12 +263,24 @@ impl Backend for EmuBackend {
         if self.racecheck {
             name.push_str(":racecheck");
         }
+        if self.arith.fma {
+            name.push_str(":fma");
+        }
+        if self.arith.ulp2 {
+            name.push_str(":ulp2");
+        }
         name
     }
     fn describe(&self) -> String {
         let races = if self.racecheck { ", shared-memory write races checked" } else { "" };
+        let arith = match (self.arith.fma, self.arith.ulp2) {
+            (false, false) => "IEEE f32, no contraction, host libm",
+            (true, false) => "IEEE f32 with a*b+c contracted to fma, host libm",
+            (false, true) => "IEEE f32, no contraction, expf/tanhf 2 ulp off",
+            (true, true) => "IEEE f32 with a*b+c contracted to fma, expf/tanhf 2 ulp off",
+        };
         format!(
-            "host emulation of the GPU kernels (blocks of {} fibers, thread order {}, memory faults and misaligned accesses caught{races})",
+            "host emulation of the GPU kernels (blocks of {} fibers, thread order {}, {arith}, memory faults and misaligned accesses caught{races})",
             self.threads,
             self.schedule.word()
         )
@@ -410,6 +472,11 @@ extern "C" __global__ void racy_broadcast(float* y) {
     if (threadIdx.x == 0) v = 7.0f;
     y[threadIdx.x] = v;
 }
+extern "C" __global__ void arith(const float* x, float* y) {
+    y[0] = x[0] * x[1] + x[2];
+    y[1] = expf(x[3]);
+    y[2] = tanhf(x[3]);
+}
 "#;
 
     fn floats(b: &EmuBackend, ptr: u64, n: usize) -> Vec<f32> {
@@ -423,7 +490,7 @@ extern "C" __global__ void racy_broadcast(float* y) {
     }
 
     fn emulator_with(schedule: Schedule) -> Option<EmuBackend> {
-        match EmuBackend::with_source(SOURCE, schedule) {
+        match EmuBackend::with_source(SOURCE, schedule, Arith::default()) {
             Ok(b) => Some(b),
             Err(e) => {
                 assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
@@ -431,6 +498,44 @@ extern "C" __global__ void racy_broadcast(float* y) {
                 None
             }
         }
+    }
+
+    /// Steps between two finite f32 of one sign (how many ulp apart).
+    fn ulps(a: f32, b: f32) -> u32 {
+        a.to_bits().abs_diff(b.to_bits())
+    }
+
+    #[test]
+    fn fma_contracts_products_and_ulp2_moves_expf_and_tanhf_by_two_ulp() {
+        // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: rounded to f32 the 2^-24 is lost, so a*b - (1 + 2^-11)
+        // is 0 uncontracted and 2^-24 as one fused multiply-add.
+        let a = 1.0 + 2f32.powi(-12);
+        let x = [a, a, -(1.0 + 2f32.powi(-11)), 0.37];
+        let mut seen = Vec::new();
+        for (fma, ulp2) in [(false, false), (true, false), (false, true), (true, true)] {
+            let b = match EmuBackend::with_source(SOURCE, Schedule::Forward, Arith { fma, ulp2 }) {
+                Ok(b) => b,
+                Err(e) if e.contains("lacks") => {
+                    eprintln!("SKIPPED: {e}");
+                    return;
+                }
+                Err(e) => {
+                    assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
+                    eprintln!("SKIPPED: gpu-emu unavailable: {e}");
+                    return;
+                }
+            };
+            let (xp, yp) = (b.alloc(16).unwrap(), b.alloc(12).unwrap());
+            b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+            b.launch("arith", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp)]).unwrap();
+            let y = floats(&b, yp, 3);
+            assert_eq!(y[0], if fma { 2f32.powi(-24) } else { 0.0 }, "fma={fma}");
+            let off = if ulp2 { 2 } else { 0 };
+            assert_eq!(ulps(y[1], x[3].exp()), off, "expf, ulp2={ulp2}: {} vs {}", y[1], x[3].exp());
+            assert_eq!(ulps(y[2], x[3].tanh()), off, "tanhf, ulp2={ulp2}: {} vs {}", y[2], x[3].tanh());
+            seen.push(b.name());
+        }
+        assert_eq!(seen, ["gpu-emu", "gpu-emu:fma", "gpu-emu:ulp2", "gpu-emu:fma:ulp2"]);
     }
 
     #[test]

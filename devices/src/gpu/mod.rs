@@ -737,7 +737,7 @@ impl GpuDevice {
     }
 }
 
-/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck]`, or says
+/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2]`, or says
 /// why it is unavailable.
 pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: String| DeviceError::Unavailable(name.to_string(), why);
