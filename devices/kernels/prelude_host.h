@@ -32,24 +32,26 @@ static inline float ts_bits_to_float(u32 b) {
     return f;
 }
 
-#ifdef TS_EMU_ULP2
-// gpu-emu:ulp2: expf and tanhf as far off as CUDA documents they may be, 2 ulp, up or down as a
-// hash of the input says (the same every run). Infinities, NaN and exact zeros are left as
-// computed, and tanhf stays within [-1, 1]. The macros end before the launcher (emu.rs).
-static inline float ts_emu_2ulp(float y, float x) {
+#ifdef TS_EMU_ULPS
+// gpu-emu:ulpN: expf and tanhf TS_EMU_ULPS = N ulp off (ulp2: as far off as CUDA documents they
+// may be), up or down as a hash of the input says (the same every run). Infinities, NaN and
+// exact zeros are left as computed, and tanhf stays within [-1, 1]. The macros end before the
+// launcher (emu.rs).
+static inline float ts_emu_off(float y, float x) {
     if (y == 0.0f || !(fabsf(y) <= 3.40282347e38f)) return y;
     u32 h;
     memcpy(&h, &x, 4);
     h *= 0x9E3779B1u;
     float toward = (h >> 31) ? INFINITY : -INFINITY;
-    float z = nextafterf(nextafterf(y, toward), toward);
+    float z = y;
+    for (int i = 0; i < TS_EMU_ULPS; ++i) z = nextafterf(z, toward);
     return fabsf(z) <= 3.40282347e38f ? z : y;
 }
 static inline float ts_emu_expf(float x) {
-    return ts_emu_2ulp(expf(x), x);
+    return ts_emu_off(expf(x), x);
 }
 static inline float ts_emu_tanhf(float x) {
-    float y = ts_emu_2ulp(tanhf(x), x);
+    float y = ts_emu_off(tanhf(x), x);
     return y > 1.0f ? 1.0f : y < -1.0f ? -1.0f : y;
 }
 #define expf(x) ts_emu_expf(x)

@@ -11,6 +11,15 @@
 //! in `gpu`: `cuda[:N]` and `rocm[:N]` (features `cuda`, `rocm`; unavailable when not compiled
 //! in or when the machine has no driver) and `gpu-emu`, the same kernels run on the host.
 
+/// How `gpu-emu`'s options are spelt (one literal for every help text and error that lists them:
+/// `concat!(devices::gpu_emu_syntax!(), ...)`).
+#[macro_export]
+macro_rules! gpu_emu_syntax {
+    () => {
+        "gpu-emu[:reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2|ulpN]"
+    };
+}
+
 pub mod cpu;
 pub mod external;
 pub mod fixed;
@@ -251,7 +260,7 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         n if n.starts_with("gpu-emu") || n.starts_with("cuda") || n.starts_with("rocm") => gpu::open(n),
         n if n == "external:" || n == "exec:" => unavailable("give a dump directory (external:DIR) or a command (exec:CMD)"),
         n if n.starts_with("external:") || n.starts_with("exec:") => Ok(Box::new(external::ExternalDevice::parse(n).expect("prefix checked"))),
-        _ => unavailable("unknown device (ref, cpu, fixed, fixed-int4, cuda[:N], rocm[:N], gpu-emu[:reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2], external:DIR, exec:CMD)"),
+        _ => unavailable(concat!("unknown device (ref, cpu, fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD)")),
     }
 }
 

@@ -20,7 +20,8 @@
 //! `a * b + c` into fused multiply-adds, as NVRTC does by default (`--fmad=true`: the PTX of
 //! these kernels holds hundreds of `fma.rn.f32`), and `gpu-emu:ulp2` makes `expf` and `tanhf`
 //! return results 2 ulp off, CUDA's documented worst case for both (the direction varies with the
-//! input, the same every run). A kernel whose results only hold up with the host's correctly
+//! input, the same every run; `ulpN` puts them N ulp off, to see how much error the budgets let
+//! through). A kernel whose results only hold up with the host's correctly
 //! rounded libm and uncontracted products fails there, not first on a GPU.
 //!
 //! The shared library is built once per kernel-source hash under the system temp directory
@@ -66,28 +67,29 @@ impl Schedule {
 pub struct Arith {
     /// Contract `a * b + c` into fused multiply-adds (NVRTC's default `--fmad=true`).
     pub fma: bool,
-    /// `expf` and `tanhf` off by 2 ulp (CUDA's documented maximum error for both).
-    pub ulp2: bool,
+    /// `expf` and `tanhf` off by this many ulp (2 is CUDA's documented maximum error for both;
+    /// 0 leaves the host's libm).
+    pub ulps: u32,
 }
 
 impl Arith {
     /// The compiler flags beyond the fixed ones (`-ffp-contract=off` unless `fma`).
-    fn flags(self) -> Result<Vec<&'static str>, String> {
+    fn flags(self) -> Result<Vec<String>, String> {
         let mut f = Vec::new();
         if self.fma {
-            f.push("-ffp-contract=fast");
+            f.push("-ffp-contract=fast".into());
             #[cfg(target_arch = "x86_64")]
             {
                 if !std::arch::is_x86_feature_detected!("fma") {
                     return Err("gpu-emu:fma needs a host CPU with fused multiply-add (x86-64 FMA3), which this one lacks".into());
                 }
-                f.push("-mfma");
+                f.push("-mfma".into());
             }
         } else {
-            f.push("-ffp-contract=off");
+            f.push("-ffp-contract=off".into());
         }
-        if self.ulp2 {
-            f.push("-DTS_EMU_ULP2");
+        if self.ulps > 0 {
+            f.push(format!("-DTS_EMU_ULPS={}", self.ulps));
         }
         Ok(f)
     }
@@ -145,7 +147,7 @@ fn page_size() -> usize {
 }
 
 /// The translation unit the emulator compiles from a kernel source: prelude, kernels, kernel
-/// list, launcher (the prelude's `gpu-emu:ulp2` math macros end before it).
+/// list, launcher (the prelude's `gpu-emu:ulpN` math macros end before it).
 pub fn translation_unit(source: &str) -> String {
     let list: String = super::kernel_names_in(source).iter().map(|n| format!("X({n}) ")).collect();
     format!("{PRELUDE_HOST}\n#line 1 \"touchstone.cu\"\n{source}\n#undef expf\n#undef tanhf\n#define TS_KERNEL_LIST(X) {list}\n#line 1 \"emu_runtime.cpp\"\n{RUNTIME}")
@@ -191,10 +193,11 @@ fn build(source: &str, arith: Arith) -> Result<PathBuf, String> {
 static LIBRARIES: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
 
 impl EmuBackend {
-    /// `gpu-emu[:ORDER][:THREADS][:racecheck][:fma][:ulp2]`: ORDER is forward (the default),
+    /// `gpu-emu[:ORDER][:THREADS][:racecheck][:fma][:ulpN]`: ORDER is forward (the default),
     /// reverse or shuffle; THREADS the threads per block, a power of two from 32 to 1024 (default
     /// 32; GPUs use 256); racecheck looks for two threads writing the same shared word between
-    /// barriers; fma and ulp2 give the kernels the GPU's arithmetic (see [`Arith`]).
+    /// barriers; fma and ulp2 give the kernels the GPU's arithmetic (see [`Arith`]; ulpN, N from
+    /// 1 to 64, puts expf/tanhf N ulp off).
     pub fn open(options: &str) -> Result<EmuBackend, String> {
         let (mut schedule, mut threads, mut racecheck, mut arith) = (Schedule::Forward, DEFAULT_THREADS, false, Arith::default());
         for part in options.split(':').filter(|p| !p.is_empty()) {
@@ -202,14 +205,14 @@ impl EmuBackend {
                 racecheck = true;
             } else if part == "fma" {
                 arith.fma = true;
-            } else if part == "ulp2" {
-                arith.ulp2 = true;
+            } else if let Some(n) = part.strip_prefix("ulp").and_then(|n| n.parse::<u32>().ok()).filter(|n| (1..=64).contains(n)) {
+                arith.ulps = n;
             } else if let Some(s) = Schedule::parse(part) {
                 schedule = s;
             } else if let Some(n) = part.parse::<u32>().ok().filter(|n| n.is_power_of_two() && (32..=1024).contains(n)) {
                 threads = n;
             } else {
-                return Err(format!("unknown option `{part}`: gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2], THREADS a power of two from 32 to 1024"));
+                return Err(format!(concat!("unknown option `{}`: ", gpu_emu_syntax!(), ", THREADS a power of two from 32 to 1024, ulpN with N from 1 to 64"), part));
             }
         }
         let mut b = Self::with_source(&super::kernel_source()?, schedule, arith)?;
@@ -266,19 +269,19 @@ impl Backend for EmuBackend {
         if self.arith.fma {
             name.push_str(":fma");
         }
-        if self.arith.ulp2 {
-            name.push_str(":ulp2");
+        if self.arith.ulps > 0 {
+            name.push_str(&format!(":ulp{}", self.arith.ulps));
         }
         name
     }
     fn describe(&self) -> String {
         let races = if self.racecheck { ", shared-memory write races checked" } else { "" };
-        let arith = match (self.arith.fma, self.arith.ulp2) {
-            (false, false) => "IEEE f32, no contraction, host libm",
-            (true, false) => "IEEE f32 with a*b+c contracted to fma, host libm",
-            (false, true) => "IEEE f32, no contraction, expf/tanhf 2 ulp off",
-            (true, true) => "IEEE f32 with a*b+c contracted to fma, expf/tanhf 2 ulp off",
+        let contraction = if self.arith.fma { "IEEE f32 with a*b+c contracted to fma" } else { "IEEE f32, no contraction" };
+        let libm = match self.arith.ulps {
+            0 => "host libm".to_string(),
+            n => format!("expf/tanhf {n} ulp off"),
         };
+        let arith = format!("{contraction}, {libm}");
         format!(
             "host emulation of the GPU kernels (blocks of {} fibers, thread order {}, {arith}, memory faults and misaligned accesses caught{races})",
             self.threads,
@@ -501,19 +504,19 @@ extern "C" __global__ void arith(const float* x, float* y) {
     }
 
     /// Steps between two finite f32 of one sign (how many ulp apart).
-    fn ulps(a: f32, b: f32) -> u32 {
+    fn ulps_apart(a: f32, b: f32) -> u32 {
         a.to_bits().abs_diff(b.to_bits())
     }
 
     #[test]
-    fn fma_contracts_products_and_ulp2_moves_expf_and_tanhf_by_two_ulp() {
+    fn fma_contracts_products_and_ulp_n_moves_expf_and_tanhf_by_n_ulp() {
         // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: rounded to f32 the 2^-24 is lost, so a*b - (1 + 2^-11)
         // is 0 uncontracted and 2^-24 as one fused multiply-add.
         let a = 1.0 + 2f32.powi(-12);
         let x = [a, a, -(1.0 + 2f32.powi(-11)), 0.37];
         let mut seen = Vec::new();
-        for (fma, ulp2) in [(false, false), (true, false), (false, true), (true, true)] {
-            let b = match EmuBackend::with_source(SOURCE, Schedule::Forward, Arith { fma, ulp2 }) {
+        for (fma, ulps) in [(false, 0), (true, 0), (false, 2), (true, 2), (false, 7)] {
+            let b = match EmuBackend::with_source(SOURCE, Schedule::Forward, Arith { fma, ulps }) {
                 Ok(b) => b,
                 Err(e) if e.contains("lacks") => {
                     eprintln!("SKIPPED: {e}");
@@ -530,12 +533,11 @@ extern "C" __global__ void arith(const float* x, float* y) {
             b.launch("arith", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp)]).unwrap();
             let y = floats(&b, yp, 3);
             assert_eq!(y[0], if fma { 2f32.powi(-24) } else { 0.0 }, "fma={fma}");
-            let off = if ulp2 { 2 } else { 0 };
-            assert_eq!(ulps(y[1], x[3].exp()), off, "expf, ulp2={ulp2}: {} vs {}", y[1], x[3].exp());
-            assert_eq!(ulps(y[2], x[3].tanh()), off, "tanhf, ulp2={ulp2}: {} vs {}", y[2], x[3].tanh());
+            assert_eq!(ulps_apart(y[1], x[3].exp()), ulps, "expf: {} vs {}", y[1], x[3].exp());
+            assert_eq!(ulps_apart(y[2], x[3].tanh()), ulps, "tanhf: {} vs {}", y[2], x[3].tanh());
             seen.push(b.name());
         }
-        assert_eq!(seen, ["gpu-emu", "gpu-emu:fma", "gpu-emu:ulp2", "gpu-emu:fma:ulp2"]);
+        assert_eq!(seen, ["gpu-emu", "gpu-emu:fma", "gpu-emu:ulp2", "gpu-emu:fma:ulp2", "gpu-emu:ulp7"]);
     }
 
     #[test]

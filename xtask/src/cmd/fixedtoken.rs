@@ -16,8 +16,7 @@ use suites::layerdiff::{propagated_budget, Dims};
 
 #[derive(clap::Args)]
 pub struct FixedTokenArgs {
-    /// Device under test: cpu, fixed, fixed-int4, ref, gpu-emu[:reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2], cuda[:N], rocm[:N], external:DIR, exec:CMD.
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", help = concat!("Device under test: cpu, fixed, fixed-int4, ref, ", devices::gpu_emu_syntax!(), ", cuda[:N], rocm[:N], external:DIR, exec:CMD."))]
     pub device: String,
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a GGUF path / safetensors directory.
     #[arg(long)]

@@ -7,8 +7,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct KernelsArgs {
-    /// Device under test: ref, cpu, fixed, fixed-int4, gpu-emu[:reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2][:fma][:ulp2] (thread order, threads per block, shared-memory race check, the GPU's fused multiply-adds and 2-ulp expf/tanhf), cuda[:N], rocm[:N] (a GPU device not compiled in, or without a driver, exits 2 saying why).
-    #[arg(long)]
+    #[arg(long, help = concat!("Device under test: ref, cpu, fixed, fixed-int4, ", devices::gpu_emu_syntax!(), " (thread order, threads per block, shared-memory race check, the GPU's fused multiply-adds and 2-ulp expf/tanhf), cuda[:N], rocm[:N] (a GPU device not compiled in, or without a driver, exits 2 saying why)."))]
     device: String,
     /// Only cases whose id matches this regular expression, e.g. 'matmul\(w=q4_1'.
     #[arg(long)]
