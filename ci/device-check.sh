@@ -146,6 +146,6 @@ if [ ${#ran[@]} -eq 0 ]; then
     exit 2
 fi
 note "== headline figures"
-grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
+grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|kernel launches|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
 note "== done in $(( $(date +%s) - started ))s, exit $worst; reports under $OUT"
 exit $worst

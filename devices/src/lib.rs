@@ -233,6 +233,12 @@ pub trait DeviceModel: Send {
     fn memory_peak_bytes(&self) -> Option<u64> {
         None
     }
+    /// Kernel launches so far (GPU devices), if counted: the difference across a step is what
+    /// the step cost in launches, which bounds a small model's decode speed long before its
+    /// weight bandwidth does.
+    fn kernel_launches(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Opens a device by name, or says why it is unavailable. Every device opened is remembered with

@@ -88,3 +88,21 @@ fn bad_tokens_are_errors_and_leave_the_cache_as_it_was() {
     assert_eq!(m.cached(), 3);
     assert!(m.memory_peak_bytes().unwrap() > 0);
 }
+
+/// Every launch is counted: each decode step of a dense model costs the same number of launches,
+/// at least one per layer, and a step that is refused (a token outside the vocabulary) none.
+#[test]
+fn kernel_launches_are_counted_per_step() {
+    let Some(mut m) = emu_model("tiny-llama") else { return };
+    let n_layer = m.spec().n_layer as u64;
+    let count = |m: &mut Box<dyn DeviceModel>, ids: &[u32]| {
+        let before = m.kernel_launches().unwrap();
+        let ok = m.forward(ids, &mut NoTap).is_ok();
+        (ok, m.kernel_launches().unwrap() - before)
+    };
+    let (_, prefill) = count(&mut m, &[1, 2, 3, 4]);
+    let steps: Vec<u64> = (5..9).map(|t| count(&mut m, &[t]).1).collect();
+    assert!(prefill > n_layer && steps.iter().all(|s| *s == steps[0] && *s > n_layer), "prefill {prefill}, steps {steps:?}");
+    let n_vocab = m.spec().n_vocab as u32;
+    assert_eq!(count(&mut m, &[n_vocab]), (false, 0));
+}

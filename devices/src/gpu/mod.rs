@@ -161,6 +161,8 @@ pub struct Gpu {
     /// Device bytes allocated from the backend and not yet released (live + cached).
     held: AtomicU64,
     peak: AtomicU64,
+    /// Kernel launches so far (every launch goes through [`Gpu::launch`]).
+    launches: AtomicU64,
     pool: std::sync::Mutex<std::collections::HashMap<usize, Vec<u64>>>,
 }
 
@@ -290,7 +292,18 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 impl Gpu {
     pub fn new(backend: Box<dyn Backend>) -> Arc<Gpu> {
-        Arc::new(Gpu { backend, held: AtomicU64::new(0), peak: AtomicU64::new(0), pool: Default::default() })
+        Arc::new(Gpu { backend, held: AtomicU64::new(0), peak: AtomicU64::new(0), launches: AtomicU64::new(0), pool: Default::default() })
+    }
+
+    /// Kernel launches so far.
+    pub fn launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
+    }
+
+    /// Launches `kernel` on the backend, counted.
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        self.backend.launch(kernel, grid, block, shared_bytes, args)
     }
 
     /// Device bytes held at most so far (live buffers and the cache of freed ones).
@@ -355,14 +368,14 @@ impl Gpu {
 
     /// One block per row over `rows` rows.
     fn launch_rows(&self, kernel: &str, rows: usize, args: &[Arg]) -> Result<(), String> {
-        self.backend.launch(kernel, [rows as u32, 1, 1], [self.bs(), 1, 1], 0, args)
+        self.launch(kernel, [rows as u32, 1, 1], [self.bs(), 1, 1], 0, args)
     }
 
     /// One thread per element over `n` elements.
     fn launch_flat(&self, kernel: &str, n: usize, args: &[Arg]) -> Result<(), String> {
         let bs = self.bs() as usize;
         let blocks = n.div_ceil(bs).max(1);
-        self.backend.launch(kernel, [blocks as u32, 1, 1], [bs as u32, 1, 1], 0, args)
+        self.launch(kernel, [blocks as u32, 1, 1], [bs as u32, 1, 1], 0, args)
     }
 
     /// The kernel and launch shape `matmul` uses for `w` and an `x` at device address `x`.
@@ -376,7 +389,7 @@ impl Gpu {
         let plan = self.matmul_plan(w, x, x_stride);
         for t0 in (0..m).step_by(MAX_TOKENS_PER_LAUNCH) {
             let mt = (m - t0).min(MAX_TOKENS_PER_LAUNCH);
-            self.backend.launch(
+            self.launch(
                 plan.kernel,
                 [w.rows.div_ceil(plan.rows_per_block() as usize) as u32, 1, 1],
                 [plan.block, 1, 1],
@@ -454,7 +467,7 @@ impl Gpu {
             return Err(format!("attention: {} heads over {} kv heads", cfg.n_head, cfg.n_head_kv));
         }
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        self.backend.launch(
+        self.launch(
             "ts_attention",
             [cfg.n_head as u32, m as u32, 1],
             [bs as u32, 1, 1],

@@ -347,4 +347,7 @@ impl DeviceModel for GpuModel {
     fn memory_peak_bytes(&self) -> Option<u64> {
         Some(self.gpu.peak_bytes())
     }
+    fn kernel_launches(&self) -> Option<u64> {
+        Some(self.gpu.launches())
+    }
 }

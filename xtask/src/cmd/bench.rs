@@ -49,6 +49,7 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     };
     pb.finish_and_clear();
     let device_peak = engine.memory_peak_bytes();
+    let launches = count_launches(&mut engine, &prompt, a.gen_len)?;
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
     outln!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
@@ -59,9 +60,18 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     if let Some(b) = device_peak {
         outln!("device memory peak: {:.1} MiB (weights, KV cache and activations held at once)", b as f64 / (1 << 20) as f64);
     }
+    if let Some(l) = &launches {
+        outln!(
+            "kernel launches: prefill ({} tokens) {}, decode {:.1} per token -> {:.2} us of decode time per launch",
+            r.prompt_len,
+            l.prefill,
+            l.per_decode_token,
+            1e6 / (med(&r.decode_tok_per_s) * l.per_decode_token)
+        );
+    }
     if r.effective_gbps.is_empty() {
         outln!("(this device does not report the bytes it reads per token: no bandwidth figures)");
-        return write_report(&a, r, device_peak);
+        return write_report(&a, r, device_peak, launches);
     }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
@@ -77,12 +87,31 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
     );
-    write_report(&a, r, device_peak)
+    write_report(&a, r, device_peak, launches)
+}
+
+/// Kernel launches of a prefill and of each decode step (GPU devices).
+struct Launches {
+    prefill: u64,
+    per_decode_token: f64,
+}
+
+/// Counts launches over two untimed greedy generations of the bench prompt, of 1 token (the
+/// prefill alone) and of `gen_len` tokens; None for engines that do not count launches.
+fn count_launches(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) -> Result<Option<Launches>, Exit> {
+    let greedy = oracle::ops::SamplerConfig::GREEDY;
+    let mut launches_of = |n: usize| -> Result<Option<u64>, Exit> {
+        let Some(before) = engine.kernel_launches() else { return Ok(None) };
+        engine.generate(prompt, n, &greedy, 0, None)?;
+        Ok(engine.kernel_launches().map(|after| after - before))
+    };
+    let (Some(prefill), Some(all)) = (launches_of(1)?, launches_of(gen_len)?) else { return Ok(None) };
+    Ok(Some(Launches { prefill, per_decode_token: all.saturating_sub(prefill) as f64 / (gen_len - 1) as f64 }))
 }
 
 /// report.json (the bench section holds every raw sample), report.md with the summary table, and
 /// the inter-token latency distribution plot.
-fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>) -> Result<u8, Exit> {
+fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>, launches: Option<Launches>) -> Result<u8, Exit> {
     use reports::plot::{Chart, Series};
     let med = suites::throughput::median;
     let mut metrics = serde_json::Map::new();
@@ -92,6 +121,8 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_byte
     metrics.insert("itl_p50_p90_p99_ms".into(), json!(r.itl_p50_p90_p99_ms));
     metrics.insert("peak_rss_kb".into(), json!(r.peak_rss_kb));
     metrics.insert("device_memory_peak_bytes".into(), json!(device_peak_bytes));
+    metrics.insert("kernel_launches_prefill".into(), json!(launches.as_ref().map(|l| l.prefill)));
+    metrics.insert("kernel_launches_per_decode_token".into(), json!(launches.as_ref().map(|l| l.per_decode_token)));
     let case = reports::Case {
         id: format!("bench(device={},model={},prompt={},gen={})", a.device, a.model, r.prompt_len, r.gen_len),
         device: a.device.clone(),

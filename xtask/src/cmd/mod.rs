@@ -99,6 +99,14 @@ impl Engine {
         }
     }
 
+    /// Kernel launches so far (GPU devices).
+    pub fn kernel_launches(&self) -> Option<u64> {
+        match self {
+            Engine::Oracle(_) => None,
+            Engine::Device(m) => m.kernel_launches(),
+        }
+    }
+
     /// The arithmetic the engine declares (the oracle: f32 or f64 storage, f64 accumulation).
     pub fn arithmetic(&self) -> devices::Arithmetic {
         match self {
