@@ -30,6 +30,11 @@
 # MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU; it then
 # ends with exit 3, the roofline being inconclusive on an emulator's timings).
 #
+# PACK=1 (the default when STAGE is set) leaves only two files in $OUT, summary.txt and
+# reports.tar.gz (every log and report, refreshed after each step, so a run cut short still
+# returns what it finished), for a sandbox that brings back at most 8 files from $OUT; the steps
+# then write under a temporary folder.
+#
 # Exit status: 0 all steps passed, 1 a gate failed, 2 a step could not run (1 wins over 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,22 +52,36 @@ for s in $STEPS; do
     esac
 done
 [ -n "${STEPS// /}" ] || { echo "STEPS is empty: nothing would be checked" >&2; exit 2; }
+PACK=${PACK:-$([ -n "${STAGE:-}" ] && echo 1 || echo 0)}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
+if [ "$PACK" = 1 ]; then
+    WORK=$(mktemp -d)  # the steps' logs and reports, packed into $OUT/reports.tar.gz
+    # However the script ends, the archive holds everything, the summary included.
+    trap 'cp "$SUMMARY" "$WORK/summary.txt"; pack; rm -rf "$WORK"' EXIT
+else
+    WORK=$OUT
+fi
 : > "$SUMMARY"
 started=$(date +%s)
 worst=0
-ran=()  # this run's step logs (the headline figures come from these alone, not from older runs in $OUT)
+ran=()  # this run's step logs (the headline figures come from these alone, not from older runs in $WORK)
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-# step NAME TIMEOUT_S COMMAND... : runs one step, its output in $OUT/NAME.log, its status in the summary.
+# Packs $WORK into $OUT/reports.tar.gz (PACK=1), replacing the previous archive whole.
+pack() {
+    [ "$PACK" = 1 ] || return 0
+    tar -czf "$OUT/reports.tar.gz.part" -C "$WORK" . && mv "$OUT/reports.tar.gz.part" "$OUT/reports.tar.gz"
+}
+
+# step NAME TIMEOUT_S COMMAND... : runs one step, its output in $WORK/NAME.log, its status in the summary.
 step() {
     local name=$1 limit=$2
     shift 2
     local t0=$(date +%s)
-    ran+=("$OUT/$name.log")
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    ran+=("$WORK/$name.log")
+    timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
     local rc=$?
     local verdict
     case $rc in
@@ -74,15 +93,16 @@ step() {
     esac
     note "$(printf '%-28s %-26s %4ss' "$name" "$verdict" $(( $(date +%s) - t0 )))"
     if [ $rc -ne 0 ]; then
-        tail -n 3 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+        tail -n 3 "$WORK/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
     fi
+    pack
     if [ $rc -eq 1 ] || { [ $rc -ne 0 ] && [ $worst -eq 0 ]; }; then worst=$rc; fi
     [ $rc -eq 3 ] && [ $worst -eq 0 ] && worst=3
     return 0
 }
 
 note "== Touchstone device check on $DEVICE ($(date -u +%FT%TZ))"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi not available"; } | tee "$OUT/gpu.txt" | tee -a "$SUMMARY"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi not available"; } | tee "$WORK/gpu.txt" | tee -a "$SUMMARY"
 
 if [ -n "${STAGE:-}" ]; then
     export TOUCHSTONE_BIN=$STAGE/bin/xtask TOUCHSTONE_PTX_CACHE=$STAGE/ptx TOUCHSTONE_CACHE=$STAGE/cache
@@ -120,25 +140,25 @@ for m in $needed; do
     step "fixtures-$m" 120 "$BIN" fixtures --model "$m"
 done
 if wanted kernels; then
-    step kernels 240 "$BIN" kernels --device "$DEVICE" --report-dir "$OUT/kernels"
+    step kernels 240 "$BIN" kernels --device "$DEVICE" --report-dir "$WORK/kernels"
     if [ "${SANITIZE:-0}" = 1 ]; then
         for tool in memcheck racecheck; do
             step "sanitize-$tool" 180 compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
-                "$BIN" kernels --device "$DEVICE" --shard 1/8 --report-dir "$OUT/sanitize-$tool"
+                "$BIN" kernels --device "$DEVICE" --shard 1/8 --report-dir "$WORK/sanitize-$tool"
         done
     fi
 fi
 if wanted models; then
     for m in $MODELS; do
-        step "layer-diff-$m" 180 "$BIN" layer-diff --device "$DEVICE" --model "$m" --report-dir "$OUT/layer-diff-$m"
-        step "fixed-token-$m" 240 "$BIN" fixed-token --device "$DEVICE" --model "$m" --report-dir "$OUT/fixed-token-$m"
+        step "layer-diff-$m" 180 "$BIN" layer-diff --device "$DEVICE" --model "$m" --report-dir "$WORK/layer-diff-$m"
+        step "fixed-token-$m" 240 "$BIN" fixed-token --device "$DEVICE" --model "$m" --report-dir "$WORK/fixed-token-$m"
     done
 fi
 if wanted bench; then
-    step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MODEL" --prompt-len 32 --gen-len 128 --reps 5 --report-dir "$OUT/bench-$BENCH_MODEL"
+    step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MODEL" --prompt-len 32 --gen-len 128 --reps 5 --report-dir "$WORK/bench-$BENCH_MODEL"
 fi
 if wanted roofline; then
-    step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$OUT/roofline"
+    step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$WORK/roofline"
 fi
 
 if [ ${#ran[@]} -eq 0 ]; then
@@ -146,6 +166,8 @@ if [ ${#ran[@]} -eq 0 ]; then
     exit 2
 fi
 note "== headline figures"
-grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|kernel launches|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$OUT/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
-note "== done in $(( $(date +%s) - started ))s, exit $worst; reports under $OUT"
+grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|kernel launches|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$WORK/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
+where=$OUT
+[ "$PACK" = 1 ] && where=$OUT/reports.tar.gz
+note "== done in $(( $(date +%s) - started ))s, exit $worst; logs and reports in $where"
 exit $worst

@@ -14,6 +14,8 @@
 # between the two) and runs SmolLM2's steps. On the GPU machine, `STAGE=.device ci/device-check.sh`
 # joins the halves into $STAGE/cache, where the fixture loader checks the file's sha256 before any
 # use (a wrong or partial join is an error, not a model), and runs everything from the stage.
+# A staged run leaves two files in $OUT, summary.txt and reports.tar.gz (every log and report),
+# since such a sandbox brings back at most 8 files.
 #
 #   ci/device-stage.sh                      # STAGE=.device ARCH=sm_90 (H100/H200); sm_80 for A100
 #

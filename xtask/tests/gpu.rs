@@ -134,8 +134,8 @@ fn device_check(env: &[(&str, &str)]) -> std::process::Output {
 
 /// ci/device-check.sh rehearsed on the emulator from a stage as ci/device-stage.sh lays it out:
 /// the model's two parts are joined byte for byte into the stage's cache, only the STEPS asked
-/// for run, each step is listed with its verdict, and the roofline, timed on the host, leaves the
-/// run inconclusive (exit 3) rather than passed.
+/// for run, each step is listed with its verdict, the roofline, timed on the host, leaves the
+/// run inconclusive (exit 3) rather than passed, and everything comes back as two files.
 #[test]
 fn the_device_check_runs_from_a_stage_on_the_emulator() {
     if !emulator_available() {
@@ -162,6 +162,16 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     }
     assert!(summary.lines().any(|l| l.starts_with("roofline") && l.contains("inconclusive")), "{summary}");
     assert!(!summary.lines().any(|l| l.starts_with("kernels") || l.starts_with("bench")), "steps not asked for ran:\n{summary}");
+    // A staged run packs (the sandbox brings back at most 8 files from $OUT): two files, the
+    // archive holding every step's log and report and the summary.
+    let mut files: Vec<String> = std::fs::read_dir(out.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    files.sort();
+    assert_eq!(files, ["reports.tar.gz", "summary.txt"]);
+    let listing = std::process::Command::new("tar").arg("-tzf").arg(out.path().join("reports.tar.gz")).output().unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    for f in ["./gpu.txt", "./summary.txt", "./layer-diff-tiny-llama.log", "./layer-diff-tiny-llama/report.json", "./fixed-token-tiny-llama/report.json", "./roofline/report.json"] {
+        assert!(listing.lines().any(|l| l == f), "`{f}` not in the archive:\n{listing}");
+    }
     // A misspelt step must not make a run that checks nothing and exits 0.
     let o = device_check(&[("STEPS", "kernel"), ("OUT", out_dir)]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
