@@ -52,8 +52,13 @@ pub struct GpuModel {
 }
 
 fn record(taps: &mut dyn Tap, name: &str, buf: &DevBuf, start: usize, m: usize, width: usize) -> Result<(), String> {
+    record_at(taps, name, buf, 0, start, m, width)
+}
+
+/// [`record`] of the `m * width` floats at `offset` (floats) in `buf` (a slice of the KV cache).
+fn record_at(taps: &mut dyn Tap, name: &str, buf: &DevBuf, offset: usize, start: usize, m: usize, width: usize) -> Result<(), String> {
     if taps.enabled() {
-        taps.record(name, start, m, width, &buf.download_f32(m * width)?);
+        taps.record(name, start, m, width, &buf.download_f32_at(offset, m * width)?);
     }
     Ok(())
 }
@@ -231,7 +236,10 @@ impl GpuModel {
         let x = g.alloc(4 * m * d)?;
         g.get_rows(&self.tok_embd, ids.ptr, m, x.ptr)?;
         record(taps, "inp_embd", &x, start, m, d)?;
-        let (h, q, k, v) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd)?, g.alloc(4 * m * kvd)?, g.alloc(4 * m * kvd)?);
+        // K and V are computed straight into the cache (its rows are the matmul's [m, kvd] output
+        // at position `start`), so no copy launches; Q into its own buffer.
+        let (h, q) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd)?);
+        let at = start * kvd;
         let (attn, attn_out) = (g.alloc(4 * m * qd)?, g.alloc(4 * m * d)?);
         let table = g.upload_f32(&super::rope_table(&s.rope, start..start + m))?;
         let neox = s.rope.style == RopeStyle::Neox;
@@ -240,6 +248,8 @@ impl GpuModel {
             let mut ffn_out: Option<DevBuf> = None;
             for stage in &s.stages {
                 let layer = &self.layers[li];
+                let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
+                let (k, v) = (kc.at_f32(at), vc.at_f32(at));
                 match stage {
                     Stage::AttnNorm => {
                         g.rms_norm(x.ptr, layer.attn_norm.ptr, h.ptr, m, d, eps)?;
@@ -247,35 +257,32 @@ impl GpuModel {
                     }
                     Stage::QkvProj => {
                         g.matmul(&layer.wq, h.ptr, d, m, q.ptr)?;
-                        g.matmul(&layer.wk, h.ptr, d, m, k.ptr)?;
-                        g.matmul(&layer.wv, h.ptr, d, m, v.ptr)?;
+                        g.matmul(&layer.wk, h.ptr, d, m, k)?;
+                        g.matmul(&layer.wv, h.ptr, d, m, v)?;
                         if let Some([bq, bk, bv]) = &layer.bias {
                             g.add(q.ptr, bq.ptr, q.ptr, m * qd, qd)?;
-                            g.add(k.ptr, bk.ptr, k.ptr, m * kvd, kvd)?;
-                            g.add(v.ptr, bv.ptr, v.ptr, m * kvd, kvd)?;
+                            g.add(k, bk.ptr, k, m * kvd, kvd)?;
+                            g.add(v, bv.ptr, v, m * kvd, kvd)?;
                         }
                         record(taps, &name("attn_q"), &q, start, m, qd)?;
-                        record(taps, &name("attn_k"), &k, start, m, kvd)?;
-                        record(taps, &name("attn_v"), &v, start, m, kvd)?;
+                        record_at(taps, &name("attn_k"), kc, at, start, m, kvd)?;
+                        record_at(taps, &name("attn_v"), vc, at, start, m, kvd)?;
                     }
                     Stage::QkNorm => {
                         if let Some([qn, kn]) = &layer.qk_norm {
                             g.rms_norm(q.ptr, qn.ptr, q.ptr, m * s.n_head, hd, eps)?;
-                            g.rms_norm(k.ptr, kn.ptr, k.ptr, m * s.n_head_kv, hd, eps)?;
+                            g.rms_norm(k, kn.ptr, k, m * s.n_head_kv, hd, eps)?;
                         }
                         record(taps, &name("attn_q_norm"), &q, start, m, qd)?;
-                        record(taps, &name("attn_k_norm"), &k, start, m, kvd)?;
+                        record_at(taps, &name("attn_k_norm"), kc, at, start, m, kvd)?;
                     }
                     Stage::Rope => {
                         g.rope(q.ptr, &table, m, s.n_head, hd, s.rope.n_rot, neox)?;
-                        g.rope(k.ptr, &table, m, s.n_head_kv, hd, s.rope.n_rot, neox)?;
+                        g.rope(k, &table, m, s.n_head_kv, hd, s.rope.n_rot, neox)?;
                         record(taps, &name("attn_q_rope"), &q, start, m, qd)?;
-                        record(taps, &name("attn_k_rope"), &k, start, m, kvd)?;
+                        record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
                     }
                     Stage::Attention => {
-                        let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
-                        g.copy(k.ptr, kc.at_f32(start * kvd), m * kvd)?;
-                        g.copy(v.ptr, vc.at_f32(start * kvd), m * kvd)?;
                         let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.sliding_window.unwrap_or(0) };
                         g.attention(q.ptr, pos.ptr, kc.ptr, vc.ptr, attn.ptr, m, start + m, &cfg)?;
                         record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
