@@ -61,7 +61,7 @@ enum Command {
     Run(cmd::run::RunArgs),
     /// Writes every tap and the logits of every position in the dump format (docs/DUMP_FORMAT.md).
     Dump(cmd::dump::DumpArgs),
-    /// Throughput of a device on a model: prefill/decode tok/s, time to first token, inter-token latency percentiles, peak RSS (for the oracle also weight bandwidth vs a memory probe).
+    /// Throughput of a device on a model: prefill/decode tok/s, time to first token, inter-token latency percentiles, peak RSS (for the oracle also weight bandwidth vs a memory probe; for GPU devices device memory peak and kernel launches per step).
     Bench(cmd::bench::BenchArgs),
     /// GEMV weight bandwidth per weight type vs the device's copy bandwidth, measured in one run (GPU devices and cpu); gated by --min-ratio.
     Roofline(cmd::roofline::RooflineArgs),

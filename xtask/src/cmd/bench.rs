@@ -1,6 +1,7 @@
 //! `cargo xtask bench`: prefill and decode throughput, time to first token, inter-token latency
 //! percentiles, peak resident memory and the machine's state per repetition (every raw sample kept
-//! in report.json); for the oracle also its weight bandwidth against a probe taken in the same run.
+//! in report.json); for the oracle also its weight bandwidth against a probe taken in the same run;
+//! for GPU devices the device memory peak and the kernel launches of a prefill and of a decode step.
 
 use super::{check_device, load_engine};
 use crate::Exit;
