@@ -64,5 +64,5 @@ trip2=$(( tree + $(du -sb "$STAGE/smol-b" | cut -f1) ))
 echo "== staged under $STAGE: trip 1 (tree + bin + ptx + smol-a) $(( trip1 >> 20 )) MiB, trip 2 (tree + smol-b) $(( trip2 >> 20 )) MiB"
 echo "   trip 1: carry $STAGE/bin $STAGE/ptx $STAGE/smol-a; command:"
 echo "     STAGE=$STAGE STEPS='kernels models roofline' MODELS='tiny-llama tiny-qwen3 tiny-moe' ci/device-check.sh"
-echo "   trip 2 (at once, while the machine is warm): carry $STAGE/smol-b; command:"
+echo "   trip 2 (at once: the machine stays warm only ~30 s, so issue it right behind trip 1, in the same batch of calls if the tool runs them in order; on a fresh machine it finds no binary and says so): carry $STAGE/smol-b; command:"
 echo "     STAGE=$STAGE STEPS='models bench' MODELS=smollm2 ci/device-check.sh"
