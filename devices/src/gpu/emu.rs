@@ -489,12 +489,18 @@ extern "C" __global__ void arith(const float* x, float* y) {
     }
 
     fn emulator() -> Option<EmuBackend> {
-        emulator_with(Schedule::Forward)
+        emulator_with(Schedule::Forward, Arith::default())
     }
 
-    fn emulator_with(schedule: Schedule) -> Option<EmuBackend> {
-        match EmuBackend::with_source(SOURCE, schedule, Arith::default()) {
+    /// The test kernels' emulator, or None (saying SKIPPED) without a C++ compiler, or for `fma`
+    /// on a host CPU without fused multiply-add.
+    fn emulator_with(schedule: Schedule, arith: Arith) -> Option<EmuBackend> {
+        match EmuBackend::with_source(SOURCE, schedule, arith) {
             Ok(b) => Some(b),
+            Err(e) if e.contains("lacks") => {
+                eprintln!("SKIPPED: {e}");
+                None
+            }
             Err(e) => {
                 assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
                 eprintln!("SKIPPED: gpu-emu unavailable: {e}");
@@ -516,20 +522,9 @@ extern "C" __global__ void arith(const float* x, float* y) {
         let x = [a, a, -(1.0 + 2f32.powi(-11)), 0.37];
         let mut seen = Vec::new();
         for (fma, ulps) in [(false, 0), (true, 0), (false, 2), (true, 2), (false, 7)] {
-            let b = match EmuBackend::with_source(SOURCE, Schedule::Forward, Arith { fma, ulps }) {
-                Ok(b) => b,
-                Err(e) if e.contains("lacks") => {
-                    eprintln!("SKIPPED: {e}");
-                    return;
-                }
-                Err(e) => {
-                    assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
-                    eprintln!("SKIPPED: gpu-emu unavailable: {e}");
-                    return;
-                }
-            };
+            let Some(b) = emulator_with(Schedule::Forward, Arith { fma, ulps }) else { return };
             let (xp, yp) = (b.alloc(16).unwrap(), b.alloc(12).unwrap());
-            b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+            b.upload(xp, &super::super::f32_bytes(&x)).unwrap();
             b.launch("arith", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp)]).unwrap();
             let y = floats(&b, yp, 3);
             assert_eq!(y[0], if fma { 2f32.powi(-24) } else { 0.0 }, "fma={fma}");
@@ -545,7 +540,7 @@ extern "C" __global__ void arith(const float* x, float* y) {
         let Some(b) = emulator() else { return };
         let x: Vec<f32> = (0..3 * 16).map(|i| i as f32).collect();
         let (xp, sp) = (b.alloc(4 * x.len()).unwrap(), b.alloc(12).unwrap());
-        b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+        b.upload(xp, &super::super::f32_bytes(&x)).unwrap();
         b.launch("block_sums", [3, 1, 1], [16, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(sp)]).unwrap();
         let expect: Vec<f32> = x.chunks(16).map(|c| c.iter().sum()).collect();
         assert_eq!(floats(&b, sp, 3), expect);
@@ -584,9 +579,9 @@ extern "C" __global__ void arith(const float* x, float* y) {
         let expect: Vec<f32> = x.chunks(16).map(|c| c.iter().sum()).collect();
         let mut racy = Vec::new();
         for schedule in [Schedule::Forward, Schedule::Reverse, Schedule::Shuffle] {
-            let Some(b) = emulator_with(schedule) else { return };
+            let Some(b) = emulator_with(schedule, Arith::default()) else { return };
             let (xp, sp) = (b.alloc(4 * x.len()).unwrap(), b.alloc(12).unwrap());
-            b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+            b.upload(xp, &super::super::f32_bytes(&x)).unwrap();
             b.launch("block_sums", [3, 1, 1], [16, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(sp)]).unwrap();
             assert_eq!(floats(&b, sp, 3), expect, "{schedule:?}");
             let yp = b.alloc(4 * 8).unwrap();
@@ -622,10 +617,10 @@ extern "C" __global__ void arith(const float* x, float* y) {
 
     #[test]
     fn racecheck_finds_two_threads_writing_one_shared_word() {
-        let Some(mut b) = emulator_with(Schedule::Shuffle) else { return };
+        let Some(mut b) = emulator_with(Schedule::Shuffle, Arith::default()) else { return };
         let x: Vec<f32> = (1..=8).map(|i| i as f32).collect();
         let (xp, yp) = (b.alloc(32).unwrap(), b.alloc(4).unwrap());
-        b.upload(xp, &x.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+        b.upload(xp, &super::super::f32_bytes(&x)).unwrap();
         // Without the check the sum even comes out right: each thread's turn runs whole.
         b.launch("racy_sum", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp)]).unwrap();
         assert_eq!(floats(&b, yp, 1), vec![36.0]);

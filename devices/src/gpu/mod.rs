@@ -750,8 +750,8 @@ impl GpuDevice {
     }
 }
 
-/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu[:forward|reverse|shuffle][:THREADS][:racecheck][:fma][:ulp2]`, or says
-/// why it is unavailable.
+/// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu` with its options ([`crate::gpu_emu_syntax`]), or
+/// says why it is unavailable.
 pub fn open(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: String| DeviceError::Unavailable(name.to_string(), why);
     let index = |prefix: &str| -> Result<usize, DeviceError> {

@@ -246,10 +246,10 @@ impl GpuModel {
         for li in 0..s.n_layer {
             let name = |t: &str| format!("blk.{li}.{t}");
             let mut ffn_out: Option<DevBuf> = None;
+            let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
+            let (k, v) = (kc.at_f32(at), vc.at_f32(at));
             for stage in &s.stages {
                 let layer = &self.layers[li];
-                let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
-                let (k, v) = (kc.at_f32(at), vc.at_f32(at));
                 match stage {
                     Stage::AttnNorm => {
                         g.rms_norm(x.ptr, layer.attn_norm.ptr, h.ptr, m, d, eps)?;
