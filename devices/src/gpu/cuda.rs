@@ -95,9 +95,14 @@ pub fn cached_ptx(kernels: &str, arch: &str) -> Result<String, String> {
         return Ok(ptx);
     }
     let ptx = compile_ptx(kernels, arch)?;
-    let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
-    if std::fs::create_dir_all(ptx_cache_dir()).is_ok() && std::fs::write(&tmp, &ptx).is_ok() {
-        let _ = std::fs::rename(&tmp, &path);
+    // A private temporary file, then a rename: another thread or process compiling the same
+    // kernels never reads a half-written file. Failing to cache only costs a compile next time.
+    if std::fs::create_dir_all(ptx_cache_dir()).is_ok() {
+        if let Ok(mut tmp) = tempfile::NamedTempFile::new_in(ptx_cache_dir()) {
+            if std::io::Write::write_all(&mut tmp, ptx.as_bytes()).is_ok() {
+                let _ = tmp.persist(&path);
+            }
+        }
     }
     Ok(ptx)
 }
