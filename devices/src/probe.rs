@@ -22,7 +22,28 @@ pub fn weights(ty: GgmlType, bytes: usize) -> Result<(usize, Vec<u8>), String> {
     let row: Vec<f32> = (0..COLS).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
     let row_bytes = oracle::quant::encode(ty, &row).map_err(|e| e.to_string())?;
     let rows = (bytes / row_bytes.len()).max(1);
-    Ok((rows, row_bytes.repeat(rows)))
+    let mut w = with_capacity(rows * row_bytes.len(), "weight matrix")?;
+    for _ in 0..rows {
+        w.extend_from_slice(&row_bytes);
+    }
+    Ok((rows, w))
+}
+
+/// `n` copies of `v`, or an error naming the buffer when the host cannot hold it (a size asked
+/// for on the command line must not abort the process).
+pub fn filled<T: Clone>(v: T, n: usize, what: &str) -> Result<Vec<T>, String> {
+    let mut out = with_capacity(n, what)?;
+    out.resize(n, v);
+    Ok(out)
+}
+
+/// An empty vector with room for `n` values, or an error naming the buffer.
+fn with_capacity<T>(n: usize, what: &str) -> Result<Vec<T>, String> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| {
+        format!("cannot allocate the {what}: {n} x {} bytes ({:.1} GiB) on the host", std::mem::size_of::<T>(), n as f64 * std::mem::size_of::<T>() as f64 / (1u64 << 30) as f64)
+    })?;
+    Ok(out)
 }
 
 /// Floats in a copy buffer of about `bytes` (a multiple of 4, so the copy can move 16 bytes at a time).

@@ -131,8 +131,21 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
+    /// Tensor `name`, refused when it holds NaN or an infinity: a weight that is not a number is a
+    /// broken file, and a judge that loaded it would pass on NaN to every device it judges.
     fn get(&self, name: &str) -> Result<Option<crate::loader::LoadedTensor>> {
-        self.src.load(name)
+        let Some(t) = self.src.load(name)? else { return Ok(None) };
+        if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+            let cols = t.dims.first().copied().unwrap_or(1).max(1);
+            return Err(OracleError::Spec(format!(
+                "{}: tensor `{name}` holds {} at element {i} (row {}, column {}); a model's weights must be finite",
+                self.src.label(),
+                t.data[i],
+                i / cols,
+                i % cols
+            )));
+        }
+        Ok(Some(t))
     }
 
     fn vec<T: Real>(&self, name: &str, len: usize) -> Result<Vec<T>> {
@@ -186,6 +199,12 @@ impl<T: Real> Model<T> {
         let tok_embd = l.mat("token_embd.weight", s.n_vocab, d)?;
         let output_norm = l.vec("output_norm.weight", d)?;
         let output = if s.tied_output { None } else { Some(l.mat("output.weight", s.n_vocab, d)?) };
+        // A layer count the files do not back is one error naming the layer it lacks (layers
+        // load in parallel below, so their own errors would name whichever layer failed first).
+        let last = format!("blk.{}.attn_norm.weight", s.n_layer - 1);
+        if l.get(&last)?.is_none() {
+            return Err(OracleError::Spec(format!("{}: the model has {} layers but no tensor `{last}`", src.label(), s.n_layer)));
+        }
         let layers = (0..s.n_layer)
             .into_par_iter()
             .map(|i| -> Result<Layer<T>> {
@@ -234,6 +253,10 @@ impl<T: Real> Model<T> {
                     ffn,
                 })
             })
+            // Every layer's result, then the first error in layer order: the same message
+            // whichever thread finished first.
+            .collect::<Vec<Result<Layer<T>>>>()
+            .into_iter()
             .collect::<Result<Vec<_>>>()?;
         Ok(Model { spec, tok_embd, output_norm, output, layers })
     }

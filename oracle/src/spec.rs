@@ -155,6 +155,24 @@ impl ModelSpec {
         if !(self.rope.theta.is_finite() && self.rope.theta > 0.0) {
             return Err(spec_err(format!("rope theta {} is not positive", self.rope.theta)));
         }
+        let positive = |v: f64, what: &str| if v.is_finite() && v > 0.0 { Ok(()) } else { Err(spec_err(format!("rope scaling {what} {v} is not a finite positive number"))) };
+        match self.rope.scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => positive(factor, "factor")?,
+            RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
+                positive(factor, "factor")?;
+                positive(beta_fast, "yarn beta_fast")?;
+                positive(beta_slow, "yarn beta_slow")?;
+                positive(attn_factor, "attention factor")?;
+                if !(ext_factor.is_finite() && ext_factor >= 0.0) {
+                    return Err(spec_err(format!("rope scaling yarn ext_factor {ext_factor} is not a finite non-negative number")));
+                }
+                pos(original_context, "rope scaling original context length")?;
+            }
+        }
+        if self.sliding_window == Some(0) {
+            return Err(spec_err("sliding window is zero"));
+        }
         if let Some(m) = &self.moe {
             if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
                 return Err(spec_err(format!("{} experts used out of {}", m.n_expert_used, m.n_expert)));
@@ -271,7 +289,26 @@ impl ModelSpec {
         };
         spec.derive_stages();
         spec.validate()?;
+        spec.check_against_tensors(g)?;
         Ok(spec)
+    }
+
+    /// The sizes every loader allocates by (vocabulary, width, layer count) must be backed by the
+    /// file's tensors: metadata claiming 2^40 tokens or layers over a small file is an error here,
+    /// not a huge allocation in whichever device loads the file next.
+    fn check_against_tensors(&self, g: &GgufFile) -> Result<()> {
+        let te = g.tensor("token_embd.weight").ok_or_else(|| spec_err(format!("{}: missing tensor `token_embd.weight`", g.path)))?;
+        if te.dims.as_slice() != [self.n_embd as u64, self.n_vocab as u64] {
+            return Err(spec_err(format!(
+                "{}: tensor `token_embd.weight` has dims {:?}, but the metadata says embedding_length {} and vocabulary {}",
+                g.path, te.dims, self.n_embd, self.n_vocab
+            )));
+        }
+        let last = format!("blk.{}.attn_norm.weight", self.n_layer - 1);
+        if g.tensor(&last).is_none() {
+            return Err(spec_err(format!("{}: block_count is {} but the file has no `{last}`", g.path, self.n_layer)));
+        }
+        Ok(())
     }
 
     /// Builds the spec of a safetensors model from its Hugging Face `config.json`.

@@ -135,6 +135,28 @@ fn exit_codes_follow_the_contract() {
 }
 
 #[test]
+fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
+    // Each is one line on stderr and exit 2: no overflow panic, no aborted allocation, and no
+    // gate left with nothing to compare.
+    let refused = |args: &[&str], want: &str| {
+        let o = xtask(args, &[]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {e}");
+        assert!(e.contains(want) && !e.contains("panicked"), "{args:?}: {e}");
+    };
+    refused(&["roofline", "--device", "cpu", "--mib", "8796093022208"], "more memory than this machine can address");
+    refused(&["roofline", "--device", "cpu", "--mib", "1099511627776", "--reps", "1"], "cannot allocate the copy source");
+    refused(&["roofline", "--device", "cpu", "--min-ratio", "NaN"], "--min-ratio NaN must be a positive number");
+    refused(&["bench", "--device", "cpu", "--model", "tiny-llama", "--prompt-len", "100000000"], "exceed 2^20 positions");
+    refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
+    let mut golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(workspace().join("fixtures/golden/tiny-llama.json")).unwrap()).unwrap();
+    golden["continuation_ids"] = serde_json::json!([]);
+    let f = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
+    std::fs::write(f.path(), golden.to_string()).unwrap();
+    refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--golden", f.path().to_str().unwrap()], "the golden has no continuation tokens");
+}
+
+#[test]
 fn a_reader_that_stops_early_ends_the_run_quietly() {
     // `cargo xtask kernels | head -1`: once the reader has gone, the next write to stdout ends
     // the process with 141 (as SIGPIPE would) and no panic message. The whole suite prints a
@@ -167,6 +189,51 @@ fn corrupt_gguf_is_reported_with_field_and_offset() {
     assert_eq!(o.status.code(), Some(2));
     let e = stderr(&o);
     assert!(e.contains("byte offset") && e.contains(".offset"), "{e}");
+}
+
+/// tiny-llama's bytes with the u32 value of metadata key `key` set to `v`.
+fn with_meta_u32(bytes: &[u8], key: &str, v: u32) -> Vec<u8> {
+    let mut b = bytes.to_vec();
+    let at = b.windows(key.len()).position(|w| w == key.as_bytes()).unwrap() + key.len();
+    assert_eq!(u32::from_le_bytes(b[at..at + 4].try_into().unwrap()), 4, "{key} is a u32");
+    b[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
+    b
+}
+
+#[test]
+fn metadata_the_tensors_do_not_back_and_nan_weights_are_refused_by_every_loader() {
+    // A vocabulary or block count of 2^30 over a 1 MB file: each loader would size its tables and
+    // layer lists by it. The spec checks them against the tensors, so every device says why.
+    let src = fixtures::resolve("tiny-llama", true).unwrap();
+    let good = std::fs::read(&src).unwrap();
+    let cases = [
+        (with_meta_u32(&good, "llama.block_count", 1 << 30), "block_count is 1073741824 but the file has no `blk.1073741823.attn_norm.weight`"),
+        (with_meta_u32(&good, "llama.vocab_size", 1 << 30), "metadata says embedding_length 256 and vocabulary 1073741824"),
+    ];
+    for (bytes, want) in &cases {
+        let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+        std::fs::write(f.path(), bytes).unwrap();
+        for device in ["ref", "cpu", "fixed", "gpu-emu"] {
+            let o = xtask(&["run", "--model", f.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "{device}: {e}");
+            assert!(e.contains(want) && !e.contains("panicked"), "{device}: {e}");
+        }
+    }
+
+    // A NaN in an F32 weight: the judge refuses the file and names the tensor and the element.
+    let g = oracle::gguf::GgufFile::open(&src).unwrap();
+    let t = g.tensor("output_norm.weight").unwrap();
+    assert_eq!(t.ty, oracle::quant::GgmlType::F32);
+    let mut bytes = good.clone();
+    let at = t.file_offset as usize + 4 * 3;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+    std::fs::write(f.path(), &bytes).unwrap();
+    let o = xtask(&["run", "--model", f.path().to_str().unwrap(), "--prompt-ids", "1"], &[]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(e.contains("tensor `output_norm.weight` holds NaN at element 3"), "{e}");
 }
 
 #[test]

@@ -216,7 +216,7 @@ fn probe(bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
         Ok(t.elapsed().as_secs_f64())
     };
     let n = probe::copy_floats(bytes);
-    let (src, mut dst) = (vec![1.0f32; n], vec![0.0f32; n]);
+    let (src, mut dst) = (probe::filled(1.0f32, n, "copy source")?, probe::filled(0.0f32, n, "copy destination")?);
     let t = probe::best_of(reps, &wall, &mut || {
         dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
         Ok(())

@@ -732,7 +732,7 @@ impl GpuDevice {
         let g = &self.gpu;
         let events = |f: &mut dyn FnMut() -> Result<(), String>| g.backend.time(f);
         let n = probe::copy_floats(bytes);
-        let (src, dst) = (g.upload_f32(&vec![1.0; n])?, g.alloc(4 * n)?);
+        let (src, dst) = (g.upload_f32(&probe::filled(1.0, n, "copy source")?)?, g.alloc(4 * n)?);
         let t = probe::best_of(reps, &events, &mut || g.copy(src.ptr, dst.ptr, n))?;
         let copy_gbps = 2.0 * (4 * n) as f64 / t / 1e9;
         drop((src, dst));

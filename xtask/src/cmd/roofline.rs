@@ -31,12 +31,16 @@ pub struct RooflineArgs {
 }
 
 pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
-    let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
     if a.mib == 0 || a.reps == 0 {
         return Err(Exit { code: 2, message: "--mib and --reps must be at least 1".into() });
     }
+    let bytes = a.mib.checked_mul(1 << 20).filter(|b| *b <= isize::MAX as usize / 4).ok_or_else(|| Exit { code: 2, message: format!("--mib {} is more memory than this machine can address", a.mib) })?;
+    if !(a.min_ratio.is_finite() && a.min_ratio > 0.0) {
+        return Err(Exit { code: 2, message: format!("--min-ratio {} must be a positive number", a.min_ratio) });
+    }
+    let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let probe = device
-        .bandwidth_probe(a.mib << 20, a.reps)
+        .bandwidth_probe(bytes, a.reps)
         .ok_or_else(|| Exit { code: 2, message: format!("device `{}` has no bandwidth probe (cpu and the GPU devices have one)", a.device) })?
         .map_err(|e| Exit { code: 2, message: e.to_string() })?;
     if !probe.gemv.iter().any(|g| g.ty == a.gate_type) {
