@@ -148,6 +148,8 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["roofline", "--device", "cpu", "--mib", "1099511627776", "--reps", "1"], "cannot allocate the copy source");
     refused(&["roofline", "--device", "cpu", "--min-ratio", "NaN"], "--min-ratio NaN must be a positive number");
     refused(&["bench", "--device", "cpu", "--model", "tiny-llama", "--prompt-len", "100000000"], "exceed 2^20 positions");
+    refused(&["ab", "--a", "cpu", "--b", "ref", "--model", "tiny-llama", "--prompt-len", "100000000"], "exceed 2^20 positions");
+    refused(&["ab", "--a", "cpu", "--b", "ref", "--model", "tiny-llama", "--pairs", "5", "--max-pairs", "2", "--threshold", "inf"], "need --max-pairs >= --pairs, --threshold a positive percentage");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
     let mut golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(workspace().join("fixtures/golden/tiny-llama.json")).unwrap()).unwrap();
     golden["continuation_ids"] = serde_json::json!([]);

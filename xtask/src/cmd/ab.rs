@@ -435,12 +435,22 @@ struct Pair {
 }
 
 pub fn main(a: AbArgs) -> Result<u8, Exit> {
-    if a.pairs < 2 || a.max_pairs < a.pairs || a.gen_len < 2 || a.prompt_len == 0 || !(a.threshold > 0.0) {
-        return Err(Exit { code: 2, message: "need --pairs >= 2, --max-pairs >= --pairs, --gen-len >= 2, --prompt-len >= 1, --threshold > 0".into() });
+    let broken: Vec<&str> = [
+        (a.pairs < 2, "--pairs >= 2"),
+        (a.max_pairs < a.pairs, "--max-pairs >= --pairs"),
+        (a.gen_len < 2, "--gen-len >= 2"),
+        (a.prompt_len == 0, "--prompt-len >= 1"),
+        (!(a.threshold > 0.0 && a.threshold.is_finite()), "--threshold a positive percentage"),
+    ]
+    .into_iter()
+    .filter_map(|(bad, rule)| bad.then_some(rule))
+    .collect();
+    if !broken.is_empty() {
+        return Err(Exit { code: 2, message: format!("need {}", broken.join(", ")) });
     }
     let model = super::resolve_model(&a.model)?;
-    let n_vocab = oracle::loader::open_model(&model)?.1.n_vocab as u32;
-    let ids: Vec<String> = (0..a.prompt_len as u32).map(|i| (1 + (i * 7919) % (n_vocab - 1)).to_string()).collect();
+    let n_vocab = oracle::loader::open_model(&model)?.1.n_vocab;
+    let ids: Vec<String> = super::bench_prompt(a.prompt_len, a.gen_len, n_vocab)?.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
     let ra = prepare("A", Arm::parse(&a.a)?, &model, &a.model, &ids, a.gen_len)?;
     let rb = prepare("B", Arm::parse(&a.b)?, &model, &a.model, &ids, a.gen_len)?;

@@ -36,12 +36,8 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     if a.prompt_len == 0 || a.gen_len < 2 || a.reps == 0 {
         return Err(Exit { code: 2, message: "--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required".into() });
     }
-    if a.prompt_len.saturating_add(a.gen_len) > 1 << 20 {
-        return Err(Exit { code: 2, message: format!("--prompt-len {} + --gen-len {} exceed 2^20 positions", a.prompt_len, a.gen_len) });
-    }
     let (_, mut engine, _) = load_engine(&a.model, &a.device, a.precision)?;
-    let n_vocab = engine.spec().n_vocab as u32;
-    let prompt: Vec<u32> = (0..a.prompt_len as u64).map(|i| 1 + (i * 7919 % (n_vocab as u64 - 1).max(1)) as u32).collect();
+    let prompt = super::bench_prompt(a.prompt_len, a.gen_len, engine.spec().n_vocab)?;
     let pb = indicatif::ProgressBar::new(a.reps as u64);
     pb.set_style(indicatif::ProgressStyle::with_template("bench {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
     let r = match &mut engine {

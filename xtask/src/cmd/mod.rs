@@ -152,6 +152,16 @@ pub fn check_ids(ids: &[u32], n_vocab: usize) -> Result<(), Exit> {
     Ok(())
 }
 
+/// The synthetic prompt of `bench` and `ab`: `prompt_len` ids spread over the vocabulary (never
+/// id 0), refused when prompt and generation together exceed the 2^20 positions a run may take.
+pub fn bench_prompt(prompt_len: usize, gen_len: usize, n_vocab: usize) -> Result<Vec<u32>, Exit> {
+    if prompt_len.saturating_add(gen_len) > 1 << 20 {
+        return Err(Exit { code: 2, message: format!("--prompt-len {prompt_len} + --gen-len {gen_len} exceed 2^20 positions") });
+    }
+    let spread = (n_vocab as u64).saturating_sub(1).max(1);
+    Ok((0..prompt_len as u64).map(|i| (1 + i * 7919 % spread) as u32).collect())
+}
+
 /// Parses `K/N` (1 <= K <= N).
 pub fn parse_shard(s: &str) -> Result<(usize, usize), Exit> {
     let bad = || Exit { code: 2, message: format!("--shard `{s}`: expected K/N with 1 <= K <= N, e.g. 2/4") };
