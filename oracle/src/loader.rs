@@ -88,6 +88,12 @@ pub fn hf_to_gguf_name(hf: &str) -> Option<String> {
 impl SafetensorsDir {
     pub fn open(dir: &Path) -> Result<(SafetensorsDir, ModelSpec)> {
         let cfg_path = dir.join("config.json");
+        if !cfg_path.is_file() {
+            return Err(OracleError::Safetensors {
+                file: dir.display().to_string(),
+                reason: "a directory is read as a safetensors model, which needs config.json and *.safetensors files; this one has no config.json".into(),
+            });
+        }
         let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| OracleError::io(&cfg_path, e))?;
         let cfg: serde_json::Value = serde_json::from_str(&cfg_text).map_err(|e| OracleError::Safetensors {
             file: cfg_path.display().to_string(),
