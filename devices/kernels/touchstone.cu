@@ -227,6 +227,42 @@ __device__ int ts_block_argbest(float v, int i, float* red, int* redi) {
 // epilogue: ts_matmul (float types element by element, any k), ts_matmul_v (float types 16 bytes
 // at a time), ts_matmul_q (packed 32-element chunks, every type). Dynamic shared: m * blockDim.x
 // floats.
+//
+// One launch multiplies the same x by up to three matrices (Q, K and V; gate and up), which
+// saves launches where a decode step is bound by them: blocks [0, b1) compute matrix 0, [b1, b2)
+// matrix 1 and [b2, gridDim.x) matrix 2, each with its own weights, type, row count, lanes and
+// output (y's rows are `rows` apart). A one-matrix launch passes b1 = b2 = gridDim.x. Each row's
+// arithmetic is the same as in a launch of its matrix alone.
+#define TS_MATMUL_PARAMS                                                                       \
+    int k, const float *x, int x_stride, int m, const u8 *w0, int ty0, long long rb0, int rows0, \
+        int lanes0, float *y0, int b1, const u8 *w1, int ty1, long long rb1, int rows1,         \
+        int lanes1, float *y1, int b2, const u8 *w2, int ty2, long long rb2, int rows2, int lanes2, float *y2
+#define TS_MATMUL_SEGMENTS w0, ty0, rb0, rows0, lanes0, y0, b1, w1, ty1, rb1, rows1, lanes1, y1, b2, w2, ty2, rb2, rows2, lanes2, y2
+
+// The matrix this block computes, and the block's index among that matrix's blocks.
+struct TsMatmulSegment {
+    const u8* w;
+    int ty;
+    long long row_bytes;
+    int rows, lanes;
+    float* y;
+    int block;
+};
+
+__device__ __forceinline__ TsMatmulSegment ts_matmul_segment(const u8* w0, int ty0, long long rb0, int rows0, int lanes0, float* y0, int b1,
+                                                             const u8* w1, int ty1, long long rb1, int rows1, int lanes1, float* y1, int b2,
+                                                             const u8* w2, int ty2, long long rb2, int rows2, int lanes2, float* y2) {
+    int b = blockIdx.x;
+    TsMatmulSegment s;
+    if (b >= b2) {
+        s.w = w2; s.ty = ty2; s.row_bytes = rb2; s.rows = rows2; s.lanes = lanes2; s.y = y2; s.block = b - b2;
+    } else if (b >= b1) {
+        s.w = w1; s.ty = ty1; s.row_bytes = rb1; s.rows = rows1; s.lanes = lanes1; s.y = y1; s.block = b - b1;
+    } else {
+        s.w = w0; s.ty = ty0; s.row_bytes = rb0; s.rows = rows0; s.lanes = lanes0; s.y = y0; s.block = b;
+    }
+    return s;
+}
 
 // Sums each row's lanes for every token with one shared-memory tree (the same tree for every
 // launch of a shape, so the result does not depend on scheduling) and lane 0 writes y (r < 0:
@@ -247,22 +283,22 @@ __device__ void ts_matmul_store(const float* acc, float* red, int lanes, int r, 
             if (t < m) y[(long long)t * y_stride + r] = red[t * bd + tid];
 }
 
-// This thread's weight row index (r = -1 past the last row; the row pointer is then null), its
-// lane, and its sums set to zero.
-__device__ __forceinline__ const u8* ts_matmul_begin(const u8* w, long long row_bytes, int rows, int lanes, int* r, int* lane, float* acc) {
+// This thread's weight row index in its segment (r = -1 past the last row; the row pointer is
+// then null), its lane, and its sums set to zero.
+__device__ __forceinline__ const u8* ts_matmul_begin(const TsMatmulSegment& sg, int* r, int* lane, float* acc) {
     for (int t = 0; t < TS_MAX_TOKENS; ++t) acc[t] = 0.0f;
-    *lane = threadIdx.x & (lanes - 1);
-    *r = blockIdx.x * (blockDim.x / lanes) + threadIdx.x / lanes;
-    if (*r >= rows) *r = -1;
-    return *r < 0 ? 0 : w + (long long)*r * row_bytes;
+    *lane = threadIdx.x & (sg.lanes - 1);
+    *r = sg.block * (blockDim.x / sg.lanes) + threadIdx.x / sg.lanes;
+    if (*r >= sg.rows) *r = -1;
+    return *r < 0 ? 0 : sg.w + (long long)*r * sg.row_bytes;
 }
 
-extern "C" __global__ void ts_matmul(const u8* w, int ty, long long row_bytes, int rows, int k, int lanes,
-                                     const float* x, int x_stride, int m, float* y, int y_stride) {
+extern "C" __global__ void ts_matmul(TS_MATMUL_PARAMS) {
     DYNAMIC_SHARED(float, red);
-    int r, lane;
+    TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
+    int ty = sg.ty, lanes = sg.lanes, r, lane;
     float acc[TS_MAX_TOKENS];
-    const u8* row = ts_matmul_begin(w, row_bytes, rows, lanes, &r, &lane, acc);
+    const u8* row = ts_matmul_begin(sg, &r, &lane, acc);
     if (row) {
         for (int i = lane; i < k; i += lanes) {
             float wv = ts_float_at(ty, row, i);
@@ -270,7 +306,7 @@ extern "C" __global__ void ts_matmul(const u8* w, int ty, long long row_bytes, i
                 if (t < m) acc[t] += wv * x[(long long)t * x_stride + i];
         }
     }
-    ts_matmul_store(acc, red, lanes, r, m, y, y_stride);
+    ts_matmul_store(acc, red, lanes, r, m, sg.y, sg.rows);
 }
 
 // 16-byte units a thread loads before it uses any: a GEMV is bound by the bytes waiting on
@@ -280,12 +316,12 @@ extern "C" __global__ void ts_matmul(const u8* w, int ty, long long row_bytes, i
 // Float weights 16 bytes at a time: unit u of a row is its bytes [16u, 16u + 16), 4 f32 or 8
 // f16/bf16 values, and x is read 16 bytes at a time too. Needs k * size % 16 == 0, row_bytes % 16
 // == 0, w and x 16-byte aligned and x_stride % 4 == 0 (the host checks).
-extern "C" __global__ void ts_matmul_v(const u8* w, int ty, long long row_bytes, int rows, int k, int lanes,
-                                       const float* x, int x_stride, int m, float* y, int y_stride) {
+extern "C" __global__ void ts_matmul_v(TS_MATMUL_PARAMS) {
     DYNAMIC_SHARED(float, red);
-    int r, lane;
+    TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
+    int ty = sg.ty, lanes = sg.lanes, r, lane;
     float acc[TS_MAX_TOKENS];
-    const u8* row = ts_matmul_begin(w, row_bytes, rows, lanes, &r, &lane, acc);
+    const u8* row = ts_matmul_begin(sg, &r, &lane, acc);
     if (row) {
         int per = ty == TY_F32 ? 4 : 8;
         int units = k / per;
@@ -321,16 +357,16 @@ extern "C" __global__ void ts_matmul_v(const u8* w, int ty, long long row_bytes,
             }
         }
     }
-    ts_matmul_store(acc, red, lanes, r, m, y, y_stride);
+    ts_matmul_store(acc, red, lanes, r, m, sg.y, sg.rows);
 }
 
 // Packed weights (every type, k % 32 == 0): unit c of a row is its 32-element chunk c.
-extern "C" __global__ void ts_matmul_q(const u8* w, int ty, long long row_bytes, int rows, int k, int lanes,
-                                       const float* x, int x_stride, int m, float* y, int y_stride) {
+extern "C" __global__ void ts_matmul_q(TS_MATMUL_PARAMS) {
     DYNAMIC_SHARED(float, red);
-    int r, lane;
+    TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
+    int ty = sg.ty, lanes = sg.lanes, r, lane;
     float acc[TS_MAX_TOKENS];
-    const u8* row = ts_matmul_begin(w, row_bytes, rows, lanes, &r, &lane, acc);
+    const u8* row = ts_matmul_begin(sg, &r, &lane, acc);
     if (row) {
         float wv[32];
         for (int c = lane; c < k / 32; c += lanes) {
@@ -344,7 +380,7 @@ extern "C" __global__ void ts_matmul_q(const u8* w, int ty, long long row_bytes,
             }
         }
     }
-    ts_matmul_store(acc, red, lanes, r, m, y, y_stride);
+    ts_matmul_store(acc, red, lanes, r, m, sg.y, sg.rows);
 }
 
 // Rows `ids` of a packed table: out[i, :] = decode(W[ids[i], :]). One block per id. Float

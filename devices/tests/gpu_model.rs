@@ -106,3 +106,52 @@ fn kernel_launches_are_counted_per_step() {
     let n_vocab = m.spec().n_vocab as u32;
     assert_eq!(count(&mut m, &[n_vocab]), (false, 0));
 }
+
+#[test]
+fn one_launch_for_several_matrices_gives_the_bits_of_one_launch_each() {
+    // Q, K and V (or gate and up) multiply the same x: matmul_group runs them as one launch when
+    // their plans share a kernel, and each output must hold exactly the bits of its own launch.
+    use devices::gpu::{emu::EmuBackend, Gpu};
+    use oracle::quant::GgmlType::{self, *};
+    let backend = match EmuBackend::open("shuffle:256:racecheck") {
+        Ok(b) => b,
+        Err(e) => {
+            assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
+            eprintln!("SKIPPED: {e}");
+            return;
+        }
+    };
+    let g = Gpu::new(Box::new(backend));
+    let cols = 576;
+    let value = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 512.0;
+    let mat = |ty: GgmlType, rows: usize, seed: usize| {
+        let w: Vec<f32> = (0..rows * cols).map(|i| value(i + seed)).collect();
+        g.upload_mat(ty, rows, cols, &oracle::quant::encode(ty, &w).unwrap()).unwrap()
+    };
+    // (matrices, launches per 8 tokens): one packed family with three types; two float types
+    // (16-byte loads); a packed and a float matrix, which take separate launches.
+    let groups = [(vec![mat(Q4_1, 192, 1), mat(Q8_0, 64, 2), mat(Q5_0, 72, 3)], 1), (vec![mat(F16, 40, 4), mat(F32, 24, 5)], 1), (vec![mat(Q4_1, 24, 6), mat(F16, 16, 7)], 2)];
+    for m in [1usize, 3, 11] {
+        let x = g.upload_f32(&(0..m * cols).map(|i| value(3 * i)).collect::<Vec<_>>()).unwrap();
+        for (mats, per_8_tokens) in &groups {
+            let apart: Vec<Vec<u32>> = mats
+                .iter()
+                .map(|w| {
+                    let y = g.alloc(4 * m * w.rows).unwrap();
+                    g.matmul(w, x.ptr, cols, m, y.ptr).unwrap();
+                    y.download_f32(m * w.rows).unwrap().iter().map(|v| v.to_bits()).collect()
+                })
+                .collect();
+            // NaN until written (the pool hands back the buffers the single launches just used).
+            let ys: Vec<_> = mats.iter().map(|w| g.upload_f32(&vec![f32::NAN; m * w.rows]).unwrap()).collect();
+            let group: Vec<_> = mats.iter().zip(&ys).map(|(w, y)| (w, y.ptr)).collect();
+            let before = g.launches();
+            g.matmul_group(&group, x.ptr, cols, m).unwrap();
+            assert_eq!(g.launches() - before, (per_8_tokens * m.div_ceil(8)) as u64, "{m} tokens, {:?}", mats.iter().map(|w| w.ty).collect::<Vec<_>>());
+            for ((w, y), want) in mats.iter().zip(&ys).zip(&apart) {
+                let got: Vec<u32> = y.download_f32(m * w.rows).unwrap().iter().map(|v| v.to_bits()).collect();
+                assert!(got == *want, "{:?}, {m} tokens: the grouped launch differs from its own launch", w.ty);
+            }
+        }
+    }
+}

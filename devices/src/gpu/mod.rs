@@ -386,28 +386,51 @@ impl Gpu {
 
     /// `y[t, :] = x[t, :] W^T` for `m` rows of `x` (`x_stride` floats apart) into `y: [m, rows]`.
     pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), String> {
-        let plan = self.matmul_plan(w, x, x_stride);
+        self.matmul_group(&[(w, y)], x, x_stride, m)
+    }
+
+    /// [`Gpu::matmul`] of the same `x` by up to three matrices (Q, K, V; gate, up), each into its
+    /// own `y`, in one launch per 8 tokens when their plans share a kernel; otherwise one launch
+    /// per matrix. Each output holds the same bits either way.
+    pub fn matmul_group(&self, group: &[(&GpuMat, u64)], x: u64, x_stride: usize, m: usize) -> Result<(), String> {
+        let plans: Vec<MatmulPlan> = group.iter().map(|(w, _)| self.matmul_plan(w, x, x_stride)).collect();
+        let Some(first) = plans.first() else { return Ok(()) };
+        if group.len() > 3 || group.iter().any(|(w, _)| w.cols != group[0].0.cols) {
+            return Err(format!("matmul_group: {} matrices with {:?} columns (at most 3, all as wide as x)", group.len(), group.iter().map(|(w, _)| w.cols).collect::<Vec<_>>()));
+        }
+        if plans.iter().any(|p| p.kernel != first.kernel) {
+            for (w, y) in group {
+                self.matmul_group(&[(w, *y)], x, x_stride, m)?;
+            }
+            return Ok(());
+        }
+        let blocks: Vec<usize> = group.iter().zip(&plans).map(|((w, _), p)| w.rows.div_ceil(p.rows_per_block() as usize)).collect();
+        let grid: usize = blocks.iter().sum();
         for t0 in (0..m).step_by(MAX_TOKENS_PER_LAUNCH) {
             let mt = (m - t0).min(MAX_TOKENS_PER_LAUNCH);
-            self.launch(
-                plan.kernel,
-                [w.rows.div_ceil(plan.rows_per_block() as usize) as u32, 1, 1],
-                [plan.block, 1, 1],
-                4 * plan.block * mt as u32,
-                &[
-                    Arg::Ptr(w.buf.ptr),
-                    Arg::I32(w.ty.id() as i32),
-                    Arg::I64(w.row_bytes as i64),
-                    Arg::I32(w.rows as i32),
-                    Arg::I32(w.cols as i32),
-                    Arg::I32(plan.lanes as i32),
-                    Arg::Ptr(x + 4 * (t0 * x_stride) as u64),
-                    Arg::I32(x_stride as i32),
-                    Arg::I32(mt as i32),
-                    Arg::Ptr(y + 4 * (t0 * w.rows) as u64),
-                    Arg::I32(w.rows as i32),
-                ],
-            )?;
+            let mut args = vec![Arg::I32(group[0].0.cols as i32), Arg::Ptr(x + 4 * (t0 * x_stride) as u64), Arg::I32(x_stride as i32), Arg::I32(mt as i32)];
+            let mut start = 0;
+            for i in 0..3 {
+                if i > 0 {
+                    // The first block of segment i (the grid's end when there is none).
+                    args.push(Arg::I32(if i < group.len() { start } else { grid } as i32));
+                }
+                match group.get(i) {
+                    Some((w, y)) => {
+                        args.extend([
+                            Arg::Ptr(w.buf.ptr),
+                            Arg::I32(w.ty.id() as i32),
+                            Arg::I64(w.row_bytes as i64),
+                            Arg::I32(w.rows as i32),
+                            Arg::I32(plans[i].lanes as i32),
+                            Arg::Ptr(y + 4 * (t0 * w.rows) as u64),
+                        ]);
+                        start += blocks[i];
+                    }
+                    None => args.extend([Arg::Ptr(0), Arg::I32(0), Arg::I64(0), Arg::I32(0), Arg::I32(1), Arg::Ptr(0)]),
+                }
+            }
+            self.launch(first.kernel, [grid as u32, 1, 1], [first.block, 1, 1], 4 * first.block * mt as u32, &args)?;
         }
         Ok(())
     }

@@ -150,8 +150,7 @@ impl GpuModel {
         let g = &self.gpu;
         let width = f.gate.rows;
         let (gate, up, act) = (g.alloc(4 * m * width)?, g.alloc(4 * m * width)?, g.alloc(4 * m * width)?);
-        g.matmul(&f.gate, h, f.gate.cols, m, gate.ptr)?;
-        g.matmul(&f.up, h, f.up.cols, m, up.ptr)?;
+        g.matmul_group(&[(&f.gate, gate.ptr), (&f.up, up.ptr)], h, f.gate.cols, m)?;
         let kind = match self.spec.activation {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
@@ -256,9 +255,7 @@ impl GpuModel {
                         record(taps, &name("attn_norm"), &h, start, m, d)?;
                     }
                     Stage::QkvProj => {
-                        g.matmul(&layer.wq, h.ptr, d, m, q.ptr)?;
-                        g.matmul(&layer.wk, h.ptr, d, m, k)?;
-                        g.matmul(&layer.wv, h.ptr, d, m, v)?;
+                        g.matmul_group(&[(&layer.wq, q.ptr), (&layer.wk, k), (&layer.wv, v)], h.ptr, d, m)?;
                         if let Some([bq, bk, bv]) = &layer.bias {
                             g.add(q.ptr, bq.ptr, q.ptr, m * qd, qd)?;
                             g.add(k, bk.ptr, k, m * kvd, kvd)?;
