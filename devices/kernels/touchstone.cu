@@ -398,10 +398,17 @@ extern "C" __global__ void ts_get_rows(const u8* w, int ty, long long row_bytes,
 
 // RMSNorm over rows of n: y = x / sqrt(mean(x^2) + eps) * w (w has n values, shared by all rows;
 // for QK-norm a "row" is one head). One block per row.
-extern "C" __global__ void ts_rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+// With a residual r (not null), x += r first and the norm is of the sum: the residual add and
+// the next norm in one launch, with the bits of the two launches (each thread adds, stores and
+// later reads back the same elements).
+extern "C" __global__ void ts_rms_norm(float* x, const float* r, const float* w, float* y, int n, float eps) {
     SHARED(float, red, TS_MAX_BLOCK);
-    const float* xr = x + (long long)blockIdx.x * n;
+    float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
+    if (r) {
+        const float* rr = r + (long long)blockIdx.x * n;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) xr[i] = xr[i] + rr[i];
+    }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
     ss = ts_block_sum(ss, red);
@@ -449,11 +456,19 @@ extern "C" __global__ void ts_glu(const float* gate, const float* up, float* y, 
 
 // RoPE in place on x: [tokens, n_head * hd]. `table`: [tokens, n_rot / 2] (cos, sin) pairs
 // computed on the host in f64 and rounded to f32. neox rotates (i, i + n_rot/2), normal
-// rotates (2i, 2i + 1). One thread per (token, head, pair).
-extern "C" __global__ void ts_rope(float* x, const float* table, int tokens, int n_head, int hd, int n_rot, int neox) {
+// rotates (2i, 2i + 1). One thread per (token, head, pair). A second tensor x2 of n_head2 heads
+// per token (K beside Q; n_head2 = 0 for none) is rotated by the same launch, threads past x's
+// pairs taking x2's.
+extern "C" __global__ void ts_rope(float* x, int n_head, float* x2, int n_head2, const float* table, int tokens, int hd, int n_rot, int neox) {
     int half = n_rot / 2;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)tokens * n_head * half) return;
+    long long first = (long long)tokens * n_head * half;
+    if (idx >= first + (long long)tokens * n_head2 * half) return;
+    if (idx >= first) {
+        idx -= first;
+        x = x2;
+        n_head = n_head2;
+    }
     int i = (int)(idx % half);
     long long th = idx / half;
     int t = (int)(th / n_head);

@@ -107,21 +107,70 @@ fn kernel_launches_are_counted_per_step() {
     assert_eq!(count(&mut m, &[n_vocab]), (false, 0));
 }
 
+/// The GPU kernels on the emulator at the GPUs' block size, threads shuffled and shared-memory
+/// races checked, or None (saying SKIPPED) where gpu-emu cannot run.
+fn emu_gpu() -> Option<std::sync::Arc<devices::gpu::Gpu>> {
+    match devices::gpu::emu::EmuBackend::open("shuffle:256:racecheck:fma") {
+        Ok(b) => Some(devices::gpu::Gpu::new(Box::new(b))),
+        Err(e) => {
+            assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1") || e.contains("lacks"), "{e}");
+            eprintln!("SKIPPED: {e}");
+            None
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn a_residual_add_fused_into_the_norm_gives_the_bits_of_two_launches() {
+    let Some(g) = emu_gpu() else { return };
+    let (rows, n) = (3, 576);
+    let value = |i: usize, s: usize| ((i * 7919 + s) % 1013) as f32 / 97.0 - 5.0;
+    let (x0, r, w): (Vec<f32>, Vec<f32>, Vec<f32>) = ((0..rows * n).map(|i| value(i, 1)).collect(), (0..rows * n).map(|i| value(i, 2)).collect(), (0..n).map(|i| value(i, 3) / 5.0).collect());
+    let (rb, wb) = (g.upload_f32(&r).unwrap(), g.upload_f32(&w).unwrap());
+    // Two launches: x = x + r, then y = norm(x) * w.
+    let (xa, ya) = (g.upload_f32(&x0).unwrap(), g.upload_f32(&vec![f32::NAN; rows * n]).unwrap());
+    g.add(xa.ptr, rb.ptr, xa.ptr, rows * n, rows * n).unwrap();
+    g.rms_norm(xa.ptr, wb.ptr, ya.ptr, rows, n, 1e-5).unwrap();
+    // One launch.
+    let (xb, yb) = (g.upload_f32(&x0).unwrap(), g.upload_f32(&vec![f32::NAN; rows * n]).unwrap());
+    let before = g.launches();
+    g.add_rms_norm(xb.ptr, rb.ptr, wb.ptr, yb.ptr, rows, n, 1e-5).unwrap();
+    assert_eq!(g.launches() - before, 1);
+    assert!(bits(&xb.download_f32(rows * n).unwrap()) == bits(&xa.download_f32(rows * n).unwrap()), "the fused launch leaves another residual");
+    assert!(bits(&yb.download_f32(rows * n).unwrap()) == bits(&ya.download_f32(rows * n).unwrap()), "the fused launch normalizes to other bits");
+}
+
+#[test]
+fn q_and_k_rotated_by_one_launch_get_the_bits_of_two() {
+    let Some(g) = emu_gpu() else { return };
+    let (tokens, hd, n_rot) = (3, 64, 48);
+    let spec = oracle::spec::RopeSpec { style: oracle::spec::RopeStyle::Neox, theta: 10_000.0, n_rot, scaling: oracle::spec::RopeScaling::None };
+    let table = g.upload_f32(&devices::gpu::rope_table(&spec, 5..5 + tokens)).unwrap();
+    let (q0, k0): (Vec<f32>, Vec<f32>) = ((0..tokens * 4 * hd).map(|i| (i % 29) as f32 / 7.0 - 2.0).collect(), (0..tokens * 2 * hd).map(|i| (i % 31) as f32 / 9.0 - 1.5).collect());
+    for neox in [false, true] {
+        let (qa, ka) = (g.upload_f32(&q0).unwrap(), g.upload_f32(&k0).unwrap());
+        g.rope(qa.ptr, &table, tokens, 4, hd, n_rot, neox).unwrap();
+        g.rope(ka.ptr, &table, tokens, 2, hd, n_rot, neox).unwrap();
+        let (qb, kb) = (g.upload_f32(&q0).unwrap(), g.upload_f32(&k0).unwrap());
+        let before = g.launches();
+        g.rope_pair((qb.ptr, 4), (kb.ptr, 2), &table, tokens, hd, n_rot, neox).unwrap();
+        assert_eq!(g.launches() - before, 1);
+        assert!(bits(&qb.download_f32(q0.len()).unwrap()) == bits(&qa.download_f32(q0.len()).unwrap()), "neox {neox}: Q differs");
+        assert!(bits(&kb.download_f32(k0.len()).unwrap()) == bits(&ka.download_f32(k0.len()).unwrap()), "neox {neox}: K differs");
+        assert!(bits(&kb.download_f32(k0.len()).unwrap()) != bits(&k0), "neox {neox}: K was not rotated");
+    }
+}
+
 #[test]
 fn one_launch_for_several_matrices_gives_the_bits_of_one_launch_each() {
     // Q, K and V (or gate and up) multiply the same x: matmul_group runs them as one launch when
     // their plans share a kernel, and each output must hold exactly the bits of its own launch.
-    use devices::gpu::{emu::EmuBackend, Gpu};
     use oracle::quant::GgmlType::{self, *};
-    let backend = match EmuBackend::open("shuffle:256:racecheck") {
-        Ok(b) => b,
-        Err(e) => {
-            assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
-            eprintln!("SKIPPED: {e}");
-            return;
-        }
-    };
-    let g = Gpu::new(Box::new(backend));
+    let Some(g) = emu_gpu() else { return };
     let cols = 576;
     let value = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 512.0;
     let mat = |ty: GgmlType, rows: usize, seed: usize| {
@@ -139,7 +188,7 @@ fn one_launch_for_several_matrices_gives_the_bits_of_one_launch_each() {
                 .map(|w| {
                     let y = g.alloc(4 * m * w.rows).unwrap();
                     g.matmul(w, x.ptr, cols, m, y.ptr).unwrap();
-                    y.download_f32(m * w.rows).unwrap().iter().map(|v| v.to_bits()).collect()
+                    bits(&y.download_f32(m * w.rows).unwrap())
                 })
                 .collect();
             // NaN until written (the pool hands back the buffers the single launches just used).
@@ -149,7 +198,7 @@ fn one_launch_for_several_matrices_gives_the_bits_of_one_launch_each() {
             g.matmul_group(&group, x.ptr, cols, m).unwrap();
             assert_eq!(g.launches() - before, (per_8_tokens * m.div_ceil(8)) as u64, "{m} tokens, {:?}", mats.iter().map(|w| w.ty).collect::<Vec<_>>());
             for ((w, y), want) in mats.iter().zip(&ys).zip(&apart) {
-                let got: Vec<u32> = y.download_f32(m * w.rows).unwrap().iter().map(|v| v.to_bits()).collect();
+                let got = bits(&y.download_f32(m * w.rows).unwrap());
                 assert!(got == *want, "{:?}, {m} tokens: the grouped launch differs from its own launch", w.ty);
             }
         }

@@ -446,7 +446,14 @@ impl Gpu {
 
     /// RMSNorm of `rows` rows of `n` (QK-norm: rows = tokens x heads, n = head_dim).
     pub fn rms_norm(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
-        self.launch_rows("ts_rms_norm", rows, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
+        self.add_rms_norm(x, 0, w, y, rows, n, eps)
+    }
+
+    /// `x += r` (r = 0: nothing added), then `y = RMSNorm(x) * w`: a residual add and the norm
+    /// after it in one launch, with the bits of [`Gpu::add`] then [`Gpu::rms_norm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(&self, x: u64, r: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
+        self.launch_rows("ts_rms_norm", rows, &[Arg::Ptr(x), Arg::Ptr(r), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
     }
 
     pub fn layer_norm(&self, x: u64, w: u64, b: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
@@ -467,13 +474,29 @@ impl Gpu {
     /// `table` (see [`rope_table`]; `tokens * n_rot` floats).
     #[allow(clippy::too_many_arguments)]
     pub fn rope(&self, x: u64, table: &DevBuf, tokens: usize, n_head: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
+        self.rope_pair((x, n_head), (0, 0), table, tokens, hd, n_rot, neox)
+    }
+
+    /// [`Gpu::rope`] of Q and K (each `(pointer, heads per token)`; K's heads may be 0) in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_pair(&self, (x, n_head): (u64, usize), (x2, n_head2): (u64, usize), table: &DevBuf, tokens: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
         if n_rot > hd || n_rot % 2 != 0 || table.bytes != 4 * tokens * n_rot {
             return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} bytes for {tokens} tokens)", table.bytes));
         }
         self.launch_flat(
             "ts_rope",
-            tokens * n_head * (n_rot / 2),
-            &[Arg::Ptr(x), Arg::Ptr(table.ptr), Arg::I32(tokens as i32), Arg::I32(n_head as i32), Arg::I32(hd as i32), Arg::I32(n_rot as i32), Arg::I32(neox as i32)],
+            tokens * (n_head + n_head2) * (n_rot / 2),
+            &[
+                Arg::Ptr(x),
+                Arg::I32(n_head as i32),
+                Arg::Ptr(x2),
+                Arg::I32(n_head2 as i32),
+                Arg::Ptr(table.ptr),
+                Arg::I32(tokens as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(n_rot as i32),
+                Arg::I32(neox as i32),
+            ],
         )
     }
 

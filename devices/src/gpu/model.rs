@@ -242,13 +242,22 @@ impl GpuModel {
         let (attn, attn_out) = (g.alloc(4 * m * qd)?, g.alloc(4 * m * d)?);
         let table = g.upload_f32(&super::rope_table(&s.rope, start..start + m))?;
         let neox = s.rope.style == RopeStyle::Neox;
+        // A residual add and the norm right after it are one launch (add_rms_norm): the attention
+        // residual with the FFN norm, the FFN residual with the next layer's attention norm (or
+        // the output norm). `normed` says the norm the next stage would run is already in h.
+        let mut normed = false;
         for li in 0..s.n_layer {
             let name = |t: &str| format!("blk.{li}.{t}");
             let mut ffn_out: Option<DevBuf> = None;
             let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
             let (k, v) = (kc.at_f32(at), vc.at_f32(at));
-            for stage in &s.stages {
+            for (si, stage) in s.stages.iter().enumerate() {
                 let layer = &self.layers[li];
+                if std::mem::take(&mut normed) {
+                    // Its tap was recorded where the launch ran.
+                    debug_assert!(matches!(stage, Stage::AttnNorm | Stage::FfnNorm));
+                    continue;
+                }
                 match stage {
                     Stage::AttnNorm => {
                         g.rms_norm(x.ptr, layer.attn_norm.ptr, h.ptr, m, d, eps)?;
@@ -274,8 +283,7 @@ impl GpuModel {
                         record_at(taps, &name("attn_k_norm"), kc, at, start, m, kvd)?;
                     }
                     Stage::Rope => {
-                        g.rope(q.ptr, &table, m, s.n_head, hd, s.rope.n_rot, neox)?;
-                        g.rope(k, &table, m, s.n_head_kv, hd, s.rope.n_rot, neox)?;
+                        g.rope_pair((q.ptr, s.n_head), (k, s.n_head_kv), &table, m, hd, s.rope.n_rot, neox)?;
                         record(taps, &name("attn_q_rope"), &q, start, m, qd)?;
                         record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
                     }
@@ -292,8 +300,15 @@ impl GpuModel {
                         record(taps, &name("attn_out"), &attn_out, start, m, d)?;
                     }
                     Stage::AttnResidual => {
-                        g.add(x.ptr, attn_out.ptr, x.ptr, m * d, m * d)?;
-                        record(taps, &name("ffn_inp"), &x, start, m, d)?;
+                        if s.stages.get(si + 1) == Some(&Stage::FfnNorm) {
+                            g.add_rms_norm(x.ptr, attn_out.ptr, layer.ffn_norm.ptr, h.ptr, m, d, eps)?;
+                            record(taps, &name("ffn_inp"), &x, start, m, d)?;
+                            record(taps, &name("ffn_norm"), &h, start, m, d)?;
+                            normed = true;
+                        } else {
+                            g.add(x.ptr, attn_out.ptr, x.ptr, m * d, m * d)?;
+                            record(taps, &name("ffn_inp"), &x, start, m, d)?;
+                        }
                     }
                     Stage::FfnNorm => {
                         g.rms_norm(x.ptr, layer.ffn_norm.ptr, h.ptr, m, d, eps)?;
@@ -312,15 +327,38 @@ impl GpuModel {
                     }
                     Stage::FfnResidual => {
                         let o = ffn_out.as_ref().ok_or("FFN residual before an FFN stage")?;
-                        g.add(x.ptr, o.ptr, x.ptr, m * d, m * d)?;
-                        record(taps, &name("l_out"), &x, start, m, d)?;
+                        // The norm that comes next: the next layer's attention norm when its
+                        // stages start with it, else (the last layer) the output norm.
+                        let next = if si + 1 < s.stages.len() {
+                            None
+                        } else if li + 1 == s.n_layer {
+                            Some((self.output_norm.ptr, "result_norm".to_string()))
+                        } else if s.stages.first() == Some(&Stage::AttnNorm) {
+                            Some((self.layers[li + 1].attn_norm.ptr, format!("blk.{}.attn_norm", li + 1)))
+                        } else {
+                            None
+                        };
+                        match next {
+                            Some((w, tap)) => {
+                                g.add_rms_norm(x.ptr, o.ptr, w, h.ptr, m, d, eps)?;
+                                record(taps, &name("l_out"), &x, start, m, d)?;
+                                record(taps, &tap, &h, start, m, d)?;
+                                normed = true;
+                            }
+                            None => {
+                                g.add(x.ptr, o.ptr, x.ptr, m * d, m * d)?;
+                                record(taps, &name("l_out"), &x, start, m, d)?;
+                            }
+                        }
                     }
                 }
             }
         }
         self.kv.len = start + m;
-        g.rms_norm(x.ptr, self.output_norm.ptr, h.ptr, m, d, eps)?;
-        record(taps, "result_norm", &h, start, m, d)?;
+        if !std::mem::take(&mut normed) {
+            g.rms_norm(x.ptr, self.output_norm.ptr, h.ptr, m, d, eps)?;
+            record(taps, "result_norm", &h, start, m, d)?;
+        }
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let logits = g.alloc(4 * m * s.n_vocab)?;
         g.matmul(head, h.ptr, d, m, logits.ptr)?;
