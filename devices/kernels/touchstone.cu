@@ -401,12 +401,22 @@ extern "C" __global__ void ts_get_rows(const u8* w, int ty, long long row_bytes,
 // With a residual r (not null), x += r first and the norm is of the sum: the residual add and
 // the next norm in one launch, with the bits of the two launches (each thread adds, stores and
 // later reads back the same elements).
-extern "C" __global__ void ts_rms_norm(float* x, const float* r, const float* w, float* y, int n, float eps) {
+// Blocks from `rows1` on normalize the rows of a second tensor x2 (weights w2, into y2, no
+// residual): QK-norm of Q and K in one launch. A one-tensor launch passes rows1 = gridDim.x.
+extern "C" __global__ void ts_rms_norm(float* x, const float* r, const float* w, float* y, int n, float eps, int rows1, float* x2, const float* w2, float* y2) {
     SHARED(float, red, TS_MAX_BLOCK);
-    float* xr = x + (long long)blockIdx.x * n;
-    float* yr = y + (long long)blockIdx.x * n;
+    long long row = blockIdx.x;
+    if (row >= rows1) {
+        row -= rows1;
+        x = x2;
+        w = w2;
+        y = y2;
+        r = 0;
+    }
+    float* xr = x + row * n;
+    float* yr = y + row * n;
     if (r) {
-        const float* rr = r + (long long)blockIdx.x * n;
+        const float* rr = r + row * n;
         for (int i = threadIdx.x; i < n; i += blockDim.x) xr[i] = xr[i] + rr[i];
     }
     float ss = 0.0f;

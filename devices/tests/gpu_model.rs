@@ -145,6 +145,23 @@ fn a_residual_add_fused_into_the_norm_gives_the_bits_of_two_launches() {
 }
 
 #[test]
+fn q_and_k_normalized_by_one_launch_get_the_bits_of_two() {
+    let Some(g) = emu_gpu() else { return };
+    let (tokens, hd) = (3, 64);
+    let (q0, k0): (Vec<f32>, Vec<f32>) = ((0..tokens * 4 * hd).map(|i| (i % 29) as f32 / 7.0 - 2.0).collect(), (0..tokens * 2 * hd).map(|i| (i % 31) as f32 / 9.0 - 1.5).collect());
+    let (qw, kw) = (g.upload_f32(&(0..hd).map(|i| 0.5 + i as f32 / 64.0).collect::<Vec<_>>()).unwrap(), g.upload_f32(&(0..hd).map(|i| 1.5 - i as f32 / 64.0).collect::<Vec<_>>()).unwrap());
+    let (qa, ka) = (g.upload_f32(&q0).unwrap(), g.upload_f32(&k0).unwrap());
+    g.rms_norm(qa.ptr, qw.ptr, qa.ptr, tokens * 4, hd, 1e-6).unwrap();
+    g.rms_norm(ka.ptr, kw.ptr, ka.ptr, tokens * 2, hd, 1e-6).unwrap();
+    let (qb, kb) = (g.upload_f32(&q0).unwrap(), g.upload_f32(&k0).unwrap());
+    let before = g.launches();
+    g.rms_norm_pair((qb.ptr, qw.ptr, qb.ptr, tokens * 4), (kb.ptr, kw.ptr, kb.ptr, tokens * 2), hd, 1e-6).unwrap();
+    assert_eq!(g.launches() - before, 1);
+    assert!(bits(&qb.download_f32(q0.len()).unwrap()) == bits(&qa.download_f32(q0.len()).unwrap()), "Q differs");
+    assert!(bits(&kb.download_f32(k0.len()).unwrap()) == bits(&ka.download_f32(k0.len()).unwrap()), "K differs");
+}
+
+#[test]
 fn q_and_k_rotated_by_one_launch_get_the_bits_of_two() {
     let Some(g) = emu_gpu() else { return };
     let (tokens, hd, n_rot) = (3, 64, 48);

@@ -453,7 +453,18 @@ impl Gpu {
     /// after it in one launch, with the bits of [`Gpu::add`] then [`Gpu::rms_norm`].
     #[allow(clippy::too_many_arguments)]
     pub fn add_rms_norm(&self, x: u64, r: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
-        self.launch_rows("ts_rms_norm", rows, &[Arg::Ptr(x), Arg::Ptr(r), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
+        let none = [Arg::I32(rows as i32), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)];
+        self.launch_rows("ts_rms_norm", rows, &[&[Arg::Ptr(x), Arg::Ptr(r), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)][..], &none].concat())
+    }
+
+    /// [`Gpu::rms_norm`] of two tensors whose rows are `n` long (each `(x, w, y, rows)`: Q's and
+    /// K's heads with their QK-norm weights) in one launch.
+    pub fn rms_norm_pair(&self, (x, w, y, rows): (u64, u64, u64, usize), (x2, w2, y2, rows2): (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), String> {
+        self.launch_rows(
+            "ts_rms_norm",
+            rows + rows2,
+            &[Arg::Ptr(x), Arg::Ptr(0), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps), Arg::I32(rows as i32), Arg::Ptr(x2), Arg::Ptr(w2), Arg::Ptr(y2)],
+        )
     }
 
     pub fn layer_norm(&self, x: u64, w: u64, b: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {

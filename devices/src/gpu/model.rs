@@ -276,8 +276,7 @@ impl GpuModel {
                     }
                     Stage::QkNorm => {
                         if let Some([qn, kn]) = &layer.qk_norm {
-                            g.rms_norm(q.ptr, qn.ptr, q.ptr, m * s.n_head, hd, eps)?;
-                            g.rms_norm(k, kn.ptr, k, m * s.n_head_kv, hd, eps)?;
+                            g.rms_norm_pair((q.ptr, qn.ptr, q.ptr, m * s.n_head), (k, kn.ptr, k, m * s.n_head_kv), hd, eps)?;
                         }
                         record(taps, &name("attn_q_norm"), &q, start, m, qd)?;
                         record_at(taps, &name("attn_k_norm"), kc, at, start, m, kvd)?;
