@@ -95,10 +95,12 @@ pub fn cached_ptx(kernels: &str, arch: &str) -> Result<String, String> {
         return Ok(ptx);
     }
     let ptx = compile_ptx(kernels, arch)?;
-    // A private temporary file, then a rename: another thread or process compiling the same
-    // kernels never reads a half-written file. Failing to cache only costs a compile next time.
+    // A private temporary file (readable by all, as fs::write made it), then a rename: another
+    // thread or process compiling the same kernels never reads a half-written file. Failing to
+    // cache only costs a compile next time.
+    use std::os::unix::fs::PermissionsExt;
     if std::fs::create_dir_all(ptx_cache_dir()).is_ok() {
-        if let Ok(mut tmp) = tempfile::NamedTempFile::new_in(ptx_cache_dir()) {
+        if let Ok(mut tmp) = tempfile::Builder::new().permissions(std::fs::Permissions::from_mode(0o644)).tempfile_in(ptx_cache_dir()) {
             if std::io::Write::write_all(&mut tmp, ptx.as_bytes()).is_ok() {
                 let _ = tmp.persist(&path);
             }
