@@ -412,8 +412,8 @@ impl Gpu {
             let mut start = 0;
             for i in 0..3 {
                 if i > 0 {
-                    // The first block of segment i (the grid's end when there is none).
-                    args.push(Arg::I32(if i < group.len() { start } else { grid } as i32));
+                    // The first block of segment i: the blocks before it (the grid when there is none).
+                    args.push(Arg::I32(start as i32));
                 }
                 match group.get(i) {
                     Some((w, y)) => {
@@ -453,17 +453,21 @@ impl Gpu {
     /// after it in one launch, with the bits of [`Gpu::add`] then [`Gpu::rms_norm`].
     #[allow(clippy::too_many_arguments)]
     pub fn add_rms_norm(&self, x: u64, r: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
-        let none = [Arg::I32(rows as i32), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)];
-        self.launch_rows("ts_rms_norm", rows, &[&[Arg::Ptr(x), Arg::Ptr(r), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)][..], &none].concat())
+        self.rms_norm_launch((x, w, y, rows), r, (0, 0, 0, 0), n, eps)
     }
 
     /// [`Gpu::rms_norm`] of two tensors whose rows are `n` long (each `(x, w, y, rows)`: Q's and
     /// K's heads with their QK-norm weights) in one launch.
-    pub fn rms_norm_pair(&self, (x, w, y, rows): (u64, u64, u64, usize), (x2, w2, y2, rows2): (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), String> {
+    pub fn rms_norm_pair(&self, first: (u64, u64, u64, usize), second: (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), String> {
+        self.rms_norm_launch(first, 0, second, n, eps)
+    }
+
+    /// The one `ts_rms_norm` launch: `first` with residual `r` (0: none), then `second` (0 rows: none).
+    fn rms_norm_launch(&self, (x, w, y, rows): (u64, u64, u64, usize), r: u64, (x2, w2, y2, rows2): (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), String> {
         self.launch_rows(
             "ts_rms_norm",
             rows + rows2,
-            &[Arg::Ptr(x), Arg::Ptr(0), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps), Arg::I32(rows as i32), Arg::Ptr(x2), Arg::Ptr(w2), Arg::Ptr(y2)],
+            &[Arg::Ptr(x), Arg::Ptr(r), Arg::Ptr(w), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps), Arg::I32(rows as i32), Arg::Ptr(x2), Arg::Ptr(w2), Arg::Ptr(y2)],
         )
     }
 

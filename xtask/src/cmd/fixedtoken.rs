@@ -52,6 +52,9 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
 
 /// Runs the gate the arguments describe (None after `--write-golden`).
 pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
+    if a.n_generate == 0 {
+        return Err(Exit { code: 2, message: "--n-generate must be at least 1: a golden with no continuation leaves the greedy gate nothing to compare".into() });
+    }
     if !a.write_golden {
         check_device(&a.device)?;
     }
@@ -59,9 +62,6 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let sha256 = ::fixtures::sha256_model(&path)?;
     let (oracle, tok) = AnyModel::load(&path, Precision::F32)?;
     let golden_file = a.golden.clone().or_else(|| ::fixtures::golden_path(&a.model));
-    if a.n_generate == 0 {
-        return Err(Exit { code: 2, message: "--n-generate must be at least 1: a golden with no continuation leaves the greedy gate nothing to compare".into() });
-    }
     if a.write_golden {
         let file = golden_file.ok_or_else(|| Exit { code: 2, message: format!("model `{}` is not a fixture; give --golden FILE to say where to write", a.model) })?;
         let g = oracle_golden(&oracle, &a.model, sha256, prompt_ids(None, tok.as_ref())?, a.n_generate)?;
