@@ -432,7 +432,7 @@ impl FixedModel {
             if t.n_elements() as usize != rows * cols || t.dims[0] as usize != cols {
                 return Err(model_err(format!("tensor `{name}` has dims {:?}", t.dims)));
             }
-            Ok(convert_weights(t.ty, rows, cols, g.tensor_bytes(t), int4 && cols % INT4_GROUP == 0))
+            Ok(convert_weights(t.ty, rows, cols, g.weight_bytes(t).map_err(model_err)?, int4 && cols % INT4_GROUP == 0))
         };
         let vecq = |name: &str, n: usize, frac: u32| -> Result<Vec<i64>, DeviceError> {
             let t = g.tensor(name).ok_or_else(|| model_err(format!("missing tensor `{name}`")))?;
@@ -440,7 +440,7 @@ impl FixedModel {
                 return Err(model_err(format!("tensor `{name}`: expected {n} float values")));
             }
             let mut f = vec![0.0f32; n];
-            qdot::float_row(t.ty, g.tensor_bytes(t), &mut f);
+            qdot::float_row(t.ty, g.weight_bytes(t).map_err(model_err)?, &mut f);
             Ok(f.iter().map(|v| to_q(*v as f64, frac)).collect())
         };
         let (d, hd) = (spec.n_embd, spec.head_dim);
@@ -464,11 +464,12 @@ impl FixedModel {
         }
         // The embedding table as Q16 activations (rows are looked up, never multiplied).
         let te = g.tensor("token_embd.weight").ok_or_else(|| model_err("missing token_embd.weight"))?;
+        let te_bytes = g.weight_bytes(te).map_err(model_err)?;
         let row_bytes = te.n_bytes as usize / spec.n_vocab;
         let mut tok_embd = Vec::with_capacity(spec.n_vocab * d);
         let mut row = vec![0.0f32; d];
         for r in 0..spec.n_vocab {
-            let rb = &g.tensor_bytes(te)[r * row_bytes..(r + 1) * row_bytes];
+            let rb = &te_bytes[r * row_bytes..(r + 1) * row_bytes];
             if qdot::is_float(te.ty) {
                 qdot::float_row(te.ty, rb, &mut row);
             } else {

@@ -42,6 +42,17 @@ pub enum OracleError {
 }
 
 impl OracleError {
+    /// A weight that is NaN or an infinity: a broken file, refused by every loader (a judge that
+    /// loaded it would pass NaN on to every device it judges). `row_len` is the tensor's `dims[0]`.
+    pub fn non_finite_weight(label: &str, name: &str, element: usize, value: f32, row_len: usize) -> Self {
+        let cols = row_len.max(1);
+        OracleError::Spec(format!(
+            "{label}: tensor `{name}` holds {value} at element {element} (row {}, column {}); a model's weights must be finite",
+            element / cols,
+            element % cols
+        ))
+    }
+
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         OracleError::Io {
             path: path.into(),

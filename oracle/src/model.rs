@@ -136,14 +136,7 @@ impl Loader<'_> {
     fn get(&self, name: &str) -> Result<Option<crate::loader::LoadedTensor>> {
         let Some(t) = self.src.load(name)? else { return Ok(None) };
         if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
-            let cols = t.dims.first().copied().unwrap_or(1).max(1);
-            return Err(OracleError::Spec(format!(
-                "{}: tensor `{name}` holds {} at element {i} (row {}, column {}); a model's weights must be finite",
-                self.src.label(),
-                t.data[i],
-                i / cols,
-                i % cols
-            )));
+            return Err(OracleError::non_finite_weight(&self.src.label(), name, i, t.data[i], t.dims.first().copied().unwrap_or(1)));
         }
         Ok(Some(t))
     }

@@ -189,6 +189,44 @@ pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// Byte offsets of a block's f16 scale fields; every other field is a small integer. A block
+/// decodes to finite values exactly when these are finite: with a finite f16 `d` (at most 65504)
+/// the largest product, d * 63 * 31 or d * 127, stays far inside f32's range, and IEEE arithmetic
+/// makes every value that uses a NaN or infinite scale NaN or infinite (infinity times 0 is NaN).
+fn scale_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+    }
+}
+
+/// The first element of `bytes` (packed type `ty`, a whole number of blocks) that decodes to NaN or
+/// an infinity, with the value it decodes to; None when every element is finite. Reads the scale
+/// fields of quantized blocks and decodes only a block whose scales are not finite, so checking a
+/// model's packed weights costs a small fraction of decoding them. A trailing partial block is
+/// ignored (the loaders check sizes).
+pub fn first_non_finite(ty: GgmlType, bytes: &[u8]) -> Option<(usize, f32)> {
+    let hit = |i: usize, v: f32| (!v.is_finite()).then_some((i, v));
+    match ty {
+        GgmlType::F32 => bytes.chunks_exact(4).enumerate().find_map(|(i, c)| hit(i, f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        GgmlType::F16 => bytes.chunks_exact(2).enumerate().find_map(|(i, c)| hit(i, f16::from_le_bytes([c[0], c[1]]).to_f32())),
+        GgmlType::BF16 => bytes.chunks_exact(2).enumerate().find_map(|(i, c)| hit(i, bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+        _ => {
+            let (ts, bs) = (ty.type_size(), ty.block_size());
+            let mut y = vec![0.0f32; bs];
+            bytes.chunks_exact(ts).enumerate().find_map(|(bi, blk)| {
+                if scale_fields(ty).iter().all(|&at| rd_f16(blk, at).is_finite()) {
+                    return None;
+                }
+                decode_into(ty, blk, &mut y).ok()?;
+                y.iter().enumerate().find_map(|(j, &v)| hit(bi * bs + j, v))
+            })
+        }
+    }
+}
+
 // block_q4_0: d: f16, qs[16]. Low nibbles are elements 0..16, high nibbles 16..32; value = (q - 8) * d.
 fn decode_q4_0(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);

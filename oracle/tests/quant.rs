@@ -252,3 +252,69 @@ fn decoders_match_candle_on_random_blocks() {
         }
     }
 }
+
+/// The finiteness check reads only the scale fields of quantized blocks; it must find exactly what
+/// a full decode finds (the first non-finite element and its value), whatever the bytes hold.
+#[test]
+fn first_non_finite_agrees_with_a_full_decode_on_arbitrary_bytes() {
+    use oracle::quant::first_non_finite;
+    let mut rng = SplitMix64(0x5eed_f1a7);
+    let mut found = 0;
+    for ty in GgmlType::ALL {
+        let (ts, bs) = (ty.type_size(), ty.block_size());
+        for trial in 0..400 {
+            let n_blocks = 1 + (rng.next_u64() % 4) as usize;
+            let mut b: Vec<u8> = (0..n_blocks * ts).map(|_| rng.next_u64() as u8).collect();
+            if trial % 2 == 0 {
+                // Arbitrary bytes make a non-finite f16 one time in 32; half the trials get every
+                // 16-bit word's exponent cleared instead, so all-finite tensors are tried as well.
+                for w in b.chunks_exact_mut(2) {
+                    w[1] &= 0x83;
+                }
+                if ty == GgmlType::F32 {
+                    b.chunks_exact_mut(4).for_each(|w| w[3] &= 0x83);
+                }
+            } else {
+                // The other half get one NaN or infinity planted: an element of a float tensor,
+                // or the `d` of one block of a quantized one, its 16 bits otherwise arbitrary.
+                let at = (rng.next_u64() as usize % n_blocks) * ts;
+                let r = rng.next_u64();
+                let f16_bad = 0x7c00 | (r >> 8) as u16 & 0x83ff;
+                match ty {
+                    GgmlType::F32 => b[at..at + 4].copy_from_slice(&f32::from_bits(0x7f80_0000 | (r >> 8) as u32 & 0x807f_ffff).to_le_bytes()),
+                    GgmlType::BF16 => b[at..at + 2].copy_from_slice(&(0x7f80 | (r >> 8) as u16 & 0x807f).to_le_bytes()),
+                    GgmlType::Q6_K => b[at + 208..at + 210].copy_from_slice(&f16_bad.to_le_bytes()),
+                    _ => b[at..at + 2].copy_from_slice(&f16_bad.to_le_bytes()), // F16 and every block's d at 0
+                }
+            }
+            let y = decode(ty, &b, n_blocks * bs).unwrap();
+            let want = y.iter().position(|v| !v.is_finite()).map(|i| (i, y[i]));
+            let got = first_non_finite(ty, &b);
+            assert_eq!(got.map(|(i, v)| (i, v.to_bits())), want.map(|(i, v)| (i, v.to_bits())), "{} trial {trial}", ty.name());
+            found += want.is_some() as usize;
+        }
+    }
+    assert!(found >= 200 * GgmlType::ALL.len(), "the trials planted too few non-finite values to test anything: {found}");
+}
+
+/// A NaN or infinite scale makes its whole block non-finite, element 0 included (infinity times a
+/// zero quant is NaN), and the check names the block's first element.
+#[test]
+fn first_non_finite_finds_a_planted_scale() {
+    use oracle::quant::first_non_finite;
+    for ty in GgmlType::ALL.into_iter().filter(|t| t.block_size() > 1) {
+        let x: Vec<f32> = (0..3 * ty.block_size()).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut b = encode(ty, &x).unwrap();
+        assert_eq!(first_non_finite(ty, &b), None, "{}", ty.name());
+        let d_at = if ty == GgmlType::Q6_K { 208 } else { 0 };
+        for bad in [f16::NAN, f16::INFINITY, f16::NEG_INFINITY] {
+            let at = ty.type_size() + d_at; // block 1's d
+            let keep = [b[at], b[at + 1]];
+            b[at..at + 2].copy_from_slice(&bad.to_le_bytes());
+            let (i, v) = first_non_finite(ty, &b).unwrap_or_else(|| panic!("{}: {bad} scale not found", ty.name()));
+            assert_eq!(i, ty.block_size(), "{}", ty.name());
+            assert!(!v.is_finite());
+            b[at..at + 2].copy_from_slice(&keep);
+        }
+    }
+}

@@ -223,19 +223,38 @@ fn metadata_the_tensors_do_not_back_and_nan_weights_are_refused_by_every_loader(
         }
     }
 
-    // A NaN in an F32 weight: the judge refuses the file and names the tensor and the element.
-    let g = oracle::gguf::GgufFile::open(&src).unwrap();
-    let t = g.tensor("output_norm.weight").unwrap();
-    assert_eq!(t.ty, oracle::quant::GgmlType::F32);
-    let mut bytes = good.clone();
-    let at = t.file_offset as usize + 4 * 3;
-    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
-    let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
-    std::fs::write(f.path(), &bytes).unwrap();
-    let o = xtask(&["run", "--model", f.path().to_str().unwrap(), "--prompt-ids", "1"], &[]);
-    let e = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{e}");
-    assert!(e.contains("tensor `output_norm.weight` holds NaN at element 3"), "{e}");
+    // A NaN or infinity in a weight: every loader refuses the file and names the tensor and the
+    // element, whether the weight is F32 or a quantized block whose f16 scale `d` is not finite,
+    // and (MoE) whichever expert of a stacked tensor holds it.
+    let f32_nan = |t: &oracle::gguf::TensorInfo, b: &mut [u8]| b[t.file_offset as usize + 12..][..4].copy_from_slice(&f32::NAN.to_le_bytes());
+    // 0x7c00 is f16 +infinity.
+    let d_inf = |block: usize, d_at: usize| {
+        move |t: &oracle::gguf::TensorInfo, b: &mut [u8]| {
+            let at = t.file_offset as usize + block * t.ty.type_size() + d_at;
+            b[at..at + 2].copy_from_slice(&0x7c00u16.to_le_bytes());
+        }
+    };
+    let plants: [(&str, &str, Box<dyn Fn(&oracle::gguf::TensorInfo, &mut [u8])>, &str, &[&str]); 3] = [
+        ("tiny-llama", "output_norm.weight", Box::new(f32_nan), "holds NaN at element 3 (row 0, column 3)", &["ref", "cpu", "fixed", "gpu-emu"]),
+        // Q6_K keeps d last in its 210-byte block; block 2 starts at element 512, row 2 of 256.
+        ("tiny-llama", "blk.1.attn_v.weight", Box::new(d_inf(2, 208)), "at element 512 (row 2, column 0)", &["ref", "cpu", "fixed", "gpu-emu"]),
+        // Q8_0 experts of 128 x 256 (1,024 blocks each): expert 2's block 1 is block 2,049, element 65,568.
+        ("tiny-moe", "blk.1.ffn_up_exps.weight", Box::new(d_inf(2 * 1024 + 1, 0)), "at element 65568 (row 256, column 32)", &["ref", "cpu", "gpu-emu"]),
+    ];
+    for (model, tensor, plant, want, devices) in &plants {
+        let src = fixtures::resolve(model, true).unwrap();
+        let g = oracle::gguf::GgufFile::open(&src).unwrap();
+        let mut bytes = std::fs::read(&src).unwrap();
+        plant(g.tensor(tensor).unwrap(), &mut bytes);
+        let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+        std::fs::write(f.path(), &bytes).unwrap();
+        for device in *devices {
+            let o = xtask(&["run", "--model", f.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "{device}: {e}");
+            assert!(e.contains(&format!("tensor `{tensor}` holds")) && e.contains(want) && e.contains("weights must be finite"), "{model} {device}: {e}");
+        }
+    }
 }
 
 #[test]

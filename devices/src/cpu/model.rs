@@ -73,7 +73,7 @@ impl Loader<'_> {
         if t.dims.len() < 2 || t.dims[0] as usize != cols || t.n_elements() as usize != rows * cols {
             return Err(err(&self.g.path, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
         }
-        Ok(Some(PackedMat { ty: t.ty, rows, cols, bytes: self.g.tensor_bytes(t).to_vec() }))
+        Ok(Some(PackedMat { ty: t.ty, rows, cols, bytes: self.g.weight_bytes(t).map_err(|e| err(&self.g.path, e))?.to_vec() }))
     }
     /// One expert's matrix out of a stacked [cols, rows, n_expert] tensor.
     fn expert(&self, name: &str, e: usize, n_expert: usize, rows: usize, cols: usize) -> Result<PackedMat, DeviceError> {
@@ -81,8 +81,8 @@ impl Loader<'_> {
         if t.dims.iter().map(|&d| d as usize).collect::<Vec<_>>() != [cols, rows, n_expert] {
             return Err(err(&self.g.path, format!("tensor `{name}` has dims {:?}", t.dims)));
         }
-        let per = t.n_bytes as usize / n_expert;
-        Ok(PackedMat { ty: t.ty, rows, cols, bytes: self.g.tensor_bytes(t)[e * per..(e + 1) * per].to_vec() })
+        let bytes = self.g.weight_part(t, e, n_expert).map_err(|e| err(&self.g.path, e))?;
+        Ok(PackedMat { ty: t.ty, rows, cols, bytes: bytes.to_vec() })
     }
     fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, DeviceError> {
         let m = self.mat_like_vec(name, n)?;
@@ -94,7 +94,7 @@ impl Loader<'_> {
             return Err(err(&self.g.path, format!("tensor `{name}`: expected {n} float values, found {:?} {}", t.dims, t.ty.name())));
         }
         let mut out = vec![0.0f32; n];
-        qdot::float_row(t.ty, self.g.tensor_bytes(t), &mut out);
+        qdot::float_row(t.ty, self.g.weight_bytes(t).map_err(|e| err(&self.g.path, e))?, &mut out);
         Ok(Some(out))
     }
 }
