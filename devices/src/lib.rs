@@ -152,6 +152,10 @@ pub struct GemvRate {
     pub gbps: f64,
     /// The code that ran (a GPU's kernel and launch shape), so a figure can be traced to it.
     pub kernel: String,
+    /// False for the launch shape the device's matmul uses (the one a gate judges); true for the
+    /// other shapes a GPU probe also times (threads per row), so one run on a GPU shows whether
+    /// another shape would read faster. Never gated.
+    pub alternative: bool,
 }
 
 /// What [`Device::bandwidth_probe`] measured.

@@ -11,6 +11,22 @@ pub const COLS: usize = 8192;
 /// The weight types whose GEMV is measured.
 pub const TYPES: [GgmlType; 7] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K];
 
+/// Threads per weight row a GPU probe also times besides its matmul's own choice (block size
+/// permitting), so one run shows which shape reads its weights fastest.
+pub const SWEEP_LANES: [u32; 4] = [32, 64, 128, 256];
+
+/// Checks that a GEMV in another launch shape computed what the first did: the shapes sum each
+/// row in a different order, so the results may differ by rounding only (relative 1e-4 of the
+/// row's largest magnitude).
+pub fn same_gemv(want: &[f32], got: &[f32], what: &str) -> Result<(), String> {
+    let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs())).max(f32::MIN_POSITIVE);
+    match want.iter().zip(got).position(|(a, b)| !((a - b).abs() <= 1e-4 * scale)) {
+        Some(i) => Err(format!("{what}: row {i} is {} where the matmul's own shape gave {} (largest |y| {scale})", got[i], want[i])),
+        None if want.len() != got.len() => Err(format!("{what}: {} rows where the matmul's own shape gave {}", got.len(), want.len())),
+        None => Ok(()),
+    }
+}
+
 /// The one token multiplied by every weight matrix.
 pub fn activations() -> Vec<f32> {
     (0..COLS).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect()
@@ -60,4 +76,19 @@ pub fn best_of(reps: usize, time: &dyn Fn(&mut dyn FnMut() -> Result<(), String>
         best = best.min(time(f)?);
     }
     Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_gemv;
+
+    #[test]
+    fn same_gemv_allows_rounding_and_refuses_a_wrong_row() {
+        let want = [1.0f32, -2.0, 3.0, 0.0];
+        assert!(same_gemv(&want, &[1.0, -2.0 + 1e-5, 3.0, 1e-5], "x").is_ok());
+        let e = same_gemv(&want, &[1.0, -2.0, 3.1, 0.0], "f16 GEMV").unwrap_err();
+        assert!(e.contains("f16 GEMV: row 2 is 3.1"), "{e}");
+        assert!(same_gemv(&want, &[1.0, f32::NAN, 3.0, 0.0], "x").unwrap_err().contains("row 1 is NaN"));
+        assert!(same_gemv(&want, &want[..3], "x").unwrap_err().contains("3 rows"));
+    }
 }

@@ -310,6 +310,27 @@ fn roofline_measures_every_weight_type_against_copy() {
             assert!(probe_f16["kernel"].as_str().unwrap().starts_with("ts_matmul_v: 32 threads per row, 1 row per 32-thread block"), "{probe_f16}");
         }
     }
+    if emulator_available() {
+        // With the GPUs' 256-thread blocks the probe also times the other threads-per-row shapes
+        // of each type's kernel: listed after the matmul's own, checked to compute the same rows,
+        // never gated (the gated case is still the f16 matmul's own shape).
+        let o = xtask(&["roofline", "--device", "gpu-emu:256", "--mib", "1", "--reps", "1", "--report-dir", d], &[]);
+        assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+        let r = report(dir.path());
+        let cases = r["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 7 * 4, "{}", text(&o));
+        let gemv = r["bandwidth_probe"]["gemv"].as_array().unwrap();
+        for ty in ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"] {
+            let shapes: Vec<(&str, bool)> = gemv.iter().filter(|g| g["ty"] == ty).map(|g| (g["kernel"].as_str().unwrap(), g["alternative"].as_bool().unwrap())).collect();
+            let lanes: Vec<&str> = shapes.iter().map(|(k, _)| k.split(": ").nth(1).unwrap().split(' ').next().unwrap()).collect();
+            assert_eq!(lanes, ["256", "32", "64", "128"], "{ty}: {shapes:?}");
+            assert_eq!(shapes.iter().map(|s| s.1).collect::<Vec<_>>(), [false, true, true, true], "{ty}");
+        }
+        let gated: Vec<&serde_json::Value> = cases.iter().filter(|c| c["verdict"] != "pass").collect();
+        assert_eq!(gated.len(), 1, "{gated:?}");
+        assert_eq!(gated[0]["id"], "roofline(gemv,w=f16,k=8192,m=1)");
+        assert!(cases.iter().filter(|c| c["id"].as_str().unwrap().contains(",shape=")).count() == 21);
+    }
     let o = xtask(&["roofline", "--device", "fixed"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("has no bandwidth probe"), "{}", stderr(&o));

@@ -233,7 +233,7 @@ fn probe(bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
             Ok(())
         })?;
         let kernel = format!("matmul_packed over {} rayon threads", rayon::current_num_threads());
-        gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: w.len(), gbps: w.len() as f64 / t / 1e9, kernel });
+        gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: w.len(), gbps: w.len() as f64 / t / 1e9, kernel, alternative: false });
     }
     Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: None })
 }

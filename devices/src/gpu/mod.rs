@@ -394,17 +394,30 @@ impl Gpu {
     /// per matrix. Each output holds the same bits either way.
     pub fn matmul_group(&self, group: &[(&GpuMat, u64)], x: u64, x_stride: usize, m: usize) -> Result<(), String> {
         let plans: Vec<MatmulPlan> = group.iter().map(|(w, _)| self.matmul_plan(w, x, x_stride)).collect();
+        self.matmul_planned(group, &plans, x, x_stride, m)
+    }
+
+    /// [`Gpu::matmul_group`] with the launch shapes given, one per matrix (the roofline times
+    /// shapes other than [`Gpu::matmul_plan`]'s). Each plan's kernel must be the matrix's own
+    /// plan's kernel, its block this backend's block and its lanes a power of two within it.
+    pub fn matmul_planned(&self, group: &[(&GpuMat, u64)], plans: &[MatmulPlan], x: u64, x_stride: usize, m: usize) -> Result<(), String> {
         let Some(first) = plans.first() else { return Ok(()) };
-        if group.len() > 3 || group.iter().any(|(w, _)| w.cols != group[0].0.cols) {
-            return Err(format!("matmul_group: {} matrices with {:?} columns (at most 3, all as wide as x)", group.len(), group.iter().map(|(w, _)| w.cols).collect::<Vec<_>>()));
+        if group.len() > 3 || plans.len() != group.len() || group.iter().any(|(w, _)| w.cols != group[0].0.cols) {
+            return Err(format!("matmul_group: {} matrices with {:?} columns (at most 3, all as wide as x, one plan each)", group.len(), group.iter().map(|(w, _)| w.cols).collect::<Vec<_>>()));
+        }
+        for ((w, _), p) in group.iter().zip(plans) {
+            let own = self.matmul_plan(w, x, x_stride);
+            if p.kernel != own.kernel || p.block != own.block || !p.lanes.is_power_of_two() || p.lanes > p.block {
+                return Err(format!("matmul plan `{p}` does not fit a {} matrix here (its own plan is `{own}`)", w.ty.name()));
+            }
         }
         if plans.iter().any(|p| p.kernel != first.kernel) {
-            for (w, y) in group {
-                self.matmul_group(&[(w, *y)], x, x_stride, m)?;
+            for ((w, y), p) in group.iter().zip(plans) {
+                self.matmul_planned(&[(w, *y)], &[*p], x, x_stride, m)?;
             }
             return Ok(());
         }
-        let blocks: Vec<usize> = group.iter().zip(&plans).map(|((w, _), p)| w.rows.div_ceil(p.rows_per_block() as usize)).collect();
+        let blocks: Vec<usize> = group.iter().zip(plans).map(|((w, _), p)| w.rows.div_ceil(p.rows_per_block() as usize)).collect();
         let grid: usize = blocks.iter().sum();
         for t0 in (0..m).step_by(MAX_TOKENS_PER_LAUNCH) {
             let mt = (m - t0).min(MAX_TOKENS_PER_LAUNCH);
@@ -802,10 +815,22 @@ impl GpuDevice {
         for ty in probe::TYPES {
             let (rows, packed) = probe::weights(ty, bytes)?;
             let w = g.upload_mat(ty, rows, probe::COLS, &packed)?;
-            let y = g.alloc(4 * rows)?;
-            let t = probe::best_of(reps, &events, &mut || g.matmul(&w, x.ptr, probe::COLS, 1, y.ptr))?;
-            let kernel = g.matmul_plan(&w, x.ptr, probe::COLS).to_string();
-            gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: packed.len(), gbps: packed.len() as f64 / t / 1e9, kernel });
+            let own = g.matmul_plan(&w, x.ptr, probe::COLS);
+            // The matmul's own launch shape first (the one gated), then the other thread counts
+            // per row, each checked to compute what the first did (a fast wrong GEMV is no figure).
+            let mut plans = vec![own];
+            plans.extend(probe::SWEEP_LANES.iter().filter(|&&l| l != own.lanes && l <= own.block).map(|&lanes| MatmulPlan { lanes, ..own }));
+            let mut first: Option<Vec<f32>> = None;
+            for plan in plans {
+                let y = g.alloc(4 * rows)?;
+                let t = probe::best_of(reps, &events, &mut || g.matmul_planned(&[(&w, y.ptr)], &[plan], x.ptr, probe::COLS, 1))?;
+                let out = y.download_f32(rows)?;
+                match &first {
+                    None => first = Some(out),
+                    Some(want) => probe::same_gemv(want, &out, &format!("{} GEMV with `{plan}`", ty.name()))?,
+                }
+                gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: packed.len(), gbps: packed.len() as f64 / t / 1e9, kernel: plan.to_string(), alternative: plan != own });
+            }
         }
         Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: g.backend.timings_not_of_hardware() })
     }
