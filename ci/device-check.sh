@@ -166,7 +166,7 @@ if [ ${#ran[@]} -eq 0 ]; then
     exit 2
 fi
 note "== headline figures"
-grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|kernel launches|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$WORK/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
+grep -H -E 'executed,|first divergence|gates:|decode  \(|device memory peak|kernel launches|decode kernels|^  ts_|copy .* GB/s|gemv ' "${ran[@]}" 2>/dev/null | sed "s|^$WORK/||; s|\.log:|: |; s/^/  /" | tee -a "$SUMMARY"
 where=$OUT
 [ "$PACK" = 1 ] && where=$OUT/reports.tar.gz
 note "== done in $(( $(date +%s) - started ))s, exit $worst; logs and reports in $where"

@@ -243,6 +243,55 @@ pub trait DeviceModel: Send {
     fn kernel_launches(&self) -> Option<u64> {
         None
     }
+    /// Starts timing every kernel launch (GPU devices; false: this engine has no kernels to
+    /// time). Each launch then waits for its kernel, so a profiled run is never a timed one.
+    fn start_kernel_profile(&mut self) -> bool {
+        false
+    }
+    /// Stops the profile started by [`DeviceModel::start_kernel_profile`] and returns it.
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        None
+    }
+}
+
+/// One kernel's share of a profiled run.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KernelTime {
+    pub kernel: String,
+    pub launches: u64,
+    /// Summed over its launches, each timed alone (device events on GPUs).
+    pub seconds: f64,
+}
+
+/// Per kernel, the launches and time of a profiled run, by kernel name.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct KernelProfile {
+    pub kernels: Vec<KernelTime>,
+    /// Why the times are not a GPU's (the emulator's host timings); None on GPUs.
+    pub not_hardware: Option<String>,
+}
+
+impl KernelProfile {
+    pub fn seconds(&self) -> f64 {
+        self.kernels.iter().map(|k| k.seconds).sum()
+    }
+    pub fn launches(&self) -> u64 {
+        self.kernels.iter().map(|k| k.launches).sum()
+    }
+    /// What `self` has beyond `earlier` (a profile of a longer run minus one of its prefix), per
+    /// kernel; kernels with nothing beyond are dropped.
+    pub fn minus(&self, earlier: &KernelProfile) -> KernelProfile {
+        let kernels = self
+            .kernels
+            .iter()
+            .filter_map(|k| {
+                let e = earlier.kernels.iter().find(|e| e.kernel == k.kernel);
+                let launches = k.launches.saturating_sub(e.map_or(0, |e| e.launches));
+                (launches > 0).then(|| KernelTime { kernel: k.kernel.clone(), launches, seconds: (k.seconds - e.map_or(0.0, |e| e.seconds)).max(0.0) })
+            })
+            .collect();
+        KernelProfile { kernels, not_hardware: self.not_hardware.clone() }
+    }
 }
 
 /// Opens a device by name, or says why it is unavailable. Every device opened is remembered with

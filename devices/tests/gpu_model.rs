@@ -107,6 +107,43 @@ fn kernel_launches_are_counted_per_step() {
     assert_eq!(count(&mut m, &[n_vocab]), (false, 0));
 }
 
+/// A kernel profile times every launch of the steps it covers and only those: its launches add up
+/// to the launch counter's, per kernel, and a profiled step computes the same bits as one that
+/// is not. Profiles of a prefix subtract out (`minus`), leaving the kernels of the later steps.
+#[test]
+fn a_kernel_profile_covers_exactly_the_launches_it_ran() {
+    let Some(mut m) = emu_model("tiny-llama") else { return };
+    let Some(mut plain) = emu_model("tiny-llama") else { return };
+    assert!(m.start_kernel_profile());
+    let before = m.kernel_launches().unwrap();
+    let a = m.forward(&[1, 2, 3], &mut NoTap).unwrap();
+    let first = m.take_kernel_profile().unwrap();
+    assert_eq!(first.launches(), m.kernel_launches().unwrap() - before);
+    assert!(first.kernels.iter().all(|k| k.launches > 0 && k.seconds > 0.0), "{first:?}");
+    assert!(first.kernels.iter().any(|k| k.kernel == "ts_matmul_q") && first.kernels.iter().any(|k| k.kernel == "ts_attention"), "{first:?}");
+    assert!(first.not_hardware.as_deref().is_some_and(|w| w.contains("say nothing about a GPU")), "{first:?}");
+    assert_eq!(bits(&a), bits(&plain.forward(&[1, 2, 3], &mut NoTap).unwrap()));
+
+    // Stopped: the next step is not in any profile.
+    m.forward(&[4], &mut NoTap).unwrap();
+    assert!(m.start_kernel_profile());
+    let mid = m.kernel_launches().unwrap();
+    m.forward(&[5], &mut NoTap).unwrap();
+    m.forward(&[6], &mut NoTap).unwrap();
+    let two = m.take_kernel_profile().unwrap();
+    assert_eq!(two.launches(), m.kernel_launches().unwrap() - mid);
+    assert!(two.launches() > 0 && two.launches() % 2 == 0, "{two:?}");
+    // The two steps minus a profile of one of them: the other step's launches, per kernel.
+    assert!(m.start_kernel_profile());
+    m.forward(&[7], &mut NoTap).unwrap();
+    let one = m.take_kernel_profile().unwrap();
+    let rest = two.minus(&one);
+    assert_eq!(rest.launches(), one.launches());
+    for k in &rest.kernels {
+        assert_eq!(Some(k.launches), one.kernels.iter().find(|o| o.kernel == k.kernel).map(|o| o.launches), "{k:?}");
+    }
+}
+
 /// The GPU kernels on the emulator at the GPUs' block size, threads shuffled and shared-memory
 /// races checked, or None (saying SKIPPED) where gpu-emu cannot run.
 fn emu_gpu() -> Option<std::sync::Arc<devices::gpu::Gpu>> {

@@ -335,3 +335,29 @@ fn roofline_measures_every_weight_type_against_copy() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("has no bandwidth probe"), "{}", stderr(&o));
 }
+
+/// `bench` on a GPU device profiles the kernels of its decode steps (each launch timed alone, in
+/// an untimed run): the profile holds exactly the launches counted per decode token, and the
+/// report says what share of a timed step the kernels took (on the emulator, labelled as host
+/// timings that say nothing about a GPU).
+#[test]
+fn bench_on_a_gpu_device_profiles_the_kernels_of_a_decode_step() {
+    if !emulator_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["bench", "--device", "gpu-emu", "--model", "tiny-llama", "--reps", "1", "--gen-len", "4", "--prompt-len", "4", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("us of kernel time per token") && text(&o).contains("say nothing about a GPU"), "{}", text(&o));
+    let r = report(dir.path());
+    let m = &r["cases"][0]["metrics"];
+    let p = &r["decode_kernel_profile"];
+    assert_eq!(p["tokens"], 3);
+    let kernels = p["profile"]["kernels"].as_array().unwrap();
+    let launches: u64 = kernels.iter().map(|k| k["launches"].as_u64().unwrap()).sum();
+    assert_eq!(launches as f64 / 3.0, m["kernel_launches_per_decode_token"].as_f64().unwrap(), "{p}");
+    let seconds: f64 = kernels.iter().map(|k| k["seconds"].as_f64().unwrap()).sum();
+    assert!((m["decode_kernel_us_per_token"].as_f64().unwrap() - 1e6 * seconds / 3.0).abs() < 1e-6, "{m}");
+    assert!(m["decode_kernel_busy_fraction"].as_f64().unwrap() > 0.0, "{m}");
+    assert_eq!(r["decode_kernels"]["rows"].as_array().map(Vec::len), Some(kernels.len()), "{}", r["decode_kernels"]);
+}

@@ -163,6 +163,9 @@ pub struct Gpu {
     peak: AtomicU64,
     /// Kernel launches so far (every launch goes through [`Gpu::launch`]).
     launches: AtomicU64,
+    /// While a profile runs: per kernel, launches and seconds (each launch timed alone).
+    profiling: std::sync::atomic::AtomicBool,
+    profile: std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>,
     pool: std::sync::Mutex<std::collections::HashMap<usize, Vec<u64>>>,
 }
 
@@ -292,7 +295,15 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 impl Gpu {
     pub fn new(backend: Box<dyn Backend>) -> Arc<Gpu> {
-        Arc::new(Gpu { backend, held: AtomicU64::new(0), peak: AtomicU64::new(0), launches: AtomicU64::new(0), pool: Default::default() })
+        Arc::new(Gpu {
+            backend,
+            held: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            launches: AtomicU64::new(0),
+            profiling: Default::default(),
+            profile: Default::default(),
+            pool: Default::default(),
+        })
     }
 
     /// Kernel launches so far.
@@ -300,10 +311,35 @@ impl Gpu {
         self.launches.load(Ordering::Relaxed)
     }
 
-    /// Launches `kernel` on the backend, counted.
+    /// Launches `kernel` on the backend, counted (and timed while a profile runs).
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
         self.launches.fetch_add(1, Ordering::Relaxed);
-        self.backend.launch(kernel, grid, block, shared_bytes, args)
+        if !self.profiling.load(Ordering::Relaxed) {
+            return self.backend.launch(kernel, grid, block, shared_bytes, args);
+        }
+        let t = self.backend.time(&mut || self.backend.launch(kernel, grid, block, shared_bytes, args))?;
+        let mut p = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        let e = p.entry(kernel.to_string()).or_default();
+        e.0 += 1;
+        e.1 += t;
+        Ok(())
+    }
+
+    /// Starts timing each launch alone with the backend's timer (device events on GPUs; each
+    /// launch then waits for its kernel), dropping any earlier profile.
+    pub fn start_profile(&self) {
+        self.profile.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.profiling.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops the profile and returns it.
+    pub fn take_profile(&self) -> crate::KernelProfile {
+        self.profiling.store(false, Ordering::Relaxed);
+        let p = std::mem::take(&mut *self.profile.lock().unwrap_or_else(|e| e.into_inner()));
+        crate::KernelProfile {
+            kernels: p.into_iter().map(|(kernel, (launches, seconds))| crate::KernelTime { kernel, launches, seconds }).collect(),
+            not_hardware: self.backend.timings_not_of_hardware(),
+        }
     }
 
     /// Device bytes held at most so far (live buffers and the cache of freed ones).

@@ -388,6 +388,13 @@ impl DeviceModel for GpuModel {
     fn memory_peak_bytes(&self) -> Option<u64> {
         Some(self.gpu.peak_bytes())
     }
+    fn start_kernel_profile(&mut self) -> bool {
+        self.gpu.start_profile();
+        true
+    }
+    fn take_kernel_profile(&mut self) -> Option<crate::KernelProfile> {
+        Some(self.gpu.take_profile())
+    }
     fn kernel_launches(&self) -> Option<u64> {
         Some(self.gpu.launches())
     }

@@ -50,6 +50,7 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     pb.finish_and_clear();
     let device_peak = engine.memory_peak_bytes();
     let launches = count_launches(&mut engine, &prompt, a.gen_len)?;
+    let kernels = profile_decode(&mut engine, &prompt, a.gen_len)?;
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
     outln!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
@@ -69,9 +70,21 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
             1e6 / (med(&r.decode_tok_per_s) * l.per_decode_token)
         );
     }
+    if let Some(k) = &kernels {
+        let step_us = 1e6 / med(&r.decode_tok_per_s);
+        let busy_us = 1e6 * k.seconds() / k.tokens as f64;
+        outln!(
+            "decode kernels (a profiled run, each launch timed alone): {busy_us:.1} us of kernel time per token = {:.0}% of the {step_us:.1} us a timed decode step took (what kernels leave of a step goes to launches and the host){}",
+            100.0 * busy_us / step_us,
+            k.profile.not_hardware.as_ref().map_or(String::new(), |why| format!(" ({why})"))
+        );
+        for t in k.top(5) {
+            outln!("  {:<16} {:>6.1} launches {:>8.1} us per token ({:.0}% of kernel time)", t.kernel, t.launches as f64 / k.tokens as f64, 1e6 * t.seconds / k.tokens as f64, 100.0 * t.seconds / k.seconds().max(f64::MIN_POSITIVE));
+        }
+    }
     if r.effective_gbps.is_empty() {
         outln!("(this device does not report the bytes it reads per token: no bandwidth figures)");
-        return write_report(&a, r, device_peak, launches);
+        return write_report(&a, r, device_peak, launches, kernels);
     }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
@@ -87,7 +100,7 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
     );
-    write_report(&a, r, device_peak, launches)
+    write_report(&a, r, device_peak, launches, kernels)
 }
 
 /// Kernel launches of a prefill and of each decode step (GPU devices).
@@ -109,9 +122,48 @@ fn count_launches(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) ->
     Ok(Some(Launches { prefill, per_decode_token: all.saturating_sub(prefill) as f64 / (gen_len - 1) as f64 }))
 }
 
+/// The kernels of the decode steps of one greedy generation (GPU devices).
+struct DecodeKernels {
+    profile: devices::KernelProfile,
+    /// Decode steps the profile covers.
+    tokens: usize,
+}
+
+impl DecodeKernels {
+    fn seconds(&self) -> f64 {
+        self.profile.seconds()
+    }
+    /// The `n` kernels that took the most time.
+    fn top(&self, n: usize) -> Vec<&devices::KernelTime> {
+        let mut k: Vec<_> = self.profile.kernels.iter().collect();
+        k.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then(a.kernel.cmp(&b.kernel)));
+        k.truncate(n);
+        k
+    }
+}
+
+/// Profiles two untimed greedy generations of the bench prompt, of 1 token and of `gen_len`
+/// tokens, each launch timed alone; their difference is the kernels of `gen_len - 1` decode
+/// steps. Their sum against the timed decode step says how much of a step the GPU spends
+/// computing: far under 100% means the step is bound by launches and the host, not by kernels.
+fn profile_decode(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) -> Result<Option<DecodeKernels>, Exit> {
+    let greedy = oracle::ops::SamplerConfig::GREEDY;
+    let mut profile_of = |n: usize| -> Result<Option<devices::KernelProfile>, Exit> {
+        if !engine.start_kernel_profile() {
+            return Ok(None);
+        }
+        let run = engine.generate(prompt, n, &greedy, 0, None);
+        let profile = engine.take_kernel_profile();
+        run?;
+        Ok(profile)
+    };
+    let (Some(prefill), Some(all)) = (profile_of(1)?, profile_of(gen_len)?) else { return Ok(None) };
+    Ok(Some(DecodeKernels { profile: all.minus(&prefill), tokens: gen_len - 1 }))
+}
+
 /// report.json (the bench section holds every raw sample), report.md with the summary table, and
 /// the inter-token latency distribution plot.
-fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>, launches: Option<Launches>) -> Result<u8, Exit> {
+fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>, launches: Option<Launches>, kernels: Option<DecodeKernels>) -> Result<u8, Exit> {
     use reports::plot::{Chart, Series};
     let med = suites::throughput::median;
     let mut metrics = serde_json::Map::new();
@@ -123,6 +175,9 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_byte
     metrics.insert("device_memory_peak_bytes".into(), json!(device_peak_bytes));
     metrics.insert("kernel_launches_prefill".into(), json!(launches.as_ref().map(|l| l.prefill)));
     metrics.insert("kernel_launches_per_decode_token".into(), json!(launches.as_ref().map(|l| l.per_decode_token)));
+    let kernel_us = kernels.as_ref().map(|k| 1e6 * k.seconds() / k.tokens as f64);
+    metrics.insert("decode_kernel_us_per_token".into(), json!(kernel_us));
+    metrics.insert("decode_kernel_busy_fraction".into(), json!(kernel_us.map(|us| us * med(&r.decode_tok_per_s) / 1e6)));
     let case = reports::Case {
         id: format!("bench(device={},model={},prompt={},gen={})", a.device, a.model, r.prompt_len, r.gen_len),
         device: a.device.clone(),
@@ -159,6 +214,16 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_byte
         })
         .collect();
     report.add_chart("itl_distribution", Chart { title: format!("{} on {}: inter-token latency by percentile", a.device, a.model), x_label: "percentile".into(), y_label: "ms".into(), log_y: false, series, band: None });
+    if let Some(k) = &kernels {
+        let rows = k
+            .top(usize::MAX)
+            .into_iter()
+            .map(|t| vec![t.kernel.clone(), format!("{:.1}", t.launches as f64 / k.tokens as f64), format!("{:.2}", 1e6 * t.seconds / k.tokens as f64), format!("{:.1}%", 100.0 * t.seconds / k.seconds().max(f64::MIN_POSITIVE))])
+            .collect();
+        let title = format!("{}: kernels of a decode step ({} steps profiled, each launch timed alone){}", a.device, k.tokens, k.profile.not_hardware.as_ref().map_or(String::new(), |why| format!("; {why}")));
+        report.add_table("decode_kernels", &title, &["kernel", "launches per token", "us per token", "of kernel time"], rows);
+        report.sections.insert("decode_kernel_profile".into(), json!({"tokens": k.tokens, "profile": k.profile}));
+    }
     report.sections.insert("bench".into(), serde_json::to_value(&r).unwrap_or_default());
     let dir = super::report_dir(a.report_dir.clone(), "bench");
     super::write_report(&mut report, &dir)?;

@@ -107,6 +107,22 @@ impl Engine {
         }
     }
 
+    /// Starts timing each kernel launch (GPU devices); false when the engine has no kernels.
+    pub fn start_kernel_profile(&mut self) -> bool {
+        match self {
+            Engine::Oracle(_) => false,
+            Engine::Device(m) => m.start_kernel_profile(),
+        }
+    }
+
+    /// Stops the kernel profile and returns it.
+    pub fn take_kernel_profile(&mut self) -> Option<devices::KernelProfile> {
+        match self {
+            Engine::Oracle(_) => None,
+            Engine::Device(m) => m.take_kernel_profile(),
+        }
+    }
+
     /// The arithmetic the engine declares (the oracle: f32 or f64 storage, f64 accumulation).
     pub fn arithmetic(&self) -> devices::Arithmetic {
         match self {
