@@ -174,9 +174,11 @@ pub fn argmax(x: &[f32]) -> usize {
     best
 }
 
+/// The `k` largest values' indices, best first, the lower index first among equal values (-0.0
+/// equals +0.0: `total_cmp` would rank +0.0 first); NaN never ranks.
 pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
     let mut idx: Vec<u32> = (0..x.len() as u32).filter(|&i| !x[i as usize].is_nan()).collect();
-    idx.sort_by(|&a, &b| x[b as usize].total_cmp(&x[a as usize]).then(a.cmp(&b)));
+    idx.sort_by(|&a, &b| x[b as usize].partial_cmp(&x[a as usize]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
     idx.truncate(k);
     idx
 }
