@@ -258,3 +258,36 @@ fn one_launch_for_several_matrices_gives_the_bits_of_one_launch_each() {
         }
     }
 }
+
+/// The embedding lookup of a model (`ts_get_rows`) on packed tables of every weight type: the
+/// rows it decodes are the oracle codec's, bit for bit with IEEE arithmetic, and within an ulp or
+/// so of them where the GPU contracts `q * d + m` into one fused multiply-add. (The kernel suite's
+/// `embed` cases use f32 tables; the models' tables are Q8_0.)
+#[test]
+fn embedding_rows_of_every_weight_type_are_the_codecs_rows() {
+    use oracle::quant::{decode, encode, GgmlType};
+    let Some(fma) = emu_gpu() else { return };
+    let plain = devices::gpu::Gpu::new(Box::new(devices::gpu::emu::EmuBackend::open("reverse:256").unwrap()));
+    let (vocab, cols) = (37, 512);
+    let mut r = oracle::ops::SplitMix64(5);
+    let table: Vec<f32> = (0..vocab * cols).map(|_| (r.next_normal() * 0.7) as f32).collect();
+    let ids: Vec<u32> = vec![36, 0, 5, 5, 17, 1];
+    for ty in GgmlType::ALL {
+        let bytes = encode(ty, &table).unwrap();
+        let all = decode(ty, &bytes, vocab * cols).unwrap();
+        let want: Vec<f32> = ids.iter().flat_map(|&i| all[i as usize * cols..(i as usize + 1) * cols].to_vec()).collect();
+        for (g, exact) in [(&plain, true), (&fma, false)] {
+            let w = g.upload_mat(ty, vocab, cols, &bytes).unwrap();
+            let (ib, out) = (g.upload_u32(&ids).unwrap(), g.upload_f32(&vec![f32::NAN; ids.len() * cols]).unwrap());
+            g.get_rows(&w, ib.ptr, ids.len(), out.ptr).unwrap();
+            let got = out.download_f32(ids.len() * cols).unwrap();
+            if exact {
+                let first = bits(&got).iter().zip(bits(&want)).position(|(a, b)| *a != b);
+                assert_eq!(first, None, "{}: first differing value at {first:?}", ty.name());
+            } else {
+                let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / b.abs().max(1e-30)).fold(0.0f32, f32::max);
+                assert!(worst <= 2.0 * f32::EPSILON, "{}: relative error {worst}", ty.name());
+            }
+        }
+    }
+}
