@@ -409,6 +409,8 @@ struct FixedLayer {
     wv: FixedWeights,
     wo: FixedWeights,
     bias: Option<[Vec<i64>; 3]>,
+    /// The attention output projection's bias (`attn_output.bias`), when the model has one.
+    bo: Option<Vec<i64>>,
     qk_norm: Option<[Vec<i64>; 2]>,
     ffn_norm: Vec<i64>,
     gate: FixedWeights,
@@ -455,6 +457,7 @@ impl FixedModel {
                 wv: mat(&n("attn_v.weight"), kvd, d)?,
                 wo: mat(&n("attn_output.weight"), d, qd)?,
                 bias: if spec.qkv_bias { Some([vecq(&n("attn_q.bias"), qd, ACT)?, vecq(&n("attn_k.bias"), kvd, ACT)?, vecq(&n("attn_v.bias"), kvd, ACT)?]) } else { None },
+                bo: if spec.out_bias { Some(vecq(&n("attn_output.bias"), d, ACT)?) } else { None },
                 qk_norm: if spec.qk_norm { Some([vecq(&n("attn_q_norm.weight"), hd, NORM)?, vecq(&n("attn_k_norm.weight"), hd, NORM)?]) } else { None },
                 ffn_norm: vecq(&n("ffn_norm.weight"), d, NORM)?,
                 gate: mat(&n("ffn_gate.weight"), spec.n_ff, d)?,
@@ -549,7 +552,10 @@ impl crate::DeviceModel for FixedModel {
             self.kv.write(li, start, kvd, &k, &v);
             let attn = attention_q(&q, &pos, &self.kv.k[li], &self.kv.v[li], s.n_head, s.n_head_kv, hd, s.sliding_window.unwrap_or(0));
             tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
-            let attn = matmul_q(&attn, m, &l.wo);
+            let mut attn = matmul_q(&attn, m, &l.wo);
+            if let Some(bo) = &l.bo {
+                attn = add(&attn, bo);
+            }
             tap_q(taps, &name("attn_out"), start, m, d, &attn);
             x = add(&x, &attn);
             tap_q(taps, &name("ffn_inp"), start, m, d, &x);

@@ -100,6 +100,21 @@ impl Loader<'_> {
 }
 
 impl CpuModel {
+    /// Every matrix the forward pass multiplies by (the embedding table only when the output is
+    /// tied to it: its rows are otherwise looked up, not multiplied).
+    fn matrices(&self) -> impl Iterator<Item = &PackedMat> {
+        fn ffn(f: &Ffn) -> [&PackedMat; 3] {
+            [&f.gate, &f.up, &f.down]
+        }
+        let layers = self.layers.iter().flat_map(move |l| {
+            [&l.wq, &l.wk, &l.wv, &l.wo]
+                .into_iter()
+                .chain(l.router.as_ref())
+                .chain(l.dense.iter().chain(&l.experts).chain(l.shared.as_ref()).flat_map(ffn))
+        });
+        layers.chain(std::iter::once(self.output.as_ref().unwrap_or(&self.tok_embd)))
+    }
+
     pub fn load(path: &Path, opts: &ModelOptions) -> Result<CpuModel, DeviceError> {
         if path.is_dir() {
             return Err(err(&path.display().to_string(), "the cpu device runs GGUF files; safetensors directories run on the oracle only"));
@@ -219,9 +234,9 @@ impl DeviceModel for CpuModel {
     }
     fn arithmetic(&self) -> crate::Arithmetic {
         // Products with quantized weights take Q8_0 activations (as in the kernel suite); a model
-        // with any quantized matrix is judged by that arithmetic throughout.
-        let quantized = self.layers.iter().any(|l| !qdot::is_float(l.wq.ty) || l.dense.as_ref().is_some_and(|f| !qdot::is_float(f.down.ty)) || l.experts.iter().any(|f| !qdot::is_float(f.down.ty)))
-            || !qdot::is_float(self.output.as_ref().unwrap_or(&self.tok_embd).ty);
+        // with any quantized matrix it multiplies by is judged by that arithmetic throughout
+        // (every matrix counts: mixed recipes keep some at F16 and quantize the rest).
+        let quantized = self.matrices().any(|m| !qdot::is_float(m.ty));
         crate::Arithmetic { activation_q8_block: quantized.then_some(32), ..crate::Arithmetic::F32 }
     }
     fn cached(&self) -> usize {

@@ -1,0 +1,245 @@
+//! Whole models of random shape, judged like the real ones: proptest draws an architecture
+//! (llama, qwen2, qwen3), widths, head counts (MHA, GQA, MQA), head sizes, partial rotary, RoPE
+//! scaling, biases, QK-norm, a sliding window, tied or untied output and a weight type per
+//! matrix, writes the model as a GGUF file with random weights, and runs layer-diff (isolated and
+//! propagated) on `cpu`, `fixed` and the GPU kernels through the emulator
+//! (`gpu-emu:shuffle:256:fma`; skipped, saying so, where it cannot build, unless
+//! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
+//! fixtures fix one shape each; this is where a kernel that assumes a head size, a width or a
+//! layout the fixtures happen to have is caught.
+
+use devices::{DeviceError, DeviceModel, ModelOptions};
+use oracle::gguf::{GgufWriter, Value};
+use oracle::ops::SplitMix64;
+use oracle::quant::{encode, GgmlType};
+use oracle::generate::AnyModel;
+use oracle::Precision;
+use oracle::RecordingTap;
+use proptest::prelude::*;
+use suites::layerdiff::{self, Mode};
+
+const GPU_EMU: &str = "gpu-emu:shuffle:256:fma";
+
+#[derive(Debug, Clone)]
+struct Shape {
+    arch: &'static str,
+    n_embd: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    n_rot: usize,
+    n_ff: usize,
+    n_layer: usize,
+    vocab: usize,
+    scaling: usize,
+    out_bias: bool,
+    tied: bool,
+    window: usize,
+    seed: u64,
+}
+
+/// A weight type a `[rows, cols]` matrix can take (K-quants need 256-wide rows, the others 32).
+fn weight_type(cols: usize, pick: u64) -> GgmlType {
+    let ok: Vec<GgmlType> = GgmlType::ALL.into_iter().filter(|t| cols % t.block_size() == 0).collect();
+    ok[(pick % ok.len() as u64) as usize]
+}
+
+fn write_model(s: &Shape) -> Vec<u8> {
+    let mut r = SplitMix64(s.seed);
+    let mut w = GgufWriter::new();
+    let arch = s.arch;
+    let u = |w: &mut GgufWriter, k: &str, v: usize| {
+        w.meta(&format!("{arch}.{k}"), Value::U32(v as u32));
+    };
+    w.meta("general.architecture", Value::String(arch.into()));
+    u(&mut w, "context_length", 512);
+    u(&mut w, "embedding_length", s.n_embd);
+    u(&mut w, "block_count", s.n_layer);
+    u(&mut w, "feed_forward_length", s.n_ff);
+    u(&mut w, "attention.head_count", s.n_head);
+    u(&mut w, "attention.head_count_kv", s.n_head_kv);
+    u(&mut w, "attention.key_length", s.head_dim);
+    u(&mut w, "attention.value_length", s.head_dim);
+    u(&mut w, "rope.dimension_count", s.n_rot);
+    u(&mut w, "vocab_size", s.vocab);
+    w.meta(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    w.meta(&format!("{arch}.rope.freq_base"), Value::F32(10_000.0));
+    if s.window > 0 {
+        u(&mut w, "attention.sliding_window", s.window);
+    }
+    match s.scaling {
+        1 => {
+            w.meta(&format!("{arch}.rope.scaling.type"), Value::String("linear".into()));
+            w.meta(&format!("{arch}.rope.scaling.factor"), Value::F32(2.0));
+        }
+        2 => {
+            w.meta(&format!("{arch}.rope.scaling.type"), Value::String("yarn".into()));
+            w.meta(&format!("{arch}.rope.scaling.factor"), Value::F32(4.0));
+            u(&mut w, "rope.scaling.original_context_length", 64);
+        }
+        _ => {}
+    }
+    let mat = |w: &mut GgufWriter, r: &mut SplitMix64, name: &str, rows: usize, cols: usize| {
+        let x: Vec<f32> = (0..rows * cols).map(|_| (r.next_normal() / (cols as f64).sqrt()) as f32).collect();
+        let ty = weight_type(cols, r.next_u64());
+        w.tensor(name, &[cols as u64, rows as u64], ty, encode(ty, &x).unwrap());
+    };
+    let vec = |w: &mut GgufWriter, r: &mut SplitMix64, name: &str, n: usize, mean: f64| {
+        let x: Vec<f32> = (0..n).map(|_| (mean + 0.1 * r.next_normal()) as f32).collect();
+        w.tensor(name, &[n as u64], GgmlType::F32, encode(GgmlType::F32, &x).unwrap());
+    };
+    let (d, q, kv) = (s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim);
+    mat(&mut w, &mut r, "token_embd.weight", s.vocab, d);
+    vec(&mut w, &mut r, "output_norm.weight", d, 1.0);
+    if !s.tied {
+        mat(&mut w, &mut r, "output.weight", s.vocab, d);
+    }
+    for i in 0..s.n_layer {
+        let n = |t: &str| format!("blk.{i}.{t}");
+        vec(&mut w, &mut r, &n("attn_norm.weight"), d, 1.0);
+        mat(&mut w, &mut r, &n("attn_q.weight"), q, d);
+        mat(&mut w, &mut r, &n("attn_k.weight"), kv, d);
+        mat(&mut w, &mut r, &n("attn_v.weight"), kv, d);
+        mat(&mut w, &mut r, &n("attn_output.weight"), d, q);
+        if arch == "qwen2" {
+            vec(&mut w, &mut r, &n("attn_q.bias"), q, 0.0);
+            vec(&mut w, &mut r, &n("attn_k.bias"), kv, 0.0);
+            vec(&mut w, &mut r, &n("attn_v.bias"), kv, 0.0);
+        }
+        if s.out_bias {
+            vec(&mut w, &mut r, &n("attn_output.bias"), d, 0.0);
+        }
+        if arch == "qwen3" {
+            vec(&mut w, &mut r, &n("attn_q_norm.weight"), s.head_dim, 1.0);
+            vec(&mut w, &mut r, &n("attn_k_norm.weight"), s.head_dim, 1.0);
+        }
+        vec(&mut w, &mut r, &n("ffn_norm.weight"), d, 1.0);
+        mat(&mut w, &mut r, &n("ffn_gate.weight"), s.n_ff, d);
+        mat(&mut w, &mut r, &n("ffn_up.weight"), s.n_ff, d);
+        mat(&mut w, &mut r, &n("ffn_down.weight"), d, s.n_ff);
+    }
+    w.to_bytes()
+}
+
+fn shape() -> impl Strategy<Value = Shape> {
+    (
+        (0usize..3, 1usize..9, 1usize..5, 1usize..4, 1usize..33, 0.0f64..1.0),
+        (1usize..3, 1usize..24, 0usize..3, any::<bool>(), any::<bool>(), 0usize..3, 20usize..600, any::<u64>()),
+    )
+        .prop_map(|((arch, embd16, n_kv, group, hd8, rot_frac), (n_layer, ff16, scaling, out_bias, tied, window, vocab, seed))| {
+            let head_dim = 8 * hd8; // 8..256
+            let n_rot = 2 * ((head_dim as f64 / 2.0 * rot_frac) as usize).clamp(1, head_dim / 2);
+            Shape {
+                arch: ["llama", "qwen2", "qwen3"][arch],
+                // 16..112 (widths not a multiple of 32 take float weights only) or 256 (K-quants).
+                n_embd: if embd16 == 8 { 256 } else { 16 * embd16 },
+                n_head: n_kv * group,
+                n_head_kv: n_kv,
+                head_dim,
+                n_rot,
+                n_ff: 16 * ff16,
+                n_layer,
+                vocab,
+                scaling,
+                out_bias,
+                tied,
+                window: [0, 3, 7][window],
+                seed,
+            }
+        })
+}
+
+fn gpu_available() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| match devices::open(GPU_EMU) {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(std::env::var("TOUCHSTONE_REQUIRE_GPU_EMU").as_deref() != Ok("1"), "{e}");
+            eprintln!("SKIPPED on gpu-emu: {e}");
+            false
+        }
+    })
+}
+
+/// Layer-diff of `device` on the model in `path` over `ids`, both modes: Ok(false) when the
+/// device says it cannot run this model, else every tap within budget or an error naming the
+/// first that is not.
+fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u32]) -> Result<bool, String> {
+    let dev = devices::open(device).map_err(|e| e.to_string())?;
+    let mut m: Box<dyn DeviceModel> = match dev.load_model(path, &ModelOptions::default()) {
+        Ok(m) => m,
+        Err(DeviceError::Unavailable(_, why)) => {
+            eprintln!("{device}: unsupported: {why}");
+            return Ok(false);
+        }
+        Err(e) => return Err(format!("{device}: load: {e}")),
+    };
+    let mut taps = RecordingTap::default();
+    m.forward(ids, &mut taps).map_err(|e| format!("{device}: forward: {e}"))?;
+    for mode in [Mode::Isolated, Mode::Propagated] {
+        let out = layerdiff::run(oracle_model, ids, &taps, &m.arithmetic(), mode, "random", device)?;
+        if out.report.exit_code() != 0 {
+            let first = layerdiff::first_divergence_json(&out.taps);
+            return Err(format!("{device} ({mode:?}): exit {}, first divergence {first}", out.report.exit_code()));
+        }
+    }
+    Ok(true)
+}
+
+/// Models judged per device over one run (a device that judged none would make the test vacuous).
+type Judged = std::sync::Mutex<std::collections::BTreeMap<&'static str, usize>>;
+
+fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("random.gguf");
+    std::fs::write(&path, write_model(s)).unwrap();
+    let (oracle_model, _) = AnyModel::load(&path, Precision::F32).map_err(|e| TestCaseError::fail(format!("oracle: {e}")))?;
+    let mut r = SplitMix64(s.seed ^ 1);
+    let ids: Vec<u32> = (0..n_ids).map(|_| (r.next_u64() % s.vocab as u64) as u32).collect();
+    let mut devices = vec!["cpu", "fixed"];
+    if gpu_available() {
+        devices.push(GPU_EMU);
+    }
+    for device in devices {
+        match judge(&oracle_model, &path, device, &ids) {
+            Ok(ran) => *judged.lock().unwrap().entry(device).or_default() += ran as usize,
+            Err(e) => {
+                // Kept for a closer look (`cargo xtask layer-diff --device D --model FILE --prompt-ids ...`).
+                let keep = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("random-model-{}.gguf", s.seed));
+                let kept = std::fs::copy(&path, &keep).map(|_| keep.display().to_string()).unwrap_or_else(|e| format!("(not kept: {e})"));
+                return Err(TestCaseError::fail(format!("{s:?}, ids {ids:?}: {e}; model: {kept}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn random_models_pass_layer_diff_on_every_device() {
+    use proptest::test_runner::{Config, TestRunner};
+    let judged = Judged::default();
+    let mut runner = TestRunner::new(Config { cases: 64, failure_persistence: None, ..Config::default() });
+    if let Err(e) = runner.run(&(shape(), 1usize..12), |(s, n_ids)| check(&s, n_ids, &judged)) {
+        panic!("{e}");
+    }
+    let judged = judged.into_inner().unwrap();
+    eprintln!("models judged per device: {judged:?}");
+    for device in ["cpu", "fixed"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
+        assert!(judged.get(device).copied().unwrap_or(0) > 0, "{device} judged no model: {judged:?}");
+    }
+}
+
+/// The shapes this test found bugs with, kept as fixed cases: `fixed` ignored `attn_output.bias`
+/// (its attention output was off by the bias, relative error 0.1), and `cpu` declared f32
+/// activations for a model whose attn_q, down and output projections are float while attn_k and
+/// the FFN gate are quantized (it judged only those three matrices), so the Q8_0 activations of
+/// the others broke a budget they were never given.
+#[test]
+fn shapes_that_found_bugs() {
+    let judged = Judged::default();
+    let base = Shape { arch: "llama", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 16, n_rot: 2, n_ff: 96, n_layer: 1, vocab: 300, scaling: 0, out_bias: true, tied: false, window: 0, seed: 0 };
+    check(&base, 3, &judged).unwrap();
+    let mixed = Shape { n_embd: 64, n_head: 2, head_dim: 32, n_ff: 224, seed: 707767943552255558, ..base };
+    check(&mixed, 1, &judged).unwrap();
+    assert_eq!(judged.into_inner().unwrap().get("fixed"), Some(&2));
+}
