@@ -23,6 +23,13 @@ pub trait Tap {
     fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {
         None
     }
+    /// MoE routing (tap `name`, `blk.L.ffn_moe_topk`): having scored the experts (`probs`) and
+    /// chosen `chosen` (best first) for the token at `pos`, the interpreter routes it to the
+    /// experts this returns instead. Layer-diff uses it to follow a device's choice where the two
+    /// differ only at a near tie. None keeps the interpreter's own choice.
+    fn route(&mut self, _name: &str, _pos: usize, _probs: &[f64], _chosen: &[usize]) -> Option<Vec<usize>> {
+        None
+    }
 }
 
 /// A tap that records nothing.
@@ -431,12 +438,18 @@ impl<T: Real> Model<T> {
         let mut out = vec![T::default(); m * d];
         let mut probs_tap = Vec::with_capacity(m * ms.n_expert);
         let mut topk_tap = Vec::with_capacity(m * ms.n_expert_used);
+        let topk_name = format!("blk.{li}.ffn_moe_topk");
         for t in 0..m {
             let ht = &h[t * d..(t + 1) * d];
             // Router logits stay in f64: the expert choice is a discrete result and must not be
             // decided by a rounding of the oracle's own.
             let logits: Vec<f64> = (0..router.rows).map(|e| T::dot(ht, router.row(e))).collect();
-            let r = ops::moe_route(&logits, ms.n_expert_used, ms.gating, ms.normalize_topk);
+            let mut r = ops::moe_route(&logits, ms.n_expert_used, ms.gating, ms.normalize_topk);
+            if taps.enabled() {
+                if let Some(forced) = taps.route(&topk_name, start + t, &r.probs, &r.experts) {
+                    r = r.with_experts(forced, ms.normalize_topk).map_err(|e| OracleError::Shape(format!("{topk_name} at position {}: {e}", start + t)))?;
+                }
+            }
             probs_tap.extend(r.probs.iter().map(|p| *p as f32));
             topk_tap.extend(r.experts.iter().map(|e| *e as f32));
             let mut acc = vec![0.0f64; d];
@@ -462,7 +475,7 @@ impl<T: Real> Model<T> {
         }
         if taps.enabled() {
             taps.record(&format!("blk.{li}.ffn_moe_probs"), start, m, ms.n_expert, &probs_tap);
-            taps.record(&format!("blk.{li}.ffn_moe_topk"), start, m, ms.n_expert_used, &topk_tap);
+            taps.record(&topk_name, start, m, ms.n_expert_used, &topk_tap);
         }
         Ok(out)
     }

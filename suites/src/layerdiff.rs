@@ -239,6 +239,9 @@ pub struct TapDiff {
     pub budget_isolated: Option<Budget>,
     /// Discrete taps (MoE expert ids): positions whose ids differ.
     pub id_mismatches: Option<usize>,
+    /// MoE expert ids: tokens (over both runs) where the oracle followed the device's choice at a
+    /// near tie.
+    pub routing_followed: usize,
 }
 
 impl TapDiff {
@@ -272,27 +275,92 @@ impl TapDiff {
     }
 }
 
-/// A tap recorder that hands the interpreter another run's value of every tap it has
-/// (isolated mode: the oracle continues from the device's values).
-pub struct Substitute<'a> {
-    pub from: &'a RecordingTap,
+/// One token whose experts the oracle took from the device instead of choosing its own: the two
+/// choices differ only at a near tie (see [`follow_at_near_tie`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct RoutingFollow {
+    /// The `blk.L.ffn_moe_topk` tap.
+    pub tap: String,
+    pub position: usize,
+    /// The oracle's choice and the device's, best first.
+    pub oracle: Vec<usize>,
+    pub device: Vec<usize>,
+    /// How far apart (in the oracle's scores) the experts the two choices swap are, and how far
+    /// they may be for the swap to be explained by the device's allowed error in the scores.
+    pub margin: f64,
+    pub tolerance: f64,
+    /// `propagated` (the oracle's own run) or `isolated` (its re-run on the device's inputs).
+    pub run: &'static str,
+}
+
+/// Whether the oracle should take the device's expert choice `device` instead of its own
+/// `oracle` (both best first) for a token whose scores are `probs`: when they differ only at a
+/// near tie. Let d be the expert the device dropped with the highest score and t the one it took
+/// with the lowest; the choices are `margin = probs[d] - probs[t]` apart. A device that ranks its
+/// own scores correctly can only have swapped them if its scores of d and t are off by at least
+/// that much together, so where the device recorded its scores (`device_probs`, the
+/// `ffn_moe_probs` row) the swap is followed when the margin is within their observed error (plus
+/// f32 rounding): then a top-k bug still shows as a mismatch, and the scores' error is judged by
+/// their own tap. Without recorded scores, the scores' `budget` (an RMS bound, so one score may
+/// be off by sqrt(n) times it and a pair by sqrt(2n)) sets the tolerance. Returns (margin,
+/// tolerance) when it should follow.
+pub fn follow_at_near_tie(probs: &[f64], oracle: &[usize], device: &[usize], device_probs: Option<&[f32]>, budget: Option<Budget>) -> Option<(f64, f64)> {
+    let pick = |ids: &[usize], other: &[usize], best: bool| {
+        let outside = ids.iter().copied().filter(|e| !other.contains(e));
+        if best { outside.max_by(|&a, &b| probs[a].total_cmp(&probs[b])) } else { outside.min_by(|&a, &b| probs[a].total_cmp(&probs[b])) }
+    };
+    // The same set (or nothing comparable): nothing to follow.
+    let (d, t) = (pick(oracle, device, true)?, pick(device, oracle, false)?);
+    let margin = probs[d] - probs[t];
+    let tolerance = match device_probs.filter(|dp| dp.len() == probs.len()) {
+        Some(dp) => {
+            let observed = (dp[d] as f64 - probs[d]).abs() + (dp[t] as f64 - probs[t]).abs();
+            observed + 4.0 * f32::EPSILON as f64 * probs[d].abs().max(probs[t].abs())
+        }
+        None => {
+            let rms = (probs.iter().map(|p| p * p).sum::<f64>() / probs.len().max(1) as f64).sqrt();
+            (2.0 * probs.len() as f64).sqrt() * budget?.bound(rms)
+        }
+    };
+    (margin <= tolerance).then_some((margin, tolerance))
+}
+
+/// The oracle's tap for layer-diff's two runs: records every tap; in the isolated run
+/// (`substitute_values`) hands the interpreter the device's value of each tap; in both, routes a
+/// MoE token to the device's experts where the two choices differ only at a near tie (budget of
+/// `ffn_moe_probs` per layer from `budget_of`), listing each such token in `follows`.
+pub struct Rerun<'a> {
+    pub device: &'a RecordingTap,
+    pub substitute_values: bool,
+    pub budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget> + 'a>,
     pub recorded: RecordingTap,
+    pub follows: Vec<RoutingFollow>,
+    pub run: &'static str,
 }
 
-impl<'a> Substitute<'a> {
-    pub fn new(from: &'a RecordingTap) -> Self {
-        Substitute { from, recorded: RecordingTap::default() }
-    }
-}
-
-impl Tap for Substitute<'_> {
+impl Tap for Rerun<'_> {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
         self.recorded.record(name, start_pos, n_tokens, width, data);
     }
     fn substitute(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize) -> Option<Vec<f32>> {
-        let (w, data) = self.from.tensors.get(name)?;
+        if !self.substitute_values {
+            return None;
+        }
+        let (w, data) = self.device.tensors.get(name)?;
         let range = start_pos * width..(start_pos + n_tokens) * width;
         (*w == width && data.len() >= range.end).then(|| data[range].to_vec())
+    }
+    fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
+        let (w, data) = self.device.tensors.get(name)?;
+        let k = chosen.len();
+        let row = data.get(pos * w..(pos + 1) * w).filter(|_| *w == k)?;
+        // The device's ids, if they are a valid choice (else the mismatch is reported as such).
+        let device: Vec<usize> = row.iter().map(|&v| (v >= 0.0 && v.fract() == 0.0 && (v as usize) < probs.len()).then_some(v as usize)).collect::<Option<_>>()?;
+        let scores = name.strip_suffix("ffn_moe_topk").map(|l| format!("{l}ffn_moe_probs"));
+        let device_probs = scores.and_then(|n| self.device.tensors.get(&n)).and_then(|(w, v)| v.get(pos * w..(pos + 1) * w));
+        let (margin, tolerance) = follow_at_near_tie(probs, chosen, &device, device_probs, (self.budget_of)(split_tap(name).0))?;
+        self.follows.push(RoutingFollow { tap: name.to_string(), position: pos, oracle: chosen.to_vec(), device: device.clone(), margin, tolerance, run: self.run });
+        Some(device)
     }
 }
 
@@ -317,6 +385,7 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
             isolated: None,
             budget_isolated: local_budget(kind, arith, dims),
             id_mismatches: None,
+            routing_followed: 0,
         };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             t.missing = true;
@@ -409,6 +478,7 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             stats_json("isolated", &t.isolated, &t.budget_isolated, &mut m);
             if let Some(n) = t.id_mismatches {
                 m.insert("id_mismatches".into(), json!(n));
+                m.insert("routing_followed_at_near_ties".into(), json!(t.routing_followed));
             }
             let (gated, budget) = t.compared(mode);
             if let Some(s) = gated {
@@ -418,7 +488,17 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             let (verdict, bound, margin, rule, message) = if t.missing {
                 (Verdict::Unsupported, 0.0, 0.0, "missing".to_string(), Some("the device did not produce this tap".to_string()))
             } else if let Some(n) = t.id_mismatches {
-                (if n == 0 { Verdict::Pass } else { Verdict::Fail }, 0.0, -(n as f64), "expert ids identical at every position".into(), (n > 0).then(|| format!("{n} positions chose other experts")))
+                (
+                    if n == 0 { Verdict::Pass } else { Verdict::Fail },
+                    0.0,
+                    -(n as f64),
+                    "expert ids identical at every position (the oracle following the device at near ties)".into(),
+                    if n > 0 {
+                        Some(format!("{n} positions chose other experts"))
+                    } else {
+                        (t.routing_followed > 0).then(|| format!("the oracle followed the device's choice at {} near tie(s)", t.routing_followed))
+                    },
+                )
             } else {
                 match (gated, budget) {
                     (Some(s), Some(b)) => {
@@ -526,20 +606,43 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
 pub struct Outcome {
     pub taps: Vec<TapDiff>,
     pub report: Report,
+    /// MoE tokens where the oracle followed the device's expert choice at a near tie.
+    pub follows: Vec<RoutingFollow>,
 }
 
 /// Runs the oracle on `ids` (its own forward pass, then again fed the device's taps), compares
 /// with `device_taps` and builds the report (cases gated by `mode`, first divergence, per-layer
 /// table, error-by-layer charts).
+/// Where a MoE device's expert choice differs from the oracle's only at a near tie (a device
+/// within its error budget may pick either), both runs route that token as the device did
+/// ([`follow_at_near_tie`], listed in the `routing_followed` section): otherwise everything
+/// after it would be compared with a different expert's output.
 pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, model: &str, device: &str) -> Result<Outcome, String> {
-    let mut reference = RecordingTap::default();
-    oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
-    let mut sub = Substitute::new(device_taps);
-    oracle_model.prefill_logits(ids, &mut sub).map_err(|e| e.to_string())?;
     let dims = Dims::of(oracle_model.spec(), ids.len());
-    let taps = diff(&reference, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
-    let report = report(&taps, mode, model, device, ids, None);
-    Ok(Outcome { taps, report })
+    let rerun = |substitute_values: bool, run: &'static str| Rerun {
+        device: device_taps,
+        substitute_values,
+        budget_of: if substitute_values {
+            Box::new(|_| local_budget("ffn_moe_probs", arith, &dims))
+        } else {
+            Box::new(|layer| propagated_budget("ffn_moe_probs", layer, arith, &dims))
+        },
+        recorded: RecordingTap::default(),
+        follows: Vec::new(),
+        run,
+    };
+    let mut reference = rerun(false, "propagated");
+    oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
+    let mut sub = rerun(true, "isolated");
+    oracle_model.prefill_logits(ids, &mut sub).map_err(|e| e.to_string())?;
+    let mut taps = diff(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
+    let follows: Vec<RoutingFollow> = reference.follows.into_iter().chain(sub.follows).collect();
+    for t in &mut taps {
+        t.routing_followed = follows.iter().filter(|f| f.tap == t.name).count();
+    }
+    let mut report = report(&taps, mode, model, device, ids, None);
+    report.sections.insert("routing_followed".into(), json!(follows));
+    Ok(Outcome { taps, report, follows })
 }
 
 /// `--against`: device A compared with device B tap by tap (budget: the sum of both devices'
@@ -571,7 +674,7 @@ pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap
         c.metrics.insert(format!("oracle_vs_{}_rel_rms", a.0), json!(lookup(&vs_oracle_a, &name)));
         c.metrics.insert(format!("oracle_vs_{}_rel_rms", b.0), json!(lookup(&vs_oracle_b, &name)));
     }
-    Ok(Outcome { taps, report })
+    Ok(Outcome { taps, report, follows: Vec::new() })
 }
 
 fn report(taps: &[TapDiff], mode: Mode, model: &str, device: &str, ids: &[u32], against: Option<&str>) -> Report {
@@ -613,10 +716,31 @@ mod tests {
     }
 
     #[test]
+    fn routing_follows_the_device_only_at_a_near_tie_its_own_scores_explain() {
+        let probs = [0.30, 0.29, 0.10, 0.31];
+        let b = Some(Budget { rel: 0.01, abs: 0.0 });
+        // Same experts (any order): nothing to follow.
+        assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[0, 3], None, b), None);
+        // The device took 1 for 0 (0.01 apart) with its scores of the two off by 0.006 each.
+        let dev = [0.294f32, 0.296, 0.10, 0.31];
+        let (margin, tol) = follow_at_near_tie(&probs, &[3, 0], &[3, 1], Some(&dev), b).unwrap();
+        assert!((margin - 0.01).abs() < 1e-12 && tol >= 0.012 && tol < 0.0121, "{margin} {tol}");
+        // The same swap with scores that do not explain it (a top-k bug): not followed.
+        assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], Some(&[0.30f32, 0.29, 0.10, 0.31]), b), None);
+        // Taking the worst expert is no near tie, whatever the scores' budget.
+        let dev = [0.30f32, 0.29, 0.10, 0.31];
+        assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 2], Some(&dev), b), None);
+        // Without recorded scores the budget decides: sqrt(2 * 4) * 0.01 * rms(probs) ~ 0.007.
+        assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], None, b), None);
+        assert!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], None, Some(Budget { rel: 0.02, abs: 0.0 })).is_some());
+        assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], None, None), None);
+    }
+
+    #[test]
     fn substitution_feeds_the_other_runs_values() {
         let mut from = RecordingTap::default();
         from.record("blk.0.l_out", 0, 2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        let mut s = Substitute::new(&from);
+        let mut s = Rerun { device: &from, substitute_values: true, budget_of: Box::new(|_| None), recorded: RecordingTap::default(), follows: Vec::new(), run: "isolated" };
         assert_eq!(s.substitute("blk.0.l_out", 1, 1, 3), Some(vec![4.0, 5.0, 6.0]));
         assert_eq!(s.substitute("blk.0.l_out", 0, 1, 4), None, "a width mismatch substitutes nothing");
         assert_eq!(s.substitute("blk.1.l_out", 0, 1, 3), None);

@@ -1,7 +1,9 @@
 //! Whole models of random shape, judged like the real ones: proptest draws an architecture
-//! (llama, qwen2, qwen3), widths, head counts (MHA, GQA, MQA), head sizes, partial rotary, RoPE
+//! (llama, qwen2, qwen3; one in four a MoE with or without a gated shared expert, softmax or
+//! sigmoid gating), widths, head counts (MHA, GQA, MQA), head sizes, partial rotary, RoPE
 //! scaling, biases, QK-norm, a sliding window, tied or untied output and a weight type per
-//! matrix, writes the model as a GGUF file with random weights, and runs layer-diff (isolated and
+//! matrix, writes the model as a GGUF file with random weights, feeds the ids to each device as
+//! one prefill or as a prefill plus appends and decode steps, and runs layer-diff (isolated and
 //! propagated) on `cpu`, `fixed` and the GPU kernels through the emulator
 //! (`gpu-emu:shuffle:256:fma`; skipped, saying so, where it cannot build, unless
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
@@ -35,6 +37,9 @@ struct Shape {
     out_bias: bool,
     tied: bool,
     window: usize,
+    /// (experts, experts used per token, expert FFN width, shared expert width or 0, shared
+    /// expert gate, sigmoid gating, normalized top-k weights); None: a dense FFN.
+    moe: Option<(usize, usize, usize, usize, bool, bool, bool)>,
     seed: u64,
 }
 
@@ -47,7 +52,11 @@ fn weight_type(cols: usize, pick: u64) -> GgmlType {
 fn write_model(s: &Shape) -> Vec<u8> {
     let mut r = SplitMix64(s.seed);
     let mut w = GgufWriter::new();
-    let arch = s.arch;
+    let arch = match (s.arch, s.moe.is_some()) {
+        ("qwen2", true) => "qwen2moe",
+        ("qwen3", true) => "qwen3moe",
+        (a, _) => a,
+    };
     let u = |w: &mut GgufWriter, k: &str, v: usize| {
         w.meta(&format!("{arch}.{k}"), Value::U32(v as u32));
     };
@@ -66,6 +75,14 @@ fn write_model(s: &Shape) -> Vec<u8> {
     w.meta(&format!("{arch}.rope.freq_base"), Value::F32(10_000.0));
     if s.window > 0 {
         u(&mut w, "attention.sliding_window", s.window);
+    }
+    if let Some((n_expert, used, expert_ff, shared_ff, _, sigmoid, normalize)) = s.moe {
+        u(&mut w, "expert_count", n_expert);
+        u(&mut w, "expert_used_count", used);
+        u(&mut w, "expert_feed_forward_length", expert_ff);
+        u(&mut w, "expert_shared_feed_forward_length", shared_ff);
+        u(&mut w, "expert_gating_func", if sigmoid { 2 } else { 1 });
+        w.meta(&format!("{arch}.expert_weights_norm"), Value::Bool(normalize));
     }
     match s.scaling {
         1 => {
@@ -101,7 +118,7 @@ fn write_model(s: &Shape) -> Vec<u8> {
         mat(&mut w, &mut r, &n("attn_k.weight"), kv, d);
         mat(&mut w, &mut r, &n("attn_v.weight"), kv, d);
         mat(&mut w, &mut r, &n("attn_output.weight"), d, q);
-        if arch == "qwen2" {
+        if s.arch == "qwen2" {
             vec(&mut w, &mut r, &n("attn_q.bias"), q, 0.0);
             vec(&mut w, &mut r, &n("attn_k.bias"), kv, 0.0);
             vec(&mut w, &mut r, &n("attn_v.bias"), kv, 0.0);
@@ -109,14 +126,37 @@ fn write_model(s: &Shape) -> Vec<u8> {
         if s.out_bias {
             vec(&mut w, &mut r, &n("attn_output.bias"), d, 0.0);
         }
-        if arch == "qwen3" {
+        if s.arch == "qwen3" {
             vec(&mut w, &mut r, &n("attn_q_norm.weight"), s.head_dim, 1.0);
             vec(&mut w, &mut r, &n("attn_k_norm.weight"), s.head_dim, 1.0);
         }
         vec(&mut w, &mut r, &n("ffn_norm.weight"), d, 1.0);
-        mat(&mut w, &mut r, &n("ffn_gate.weight"), s.n_ff, d);
-        mat(&mut w, &mut r, &n("ffn_up.weight"), s.n_ff, d);
-        mat(&mut w, &mut r, &n("ffn_down.weight"), d, s.n_ff);
+        match s.moe {
+            None => {
+                mat(&mut w, &mut r, &n("ffn_gate.weight"), s.n_ff, d);
+                mat(&mut w, &mut r, &n("ffn_up.weight"), s.n_ff, d);
+                mat(&mut w, &mut r, &n("ffn_down.weight"), d, s.n_ff);
+            }
+            Some((n_expert, _, f, shared_ff, shared_gate, _, _)) => {
+                // The router in F32 (as converters write it); experts stacked [cols, rows, n].
+                let x: Vec<f32> = (0..n_expert * d).map(|_| (r.next_normal() / (d as f64).sqrt()) as f32).collect();
+                w.tensor(&n("ffn_gate_inp.weight"), &[d as u64, n_expert as u64], GgmlType::F32, encode(GgmlType::F32, &x).unwrap());
+                for (name, rows, cols) in [("ffn_gate_exps.weight", f, d), ("ffn_up_exps.weight", f, d), ("ffn_down_exps.weight", d, f)] {
+                    let x: Vec<f32> = (0..n_expert * rows * cols).map(|_| (r.next_normal() / (cols as f64).sqrt()) as f32).collect();
+                    let ty = weight_type(cols, r.next_u64());
+                    w.tensor(&n(name), &[cols as u64, rows as u64, n_expert as u64], ty, encode(ty, &x).unwrap());
+                }
+                if shared_ff > 0 {
+                    mat(&mut w, &mut r, &n("ffn_gate_shexp.weight"), shared_ff, d);
+                    mat(&mut w, &mut r, &n("ffn_up_shexp.weight"), shared_ff, d);
+                    mat(&mut w, &mut r, &n("ffn_down_shexp.weight"), d, shared_ff);
+                    if shared_gate {
+                        let x: Vec<f32> = (0..d).map(|_| (r.next_normal() / (d as f64).sqrt()) as f32).collect();
+                        w.tensor(&n("ffn_gate_inp_shexp.weight"), &[d as u64, 1], GgmlType::F32, encode(GgmlType::F32, &x).unwrap());
+                    }
+                }
+            }
+        }
     }
     w.to_bytes()
 }
@@ -125,8 +165,9 @@ fn shape() -> impl Strategy<Value = Shape> {
     (
         (0usize..3, 1usize..9, 1usize..5, 1usize..4, 1usize..33, 0.0f64..1.0),
         (1usize..3, 1usize..24, 0usize..3, any::<bool>(), any::<bool>(), 0usize..3, 20usize..600, any::<u64>()),
+        (0usize..4, 1usize..9, 0.0f64..1.0, 0usize..3, any::<[bool; 3]>()),
     )
-        .prop_map(|((arch, embd16, n_kv, group, hd8, rot_frac), (n_layer, ff16, scaling, out_bias, tied, window, vocab, seed))| {
+        .prop_map(|((arch, embd16, n_kv, group, hd8, rot_frac), (n_layer, ff16, scaling, out_bias, tied, window, vocab, seed), (moe, n_expert, used_frac, shared, [shared_gate, sigmoid, normalize]))| {
             let head_dim = 8 * hd8; // 8..256
             let n_rot = 2 * ((head_dim as f64 / 2.0 * rot_frac) as usize).clamp(1, head_dim / 2);
             Shape {
@@ -144,6 +185,12 @@ fn shape() -> impl Strategy<Value = Shape> {
                 out_bias,
                 tied,
                 window: [0, 3, 7][window],
+                // One model in four is a MoE (qwen2 with experts is Qwen2-MoE; llama with
+                // experts is Mixtral-style).
+                moe: (moe == 0).then(|| {
+                    let used = ((n_expert as f64 * used_frac) as usize).clamp(1, n_expert);
+                    (n_expert, used, 16 * ff16.div_ceil(2), [0, 32, 16 * ff16][shared], shared_gate, sigmoid, normalize)
+                }),
                 seed,
             }
         })
@@ -164,7 +211,7 @@ fn gpu_available() -> bool {
 /// Layer-diff of `device` on the model in `path` over `ids`, both modes: Ok(false) when the
 /// device says it cannot run this model, else every tap within budget or an error naming the
 /// first that is not.
-fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u32]) -> Result<bool, String> {
+fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u32], chunks: &[usize]) -> Result<bool, String> {
     let dev = devices::open(device).map_err(|e| e.to_string())?;
     let mut m: Box<dyn DeviceModel> = match dev.load_model(path, &ModelOptions::default()) {
         Ok(m) => m,
@@ -174,8 +221,16 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
         }
         Err(e) => return Err(format!("{device}: load: {e}")),
     };
+    // The ids go in as `chunks` (a prefill, then appends or single-token decode steps against
+    // the device's KV cache), their taps recorded position by position into one record that the
+    // oracle's single prefill is compared with.
     let mut taps = RecordingTap::default();
-    m.forward(ids, &mut taps).map_err(|e| format!("{device}: forward: {e}"))?;
+    let mut at = 0;
+    for &n in chunks {
+        m.forward(&ids[at..at + n], &mut taps).map_err(|e| format!("{device}: forward of positions {at}..{}: {e}", at + n))?;
+        at += n;
+    }
+    assert_eq!(at, ids.len(), "chunks {chunks:?} do not cover {} ids", ids.len());
     for mode in [Mode::Isolated, Mode::Propagated] {
         let out = layerdiff::run(oracle_model, ids, &taps, &m.arithmetic(), mode, "random", device)?;
         if out.report.exit_code() != 0 {
@@ -196,18 +251,27 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
     let (oracle_model, _) = AnyModel::load(&path, Precision::F32).map_err(|e| TestCaseError::fail(format!("oracle: {e}")))?;
     let mut r = SplitMix64(s.seed ^ 1);
     let ids: Vec<u32> = (0..n_ids).map(|_| (r.next_u64() % s.vocab as u64) as u32).collect();
+    // Half the models see one prefill; the others a prefill and then random appends (1 token:
+    // a decode step).
+    let mut chunks = Vec::new();
+    let mut left = n_ids;
+    while left > 0 {
+        let n = if s.seed % 2 == 0 { left } else { 1 + (r.next_u64() as usize) % left.min(4) };
+        chunks.push(n);
+        left -= n;
+    }
     let mut devices = vec!["cpu", "fixed"];
     if gpu_available() {
         devices.push(GPU_EMU);
     }
     for device in devices {
-        match judge(&oracle_model, &path, device, &ids) {
+        match judge(&oracle_model, &path, device, &ids, &chunks) {
             Ok(ran) => *judged.lock().unwrap().entry(device).or_default() += ran as usize,
             Err(e) => {
                 // Kept for a closer look (`cargo xtask layer-diff --device D --model FILE --prompt-ids ...`).
                 let keep = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("random-model-{}.gguf", s.seed));
                 let kept = std::fs::copy(&path, &keep).map(|_| keep.display().to_string()).unwrap_or_else(|e| format!("(not kept: {e})"));
-                return Err(TestCaseError::fail(format!("{s:?}, ids {ids:?}: {e}; model: {kept}")));
+                return Err(TestCaseError::fail(format!("{s:?}, ids {ids:?} in chunks {chunks:?}: {e}; model: {kept}")));
             }
         }
     }
@@ -237,7 +301,7 @@ fn random_models_pass_layer_diff_on_every_device() {
 #[test]
 fn shapes_that_found_bugs() {
     let judged = Judged::default();
-    let base = Shape { arch: "llama", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 16, n_rot: 2, n_ff: 96, n_layer: 1, vocab: 300, scaling: 0, out_bias: true, tied: false, window: 0, seed: 0 };
+    let base = Shape { arch: "llama", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 16, n_rot: 2, n_ff: 96, n_layer: 1, vocab: 300, scaling: 0, out_bias: true, tied: false, window: 0, moe: None, seed: 0 };
     check(&base, 3, &judged).unwrap();
     let mixed = Shape { n_embd: 64, n_head: 2, head_dim: 32, n_ff: 224, seed: 707767943552255558, ..base };
     check(&mixed, 1, &judged).unwrap();

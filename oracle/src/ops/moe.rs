@@ -21,6 +21,11 @@ pub fn moe_route(logits: &[f64], k: usize, gating: Gating, normalize: bool) -> R
         Gating::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
     };
     let experts = super::sample::top_k_f64(&probs, k);
+    let weights = weights_of(&probs, &experts, normalize);
+    Routing { probs, experts, weights }
+}
+
+fn weights_of(probs: &[f64], experts: &[usize], normalize: bool) -> Vec<f64> {
     let mut weights: Vec<f64> = experts.iter().map(|&e| probs[e]).collect();
     if normalize {
         let sum: f64 = weights.iter().sum();
@@ -28,5 +33,22 @@ pub fn moe_route(logits: &[f64], k: usize, gating: Gating, normalize: bool) -> R
             weights.iter_mut().for_each(|w| *w /= sum);
         }
     }
-    Routing { probs, experts, weights }
+    weights
+}
+
+impl Routing {
+    /// The same scores routed to `experts` instead (another engine's choice, weighted as this
+    /// routing weighs its own), or why `experts` is not a choice of `self.experts.len()` distinct
+    /// experts.
+    pub fn with_experts(self, experts: Vec<usize>, normalize: bool) -> Result<Routing, String> {
+        let n = self.probs.len();
+        let mut sorted = experts.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if experts.len() != self.experts.len() || sorted.len() != experts.len() || sorted.last().is_some_and(|&e| e >= n) {
+            return Err(format!("{experts:?} is not a choice of {} distinct experts of {n}", self.experts.len()));
+        }
+        let weights = weights_of(&self.probs, &experts, normalize);
+        Ok(Routing { probs: self.probs, experts, weights })
+    }
 }

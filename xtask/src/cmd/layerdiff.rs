@@ -56,6 +56,12 @@ fn device_taps(engine: &mut Engine, ids: &[u32]) -> Result<RecordingTap, Exit> {
 pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     let mut outcome = layer_diff(&a)?;
     print_table(&outcome);
+    for f in &outcome.follows {
+        outln!(
+            "routing: {} position {} ({} run): the oracle chose experts {:?}, the device {:?}, {:.2e} apart where its score error allows {:.2e}: a near tie, so the oracle followed the device",
+            f.tap, f.position, f.run, f.oracle, f.device, f.margin, f.tolerance
+        );
+    }
     let dir = super::report_dir(a.report_dir, "layer-diff");
     super::write_report(&mut outcome.report, &dir)?;
     let s = &outcome.report.summary;
