@@ -4,7 +4,7 @@
 //! scaling, biases, QK-norm, a sliding window, tied or untied output and a weight type per
 //! matrix, writes the model as a GGUF file with random weights, feeds the ids to each device as
 //! one prefill or as a prefill plus appends and decode steps, and runs layer-diff (isolated and
-//! propagated) on `cpu`, `fixed` and the GPU kernels through the emulator
+//! propagated) on `cpu`, `fixed`, `fixed-int4` and the GPU kernels through the emulator
 //! (`gpu-emu:shuffle:256:fma`; skipped, saying so, where it cannot build, unless
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
 //! fixtures fix one shape each; this is where a kernel that assumes a head size, a width or a
@@ -260,7 +260,7 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         chunks.push(n);
         left -= n;
     }
-    let mut devices = vec!["cpu", "fixed"];
+    let mut devices = vec!["cpu", "fixed", "fixed-int4"];
     if gpu_available() {
         devices.push(GPU_EMU);
     }
@@ -288,7 +288,7 @@ fn random_models_pass_layer_diff_on_every_device() {
     }
     let judged = judged.into_inner().unwrap();
     eprintln!("models judged per device: {judged:?}");
-    for device in ["cpu", "fixed"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
+    for device in ["cpu", "fixed", "fixed-int4"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
         assert!(judged.get(device).copied().unwrap_or(0) > 0, "{device} judged no model: {judged:?}");
     }
 }
