@@ -167,7 +167,8 @@ pub struct DeviceRuns {
     /// MoE models: positions where the device's teacher-forced run chose other experts than the
     /// oracle's in some layer (`routing_flips`). Its inputs differ from the oracle's by its
     /// permitted error, so a router near tie can flip; a top-1 difference there is flagged, not
-    /// failed. The router itself is gated exactly by layer-diff (isolated expert ids).
+    /// failed. The router itself is gated by layer-diff (isolated expert ids, identical except
+    /// where the device's own recorded scores explain a near tie).
     pub routing_differs: Vec<bool>,
 }
 
