@@ -286,7 +286,8 @@ pub struct RoutingFollow {
     pub oracle: Vec<usize>,
     pub device: Vec<usize>,
     /// How far apart (in the oracle's scores) the experts the two choices swap are, and how far
-    /// they may be for the swap to be explained by the device's allowed error in the scores.
+    /// apart they may be for the device's error to explain the swap: its recorded scores' error
+    /// in those two experts (or, without recorded scores, what its score budget allows).
     pub margin: f64,
     pub tolerance: f64,
     /// `propagated` (the oracle's own run) or `isolated` (its re-run on the device's inputs).

@@ -310,3 +310,49 @@ fn shapes_that_found_bugs() {
     check(&mixed, 1, &judged).unwrap();
     assert_eq!(judged.into_inner().unwrap().get("fixed"), Some(&2));
 }
+
+/// Following the device at near ties must not excuse a wrong expert choice: the device's taps
+/// with one token routed to its lowest-scored expert (its recorded scores unchanged, so they do
+/// not explain the swap) fail layer-diff with an id mismatch, and the oracle follows nothing.
+#[test]
+fn a_wrong_expert_choice_is_not_excused_as_a_near_tie() {
+    let s = Shape {
+        arch: "qwen2",
+        n_embd: 64,
+        n_head: 2,
+        n_head_kv: 1,
+        head_dim: 32,
+        n_rot: 32,
+        n_ff: 64,
+        n_layer: 1,
+        vocab: 100,
+        scaling: 0,
+        out_bias: false,
+        tied: true,
+        window: 0,
+        moe: Some((8, 2, 32, 0, false, false, true)),
+        seed: 11,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("moe.gguf");
+    std::fs::write(&path, write_model(&s)).unwrap();
+    let (oracle_model, _) = AnyModel::load(&path, Precision::F32).unwrap();
+    let ids = [5u32, 17, 42];
+    let mut m = devices::open("cpu").unwrap().load_model(&path, &ModelOptions::default()).unwrap();
+    let mut taps = RecordingTap::default();
+    m.forward(&ids, &mut taps).unwrap();
+    let arith = m.arithmetic();
+    let ok = layerdiff::run(&oracle_model, &ids, &taps, &arith, Mode::Isolated, "moe", "cpu").unwrap();
+    assert_eq!(ok.report.exit_code(), 0);
+
+    let probs = taps.tensors["blk.0.ffn_moe_probs"].1[8..16].to_vec();
+    let worst = (0..8).min_by(|&a, &b| probs[a].total_cmp(&probs[b])).unwrap() as f32;
+    let topk = &mut taps.tensors.get_mut("blk.0.ffn_moe_topk").unwrap().1;
+    assert_ne!(topk[3], worst);
+    topk[3] = worst; // position 1's second expert
+    let bad = layerdiff::run(&oracle_model, &ids, &taps, &arith, Mode::Isolated, "moe", "cpu").unwrap();
+    assert_eq!(bad.report.exit_code(), 1);
+    assert!(bad.follows.is_empty(), "{:?}", bad.follows);
+    let t = bad.taps.iter().find(|t| t.name == "blk.0.ffn_moe_topk").unwrap();
+    assert_eq!(t.id_mismatches, Some(1));
+}
