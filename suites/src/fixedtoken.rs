@@ -170,24 +170,55 @@ pub struct DeviceRuns {
     /// failed. The router itself is gated by layer-diff (isolated expert ids, identical except
     /// where the device's own recorded scores explain a near tie).
     pub routing_differs: Vec<bool>,
+    /// MoE models whose device run routed some token otherwise than the oracle: the oracle's
+    /// logits re-run routing as the device did wherever the two differ only at a near tie
+    /// ([`FollowRouting`]). The device's logits are compared with these (else a correct device
+    /// is charged a whole other expert's output at every such token); the golden gate still
+    /// judges the oracle's own logits.
+    pub followed_oracle: Option<Vec<f64>>,
 }
 
-/// Records only the MoE expert-id taps (`blk.*.ffn_moe_topk`).
+/// Records only the MoE routing taps: expert ids (`blk.*.ffn_moe_topk`) and scores
+/// (`blk.*.ffn_moe_probs`).
 #[derive(Default)]
 pub struct RoutingTap(pub oracle::RecordingTap);
 
 impl oracle::Tap for RoutingTap {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
-        if name.ends_with(".ffn_moe_topk") {
+        if name.ends_with(".ffn_moe_topk") || name.ends_with(".ffn_moe_probs") {
             self.0.record(name, start_pos, n_tokens, width, data);
         }
+    }
+}
+
+/// The oracle's tap for its re-run on a MoE model: records the routing taps and routes each
+/// token as the device did where the two choices differ only at a near tie
+/// (`suites::layerdiff::follow_device_routing`; `budget_of` gives a layer's score budget for
+/// devices that did not record their scores), listing each such token in `follows`.
+pub struct FollowRouting<'a> {
+    pub device: &'a oracle::RecordingTap,
+    pub budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget> + 'a>,
+    pub routing: RoutingTap,
+    pub follows: Vec<crate::layerdiff::RoutingFollow>,
+}
+
+impl oracle::Tap for FollowRouting<'_> {
+    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        self.routing.record(name, start_pos, n_tokens, width, data);
+    }
+    fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
+        let budget = (self.budget_of)(crate::layerdiff::split_tap(name).0);
+        let f = crate::layerdiff::follow_device_routing(self.device, name, pos, probs, chosen, budget, "teacher-forced")?;
+        let ids = f.device.clone();
+        self.follows.push(f);
+        Some(ids)
     }
 }
 
 /// Positions (of `n`) where two runs' expert sets differ in any layer.
 pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
     let mut out = vec![false; n];
-    for (name, (w, av)) in &a.0.tensors {
+    for (name, (w, av)) in a.0.tensors.iter().filter(|(name, _)| name.ends_with(".ffn_moe_topk")) {
         let Some((_, bv)) = b.0.tensors.get(name) else { continue };
         for (p, (x, y)) in av.chunks(*w).zip(bv.chunks(*w)).enumerate().take(n) {
             let (mut x, mut y) = (x.to_vec(), y.to_vec());
@@ -201,7 +232,7 @@ pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
 
 /// Judges one device run: the gate cases (see the module header) and the `token_stats` section.
 pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab: usize, budget: &Budget, runs: &DeviceRuns, device: &str) -> (Vec<Case>, Value) {
-    let mut stats = position_stats(oracle, device_logits, n_vocab, budget);
+    let mut stats = position_stats(runs.followed_oracle.as_deref().unwrap_or(oracle), device_logits, n_vocab, budget);
     for (s, &flip) in stats.iter_mut().zip(&runs.routing_differs) {
         s.near_tie |= flip;
     }
@@ -240,7 +271,9 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
     // The golden continuation as predicted by teacher forcing: position p predicts token p+1.
     let p0 = golden.prompt_ids.len();
     let seq = golden.sequence();
-    let oracle_mismatch = (p0..seq.len()).find(|&t| stats[t - 1].top1_oracle != seq[t]);
+    // The oracle's own logits (not a re-run that followed the device's routing).
+    let own_top1 = |p: usize| top_k(&oracle[p * n_vocab..(p + 1) * n_vocab], 1)[0] as u32;
+    let oracle_mismatch = (p0..seq.len()).find(|&t| own_top1(t - 1) != seq[t]);
     cases.push(case(
         id("golden"),
         "oracle",
@@ -249,7 +282,7 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
         0.0,
         oracle_mismatch.map_or(0.0, |_| 1.0),
         m(&[("golden_tokens", json!(golden.continuation_ids.len()))]),
-        oracle_mismatch.map(|t| format!("the oracle predicts {} at position {t}, the golden has {} — the golden is stale or the oracle changed; regenerate with `{}`", stats[t - 1].top1_oracle, seq[t], golden.regenerate)),
+        oracle_mismatch.map(|t| format!("the oracle predicts {} at position {t}, the golden has {} — the golden is stale or the oracle changed; regenerate with `{}`", own_top1(t - 1), seq[t], golden.regenerate)),
     ));
 
     let device_greedy: Vec<u32> = match &runs.greedy {
@@ -331,7 +364,7 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
 pub fn evaluate_tokens_only(golden: &Golden, oracle: &[f64], n_vocab: usize, budget: &Budget, generated: &[u32], device: &str) -> (Vec<Case>, Value) {
     // The oracle against itself gives its margins and top-1s with zero error.
     let own: Vec<f32> = oracle.iter().map(|v| *v as f32).collect();
-    let runs = DeviceRuns { greedy: Some(generated.to_vec()), cache_paths: None, routing_differs: Vec::new() };
+    let runs = DeviceRuns { greedy: Some(generated.to_vec()), cache_paths: None, routing_differs: Vec::new(), followed_oracle: None };
     let (cases, _) = evaluate(golden, oracle, &own, n_vocab, budget, &runs, device);
     let cases = cases
         .into_iter()
@@ -368,7 +401,7 @@ mod tests {
         let o = logits(&[1, 2, 3, 4], v, 5.0);
         let d: Vec<f32> = o.iter().map(|x| *x as f32).collect();
         let b = Budget { rel: 1e-3, abs: 1e-6 };
-        let runs = DeviceRuns { greedy: None, cache_paths: Some(vec![("decode".into(), 2, d[2 * v..].to_vec())]), routing_differs: Vec::new() };
+        let runs = DeviceRuns { greedy: None, cache_paths: Some(vec![("decode".into(), 2, d[2 * v..].to_vec())]), routing_differs: Vec::new(), followed_oracle: None };
         let (cases, ts) = evaluate(&g, &o, &d, v, &b, &runs, "dev");
         assert!(cases.iter().all(|c| c.verdict == Verdict::Pass), "{cases:?}");
         assert_eq!(ts["same_top1"]["count"], 4);
@@ -389,7 +422,7 @@ mod tests {
         let mut d: Vec<f32> = o.iter().map(|x| *x as f32).collect();
         d[2 * v + 6] = 5.0 + 1e-4;
         let b = Budget { rel: 1e-3, abs: 1e-6 };
-        let (cases, ts) = evaluate(&g, &o, &d, v, &b, &DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new() }, "dev");
+        let (cases, ts) = evaluate(&g, &o, &d, v, &b, &DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new(), followed_oracle: None }, "dev");
         assert_eq!(ts["near_ties"], 1);
         let greedy = cases.iter().find(|c| c.id.contains("gate=greedy")).unwrap();
         assert_eq!(greedy.verdict, Verdict::Pass);
@@ -404,7 +437,7 @@ mod tests {
         let v = 8;
         let o = logits(&[1, 2, 3, 4], v, 5.0);
         let d: Vec<f32> = o.iter().map(|x| *x as f32).collect();
-        let (cases, _) = evaluate(&g, &o, &d, v, &Budget { rel: 1e-3, abs: 0.0 }, &DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new() }, "dev");
+        let (cases, _) = evaluate(&g, &o, &d, v, &Budget { rel: 1e-3, abs: 0.0 }, &DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new(), followed_oracle: None }, "dev");
         assert_eq!(cases.iter().find(|c| c.id.contains("gate=golden")).unwrap().verdict, Verdict::Fail);
     }
 

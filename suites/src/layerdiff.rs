@@ -352,17 +352,27 @@ impl Tap for Rerun<'_> {
         (*w == width && data.len() >= range.end).then(|| data[range].to_vec())
     }
     fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        let (w, data) = self.device.tensors.get(name)?;
-        let k = chosen.len();
-        let row = data.get(pos * w..(pos + 1) * w).filter(|_| *w == k)?;
-        // The device's ids, if they are a valid choice (else the mismatch is reported as such).
-        let device: Vec<usize> = row.iter().map(|&v| (v >= 0.0 && v.fract() == 0.0 && (v as usize) < probs.len()).then_some(v as usize)).collect::<Option<_>>()?;
-        let scores = name.strip_suffix("ffn_moe_topk").map(|l| format!("{l}ffn_moe_probs"));
-        let device_probs = scores.and_then(|n| self.device.tensors.get(&n)).and_then(|(w, v)| v.get(pos * w..(pos + 1) * w));
-        let (margin, tolerance) = follow_at_near_tie(probs, chosen, &device, device_probs, (self.budget_of)(split_tap(name).0))?;
-        self.follows.push(RoutingFollow { tap: name.to_string(), position: pos, oracle: chosen.to_vec(), device: device.clone(), margin, tolerance, run: self.run });
-        Some(device)
+        let f = follow_device_routing(self.device, name, pos, probs, chosen, (self.budget_of)(split_tap(name).0), self.run)?;
+        let ids = f.device.clone();
+        self.follows.push(f);
+        Some(ids)
     }
+}
+
+/// The oracle's side of routing a MoE token (`Tap::route`) against a device's recorded taps:
+/// the device's experts for `pos` under tap `name` (and its scores under the layer's
+/// `ffn_moe_probs`, when it recorded them), followed when [`follow_at_near_tie`] says the two
+/// choices differ only at a near tie. None: keep the oracle's own choice (same experts, no
+/// valid device choice, or no near tie).
+pub fn follow_device_routing(device: &RecordingTap, name: &str, pos: usize, probs: &[f64], chosen: &[usize], budget: Option<Budget>, run: &'static str) -> Option<RoutingFollow> {
+    let (w, data) = device.tensors.get(name)?;
+    let row = data.get(pos * w..(pos + 1) * w).filter(|_| *w == chosen.len())?;
+    // The device's ids, if they are a valid choice (else the mismatch is reported as such).
+    let ids: Vec<usize> = row.iter().map(|&v| (v >= 0.0 && v.fract() == 0.0 && (v as usize) < probs.len()).then_some(v as usize)).collect::<Option<_>>()?;
+    let scores = name.strip_suffix("ffn_moe_topk").map(|l| format!("{l}ffn_moe_probs"));
+    let device_probs = scores.and_then(|n| device.tensors.get(&n)).and_then(|(w, v)| v.get(pos * w..(pos + 1) * w));
+    let (margin, tolerance) = follow_at_near_tie(probs, chosen, &ids, device_probs, budget)?;
+    Some(RoutingFollow { tap: name.to_string(), position: pos, oracle: chosen.to_vec(), device: ids, margin, tolerance, run })
 }
 
 /// A tap of the device's run that cannot be compared: wrong width or number of positions.

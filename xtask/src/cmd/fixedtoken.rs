@@ -104,7 +104,26 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     runs.routing_differs = fixedtoken::routing_differs(&oracle_routing, &device_routing, seq.len());
     // Asked after the run: an external engine's arithmetic comes from its dump's manifest.
     let arith = engine.arithmetic();
+    drop(engine);
     let budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit { code: 2, message: "no logit budget rule".into() })?;
+    // A MoE device that routed some token otherwise: the oracle again (loaded anew, so the two
+    // models were never held at once), routing as the device did where the choices differ only
+    // at a near tie.
+    let mut follows = Vec::new();
+    if runs.routing_differs.contains(&true) {
+        let (oracle, _) = AnyModel::load(&path, Precision::F32)?;
+        let mut tap = fixedtoken::FollowRouting {
+            device: &device_routing.0,
+            budget_of: Box::new(|layer| propagated_budget("ffn_moe_probs", layer, &arith, &dims)),
+            routing: RoutingTap::default(),
+            follows: Vec::new(),
+        };
+        runs.followed_oracle = Some(oracle.prefill_logits(&seq, &mut tap)?);
+        follows = tap.follows;
+        for f in &follows {
+            eprintln!("routing: {} position {}: the oracle chose experts {:?}, the device {:?}, {:.2e} apart where its score error allows {:.2e}: a near tie, so the oracle's compared logits follow the device", f.tap, f.position, f.oracle, f.device, f.margin, f.tolerance);
+        }
+    }
     let (cases, stats) = match device_logits {
         Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, &a.device),
         None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), &a.device),
@@ -115,6 +134,9 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     if let Some(per_pos) = stats.get("per_position").cloned() {
         report.add_chart("kld_by_position", kld_chart(&per_pos, &a.device, &a.model));
     }
+    let mut stats = stats;
+    stats["routing_followed"] = json!(follows.len());
+    report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("token_stats".into(), stats);
     Ok(Some(report))
 }
@@ -131,7 +153,7 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
             let logits: Vec<f32> = m.prefill_logits(&seq, &mut routing)?.iter().map(|v| *v as f32).collect();
             let greedy = m.generate(&golden.prompt_ids, n, &SamplerConfig::GREEDY, 0, None, &mut NoTap)?.tokens;
             // The oracle's own prefill/decode/append identity is the self-check suite's job.
-            Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: None, routing_differs: Vec::new() }, routing))
+            Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: None, routing_differs: Vec::new(), followed_oracle: None }, routing))
         }
         Engine::Device(m) => {
             m.reset();
@@ -141,9 +163,9 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
                 let forced = m.forward(&seq, &mut routing);
                 m.reset();
                 return match forced {
-                    Ok(logits) => Ok((Some(logits), DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new() }, routing)),
+                    Ok(logits) => Ok((Some(logits), DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new(), followed_oracle: None }, routing)),
                     Err(e) => match m.generate_ids(&golden.prompt_ids, n) {
-                        Some(ids) => Ok((None, DeviceRuns { greedy: Some(ids.map_err(dev_err)?), cache_paths: None, routing_differs: Vec::new() }, routing)),
+                        Some(ids) => Ok((None, DeviceRuns { greedy: Some(ids.map_err(dev_err)?), cache_paths: None, routing_differs: Vec::new(), followed_oracle: None }, routing)),
                         None => Err(dev_err(e)),
                     },
                 };
@@ -163,7 +185,7 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
             m.forward(&seq[..p0], &mut NoTap).map_err(dev_err)?;
             let append = m.forward(&seq[p0..], &mut NoTap).map_err(dev_err)?;
             m.reset();
-            Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: Some(vec![("decode".into(), p0, decode), ("append".into(), p0, append)]), routing_differs: Vec::new() }, routing))
+            Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: Some(vec![("decode".into(), p0, decode), ("append".into(), p0, append)]), routing_differs: Vec::new(), followed_oracle: None }, routing))
         }
     }
 }
