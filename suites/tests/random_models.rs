@@ -4,7 +4,8 @@
 //! scaling, biases, QK-norm, a sliding window, tied or untied output and a weight type per
 //! matrix, writes the model as a GGUF file with random weights, feeds the ids to each device as
 //! one prefill or as a prefill plus appends and decode steps, and runs layer-diff (isolated and
-//! propagated) on `cpu`, `fixed`, `fixed-int4` and the GPU kernels through the emulator
+//! propagated) on `cpu`, `fixed`, `fixed-int4`, an external engine (the cpu run written as a dump
+//! and read back) and the GPU kernels through the emulator
 //! (`gpu-emu:shuffle:256:fma`; skipped, saying so, where it cannot build, unless
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
 //! fixtures fix one shape each; this is where a kernel that assumes a head size, a width or a
@@ -241,8 +242,17 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
     Ok(true)
 }
 
+/// The `cpu` device's taps and logits for `ids` written to `dir` in the dump format.
+fn write_cpu_dump(path: &std::path::Path, ids: &[u32], dir: &std::path::Path) {
+    let mut m = devices::open("cpu").unwrap().load_model(path, &ModelOptions::default()).unwrap();
+    let mut taps = RecordingTap::default();
+    m.forward(ids, &mut taps).unwrap();
+    let info = oracle::dump::ModelInfo { name: "random".into(), sha256: String::new(), arch: m.spec().arch.clone() };
+    oracle::dump::write_dump(dir, info, "cpu", "f32", ids, &taps, serde_json::to_value(m.arithmetic()).ok()).unwrap();
+}
+
 /// Models judged per device over one run (a device that judged none would make the test vacuous).
-type Judged = std::sync::Mutex<std::collections::BTreeMap<&'static str, usize>>;
+type Judged = std::sync::Mutex<std::collections::BTreeMap<String, usize>>;
 
 fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
@@ -260,13 +270,20 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         chunks.push(n);
         left -= n;
     }
-    let mut devices = vec!["cpu", "fixed", "fixed-int4"];
+    // The cpu device's taps written as a dump and read back as an external engine's.
+    let dump = dir.path().join("dump");
+    write_cpu_dump(&path, &ids, &dump);
+    let external = format!("external:{}", dump.display());
+    let mut devices = vec!["cpu", "fixed", "fixed-int4", external.as_str()];
     if gpu_available() {
         devices.push(GPU_EMU);
     }
     for device in devices {
-        match judge(&oracle_model, &path, device, &ids, &chunks) {
-            Ok(ran) => *judged.lock().unwrap().entry(device).or_default() += ran as usize,
+        // A dump is one prefill: an external engine cannot be stepped.
+        let one_prefill = [ids.len()];
+        let chunks = if device.starts_with("external:") { &one_prefill[..] } else { &chunks[..] };
+        match judge(&oracle_model, &path, device, &ids, chunks) {
+            Ok(ran) => *judged.lock().unwrap().entry(if device.starts_with("external:") { "external".to_string() } else { device.to_string() }).or_default() += ran as usize,
             Err(e) => {
                 // Kept for a closer look (`cargo xtask layer-diff --device D --model FILE --prompt-ids ...`).
                 let keep = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("random-model-{}.gguf", s.seed));
@@ -291,7 +308,7 @@ fn random_models_pass_layer_diff_on_every_device() {
     }
     let judged = judged.into_inner().unwrap();
     eprintln!("models judged per device: {judged:?}");
-    for device in ["cpu", "fixed", "fixed-int4"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
+    for device in ["cpu", "fixed", "fixed-int4", "external"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
         assert!(judged.get(device).copied().unwrap_or(0) > 0, "{device} judged no model: {judged:?}");
     }
 }
