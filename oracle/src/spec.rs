@@ -347,6 +347,20 @@ impl ModelSpec {
                 }
             }
         };
+        let attention_bias = cfg.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false);
+        let n_layer = req("num_hidden_layers")?;
+        // Mistral windows every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
+        // with `use_sliding_window`, and then only layers from `max_window_layers` on: all of
+        // them (0) or none (>= the layer count) is one window for the model; a split is not.
+        let sliding_window = match model_type.as_str() {
+            "mistral" => u("sliding_window"),
+            "qwen2" | "qwen3" if cfg.get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => match u("max_window_layers").unwrap_or(0) {
+                0 => u("sliding_window"),
+                m if m >= n_layer => None,
+                m => return Err(err(format!("config.json: a sliding window on layers {m}..{n_layer} only (max_window_layers {m}) is not supported: one window for all layers or none"))),
+            },
+            _ => None,
+        };
         let act = match cfg.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("silu") {
             "silu" | "swish" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
@@ -356,7 +370,7 @@ impl ModelSpec {
             arch: arch.to_string(),
             n_vocab: req("vocab_size")?,
             n_embd,
-            n_layer: req("num_hidden_layers")?,
+            n_layer,
             n_head,
             n_head_kv: u("num_key_value_heads").unwrap_or(n_head),
             head_dim,
@@ -370,16 +384,14 @@ impl ModelSpec {
                 scaling,
             },
             qk_norm: arch == "qwen3",
-            qkv_bias: arch == "qwen2" || cfg.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false),
-            out_bias: false,
+            // Qwen2 always biases Q/K/V (never O); llama, mistral and qwen3 bias all four of them
+            // when `attention_bias` is set (their attention layers build q/k/v/o_proj alike).
+            qkv_bias: arch == "qwen2" || attention_bias,
+            out_bias: arch != "qwen2" && attention_bias,
             tied_output: cfg.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
             activation: act,
             moe: None,
-            sliding_window: if cfg.get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) {
-                u("sliding_window")
-            } else {
-                None
-            },
+            sliding_window,
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
             stages: Vec::new(),

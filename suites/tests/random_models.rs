@@ -9,7 +9,9 @@
 //! (`gpu-emu:shuffle:256:fma`; skipped, saying so, where it cannot build, unless
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
 //! fixtures fix one shape each; this is where a kernel that assumes a head size, a width or a
-//! layout the fixtures happen to have is caught.
+//! layout the fixtures happen to have is caught. Models Hugging Face configs can express are
+//! also written as safetensors + config.json and must load to the GGUF's logits.
+//! `TOUCHSTONE_RANDOM_MODELS=N` draws N models instead of 64.
 
 use devices::{DeviceError, DeviceModel, ModelOptions};
 use oracle::gguf::{GgufWriter, Value};
@@ -119,7 +121,9 @@ fn write_model(s: &Shape) -> Vec<u8> {
         mat(&mut w, &mut r, &n("attn_k.weight"), kv, d);
         mat(&mut w, &mut r, &n("attn_v.weight"), kv, d);
         mat(&mut w, &mut r, &n("attn_output.weight"), d, q);
-        if s.arch == "qwen2" {
+        // Q/K/V biases: always on qwen2; on llama and qwen3 with the output bias (Hugging Face's
+        // `attention_bias` biases all four projections).
+        if s.arch == "qwen2" || s.out_bias {
             vec(&mut w, &mut r, &n("attn_q.bias"), q, 0.0);
             vec(&mut w, &mut r, &n("attn_k.bias"), kv, 0.0);
             vec(&mut w, &mut r, &n("attn_v.bias"), kv, 0.0);
@@ -170,7 +174,8 @@ fn shape() -> impl Strategy<Value = Shape> {
     )
         .prop_map(|((arch, embd16, n_kv, group, hd8, rot_frac), (n_layer, ff16, scaling, out_bias, tied, window, vocab, seed), (moe, n_expert, used_frac, shared, [shared_gate, sigmoid, normalize]))| {
             let head_dim = 8 * hd8; // 8..256
-            let n_rot = 2 * ((head_dim as f64 / 2.0 * rot_frac) as usize).clamp(1, head_dim / 2);
+            // Half the models rotate whole heads (as every Hugging Face llama/qwen does), half part.
+            let n_rot = if rot_frac >= 0.5 { head_dim } else { 2 * ((head_dim as f64 * rot_frac) as usize).clamp(1, head_dim / 2) };
             Shape {
                 arch: ["llama", "qwen2", "qwen3"][arch],
                 // 16..112 (widths not a multiple of 32 take float weights only) or 256 (K-quants).
@@ -242,6 +247,70 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
     Ok(true)
 }
 
+/// The model of `gguf` (written by [`write_model`] for `s`) as a Hugging Face safetensors
+/// directory with config.json, or None when Hugging Face's llama/mistral/qwen2/qwen3 configs
+/// cannot express `s` (MoE, partial rotary, an output bias without Q/K/V biases, a window with
+/// biases on llama). Weights are the GGUF's decoded to f32; llama Q/K rows (and biases) are
+/// un-interleaved as llama.cpp's converter interleaves them.
+fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Option<()> {
+    if s.moe.is_some() || s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
+        return None;
+    }
+    let model_type = match s.arch {
+        "llama" if s.window > 0 => "mistral",
+        a => a,
+    };
+    let g = oracle::gguf::GgufFile::open(gguf).unwrap();
+    let hf_name = |name: &str| oracle::loader::gguf_to_hf_name(name).unwrap_or_else(|| panic!("no Hugging Face name for {name}"));
+    // Hugging Face row j * half + i of a head is llama.cpp's row 2i + j (llama only).
+    let unpermute = |v: Vec<f32>, n_head: usize| -> Vec<f32> {
+        let cols = v.len() / (n_head * s.head_dim);
+        let half = s.head_dim / 2;
+        let mut out = vec![0.0f32; v.len()];
+        for h in 0..n_head {
+            for i in 0..half {
+                for j in 0..2 {
+                    let (src, dst) = (h * s.head_dim + 2 * i + j, h * s.head_dim + j * half + i);
+                    out[dst * cols..(dst + 1) * cols].copy_from_slice(&v[src * cols..(src + 1) * cols]);
+                }
+            }
+        }
+        out
+    };
+    let mut bufs = Vec::new();
+    for t in &g.tensors {
+        let mut v = g.tensor_f32(t).unwrap();
+        if s.arch == "llama" && (t.name.contains("attn_q.") || t.name.contains("attn_k.")) {
+            v = unpermute(v, if t.name.contains("attn_q.") { s.n_head } else { s.n_head_kv });
+        }
+        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        bufs.push((hf_name(&t.name), shape, v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> =
+        bufs.iter().map(|(n, sh, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, sh.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let mut cfg = serde_json::json!({
+        "model_type": model_type, "hidden_size": s.n_embd, "num_attention_heads": s.n_head, "num_key_value_heads": s.n_head_kv,
+        "head_dim": s.head_dim, "intermediate_size": s.n_ff, "num_hidden_layers": s.n_layer, "vocab_size": s.vocab,
+        "rms_norm_eps": 1e-5, "rope_theta": 10_000.0, "tie_word_embeddings": s.tied, "max_position_embeddings": 512,
+        "hidden_act": "silu", "attention_bias": s.out_bias
+    });
+    match s.scaling {
+        1 => cfg["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0}),
+        2 => cfg["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        _ => {}
+    }
+    if s.window > 0 {
+        cfg["sliding_window"] = serde_json::json!(s.window);
+        if model_type != "mistral" {
+            cfg["use_sliding_window"] = serde_json::json!(true);
+            cfg["max_window_layers"] = serde_json::json!(0);
+        }
+    }
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    Some(())
+}
+
 /// The `cpu` device's taps and logits for `ids` written to `dir` in the dump format.
 fn write_cpu_dump(path: &std::path::Path, ids: &[u32], dir: &std::path::Path) {
     let mut m = devices::open("cpu").unwrap().load_model(path, &ModelOptions::default()).unwrap();
@@ -269,6 +338,19 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         let n = if s.seed % 2 == 0 { left } else { 1 + (r.next_u64() as usize) % left.min(if n_ids > 30 { 24 } else { 4 }) };
         chunks.push(n);
         left -= n;
+    }
+    // The same model as a Hugging Face safetensors directory: the oracle must read it to the
+    // same logits (config.json and tensor names mapped as the GGUF metadata is).
+    let hf = dir.path().join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    if write_hf_dir(s, &path, &hf).is_some() {
+        let (hf_model, _) = AnyModel::load(&hf, Precision::F32).map_err(|e| TestCaseError::fail(format!("{s:?}: safetensors: {e}")))?;
+        let a = oracle_model.prefill_logits(&ids, &mut oracle::NoTap).unwrap();
+        let b = hf_model.prefill_logits(&ids, &mut oracle::NoTap).unwrap();
+        let scale = a.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
+        prop_assert!(worst <= 1e-6 * scale, "{s:?}: safetensors logits differ from the GGUF's by {worst} (scale {scale})");
+        *judged.lock().unwrap().entry("safetensors".to_string()).or_default() += 1;
     }
     // The cpu device's taps written as a dump and read back as an external engine's.
     let dump = dir.path().join("dump");
@@ -299,7 +381,9 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
 fn random_models_pass_layer_diff_on_every_device() {
     use proptest::test_runner::{Config, TestRunner};
     let judged = Judged::default();
-    let mut runner = TestRunner::new(Config { cases: 64, failure_persistence: None, ..Config::default() });
+    // 64 models per run; TOUCHSTONE_RANDOM_MODELS=N draws N (a longer hunt).
+    let cases = std::env::var("TOUCHSTONE_RANDOM_MODELS").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
+    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
     // Mostly short prompts; one in eight long enough (60-80) that a GPU device's KV cache grows
     // past its first 64 positions mid-run and a sliding window slides far.
     let n_ids = prop_oneof![7 => 1usize..12, 1 => 60usize..80];
@@ -308,7 +392,7 @@ fn random_models_pass_layer_diff_on_every_device() {
     }
     let judged = judged.into_inner().unwrap();
     eprintln!("models judged per device: {judged:?}");
-    for device in ["cpu", "fixed", "fixed-int4", "external"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
+    for device in ["cpu", "fixed", "fixed-int4", "external", "safetensors"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
         assert!(judged.get(device).copied().unwrap_or(0) > 0, "{device} judged no model: {judged:?}");
     }
 }
