@@ -341,7 +341,13 @@ impl ModelSpec {
                         beta_fast: s.get("beta_fast").and_then(|v| v.as_f64()).unwrap_or(32.0),
                         beta_slow: s.get("beta_slow").and_then(|v| v.as_f64()).unwrap_or(1.0),
                         ext_factor: 1.0,
-                        attn_factor: s.get("attention_factor").and_then(|v| v.as_f64()).unwrap_or(1.0),
+                        // Hugging Face scales cos/sin by `attention_factor` as given, defaulting
+                        // to 1 + 0.1 ln(factor); ours (llama.cpp's) multiplies `attn_factor` by
+                        // that default itself, so a given value is divided by it here.
+                        attn_factor: match s.get("attention_factor").and_then(|v| v.as_f64()) {
+                            Some(a) if factor > 0.0 => a / (1.0 + 0.1 * factor.ln()),
+                            _ => 1.0,
+                        },
                     },
                     other => return Err(err(format!("config.json: rope_scaling type `{other}` is not supported (linear, yarn)"))),
                 }
