@@ -328,12 +328,17 @@ impl ModelSpec {
         let n_head = req("num_attention_heads")?;
         let head_dim = u("head_dim").unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
         let ctx = u("max_position_embeddings").unwrap_or(4096);
-        let scaling = match cfg.get("rope_scaling").filter(|v| !v.is_null()) {
+        // RoPE: `rope_theta` and `rope_scaling` at the top level, or (newer transformers) both
+        // in `rope_parameters`.
+        let rope_params = cfg.get("rope_parameters").filter(|v| v.is_object());
+        let theta = rope_params.and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()).or_else(|| f("rope_theta")).unwrap_or(10_000.0);
+        let scaling = match rope_params.or_else(|| cfg.get("rope_scaling")).filter(|v| !v.is_null()) {
             None => RopeScaling::None,
             Some(s) => {
                 let ty = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("");
                 let factor = s.get("factor").and_then(|v| v.as_f64()).unwrap_or(1.0);
                 match ty {
+                    "default" => RopeScaling::None,
                     "linear" => RopeScaling::Linear { factor },
                     "yarn" => RopeScaling::Yarn {
                         factor,
@@ -349,7 +354,7 @@ impl ModelSpec {
                             _ => 1.0,
                         },
                     },
-                    other => return Err(err(format!("config.json: rope_scaling type `{other}` is not supported (linear, yarn)"))),
+                    other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn)"))),
                 }
             }
         };
@@ -385,7 +390,7 @@ impl ModelSpec {
             rope: RopeSpec {
                 // Hugging Face checkpoints keep Q/K in rotate-half order for every architecture.
                 style: RopeStyle::Neox,
-                theta: f("rope_theta").unwrap_or(10_000.0),
+                theta,
                 n_rot: head_dim,
                 scaling,
             },
