@@ -361,11 +361,12 @@ impl ModelSpec {
         let attention_bias = cfg.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false);
         let n_layer = req("num_hidden_layers")?;
         // Mistral windows every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
-        // with `use_sliding_window`, and then only layers from `max_window_layers` on: all of
-        // them (0) or none (>= the layer count) is one window for the model; a split is not.
+        // with `use_sliding_window`, and then only layers from `max_window_layers` on (their
+        // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
+        // the model; a split is not.
         let sliding_window = match model_type.as_str() {
             "mistral" => u("sliding_window"),
-            "qwen2" | "qwen3" if cfg.get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => match u("max_window_layers").unwrap_or(0) {
+            "qwen2" | "qwen3" if cfg.get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => match u("max_window_layers").unwrap_or(28) {
                 0 => u("sliding_window"),
                 m if m >= n_layer => None,
                 m => return Err(err(format!("config.json: a sliding window on layers {m}..{n_layer} only (max_window_layers {m}) is not supported: one window for all layers or none"))),
