@@ -36,10 +36,12 @@ fn exact_case(id: String, a: &[f64], b: &[f64]) -> Case {
     }
 }
 
+/// The logits of the chunks fed in turn against one cache (an empty chunk, as the first half of
+/// a one-token prompt split for the append path, is no step).
 fn logits_via(model: &Model<f32>, chunks: &[&[u32]]) -> oracle::Result<Vec<f64>> {
     let mut cache = model.new_cache();
     let mut out = Vec::new();
-    for c in chunks {
+    for c in chunks.iter().filter(|c| !c.is_empty()) {
         out.extend(model.forward(c, &mut cache, &mut NoTap)?.into_iter().map(|v| v as f64));
     }
     Ok(out)

@@ -9,7 +9,9 @@
 //! (`gpu-emu:shuffle:256:fma`; skipped, saying so, where it cannot build, unless
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
 //! fixtures fix one shape each; this is where a kernel that assumes a head size, a width or a
-//! layout the fixtures happen to have is caught. Models Hugging Face configs can express are
+//! layout the fixtures happen to have is caught. The oracle's self-check (cache paths and thread
+//! counts bit-identical, f32 within its bound of f64) runs on every model. Models Hugging Face
+//! configs can express are
 //! also written as safetensors + config.json and must load to the GGUF's logits.
 //! `TOUCHSTONE_RANDOM_MODELS=N` draws N models instead of 64.
 
@@ -339,6 +341,13 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         chunks.push(n);
         left -= n;
     }
+    // The oracle's own invariants on this shape: prefill, decode and append give bit-identical
+    // logits, so do 1 and 3 threads, and f32 stays within its bound of f64.
+    let own = suites::selfcheck::run("random", &path, &ids).map_err(|e| TestCaseError::fail(format!("{s:?}: self-check: {e}")))?;
+    for c in &own {
+        prop_assert!(c.verdict == reports::Verdict::Pass, "{s:?}, ids {ids:?}: oracle self-check {} is {:?}: {:?}", c.id, c.verdict, c.message);
+    }
+    *judged.lock().unwrap().entry("oracle self-check".to_string()).or_default() += 1;
     // The same model as a Hugging Face safetensors directory: the oracle must read it to the
     // same logits (config.json and tensor names mapped as the GGUF metadata is).
     let hf = dir.path().join("hf");
