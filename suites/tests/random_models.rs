@@ -10,7 +10,8 @@
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
 //! fixtures fix one shape each; this is where a kernel that assumes a head size, a width or a
 //! layout the fixtures happen to have is caught. The oracle's self-check (cache paths and thread
-//! counts bit-identical, f32 within its bound of f64) runs on every model. Models Hugging Face
+//! counts bit-identical, f32 within its bound of f64) runs on every model, and the GPU kernels
+//! run in the emulator's three thread orders must give the same bits. Models Hugging Face
 //! configs can express are
 //! also written as safetensors + config.json and must load to the GGUF's logits.
 //! `TOUCHSTONE_RANDOM_MODELS=N` draws N models instead of 64.
@@ -340,6 +341,29 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         let n = if s.seed % 2 == 0 { left } else { 1 + (r.next_u64() as usize) % left.min(if n_ids > 30 { 24 } else { 4 }) };
         chunks.push(n);
         left -= n;
+    }
+    // No GPU result may depend on the order a GPU runs threads and blocks in: the emulator's three
+    // orders give bit-identical taps and logits, fed the same chunks.
+    if gpu_available() {
+        let run = |device: &str| -> Result<RecordingTap, String> {
+            let mut m = devices::open(device).map_err(|e| e.to_string())?.load_model(&path, &ModelOptions::default()).map_err(|e| e.to_string())?;
+            let mut taps = RecordingTap::default();
+            let mut at = 0;
+            for &n in &chunks {
+                m.forward(&ids[at..at + n], &mut taps).map_err(|e| format!("{device}: {e}"))?;
+                at += n;
+            }
+            Ok(taps)
+        };
+        let orders = ["gpu-emu:256:fma", "gpu-emu:reverse:256:fma", "gpu-emu:shuffle:256:fma"];
+        let runs: Vec<RecordingTap> = orders.iter().map(|d| run(d)).collect::<Result<_, _>>().map_err(|e| TestCaseError::fail(format!("{s:?}: {e}")))?;
+        for (d, r) in orders.iter().zip(&runs).skip(1) {
+            for name in &runs[0].order {
+                let (a, b) = (&runs[0].tensors[name].1, &r.tensors[name].1);
+                prop_assert!(a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{s:?}, ids {ids:?} in chunks {chunks:?}: tap `{name}` differs between {} and {d}", orders[0]);
+            }
+        }
+        *judged.lock().unwrap().entry("gpu-emu thread orders".to_string()).or_default() += 1;
     }
     // The oracle's own invariants on this shape: prefill, decode and append give bit-identical
     // logits, so do 1 and 3 threads, and f32 stays within its bound of f64.
