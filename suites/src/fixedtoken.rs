@@ -191,27 +191,19 @@ impl oracle::Tap for RoutingTap {
     }
 }
 
-/// The oracle's tap for its re-run on a MoE model: records the routing taps and routes each
-/// token as the device did where the two choices differ only at a near tie
-/// (`suites::layerdiff::follow_device_routing`; `budget_of` gives a layer's score budget for
-/// devices that did not record their scores), listing each such token in `follows`.
+/// The oracle's tap for its re-run on a MoE model: records the routing taps and follows the
+/// device's routing at near ties (`routing`).
 pub struct FollowRouting<'a> {
-    pub device: &'a oracle::RecordingTap,
-    pub budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget> + 'a>,
-    pub routing: RoutingTap,
-    pub follows: Vec<crate::layerdiff::RoutingFollow>,
+    pub routing: crate::layerdiff::RoutingFollower<'a>,
+    pub recorded: RoutingTap,
 }
 
 impl oracle::Tap for FollowRouting<'_> {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
-        self.routing.record(name, start_pos, n_tokens, width, data);
+        self.recorded.record(name, start_pos, n_tokens, width, data);
     }
     fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        let budget = (self.budget_of)(crate::layerdiff::split_tap(name).0);
-        let f = crate::layerdiff::follow_device_routing(self.device, name, pos, probs, chosen, budget, "teacher-forced")?;
-        let ids = f.device.clone();
-        self.follows.push(f);
-        Some(ids)
+        self.routing.route(name, pos, probs, chosen)
     }
 }
 

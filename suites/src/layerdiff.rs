@@ -290,7 +290,8 @@ pub struct RoutingFollow {
     /// in those two experts (or, without recorded scores, what its score budget allows).
     pub margin: f64,
     pub tolerance: f64,
-    /// `propagated` (the oracle's own run) or `isolated` (its re-run on the device's inputs).
+    /// `propagated` (the oracle's own run), `isolated` (its re-run on the device's inputs) or
+    /// `teacher-forced` (fixed-token's re-run).
     pub run: &'static str,
 }
 
@@ -326,17 +327,57 @@ pub fn follow_at_near_tie(probs: &[f64], oracle: &[usize], device: &[usize], dev
     (margin <= tolerance).then_some((margin, tolerance))
 }
 
-/// The oracle's tap for layer-diff's two runs: records every tap; in the isolated run
-/// (`substitute_values`) hands the interpreter the device's value of each tap; in both, routes a
-/// MoE token to the device's experts where the two choices differ only at a near tie (budget of
-/// `ffn_moe_probs` per layer from `budget_of`), listing each such token in `follows`.
-pub struct Rerun<'a> {
+impl std::fmt::Display for RoutingFollow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} position {} ({} run): the oracle chose experts {:?}, the device {:?}, {:.2e} apart where its score error allows {:.2e}: a near tie, so the oracle followed the device",
+            self.tap, self.position, self.run, self.oracle, self.device, self.margin, self.tolerance
+        )
+    }
+}
+
+/// The oracle's side of routing MoE tokens (`Tap::route`) against a device's recorded taps, for
+/// any oracle run that follows the device: each token goes to the device's experts (its
+/// `ffn_moe_topk` row, with its scores from the layer's `ffn_moe_probs` when it recorded them)
+/// when [`follow_at_near_tie`] says the two choices differ only at a near tie (`budget_of` gives a
+/// layer's score budget for devices that did not record their scores), and is listed in
+/// `follows`; otherwise the oracle keeps its own choice (same experts, no valid device choice, or
+/// no near tie).
+pub struct RoutingFollower<'a> {
     pub device: &'a RecordingTap,
-    pub substitute_values: bool,
     pub budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget> + 'a>,
-    pub recorded: RecordingTap,
-    pub follows: Vec<RoutingFollow>,
+    /// Which oracle run this is, for the report (`propagated`, `isolated`, `teacher-forced`).
     pub run: &'static str,
+    pub follows: Vec<RoutingFollow>,
+}
+
+impl<'a> RoutingFollower<'a> {
+    pub fn new(device: &'a RecordingTap, budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget> + 'a>, run: &'static str) -> Self {
+        RoutingFollower { device, budget_of, run, follows: Vec::new() }
+    }
+
+    /// `Tap::route` for the run this follower serves.
+    pub fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
+        let (w, data) = self.device.tensors.get(name)?;
+        let row = data.get(pos * w..(pos + 1) * w).filter(|_| *w == chosen.len())?;
+        // The device's ids, if they are a valid choice (else the mismatch is reported as such).
+        let ids: Vec<usize> = row.iter().map(|&v| (v >= 0.0 && v.fract() == 0.0 && (v as usize) < probs.len()).then_some(v as usize)).collect::<Option<_>>()?;
+        let scores = name.strip_suffix("ffn_moe_topk").map(|l| format!("{l}ffn_moe_probs"));
+        let device_probs = scores.and_then(|n| self.device.tensors.get(&n)).and_then(|(w, v)| v.get(pos * w..(pos + 1) * w));
+        let (margin, tolerance) = follow_at_near_tie(probs, chosen, &ids, device_probs, (self.budget_of)(split_tap(name).0))?;
+        self.follows.push(RoutingFollow { tap: name.to_string(), position: pos, oracle: chosen.to_vec(), device: ids.clone(), margin, tolerance, run: self.run });
+        Some(ids)
+    }
+}
+
+/// The oracle's tap for layer-diff's two runs: records every tap; in the isolated run
+/// (`substitute_values`) hands the interpreter the device's value of each tap; in both, follows
+/// the device's MoE routing at near ties (`routing`).
+pub struct Rerun<'a> {
+    pub routing: RoutingFollower<'a>,
+    pub substitute_values: bool,
+    pub recorded: RecordingTap,
 }
 
 impl Tap for Rerun<'_> {
@@ -347,32 +388,13 @@ impl Tap for Rerun<'_> {
         if !self.substitute_values {
             return None;
         }
-        let (w, data) = self.device.tensors.get(name)?;
+        let (w, data) = self.routing.device.tensors.get(name)?;
         let range = start_pos * width..(start_pos + n_tokens) * width;
         (*w == width && data.len() >= range.end).then(|| data[range].to_vec())
     }
     fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        let f = follow_device_routing(self.device, name, pos, probs, chosen, (self.budget_of)(split_tap(name).0), self.run)?;
-        let ids = f.device.clone();
-        self.follows.push(f);
-        Some(ids)
+        self.routing.route(name, pos, probs, chosen)
     }
-}
-
-/// The oracle's side of routing a MoE token (`Tap::route`) against a device's recorded taps:
-/// the device's experts for `pos` under tap `name` (and its scores under the layer's
-/// `ffn_moe_probs`, when it recorded them), followed when [`follow_at_near_tie`] says the two
-/// choices differ only at a near tie. None: keep the oracle's own choice (same experts, no
-/// valid device choice, or no near tie).
-pub fn follow_device_routing(device: &RecordingTap, name: &str, pos: usize, probs: &[f64], chosen: &[usize], budget: Option<Budget>, run: &'static str) -> Option<RoutingFollow> {
-    let (w, data) = device.tensors.get(name)?;
-    let row = data.get(pos * w..(pos + 1) * w).filter(|_| *w == chosen.len())?;
-    // The device's ids, if they are a valid choice (else the mismatch is reported as such).
-    let ids: Vec<usize> = row.iter().map(|&v| (v >= 0.0 && v.fract() == 0.0 && (v as usize) < probs.len()).then_some(v as usize)).collect::<Option<_>>()?;
-    let scores = name.strip_suffix("ffn_moe_topk").map(|l| format!("{l}ffn_moe_probs"));
-    let device_probs = scores.and_then(|n| device.tensors.get(&n)).and_then(|(w, v)| v.get(pos * w..(pos + 1) * w));
-    let (margin, tolerance) = follow_at_near_tie(probs, chosen, &ids, device_probs, budget)?;
-    Some(RoutingFollow { tap: name.to_string(), position: pos, oracle: chosen.to_vec(), device: ids, margin, tolerance, run })
 }
 
 /// A tap of the device's run that cannot be compared: wrong width or number of positions.
@@ -630,24 +652,20 @@ pub struct Outcome {
 /// after it would be compared with a different expert's output.
 pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, model: &str, device: &str) -> Result<Outcome, String> {
     let dims = Dims::of(oracle_model.spec(), ids.len());
-    let rerun = |substitute_values: bool, run: &'static str| Rerun {
-        device: device_taps,
-        substitute_values,
-        budget_of: if substitute_values {
+    let rerun = |substitute_values: bool, run: &'static str| {
+        let budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget>> = if substitute_values {
             Box::new(|_| local_budget("ffn_moe_probs", arith, &dims))
         } else {
             Box::new(|layer| propagated_budget("ffn_moe_probs", layer, arith, &dims))
-        },
-        recorded: RecordingTap::default(),
-        follows: Vec::new(),
-        run,
+        };
+        Rerun { routing: RoutingFollower::new(device_taps, budget_of, run), substitute_values, recorded: RecordingTap::default() }
     };
     let mut reference = rerun(false, "propagated");
     oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
     let mut sub = rerun(true, "isolated");
     oracle_model.prefill_logits(ids, &mut sub).map_err(|e| e.to_string())?;
     let mut taps = diff(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
-    let follows: Vec<RoutingFollow> = reference.follows.into_iter().chain(sub.follows).collect();
+    let follows: Vec<RoutingFollow> = reference.routing.follows.into_iter().chain(sub.routing.follows).collect();
     for t in &mut taps {
         t.routing_followed = follows.iter().filter(|f| f.tap == t.name).count();
     }
@@ -751,7 +769,7 @@ mod tests {
     fn substitution_feeds_the_other_runs_values() {
         let mut from = RecordingTap::default();
         from.record("blk.0.l_out", 0, 2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        let mut s = Rerun { device: &from, substitute_values: true, budget_of: Box::new(|_| None), recorded: RecordingTap::default(), follows: Vec::new(), run: "isolated" };
+        let mut s = Rerun { routing: RoutingFollower::new(&from, Box::new(|_| None), "isolated"), substitute_values: true, recorded: RecordingTap::default() };
         assert_eq!(s.substitute("blk.0.l_out", 1, 1, 3), Some(vec![4.0, 5.0, 6.0]));
         assert_eq!(s.substitute("blk.0.l_out", 0, 1, 4), None, "a width mismatch substitutes nothing");
         assert_eq!(s.substitute("blk.1.l_out", 0, 1, 3), None);

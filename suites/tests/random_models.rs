@@ -500,7 +500,7 @@ fn a_wrong_expert_choice_is_not_excused_as_a_near_tie() {
 fn moe_routing_near_ties_do_not_fail_fixed_token() {
     use oracle::ops::SamplerConfig;
     use suites::fixedtoken::{evaluate, routing_differs, DeviceRuns, FollowRouting, Golden, RoutingTap};
-    use suites::layerdiff::{propagated_budget, Dims};
+    use suites::layerdiff::{propagated_budget, Dims, RoutingFollower};
     let mut r = SplitMix64(99);
     let seeds: Vec<u64> = (0..30).map(|_| r.next_u64()).collect();
     for i in [5usize, 24] {
@@ -544,10 +544,10 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
             cases.iter().find(|c| c.id.contains("gate=kld_mean")).unwrap().verdict
         };
         assert_eq!(kld_gate(&runs), reports::Verdict::Fail, "model {i}: the flips should fail the gate without the re-run");
-        let mut tap = FollowRouting { device: &dev.0, budget_of: Box::new(|_| None), routing: RoutingTap::default(), follows: Vec::new() };
+        let mut tap = FollowRouting { routing: RoutingFollower::new(&dev.0, Box::new(|_| None), "teacher-forced"), recorded: RoutingTap::default() };
         runs.followed_oracle = Some(oracle_model.prefill_logits(&seq, &mut tap).unwrap());
-        assert!(!tap.follows.is_empty());
-        assert_eq!(kld_gate(&runs), reports::Verdict::Pass, "model {i}: {:?}", tap.follows);
+        assert!(!tap.routing.follows.is_empty());
+        assert_eq!(kld_gate(&runs), reports::Verdict::Pass, "model {i}: {:?}", tap.routing.follows);
         let (cases, _) = evaluate(&golden, &oracle_logits, &logits, s.vocab, &budget, &runs, "cpu");
         // (cache_consistency is not asked for here: no cache paths given.)
         assert!(cases.iter().filter(|c| !c.id.contains("cache_consistency")).all(|c| c.verdict == reports::Verdict::Pass), "model {i}: {cases:?}");

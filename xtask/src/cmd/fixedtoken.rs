@@ -12,7 +12,7 @@ use reports::{Provenance, Report};
 use serde_json::json;
 use std::path::PathBuf;
 use suites::fixedtoken::{self, DeviceRuns, Golden, RoutingTap};
-use suites::layerdiff::{propagated_budget, Dims};
+use suites::layerdiff::{propagated_budget, Dims, RoutingFollower};
 
 #[derive(clap::Args)]
 pub struct FixedTokenArgs {
@@ -112,19 +112,15 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let mut follows = Vec::new();
     if runs.routing_differs.contains(&true) {
         let (oracle, _) = AnyModel::load(&path, Precision::F32)?;
-        let mut tap = fixedtoken::FollowRouting {
-            device: &device_routing.0,
-            budget_of: Box::new(|layer| propagated_budget("ffn_moe_probs", layer, &arith, &dims)),
-            routing: RoutingTap::default(),
-            follows: Vec::new(),
-        };
+        let budget_of = Box::new(|layer| propagated_budget("ffn_moe_probs", layer, &arith, &dims));
+        let mut tap = fixedtoken::FollowRouting { routing: RoutingFollower::new(&device_routing.0, budget_of, "teacher-forced"), recorded: RoutingTap::default() };
         runs.followed_oracle = Some(oracle.prefill_logits(&seq, &mut tap)?);
-        follows = tap.follows;
+        follows = tap.routing.follows;
         for f in &follows {
-            eprintln!("routing: {} position {}: the oracle chose experts {:?}, the device {:?}, {:.2e} apart where its score error allows {:.2e}: a near tie, so the oracle's compared logits follow the device", f.tap, f.position, f.oracle, f.device, f.margin, f.tolerance);
+            eprintln!("routing: {f}");
         }
     }
-    let (cases, stats) = match device_logits {
+    let (cases, mut stats) = match device_logits {
         Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, &a.device),
         None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), &a.device),
     };
@@ -134,7 +130,6 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     if let Some(per_pos) = stats.get("per_position").cloned() {
         report.add_chart("kld_by_position", kld_chart(&per_pos, &a.device, &a.model));
     }
-    let mut stats = stats;
     stats["routing_followed"] = json!(follows.len());
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("token_stats".into(), stats);

@@ -57,10 +57,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     let mut outcome = layer_diff(&a)?;
     print_table(&outcome);
     for f in &outcome.follows {
-        outln!(
-            "routing: {} position {} ({} run): the oracle chose experts {:?}, the device {:?}, {:.2e} apart where its score error allows {:.2e}: a near tie, so the oracle followed the device",
-            f.tap, f.position, f.run, f.oracle, f.device, f.margin, f.tolerance
-        );
+        outln!("routing: {f}");
     }
     let dir = super::report_dir(a.report_dir, "layer-diff");
     super::write_report(&mut outcome.report, &dir)?;
