@@ -337,9 +337,10 @@ fn roofline_measures_every_weight_type_against_copy() {
 }
 
 /// `bench` on a GPU device profiles the kernels of its decode steps (each launch timed alone, in
-/// an untimed run): the profile holds exactly the launches counted per decode token, and the
-/// report says what share of a timed step the kernels took (on the emulator, labelled as host
-/// timings that say nothing about a GPU).
+/// an untimed run): the launches it reports per decode token are the profile's (which
+/// devices/tests/gpu_model.rs checks against the launch counter), and the report says what share
+/// of a timed step the kernels took (on the emulator, labelled as host timings that say nothing
+/// about a GPU).
 #[test]
 fn bench_on_a_gpu_device_profiles_the_kernels_of_a_decode_step() {
     if !emulator_available() {

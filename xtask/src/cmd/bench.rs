@@ -1,7 +1,8 @@
 //! `cargo xtask bench`: prefill and decode throughput, time to first token, inter-token latency
 //! percentiles, peak resident memory and the machine's state per repetition (every raw sample kept
 //! in report.json); for the oracle also its weight bandwidth against a probe taken in the same run;
-//! for GPU devices the device memory peak and the kernel launches of a prefill and of a decode step.
+//! for GPU devices the device memory peak, the kernel launches of a prefill and of a decode step,
+//! and a decode step's kernel time.
 
 use super::{check_device, load_engine};
 use crate::Exit;
@@ -49,7 +50,6 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     };
     pb.finish_and_clear();
     let device_peak = engine.memory_peak_bytes();
-    let launches = count_launches(&mut engine, &prompt, a.gen_len)?;
     let kernels = profile_decode(&mut engine, &prompt, a.gen_len)?;
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
@@ -61,16 +61,14 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     if let Some(b) = device_peak {
         outln!("device memory peak: {:.1} MiB (weights, KV cache and activations held at once)", b as f64 / (1 << 20) as f64);
     }
-    if let Some(l) = &launches {
+    if let Some(k) = &kernels {
         outln!(
             "kernel launches: prefill ({} tokens) {}, decode {:.1} per token -> {:.2} us of decode time per launch",
             r.prompt_len,
-            l.prefill,
-            l.per_decode_token,
-            1e6 / (med(&r.decode_tok_per_s) * l.per_decode_token)
+            k.prefill_launches,
+            k.launches_per_token(),
+            1e6 / (med(&r.decode_tok_per_s) * k.launches_per_token())
         );
-    }
-    if let Some(k) = &kernels {
         let step_us = 1e6 / med(&r.decode_tok_per_s);
         let busy_us = 1e6 * k.seconds() / k.tokens as f64;
         outln!(
@@ -84,7 +82,7 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     }
     if r.effective_gbps.is_empty() {
         outln!("(this device does not report the bytes it reads per token: no bandwidth figures)");
-        return write_report(&a, r, device_peak, launches, kernels);
+        return write_report(&a, r, device_peak, kernels);
     }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
@@ -100,30 +98,14 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
     );
-    write_report(&a, r, device_peak, launches, kernels)
+    write_report(&a, r, device_peak, kernels)
 }
 
-/// Kernel launches of a prefill and of each decode step (GPU devices).
-struct Launches {
-    prefill: u64,
-    per_decode_token: f64,
-}
-
-/// Counts launches over two untimed greedy generations of the bench prompt, of 1 token (the
-/// prefill alone) and of `gen_len` tokens; None for engines that do not count launches.
-fn count_launches(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) -> Result<Option<Launches>, Exit> {
-    let greedy = oracle::ops::SamplerConfig::GREEDY;
-    let mut launches_of = |n: usize| -> Result<Option<u64>, Exit> {
-        let Some(before) = engine.kernel_launches() else { return Ok(None) };
-        engine.generate(prompt, n, &greedy, 0, None)?;
-        Ok(engine.kernel_launches().map(|after| after - before))
-    };
-    let (Some(prefill), Some(all)) = (launches_of(1)?, launches_of(gen_len)?) else { return Ok(None) };
-    Ok(Some(Launches { prefill, per_decode_token: all.saturating_sub(prefill) as f64 / (gen_len - 1) as f64 }))
-}
-
-/// The kernels of the decode steps of one greedy generation (GPU devices).
+/// The kernels of the prefill and of the decode steps of one greedy generation (GPU devices).
 struct DecodeKernels {
+    /// Launches of the prefill (a generation of one token).
+    prefill_launches: u64,
+    /// The decode steps' kernels.
     profile: devices::KernelProfile,
     /// Decode steps the profile covers.
     tokens: usize,
@@ -132,6 +114,9 @@ struct DecodeKernels {
 impl DecodeKernels {
     fn seconds(&self) -> f64 {
         self.profile.seconds()
+    }
+    fn launches_per_token(&self) -> f64 {
+        self.profile.launches() as f64 / self.tokens as f64
     }
     /// The `n` kernels that took the most time.
     fn top(&self, n: usize) -> Vec<&devices::KernelTime> {
@@ -142,10 +127,11 @@ impl DecodeKernels {
     }
 }
 
-/// Profiles two untimed greedy generations of the bench prompt, of 1 token and of `gen_len`
-/// tokens, each launch timed alone; their difference is the kernels of `gen_len - 1` decode
-/// steps. Their sum against the timed decode step says how much of a step the GPU spends
-/// computing: far under 100% means the step is bound by launches and the host, not by kernels.
+/// Profiles two untimed greedy generations of the bench prompt, of 1 token (the prefill alone)
+/// and of `gen_len` tokens, each launch counted and timed alone; their difference is the kernels
+/// of `gen_len - 1` decode steps. Their sum against the timed decode step says how much of a step
+/// the GPU spends computing: far under 100% means the step is bound by launches and the host, not
+/// by kernels. None for engines without kernels to profile.
 fn profile_decode(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) -> Result<Option<DecodeKernels>, Exit> {
     let greedy = oracle::ops::SamplerConfig::GREEDY;
     let mut profile_of = |n: usize| -> Result<Option<devices::KernelProfile>, Exit> {
@@ -158,12 +144,12 @@ fn profile_decode(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) ->
         Ok(profile)
     };
     let (Some(prefill), Some(all)) = (profile_of(1)?, profile_of(gen_len)?) else { return Ok(None) };
-    Ok(Some(DecodeKernels { profile: all.minus(&prefill), tokens: gen_len - 1 }))
+    Ok(Some(DecodeKernels { prefill_launches: prefill.launches(), profile: all.minus(&prefill), tokens: gen_len - 1 }))
 }
 
 /// report.json (the bench section holds every raw sample), report.md with the summary table, and
 /// the inter-token latency distribution plot.
-fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>, launches: Option<Launches>, kernels: Option<DecodeKernels>) -> Result<u8, Exit> {
+fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>, kernels: Option<DecodeKernels>) -> Result<u8, Exit> {
     use reports::plot::{Chart, Series};
     let med = suites::throughput::median;
     let mut metrics = serde_json::Map::new();
@@ -173,8 +159,8 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_byte
     metrics.insert("itl_p50_p90_p99_ms".into(), json!(r.itl_p50_p90_p99_ms));
     metrics.insert("peak_rss_kb".into(), json!(r.peak_rss_kb));
     metrics.insert("device_memory_peak_bytes".into(), json!(device_peak_bytes));
-    metrics.insert("kernel_launches_prefill".into(), json!(launches.as_ref().map(|l| l.prefill)));
-    metrics.insert("kernel_launches_per_decode_token".into(), json!(launches.as_ref().map(|l| l.per_decode_token)));
+    metrics.insert("kernel_launches_prefill".into(), json!(kernels.as_ref().map(|k| k.prefill_launches)));
+    metrics.insert("kernel_launches_per_decode_token".into(), json!(kernels.as_ref().map(|k| k.launches_per_token())));
     let kernel_us = kernels.as_ref().map(|k| 1e6 * k.seconds() / k.tokens as f64);
     metrics.insert("decode_kernel_us_per_token".into(), json!(kernel_us));
     metrics.insert("decode_kernel_busy_fraction".into(), json!(kernel_us.map(|us| us * med(&r.decode_tok_per_s) / 1e6)));

@@ -99,14 +99,6 @@ impl Engine {
         }
     }
 
-    /// Kernel launches so far (GPU devices).
-    pub fn kernel_launches(&self) -> Option<u64> {
-        match self {
-            Engine::Oracle(_) => None,
-            Engine::Device(m) => m.kernel_launches(),
-        }
-    }
-
     /// Starts timing each kernel launch (GPU devices); false when the engine has no kernels.
     pub fn start_kernel_profile(&mut self) -> bool {
         match self {
