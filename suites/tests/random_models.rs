@@ -220,6 +220,20 @@ fn gpu_available() -> bool {
 /// Layer-diff of `device` on the model in `path` over `ids`, both modes: Ok(false) when the
 /// device says it cannot run this model, else every tap within budget or an error naming the
 /// first that is not.
+/// The ids fed to `m` as `chunks` (a prefill, then appends or single-token decode steps against
+/// the device's KV cache), their taps recorded position by position into one record that the
+/// oracle's single prefill can be compared with.
+fn forward_in_chunks(m: &mut dyn DeviceModel, device: &str, ids: &[u32], chunks: &[usize]) -> Result<RecordingTap, String> {
+    let mut taps = RecordingTap::default();
+    let mut at = 0;
+    for &n in chunks {
+        m.forward(&ids[at..at + n], &mut taps).map_err(|e| format!("{device}: forward of positions {at}..{}: {e}", at + n))?;
+        at += n;
+    }
+    assert_eq!(at, ids.len(), "chunks {chunks:?} do not cover {} ids", ids.len());
+    Ok(taps)
+}
+
 fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u32], chunks: &[usize]) -> Result<bool, String> {
     let dev = devices::open(device).map_err(|e| e.to_string())?;
     let mut m: Box<dyn DeviceModel> = match dev.load_model(path, &ModelOptions::default()) {
@@ -230,16 +244,7 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
         }
         Err(e) => return Err(format!("{device}: load: {e}")),
     };
-    // The ids go in as `chunks` (a prefill, then appends or single-token decode steps against
-    // the device's KV cache), their taps recorded position by position into one record that the
-    // oracle's single prefill is compared with.
-    let mut taps = RecordingTap::default();
-    let mut at = 0;
-    for &n in chunks {
-        m.forward(&ids[at..at + n], &mut taps).map_err(|e| format!("{device}: forward of positions {at}..{}: {e}", at + n))?;
-        at += n;
-    }
-    assert_eq!(at, ids.len(), "chunks {chunks:?} do not cover {} ids", ids.len());
+    let taps = forward_in_chunks(m.as_mut(), device, ids, chunks)?;
     for mode in [Mode::Isolated, Mode::Propagated] {
         let out = layerdiff::run(oracle_model, ids, &taps, &m.arithmetic(), mode, "random", device)?;
         if out.report.exit_code() != 0 {
@@ -347,13 +352,7 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
     if gpu_available() {
         let run = |device: &str| -> Result<RecordingTap, String> {
             let mut m = devices::open(device).map_err(|e| e.to_string())?.load_model(&path, &ModelOptions::default()).map_err(|e| e.to_string())?;
-            let mut taps = RecordingTap::default();
-            let mut at = 0;
-            for &n in &chunks {
-                m.forward(&ids[at..at + n], &mut taps).map_err(|e| format!("{device}: {e}"))?;
-                at += n;
-            }
-            Ok(taps)
+            forward_in_chunks(m.as_mut(), device, &ids, &chunks)
         };
         let orders = ["gpu-emu:256:fma", "gpu-emu:reverse:256:fma", "gpu-emu:shuffle:256:fma"];
         let runs: Vec<RecordingTap> = orders.iter().map(|d| run(d)).collect::<Result<_, _>>().map_err(|e| TestCaseError::fail(format!("{s:?}: {e}")))?;
