@@ -94,7 +94,7 @@ fn scale_fields(ty: GgmlType) -> (Option<usize>, Option<usize>) {
 impl FaultyDevice {
     fn inject(&self, case: &OpCase) -> Result<Vec<Output>, String> {
         let mut c = case.clone();
-        let cpu = CpuDevice;
+        let cpu = CpuDevice::default();
         let run = |c: &OpCase| cpu.run_op(c).map_err(|e| e.to_string());
         match self.0 {
             Fault::RopeOffByOne => {
@@ -221,14 +221,14 @@ impl Device for FaultyDevice {
         format!("faulty:{:?}", self.0)
     }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
-        CpuDevice.arithmetic(case)
+        CpuDevice::default().arithmetic(case)
     }
     fn supports(&self, case: &OpCase) -> Support {
-        CpuDevice.supports(case)
+        CpuDevice::default().supports(case)
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
         if !self.0.ops().contains(&case.op) {
-            return CpuDevice.run_op(case);
+            return CpuDevice::default().run_op(case);
         }
         self.inject(case).map_err(|r| fail(&self.name(), case, r))
     }

@@ -49,6 +49,10 @@ pub enum DeviceError {
 pub enum NumFormat {
     F64,
     F32,
+    /// IEEE half precision (10 stored mantissa bits).
+    F16,
+    /// bfloat16 (7 stored mantissa bits).
+    BF16,
     /// Integer accumulation (exact within range).
     I32,
 }
@@ -59,6 +63,8 @@ impl NumFormat {
         match self {
             NumFormat::F64 => f64::EPSILON / 2.0,
             NumFormat::F32 => f32::EPSILON as f64 / 2.0,
+            NumFormat::F16 => (-11f64).exp2(),
+            NumFormat::BF16 => (-8f64).exp2(),
             NumFormat::I32 => 0.0,
         }
     }
@@ -79,6 +85,11 @@ pub struct Arithmetic {
     /// Integer fixed-point arithmetic (the `fixed` device); when set, the bounds come from these
     /// quanta instead of floating-point roundoff.
     pub fixed: Option<FixedPoint>,
+    /// Format of the cached keys and values when the cache rounds them (llama.cpp's default
+    /// cache is f16); None: the cache holds what `storage` holds. Only attention reads the cache,
+    /// so only its budget (and what propagates from it) grows.
+    #[serde(default)]
+    pub kv_cache: Option<NumFormat>,
 }
 
 /// A fixed-point device's formats: values are integers scaled by 2^-frac_bits.
@@ -99,8 +110,8 @@ pub struct FixedPoint {
 }
 
 impl Arithmetic {
-    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, transcendental_ulps: 1.0, fixed: None };
-    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, transcendental_ulps: 4.0, fixed: None };
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, transcendental_ulps: 1.0, fixed: None, kv_cache: None };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, transcendental_ulps: 4.0, fixed: None, kv_cache: None };
 }
 
 /// Whether a device runs a case, and if not, why (reported as `unsupported`, never as a pass).
@@ -206,7 +217,8 @@ impl<T: Clone> KvStore<T> {
 /// Options of a device model run.
 #[derive(Clone, Debug, Default)]
 pub struct ModelOptions {
-    /// Keep the KV cache in f16 (halves its memory, adds one rounding per cached value).
+    /// Round every cached key and value to f16, as an f16 cache holds them (the `cpu` device
+    /// keeps the rounded values in f32: an f16 cache's numbers, not its memory).
     pub kv_f16: bool,
     /// The model file's sha256, when known: external dumps must name the same model.
     pub model_sha256: Option<String>,
@@ -313,13 +325,14 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: &str| Err(DeviceError::Unavailable(name.to_string(), why.to_string()));
     match name {
         "ref" => Ok(Box::new(reference::RefDevice)),
-        "cpu" => Ok(Box::new(cpu::CpuDevice)),
+        "cpu" => Ok(Box::new(cpu::CpuDevice::default())),
+        "cpu:kv-f16" => Ok(Box::new(cpu::CpuDevice { kv_f16: true })),
         "fixed" => Ok(Box::new(fixed::FixedDevice { int4: false })),
         "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
         n if n.starts_with("gpu-emu") || n.starts_with("cuda") || n.starts_with("rocm") => gpu::open(n),
         n if n == "external:" || n == "exec:" => unavailable("give a dump directory (external:DIR) or a command (exec:CMD)"),
         n if n.starts_with("external:") || n.starts_with("exec:") => Ok(Box::new(external::ExternalDevice::parse(n).expect("prefix checked"))),
-        _ => unavailable(concat!("unknown device (ref, cpu, fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD)")),
+        _ => unavailable(concat!("unknown device (ref, cpu, cpu:kv-f16, fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD)")),
     }
 }
 

@@ -10,7 +10,7 @@ const TOKENS: [u32; 9] = [5, 200, 17, 3, 99, 250, 1, 42, 7];
 
 fn cpu_model(name: &str, kv_f16: bool) -> Box<dyn DeviceModel> {
     let path = fixtures::resolve(name, true).unwrap();
-    devices::cpu::CpuDevice.load_model(&path, &ModelOptions { kv_f16, ..Default::default() }).unwrap()
+    devices::cpu::CpuDevice::default().load_model(&path, &ModelOptions { kv_f16, ..Default::default() }).unwrap()
 }
 
 fn compare(name: &str, tokens: &[u32]) -> (f64, f64, usize) {

@@ -124,6 +124,7 @@ fn op_shape(kind: &str, d: &Dims) -> Option<OpShape> {
 pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
     let op = op_shape(kind, d)?;
     let k = op.k as f64;
+    let cache = kv_cache_rel(kind, a, d);
     if let Some(fp) = &a.fixed {
         // Integer device: results are rounded to Q(act_frac); weights carry a Q(weight_frac)
         // rounding each (relative 2^-wf, summed over K like any rounding); norm scales Q(norm_frac);
@@ -144,7 +145,7 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
             rel += C_STAT * fp.exp_abs * k.sqrt();
             abs += C_STAT * fp.exp_abs;
         }
-        return Some(Budget { rel, abs });
+        return Some(Budget { rel: rel + cache, abs });
     }
     let (us, ua) = (a.storage.unit_roundoff(), a.accumulate.unit_roundoff());
     let mut rel = C_STAT * (us + ua * k.sqrt());
@@ -159,7 +160,21 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
         }
     }
     // Values near zero: allow one rounding of the storage format at unit scale per element.
-    Some(Budget { rel, abs: us * 1e-3 })
+    Some(Budget { rel: rel + cache, abs: us * 1e-3 })
+}
+
+/// The attention output's share of a cache that rounds keys and values (`kv_cache` coarser than
+/// the storage format, e.g. an f16 cache behind f32 activations): each cached value carries one
+/// rounding of relative size u. A score is a dot product over `head_dim` rounded keys, so its
+/// error grows like u·√head_dim (the statistical rule of the accumulations above); the output, a
+/// softmax-weighted sum of rounded values, adds one u. Zero for every other tap and when the
+/// cache holds what storage holds.
+fn kv_cache_rel(kind: &str, a: &Arithmetic, d: &Dims) -> f64 {
+    let u = match a.kv_cache {
+        Some(f) if kind == "attn_kqv" && f.unit_roundoff() > a.storage.unit_roundoff() => f.unit_roundoff(),
+        _ => return 0.0,
+    };
+    C_STAT * u * (1.0 + (d.head_dim as f64).sqrt())
 }
 
 /// The propagated budget at `layer` (None before the first layer, `n_layer` after the last):
@@ -742,6 +757,25 @@ mod tests {
         assert!(local_budget("attn_q", &q8, &d).unwrap().rel > 10.0 * local_budget("attn_q", &a, &d).unwrap().rel);
         assert_eq!(local_budget("attn_norm", &q8, &d), local_budget("attn_norm", &a, &d), "Q8 applies to products only");
         assert!(local_budget("no_such_tap", &a, &d).is_none());
+    }
+
+    #[test]
+    fn an_f16_kv_cache_grows_only_attention_and_what_follows_it() {
+        let d = dims();
+        let a = Arithmetic::F32;
+        let f16 = Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..a };
+        let (plain, cached) = (local_budget("attn_kqv", &a, &d).unwrap(), local_budget("attn_kqv", &f16, &d).unwrap());
+        // One f16 rounding per cached value: u = 2^-11, times (1 + sqrt(head_dim)) = 5 for head_dim 16.
+        assert_eq!(cached.rel - plain.rel, C_STAT * (-11f64).exp2() * 5.0);
+        for kind in ["attn_q", "attn_k_rope", "attn_out", "ffn_out", "result_norm"] {
+            assert_eq!(local_budget(kind, &f16, &d), local_budget(kind, &a, &d), "{kind} does not read the cache");
+        }
+        assert!(propagated_budget("l_out", Some(2), &f16, &d).unwrap().rel > propagated_budget("l_out", Some(2), &a, &d).unwrap().rel);
+        // A cache no coarser than storage adds nothing; a bf16 one more than an f16 one.
+        let same = Arithmetic { kv_cache: Some(devices::NumFormat::F32), ..a };
+        assert_eq!(local_budget("attn_kqv", &same, &d), Some(plain));
+        let bf16 = Arithmetic { kv_cache: Some(devices::NumFormat::BF16), ..a };
+        assert!(local_budget("attn_kqv", &bf16, &d).unwrap().rel > cached.rel);
     }
 
     #[test]

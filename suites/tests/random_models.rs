@@ -4,7 +4,8 @@
 //! scaling, biases, QK-norm, a sliding window, tied or untied output and a weight type per
 //! matrix, writes the model as a GGUF file with random weights, feeds the ids to each device as
 //! one prefill or as a prefill plus appends and decode steps, and runs layer-diff (isolated and
-//! propagated) on `cpu`, `fixed`, `fixed-int4`, an external engine (the cpu run written as a dump
+//! propagated) on `cpu`, `cpu:kv-f16` (an f16 KV cache, its budget grown by the declared
+//! rounding), `fixed`, `fixed-int4`, an external engine (the cpu run written as a dump
 //! and read back) and the GPU kernels through the emulator
 //! (`gpu-emu:shuffle:256:fma`; skipped, saying so, where it cannot build, unless
 //! `TOUCHSTONE_REQUIRE_GPU_EMU=1`). Every tap must be within its budget. The three synthetic
@@ -217,9 +218,6 @@ fn gpu_available() -> bool {
     })
 }
 
-/// Layer-diff of `device` on the model in `path` over `ids`, both modes: Ok(false) when the
-/// device says it cannot run this model, else every tap within budget or an error naming the
-/// first that is not.
 /// The ids fed to `m` as `chunks` (a prefill, then appends or single-token decode steps against
 /// the device's KV cache), their taps recorded position by position into one record that the
 /// oracle's single prefill can be compared with.
@@ -234,6 +232,9 @@ fn forward_in_chunks(m: &mut dyn DeviceModel, device: &str, ids: &[u32], chunks:
     Ok(taps)
 }
 
+/// Layer-diff of `device` on the model in `path` over `ids`, both modes: Ok(false) when the
+/// device says it cannot run this model, else every tap within budget or an error naming the
+/// first that is not.
 fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u32], chunks: &[usize]) -> Result<bool, String> {
     let dev = devices::open(device).map_err(|e| e.to_string())?;
     let mut m: Box<dyn DeviceModel> = match dev.load_model(path, &ModelOptions::default()) {
@@ -388,7 +389,7 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
     let dump = dir.path().join("dump");
     write_cpu_dump(&path, &ids, &dump);
     let external = format!("external:{}", dump.display());
-    let mut devices = vec!["cpu", "fixed", "fixed-int4", external.as_str()];
+    let mut devices = vec!["cpu", "cpu:kv-f16", "fixed", "fixed-int4", external.as_str()];
     if gpu_available() {
         devices.push(GPU_EMU);
     }
@@ -424,7 +425,7 @@ fn random_models_pass_layer_diff_on_every_device() {
     }
     let judged = judged.into_inner().unwrap();
     eprintln!("models judged per device: {judged:?}");
-    for device in ["cpu", "fixed", "fixed-int4", "external", "safetensors"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
+    for device in ["cpu", "cpu:kv-f16", "fixed", "fixed-int4", "external", "safetensors"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
         assert!(judged.get(device).copied().unwrap_or(0) > 0, "{device} judged no model: {judged:?}");
     }
 }
@@ -442,6 +443,32 @@ fn shapes_that_found_bugs() {
     let mixed = Shape { n_embd: 64, n_head: 2, head_dim: 32, n_ff: 224, seed: 707767943552255558, ..base };
     check(&mixed, 1, &judged).unwrap();
     assert_eq!(judged.into_inner().unwrap().get("fixed"), Some(&2));
+}
+
+/// `cpu:kv-f16` rounds its cached keys and values to f16 and says so (`kv_cache: f16` in its
+/// arithmetic): layer-diff passes it on that declaration, and the same taps judged as if the
+/// cache held f32 fail at the attention output, so the rounding really happens and only the
+/// declared cache format admits it.
+#[test]
+fn an_f16_kv_cache_passes_on_its_declaration_and_fails_without_it() {
+    let s = Shape { arch: "llama", n_embd: 128, n_head: 2, n_head_kv: 1, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 200, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, seed: 5 };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("llama.gguf");
+    std::fs::write(&path, write_model(&s)).unwrap();
+    let (oracle_model, _) = AnyModel::load(&path, Precision::F32).unwrap();
+    let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 3) % 200).collect();
+    let mut m = devices::open("cpu:kv-f16").unwrap().load_model(&path, &ModelOptions::default()).unwrap();
+    let taps = forward_in_chunks(m.as_mut(), "cpu:kv-f16", &ids, &[10, 1, 13]).unwrap();
+    let declared = m.arithmetic();
+    assert_eq!(declared.kv_cache, Some(devices::NumFormat::F16));
+    for mode in [Mode::Isolated, Mode::Propagated] {
+        let ok = layerdiff::run(&oracle_model, &ids, &taps, &declared, mode, "llama", "cpu:kv-f16").unwrap();
+        assert_eq!(ok.report.exit_code(), 0, "{mode:?}: {:?}", layerdiff::first_divergence(&ok.taps).map(|t| &t.name));
+    }
+    let undeclared = devices::Arithmetic { kv_cache: None, ..declared };
+    let bad = layerdiff::run(&oracle_model, &ids, &taps, &undeclared, Mode::Isolated, "llama", "cpu:kv-f16").unwrap();
+    assert_eq!(bad.report.exit_code(), 1);
+    assert_eq!(layerdiff::first_divergence(&bad.taps).map(|t| t.name.as_str()), Some("blk.0.attn_kqv"));
 }
 
 /// Following the device at near ties must not excuse a wrong expert choice: the device's taps

@@ -33,7 +33,7 @@ fn gpu_emu() -> Option<&'static dyn Device> {
 }
 
 fn check(case: OpCase) -> Result<(), TestCaseError> {
-    let (cpu, fixed) = (devices::cpu::CpuDevice, devices::fixed::FixedDevice { int4: false });
+    let (cpu, fixed) = (devices::cpu::CpuDevice::default(), devices::fixed::FixedDevice { int4: false });
     let mut devs: Vec<&dyn Device> = vec![&cpu, &fixed];
     devs.extend(gpu_emu());
     for dev in devs {

@@ -35,7 +35,7 @@ fn every_injected_bug_class_is_caught_and_the_correct_device_passes() {
         let faulty = FaultyDevice(fault);
         let (mut red, mut total) = (0, 0);
         for c in &cases {
-            let good = run_case(&CpuDevice, c, false);
+            let good = run_case(&CpuDevice::default(), c, false);
             assert_eq!(good.verdict, Verdict::Pass, "correct cpu fails {}: {:?}", c.id, good.message);
             let bad = run_case(&faulty, c, false);
             total += 1;

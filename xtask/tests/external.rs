@@ -12,7 +12,11 @@ use std::process::Output;
 const IDS: &str = "504,3575,282,4649,314,260,1345,28,1116";
 
 fn dump_cpu(model: &str, ids: &str, dir: &Path) {
-    let o = xtask(&["dump", "--device", "cpu", "--model", model, "--prompt-ids", ids, "--out", dir.to_str().unwrap()], &[]);
+    dump_device("cpu", model, ids, dir);
+}
+
+fn dump_device(device: &str, model: &str, ids: &str, dir: &Path) {
+    let o = xtask(&["dump", "--device", device, "--model", model, "--prompt-ids", ids, "--out", dir.to_str().unwrap()], &[]);
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -74,6 +78,28 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("vs2/report.json")).unwrap()).unwrap();
     assert_eq!(report["first_difference"]["tap"], "blk.17.l_out", "{}", report["first_difference"]);
     assert_eq!(report["first_difference"]["worst_position"], 4);
+}
+
+/// An engine with an f16 KV cache says so in its manifest (`arithmetic.kv_cache`, what `dump
+/// --device cpu:kv-f16` writes) and passes on that declaration; the same dump with the field
+/// removed is judged as an f32 cache and fails at the first attention output.
+#[test]
+fn a_dump_declaring_an_f16_kv_cache_is_judged_by_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("dump");
+    let ids = "5,200,17,3,99,250,1,42,7,18,64,33";
+    dump_device("cpu:kv-f16", "tiny-llama", ids, &dump);
+    let manifest_path = dump.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    assert_eq!(manifest["arithmetic"]["kv_cache"], "f16", "{manifest}");
+    let device = format!("external:{}", dump.display());
+    let o = layer_diff(&device, "tiny-llama", ids, &tmp.path().join("declared"));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    manifest["arithmetic"].as_object_mut().unwrap().remove("kv_cache");
+    std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+    let o = layer_diff(&device, "tiny-llama", ids, &tmp.path().join("undeclared"));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("first divergence: blk.0.attn_kqv"), "{}", text(&o));
 }
 
 #[test]

@@ -10,7 +10,13 @@ use crate::{fail, Arithmetic, Device, DeviceError, NumFormat, Support};
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
 
-pub struct CpuDevice;
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuDevice {
+    /// `cpu:kv-f16`: whole models round their cached keys and values to f16 (llama.cpp's default
+    /// cache type), declared in the models' arithmetic so the budgets allow for it. Ops are
+    /// unchanged.
+    pub kv_f16: bool,
+}
 
 /// Rows of a weight matrix per rayon task.
 const ROWS_PER_TASK: usize = 32;
@@ -172,10 +178,11 @@ impl CpuDevice {
 
 impl Device for CpuDevice {
     fn name(&self) -> String {
-        "cpu".into()
+        if self.kv_f16 { "cpu:kv-f16".into() } else { "cpu".into() }
     }
     fn describe(&self) -> String {
-        format!("cpu: f32, Q8_0 activations x packed weights, {}, {} rayon threads", qdot::path_name(), rayon::current_num_threads())
+        let kv = if self.kv_f16 { ", f16 KV cache" } else { "" };
+        format!("{}: f32, Q8_0 activations x packed weights{kv}, {}, {} rayon threads", self.name(), qdot::path_name(), rayon::current_num_threads())
     }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
         let quantized_weight = case.inputs.iter().any(|(_, i)| matches!(i, Input::Quant { ty, .. } if !qdot::is_float(*ty)));
@@ -185,6 +192,7 @@ impl Device for CpuDevice {
             activation_q8_block: if case.op == "matmul" && quantized_weight { Some(32) } else { None },
             transcendental_ulps: 4.0,
             fixed: None,
+            kv_cache: None,
         }
     }
     fn supports(&self, case: &OpCase) -> Support {
@@ -198,7 +206,8 @@ impl Device for CpuDevice {
         Self::run(case).map_err(|r| fail("cpu", case, r))
     }
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
-        Ok(Box::new(model::CpuModel::load(path, opts)?))
+        let opts = crate::ModelOptions { kv_f16: opts.kv_f16 || self.kv_f16, ..opts.clone() };
+        Ok(Box::new(model::CpuModel::load(path, &opts)?))
     }
     fn bandwidth_probe(&self, bytes: usize, reps: usize) -> Option<Result<crate::BandwidthProbe, DeviceError>> {
         Some(probe(bytes, reps).map_err(|reason| DeviceError::Failed { device: "cpu".into(), case: "bandwidth probe".into(), reason }))

@@ -237,7 +237,8 @@ impl DeviceModel for CpuModel {
         // with any quantized matrix it multiplies by is judged by that arithmetic throughout
         // (every matrix counts: mixed recipes keep some at F16 and quantize the rest).
         let quantized = self.matrices().any(|m| !qdot::is_float(m.ty));
-        crate::Arithmetic { activation_q8_block: quantized.then_some(32), ..crate::Arithmetic::F32 }
+        let kv_cache = self.kv_f16.then_some(crate::NumFormat::F16);
+        crate::Arithmetic { activation_q8_block: quantized.then_some(32), kv_cache, ..crate::Arithmetic::F32 }
     }
     fn cached(&self) -> usize {
         self.kv.len

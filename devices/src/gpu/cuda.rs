@@ -235,10 +235,9 @@ impl Backend for CudaBackend {
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
         // SAFETY: one pointer per kernel parameter, each to 8 bytes holding the value at the
         // parameter's size; the launch copies them before returning.
-        self.check(
-            &format!("launch {kernel}"),
-            unsafe { result::launch_kernel(f, (grid[0], grid[1], grid[2]), (block[0], block[1], block[2]), shared_bytes, std::ptr::null_mut(), &mut params) },
-        )
+        let r = unsafe { result::launch_kernel(f, (grid[0], grid[1], grid[2]), (block[0], block[1], block[2]), shared_bytes, std::ptr::null_mut(), &mut params) };
+        // The message is formatted only on failure: a decode step launches hundreds of kernels.
+        r.or_else(|e| self.check(&format!("launch {kernel}"), Err(e)))
     }
     fn synchronize(&self) -> Result<(), String> {
         self.current()?;

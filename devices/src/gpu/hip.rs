@@ -265,7 +265,8 @@ impl Backend for HipBackend {
         let rc = unsafe {
             (h.hipModuleLaunchKernel)(f, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_bytes, std::ptr::null_mut(), params.as_mut_ptr(), std::ptr::null_mut())
         };
-        h.check(&format!("launch {kernel}"), rc)
+        // The message is formatted only on failure: a decode step launches hundreds of kernels.
+        if rc == 0 { Ok(()) } else { h.check(&format!("launch {kernel}"), rc) }
     }
     fn synchronize(&self) -> Result<(), String> {
         let h = self.select()?;

@@ -12,6 +12,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
+    /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-f16` (f16 KV cache), `fixed`,
+    /// `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
     #[arg(long, default_value = "ref")]
     device: String,
     #[arg(long, default_value = "smollm2")]
