@@ -385,7 +385,11 @@ impl Device for FixedDevice {
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
         self.run(case).map_err(|r| fail(&self.name(), case, r))
     }
-    fn load_model(&self, path: &std::path::Path, _opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+    fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+        if opts.kv_f16 {
+            // Unsupported, not ignored: a run asked for an f16 cache must not report one it did not have.
+            return Err(DeviceError::Unavailable(self.name(), "an f16 KV cache is not implemented on the integer device (its cache holds Q16 integers)".into()));
+        }
         Ok(Box::new(FixedModel::load(path, self.int4)?))
     }
 }

@@ -123,4 +123,7 @@ fn fixed_model_tracks_the_oracle_and_int4_drifts_further() {
     let moe = fixtures::resolve("tiny-moe", true).unwrap();
     let e = devices::fixed::FixedDevice { int4: false }.load_model(&moe, &ModelOptions::default()).err().unwrap().to_string();
     assert!(e.contains("MoE"), "{e}");
+    // An f16 KV cache it does not have is refused, not silently ignored.
+    let e = devices::fixed::FixedDevice { int4: false }.load_model(&path, &ModelOptions { kv_f16: true, ..Default::default() }).err().unwrap().to_string();
+    assert!(e.contains("f16 KV cache is not implemented"), "{e}");
 }
