@@ -69,6 +69,11 @@ fn run_prints_json_with_tokens_text_and_speed() {
     assert_eq!(v["tokens"].as_array().unwrap().len(), 8);
     assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
     assert!(v["decode_tok_per_s"].as_f64().unwrap() > 0.0);
+    // A generation that ends at its first token (tiny-llama's end-of-text after these ids) timed
+    // no decode step: no speed, rather than 0 tok/s.
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json"], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((v["tokens"].as_array().unwrap().len(), &v["decode_steps"], &v["decode_tok_per_s"]), (1, &serde_json::json!(0), &serde_json::Value::Null), "{v}");
 }
 
 fn dir_bytes(dir: &Path) -> Vec<(String, Vec<u8>)> {

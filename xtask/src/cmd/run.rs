@@ -72,7 +72,8 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
             "tokens": g.tokens,
             "text": text,
             "prompt_ids": g.prompt,
-            "decode_tok_per_s": g.decode_tok_per_s(),
+            // null, not 0, when generation ended before a decode step (nothing was timed).
+            "decode_tok_per_s": (g.decode_steps > 0).then(|| g.decode_tok_per_s()),
             "prefill_s": g.prefill_s,
             "decode_steps": g.decode_steps,
             "device": a.device,
@@ -85,12 +86,12 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
             (Some(t), Some(text)) => outln!("{}{}", t.decode(&g.prompt)?, text),
             _ => outln!("{:?}", g.tokens),
         }
+        let decode = if g.decode_steps > 0 { format!("decode {:.1} tok/s", g.decode_tok_per_s()) } else { "no decode step".into() };
         eprintln!(
-            "\n[{} prompt tokens, {} generated; prefill {:.1} ms; decode {:.1} tok/s on {} threads ({})]",
+            "\n[{} prompt tokens, {} generated; prefill {:.1} ms; {decode} on {} threads ({})]",
             g.prompt.len(),
             g.tokens.len(),
             g.prefill_s * 1e3,
-            g.decode_tok_per_s(),
             rayon::current_num_threads(),
             a.device
         );
