@@ -225,6 +225,7 @@ fn metadata_the_tensors_do_not_back_and_nan_weights_are_refused_by_every_loader(
             let e = stderr(&o);
             assert_eq!(o.status.code(), Some(2), "{device}: {e}");
             assert!(e.contains(want) && !e.contains("panicked"), "{device}: {e}");
+            assert_eq!(e.matches(f.path().to_str().unwrap()).count(), 1, "{device} names the file once: {e}");
         }
     }
 

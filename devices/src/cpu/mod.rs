@@ -207,7 +207,12 @@ impl Device for CpuDevice {
     }
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
         let opts = crate::ModelOptions { kv_f16: opts.kv_f16 || self.kv_f16, ..opts.clone() };
-        Ok(Box::new(model::CpuModel::load(path, &opts)?))
+        // The loader's errors are this device's (`cpu:kv-f16` too).
+        let model = model::CpuModel::load(path, &opts).map_err(|e| match e {
+            DeviceError::Failed { case, reason, .. } => DeviceError::Failed { device: self.name(), case, reason },
+            other => other,
+        })?;
+        Ok(Box::new(model))
     }
     fn bandwidth_probe(&self, bytes: usize, reps: usize) -> Option<Result<crate::BandwidthProbe, DeviceError>> {
         Some(probe(bytes, reps).map_err(|reason| DeviceError::Failed { device: "cpu".into(), case: "bandwidth probe".into(), reason }))

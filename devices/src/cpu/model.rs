@@ -119,8 +119,9 @@ impl CpuModel {
         if path.is_dir() {
             return Err(err(&path.display().to_string(), "the cpu device runs GGUF files; safetensors directories run on the oracle only"));
         }
-        let g = GgufFile::open(path).map_err(|e| err(&path.display().to_string(), e))?;
-        let spec = ModelSpec::from_gguf(&g).map_err(|e| err(&g.path, e))?;
+        // These errors name the file themselves.
+        let g = GgufFile::open(path).map_err(|e| err("model", e))?;
+        let spec = ModelSpec::from_gguf(&g).map_err(|e| err("model", e))?;
         let l = Loader { g: &g };
         let (d, hd) = (spec.n_embd, spec.head_dim);
         let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);

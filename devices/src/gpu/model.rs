@@ -72,7 +72,7 @@ impl GpuModel {
         }
         // The file is read by the cpu device's loader; its errors are reported under this device.
         let host = CpuModel::load(path, opts).map_err(|e| match e {
-            DeviceError::Failed { reason, .. } => fail(reason),
+            DeviceError::Failed { case, reason, .. } => DeviceError::Failed { device: name.clone(), case, reason },
             other => other,
         })?;
         let mat = |p: &PackedMat| gpu.upload_mat(p.ty, p.rows, p.cols, &p.bytes);
