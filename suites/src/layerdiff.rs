@@ -686,6 +686,7 @@ pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, ari
     }
     let mut report = report(&taps, mode, model, device, ids, None);
     report.sections.insert("routing_followed".into(), json!(follows));
+    report.sections.insert("arithmetic".into(), json!(arith));
     Ok(Outcome { taps, report, follows })
 }
 
@@ -708,6 +709,7 @@ pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap
         t.budget_isolated = None;
     }
     let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0));
+    report.sections.insert("arithmetic".into(), Value::Object(Map::from_iter([(a.0.to_string(), json!(a.2)), (b.0.to_string(), json!(b.2))])));
     // Two builds of one engine often agree bit for bit up to a change: the first tap where they
     // differ at all is worth knowing even when the difference is inside the budget.
     let first_difference = taps.iter().find(|t| t.propagated.is_some_and(|s| s.rms_err > 0.0 || s.nonfinite > 0) || t.id_mismatches.is_some_and(|n| n > 0));

@@ -464,6 +464,7 @@ fn an_f16_kv_cache_passes_on_its_declaration_and_fails_without_it() {
     for mode in [Mode::Isolated, Mode::Propagated] {
         let ok = layerdiff::run(&oracle_model, &ids, &taps, &declared, mode, "llama", "cpu:kv-f16").unwrap();
         assert_eq!(ok.report.exit_code(), 0, "{mode:?}: {:?}", layerdiff::first_divergence(&ok.taps).map(|t| &t.name));
+        assert_eq!(ok.report.sections["arithmetic"]["kv_cache"], "f16", "the report says what the budgets came from");
     }
     let undeclared = devices::Arithmetic { kv_cache: None, ..declared };
     let bad = layerdiff::run(&oracle_model, &ids, &taps, &undeclared, Mode::Isolated, "llama", "cpu:kv-f16").unwrap();

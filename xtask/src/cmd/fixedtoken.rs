@@ -126,7 +126,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     };
     let mut report = Report::new("fixed-token", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert("golden".into(), json!({ "source": origin, "model": golden.model, "sha256": golden.sha256, "prompt_ids": golden.prompt_ids, "continuation_ids": golden.continuation_ids }));
-    report.sections.insert("logit_budget".into(), json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output" }));
+    report.sections.insert("logit_budget".into(), json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output", "arithmetic": arith }));
     if let Some(per_pos) = stats.get("per_position").cloned() {
         report.add_chart("kld_by_position", kld_chart(&per_pos, &a.device, &a.model));
     }
