@@ -162,6 +162,11 @@ impl SafetensorsDir {
                 return Err(OracleError::Safetensors { file: cfg_path.display().to_string(), reason: format!("config.json describes no {what}, but the files hold `{hf}`") });
             }
         }
+        // Layers beyond num_hidden_layers, or weights this spec does not read. With tied
+        // embeddings transformers ignores a stored lm_head (it ties it to the embedding), and so
+        // does this loader.
+        let present = index.keys().map(String::as_str).filter(|n| !(spec.tied_output && *n == "output.weight"));
+        spec.check_no_unread(present, "num_hidden_layers").map_err(|reason| OracleError::Safetensors { file: dir.display().to_string(), reason })?;
         Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index }, spec))
     }
 }

@@ -213,6 +213,9 @@ impl ModelSpec {
             None if n_head > 0 && n_embd % n_head == 0 => n_embd / n_head,
             None => return Err(spec_err(format!("{}: embedding_length {n_embd} not divisible by head_count {n_head}", g.path))),
         };
+        if let Some(v) = opt_u("attention.value_length").filter(|&v| v != head_dim) {
+            return Err(spec_err(format!("{}: attention.value_length {v} differs from the key length {head_dim}: value heads of another size are not supported", g.path)));
+        }
         let n_vocab = match opt_u("vocab_size") {
             Some(v) => v,
             None => g
@@ -308,7 +311,60 @@ impl ModelSpec {
         if g.tensor(&last).is_none() {
             return Err(spec_err(format!("{}: block_count is {} but the file has no `{last}`", g.path, self.n_layer)));
         }
-        Ok(())
+        self.check_no_unread(g.tensors.iter().map(|t| t.name.as_str()), "block_count").map_err(|e| spec_err(format!("{}: {e}", g.path)))
+    }
+
+    /// Whether a model of this spec reads the tensor `name` (a GGUF name). The interpreter and
+    /// every device loader read these and no other, so a file that holds any other is refused
+    /// (`check_no_unread`). Decided per name, never by listing every layer's names: the layer
+    /// count may still be an unchecked claim here.
+    pub fn reads_tensor(&self, name: &str) -> bool {
+        match name {
+            "token_embd.weight" | "output_norm.weight" => return true,
+            "output.weight" => return !self.tied_output,
+            _ => {}
+        }
+        let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return false };
+        if !layer.parse::<usize>().is_ok_and(|i| i < self.n_layer) {
+            return false;
+        }
+        let mut tails = vec!["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_norm.weight"];
+        if self.qkv_bias {
+            tails.extend(["attn_q.bias", "attn_k.bias", "attn_v.bias"]);
+        }
+        if self.out_bias {
+            tails.push("attn_output.bias");
+        }
+        if self.qk_norm {
+            tails.extend(["attn_q_norm.weight", "attn_k_norm.weight"]);
+        }
+        match &self.moe {
+            None => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
+            Some(m) => {
+                tails.extend(["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]);
+                if m.shared_ffn.is_some() {
+                    tails.extend(["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]);
+                }
+                if m.shared_gate {
+                    tails.push("ffn_gate_inp_shexp.weight");
+                }
+            }
+        }
+        tails.contains(&tail)
+    }
+
+    /// Refuses tensors (GGUF names) this spec does not read: the model would run without them
+    /// and the judge would be wrong without saying so. `layers_key` names the metadata that set
+    /// the layer count, for the message about a layer beyond it.
+    pub fn check_no_unread<'a>(&self, present: impl Iterator<Item = &'a str>, layers_key: &str) -> std::result::Result<(), String> {
+        let unread: Vec<&str> = present.filter(|n| !self.reads_tensor(n)).collect();
+        let Some(first) = unread.iter().min() else { return Ok(()) };
+        let beyond = unread.iter().find_map(|n| n.strip_prefix("blk.")?.split_once('.')?.0.parse::<usize>().ok().filter(|&i| i >= self.n_layer));
+        let why = match beyond {
+            Some(i) => format!("{layers_key} is {} but the file holds tensors of layer {i}", self.n_layer),
+            None => format!("a {} model with this metadata reads no such weight", self.arch),
+        };
+        Err(format!("{} tensor(s) would not be read, e.g. `{first}`: {why}; a file whose weights would be ignored is refused", unread.len()))
     }
 
     /// Builds the spec of a safetensors model from its Hugging Face `config.json`.

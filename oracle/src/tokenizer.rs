@@ -83,11 +83,20 @@ impl Tokenizer {
                 .collect();
             inner.add_special_tokens(specials).map_err(tok_err)?;
         }
-        let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
+        // A special id outside the vocabulary is an error: an end-of-text id that no token has
+        // would let generation run on silently.
+        let id = |k: &str| -> Result<Option<u32>> {
+            match g.get(k).map(|v| v.as_u64()) {
+                None => Ok(None),
+                Some(Some(i)) if i < tokens.len() as u64 => Ok(Some(i as u32)),
+                Some(Some(i)) => Err(tok_err(format!("{}: {k} is {i}, outside the vocabulary of {} tokens", g.path, tokens.len()))),
+                Some(None) => Err(tok_err(format!("{}: {k} is not an unsigned integer", g.path))),
+            }
+        };
         Ok(Tokenizer {
             inner,
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id"),
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
             add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
         })
     }

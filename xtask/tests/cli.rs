@@ -216,6 +216,8 @@ fn metadata_the_tensors_do_not_back_and_nan_weights_are_refused_by_every_loader(
     let cases = [
         (with_meta_u32(&good, "llama.block_count", 1 << 30), "block_count is 1073741824 but the file has no `blk.1073741823.attn_norm.weight`"),
         (with_meta_u32(&good, "llama.vocab_size", 1 << 30), "metadata says embedding_length 256 and vocabulary 1073741824"),
+        // An end-of-text id no token has: generation would never stop on it.
+        (with_meta_u32(&good, "tokenizer.ggml.eos_token_id", 1 << 30), "tokenizer.ggml.eos_token_id is 1073741824, outside the vocabulary of 272 tokens"),
     ];
     for (bytes, want) in &cases {
         let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
