@@ -370,10 +370,10 @@ impl ModelSpec {
     /// Builds the spec of a safetensors model from its Hugging Face `config.json`.
     pub fn from_hf_config(cfg: &serde_json::Value, file: &str) -> Result<ModelSpec> {
         let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
-        let u = |k: &str| cfg.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let f = |k: &str| cfg.get(k).and_then(|v| v.as_f64());
-        let req = |k: &str| u(k).ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
-        let model_type = cfg.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let top = Fields { obj: cfg, at: "", file };
+        let u = |k: &str| top.u(k);
+        let req = |k: &str| u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
+        let model_type = top.s("model_type")?.unwrap_or("").to_string();
         let arch = match model_type.as_str() {
             "llama" | "mistral" => "llama",
             "qwen2" => "qwen2",
@@ -382,30 +382,55 @@ impl ModelSpec {
         };
         let n_embd = req("hidden_size")?;
         let n_head = req("num_attention_heads")?;
-        let head_dim = u("head_dim").unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
-        let ctx = u("max_position_embeddings").unwrap_or(4096);
+        let head_dim = u("head_dim")?.unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+        let ctx = u("max_position_embeddings")?.unwrap_or(4096);
         // RoPE: `rope_theta` and `rope_scaling` at the top level, or (newer transformers) both
         // in `rope_parameters`.
-        let rope_params = cfg.get("rope_parameters").filter(|v| v.is_object());
-        let theta = rope_params.and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()).or_else(|| f("rope_theta")).unwrap_or(10_000.0);
-        let scaling = match rope_params.or_else(|| cfg.get("rope_scaling")).filter(|v| !v.is_null()) {
+        let rope_params = match top.get("rope_parameters") {
+            Some(p) if p.is_object() => Some(Fields { obj: p, at: "rope_parameters.", file }),
+            Some(p) => return Err(err(format!("config.json: `rope_parameters` is {p}, expected an object"))),
+            None => None,
+        };
+        let theta = match &rope_params {
+            Some(p) if p.get("rope_theta").is_some() => p.f("rope_theta")?,
+            _ => top.f("rope_theta")?,
+        }
+        .unwrap_or(10_000.0);
+        // transformers rotates only this share of each head where a config sets it; the
+        // architectures read here rotate whole heads.
+        for fields in [Some(&top), rope_params.as_ref()].into_iter().flatten() {
+            if let Some(share) = fields.f("partial_rotary_factor")?.filter(|&x| x != 1.0) {
+                return Err(err(format!("config.json: {}partial_rotary_factor {share} is not supported (whole heads rotate)", fields.at)));
+            }
+        }
+        let scaling_fields = match (&rope_params, top.get("rope_scaling")) {
+            (Some(p), _) => Some(Fields { obj: p.obj, at: p.at, file }),
+            (None, Some(s)) if s.is_object() => Some(Fields { obj: s, at: "rope_scaling.", file }),
+            (None, Some(s)) => return Err(err(format!("config.json: `rope_scaling` is {s}, expected an object or null"))),
+            (None, None) => None,
+        };
+        let scaling = match scaling_fields {
             None => RopeScaling::None,
             Some(s) => {
-                let ty = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("");
-                let factor = s.get("factor").and_then(|v| v.as_f64()).unwrap_or(1.0);
+                let ty = match s.get("rope_type") {
+                    Some(_) => s.s("rope_type")?,
+                    None => s.s("type")?,
+                }
+                .unwrap_or("");
+                let factor = s.f("factor")?.unwrap_or(1.0);
                 match ty {
                     "default" => RopeScaling::None,
                     "linear" => RopeScaling::Linear { factor },
                     "yarn" => RopeScaling::Yarn {
                         factor,
-                        original_context: s.get("original_max_position_embeddings").and_then(|v| v.as_u64()).map(|v| v as usize).unwrap_or(ctx),
-                        beta_fast: s.get("beta_fast").and_then(|v| v.as_f64()).unwrap_or(32.0),
-                        beta_slow: s.get("beta_slow").and_then(|v| v.as_f64()).unwrap_or(1.0),
+                        original_context: s.u("original_max_position_embeddings")?.unwrap_or(ctx),
+                        beta_fast: s.f("beta_fast")?.unwrap_or(32.0),
+                        beta_slow: s.f("beta_slow")?.unwrap_or(1.0),
                         ext_factor: 1.0,
                         // Hugging Face scales cos/sin by `attention_factor` as given, defaulting
                         // to 1 + 0.1 ln(factor); ours (llama.cpp's) multiplies `attn_factor` by
                         // that default itself, so a given value is divided by it here.
-                        attn_factor: match s.get("attention_factor").and_then(|v| v.as_f64()) {
+                        attn_factor: match s.f("attention_factor")? {
                             Some(a) if factor > 0.0 => a / (1.0 + 0.1 * factor.ln()),
                             _ => 1.0,
                         },
@@ -414,22 +439,22 @@ impl ModelSpec {
                 }
             }
         };
-        let attention_bias = cfg.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false);
+        let attention_bias = top.b("attention_bias")?.unwrap_or(false);
         let n_layer = req("num_hidden_layers")?;
         // Mistral windows every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
         // with `use_sliding_window`, and then only layers from `max_window_layers` on (their
         // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
         // the model; a split is not.
         let sliding_window = match model_type.as_str() {
-            "mistral" => u("sliding_window"),
-            "qwen2" | "qwen3" if cfg.get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => match u("max_window_layers").unwrap_or(28) {
-                0 => u("sliding_window"),
+            "mistral" => u("sliding_window")?,
+            "qwen2" | "qwen3" if top.b("use_sliding_window")?.unwrap_or(false) => match u("max_window_layers")?.unwrap_or(28) {
+                0 => u("sliding_window")?,
                 m if m >= n_layer => None,
                 m => return Err(err(format!("config.json: a sliding window on layers {m}..{n_layer} only (max_window_layers {m}) is not supported: one window for all layers or none"))),
             },
             _ => None,
         };
-        let act = match cfg.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("silu") {
+        let act = match top.s("hidden_act")?.unwrap_or("silu") {
             "silu" | "swish" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
             other => return Err(err(format!("config.json: hidden_act `{other}` is not supported"))),
@@ -440,10 +465,10 @@ impl ModelSpec {
             n_embd,
             n_layer,
             n_head,
-            n_head_kv: u("num_key_value_heads").unwrap_or(n_head),
+            n_head_kv: u("num_key_value_heads")?.unwrap_or(n_head),
             head_dim,
             n_ff: req("intermediate_size")?,
-            norm_eps: f("rms_norm_eps").unwrap_or(1e-6),
+            norm_eps: top.f("rms_norm_eps")?.unwrap_or(1e-6),
             rope: RopeSpec {
                 // Hugging Face checkpoints keep Q/K in rotate-half order for every architecture.
                 style: RopeStyle::Neox,
@@ -456,7 +481,7 @@ impl ModelSpec {
             // when `attention_bias` is set (their attention layers build q/k/v/o_proj alike).
             qkv_bias: arch == "qwen2" || attention_bias,
             out_bias: arch != "qwen2" && attention_bias,
-            tied_output: cfg.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+            tied_output: top.b("tie_word_embeddings")?.unwrap_or(false),
             activation: act,
             moe: None,
             sliding_window,
@@ -467,5 +492,39 @@ impl ModelSpec {
         spec.derive_stages();
         spec.validate()?;
         Ok(spec)
+    }
+}
+
+/// The fields of one JSON object of a config.json, read strictly: a field that is present with
+/// the wrong type is an error naming it, never its default (a quoted number or a misplaced value
+/// would otherwise load another model without a word). null reads as absent, as configs use it.
+struct Fields<'a> {
+    obj: &'a serde_json::Value,
+    /// Where the object sits (`rope_parameters.`), for messages.
+    at: &'a str,
+    file: &'a str,
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, k: &str) -> Option<&'a serde_json::Value> {
+        self.obj.get(k).filter(|v| !v.is_null())
+    }
+    fn typed<T>(&self, k: &str, read: impl Fn(&'a serde_json::Value) -> Option<T>, expected: &str) -> Result<Option<T>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => read(v).map(Some).ok_or_else(|| OracleError::Safetensors { file: self.file.to_string(), reason: format!("config.json: `{}{k}` is {v}, expected {expected}", self.at) }),
+        }
+    }
+    fn u(&self, k: &str) -> Result<Option<usize>> {
+        self.typed(k, |v| v.as_u64().and_then(|x| usize::try_from(x).ok()), "a non-negative integer")
+    }
+    fn f(&self, k: &str) -> Result<Option<f64>> {
+        self.typed(k, |v| v.as_f64(), "a number")
+    }
+    fn b(&self, k: &str) -> Result<Option<bool>> {
+        self.typed(k, |v| v.as_bool(), "true or false")
+    }
+    fn s(&self, k: &str) -> Result<Option<&'a str>> {
+        self.typed(k, |v| v.as_str(), "a string")
     }
 }
