@@ -119,3 +119,38 @@ fn metadata_that_would_silently_drop_weights_or_resize_heads_is_refused() {
         }
     }
 }
+
+/// Every metadata value of the three fixtures stored with another type (a number as a string, a
+/// string or flag as a number): each loader refuses the file naming the key, or the key is one
+/// nothing reads (`general.*`). Before, a retyped value silently took its default: a
+/// `rope.freq_base` written as a string ran with 10000.
+#[test]
+fn retyped_metadata_is_refused_naming_the_key_never_read_as_its_default() {
+    use oracle::gguf::{GgufFile, GgufWriter, Value};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("retyped.gguf");
+    let mut checked = 0;
+    for fixture in ["tiny-llama", "tiny-qwen3", "tiny-moe"] {
+        let g = GgufFile::open(&fixtures::resolve(fixture, true).unwrap()).unwrap();
+        for key in g.metadata.keys().filter(|k| !k.starts_with("general.")) {
+            let retyped = match &g.metadata[key] {
+                Value::String(_) | Value::Bool(_) | Value::Array(_) => Value::U32(1),
+                _ => Value::String("1".into()),
+            };
+            let mut w = GgufWriter::new();
+            for (k, v) in &g.metadata {
+                w.meta(k, if k == key { retyped.clone() } else { v.clone() });
+            }
+            for t in &g.tensors {
+                w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+            }
+            w.write_to(&path).unwrap();
+            // The model and its tokenizer, as `run` opens them.
+            let e = oracle::loader::open_tokenizer(&path).err().map(|e| e.to_string()).or_else(|| exercise("ref", &path).err());
+            let e = e.unwrap_or_else(|| panic!("{fixture}: `{key}` stored as {retyped:?} was accepted"));
+            assert!(e.contains(&format!("`{key}`")), "{fixture} {key}: {e}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 40, "{checked} keys");
+}

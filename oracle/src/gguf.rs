@@ -452,6 +452,16 @@ impl GgufFile {
         self.metadata.get(key)
     }
 
+    /// `key`'s value read by `read`, None when absent. A value present with another type is an
+    /// error (a message naming the file, the key and what was expected), never None: a default
+    /// in place of what the file states would change the model without a word.
+    pub fn field<'a, T>(&'a self, key: &str, read: impl Fn(&'a Value) -> Option<T>, expected: &str) -> std::result::Result<Option<T>, String> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => read(v).map(Some).ok_or_else(|| format!("{}: metadata `{key}` is {v:?}, expected {expected}", self.path)),
+        }
+    }
+
     /// Size of the file in bytes.
     pub fn file_len(&self) -> u64 {
         self.bytes.as_slice().len() as u64

@@ -196,8 +196,11 @@ impl ModelSpec {
                 .map(|v| v as usize)
                 .ok_or_else(|| spec_err(format!("{}: missing or non-integer metadata `{full}`", g.path)))
         };
-        let opt_u = |k: &str| g.get(&key(k)).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let opt_f = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+        // Present with another type is an error, not the default: a value the file states must
+        // not be replaced by a guess without a word.
+        // Present with another type is an error, not the default (`GgufFile::field`).
+        let opt_u = |k: &str| g.field(&key(k), |v| v.as_u64().and_then(|x| usize::try_from(x).ok()), "a non-negative integer").map_err(spec_err);
+        let opt_f = |k: &str| g.field(&key(k), |v| v.as_f64(), "a number").map_err(spec_err);
         let has = |name: &str| g.tensor(name).is_some();
 
         let style = match arch.as_str() {
@@ -207,41 +210,42 @@ impl ModelSpec {
         };
         let n_embd = req_u("embedding_length")?;
         let n_head = req_u("attention.head_count")?;
-        let n_head_kv = opt_u("attention.head_count_kv").unwrap_or(n_head);
-        let head_dim = match opt_u("attention.key_length") {
+        let n_head_kv = opt_u("attention.head_count_kv")?.unwrap_or(n_head);
+        let head_dim = match opt_u("attention.key_length")? {
             Some(v) => v,
             None if n_head > 0 && n_embd % n_head == 0 => n_embd / n_head,
             None => return Err(spec_err(format!("{}: embedding_length {n_embd} not divisible by head_count {n_head}", g.path))),
         };
-        if let Some(v) = opt_u("attention.value_length").filter(|&v| v != head_dim) {
+        if let Some(v) = opt_u("attention.value_length")?.filter(|&v| v != head_dim) {
             return Err(spec_err(format!("{}: attention.value_length {v} differs from the key length {head_dim}: value heads of another size are not supported", g.path)));
         }
-        let n_vocab = match opt_u("vocab_size") {
+        let n_vocab = match opt_u("vocab_size")? {
             Some(v) => v,
             None => g
                 .tensor("token_embd.weight")
                 .and_then(|t| t.dims.get(1).copied())
                 .ok_or_else(|| spec_err(format!("{}: no vocab size and no token_embd.weight", g.path)))? as usize,
         };
-        let ctx = opt_u("context_length").unwrap_or(4096);
-        let scaling = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()).unwrap_or("none") {
+        let ctx = opt_u("context_length")?.unwrap_or(4096);
+        let scaling_type = g.field(&key("rope.scaling.type"), |v| v.as_str(), "a string").map_err(spec_err)?.unwrap_or("none");
+        let scaling = match scaling_type {
             "none" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
-                factor: opt_f("rope.scaling.factor").unwrap_or(1.0),
+                factor: opt_f("rope.scaling.factor")?.unwrap_or(1.0),
             },
             "yarn" => RopeScaling::Yarn {
-                factor: opt_f("rope.scaling.factor").unwrap_or(1.0),
-                original_context: opt_u("rope.scaling.original_context_length").unwrap_or(ctx),
-                beta_fast: opt_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
-                beta_slow: opt_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
-                ext_factor: opt_f("rope.scaling.yarn_ext_factor").unwrap_or(1.0),
-                attn_factor: opt_f("rope.scaling.attn_factor").unwrap_or(1.0),
+                factor: opt_f("rope.scaling.factor")?.unwrap_or(1.0),
+                original_context: opt_u("rope.scaling.original_context_length")?.unwrap_or(ctx),
+                beta_fast: opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                beta_slow: opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+                ext_factor: opt_f("rope.scaling.yarn_ext_factor")?.unwrap_or(1.0),
+                attn_factor: opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0),
             },
             other => return Err(spec_err(format!("{}: rope scaling `{other}` is not supported (none, linear, yarn)", g.path))),
         };
-        let moe = match opt_u("expert_count") {
+        let moe = match opt_u("expert_count")? {
             Some(n_expert) if n_expert > 0 => {
-                let gating = match opt_u("expert_gating_func") {
+                let gating = match opt_u("expert_gating_func")? {
                     None | Some(1) => Gating::Softmax,
                     Some(2) => Gating::Sigmoid,
                     Some(v) => return Err(spec_err(format!("{}: expert_gating_func {v} is not supported", g.path))),
@@ -250,11 +254,11 @@ impl ModelSpec {
                 Some(MoeSpec {
                     n_expert,
                     n_expert_used: req_u("expert_used_count")?,
-                    expert_ffn: opt_u("expert_feed_forward_length").unwrap_or(opt_u("feed_forward_length").unwrap_or(0)),
+                    expert_ffn: opt_u("expert_feed_forward_length")?.unwrap_or(opt_u("feed_forward_length")?.unwrap_or(0)),
                     gating,
-                    normalize_topk: g.get(&key("expert_weights_norm")).and_then(|v| v.as_bool()).unwrap_or(normalize_default),
+                    normalize_topk: g.field(&key("expert_weights_norm"), |v| v.as_bool(), "true or false").map_err(spec_err)?.unwrap_or(normalize_default),
                     shared_ffn: if has("blk.0.ffn_up_shexp.weight") {
-                        Some(opt_u("expert_shared_feed_forward_length").unwrap_or(0))
+                        Some(opt_u("expert_shared_feed_forward_length")?.unwrap_or(0))
                     } else {
                         None
                     },
@@ -271,12 +275,12 @@ impl ModelSpec {
             n_head,
             n_head_kv,
             head_dim,
-            n_ff: opt_u("feed_forward_length").unwrap_or(0),
-            norm_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            n_ff: opt_u("feed_forward_length")?.unwrap_or(0),
+            norm_eps: opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
             rope: RopeSpec {
                 style,
-                theta: opt_f("rope.freq_base").unwrap_or(10_000.0),
-                n_rot: opt_u("rope.dimension_count").unwrap_or(head_dim),
+                theta: opt_f("rope.freq_base")?.unwrap_or(10_000.0),
+                n_rot: opt_u("rope.dimension_count")?.unwrap_or(head_dim),
                 scaling,
             },
             qk_norm: has("blk.0.attn_q_norm.weight"),
@@ -285,7 +289,7 @@ impl ModelSpec {
             tied_output: !has("output.weight"),
             activation: Activation::Silu,
             moe,
-            sliding_window: opt_u("attention.sliding_window").filter(|w| *w > 0),
+            sliding_window: opt_u("attention.sliding_window")?.filter(|w| *w > 0),
             context_length: ctx,
             attn_scale: 1.0 / (head_dim as f64).sqrt(),
             stages: Vec::new(),

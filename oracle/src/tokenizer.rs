@@ -31,21 +31,21 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Builds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
-        let model = g.get("tokenizer.ggml.model").and_then(|v| v.as_str()).unwrap_or("");
+        let model = g.field("tokenizer.ggml.model", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("");
         if model != "gpt2" {
-            return Err(tok_err(format!("{}: tokenizer.ggml.model `{model}` is not supported (byte-level BPE `gpt2` is)", g.path)));
+            return Err(tok_err(format!("{}: `tokenizer.ggml.model` `{model}` is not supported (byte-level BPE `gpt2` is)", g.path)));
         }
         let tokens = g
-            .get("tokenizer.ggml.tokens")
-            .and_then(|v| v.as_array())
-            .ok_or_else(|| tok_err(format!("{}: no tokenizer.ggml.tokens", g.path)))?;
+            .field("tokenizer.ggml.tokens", |v| v.as_array(), "an array")
+            .map_err(tok_err)?
+            .ok_or_else(|| tok_err(format!("{}: no `tokenizer.ggml.tokens`", g.path)))?;
         let mut vocab = tokenizers::models::bpe::Vocab::default();
         for (i, t) in tokens.iter().enumerate() {
             let s = t.as_str().ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.tokens[{i}] is not a string", g.path)))?;
             vocab.insert(s.to_string(), i as u32);
         }
         let mut merges = Vec::new();
-        if let Some(ms) = g.get("tokenizer.ggml.merges").and_then(|v| v.as_array()) {
+        if let Some(ms) = g.field("tokenizer.ggml.merges", |v| v.as_array(), "an array").map_err(tok_err)? {
             for (i, m) in ms.iter().enumerate() {
                 let s = m.as_str().unwrap_or("");
                 let (a, b) = s
@@ -56,7 +56,7 @@ impl Tokenizer {
         }
         let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
         let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
         let split = |pat: &str| -> Result<PreTokenizerWrapper> {
             Ok(PreTokenizerWrapper::Split(
@@ -73,7 +73,7 @@ impl Tokenizer {
         inner.with_pre_tokenizer(Some(pre_tok));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
         // Control tokens (type 3) are matched whole, never split by BPE.
-        if let Some(types) = g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+        if let Some(types) = g.field("tokenizer.ggml.token_type", |v| v.as_array(), "an array").map_err(tok_err)? {
             let specials: Vec<AddedToken> = types
                 .iter()
                 .enumerate()
@@ -86,18 +86,16 @@ impl Tokenizer {
         // A special id outside the vocabulary is an error: an end-of-text id that no token has
         // would let generation run on silently.
         let id = |k: &str| -> Result<Option<u32>> {
-            match g.get(k).map(|v| v.as_u64()) {
-                None => Ok(None),
-                Some(Some(i)) if i < tokens.len() as u64 => Ok(Some(i as u32)),
-                Some(Some(i)) => Err(tok_err(format!("{}: {k} is {i}, outside the vocabulary of {} tokens", g.path, tokens.len()))),
-                Some(None) => Err(tok_err(format!("{}: {k} is not an unsigned integer", g.path))),
+            match g.field(k, |v| v.as_u64(), "an unsigned integer").map_err(tok_err)? {
+                Some(i) if i >= tokens.len() as u64 => Err(tok_err(format!("{}: {k} is {i}, outside the vocabulary of {} tokens", g.path, tokens.len()))),
+                i => Ok(i.map(|i| i as u32)),
             }
         };
         Ok(Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
             eos: id("tokenizer.ggml.eos_token_id")?,
-            add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            add_bos: g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(false),
         })
     }
 
