@@ -181,7 +181,9 @@ impl ExternalModel {
         };
         let dump = read_dump(&dir, tokens, self.model_sha256.as_deref(), self.spec.n_vocab)?;
         if let Some(a) = &dump.manifest.arithmetic {
-            self.arithmetic = serde_json::from_value(a.clone()).map_err(|e| bad(&dir, format!("manifest.json: arithmetic: {e}")))?;
+            let arithmetic: Arithmetic = serde_json::from_value(a.clone()).map_err(|e| bad(&dir, format!("manifest.json: arithmetic: {e}")))?;
+            arithmetic.check().map_err(|e| bad(&dir, format!("manifest.json: arithmetic: {e}")))?;
+            self.arithmetic = arithmetic;
         }
         Ok(dump)
     }

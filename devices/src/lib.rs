@@ -112,6 +112,37 @@ pub struct FixedPoint {
 impl Arithmetic {
     pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, transcendental_ulps: 1.0, fixed: None, kv_cache: None };
     pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, transcendental_ulps: 4.0, fixed: None, kv_cache: None };
+
+    /// Refuses a declaration outside the domain the budgets are derived for. A dump's manifest
+    /// is its author's word: `transcendental_ulps: 1e300` would make every budget infinite and
+    /// every tap pass. Limits: exp/sin/sqrt no worse than 2^-4 relative (16 ulps of bf16),
+    /// Q8 blocks of at most 1024 values, fixed-point fractions of at most 62 bits (i64
+    /// arithmetic), an exp approximation's error at most 1 in its own units, INT4 groups of
+    /// 1..=4096.
+    pub fn check(&self) -> Result<(), String> {
+        let ulps = self.transcendental_ulps;
+        if !(ulps.is_finite() && ulps >= 0.0 && ulps * self.storage.unit_roundoff() <= 0.0625) {
+            let shown = if ulps.abs() < 1e9 { ulps.to_string() } else { format!("{ulps:e}") };
+            return Err(format!("transcendental_ulps {shown} of {:?} storage: must be finite, >= 0 and at most 2^-4 relative", self.storage));
+        }
+        if let Some(b) = self.activation_q8_block.filter(|b| !(1..=1024).contains(b)) {
+            return Err(format!("activation_q8_block {b}: must be 1..=1024"));
+        }
+        if let Some(fp) = &self.fixed {
+            for (name, bits) in [("act_frac", fp.act_frac), ("weight_frac", fp.weight_frac), ("norm_frac", fp.norm_frac), ("table_frac", fp.table_frac)] {
+                if bits > 62 {
+                    return Err(format!("fixed.{name} {bits}: at most 62 fraction bits"));
+                }
+            }
+            if !(fp.exp_abs.is_finite() && (0.0..=1.0).contains(&fp.exp_abs)) {
+                return Err(format!("fixed.exp_abs {}: must be finite and in [0, 1]", fp.exp_abs));
+            }
+            if let Some(g) = fp.int4_group.filter(|g| !(1..=4096).contains(g)) {
+                return Err(format!("fixed.int4_group {g}: must be 1..=4096"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Whether a device runs a case, and if not, why (reported as `unsupported`, never as a pass).

@@ -666,6 +666,7 @@ pub struct Outcome {
 /// ([`follow_at_near_tie`], listed in the `routing_followed` section): otherwise everything
 /// after it would be compared with a different expert's output.
 pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, model: &str, device: &str) -> Result<Outcome, String> {
+    arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
     let dims = Dims::of(oracle_model.spec(), ids.len());
     let rerun = |substitute_values: bool, run: &'static str| {
         let budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget>> = if substitute_values {
@@ -694,6 +695,9 @@ pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, ari
 /// propagated budgets, since each may be that far from the oracle); the oracle's distance to each
 /// stays in the report as the reference column.
 pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap, &Arithmetic), b: (&str, &RecordingTap, &Arithmetic), model: &str) -> Result<Outcome, String> {
+    for (device, _, arith) in [&a, &b] {
+        arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
+    }
     let mut reference = RecordingTap::default();
     oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
     let dims = Dims::of(oracle_model.spec(), ids.len());

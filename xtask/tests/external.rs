@@ -147,6 +147,20 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     let o = run(&d, ids);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains(&tap) && text(&o).contains("shape"), "{}", text(&o));
+
+    // A declared arithmetic whose budgets would be infinite passes nothing: it is refused.
+    for (field, value, want) in [
+        ("transcendental_ulps", serde_json::json!(1e300), "transcendental_ulps 1e300 of F32 storage"),
+        ("activation_q8_block", serde_json::json!(0), "activation_q8_block 0"),
+    ] {
+        let d = fresh(field);
+        let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("manifest.json")).unwrap()).unwrap();
+        j["arithmetic"][field] = value;
+        std::fs::write(d.join("manifest.json"), j.to_string()).unwrap();
+        let o = run(&d, ids);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains("manifest.json: arithmetic") && text(&o).contains(want), "{}", text(&o));
+    }
 }
 
 #[test]

@@ -104,6 +104,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     runs.routing_differs = fixedtoken::routing_differs(&oracle_routing, &device_routing, seq.len());
     // Asked after the run: an external engine's arithmetic comes from its dump's manifest.
     let arith = engine.arithmetic();
+    arith.check().map_err(|e| Exit { code: 2, message: format!("{}: declared arithmetic: {e}", a.device) })?;
     drop(engine);
     let budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit { code: 2, message: "no logit budget rule".into() })?;
     // A MoE device that routed some token otherwise: the oracle again (loaded anew, so the two
