@@ -420,9 +420,15 @@ pub struct ShapeError(pub String);
 /// run (`reference`) and, when given, the oracle re-run on the device's values (`isolated`).
 pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &RecordingTap, arith: &Arithmetic, dims: &Dims) -> Result<Vec<TapDiff>, ShapeError> {
     let mut out = Vec::new();
+    // The isolated re-run substitutes the device's values only at the taps the device gave. Where
+    // it gave fewer (an engine that dumps layer outputs alone), a tap's isolated error holds the
+    // errors of every op since the last tap it gave, so its budget adds theirs in quadrature
+    // (independent roundings, as across layers). With every tap given this is zero.
+    let mut since_given = Budget::default();
     for name in &reference.order {
         let (width, rdata) = &reference.tensors[name];
         let (layer, kind) = split_tap(name);
+        let local = local_budget(kind, arith, dims);
         let mut t = TapDiff {
             name: name.clone(),
             layer,
@@ -431,15 +437,21 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
             propagated: None,
             budget_propagated: propagated_budget(kind, layer, arith, dims),
             isolated: None,
-            budget_isolated: local_budget(kind, arith, dims),
+            budget_isolated: local.map(|b| Budget { rel: b.rel.hypot(since_given.rel), abs: b.abs.hypot(since_given.abs) }),
             id_mismatches: None,
             routing_followed: 0,
         };
         let Some((dw, ddata)) = device.tensors.get(name) else {
+            if let Some(b) = local {
+                since_given = Budget { rel: since_given.rel.hypot(b.rel), abs: since_given.abs.hypot(b.abs) };
+            }
             t.missing = true;
             out.push(t);
             continue;
         };
+        if local.is_some() {
+            since_given = Budget::default();
+        }
         if dw != width || ddata.len() != rdata.len() {
             return Err(ShapeError(format!(
                 "tap `{name}`: the device gave {} positions x {dw}, the oracle {} positions x {width}",

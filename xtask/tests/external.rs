@@ -80,6 +80,31 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     assert_eq!(report["first_difference"]["worst_position"], 4);
 }
 
+/// An engine that dumps only its layer outputs (hidden states, as many engines can) and logits:
+/// each layer's output is compared with the oracle re-run from the previous one, so its budget
+/// holds the errors of every op of that layer. The correct cpu engine passes (before, each
+/// layer output was held to the residual add's own budget and every layer failed); a layer
+/// whose output is 30% off is still found, at that layer.
+#[test]
+fn a_dump_of_layer_outputs_alone_is_judged_layer_by_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("dump");
+    dump_cpu("smollm2", IDS, &dump);
+    let manifest_path = dump.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    manifest["taps"].as_array_mut().unwrap().retain(|t| t["name"].as_str().is_some_and(|n| n.ends_with(".l_out") || n == "result_output"));
+    assert_eq!(manifest["taps"].as_array().unwrap().len(), 30, "one output per layer (the logits are kept apart)");
+    std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+    let device = format!("external:{}", dump.display());
+    let o = layer_diff(&device, "smollm2", IDS, &tmp.path().join("ok"));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("31 passed, 0 failed"), "{}", text(&o));
+    edit_tap(&dump, "blk.17.l_out", |v| v.iter_mut().for_each(|x| *x *= 1.3));
+    let o = layer_diff(&device, "smollm2", IDS, &tmp.path().join("bad"));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("first divergence: blk.17.l_out"), "{}", text(&o));
+}
+
 /// An engine with an f16 KV cache says so in its manifest (`arithmetic.kv_cache`, what `dump
 /// --device cpu:kv-f16` writes) and passes on that declaration; the same dump with the field
 /// removed is judged as an f32 cache and fails at the first attention output.
