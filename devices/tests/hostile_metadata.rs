@@ -98,7 +98,8 @@ fn edge_values_in_every_numeric_metadata_field_never_panic_a_loader() {
 
 /// Two edits this test found accepted, each now refused by every loader with the reason: a
 /// block count below the file's layers (the model ran without its last layer) and a value head
-/// size other than the key head size (read as the key's).
+/// size other than the key head size (read as the key's). So is a tensor nothing reads, which
+/// was skipped: Llama 3.1's `rope_freqs.weight`, a bias on one layer only.
 #[test]
 fn metadata_that_would_silently_drop_weights_or_resize_heads_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -116,6 +117,26 @@ fn metadata_that_would_silently_drop_weights_or_resize_heads_is_refused() {
         for device in model_devices() {
             let e = exercise(device, &path).expect_err(&format!("{fixture} {key}={value} on {device}"));
             assert!(e.contains(want), "{device}: {e}");
+        }
+    }
+    // A tensor no loader reads (Llama 3.1's RoPE frequency factors; a bias on one layer only).
+    use oracle::gguf::{GgufFile, GgufWriter};
+    use oracle::quant::GgmlType;
+    let g = GgufFile::open(&fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
+    for (extra, want) in [("rope_freqs.weight", "RoPE frequency factors"), ("blk.1.attn_q.bias", "a llama model with this metadata reads no such weight")] {
+        let mut w = GgufWriter::new();
+        for (k, v) in &g.metadata {
+            w.meta(k, v.clone());
+        }
+        for t in &g.tensors {
+            w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+        }
+        w.tensor(extra, &[32], GgmlType::F32, vec![0; 128]);
+        let path = dir.path().join("extra.gguf");
+        w.write_to(&path).unwrap();
+        for device in model_devices() {
+            let e = exercise(device, &path).expect_err(&format!("{extra} on {device}"));
+            assert!(e.contains(&format!("`{extra}`")) && e.contains(want), "{device}: {e}");
         }
     }
 }

@@ -366,6 +366,7 @@ impl ModelSpec {
         let beyond = unread.iter().find_map(|n| n.strip_prefix("blk.")?.split_once('.')?.0.parse::<usize>().ok().filter(|&i| i >= self.n_layer));
         let why = match beyond {
             Some(i) => format!("{layers_key} is {} but the file holds tensors of layer {i}", self.n_layer),
+            None if unread.contains(&"rope_freqs.weight") => "`rope_freqs.weight` holds per-dimension RoPE frequency factors (Llama 3.1-style scaling), which are not supported".to_string(),
             None => format!("a {} model with this metadata reads no such weight", self.arch),
         };
         Err(format!("{} tensor(s) would not be read, e.g. `{first}`: {why}; a file whose weights would be ignored is refused", unread.len()))
