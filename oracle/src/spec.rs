@@ -196,8 +196,6 @@ impl ModelSpec {
                 .map(|v| v as usize)
                 .ok_or_else(|| spec_err(format!("{}: missing or non-integer metadata `{full}`", g.path)))
         };
-        // Present with another type is an error, not the default: a value the file states must
-        // not be replaced by a guess without a word.
         // Present with another type is an error, not the default (`GgufFile::field`).
         let opt_u = |k: &str| g.field(&key(k), |v| v.as_u64().and_then(|x| usize::try_from(x).ok()), "a non-negative integer").map_err(spec_err);
         let opt_f = |k: &str| g.field(&key(k), |v| v.as_f64(), "a number").map_err(spec_err);
