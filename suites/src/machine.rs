@@ -8,6 +8,13 @@ pub fn peak_rss_kb() -> Option<u64> {
     s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// Resets the peak resident set size to the current one (Linux 4.0+: `5` written to
+/// /proc/self/clear_refs), so a later `peak_rss_kb` is the peak since now; false where that is
+/// not possible.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// 1-minute load average.
 pub fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
@@ -42,6 +49,14 @@ mod tests {
     fn linux_reports_memory_and_load() {
         if cfg!(target_os = "linux") {
             assert!(super::peak_rss_kb().unwrap() > 0);
+            // A peak reached by a freed buffer is forgotten after a reset.
+            let big = vec![1u8; 256 << 20];
+            std::hint::black_box(&big);
+            let before = super::peak_rss_kb().unwrap();
+            drop(big);
+            if super::reset_peak_rss() {
+                assert!(super::peak_rss_kb().unwrap() + 200 * 1024 < before, "{before} kB before the reset");
+            }
             assert!(super::load_average().is_some());
         }
     }

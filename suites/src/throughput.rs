@@ -33,9 +33,12 @@ pub struct RefBench {
     pub itl_ms: Vec<Vec<f64>>,
     /// Inter-token latency percentiles over all repetitions, ms: p50, p90, p99.
     pub itl_p50_p90_p99_ms: [f64; 3],
-    /// Per repetition: the machine's state right after it (load, CPU clock, peak RSS so far).
+    /// Per repetition: the machine's state right after it (load, CPU clock, peak RSS since the
+    /// probe before it, or since the start where no probe ran).
     pub machine: Vec<crate::machine::MachineState>,
-    /// Peak resident memory of the process at the end, KiB.
+    /// Peak resident memory of the process while it generated, KiB: the largest of the
+    /// repetitions' peaks (the bandwidth probe's buffers excluded); None where the peak could
+    /// not be reset after a probe.
     pub peak_rss_kb: Option<u64>,
 }
 
@@ -83,8 +86,15 @@ pub fn bench_with<E>(
     let wb = weight_bytes_per_token;
     let (mut prefill, mut decode, mut effective, mut probes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut ttft, mut itl, mut machine) = (Vec::new(), Vec::new(), Vec::new());
+    // The peak RSS reported is the engine's: the probe's 1 GiB of buffers is freed before each
+    // generation and the peak reset then. Where it cannot be reset it is not reported.
+    let mut rss_is_engines = true;
     for r in 0..reps {
-        probes.push(membw::probe(512 << 20, 3));
+        // Bandwidth figures need the bytes read per token; without them a probe only costs time.
+        if wb > 0 {
+            probes.push(membw::probe(512 << 20, 3));
+            rss_is_engines &= crate::machine::reset_peak_rss();
+        }
         let g = generate(prompt, gen_len)?;
         prefill.push(prompt.len() as f64 / g.prefill_s);
         decode.push(g.decode_tok_per_s());
@@ -96,6 +106,7 @@ pub fn bench_with<E>(
         }
         progress(r + 1);
     }
+    let peak_rss_kb = if rss_is_engines { machine.iter().filter_map(|m: &crate::machine::MachineState| m.peak_rss_kb).max() } else { None };
     let ratio = |f: fn(&Bandwidth) -> f64| median(&effective.iter().zip(&probes).map(|(e, p)| e / f(p)).collect::<Vec<_>>());
     Ok(RefBench {
         prompt_len: prompt.len(),
@@ -117,6 +128,6 @@ pub fn bench_with<E>(
         ttft_ms: ttft,
         itl_ms: itl,
         machine,
-        peak_rss_kb: crate::machine::peak_rss_kb(),
+        peak_rss_kb,
     })
 }
