@@ -126,6 +126,10 @@ fn exit_codes_follow_the_contract() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("outside the vocabulary"), "{}", stderr(&o));
 
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt", ""], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("gives no tokens"), "{}", stderr(&o));
+
     let o = xtask(&["gate", "--suite", "bench"], &[]);
     assert_eq!(o.status.code(), Some(2), "a suite that is not built is could-not-run, never a pass");
     let o = xtask(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--mode", "sideways"], &[]);

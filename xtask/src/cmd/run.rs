@@ -55,7 +55,11 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         (_, Some(ids)) => parse_ids(ids)?,
         (Some(text), None) => {
             let tok = tok.as_ref().ok_or_else(|| Exit { code: 2, message: format!("model `{}` has no tokenizer; use --prompt-ids", a.model) })?;
-            tok.encode(text)?
+            let ids = tok.encode(text)?;
+            if ids.is_empty() {
+                return Err(Exit { code: 2, message: format!("--prompt {text:?} gives no tokens: nothing to generate from") });
+            }
+            ids
         }
         (None, None) => unreachable!("clap requires one"),
     };
