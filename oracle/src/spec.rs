@@ -189,15 +189,9 @@ impl ModelSpec {
             .ok_or_else(|| spec_err(format!("{}: no general.architecture", g.path)))?
             .to_string();
         let key = |k: &str| format!("{arch}.{k}");
-        let req_u = |k: &str| -> Result<usize> {
-            let full = key(k);
-            g.get(&full)
-                .and_then(|v| v.as_u64())
-                .map(|v| v as usize)
-                .ok_or_else(|| spec_err(format!("{}: missing or non-integer metadata `{full}`", g.path)))
-        };
         // Present with another type is an error, not the default (`GgufFile::field`).
         let opt_u = |k: &str| g.field(&key(k), |v| v.as_u64().and_then(|x| usize::try_from(x).ok()), "a non-negative integer").map_err(spec_err);
+        let req_u = |k: &str| -> Result<usize> { opt_u(k)?.ok_or_else(|| spec_err(format!("{}: missing metadata `{}`", g.path, key(k)))) };
         let opt_f = |k: &str| g.field(&key(k), |v| v.as_f64(), "a number").map_err(spec_err);
         let has = |name: &str| g.tensor(name).is_some();
 
@@ -407,7 +401,7 @@ impl ModelSpec {
             }
         }
         let scaling_fields = match (&rope_params, top.get("rope_scaling")) {
-            (Some(p), _) => Some(Fields { obj: p.obj, at: p.at, file }),
+            (Some(p), _) => Some(*p),
             (None, Some(s)) if s.is_object() => Some(Fields { obj: s, at: "rope_scaling.", file }),
             (None, Some(s)) => return Err(err(format!("config.json: `rope_scaling` is {s}, expected an object or null"))),
             (None, None) => None,
@@ -501,6 +495,7 @@ impl ModelSpec {
 /// The fields of one JSON object of a config.json, read strictly: a field that is present with
 /// the wrong type is an error naming it, never its default (a quoted number or a misplaced value
 /// would otherwise load another model without a word). null reads as absent, as configs use it.
+#[derive(Clone, Copy)]
 struct Fields<'a> {
     obj: &'a serde_json::Value,
     /// Where the object sits (`rope_parameters.`), for messages.

@@ -62,6 +62,11 @@ impl Budget {
     pub fn bound(&self, rms_ref: f64) -> f64 {
         self.rel * rms_ref + self.abs
     }
+
+    /// This budget and `other` for independent errors: added in quadrature, term by term.
+    pub fn and_independent(self, other: Budget) -> Budget {
+        Budget { rel: self.rel.hypot(other.rel), abs: self.abs.hypot(other.abs) }
+    }
 }
 
 /// Model dimensions the budgets read.
@@ -437,13 +442,13 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
             propagated: None,
             budget_propagated: propagated_budget(kind, layer, arith, dims),
             isolated: None,
-            budget_isolated: local.map(|b| Budget { rel: b.rel.hypot(since_given.rel), abs: b.abs.hypot(since_given.abs) }),
+            budget_isolated: local.map(|b| b.and_independent(since_given)),
             id_mismatches: None,
             routing_followed: 0,
         };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             if let Some(b) = local {
-                since_given = Budget { rel: since_given.rel.hypot(b.rel), abs: since_given.abs.hypot(b.abs) };
+                since_given = since_given.and_independent(b);
             }
             t.missing = true;
             out.push(t);

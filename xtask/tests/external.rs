@@ -31,6 +31,19 @@ fn edit_tap(dir: &Path, tap: &str, f: impl Fn(&mut Vec<f32>)) {
     safetensors::serialize_to_file(views, None, &dir.join(file)).unwrap();
 }
 
+/// A dump's manifest.
+fn manifest(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+/// Rewrites a dump's manifest through `f`, returning what `f` returns.
+fn edit_manifest<T>(dir: &Path, f: impl FnOnce(&mut serde_json::Value) -> T) -> T {
+    let mut m = manifest(dir);
+    let out = f(&mut m);
+    std::fs::write(dir.join("manifest.json"), m.to_string()).unwrap();
+    out
+}
+
 fn layer_diff(device: &str, model: &str, ids: &str, report: &Path) -> Output {
     xtask(&["layer-diff", "--device", device, "--model", model, "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[])
 }
@@ -90,11 +103,10 @@ fn a_dump_of_layer_outputs_alone_is_judged_layer_by_layer() {
     let tmp = tempfile::tempdir().unwrap();
     let dump = tmp.path().join("dump");
     dump_cpu("smollm2", IDS, &dump);
-    let manifest_path = dump.join("manifest.json");
-    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
-    manifest["taps"].as_array_mut().unwrap().retain(|t| t["name"].as_str().is_some_and(|n| n.ends_with(".l_out") || n == "result_output"));
-    assert_eq!(manifest["taps"].as_array().unwrap().len(), 30, "one output per layer (the logits are kept apart)");
-    std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+    edit_manifest(&dump, |m| {
+        m["taps"].as_array_mut().unwrap().retain(|t| t["name"].as_str().is_some_and(|n| n.ends_with(".l_out") || n == "result_output"));
+        assert_eq!(m["taps"].as_array().unwrap().len(), 30, "one output per layer (the logits are kept apart)");
+    });
     let device = format!("external:{}", dump.display());
     let o = layer_diff(&device, "smollm2", IDS, &tmp.path().join("ok"));
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
@@ -114,14 +126,12 @@ fn a_dump_declaring_an_f16_kv_cache_is_judged_by_it() {
     let dump = tmp.path().join("dump");
     let ids = "5,200,17,3,99,250,1,42,7,18,64,33";
     dump_device("cpu:kv-f16", "tiny-llama", ids, &dump);
-    let manifest_path = dump.join("manifest.json");
-    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
-    assert_eq!(manifest["arithmetic"]["kv_cache"], "f16", "{manifest}");
+    let declared = manifest(&dump);
+    assert_eq!(declared["arithmetic"]["kv_cache"], "f16", "{declared}");
     let device = format!("external:{}", dump.display());
     let o = layer_diff(&device, "tiny-llama", ids, &tmp.path().join("declared"));
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    manifest["arithmetic"].as_object_mut().unwrap().remove("kv_cache");
-    std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+    edit_manifest(&dump, |m| m["arithmetic"].as_object_mut().unwrap().remove("kv_cache"));
     let o = layer_diff(&device, "tiny-llama", ids, &tmp.path().join("undeclared"));
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("first divergence: blk.0.attn_kqv"), "{}", text(&o));
@@ -157,18 +167,16 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     assert!(text(&o).contains("model.sha256"), "{}", text(&o));
 
     let d = fresh("field");
-    let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("manifest.json")).unwrap()).unwrap();
-    j.as_object_mut().unwrap().remove("token_ids");
-    std::fs::write(d.join("manifest.json"), j.to_string()).unwrap();
+    edit_manifest(&d, |j| j.as_object_mut().unwrap().remove("token_ids"));
     let o = run(&d, ids);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("manifest.json") && text(&o).contains("token_ids"), "{}", text(&o));
 
     let d = fresh("shape");
-    let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("manifest.json")).unwrap()).unwrap();
-    j["taps"][2]["shape"] = serde_json::json!([7, 3]);
-    let tap = j["taps"][2]["name"].as_str().unwrap().to_string();
-    std::fs::write(d.join("manifest.json"), j.to_string()).unwrap();
+    let tap = edit_manifest(&d, |j| {
+        j["taps"][2]["shape"] = serde_json::json!([7, 3]);
+        j["taps"][2]["name"].as_str().unwrap().to_string()
+    });
     let o = run(&d, ids);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains(&tap) && text(&o).contains("shape"), "{}", text(&o));
@@ -179,9 +187,7 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
         ("activation_q8_block", serde_json::json!(0), "activation_q8_block 0"),
     ] {
         let d = fresh(field);
-        let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("manifest.json")).unwrap()).unwrap();
-        j["arithmetic"][field] = value;
-        std::fs::write(d.join("manifest.json"), j.to_string()).unwrap();
+        edit_manifest(&d, |j| j["arithmetic"][field] = value);
         let o = run(&d, ids);
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert!(text(&o).contains("manifest.json: arithmetic") && text(&o).contains(want), "{}", text(&o));
