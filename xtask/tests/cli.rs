@@ -130,8 +130,9 @@ fn exit_codes_follow_the_contract() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("gives no tokens"), "{}", stderr(&o));
 
-    let o = xtask(&["gate", "--suite", "bench"], &[]);
-    assert_eq!(o.status.code(), Some(2), "a suite that is not built is could-not-run, never a pass");
+    let o = xtask(&["gate", "--suite", "benchmark"], &[]);
+    assert_eq!(o.status.code(), Some(2), "a suite that does not exist is could-not-run, never a pass");
+    assert!(stderr(&o).contains("no suite `benchmark` (suites: oracle, kernels, layers, tokens, bench)"), "{}", stderr(&o));
     let o = xtask(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--mode", "sideways"], &[]);
     assert_eq!(o.status.code(), Some(2));
     let o = xtask(&["fixed-token", "--device", "cuda", "--model", "tiny-llama"], &[]);
@@ -267,6 +268,29 @@ fn metadata_the_tensors_do_not_back_and_nan_weights_are_refused_by_every_loader(
             assert!(e.contains(&format!("tensor `{tensor}` holds")) && e.contains(want) && e.contains("weights must be finite"), "{model} {device}: {e}");
         }
     }
+}
+
+#[test]
+fn gate_bench_suite_times_each_device_and_model_and_reports_what_it_cannot_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["gate", "--suite", "bench", "--device", "cpu", "--device", "fixed", "--model", "tiny-llama", "--model", "tiny-moe", "--report-dir", dir.path().to_str().unwrap()];
+    let o = xtask(&args, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+    let cases = r["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 4, "{cases:?}");
+    for c in cases {
+        let (id, device, verdict) = (c["id"].as_str().unwrap(), c["device"].as_str().unwrap(), c["verdict"].as_str().unwrap());
+        if device == "fixed" && id.contains("tiny-moe") {
+            assert_eq!(verdict, "unsupported", "{c}");
+            continue;
+        }
+        assert_eq!(verdict, "pass", "{c}");
+        assert!(id.starts_with(&format!("bench(device={device},model=")) && id.ends_with("prompt=32,gen=64)"), "{id}");
+        assert!(c["metrics"]["decode_tok_per_s"].as_f64().unwrap() > 0.0, "{c}");
+        assert_eq!(c["metrics"]["output_hash"].as_str().unwrap().len(), 16, "{c}");
+    }
+    assert_eq!(r["summary"]["passed"], 3);
 }
 
 #[test]

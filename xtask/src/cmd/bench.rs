@@ -36,23 +36,8 @@ pub struct BenchArgs {
 
 pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     check_device(&a.device)?;
-    if a.prompt_len == 0 || a.gen_len < 2 || a.reps == 0 {
-        return Err(Exit { code: 2, message: "--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required".into() });
-    }
-    let (_, mut engine, _) = load_engine(&a.model, &a.device, a.precision)?;
-    let prompt = super::bench_prompt(a.prompt_len, a.gen_len, engine.spec().n_vocab)?;
-    let pb = indicatif::ProgressBar::new(a.reps as u64);
-    pb.set_style(indicatif::ProgressStyle::with_template("bench {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
-    let r = match &mut engine {
-        super::Engine::Oracle(model) => suites::throughput::bench_ref(model, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?,
-        engine => {
-            let greedy = oracle::ops::SamplerConfig::GREEDY;
-            suites::throughput::bench_with(|p, n| engine.generate(p, n, &greedy, 0, None), 0, &prompt, a.gen_len, a.reps, |i| pb.set_position(i as u64))?
-        }
-    };
-    pb.finish_and_clear();
-    let device_peak = engine.memory_peak_bytes();
-    let kernels = profile_decode(&mut engine, &prompt, a.gen_len)?;
+    let m = measure(&a.device, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps)?;
+    let (r, device_peak, kernels) = (&m.r, m.device_peak, &m.kernels);
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
     outln!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
@@ -84,7 +69,7 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     }
     if r.effective_gbps.is_empty() {
         outln!("(this device does not report the bytes it reads per token: no bandwidth figures)");
-        return write_report(&a, r, device_peak, kernels);
+        return write_report(&a, m);
     }
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
@@ -100,7 +85,72 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
         100.0 * r.fraction_of_copy_probe,
         100.0 * r.fraction_of_read_probe
     );
-    write_report(&a, r, device_peak, kernels)
+    write_report(&a, m)
+}
+
+/// One bench measurement: the timed generations, the device memory peak, and (GPU devices) the
+/// kernels of a decode step.
+pub struct Measured {
+    r: suites::throughput::RefBench,
+    device_peak: Option<u64>,
+    kernels: Option<DecodeKernels>,
+}
+
+/// Loads `model` on `device` (checked by the caller) and times `reps` greedy generations of
+/// `gen_len` tokens after a `prompt_len`-token prompt, with a progress bar.
+pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
+    if prompt_len == 0 || gen_len < 2 || reps == 0 {
+        return Err(Exit { code: 2, message: "--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required".into() });
+    }
+    let (_, mut engine, _) = load_engine(model, device, precision)?;
+    let prompt = super::bench_prompt(prompt_len, gen_len, engine.spec().n_vocab)?;
+    let pb = indicatif::ProgressBar::new(reps as u64);
+    pb.set_style(indicatif::ProgressStyle::with_template("bench {prefix} {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
+    // A prefix, not part of the template: a model path may hold braces.
+    pb.set_prefix(format!("{device} / {model}"));
+    let r = match &mut engine {
+        super::Engine::Oracle(model) => suites::throughput::bench_ref(model, &prompt, gen_len, reps, |i| pb.set_position(i as u64))?,
+        engine => {
+            let greedy = oracle::ops::SamplerConfig::GREEDY;
+            suites::throughput::bench_with(|p, n| engine.generate(p, n, &greedy, 0, None), 0, &prompt, gen_len, reps, |i| pb.set_position(i as u64))?
+        }
+    };
+    pb.finish_and_clear();
+    let device_peak = engine.memory_peak_bytes();
+    let kernels = profile_decode(&mut engine, &prompt, gen_len)?;
+    Ok(Measured { r, device_peak, kernels })
+}
+
+/// The report case of a measurement: its figures as metrics, and a verdict on what the figures
+/// rest on (`RefBench::problems`: every repetition generated the tokens asked for, the same
+/// ones, with finite positive timings). Speed itself has no target here: a regression is
+/// judged by `ab` (paired, interleaved runs) or the criterion benches.
+pub fn case(device: &str, model: &str, m: &Measured) -> reports::Case {
+    let (r, kernels) = (&m.r, &m.kernels);
+    let med = suites::throughput::median;
+    let mut metrics = serde_json::Map::new();
+    metrics.insert("prefill_tok_per_s".into(), json!(med(&r.prefill_tok_per_s)));
+    metrics.insert("decode_tok_per_s".into(), json!(med(&r.decode_tok_per_s)));
+    metrics.insert("ttft_ms".into(), json!(med(&r.ttft_ms)));
+    metrics.insert("itl_p50_p90_p99_ms".into(), json!(r.itl_p50_p90_p99_ms));
+    metrics.insert("peak_rss_kb".into(), json!(r.peak_rss_kb));
+    metrics.insert("device_memory_peak_bytes".into(), json!(m.device_peak));
+    metrics.insert("kernel_launches_prefill".into(), json!(kernels.as_ref().map(|k| k.prefill_launches)));
+    metrics.insert("kernel_launches_per_decode_token".into(), json!(kernels.as_ref().map(|k| k.launches_per_token())));
+    let kernel_us = kernels.as_ref().map(|k| 1e6 * k.seconds() / k.tokens as f64);
+    metrics.insert("decode_kernel_us_per_token".into(), json!(kernel_us));
+    metrics.insert("decode_kernel_busy_fraction".into(), json!(kernel_us.map(|us| us * med(&r.decode_tok_per_s) / 1e6)));
+    metrics.insert("output_hash".into(), json!(r.output_hashes.first()));
+    let problems = r.problems();
+    reports::Case {
+        id: format!("bench(device={device},model={model},prompt={},gen={})", r.prompt_len, r.gen_len),
+        device: device.to_string(),
+        verdict: if problems.is_empty() { reports::Verdict::Pass } else { reports::Verdict::Fail },
+        metrics,
+        tolerance: reports::Tolerance { rule: "every repetition generates the tokens asked for, the same tokens, with finite positive timings (speed has no target here: `ab` judges regressions)".into(), bound: 0.0 },
+        margin: 0.0,
+        message: (!problems.is_empty()).then(|| problems.join("; ")),
+    }
 }
 
 /// The kernels of the prefill and of the decode steps of one greedy generation (GPU devices).
@@ -151,30 +201,14 @@ fn profile_decode(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) ->
 
 /// report.json (the bench section holds every raw sample), report.md with the summary table, and
 /// the inter-token latency distribution plot.
-fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_bytes: Option<u64>, kernels: Option<DecodeKernels>) -> Result<u8, Exit> {
+fn write_report(a: &BenchArgs, m: Measured) -> Result<u8, Exit> {
     use reports::plot::{Chart, Series};
+    let case = case(&a.device, &a.model, &m);
+    if let Some(why) = &case.message {
+        outln!("FAIL: {why}");
+    }
+    let Measured { r, kernels, .. } = m;
     let med = suites::throughput::median;
-    let mut metrics = serde_json::Map::new();
-    metrics.insert("prefill_tok_per_s".into(), json!(med(&r.prefill_tok_per_s)));
-    metrics.insert("decode_tok_per_s".into(), json!(med(&r.decode_tok_per_s)));
-    metrics.insert("ttft_ms".into(), json!(med(&r.ttft_ms)));
-    metrics.insert("itl_p50_p90_p99_ms".into(), json!(r.itl_p50_p90_p99_ms));
-    metrics.insert("peak_rss_kb".into(), json!(r.peak_rss_kb));
-    metrics.insert("device_memory_peak_bytes".into(), json!(device_peak_bytes));
-    metrics.insert("kernel_launches_prefill".into(), json!(kernels.as_ref().map(|k| k.prefill_launches)));
-    metrics.insert("kernel_launches_per_decode_token".into(), json!(kernels.as_ref().map(|k| k.launches_per_token())));
-    let kernel_us = kernels.as_ref().map(|k| 1e6 * k.seconds() / k.tokens as f64);
-    metrics.insert("decode_kernel_us_per_token".into(), json!(kernel_us));
-    metrics.insert("decode_kernel_busy_fraction".into(), json!(kernel_us.map(|us| us * med(&r.decode_tok_per_s) / 1e6)));
-    let case = reports::Case {
-        id: format!("bench(device={},model={},prompt={},gen={})", a.device, a.model, r.prompt_len, r.gen_len),
-        device: a.device.clone(),
-        verdict: reports::Verdict::Pass,
-        metrics,
-        tolerance: reports::Tolerance { rule: "measurement (no speed target: targets live in `ab` and criterion benches)".into(), bound: 0.0 },
-        margin: 0.0,
-        message: None,
-    };
     let mut report = reports::Report::new("bench", reports::Provenance::collect(r.threads), vec![case]);
     let [p50, p90, p99] = r.itl_p50_p90_p99_ms;
     report.add_table(
@@ -216,7 +250,7 @@ fn write_report(a: &BenchArgs, r: suites::throughput::RefBench, device_peak_byte
     let dir = super::report_dir(a.report_dir.clone(), "bench");
     super::write_report(&mut report, &dir)?;
     outln!("report: {}", dir.join("report.json").display());
-    Ok(0)
+    Ok(report.exit_code())
 }
 
 fn fmt(v: &[f64]) -> Vec<String> {

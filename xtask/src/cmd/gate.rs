@@ -2,15 +2,24 @@
 //! the synthetic models, the kernel suite on the `cpu` and `fixed` devices, and the layer-diff
 //! and fixed-token suites for those devices over the synthetic models; prints a summary, writes
 //! one report, and exits per the contract. A model a device cannot run (the `fixed` device has no
-//! MoE kernels) is an `unsupported` case, never a pass. The bench suite is not built yet: asked
-//! for explicitly, it exits 2.
+//! MoE kernels) is an `unsupported` case, never a pass. The bench suite (`--suite bench`, not in
+//! the default set: timings on a shared CI machine are noise unless paired, which `ab` does) times
+//! greedy generation on each device and model and fails a run whose repetitions did not all
+//! generate the same, complete output.
 
 use super::resolve_model;
 use crate::Exit;
 use reports::{Provenance, Report};
 use std::path::PathBuf;
 
-const SUITES: [&str; 4] = ["oracle", "kernels", "layers", "tokens"];
+/// The suites `gate` runs when none is named.
+const DEFAULT_SUITES: [&str; 4] = ["oracle", "kernels", "layers", "tokens"];
+const SUITES: [&str; 5] = ["oracle", "kernels", "layers", "tokens", "bench"];
+
+/// The bench suite's run: the `bench` command's defaults.
+const BENCH_PROMPT_LEN: usize = 32;
+const BENCH_GEN_LEN: usize = 64;
+const BENCH_REPS: usize = 3;
 
 #[derive(clap::Args)]
 pub struct GateArgs {
@@ -20,7 +29,9 @@ pub struct GateArgs {
     /// Models for the oracle self-check, layer-diff and fixed-token (default: tiny-llama, tiny-qwen3, tiny-moe).
     #[arg(long)]
     model: Vec<String>,
-    /// Suites: oracle, kernels, layers, tokens (default: all four). bench is not built yet.
+    /// Suites: oracle, kernels, layers, tokens (default: these four), bench (throughput on each
+    /// device and model, 32-token prompt, 64 generated tokens, 3 repetitions; it fails when the
+    /// repetitions' greedy outputs differ or stop short, and records the figures).
     #[arg(long)]
     suite: Vec<String>,
     /// Run shard K of N of the kernel cases.
@@ -32,10 +43,10 @@ pub struct GateArgs {
 }
 
 pub fn main(a: GateArgs) -> Result<u8, Exit> {
-    let suites: Vec<String> = if a.suite.is_empty() { SUITES.iter().map(|s| s.to_string()).collect() } else { a.suite.clone() };
+    let suites: Vec<String> = if a.suite.is_empty() { DEFAULT_SUITES.iter().map(|s| s.to_string()).collect() } else { a.suite.clone() };
     for s in &suites {
         if !SUITES.contains(&s.as_str()) {
-            return Err(Exit { code: 2, message: format!("suite `{s}` is not available in this build (available: oracle, kernels, layers, tokens)") });
+            return Err(Exit { code: 2, message: format!("no suite `{s}` (suites: {})", SUITES.join(", ")) });
         }
     }
     let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into(), "fixed".into()] } else { a.device.clone() };
@@ -61,13 +72,15 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
             pb.finish_and_clear();
         }
     }
-    for suite in ["layers", "tokens"].into_iter().filter(|s| suites.iter().any(|x| x == s)) {
+    for suite in ["layers", "tokens", "bench"].into_iter().filter(|s| suites.iter().any(|x| x == s)) {
         for d in &device_names {
             for m in &models {
                 eprintln!("gate: {suite} on {d} / {m} ...");
                 let got = if suite == "layers" {
                     let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: "isolated".into(), prompt_ids: None, against: None, report_dir: None };
                     super::layerdiff::layer_diff(&args).map(|o| o.report.cases)
+                } else if suite == "bench" {
+                    super::bench::measure(d, m, oracle::Precision::F32, BENCH_PROMPT_LEN, BENCH_GEN_LEN, BENCH_REPS).map(|r| vec![super::bench::case(d, m, &r)])
                 } else {
                     let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: 24, report_dir: None };
                     super::fixedtoken::fixed_token(&args).map(|r| r.map(|r| r.cases).unwrap_or_default())
@@ -76,9 +89,17 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
             }
         }
     }
+    let bench_rows = bench_table(&cases);
     let mut report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
     super::kernels::print_summary(&report);
-    outln!("not built yet (not run, not counted): suite bench; devices cuda, rocm");
+    if !bench_rows.is_empty() {
+        let columns = ["case", "prefill tok/s", "decode tok/s", "TTFT ms", "peak RSS MiB"];
+        outln!("\nthroughput ({BENCH_REPS} repetitions, medians):");
+        for row in &bench_rows {
+            outln!("  {:<56} prefill {:>9} tok/s  decode {:>9} tok/s  TTFT {:>8} ms  peak RSS {:>6} MiB", row[0], row[1], row[2], row[3], row[4]);
+        }
+        report.add_table("bench_table", &format!("throughput ({BENCH_REPS} repetitions, medians)"), &columns, bench_rows);
+    }
     let dir = super::report_dir(a.report_dir, "gate");
     super::write_report(&mut report, &dir)?;
     outln!("report: {}", dir.join("report.json").display());
@@ -98,4 +119,15 @@ fn could_not_run(suite: &str, device: &str, model: &str, e: Exit) -> reports::Ca
         margin: 0.0,
         message: Some(e.message),
     }
+}
+
+/// The bench suite's figures, one row per bench case that ran (case id, prefill tok/s, decode
+/// tok/s, TTFT ms, peak RSS MiB).
+fn bench_table(cases: &[reports::Case]) -> Vec<Vec<String>> {
+    let num = |c: &reports::Case, key: &str, digits: usize, scale: f64| c.metrics.get(key).and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{:.*}", digits, v * scale));
+    cases
+        .iter()
+        .filter(|c| c.id.starts_with("bench(device="))
+        .map(|c| vec![c.id.clone(), num(c, "prefill_tok_per_s", 1, 1.0), num(c, "decode_tok_per_s", 2, 1.0), num(c, "ttft_ms", 1, 1.0), num(c, "peak_rss_kb", 0, 1.0 / 1024.0)])
+        .collect()
 }
