@@ -1,5 +1,5 @@
 //! Criterion microbenchmarks of the `cpu` device's hot kernel: the matrix-vector product on packed
-//! quantized weights (Q8_0 activations x Q4_1 / Q8_0 / K-quant blocks) at SmolLM2's shapes, so a
+//! quantized weights (Q8_0 activations x Q4_1 / Q5_0 / Q8_0 / K-quant blocks) at SmolLM2's shapes, so a
 //! kernel change can be judged before the end-to-end A/B. `cargo bench -p devices`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -15,7 +15,7 @@ fn gemv(c: &mut Criterion) {
     let (rows, cols) = (1536usize, 576usize);
     let x = vals(cols, 7);
     let mut g = c.benchmark_group("cpu_gemv");
-    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::F32] {
+    for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::F32] {
         // K-quant super-blocks need k a multiple of 256.
         let cols = if cols % ty.block_size() == 0 { cols } else { 1536 };
         let x = if cols == x.len() { x.clone() } else { vals(cols, 7) };

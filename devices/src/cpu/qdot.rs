@@ -58,6 +58,9 @@ trait BlockDot {
     /// set (Q4_K passes an empty `qh`). Returns both sub-blocks' dots with `x` (64 values: 32 per
     /// sub-block).
     fn idot_k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (i32, i32);
+    /// A Q5_0/Q5_1 block: the 16 bytes of nibbles as in `idot_nibbles`, plus 16 on element `j`
+    /// where bit `j` of `qh` is set (values 0..=31), dotted with `x`.
+    fn idot_q5(qs: &[u8], qh: u32, x: &[i8]) -> i32;
     /// A Q6_K sub-block: 32 values within -32..=31 dotted with `x`, its two 16-value halves
     /// apart (each half has its own scale).
     fn idot_halves(q: &[i8], x: &[i8]) -> (i32, i32);
@@ -88,6 +91,15 @@ impl BlockDot for Portable {
             hi += b * x[32 + l] as i32;
         }
         (lo, hi)
+    }
+    #[inline(always)]
+    fn idot_q5(qs: &[u8], qh: u32, x: &[i8]) -> i32 {
+        let mut w = [0i8; 32];
+        nibbles(qs, &mut w, 0);
+        for (j, v) in w.iter_mut().enumerate() {
+            *v |= (((qh >> j) & 1) << 4) as i8;
+        }
+        idot(&w, x)
     }
     #[inline(always)]
     fn idot_halves(q: &[i8], x: &[i8]) -> (i32, i32) {
@@ -151,6 +163,28 @@ impl BlockDot for Avx2 {
             // u8 (at most 31) x i8 pairs -> i16: at most 2 * 31 * 128, no saturation.
             let ones = _mm256_set1_epi16(1);
             (hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones)), hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones)))
+        }
+    }
+    #[inline(always)]
+    fn idot_q5(qs: &[u8], qh: u32, x: &[i8]) -> i32 {
+        use std::arch::x86_64::*;
+        assert!(qs.len() >= 16 && x.len() >= 32);
+        // SAFETY: as above.
+        unsafe {
+            let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+            let mask = _mm_set1_epi8(0x0F);
+            let w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+            // Byte j gets byte j / 8 of qh (shuffles stay within 128-bit lanes, and each lane
+            // holds qh in its first four bytes), then tests its own bit j % 8.
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(qh as i32),
+                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+            );
+            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+            let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+            let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
+            // u8 (at most 31) x i8 pairs -> i16: no saturation.
+            hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_or_si256(w, high), xv), _mm256_set1_epi16(1)))
         }
     }
     #[inline(always)]
@@ -253,12 +287,9 @@ fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
             let (size, qh_at, has_min) = if ty == GgmlType::Q5_0 { (22, 2, false) } else { (24, 4, true) };
             for (b, blk) in row.chunks_exact(size).enumerate() {
                 let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
-                nibbles(&blk[qh_at + 4..qh_at + 20], &mut w, 0);
-                let off = if has_min { 0 } else { 16 };
-                for (j, v) in w.iter_mut().enumerate() {
-                    *v = (*v as i32 | (((qh >> j) & 1) << 4) as i32) as i8 - off;
-                }
-                let isum = idot(&w, &x.q[32 * b..32 * b + 32]) as f32;
+                // Q5_0: sum (q - 16) x = sum q x - 16 sum x, integer and exact either way.
+                let off = if has_min { 0 } else { 16 * x.sum[b] };
+                let isum = (I::idot_q5(&blk[qh_at + 4..qh_at + 20], qh, &x.q[32 * b..32 * b + 32]) - off) as f32;
                 acc += rd16(blk, 0) * x.d[b] * isum;
                 if has_min {
                     acc += rd16(blk, 2) * x.d[b] * x.sum[b] as f32;
