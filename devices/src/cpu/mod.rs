@@ -47,7 +47,15 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
     let xrow = |t: usize| &x[t * x_stride..t * x_stride + k];
     let row_bytes = w.bytes.len() / w.rows.max(1);
     let mut y_t = vec![0.0f32; w.rows * m];
-    if qdot::is_float(w.ty) {
+    if qdot::is_float(w.ty) && m == 1 && qdot::has_fused_float_dot() {
+        // One token: each row is used once, so widen its weights in registers as they are used.
+        y_t.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, o)| {
+            for (dr, v) in o.iter_mut().enumerate() {
+                let r = c * ROWS_PER_TASK + dr;
+                *v = qdot::dot_float_row(w.ty, &w.bytes[r * row_bytes..(r + 1) * row_bytes], xrow(0)).expect("checked above");
+            }
+        });
+    } else if qdot::is_float(w.ty) {
         y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
             let mut wr = vec![0.0f32; k];
             for (dr, orow) in o.chunks_mut(m).enumerate() {

@@ -464,6 +464,59 @@ fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
     (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]) + tail
 }
 
+/// `dot_f32(x, w)` where `w` is `row` (F32, F16 or BF16 bytes, as many values as `x`) widened to
+/// f32: the same arithmetic, so the same bits, but on AVX2 machines each 8 weights are widened
+/// in a register as they are used instead of into a row buffer that is then read again (a
+/// one-token GEMV on float weights is bound by that extra pass). None where the CPU has no
+/// AVX2/F16C, so the caller widens the row itself.
+pub fn dot_float_row(ty: GgmlType, row: &[u8], x: &[f32]) -> Option<f32> {
+    assert!(is_float(ty) && row.len() == x.len() * ty.type_size(), "dot_float_row: {} bytes of {ty:?} for {} values", row.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU reports avx2, fma and f16c; lengths asserted above.
+        return Some(unsafe { dot_float_row_avx2(ty, row, x) });
+    }
+    None
+}
+
+/// Whether `dot_float_row` has its fused form on this CPU.
+pub fn has_fused_float_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        return true;
+    }
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float_row_avx2(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let (n, size) = (x.len(), ty.type_size());
+    let full = n / 8 * 8;
+    let (xp, wp) = (x.as_ptr(), row.as_ptr());
+    // The lanes are dot_f32_impl's eight accumulators: lane j sums x[8i + j] * w[8i + j] in
+    // order, a multiply then an add (no fused multiply-add, as in the scalar code).
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < full {
+        let w = match ty {
+            GgmlType::F32 => _mm256_loadu_ps(wp.add(4 * i) as *const f32),
+            GgmlType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * i) as *const __m128i)),
+            // bf16 is the top half of an f32.
+            _ => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(wp.add(2 * i) as *const __m128i)), 16)),
+        };
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), w));
+        i += 8;
+    }
+    let mut a = [0.0f32; 8];
+    _mm256_storeu_ps(a.as_mut_ptr(), acc);
+    let mut tail_w = [0.0f32; 8];
+    float_row(ty, &row[full * size..], &mut tail_w[..n - full]);
+    let tail: f32 = x[full..].iter().zip(&tail_w[..n - full]).map(|(x, y)| x * y).sum();
+    (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]) + tail
+}
+
 pub fn is_float(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
 }
@@ -528,6 +581,43 @@ mod tests {
             }
         }
         assert_eq!(checked, 8 * 200);
+    }
+
+    /// The fused float-row dot against widening the row and `dot_f32`: every length up to 40
+    /// (every tail) and a long row, random bits (so subnormals, infinities and NaN occur in F16
+    /// and BF16), must give the same bits.
+    #[test]
+    fn fused_float_row_dot_equals_widen_then_dot() {
+        let mut s = 3u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let mut checked = 0;
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+            for n in (0..=40).chain([8192, 8195]) {
+                for _ in 0..20 {
+                    // F32 weights from random halves' values (finite, varied); F16/BF16 from raw bits.
+                    let row: Vec<u8> = match ty {
+                        GgmlType::F32 => (0..n).flat_map(|_| (((next() % 20001) as f32 - 10000.0) / 997.0).to_le_bytes()).collect(),
+                        _ => (0..2 * n).map(|_| next() as u8).collect(),
+                    };
+                    let x: Vec<f32> = (0..n).map(|_| ((next() % 20001) as f32 - 10000.0) / 1013.0).collect();
+                    let mut w = vec![0.0f32; n];
+                    float_row(ty, &row, &mut w);
+                    let want = dot_f32(&x, &w);
+                    match dot_float_row(ty, &row, &x) {
+                        Some(got) => assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{ty:?} n={n}: fused {got} vs {want}"),
+                        None => {
+                            eprintln!("no AVX2/F16C on this CPU: the fused dot does not exist here");
+                            return;
+                        }
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 3 * 43 * 20);
     }
 
     #[cfg(target_arch = "x86_64")]
