@@ -525,13 +525,18 @@ pub fn is_float(ty: GgmlType) -> bool {
 mod tests {
     use super::*;
 
-    #[test]
-    fn avx2_block_dots_equal_the_portable_ones() {
-        let mut s = 1u64;
-        let mut next = || {
+    /// A seeded 64-bit LCG's high bits: the same inputs on every run and machine.
+    fn lcg(seed: u64) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (s >> 33) as u32
-        };
+        }
+    }
+
+    #[test]
+    fn avx2_block_dots_equal_the_portable_ones() {
+        let mut next = lcg(1);
         for _ in 0..500 {
             let qs: Vec<u8> = (0..16).map(|_| next() as u8).collect();
             let a: Vec<i8> = (0..32).map(|_| ((next() % 255) as i32 - 127) as i8).collect();
@@ -561,11 +566,7 @@ mod tests {
             eprintln!("no AVX2 on this CPU: only the portable block dots exist here");
             return;
         }
-        let mut s = 7u64;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 33) as u32
-        };
+        let mut next = lcg(7);
         let k = 2 * QK_K;
         let mut checked = 0;
         for ty in GgmlType::ALL.into_iter().filter(|t| !is_float(*t)) {
@@ -588,11 +589,7 @@ mod tests {
     /// and BF16), must give the same bits.
     #[test]
     fn fused_float_row_dot_equals_widen_then_dot() {
-        let mut s = 3u64;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 33) as u32
-        };
+        let mut next = lcg(3);
         let mut checked = 0;
         for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
             for n in (0..=40).chain([8192, 8195]) {
