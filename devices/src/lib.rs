@@ -248,8 +248,8 @@ impl<T: Clone> KvStore<T> {
 /// Options of a device model run.
 #[derive(Clone, Debug, Default)]
 pub struct ModelOptions {
-    /// Round every cached key and value to f16, as an f16 cache holds them (the `cpu` device
-    /// keeps the rounded values in f32: an f16 cache's numbers, not its memory).
+    /// Keep every cached key and value in f16 (the `cpu` device stores them as f16 and widens
+    /// each row as attention reads it: an f16 cache's numbers and its memory).
     pub kv_f16: bool,
     /// The model file's sha256, when known: external dumps must name the same model.
     pub model_sha256: Option<String>,

@@ -12,7 +12,7 @@ use oracle::registry::{Input, OpCase, Output, Tensor};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuDevice {
-    /// `cpu:kv-f16`: whole models round their cached keys and values to f16 (llama.cpp's default
+    /// `cpu:kv-f16`: whole models store their cached keys and values as f16 (llama.cpp's default
     /// cache type), declared in the models' arithmetic so the budgets allow for it. Ops are
     /// unchanged.
     pub kv_f16: bool,

@@ -52,8 +52,52 @@ pub struct CpuModel {
     pub(crate) output: Option<PackedMat>,
     pub(crate) layers: Vec<Layer>,
     pub(crate) kv_f16: bool,
-    /// Keys and values `[len, n_head_kv * head_dim]` per layer (f16-rounded when `kv_f16`).
-    pub(crate) kv: KvStore<f32>,
+    /// Keys and values `[len, n_head_kv * head_dim]` per layer (f16 when `kv_f16`).
+    pub(crate) kv: KvCache,
+}
+
+/// The KV cache in the format the device declares: f32, or f16 (`cpu:kv-f16`), which holds the
+/// same rounded numbers in half the memory.
+pub(crate) enum KvCache {
+    F32(KvStore<f32>),
+    F16(KvStore<half::f16>),
+}
+
+impl KvCache {
+    fn len(&self) -> usize {
+        match self {
+            KvCache::F32(c) => c.len,
+            KvCache::F16(c) => c.len,
+        }
+    }
+    fn set_len(&mut self, n: usize) {
+        match self {
+            KvCache::F32(c) => c.len = n,
+            KvCache::F16(c) => c.len = n,
+        }
+    }
+    fn reset(&mut self) {
+        match self {
+            KvCache::F32(c) => c.reset(),
+            KvCache::F16(c) => c.reset(),
+        }
+    }
+    /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, f16-rounded
+    /// for an f16 cache) and runs attention over the cache.
+    fn write_and_attend(&mut self, li: usize, start: usize, width: usize, (q, k, v): (&[f32], &[f32], &[f32]), pos: &[usize], cfg: &kernels::AttnCfg) -> Result<Vec<f32>, String> {
+        let kv_len = start + pos.len();
+        match self {
+            KvCache::F32(c) => {
+                c.write(li, start, width, k, v);
+                kernels::attention(q, pos, &c.k[li], &c.v[li], kv_len, cfg)
+            }
+            KvCache::F16(c) => {
+                let half = |x: &[f32]| -> Vec<half::f16> { x.iter().map(|v| half::f16::from_f32(*v)).collect() };
+                c.write(li, start, width, &half(k), &half(v));
+                kernels::attention(q, pos, &c.k[li], &c.v[li], kv_len, cfg)
+            }
+        }
+    }
 }
 
 fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {
@@ -175,7 +219,7 @@ impl CpuModel {
         let output = if spec.tied_output { None } else { Some(l.mat("output.weight", spec.n_vocab, d)?) };
         let output_norm = l.vec("output_norm.weight", d)?;
         let n_layer = spec.n_layer;
-        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_f16: opts.kv_f16, kv: KvStore::new(n_layer) })
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_f16: opts.kv_f16, kv: if opts.kv_f16 { KvCache::F16(KvStore::new(n_layer)) } else { KvCache::F32(KvStore::new(n_layer)) } })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
@@ -242,7 +286,7 @@ impl DeviceModel for CpuModel {
         crate::Arithmetic { activation_q8_block: quantized.then_some(32), kv_cache, ..crate::Arithmetic::F32 }
     }
     fn cached(&self) -> usize {
-        self.kv.len
+        self.kv.len()
     }
     fn reset(&mut self) {
         self.kv.reset();
@@ -254,7 +298,7 @@ impl DeviceModel for CpuModel {
         if m == 0 {
             return Err(err("forward", "no tokens"));
         }
-        let start = self.kv.len;
+        let start = self.kv.len();
         let pos: Vec<usize> = (start..start + m).collect();
         let (d, hd) = (s.n_embd, s.head_dim);
         let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
@@ -298,11 +342,8 @@ impl DeviceModel for CpuModel {
                         record(taps, &name("attn_k_rope"), start, m, kvd, &k);
                     }
                     Stage::Attention => {
-                        let round = |v: &[f32]| -> Vec<f32> { if self.kv_f16 { v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect() } else { v.to_vec() } };
-                        let (kc, vc) = (round(&k), round(&v));
-                        self.kv.write(li, start, kvd, &kc, &vc);
                         let cfg = kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.sliding_window.unwrap_or(0) };
-                        attn = kernels::attention(&q, &pos, &self.kv.k[li], &self.kv.v[li], start + m, &cfg).map_err(|e| err("attention", e))?;
+                        attn = self.kv.write_and_attend(li, start, kvd, (&q, &k, &v), &pos, &cfg).map_err(|e| err("attention", e))?;
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
                     Stage::AttnOutProj => {
@@ -336,7 +377,7 @@ impl DeviceModel for CpuModel {
                 }
             }
         }
-        self.kv.len = start + m;
+        self.kv.set_len(start + m);
         let normed = rms_rows(&x, d, &self.output_norm, s.norm_eps);
         record(taps, "result_norm", start, m, d, &normed);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
