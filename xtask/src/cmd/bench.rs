@@ -10,6 +10,11 @@ use oracle::Precision;
 use serde_json::json;
 use std::path::PathBuf;
 
+/// The defaults of a bench run (the `bench` command's and `gate --suite bench`'s).
+pub const PROMPT_LEN: usize = 32;
+pub const GEN_LEN: usize = 64;
+pub const REPS: usize = 3;
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-f16` (f16 KV cache), `fixed`,
@@ -19,13 +24,13 @@ pub struct BenchArgs {
     #[arg(long, default_value = "smollm2")]
     model: String,
     /// Prompt length in tokens (token ids 1..=N cycled through the vocabulary).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = PROMPT_LEN)]
     prompt_len: usize,
     /// Tokens generated per repetition.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = GEN_LEN)]
     gen_len: usize,
     /// Measured repetitions (after one warm-up).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = REPS)]
     reps: usize,
     /// Where report.json (with every raw sample), report.md and the latency plot go (default target/touchstone/bench-<time>/).
     #[arg(long)]

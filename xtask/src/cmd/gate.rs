@@ -16,10 +16,6 @@ use std::path::PathBuf;
 const DEFAULT_SUITES: [&str; 4] = ["oracle", "kernels", "layers", "tokens"];
 const SUITES: [&str; 5] = ["oracle", "kernels", "layers", "tokens", "bench"];
 
-/// The bench suite's run: the `bench` command's defaults.
-const BENCH_PROMPT_LEN: usize = 32;
-const BENCH_GEN_LEN: usize = 64;
-const BENCH_REPS: usize = 3;
 
 #[derive(clap::Args)]
 pub struct GateArgs {
@@ -80,7 +76,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
                     let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: "isolated".into(), prompt_ids: None, against: None, report_dir: None };
                     super::layerdiff::layer_diff(&args).map(|o| o.report.cases)
                 } else if suite == "bench" {
-                    super::bench::measure(d, m, oracle::Precision::F32, BENCH_PROMPT_LEN, BENCH_GEN_LEN, BENCH_REPS).map(|r| vec![super::bench::case(d, m, &r)])
+                    super::bench::measure(d, m, oracle::Precision::F32, super::bench::PROMPT_LEN, super::bench::GEN_LEN, super::bench::REPS).map(|r| vec![super::bench::case(d, m, &r)])
                 } else {
                     let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: 24, report_dir: None };
                     super::fixedtoken::fixed_token(&args).map(|r| r.map(|r| r.cases).unwrap_or_default())
@@ -94,11 +90,11 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     super::kernels::print_summary(&report);
     if !bench_rows.is_empty() {
         let columns = ["case", "prefill tok/s", "decode tok/s", "TTFT ms", "peak RSS MiB"];
-        outln!("\nthroughput ({BENCH_REPS} repetitions, medians):");
+        outln!("\nthroughput ({} repetitions, medians):", super::bench::REPS);
         for row in &bench_rows {
             outln!("  {:<56} prefill {:>9} tok/s  decode {:>9} tok/s  TTFT {:>8} ms  peak RSS {:>6} MiB", row[0], row[1], row[2], row[3], row[4]);
         }
-        report.add_table("bench_table", &format!("throughput ({BENCH_REPS} repetitions, medians)"), &columns, bench_rows);
+        report.add_table("bench_table", &format!("throughput ({} repetitions, medians)", super::bench::REPS), &columns, bench_rows);
     }
     let dir = super::report_dir(a.report_dir, "gate");
     super::write_report(&mut report, &dir)?;
