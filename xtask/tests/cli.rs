@@ -291,6 +291,17 @@ fn gate_bench_suite_times_each_device_and_model_and_reports_what_it_cannot_run()
         assert_eq!(c["metrics"]["output_hash"].as_str().unwrap().len(), 16, "{c}");
     }
     assert_eq!(r["summary"]["passed"], 3);
+    // The table: one row per case that ran, its figures read back from the case's metrics.
+    let t = &r["bench_table"];
+    assert_eq!(t["columns"].as_array().unwrap().len(), 6, "{t}");
+    let rows = t["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{t}");
+    for row in rows {
+        let case = cases.iter().find(|c| c["id"] == row[0]).unwrap_or_else(|| panic!("no case for {row}"));
+        let decode: f64 = row[2].as_str().unwrap().parse().unwrap();
+        assert!((decode - case["metrics"]["decode_tok_per_s"].as_f64().unwrap()).abs() <= 0.005 + 1e-9, "{row} vs {case}");
+        assert_eq!(row[4].as_str().unwrap().split(" / ").filter_map(|v| v.parse::<f64>().ok()).count(), 3, "ITL p50 / p90 / p99: {row}");
+    }
 }
 
 #[test]

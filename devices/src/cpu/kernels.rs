@@ -126,17 +126,21 @@ pub struct AttnCfg {
 /// row as attention reads it. Widening f16 is exact, so attention over an f16 cache gives the
 /// same bits as over the same values stored as f32.
 pub trait KvValue: Copy + Send + Sync {
+    /// Whether `as_f32` needs a buffer (false: the row is f32 already).
+    const WIDENS: bool;
     /// `row` as f32: itself, or widened into `buf` (at least `row.len()` long).
     fn as_f32<'a>(row: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
 }
 
 impl KvValue for f32 {
+    const WIDENS: bool = false;
     fn as_f32<'a>(row: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
         row
     }
 }
 
 impl KvValue for half::f16 {
+    const WIDENS: bool = true;
     fn as_f32<'a>(row: &'a [half::f16], buf: &'a mut [f32]) -> &'a [f32] {
         use half::slice::HalfFloatSliceExt;
         row.convert_to_f32_slice(&mut buf[..row.len()]);
@@ -158,7 +162,7 @@ pub fn attention<T: KvValue>(q: &[f32], pos: &[usize], k: &[T], v: &[T], kv_len:
         let p = pos[t];
         let first = if c.window > 0 { (p + 1).saturating_sub(c.window) } else { 0 };
         let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-        let mut buf = vec![0.0f32; hd];
+        let mut buf = vec![0.0f32; if T::WIDENS { hd } else { 0 }]; // empty: no allocation
         let scores: Vec<f32> = (first..=p).map(|j| dot_f32(qh, T::as_f32(&k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd], &mut buf)) * scale).collect();
         let probs = softmax(&scores);
         for (pj, j) in probs.iter().zip(first..=p) {

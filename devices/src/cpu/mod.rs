@@ -52,7 +52,7 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
         y_t.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, o)| {
             for (dr, v) in o.iter_mut().enumerate() {
                 let r = c * ROWS_PER_TASK + dr;
-                *v = qdot::dot_float_row(w.ty, &w.bytes[r * row_bytes..(r + 1) * row_bytes], xrow(0)).expect("checked above");
+                *v = qdot::dot_float_row(w.ty, &w.bytes[r * row_bytes..(r + 1) * row_bytes], xrow(0));
             }
         });
     } else if qdot::is_float(w.ty) {

@@ -158,6 +158,20 @@ pub fn case(device: &str, model: &str, m: &Measured) -> reports::Case {
     }
 }
 
+/// The figure columns of a bench table, as `table_row` fills them.
+pub const TABLE_COLUMNS: [&str; 5] = ["prefill tok/s", "decode tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "peak RSS MiB"];
+
+/// A bench case's figures (medians over its repetitions) in `TABLE_COLUMNS` order, read from the
+/// metrics `case` wrote; "-" where one is absent (e.g. no peak RSS on this OS).
+pub fn table_row(c: &reports::Case) -> Vec<String> {
+    let num = |key: &str, digits: usize, scale: f64| c.metrics.get(key).and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{:.*}", digits, v * scale));
+    let itl = match c.metrics.get("itl_p50_p90_p99_ms").and_then(|v| v.as_array()).map(|a| a.iter().filter_map(|x| x.as_f64()).collect::<Vec<_>>()) {
+        Some(p) if p.len() == 3 => format!("{:.2} / {:.2} / {:.2}", p[0], p[1], p[2]),
+        _ => "-".into(),
+    };
+    vec![num("prefill_tok_per_s", 1, 1.0), num("decode_tok_per_s", 2, 1.0), num("ttft_ms", 1, 1.0), itl, num("peak_rss_kb", 0, 1.0 / 1024.0)]
+}
+
 /// The kernels of the prefill and of the decode steps of one greedy generation (GPU devices).
 struct DecodeKernels {
     /// Launches of the prefill (a generation of one token).
@@ -212,23 +226,12 @@ fn write_report(a: &BenchArgs, m: Measured) -> Result<u8, Exit> {
     if let Some(why) = &case.message {
         outln!("FAIL: {why}");
     }
+    let mut row = table_row(&case);
     let Measured { r, kernels, .. } = m;
-    let med = suites::throughput::median;
+    row.push(r.reps.to_string());
     let mut report = reports::Report::new("bench", reports::Provenance::collect(r.threads), vec![case]);
-    let [p50, p90, p99] = r.itl_p50_p90_p99_ms;
-    report.add_table(
-        "bench_table",
-        &format!("{} on {} ({} threads)", a.device, a.model, r.threads),
-        &["prefill tok/s", "decode tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "peak RSS MiB", "reps"],
-        vec![vec![
-            format!("{:.1}", med(&r.prefill_tok_per_s)),
-            format!("{:.2}", med(&r.decode_tok_per_s)),
-            format!("{:.1}", med(&r.ttft_ms)),
-            format!("{p50:.2} / {p90:.2} / {p99:.2}"),
-            r.peak_rss_kb.map_or("-".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
-            r.reps.to_string(),
-        ]],
-    );
+    let columns: Vec<&str> = TABLE_COLUMNS.iter().copied().chain(["reps"]).collect();
+    report.add_table("bench_table", &format!("{} on {} ({} threads)", a.device, a.model, r.threads), &columns, vec![row]);
     let series = r
         .itl_ms
         .iter()

@@ -89,10 +89,10 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     let mut report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
     super::kernels::print_summary(&report);
     if !bench_rows.is_empty() {
-        let columns = ["case", "prefill tok/s", "decode tok/s", "TTFT ms", "peak RSS MiB"];
+        let columns: Vec<&str> = std::iter::once("case").chain(super::bench::TABLE_COLUMNS).collect();
         outln!("\nthroughput ({} repetitions, medians):", super::bench::REPS);
         for row in &bench_rows {
-            outln!("  {:<56} prefill {:>9} tok/s  decode {:>9} tok/s  TTFT {:>8} ms  peak RSS {:>6} MiB", row[0], row[1], row[2], row[3], row[4]);
+            outln!("  {:<56} prefill {:>9} tok/s  decode {:>9} tok/s  TTFT {:>8} ms  ITL p50/p90/p99 {} ms  peak RSS {:>6} MiB", row[0], row[1], row[2], row[3], row[4], row[5]);
         }
         report.add_table("bench_table", &format!("throughput ({} repetitions, medians)", super::bench::REPS), &columns, bench_rows);
     }
@@ -117,13 +117,8 @@ fn could_not_run(suite: &str, device: &str, model: &str, e: Exit) -> reports::Ca
     }
 }
 
-/// The bench suite's figures, one row per bench case that ran (case id, prefill tok/s, decode
-/// tok/s, TTFT ms, peak RSS MiB).
+/// The bench suite's figures, one row per bench case that ran: the case id, then
+/// `bench::TABLE_COLUMNS`.
 fn bench_table(cases: &[reports::Case]) -> Vec<Vec<String>> {
-    let num = |c: &reports::Case, key: &str, digits: usize, scale: f64| c.metrics.get(key).and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{:.*}", digits, v * scale));
-    cases
-        .iter()
-        .filter(|c| c.id.starts_with("bench(device="))
-        .map(|c| vec![c.id.clone(), num(c, "prefill_tok_per_s", 1, 1.0), num(c, "decode_tok_per_s", 2, 1.0), num(c, "ttft_ms", 1, 1.0), num(c, "peak_rss_kb", 0, 1.0 / 1024.0)])
-        .collect()
+    cases.iter().filter(|c| c.id.starts_with("bench(device=")).map(|c| std::iter::once(c.id.clone()).chain(super::bench::table_row(c)).collect()).collect()
 }
