@@ -358,7 +358,8 @@ fn suites_count(filter: &str) -> usize {
 
 /// llama.cpp (through the PyPI `llama-cpp-python` bindings, when installed) on the same Q4_1 GGUF:
 /// its CPU path also multiplies Q4_1 weights with Q8 activations, so the `cpu` device should
-/// produce the same greedy tokens. Skips, saying so, when the bindings are absent.
+/// produce the same greedy tokens up to a first difference at a near tie of the oracle's logits.
+/// Skips, saying so, when the bindings are absent.
 #[test]
 fn cpu_device_greedy_matches_llama_cpp_when_available() {
     let probe = Command::new("python3").args(["-c", "import llama_cpp"]).output();
@@ -378,5 +379,30 @@ fn cpu_device_greedy_matches_llama_cpp_when_available() {
     let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
     let ours: Vec<u64> = v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
     eprintln!("llama.cpp {theirs:?}\ncpu       {ours:?}");
-    assert_eq!(ours, theirs);
+    assert_eq!(ours.len(), theirs.len(), "both generate 8 tokens");
+    // Both engines round activations to Q8 blocks but sum in different orders, so where the
+    // oracle's two best tokens are closer than such an engine's logit error, either may win; after
+    // that first difference the sequences continue from different prefixes and say nothing more.
+    // The error is measured here: the `cpu` device's RMS logit error against the oracle at that
+    // position. Any other difference fails.
+    let Some(k) = ours.iter().zip(&theirs).position(|(a, b)| a != b) else { return };
+    let mut ids: Vec<String> = PROMPT_IDS.split(',').map(str::to_string).collect();
+    ids.extend(ours[..k].iter().map(u64::to_string));
+    let last_logits = |device: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let o = xtask(&["dump", "--model", "smollm2", "--device", device, "--prompt-ids", &ids.join(","), "--out", dir.path().to_str().unwrap()], &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (shape, logits) = read_logits(dir.path());
+        logits[(shape[0] - 1) * shape[1]..].to_vec()
+    };
+    let (oracle_logits, cpu_logits) = (last_logits("ref"), last_logits("cpu"));
+    let cpu_rms = (oracle_logits.iter().zip(&cpu_logits).map(|(r, c)| f64::from(r - c).powi(2)).sum::<f64>() / oracle_logits.len() as f64).sqrt();
+    let top2 = oracle::ops::top_k(&oracle_logits, 2);
+    let (a, b) = (ours[k] as usize, theirs[k] as usize);
+    let margin = f64::from((oracle_logits[a] - oracle_logits[b]).abs());
+    eprintln!("first difference at generated token {k}: cpu {a}, llama.cpp {b}; oracle top-2 {top2:?}, oracle logit margin {margin:.4}, cpu RMS logit error {cpu_rms:.4}");
+    assert!(
+        top2.contains(&a) && top2.contains(&b) && margin <= 2.0 * cpu_rms,
+        "cpu and llama.cpp differ at generated token {k} where the oracle sees no near tie (margin {margin:.4} > 2 x {cpu_rms:.4})"
+    );
 }

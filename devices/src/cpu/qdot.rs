@@ -41,111 +41,181 @@ fn rd16(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-#[inline(always)]
-fn idot(a: &[i8], b: &[i8]) -> i32 {
-    a.iter().zip(b).map(|(x, y)| *x as i32 * *y as i32).sum()
-}
-
-/// The integer block dots, in a portable form and (x86-64) an AVX2 form. `dot_row_impl` is
-/// generic over this, so the AVX2 copy is monomorphised inside the `avx2` target-feature function.
+/// The block dots, in a portable form and (x86-64) an AVX2 form. A 32-value block's integer dot
+/// with the Q8_0 activations is kept as eight i32 lanes (lane `i` sums elements `4i..4i + 4`),
+/// each block adds its lanes times its f32 scale into eight f32 accumulators (one FMA per lane),
+/// and the row ends with one horizontal sum in a fixed tree. The two forms do the same integer
+/// and f32 operations lane for lane, so they give the same bits. `dot_row_impl` is generic over
+/// this, so the AVX2 copy is monomorphised inside the `avx2` target-feature function.
 trait BlockDot {
-    /// sum_j nibble_j * x_j for a 16-byte nibble block (low nibbles = elements 0..16, high = 16..32).
-    fn idot_nibbles(qs: &[u8], x: &[i8], scratch: &mut [i8; 32]) -> i32;
-    /// sum_j a_j * b_j for two 32-value i8 blocks; `b` (quantized activations) is within -127..=127.
-    fn idot_i8(a: &[i8], b: &[i8]) -> i32;
+    /// Eight i32 lane sums of one block.
+    type I: Copy;
+    /// Eight f32 accumulators.
+    type F: Copy;
+    fn zero() -> Self::F;
+    /// `acc + lanes * s`, one rounding per lane.
+    fn fma(acc: Self::F, lanes: Self::I, s: f32) -> Self::F;
+    /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+    fn hsum(acc: Self::F) -> f32;
+    /// A 16-byte nibble block (element `j < 16`: low nibble of byte `j`; `16 + j`: its high
+    /// nibble), plus 16 on element `j` where bit `j` of `qh` is set (Q5 types; 0 for Q4), minus
+    /// `offset`, dotted with `x` (32 values within -127..=127, as the Q8_0 quantizer makes them).
+    fn nibbles(qs: &[u8], qh: u32, offset: i8, x: &[i8]) -> Self::I;
+    /// Two 32-value i8 blocks (`a` within -127..=127 too: Q8_0 weights).
+    fn i8s(a: &[i8], x: &[i8]) -> Self::I;
     /// A Q4_K/Q5_K chunk: 32 bytes `qs` hold sub-block `2c` in their low nibbles and `2c + 1` in
     /// their high nibbles; Q5_K adds 16 to value `l` of sub-block `s` where bit `s` of `qh[l]` is
-    /// set (Q4_K passes an empty `qh`). Returns both sub-blocks' dots with `x` (64 values: 32 per
-    /// sub-block).
-    fn idot_k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (i32, i32);
-    /// A Q5_0/Q5_1 block: the 16 bytes of nibbles as in `idot_nibbles`, plus 16 on element `j`
-    /// where bit `j` of `qh` is set (values 0..=31), dotted with `x`.
-    fn idot_q5(qs: &[u8], qh: u32, x: &[i8]) -> i32;
-    /// A Q6_K sub-block: 32 values within -32..=31 dotted with `x`, its two 16-value halves
-    /// apart (each half has its own scale).
-    fn idot_halves(q: &[i8], x: &[i8]) -> (i32, i32);
+    /// set (Q4_K passes an empty `qh`). Both sub-blocks' lanes with `x` (64 values: 32 each).
+    fn k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (Self::I, Self::I);
+    /// A Q6_K sub-block: 32 values within -32..=31 dotted with `x`, lanes 0..4 (the first 16
+    /// values) times the integer scale `lo`, lanes 4..8 times `hi`.
+    fn q6(q: &[i8], x: &[i8], lo: i32, hi: i32) -> Self::I;
+    /// The little-endian f16 at `b[at..at + 2]`, widened (exact).
+    #[inline(always)]
+    fn f16(b: &[u8], at: usize) -> f32 {
+        rd16(b, at)
+    }
+    #[cfg(test)]
+    fn lanes(l: Self::I) -> [i32; 8];
 }
 
 struct Portable;
 
+/// Lane `i` = sum of `w[e] * x[e]` over elements `4i..4i + 4`.
+#[inline(always)]
+fn lanes_of(w: &[i8; 32], x: &[i8]) -> [i32; 8] {
+    let mut l = [0i32; 8];
+    for (e, (a, b)) in w.iter().zip(x).enumerate() {
+        l[e / 4] += *a as i32 * *b as i32;
+    }
+    l
+}
+
 impl BlockDot for Portable {
+    type I = [i32; 8];
+    type F = [f32; 8];
     #[inline(always)]
-    fn idot_nibbles(qs: &[u8], x: &[i8], scratch: &mut [i8; 32]) -> i32 {
-        nibbles(qs, scratch, 0);
-        idot(scratch, x)
+    fn zero() -> [f32; 8] {
+        [0.0; 8]
     }
     #[inline(always)]
-    fn idot_i8(a: &[i8], b: &[i8]) -> i32 {
-        idot(a, b)
+    fn fma(acc: [f32; 8], lanes: [i32; 8], s: f32) -> [f32; 8] {
+        std::array::from_fn(|i| (lanes[i] as f32).mul_add(s, acc[i]))
     }
     #[inline(always)]
-    fn idot_k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (i32, i32) {
-        let (mut lo, mut hi) = (0i32, 0i32);
-        for l in 0..32 {
-            let (mut a, mut b) = ((qs[l] & 0x0F) as i32, (qs[l] >> 4) as i32);
-            if !qh.is_empty() {
-                a += (((qh[l] >> (2 * c)) & 1) as i32) << 4;
-                b += (((qh[l] >> (2 * c + 1)) & 1) as i32) << 4;
-            }
-            lo += a * x[l] as i32;
-            hi += b * x[32 + l] as i32;
-        }
-        (lo, hi)
+    fn hsum(a: [f32; 8]) -> f32 {
+        ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
     }
     #[inline(always)]
-    fn idot_q5(qs: &[u8], qh: u32, x: &[i8]) -> i32 {
+    fn nibbles(qs: &[u8], qh: u32, offset: i8, x: &[i8]) -> [i32; 8] {
         let mut w = [0i8; 32];
         nibbles(qs, &mut w, 0);
         for (j, v) in w.iter_mut().enumerate() {
-            *v |= (((qh >> j) & 1) << 4) as i8;
+            *v = (*v | (((qh >> j) & 1) << 4) as i8) - offset;
         }
-        idot(&w, x)
+        lanes_of(&w, x)
     }
     #[inline(always)]
-    fn idot_halves(q: &[i8], x: &[i8]) -> (i32, i32) {
-        (idot(&q[..16], &x[..16]), idot(&q[16..32], &x[16..32]))
+    fn i8s(a: &[i8], x: &[i8]) -> [i32; 8] {
+        lanes_of(a[..32].try_into().expect("32 values"), x)
+    }
+    #[inline(always)]
+    fn k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> ([i32; 8], [i32; 8]) {
+        let (mut lo, mut hi) = ([0i8; 32], [0i8; 32]);
+        for l in 0..32 {
+            let (mut a, mut b) = (qs[l] & 0x0F, qs[l] >> 4);
+            if !qh.is_empty() {
+                a |= ((qh[l] >> (2 * c)) & 1) << 4;
+                b |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+            }
+            (lo[l], hi[l]) = (a as i8, b as i8);
+        }
+        (lanes_of(&lo, &x[..32]), lanes_of(&hi, &x[32..64]))
+    }
+    #[inline(always)]
+    fn q6(q: &[i8], x: &[i8], lo: i32, hi: i32) -> [i32; 8] {
+        let l = lanes_of(q[..32].try_into().expect("32 values"), x);
+        std::array::from_fn(|i| l[i] * if i < 4 { lo } else { hi })
+    }
+    #[cfg(test)]
+    fn lanes(l: [i32; 8]) -> [i32; 8] {
+        l
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 struct Avx2;
 
+// SAFETY (every `unsafe` block of this impl): only reached from `dot_row_avx2`, which runs after
+// the AVX2/FMA check; each method asserts the lengths it reads.
 #[cfg(target_arch = "x86_64")]
 impl BlockDot for Avx2 {
+    type I = std::arch::x86_64::__m256i;
+    type F = std::arch::x86_64::__m256;
     #[inline(always)]
-    fn idot_nibbles(qs: &[u8], x: &[i8], _: &mut [i8; 32]) -> i32 {
+    fn zero() -> Self::F {
+        unsafe { std::arch::x86_64::_mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    fn fma(acc: Self::F, lanes: Self::I, s: f32) -> Self::F {
+        use std::arch::x86_64::*;
+        unsafe { _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s), acc) }
+    }
+    #[inline(always)]
+    fn hsum(acc: Self::F) -> f32 {
+        use std::arch::x86_64::*;
+        unsafe {
+            // (l0 + l4, l1 + l5, l2 + l6, l3 + l7), then (.. + (l2 + l6), .. + (l3 + l7)), then the two.
+            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 0b01)))
+        }
+    }
+    #[inline(always)]
+    fn nibbles(qs: &[u8], qh: u32, offset: i8, x: &[i8]) -> Self::I {
         use std::arch::x86_64::*;
         assert!(qs.len() >= 16 && x.len() >= 32);
-        // SAFETY: only reached from `dot_row_avx2`, which runs after the AVX2 check; lengths asserted.
         unsafe {
             let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
             let mask = _mm_set1_epi8(0x0F);
-            let lo = _mm_and_si128(raw, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-            let w = _mm256_set_m128i(hi, lo);
+            let mut w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+            if qh != 0 {
+                // Byte j gets byte j / 8 of qh (shuffles stay within 128-bit lanes, and each lane
+                // holds qh in its first four bytes), then tests its own bit j % 8.
+                let spread = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32(qh as i32),
+                    _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                );
+                let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+                w = _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16)));
+            }
             let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            // u8 x i8 pairs -> i16: at most 2 * 15 * 128, no saturation.
-            hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1)))
+            let ones = _mm256_set1_epi16(1);
+            if offset == 0 {
+                // u8 (at most 31) x i8 pairs -> i16: at most 2 * 31 * 127, no saturation.
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones)
+            } else {
+                // |w - offset| <= 16 as u8 times x with w's sign: no saturation.
+                let ws = _mm256_sub_epi8(w, _mm256_set1_epi8(offset));
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xv, ws)), ones)
+            }
         }
     }
     #[inline(always)]
-    fn idot_i8(a: &[i8], b: &[i8]) -> i32 {
+    fn i8s(a: &[i8], x: &[i8]) -> Self::I {
         use std::arch::x86_64::*;
-        assert!(a.len() >= 32 && b.len() >= 32);
-        // SAFETY: as above.
+        assert!(a.len() >= 32 && x.len() >= 32);
         unsafe {
             let av = _mm256_loadu_si256(a.as_ptr() as *const __m256i);
-            let bv = _mm256_loadu_si256(b.as_ptr() as *const __m256i);
-            // |a| as u8 times b with a's sign: pairs sum to at most 2 * 127 * 128, no saturation.
-            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(av, av), _mm256_sign_epi8(bv, av));
-            hsum_i32(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+            let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
+            // |a| as u8 times x with a's sign: pairs sum to at most 2 * 128 * 127, no saturation.
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(av, av), _mm256_sign_epi8(xv, av)), _mm256_set1_epi16(1))
         }
     }
     #[inline(always)]
-    fn idot_k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (i32, i32) {
+    fn k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (Self::I, Self::I) {
         use std::arch::x86_64::*;
         assert!(qs.len() >= 32 && x.len() >= 64 && c < 4 && (qh.is_empty() || qh.len() >= 32));
-        // SAFETY: as above.
         unsafe {
             let raw = _mm256_loadu_si256(qs.as_ptr() as *const __m256i);
             let mask = _mm256_set1_epi8(0x0F);
@@ -160,63 +230,38 @@ impl BlockDot for Avx2 {
             }
             let xl = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
             let xh = _mm256_loadu_si256(x.as_ptr().add(32) as *const __m256i);
-            // u8 (at most 31) x i8 pairs -> i16: at most 2 * 31 * 128, no saturation.
+            // u8 (at most 31) x i8 pairs -> i16: at most 2 * 31 * 127, no saturation.
             let ones = _mm256_set1_epi16(1);
-            (hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones)), hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones)))
+            (_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones))
         }
     }
     #[inline(always)]
-    fn idot_q5(qs: &[u8], qh: u32, x: &[i8]) -> i32 {
-        use std::arch::x86_64::*;
-        assert!(qs.len() >= 16 && x.len() >= 32);
-        // SAFETY: as above.
-        unsafe {
-            let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
-            let mask = _mm_set1_epi8(0x0F);
-            let w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-            // Byte j gets byte j / 8 of qh (shuffles stay within 128-bit lanes, and each lane
-            // holds qh in its first four bytes), then tests its own bit j % 8.
-            let spread = _mm256_shuffle_epi8(
-                _mm256_set1_epi32(qh as i32),
-                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-            );
-            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-            let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-            let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            // u8 (at most 31) x i8 pairs -> i16: no saturation.
-            hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_or_si256(w, high), xv), _mm256_set1_epi16(1)))
-        }
-    }
-    #[inline(always)]
-    fn idot_halves(q: &[i8], x: &[i8]) -> (i32, i32) {
+    fn q6(q: &[i8], x: &[i8], lo: i32, hi: i32) -> Self::I {
         use std::arch::x86_64::*;
         assert!(q.len() >= 32 && x.len() >= 32);
-        // SAFETY: as above.
         unsafe {
             let qv = _mm256_loadu_si256(q.as_ptr() as *const __m256i);
             let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            // |q| <= 32 as u8 times x with q's sign: no saturation. The low 128 bits hold the
-            // first 16 values' sums, the high 128 bits the last 16's.
+            // |q| <= 32 as u8 times x with q's sign: no saturation; lanes 0..4 are the first 16
+            // values, lanes 4..8 the last 16. Times the scales: at most 4 * 32 * 127 * 128.
             let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv)), _mm256_set1_epi16(1));
-            (hsum_i32_128(_mm256_castsi256_si128(p)), hsum_i32_128(_mm256_extracti128_si256(p, 1)))
+            _mm256_mullo_epi32(p, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi))
         }
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn hsum_i32(v: std::arch::x86_64::__m256i) -> i32 {
-    use std::arch::x86_64::*;
-    hsum_i32_128(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn hsum_i32_128(s: std::arch::x86_64::__m128i) -> i32 {
-    use std::arch::x86_64::*;
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-    _mm_cvtsi128_si32(s)
+    #[inline(always)]
+    fn f16(b: &[u8], at: usize) -> f32 {
+        use std::arch::x86_64::*;
+        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+        // One F16C conversion (exact, as `half`'s) without `half`'s per-call feature check.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+    }
+    #[cfg(test)]
+    fn lanes(l: Self::I) -> [i32; 8] {
+        let mut out = [0i32; 8];
+        // SAFETY: an unaligned 32-byte store into a 32-byte array.
+        unsafe { std::arch::x86_64::_mm256_storeu_si256(out.as_mut_ptr() as *mut std::arch::x86_64::__m256i, l) };
+        out
+    }
 }
 
 /// Unpacks 16 bytes of nibbles into 32 values: low nibbles first, then high nibbles.
@@ -267,62 +312,61 @@ fn has_avx2() -> bool {
 
 #[inline(always)]
 fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
-    let mut acc = 0.0f32;
-    let mut w = [0i8; 32];
+    let mut acc = I::zero();
+    // The min/offset terms (scale * block sum of x), summed in block order apart from `acc`.
+    let mut mins = 0.0f32;
+    let xq = |b: usize| &x.q[32 * b..32 * b + 32];
     match ty {
         GgmlType::Q4_0 => {
             for (b, blk) in row.chunks_exact(18).enumerate() {
-                // sum (q - 8) x = sum q x - 8 sum x: integer, exact either way.
-                let isum = I::idot_nibbles(&blk[2..18], &x.q[32 * b..32 * b + 32], &mut w) - 8 * x.sum[b];
-                acc += rd16(blk, 0) * x.d[b] * isum as f32;
+                acc = I::fma(acc, I::nibbles(&blk[2..18], 0, 8, xq(b)), I::f16(blk, 0) * x.d[b]);
             }
         }
         GgmlType::Q4_1 => {
             for (b, blk) in row.chunks_exact(20).enumerate() {
-                let isum = I::idot_nibbles(&blk[4..20], &x.q[32 * b..32 * b + 32], &mut w) as f32;
-                acc += rd16(blk, 0) * x.d[b] * isum + rd16(blk, 2) * x.d[b] * x.sum[b] as f32;
+                acc = I::fma(acc, I::nibbles(&blk[4..20], 0, 0, xq(b)), I::f16(blk, 0) * x.d[b]);
+                mins += I::f16(blk, 2) * x.d[b] * x.sum[b] as f32;
             }
         }
         GgmlType::Q5_0 | GgmlType::Q5_1 => {
             let (size, qh_at, has_min) = if ty == GgmlType::Q5_0 { (22, 2, false) } else { (24, 4, true) };
             for (b, blk) in row.chunks_exact(size).enumerate() {
                 let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
-                // Q5_0: sum (q - 16) x = sum q x - 16 sum x, integer and exact either way.
-                let off = if has_min { 0 } else { 16 * x.sum[b] };
-                let isum = (I::idot_q5(&blk[qh_at + 4..qh_at + 20], qh, &x.q[32 * b..32 * b + 32]) - off) as f32;
-                acc += rd16(blk, 0) * x.d[b] * isum;
+                // Q5_0's values are q - 16; Q5_1's are q (its min is the separate term).
+                let offset = if has_min { 0 } else { 16 };
+                acc = I::fma(acc, I::nibbles(&blk[qh_at + 4..qh_at + 20], qh, offset, xq(b)), I::f16(blk, 0) * x.d[b]);
                 if has_min {
-                    acc += rd16(blk, 2) * x.d[b] * x.sum[b] as f32;
+                    mins += I::f16(blk, 2) * x.d[b] * x.sum[b] as f32;
                 }
             }
         }
         GgmlType::Q8_0 => {
             for (b, blk) in row.chunks_exact(34).enumerate() {
-                let wq: &[i8] = bytemuck_i8(&blk[2..34]);
-                acc += rd16(blk, 0) * x.d[b] * I::idot_i8(wq, &x.q[32 * b..32 * b + 32]) as f32;
+                acc = I::fma(acc, I::i8s(bytemuck_i8(&blk[2..34]), xq(b)), I::f16(blk, 0) * x.d[b]);
             }
         }
         GgmlType::Q4_K | GgmlType::Q5_K => {
             let five = ty == GgmlType::Q5_K;
             let size = ty.type_size();
             for (kb, blk) in row.chunks_exact(size).enumerate() {
-                let (d, dmin) = (rd16(blk, 0), rd16(blk, 2));
+                let (d, dmin) = (I::f16(blk, 0), I::f16(blk, 2));
                 let scales = &blk[4..16];
                 let (qh, qs) = if five { (&blk[16..48], &blk[48..176]) } else { (&blk[0..0], &blk[16..144]) };
                 for c in 0..4 {
                     let b0 = kb * (QK_K / 32) + 2 * c;
-                    let sums = I::idot_k_chunk(&qs[32 * c..32 * c + 32], qh, c, &x.q[32 * b0..32 * b0 + 64]);
-                    for (half, isum) in [sums.0, sums.1].into_iter().enumerate() {
+                    let lanes = I::k_chunk(&qs[32 * c..32 * c + 32], qh, c, &x.q[32 * b0..32 * b0 + 64]);
+                    for (half, l) in [lanes.0, lanes.1].into_iter().enumerate() {
                         let (sub, b) = (2 * c + half, b0 + half);
                         let (sc, m) = k_scale_min(sub, scales);
-                        acc += d * sc as f32 * x.d[b] * isum as f32 - dmin * m as f32 * x.d[b] * x.sum[b] as f32;
+                        acc = I::fma(acc, l, d * sc as f32 * x.d[b]);
+                        mins -= dmin * m as f32 * x.d[b] * x.sum[b] as f32;
                     }
                 }
             }
         }
         GgmlType::Q6_K => {
             for (kb, blk) in row.chunks_exact(210).enumerate() {
-                let d = rd16(blk, 208);
+                let d = I::f16(blk, 208);
                 let mut q = [0i8; QK_K];
                 for half in 0..2 {
                     let (ql, qh) = (&blk[64 * half..64 * half + 64], &blk[128 + 32 * half..128 + 32 * half + 32]);
@@ -337,16 +381,14 @@ fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
                 let sc = &blk[192..208];
                 for sub in 0..8 {
                     let b = kb * 8 + sub;
-                    let (lo, hi) = I::idot_halves(&q[32 * sub..32 * sub + 32], &x.q[32 * b..32 * b + 32]);
-                    let lo = lo as f32 * (sc[2 * sub] as i8) as f32;
-                    let hi = hi as f32 * (sc[2 * sub + 1] as i8) as f32;
-                    acc += d * x.d[b] * (lo + hi);
+                    let l = I::q6(&q[32 * sub..32 * sub + 32], xq(b), (sc[2 * sub] as i8) as i32, (sc[2 * sub + 1] as i8) as i32);
+                    acc = I::fma(acc, l, d * x.d[b]);
                 }
             }
         }
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("float weights use the f32 path"),
     }
-    acc
+    I::hsum(acc) + mins
 }
 
 fn bytemuck_i8(b: &[u8]) -> &[i8] {
@@ -537,30 +579,76 @@ mod tests {
         }
     }
 
+    /// Every block form's lanes, for the inputs of one test round.
+    struct Block {
+        qs: Vec<u8>,
+        qh_k: Vec<u8>,
+        qh: u32,
+        a: Vec<i8>,
+        x: Vec<i8>,
+        q6: Vec<i8>,
+        scales: (i32, i32),
+    }
+
+    #[inline(always)]
+    fn all_lanes<I: BlockDot>(t: &Block) -> Vec<[i32; 8]> {
+        let mut out = vec![I::lanes(I::nibbles(&t.qs, 0, 8, &t.x)), I::lanes(I::nibbles(&t.qs, 0, 0, &t.x)), I::lanes(I::nibbles(&t.qs, t.qh, 16, &t.x))];
+        out.push(I::lanes(I::nibbles(&t.qs, t.qh, 0, &t.x)));
+        out.push(I::lanes(I::i8s(&t.a, &t.x)));
+        for c in 0..4 {
+            for qh in [&t.qh_k[..0], &t.qh_k[..]] {
+                let (lo, hi) = I::k_chunk(&t.qs, qh, c, &t.x);
+                out.extend([I::lanes(lo), I::lanes(hi)]);
+            }
+        }
+        out.push(I::lanes(I::q6(&t.q6, &t.x, t.scales.0, t.scales.1)));
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn all_lanes_avx2(t: &Block) -> Vec<[i32; 8]> {
+        all_lanes::<Avx2>(t)
+    }
+
+    /// Each block form's eight lanes, AVX2 against portable (random blocks: every nibble, high
+    /// bit and sign), and the portable Q5_0 lanes against their definition.
     #[test]
-    fn avx2_block_dots_equal_the_portable_ones() {
+    fn avx2_block_lanes_equal_the_portable_ones() {
         let mut next = lcg(1);
-        for _ in 0..500 {
-            let qs: Vec<u8> = (0..16).map(|_| next() as u8).collect();
-            let a: Vec<i8> = (0..32).map(|_| ((next() % 255) as i32 - 127) as i8).collect();
-            // Activations come from the Q8_0 quantizer: always within -127..=127.
-            let x: Vec<i8> = (0..32).map(|_| ((next() % 255) as i32 - 127) as i8).collect();
-            let mut sc = [0i8; 32];
-            let want_n = Portable::idot_nibbles(&qs, &x, &mut sc);
-            let want_i = Portable::idot_i8(&a, &x);
+        // Activations (and Q8_0 weights) come from the Q8_0 quantizer: always within -127..=127.
+        let mut i8s = |n: usize, lo: i32, hi: i32| -> Vec<i8> { (0..n).map(|_| (lo + (next() % (hi - lo + 1) as u32) as i32) as i8).collect() };
+        let mut compared = 0;
+        for round in 0..500 {
+            let bytes: Vec<u8> = i8s(64, -128, 127).into_iter().map(|v| v as u8).collect();
+            let t = Block {
+                qs: bytes[..32].to_vec(),
+                qh_k: bytes[32..].to_vec(),
+                qh: u32::from_le_bytes([bytes[0], bytes[9], bytes[20], bytes[33]]) ^ (round as u32).wrapping_mul(2654435761),
+                a: i8s(32, -127, 127),
+                x: i8s(64, -127, 127),
+                q6: i8s(32, -32, 31),
+                scales: (i8s(1, -128, 127)[0] as i32, i8s(1, -128, 127)[0] as i32),
+            };
+            let want = all_lanes::<Portable>(&t);
+            let q5: Vec<i32> = (0..32).map(|j| ((if j < 16 { t.qs[j] & 15 } else { t.qs[j - 16] >> 4 }) as i32 | (((t.qh >> j) & 1) << 4) as i32) - 16).collect();
+            let by_definition: [i32; 8] = std::array::from_fn(|i| (4 * i..4 * i + 4).map(|e| q5[e] * t.x[e] as i32).sum());
+            assert_eq!(want[2], by_definition);
             #[cfg(target_arch = "x86_64")]
             if has_avx2() {
-                // SAFETY: the CPU reports AVX2 (checked just above).
-                let (got_n, got_i) = unsafe { avx2_pair(&qs, &a, &x) };
-                assert_eq!((got_n, got_i), (want_n, want_i));
+                // SAFETY: the CPU reports AVX2, FMA and F16C (checked just above).
+                assert_eq!(unsafe { all_lanes_avx2(&t) }, want, "round {round}");
+                compared += 1;
             }
-            assert_eq!(want_n, (0..16).map(|j| (qs[j] & 15) as i32 * x[j] as i32 + (qs[j] >> 4) as i32 * x[j + 16] as i32).sum::<i32>());
+        }
+        if compared == 0 {
+            eprintln!("no AVX2 on this CPU: only the portable lanes were checked (against their definition)");
         }
     }
 
     /// Whole rows of every quantized type (random bytes, so every nibble, high bit and 6-bit
     /// scale pattern occurs; scales that decode to NaN count as equal to NaN) through the AVX2
-    /// copy and the portable one: the integer sums are exact and the f32 epilogue is shared, so
+    /// copy and the portable one: both do the same integer and f32 operations lane for lane, so
     /// the results must be the same bits.
     #[test]
     fn avx2_rows_equal_the_portable_rows_for_every_quantized_type() {
@@ -617,12 +705,5 @@ mod tests {
             }
         }
         assert_eq!(checked, 3 * 43 * 20);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn avx2_pair(qs: &[u8], a: &[i8], x: &[i8]) -> (i32, i32) {
-        let mut sc = [0i8; 32];
-        (Avx2::idot_nibbles(qs, x, &mut sc), Avx2::idot_i8(a, x))
     }
 }
