@@ -396,7 +396,7 @@ fn cpu_device_greedy_matches_llama_cpp_when_available() {
         logits[(shape[0] - 1) * shape[1]..].to_vec()
     };
     let (oracle_logits, cpu_logits) = (last_logits("ref"), last_logits("cpu"));
-    let cpu_rms = (oracle_logits.iter().zip(&cpu_logits).map(|(r, c)| f64::from(r - c).powi(2)).sum::<f64>() / oracle_logits.len() as f64).sqrt();
+    let cpu_rms = suites::layerdiff::err_stats(&cpu_logits, &oracle_logits, oracle_logits.len()).rms_err;
     let top2 = oracle::ops::top_k(&oracle_logits, 2);
     let (a, b) = (ours[k] as usize, theirs[k] as usize);
     let margin = f64::from((oracle_logits[a] - oracle_logits[b]).abs());

@@ -592,9 +592,13 @@ mod tests {
 
     #[inline(always)]
     fn all_lanes<I: BlockDot>(t: &Block) -> Vec<[i32; 8]> {
-        let mut out = vec![I::lanes(I::nibbles(&t.qs, 0, 8, &t.x)), I::lanes(I::nibbles(&t.qs, 0, 0, &t.x)), I::lanes(I::nibbles(&t.qs, t.qh, 16, &t.x))];
-        out.push(I::lanes(I::nibbles(&t.qs, t.qh, 0, &t.x)));
-        out.push(I::lanes(I::i8s(&t.a, &t.x)));
+        let mut out = vec![
+            I::lanes(I::nibbles(&t.qs, 0, 8, &t.x)),
+            I::lanes(I::nibbles(&t.qs, 0, 0, &t.x)),
+            I::lanes(I::nibbles(&t.qs, t.qh, 16, &t.x)),
+            I::lanes(I::nibbles(&t.qs, t.qh, 0, &t.x)),
+            I::lanes(I::i8s(&t.a, &t.x)),
+        ];
         for c in 0..4 {
             for qh in [&t.qh_k[..0], &t.qh_k[..]] {
                 let (lo, hi) = I::k_chunk(&t.qs, qh, c, &t.x);
