@@ -512,6 +512,17 @@ impl crate::DeviceModel for FixedModel {
         self.kv.reset();
     }
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps, true)
+    }
+    fn forward_last(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps, false)
+    }
+}
+
+impl FixedModel {
+    /// One step over `tokens`; logits of every token (`all_logits`) or of the last one only (the
+    /// output norm and head then run on that row alone; both are row by row).
+    fn run(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
         let s = self.spec.clone();
         let m = tokens.len();
         if m == 0 {
@@ -576,10 +587,11 @@ impl crate::DeviceModel for FixedModel {
             tap_q(taps, &name("l_out"), start, m, d, &x);
         }
         self.kv.len = start + m;
-        let normed = rms_norm_q(&x, d, &self.output_norm, s.norm_eps);
-        tap_q(taps, "result_norm", start, m, d, &normed);
-        let logits = matmul_q(&normed, m, &self.head);
-        tap_q(taps, "result_output", start, m, s.n_vocab, &logits);
+        let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
+        let normed = rms_norm_q(&x[row0 * d..], d, &self.output_norm, s.norm_eps);
+        tap_q(taps, "result_norm", start + row0, rows, d, &normed);
+        let logits = matmul_q(&normed, rows, &self.head);
+        tap_q(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
         Ok(logits.iter().map(|v| from_q(*v, ACT)).collect())
     }
 }

@@ -262,6 +262,16 @@ pub trait DeviceModel: Send {
     fn arithmetic(&self) -> Arithmetic;
     /// Runs `tokens` at positions `cached()..`, appends to the cache, returns logits `[tokens, n_vocab]`.
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError>;
+    /// [`DeviceModel::forward`] returning the logits of the last token only (`[n_vocab]`): what
+    /// generation needs. Devices that can skip the output head for the other positions do, as
+    /// llama.cpp computes logits only for the positions a batch asks for (so prefill speeds
+    /// compare); the row holds the bits `forward` gives it. This default runs `forward` and keeps
+    /// its last row.
+    fn forward_last(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        let n_vocab = self.spec().n_vocab;
+        let mut logits = self.forward(tokens, taps)?;
+        Ok(logits.split_off(logits.len().saturating_sub(n_vocab)))
+    }
     /// Positions in the cache.
     fn cached(&self) -> usize;
     /// Engines that generate ids themselves (token-only external engines): the greedy ids after

@@ -293,6 +293,17 @@ impl DeviceModel for CpuModel {
     }
 
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps, true)
+    }
+    fn forward_last(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps, false)
+    }
+}
+
+impl CpuModel {
+    /// One step over `tokens`; logits of every token (`all_logits`) or of the last one only (the
+    /// output norm and head then run on that row alone; each row's bits do not depend on `m`).
+    fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
         let s = self.spec.clone();
         let m = tokens.len();
         if m == 0 {
@@ -378,16 +389,15 @@ impl DeviceModel for CpuModel {
             }
         }
         self.kv.set_len(start + m);
-        let normed = rms_rows(&x, d, &self.output_norm, s.norm_eps);
-        record(taps, "result_norm", start, m, d, &normed);
+        let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
+        let normed = rms_rows(&x[row0 * d..], d, &self.output_norm, s.norm_eps);
+        record(taps, "result_norm", start + row0, rows, d, &normed);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let logits = matmul_packed(&normed, m, head.view());
-        record(taps, "result_output", start, m, s.n_vocab, &logits);
+        let logits = matmul_packed(&normed, rows, head.view());
+        record(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
         Ok(logits)
     }
-}
 
-impl CpuModel {
     fn moe(&self, li: usize, h: &[f32], m: usize, taps: &mut dyn Tap, start: usize) -> Result<Vec<f32>, DeviceError> {
         let layer = &self.layers[li];
         let ms = self.spec.moe.as_ref().ok_or_else(|| err("forward", "MoE stage without MoE spec"))?;

@@ -215,7 +215,10 @@ impl GpuModel {
         Ok(out)
     }
 
-    fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, String> {
+    /// One step over `tokens`; logits of every token (`all_logits`) or of the last one only (the
+    /// output head then multiplies that row alone: no other row's logits are computed or
+    /// downloaded; each row's bits do not depend on how many rows the matmul ran).
+    fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, String> {
         let s = self.spec.clone();
         let m = tokens.len();
         if m == 0 {
@@ -359,11 +362,12 @@ impl GpuModel {
             record(taps, "result_norm", &h, start, m, d)?;
         }
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let logits = g.alloc(4 * m * s.n_vocab)?;
-        g.matmul(head, h.ptr, d, m, logits.ptr)?;
-        let out = logits.download_f32(m * s.n_vocab)?;
+        let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
+        let logits = g.alloc(4 * rows * s.n_vocab)?;
+        g.matmul(head, h.at_f32(row0 * d), d, rows, logits.ptr)?;
+        let out = logits.download_f32(rows * s.n_vocab)?;
         if taps.enabled() {
-            taps.record("result_output", start, m, s.n_vocab, &out);
+            taps.record("result_output", start + row0, rows, s.n_vocab, &out);
         }
         Ok(out)
     }
@@ -377,7 +381,10 @@ impl DeviceModel for GpuModel {
         Arithmetic::F32
     }
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
-        self.run(tokens, taps).map_err(|r| self.fail(r))
+        self.run(tokens, taps, true).map_err(|r| self.fail(r))
+    }
+    fn forward_last(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps, false).map_err(|r| self.fail(r))
     }
     fn cached(&self) -> usize {
         self.kv.len

@@ -137,9 +137,8 @@ fn one_run(engine: &mut super::Engine, ids: &[u32], gen_len: usize, cpu: &str) -
 /// Runs `ids` on the device model and picks the greedy next token: (token, milliseconds).
 fn timed_next(m: &mut dyn devices::DeviceModel, ids: &[u32]) -> Result<(u32, f64), Exit> {
     let t = Instant::now();
-    let logits = m.forward(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-    let n_vocab = m.spec().n_vocab;
-    let tok = oracle::ops::argmax(&logits[logits.len() - n_vocab..]) as u32;
+    let logits = m.forward_last(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let tok = oracle::ops::argmax(&logits) as u32;
     Ok((tok, t.elapsed().as_secs_f64() * 1e3))
 }
 

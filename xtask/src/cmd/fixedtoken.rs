@@ -171,14 +171,14 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
             let v = m.spec().n_vocab;
             // Prefill of the prompt, then one decode step per golden token.
             m.reset();
-            m.forward(&seq[..p0], &mut NoTap).map_err(dev_err)?;
+            m.forward_last(&seq[..p0], &mut NoTap).map_err(dev_err)?;
             let mut decode = Vec::with_capacity(n * v);
             for t in &seq[p0..] {
                 decode.extend(m.forward(std::slice::from_ref(t), &mut NoTap).map_err(dev_err)?);
             }
             // Prefill of the prompt, then the golden tokens appended in one batch.
             m.reset();
-            m.forward(&seq[..p0], &mut NoTap).map_err(dev_err)?;
+            m.forward_last(&seq[..p0], &mut NoTap).map_err(dev_err)?;
             let append = m.forward(&seq[p0..], &mut NoTap).map_err(dev_err)?;
             m.reset();
             Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: Some(vec![("decode".into(), p0, decode), ("append".into(), p0, append)]), routing_differs: Vec::new(), followed_oracle: None }, routing))

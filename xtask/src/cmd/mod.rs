@@ -41,12 +41,8 @@ pub fn generate_on_device(
     seed: u64,
     stop: Option<u32>,
 ) -> Result<oracle::generate::Generation, Exit> {
-    let n_vocab = model.spec().n_vocab;
     model.reset();
-    let forward_last = |ids: &[u32]| -> Result<Vec<f32>, Exit> {
-        let logits = model.forward(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
-        Ok(logits[logits.len() - n_vocab..].to_vec())
-    };
+    let forward_last = |ids: &[u32]| -> Result<Vec<f32>, Exit> { model.forward_last(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() }) };
     oracle::generate::generate_with(forward_last, prompt, max_new, sampler, seed, stop)
 }
 
