@@ -21,6 +21,9 @@ pub struct CpuDevice {
 /// Rows of a weight matrix per rayon task.
 const ROWS_PER_TASK: usize = 32;
 
+/// Tokens a packed weight row is dotted with at once in a multi-token matmul.
+const TOKENS_PER_DOT: usize = 4;
+
 fn out(shape: &[usize], data: Vec<f32>) -> Output {
     Output::F32(Tensor { shape: shape.to_vec(), data })
 }
@@ -69,11 +72,25 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
     } else {
         let xq: Vec<qdot::Q8Row> = (0..m).map(|t| qdot::quantize_q8(xrow(t))).collect();
         y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
-            for (dr, orow) in o.chunks_mut(m).enumerate() {
+            let wrow = |dr: usize| {
                 let r = c * ROWS_PER_TASK + dr;
-                let wrow = &w.bytes[r * row_bytes..(r + 1) * row_bytes];
-                for (t, v) in orow.iter_mut().enumerate() {
-                    *v = qdot::dot_row(w.ty, wrow, &xq[t]);
+                &w.bytes[r * row_bytes..(r + 1) * row_bytes]
+            };
+            let n_rows = o.len() / m;
+            // Tokens in groups of TOKENS_PER_DOT (each weight block unpacked once per group),
+            // the group's activations staying in L1 while the task's rows pass; then the rest
+            // one by one. Either way a token's result has the bits of its own `dot_row`.
+            let mut t = 0;
+            while t + TOKENS_PER_DOT <= m {
+                let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t + i]);
+                for dr in 0..n_rows {
+                    o[dr * m + t..dr * m + t + TOKENS_PER_DOT].copy_from_slice(&qdot::dot_rows(w.ty, wrow(dr), xs));
+                }
+                t += TOKENS_PER_DOT;
+            }
+            for t in t..m {
+                for dr in 0..n_rows {
+                    o[dr * m + t] = qdot::dot_row(w.ty, wrow(dr), &xq[t]);
                 }
             }
         });

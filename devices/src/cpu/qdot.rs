@@ -41,17 +41,20 @@ fn rd16(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// The block dots, in a portable form and (x86-64) an AVX2 form. A 32-value block's integer dot
-/// with the Q8_0 activations is kept as eight i32 lanes (lane `i` sums elements `4i..4i + 4`),
-/// each block adds its lanes times its f32 scale into eight f32 accumulators (one FMA per lane),
-/// and the row ends with one horizontal sum in a fixed tree. The two forms do the same integer
-/// and f32 operations lane for lane, so they give the same bits. `dot_row_impl` is generic over
-/// this, so the AVX2 copy is monomorphised inside the `avx2` target-feature function.
+/// The block dots, in a portable form and (x86-64) an AVX2 form. A block's 32 weights are
+/// unpacked once ([`BlockDot::W`]) and then dotted with the Q8_0 activations of one or more
+/// tokens; each dot is kept as eight i32 lanes (lane `i` sums elements `4i..4i + 4`), each block
+/// adds its lanes times its f32 scale into eight f32 accumulators (one FMA per lane), and the row
+/// ends with one horizontal sum in a fixed tree. The two forms do the same integer and f32
+/// operations lane for lane, so they give the same bits. `dot_rows_impl` is generic over this,
+/// so the AVX2 copy is monomorphised inside the `avx2` target-feature function.
 trait BlockDot {
     /// Eight i32 lane sums of one block.
     type I: Copy;
     /// Eight f32 accumulators.
     type F: Copy;
+    /// One block's 32 weights (small integers), ready for [`BlockDot::dot`].
+    type W: Copy;
     fn zero() -> Self::F;
     /// `acc + lanes * s`, one rounding per lane.
     fn fma(acc: Self::F, lanes: Self::I, s: f32) -> Self::F;
@@ -59,18 +62,17 @@ trait BlockDot {
     fn hsum(acc: Self::F) -> f32;
     /// A 16-byte nibble block (element `j < 16`: low nibble of byte `j`; `16 + j`: its high
     /// nibble), plus 16 on element `j` where bit `j` of `qh` is set (Q5 types; 0 for Q4), minus
-    /// `offset`, dotted with `x` (32 values within -127..=127, as the Q8_0 quantizer makes them).
-    fn nibbles(qs: &[u8], qh: u32, offset: i8, x: &[i8]) -> Self::I;
-    /// Two 32-value i8 blocks (`a` within -127..=127 too: Q8_0 weights).
-    fn i8s(a: &[i8], x: &[i8]) -> Self::I;
-    /// A Q4_K/Q5_K chunk: 32 bytes `qs` hold sub-block `2c` in their low nibbles and `2c + 1` in
-    /// their high nibbles; Q5_K adds 16 to value `l` of sub-block `s` where bit `s` of `qh[l]` is
-    /// set (Q4_K passes an empty `qh`). Both sub-blocks' lanes with `x` (64 values: 32 each).
-    fn k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (Self::I, Self::I);
-    /// A Q6_K sub-block: 32 values within -32..=31 dotted with `x`, lanes 0..4 (the first 16
-    /// values) times the integer scale `lo`, lanes 4..8 times `hi`.
-    fn q6(q: &[i8], x: &[i8], lo: i32, hi: i32) -> Self::I;
-    /// The little-endian f16 at `b[at..at + 2]`, widened (exact).
+    /// `offset`.
+    fn nibbles(qs: &[u8], qh: u32, offset: i8) -> Self::W;
+    /// 32 i8 weights (Q8_0's; Q6_K's unpacked values).
+    fn i8s(a: &[i8]) -> Self::W;
+    /// K-quant chunk `c` of 32 bytes: the low nibbles (sub-block `2c`) and the high nibbles
+    /// (`2c + 1`), each plus 16 where its bit of `qh` is set (Q5_K; `qh` empty for Q4_K).
+    fn k_chunk(qs: &[u8], qh: &[u8], c: usize) -> (Self::W, Self::W);
+    /// The lanes of `w` times 32 activations.
+    fn dot(w: Self::W, x: &[i8]) -> Self::I;
+    /// Lanes 0..4 times `lo`, lanes 4..8 times `hi` (Q6_K's two 16-value scales).
+    fn scale_halves(l: Self::I, lo: i32, hi: i32) -> Self::I;
     #[inline(always)]
     fn f16(b: &[u8], at: usize) -> f32 {
         rd16(b, at)
@@ -94,6 +96,7 @@ fn lanes_of(w: &[i8; 32], x: &[i8]) -> [i32; 8] {
 impl BlockDot for Portable {
     type I = [i32; 8];
     type F = [f32; 8];
+    type W = [i8; 32];
     #[inline(always)]
     fn zero() -> [f32; 8] {
         [0.0; 8]
@@ -107,20 +110,20 @@ impl BlockDot for Portable {
         ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
     }
     #[inline(always)]
-    fn nibbles(qs: &[u8], qh: u32, offset: i8, x: &[i8]) -> [i32; 8] {
+    fn nibbles(qs: &[u8], qh: u32, offset: i8) -> [i8; 32] {
         let mut w = [0i8; 32];
         nibbles(qs, &mut w, 0);
         for (j, v) in w.iter_mut().enumerate() {
             *v = (*v | (((qh >> j) & 1) << 4) as i8) - offset;
         }
-        lanes_of(&w, x)
+        w
     }
     #[inline(always)]
-    fn i8s(a: &[i8], x: &[i8]) -> [i32; 8] {
-        lanes_of(a[..32].try_into().expect("32 values"), x)
+    fn i8s(a: &[i8]) -> [i8; 32] {
+        a[..32].try_into().expect("32 values")
     }
     #[inline(always)]
-    fn k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> ([i32; 8], [i32; 8]) {
+    fn k_chunk(qs: &[u8], qh: &[u8], c: usize) -> ([i8; 32], [i8; 32]) {
         let (mut lo, mut hi) = ([0i8; 32], [0i8; 32]);
         for l in 0..32 {
             let (mut a, mut b) = (qs[l] & 0x0F, qs[l] >> 4);
@@ -130,11 +133,14 @@ impl BlockDot for Portable {
             }
             (lo[l], hi[l]) = (a as i8, b as i8);
         }
-        (lanes_of(&lo, &x[..32]), lanes_of(&hi, &x[32..64]))
+        (lo, hi)
     }
     #[inline(always)]
-    fn q6(q: &[i8], x: &[i8], lo: i32, hi: i32) -> [i32; 8] {
-        let l = lanes_of(q[..32].try_into().expect("32 values"), x);
+    fn dot(w: [i8; 32], x: &[i8]) -> [i32; 8] {
+        lanes_of(&w, x)
+    }
+    #[inline(always)]
+    fn scale_halves(l: [i32; 8], lo: i32, hi: i32) -> [i32; 8] {
         std::array::from_fn(|i| l[i] * if i < 4 { lo } else { hi })
     }
     #[cfg(test)]
@@ -146,12 +152,33 @@ impl BlockDot for Portable {
 #[cfg(target_arch = "x86_64")]
 struct Avx2;
 
-// SAFETY (every `unsafe` block of this impl): only reached from `dot_row_avx2`, which runs after
+/// One block's weights for `_mm256_maddubs_epi16` (u8 times i8): their magnitudes, and, where
+/// any may be negative, the weights themselves (whose signs go onto the activations).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Avx2W {
+    mag: std::arch::x86_64::__m256i,
+    signs: Option<std::arch::x86_64::__m256i>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Avx2W {
+    /// Weights that may be negative (`|w| <= 128`: pairs of `|w| * |x|` sum to at most
+    /// 2 * 128 * 127 in an i16, no saturation).
+    #[inline(always)]
+    fn signed(w: std::arch::x86_64::__m256i) -> Avx2W {
+        // SAFETY: only reached from the AVX2 path (see the impl below).
+        Avx2W { mag: unsafe { std::arch::x86_64::_mm256_sign_epi8(w, w) }, signs: Some(w) }
+    }
+}
+
+// SAFETY (every `unsafe` block of this impl): only reached from `dot_rows_avx2`, which runs after
 // the AVX2/FMA check; each method asserts the lengths it reads.
 #[cfg(target_arch = "x86_64")]
 impl BlockDot for Avx2 {
     type I = std::arch::x86_64::__m256i;
     type F = std::arch::x86_64::__m256;
+    type W = Avx2W;
     #[inline(always)]
     fn zero() -> Self::F {
         unsafe { std::arch::x86_64::_mm256_setzero_ps() }
@@ -172,9 +199,9 @@ impl BlockDot for Avx2 {
         }
     }
     #[inline(always)]
-    fn nibbles(qs: &[u8], qh: u32, offset: i8, x: &[i8]) -> Self::I {
+    fn nibbles(qs: &[u8], qh: u32, offset: i8) -> Avx2W {
         use std::arch::x86_64::*;
-        assert!(qs.len() >= 16 && x.len() >= 32);
+        assert!(qs.len() >= 16);
         unsafe {
             let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
             let mask = _mm_set1_epi8(0x0F);
@@ -189,33 +216,25 @@ impl BlockDot for Avx2 {
                 let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
                 w = _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16)));
             }
-            let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            let ones = _mm256_set1_epi16(1);
             if offset == 0 {
-                // u8 (at most 31) x i8 pairs -> i16: at most 2 * 31 * 127, no saturation.
-                _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones)
+                // u8, at most 31.
+                Avx2W { mag: w, signs: None }
             } else {
-                // |w - offset| <= 16 as u8 times x with w's sign: no saturation.
-                let ws = _mm256_sub_epi8(w, _mm256_set1_epi8(offset));
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xv, ws)), ones)
+                // |w - offset| <= 16.
+                Avx2W::signed(_mm256_sub_epi8(w, _mm256_set1_epi8(offset)))
             }
         }
     }
     #[inline(always)]
-    fn i8s(a: &[i8], x: &[i8]) -> Self::I {
+    fn i8s(a: &[i8]) -> Avx2W {
         use std::arch::x86_64::*;
-        assert!(a.len() >= 32 && x.len() >= 32);
-        unsafe {
-            let av = _mm256_loadu_si256(a.as_ptr() as *const __m256i);
-            let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            // |a| as u8 times x with a's sign: pairs sum to at most 2 * 128 * 127, no saturation.
-            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(av, av), _mm256_sign_epi8(xv, av)), _mm256_set1_epi16(1))
-        }
+        assert!(a.len() >= 32);
+        Avx2W::signed(unsafe { _mm256_loadu_si256(a.as_ptr() as *const __m256i) })
     }
     #[inline(always)]
-    fn k_chunk(qs: &[u8], qh: &[u8], c: usize, x: &[i8]) -> (Self::I, Self::I) {
+    fn k_chunk(qs: &[u8], qh: &[u8], c: usize) -> (Avx2W, Avx2W) {
         use std::arch::x86_64::*;
-        assert!(qs.len() >= 32 && x.len() >= 64 && c < 4 && (qh.is_empty() || qh.len() >= 32));
+        assert!(qs.len() >= 32 && c < 4 && (qh.is_empty() || qh.len() >= 32));
         unsafe {
             let raw = _mm256_loadu_si256(qs.as_ptr() as *const __m256i);
             let mask = _mm256_set1_epi8(0x0F);
@@ -228,25 +247,30 @@ impl BlockDot for Avx2 {
                 lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bl), bl), sixteen));
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bh), bh), sixteen));
             }
-            let xl = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            let xh = _mm256_loadu_si256(x.as_ptr().add(32) as *const __m256i);
-            // u8 (at most 31) x i8 pairs -> i16: at most 2 * 31 * 127, no saturation.
-            let ones = _mm256_set1_epi16(1);
-            (_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones))
+            // u8, at most 31.
+            (Avx2W { mag: lo, signs: None }, Avx2W { mag: hi, signs: None })
         }
     }
     #[inline(always)]
-    fn q6(q: &[i8], x: &[i8], lo: i32, hi: i32) -> Self::I {
+    fn dot(w: Avx2W, x: &[i8]) -> Self::I {
         use std::arch::x86_64::*;
-        assert!(q.len() >= 32 && x.len() >= 32);
+        assert!(x.len() >= 32);
         unsafe {
-            let qv = _mm256_loadu_si256(q.as_ptr() as *const __m256i);
             let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            // |q| <= 32 as u8 times x with q's sign: no saturation; lanes 0..4 are the first 16
-            // values, lanes 4..8 the last 16. Times the scales: at most 4 * 32 * 127 * 128.
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv)), _mm256_set1_epi16(1));
-            _mm256_mullo_epi32(p, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi))
+            // |w| as u8 times x with w's sign: u8 x i8 pairs summed into i16 without saturation
+            // (bounds at the constructors), then pairs of i16 into the i32 lanes.
+            let xs = match w.signs {
+                Some(s) => _mm256_sign_epi8(xv, s),
+                None => xv,
+            };
+            _mm256_madd_epi16(_mm256_maddubs_epi16(w.mag, xs), _mm256_set1_epi16(1))
         }
+    }
+    #[inline(always)]
+    fn scale_halves(l: Self::I, lo: i32, hi: i32) -> Self::I {
+        use std::arch::x86_64::*;
+        // Q6_K: |q| <= 32 times |x| <= 127, four per lane, times an i8 scale: within i32.
+        unsafe { _mm256_mullo_epi32(l, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)) }
     }
     #[inline(always)]
     fn f16(b: &[u8], at: usize) -> f32 {
@@ -273,25 +297,32 @@ fn nibbles(qs: &[u8], out: &mut [i8; 32], offset: i8) {
     }
 }
 
-/// Dot of one packed weight row (`ty`, `k` values) with quantized activations.
+/// The dot of one packed weight row with one token's Q8_0 activations.
+pub fn dot_row(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
+    dot_rows(ty, row, [x])[0]
+}
+
+/// The dots of one packed weight row with `T` tokens' Q8_0 activations: each block's weights are
+/// unpacked once for all `T` (a prefill reuses them), and each token's result is the bits
+/// [`dot_row`] gives it (the same operations in the same order, token by token).
 ///
 /// The body is plain fixed-width Rust; on x86-64 it is compiled a second time with AVX2/FMA/F16C
 /// enabled and that copy is chosen at run time (the build itself stays generic).
-pub fn dot_row(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
+pub fn dot_rows<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f32; T] {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx2() {
             // SAFETY: the CPU reports avx2, fma and f16c.
-            return unsafe { dot_row_avx2(ty, row, x) };
+            return unsafe { dot_rows_avx2(ty, row, xs) };
         }
     }
-    dot_row_impl::<Portable>(ty, row, x)
+    dot_rows_impl::<Portable, T>(ty, row, xs)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_row_avx2(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
-    dot_row_impl::<Avx2>(ty, row, x)
+unsafe fn dot_rows_avx2<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f32; T] {
+    dot_rows_impl::<Avx2, T>(ty, row, xs)
 }
 
 /// The block-dot path this machine runs (for report provenance).
@@ -311,21 +342,27 @@ fn has_avx2() -> bool {
 }
 
 #[inline(always)]
-fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
-    let mut acc = I::zero();
+fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f32; T] {
+    let mut acc = [I::zero(); T];
     // The min/offset terms (scale * block sum of x), summed in block order apart from `acc`.
-    let mut mins = 0.0f32;
-    let xq = |b: usize| &x.q[32 * b..32 * b + 32];
+    let mut mins = [0.0f32; T];
+    let xq = |t: usize, b: usize| &xs[t].q[32 * b..32 * b + 32];
     match ty {
         GgmlType::Q4_0 => {
             for (b, blk) in row.chunks_exact(18).enumerate() {
-                acc = I::fma(acc, I::nibbles(&blk[2..18], 0, 8, xq(b)), I::f16(blk, 0) * x.d[b]);
+                let (w, d) = (I::nibbles(&blk[2..18], 0, 8), I::f16(blk, 0));
+                for t in 0..T {
+                    acc[t] = I::fma(acc[t], I::dot(w, xq(t, b)), d * xs[t].d[b]);
+                }
             }
         }
         GgmlType::Q4_1 => {
             for (b, blk) in row.chunks_exact(20).enumerate() {
-                acc = I::fma(acc, I::nibbles(&blk[4..20], 0, 0, xq(b)), I::f16(blk, 0) * x.d[b]);
-                mins += I::f16(blk, 2) * x.d[b] * x.sum[b] as f32;
+                let (w, d, m) = (I::nibbles(&blk[4..20], 0, 0), I::f16(blk, 0), I::f16(blk, 2));
+                for t in 0..T {
+                    acc[t] = I::fma(acc[t], I::dot(w, xq(t, b)), d * xs[t].d[b]);
+                    mins[t] += m * xs[t].d[b] * xs[t].sum[b] as f32;
+                }
             }
         }
         GgmlType::Q5_0 | GgmlType::Q5_1 => {
@@ -334,15 +371,24 @@ fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
                 let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
                 // Q5_0's values are q - 16; Q5_1's are q (its min is the separate term).
                 let offset = if has_min { 0 } else { 16 };
-                acc = I::fma(acc, I::nibbles(&blk[qh_at + 4..qh_at + 20], qh, offset, xq(b)), I::f16(blk, 0) * x.d[b]);
+                let (w, d) = (I::nibbles(&blk[qh_at + 4..qh_at + 20], qh, offset), I::f16(blk, 0));
+                for t in 0..T {
+                    acc[t] = I::fma(acc[t], I::dot(w, xq(t, b)), d * xs[t].d[b]);
+                }
                 if has_min {
-                    mins += I::f16(blk, 2) * x.d[b] * x.sum[b] as f32;
+                    let m = I::f16(blk, 2);
+                    for t in 0..T {
+                        mins[t] += m * xs[t].d[b] * xs[t].sum[b] as f32;
+                    }
                 }
             }
         }
         GgmlType::Q8_0 => {
             for (b, blk) in row.chunks_exact(34).enumerate() {
-                acc = I::fma(acc, I::i8s(bytemuck_i8(&blk[2..34]), xq(b)), I::f16(blk, 0) * x.d[b]);
+                let (w, d) = (I::i8s(bytemuck_i8(&blk[2..34])), I::f16(blk, 0));
+                for t in 0..T {
+                    acc[t] = I::fma(acc[t], I::dot(w, xq(t, b)), d * xs[t].d[b]);
+                }
             }
         }
         GgmlType::Q4_K | GgmlType::Q5_K => {
@@ -353,13 +399,16 @@ fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
                 let scales = &blk[4..16];
                 let (qh, qs) = if five { (&blk[16..48], &blk[48..176]) } else { (&blk[0..0], &blk[16..144]) };
                 for c in 0..4 {
-                    let b0 = kb * (QK_K / 32) + 2 * c;
-                    let lanes = I::k_chunk(&qs[32 * c..32 * c + 32], qh, c, &x.q[32 * b0..32 * b0 + 64]);
-                    for (half, l) in [lanes.0, lanes.1].into_iter().enumerate() {
-                        let (sub, b) = (2 * c + half, b0 + half);
+                    let ws = I::k_chunk(&qs[32 * c..32 * c + 32], qh, c);
+                    for (half, w) in [ws.0, ws.1].into_iter().enumerate() {
+                        let sub = 2 * c + half;
+                        let b = kb * (QK_K / 32) + sub;
                         let (sc, m) = k_scale_min(sub, scales);
-                        acc = I::fma(acc, l, d * sc as f32 * x.d[b]);
-                        mins -= dmin * m as f32 * x.d[b] * x.sum[b] as f32;
+                        let (ds, dm) = (d * sc as f32, dmin * m as f32);
+                        for t in 0..T {
+                            acc[t] = I::fma(acc[t], I::dot(w, xq(t, b)), ds * xs[t].d[b]);
+                            mins[t] -= dm * xs[t].d[b] * xs[t].sum[b] as f32;
+                        }
                     }
                 }
             }
@@ -381,14 +430,17 @@ fn dot_row_impl<I: BlockDot>(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
                 let sc = &blk[192..208];
                 for sub in 0..8 {
                     let b = kb * 8 + sub;
-                    let l = I::q6(&q[32 * sub..32 * sub + 32], xq(b), (sc[2 * sub] as i8) as i32, (sc[2 * sub + 1] as i8) as i32);
-                    acc = I::fma(acc, l, d * x.d[b]);
+                    let w = I::i8s(&q[32 * sub..32 * sub + 32]);
+                    let (lo, hi) = ((sc[2 * sub] as i8) as i32, (sc[2 * sub + 1] as i8) as i32);
+                    for t in 0..T {
+                        acc[t] = I::fma(acc[t], I::scale_halves(I::dot(w, xq(t, b)), lo, hi), d * xs[t].d[b]);
+                    }
                 }
             }
         }
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("float weights use the f32 path"),
     }
-    I::hsum(acc) + mins
+    std::array::from_fn(|t| I::hsum(acc[t]) + mins[t])
 }
 
 fn bytemuck_i8(b: &[u8]) -> &[i8] {
@@ -440,7 +492,7 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
                 for (j, y) in o.iter_mut().enumerate() {
                     x.q[j] = 1;
                     x.sum[j / 32] = 1;
-                    *y = dot_row_impl::<Portable>(ty, blk, &x);
+                    *y = dot_rows_impl::<Portable, 1>(ty, blk, [&x])[0];
                     x.q[j] = 0;
                     x.sum[j / 32] = 0;
                 }
@@ -592,20 +644,21 @@ mod tests {
 
     #[inline(always)]
     fn all_lanes<I: BlockDot>(t: &Block) -> Vec<[i32; 8]> {
+        let x = &t.x[..32];
         let mut out = vec![
-            I::lanes(I::nibbles(&t.qs, 0, 8, &t.x)),
-            I::lanes(I::nibbles(&t.qs, 0, 0, &t.x)),
-            I::lanes(I::nibbles(&t.qs, t.qh, 16, &t.x)),
-            I::lanes(I::nibbles(&t.qs, t.qh, 0, &t.x)),
-            I::lanes(I::i8s(&t.a, &t.x)),
+            I::lanes(I::dot(I::nibbles(&t.qs, 0, 8), x)),
+            I::lanes(I::dot(I::nibbles(&t.qs, 0, 0), x)),
+            I::lanes(I::dot(I::nibbles(&t.qs, t.qh, 16), x)),
+            I::lanes(I::dot(I::nibbles(&t.qs, t.qh, 0), x)),
+            I::lanes(I::dot(I::i8s(&t.a), x)),
         ];
         for c in 0..4 {
             for qh in [&t.qh_k[..0], &t.qh_k[..]] {
-                let (lo, hi) = I::k_chunk(&t.qs, qh, c, &t.x);
-                out.extend([I::lanes(lo), I::lanes(hi)]);
+                let (lo, hi) = I::k_chunk(&t.qs, qh, c);
+                out.extend([I::lanes(I::dot(lo, x)), I::lanes(I::dot(hi, &t.x[32..]))]);
             }
         }
-        out.push(I::lanes(I::q6(&t.q6, &t.x, t.scales.0, t.scales.1)));
+        out.push(I::lanes(I::scale_halves(I::dot(I::i8s(&t.q6), x), t.scales.0, t.scales.1)));
         out
     }
 
@@ -670,13 +723,38 @@ mod tests {
                 let row: Vec<u8> = (0..row_bytes).map(|_| next() as u8).collect();
                 let xs: Vec<f32> = (0..k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
                 let x = quantize_q8(&xs);
-                let want = dot_row_impl::<Portable>(ty, &row, &x);
+                let want = dot_rows_impl::<Portable, 1>(ty, &row, [&x])[0];
                 let got = dot_row(ty, &row, &x);
                 assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{ty:?}: AVX2 {got} vs portable {want}");
                 checked += 1;
             }
         }
         assert_eq!(checked, 8 * 200);
+    }
+
+    /// Several tokens through one call (each block's weights unpacked once for all) against
+    /// each token alone, for every quantized type and both paths: the same bits.
+    #[test]
+    fn multi_token_dots_equal_one_token_dots() {
+        let mut next = lcg(11);
+        let k = 2 * QK_K;
+        let mut checked = 0;
+        for ty in GgmlType::ALL.into_iter().filter(|t| !is_float(*t)) {
+            let row_bytes = k / ty.block_size() * ty.type_size();
+            for _ in 0..50 {
+                let row: Vec<u8> = (0..row_bytes).map(|_| next() as u8).collect();
+                let xs: Vec<Q8Row> = (0..4).map(|_| quantize_q8(&(0..k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>())).collect();
+                let one: Vec<u32> = xs.iter().map(|x| dot_row(ty, &row, x).to_bits()).collect();
+                let four = dot_rows(ty, &row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
+                let three = dot_rows(ty, &row, [&xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
+                let portable = dot_rows_impl::<Portable, 4>(ty, &row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
+                // Random scales can decode to NaN; NaN payloads aside, every result must match.
+                let same = |a: &[u32], b: &[u32]| a.iter().zip(b).all(|(p, q)| p == q || (f32::from_bits(*p).is_nan() && f32::from_bits(*q).is_nan()));
+                assert!(same(&four, &one) && same(&three, &one[1..]) && same(&portable, &one), "{ty:?}: {four:?} / {three:?} / {portable:?} vs {one:?}");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 8 * 50);
     }
 
     /// The fused float-row dot against widening the row and `dot_f32`: every length up to 40
