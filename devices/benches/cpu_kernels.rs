@@ -1,6 +1,7 @@
 //! Criterion microbenchmarks of the `cpu` device's hot kernel: the matrix-vector product on packed
 //! quantized weights (Q8_0 activations x Q4_1 / Q5_0 / Q8_0 / K-quant blocks) at SmolLM2's shapes, so a
-//! kernel change can be judged before the end-to-end A/B. `cargo bench -p devices`.
+//! kernel change can be judged before the end-to-end A/B; and the same products for a 32-token
+//! prefill (`cpu_gemm`). `cargo bench -p devices`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use devices::cpu::{matmul_packed, Packed};
@@ -11,21 +12,29 @@ fn vals(n: usize, seed: u32) -> Vec<f32> {
     (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / (1u32 << 24) as f32 - 0.5).collect()
 }
 
-fn gemv(c: &mut Criterion) {
-    let (rows, cols) = (1536usize, 576usize);
-    let x = vals(cols, 7);
-    let mut g = c.benchmark_group("cpu_gemv");
-    for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::F32] {
-        // K-quant super-blocks need k a multiple of 256.
-        let cols = if cols % ty.block_size() == 0 { cols } else { 1536 };
-        let x = if cols == x.len() { x.clone() } else { vals(cols, 7) };
+/// `tokens` activation rows times a 1536-row weight matrix of each type (576 columns, 1536 for the
+/// K-quants, whose super-blocks need a multiple of 256), as group `name`.
+fn products(c: &mut Criterion, name: &str, tokens: usize, types: &[GgmlType]) {
+    let rows = 1536usize;
+    let mut g = c.benchmark_group(name);
+    for &ty in types {
+        let cols = if 576 % ty.block_size() == 0 { 576 } else { 1536 };
+        let x = vals(tokens * cols, 7);
         let bytes = encode(ty, &vals(rows * cols, 9)).expect("encodes");
         g.throughput(Throughput::Bytes(bytes.len() as u64));
         let w = Packed { ty, rows, cols, bytes: &bytes };
-        g.bench_function(format!("{ty:?} {rows}x{cols}"), |bn| bn.iter(|| matmul_packed(black_box(&x), 1, Packed { ..w })));
+        g.bench_function(format!("{ty:?} {rows}x{cols}"), |bn| bn.iter(|| matmul_packed(black_box(&x), tokens, Packed { ..w })));
     }
     g.finish();
 }
 
-criterion_group!(benches, gemv);
+fn gemv(c: &mut Criterion) {
+    products(c, "cpu_gemv", 1, &[GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::F32]);
+}
+
+fn gemm(c: &mut Criterion) {
+    products(c, "cpu_gemm_32_tokens", 32, &[GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K]);
+}
+
+criterion_group!(benches, gemv, gemm);
 criterion_main!(benches);
