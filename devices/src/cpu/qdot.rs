@@ -11,14 +11,15 @@ pub struct Q8Row {
     pub q: Vec<i8>,
     /// Per 32-block scale (f16-rounded, as stored by llama.cpp).
     pub d: Vec<f32>,
-    /// Per 32-block sum of `q` (for formats with a min/offset term).
-    pub sum: Vec<i32>,
+    /// Per 32-block scale times the sum of `q` (for formats with a min term): exact in f32 (the
+    /// f16 scale's 11 significant bits times at most 32 × 127 < 2^12).
+    pub dsum: Vec<f32>,
 }
 
 /// Quantizes `x` (length a multiple of 32) to Q8_0 blocks.
 pub fn quantize_q8(x: &[f32]) -> Q8Row {
     let nb = x.len() / 32;
-    let mut r = Q8Row { q: vec![0; x.len()], d: vec![0.0; nb], sum: vec![0; nb] };
+    let mut r = Q8Row { q: vec![0; x.len()], d: vec![0.0; nb], dsum: vec![0.0; nb] };
     for b in 0..nb {
         let xs = &x[32 * b..32 * b + 32];
         let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -31,7 +32,7 @@ pub fn quantize_q8(x: &[f32]) -> Q8Row {
             s += q;
         }
         r.d[b] = f16::from_f32(d).to_f32();
-        r.sum[b] = s;
+        r.dsum[b] = r.d[b] * s as f32;
     }
     r
 }
@@ -58,6 +59,8 @@ trait BlockDot {
     fn zero() -> Self::F;
     /// `acc + lanes * s`, one rounding per lane.
     fn fma(acc: Self::F, lanes: Self::I, s: f32) -> Self::F;
+    /// `acc - a * b` lane by lane, one rounding per lane (`b`: eight values).
+    fn fnma8(acc: Self::F, a: &[f32; 8], b: &[f32]) -> Self::F;
     /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
     fn hsum(acc: Self::F) -> f32;
     /// A 16-byte nibble block (element `j < 16`: low nibble of byte `j`; `16 + j`: its high
@@ -104,6 +107,10 @@ impl BlockDot for Portable {
     #[inline(always)]
     fn fma(acc: [f32; 8], lanes: [i32; 8], s: f32) -> [f32; 8] {
         std::array::from_fn(|i| (lanes[i] as f32).mul_add(s, acc[i]))
+    }
+    #[inline(always)]
+    fn fnma8(acc: [f32; 8], a: &[f32; 8], b: &[f32]) -> [f32; 8] {
+        std::array::from_fn(|i| (-a[i]).mul_add(b[i], acc[i]))
     }
     #[inline(always)]
     fn hsum(a: [f32; 8]) -> f32 {
@@ -187,6 +194,12 @@ impl BlockDot for Avx2 {
     fn fma(acc: Self::F, lanes: Self::I, s: f32) -> Self::F {
         use std::arch::x86_64::*;
         unsafe { _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s), acc) }
+    }
+    #[inline(always)]
+    fn fnma8(acc: Self::F, a: &[f32; 8], b: &[f32]) -> Self::F {
+        use std::arch::x86_64::*;
+        assert!(b.len() >= 8);
+        unsafe { _mm256_fnmadd_ps(_mm256_loadu_ps(a.as_ptr()), _mm256_loadu_ps(b.as_ptr()), acc) }
     }
     #[inline(always)]
     fn hsum(acc: Self::F) -> f32 {
@@ -361,7 +374,7 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                 let (w, d, m) = (I::nibbles(&blk[4..20], 0, 0), I::f16(blk, 0), I::f16(blk, 2));
                 for t in 0..T {
                     acc[t] = I::fma(acc[t], I::dot(w, xq(t, b)), d * xs[t].d[b]);
-                    mins[t] += m * xs[t].d[b] * xs[t].sum[b] as f32;
+                    mins[t] += m * xs[t].dsum[b];
                 }
             }
         }
@@ -378,7 +391,7 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                 if has_min {
                     let m = I::f16(blk, 2);
                     for t in 0..T {
-                        mins[t] += m * xs[t].d[b] * xs[t].sum[b] as f32;
+                        mins[t] += m * xs[t].dsum[b];
                     }
                 }
             }
@@ -398,18 +411,23 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                 let (d, dmin) = (I::f16(blk, 0), I::f16(blk, 2));
                 let scales = &blk[4..16];
                 let (qh, qs) = if five { (&blk[16..48], &blk[48..176]) } else { (&blk[0..0], &blk[16..144]) };
+                let sm: [(u8, u8); 8] = std::array::from_fn(|sub| k_scale_min(sub, scales));
                 for c in 0..4 {
                     let ws = I::k_chunk(&qs[32 * c..32 * c + 32], qh, c);
                     for (half, w) in [ws.0, ws.1].into_iter().enumerate() {
                         let sub = 2 * c + half;
                         let b = kb * (QK_K / 32) + sub;
-                        let (sc, m) = k_scale_min(sub, scales);
-                        let (ds, dm) = (d * sc as f32, dmin * m as f32);
+                        let ds = d * sm[sub].0 as f32;
                         for t in 0..T {
                             acc[t] = I::fma(acc[t], I::dot(w, xq(t, b)), ds * xs[t].d[b]);
-                            mins[t] -= dm * xs[t].d[b] * xs[t].sum[b] as f32;
                         }
                     }
+                }
+                // The super-block's eight min terms, sub-block `i` in lane `i`: one fused
+                // multiply-subtract per token instead of eight scalar ones.
+                let dm: [f32; 8] = std::array::from_fn(|sub| dmin * sm[sub].1 as f32);
+                for t in 0..T {
+                    acc[t] = I::fnma8(acc[t], &dm, &xs[t].dsum[8 * kb..8 * kb + 8]);
                 }
             }
         }
@@ -487,14 +505,14 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
             // K-quants: run the block dot of each super-block against one-hot Q8 blocks of
             // exactly representable scale (d = 1), which returns each element's value.
             let size = ty.type_size();
-            let mut x = Q8Row { q: vec![0; QK_K], d: vec![1.0; QK_K / 32], sum: vec![0; QK_K / 32] };
+            let mut x = Q8Row { q: vec![0; QK_K], d: vec![1.0; QK_K / 32], dsum: vec![0.0; QK_K / 32] };
             for (blk, o) in row.chunks_exact(size).zip(out.chunks_exact_mut(QK_K)) {
                 for (j, y) in o.iter_mut().enumerate() {
                     x.q[j] = 1;
-                    x.sum[j / 32] = 1;
+                    x.dsum[j / 32] = 1.0;
                     *y = dot_rows_impl::<Portable, 1>(ty, blk, [&x])[0];
                     x.q[j] = 0;
-                    x.sum[j / 32] = 0;
+                    x.dsum[j / 32] = 0.0;
                 }
             }
         }
@@ -751,6 +769,31 @@ mod tests {
                 // Random scales can decode to NaN; NaN payloads aside, every result must match.
                 let same = |a: &[u32], b: &[u32]| a.iter().zip(b).all(|(p, q)| p == q || (f32::from_bits(*p).is_nan() && f32::from_bits(*q).is_nan()));
                 assert!(same(&four, &one) && same(&three, &one[1..]) && same(&portable, &one), "{ty:?}: {four:?} / {three:?} / {portable:?} vs {one:?}");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 8 * 50);
+    }
+
+    /// The embedding lookup's row expansion against the oracle's decoders (which the kernel
+    /// suite checks against gguf-py): the same values for every quantized type, random bytes.
+    #[test]
+    fn dequantized_rows_equal_the_oracle_decoders() {
+        let mut next = lcg(5);
+        let k = 2 * QK_K;
+        let mut checked = 0;
+        for ty in GgmlType::ALL.into_iter().filter(|t| !is_float(*t)) {
+            let row_bytes = k / ty.block_size() * ty.type_size();
+            for _ in 0..50 {
+                let row: Vec<u8> = (0..row_bytes).map(|_| next() as u8).collect();
+                let want = oracle::quant::decode(ty, &row, k).expect("decodes");
+                let mut got = vec![0.0f32; k];
+                dequantize_row(ty, &row, &mut got);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    // `==`: the same value (bits, but for the sign of a zero, which both orders
+                    // of `d * q - m` can give), or NaN from a NaN scale on both sides.
+                    assert!(g == w || (g.is_nan() && w.is_nan()), "{ty:?} element {i}: {g} vs oracle {w}");
+                }
                 checked += 1;
             }
         }
