@@ -732,46 +732,52 @@ mod tests {
             eprintln!("no AVX2 on this CPU: only the portable block dots exist here");
             return;
         }
-        let mut next = lcg(7);
-        let k = 2 * QK_K;
+        let checked = for_random_rows(7, 200, |ty, row, next| {
+            let x = random_q8(next);
+            let want = dot_rows_impl::<Portable, 1>(ty, row, [&x])[0];
+            let got = dot_row(ty, row, &x);
+            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{ty:?}: AVX2 {got} vs portable {want}");
+        });
+        assert_eq!(checked, 8 * 200);
+    }
+
+    const K: usize = 2 * QK_K;
+
+    /// Calls `check` with `per_type` random rows of `K` values of every quantized type and the
+    /// seeded generator; returns how many rows it checked.
+    fn for_random_rows(seed: u64, per_type: usize, mut check: impl FnMut(GgmlType, &[u8], &mut dyn FnMut() -> u32)) -> usize {
+        let mut next = lcg(seed);
         let mut checked = 0;
         for ty in GgmlType::ALL.into_iter().filter(|t| !is_float(*t)) {
-            let row_bytes = k / ty.block_size() * ty.type_size();
-            for _ in 0..200 {
+            let row_bytes = K / ty.block_size() * ty.type_size();
+            for _ in 0..per_type {
                 let row: Vec<u8> = (0..row_bytes).map(|_| next() as u8).collect();
-                let xs: Vec<f32> = (0..k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
-                let x = quantize_q8(&xs);
-                let want = dot_rows_impl::<Portable, 1>(ty, &row, [&x])[0];
-                let got = dot_row(ty, &row, &x);
-                assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{ty:?}: AVX2 {got} vs portable {want}");
+                check(ty, &row, &mut next);
                 checked += 1;
             }
         }
-        assert_eq!(checked, 8 * 200);
+        checked
+    }
+
+    /// `K` activations in [-1, 1], quantized.
+    fn random_q8(next: &mut dyn FnMut() -> u32) -> Q8Row {
+        quantize_q8(&(0..K).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>())
     }
 
     /// Several tokens through one call (each block's weights unpacked once for all) against
     /// each token alone, for every quantized type and both paths: the same bits.
     #[test]
     fn multi_token_dots_equal_one_token_dots() {
-        let mut next = lcg(11);
-        let k = 2 * QK_K;
-        let mut checked = 0;
-        for ty in GgmlType::ALL.into_iter().filter(|t| !is_float(*t)) {
-            let row_bytes = k / ty.block_size() * ty.type_size();
-            for _ in 0..50 {
-                let row: Vec<u8> = (0..row_bytes).map(|_| next() as u8).collect();
-                let xs: Vec<Q8Row> = (0..4).map(|_| quantize_q8(&(0..k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>())).collect();
-                let one: Vec<u32> = xs.iter().map(|x| dot_row(ty, &row, x).to_bits()).collect();
-                let four = dot_rows(ty, &row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
-                let three = dot_rows(ty, &row, [&xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
-                let portable = dot_rows_impl::<Portable, 4>(ty, &row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
-                // Random scales can decode to NaN; NaN payloads aside, every result must match.
-                let same = |a: &[u32], b: &[u32]| a.iter().zip(b).all(|(p, q)| p == q || (f32::from_bits(*p).is_nan() && f32::from_bits(*q).is_nan()));
-                assert!(same(&four, &one) && same(&three, &one[1..]) && same(&portable, &one), "{ty:?}: {four:?} / {three:?} / {portable:?} vs {one:?}");
-                checked += 1;
-            }
-        }
+        let checked = for_random_rows(11, 50, |ty, row, next| {
+            let xs: Vec<Q8Row> = (0..4).map(|_| random_q8(next)).collect();
+            let one: Vec<u32> = xs.iter().map(|x| dot_row(ty, row, x).to_bits()).collect();
+            let four = dot_rows(ty, row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
+            let three = dot_rows(ty, row, [&xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
+            let portable = dot_rows_impl::<Portable, 4>(ty, row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
+            // Random scales can decode to NaN; NaN payloads aside, every result must match.
+            let same = |a: &[u32], b: &[u32]| a.iter().zip(b).all(|(p, q)| p == q || (f32::from_bits(*p).is_nan() && f32::from_bits(*q).is_nan()));
+            assert!(same(&four, &one) && same(&three, &one[1..]) && same(&portable, &one), "{ty:?}: {four:?} / {three:?} / {portable:?} vs {one:?}");
+        });
         assert_eq!(checked, 8 * 50);
     }
 
@@ -779,24 +785,16 @@ mod tests {
     /// suite checks against gguf-py): the same values for every quantized type, random bytes.
     #[test]
     fn dequantized_rows_equal_the_oracle_decoders() {
-        let mut next = lcg(5);
-        let k = 2 * QK_K;
-        let mut checked = 0;
-        for ty in GgmlType::ALL.into_iter().filter(|t| !is_float(*t)) {
-            let row_bytes = k / ty.block_size() * ty.type_size();
-            for _ in 0..50 {
-                let row: Vec<u8> = (0..row_bytes).map(|_| next() as u8).collect();
-                let want = oracle::quant::decode(ty, &row, k).expect("decodes");
-                let mut got = vec![0.0f32; k];
-                dequantize_row(ty, &row, &mut got);
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    // `==`: the same value (bits, but for the sign of a zero, which both orders
-                    // of `d * q - m` can give), or NaN from a NaN scale on both sides.
-                    assert!(g == w || (g.is_nan() && w.is_nan()), "{ty:?} element {i}: {g} vs oracle {w}");
-                }
-                checked += 1;
+        let checked = for_random_rows(5, 50, |ty, row, _| {
+            let want = oracle::quant::decode(ty, row, K).expect("decodes");
+            let mut got = vec![0.0f32; K];
+            dequantize_row(ty, row, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                // `==`: the same value (bits, but for the sign of a zero, which both orders of
+                // `d * q - m` can give), or NaN from a NaN scale on both sides.
+                assert!(g == w || (g.is_nan() && w.is_nan()), "{ty:?} element {i}: {g} vs oracle {w}");
             }
-        }
+        });
         assert_eq!(checked, 8 * 50);
     }
 
