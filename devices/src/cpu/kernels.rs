@@ -2,7 +2,7 @@
 //! selection. Written for speed the usual way (f32 accumulation, fixed-width lanes), and on
 //! purpose independently of the oracle's code.
 
-use super::qdot::dot_f32;
+use super::qdot::{axpy_f32, dot_f32};
 use oracle::registry::Tensor;
 use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
 use rayon::prelude::*;
@@ -166,10 +166,7 @@ pub fn attention<T: KvValue>(q: &[f32], pos: &[usize], k: &[T], v: &[T], kv_len:
         let scores: Vec<f32> = (first..=p).map(|j| dot_f32(qh, T::as_f32(&k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd], &mut buf)) * scale).collect();
         let probs = softmax(&scores);
         for (pj, j) in probs.iter().zip(first..=p) {
-            let vj = T::as_f32(&v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd], &mut buf);
-            for d in 0..hd {
-                o[d] += pj * vj[d];
-            }
+            axpy_f32(o, *pj, T::as_f32(&v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd], &mut buf));
         }
     });
     Ok(out)

@@ -576,6 +576,32 @@ fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
     (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]) + tail
 }
 
+/// `y[i] += a * x[i]`, a multiply then an add (never fused), so the same bits in the portable and
+/// the AVX2 copy (chosen at run time; attention's weighted sum of values).
+pub fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2() {
+            // SAFETY: the CPU reports avx2, fma and f16c.
+            return unsafe { axpy_f32_avx2(y, a, x) };
+        }
+    }
+    axpy_f32_impl(y, a, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_f32_avx2(y: &mut [f32], a: f32, x: &[f32]) {
+    axpy_f32_impl(y, a, x)
+}
+
+#[inline(always)]
+fn axpy_f32_impl(y: &mut [f32], a: f32, x: &[f32]) {
+    for (o, v) in y.iter_mut().zip(x) {
+        *o += a * v;
+    }
+}
+
 /// `dot_f32(x, w)` where `w` is `row` (F32, F16 or BF16 bytes, as many values as `x`) widened to
 /// f32: the same arithmetic, so the same bits, but on AVX2 machines each 8 weights are widened
 /// in a register as they are used instead of into a row buffer that is then read again (a
