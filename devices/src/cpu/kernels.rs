@@ -2,7 +2,9 @@
 //! selection. Written for speed the usual way (f32 accumulation, fixed-width lanes), and on
 //! purpose independently of the oracle's code.
 
-use super::qdot::{axpy_f32, dot_f32};
+use super::qdot::{axpy_f32_impl, dot_f32, dot_f32_impl};
+#[cfg(target_arch = "x86_64")]
+use super::qdot::has_avx2;
 use oracle::registry::Tensor;
 use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
 use rayon::prelude::*;
@@ -148,6 +150,10 @@ impl KvValue for half::f16 {
     }
 }
 
+/// Query positions per attention task: the task's query heads (this many positions times the
+/// query heads sharing one KV head) read each key and value row once between them.
+const POSITIONS_PER_TASK: usize = 4;
+
 pub fn attention<T: KvValue>(q: &[f32], pos: &[usize], k: &[T], v: &[T], kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
     let (nh, nkv, hd) = (c.n_head, c.n_head_kv, c.head_dim);
     if nkv == 0 || nh % nkv != 0 || pos.iter().any(|&p| p >= kv_len) {
@@ -155,21 +161,110 @@ pub fn attention<T: KvValue>(q: &[f32], pos: &[usize], k: &[T], v: &[T], kv_len:
     }
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / nkv;
+    let blocks = pos.len().div_ceil(POSITIONS_PER_TASK);
+    // One task per (block of positions, KV head); each returns its queries' outputs, position
+    // by position, head by head, which land at their places in `out` below.
+    let parts: Vec<Vec<f32>> = (0..blocks * nkv)
+        .into_par_iter()
+        .map(|task| {
+            let (b, kvh) = (task / nkv, task % nkv);
+            let ts = b * POSITIONS_PER_TASK..(pos.len()).min((b + 1) * POSITIONS_PER_TASK);
+            let queries: Vec<Query> = ts
+                .flat_map(|t| {
+                    let p = pos[t];
+                    let first = if c.window > 0 { (p + 1).saturating_sub(c.window) } else { 0 };
+                    (kvh * group..(kvh + 1) * group).map(move |h| Query { at: (t * nh + h) * hd, rows: first..=p })
+                })
+                .collect();
+            attend(q, &queries, &KvHead { k, v, stride: nkv * hd, offset: kvh * hd, hd }, scale)
+        })
+        .collect();
     let mut out = vec![0.0f32; pos.len() * nh * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(th, o)| {
-        let (t, h) = (th / nh, th % nh);
-        let kvh = h / group;
-        let p = pos[t];
-        let first = if c.window > 0 { (p + 1).saturating_sub(c.window) } else { 0 };
-        let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-        let mut buf = vec![0.0f32; if T::WIDENS { hd } else { 0 }]; // empty: no allocation
-        let scores: Vec<f32> = (first..=p).map(|j| dot_f32(qh, T::as_f32(&k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd], &mut buf)) * scale).collect();
-        let probs = softmax(&scores);
-        for (pj, j) in probs.iter().zip(first..=p) {
-            axpy_f32(o, *pj, T::as_f32(&v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd], &mut buf));
+    for (task, part) in parts.iter().enumerate() {
+        let (b, kvh) = (task / nkv, task % nkv);
+        for (i, o) in part.chunks_exact(group * hd).enumerate() {
+            let at = ((b * POSITIONS_PER_TASK + i) * nh + kvh * group) * hd;
+            out[at..at + group * hd].copy_from_slice(o);
         }
-    });
+    }
     Ok(out)
+}
+
+/// One KV head's rows in the cache: row `j` is `[j * stride + offset ..][..hd]`.
+struct KvHead<'a, T> {
+    k: &'a [T],
+    v: &'a [T],
+    stride: usize,
+    offset: usize,
+    hd: usize,
+}
+
+/// One query head: its vector at `q[at..at + hd]`, and the cache rows it attends to.
+struct Query {
+    at: usize,
+    rows: std::ops::RangeInclusive<usize>,
+}
+
+/// Queries of one KV head: for each, the softmax of its scaled scores over its rows, then its
+/// rows' values weighted by it, into `hd` outputs (query after query). Each key and value row is
+/// read (and widened) once for all the queries that attend to it. Per query the operations and
+/// their order are those of one query alone (scores in row order, no fused multiply-add), and the
+/// body is compiled a second time with AVX2/FMA/F16C (chosen at run time): the same bits.
+fn attend<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2() {
+            // SAFETY: the CPU reports avx2, fma and f16c.
+            return unsafe { attend_avx2(q, queries, kv, scale) };
+        }
+    }
+    attend_impl(q, queries, kv, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
+    attend_impl(q, queries, kv, scale)
+}
+
+#[inline(always)]
+fn attend_impl<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
+    // Plain loops, no closures: a closure would not inherit the AVX2 target features.
+    let hd = kv.hd;
+    let (mut lo, mut hi) = (usize::MAX, 0);
+    for qr in queries {
+        lo = lo.min(*qr.rows.start());
+        hi = hi.max(*qr.rows.end());
+    }
+    let mut buf = vec![0.0f32; if T::WIDENS { hd } else { 0 }]; // empty: no allocation
+    let mut scores: Vec<Vec<f32>> = Vec::with_capacity(queries.len());
+    for qr in queries {
+        scores.push(Vec::with_capacity(qr.rows.end() + 1 - qr.rows.start()));
+    }
+    for j in lo..=hi {
+        let at = j * kv.stride + kv.offset;
+        let key = T::as_f32(&kv.k[at..at + hd], &mut buf);
+        for (qr, s) in queries.iter().zip(scores.iter_mut()) {
+            if qr.rows.contains(&j) {
+                s.push(dot_f32_impl(&q[qr.at..qr.at + hd], key) * scale);
+            }
+        }
+    }
+    let mut probs = Vec::with_capacity(queries.len());
+    for s in &scores {
+        probs.push(softmax(s));
+    }
+    let mut out = vec![0.0f32; queries.len() * hd];
+    for j in lo..=hi {
+        let at = j * kv.stride + kv.offset;
+        let value = T::as_f32(&kv.v[at..at + hd], &mut buf);
+        for (i, qr) in queries.iter().enumerate() {
+            if qr.rows.contains(&j) {
+                axpy_f32_impl(&mut out[i * hd..(i + 1) * hd], probs[i][j - qr.rows.start()], value);
+            }
+        }
+    }
+    out
 }
 
 pub fn softmax(x: &[f32]) -> Vec<f32> {
@@ -284,5 +379,23 @@ mod tests {
             assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "window {window}");
         }
         assert_eq!(std::mem::size_of_val(kh.as_slice()) * 2, std::mem::size_of_val(k.as_slice()));
+    }
+
+    /// Queries attended together (blocks of positions sharing each key and value row, a partial
+    /// last block, GQA, a sliding window) give each query the bits it gets alone.
+    #[test]
+    fn queries_attended_together_get_the_bits_of_each_alone() {
+        let (nh, nkv, hd, len) = (6, 2, 24, 23);
+        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 3.0;
+        let pos: Vec<usize> = vec![0, 3, 4, 9, 10, 11, 15, 22, 17];
+        let q: Vec<f32> = (0..pos.len() * nh * hd).map(|i| val(i, 1)).collect();
+        let (k, v): (Vec<f32>, Vec<f32>) = ((0..len * nkv * hd).map(|i| val(i, 2)).collect(), (0..len * nkv * hd).map(|i| val(i, 3)).collect());
+        for window in [0, 5] {
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window };
+            let together = attention(&q, &pos, &k, &v, len, &c).unwrap();
+            let alone: Vec<f32> = pos.iter().enumerate().flat_map(|(t, p)| attention(&q[t * nh * hd..(t + 1) * nh * hd], &[*p], &k, &v, len, &c).unwrap()).collect();
+            assert_eq!(together.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "window {window}");
+            assert!(together.iter().all(|x| x.is_finite()) && together.iter().any(|x| *x != 0.0));
+        }
     }
 }

@@ -348,7 +348,7 @@ pub fn path_name() -> &'static str {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static F: OnceLock<bool> = OnceLock::new();
     *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"))
@@ -563,7 +563,7 @@ unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut ca = a.chunks_exact(8);
     let mut cb = b.chunks_exact(8);
@@ -576,27 +576,10 @@ fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
     (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]) + tail
 }
 
-/// `y[i] += a * x[i]`, a multiply then an add (never fused), so the same bits in the portable and
-/// the AVX2 copy (chosen at run time; attention's weighted sum of values).
-pub fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2() {
-            // SAFETY: the CPU reports avx2, fma and f16c.
-            return unsafe { axpy_f32_avx2(y, a, x) };
-        }
-    }
-    axpy_f32_impl(y, a, x)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_f32_avx2(y: &mut [f32], a: f32, x: &[f32]) {
-    axpy_f32_impl(y, a, x)
-}
-
+/// `y[i] += a * x[i]`, a multiply then an add (never fused): inlined into callers compiled for
+/// AVX2 and for the portable target alike, with the same bits.
 #[inline(always)]
-fn axpy_f32_impl(y: &mut [f32], a: f32, x: &[f32]) {
+pub(crate) fn axpy_f32_impl(y: &mut [f32], a: f32, x: &[f32]) {
     for (o, v) in y.iter_mut().zip(x) {
         *o += a * v;
     }
