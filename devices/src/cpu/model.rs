@@ -293,10 +293,24 @@ impl DeviceModel for CpuModel {
     }
 
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
-        self.run(tokens, taps, true)
+        self.run_on_pool(tokens, taps, true)
     }
     fn forward_last(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
-        self.run(tokens, taps, false)
+        self.run_on_pool(tokens, taps, false)
+    }
+}
+
+impl CpuModel {
+    /// [`CpuModel::run`] on a rayon worker thread when no tap records (taps are not `Send`): each
+    /// op's parallel loop then starts from inside the pool, so a loop of one chunk runs in place
+    /// and the others are stolen by the idle worker, instead of every op's loop being handed to
+    /// the pool and waited for (hundreds of cross-thread handoffs per decoded token). Which
+    /// thread runs a chunk changes no bit.
+    fn run_on_pool(&mut self, tokens: &[u32], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
+        if taps.enabled() {
+            return self.run(tokens, taps, all_logits);
+        }
+        rayon::scope(|_| self.run(tokens, &mut oracle::NoTap, all_logits))
     }
 }
 
