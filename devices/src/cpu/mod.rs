@@ -72,26 +72,19 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
     } else {
         let xq: Vec<qdot::Q8Row> = (0..m).map(|t| qdot::quantize_q8(xrow(t))).collect();
         y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
-            let wrow = |dr: usize| {
-                let r = c * ROWS_PER_TASK + dr;
-                &w.bytes[r * row_bytes..(r + 1) * row_bytes]
-            };
-            let n_rows = o.len() / m;
+            let r0 = c * ROWS_PER_TASK;
+            let rows = &w.bytes[r0 * row_bytes..(r0 + o.len() / m) * row_bytes];
             // Tokens in groups of TOKENS_PER_DOT (each weight block unpacked once per group),
             // the group's activations staying in L1 while the task's rows pass; then the rest
             // one by one. Either way a token's result has the bits of its own `dot_row`.
             let mut t = 0;
             while t + TOKENS_PER_DOT <= m {
                 let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t + i]);
-                for dr in 0..n_rows {
-                    o[dr * m + t..dr * m + t + TOKENS_PER_DOT].copy_from_slice(&qdot::dot_rows(w.ty, wrow(dr), xs));
-                }
+                qdot::dot_rows_block(w.ty, rows, row_bytes, xs, &mut o[t..], m);
                 t += TOKENS_PER_DOT;
             }
             for t in t..m {
-                for dr in 0..n_rows {
-                    o[dr * m + t] = qdot::dot_row(w.ty, wrow(dr), &xq[t]);
-                }
+                qdot::dot_rows_block(w.ty, rows, row_bytes, [&xq[t]], &mut o[t..], m);
             }
         });
     }

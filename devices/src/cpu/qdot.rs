@@ -332,6 +332,37 @@ pub fn dot_rows<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f
     dot_rows_impl::<Portable, T>(ty, row, xs)
 }
 
+/// [`dot_rows`] of `n` consecutive packed rows (`rows`, `row_bytes` each) with the same `T`
+/// tokens: row `r`, token `i` into `out[r * stride + i]`. One run-time path choice for all of
+/// them (a one-token GEMV calls this once per task of rows, not once per row).
+pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2() {
+            // SAFETY: the CPU reports avx2, fma and f16c.
+            return unsafe { dot_rows_block_avx2(ty, rows, row_bytes, xs, out, stride) };
+        }
+    }
+    dot_rows_block_impl::<Portable, T>(ty, rows, row_bytes, xs, out, stride)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_rows_block_avx2<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
+    dot_rows_block_impl::<Avx2, T>(ty, rows, row_bytes, xs, out, stride)
+}
+
+#[inline(always)]
+fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
+    if row_bytes == 0 {
+        return; // empty rows: their dots are the zeros `out` holds
+    }
+    for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+        let v = dot_rows_impl::<I, T>(ty, row, xs);
+        out[r * stride..r * stride + T].copy_from_slice(&v);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_rows_avx2<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f32; T] {
