@@ -71,24 +71,46 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
         });
     } else {
         let xq: Vec<qdot::Q8Row> = (0..m).map(|t| qdot::quantize_q8(xrow(t))).collect();
-        y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
-            let r0 = c * ROWS_PER_TASK;
-            let rows = &w.bytes[r0 * row_bytes..(r0 + o.len() / m) * row_bytes];
-            // Tokens in groups of TOKENS_PER_DOT (each weight block unpacked once per group),
-            // the group's activations staying in L1 while the task's rows pass; then the rest
-            // one by one. Either way a token's result has the bits of its own `dot_row`.
-            let mut t = 0;
-            while t + TOKENS_PER_DOT <= m {
-                let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t + i]);
-                qdot::dot_rows_block(w.ty, rows, row_bytes, xs, &mut o[t..], m);
-                t += TOKENS_PER_DOT;
-            }
-            for t in t..m {
-                qdot::dot_rows_block(w.ty, rows, row_bytes, [&xq[t]], &mut o[t..], m);
-            }
-        });
+        y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| quantized_task(&w, &xq, c, o));
     }
     kernels::transpose(&y_t, w.rows, m)
+}
+
+/// Rows `c * ROWS_PER_TASK ..` of a quantized matmul into `o` (`[rows][m]`).
+fn quantized_task(w: &Packed, xq: &[qdot::Q8Row], c: usize, o: &mut [f32]) {
+    let m = xq.len();
+    let row_bytes = w.bytes.len() / w.rows.max(1);
+    let r0 = c * ROWS_PER_TASK;
+    let rows = &w.bytes[r0 * row_bytes..(r0 + o.len() / m) * row_bytes];
+    // Tokens in groups of TOKENS_PER_DOT (each weight block unpacked once per group), the
+    // group's activations staying in L1 while the task's rows pass; then the rest one by one.
+    // Either way a token's result has the bits of its own `dot_row`.
+    let mut t = 0;
+    while t + TOKENS_PER_DOT <= m {
+        let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t + i]);
+        qdot::dot_rows_block(w.ty, rows, row_bytes, xs, &mut o[t..], m);
+        t += TOKENS_PER_DOT;
+    }
+    for t in t..m {
+        qdot::dot_rows_block(w.ty, rows, row_bytes, [&xq[t]], &mut o[t..], m);
+    }
+}
+
+/// [`matmul_packed`] of the same `x` by several matrices (Q, K, V; gate, up): when all are
+/// quantized, `x` is quantized once and all their rows go through one parallel loop (one
+/// fork-join instead of one per matrix). Each output holds the bits of its own call.
+pub fn matmul_packed_group(x: &[f32], m: usize, ws: &[Packed]) -> Vec<Vec<f32>> {
+    use rayon::prelude::*;
+    if m == 0 || ws.iter().any(|w| qdot::is_float(w.ty) || w.cols != ws[0].cols) {
+        return ws.iter().map(|w| matmul_packed(x, m, *w)).collect();
+    }
+    let k = ws[0].cols;
+    let xq: Vec<qdot::Q8Row> = (0..m).map(|t| qdot::quantize_q8(&x[t * k..(t + 1) * k])).collect();
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; w.rows * m]).collect();
+    let tasks: Vec<(usize, usize, &mut [f32])> =
+        ys.iter_mut().enumerate().flat_map(|(i, y)| y.chunks_mut(ROWS_PER_TASK * m).enumerate().map(move |(c, o)| (i, c, o))).collect();
+    tasks.into_par_iter().for_each(|(i, c, o)| quantized_task(&ws[i], &xq, c, o));
+    ys.iter().zip(ws).map(|(y, w)| kernels::transpose(y, w.rows, m)).collect()
 }
 
 impl CpuDevice {
@@ -268,4 +290,33 @@ fn probe(bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
         gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: w.len(), gbps: w.len() as f64 / t / 1e9, kernel, alternative: false });
     }
     Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: None })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Matrices multiplied as a group (one quantization of `x`, one parallel loop; a float
+    /// member sends the group down the one-by-one path) give each the bits of its own call.
+    #[test]
+    fn a_group_of_matmuls_gives_each_the_bits_of_its_own() {
+        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 2.0;
+        let (k, m) = (256usize, 5usize); // 5 tokens: one group of four, then one alone
+        let x: Vec<f32> = (0..m * k).map(|i| val(i, 1)).collect();
+        let mats: Vec<(GgmlType, usize, Vec<u8>)> = [(GgmlType::Q4_1, 70), (GgmlType::Q4_K, 33), (GgmlType::Q8_0, 40), (GgmlType::F16, 9)]
+            .into_iter()
+            .enumerate()
+            .map(|(s, (ty, rows))| (ty, rows, oracle::quant::encode(ty, &(0..rows * k).map(|i| val(i, s + 2)).collect::<Vec<_>>()).expect("encodes")))
+            .collect();
+        let packed: Vec<Packed> = mats.iter().map(|(ty, rows, b)| Packed { ty: *ty, rows: *rows, cols: k, bytes: b }).collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for group in [&packed[..3], &packed[..]] {
+            let together = matmul_packed_group(&x, m, group);
+            assert_eq!(together.len(), group.len());
+            for (w, y) in group.iter().zip(&together) {
+                assert_eq!(bits(y), bits(&matmul_packed(&x, m, *w)), "{:?} in a group of {}", w.ty, group.len());
+                assert!(y.iter().any(|v| *v != 0.0));
+            }
+        }
+    }
 }

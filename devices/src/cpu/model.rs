@@ -1,7 +1,7 @@
 //! Whole-model runs on the cpu device: packed weights straight from the GGUF file, the cpu
 //! kernels, an f32 (or f16) KV cache, and taps under the same names as the oracle's.
 
-use super::{kernels, matmul_packed, qdot, Packed};
+use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
 use crate::{DeviceError, DeviceModel, KvStore, ModelOptions};
 use oracle::gguf::GgufFile;
 use oracle::quant::GgmlType;
@@ -223,8 +223,7 @@ impl CpuModel {
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
-        let gate = matmul_packed(h, m, f.gate.view());
-        let up = matmul_packed(h, m, f.up.view());
+        let [gate, up] = matmul_packed_group(h, m, &[f.gate.view(), f.up.view()]).try_into().expect("two outputs");
         let act_fn = match self.spec.activation {
             Activation::Silu => kernels::silu,
             Activation::GeluTanh => kernels::gelu_tanh,
@@ -340,9 +339,7 @@ impl CpuModel {
                         record(taps, &name("attn_norm"), start, m, d, &h);
                     }
                     Stage::QkvProj => {
-                        q = matmul_packed(&h, m, layer.wq.view());
-                        k = matmul_packed(&h, m, layer.wk.view());
-                        v = matmul_packed(&h, m, layer.wv.view());
+                        [q, k, v] = matmul_packed_group(&h, m, &[layer.wq.view(), layer.wk.view(), layer.wv.view()]).try_into().expect("three outputs");
                         if let Some([bq, bk, bv]) = &layer.bias {
                             q = kernels::add_broadcast(&q, bq);
                             k = kernels::add_broadcast(&k, bk);
