@@ -311,9 +311,7 @@ impl CpuModel {
         }
         rayon::scope(|_| self.run(tokens, &mut oracle::NoTap, all_logits))
     }
-}
 
-impl CpuModel {
     /// One step over `tokens`; logits of every token (`all_logits`) or of the last one only (the
     /// output norm and head then run on that row alone; each row's bits do not depend on `m`).
     fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {

@@ -179,7 +179,7 @@ impl Avx2W {
     }
 }
 
-// SAFETY (every `unsafe` block of this impl): only reached from `dot_rows_avx2`, which runs after
+// SAFETY (every `unsafe` block of this impl): only reached from `dot_rows_block_avx2`, which runs after
 // the AVX2/FMA check; each method asserts the lengths it reads.
 #[cfg(target_arch = "x86_64")]
 impl BlockDot for Avx2 {
@@ -319,17 +319,12 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
 /// unpacked once for all `T` (a prefill reuses them), and each token's result is the bits
 /// [`dot_row`] gives it (the same operations in the same order, token by token).
 ///
-/// The body is plain fixed-width Rust; on x86-64 it is compiled a second time with AVX2/FMA/F16C
-/// enabled and that copy is chosen at run time (the build itself stays generic).
+/// [`dot_rows_block`] of the one row; the body is plain fixed-width Rust, and on x86-64 a second
+/// copy compiled with AVX2/FMA/F16C is chosen at run time (the build itself stays generic).
 pub fn dot_rows<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f32; T] {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2() {
-            // SAFETY: the CPU reports avx2, fma and f16c.
-            return unsafe { dot_rows_avx2(ty, row, xs) };
-        }
-    }
-    dot_rows_impl::<Portable, T>(ty, row, xs)
+    let mut out = [0.0f32; T];
+    dot_rows_block(ty, row, row.len(), xs, &mut out, T);
+    out
 }
 
 /// [`dot_rows`] of `n` consecutive packed rows (`rows`, `row_bytes` each) with the same `T`
@@ -361,12 +356,6 @@ fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], r
         let v = dot_rows_impl::<I, T>(ty, row, xs);
         out[r * stride..r * stride + T].copy_from_slice(&v);
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_rows_avx2<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f32; T] {
-    dot_rows_impl::<Avx2, T>(ty, row, xs)
 }
 
 /// The block-dot path this machine runs (for report provenance).
