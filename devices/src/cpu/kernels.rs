@@ -9,16 +9,27 @@ use oracle::registry::Tensor;
 use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
 use rayon::prelude::*;
 
+/// Token positions (and weight rows) per tile of `transpose`: a tile's source rows and
+/// destination rows are each a few cache lines, so both sides stay in L1 while it is copied.
+const TRANSPOSE_TILE: usize = 16;
+
+/// `y_t: [n][m]` (a matmul's output, weight row by token) as `[m][n]`, token by token. Tiled and
+/// split over tokens (a 1,000-token prefill wrote each output to a new cache line).
 pub fn transpose(y_t: &[f32], n: usize, m: usize) -> Vec<f32> {
-    if m == 1 {
+    if m == 1 || n == 0 {
         return y_t.to_vec();
     }
     let mut y = vec![0.0f32; n * m];
-    for r in 0..n {
-        for t in 0..m {
-            y[t * n + r] = y_t[r * m + t];
+    y.par_chunks_mut(TRANSPOSE_TILE * n).enumerate().for_each(|(c, ys)| {
+        let (t0, tn) = (c * TRANSPOSE_TILE, ys.len() / n);
+        for r0 in (0..n).step_by(TRANSPOSE_TILE) {
+            for r in r0..n.min(r0 + TRANSPOSE_TILE) {
+                for (dt, v) in y_t[r * m + t0..r * m + t0 + tn].iter().enumerate() {
+                    ys[dt * n + r] = *v;
+                }
+            }
         }
-    }
+    });
     y
 }
 
@@ -199,17 +210,40 @@ struct KvHead<'a, T> {
     hd: usize,
 }
 
+impl<T: KvValue> KvHead<'_, T> {
+    /// Rows `rows` (at most `N`) of `src` (its keys or values) as f32, widened into `buf` when
+    /// they are f16; the rest of the array empty.
+    #[inline(always)]
+    fn rows<'b, const N: usize>(&self, src: &'b [T], rows: std::ops::Range<usize>, buf: &'b mut [f32]) -> [&'b [f32]; N] {
+        let mut out: [&[f32]; N] = [&[]; N];
+        let mut widened = buf.chunks_exact_mut(self.hd.max(1));
+        for (o, j) in out.iter_mut().zip(rows) {
+            let at = j * self.stride + self.offset;
+            let into: &mut [f32] = if T::WIDENS { widened.next().unwrap_or_default() } else { &mut [] };
+            *o = T::as_f32(&src[at..at + self.hd], into);
+        }
+        out
+    }
+}
+
 /// One query head: its vector at `q[at..at + hd]`, and the cache rows it attends to.
 struct Query {
     at: usize,
     rows: std::ops::RangeInclusive<usize>,
 }
 
+/// Key rows scored together against one query (independent sums, so the CPU overlaps them).
+const KEYS_PER_STEP: usize = 4;
+
+/// Value rows added into a query's outputs while those stay in registers.
+const VALUES_PER_STEP: usize = 8;
+
 /// Queries of one KV head: for each, the softmax of its scaled scores over its rows, then its
 /// rows' values weighted by it, into `hd` outputs (query after query). Each key and value row is
 /// read (and widened) once for all the queries that attend to it. Per query the operations and
-/// their order are those of one query alone (scores in row order, no fused multiply-add), and the
-/// body is compiled a second time with AVX2/FMA/F16C (chosen at run time): the same bits.
+/// their order are those of one query alone (scores in row order, each the lane sums of
+/// `dot_f32`, no fused multiply-add), and the body is compiled a second time with AVX2/FMA/F16C
+/// (chosen at run time), where four keys are scored at once with 8-lane vectors: the same bits.
 fn attend<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -218,17 +252,70 @@ fn attend<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) 
             return unsafe { attend_avx2(q, queries, kv, scale) };
         }
     }
-    attend_impl(q, queries, kv, scale)
+    attend_impl::<T, false>(q, queries, kv, scale)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
-    attend_impl(q, queries, kv, scale)
+    attend_impl::<T, true>(q, queries, kv, scale)
+}
+
+/// `dot_f32_impl(q, k)` for each of four keys; with `AVX` (only from `attend_avx2`) in 8-lane
+/// vectors.
+#[inline(always)]
+fn dot4<const AVX: bool>(q: &[f32], keys: &[&[f32]; KEYS_PER_STEP]) -> [f32; KEYS_PER_STEP] {
+    #[cfg(target_arch = "x86_64")]
+    if AVX {
+        // SAFETY: AVX is true only inside `attend_avx2`, entered when the CPU has AVX2; every key
+        // is as long as `q` (rows of `hd`).
+        return unsafe { dot4_avx2(q, keys) };
+    }
+    [dot_f32_impl(q, keys[0]), dot_f32_impl(q, keys[1]), dot_f32_impl(q, keys[2]), dot_f32_impl(q, keys[3])]
+}
+
+/// Four `dot_f32_impl`s with the same bits: lane `l` of a key's accumulator sums `q[l + 8c] *
+/// k[l + 8c]` over chunks `c` in order (a multiply, then an add), then `((a0 + a4) + (a1 + a5)) +
+/// (a2 + a6)) + (a3 + a7)` and the scalar tail, here for the four keys at once after a 4 x 4
+/// transpose of the pair sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot4_avx2(q: &[f32], keys: &[&[f32]; KEYS_PER_STEP]) -> [f32; KEYS_PER_STEP] {
+    use std::arch::x86_64::*;
+    let n = q.len();
+    debug_assert!(keys.iter().all(|k| k.len() == n));
+    let full = n / 8 * 8;
+    let mut acc = [_mm256_setzero_ps(); KEYS_PER_STEP];
+    let mut c = 0;
+    while c < full {
+        let x = _mm256_loadu_ps(q.as_ptr().add(c));
+        for (a, k) in acc.iter_mut().zip(keys) {
+            *a = _mm256_add_ps(*a, _mm256_mul_ps(x, _mm256_loadu_ps(k.as_ptr().add(c))));
+        }
+        c += 8;
+    }
+    // Per key [a0 + a4, a1 + a5, a2 + a6, a3 + a7]; transposed so that p[i] holds pair sum i of
+    // every key.
+    let mut h = [_mm_setzero_ps(); KEYS_PER_STEP];
+    for (h, a) in h.iter_mut().zip(&acc) {
+        *h = _mm_add_ps(_mm256_castps256_ps128(*a), _mm256_extractf128_ps::<1>(*a));
+    }
+    let (t0, t1) = (_mm_unpacklo_ps(h[0], h[1]), _mm_unpacklo_ps(h[2], h[3]));
+    let (t2, t3) = (_mm_unpackhi_ps(h[0], h[1]), _mm_unpackhi_ps(h[2], h[3]));
+    let p = [_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0), _mm_movelh_ps(t2, t3), _mm_movehl_ps(t3, t2)];
+    let sums = _mm_add_ps(_mm_add_ps(_mm_add_ps(p[0], p[1]), p[2]), p[3]);
+    let mut out = [0.0f32; KEYS_PER_STEP];
+    _mm_storeu_ps(out.as_mut_ptr(), sums);
+    for (o, k) in out.iter_mut().zip(keys) {
+        let tail: f32 = q[full..].iter().zip(&k[full..]).map(|(x, y)| x * y).sum();
+        *o += tail;
+    }
+    out
 }
 
 #[inline(always)]
-fn attend_impl<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
+fn attend_impl<T: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
     // Plain loops, no closures: a closure would not inherit the AVX2 target features.
     let hd = kv.hd;
     let (mut lo, mut hi) = (usize::MAX, 0);
@@ -236,35 +323,108 @@ fn attend_impl<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: 
         lo = lo.min(*qr.rows.start());
         hi = hi.max(*qr.rows.end());
     }
-    let mut buf = vec![0.0f32; if T::WIDENS { hd } else { 0 }]; // empty: no allocation
+    let mut buf = vec![0.0f32; if T::WIDENS { KEYS_PER_STEP.max(VALUES_PER_STEP) * hd } else { 0 }]; // empty: no allocation
     let mut scores: Vec<Vec<f32>> = Vec::with_capacity(queries.len());
     for qr in queries {
         scores.push(Vec::with_capacity(qr.rows.end() + 1 - qr.rows.start()));
     }
-    for j in lo..=hi {
-        let at = j * kv.stride + kv.offset;
-        let key = T::as_f32(&kv.k[at..at + hd], &mut buf);
+    let mut j = lo;
+    while j <= hi {
+        let step = KEYS_PER_STEP.min(hi + 1 - j);
+        let keys: [&[f32]; KEYS_PER_STEP] = kv.rows(kv.k, j..j + step, &mut buf);
         for (qr, s) in queries.iter().zip(scores.iter_mut()) {
-            if qr.rows.contains(&j) {
-                s.push(dot_f32_impl(&q[qr.at..qr.at + hd], key) * scale);
+            let qv = &q[qr.at..qr.at + hd];
+            if step == KEYS_PER_STEP && qr.rows.contains(&j) && qr.rows.contains(&(j + KEYS_PER_STEP - 1)) {
+                for d in dot4::<AVX>(qv, &keys) {
+                    s.push(d * scale);
+                }
+            } else {
+                for (i, key) in keys.iter().enumerate().take(step) {
+                    if qr.rows.contains(&(j + i)) {
+                        s.push(dot_f32_impl(qv, key) * scale);
+                    }
+                }
             }
         }
+        j += step;
     }
     let mut probs = Vec::with_capacity(queries.len());
     for s in &scores {
         probs.push(softmax(s));
     }
     let mut out = vec![0.0f32; queries.len() * hd];
-    for j in lo..=hi {
-        let at = j * kv.stride + kv.offset;
-        let value = T::as_f32(&kv.v[at..at + hd], &mut buf);
+    let mut j = lo;
+    while j <= hi {
+        let step = VALUES_PER_STEP.min(hi + 1 - j);
+        let values: [&[f32]; VALUES_PER_STEP] = kv.rows(kv.v, j..j + step, &mut buf);
         for (i, qr) in queries.iter().enumerate() {
-            if qr.rows.contains(&j) {
-                axpy_f32_impl(&mut out[i * hd..(i + 1) * hd], probs[i][j - qr.rows.start()], value);
+            // The query's rows among j..j + step: one run.
+            let (a, b) = ((*qr.rows.start()).max(j), (*qr.rows.end() + 1).min(j + step));
+            if a < b {
+                let first = *qr.rows.start();
+                axpy_rows::<AVX>(&mut out[i * hd..(i + 1) * hd], &probs[i][a - first..b - first], &values[a - j..b - j]);
             }
         }
+        j += step;
     }
     out
+}
+
+/// `y += w[r] * rows[r]` for each row in order (per element a multiply, then an add: the bits of
+/// `axpy_f32_impl` row after row); with `AVX` (only from `attend_avx2`) each 8 outputs stay in a
+/// register across the rows.
+#[inline(always)]
+fn axpy_rows<const AVX: bool>(y: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX {
+        // SAFETY: AVX is true only inside `attend_avx2`, entered when the CPU has AVX2; every row
+        // is as long as `y` (rows of `hd`).
+        return unsafe { axpy_rows_avx2(y, w, rows) };
+    }
+    for (a, x) in w.iter().zip(rows) {
+        axpy_f32_impl(y, *a, x);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn axpy_rows_avx2(y: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+    use std::arch::x86_64::*;
+    let n = y.len();
+    debug_assert!(w.len() == rows.len() && rows.iter().all(|r| r.len() == n));
+    let full = n / 8 * 8;
+    let mut c = 0;
+    // 32 outputs at a time: four independent sums per row, so the adds overlap.
+    while c + 32 <= full {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(y.as_ptr().add(c + 8 * l));
+        }
+        for (a, x) in w.iter().zip(rows) {
+            let a = _mm256_set1_ps(*a);
+            for (l, s) in acc.iter_mut().enumerate() {
+                *s = _mm256_add_ps(*s, _mm256_mul_ps(a, _mm256_loadu_ps(x.as_ptr().add(c + 8 * l))));
+            }
+        }
+        for (l, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(y.as_mut_ptr().add(c + 8 * l), *a);
+        }
+        c += 32;
+    }
+    while c < full {
+        let mut acc = _mm256_loadu_ps(y.as_ptr().add(c));
+        for (a, x) in w.iter().zip(rows) {
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(*a), _mm256_loadu_ps(x.as_ptr().add(c))));
+        }
+        _mm256_storeu_ps(y.as_mut_ptr().add(c), acc);
+        c += 8;
+    }
+    for (a, x) in w.iter().zip(rows) {
+        for (o, v) in y[full..].iter_mut().zip(&x[full..]) {
+            *o += a * v;
+        }
+    }
 }
 
 pub fn softmax(x: &[f32]) -> Vec<f32> {
@@ -396,6 +556,63 @@ mod tests {
             let alone: Vec<f32> = pos.iter().enumerate().flat_map(|(t, p)| attention(&q[t * nh * hd..(t + 1) * nh * hd], &[*p], &k, &v, len, &c).unwrap()).collect();
             assert_eq!(together.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "window {window}");
             assert!(together.iter().all(|x| x.is_finite()) && together.iter().any(|x| *x != 0.0));
+        }
+    }
+
+    /// Attention as the plain loops say it (per query: scaled `dot_f32` scores in row order, the
+    /// softmax, then the value rows added in order, a multiply then an add per element) has the
+    /// bits of `attention`, whose AVX2 body scores four keys and adds eight value rows at a time.
+    /// Head sizes with and without 32-wide blocks, single 8-wide chunks and a scalar tail; f32
+    /// and f16 caches; a sliding window.
+    #[test]
+    fn attention_has_the_bits_of_the_plain_loops() {
+        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 3.0;
+        #[cfg(target_arch = "x86_64")]
+        eprintln!("AVX2 body {}", if crate::cpu::qdot::has_avx2() { "checked" } else { "absent: portable body checked" });
+        for (hd, window) in [(64, 0), (20, 0), (40, 7), (3, 0)] {
+            let (nh, nkv, len) = (4, 2, 29);
+            let pos: Vec<usize> = vec![0, 1, 2, 13, 14, 28, 27, 26, 25, 9];
+            let q: Vec<f32> = (0..pos.len() * nh * hd).map(|i| val(i, 1)).collect();
+            let (k, v): (Vec<f32>, Vec<f32>) = ((0..len * nkv * hd).map(|i| val(i, 2)).collect(), (0..len * nkv * hd).map(|i| val(i, 3)).collect());
+            let (kh, vh): (Vec<half::f16>, Vec<half::f16>) = (k.iter().map(|x| half::f16::from_f32(*x)).collect(), v.iter().map(|x| half::f16::from_f32(*x)).collect());
+            let (kr, vr): (Vec<f32>, Vec<f32>) = (kh.iter().map(|x| x.to_f32()).collect(), vh.iter().map(|x| x.to_f32()).collect());
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window };
+            let plain = |k: &[f32], v: &[f32]| -> Vec<u32> {
+                let mut out = vec![0.0f32; pos.len() * nh * hd];
+                for (t, &p) in pos.iter().enumerate() {
+                    for h in 0..nh {
+                        let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+                        let at = |j: usize| j * nkv * hd + (h / (nh / nkv)) * hd;
+                        let qv = &q[(t * nh + h) * hd..][..hd];
+                        let scores: Vec<f32> = (first..=p).map(|j| dot_f32_impl(qv, &k[at(j)..][..hd]) * (1.0 / (hd as f32).sqrt())).collect();
+                        let o = &mut out[(t * nh + h) * hd..][..hd];
+                        for (j, w) in (first..=p).zip(softmax(&scores)) {
+                            for (o, x) in o.iter_mut().zip(&v[at(j)..][..hd]) {
+                                *o += w * x;
+                            }
+                        }
+                    }
+                }
+                out.iter().map(|x| x.to_bits()).collect()
+            };
+            let bits = |x: Vec<f32>| x.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(attention(&q, &pos, &k, &v, len, &c).unwrap()), plain(&k, &v), "f32 cache, hd {hd}, window {window}");
+            assert_eq!(bits(attention(&q, &pos, &kh, &vh, len, &c).unwrap()), plain(&kr, &vr), "f16 cache, hd {hd}, window {window}");
+        }
+    }
+
+    /// The tiled transpose moves every value to its place for shapes that fill no tile, several
+    /// and a partial one.
+    #[test]
+    fn transpose_puts_every_value_in_its_place() {
+        for (n, m) in [(1, 3), (5, 2), (16, 16), (37, 53), (576, 19)] {
+            let y_t: Vec<f32> = (0..n * m).map(|i| i as f32).collect();
+            let y = transpose(&y_t, n, m);
+            for r in 0..n {
+                for t in 0..m {
+                    assert_eq!(y[t * n + r], y_t[r * m + t], "n {n} m {m} r {r} t {t}");
+                }
+            }
         }
     }
 }
