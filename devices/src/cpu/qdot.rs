@@ -157,7 +157,9 @@ impl BlockDot for Portable {
 }
 
 #[cfg(target_arch = "x86_64")]
-struct Avx2;
+/// The AVX2 block dots; with `VNNI` each block's four-products-per-lane sum is one AVX-VNNI
+/// instruction instead of two (exact integer sums either way, so the same bits).
+struct Avx2<const VNNI: bool>;
 
 /// One block's weights for `_mm256_maddubs_epi16` (u8 times i8): their magnitudes, and, where
 /// any may be negative, the weights themselves (whose signs go onto the activations).
@@ -182,7 +184,7 @@ impl Avx2W {
 // SAFETY (every `unsafe` block of this impl): only reached from `dot_rows_block_avx2`, which runs after
 // the AVX2/FMA check; each method asserts the lengths it reads.
 #[cfg(target_arch = "x86_64")]
-impl BlockDot for Avx2 {
+impl<const VNNI: bool> BlockDot for Avx2<VNNI> {
     type I = std::arch::x86_64::__m256i;
     type F = std::arch::x86_64::__m256;
     type W = Avx2W;
@@ -276,7 +278,12 @@ impl BlockDot for Avx2 {
                 Some(s) => _mm256_sign_epi8(xv, s),
                 None => xv,
             };
-            _mm256_madd_epi16(_mm256_maddubs_epi16(w.mag, xs), _mm256_set1_epi16(1))
+            if VNNI {
+                // The same four products per lane summed straight into i32.
+                _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w.mag, xs)
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w.mag, xs), _mm256_set1_epi16(1))
+            }
         }
     }
     #[inline(always)]
@@ -333,6 +340,10 @@ pub fn dot_rows<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f
 pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
     {
+        if has_avx_vnni() {
+            // SAFETY: the CPU reports avx2, fma, f16c and avxvnni.
+            return unsafe { dot_rows_block_vnni(ty, rows, row_bytes, xs, out, stride) };
+        }
         if has_avx2() {
             // SAFETY: the CPU reports avx2, fma and f16c.
             return unsafe { dot_rows_block_avx2(ty, rows, row_bytes, xs, out, stride) };
@@ -344,7 +355,13 @@ pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usiz
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_rows_block_avx2<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
-    dot_rows_block_impl::<Avx2, T>(ty, rows, row_bytes, xs, out, stride)
+    dot_rows_block_impl::<Avx2<false>, T>(ty, rows, row_bytes, xs, out, stride)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn dot_rows_block_vnni<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
+    dot_rows_block_impl::<Avx2<true>, T>(ty, rows, row_bytes, xs, out, stride)
 }
 
 #[inline(always)]
@@ -361,10 +378,22 @@ fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], r
 /// The block-dot path this machine runs (for report provenance).
 pub fn path_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
+    if has_avx_vnni() {
+        return "AVX2+FMA block dots with AVX-VNNI";
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         return "AVX2+FMA block dots";
     }
     "portable block dots"
+}
+
+/// AVX2 and AVX-VNNI (256-bit `vpdpbusd`).
+#[cfg(target_arch = "x86_64")]
+fn has_avx_vnni() -> bool {
+    use std::sync::OnceLock;
+    static F: OnceLock<bool> = OnceLock::new();
+    *F.get_or_init(|| has_avx2() && is_x86_feature_detected!("avxvnni"))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -712,7 +741,13 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn all_lanes_avx2(t: &Block) -> Vec<[i32; 8]> {
-        all_lanes::<Avx2>(t)
+        all_lanes::<Avx2<false>>(t)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn all_lanes_vnni(t: &Block) -> Vec<[i32; 8]> {
+        all_lanes::<Avx2<true>>(t)
     }
 
     /// Each block form's eight lanes, AVX2 against portable (random blocks: every nibble, high
@@ -722,7 +757,7 @@ mod tests {
         let mut next = lcg(1);
         // Activations (and Q8_0 weights) come from the Q8_0 quantizer: always within -127..=127.
         let mut i8s = |n: usize, lo: i32, hi: i32| -> Vec<i8> { (0..n).map(|_| (lo + (next() % (hi - lo + 1) as u32) as i32) as i8).collect() };
-        let mut compared = 0;
+        let (mut compared, mut compared_vnni) = (0, 0);
         for round in 0..500 {
             let bytes: Vec<u8> = i8s(64, -128, 127).into_iter().map(|v| v as u8).collect();
             let t = Block {
@@ -744,10 +779,17 @@ mod tests {
                 assert_eq!(unsafe { all_lanes_avx2(&t) }, want, "round {round}");
                 compared += 1;
             }
+            #[cfg(target_arch = "x86_64")]
+            if has_avx_vnni() {
+                // SAFETY: the CPU reports AVX2, FMA, F16C and AVX-VNNI (checked just above).
+                assert_eq!(unsafe { all_lanes_vnni(&t) }, want, "AVX-VNNI, round {round}");
+                compared_vnni += 1;
+            }
         }
         if compared == 0 {
             eprintln!("no AVX2 on this CPU: only the portable lanes were checked (against their definition)");
         }
+        eprintln!("AVX2 lanes checked in {compared} rounds, AVX-VNNI lanes in {compared_vnni}");
     }
 
     /// Whole rows of every quantized type (random bytes, so every nibble, high bit and 6-bit
@@ -764,10 +806,23 @@ mod tests {
         let checked = for_random_rows(7, 200, |ty, row, next| {
             let x = random_q8(next);
             let want = dot_rows_impl::<Portable, 1>(ty, row, [&x])[0];
-            let got = dot_row(ty, row, &x);
-            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{ty:?}: AVX2 {got} vs portable {want}");
+            let same = |got: f32, path: &str| assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{ty:?}: {path} {got} vs portable {want}");
+            #[cfg(target_arch = "x86_64")]
+            {
+                let mut got = [0.0f32];
+                // SAFETY: the CPU reports AVX2, FMA and F16C (checked above); one row of `row_bytes`.
+                unsafe { dot_rows_block_avx2(ty, row, row.len(), [&x], &mut got, 1) };
+                same(got[0], "AVX2");
+                if has_avx_vnni() {
+                    // SAFETY: the CPU reports AVX-VNNI too.
+                    unsafe { dot_rows_block_vnni(ty, row, row.len(), [&x], &mut got, 1) };
+                    same(got[0], "AVX-VNNI");
+                }
+            }
+            same(dot_row(ty, row, &x), path_name());
         });
         assert_eq!(checked, 8 * 200);
+        eprintln!("checked: {}", path_name());
     }
 
     const K: usize = 2 * QK_K;
