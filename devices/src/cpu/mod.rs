@@ -48,9 +48,12 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
     use rayon::prelude::*;
     let k = w.cols;
     let xrow = |t: usize| &x[t * x_stride..t * x_stride + k];
+    if !qdot::is_float(w.ty) {
+        return matmul_packed_group(x, m, x_stride, &[w]).pop().unwrap_or_default();
+    }
     let row_bytes = w.bytes.len() / w.rows.max(1);
     let mut y_t = vec![0.0f32; w.rows * m];
-    if qdot::is_float(w.ty) && m == 1 && qdot::has_fused_float_dot() {
+    if m == 1 && qdot::has_fused_float_dot() {
         // One token: each row is used once, so widen its weights in registers as they are used.
         y_t.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, o)| {
             for (dr, v) in o.iter_mut().enumerate() {
@@ -58,7 +61,7 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
                 *v = qdot::dot_float_row(w.ty, &w.bytes[r * row_bytes..(r + 1) * row_bytes], xrow(0));
             }
         });
-    } else if qdot::is_float(w.ty) {
+    } else {
         y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| {
             let mut wr = vec![0.0f32; k];
             for (dr, orow) in o.chunks_mut(m).enumerate() {
@@ -69,11 +72,19 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
                 }
             }
         });
-    } else {
-        let xq: Vec<qdot::Q8Row> = (0..m).map(|t| qdot::quantize_q8(xrow(t))).collect();
-        y_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, o)| quantized_task(&w, &xq, c, o));
     }
     kernels::transpose(&y_t, w.rows, m)
+}
+
+/// The rows of `x` (`stride` values apart, `k` used) quantized to Q8_0, token by token in
+/// parallel when there are several.
+fn quantize_rows(x: &[f32], m: usize, stride: usize, k: usize) -> Vec<qdot::Q8Row> {
+    use rayon::prelude::*;
+    let row = |t: usize| qdot::quantize_q8(&x[t * stride..t * stride + k]);
+    if m == 1 {
+        return vec![row(0)];
+    }
+    (0..m).into_par_iter().with_min_len(4).map(row).collect()
 }
 
 /// Rows `c * ROWS_PER_TASK ..` of a quantized matmul into `o` (`[rows][m]`).
@@ -99,13 +110,16 @@ fn quantized_task(w: &Packed, xq: &[qdot::Q8Row], c: usize, o: &mut [f32]) {
 /// [`matmul_packed`] of the same `x` by several matrices (Q, K, V; gate, up): when all are
 /// quantized, `x` is quantized once and all their rows go through one parallel loop (one
 /// fork-join instead of one per matrix). Each output holds the bits of its own call.
-pub fn matmul_packed_group(x: &[f32], m: usize, ws: &[Packed]) -> Vec<Vec<f32>> {
+/// `x`'s rows are `x_stride` values apart.
+pub fn matmul_packed_group(x: &[f32], m: usize, x_stride: usize, ws: &[Packed]) -> Vec<Vec<f32>> {
     use rayon::prelude::*;
-    if m == 0 || ws.iter().any(|w| qdot::is_float(w.ty) || w.cols != ws[0].cols) {
-        return ws.iter().map(|w| matmul_packed(x, m, *w)).collect();
+    if m == 0 {
+        return ws.iter().map(|_| Vec::new()).collect();
     }
-    let k = ws[0].cols;
-    let xq: Vec<qdot::Q8Row> = (0..m).map(|t| qdot::quantize_q8(&x[t * k..(t + 1) * k])).collect();
+    if ws.iter().any(|w| qdot::is_float(w.ty) || w.cols != ws[0].cols) {
+        return ws.iter().map(|w| matmul_packed_strided(x, m, x_stride, *w)).collect();
+    }
+    let xq = quantize_rows(x, m, x_stride, ws[0].cols);
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; w.rows * m]).collect();
     let tasks: Vec<(usize, usize, &mut [f32])> =
         ys.iter_mut().enumerate().flat_map(|(i, y)| y.chunks_mut(ROWS_PER_TASK * m).enumerate().map(move |(c, o)| (i, c, o))).collect();
@@ -311,7 +325,7 @@ mod tests {
         let packed: Vec<Packed> = mats.iter().map(|(ty, rows, b)| Packed { ty: *ty, rows: *rows, cols: k, bytes: b }).collect();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for group in [&packed[..3], &packed[..]] {
-            let together = matmul_packed_group(&x, m, group);
+            let together = matmul_packed_group(&x, m, k, group);
             assert_eq!(together.len(), group.len());
             for (w, y) in group.iter().zip(&together) {
                 assert_eq!(bits(y), bits(&matmul_packed(&x, m, *w)), "{:?} in a group of {}", w.ty, group.len());

@@ -223,7 +223,7 @@ impl CpuModel {
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
-        let [gate, up] = matmul_packed_group(h, m, &[f.gate.view(), f.up.view()]).try_into().expect("two outputs");
+        let [gate, up] = matmul_packed_group(h, m, f.gate.cols, &[f.gate.view(), f.up.view()]).try_into().expect("two outputs");
         let act_fn = match self.spec.activation {
             Activation::Silu => kernels::silu,
             Activation::GeluTanh => kernels::gelu_tanh,
@@ -337,7 +337,7 @@ impl CpuModel {
                         record(taps, &name("attn_norm"), start, m, d, &h);
                     }
                     Stage::QkvProj => {
-                        [q, k, v] = matmul_packed_group(&h, m, &[layer.wq.view(), layer.wk.view(), layer.wv.view()]).try_into().expect("three outputs");
+                        [q, k, v] = matmul_packed_group(&h, m, layer.wq.cols, &[layer.wq.view(), layer.wk.view(), layer.wv.view()]).try_into().expect("three outputs");
                         if let Some([bq, bk, bv]) = &layer.bias {
                             q = kernels::add_broadcast(&q, bq);
                             k = kernels::add_broadcast(&k, bk);

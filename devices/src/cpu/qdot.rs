@@ -16,25 +16,90 @@ pub struct Q8Row {
     pub dsum: Vec<f32>,
 }
 
-/// Quantizes `x` (length a multiple of 32) to Q8_0 blocks.
+/// Quantizes `x` (length a multiple of 32) to Q8_0 blocks: per block `d = amax / 127` (stored
+/// f16-rounded) and `q = round(x / d)` computed as `x * (1 / d)`, rounded half away from zero.
+/// On AVX2 machines the blocks whose values are all finite go through 8-lane code with the same
+/// bits (max is exact, `x * id` is one rounding either way, and the rounding is done exactly).
 pub fn quantize_q8(x: &[f32]) -> Q8Row {
     let nb = x.len() / 32;
     let mut r = Q8Row { q: vec![0; x.len()], d: vec![0.0; nb], dsum: vec![0.0; nb] };
     for b in 0..nb {
         let xs = &x[32 * b..32 * b + 32];
-        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut s = 0i32;
-        for (j, v) in xs.iter().enumerate() {
-            let q = (v * id).round() as i32; // |v*id| <= 127 by construction
-            r.q[32 * b + j] = q as i8;
-            s += q;
+        let q: &mut [i8; 32] = (&mut r.q[32 * b..32 * b + 32]).try_into().expect("32 values");
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU reports avx2, fma and f16c.
+            if let Some((d, s)) = unsafe { quantize_block_avx2(xs, q) } {
+                (r.d[b], r.dsum[b]) = (d, d * s as f32);
+                continue;
+            }
         }
-        r.d[b] = f16::from_f32(d).to_f32();
-        r.dsum[b] = r.d[b] * s as f32;
+        let (d, s) = quantize_block(xs, q);
+        (r.d[b], r.dsum[b]) = (d, d * s as f32);
     }
     r
+}
+
+/// One block: its f16-rounded scale and the sum of its quantized values.
+fn quantize_block(xs: &[f32], q: &mut [i8; 32]) -> (f32, i32) {
+    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut s = 0i32;
+    for (o, v) in q.iter_mut().zip(xs) {
+        let v = (v * id).round() as i32; // |v*id| <= 127 by construction
+        *o = v as i8;
+        s += v;
+    }
+    (f16::from_f32(d).to_f32(), s)
+}
+
+/// `quantize_block` for a block of finite values (`None`, nothing written, otherwise).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_block_avx2(xs: &[f32], q: &mut [i8; 32]) -> Option<(f32, i32)> {
+    use std::arch::x86_64::*;
+    assert!(xs.len() >= 32);
+    let sign = _mm256_set1_ps(-0.0);
+    let mut v = [_mm256_setzero_ps(); 4];
+    for (i, v) in v.iter_mut().enumerate() {
+        *v = _mm256_loadu_ps(xs.as_ptr().add(8 * i));
+    }
+    let mut m = _mm256_setzero_ps();
+    let mut bad = _mm256_setzero_ps();
+    for v in v {
+        let a = _mm256_andnot_ps(sign, v);
+        m = _mm256_max_ps(m, a);
+        // Infinite or NaN: not (|v| <= f32::MAX).
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_NLE_UQ>(a, _mm256_set1_ps(f32::MAX)));
+    }
+    if _mm256_movemask_ps(bad) != 0 {
+        return None;
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+    let amax = lanes.iter().fold(0.0f32, |a, b| a.max(*b));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let mut qi = [_mm256_setzero_si256(); 4];
+    for (o, v) in qi.iter_mut().zip(v) {
+        // Round half away from zero: truncate, then step away from zero when the dropped part
+        // (exact: `p` minus its own integer part) is at least one half.
+        let p = _mm256_mul_ps(v, id);
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(p);
+        let up = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half);
+        let step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(p, sign)));
+        *o = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+    }
+    let total = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    let mut sums = [0i32; 8];
+    _mm256_storeu_si256(sums.as_mut_ptr() as *mut __m256i, total);
+    // i32 -> i16 -> i8 packs interleave 128-bit lanes; the permute restores element order.
+    let packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, ordered);
+    Some((f16::from_f32(d).to_f32(), sums.iter().sum()))
 }
 
 #[inline(always)]
@@ -846,6 +911,34 @@ mod tests {
     /// `K` activations in [-1, 1], quantized.
     fn random_q8(next: &mut dyn FnMut() -> u32) -> Q8Row {
         quantize_q8(&(0..K).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>())
+    }
+
+    /// `quantize_q8` (8-lane blocks where all values are finite) against the plain per-block
+    /// quantizer: random blocks, exact ties (amax 127 makes the scale 1, so `k + 0.5` must round
+    /// away from zero), values just under a half, zeros, signed zeros, and blocks holding an
+    /// infinity or a NaN.
+    #[test]
+    fn quantized_activations_equal_the_plain_quantizer() {
+        let mut next = lcg(5);
+        let mut blocks: Vec<Vec<f32>> = (0..300).map(|_| (0..32).map(|_| (next() % 200001) as f32 / 1000.0 - 100.0).collect()).collect();
+        let ties: Vec<f32> = (0..32).map(|j| if j == 0 { 127.0 } else { (j as f32 - 16.0) * 7.0 + if j % 2 == 0 { 0.5 } else { -0.5 } }).collect();
+        let near: Vec<f32> = (0..32).map(|j| if j == 5 { -127.0 } else { f32::from_bits(0.5f32.to_bits() - 1 + (j % 3) as u32) * if j % 2 == 0 { 1.0 } else { -1.0 } }).collect();
+        blocks.extend([ties, near, vec![0.0; 32], vec![-0.0; 32]]);
+        for special in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            blocks.push((0..32).map(|j| if j == 9 { special } else { j as f32 - 3.0 }).collect());
+        }
+        let x: Vec<f32> = blocks.concat();
+        let got = quantize_q8(&x);
+        for (b, xs) in x.chunks_exact(32).enumerate() {
+            let mut q = [0i8; 32];
+            let (d, s) = quantize_block(xs, &mut q);
+            assert_eq!((&got.q[32 * b..32 * b + 32], got.d[b].to_bits()), (&q[..], d.to_bits()), "block {b}: {xs:?}");
+            assert!(got.dsum[b].to_bits() == (d * s as f32).to_bits() || d.is_nan(), "block {b}");
+        }
+        let ties = &got.q[300 * 32..301 * 32];
+        assert_eq!((ties[2], ties[3], ties[1]), (-98, -92, -106), "-97.5, -91.5 and -105.5 round away from zero");
+        #[cfg(target_arch = "x86_64")]
+        eprintln!("8-lane quantizer {}", if has_avx2() { "checked" } else { "absent: plain one only" });
     }
 
     /// Several tokens through one call (each block's weights unpacked once for all) against
