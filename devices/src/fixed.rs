@@ -438,7 +438,7 @@ impl FixedModel {
             if t.n_elements() as usize != rows * cols || t.dims[0] as usize != cols {
                 return Err(model_err(format!("tensor `{name}` has dims {:?}", t.dims)));
             }
-            Ok(convert_weights(t.ty, rows, cols, g.weight_bytes(t).map_err(model_err)?, int4 && cols % INT4_GROUP == 0))
+            Ok(convert_weights(t.ty, rows, cols, g.weight_bytes(t).map_err(model_err)?, int4 && cols.is_multiple_of(INT4_GROUP)))
         };
         let vecq = |name: &str, n: usize, frac: u32| -> Result<Vec<i64>, DeviceError> {
             let t = g.tensor(name).ok_or_else(|| model_err(format!("missing tensor `{name}`")))?;

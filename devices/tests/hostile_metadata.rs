@@ -122,7 +122,7 @@ fn metadata_that_would_silently_drop_weights_or_resize_heads_is_refused() {
     // A tensor no loader reads (Llama 3.1's RoPE frequency factors; a bias on one layer only).
     use oracle::gguf::{GgufFile, GgufWriter};
     use oracle::quant::GgmlType;
-    let g = GgufFile::open(&fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
+    let g = GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
     for (extra, want) in [("rope_freqs.weight", "RoPE frequency factors"), ("blk.1.attn_q.bias", "a llama model with this metadata reads no such weight")] {
         let mut w = GgufWriter::new();
         for (k, v) in &g.metadata {
@@ -152,7 +152,7 @@ fn retyped_metadata_is_refused_naming_the_key_never_read_as_its_default() {
     let path = dir.path().join("retyped.gguf");
     let mut checked = 0;
     for fixture in ["tiny-llama", "tiny-qwen3", "tiny-moe"] {
-        let g = GgufFile::open(&fixtures::resolve(fixture, true).unwrap()).unwrap();
+        let g = GgufFile::open(fixtures::resolve(fixture, true).unwrap()).unwrap();
         for key in g.metadata.keys().filter(|k| !k.starts_with("general.")) {
             let retyped = match &g.metadata[key] {
                 Value::String(_) | Value::Bool(_) | Value::Array(_) => Value::U32(1),

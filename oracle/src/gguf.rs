@@ -242,7 +242,7 @@ impl<'a> Cursor<'a> {
                 let min_item = match item_ty {
                     0 | 1 | 7 => 1,
                     2 | 3 => 2,
-                    4 | 5 | 6 => 4,
+                    4..=6 => 4,
                     8 | 10 | 11 | 12 => 8,
                     9 => 12,
                     t => return Err(self.err(field, at, format!("unknown array item type {t}"))),
@@ -430,7 +430,7 @@ impl GgufFile {
         let bytes = self.tensor_bytes(info);
         let (ts, bs) = (info.ty.type_size(), info.ty.block_size());
         let per = bytes.len() / parts.max(1);
-        if parts == 0 || part >= parts || bytes.len() % parts != 0 || per % ts != 0 {
+        if parts == 0 || part >= parts || !bytes.len().is_multiple_of(parts) || !per.is_multiple_of(ts) {
             return Err(OracleError::Spec(format!("{}: tensor `{}` ({} bytes) does not split into {parts} parts of whole {} blocks", self.path, info.name, bytes.len(), info.ty.name())));
         }
         let slice = &bytes[part * per..(part + 1) * per];

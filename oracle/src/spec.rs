@@ -143,10 +143,10 @@ impl ModelSpec {
         pos(self.n_head, "n_head")?;
         pos(self.n_head_kv, "n_head_kv")?;
         pos(self.head_dim, "head_dim")?;
-        if self.n_head % self.n_head_kv != 0 {
+        if !self.n_head.is_multiple_of(self.n_head_kv) {
             return Err(spec_err(format!("n_head {} is not a multiple of n_head_kv {}", self.n_head, self.n_head_kv)));
         }
-        if self.rope.n_rot > self.head_dim || self.rope.n_rot % 2 != 0 {
+        if self.rope.n_rot > self.head_dim || !self.rope.n_rot.is_multiple_of(2) {
             return Err(spec_err(format!("rope n_rot {} must be even and at most head_dim {}", self.rope.n_rot, self.head_dim)));
         }
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
@@ -379,7 +379,7 @@ impl ModelSpec {
         };
         let n_embd = req("hidden_size")?;
         let n_head = req("num_attention_heads")?;
-        let head_dim = u("head_dim")?.unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+        let head_dim = u("head_dim")?.unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
         let ctx = u("max_position_embeddings")?.unwrap_or(4096);
         // RoPE: `rope_theta` and `rope_scaling` at the top level, or (newer transformers) both
         // in `rope_parameters`.

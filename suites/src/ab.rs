@@ -9,6 +9,7 @@
 //! - `faster`: the mirror image;
 //! - `inconclusive`: anything else — then `pairs_needed` estimates how many pairs would decide
 //!   it (the CI half-width shrinks like 1/sqrt(n)).
+//!
 //! Timings are compared as log ratios, so a 2% slowdown and a 2% speed-up are symmetric.
 
 use crate::throughput::median;
@@ -138,7 +139,7 @@ pub fn analyze(ratios: &[f64], threshold: f64, seed: u64) -> AbStats {
 /// Which arm runs first in pair `i` (0-based): ABBA order, pair by pair (A,B then B,A ...), so a
 /// drift of the machine within a pair cancels over two pairs.
 pub fn a_first(pair: usize) -> bool {
-    pair % 2 == 0
+    pair.is_multiple_of(2)
 }
 
 /// Simulated pairs for the statistical-validity tests and docs/BENCHMARKS.md: the log of each

@@ -52,7 +52,7 @@ struct Shape {
 
 /// A weight type a `[rows, cols]` matrix can take (K-quants need 256-wide rows, the others 32).
 fn weight_type(cols: usize, pick: u64) -> GgmlType {
-    let ok: Vec<GgmlType> = GgmlType::ALL.into_iter().filter(|t| cols % t.block_size() == 0).collect();
+    let ok: Vec<GgmlType> = GgmlType::ALL.into_iter().filter(|t| cols.is_multiple_of(t.block_size())).collect();
     ok[(pick % ok.len() as u64) as usize]
 }
 
@@ -344,7 +344,7 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
     let mut chunks = Vec::new();
     let mut left = n_ids;
     while left > 0 {
-        let n = if s.seed % 2 == 0 { left } else { 1 + (r.next_u64() as usize) % left.min(if n_ids > 30 { 24 } else { 4 }) };
+        let n = if s.seed.is_multiple_of(2) { left } else { 1 + (r.next_u64() as usize) % left.min(if n_ids > 30 { 24 } else { 4 }) };
         chunks.push(n);
         left -= n;
     }

@@ -88,7 +88,7 @@ impl std::fmt::Display for MatmulPlan {
 pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, block: u32) -> MatmulPlan {
     let (kernel, units) = if !crate::cpu::qdot::is_float(ty) {
         ("ts_matmul_q", cols / 32)
-    } else if aligned && row_bytes % 16 == 0 {
+    } else if aligned && row_bytes.is_multiple_of(16) {
         ("ts_matmul_v", row_bytes / 16)
     } else {
         ("ts_matmul", cols)
@@ -392,7 +392,7 @@ impl Gpu {
 
     /// A packed matrix (checked: the bytes must be exactly `rows` rows of `cols` `ty` values).
     pub fn upload_mat(self: &Arc<Self>, ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<GpuMat, String> {
-        if ty.bytes_for((rows * cols) as u64) != Some(bytes.len() as u64) || rows == 0 || cols % ty.block_size() != 0 {
+        if ty.bytes_for((rows * cols) as u64) != Some(bytes.len() as u64) || rows == 0 || !cols.is_multiple_of(ty.block_size()) {
             return Err(format!("{} bytes are not a [{rows}, {cols}] {} matrix", bytes.len(), ty.name()));
         }
         Ok(GpuMat { ty, rows, cols, row_bytes: bytes.len() / rows, buf: self.upload(bytes)? })
@@ -416,7 +416,7 @@ impl Gpu {
 
     /// The kernel and launch shape `matmul` uses for `w` and an `x` at device address `x`.
     pub fn matmul_plan(&self, w: &GpuMat, x: u64, x_stride: usize) -> MatmulPlan {
-        let aligned = w.buf.ptr % 16 == 0 && x % 16 == 0 && x_stride % 4 == 0;
+        let aligned = w.buf.ptr.is_multiple_of(16) && x.is_multiple_of(16) && x_stride.is_multiple_of(4);
         matmul_plan(w.ty, w.cols, w.row_bytes, aligned, self.bs())
     }
 
@@ -544,7 +544,7 @@ impl Gpu {
     /// [`Gpu::rope`] of Q and K (each `(pointer, heads per token)`; K's heads may be 0) in one launch.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_pair(&self, (x, n_head): (u64, usize), (x2, n_head2): (u64, usize), table: &DevBuf, tokens: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
-        if n_rot > hd || n_rot % 2 != 0 || table.bytes != 4 * tokens * n_rot {
+        if n_rot > hd || !n_rot.is_multiple_of(2) || table.bytes != 4 * tokens * n_rot {
             return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} bytes for {tokens} tokens)", table.bytes));
         }
         self.launch_flat(
@@ -573,7 +573,7 @@ impl Gpu {
         if shared > MAX_SHARED_BYTES {
             return Err(format!("attention over {kv_len} cached positions needs {shared} bytes of shared memory (at most {MAX_SHARED_BYTES})"));
         }
-        if cfg.n_head_kv == 0 || cfg.n_head % cfg.n_head_kv != 0 {
+        if cfg.n_head_kv == 0 || !cfg.n_head.is_multiple_of(cfg.n_head_kv) {
             return Err(format!("attention: {} heads over {} kv heads", cfg.n_head, cfg.n_head_kv));
         }
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
@@ -632,7 +632,7 @@ impl Gpu {
 
     /// Copies `n` floats from `src` to `dst` (16 bytes per thread when aligned).
     pub fn copy(&self, src: u64, dst: u64, n: usize) -> Result<(), String> {
-        let vec4 = n % 4 == 0 && src % 16 == 0 && dst % 16 == 0;
+        let vec4 = n.is_multiple_of(4) && src.is_multiple_of(16) && dst.is_multiple_of(16);
         let threads = if vec4 { n / 4 } else { n };
         self.launch_flat("ts_copy", threads, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n as i64), Arg::I32(vec4 as i32)])
     }

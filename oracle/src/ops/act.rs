@@ -37,7 +37,7 @@ pub fn geglu<T: Real>(gate: &[T], up: &[T]) -> Result<Vec<T>> {
 /// Adds `bias: [n]` to every row of `x: [rows, n]`.
 pub fn add_bias<T: Real>(x: &mut [T], bias: &[T]) -> Result<()> {
     let n = bias.len();
-    if n == 0 || x.len() % n != 0 {
+    if n == 0 || !x.len().is_multiple_of(n) {
         return Err(OracleError::Shape(format!("bias of {n} values does not divide a buffer of {}", x.len())));
     }
     for row in x.chunks_mut(n) {
@@ -59,7 +59,7 @@ pub fn add<T: Real>(a: &[T], b: &[T]) -> Result<Vec<T>> {
 /// Softmax over each row of `x: [rows, n]`, max-subtracted, in f64. A row that is all -inf
 /// (fully masked) yields NaN, which callers must not produce.
 pub fn softmax_rows<T: Real>(x: &[T], n: usize) -> Result<Vec<T>> {
-    let rows = if n == 0 { 0 } else { x.len() / n };
+    let rows = x.len().checked_div(n).unwrap_or(0);
     check_len("softmax input", x.len(), rows, n)?;
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks(n.max(1)) {

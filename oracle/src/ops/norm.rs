@@ -8,7 +8,7 @@ use rayon::prelude::*;
 /// RMSNorm: `y = x / sqrt(mean(x^2) + eps) * weight`, with `x: [rows, n]`, `weight: [n]` (or none).
 /// The mean is accumulated in f64 in the fixed lane order; each output is rounded once.
 pub fn rms_norm<T: Real>(x: &[T], n: usize, weight: Option<&[T]>, eps: f64) -> Result<Vec<T>> {
-    let rows = if n == 0 { 0 } else { x.len() / n };
+    let rows = x.len().checked_div(n).unwrap_or(0);
     check_len("rms_norm input", x.len(), rows, n)?;
     if let Some(w) = weight {
         check_len("rms_norm weight", w.len(), 1, n)?;
@@ -27,7 +27,7 @@ pub fn rms_norm<T: Real>(x: &[T], n: usize, weight: Option<&[T]>, eps: f64) -> R
 
 /// LayerNorm: `y = (x - mean) / sqrt(var + eps) * weight + bias` over rows of length `n`.
 pub fn layer_norm<T: Real>(x: &[T], n: usize, weight: Option<&[T]>, bias: Option<&[T]>, eps: f64) -> Result<Vec<T>> {
-    let rows = if n == 0 { 0 } else { x.len() / n };
+    let rows = x.len().checked_div(n).unwrap_or(0);
     check_len("layer_norm input", x.len(), rows, n)?;
     for (name, v) in [("weight", weight), ("bias", bias)] {
         if let Some(v) = v {

@@ -466,7 +466,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
         while pairs.len() < target && failure.is_none() {
             let i = pairs.len();
             let order: [&Runner; 2] = if ab::a_first(i) { [&ra, &rb] } else { [&rb, &ra] };
-            if a.respawn_every > 0 && i > 0 && i % a.respawn_every == 0 {
+            if a.respawn_every > 0 && i > 0 && i.is_multiple_of(a.respawn_every) {
                 // Start the arm that goes first in this pair last, so neither arm always gets the
                 // fresher machine state.
                 for r in [order[1], order[0]] {

@@ -63,6 +63,7 @@ pub fn resolve_model(model: &str) -> Result<PathBuf, Exit> {
 
 /// What a model runs on: the oracle, or a device's own model (which loads its own weights, so the
 /// oracle's f32 copy is never built for device runs).
+#[allow(clippy::large_enum_variant)] // one per command, never in a collection
 pub enum Engine {
     Oracle(AnyModel),
     Device(Box<dyn devices::DeviceModel>),
