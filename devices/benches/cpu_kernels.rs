@@ -1,7 +1,9 @@
 //! Criterion microbenchmarks of the `cpu` device's hot kernel: the matrix-vector product on packed
 //! quantized weights (Q8_0 activations x Q4_1 / Q5_0 / Q8_0 / K-quant blocks) at SmolLM2's shapes, so a
 //! kernel change can be judged before the end-to-end A/B; and the same products for a 32-token
-//! prefill (`cpu_gemm`). `cargo bench -p devices`.
+//! prefill (`cpu_gemm`); and attention for one decode step after 1,000 positions over 30 layers'
+//! caches (more than the last-level cache holds, as in a real step), f32 and f16
+//! (`cpu_attention_decode`). `cargo bench -p devices`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use devices::cpu::{matmul_packed, Packed};
@@ -36,5 +38,31 @@ fn gemm(c: &mut Criterion) {
     products(c, "cpu_gemm_32_tokens", 32, &[GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K]);
 }
 
-criterion_group!(benches, gemv, gemm);
+/// SmolLM2's attention shape (9 query heads, 3 KV heads of 64), one query at position 999 of 30
+/// layers' caches: the attention of one decode step.
+fn attention_decode(c: &mut Criterion) {
+    use devices::cpu::kernels::{attention, AttnCfg, KvValue};
+    fn run<T: KvValue>(g: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>, name: &str, conv: fn(f32) -> T) {
+        let (layers, len, cfg) = (30, 1000, AttnCfg { n_head: 9, n_head_kv: 3, head_dim: 64, window: 0 });
+        let width = cfg.n_head_kv * cfg.head_dim;
+        let caches: Vec<(Vec<T>, Vec<T>)> = (0..layers)
+            .map(|l| (vals(len * width, 2 * l as u32).into_iter().map(conv).collect(), vals(len * width, 2 * l as u32 + 1).into_iter().map(conv).collect()))
+            .collect();
+        let q = vals(cfg.n_head * cfg.head_dim, 3);
+        g.throughput(Throughput::Bytes((layers * 2 * len * width * std::mem::size_of::<T>()) as u64));
+        g.bench_function(format!("{name} 30 layers x 1000 positions"), |bn| {
+            bn.iter(|| {
+                for (k, v) in &caches {
+                    black_box(attention(black_box(&q), &[len - 1], k, v, len, &cfg).expect("shapes"));
+                }
+            })
+        });
+    }
+    let mut g = c.benchmark_group("cpu_attention_decode");
+    run::<f32>(&mut g, "f32 cache", |x| x);
+    run::<half::f16>(&mut g, "f16 cache", half::f16::from_f32);
+    g.finish();
+}
+
+criterion_group!(benches, gemv, gemm, attention_decode);
 criterion_main!(benches);

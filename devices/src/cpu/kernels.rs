@@ -322,10 +322,10 @@ fn dot4<const AVX: bool>(q: &[f32], keys: &[&[f32]; KEYS_PER_STEP]) -> [f32; KEY
     [dot_f32_impl(q, keys[0]), dot_f32_impl(q, keys[1]), dot_f32_impl(q, keys[2]), dot_f32_impl(q, keys[3])]
 }
 
-/// Four `dot_f32_impl`s with the same bits: lane `l` of a key's accumulator sums `q[l + 8c] *
-/// k[l + 8c]` over chunks `c` in order (a multiply, then an add), then `(((a0 + a4) + (a1 + a5))
-/// + (a2 + a6)) + (a3 + a7)` and the scalar tail, here for the four keys at once after a 4 x 4
-/// transpose of the pair sums.
+/// Four `dot_f32_impl`s with the same bits: lane `l` of a key's accumulator sums
+/// `q[l + 8c] * k[l + 8c]` over chunks `c` in order (a multiply, then an add), then
+/// `(((a0 + a4) + (a1 + a5)) + (a2 + a6)) + (a3 + a7)` and the scalar tail, here for the four
+/// keys at once after a 4 x 4 transpose of the pair sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
