@@ -569,14 +569,27 @@ pub fn sample_ranked(x: &[f32], order: &[u32], temperature: f64, top_p: f64, rng
 mod tests {
     use super::*;
 
+    /// A deterministic value in [-1.5, 1.5) for index `i` of input `salt`.
+    fn val(i: usize, salt: usize) -> f32 {
+        (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 3.0
+    }
+
+    /// Keys and values of `n` values each.
+    fn cache(n: usize) -> (Vec<f32>, Vec<f32>) {
+        ((0..n).map(|i| val(i, 2)).collect(), (0..n).map(|i| val(i, 3)).collect())
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|x| x.to_bits()).collect()
+    }
+
     /// An f16 cache holds half the bytes and gives the same bits as the same rounded values held
     /// in f32 (widening f16 is exact), for GQA, a sliding window and several query positions.
     #[test]
     fn attention_over_an_f16_cache_equals_the_rounded_f32_cache() {
         let (nh, nkv, hd, len) = (6, 2, 40, 13);
-        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 3.0;
         let q: Vec<f32> = (0..3 * nh * hd).map(|i| val(i, 1)).collect();
-        let (k, v): (Vec<f32>, Vec<f32>) = ((0..len * nkv * hd).map(|i| val(i, 2)).collect(), (0..len * nkv * hd).map(|i| val(i, 3)).collect());
+        let (k, v) = cache(len * nkv * hd);
         let half = |x: &[f32]| -> Vec<half::f16> { x.iter().map(|v| half::f16::from_f32(*v)).collect() };
         let (kh, vh) = (half(&k), half(&v));
         let (kr, vr): (Vec<f32>, Vec<f32>) = (kh.iter().map(|x| x.to_f32()).collect(), vh.iter().map(|x| x.to_f32()).collect());
@@ -586,7 +599,7 @@ mod tests {
             let pos = [5, 11, 12];
             let want = attention(&q, &pos, &kr, &vr, len, &c).unwrap();
             let got = attention(&q, &pos, &kh, &vh, len, &c).unwrap();
-            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "window {window}");
+            assert_eq!(bits(&got), bits(&want), "window {window}");
         }
         assert_eq!(std::mem::size_of_val(kh.as_slice()) * 2, std::mem::size_of_val(k.as_slice()));
     }
@@ -596,15 +609,14 @@ mod tests {
     #[test]
     fn queries_attended_together_get_the_bits_of_each_alone() {
         let (nh, nkv, hd, len) = (6, 2, 24, 23);
-        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 3.0;
         let pos: Vec<usize> = vec![0, 3, 4, 9, 10, 11, 15, 22, 17];
         let q: Vec<f32> = (0..pos.len() * nh * hd).map(|i| val(i, 1)).collect();
-        let (k, v): (Vec<f32>, Vec<f32>) = ((0..len * nkv * hd).map(|i| val(i, 2)).collect(), (0..len * nkv * hd).map(|i| val(i, 3)).collect());
+        let (k, v) = cache(len * nkv * hd);
         for window in [0, 5] {
             let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window };
             let together = attention(&q, &pos, &k, &v, len, &c).unwrap();
             let alone: Vec<f32> = pos.iter().enumerate().flat_map(|(t, p)| attention(&q[t * nh * hd..(t + 1) * nh * hd], &[*p], &k, &v, len, &c).unwrap()).collect();
-            assert_eq!(together.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "window {window}");
+            assert_eq!(bits(&together), bits(&alone), "window {window}");
             assert!(together.iter().all(|x| x.is_finite()) && together.iter().any(|x| *x != 0.0));
         }
     }
@@ -616,14 +628,13 @@ mod tests {
     /// and f16 caches; a sliding window.
     #[test]
     fn attention_has_the_bits_of_the_plain_loops() {
-        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 3.0;
         #[cfg(target_arch = "x86_64")]
         eprintln!("AVX2 body {}", if crate::cpu::qdot::has_avx2() { "checked" } else { "absent: portable body checked" });
         for (hd, window) in [(64, 0), (20, 0), (40, 7), (3, 0)] {
             let (nh, nkv, len) = (4, 2, 29);
             let pos: Vec<usize> = vec![0, 1, 2, 13, 14, 28, 27, 26, 25, 9];
             let q: Vec<f32> = (0..pos.len() * nh * hd).map(|i| val(i, 1)).collect();
-            let (k, v): (Vec<f32>, Vec<f32>) = ((0..len * nkv * hd).map(|i| val(i, 2)).collect(), (0..len * nkv * hd).map(|i| val(i, 3)).collect());
+            let (k, v) = cache(len * nkv * hd);
             let (kh, vh): (Vec<half::f16>, Vec<half::f16>) = (k.iter().map(|x| half::f16::from_f32(*x)).collect(), v.iter().map(|x| half::f16::from_f32(*x)).collect());
             let (kr, vr): (Vec<f32>, Vec<f32>) = (kh.iter().map(|x| x.to_f32()).collect(), vh.iter().map(|x| x.to_f32()).collect());
             let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window };
@@ -643,11 +654,10 @@ mod tests {
                         }
                     }
                 }
-                out.iter().map(|x| x.to_bits()).collect()
+                bits(&out)
             };
-            let bits = |x: Vec<f32>| x.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-            assert_eq!(bits(attention(&q, &pos, &k, &v, len, &c).unwrap()), plain(&k, &v), "f32 cache, hd {hd}, window {window}");
-            assert_eq!(bits(attention(&q, &pos, &kh, &vh, len, &c).unwrap()), plain(&kr, &vr), "f16 cache, hd {hd}, window {window}");
+            assert_eq!(bits(&attention(&q, &pos, &k, &v, len, &c).unwrap()), plain(&k, &v), "f32 cache, hd {hd}, window {window}");
+            assert_eq!(bits(&attention(&q, &pos, &kh, &vh, len, &c).unwrap()), plain(&kr, &vr), "f16 cache, hd {hd}, window {window}");
         }
     }
 

@@ -23,18 +23,17 @@ pub struct Q8Row {
 pub fn quantize_q8(x: &[f32]) -> Q8Row {
     let nb = x.len() / 32;
     let mut r = Q8Row { q: vec![0; x.len()], d: vec![0.0; nb], dsum: vec![0.0; nb] };
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = has_avx2();
     for b in 0..nb {
         let xs = &x[32 * b..32 * b + 32];
         let q: &mut [i8; 32] = (&mut r.q[32 * b..32 * b + 32]).try_into().expect("32 values");
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU reports avx2, fma and f16c.
-            if let Some((d, s)) = unsafe { quantize_block_avx2(xs, q) } {
-                (r.d[b], r.dsum[b]) = (d, d * s as f32);
-                continue;
-            }
-        }
-        let (d, s) = quantize_block(xs, q);
+        // SAFETY: `avx2`: the CPU reports avx2, fma and f16c.
+        let fast = if avx2 { unsafe { quantize_block_avx2(xs, q) } } else { None };
+        #[cfg(not(target_arch = "x86_64"))]
+        let fast = None;
+        let (d, s) = fast.unwrap_or_else(|| quantize_block(xs, q));
         (r.d[b], r.dsum[b]) = (d, d * s as f32);
     }
     r
