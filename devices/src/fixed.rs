@@ -108,18 +108,36 @@ pub fn silu_q16(x: i64) -> i64 {
     shr_round(x as i128 * sigmoid_q16(x) as i128, ACT)
 }
 
-/// The weights of a matrix in the device's formats: Q24 per value, or INT4 values with one Q24
-/// scale per group.
+/// Q24 weight values: 32-bit when every value of the matrix fits (the declared I32 storage, and
+/// half the bytes to stream), 64-bit otherwise, so a weight of magnitude 128 or more keeps its
+/// exact value.
+pub enum Q24Values {
+    Narrow(Vec<i32>),
+    Wide(Vec<i64>),
+}
+
+/// The weights of a matrix in the device's formats: Q24 per value (with the largest magnitude,
+/// which bounds the products), or INT4 values with one Q24 scale per group.
 pub enum FixedWeights {
-    Q24 { rows: usize, cols: usize, w: Vec<i64> },
+    Q24 { rows: usize, cols: usize, w: Q24Values, max_abs: u64 },
     Int4 { rows: usize, cols: usize, q: Vec<i8>, scale: Vec<i64> },
+}
+
+impl FixedWeights {
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            FixedWeights::Q24 { rows, cols, .. } | FixedWeights::Int4 { rows, cols, .. } => (*rows, *cols),
+        }
+    }
 }
 
 /// Host-side conversion of a packed row to the device's formats (the model loader's job).
 pub fn convert_weights(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], int4: bool) -> FixedWeights {
     let row_bytes = bytes.len() / rows.max(1);
     let mut vals = vec![0.0f32; cols];
-    let mut w = Vec::with_capacity(if int4 { 0 } else { rows * cols });
+    let mut row_q = vec![0i64; cols];
+    let mut w = Q24Values::Narrow(Vec::with_capacity(if int4 { 0 } else { rows * cols }));
+    let mut max_abs = 0u64;
     let (mut q, mut scale) = (Vec::new(), Vec::new());
     for r in 0..rows {
         let rb = &bytes[r * row_bytes..(r + 1) * row_bytes];
@@ -134,14 +152,26 @@ pub fn convert_weights(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], int
                 q.extend(gq);
                 scale.push(gs);
             }
-        } else {
-            w.extend(vals.iter().map(|v| to_q(*v as f64, WGT)));
+            continue;
+        }
+        for (o, v) in row_q.iter_mut().zip(&vals) {
+            *o = to_q(*v as f64, WGT);
+            max_abs = max_abs.max(o.unsigned_abs());
+        }
+        if let Q24Values::Narrow(n) = &w {
+            if max_abs > i32::MAX as u64 {
+                w = Q24Values::Wide(n.iter().map(|v| *v as i64).collect());
+            }
+        }
+        match &mut w {
+            Q24Values::Narrow(n) => n.extend(row_q.iter().map(|v| *v as i32)),
+            Q24Values::Wide(n) => n.extend_from_slice(&row_q),
         }
     }
     if int4 {
         FixedWeights::Int4 { rows, cols, q, scale }
     } else {
-        FixedWeights::Q24 { rows, cols, w }
+        FixedWeights::Q24 { rows, cols, w, max_abs }
     }
 }
 
@@ -155,35 +185,107 @@ pub fn int4_group(g: &[f32]) -> (Vec<i8>, i64) {
     (q, scale)
 }
 
-/// `y = x W^T` with Q16 activations: exact integer products and sums (i128), one rounding to Q16.
+/// Outputs per parallel task of `matmul_q` (tokens × rows, flattened).
+const OUTPUTS_PER_TASK: usize = 64;
+
+/// An activation row narrowed to 32 bits, with its largest magnitude; None when a value does not
+/// fit (that row then takes the 128-bit products).
+fn narrow_row(x: &[i64]) -> Option<(Vec<i32>, u64)> {
+    let max_abs = x.iter().fold(0u64, |m, v| m.max(v.unsigned_abs()));
+    (max_abs <= i32::MAX as u64).then(|| (x.iter().map(|v| *v as i32).collect(), max_abs))
+}
+
+/// `y = x W^T` with Q16 activations: exact integer products and sums, one rounding to Q16.
+///
+/// Every sum is the exact integer sum, so the order and width in which it is formed cannot change
+/// a bit. Where activations and weights fit in 32 bits, products are formed in 64 bits and summed
+/// in 64 bits over runs short enough that no partial sum can overflow (the run length comes from
+/// the two largest magnitudes), the runs then added in 128 bits; otherwise every product and sum
+/// is 128-bit. Outputs are split over threads (tokens × rows), so one token's rows run in parallel.
 pub fn matmul_q(x: &[i64], m: usize, w: &FixedWeights) -> Vec<i64> {
     use rayon::prelude::*;
-    let (rows, cols) = match w {
-        FixedWeights::Q24 { rows, cols, .. } | FixedWeights::Int4 { rows, cols, .. } => (*rows, *cols),
-    };
+    let (rows, cols) = w.dims();
+    let narrow: Vec<Option<(Vec<i32>, u64)>> = (0..m).map(|t| narrow_row(&x[t * cols..(t + 1) * cols])).collect();
+    let avx2 = has_avx2();
     let mut y = vec![0i64; m * rows];
-    y.par_chunks_mut(rows).enumerate().for_each(|(t, yr)| {
-        let xt = &x[t * cols..(t + 1) * cols];
-        for (r, out) in yr.iter_mut().enumerate() {
-            *out = match w {
-                FixedWeights::Q24 { w, .. } => {
-                    let acc: i128 = xt.iter().zip(&w[r * cols..(r + 1) * cols]).map(|(a, b)| *a as i128 * *b as i128).sum();
-                    shr_round(acc, WGT)
+    y.par_chunks_mut(OUTPUTS_PER_TASK).enumerate().for_each(|(task, ys)| {
+        for (i, out) in ys.iter_mut().enumerate() {
+            let (t, r) = ((task * OUTPUTS_PER_TASK + i) / rows, (task * OUTPUTS_PER_TASK + i) % rows);
+            let xt = &x[t * cols..(t + 1) * cols];
+            let acc = match (w, &narrow[t]) {
+                (FixedWeights::Q24 { w: Q24Values::Narrow(w), max_abs, .. }, Some((x32, x_max))) => {
+                    let run = exact_run(*x_max, *max_abs, cols);
+                    let wr = &w[r * cols..(r + 1) * cols];
+                    x32.chunks(run).zip(wr.chunks(run)).map(|(a, b)| dot_i32(a, b, avx2) as i128).sum()
                 }
-                FixedWeights::Int4 { q, scale, .. } => {
+                (FixedWeights::Q24 { w: Q24Values::Narrow(w), .. }, None) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
+                (FixedWeights::Q24 { w: Q24Values::Wide(w), .. }, _) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
+                (FixedWeights::Int4 { q, scale, .. }, x32) => {
                     let groups = cols / INT4_GROUP;
                     let mut acc: i128 = 0;
                     for g in 0..groups {
                         let qs = &q[r * cols + g * INT4_GROUP..r * cols + (g + 1) * INT4_GROUP];
-                        let s: i128 = xt[g * INT4_GROUP..(g + 1) * INT4_GROUP].iter().zip(qs).map(|(a, b)| *a as i128 * *b as i128).sum();
+                        // A group of 32 products of a 32-bit value and |q| <= 7 stays under 2^39.
+                        let s: i128 = match x32 {
+                            Some((x32, _)) => x32[g * INT4_GROUP..(g + 1) * INT4_GROUP].iter().zip(qs).map(|(a, b)| *a as i64 * *b as i64).sum::<i64>() as i128,
+                            None => wide_dot(&xt[g * INT4_GROUP..(g + 1) * INT4_GROUP], qs),
+                        };
                         acc += s * scale[r * groups + g] as i128;
                     }
-                    shr_round(acc, WGT)
+                    acc
                 }
             };
+            *out = shr_round(acc, WGT);
         }
     });
     y
+}
+
+/// The longest run of products of magnitude at most `a * b` whose sum cannot overflow an i64.
+fn exact_run(a: u64, b: u64, cols: usize) -> usize {
+    let bound = (a as u128 * b as u128).max(1);
+    ((i64::MAX as u128 / bound).min(cols.max(1) as u128) as usize).max(1)
+}
+
+/// Sum of 128-bit products.
+fn wide_dot<A: Copy + Into<i128>, B: Copy + Into<i128>>(a: &[A], b: &[B]) -> i128 {
+    a.iter().zip(b).map(|(p, q)| (*p).into() * (*q).into()).sum()
+}
+
+/// Sum of the 64-bit products of two 32-bit rows; the caller keeps the run short enough that the
+/// sum cannot overflow, so the wrapping adds are exact.
+fn dot_i32(a: &[i32], b: &[i32], avx2: bool) -> i64 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: `avx2` is true only when the CPU has AVX2 (`has_avx2`).
+        return unsafe { dot_i32_avx2(a, b) };
+    }
+    let _ = avx2;
+    dot_i32_body(a, b)
+}
+
+#[inline(always)]
+fn dot_i32_body(a: &[i32], b: &[i32]) -> i64 {
+    let n = a.len().min(b.len());
+    let mut s = 0i64;
+    for i in 0..n {
+        s = s.wrapping_add(a[i] as i64 * b[i] as i64);
+    }
+    s
+}
+
+/// The same loop compiled for AVX2 (`vpmuldq`: four 32 × 32 → 64-bit products per instruction).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_i32_avx2(a: &[i32], b: &[i32]) -> i64 {
+    dot_i32_body(a, b)
+}
+
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return qdot::has_avx2();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// RMSNorm in integers: mean of squares in Q32 (exact), sqrt in Q32 via an integer square root
@@ -593,5 +695,95 @@ impl FixedModel {
         let logits = matmul_q(&normed, rows, &self.head);
         tap_q(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
         Ok(logits.iter().map(|v| from_q(*v, ACT)).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// splitmix64: a seeded generator, so a failure reproduces.
+    fn rng(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+    }
+
+    /// The product as the integer engine defines it: every product and sum in 128 bits.
+    fn reference(x: &[i64], m: usize, w: &FixedWeights) -> Vec<i64> {
+        let (rows, cols) = w.dims();
+        let mut y = Vec::new();
+        for t in 0..m {
+            let xt = &x[t * cols..(t + 1) * cols];
+            for r in 0..rows {
+                let acc: i128 = match w {
+                    FixedWeights::Q24 { w: Q24Values::Narrow(w), .. } => (0..cols).map(|i| xt[i] as i128 * w[r * cols + i] as i128).sum(),
+                    FixedWeights::Q24 { w: Q24Values::Wide(w), .. } => (0..cols).map(|i| xt[i] as i128 * w[r * cols + i] as i128).sum(),
+                    FixedWeights::Int4 { q, scale, .. } => (0..cols / INT4_GROUP)
+                        .map(|g| (0..INT4_GROUP).map(|i| xt[g * INT4_GROUP + i] as i128 * q[r * cols + g * INT4_GROUP + i] as i128).sum::<i128>() * scale[r * cols / INT4_GROUP + g] as i128)
+                        .sum(),
+                };
+                y.push(shr_round(acc, WGT));
+            }
+        }
+        y
+    }
+
+    /// Values at the edges of each width: the largest 32-bit magnitudes (runs of one or two
+    /// products before an i64 could overflow), i32::MIN (which does not narrow), values past 32
+    /// bits, and ordinary ones.
+    fn edge(next: &mut impl FnMut() -> u64, wide: bool) -> i64 {
+        let r = next();
+        match r % 8 {
+            0 => i32::MAX as i64,
+            1 => -(i32::MAX as i64),
+            2 if wide => i32::MIN as i64 - (r >> 40) as i64,
+            3 if wide => (1i64 << 40) + (r >> 50) as i64,
+            _ => (r >> 33) as i64 - (1i64 << 30),
+        }
+    }
+
+    #[test]
+    fn matmul_q_is_the_exact_integer_product_at_every_width() {
+        let mut next = rng(7);
+        for &(m, rows, cols) in &[(1, 3, 5), (2, 70, 64), (3, 5, 1), (1, 129, 96)] {
+            for case in 0..6 {
+                // Case 0: activations and weights that fit 32 bits; 1: some activation rows do not;
+                // 2: the weights do not; 3: ordinary values (one long run); 4, 5: INT4 (5 with wide rows).
+                let x_wide = case == 1 || case == 5;
+                let x: Vec<i64> = (0..m * cols).map(|_| if case == 3 { (next() >> 44) as i64 - (1 << 19) } else { edge(&mut next, x_wide) }).collect();
+                let w = if case < 4 {
+                    let vals: Vec<i64> = (0..rows * cols).map(|_| if case == 3 { (next() >> 40) as i64 - (1 << 23) } else { edge(&mut next, case == 2) }).collect();
+                    let max_abs = vals.iter().map(|v| v.unsigned_abs()).max().unwrap_or(0);
+                    let w = if max_abs > i32::MAX as u64 { Q24Values::Wide(vals) } else { Q24Values::Narrow(vals.iter().map(|v| *v as i32).collect()) };
+                    FixedWeights::Q24 { rows, cols, w, max_abs }
+                } else {
+                    let cols = cols.div_ceil(INT4_GROUP) * INT4_GROUP;
+                    let q = (0..rows * cols).map(|_| (next() % 15) as i8 - 7).collect();
+                    let scale = (0..rows * cols / INT4_GROUP).map(|_| (next() >> 36) as i64).collect();
+                    FixedWeights::Int4 { rows, cols, q, scale }
+                };
+                let cols = w.dims().1;
+                let x: Vec<i64> = x.iter().copied().cycle().take(m * cols).collect();
+                assert_eq!(matmul_q(&x, m, &w), reference(&x, m, &w), "m={m} rows={rows} cols={cols} case={case}");
+            }
+        }
+    }
+
+    #[test]
+    fn weights_past_32_bits_keep_their_exact_values() {
+        let row = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let small = convert_weights(GgmlType::F32, 1, 3, &row(&[0.5, -1.25, 127.0]), false);
+        assert!(matches!(small, FixedWeights::Q24 { w: Q24Values::Narrow(_), max_abs, .. } if max_abs == 127 << 24), "fits 32 bits");
+        let big = convert_weights(GgmlType::F32, 2, 2, &row(&[0.5, -1.0, 200.0, -0.25]), false);
+        match big {
+            FixedWeights::Q24 { w: Q24Values::Wide(w), .. } => assert_eq!(w, vec![1 << 23, -(1 << 24), 200 << 24, -(1 << 22)]),
+            _ => panic!("a weight of 200 needs 64-bit storage"),
+        }
     }
 }
