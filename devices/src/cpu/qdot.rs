@@ -221,9 +221,19 @@ impl BlockDot for Portable {
 }
 
 #[cfg(target_arch = "x86_64")]
-/// The AVX2 block dots; with `VNNI` each block's four-products-per-lane sum is one AVX-VNNI
-/// instruction instead of two (exact integer sums either way, so the same bits).
-struct Avx2<const VNNI: bool>;
+/// The AVX2 block dots. With `VNNI` = [`AVX_VNNI`] or [`AVX512_VNNI`] each block's
+/// four-products-per-lane sum is one `vpdpbusd` instead of two instructions (VEX-encoded on
+/// AVX-VNNI CPUs, EVEX-encoded on AVX-512 VNNI + VL ones; the same 256-bit operation), exact
+/// integer sums either way, so the same bits.
+struct Avx2<const VNNI: u8>;
+
+/// `Avx2`'s product-sum instruction: `maddubs` + `madd`, or one `vpdpbusd` in either encoding.
+#[cfg(target_arch = "x86_64")]
+const NO_VNNI: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const AVX_VNNI: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const AVX512_VNNI: u8 = 2;
 
 /// One block's weights for `_mm256_maddubs_epi16` (u8 times i8): their magnitudes, and, where
 /// any may be negative, the weights themselves (whose signs go onto the activations).
@@ -248,7 +258,7 @@ impl Avx2W {
 // SAFETY (every `unsafe` block of this impl): only reached from `dot_rows_block_avx2`, which runs after
 // the AVX2/FMA check; each method asserts the lengths it reads.
 #[cfg(target_arch = "x86_64")]
-impl<const VNNI: bool> BlockDot for Avx2<VNNI> {
+impl<const VNNI: u8> BlockDot for Avx2<VNNI> {
     type I = std::arch::x86_64::__m256i;
     type F = std::arch::x86_64::__m256;
     type W = Avx2W;
@@ -342,11 +352,11 @@ impl<const VNNI: bool> BlockDot for Avx2<VNNI> {
                 Some(s) => _mm256_sign_epi8(xv, s),
                 None => xv,
             };
-            if VNNI {
-                // The same four products per lane summed straight into i32.
-                _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w.mag, xs)
-            } else {
-                _mm256_madd_epi16(_mm256_maddubs_epi16(w.mag, xs), _mm256_set1_epi16(1))
+            // With VNNI, the same four products per lane summed straight into i32.
+            match VNNI {
+                AVX_VNNI => _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w.mag, xs),
+                AVX512_VNNI => _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.mag, xs),
+                _ => _mm256_madd_epi16(_mm256_maddubs_epi16(w.mag, xs), _mm256_set1_epi16(1)),
             }
         }
     }
@@ -408,6 +418,10 @@ pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usiz
             // SAFETY: the CPU reports avx2, fma, f16c and avxvnni.
             return unsafe { dot_rows_block_vnni(ty, rows, row_bytes, xs, out, stride) };
         }
+        if has_avx512_vnni() {
+            // SAFETY: the CPU reports avx2, fma, f16c, avx512vnni and avx512vl.
+            return unsafe { dot_rows_block_vnni512(ty, rows, row_bytes, xs, out, stride) };
+        }
         if has_avx2() {
             // SAFETY: the CPU reports avx2, fma and f16c.
             return unsafe { dot_rows_block_avx2(ty, rows, row_bytes, xs, out, stride) };
@@ -419,13 +433,19 @@ pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usiz
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_rows_block_avx2<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
-    dot_rows_block_impl::<Avx2<false>, T>(ty, rows, row_bytes, xs, out, stride)
+    dot_rows_block_impl::<Avx2<NO_VNNI>, T>(ty, rows, row_bytes, xs, out, stride)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 unsafe fn dot_rows_block_vnni<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
-    dot_rows_block_impl::<Avx2<true>, T>(ty, rows, row_bytes, xs, out, stride)
+    dot_rows_block_impl::<Avx2<AVX_VNNI>, T>(ty, rows, row_bytes, xs, out, stride)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn dot_rows_block_vnni512<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
+    dot_rows_block_impl::<Avx2<AVX512_VNNI>, T>(ty, rows, row_bytes, xs, out, stride)
 }
 
 #[inline(always)]
@@ -446,6 +466,10 @@ pub fn path_name() -> &'static str {
         return "AVX2+FMA block dots with AVX-VNNI";
     }
     #[cfg(target_arch = "x86_64")]
+    if has_avx512_vnni() {
+        return "AVX2+FMA block dots with AVX-512 VNNI (256-bit)";
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         return "AVX2+FMA block dots";
     }
@@ -458,6 +482,15 @@ fn has_avx_vnni() -> bool {
     use std::sync::OnceLock;
     static F: OnceLock<bool> = OnceLock::new();
     *F.get_or_init(|| has_avx2() && is_x86_feature_detected!("avxvnni"))
+}
+
+/// AVX2 and the EVEX-encoded 256-bit `vpdpbusd` (AVX-512 VNNI with VL), for CPUs that have
+/// AVX-512 but not AVX-VNNI (the VEX form).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_vnni() -> bool {
+    use std::sync::OnceLock;
+    static F: OnceLock<bool> = OnceLock::new();
+    *F.get_or_init(|| has_avx2() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl"))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -805,13 +838,19 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn all_lanes_avx2(t: &Block) -> Vec<[i32; 8]> {
-        all_lanes::<Avx2<false>>(t)
+        all_lanes::<Avx2<NO_VNNI>>(t)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
     unsafe fn all_lanes_vnni(t: &Block) -> Vec<[i32; 8]> {
-        all_lanes::<Avx2<true>>(t)
+        all_lanes::<Avx2<AVX_VNNI>>(t)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    unsafe fn all_lanes_vnni512(t: &Block) -> Vec<[i32; 8]> {
+        all_lanes::<Avx2<AVX512_VNNI>>(t)
     }
 
     /// Each block form's eight lanes, AVX2 against portable (random blocks: every nibble, high
@@ -821,7 +860,7 @@ mod tests {
         let mut next = lcg(1);
         // Activations (and Q8_0 weights) come from the Q8_0 quantizer: always within -127..=127.
         let mut i8s = |n: usize, lo: i32, hi: i32| -> Vec<i8> { (0..n).map(|_| (lo + (next() % (hi - lo + 1) as u32) as i32) as i8).collect() };
-        let (mut compared, mut compared_vnni) = (0, 0);
+        let (mut compared, mut compared_vnni, mut compared_vnni512) = (0, 0, 0);
         for round in 0..500 {
             let bytes: Vec<u8> = i8s(64, -128, 127).into_iter().map(|v| v as u8).collect();
             let t = Block {
@@ -849,11 +888,17 @@ mod tests {
                 assert_eq!(unsafe { all_lanes_vnni(&t) }, want, "AVX-VNNI, round {round}");
                 compared_vnni += 1;
             }
+            #[cfg(target_arch = "x86_64")]
+            if has_avx512_vnni() {
+                // SAFETY: the CPU reports AVX2, FMA, F16C, AVX-512 VNNI and VL (checked just above).
+                assert_eq!(unsafe { all_lanes_vnni512(&t) }, want, "AVX-512 VNNI, round {round}");
+                compared_vnni512 += 1;
+            }
         }
         if compared == 0 {
             eprintln!("no AVX2 on this CPU: only the portable lanes were checked (against their definition)");
         }
-        eprintln!("AVX2 lanes checked in {compared} rounds, AVX-VNNI lanes in {compared_vnni}");
+        eprintln!("AVX2 lanes checked in {compared} rounds, AVX-VNNI lanes in {compared_vnni}, AVX-512 VNNI lanes in {compared_vnni512}");
     }
 
     /// Whole rows of every quantized type (random bytes, so every nibble, high bit and 6-bit
@@ -881,6 +926,11 @@ mod tests {
                     // SAFETY: the CPU reports AVX-VNNI too.
                     unsafe { dot_rows_block_vnni(ty, row, row.len(), [&x], &mut got, 1) };
                     same(got[0], "AVX-VNNI");
+                }
+                if has_avx512_vnni() {
+                    // SAFETY: the CPU reports AVX-512 VNNI and VL too.
+                    unsafe { dot_rows_block_vnni512(ty, row, row.len(), [&x], &mut got, 1) };
+                    same(got[0], "AVX-512 VNNI");
                 }
             }
             same(dot_row(ty, row, &x), path_name());
