@@ -535,6 +535,13 @@ impl FixedModel {
         if spec.moe.is_some() {
             return Err(DeviceError::Unavailable("fixed".into(), format!("{}: MoE models have no integer kernels here", path.display())));
         }
+        // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4), the embedding
+        // again as 64-bit Q16 rows (and once more as 32-bit values when the output is tied to it):
+        // refused up front when the machine cannot hold them.
+        let values = g.tensors.iter().fold(0u64, |n, t| n.saturating_add(t.n_elements()));
+        let table = (spec.n_vocab as u64).saturating_mul(spec.n_embd as u64);
+        let needed = values.saturating_mul(if int4 { 2 } else { 4 }).saturating_add(table.saturating_mul(if spec.tied_output { 12 } else { 8 }));
+        oracle::memory::check_fits(&g.path, "holding the weights as integers", needed).map_err(model_err)?;
         let mat = |name: &str, rows: usize, cols: usize| -> Result<FixedWeights, DeviceError> {
             let t = g.tensor(name).ok_or_else(|| model_err(format!("missing tensor `{name}`")))?;
             if t.n_elements() as usize != rows * cols || t.dims[0] as usize != cols {

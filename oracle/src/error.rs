@@ -32,6 +32,9 @@ pub enum OracleError {
     /// Tokenizer construction or use failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// Loading would hold more memory than the machine has available (see `memory`).
+    #[error("memory: {0}")]
+    Memory(String),
     /// Reading a file failed.
     #[error("{path}: {source}")]
     Io {

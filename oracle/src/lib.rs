@@ -6,7 +6,7 @@
 //! for any thread count) than anything it judges. It depends on no other workspace crate.
 //!
 //! Map: `quant` (codecs), `gguf` (reader/writer), `loader` (files -> tensors), `spec` (ModelSpec),
-//! `ops` (reference operators), `model` (the one forward interpreter), `tokenizer`, `registry`
+//! `ops` (reference operators), `memory` (what a loader may hold), `model` (the one forward interpreter), `tokenizer`, `registry`
 //! (every op declared once), `generate` (greedy/sampled generation).
 
 pub mod dump;
@@ -14,6 +14,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod loader;
+pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod quant;

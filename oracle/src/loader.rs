@@ -21,6 +21,8 @@ pub trait TensorSource: Sync {
     fn load(&self, name: &str) -> Result<Option<LoadedTensor>>;
     /// A short label for error messages.
     fn label(&self) -> String;
+    /// How many values the source holds, all tensors together (what decoding them all costs).
+    fn n_elements(&self) -> Result<u64>;
 }
 
 impl TensorSource for GgufFile {
@@ -40,6 +42,10 @@ impl TensorSource for GgufFile {
 
     fn label(&self) -> String {
         self.path.clone()
+    }
+
+    fn n_elements(&self) -> Result<u64> {
+        Ok(self.tensors.iter().fold(0u64, |n, t| n.saturating_add(t.n_elements())))
     }
 }
 
@@ -192,6 +198,17 @@ impl TensorSource for SafetensorsDir {
 
     fn label(&self) -> String {
         self.dir.display().to_string()
+    }
+
+    fn n_elements(&self) -> Result<u64> {
+        let mut n = 0u64;
+        for (fi, (path, map)) in self.maps.iter().enumerate() {
+            let st = safetensors::SafeTensors::deserialize(map).map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })?;
+            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().any(|(f, hf)| *f == fi && hf == name)) {
+                n = n.saturating_add(view.shape().iter().fold(1u64, |p, d| p.saturating_mul(*d as u64)));
+            }
+        }
+        Ok(n)
     }
 }
 

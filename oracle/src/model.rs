@@ -192,6 +192,9 @@ impl<T: Real> Model<T> {
     /// Decodes every weight of `spec` from `src` into storage type `T`.
     pub fn load(spec: ModelSpec, src: &dyn TensorSource) -> Result<Model<T>> {
         spec.validate()?;
+        // Every weight decoded to `T`: refused up front when the machine cannot hold them.
+        let needed = src.n_elements()?.saturating_mul(std::mem::size_of::<T>() as u64);
+        crate::memory::check_fits(&src.label(), &format!("holding the weights as {}", T::NAME), needed)?;
         let l = Loader { src };
         let s = &spec;
         let (d, hd) = (s.n_embd, s.head_dim);

@@ -213,6 +213,25 @@ fn with_meta_u32(bytes: &[u8], key: &str, v: u32) -> Vec<u8> {
 }
 
 #[test]
+fn a_model_larger_than_the_memory_available_is_refused_before_it_is_loaded() {
+    // TOUCHSTONE_MEMORY_LIMIT stands in for the machine's available memory: tiny-llama's weights
+    // (about 1 MiB packed, more decoded) do not fit in 64 KiB, so every loader must refuse, say
+    // what it would have held and how much there is, and exit 2, without a panic.
+    for device in ["ref", "cpu", "fixed", "fixed-int4", "gpu-emu"] {
+        let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1", "--device", device], &[("TOUCHSTONE_MEMORY_LIMIT", "64K")]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{device}: {e}");
+        assert!(e.contains("tiny-llama.gguf") && e.contains("needs") && e.contains("more than the 64.0 KiB") && e.contains("nothing was loaded"), "{device}: {e}");
+        assert!(!e.contains("panicked"), "{device}: {e}");
+    }
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1", "--max-new-tokens", "1", "--device", "cpu"], &[("TOUCHSTONE_MEMORY_LIMIT", "1G")]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1", "--device", "ref"], &[("TOUCHSTONE_MEMORY_LIMIT", "lots")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("TOUCHSTONE_MEMORY_LIMIT=\"lots\": expected a size"), "{}", stderr(&o));
+}
+
+#[test]
 fn metadata_the_tensors_do_not_back_and_nan_weights_are_refused_by_every_loader() {
     // A vocabulary or block count of 2^30 over a 1 MB file: each loader would size its tables and
     // layer lists by it. The spec checks them against the tensors, so every device says why.

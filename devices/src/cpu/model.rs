@@ -166,6 +166,9 @@ impl CpuModel {
         // These errors name the file themselves.
         let g = GgufFile::open(path).map_err(|e| err("model", e))?;
         let spec = ModelSpec::from_gguf(&g).map_err(|e| err("model", e))?;
+        // A copy of every packed tensor: refused up front when the machine cannot hold them.
+        let packed = g.tensors.iter().fold(0u64, |n, t| n.saturating_add(t.n_bytes));
+        oracle::memory::check_fits(&g.path, "holding the packed weights", packed).map_err(|e| err("model", e))?;
         let l = Loader { g: &g };
         let (d, hd) = (spec.n_embd, spec.head_dim);
         let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
