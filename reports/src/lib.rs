@@ -7,6 +7,7 @@
 #[cfg(feature = "parquet")]
 pub mod parquet;
 pub mod plot;
+pub mod settings;
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -69,6 +70,10 @@ pub struct Provenance {
     /// Cargo features the binary was built with (`cuda`, `rocm`, `parquet`).
     #[serde(default)]
     pub features: Vec<String>,
+    /// Kernel and CPU settings that change how a timing behaves (see `settings`), as the OS
+    /// states them; absent keys the OS did not state.
+    #[serde(default)]
+    pub machine_settings: std::collections::BTreeMap<String, String>,
 }
 
 impl Provenance {
@@ -90,6 +95,7 @@ impl Provenance {
             touchstone_version: env!("CARGO_PKG_VERSION").to_string(),
             devices: Default::default(),
             features: Vec::new(),
+            machine_settings: settings::collect(),
         }
     }
 }
@@ -195,6 +201,17 @@ impl Report {
             out += &format!("- device `{name}`: {what}\n");
         }
         if !p.devices.is_empty() {
+            out += "\n";
+        }
+        if !p.machine_settings.is_empty() {
+            let kv: Vec<String> = p.machine_settings.iter().map(|(k, v)| format!("`{k}={v}`")).collect();
+            out += &format!("machine settings: {}\n\n", kv.join(", "));
+        }
+        let notes = if matches!(self.suite.as_str(), "bench" | "ab" | "roofline") { settings::timing_notes(&p.machine_settings) } else { Vec::new() };
+        for n in &notes {
+            out += &format!("- timing note: {n}\n");
+        }
+        if !notes.is_empty() {
             out += "\n";
         }
         let cov = self.coverage();

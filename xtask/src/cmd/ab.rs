@@ -460,6 +460,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     let mut target = a.pairs;
     let mut stats;
     let lockstep = can_lockstep(&ra, &rb, timeout);
+    super::print_timing_notes();
     eprintln!("ab: {}", if lockstep { "both arms step token by token: decode steps of A and B alternate (A,B / B,A) within each pair" } else { "whole runs per pair in ABBA order" });
     let pb = super::progress(a.pairs as u64, &format!("ab {} vs {}", a.a, a.b));
     loop {

@@ -41,6 +41,7 @@ pub struct BenchArgs {
 
 pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     check_device(&a.device)?;
+    super::print_timing_notes();
     let m = measure(&a.device, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps)?;
     let (r, device_peak, kernels) = (&m.r, m.device_peak, &m.kernels);
     let med = suites::throughput::median;

@@ -178,6 +178,14 @@ pub fn parse_shard(s: &str) -> Result<(usize, usize), Exit> {
     Ok((k, n))
 }
 
+/// Prints (stderr) what in this machine's settings can disturb a timing, for the commands that
+/// time things; the same settings are in every report's provenance.
+pub fn print_timing_notes() {
+    for n in reports::settings::timing_notes(&reports::settings::collect()) {
+        eprintln!("note: {n}");
+    }
+}
+
 /// A progress bar on stderr (hidden when stderr is not a terminal).
 pub fn progress(total: u64, what: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(total);

@@ -46,6 +46,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
     if !probe.gemv.iter().any(|g| g.ty == a.gate_type && !g.alternative) {
         return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.ty).collect::<Vec<_>>()) });
     }
+    super::print_timing_notes();
     outln!("{} ({}): copy {:.1} GB/s (read + write, {} MiB, best of {})", a.device, device.describe(), probe.copy_gbps, a.mib, probe.reps);
     if let Some(why) = &probe.not_hardware {
         outln!("  not a hardware measurement: {why}; the gate is inconclusive (exit 3)");
