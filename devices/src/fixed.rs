@@ -529,33 +529,35 @@ fn model_err(what: impl std::fmt::Display) -> DeviceError {
 }
 
 impl FixedModel {
+    /// Loads a GGUF file or a safetensors directory (F32/F16/BF16 tensors).
     pub fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, DeviceError> {
-        let g = oracle::gguf::GgufFile::open(path).map_err(model_err)?;
-        let spec = oracle::ModelSpec::from_gguf(&g).map_err(model_err)?;
+        let (src, spec) = oracle::loader::open_weights(path).map_err(model_err)?;
+        let label = src.label();
         if spec.moe.is_some() {
             return Err(DeviceError::Unavailable("fixed".into(), format!("{}: MoE models have no integer kernels here", path.display())));
         }
         // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4), the embedding
         // again as 64-bit Q16 rows (and once more as 32-bit values when the output is tied to it):
         // refused up front when the machine cannot hold them.
-        let values = g.tensors.iter().fold(0u64, |n, t| n.saturating_add(t.n_elements()));
+        let values = src.n_elements().map_err(model_err)?;
         let table = (spec.n_vocab as u64).saturating_mul(spec.n_embd as u64);
         let needed = values.saturating_mul(if int4 { 2 } else { 4 }).saturating_add(table.saturating_mul(if spec.tied_output { 12 } else { 8 }));
-        oracle::memory::check_fits(&g.path, "holding the weights as integers", needed).map_err(model_err)?;
+        oracle::memory::check_fits(&label, "holding the weights as integers", needed).map_err(model_err)?;
+        let raw = |name: &str| -> Result<oracle::loader::RawTensor<'_>, DeviceError> { src.raw(name).map_err(model_err)?.ok_or_else(|| model_err(format!("{label}: missing tensor `{name}`"))) };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<FixedWeights, DeviceError> {
-            let t = g.tensor(name).ok_or_else(|| model_err(format!("missing tensor `{name}`")))?;
-            if t.n_elements() as usize != rows * cols || t.dims[0] as usize != cols {
-                return Err(model_err(format!("tensor `{name}` has dims {:?}", t.dims)));
+            let t = raw(name)?;
+            if t.n_elements() != rows * cols || t.dims[0] != cols {
+                return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}", t.dims)));
             }
-            Ok(convert_weights(t.ty, rows, cols, g.weight_bytes(t).map_err(model_err)?, int4 && cols.is_multiple_of(INT4_GROUP)))
+            Ok(convert_weights(t.ty, rows, cols, t.bytes, int4 && cols.is_multiple_of(INT4_GROUP)))
         };
         let vecq = |name: &str, n: usize, frac: u32| -> Result<Vec<i64>, DeviceError> {
-            let t = g.tensor(name).ok_or_else(|| model_err(format!("missing tensor `{name}`")))?;
-            if t.n_elements() as usize != n || !qdot::is_float(t.ty) {
-                return Err(model_err(format!("tensor `{name}`: expected {n} float values")));
+            let t = raw(name)?;
+            if t.n_elements() != n || !qdot::is_float(t.ty) {
+                return Err(model_err(format!("{label}: tensor `{name}`: expected {n} float values")));
             }
             let mut f = vec![0.0f32; n];
-            qdot::float_row(t.ty, g.weight_bytes(t).map_err(model_err)?, &mut f);
+            qdot::float_row(t.ty, t.bytes, &mut f);
             Ok(f.iter().map(|v| to_q(*v as f64, frac)).collect())
         };
         let (d, hd) = (spec.n_embd, spec.head_dim);
@@ -579,9 +581,12 @@ impl FixedModel {
             });
         }
         // The embedding table as Q16 activations (rows are looked up, never multiplied).
-        let te = g.tensor("token_embd.weight").ok_or_else(|| model_err("missing token_embd.weight"))?;
-        let te_bytes = g.weight_bytes(te).map_err(model_err)?;
-        let row_bytes = te.n_bytes as usize / spec.n_vocab;
+        let te = raw("token_embd.weight")?;
+        if te.n_elements() != spec.n_vocab * d || te.dims[0] != d {
+            return Err(model_err(format!("{label}: tensor `token_embd.weight` has dims {:?}", te.dims)));
+        }
+        let te_bytes = te.bytes;
+        let row_bytes = te_bytes.len() / spec.n_vocab;
         let mut tok_embd = Vec::with_capacity(spec.n_vocab * d);
         let mut row = vec![0.0f32; d];
         for r in 0..spec.n_vocab {

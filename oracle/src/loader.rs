@@ -4,6 +4,7 @@
 
 use crate::error::{OracleError, Result};
 use crate::gguf::GgufFile;
+use crate::quant::GgmlType;
 use crate::spec::ModelSpec;
 use crate::tokenizer::Tokenizer;
 use std::collections::HashMap;
@@ -15,6 +16,21 @@ pub struct LoadedTensor {
     pub data: Vec<f32>,
 }
 
+/// A tensor as stored, not decoded: GGML dims (`dims[0]` = row length), its GGML type
+/// (safetensors F32/F16/BF16 are GGML's F32/F16/BF16, rows laid out alike) and its bytes, every
+/// value checked finite. For devices that keep weights packed.
+pub struct RawTensor<'a> {
+    pub dims: Vec<usize>,
+    pub ty: GgmlType,
+    pub bytes: &'a [u8],
+}
+
+impl RawTensor<'_> {
+    pub fn n_elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+}
+
 /// Where weights come from.
 pub trait TensorSource: Sync {
     /// Decodes tensor `name` (a GGUF name such as `blk.0.attn_q.weight`), or None if absent.
@@ -23,6 +39,11 @@ pub trait TensorSource: Sync {
     fn label(&self) -> String;
     /// How many values the source holds, all tensors together (what decoding them all costs).
     fn n_elements(&self) -> Result<u64>;
+    /// How many bytes its tensors take as stored (what a packed copy of them all costs).
+    fn n_bytes(&self) -> Result<u64>;
+    /// Tensor `name` as stored, or None if absent; refused when a value is NaN or infinite
+    /// (naming the file, tensor, element, row and column, as `load` does).
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>>;
 }
 
 impl TensorSource for GgufFile {
@@ -46,6 +67,15 @@ impl TensorSource for GgufFile {
 
     fn n_elements(&self) -> Result<u64> {
         Ok(self.tensors.iter().fold(0u64, |n, t| n.saturating_add(t.n_elements())))
+    }
+
+    fn n_bytes(&self) -> Result<u64> {
+        Ok(self.tensors.iter().fold(0u64, |n, t| n.saturating_add(t.n_bytes)))
+    }
+
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        let Some(info) = self.tensor(name) else { return Ok(None) };
+        Ok(Some(RawTensor { dims: info.dims.iter().map(|&d| d as usize).collect(), ty: info.ty, bytes: self.weight_bytes(info)? }))
     }
 }
 
@@ -177,6 +207,21 @@ impl SafetensorsDir {
     }
 }
 
+impl SafetensorsDir {
+    /// (values, bytes) of the tensors the index reads, each file's header parsed once.
+    fn totals(&self) -> Result<(u64, u64)> {
+        let (mut n, mut b) = (0u64, 0u64);
+        for (fi, (path, map)) in self.maps.iter().enumerate() {
+            let st = safetensors::SafeTensors::deserialize(map).map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })?;
+            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().any(|(f, hf)| *f == fi && hf == name)) {
+                n = n.saturating_add(view.shape().iter().fold(1u64, |p, d| p.saturating_mul(*d as u64)));
+                b = b.saturating_add(view.data().len() as u64);
+            }
+        }
+        Ok((n, b))
+    }
+}
+
 impl TensorSource for SafetensorsDir {
     fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
         let Some((fi, hf)) = self.index.get(name) else { return Ok(None) };
@@ -201,14 +246,32 @@ impl TensorSource for SafetensorsDir {
     }
 
     fn n_elements(&self) -> Result<u64> {
-        let mut n = 0u64;
-        for (fi, (path, map)) in self.maps.iter().enumerate() {
-            let st = safetensors::SafeTensors::deserialize(map).map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })?;
-            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().any(|(f, hf)| *f == fi && hf == name)) {
-                n = n.saturating_add(view.shape().iter().fold(1u64, |p, d| p.saturating_mul(*d as u64)));
-            }
+        Ok(self.totals()?.0)
+    }
+
+    fn n_bytes(&self) -> Result<u64> {
+        Ok(self.totals()?.1)
+    }
+
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        let Some((fi, hf)) = self.index.get(name) else { return Ok(None) };
+        let (path, map) = &self.maps[*fi];
+        let err = |reason: String| OracleError::Safetensors { file: path.display().to_string(), reason };
+        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| err(e.to_string()))?;
+        let view = st.tensor(hf).map_err(|e| err(e.to_string()))?;
+        let ty = match view.dtype() {
+            safetensors::Dtype::F32 => GgmlType::F32,
+            safetensors::Dtype::F16 => GgmlType::F16,
+            safetensors::Dtype::BF16 => GgmlType::BF16,
+            other => return Err(err(format!("tensor `{hf}` has dtype {other:?}; f32, f16 and bf16 are read"))),
+        };
+        // Torch order [out, in] -> GGML order [in, out].
+        let dims: Vec<usize> = view.shape().iter().rev().copied().collect();
+        let bytes: &[u8] = view.data();
+        if let Some((i, v)) = crate::quant::first_non_finite(ty, bytes) {
+            return Err(OracleError::non_finite_weight(&path.display().to_string(), hf, i, v, dims.first().copied().unwrap_or(1)));
         }
-        Ok(n)
+        Ok(Some(RawTensor { dims, ty, bytes }))
     }
 }
 
@@ -240,6 +303,18 @@ pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Opti
         let spec = ModelSpec::from_gguf(&g)?;
         let tokenizer = gguf_tokenizer(&g)?;
         Ok((Box::new(g), spec, tokenizer))
+    }
+}
+
+/// Opens a model's weights and spec without its tokenizer (for device loaders).
+pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
+    if path.is_dir() {
+        let (dir, spec) = SafetensorsDir::open(path)?;
+        Ok((Box::new(dir), spec))
+    } else {
+        let g = GgufFile::open(path)?;
+        let spec = ModelSpec::from_gguf(&g)?;
+        Ok((Box::new(g), spec))
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
 use crate::{DeviceError, DeviceModel, KvStore, ModelOptions};
-use oracle::gguf::GgufFile;
+use oracle::loader::{RawTensor, TensorSource};
 use oracle::quant::GgmlType;
 use oracle::spec::{Activation, Gating, ModelSpec, Stage};
 use oracle::Tap;
@@ -105,40 +105,48 @@ fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {
 }
 
 struct Loader<'a> {
-    g: &'a GgufFile,
+    src: &'a dyn TensorSource,
+    /// The file or directory, for error messages.
+    label: String,
 }
 
 impl Loader<'_> {
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>, DeviceError> {
+        self.src.raw(name).map_err(|e| err("model", e))
+    }
     fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<PackedMat, DeviceError> {
-        self.opt_mat(name, rows, cols)?.ok_or_else(|| err(&self.g.path, format!("missing tensor `{name}`")))
+        self.opt_mat(name, rows, cols)?.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))
     }
     fn opt_mat(&self, name: &str, rows: usize, cols: usize) -> Result<Option<PackedMat>, DeviceError> {
-        let Some(t) = self.g.tensor(name) else { return Ok(None) };
-        if t.dims.len() < 2 || t.dims[0] as usize != cols || t.n_elements() as usize != rows * cols {
-            return Err(err(&self.g.path, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
+        let Some(t) = self.raw(name)? else { return Ok(None) };
+        if t.dims.len() < 2 || t.dims[0] != cols || t.n_elements() != rows * cols {
+            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
         }
-        Ok(Some(PackedMat { ty: t.ty, rows, cols, bytes: self.g.weight_bytes(t).map_err(|e| err(&self.g.path, e))?.to_vec() }))
+        Ok(Some(PackedMat { ty: t.ty, rows, cols, bytes: t.bytes.to_vec() }))
     }
-    /// One expert's matrix out of a stacked [cols, rows, n_expert] tensor.
-    fn expert(&self, name: &str, e: usize, n_expert: usize, rows: usize, cols: usize) -> Result<PackedMat, DeviceError> {
-        let t = self.g.tensor(name).ok_or_else(|| err(&self.g.path, format!("missing tensor `{name}`")))?;
-        if t.dims.iter().map(|&d| d as usize).collect::<Vec<_>>() != [cols, rows, n_expert] {
-            return Err(err(&self.g.path, format!("tensor `{name}` has dims {:?}", t.dims)));
+    /// Every expert's matrix out of a stacked [cols, rows, n_expert] tensor.
+    fn experts(&self, name: &str, n_expert: usize, rows: usize, cols: usize) -> Result<Vec<PackedMat>, DeviceError> {
+        let t = self.raw(name)?.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))?;
+        if t.dims != [cols, rows, n_expert] {
+            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}", t.dims)));
         }
-        let bytes = self.g.weight_part(t, e, n_expert).map_err(|e| err(&self.g.path, e))?;
-        Ok(PackedMat { ty: t.ty, rows, cols, bytes: bytes.to_vec() })
+        let per = t.bytes.len() / n_expert.max(1);
+        if n_expert == 0 || !t.bytes.len().is_multiple_of(n_expert) || !per.is_multiple_of(t.ty.type_size()) {
+            return Err(err(&self.label, format!("tensor `{name}` ({} bytes) does not split into {n_expert} experts of whole {} blocks", t.bytes.len(), t.ty.name())));
+        }
+        Ok(t.bytes.chunks_exact(per).map(|b| PackedMat { ty: t.ty, rows, cols, bytes: b.to_vec() }).collect())
     }
     fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, DeviceError> {
         let m = self.mat_like_vec(name, n)?;
-        m.ok_or_else(|| err(&self.g.path, format!("missing tensor `{name}`")))
+        m.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))
     }
     fn mat_like_vec(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>, DeviceError> {
-        let Some(t) = self.g.tensor(name) else { return Ok(None) };
-        if t.n_elements() as usize != n || !qdot::is_float(t.ty) {
-            return Err(err(&self.g.path, format!("tensor `{name}`: expected {n} float values, found {:?} {}", t.dims, t.ty.name())));
+        let Some(t) = self.raw(name)? else { return Ok(None) };
+        if t.n_elements() != n || !qdot::is_float(t.ty) {
+            return Err(err(&self.label, format!("tensor `{name}`: expected {n} float values, found {:?} {}", t.dims, t.ty.name())));
         }
         let mut out = vec![0.0f32; n];
-        qdot::float_row(t.ty, self.g.weight_bytes(t).map_err(|e| err(&self.g.path, e))?, &mut out);
+        qdot::float_row(t.ty, t.bytes, &mut out);
         Ok(Some(out))
     }
 }
@@ -159,17 +167,15 @@ impl CpuModel {
         layers.chain(std::iter::once(self.output.as_ref().unwrap_or(&self.tok_embd)))
     }
 
+    /// Loads a GGUF file or a safetensors directory (F32/F16/BF16 tensors, held as stored).
     pub fn load(path: &Path, opts: &ModelOptions) -> Result<CpuModel, DeviceError> {
-        if path.is_dir() {
-            return Err(err(&path.display().to_string(), "the cpu device runs GGUF files; safetensors directories run on the oracle only"));
-        }
         // These errors name the file themselves.
-        let g = GgufFile::open(path).map_err(|e| err("model", e))?;
-        let spec = ModelSpec::from_gguf(&g).map_err(|e| err("model", e))?;
-        // A copy of every packed tensor: refused up front when the machine cannot hold them.
-        let packed = g.tensors.iter().fold(0u64, |n, t| n.saturating_add(t.n_bytes));
-        oracle::memory::check_fits(&g.path, "holding the packed weights", packed).map_err(|e| err("model", e))?;
-        let l = Loader { g: &g };
+        let (src, spec) = oracle::loader::open_weights(path).map_err(|e| err("model", e))?;
+        let label = src.label();
+        // A copy of every stored tensor: refused up front when the machine cannot hold them.
+        let packed = src.n_bytes().map_err(|e| err("model", e))?;
+        oracle::memory::check_fits(&label, "holding the packed weights", packed).map_err(|e| err("model", e))?;
+        let l = Loader { src: src.as_ref(), label };
         let (d, hd) = (spec.n_embd, spec.head_dim);
         let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
         let ffn = |i: usize, suffix: &str, f: usize| -> Result<Ffn, DeviceError> {
@@ -185,14 +191,10 @@ impl CpuModel {
             let (dense, router, experts, shared, shared_gate) = match &spec.moe {
                 None => (Some(ffn(i, "", spec.n_ff)?), None, Vec::new(), None, None),
                 Some(m) => {
-                    let mut ex = Vec::new();
-                    for e in 0..m.n_expert {
-                        ex.push(Ffn {
-                            gate: l.expert(&n("ffn_gate_exps.weight"), e, m.n_expert, m.expert_ffn, d)?,
-                            up: l.expert(&n("ffn_up_exps.weight"), e, m.n_expert, m.expert_ffn, d)?,
-                            down: l.expert(&n("ffn_down_exps.weight"), e, m.n_expert, d, m.expert_ffn)?,
-                        });
-                    }
+                    let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
+                    let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
+                    let downs = l.experts(&n("ffn_down_exps.weight"), m.n_expert, d, m.expert_ffn)?;
+                    let ex: Vec<Ffn> = gates.into_iter().zip(ups).zip(downs).map(|((gate, up), down)| Ffn { gate, up, down }).collect();
                     let shared = match m.shared_ffn {
                         Some(f) => Some(ffn(i, "_shexp", f)?),
                         None => None,
