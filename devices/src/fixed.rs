@@ -83,20 +83,20 @@ pub fn exp_q16(z: i64) -> i64 {
     }
     // 2^f = e^(f ln 2): Horner over the Taylor series in Q30.
     const LN2_Q30: i128 = 744_261_118; // round(ln 2 * 2^30)
-    let y = (f * LN2_Q30) >> 30;
-    let mut acc: i128 = 1 << 30;
+    // y < 2^30 and acc < 2^31 (2^f < 2), so every product stays under 2^61: i64 is exact.
+    let y = ((f * LN2_Q30) >> 30) as i64;
+    let mut acc: i64 = 1 << 30;
     for n in (1..=9).rev() {
         acc = (1 << 30) + ((acc * y) >> 30) / n;
     }
-    shr_round(acc, (30 - ACT as i128 + k) as u32)
+    shr_round(acc as i128, (30 - ACT as i128 + k) as u32)
 }
 
 /// sigmoid(x) in Q16 from the integer exp, using the symmetry for negative inputs.
 pub fn sigmoid_q16(x: i64) -> i64 {
     let one = 1i64 << ACT;
     let e = exp_q16(-x.abs()); // in (0, 1]
-    let pos = ((one as i128) << ACT) / (one + e) as i128; // 1 / (1 + e^-|x|)
-    let pos = pos as i64;
+    let pos = (one << ACT) / (one + e); // 1 / (1 + e^-|x|): 2^32 / (2^16 + e), exact in i64
     if x >= 0 {
         pos
     } else {
@@ -185,8 +185,9 @@ pub fn int4_group(g: &[f32]) -> (Vec<i8>, i64) {
     (q, scale)
 }
 
-/// Outputs per parallel task of `matmul_q` (tokens × rows, flattened).
-const OUTPUTS_PER_TASK: usize = 64;
+/// Weight rows per parallel task of `matmul_q`: each task takes its rows (a few KiB each, kept in
+/// cache) through every token.
+const ROWS_PER_TASK: usize = 16;
 
 /// An activation row narrowed to 32 bits, with its largest magnitude; None when a value does not
 /// fit (that row then takes the 128-bit products).
@@ -201,43 +202,59 @@ fn narrow_row(x: &[i64]) -> Option<(Vec<i32>, u64)> {
 /// a bit. Where activations and weights fit in 32 bits, products are formed in 64 bits and summed
 /// in 64 bits over runs short enough that no partial sum can overflow (the run length comes from
 /// the two largest magnitudes), the runs then added in 128 bits; otherwise every product and sum
-/// is 128-bit. Outputs are split over threads (tokens × rows), so one token's rows run in parallel.
+/// is 128-bit. Rows are split over threads, so one token's rows run in parallel.
 pub fn matmul_q(x: &[i64], m: usize, w: &FixedWeights) -> Vec<i64> {
     use rayon::prelude::*;
     let (rows, cols) = w.dims();
     let narrow: Vec<Option<(Vec<i32>, u64)>> = (0..m).map(|t| narrow_row(&x[t * cols..(t + 1) * cols])).collect();
     let avx2 = has_avx2();
-    let mut y = vec![0i64; m * rows];
-    y.par_chunks_mut(OUTPUTS_PER_TASK).enumerate().for_each(|(task, ys)| {
-        for (i, out) in ys.iter_mut().enumerate() {
-            let (t, r) = ((task * OUTPUTS_PER_TASK + i) / rows, (task * OUTPUTS_PER_TASK + i) % rows);
-            let xt = &x[t * cols..(t + 1) * cols];
-            let acc = match (w, &narrow[t]) {
-                (FixedWeights::Q24 { w: Q24Values::Narrow(w), max_abs, .. }, Some((x32, x_max))) => {
-                    let run = exact_run(*x_max, *max_abs, cols);
-                    let wr = &w[r * cols..(r + 1) * cols];
-                    x32.chunks(run).zip(wr.chunks(run)).map(|(a, b)| dot_i32(a, b, avx2) as i128).sum()
+    let dot = |t: usize, r: usize| -> i64 {
+        let xt = &x[t * cols..(t + 1) * cols];
+        let acc = match (w, &narrow[t]) {
+            (FixedWeights::Q24 { w: Q24Values::Narrow(w), max_abs, .. }, Some((x32, x_max))) => {
+                let run = exact_run(*x_max, *max_abs, cols);
+                let wr = &w[r * cols..(r + 1) * cols];
+                x32.chunks(run).zip(wr.chunks(run)).map(|(a, b)| dot_i32(a, b, avx2) as i128).sum()
+            }
+            (FixedWeights::Q24 { w: Q24Values::Narrow(w), .. }, None) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
+            (FixedWeights::Q24 { w: Q24Values::Wide(w), .. }, _) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
+            (FixedWeights::Int4 { q, scale, .. }, x32) => {
+                let groups = cols / INT4_GROUP;
+                let mut acc: i128 = 0;
+                for g in 0..groups {
+                    let qs = &q[r * cols + g * INT4_GROUP..r * cols + (g + 1) * INT4_GROUP];
+                    // A group of 32 products of a 32-bit value and |q| <= 7 stays under 2^39.
+                    let s: i128 = match x32 {
+                        Some((x32, _)) => x32[g * INT4_GROUP..(g + 1) * INT4_GROUP].iter().zip(qs).map(|(a, b)| *a as i64 * *b as i64).sum::<i64>() as i128,
+                        None => wide_dot(&xt[g * INT4_GROUP..(g + 1) * INT4_GROUP], qs),
+                    };
+                    acc += s * scale[r * groups + g] as i128;
                 }
-                (FixedWeights::Q24 { w: Q24Values::Narrow(w), .. }, None) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
-                (FixedWeights::Q24 { w: Q24Values::Wide(w), .. }, _) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
-                (FixedWeights::Int4 { q, scale, .. }, x32) => {
-                    let groups = cols / INT4_GROUP;
-                    let mut acc: i128 = 0;
-                    for g in 0..groups {
-                        let qs = &q[r * cols + g * INT4_GROUP..r * cols + (g + 1) * INT4_GROUP];
-                        // A group of 32 products of a 32-bit value and |q| <= 7 stays under 2^39.
-                        let s: i128 = match x32 {
-                            Some((x32, _)) => x32[g * INT4_GROUP..(g + 1) * INT4_GROUP].iter().zip(qs).map(|(a, b)| *a as i64 * *b as i64).sum::<i64>() as i128,
-                            None => wide_dot(&xt[g * INT4_GROUP..(g + 1) * INT4_GROUP], qs),
-                        };
-                        acc += s * scale[r * groups + g] as i128;
-                    }
-                    acc
-                }
-            };
-            *out = shr_round(acc, WGT);
+                acc
+            }
+        };
+        shr_round(acc, WGT)
+    };
+    // Outputs by row (`[rows, m]`), then transposed to `[m, rows]`.
+    let mut by_row = vec![0i64; rows * m];
+    by_row.par_chunks_mut(ROWS_PER_TASK * m.max(1)).enumerate().for_each(|(task, block)| {
+        let r0 = task * ROWS_PER_TASK;
+        let n_rows = block.len() / m.max(1);
+        for t in 0..m {
+            for i in 0..n_rows {
+                block[i * m + t] = dot(t, r0 + i);
+            }
         }
     });
+    if m == 1 {
+        return by_row;
+    }
+    let mut y = vec![0i64; m * rows];
+    for (r, outs) in by_row.chunks(m).enumerate() {
+        for (t, v) in outs.iter().enumerate() {
+            y[t * rows + r] = *v;
+        }
+    }
     y
 }
 
@@ -328,37 +345,62 @@ pub fn rope_q(x: &mut [i64], pos: &[usize], n_head: usize, hd: usize, spec: &Rop
 pub fn softmax_q(x: &[i64]) -> Vec<i64> {
     let max = *x.iter().max().unwrap_or(&0);
     let e: Vec<i64> = x.iter().map(|v| exp_q16(v - max)).collect();
-    let sum: i128 = e.iter().map(|v| *v as i128).sum::<i128>().max(1);
-    e.iter().map(|v| (((*v as i128) << ACT) + sum / 2) / sum).map(|v| v as i64).collect()
+    // Each e is at most 2^16 (exp of a non-positive value): the shifted values and the sum fit
+    // an i64 for any row shorter than 2^40, so the division is the exact one.
+    let sum: i64 = e.iter().sum::<i64>().max(1);
+    e.iter().map(|v| ((*v << ACT) + sum / 2) / sum).collect()
 }
 
 /// Masked positions (-inf in the case) are represented by this sentinel and excluded.
 const MASKED: i64 = i64::MIN;
 
 pub fn attention_q(q: &[i64], pos: &[usize], k: &[i64], v: &[i64], nh: usize, nkv: usize, hd: usize, window: usize) -> Vec<i64> {
+    use rayon::prelude::*;
     // 1/sqrt(hd) in Q30 (host constant).
     let scale_q30 = to_q(1.0 / (hd as f64).sqrt(), 30) as i128;
     let group = nh / nkv;
+    // Exact integer sums in 64 bits where the largest magnitudes prove no partial sum can
+    // overflow (a score sums hd products of at most q_max * k_max), else in 128 bits.
+    let max_abs = |x: &[i64]| x.iter().fold(0u64, |m, v| m.max(v.unsigned_abs())) as u128;
+    let (k_max, v_max) = (max_abs(k), max_abs(v));
+    let scores_fit = max_abs(q).checked_mul(k_max).and_then(|b| b.checked_mul(hd as u128)).is_some_and(|b| b <= i64::MAX as u128);
     let mut out = vec![0i64; pos.len() * nh * hd];
-    for (t, &p) in pos.iter().enumerate() {
+    out.par_chunks_mut(hd.max(1)).enumerate().for_each(|(i, o)| {
+        let (t, h) = (i / nh, i % nh);
+        let p = pos[t];
         let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
-        for h in 0..nh {
-            let kvh = h / group;
-            let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-            let scores: Vec<i64> = (first..=p)
-                .map(|j| {
-                    let kj = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-                    let dot: i128 = qh.iter().zip(kj).map(|(a, b)| *a as i128 * *b as i128).sum(); // Q32
-                    shr_round(dot * scale_q30, 30 + ACT) // Q16
-                })
-                .collect();
-            let probs = softmax_q(&scores);
-            for d in 0..hd {
-                let acc: i128 = probs.iter().zip(first..=p).map(|(pj, j)| *pj as i128 * v[(j * nkv + kvh) * hd + d] as i128).sum();
-                out[(t * nh + h) * hd + d] = shr_round(acc, ACT);
+        let kvh = h / group;
+        let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+        let scores: Vec<i64> = (first..=p)
+            .map(|j| {
+                let kj = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                let dot: i128 = if scores_fit { qh.iter().zip(kj).map(|(a, b)| a * b).sum::<i64>() as i128 } else { wide_dot(qh, kj) }; // Q32
+                shr_round(dot * scale_q30, 30 + ACT) // Q16
+            })
+            .collect();
+        let probs = softmax_q(&scores);
+        // Probabilities are non-negative, so |sum_j p_j v_j| <= (sum_j p_j) * v_max bounds every
+        // partial sum of every output.
+        let p_sum: u128 = probs.iter().map(|p| *p as u128).sum();
+        let row = |j: usize| &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+        if p_sum.checked_mul(v_max).is_some_and(|b| b <= i64::MAX as u128) {
+            let mut acc = vec![0i64; hd];
+            for (pj, j) in probs.iter().zip(first..=p) {
+                for (a, vd) in acc.iter_mut().zip(row(j)) {
+                    *a += pj * vd;
+                }
             }
+            o.iter_mut().zip(&acc).for_each(|(o, a)| *o = shr_round(*a as i128, ACT));
+        } else {
+            let mut acc = vec![0i128; hd];
+            for (pj, j) in probs.iter().zip(first..=p) {
+                for (a, vd) in acc.iter_mut().zip(row(j)) {
+                    *a += *pj as i128 * *vd as i128;
+                }
+            }
+            o.iter_mut().zip(&acc).for_each(|(o, a)| *o = shr_round(*a, ACT));
         }
-    }
+    });
     out
 }
 
@@ -784,6 +826,83 @@ mod tests {
                 let x: Vec<i64> = x.iter().copied().cycle().take(m * cols).collect();
                 assert_eq!(matmul_q(&x, m, &w), reference(&x, m, &w), "m={m} rows={rows} cols={cols} case={case}");
             }
+        }
+    }
+
+    /// exp as first written: every step of the Horner series in 128 bits.
+    fn exp_q16_wide(z: i64) -> i64 {
+        if z > 0 {
+            return exp_q16_wide(0);
+        }
+        let t = ((z as i128) * 1_549_082_005) >> ACT;
+        let k = (-t) >> 30;
+        let k = if ((-t) & ((1 << 30) - 1)) != 0 { k + 1 } else { k };
+        let f = t + (k << 30);
+        if k >= 40 {
+            return 0;
+        }
+        let y = (f * 744_261_118) >> 30;
+        let mut acc: i128 = 1 << 30;
+        for n in (1..=9).rev() {
+            acc = (1 << 30) + ((acc * y) >> 30) / n;
+        }
+        shr_round(acc, (30 - ACT as i128 + k) as u32)
+    }
+
+    #[test]
+    fn exp_sigmoid_and_softmax_in_64_bits_equal_their_128_bit_forms() {
+        let mut next = rng(3);
+        let zs: Vec<i64> = (0..200_000).map(|i| -(i * 17)).chain((0..20_000).map(|_| -((next() >> 20) as i64))).chain([1, 0, -1, i64::MIN / 2, -(40 << 16)]).collect();
+        for &z in &zs {
+            assert_eq!(exp_q16(z), exp_q16_wide(z), "exp at z = {z}");
+            let one = 1i128 << ACT;
+            let e = exp_q16_wide(-z.abs()) as i128;
+            let pos = ((one << ACT) / (one + e)) as i64;
+            assert_eq!(sigmoid_q16(z), if z >= 0 { pos } else { (1 << ACT) - pos }, "sigmoid at {z}");
+            assert_eq!(sigmoid_q16(-z), if -z >= 0 { pos } else { (1 << ACT) - pos }, "sigmoid at {}", -z);
+        }
+        for n in [1usize, 2, 7, 1000] {
+            let x: Vec<i64> = (0..n).map(|_| (next() >> 40) as i64 - (1 << 23)).collect();
+            let max = *x.iter().max().unwrap();
+            let e: Vec<i128> = x.iter().map(|v| exp_q16_wide(v - max) as i128).collect();
+            let sum = e.iter().sum::<i128>().max(1);
+            let want: Vec<i64> = e.iter().map(|v| (((v << ACT) + sum / 2) / sum) as i64).collect();
+            assert_eq!(softmax_q(&x), want, "softmax of {n}");
+        }
+    }
+
+    /// Attention as first written: one query and head at a time, every product and sum in 128 bits.
+    fn attention_wide(q: &[i64], pos: &[usize], k: &[i64], v: &[i64], nh: usize, nkv: usize, hd: usize, window: usize) -> Vec<i64> {
+        let scale_q30 = to_q(1.0 / (hd as f64).sqrt(), 30) as i128;
+        let mut out = vec![0i64; pos.len() * nh * hd];
+        for (t, &p) in pos.iter().enumerate() {
+            let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+            for h in 0..nh {
+                let kvh = h / (nh / nkv);
+                let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+                let scores: Vec<i64> = (first..=p).map(|j| shr_round(wide_dot(qh, &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]) * scale_q30, 30 + ACT)).collect();
+                let probs = softmax_q(&scores);
+                for d in 0..hd {
+                    let acc: i128 = probs.iter().zip(first..=p).map(|(pj, j)| *pj as i128 * v[(j * nkv + kvh) * hd + d] as i128).sum();
+                    out[(t * nh + h) * hd + d] = shr_round(acc, ACT);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn attention_in_64_bits_equals_the_128_bit_form_and_takes_it_when_values_are_large() {
+        let mut next = rng(11);
+        let (nh, nkv, hd, len) = (4, 2, 16, 9);
+        let pos: Vec<usize> = (3..len).collect();
+        // Bits of the query, key and value magnitudes: ordinary Q16 values (64-bit sums); keys
+        // near 2^40 (scores past 64 bits); values near 2^49 (weighted sums past 64 bits).
+        for (bits, window) in [([20u32, 20, 20], 0usize), ([20, 20, 20], 4), ([20, 41, 20], 0), ([20, 20, 50], 0), ([20, 41, 50], 3)] {
+            let mut val = |n: usize, b: u32| -> Vec<i64> { (0..n).map(|_| (next() >> (64 - b)) as i64 - (1i64 << (b - 1))).collect() };
+            let q = val(pos.len() * nh * hd, bits[0]);
+            let (k, v) = (val(len * nkv * hd, bits[1]), val(len * nkv * hd, bits[2]));
+            assert_eq!(attention_q(&q, &pos, &k, &v, nh, nkv, hd, window), attention_wide(&q, &pos, &k, &v, nh, nkv, hd, window), "{bits:?}-bit values, window {window}");
         }
     }
 
