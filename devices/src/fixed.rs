@@ -85,10 +85,11 @@ pub fn exp_q16(z: i64) -> i64 {
     const LN2_Q30: i128 = 744_261_118; // round(ln 2 * 2^30)
     // y < 2^30 and acc < 2^31 (2^f < 2), so every product stays under 2^61: i64 is exact.
     let y = ((f * LN2_Q30) >> 30) as i64;
-    let mut acc: i64 = 1 << 30;
-    for n in (1..=9).rev() {
-        acc = (1 << 30) + ((acc * y) >> 30) / n;
+    // Horner from the 9th term down, each divisor a constant (a multiply, not a division).
+    fn term<const N: i64>(acc: i64, y: i64) -> i64 {
+        (1 << 30) + ((acc * y) >> 30) / N
     }
+    let acc = term::<1>(term::<2>(term::<3>(term::<4>(term::<5>(term::<6>(term::<7>(term::<8>(term::<9>(1 << 30, y), y), y), y), y), y), y), y), y);
     shr_round(acc as i128, (30 - ACT as i128 + k) as u32)
 }
 
