@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Writes a dense Llama/Qwen2 GGUF as a Hugging Face directory (config.json + model.safetensors),
+every tensor dequantized by gguf-py and stored as F32, F16 or BF16 (rounded to nearest even),
+with Q and K rows put back in Hugging Face's order (llama.cpp's converter permutes them for its
+interleaved RoPE; Hugging Face checkpoints use the rotate-half layout). For checking the devices'
+safetensors path on a real model:
+
+    python3 tools/reference/gguf_to_safetensors.py .cache/touchstone/real/smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2-bf16 --dtype bf16
+    cargo xtask layer-diff --device cpu --model /tmp/smollm2-bf16
+
+A development aid (gguf-py + numpy, tools/reference/requirements.txt), never a runtime dependency.
+"""
+import argparse
+import json
+import os
+import struct
+
+import gguf
+import numpy as np
+
+
+def field(r, key, default=None):
+    f = r.fields.get(key)
+    if f is None:
+        return default
+    v = f.parts[f.data[0]]
+    return v.tobytes().decode() if v.dtype == np.uint8 else v.item()
+
+
+def unpermute(w, n_head):
+    # Inverse of llama.cpp's permute: rows (head, pair, half) -> (head, half, pair).
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def to_bytes(a, dtype):
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "f32":
+        return a.tobytes()
+    if dtype == "f16":
+        return a.astype(np.float16).tobytes()
+    bits = a.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gguf")
+    ap.add_argument("out_dir")
+    ap.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="bf16")
+    a = ap.parse_args()
+    r = gguf.GGUFReader(a.gguf)
+    arch = field(r, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise SystemExit(f"{a.gguf}: architecture {arch!r}; this writes llama and qwen2 models")
+    n_head = field(r, f"{arch}.attention.head_count")
+    n_head_kv = field(r, f"{arch}.attention.head_count_kv", n_head)
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    layer = {
+        "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+        "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    }
+    tensors = []
+    for t in r.tensors:
+        if t.name in names:
+            hf = names[t.name]
+        else:
+            _, i, tail = t.name.split(".", 2)
+            if tail not in layer:
+                raise SystemExit(f"{a.gguf}: tensor {t.name} has no Hugging Face name here")
+            hf = f"model.layers.{i}.{layer[tail]}"
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        shape = [int(d) for d in reversed(t.shape)]  # torch order
+        w = w.reshape(shape)
+        if arch == "llama" and tail_of(t.name) in ("attn_q.weight", "attn_q.bias"):
+            w = unpermute(w, n_head)
+        if arch == "llama" and tail_of(t.name) in ("attn_k.weight", "attn_k.bias"):
+            w = unpermute(w, n_head_kv)
+        tensors.append((hf, shape, to_bytes(w, a.dtype)))
+    os.makedirs(a.out_dir, exist_ok=True)
+    header, offset = {}, 0
+    for hf, shape, b in tensors:
+        header[hf] = {"dtype": a.dtype.upper(), "shape": shape, "data_offsets": [offset, offset + len(b)]}
+        offset += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(os.path.join(a.out_dir, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        for _, _, b in tensors:
+            f.write(b)
+    cfg = {
+        "model_type": arch, "hidden_size": field(r, f"{arch}.embedding_length"), "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv, "intermediate_size": field(r, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(r, f"{arch}.block_count"), "vocab_size": [t for t in r.tensors if t.name == "token_embd.weight"][0].shape[1].item(),
+        "rms_norm_eps": field(r, f"{arch}.attention.layer_norm_rms_epsilon"), "rope_theta": field(r, f"{arch}.rope.freq_base", 10000.0),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors),
+        "max_position_embeddings": field(r, f"{arch}.context_length"), "hidden_act": "silu",
+    }
+    with open(os.path.join(a.out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    print(f"{a.out_dir}: {len(tensors)} tensors as {a.dtype}, {offset / 2**20:.1f} MiB")
+
+
+def tail_of(name):
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
+if __name__ == "__main__":
+    main()
