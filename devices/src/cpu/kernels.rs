@@ -281,7 +281,7 @@ struct Query {
 }
 
 /// Key rows scored together against one query (independent sums, so the CPU overlaps them).
-const KEYS_PER_STEP: usize = 4;
+pub(crate) const KEYS_PER_STEP: usize = 4;
 
 /// Value rows added into a query's outputs while those stay in registers.
 const VALUES_PER_STEP: usize = 8;
@@ -307,6 +307,18 @@ fn attend<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
     attend_impl::<T, true>(q, queries, kv, scale)
+}
+
+/// `dot_f32(q, r)` for each of four rows, with its bits (four independent accumulators instead
+/// of one dependent chain): attention's four keys per query, a float matmul's four tokens per
+/// weight row. The AVX2 copy is chosen at run time.
+pub(crate) fn dot_f32_x4(q: &[f32], rows: &[&[f32]; KEYS_PER_STEP]) -> [f32; KEYS_PER_STEP] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU reports AVX2, FMA and F16C; dot4_avx2 asserts the row lengths.
+        return unsafe { dot4_avx2(q, rows) };
+    }
+    dot4::<false>(q, rows)
 }
 
 /// `dot_f32_impl(q, k)` for each of four keys; with `AVX` (only from `attend_avx2`) in 8-lane

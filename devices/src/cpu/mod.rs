@@ -67,8 +67,16 @@ pub fn matmul_packed_strided(x: &[f32], m: usize, x_stride: usize, w: Packed) ->
             for (dr, orow) in o.chunks_mut(m).enumerate() {
                 let r = c * ROWS_PER_TASK + dr;
                 qdot::float_row(w.ty, &w.bytes[r * row_bytes..(r + 1) * row_bytes], &mut wr);
-                for (t, v) in orow.iter_mut().enumerate() {
-                    *v = qdot::dot_f32(xrow(t), &wr);
+                // Four tokens per pass over the widened row, each with the bits of its own
+                // `dot_f32` (products commute; the lane and summation order is dot_f32's).
+                let mut t = 0;
+                while t + kernels::KEYS_PER_STEP <= m {
+                    let xs: [&[f32]; kernels::KEYS_PER_STEP] = std::array::from_fn(|i| xrow(t + i));
+                    orow[t..t + kernels::KEYS_PER_STEP].copy_from_slice(&kernels::dot_f32_x4(&wr, &xs));
+                    t += kernels::KEYS_PER_STEP;
+                }
+                for t in t..m {
+                    orow[t] = qdot::dot_f32(xrow(t), &wr);
                 }
             }
         });
@@ -330,6 +338,28 @@ mod tests {
             for (w, y) in group.iter().zip(&together) {
                 assert_eq!(bits(y), bits(&matmul_packed(&x, m, *w)), "{:?} in a group of {}", w.ty, group.len());
                 assert!(y.iter().any(|v| *v != 0.0));
+            }
+        }
+    }
+
+    /// Float weights with several tokens (four per pass over a widened row, then the rest one by
+    /// one) give each token the bits of `dot_f32` of its row and the widened weight row.
+    #[test]
+    fn float_weights_give_every_token_the_bits_of_its_own_dot() {
+        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 2.0;
+        for (ty, k, rows) in [(GgmlType::F32, 576, 21), (GgmlType::F16, 67, 5), (GgmlType::BF16, 256, 18)] {
+            let w = oracle::quant::encode(ty, &(0..rows * k).map(|i| val(i, 7)).collect::<Vec<_>>()).expect("encodes");
+            let mut wr = vec![0.0f32; k];
+            for m in [2usize, 4, 5, 9] {
+                let x: Vec<f32> = (0..m * k).map(|i| val(i, m)).collect();
+                let y = matmul_packed(&x, m, Packed { ty, rows, cols: k, bytes: &w });
+                for r in 0..rows {
+                    qdot::float_row(ty, &w[r * w.len() / rows..(r + 1) * w.len() / rows], &mut wr);
+                    for t in 0..m {
+                        let want = qdot::dot_f32(&x[t * k..(t + 1) * k], &wr);
+                        assert_eq!(y[t * rows + r].to_bits(), want.to_bits(), "{ty:?} k={k} m={m} row {r} token {t}");
+                    }
+                }
             }
         }
     }
