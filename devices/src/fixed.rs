@@ -109,18 +109,45 @@ pub fn silu_q16(x: i64) -> i64 {
     shr_round(x as i128 * sigmoid_q16(x) as i128, ACT)
 }
 
-/// Q24 weight values: 32-bit when every value of the matrix fits (the declared I32 storage, and
-/// half the bytes to stream), 64-bit otherwise, so a weight of magnitude 128 or more keeps its
-/// exact value.
-pub enum Q24Values {
+/// Integer values (Q24 weights, the Q16 embedding table): 32-bit while every value fits (the
+/// declared I32 storage, and half the bytes to stream), 64-bit from the first that does not, so
+/// a weight of magnitude 128 or more (an embedding value of 32,768 or more) keeps its exact value.
+pub enum IntValues {
     Narrow(Vec<i32>),
     Wide(Vec<i64>),
+}
+
+impl IntValues {
+    fn with_capacity(n: usize) -> IntValues {
+        IntValues::Narrow(Vec::with_capacity(n))
+    }
+
+    /// Appends `row`, first widening everything held when a value does not fit 32 bits.
+    fn push_row(&mut self, row: &[i64]) {
+        if let IntValues::Narrow(n) = self {
+            if row.iter().any(|v| v.unsigned_abs() > i32::MAX as u64) {
+                *self = IntValues::Wide(n.iter().map(|v| *v as i64).collect());
+            }
+        }
+        match self {
+            IntValues::Narrow(n) => n.extend(row.iter().map(|v| *v as i32)),
+            IntValues::Wide(n) => n.extend_from_slice(row),
+        }
+    }
+
+    /// Appends values `range` to `out` as i64.
+    fn extend_into(&self, range: std::ops::Range<usize>, out: &mut Vec<i64>) {
+        match self {
+            IntValues::Narrow(n) => out.extend(n[range].iter().map(|v| *v as i64)),
+            IntValues::Wide(n) => out.extend_from_slice(&n[range]),
+        }
+    }
 }
 
 /// The weights of a matrix in the device's formats: Q24 per value (with the largest magnitude,
 /// which bounds the products), or INT4 values with one Q24 scale per group.
 pub enum FixedWeights {
-    Q24 { rows: usize, cols: usize, w: Q24Values, max_abs: u64 },
+    Q24 { rows: usize, cols: usize, w: IntValues, max_abs: u64 },
     Int4 { rows: usize, cols: usize, q: Vec<i8>, scale: Vec<i64> },
 }
 
@@ -137,7 +164,7 @@ pub fn convert_weights(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], int
     let row_bytes = bytes.len() / rows.max(1);
     let mut vals = vec![0.0f32; cols];
     let mut row_q = vec![0i64; cols];
-    let mut w = Q24Values::Narrow(Vec::with_capacity(if int4 { 0 } else { rows * cols }));
+    let mut w = IntValues::with_capacity(if int4 { 0 } else { rows * cols });
     let mut max_abs = 0u64;
     let (mut q, mut scale) = (Vec::new(), Vec::new());
     for r in 0..rows {
@@ -159,15 +186,7 @@ pub fn convert_weights(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], int
             *o = to_q(*v as f64, WGT);
             max_abs = max_abs.max(o.unsigned_abs());
         }
-        if let Q24Values::Narrow(n) = &w {
-            if max_abs > i32::MAX as u64 {
-                w = Q24Values::Wide(n.iter().map(|v| *v as i64).collect());
-            }
-        }
-        match &mut w {
-            Q24Values::Narrow(n) => n.extend(row_q.iter().map(|v| *v as i32)),
-            Q24Values::Wide(n) => n.extend_from_slice(&row_q),
-        }
+        w.push_row(&row_q);
     }
     if int4 {
         FixedWeights::Int4 { rows, cols, q, scale }
@@ -212,13 +231,13 @@ pub fn matmul_q(x: &[i64], m: usize, w: &FixedWeights) -> Vec<i64> {
     let dot = |t: usize, r: usize| -> i64 {
         let xt = &x[t * cols..(t + 1) * cols];
         let acc = match (w, &narrow[t]) {
-            (FixedWeights::Q24 { w: Q24Values::Narrow(w), max_abs, .. }, Some((x32, x_max))) => {
+            (FixedWeights::Q24 { w: IntValues::Narrow(w), max_abs, .. }, Some((x32, x_max))) => {
                 let run = exact_run(*x_max, *max_abs, cols);
                 let wr = &w[r * cols..(r + 1) * cols];
                 x32.chunks(run).zip(wr.chunks(run)).map(|(a, b)| dot_i32(a, b, avx2) as i128).sum()
             }
-            (FixedWeights::Q24 { w: Q24Values::Narrow(w), .. }, None) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
-            (FixedWeights::Q24 { w: Q24Values::Wide(w), .. }, _) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
+            (FixedWeights::Q24 { w: IntValues::Narrow(w), .. }, None) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
+            (FixedWeights::Q24 { w: IntValues::Wide(w), .. }, _) => wide_dot(xt, &w[r * cols..(r + 1) * cols]),
             (FixedWeights::Int4 { q, scale, .. }, x32) => {
                 let groups = cols / INT4_GROUP;
                 let mut acc: i128 = 0;
@@ -542,7 +561,8 @@ impl Device for FixedDevice {
 /// A whole model in integer arithmetic (dense Llama/Qwen; MoE is not supported here).
 pub struct FixedModel {
     spec: oracle::ModelSpec,
-    tok_embd: Vec<i64>,
+    /// The embedding table as Q16 values, `[n_vocab, n_embd]`.
+    tok_embd: IntValues,
     output_norm: Vec<i64>,
     head: FixedWeights,
     layers: Vec<FixedLayer>,
@@ -579,12 +599,12 @@ impl FixedModel {
         if spec.moe.is_some() {
             return Err(DeviceError::Unavailable("fixed".into(), format!("{}: MoE models have no integer kernels here", path.display())));
         }
-        // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4), the embedding
-        // again as 64-bit Q16 rows (and once more as 32-bit values when the output is tied to it):
-        // refused up front when the machine cannot hold them.
+        // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4; the embedding's
+        // own count stands for its 32-bit Q16 table), and the table once more where the output
+        // is tied to it or INT4: refused up front when the machine cannot hold them.
         let values = src.n_elements().map_err(model_err)?;
         let table = (spec.n_vocab as u64).saturating_mul(spec.n_embd as u64);
-        let needed = values.saturating_mul(if int4 { 2 } else { 4 }).saturating_add(table.saturating_mul(if spec.tied_output { 12 } else { 8 }));
+        let needed = values.saturating_mul(if int4 { 2 } else { 4 }).saturating_add(if int4 || spec.tied_output { table.saturating_mul(4) } else { 0 });
         oracle::memory::check_fits(&label, "holding the weights as integers", needed).map_err(model_err)?;
         let raw = |name: &str| -> Result<oracle::loader::RawTensor<'_>, DeviceError> { src.raw(name).map_err(model_err)?.ok_or_else(|| model_err(format!("{label}: missing tensor `{name}`"))) };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<FixedWeights, DeviceError> {
@@ -630,8 +650,8 @@ impl FixedModel {
         }
         let te_bytes = te.bytes;
         let row_bytes = te_bytes.len() / spec.n_vocab;
-        let mut tok_embd = Vec::with_capacity(spec.n_vocab * d);
-        let mut row = vec![0.0f32; d];
+        let mut tok_embd = IntValues::with_capacity(spec.n_vocab * d);
+        let (mut row, mut row_q) = (vec![0.0f32; d], vec![0i64; d]);
         for r in 0..spec.n_vocab {
             let rb = &te_bytes[r * row_bytes..(r + 1) * row_bytes];
             if qdot::is_float(te.ty) {
@@ -639,7 +659,8 @@ impl FixedModel {
             } else {
                 qdot::dequantize_row(te.ty, rb, &mut row);
             }
-            tok_embd.extend(row.iter().map(|v| to_q(*v as f64, ACT)));
+            row_q.iter_mut().zip(&row).for_each(|(q, v)| *q = to_q(*v as f64, ACT));
+            tok_embd.push_row(&row_q);
         }
         let head = if spec.tied_output { mat("token_embd.weight", spec.n_vocab, d)? } else { mat("output.weight", spec.n_vocab, d)? };
         let output_norm = vecq("output_norm.weight", d, NORM)?;
@@ -695,7 +716,7 @@ impl FixedModel {
             if t >= s.n_vocab {
                 return Err(model_err(format!("token id {t} outside the vocabulary of {}", s.n_vocab)));
             }
-            x.extend_from_slice(&self.tok_embd[t * d..(t + 1) * d]);
+            self.tok_embd.extend_into(t * d..(t + 1) * d, &mut x);
         }
         tap_q(taps, "inp_embd", start, m, d, &x);
         let add = |a: &[i64], b: &[i64]| -> Vec<i64> { a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect() };
@@ -777,8 +798,8 @@ mod tests {
             let xt = &x[t * cols..(t + 1) * cols];
             for r in 0..rows {
                 let acc: i128 = match w {
-                    FixedWeights::Q24 { w: Q24Values::Narrow(w), .. } => (0..cols).map(|i| xt[i] as i128 * w[r * cols + i] as i128).sum(),
-                    FixedWeights::Q24 { w: Q24Values::Wide(w), .. } => (0..cols).map(|i| xt[i] as i128 * w[r * cols + i] as i128).sum(),
+                    FixedWeights::Q24 { w: IntValues::Narrow(w), .. } => (0..cols).map(|i| xt[i] as i128 * w[r * cols + i] as i128).sum(),
+                    FixedWeights::Q24 { w: IntValues::Wide(w), .. } => (0..cols).map(|i| xt[i] as i128 * w[r * cols + i] as i128).sum(),
                     FixedWeights::Int4 { q, scale, .. } => (0..cols / INT4_GROUP)
                         .map(|g| (0..INT4_GROUP).map(|i| xt[g * INT4_GROUP + i] as i128 * q[r * cols + g * INT4_GROUP + i] as i128).sum::<i128>() * scale[r * cols / INT4_GROUP + g] as i128)
                         .sum(),
@@ -815,7 +836,7 @@ mod tests {
                 let w = if case < 4 {
                     let vals: Vec<i64> = (0..rows * cols).map(|_| if case == 3 { (next() >> 40) as i64 - (1 << 23) } else { edge(&mut next, case == 2) }).collect();
                     let max_abs = vals.iter().map(|v| v.unsigned_abs()).max().unwrap_or(0);
-                    let w = if max_abs > i32::MAX as u64 { Q24Values::Wide(vals) } else { Q24Values::Narrow(vals.iter().map(|v| *v as i32).collect()) };
+                    let w = if max_abs > i32::MAX as u64 { IntValues::Wide(vals) } else { IntValues::Narrow(vals.iter().map(|v| *v as i32).collect()) };
                     FixedWeights::Q24 { rows, cols, w, max_abs }
                 } else {
                     let cols = cols.div_ceil(INT4_GROUP) * INT4_GROUP;
@@ -908,13 +929,26 @@ mod tests {
     }
 
     #[test]
+    fn int_values_widen_at_the_first_value_past_32_bits_and_keep_every_value() {
+        let mut v = IntValues::with_capacity(6);
+        v.push_row(&[1, -(i32::MAX as i64)]);
+        assert!(matches!(v, IntValues::Narrow(_)));
+        v.push_row(&[i32::MIN as i64, 5]);
+        v.push_row(&[7, 1 << 40]);
+        assert!(matches!(v, IntValues::Wide(_)));
+        let mut out = vec![9];
+        v.extend_into(1..6, &mut out);
+        assert_eq!(out, vec![9, -(i32::MAX as i64), i32::MIN as i64, 5, 7, 1 << 40]);
+    }
+
+    #[test]
     fn weights_past_32_bits_keep_their_exact_values() {
         let row = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let small = convert_weights(GgmlType::F32, 1, 3, &row(&[0.5, -1.25, 127.0]), false);
-        assert!(matches!(small, FixedWeights::Q24 { w: Q24Values::Narrow(_), max_abs, .. } if max_abs == 127 << 24), "fits 32 bits");
+        assert!(matches!(small, FixedWeights::Q24 { w: IntValues::Narrow(_), max_abs, .. } if max_abs == 127 << 24), "fits 32 bits");
         let big = convert_weights(GgmlType::F32, 2, 2, &row(&[0.5, -1.0, 200.0, -0.25]), false);
         match big {
-            FixedWeights::Q24 { w: Q24Values::Wide(w), .. } => assert_eq!(w, vec![1 << 23, -(1 << 24), 200 << 24, -(1 << 22)]),
+            FixedWeights::Q24 { w: IntValues::Wide(w), .. } => assert_eq!(w, vec![1 << 23, -(1 << 24), 200 << 24, -(1 << 22)]),
             _ => panic!("a weight of 200 needs 64-bit storage"),
         }
     }

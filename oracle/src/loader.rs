@@ -205,9 +205,7 @@ impl SafetensorsDir {
         spec.check_no_unread(present, "num_hidden_layers").map_err(|reason| OracleError::Safetensors { file: dir.display().to_string(), reason })?;
         Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index }, spec))
     }
-}
 
-impl SafetensorsDir {
     /// (values, bytes) of the tensors the index reads, each file's header parsed once.
     fn totals(&self) -> Result<(u64, u64)> {
         let (mut n, mut b) = (0u64, 0u64);
