@@ -125,7 +125,7 @@ impl IntValues {
     /// Appends `row`, first widening everything held when a value does not fit 32 bits.
     fn push_row(&mut self, row: &[i64]) {
         if let IntValues::Narrow(n) = self {
-            if row.iter().any(|v| v.unsigned_abs() > i32::MAX as u64) {
+            if max_abs(row) > i32::MAX as u64 {
                 *self = IntValues::Wide(n.iter().map(|v| *v as i64).collect());
             }
         }
@@ -182,10 +182,8 @@ pub fn convert_weights(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], int
             }
             continue;
         }
-        for (o, v) in row_q.iter_mut().zip(&vals) {
-            *o = to_q(*v as f64, WGT);
-            max_abs = max_abs.max(o.unsigned_abs());
-        }
+        row_q.iter_mut().zip(&vals).for_each(|(o, v)| *o = to_q(*v as f64, WGT));
+        max_abs = max_abs.max(self::max_abs(&row_q));
         w.push_row(&row_q);
     }
     if int4 {
@@ -212,8 +210,13 @@ const ROWS_PER_TASK: usize = 16;
 /// An activation row narrowed to 32 bits, with its largest magnitude; None when a value does not
 /// fit (that row then takes the 128-bit products).
 fn narrow_row(x: &[i64]) -> Option<(Vec<i32>, u64)> {
-    let max_abs = x.iter().fold(0u64, |m, v| m.max(v.unsigned_abs()));
-    (max_abs <= i32::MAX as u64).then(|| (x.iter().map(|v| *v as i32).collect(), max_abs))
+    let m = max_abs(x);
+    (m <= i32::MAX as u64).then(|| (x.iter().map(|v| *v as i32).collect(), m))
+}
+
+/// The largest magnitude in `x` (what bounds every product it takes part in).
+fn max_abs(x: &[i64]) -> u64 {
+    x.iter().fold(0u64, |m, v| m.max(v.unsigned_abs()))
 }
 
 /// `y = x W^T` with Q16 activations: exact integer products and sums, one rounding to Q16.
@@ -381,9 +384,8 @@ pub fn attention_q(q: &[i64], pos: &[usize], k: &[i64], v: &[i64], nh: usize, nk
     let group = nh / nkv;
     // Exact integer sums in 64 bits where the largest magnitudes prove no partial sum can
     // overflow (a score sums hd products of at most q_max * k_max), else in 128 bits.
-    let max_abs = |x: &[i64]| x.iter().fold(0u64, |m, v| m.max(v.unsigned_abs())) as u128;
-    let (k_max, v_max) = (max_abs(k), max_abs(v));
-    let scores_fit = max_abs(q).checked_mul(k_max).and_then(|b| b.checked_mul(hd as u128)).is_some_and(|b| b <= i64::MAX as u128);
+    let (k_max, v_max) = (max_abs(k) as u128, max_abs(v) as u128);
+    let scores_fit = (max_abs(q) as u128).checked_mul(k_max).and_then(|b| b.checked_mul(hd as u128)).is_some_and(|b| b <= i64::MAX as u128);
     let mut out = vec![0i64; pos.len() * nh * hd];
     out.par_chunks_mut(hd.max(1)).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / nh, i % nh);
@@ -835,9 +837,9 @@ mod tests {
                 let x: Vec<i64> = (0..m * cols).map(|_| if case == 3 { (next() >> 44) as i64 - (1 << 19) } else { edge(&mut next, x_wide) }).collect();
                 let w = if case < 4 {
                     let vals: Vec<i64> = (0..rows * cols).map(|_| if case == 3 { (next() >> 40) as i64 - (1 << 23) } else { edge(&mut next, case == 2) }).collect();
-                    let max_abs = vals.iter().map(|v| v.unsigned_abs()).max().unwrap_or(0);
-                    let w = if max_abs > i32::MAX as u64 { IntValues::Wide(vals) } else { IntValues::Narrow(vals.iter().map(|v| *v as i32).collect()) };
-                    FixedWeights::Q24 { rows, cols, w, max_abs }
+                    let mut w = IntValues::with_capacity(vals.len());
+                    w.push_row(&vals);
+                    FixedWeights::Q24 { rows, cols, w, max_abs: max_abs(&vals) }
                 } else {
                     let cols = cols.div_ceil(INT4_GROUP) * INT4_GROUP;
                     let q = (0..rows * cols).map(|_| (next() % 15) as i8 - 7).collect();
