@@ -20,7 +20,7 @@ fn dot(c: &mut Criterion) {
 
 fn gemv(c: &mut Criterion) {
     let (rows, cols) = (1536usize, 576usize);
-    let w = oracle::ops::Mat { rows, cols, data: vals(rows * cols, 3) };
+    let w = oracle::ops::Mat::new(rows, cols, vals(rows * cols, 3)).unwrap();
     let x = vals(cols, 4);
     let mut g = c.benchmark_group("oracle_gemv_f32");
     g.throughput(Throughput::Bytes((rows * cols * 4) as u64));

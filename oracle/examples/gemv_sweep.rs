@@ -20,6 +20,7 @@ fn sum16(c: &[f32]) -> f32 {
 fn main() {
     let (rows, cols) = (234_375usize, 576usize); // 135M weights = 540 MB
     let w = Mat::new(rows, cols, (0..rows * cols).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect()).unwrap();
+    let data = w.values().expect("built from values");
     let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1).collect();
     let bytes = (rows * cols * 4) as f64;
     for round in 0..3 {
@@ -27,10 +28,10 @@ fn main() {
         let y = matmul(&x, 1, &w).unwrap();
         let gemv = bytes / t.elapsed().as_secs_f64() / 1e9;
         let t = Instant::now();
-        let s: f32 = w.data.par_chunks(1 << 16).map(sum16).sum();
+        let s: f32 = data.par_chunks(1 << 16).map(sum16).sum();
         let read = bytes / t.elapsed().as_secs_f64() / 1e9;
         let t = Instant::now();
-        let s2: f64 = w.data.par_chunks(1 << 16).map(sum_wide).sum();
+        let s2: f64 = data.par_chunks(1 << 16).map(sum_wide).sum();
         let wide = bytes / t.elapsed().as_secs_f64() / 1e9;
         std::hint::black_box((y, s, s2));
         println!("  widening read {wide:.2} GB/s");

@@ -109,6 +109,14 @@ impl AnyModel {
         Ok((model, tokenizer))
     }
 
+    /// How the weight matrices are held (`Decoded` or `Packed`).
+    pub fn store(&self) -> crate::WeightStore {
+        match self {
+            AnyModel::F32(m) => m.store,
+            AnyModel::F64(m) => m.store,
+        }
+    }
+
     pub fn spec(&self) -> &ModelSpec {
         match self {
             AnyModel::F32(m) => &m.spec,

@@ -25,7 +25,7 @@ pub mod spec;
 pub mod tokenizer;
 
 pub use error::{OracleError, Result};
-pub use model::{KvCache, Model, NoTap, RecordingTap, Tap};
+pub use model::{KvCache, Model, NoTap, RecordingTap, Tap, WeightStore, WEIGHTS_ENV};
 pub use real::Real;
 pub use spec::ModelSpec;
 

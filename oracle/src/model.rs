@@ -4,7 +4,7 @@
 
 use crate::error::{OracleError, Result};
 use crate::loader::TensorSource;
-use crate::ops::{self, AttentionParams, Mat};
+use crate::ops::{self, AttentionParams, Mat, RowBuf};
 use crate::real::Real;
 use crate::spec::{Activation, ModelSpec, Stage};
 use rayon::prelude::*;
@@ -113,6 +113,8 @@ pub struct Layer<T> {
 /// A loaded model: spec + weights decoded to the storage scalar `T`.
 pub struct Model<T> {
     pub spec: ModelSpec,
+    /// How the matrices are held: `Decoded` or `Packed` (never `Auto`).
+    pub store: WeightStore,
     pub tok_embd: Mat<T>,
     pub output_norm: Vec<T>,
     /// None when the output projection is tied to the embedding.
@@ -133,8 +135,51 @@ impl<T: Real> KvCache<T> {
     }
 }
 
+/// How the oracle holds its weight matrices. Either way every matrix row is the same values and
+/// every result the same bits (a test loads each model both ways and compares); only memory and
+/// time differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightStore {
+    /// Every matrix decoded to the storage scalar once, at load: the fastest, and what a model
+    /// costs as f32 (four bytes a weight; eight with `--precision f64`).
+    Decoded,
+    /// Matrices kept as the file stores them (a Q4 weight takes about half a byte) and each row
+    /// decoded when a product uses it: slower, but a model whose f32 copy the machine cannot hold
+    /// can still be judged.
+    Packed,
+    /// Decoded when the decoded copy fits the memory available, packed otherwise (the default).
+    Auto,
+}
+
+/// Environment variable choosing the oracle's `WeightStore`: `decoded`, `packed` or `auto`.
+pub const WEIGHTS_ENV: &str = "TOUCHSTONE_ORACLE_WEIGHTS";
+
+impl WeightStore {
+    /// The store `TOUCHSTONE_ORACLE_WEIGHTS` names (Auto when it is unset).
+    pub fn from_env() -> Result<WeightStore> {
+        match std::env::var(WEIGHTS_ENV) {
+            Err(_) => Ok(WeightStore::Auto),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "auto" | "" => Ok(WeightStore::Auto),
+                "decoded" => Ok(WeightStore::Decoded),
+                "packed" => Ok(WeightStore::Packed),
+                _ => Err(OracleError::Spec(format!("{WEIGHTS_ENV}={v:?}: expected `decoded`, `packed` or `auto`"))),
+            },
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightStore::Decoded => "decoded",
+            WeightStore::Packed => "packed",
+            WeightStore::Auto => "auto",
+        }
+    }
+}
+
 struct Loader<'a> {
     src: &'a dyn TensorSource,
+    packed: bool,
 }
 
 impl Loader<'_> {
@@ -168,34 +213,78 @@ impl Loader<'_> {
     }
 
     fn opt_mat<T: Real>(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Mat<T>>> {
+        let wrong = |dims: &[usize]| OracleError::Spec(format!("{}: tensor `{name}` has dims {dims:?}, expected [{cols}, {rows}]", self.src.label()));
+        if self.packed {
+            let Some(t) = self.src.raw(name)? else { return Ok(None) };
+            if t.dims.len() < 2 || t.dims[0] != cols || t.dims[1] != rows || t.n_elements() != rows * cols {
+                return Err(wrong(&t.dims));
+            }
+            return Mat::packed(rows, cols, t.ty, t.bytes.to_vec()).map(Some).map_err(|e| self.in_tensor(name, e));
+        }
         let Some(t) = self.get(name)? else { return Ok(None) };
         if t.dims.len() < 2 || t.dims[0] != cols || t.dims[1] != rows || t.data.len() != rows * cols {
-            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", self.src.label(), t.dims)));
+            return Err(wrong(&t.dims));
         }
-        Ok(Some(Mat { rows, cols, data: t.data.into_iter().map(T::from_f32).collect() }))
+        Ok(Some(Mat::new(rows, cols, t.data.into_iter().map(T::from_f32).collect())?))
     }
 
     /// Splits a 3-D expert tensor (GGML dims [cols, rows, n_expert]) into one matrix per expert.
     fn experts<T: Real>(&self, name: &str, n_expert: usize, rows: usize, cols: usize) -> Result<Vec<Mat<T>>> {
-        let t = self.get(name)?.ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))?;
-        if t.dims != [cols, rows, n_expert] {
-            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}, {n_expert}]", self.src.label(), t.dims)));
+        let missing = || OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label()));
+        let wrong = |dims: &[usize]| OracleError::Spec(format!("{}: tensor `{name}` has dims {dims:?}, expected [{cols}, {rows}, {n_expert}]", self.src.label()));
+        if self.packed {
+            let t = self.src.raw(name)?.ok_or_else(missing)?;
+            if t.dims != [cols, rows, n_expert] {
+                return Err(wrong(&t.dims));
+            }
+            let per = t.bytes.len() / n_expert.max(1);
+            return t.bytes.chunks_exact(per.max(1)).map(|c| Mat::packed(rows, cols, t.ty, c.to_vec()).map_err(|e| self.in_tensor(name, e))).collect();
         }
-        Ok(t.data
-            .chunks_exact(rows * cols)
-            .map(|c| Mat { rows, cols, data: c.iter().map(|v| T::from_f32(*v)).collect() })
-            .collect())
+        let t = self.get(name)?.ok_or_else(missing)?;
+        if t.dims != [cols, rows, n_expert] {
+            return Err(wrong(&t.dims));
+        }
+        t.data.chunks_exact(rows * cols).map(|c| Mat::new(rows, cols, c.iter().map(|v| T::from_f32(*v)).collect())).collect()
+    }
+
+    /// `e` (a size error of a packed matrix) as an error naming the file and tensor.
+    fn in_tensor(&self, name: &str, e: OracleError) -> OracleError {
+        OracleError::Spec(format!("{}: tensor `{name}`: {e}", self.src.label()))
     }
 }
 
 impl<T: Real> Model<T> {
-    /// Decodes every weight of `spec` from `src` into storage type `T`.
+    /// Loads every weight of `spec` from `src` into storage type `T`, held as
+    /// `TOUCHSTONE_ORACLE_WEIGHTS` says (decoded when it fits, by default).
     pub fn load(spec: ModelSpec, src: &dyn TensorSource) -> Result<Model<T>> {
+        Self::load_with(spec, src, WeightStore::from_env()?)
+    }
+
+    /// Loads every weight of `spec` from `src`, matrices held as `store` says; vectors (norms,
+    /// biases) are always decoded to `T`. Refused up front when the machine cannot hold them.
+    pub fn load_with(spec: ModelSpec, src: &dyn TensorSource, store: WeightStore) -> Result<Model<T>> {
         spec.validate()?;
-        // Every weight decoded to `T`: refused up front when the machine cannot hold them.
-        let needed = src.n_elements()?.saturating_mul(std::mem::size_of::<T>() as u64);
-        crate::memory::check_fits(&src.label(), &format!("holding the weights as {}", T::NAME), needed)?;
-        let l = Loader { src };
+        let decoded = src.n_elements()?.saturating_mul(std::mem::size_of::<T>() as u64);
+        let store = match store {
+            WeightStore::Auto => match crate::memory::available()? {
+                Some((avail, _)) if decoded > avail => WeightStore::Packed,
+                _ => WeightStore::Decoded,
+            },
+            s => s,
+        };
+        let label = src.label();
+        match store {
+            WeightStore::Packed => {
+                let what = format!("holding the weights packed as stored (decoded as {} they would take {})", T::NAME, crate::memory::human(decoded));
+                crate::memory::check_fits(&label, &what, src.n_bytes()?)?
+            }
+            _ => {
+                let packed = crate::memory::human(src.n_bytes()?);
+                let what = format!("holding the weights as {} ({WEIGHTS_ENV}=packed would hold them in {packed}, decoding rows as they are used)", T::NAME);
+                crate::memory::check_fits(&label, &what, decoded)?
+            }
+        }
+        let l = Loader { src, packed: store == WeightStore::Packed };
         let s = &spec;
         let (d, hd) = (s.n_embd, s.head_dim);
         let (q_dim, kv_dim) = (s.n_head * hd, s.n_head_kv * hd);
@@ -261,7 +350,7 @@ impl<T: Real> Model<T> {
             .collect::<Vec<Result<Layer<T>>>>()
             .into_iter()
             .collect::<Result<Vec<_>>>()?;
-        Ok(Model { spec, tok_embd, output_norm, output, layers })
+        Ok(Model { spec, store, tok_embd, output_norm, output, layers })
     }
 
     /// Bytes of weights read to produce one token's logits (all matrices + norms, one embedding row).
@@ -442,11 +531,12 @@ impl<T: Real> Model<T> {
         let mut probs_tap = Vec::with_capacity(m * ms.n_expert);
         let mut topk_tap = Vec::with_capacity(m * ms.n_expert_used);
         let topk_name = format!("blk.{li}.ffn_moe_topk");
+        let mut buf = RowBuf::default();
         for t in 0..m {
             let ht = &h[t * d..(t + 1) * d];
             // Router logits stay in f64: the expert choice is a discrete result and must not be
             // decided by a rounding of the oracle's own.
-            let logits: Vec<f64> = (0..router.rows).map(|e| T::dot(ht, router.row(e))).collect();
+            let logits: Vec<f64> = (0..router.rows).map(|e| T::dot(ht, router.row(e, &mut buf))).collect();
             let mut r = ops::moe_route(&logits, ms.n_expert_used, ms.gating, ms.normalize_topk);
             if taps.enabled() {
                 if let Some(forced) = taps.route(&topk_name, start + t, &r.probs, &r.experts) {
@@ -465,7 +555,7 @@ impl<T: Real> Model<T> {
             if let Some(sf) = shared {
                 let y = self.dense_ffn(sf, ht, 1, None)?;
                 let g = match shared_gate {
-                    Some(gm) => 1.0 / (1.0 + (-T::dot(ht, gm.row(0))).exp()),
+                    Some(gm) => 1.0 / (1.0 + (-T::dot(ht, gm.row(0, &mut buf))).exp()),
                     None => 1.0,
                 };
                 for i in 0..d {

@@ -23,6 +23,12 @@ pub trait Real: Copy + Send + Sync + Default + PartialOrd + std::fmt::Debug + 's
     fn dot4_wide(xs: [&[f64]; 4], w: &[Self]) -> [f64; 4] {
         xs.map(|x| Self::dot_wide(x, w))
     }
+    /// `f` (a row decoded to f32) as values of `Self`: `f` itself for f32, else widened into `v`.
+    fn from_f32_row<'a>(f: &'a [f32], v: &'a mut Vec<Self>) -> &'a [Self] {
+        v.clear();
+        v.extend(f.iter().map(|&x| Self::from_f32(x)));
+        v
+    }
 }
 
 impl Real for f32 {
@@ -54,6 +60,10 @@ impl Real for f32 {
     #[inline]
     fn dot4_wide(xs: [&[f64]; 4], w: &[f32]) -> [f64; 4] {
         crate::simd::dot4_f64_f32(xs, w)
+    }
+    #[inline]
+    fn from_f32_row<'a>(f: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
+        f
     }
 }
 

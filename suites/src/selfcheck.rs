@@ -3,12 +3,14 @@
 //! * cache consistency: the logits of every position are bit-identical whether the sequence runs
 //!   as one prefill, token by token through the KV cache, or as a prefill plus an appended chunk;
 //! * thread determinism: a prefill on a 1-thread pool and on a 3-thread pool is bit-identical;
+//! * weight store: the model loaded with its matrices packed (rows decoded when used) gives the
+//!   bits of the model loaded with its matrices decoded, as a prefill and token by token;
 //! * f64 shadow: the f32 oracle's logits stay within a derived bound of the f64 oracle's.
 //!
 //! These are exact checks (or a derived bound) that fail loudly when the invariant breaks.
 
 use oracle::generate::AnyModel;
-use oracle::{Model, NoTap, Precision};
+use oracle::{Model, NoTap, OracleError, Precision, WeightStore};
 use reports::{Case, Tolerance, Verdict};
 use std::path::Path;
 
@@ -66,6 +68,33 @@ pub fn run(name: &str, path: &Path, tokens: &[u32]) -> oracle::Result<Vec<Case>>
     let one = pool(1).install(|| logits_via(model, &[tokens]))?;
     let three = pool(3).install(|| logits_via(model, &[tokens]))?;
     cases.push(exact_case(format!("thread_determinism(model={name},threads=1vs3,n={n})"), &one, &three));
+
+    // Weight store: whichever store the load picked, the other one must give the same bits.
+    let other = if model.store == WeightStore::Packed { WeightStore::Decoded } else { WeightStore::Packed };
+    let (src, spec, _) = oracle::loader::open_model(path)?;
+    let id = |p: &str| format!("weight_store(model={name},store=packed_vs_decoded,path={p},n={n})");
+    match Model::<f32>::load_with(spec, src.as_ref(), other) {
+        Ok(m2) => {
+            cases.push(exact_case(id("prefill"), &prefill, &logits_via(&m2, &[tokens])?));
+            cases.push(exact_case(id("decode"), &decode, &logits_via(&m2, &singles)?));
+        }
+        // The decoded copy does not fit this machine (the load fell back to packed): reported
+        // as not checked, never as a pass.
+        Err(OracleError::Memory(why)) => {
+            for p in ["prefill", "decode"] {
+                cases.push(Case {
+                    id: id(p),
+                    device: "ref".into(),
+                    verdict: Verdict::Unsupported,
+                    metrics: serde_json::Map::new(),
+                    tolerance: Tolerance { rule: "exact (bit-identical)".into(), bound: 0.0 },
+                    margin: 0.0,
+                    message: Some(format!("the {} store could not be loaded: {why}", other.name())),
+                });
+            }
+        }
+        Err(e) => return Err(e),
+    }
 
     // f64 shadow: each f32 rounding is at most u = 2^-24 relative; a logit is a dot product of
     // length n_embd over normed activations that passed through ~10 rounded stages per layer.

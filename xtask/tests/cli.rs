@@ -280,12 +280,58 @@ fn metadata_the_tensors_do_not_back_and_nan_weights_are_refused_by_every_loader(
         plant(g.tensor(tensor).unwrap(), &mut bytes);
         let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
         std::fs::write(f.path(), &bytes).unwrap();
-        for device in *devices {
-            let o = xtask(&["run", "--model", f.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
+        // The oracle is asked twice: weights decoded at load, and kept packed (checked as stored).
+        let runs = devices.iter().map(|d| (*d, "decoded")).chain([("ref", "packed")]);
+        for (device, store) in runs {
+            let o = xtask(&["run", "--model", f.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[("TOUCHSTONE_ORACLE_WEIGHTS", store)]);
             let e = stderr(&o);
-            assert_eq!(o.status.code(), Some(2), "{device}: {e}");
-            assert!(e.contains(&format!("tensor `{tensor}` holds")) && e.contains(want) && e.contains("weights must be finite"), "{model} {device}: {e}");
+            assert_eq!(o.status.code(), Some(2), "{device} {store}: {e}");
+            assert!(e.contains(&format!("tensor `{tensor}` holds")) && e.contains(want) && e.contains("weights must be finite"), "{model} {device} {store}: {e}");
         }
+    }
+}
+
+#[test]
+fn the_oracle_holds_weights_packed_when_their_decoded_copy_does_not_fit_and_gives_the_same_bits() {
+    // A memory limit between the model's packed size and its f32 size: the oracle keeps the
+    // matrices as stored and decodes rows as products use them, says so, and dumps the very bytes
+    // (every tap, every logit) of the decoded run, prefill and decode steps alike. Below the
+    // packed size it refuses, naming both sizes. Every weight type and the MoE experts are
+    // covered by the two fixtures (and by the self-check of the random models).
+    use oracle::loader::TensorSource;
+    for model in ["tiny-llama", "tiny-moe"] {
+        let path = fixtures::resolve(model, true).unwrap();
+        let g = oracle::gguf::GgufFile::open(&path).unwrap();
+        let (packed, decoded) = (g.n_bytes().unwrap(), g.n_elements().unwrap() * 4);
+        assert!(packed * 2 < decoded, "{model}: {packed} vs {decoded}");
+        let between = ((packed + decoded) / 2).to_string();
+        for precision in ["f32", "f64"] {
+            let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+            for (dir, env) in dirs.iter().zip([("TOUCHSTONE_ORACLE_WEIGHTS", "decoded"), ("TOUCHSTONE_MEMORY_LIMIT", between.as_str())]) {
+                let o = xtask(&["dump", "--model", model, "--prompt-ids", "5,9,17,3,200,41", "--out", dir.path().to_str().unwrap(), "--device", "ref", "--precision", precision], &[env]);
+                let e = stderr(&o);
+                assert_eq!(o.status.code(), Some(0), "{model} {precision} {env:?}: {e}");
+                assert_eq!(e.contains("holds") && e.contains("packed as stored"), env.0 == "TOUCHSTONE_MEMORY_LIMIT", "{model} {precision} {env:?}: {e}");
+            }
+            for f in ["logits.safetensors", "taps.safetensors"] {
+                let (a, b) = (std::fs::read(dirs[0].path().join(f)).unwrap(), std::fs::read(dirs[1].path().join(f)).unwrap());
+                assert!(a.len() > 1000 && a == b, "{model} {precision}: {f} differs between the decoded and the packed oracle");
+            }
+        }
+        // Decode steps: a sampled generation draws on every probability, so it repeats only when
+        // each step's logits do.
+        let sampled = |env: (&str, &str)| {
+            let o = xtask(&["run", "--model", model, "--prompt-ids", "5,9,17", "--max-new-tokens", "16", "--ignore-eos", "--temperature", "0.9", "--seed", "7", "--json", "--device", "ref"], &[env]);
+            assert_eq!(o.status.code(), Some(0), "{model} {env:?}: {}", stderr(&o));
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["tokens"].clone()
+        };
+        let tokens = sampled(("TOUCHSTONE_ORACLE_WEIGHTS", "decoded"));
+        assert_eq!(tokens.as_array().map(Vec::len), Some(16), "{model}: {tokens}");
+        assert_eq!(sampled(("TOUCHSTONE_ORACLE_WEIGHTS", "packed")), tokens, "{model}: decode steps differ between the decoded and the packed oracle");
+        let o = xtask(&["run", "--model", model, "--prompt-ids", "1", "--device", "ref"], &[("TOUCHSTONE_MEMORY_LIMIT", &(packed / 2).to_string())]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{model}: {e}");
+        assert!(e.contains("holding the weights packed as stored (decoded as f32 they would take") && e.contains("nothing was loaded"), "{model}: {e}");
     }
 }
 

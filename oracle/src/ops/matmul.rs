@@ -2,31 +2,85 @@
 
 use super::check_len;
 use crate::error::{OracleError, Result};
+use crate::quant::{self, GgmlType};
 use crate::real::Real;
 use rayon::prelude::*;
 
-/// A row-major matrix: `rows` outputs, each a row of `cols` weights.
-#[derive(Clone, Debug, Default)]
+/// A row-major matrix: `rows` outputs, each a row of `cols` weights, held either as values of the
+/// storage scalar or packed as the model file stores them (a GGML type's bytes, decoded one row at
+/// a time when it is used). A packed row decodes to exactly the values the decoded copy holds, so
+/// every result is the same bits either way; packed weights trade decoding work for memory (a
+/// Q4 model packed takes about an eighth of its f32 copy).
+#[derive(Clone, Debug)]
 pub struct Mat<T> {
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<T>,
+    store: Store<T>,
+}
+
+#[derive(Clone, Debug)]
+enum Store<T> {
+    Values(Vec<T>),
+    Packed { ty: GgmlType, row_bytes: usize, bytes: Vec<u8> },
+}
+
+/// Scratch for the rows of packed matrices, reused from row to row by one thread.
+#[derive(Default)]
+pub struct RowBuf<T> {
+    f: Vec<f32>,
+    v: Vec<T>,
 }
 
 impl<T: Real> Mat<T> {
     pub fn new(rows: usize, cols: usize, data: Vec<T>) -> Result<Mat<T>> {
         check_len("matrix", data.len(), rows, cols)?;
-        Ok(Mat { rows, cols, data })
+        Ok(Mat { rows, cols, store: Store::Values(data) })
     }
 
+    /// A matrix kept as stored: `bytes` holds `rows` rows of `cols` values of type `ty`.
+    pub fn packed(rows: usize, cols: usize, ty: GgmlType, bytes: Vec<u8>) -> Result<Mat<T>> {
+        let row_bytes = ty.bytes_for(cols as u64).ok_or_else(|| {
+            OracleError::Shape(format!("matrix: a row of {cols} values is not a whole number of {} blocks ({} values each)", ty.name(), ty.block_size()))
+        })? as usize;
+        if row_bytes.checked_mul(rows) != Some(bytes.len()) {
+            return Err(OracleError::Shape(format!("matrix: {rows} rows of {cols} {} values take {row_bytes} bytes each, got {} bytes", ty.name(), bytes.len())));
+        }
+        Ok(Mat { rows, cols, store: Store::Packed { ty, row_bytes, bytes } })
+    }
+
+    /// Whether the weights are held as stored and decoded row by row.
+    pub fn is_packed(&self) -> bool {
+        matches!(self.store, Store::Packed { .. })
+    }
+
+    /// All the values, row after row; None when the matrix is packed.
+    pub fn values(&self) -> Option<&[T]> {
+        match &self.store {
+            Store::Values(data) => Some(data),
+            Store::Packed { .. } => None,
+        }
+    }
+
+    /// Row `r` as values: a slice of the matrix, or of `buf` where it was decoded.
     #[inline]
-    pub fn row(&self, r: usize) -> &[T] {
-        &self.data[r * self.cols..(r + 1) * self.cols]
+    pub fn row<'a>(&'a self, r: usize, buf: &'a mut RowBuf<T>) -> &'a [T] {
+        match &self.store {
+            Store::Values(data) => &data[r * self.cols..(r + 1) * self.cols],
+            Store::Packed { ty, row_bytes, bytes } => {
+                buf.f.resize(self.cols, 0.0);
+                // The sizes were checked when the matrix was made, so this decode cannot fail.
+                quant::decode_into(*ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut buf.f).expect("row sizes checked at construction");
+                T::from_f32_row(&buf.f, &mut buf.v)
+            }
+        }
     }
 
     /// Bytes of storage (for bandwidth figures).
     pub fn n_bytes(&self) -> usize {
-        self.data.len() * std::mem::size_of::<T>()
+        match &self.store {
+            Store::Values(data) => data.len() * std::mem::size_of::<T>(),
+            Store::Packed { bytes, .. } => bytes.len(),
+        }
     }
 }
 
@@ -66,9 +120,9 @@ pub fn matmul_many<T: Real>(x: &[T], m: usize, ws: &[&Mat<T>]) -> Result<Vec<Vec
             tasks.push((w, chunk * ROWS_PER_TASK, o));
         }
     }
-    tasks.into_par_iter().for_each(|(w, r0, out)| {
+    tasks.into_par_iter().for_each_init(RowBuf::default, |buf, (w, r0, out)| {
         for (dr, out_row) in out.chunks_mut(m).enumerate() {
-            let wr = w.row(r0 + dr);
+            let wr = w.row(r0 + dr, buf);
             // Four tokens per pass over the row; each result is bit-identical to a single dot.
             let mut t = 0;
             while t + 4 <= m {

@@ -15,7 +15,7 @@ pub mod sample;
 pub use act::{add, add_bias, gelu_tanh, geglu, silu, softmax_rows, swiglu};
 pub use attention::{attention, AttentionParams};
 pub use embed::embed;
-pub use matmul::{matmul, matmul_many, Mat};
+pub use matmul::{matmul, matmul_many, Mat, RowBuf};
 pub use moe::{moe_route, Routing};
 pub use norm::{layer_norm, rms_norm};
 pub use rope::{rope, rope_cos_sin};

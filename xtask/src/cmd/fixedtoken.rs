@@ -60,7 +60,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     }
     let path = resolve_model(&a.model)?;
     let sha256 = ::fixtures::sha256_model(&path)?;
-    let (oracle, tok) = AnyModel::load(&path, Precision::F32)?;
+    let (oracle, tok) = super::load_oracle(&path, Precision::F32)?;
     let golden_file = a.golden.clone().or_else(|| ::fixtures::golden_path(&a.model));
     if a.write_golden {
         let file = golden_file.ok_or_else(|| Exit { code: 2, message: format!("model `{}` is not a fixture; give --golden FILE to say where to write", a.model) })?;
@@ -112,7 +112,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     // at a near tie.
     let mut follows = Vec::new();
     if runs.routing_differs.contains(&true) {
-        let (oracle, _) = AnyModel::load(&path, Precision::F32)?;
+        let (oracle, _) = super::load_oracle(&path, Precision::F32)?;
         let budget_of = Box::new(|layer| propagated_budget("ffn_moe_probs", layer, &arith, &dims));
         let mut tap = fixedtoken::FollowRouting { routing: RoutingFollower::new(&device_routing.0, budget_of, "teacher-forced"), recorded: RoutingTap::default() };
         runs.followed_oracle = Some(oracle.prefill_logits(&seq, &mut tap)?);

@@ -3,7 +3,6 @@
 
 use super::{check_device, check_ids, load_engine, parse_ids, Engine};
 use crate::Exit;
-use oracle::generate::AnyModel;
 use oracle::{Precision, RecordingTap};
 use std::path::PathBuf;
 use suites::layerdiff::{self, Mode};
@@ -81,7 +80,7 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let taps_a = device_taps(&mut engine, &ids)?;
     let arith_a = engine.arithmetic();
     drop(engine);
-    let (oracle_model, _) = AnyModel::load(&path, Precision::F32)?;
+    let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
     let shape_err = |e: String| Exit { code: 2, message: e };
     Ok(match &a.against {
         None => layerdiff::run(&oracle_model, &ids, &taps_a, &arith_a, mode, &a.model, &a.device).map_err(shape_err)?,

@@ -133,12 +133,28 @@ impl Engine {
     }
 }
 
+/// Loads the oracle's copy of the model at `path`, saying on stderr when its weight matrices are
+/// held packed (the decoded copy would not fit, or `TOUCHSTONE_ORACLE_WEIGHTS=packed`): the same
+/// bits, but every product decodes its rows again, so the oracle runs several times slower.
+pub fn load_oracle(path: &Path, precision: Precision) -> Result<(AnyModel, Option<Tokenizer>), Exit> {
+    let (m, tok) = AnyModel::load(path, precision)?;
+    if m.store() == oracle::WeightStore::Packed {
+        eprintln!(
+            "note: the oracle holds {}'s weights packed as stored and decodes each row when a product uses it \
+             (same results, slower); {}=decoded forces the decoded copy",
+            path.display(),
+            oracle::WEIGHTS_ENV
+        );
+    }
+    Ok((m, tok))
+}
+
 /// Resolves `model` and loads it on `device` (`ref` = the oracle at `precision`), with the
 /// model's tokenizer when it has one.
 pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(PathBuf, Engine, Option<Tokenizer>), Exit> {
     let path = resolve_model(model)?;
     if device == "ref" {
-        let (m, tok) = AnyModel::load(&path, precision)?;
+        let (m, tok) = load_oracle(&path, precision)?;
         return Ok((path, Engine::Oracle(m), tok));
     }
     let dev = devices::open(device).map_err(device_exit)?;
