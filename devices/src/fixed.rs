@@ -614,7 +614,7 @@ impl FixedModel {
             if t.n_elements() != rows * cols || t.dims[0] != cols {
                 return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}", t.dims)));
             }
-            Ok(convert_weights(t.ty, rows, cols, t.bytes, int4 && cols.is_multiple_of(INT4_GROUP)))
+            Ok(convert_weights(t.ty, rows, cols, &t.bytes, int4 && cols.is_multiple_of(INT4_GROUP)))
         };
         let vecq = |name: &str, n: usize, frac: u32| -> Result<Vec<i64>, DeviceError> {
             let t = raw(name)?;
@@ -622,7 +622,7 @@ impl FixedModel {
                 return Err(model_err(format!("{label}: tensor `{name}`: expected {n} float values")));
             }
             let mut f = vec![0.0f32; n];
-            qdot::float_row(t.ty, t.bytes, &mut f);
+            qdot::float_row(t.ty, &t.bytes, &mut f);
             Ok(f.iter().map(|v| to_q(*v as f64, frac)).collect())
         };
         let (d, hd) = (spec.n_embd, spec.head_dim);

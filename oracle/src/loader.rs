@@ -7,6 +7,7 @@ use crate::gguf::GgufFile;
 use crate::quant::GgmlType;
 use crate::spec::ModelSpec;
 use crate::tokenizer::Tokenizer;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -18,11 +19,12 @@ pub struct LoadedTensor {
 
 /// A tensor as stored, not decoded: GGML dims (`dims[0]` = row length), its GGML type
 /// (safetensors F32/F16/BF16 are GGML's F32/F16/BF16, rows laid out alike) and its bytes, every
-/// value checked finite. For devices that keep weights packed.
+/// value checked finite. For devices that keep weights packed. The bytes are the file's own,
+/// except for a checkpoint's per-expert tensors, which are joined into one stacked tensor.
 pub struct RawTensor<'a> {
     pub dims: Vec<usize>,
     pub ty: GgmlType,
-    pub bytes: &'a [u8],
+    pub bytes: Cow<'a, [u8]>,
 }
 
 impl RawTensor<'_> {
@@ -75,7 +77,7 @@ impl TensorSource for GgufFile {
 
     fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
         let Some(info) = self.tensor(name) else { return Ok(None) };
-        Ok(Some(RawTensor { dims: info.dims.iter().map(|&d| d as usize).collect(), ty: info.ty, bytes: self.weight_bytes(info)? }))
+        Ok(Some(RawTensor { dims: info.dims.iter().map(|&d| d as usize).collect(), ty: info.ty, bytes: Cow::Borrowed(self.weight_bytes(info)?) }))
     }
 }
 
@@ -83,8 +85,9 @@ impl TensorSource for GgufFile {
 pub struct SafetensorsDir {
     pub dir: PathBuf,
     maps: Vec<(PathBuf, memmap2::Mmap)>,
-    /// GGUF name -> (file index, HF name)
-    index: HashMap<String, (usize, String)>,
+    /// GGUF name -> its parts as (file index, HF name): one part, or (a MoE layer's stacked
+    /// expert tensor) one per expert, in expert order.
+    index: HashMap<String, Vec<(usize, String)>>,
 }
 
 /// Whole-model tensors: (Hugging Face name, GGUF name).
@@ -109,6 +112,41 @@ const LAYER_NAMES: [(&str, &str); 15] = [
     ("mlp.down_proj.weight", "ffn_down.weight"),
 ];
 
+/// Per-layer tensors of MoE checkpoints (Qwen2-MoE / Qwen3-MoE, then Mixtral): the router and
+/// the shared expert. Both routers map to one GGUF name; the Qwen form comes first, so it is the
+/// one [`gguf_to_hf_name`] gives.
+const MOE_LAYER_NAMES: [(&str, &str); 6] = [
+    ("mlp.gate.weight", "ffn_gate_inp.weight"),
+    ("mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"),
+    ("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+    ("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+    ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+    ("block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
+];
+
+/// One expert's matrices, `model.layers.N.{prefix}E.{tail}`: (prefix, tail, the GGUF name of
+/// the stacked `[cols, rows, n_expert]` tensor it is part E of). Mixtral's w1/w3/w2 are
+/// gate/up/down.
+const EXPERT_NAMES: [(&str, &str, &str); 6] = [
+    ("mlp.experts.", "gate_proj.weight", "ffn_gate_exps.weight"),
+    ("mlp.experts.", "up_proj.weight", "ffn_up_exps.weight"),
+    ("mlp.experts.", "down_proj.weight", "ffn_down_exps.weight"),
+    ("block_sparse_moe.experts.", "w1.weight", "ffn_gate_exps.weight"),
+    ("block_sparse_moe.experts.", "w3.weight", "ffn_up_exps.weight"),
+    ("block_sparse_moe.experts.", "w2.weight", "ffn_down_exps.weight"),
+];
+
+/// A Hugging Face expert tensor's place: (GGUF name of the stacked tensor, expert index).
+pub fn hf_expert_part(hf: &str) -> Option<(String, usize)> {
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    EXPERT_NAMES.into_iter().find_map(|(prefix, tail, gguf)| {
+        let (e, t) = rest.strip_prefix(prefix)?.split_once('.')?;
+        (t == tail).then_some(())?;
+        Some((format!("blk.{layer}.{gguf}"), e.parse().ok()?))
+    })
+}
+
 /// Renames `name` through `(from, to)` pairs of whole names and of per-layer tails under
 /// `from_layer` / `to_layer` prefixes; None when it is not one of them.
 fn rename(name: &str, whole: impl Iterator<Item = (&'static str, &'static str)>, tails: impl Iterator<Item = (&'static str, &'static str)>, from_layer: &str, to_layer: &str) -> Option<String> {
@@ -123,12 +161,12 @@ fn rename(name: &str, whole: impl Iterator<Item = (&'static str, &'static str)>,
 
 /// Maps a Hugging Face tensor name to its GGUF name (None: not a weight this loader reads).
 pub fn hf_to_gguf_name(hf: &str) -> Option<String> {
-    rename(hf, MODEL_NAMES.into_iter(), LAYER_NAMES.into_iter(), "model.layers.", "blk.")
+    rename(hf, MODEL_NAMES.into_iter(), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES), "model.layers.", "blk.")
 }
 
 /// Maps a GGUF tensor name to its Hugging Face name (the inverse of [`hf_to_gguf_name`]).
 pub fn gguf_to_hf_name(gguf: &str) -> Option<String> {
-    rename(gguf, MODEL_NAMES.into_iter().map(|(h, g)| (g, h)), LAYER_NAMES.into_iter().map(|(h, g)| (g, h)), "blk.", "model.layers.")
+    rename(gguf, MODEL_NAMES.into_iter().map(|(h, g)| (g, h)), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).map(|(h, g)| (g, h)), "blk.", "model.layers.")
 }
 
 impl SafetensorsDir {
@@ -156,7 +194,9 @@ impl SafetensorsDir {
             return Err(OracleError::Safetensors { file: dir.display().to_string(), reason: "no *.safetensors files".into() });
         }
         let mut maps = Vec::new();
-        let mut index = HashMap::new();
+        let mut index: HashMap<String, Vec<(usize, String)>> = HashMap::new();
+        // Stacked GGUF name -> expert index -> (file index, HF name).
+        let mut experts: HashMap<String, std::collections::BTreeMap<usize, (usize, String)>> = HashMap::new();
         let mut unknown = Vec::new();
         for (fi, path) in files.into_iter().enumerate() {
             let f = std::fs::File::open(&path).map_err(|e| OracleError::io(&path, e))?;
@@ -167,16 +207,36 @@ impl SafetensorsDir {
                 reason: e.to_string(),
             })?;
             for name in st.names() {
-                match hf_to_gguf_name(name) {
-                    Some(g) => {
-                        index.insert(g, (fi, name.to_string()));
-                    }
-                    // Old checkpoints store RoPE's inverse frequencies, which the config defines.
-                    None if name.ends_with(".rotary_emb.inv_freq") => {}
-                    None => unknown.push(format!("{} in {}", name, path.display())),
+                if let Some(g) = hf_to_gguf_name(name) {
+                    index.insert(g, vec![(fi, name.to_string())]);
+                } else if let Some((g, e)) = hf_expert_part(name) {
+                    experts.entry(g).or_default().insert(e, (fi, name.to_string()));
+                } else if !name.ends_with(".rotary_emb.inv_freq") {
+                    // (Old checkpoints store RoPE's inverse frequencies, which the config defines.)
+                    unknown.push(format!("{} in {}", name, path.display()));
                 }
             }
             maps.push((path, map));
+        }
+        // Every stacked tensor needs experts 0..n_expert, no more and no fewer.
+        let n_expert = spec.moe.as_ref().map_or(0, |m| m.n_expert);
+        let mut stacked: Vec<_> = experts.into_iter().collect();
+        stacked.sort();
+        for (g, parts) in stacked {
+            if let Some(e) = (0..n_expert).find(|e| !parts.contains_key(e)) {
+                let some = parts.values().next().map_or("", |(_, hf)| hf.as_str());
+                return Err(OracleError::Safetensors {
+                    file: dir.display().to_string(),
+                    reason: format!("`{some}` is one of {n_expert} experts (config.json), but expert {e} of `{g}` is missing"),
+                });
+            }
+            if let Some((e, (_, hf))) = parts.iter().find(|(e, _)| **e >= n_expert) {
+                return Err(OracleError::Safetensors {
+                    file: dir.display().to_string(),
+                    reason: format!("`{hf}` is expert {e}, but config.json says the model has {n_expert} experts"),
+                });
+            }
+            index.insert(g, parts.into_values().collect());
         }
         // A weight the interpreter would not read is refused, never skipped: the model would
         // run without it and the judge would be wrong without saying so.
@@ -194,7 +254,7 @@ impl SafetensorsDir {
             ("blk.0.attn_q_norm.weight", spec.qk_norm, "QK-norm weights (qwen3)"),
         ];
         for (tensor, expected, what) in agree {
-            if let Some((_, hf)) = index.get(tensor).filter(|_| !expected) {
+            if let Some((_, hf)) = index.get(tensor).filter(|_| !expected).and_then(|p| p.first()) {
                 return Err(OracleError::Safetensors { file: cfg_path.display().to_string(), reason: format!("config.json describes no {what}, but the files hold `{hf}`") });
             }
         }
@@ -211,7 +271,7 @@ impl SafetensorsDir {
         let (mut n, mut b) = (0u64, 0u64);
         for (fi, (path, map)) in self.maps.iter().enumerate() {
             let st = safetensors::SafeTensors::deserialize(map).map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })?;
-            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().any(|(f, hf)| *f == fi && hf == name)) {
+            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().flatten().any(|(f, hf)| *f == fi && hf == name)) {
                 n = n.saturating_add(view.shape().iter().fold(1u64, |p, d| p.saturating_mul(*d as u64)));
                 b = b.saturating_add(view.data().len() as u64);
             }
@@ -220,23 +280,62 @@ impl SafetensorsDir {
     }
 }
 
-impl TensorSource for SafetensorsDir {
-    fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
-        let Some((fi, hf)) = self.index.get(name) else { return Ok(None) };
-        let (path, map) = &self.maps[*fi];
+impl SafetensorsDir {
+    /// One stored tensor (a part of GGUF tensor `name`): GGML dims, GGML type, bytes, file.
+    fn part(&self, fi: usize, hf: &str) -> Result<(Vec<usize>, GgmlType, &[u8], &Path)> {
+        let (path, map) = &self.maps[fi];
         let err = |reason: String| OracleError::Safetensors { file: path.display().to_string(), reason };
         let st = safetensors::SafeTensors::deserialize(map).map_err(|e| err(e.to_string()))?;
         let view = st.tensor(hf).map_err(|e| err(e.to_string()))?;
-        let bytes = view.data();
-        let data: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            safetensors::Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            safetensors::Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        let ty = match view.dtype() {
+            safetensors::Dtype::F32 => GgmlType::F32,
+            safetensors::Dtype::F16 => GgmlType::F16,
+            safetensors::Dtype::BF16 => GgmlType::BF16,
             other => return Err(err(format!("tensor `{hf}` has dtype {other:?}; f32, f16 and bf16 are read"))),
         };
         // Torch order [out, in] -> GGML order [in, out].
         let dims: Vec<usize> = view.shape().iter().rev().copied().collect();
-        Ok(Some(LoadedTensor { dims, data }))
+        Ok((dims, ty, view.data(), path))
+    }
+
+    /// GGUF tensor `name` as stored: its one part, or its experts joined in expert order (each
+    /// of the same dims and type) under GGML dims `[cols, rows, n_expert]`.
+    fn stored(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        let Some(parts) = self.index.get(name) else { return Ok(None) };
+        let mut joined: Option<(Vec<usize>, GgmlType, Vec<u8>)> = None;
+        for (fi, hf) in parts {
+            let (dims, ty, bytes, path) = self.part(*fi, hf)?;
+            if let Some((i, v)) = crate::quant::first_non_finite(ty, bytes) {
+                return Err(OracleError::non_finite_weight(&path.display().to_string(), hf, i, v, dims.first().copied().unwrap_or(1)));
+            }
+            if parts.len() == 1 {
+                return Ok(Some(RawTensor { dims, ty, bytes: Cow::Borrowed(bytes) }));
+            }
+            match &mut joined {
+                None => joined = Some((dims, ty, bytes.to_vec())),
+                Some((d0, t0, all)) => {
+                    if dims != *d0 || ty != *t0 {
+                        return Err(OracleError::Safetensors {
+                            file: path.display().to_string(),
+                            reason: format!("expert tensor `{hf}` is {} {dims:?} (GGML order), but expert 0 of it is {} {d0:?}", ty.name(), t0.name()),
+                        });
+                    }
+                    all.extend_from_slice(bytes);
+                }
+            }
+        }
+        Ok(joined.map(|(mut dims, ty, bytes)| {
+            dims.push(parts.len());
+            RawTensor { dims, ty, bytes: Cow::Owned(bytes) }
+        }))
+    }
+}
+
+impl TensorSource for SafetensorsDir {
+    fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
+        let Some(t) = self.stored(name)? else { return Ok(None) };
+        let data = crate::quant::decode(t.ty, &t.bytes, t.n_elements())?;
+        Ok(Some(LoadedTensor { dims: t.dims, data }))
     }
 
     fn label(&self) -> String {
@@ -252,24 +351,7 @@ impl TensorSource for SafetensorsDir {
     }
 
     fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
-        let Some((fi, hf)) = self.index.get(name) else { return Ok(None) };
-        let (path, map) = &self.maps[*fi];
-        let err = |reason: String| OracleError::Safetensors { file: path.display().to_string(), reason };
-        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| err(e.to_string()))?;
-        let view = st.tensor(hf).map_err(|e| err(e.to_string()))?;
-        let ty = match view.dtype() {
-            safetensors::Dtype::F32 => GgmlType::F32,
-            safetensors::Dtype::F16 => GgmlType::F16,
-            safetensors::Dtype::BF16 => GgmlType::BF16,
-            other => return Err(err(format!("tensor `{hf}` has dtype {other:?}; f32, f16 and bf16 are read"))),
-        };
-        // Torch order [out, in] -> GGML order [in, out].
-        let dims: Vec<usize> = view.shape().iter().rev().copied().collect();
-        let bytes: &[u8] = view.data();
-        if let Some((i, v)) = crate::quant::first_non_finite(ty, bytes) {
-            return Err(OracleError::non_finite_weight(&path.display().to_string(), hf, i, v, dims.first().copied().unwrap_or(1)));
-        }
-        Ok(Some(RawTensor { dims, ty, bytes }))
+        self.stored(name)
     }
 }
 
@@ -340,5 +422,14 @@ mod tests {
             assert_eq!(hf_to_gguf_name(unknown), None, "{unknown}");
         }
         assert_eq!(gguf_to_hf_name("blk.0.ffn_gate_exps.weight"), None);
+        // MoE: routers of both families, the shared expert, and experts as parts of stacked tensors.
+        assert_eq!(hf_to_gguf_name("model.layers.2.mlp.gate.weight").as_deref(), Some("blk.2.ffn_gate_inp.weight"));
+        assert_eq!(hf_to_gguf_name("model.layers.2.block_sparse_moe.gate.weight").as_deref(), Some("blk.2.ffn_gate_inp.weight"));
+        assert_eq!(gguf_to_hf_name("blk.2.ffn_gate_inp_shexp.weight").as_deref(), Some("model.layers.2.mlp.shared_expert_gate.weight"));
+        assert_eq!(hf_expert_part("model.layers.4.mlp.experts.17.down_proj.weight"), Some(("blk.4.ffn_down_exps.weight".into(), 17)));
+        assert_eq!(hf_expert_part("model.layers.0.block_sparse_moe.experts.3.w3.weight"), Some(("blk.0.ffn_up_exps.weight".into(), 3)));
+        for not_expert in ["model.layers.0.mlp.experts.x.up_proj.weight", "model.layers.0.mlp.experts.1.w1.weight", "model.layers.0.mlp.up_proj.weight"] {
+            assert_eq!(hf_expert_part(not_expert), None, "{not_expert}");
+        }
     }
 }

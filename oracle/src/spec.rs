@@ -371,12 +371,16 @@ impl ModelSpec {
         let u = |k: &str| top.u(k);
         let req = |k: &str| u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
         let model_type = top.s("model_type")?.unwrap_or("").to_string();
+        // The GGUF architecture each model type converts to (Mixtral is a llama with experts).
         let arch = match model_type.as_str() {
-            "llama" | "mistral" => "llama",
+            "llama" | "mistral" | "mixtral" => "llama",
             "qwen2" => "qwen2",
             "qwen3" => "qwen3",
-            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, qwen2, qwen3)"))),
+            "qwen2_moe" => "qwen2moe",
+            "qwen3_moe" => "qwen3moe",
+            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)"))),
         };
+        let qwen = arch.starts_with("qwen");
         let n_embd = req("hidden_size")?;
         let n_head = req("num_attention_heads")?;
         let head_dim = u("head_dim")?.unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
@@ -443,8 +447,8 @@ impl ModelSpec {
         // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
         // the model; a split is not.
         let sliding_window = match model_type.as_str() {
-            "mistral" => u("sliding_window")?,
-            "qwen2" | "qwen3" if top.b("use_sliding_window")?.unwrap_or(false) => match u("max_window_layers")?.unwrap_or(28) {
+            "mistral" | "mixtral" => u("sliding_window")?,
+            _ if qwen && top.b("use_sliding_window")?.unwrap_or(false) => match u("max_window_layers")?.unwrap_or(28) {
                 0 => u("sliding_window")?,
                 m if m >= n_layer => None,
                 m => return Err(err(format!("config.json: a sliding window on layers {m}..{n_layer} only (max_window_layers {m}) is not supported: one window for all layers or none"))),
@@ -456,6 +460,44 @@ impl ModelSpec {
             "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
             other => return Err(err(format!("config.json: hidden_act `{other}` is not supported"))),
         };
+        // Experts: Mixtral routes every layer through `num_local_experts` experts of
+        // `intermediate_size` and renormalizes its top-k weights; Qwen-MoE has `num_experts` of
+        // `moe_intermediate_size`, renormalizes when `norm_topk_prob` (transformers' default:
+        // false) and (Qwen2-MoE) adds a shared expert scaled by sigmoid(shared_expert_gate . x).
+        let moe = match model_type.as_str() {
+            "mixtral" => Some(MoeSpec {
+                n_expert: req("num_local_experts")?,
+                n_expert_used: req("num_experts_per_tok")?,
+                expert_ffn: req("intermediate_size")?,
+                gating: Gating::Softmax,
+                normalize_topk: true,
+                shared_ffn: None,
+                shared_gate: false,
+            }),
+            "qwen2_moe" | "qwen3_moe" => {
+                // Dense layers among the MoE ones (`mlp_only_layers`, `decoder_sparse_step`) are
+                // not one stage list for every layer.
+                let dense_layers = top.get("mlp_only_layers").and_then(|v| v.as_array()).is_some_and(|a| !a.is_empty());
+                if dense_layers || u("decoder_sparse_step")?.unwrap_or(1) != 1 {
+                    return Err(err("config.json: dense layers among the MoE layers (`mlp_only_layers`, `decoder_sparse_step` other than 1) are not supported".into()));
+                }
+                let shared = model_type == "qwen2_moe";
+                Some(MoeSpec {
+                    n_expert: req("num_experts")?,
+                    n_expert_used: req("num_experts_per_tok")?,
+                    expert_ffn: req("moe_intermediate_size")?,
+                    gating: Gating::Softmax,
+                    normalize_topk: top.b("norm_topk_prob")?.unwrap_or(false),
+                    shared_ffn: if shared { Some(req("shared_expert_intermediate_size")?) } else { None },
+                    shared_gate: shared,
+                })
+            }
+            _ => None,
+        };
+        let n_ff = match &moe {
+            Some(m) => u("intermediate_size")?.unwrap_or(m.expert_ffn),
+            None => req("intermediate_size")?,
+        };
         let mut spec = ModelSpec {
             arch: arch.to_string(),
             n_vocab: req("vocab_size")?,
@@ -464,7 +506,7 @@ impl ModelSpec {
             n_head,
             n_head_kv: u("num_key_value_heads")?.unwrap_or(n_head),
             head_dim,
-            n_ff: req("intermediate_size")?,
+            n_ff,
             norm_eps: top.f("rms_norm_eps")?.unwrap_or(1e-6),
             rope: RopeSpec {
                 // Hugging Face checkpoints keep Q/K in rotate-half order for every architecture.
@@ -473,14 +515,15 @@ impl ModelSpec {
                 n_rot: head_dim,
                 scaling,
             },
-            qk_norm: arch == "qwen3",
-            // Qwen2 always biases Q/K/V (never O); llama, mistral and qwen3 bias all four of them
-            // when `attention_bias` is set (their attention layers build q/k/v/o_proj alike).
-            qkv_bias: arch == "qwen2" || attention_bias,
-            out_bias: arch != "qwen2" && attention_bias,
+            qk_norm: arch == "qwen3" || arch == "qwen3moe",
+            // Qwen2 (and Qwen2-MoE) always biases Q/K/V (never O); llama, mistral and qwen3 bias
+            // all four of them when `attention_bias` is set (their attention layers build
+            // q/k/v/o_proj alike).
+            qkv_bias: arch == "qwen2" || arch == "qwen2moe" || attention_bias,
+            out_bias: arch != "qwen2" && arch != "qwen2moe" && attention_bias,
             tied_output: top.b("tie_word_embeddings")?.unwrap_or(false),
             activation: act,
-            moe: None,
+            moe,
             sliding_window,
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),

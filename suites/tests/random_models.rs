@@ -257,18 +257,36 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
 }
 
 /// The model of `gguf` (written by [`write_model`] for `s`) as a Hugging Face safetensors
-/// directory with config.json, or None when Hugging Face's llama/mistral/qwen2/qwen3 configs
-/// cannot express `s` (MoE, partial rotary, an output bias without Q/K/V biases, a window with
-/// biases on llama). Weights are the GGUF's decoded to f32; llama Q/K rows (and biases) are
-/// un-interleaved as llama.cpp's converter interleaves them.
+/// directory with config.json, or None when Hugging Face's llama/mistral/mixtral/qwen2/qwen2_moe/
+/// qwen3/qwen3_moe configs cannot express `s` (partial rotary, an output bias without Q/K/V
+/// biases, a window with biases on llama; sigmoid gating, Mixtral with a shared expert or
+/// unnormalized weights, Qwen2-MoE without a gated shared expert, Qwen3-MoE with one). Weights are
+/// the GGUF's decoded to f32, a stacked expert tensor split into one tensor per expert under the
+/// checkpoint's own names; llama Q/K rows (and biases) are un-interleaved as llama.cpp's
+/// converter interleaves them.
 fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Option<()> {
-    if s.moe.is_some() || s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
+    if s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
         return None;
     }
-    let model_type = match s.arch {
-        "llama" if s.window > 0 => "mistral",
-        a => a,
+    if let Some((_, _, _, shared_ff, shared_gate, sigmoid, normalize)) = s.moe {
+        let expressible = !sigmoid
+            && match s.arch {
+                "llama" => shared_ff == 0 && normalize,
+                "qwen2" => shared_ff > 0 && shared_gate,
+                _ => shared_ff == 0,
+            };
+        if !expressible {
+            return None;
+        }
+    }
+    let model_type = match (s.arch, s.moe.is_some()) {
+        ("llama", true) => "mixtral",
+        ("llama", false) if s.window > 0 => "mistral",
+        ("qwen2", true) => "qwen2_moe",
+        ("qwen3", true) => "qwen3_moe",
+        (a, _) => a,
     };
+    let mixtral = model_type == "mixtral";
     let g = oracle::gguf::GgufFile::open(gguf).unwrap();
     let hf_name = |name: &str| oracle::loader::gguf_to_hf_name(name).unwrap_or_else(|| panic!("no Hugging Face name for {name}"));
     // Hugging Face row j * half + i of a head is llama.cpp's row 2i + j (llama only).
@@ -292,8 +310,31 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
         if s.arch == "llama" && (t.name.contains("attn_q.") || t.name.contains("attn_k.")) {
             v = unpermute(v, if t.name.contains("attn_q.") { s.n_head } else { s.n_head_kv });
         }
+        let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (layer, tail) = t.name.strip_prefix("blk.").and_then(|r| r.split_once('.')).unwrap_or(("", ""));
+        // A stacked [cols, rows, n_expert] tensor: expert e is the e-th rows x cols block.
+        let expert_tail = match (tail, mixtral) {
+            ("ffn_gate_exps.weight", false) => Some("mlp.experts.{e}.gate_proj.weight"),
+            ("ffn_up_exps.weight", false) => Some("mlp.experts.{e}.up_proj.weight"),
+            ("ffn_down_exps.weight", false) => Some("mlp.experts.{e}.down_proj.weight"),
+            ("ffn_gate_exps.weight", true) => Some("block_sparse_moe.experts.{e}.w1.weight"),
+            ("ffn_up_exps.weight", true) => Some("block_sparse_moe.experts.{e}.w3.weight"),
+            ("ffn_down_exps.weight", true) => Some("block_sparse_moe.experts.{e}.w2.weight"),
+            _ => None,
+        };
+        if let Some(pattern) = expert_tail {
+            let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+            for (e, part) in v.chunks_exact(rows * cols).enumerate() {
+                bufs.push((format!("model.layers.{layer}.{}", pattern.replace("{e}", &e.to_string())), vec![rows, cols], bytes(part)));
+            }
+            continue;
+        }
+        let name = match (tail, mixtral) {
+            ("ffn_gate_inp.weight", true) => format!("model.layers.{layer}.block_sparse_moe.gate.weight"),
+            _ => hf_name(&t.name),
+        };
         let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
-        bufs.push((hf_name(&t.name), shape, v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()));
+        bufs.push((name, shape, bytes(&v)));
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> =
         bufs.iter().map(|(n, sh, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, sh.clone(), b).unwrap())).collect();
@@ -304,6 +345,20 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
         "rms_norm_eps": 1e-5, "rope_theta": 10_000.0, "tie_word_embeddings": s.tied, "max_position_embeddings": 512,
         "hidden_act": "silu", "attention_bias": s.out_bias
     });
+    if let Some((n_expert, used, expert_ff, shared_ff, _, _, normalize)) = s.moe {
+        cfg["num_experts_per_tok"] = serde_json::json!(used);
+        if mixtral {
+            cfg["num_local_experts"] = serde_json::json!(n_expert);
+            cfg["intermediate_size"] = serde_json::json!(expert_ff);
+        } else {
+            cfg["num_experts"] = serde_json::json!(n_expert);
+            cfg["moe_intermediate_size"] = serde_json::json!(expert_ff);
+            cfg["norm_topk_prob"] = serde_json::json!(normalize);
+            if shared_ff > 0 {
+                cfg["shared_expert_intermediate_size"] = serde_json::json!(shared_ff);
+            }
+        }
+    }
     match s.scaling {
         1 => cfg["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0}),
         2 => cfg["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
@@ -311,7 +366,7 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
     }
     if s.window > 0 {
         cfg["sliding_window"] = serde_json::json!(s.window);
-        if model_type != "mistral" {
+        if model_type != "mistral" && !mixtral {
             cfg["use_sliding_window"] = serde_json::json!(true);
             cfg["max_window_layers"] = serde_json::json!(0);
         }
@@ -384,6 +439,9 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
         prop_assert!(worst <= 1e-6 * scale, "{s:?}: safetensors logits differ from the GGUF's by {worst} (scale {scale})");
         *judged.lock().unwrap().entry("safetensors".to_string()).or_default() += 1;
+        if s.moe.is_some() {
+            *judged.lock().unwrap().entry("safetensors-moe".to_string()).or_default() += 1;
+        }
     }
     // The cpu device's taps written as a dump and read back as an external engine's.
     let dump = dir.path().join("dump");
@@ -579,4 +637,23 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
         // (cache_consistency is not asked for here: no cache paths given.)
         assert!(cases.iter().filter(|c| !c.id.contains("cache_consistency")).all(|c| c.verdict == reports::Verdict::Pass), "model {i}: {cases:?}");
     }
+}
+
+/// MoE checkpoints as Hugging Face ships them (one tensor per expert): a Mixtral (llama with
+/// experts, `block_sparse_moe.experts.E.w1/w3/w2`), a Qwen2-MoE (gated shared expert, top-k
+/// weights as the router gives them) and a Qwen3-MoE (QK-norm, renormalized top-k) load to the
+/// logits of the GGUF they were written from, and every device judges the GGUF as usual.
+#[test]
+fn moe_checkpoints_load_to_the_gguf_logits() {
+    let judged = Judged::default();
+    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, seed: 11 };
+    let shapes = [
+        Shape { moe: Some((4, 2, 48, 0, false, false, true)), ..base.clone() },
+        Shape { arch: "qwen2", moe: Some((6, 2, 32, 64, true, false, false)), seed: 12, ..base.clone() },
+        Shape { arch: "qwen3", moe: Some((8, 3, 32, 0, false, false, true)), seed: 13, ..base.clone() },
+    ];
+    for s in &shapes {
+        check(s, 5, &judged).unwrap();
+    }
+    assert_eq!(judged.into_inner().unwrap().get("safetensors-moe"), Some(&3));
 }

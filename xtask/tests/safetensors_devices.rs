@@ -7,16 +7,27 @@ mod common;
 use common::*;
 use std::path::Path;
 
-/// Writes synthetic `model` (tiny-llama or tiny-qwen3) under `dir` with Hugging Face names and a
-/// config.json, every tensor's decoded values stored as `dtype` (F32, or BF16 rounded to nearest
-/// even); `plant` may change a tensor's bytes (Hugging Face name, bytes).
+/// Writes synthetic `model` (tiny-llama, tiny-qwen3 or tiny-moe) under `dir` with Hugging Face
+/// names and a config.json, every tensor's decoded values stored as `dtype` (F32, or BF16 rounded
+/// to nearest even), a stacked expert tensor as one tensor per expert (Qwen2-MoE's
+/// `mlp.experts.E.*_proj`); `plant` may change a tensor's bytes (Hugging Face name, bytes).
 fn write_dir(dir: &Path, model: &str, dtype: safetensors::Dtype, plant: impl Fn(&str, &mut Vec<u8>)) {
     let g = oracle::gguf::GgufFile::open(fixtures::resolve(model, true).unwrap()).unwrap();
-    let mut bufs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut parts: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for t in &g.tensors {
         let values = g.tensor_f32(t).unwrap();
-        let name = oracle::loader::gguf_to_hf_name(&t.name).unwrap();
-        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect(); // torch order
+        let dims: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
+        let (layer, tail) = t.name.strip_prefix("blk.").and_then(|r| r.split_once('.')).unwrap_or(("", ""));
+        if let Some(proj) = tail.strip_suffix("_exps.weight").and_then(|p| p.strip_prefix("ffn_")) {
+            for (e, v) in values.chunks_exact(dims[0] * dims[1]).enumerate() {
+                parts.push((format!("model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"), vec![dims[1], dims[0]], v.to_vec()));
+            }
+            continue;
+        }
+        parts.push((oracle::loader::gguf_to_hf_name(&t.name).unwrap(), dims.into_iter().rev().collect(), values)); // torch order
+    }
+    let mut bufs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, shape, values) in parts {
         let mut bytes: Vec<u8> = match dtype {
             safetensors::Dtype::BF16 => values
                 .iter()
@@ -32,13 +43,23 @@ fn write_dir(dir: &Path, model: &str, dtype: safetensors::Dtype, plant: impl Fn(
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> = bufs.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(dtype, s.clone(), b).unwrap())).collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    let (model_type, n_kv, eps, theta, tied) = if model == "tiny-qwen3" { ("qwen3", 1, 1e-6, 1_000_000.0, true) } else { ("llama", 2, 1e-5, 10_000.0, false) };
-    let cfg = serde_json::json!({
+    let (model_type, n_kv, eps, theta, tied) = match model {
+        "tiny-qwen3" => ("qwen3", 1, 1e-6, 1_000_000.0, true),
+        "tiny-moe" => ("qwen2_moe", 4, 1e-5, 10_000.0, false),
+        _ => ("llama", 2, 1e-5, 10_000.0, false),
+    };
+    let mut cfg = serde_json::json!({
         "model_type": model_type, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": n_kv,
         "head_dim": 64, "intermediate_size": 512, "num_hidden_layers": 2, "vocab_size": fixtures::synthetic::TINY_VOCAB,
         "rms_norm_eps": eps, "rope_theta": theta, "tie_word_embeddings": tied, "max_position_embeddings": 512,
         "hidden_act": "silu"
     });
+    if model == "tiny-moe" {
+        for (k, v) in [("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 128), ("shared_expert_intermediate_size", 256)] {
+            cfg[k] = serde_json::json!(v);
+        }
+        cfg["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256});
+    }
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
 }
 
@@ -47,6 +68,7 @@ fn devices_run_safetensors_directories_and_pass_layer_diff_against_the_oracle() 
     for (model, dtype, devices) in [
         ("tiny-llama", safetensors::Dtype::F32, &["cpu", "fixed"][..]),
         ("tiny-qwen3", safetensors::Dtype::BF16, &["cpu", "fixed", "gpu-emu"][..]),
+        ("tiny-moe", safetensors::Dtype::BF16, &["cpu", "gpu-emu"][..]),
     ] {
         let dir = tempfile::tempdir().unwrap();
         write_dir(dir.path(), model, dtype, |_, _| {});
@@ -76,5 +98,37 @@ fn a_nan_in_a_safetensors_weight_is_refused_by_every_device_loader() {
         // The oracle names the tensor by its GGUF name, the device loaders by the file's own.
         let named = e.contains("`blk.1.ffn_up.weight` holds") || e.contains("model.safetensors: tensor `model.layers.1.mlp.up_proj.weight` holds");
         assert!(named && e.contains("NaN at element 5 (row 0, column 5)") && !e.contains("panicked"), "{device}: {e}");
+    }
+}
+
+#[test]
+fn moe_checkpoints_with_a_broken_expert_are_refused_naming_it() {
+    // A NaN in one expert's tensor: every loader that runs MoE names that tensor and element
+    // (BF16 0x7fc0; expert 2's up projection, element 7 = row 0, column 7).
+    let dir = tempfile::tempdir().unwrap();
+    write_dir(dir.path(), "tiny-moe", safetensors::Dtype::BF16, |name, b| {
+        if name == "model.layers.1.mlp.experts.2.up_proj.weight" {
+            b[14..16].copy_from_slice(&0x7fc0u16.to_le_bytes());
+        }
+    });
+    for device in ["ref", "cpu", "gpu-emu"] {
+        let o = xtask(&["run", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{device}: {e}");
+        assert!(e.contains("tensor `model.layers.1.mlp.experts.2.up_proj.weight` holds NaN at element 7 (row 0, column 7)") && !e.contains("panicked"), "{device}: {e}");
+    }
+    // config.json claims a fifth expert the files do not hold, then only three.
+    let dir = tempfile::tempdir().unwrap();
+    write_dir(dir.path(), "tiny-moe", safetensors::Dtype::F32, |_, _| {});
+    let cfg_path = dir.path().join("config.json");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    for (n, want) in [(5, "expert 4 of `blk.0.ffn_down_exps.weight` is missing"), (3, "is expert 3, but config.json says the model has 3 experts")] {
+        let mut c = cfg.clone();
+        c["num_experts"] = serde_json::json!(n);
+        std::fs::write(&cfg_path, c.to_string()).unwrap();
+        let o = xtask(&["run", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1", "--device", "ref"], &[]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{n}: {e}");
+        assert!(e.contains(want) && !e.contains("panicked"), "{n}: {e}");
     }
 }

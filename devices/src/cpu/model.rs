@@ -146,7 +146,7 @@ impl Loader<'_> {
             return Err(err(&self.label, format!("tensor `{name}`: expected {n} float values, found {:?} {}", t.dims, t.ty.name())));
         }
         let mut out = vec![0.0f32; n];
-        qdot::float_row(t.ty, t.bytes, &mut out);
+        qdot::float_row(t.ty, &t.bytes, &mut out);
         Ok(Some(out))
     }
 }
