@@ -328,6 +328,14 @@ fn the_oracle_holds_weights_packed_when_their_decoded_copy_does_not_fit_and_give
         let tokens = sampled(("TOUCHSTONE_ORACLE_WEIGHTS", "decoded"));
         assert_eq!(tokens.as_array().map(Vec::len), Some(16), "{model}: {tokens}");
         assert_eq!(sampled(("TOUCHSTONE_ORACLE_WEIGHTS", "packed")), tokens, "{model}: decode steps differ between the decoded and the packed oracle");
+        // A bench of the oracle says which store its figures come from.
+        for (env, want) in [(("TOUCHSTONE_MEMORY_LIMIT", between.as_str()), "packed"), (("TOUCHSTONE_ORACLE_WEIGHTS", "decoded"), "decoded")] {
+            let dir = tempfile::tempdir().unwrap();
+            let o = xtask(&["bench", "--device", "ref", "--model", model, "--prompt-len", "2", "--gen-len", "2", "--reps", "1", "--report-dir", dir.path().to_str().unwrap()], &[env]);
+            assert_eq!(o.status.code(), Some(0), "{model} {env:?}: {}", stderr(&o));
+            let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+            assert_eq!(r["cases"][0]["metrics"]["oracle_weights"], want, "{model} {env:?}");
+        }
         let o = xtask(&["run", "--model", model, "--prompt-ids", "1", "--device", "ref"], &[("TOUCHSTONE_MEMORY_LIMIT", &(packed / 2).to_string())]);
         let e = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{model}: {e}");

@@ -100,6 +100,9 @@ pub struct Measured {
     r: suites::throughput::RefBench,
     device_peak: Option<u64>,
     kernels: Option<DecodeKernels>,
+    /// The oracle's weight store (`decoded` or `packed`; None for a device): packed decode steps
+    /// are slower, so a figure says which it is.
+    oracle_weights: Option<&'static str>,
 }
 
 /// Loads `model` on `device` (checked by the caller) and times `reps` greedy generations of
@@ -124,7 +127,11 @@ pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usiz
     pb.finish_and_clear();
     let device_peak = engine.memory_peak_bytes();
     let kernels = profile_decode(&mut engine, &prompt, gen_len)?;
-    Ok(Measured { r, device_peak, kernels })
+    let oracle_weights = match &engine {
+        super::Engine::Oracle(m) => Some(m.store().name()),
+        _ => None,
+    };
+    Ok(Measured { r, device_peak, kernels, oracle_weights })
 }
 
 /// The report case of a measurement: its figures as metrics, and a verdict on what the figures
@@ -147,6 +154,9 @@ pub fn case(device: &str, model: &str, m: &Measured) -> reports::Case {
     metrics.insert("decode_kernel_us_per_token".into(), json!(kernel_us));
     metrics.insert("decode_kernel_busy_fraction".into(), json!(kernel_us.map(|us| us * med(&r.decode_tok_per_s) / 1e6)));
     metrics.insert("output_hash".into(), json!(r.output_hashes.first()));
+    if let Some(store) = m.oracle_weights {
+        metrics.insert("oracle_weights".into(), json!(store));
+    }
     let problems = r.problems();
     reports::Case {
         id: format!("bench(device={device},model={model},prompt={},gen={})", r.prompt_len, r.gen_len),
