@@ -85,9 +85,19 @@ impl TensorSource for GgufFile {
 pub struct SafetensorsDir {
     pub dir: PathBuf,
     maps: Vec<(PathBuf, memmap2::Mmap)>,
-    /// GGUF name -> its parts as (file index, HF name): one part, or (a MoE layer's stacked
-    /// expert tensor) one per expert, in expert order.
-    index: HashMap<String, Vec<(usize, String)>>,
+    /// GGUF name -> its parts: one, or (a MoE layer's stacked expert tensor) one per expert, in
+    /// expert order.
+    index: HashMap<String, Vec<Part>>,
+}
+
+/// A stored tensor that is (part of) a GGUF tensor.
+#[derive(Clone, Debug)]
+struct Part {
+    file: usize,
+    hf: String,
+    /// Of a fused `gate_up_proj` `[n_expert, 2 * rows, cols]`: the gate (0) or up (1) half of
+    /// every expert's rows. None: the whole tensor.
+    half: Option<usize>,
 }
 
 /// Whole-model tensors: (Hugging Face name, GGUF name).
@@ -135,6 +145,20 @@ const EXPERT_NAMES: [(&str, &str, &str); 6] = [
     ("block_sparse_moe.experts.", "w3.weight", "ffn_up_exps.weight"),
     ("block_sparse_moe.experts.", "w2.weight", "ffn_down_exps.weight"),
 ];
+
+/// Transformers 5 saves a layer's experts fused: `mlp.experts.gate_up_proj` `[n_expert, 2 *
+/// ffn, hidden]` (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+/// `[n_expert, hidden, ffn]`. The GGUF tensors each is, with the half of gate_up it holds.
+pub fn hf_fused_experts(hf: &str) -> Option<Vec<(String, Option<usize>)>> {
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let n = |t: &str| format!("blk.{layer}.{t}");
+    match rest {
+        "mlp.experts.gate_up_proj" => Some(vec![(n("ffn_gate_exps.weight"), Some(0)), (n("ffn_up_exps.weight"), Some(1))]),
+        "mlp.experts.down_proj" => Some(vec![(n("ffn_down_exps.weight"), None)]),
+        _ => None,
+    }
+}
 
 /// A Hugging Face expert tensor's place: (GGUF name of the stacked tensor, expert index).
 pub fn hf_expert_part(hf: &str) -> Option<(String, usize)> {
@@ -194,9 +218,9 @@ impl SafetensorsDir {
             return Err(OracleError::Safetensors { file: dir.display().to_string(), reason: "no *.safetensors files".into() });
         }
         let mut maps = Vec::new();
-        let mut index: HashMap<String, Vec<(usize, String)>> = HashMap::new();
-        // Stacked GGUF name -> expert index -> (file index, HF name).
-        let mut experts: HashMap<String, std::collections::BTreeMap<usize, (usize, String)>> = HashMap::new();
+        let mut index: HashMap<String, Vec<Part>> = HashMap::new();
+        // Stacked GGUF name -> expert index -> its tensor.
+        let mut experts: HashMap<String, std::collections::BTreeMap<usize, Part>> = HashMap::new();
         let mut unknown = Vec::new();
         for (fi, path) in files.into_iter().enumerate() {
             let f = std::fs::File::open(&path).map_err(|e| OracleError::io(&path, e))?;
@@ -207,10 +231,15 @@ impl SafetensorsDir {
                 reason: e.to_string(),
             })?;
             for name in st.names() {
+                let part = |half| Part { file: fi, hf: name.to_string(), half };
                 if let Some(g) = hf_to_gguf_name(name) {
-                    index.insert(g, vec![(fi, name.to_string())]);
+                    index.insert(g, vec![part(None)]);
                 } else if let Some((g, e)) = hf_expert_part(name) {
-                    experts.entry(g).or_default().insert(e, (fi, name.to_string()));
+                    experts.entry(g).or_default().insert(e, part(None));
+                } else if let Some(fused) = hf_fused_experts(name) {
+                    for (g, half) in fused {
+                        index.insert(g, vec![part(half)]);
+                    }
                 } else if !name.ends_with(".rotary_emb.inv_freq") {
                     // (Old checkpoints store RoPE's inverse frequencies, which the config defines.)
                     unknown.push(format!("{} in {}", name, path.display()));
@@ -221,16 +250,23 @@ impl SafetensorsDir {
         // Every stacked tensor needs experts 0..n_expert, no more and no fewer.
         let n_expert = spec.moe.as_ref().map_or(0, |m| m.n_expert);
         let mut stacked: Vec<_> = experts.into_iter().collect();
-        stacked.sort();
+        stacked.sort_by(|a, b| a.0.cmp(&b.0));
         for (g, parts) in stacked {
+            if let Some(fused) = index.get(&g).and_then(|p| p.first()) {
+                let some = parts.values().next().map_or("", |p| p.hf.as_str());
+                return Err(OracleError::Safetensors {
+                    file: dir.display().to_string(),
+                    reason: format!("`{g}` is stored twice, fused as `{}` and per expert as `{some}`", fused.hf),
+                });
+            }
             if let Some(e) = (0..n_expert).find(|e| !parts.contains_key(e)) {
-                let some = parts.values().next().map_or("", |(_, hf)| hf.as_str());
+                let some = parts.values().next().map_or("", |p| p.hf.as_str());
                 return Err(OracleError::Safetensors {
                     file: dir.display().to_string(),
                     reason: format!("`{some}` is one of {n_expert} experts (config.json), but expert {e} of `{g}` is missing"),
                 });
             }
-            if let Some((e, (_, hf))) = parts.iter().find(|(e, _)| **e >= n_expert) {
+            if let Some((e, Part { hf, .. })) = parts.iter().find(|(e, _)| **e >= n_expert) {
                 return Err(OracleError::Safetensors {
                     file: dir.display().to_string(),
                     reason: format!("`{hf}` is expert {e}, but config.json says the model has {n_expert} experts"),
@@ -254,8 +290,8 @@ impl SafetensorsDir {
             ("blk.0.attn_q_norm.weight", spec.qk_norm, "QK-norm weights (qwen3)"),
         ];
         for (tensor, expected, what) in agree {
-            if let Some((_, hf)) = index.get(tensor).filter(|_| !expected).and_then(|p| p.first()) {
-                return Err(OracleError::Safetensors { file: cfg_path.display().to_string(), reason: format!("config.json describes no {what}, but the files hold `{hf}`") });
+            if let Some(p) = index.get(tensor).filter(|_| !expected).and_then(|p| p.first()) {
+                return Err(OracleError::Safetensors { file: cfg_path.display().to_string(), reason: format!("config.json describes no {what}, but the files hold `{}`", p.hf) });
             }
         }
         // Layers beyond num_hidden_layers, or weights this spec does not read. With tied
@@ -271,7 +307,7 @@ impl SafetensorsDir {
         let (mut n, mut b) = (0u64, 0u64);
         for (fi, (path, map)) in self.maps.iter().enumerate() {
             let st = safetensors::SafeTensors::deserialize(map).map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })?;
-            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().flatten().any(|(f, hf)| *f == fi && hf == name)) {
+            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().flatten().any(|p| p.file == fi && &p.hf == name)) {
                 n = n.saturating_add(view.shape().iter().fold(1u64, |p, d| p.saturating_mul(*d as u64)));
                 b = b.saturating_add(view.data().len() as u64);
             }
@@ -298,29 +334,37 @@ impl SafetensorsDir {
         Ok((dims, ty, view.data(), path))
     }
 
-    /// GGUF tensor `name` as stored: its one part, or its experts joined in expert order (each
-    /// of the same dims and type) under GGML dims `[cols, rows, n_expert]`.
+    /// GGUF tensor `name` as stored: its one part (or that part's half of a fused gate_up
+    /// tensor), or its experts joined in expert order (each of the same dims and type) under GGML
+    /// dims `[cols, rows, n_expert]`.
     fn stored(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
         let Some(parts) = self.index.get(name) else { return Ok(None) };
         let mut joined: Option<(Vec<usize>, GgmlType, Vec<u8>)> = None;
-        for (fi, hf) in parts {
-            let (dims, ty, bytes, path) = self.part(*fi, hf)?;
+        for p in parts {
+            let (dims, ty, bytes, path) = self.part(p.file, &p.hf)?;
             if let Some((i, v)) = crate::quant::first_non_finite(ty, bytes) {
-                return Err(OracleError::non_finite_weight(&path.display().to_string(), hf, i, v, dims.first().copied().unwrap_or(1)));
+                return Err(OracleError::non_finite_weight(&path.display().to_string(), &p.hf, i, v, dims.first().copied().unwrap_or(1)));
             }
+            let (dims, bytes) = match p.half {
+                None => (dims, Cow::Borrowed(bytes)),
+                Some(h) => half_of_each_expert(dims, ty, bytes, h).ok_or_else(|| OracleError::Safetensors {
+                    file: path.display().to_string(),
+                    reason: format!("fused expert tensor `{}` is not [n_expert, 2 * ffn, hidden] with whole rows", p.hf),
+                })?,
+            };
             if parts.len() == 1 {
-                return Ok(Some(RawTensor { dims, ty, bytes: Cow::Borrowed(bytes) }));
+                return Ok(Some(RawTensor { dims, ty, bytes }));
             }
             match &mut joined {
-                None => joined = Some((dims, ty, bytes.to_vec())),
+                None => joined = Some((dims, ty, bytes.into_owned())),
                 Some((d0, t0, all)) => {
                     if dims != *d0 || ty != *t0 {
                         return Err(OracleError::Safetensors {
                             file: path.display().to_string(),
-                            reason: format!("expert tensor `{hf}` is {} {dims:?} (GGML order), but expert 0 of it is {} {d0:?}", ty.name(), t0.name()),
+                            reason: format!("expert tensor `{}` is {} {dims:?} (GGML order), but expert 0 of it is {} {d0:?}", p.hf, ty.name(), t0.name()),
                         });
                     }
-                    all.extend_from_slice(bytes);
+                    all.extend_from_slice(&bytes);
                 }
             }
         }
@@ -329,6 +373,23 @@ impl SafetensorsDir {
             RawTensor { dims, ty, bytes: Cow::Owned(bytes) }
         }))
     }
+}
+
+/// Half `h` (0: the first `rows`, 1: the next) of every expert's `2 * rows` rows of a fused
+/// tensor, GGML dims `[cols, 2 * rows, n_expert]`: dims `[cols, rows, n_expert]` and its bytes.
+/// None when the tensor is not 3-D with an even row count.
+fn half_of_each_expert(dims: Vec<usize>, ty: GgmlType, bytes: &[u8], h: usize) -> Option<(Vec<usize>, Cow<'static, [u8]>)> {
+    let [cols, rows2, n_expert] = dims[..] else { return None };
+    if rows2 % 2 != 0 {
+        return None;
+    }
+    let row_bytes = ty.bytes_for(cols as u64)? as usize;
+    let half = rows2 / 2 * row_bytes;
+    if bytes.len() != n_expert * 2 * half {
+        return None;
+    }
+    let out: Vec<u8> = bytes.chunks_exact(2 * half).flat_map(|e| &e[h * half..(h + 1) * half]).copied().collect();
+    Some((vec![cols, rows2 / 2, n_expert], Cow::Owned(out)))
 }
 
 impl TensorSource for SafetensorsDir {
@@ -431,5 +492,43 @@ mod tests {
         for not_expert in ["model.layers.0.mlp.experts.x.up_proj.weight", "model.layers.0.mlp.experts.1.w1.weight", "model.layers.0.mlp.up_proj.weight"] {
             assert_eq!(hf_expert_part(not_expert), None, "{not_expert}");
         }
+        assert_eq!(
+            hf_fused_experts("model.layers.1.mlp.experts.gate_up_proj"),
+            Some(vec![("blk.1.ffn_gate_exps.weight".into(), Some(0)), ("blk.1.ffn_up_exps.weight".into(), Some(1))])
+        );
+        assert_eq!(hf_fused_experts("model.layers.1.mlp.experts.down_proj"), Some(vec![("blk.1.ffn_down_exps.weight".into(), None)]));
+        assert_eq!(hf_fused_experts("model.layers.1.mlp.experts.up_proj"), None);
+    }
+
+    #[test]
+    fn a_fused_gate_up_tensor_splits_into_each_experts_gate_and_up_rows() {
+        // Two experts, 2 gate + 2 up rows each, rows of 3 F32 values; value = 100 e + 10 row + col.
+        let v: Vec<f32> = (0..2).flat_map(|e| (0..4).flat_map(move |r| (0..3).map(move |c| (100 * e + 10 * r + c) as f32))).collect();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f32s = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
+        let (dims, gate) = half_of_each_expert(vec![3, 4, 2], GgmlType::F32, &bytes, 0).unwrap();
+        assert_eq!(dims, [3, 2, 2]);
+        assert_eq!(f32s(&gate), [0., 1., 2., 10., 11., 12., 100., 101., 102., 110., 111., 112.]);
+        let (_, up) = half_of_each_expert(vec![3, 4, 2], GgmlType::F32, &bytes, 1).unwrap();
+        assert_eq!(f32s(&up), [20., 21., 22., 30., 31., 32., 120., 121., 122., 130., 131., 132.]);
+        assert!(half_of_each_expert(vec![3, 3, 2], GgmlType::F32, &bytes[..72], 0).is_none(), "odd row count");
+        assert!(half_of_each_expert(vec![12, 2], GgmlType::F32, &bytes, 0).is_none(), "2-D");
+    }
+
+    #[test]
+    fn experts_stored_both_fused_and_one_by_one_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = r#"{"model_type": "qwen3_moe", "hidden_size": 4, "num_attention_heads": 1, "head_dim": 4, "num_hidden_layers": 1,
+            "vocab_size": 2, "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 2}"#;
+        std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+        let fused = vec![0u8; 2 * 4 * 4 * 4];
+        let one = vec![0u8; 2 * 4 * 4];
+        let views = [
+            ("model.layers.0.mlp.experts.gate_up_proj", safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 4, 4], &fused).unwrap()),
+            ("model.layers.0.mlp.experts.0.gate_proj.weight", safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 4], &one).unwrap()),
+        ];
+        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        let e = SafetensorsDir::open(dir.path()).err().expect("refused").to_string();
+        assert!(e.contains("`blk.0.ffn_gate_exps.weight` is stored twice, fused as `model.layers.0.mlp.experts.gate_up_proj` and per expert as `model.layers.0.mlp.experts.0.gate_proj.weight`"), "{e}");
     }
 }

@@ -262,7 +262,8 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
 /// biases, a window with biases on llama; sigmoid gating, Mixtral with a shared expert or
 /// unnormalized weights, Qwen2-MoE without a gated shared expert, Qwen3-MoE with one). Weights are
 /// the GGUF's decoded to f32, a stacked expert tensor split into one tensor per expert under the
-/// checkpoint's own names; llama Q/K rows (and biases) are un-interleaved as llama.cpp's
+/// checkpoint's own names (or, for Qwen-MoE with an odd seed, fused as Transformers 5 saves
+/// them); llama Q/K rows (and biases) are un-interleaved as llama.cpp's
 /// converter interleaves them.
 fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Option<()> {
     if s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
@@ -304,6 +305,9 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
         }
         out
     };
+    // Qwen-MoE experts in every other model as Transformers 5 saves them (fused), else per expert.
+    let fused = !mixtral && s.moe.is_some() && s.seed % 2 == 1;
+    let mut fused_gate_up: std::collections::BTreeMap<String, (Vec<f32>, usize, usize, usize)> = Default::default();
     let mut bufs = Vec::new();
     for t in &g.tensors {
         let mut v = g.tensor_f32(t).unwrap();
@@ -322,8 +326,23 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
             ("ffn_down_exps.weight", true) => Some("block_sparse_moe.experts.{e}.w2.weight"),
             _ => None,
         };
+        let (cols, rows) = (t.dims[0] as usize, *t.dims.get(1).unwrap_or(&1) as usize);
+        if fused && expert_tail.is_some() {
+            // Transformers 5's layout: down_proj [n, hidden, ffn] is the stacked tensor as is;
+            // gate and up go into gate_up_proj [n, 2 * ffn, hidden], each expert's gate rows first.
+            let n_expert = t.dims[2] as usize;
+            if tail == "ffn_down_exps.weight" {
+                bufs.push((format!("model.layers.{layer}.mlp.experts.down_proj"), vec![n_expert, rows, cols], bytes(&v)));
+            } else {
+                let gate_up = fused_gate_up.entry(layer.to_string()).or_insert_with(|| (vec![0.0f32; 2 * v.len()], n_expert, rows, cols));
+                let h = usize::from(tail == "ffn_up_exps.weight");
+                for (e, part) in v.chunks_exact(rows * cols).enumerate() {
+                    gate_up.0[(2 * e + h) * rows * cols..(2 * e + h + 1) * rows * cols].copy_from_slice(part);
+                }
+            }
+            continue;
+        }
         if let Some(pattern) = expert_tail {
-            let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
             for (e, part) in v.chunks_exact(rows * cols).enumerate() {
                 bufs.push((format!("model.layers.{layer}.{}", pattern.replace("{e}", &e.to_string())), vec![rows, cols], bytes(part)));
             }
@@ -335,6 +354,9 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
         };
         let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
         bufs.push((name, shape, bytes(&v)));
+    }
+    for (layer, (v, n_expert, rows, cols)) in fused_gate_up {
+        bufs.push((format!("model.layers.{layer}.mlp.experts.gate_up_proj"), vec![n_expert, 2 * rows, cols], v.iter().flat_map(|x| x.to_le_bytes()).collect()));
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> =
         bufs.iter().map(|(n, sh, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, sh.clone(), b).unwrap())).collect();
@@ -440,7 +462,8 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         prop_assert!(worst <= 1e-6 * scale, "{s:?}: safetensors logits differ from the GGUF's by {worst} (scale {scale})");
         *judged.lock().unwrap().entry("safetensors".to_string()).or_default() += 1;
         if s.moe.is_some() {
-            *judged.lock().unwrap().entry("safetensors-moe".to_string()).or_default() += 1;
+            let kind = if s.arch != "llama" && s.seed % 2 == 1 { "safetensors-moe-fused" } else { "safetensors-moe" };
+            *judged.lock().unwrap().entry(kind.to_string()).or_default() += 1;
         }
     }
     // The cpu device's taps written as a dump and read back as an external engine's.
@@ -639,21 +662,26 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
     }
 }
 
-/// MoE checkpoints as Hugging Face ships them (one tensor per expert): a Mixtral (llama with
-/// experts, `block_sparse_moe.experts.E.w1/w3/w2`), a Qwen2-MoE (gated shared expert, top-k
-/// weights as the router gives them) and a Qwen3-MoE (QK-norm, renormalized top-k) load to the
-/// logits of the GGUF they were written from, and every device judges the GGUF as usual.
+/// MoE checkpoints as Hugging Face ships them (one tensor per expert, or fused
+/// `mlp.experts.gate_up_proj` / `down_proj` as Transformers 5 saves them): a Mixtral (llama with
+/// experts, `block_sparse_moe.experts.E.w1/w3/w2`), Qwen2-MoE (gated shared expert, top-k weights
+/// as the router gives them or renormalized) and Qwen3-MoE (QK-norm) load to the logits of the
+/// GGUF they were written from, and every device judges the GGUF as usual.
 #[test]
 fn moe_checkpoints_load_to_the_gguf_logits() {
     let judged = Judged::default();
     let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, seed: 11 };
+    // Even seeds: experts one tensor each; odd (Qwen only): fused as Transformers 5 saves them.
     let shapes = [
         Shape { moe: Some((4, 2, 48, 0, false, false, true)), ..base.clone() },
         Shape { arch: "qwen2", moe: Some((6, 2, 32, 64, true, false, false)), seed: 12, ..base.clone() },
-        Shape { arch: "qwen3", moe: Some((8, 3, 32, 0, false, false, true)), seed: 13, ..base.clone() },
+        Shape { arch: "qwen3", moe: Some((8, 3, 32, 0, false, false, true)), seed: 14, ..base.clone() },
+        Shape { arch: "qwen2", moe: Some((6, 2, 32, 64, true, false, true)), seed: 15, ..base.clone() },
+        Shape { arch: "qwen3", moe: Some((8, 3, 32, 0, false, false, false)), seed: 17, ..base.clone() },
     ];
     for s in &shapes {
         check(s, 5, &judged).unwrap();
     }
-    assert_eq!(judged.into_inner().unwrap().get("safetensors-moe"), Some(&3));
+    let judged = judged.into_inner().unwrap();
+    assert_eq!((judged.get("safetensors-moe"), judged.get("safetensors-moe-fused")), (Some(&3), Some(&2)), "{judged:?}");
 }
