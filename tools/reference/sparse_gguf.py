@@ -7,6 +7,11 @@ the OOM killer). Weights are Q4_0 blocks of zeros (norms F32 zeros); no tokenize
     python3 tools/reference/sparse_gguf.py /tmp/big.gguf --n-embd 8192 --n-layer 80 --n-ff 28672 --vocab 32000
     cargo xtask dump --model /tmp/big.gguf --prompt-ids 1,2,3 --out /tmp/big-dump --device ref   # exit 2
 
+With --random SEED the data is written instead: Q4_0 blocks of uniform nibbles 1..15 (weights
+d * (q - 8), d set so each weight has standard deviation 1/sqrt(row length)), norms 1.0: a model
+of that shape whose numbers mean nothing but do not vanish, for running the gates at full size
+(it takes the disk the shape claims).
+
 Needs gguf-py (tools/reference/requirements.txt) and a file system with sparse files.
 A development aid, never a runtime dependency.
 """
@@ -24,6 +29,7 @@ def main():
     ap.add_argument("--n-ff", type=int, default=28672)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--n-head-kv", type=int, default=8)
+    ap.add_argument("--random", type=int, metavar="SEED", help="write random weights instead of a hole")
     a = ap.parse_args()
     head_dim = 128
     w = gguf.GGUFWriter(a.out, "llama")
@@ -69,11 +75,32 @@ def main():
     align = 32
     end = -(-f.tell() // align) * align
     tensors = w.tensors[0] if isinstance(w.tensors, list) else w.tensors
+    if a.random is not None:
+        write_random(f, end, tensors, align, np.random.default_rng(a.random))
     for ti in tensors.values():
         end += -(-ti.nbytes // align) * align
     f.truncate(end)
     f.close()
-    print(f"{a.out}: {end / 2**30:.1f} GiB claimed, none of it on disk")
+    print(f"{a.out}: {end / 2**30:.1f} GiB" + (" of random weights" if a.random is not None else " claimed, none of it on disk"))
+
+
+def write_random(f, at, tensors, align, rng):
+    """Writes every tensor's data from offset `at`, in order, each at the next aligned offset."""
+    f.seek(at)
+    for ti in tensors.values():
+        if len(ti.shape) == 1:  # a norm (F32): ones
+            data = np.ones(ti.nbytes // 4, dtype=np.float32).tobytes()
+        else:  # Q4_0 (gguf-py keeps the shape in values: rows, cols)
+            rows, cols = ti.shape
+            d = np.float16(1.0 / (np.sqrt(224.0 / 12.0) * np.sqrt(cols)))  # std of q - 8 on 1..15
+            blocks = np.empty((rows * cols // 32, 18), dtype=np.uint8)
+            lo = rng.integers(1, 16, size=(blocks.shape[0], 16), dtype=np.uint8)
+            hi = rng.integers(1, 16, size=(blocks.shape[0], 16), dtype=np.uint8)
+            blocks[:, 2:] = lo | (hi << 4)
+            blocks[:, :2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+            data = blocks.tobytes()
+        f.write(data)
+        f.write(b"\0" * (-len(data) % align))
 
 
 if __name__ == "__main__":
