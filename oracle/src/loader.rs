@@ -297,8 +297,13 @@ impl SafetensorsDir {
         // Layers beyond num_hidden_layers, or weights this spec does not read. With tied
         // embeddings transformers ignores a stored lm_head (it ties it to the embedding), and so
         // does this loader.
-        let present = index.keys().map(String::as_str).filter(|n| !(spec.tied_output && *n == "output.weight"));
-        spec.check_no_unread(present, "num_hidden_layers").map_err(|reason| OracleError::Safetensors { file: dir.display().to_string(), reason })?;
+        let present = || index.keys().map(String::as_str).filter(|n| !(spec.tied_output && *n == "output.weight"));
+        spec.check_no_unread(present(), "num_hidden_layers").map_err(|reason| {
+            // The example the message gives (the first unread name), as the files name it.
+            let first = present().filter(|n| !spec.reads_tensor(n)).min();
+            let stored = first.and_then(|g| index.get(g)?.first()).map(|p| format!(" (`{}` in the files)", p.hf)).unwrap_or_default();
+            OracleError::Safetensors { file: dir.display().to_string(), reason: format!("{reason}{stored}") }
+        })?;
         Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index }, spec))
     }
 

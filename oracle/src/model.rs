@@ -110,7 +110,8 @@ pub struct Layer<T> {
     pub ffn: Ffn<T>,
 }
 
-/// A loaded model: spec + weights decoded to the storage scalar `T`.
+/// A loaded model: spec + weights, vectors decoded to the storage scalar `T`, matrices decoded
+/// or packed (`store`).
 pub struct Model<T> {
     pub spec: ModelSpec,
     /// How the matrices are held: `Decoded` or `Packed` (never `Auto`).
