@@ -119,11 +119,17 @@ fn metadata_that_would_silently_drop_weights_or_resize_heads_is_refused() {
             assert!(e.contains(want), "{device}: {e}");
         }
     }
-    // A tensor no loader reads (Llama 3.1's RoPE frequency factors; a bias on one layer only).
+    // A tensor no loader reads (a bias on one layer only), and Llama 3.1's RoPE frequency
+    // factors (tiny-llama rotates 64 dimensions: 32 pairs) that are zero or one short.
     use oracle::gguf::{GgufFile, GgufWriter};
     use oracle::quant::GgmlType;
     let g = GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
-    for (extra, want) in [("rope_freqs.weight", "RoPE frequency factors"), ("blk.1.attn_q.bias", "a llama model with this metadata reads no such weight")] {
+    let ones = |n: usize| (0..n).flat_map(|_| 1f32.to_le_bytes()).collect::<Vec<u8>>();
+    for (extra, n, bytes, want) in [
+        ("rope_freqs.weight", 32, vec![0; 128], "holds 0 at element 0; RoPE frequency factors must be finite and positive"),
+        ("rope_freqs.weight", 31, ones(31), "holds 31 values, but rope.dimension_count 64 makes 32 rotated pairs"),
+        ("blk.1.attn_q.bias", 32, vec![0; 128], "a llama model with this metadata reads no such weight"),
+    ] {
         let mut w = GgufWriter::new();
         for (k, v) in &g.metadata {
             w.meta(k, v.clone());
@@ -131,7 +137,7 @@ fn metadata_that_would_silently_drop_weights_or_resize_heads_is_refused() {
         for t in &g.tensors {
             w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
         }
-        w.tensor(extra, &[32], GgmlType::F32, vec![0; 128]);
+        w.tensor(extra, &[n], GgmlType::F32, bytes);
         let path = dir.path().join("extra.gguf");
         w.write_to(&path).unwrap();
         for device in model_devices() {

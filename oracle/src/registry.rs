@@ -308,34 +308,33 @@ fn add_bias_ref(c: &OpCase) -> Result<Vec<Output>> {
 }
 
 /// The RoPE configuration a `rope` case describes. Scaling codes in case params: 0 none,
-/// 1 linear x4, 2 YaRN x4 over a 128-position original context. Devices and the suite read a
-/// case's configuration through this one function.
+/// 1 linear x4, 2 YaRN x4 over a 128-position original context, 3 Llama 3.1's per-pair
+/// frequency factors (x8, low/high frequency factors 1 and 4, a 64-position original context, so
+/// the cases' pairs fall in all three bands). Devices and the suite read a case's configuration
+/// through this one function.
 pub fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
-    let scaling = match c.pu("scaling")? {
-        0 => RopeScaling::None,
-        1 => RopeScaling::Linear { factor: 4.0 },
-        _ => RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
+    let (theta, n_rot) = (c.p("theta")?, c.pu("n_rot")?);
+    let (scaling, freq_factors) = match c.pu("scaling")? {
+        0 => (RopeScaling::None, None),
+        1 => (RopeScaling::Linear { factor: 4.0 }, None),
+        2 => (RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 }, None),
+        _ => (RopeScaling::None, Some(crate::spec::llama3_freq_factors(theta, n_rot, 8.0, 1.0, 4.0, 64))),
     };
-    Ok(RopeSpec {
-        style: if c.pu("neox")? == 1 { RopeStyle::Neox } else { RopeStyle::Normal },
-        theta: c.p("theta")?,
-        n_rot: c.pu("n_rot")?,
-        scaling,
-    })
+    Ok(RopeSpec { style: if c.pu("neox")? == 1 { RopeStyle::Neox } else { RopeStyle::Normal }, theta, n_rot, scaling, freq_factors })
 }
 
 fn rope_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for (n_head, hd, n_rot) in [(1usize, 8usize, 8usize), (3, 64, 64), (9, 64, 64), (2, 64, 32)] {
         for neox in [0, 1] {
-            for scaling in [0, 1, 2] {
+            for scaling in [0, 1, 2, 3] {
                 for (theta, variant) in [10_000.0, 1_000_000.0].into_iter().flat_map(|t| (0..3u64).map(move |v| (t, v))) {
                     let seed = seed_of(base, (n_head * 1000 + hd + neox * 7 + scaling) as u64 * 4 + variant);
                     let mut r = SplitMix64(seed);
                     let positions = [0usize, 1, 7, 300, 4095];
                     let x = activations(&mut r, positions.len(), n_head * hd);
                     let style = if neox == 1 { "neox" } else { "normal" };
-                    let sc = ["none", "linear", "yarn"][scaling];
+                    let sc = ["none", "linear", "yarn", "llama3"][scaling];
                     v.push(case(
                         "rope",
                         format!("rope(style={style},scaling={sc},theta={theta:e},heads={n_head},head_dim={hd},n_rot={n_rot},seed={seed})"),

@@ -37,13 +37,43 @@ pub enum RopeScaling {
     },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RopeSpec {
     pub style: RopeStyle,
     pub theta: f64,
     /// Number of rotated dimensions per head (the rest pass through unchanged).
     pub n_rot: usize,
     pub scaling: RopeScaling,
+    /// Per-pair frequency factors (`n_rot / 2`, f32 as a GGUF's `rope_freqs.weight` holds them):
+    /// pair `i`'s angle is divided by factor `i` before any scaling, as llama.cpp does. Llama 3.1's
+    /// "llama3" scaling is carried this way (`llama3_freq_factors`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freq_factors: Option<Vec<f32>>,
+}
+
+/// Llama 3.1's RoPE frequency factors (Hugging Face `rope_type: "llama3"`): pairs whose
+/// wavelength is shorter than `original_context / high_freq_factor` keep their frequency (factor
+/// 1), those longer than `original_context / low_freq_factor` are slowed by `factor`, and those
+/// between are blended: `1 / ((1 - s) / factor + s)` with `s = (original_context / wavelength -
+/// low) / (high - low)`. Computed in f64 and stored as f32, as llama.cpp's converter writes
+/// `rope_freqs.weight`, so a checkpoint and its GGUF give the same angles.
+pub fn llama3_freq_factors(theta: f64, n_rot: usize, factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_context: usize) -> Vec<f32> {
+    let (low_wavelen, high_wavelen) = (original_context as f64 / low_freq_factor, original_context as f64 / high_freq_factor);
+    (0..n_rot / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(2.0 * i as f64 / n_rot as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (original_context as f64 / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            f as f32
+        })
+        .collect()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -170,6 +200,14 @@ impl ModelSpec {
                 pos(original_context, "rope scaling original context length")?;
             }
         }
+        if let Some(f) = &self.rope.freq_factors {
+            if f.len() != self.rope.n_rot / 2 {
+                return Err(spec_err(format!("rope frequency factors: {} values for {} rotated pairs (n_rot {})", f.len(), self.rope.n_rot / 2, self.rope.n_rot)));
+            }
+            if let Some((i, v)) = f.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
+                return Err(spec_err(format!("rope frequency factor {i} is {v}, not a finite positive number")));
+            }
+        }
         if self.sliding_window == Some(0) {
             return Err(spec_err("sliding window is zero"));
         }
@@ -259,6 +297,22 @@ impl ModelSpec {
             }
             _ => None,
         };
+        // Llama 3.1-style per-pair frequency factors: one finite positive value per rotated pair.
+        let n_rot = opt_u("rope.dimension_count")?.unwrap_or(head_dim);
+        let freq_factors = match g.tensor("rope_freqs.weight") {
+            None => None,
+            Some(t) => {
+                let bad = |why: String| spec_err(format!("{}: tensor `rope_freqs.weight` {why}", g.path));
+                let f = g.tensor_f32(t).map_err(|e| bad(e.to_string()))?;
+                if f.len() != n_rot / 2 {
+                    return Err(bad(format!("holds {} values, but rope.dimension_count {n_rot} makes {} rotated pairs, one factor each", f.len(), n_rot / 2)));
+                }
+                if let Some((i, v)) = f.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
+                    return Err(bad(format!("holds {v} at element {i}; RoPE frequency factors must be finite and positive")));
+                }
+                Some(f)
+            }
+        };
         let mut spec = ModelSpec {
             arch: arch.clone(),
             n_vocab,
@@ -272,8 +326,9 @@ impl ModelSpec {
             rope: RopeSpec {
                 style,
                 theta: opt_f("rope.freq_base")?.unwrap_or(10_000.0),
-                n_rot: opt_u("rope.dimension_count")?.unwrap_or(head_dim),
+                n_rot,
                 scaling,
+                freq_factors,
             },
             qk_norm: has("blk.0.attn_q_norm.weight"),
             qkv_bias: has("blk.0.attn_q.bias"),
@@ -318,6 +373,7 @@ impl ModelSpec {
         match name {
             "token_embd.weight" | "output_norm.weight" => return true,
             "output.weight" => return !self.tied_output,
+            "rope_freqs.weight" => return self.rope.freq_factors.is_some(),
             _ => {}
         }
         let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return false };
@@ -358,7 +414,6 @@ impl ModelSpec {
         let beyond = unread.iter().find_map(|n| n.strip_prefix("blk.")?.split_once('.')?.0.parse::<usize>().ok().filter(|&i| i >= self.n_layer));
         let why = match beyond {
             Some(i) => format!("{layers_key} is {} but the file holds tensors of layer {i}", self.n_layer),
-            None if unread.contains(&"rope_freqs.weight") => "`rope_freqs.weight` holds per-dimension RoPE frequency factors (Llama 3.1-style scaling), which are not supported".to_string(),
             None => format!("a {} model with this metadata reads no such weight", self.arch),
         };
         Err(format!("{} tensor(s) would not be read, e.g. `{first}`: {why}; a file whose weights would be ignored is refused", unread.len()))
@@ -410,6 +465,7 @@ impl ModelSpec {
             (None, Some(s)) => return Err(err(format!("config.json: `rope_scaling` is {s}, expected an object or null"))),
             (None, None) => None,
         };
+        let mut freq_factors = None;
         let scaling = match scaling_fields {
             None => RopeScaling::None,
             Some(s) => {
@@ -436,7 +492,17 @@ impl ModelSpec {
                             _ => 1.0,
                         },
                     },
-                    other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn)"))),
+                    "llama3" => {
+                        let low = s.f("low_freq_factor")?.unwrap_or(1.0);
+                        let high = s.f("high_freq_factor")?.unwrap_or(4.0);
+                        let original = s.u("original_max_position_embeddings")?.unwrap_or(8192);
+                        if !(factor.is_finite() && factor > 0.0 && low.is_finite() && high.is_finite() && high > low && low > 0.0 && original > 0) {
+                            return Err(err(format!("config.json: {}llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0 (factor {factor}, low {low}, high {high}, original {original})", s.at)));
+                        }
+                        freq_factors = Some(llama3_freq_factors(theta, head_dim, factor, low, high, original));
+                        RopeScaling::None
+                    }
+                    other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn, llama3)"))),
                 }
             }
         };
@@ -514,6 +580,7 @@ impl ModelSpec {
                 theta,
                 n_rot: head_dim,
                 scaling,
+                freq_factors,
             },
             qk_norm: arch == "qwen3" || arch == "qwen3moe",
             // Qwen2 (and Qwen2-MoE) always biases Q/K/V (never O); llama, mistral and qwen3 bias

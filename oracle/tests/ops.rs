@@ -46,7 +46,7 @@ fn matmul_accumulates_in_f64() {
 }
 
 fn rope_spec(style: RopeStyle, scaling: RopeScaling) -> RopeSpec {
-    RopeSpec { style, theta: 10_000.0, n_rot: 4, scaling }
+    RopeSpec { style, theta: 10_000.0, n_rot: 4, scaling, freq_factors: None }
 }
 
 #[test]
@@ -91,11 +91,33 @@ fn rope_yarn_matches_llama_cpp_formula() {
         theta: 10_000.0,
         n_rot: 8,
         scaling: RopeScaling::Yarn { factor: 4.0, original_context: 64, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
+        freq_factors: None,
     };
     for (i, (c, s)) in expected.iter().enumerate() {
         let (oc, os) = ops::rope_cos_sin(&spec, 7, i);
         assert!((oc - c).abs() < 1e-12 && (os - s).abs() < 1e-12, "pair {i}: ({oc}, {os}) vs ({c}, {s})");
     }
+}
+
+#[test]
+fn llama3_frequency_factors_match_hugging_face_and_divide_the_angle() {
+    // Hugging Face's `_compute_llama3_parameters` transcribed in numpy (f64) for Llama 3.1's
+    // parameters (theta 5e5, head_dim 128, factor 8, low 1, high 4, original context 8192):
+    // inv_freq / inv_freq_llama for pairs 28..36; pairs up to 28 keep their frequency, 35 on are
+    // slowed 8 times.
+    let want = [1.0, 1.207483871283662, 1.5534146285049255, 2.026313205905055, 2.694529687894733, 3.6842525277457185, 5.257326588708467, 8.0];
+    let f = oracle::spec::llama3_freq_factors(500_000.0, 128, 8.0, 1.0, 4.0, 8192);
+    assert_eq!(f.len(), 64);
+    assert!(f[..28].iter().all(|&v| v == 1.0) && f[35..].iter().all(|&v| v == 8.0), "{f:?}");
+    for (i, w) in (28..36).zip(want) {
+        assert!((f[i] as f64 - w).abs() <= 1e-6 * w, "pair {i}: {} vs {w}", f[i]);
+    }
+    // A factor divides the pair's angle before any scaling: factor 2 on pair 0 at position 2 is
+    // the unfactored angle at position 1.
+    let spec = RopeSpec { freq_factors: Some(vec![2.0, 1.0]), ..rope_spec(RopeStyle::Normal, RopeScaling::None) };
+    let (c, s) = ops::rope_cos_sin(&spec, 2, 0);
+    assert!((c - 1f64.cos()).abs() < 1e-15 && (s - 1f64.sin()).abs() < 1e-15, "({c}, {s})");
+    assert_eq!(ops::rope_cos_sin(&spec, 2, 1), ops::rope_cos_sin(&rope_spec(RopeStyle::Normal, RopeScaling::None), 2, 1));
 }
 
 #[test]

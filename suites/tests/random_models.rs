@@ -1,7 +1,7 @@
 //! Whole models of random shape, judged like the real ones: proptest draws an architecture
 //! (llama, qwen2, qwen3; one in four a MoE with or without a gated shared expert, softmax or
 //! sigmoid gating), widths, head counts (MHA, GQA, MQA), head sizes, partial rotary, RoPE
-//! scaling, biases, QK-norm, a sliding window, tied or untied output and a weight type per
+//! scaling (linear, YaRN, Llama 3.1 frequency factors), biases, QK-norm, a sliding window, tied or untied output and a weight type per
 //! matrix, writes the model as a GGUF file with random weights, feeds the ids to each device as
 //! one prefill or as a prefill plus appends and decode steps, and runs layer-diff (isolated and
 //! propagated) on `cpu`, `cpu:kv-f16` (an f16 KV cache, its budget grown by the declared
@@ -113,6 +113,11 @@ fn write_model(s: &Shape) -> Vec<u8> {
         w.tensor(name, &[n as u64], GgmlType::F32, encode(GgmlType::F32, &x).unwrap());
     };
     let (d, q, kv) = (s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim);
+    if s.scaling == 3 {
+        // Llama 3.1's per-pair frequency factors, as llama.cpp's converter stores them.
+        let f = oracle::spec::llama3_freq_factors(10_000.0, s.n_rot, 8.0, 1.0, 4.0, 64);
+        w.tensor("rope_freqs.weight", &[f.len() as u64], GgmlType::F32, encode(GgmlType::F32, &f).unwrap());
+    }
     mat(&mut w, &mut r, "token_embd.weight", s.vocab, d);
     vec(&mut w, &mut r, "output_norm.weight", d, 1.0);
     if !s.tied {
@@ -173,7 +178,7 @@ fn write_model(s: &Shape) -> Vec<u8> {
 fn shape() -> impl Strategy<Value = Shape> {
     (
         (0usize..3, 1usize..9, 1usize..5, 1usize..4, 1usize..33, 0.0f64..1.0),
-        (1usize..3, 1usize..24, 0usize..3, any::<bool>(), any::<bool>(), 0usize..3, 20usize..600, any::<u64>()),
+        (1usize..3, 1usize..24, 0usize..4, any::<bool>(), any::<bool>(), 0usize..3, 20usize..600, any::<u64>()),
         (0usize..4, 1usize..9, 0.0f64..1.0, 0usize..3, any::<[bool; 3]>()),
     )
         .prop_map(|((arch, embd16, n_kv, group, hd8, rot_frac), (n_layer, ff16, scaling, out_bias, tied, window, vocab, seed), (moe, n_expert, used_frac, shared, [shared_gate, sigmoid, normalize]))| {
@@ -310,6 +315,9 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
     let mut fused_gate_up: std::collections::BTreeMap<String, (Vec<f32>, usize, usize, usize)> = Default::default();
     let mut bufs = Vec::new();
     for t in &g.tensors {
+        if t.name == "rope_freqs.weight" {
+            continue; // config.json's rope_scaling says it (`llama3`)
+        }
         let mut v = g.tensor_f32(t).unwrap();
         if s.arch == "llama" && (t.name.contains("attn_q.") || t.name.contains("attn_k.")) {
             v = unpermute(v, if t.name.contains("attn_q.") { s.n_head } else { s.n_head_kv });
@@ -384,6 +392,7 @@ fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Opt
     match s.scaling {
         1 => cfg["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0}),
         2 => cfg["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        3 => cfg["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
         _ => {}
     }
     if s.window > 0 {
@@ -684,4 +693,19 @@ fn moe_checkpoints_load_to_the_gguf_logits() {
     }
     let judged = judged.into_inner().unwrap();
     assert_eq!((judged.get("safetensors-moe"), judged.get("safetensors-moe-fused")), (Some(&3), Some(&2)), "{judged:?}");
+}
+
+/// Llama 3.1's RoPE frequency factors (`rope_freqs.weight` in the GGUF, `rope_type: "llama3"`
+/// in the checkpoint's config), on a llama (adjacent pairs, partial and whole rotation) and a
+/// qwen2 (rotate-half): every device passes layer-diff over 70 positions (past the factors'
+/// 64-position original context), and the checkpoint loads to the GGUF's logits.
+#[test]
+fn llama3_frequency_factors_pass_on_every_device() {
+    let judged = Judged::default();
+    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 3, out_bias: false, tied: false, window: 0, moe: None, seed: 31 };
+    for s in [base.clone(), Shape { n_rot: 8, seed: 32, ..base.clone() }, Shape { arch: "qwen2", head_dim: 32, n_head: 2, n_head_kv: 1, n_rot: 32, seed: 33, ..base.clone() }] {
+        check(&s, 70, &judged).unwrap();
+    }
+    let judged = judged.into_inner().unwrap();
+    assert_eq!((judged.get("safetensors"), judged.get("cpu"), judged.get("fixed")), (Some(&2), Some(&3), Some(&3)), "{judged:?}");
 }

@@ -89,7 +89,10 @@ pub fn rope_table_f64(spec: &RopeSpec, pos: usize) -> Vec<(f64, f64)> {
     let n_rot = spec.n_rot as f64;
     (0..spec.n_rot / 2)
         .map(|i| {
-            let base = pos as f64 / spec.theta.powf(2.0 * i as f64 / n_rot);
+            let mut base = pos as f64 / spec.theta.powf(2.0 * i as f64 / n_rot);
+            if let Some(f) = &spec.freq_factors {
+                base /= f[i] as f64; // Llama 3.1's per-pair factors, before any scaling
+            }
             let (angle, mag) = match spec.scaling {
                 RopeScaling::None => (base, 1.0),
                 RopeScaling::Linear { factor } => (base / factor, 1.0),

@@ -13,7 +13,11 @@ fn yarn_corr_dim(n_rot: usize, n_ctx_orig: usize, beta: f64, base: f64) -> f64 {
 
 /// cos and sin (already multiplied by the magnitude scale) for pair `i` (0..n_rot/2) at `pos`.
 pub fn rope_cos_sin(spec: &RopeSpec, pos: usize, i: usize) -> (f64, f64) {
-    let theta_extrap = pos as f64 * spec.theta.powf(-2.0 * i as f64 / spec.n_rot as f64);
+    let mut theta_extrap = pos as f64 * spec.theta.powf(-2.0 * i as f64 / spec.n_rot as f64);
+    // Per-pair frequency factors (Llama 3.1) divide the angle before any scaling, as in llama.cpp.
+    if let Some(f) = &spec.freq_factors {
+        theta_extrap /= f[i] as f64;
+    }
     let (theta, mscale) = match spec.scaling {
         RopeScaling::None => (theta_extrap, 1.0),
         RopeScaling::Linear { factor } => (theta_extrap / factor, 1.0),
