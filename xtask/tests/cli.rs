@@ -383,7 +383,7 @@ fn gate_passes_and_writes_reports() {
     let o = xtask(&["gate", "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}\n{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
-    // 12 oracle self-check cases + every kernel case on cpu and on fixed: none fails; fixed's
+    // 18 oracle self-check cases + every kernel case on cpu and on fixed: none fails; fixed's
     // ops without integer kernels are reported unsupported, not passed.
     let executed = r["summary"]["executed"].as_u64().unwrap();
     let (passed, unsupported) = (r["summary"]["passed"].as_u64().unwrap(), r["summary"]["unsupported"].as_u64().unwrap());
@@ -478,4 +478,61 @@ fn cpu_device_greedy_matches_llama_cpp_when_available() {
         top2.contains(&a) && top2.contains(&b) && margin <= 2.0 * cpu_rms,
         "cpu and llama.cpp differ at generated token {k} where the oracle sees no near tie (margin {margin:.4} > 2 x {cpu_rms:.4})"
     );
+}
+
+/// Llama 3.1's RoPE frequency factors mean here what they mean in llama.cpp (the PyPI
+/// `llama-cpp-python` bindings, when installed; skips, saying so, otherwise): tiny-llama given a
+/// `rope_freqs.weight` of llama3 factors (x8, low/high 1 and 4, a 64-position original context,
+/// so pairs fall in all three bands) runs 48 positions in both. llama.cpp's logits must sit near
+/// the oracle's for that file (its Q8 activations are all that separates them) and far from the
+/// oracle's for the file without the factors.
+#[test]
+fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
+    let probe = Command::new("python3").args(["-c", "import llama_cpp"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED: llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+        return;
+    }
+    let src = fixtures::resolve("tiny-llama", true).unwrap();
+    let g = oracle::gguf::GgufFile::open(&src).unwrap();
+    let rope = oracle::spec::ModelSpec::from_gguf(&g).unwrap().rope;
+    let factors = oracle::spec::llama3_freq_factors(rope.theta, rope.n_rot, 8.0, 1.0, 4.0, 64);
+    assert!(factors.iter().any(|&f| f == 1.0) && factors.iter().any(|&f| f == 8.0) && factors.iter().any(|&f| f > 1.0 && f < 8.0), "{factors:?}");
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &g.metadata {
+        w.meta(k, v.clone());
+    }
+    w.tensor("rope_freqs.weight", &[factors.len() as u64], oracle::quant::GgmlType::F32, factors.iter().flat_map(|f| f.to_le_bytes()).collect());
+    for t in &g.tensors {
+        w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let with = dir.path().join("tiny-llama-llama3.gguf");
+    w.write_to(&with).unwrap();
+    let ids: Vec<String> = (0..48).map(|i| ((i * 37 + 11) % 250 + 5).to_string()).collect();
+    let ids = ids.join(",");
+    let script = format!(
+        "import json\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, n_threads=2, n_ctx=128, logits_all=True, verbose=False)\nm.eval([{ids}])\nprint(json.dumps(m.scores[:48].tolist()))",
+        with.display().to_string()
+    );
+    let o = Command::new("python3").args(["-c", &script]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<Vec<f32>> = serde_json::from_slice(&o.stdout).unwrap();
+    let theirs: Vec<f32> = theirs.concat();
+    let oracle_logits = |model: &Path| {
+        let out = dir.path().join(model.file_stem().unwrap());
+        let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--device", "ref", "--prompt-ids", &ids, "--out", out.to_str().unwrap()], &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        read_logits(&out).1
+    };
+    let rel_rms = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        let e: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
+        let r: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+        (e / r).sqrt()
+    };
+    let same = rel_rms(&theirs, &oracle_logits(&with));
+    let without = rel_rms(&theirs, &oracle_logits(&src));
+    eprintln!("llama.cpp with factors vs the oracle: with factors {same:.2e}, without {without:.2e} (relative RMS over 48 positions)");
+    assert!(same < 0.01 && same * 10.0 < without, "with {same:.3e}, without {without:.3e}");
 }
