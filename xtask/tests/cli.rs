@@ -497,7 +497,7 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
     let g = oracle::gguf::GgufFile::open(&src).unwrap();
     let rope = oracle::spec::ModelSpec::from_gguf(&g).unwrap().rope;
     let factors = oracle::spec::llama3_freq_factors(rope.theta, rope.n_rot, 8.0, 1.0, 4.0, 64);
-    assert!(factors.iter().any(|&f| f == 1.0) && factors.iter().any(|&f| f == 8.0) && factors.iter().any(|&f| f > 1.0 && f < 8.0), "{factors:?}");
+    assert!(factors.contains(&1.0) && factors.contains(&8.0) && factors.iter().any(|&f| f > 1.0 && f < 8.0), "{factors:?}");
     let mut w = oracle::gguf::GgufWriter::new();
     for (k, v) in &g.metadata {
         w.meta(k, v.clone());
@@ -511,14 +511,15 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
     w.write_to(&with).unwrap();
     let ids: Vec<String> = (0..48).map(|i| ((i * 37 + 11) % 250 + 5).to_string()).collect();
     let ids = ids.join(",");
-    let script = format!(
-        "import json\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, n_threads=2, n_ctx=128, logits_all=True, verbose=False)\nm.eval([{ids}])\nprint(json.dumps(m.scores[:48].tolist()))",
-        with.display().to_string()
-    );
-    let o = Command::new("python3").args(["-c", &script]).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let theirs: Vec<Vec<f32>> = serde_json::from_slice(&o.stdout).unwrap();
-    let theirs: Vec<f32> = theirs.concat();
+    let llama_cpp_logits = |model: &Path| -> Vec<f32> {
+        let script = format!(
+            "import json\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, n_threads=2, n_ctx=128, logits_all=True, verbose=False)\nm.eval([{ids}])\nprint(json.dumps(m.scores[:48].tolist()))",
+            model.display().to_string()
+        );
+        let o = Command::new("python3").args(["-c", &script]).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<Vec<Vec<f32>>>(&o.stdout).unwrap().concat()
+    };
     let oracle_logits = |model: &Path| {
         let out = dir.path().join(model.file_stem().unwrap());
         let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--device", "ref", "--prompt-ids", &ids, "--out", out.to_str().unwrap()], &[]);
@@ -531,8 +532,11 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
         let r: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
         (e / r).sqrt()
     };
-    let same = rel_rms(&theirs, &oracle_logits(&with));
-    let without = rel_rms(&theirs, &oracle_logits(&src));
-    eprintln!("llama.cpp with factors vs the oracle: with factors {same:.2e}, without {without:.2e} (relative RMS over 48 positions)");
-    assert!(same < 0.01 && same * 10.0 < without, "with {same:.3e}, without {without:.3e}");
+    let (theirs, oracle_with, oracle_without) = (llama_cpp_logits(&with), oracle_logits(&with), oracle_logits(&src));
+    // What llama.cpp's Q8 activations alone cost on this model: both engines without factors.
+    let baseline = rel_rms(&llama_cpp_logits(&src), &oracle_without);
+    let same = rel_rms(&theirs, &oracle_with);
+    let without = rel_rms(&theirs, &oracle_without);
+    eprintln!("llama.cpp vs the oracle (relative RMS over 48 positions): both without factors {baseline:.2e}; llama.cpp with factors vs the oracle with {same:.2e}, without {without:.2e}");
+    assert!(same <= 2.0 * baseline && same * 10.0 < without, "baseline {baseline:.3e}, with {same:.3e}, without {without:.3e}");
 }
