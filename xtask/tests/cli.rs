@@ -540,3 +540,40 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
     eprintln!("llama.cpp vs the oracle (relative RMS over 48 positions): both without factors {baseline:.2e}; llama.cpp with factors vs the oracle with {same:.2e}, without {without:.2e}");
     assert!(same <= 2.0 * baseline && same * 10.0 < without, "baseline {baseline:.3e}, with {same:.3e}, without {without:.3e}");
 }
+
+/// A GGUF whose tokenizer is of a kind this tool does not build (SentencePiece `llama`, as Llama 2
+/// and Mistral files carry) still runs on token ids, on the oracle and on a device; text asks for
+/// ids instead. A tokenizer model that is not a string stays an error naming the key.
+#[test]
+fn a_sentencepiece_gguf_runs_on_token_ids_and_asks_for_them_for_text() {
+    let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (value, ok) in [(oracle::gguf::Value::String("llama".into()), true), (oracle::gguf::Value::U32(1), false)] {
+        let mut w = oracle::gguf::GgufWriter::new();
+        for (k, v) in &g.metadata {
+            w.meta(k, if k == "tokenizer.ggml.model" { value.clone() } else { v.clone() });
+        }
+        for t in &g.tensors {
+            w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+        }
+        let path = dir.path().join("spm.gguf");
+        w.write_to(&path).unwrap();
+        let model = path.to_str().unwrap();
+        for device in ["ref", "cpu"] {
+            let o = xtask(&["run", "--model", model, "--prompt-ids", "5,9,17", "--max-new-tokens", "3", "--ignore-eos", "--json", "--device", device], &[]);
+            if ok {
+                assert_eq!(o.status.code(), Some(0), "{device}: {}", stderr(&o));
+                let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+                assert_eq!(v["tokens"].as_array().map(Vec::len), Some(3), "{v}");
+            } else {
+                assert_eq!(o.status.code(), Some(2), "{device}: {}", stderr(&o));
+                assert!(stderr(&o).contains("`tokenizer.ggml.model`"), "{device}: {}", stderr(&o));
+            }
+        }
+        if ok {
+            let o = xtask(&["run", "--model", model, "--prompt", "hello", "--device", "ref"], &[]);
+            assert_eq!(o.status.code(), Some(2));
+            assert!(stderr(&o).contains("has no tokenizer this tool builds") && stderr(&o).contains("use --prompt-ids"), "{}", stderr(&o));
+        }
+    }
+}

@@ -54,7 +54,10 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
     let prompt = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => parse_ids(ids)?,
         (Some(text), None) => {
-            let tok = tok.as_ref().ok_or_else(|| Exit { code: 2, message: format!("model `{}` has no tokenizer; use --prompt-ids", a.model) })?;
+            let tok = tok.as_ref().ok_or_else(|| Exit {
+                code: 2,
+                message: format!("model `{}` has no tokenizer this tool builds (a GGUF's byte-level BPE `gpt2` tokenizer, or a tokenizer.json beside a checkpoint); use --prompt-ids", a.model),
+            })?;
             let ids = tok.encode(text)?;
             if ids.is_empty() {
                 return Err(Exit { code: 2, message: format!("--prompt {text:?} gives no tokens: nothing to generate from") });
