@@ -543,7 +543,7 @@ impl ModelSpec {
             "qwen2_moe" | "qwen3_moe" => {
                 // Dense layers among the MoE ones (`mlp_only_layers`, `decoder_sparse_step`) are
                 // not one stage list for every layer.
-                let dense_layers = top.get("mlp_only_layers").and_then(|v| v.as_array()).is_some_and(|a| !a.is_empty());
+                let dense_layers = top.typed("mlp_only_layers", |v| v.as_array().map(Vec::len), "an array of layer indices")?.unwrap_or(0) > 0;
                 if dense_layers || u("decoder_sparse_step")?.unwrap_or(1) != 1 {
                     return Err(err("config.json: dense layers among the MoE layers (`mlp_only_layers`, `decoder_sparse_step` other than 1) are not supported".into()));
                 }
@@ -634,5 +634,37 @@ impl<'a> Fields<'a> {
     }
     fn s(&self, k: &str) -> Result<Option<&'a str>> {
         self.typed(k, |v| v.as_str(), "a string")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3_moe(extra: serde_json::Value) -> Result<ModelSpec> {
+        let mut cfg = serde_json::json!({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "num_hidden_layers": 2,
+            "vocab_size": 100, "intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32});
+        for (k, v) in extra.as_object().unwrap() {
+            cfg[k] = v.clone();
+        }
+        ModelSpec::from_hf_config(&cfg, "config.json")
+    }
+
+    #[test]
+    fn moe_configs_read_their_fields_and_refuse_what_they_cannot_express() {
+        let s = qwen3_moe(serde_json::json!({"norm_topk_prob": true})).unwrap();
+        let m = s.moe.as_ref().unwrap();
+        assert_eq!((s.arch.as_str(), m.n_expert, m.n_expert_used, m.expert_ffn, m.normalize_topk, m.shared_ffn, s.qk_norm), ("qwen3moe", 8, 2, 32, true, None, true));
+        assert!(!qwen3_moe(serde_json::json!({})).unwrap().moe.unwrap().normalize_topk, "transformers' default");
+        for (extra, want) in [
+            (serde_json::json!({"mlp_only_layers": [1]}), "dense layers among the MoE layers"),
+            (serde_json::json!({"decoder_sparse_step": 2}), "dense layers among the MoE layers"),
+            (serde_json::json!({"mlp_only_layers": 1}), "`mlp_only_layers` is 1, expected an array of layer indices"),
+            (serde_json::json!({"num_experts_per_tok": 9}), "9 experts used out of 8"),
+        ] {
+            let e = qwen3_moe(extra.clone()).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        assert!(qwen3_moe(serde_json::json!({"mlp_only_layers": []})).is_ok());
     }
 }
