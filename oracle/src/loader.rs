@@ -90,11 +90,17 @@ pub struct SafetensorsDir {
     index: HashMap<String, Vec<Part>>,
 }
 
-/// A stored tensor that is (part of) a GGUF tensor.
+/// A stored tensor that is (part of) a GGUF tensor, located once when the directory is opened
+/// (a checkpoint's header is parsed once, not again for every tensor or expert read).
 #[derive(Clone, Debug)]
 struct Part {
     file: usize,
     hf: String,
+    dtype: safetensors::Dtype,
+    /// Torch order.
+    shape: Vec<usize>,
+    /// Its bytes within the file's map.
+    data: std::ops::Range<usize>,
     /// Of a fused `gate_up_proj` `[n_expert, 2 * rows, cols]`: the gate (0) or up (1) half of
     /// every expert's rows. None: the whole tensor.
     half: Option<usize>,
@@ -230,8 +236,11 @@ impl SafetensorsDir {
                 file: path.display().to_string(),
                 reason: e.to_string(),
             })?;
-            for name in st.names() {
-                let part = |half| Part { file: fi, hf: name.to_string(), half };
+            for (name, view) in st.tensors() {
+                let name = name.as_str();
+                let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
+                let data = start..start + view.data().len();
+                let part = |half| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half };
                 if let Some(g) = hf_to_gguf_name(name) {
                     index.insert(g, vec![part(None)]);
                 } else if let Some((g, e)) = hf_expert_part(name) {
@@ -307,36 +316,32 @@ impl SafetensorsDir {
         Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index }, spec))
     }
 
-    /// (values, bytes) of the tensors the index reads, each file's header parsed once.
+    /// (values, bytes) of the stored tensors the index reads, each counted once (a fused
+    /// gate_up tensor is two GGUF tensors' part).
     fn totals(&self) -> Result<(u64, u64)> {
+        let mut seen = std::collections::HashSet::new();
         let (mut n, mut b) = (0u64, 0u64);
-        for (fi, (path, map)) in self.maps.iter().enumerate() {
-            let st = safetensors::SafeTensors::deserialize(map).map_err(|e| OracleError::Safetensors { file: path.display().to_string(), reason: e.to_string() })?;
-            for (_, view) in st.tensors().iter().filter(|(name, _)| self.index.values().flatten().any(|p| p.file == fi && &p.hf == name)) {
-                n = n.saturating_add(view.shape().iter().fold(1u64, |p, d| p.saturating_mul(*d as u64)));
-                b = b.saturating_add(view.data().len() as u64);
-            }
+        for p in self.index.values().flatten().filter(|p| seen.insert((p.file, p.hf.as_str()))) {
+            n = n.saturating_add(p.shape.iter().fold(1u64, |acc, d| acc.saturating_mul(*d as u64)));
+            b = b.saturating_add(p.data.len() as u64);
         }
         Ok((n, b))
     }
 }
 
 impl SafetensorsDir {
-    /// One stored tensor (a part of GGUF tensor `name`): GGML dims, GGML type, bytes, file.
-    fn part(&self, fi: usize, hf: &str) -> Result<(Vec<usize>, GgmlType, &[u8], &Path)> {
-        let (path, map) = &self.maps[fi];
-        let err = |reason: String| OracleError::Safetensors { file: path.display().to_string(), reason };
-        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| err(e.to_string()))?;
-        let view = st.tensor(hf).map_err(|e| err(e.to_string()))?;
-        let ty = match view.dtype() {
+    /// One stored tensor (a part of a GGUF tensor): GGML dims, GGML type, bytes, file.
+    fn part(&self, p: &Part) -> Result<(Vec<usize>, GgmlType, &[u8], &Path)> {
+        let (path, map) = &self.maps[p.file];
+        let ty = match p.dtype {
             safetensors::Dtype::F32 => GgmlType::F32,
             safetensors::Dtype::F16 => GgmlType::F16,
             safetensors::Dtype::BF16 => GgmlType::BF16,
-            other => return Err(err(format!("tensor `{hf}` has dtype {other:?}; f32, f16 and bf16 are read"))),
+            other => return Err(OracleError::Safetensors { file: path.display().to_string(), reason: format!("tensor `{}` has dtype {other:?}; f32, f16 and bf16 are read", p.hf) }),
         };
         // Torch order [out, in] -> GGML order [in, out].
-        let dims: Vec<usize> = view.shape().iter().rev().copied().collect();
-        Ok((dims, ty, view.data(), path))
+        let dims: Vec<usize> = p.shape.iter().rev().copied().collect();
+        Ok((dims, ty, &map[p.data.clone()], path))
     }
 
     /// GGUF tensor `name` as stored: its one part (or that part's half of a fused gate_up
@@ -346,7 +351,7 @@ impl SafetensorsDir {
         let Some(parts) = self.index.get(name) else { return Ok(None) };
         let mut joined: Option<(Vec<usize>, GgmlType, Vec<u8>)> = None;
         for p in parts {
-            let (dims, ty, bytes, path) = self.part(p.file, &p.hf)?;
+            let (dims, ty, bytes, path) = self.part(p)?;
             if let Some((i, v)) = crate::quant::first_non_finite(ty, bytes) {
                 return Err(OracleError::non_finite_weight(&path.display().to_string(), &p.hf, i, v, dims.first().copied().unwrap_or(1)));
             }
