@@ -427,14 +427,14 @@ impl TensorSource for SafetensorsDir {
 }
 
 /// The tokenizer a GGUF file carries in its metadata, if any. A tokenizer of another kind than
-/// the byte-level BPE (`gpt2`) this reader builds — SentencePiece `llama` (Llama 2, Mistral),
-/// `t5`, ... — is no tokenizer here: the model still runs on token ids, and a command given text
-/// says it needs ids. A `gpt2` tokenizer that is malformed, or a model name that is not a
+/// the byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) this reader builds — `t5`,
+/// `bert`, ... — is no tokenizer here: the model still runs on token ids, and a command given
+/// text says it needs ids. A malformed tokenizer of a built kind, or a model name that is not a
 /// string, is an error.
 fn gguf_tokenizer(g: &GgufFile) -> Result<Option<Tokenizer>> {
     match g.field("tokenizer.ggml.model", |v| v.as_str(), "a string").map_err(|e| OracleError::Tokenizer(e.to_string()))? {
         None => Ok(None),
-        Some(m) if m != "gpt2" => Ok(None),
+        Some(m) if !matches!(m, "gpt2" | "llama") => Ok(None),
         Some(_) => Ok(Some(Tokenizer::from_gguf(g)?)),
     }
 }

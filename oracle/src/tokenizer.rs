@@ -1,5 +1,6 @@
-//! Text <-> token ids, built with the `tokenizers` crate from a GGUF vocabulary and merges
-//! (byte-level BPE, `tokenizer.ggml.model = gpt2`) or from a `tokenizer.json`.
+//! Text <-> token ids, built with the `tokenizers` crate from a GGUF vocabulary (byte-level BPE
+//! from its merges, `tokenizer.ggml.model = gpt2`; SentencePiece BPE from its scores, `llama`)
+//! or from a `tokenizer.json`.
 
 use crate::error::{OracleError, Result};
 use crate::gguf::GgufFile;
@@ -10,6 +11,12 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::normalizers::{NormalizerWrapper, Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 fn tok_err(e: impl std::fmt::Display) -> OracleError {
@@ -29,60 +36,27 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
-    /// Builds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
+    /// Builds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata: byte-level BPE
+    /// (`gpt2`) from its merges, or SentencePiece BPE (`llama`: Llama 2, Mistral, Phi-3) from its
+    /// token scores.
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
         let model = g.field("tokenizer.ggml.model", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("");
-        if model != "gpt2" {
-            return Err(tok_err(format!("{}: `tokenizer.ggml.model` `{model}` is not supported (byte-level BPE `gpt2` is)", g.path)));
+        if !matches!(model, "gpt2" | "llama") {
+            return Err(tok_err(format!(
+                "{}: `tokenizer.ggml.model` `{model}` is not supported (byte-level BPE `gpt2` and SentencePiece `llama` are)",
+                g.path
+            )));
         }
         let tokens = g
             .field("tokenizer.ggml.tokens", |v| v.as_array(), "an array")
             .map_err(tok_err)?
             .ok_or_else(|| tok_err(format!("{}: no `tokenizer.ggml.tokens`", g.path)))?;
-        let mut vocab = tokenizers::models::bpe::Vocab::default();
-        for (i, t) in tokens.iter().enumerate() {
-            let s = t.as_str().ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.tokens[{i}] is not a string", g.path)))?;
-            vocab.insert(s.to_string(), i as u32);
-        }
-        let mut merges = Vec::new();
-        if let Some(ms) = g.field("tokenizer.ggml.merges", |v| v.as_array(), "an array").map_err(tok_err)? {
-            for (i, m) in ms.iter().enumerate() {
-                let s = m.as_str().unwrap_or("");
-                let (a, b) = s
-                    .split_once(' ')
-                    .ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.merges[{i}] `{s}` is not two tokens", g.path)))?;
-                merges.push((a.to_string(), b.to_string()));
-            }
-        }
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
-        let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
-        let split = |pat: &str| -> Result<PreTokenizerWrapper> {
-            Ok(PreTokenizerWrapper::Split(
-                Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
-            ))
-        };
-        let pre_tok = match pre {
-            "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
-            "smollm" => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
-            "qwen2" => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
-            "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
-            other => return Err(tok_err(format!("{}: tokenizer.ggml.pre `{other}` is not supported (default, gpt2, smollm, qwen2, llama-bpe)", g.path))),
-        };
-        inner.with_pre_tokenizer(Some(pre_tok));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
-        // Control tokens (type 3) are matched whole, never split by BPE.
-        if let Some(types) = g.field("tokenizer.ggml.token_type", |v| v.as_array(), "an array").map_err(tok_err)? {
-            let specials: Vec<AddedToken> = types
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| t.as_u64() == Some(3))
-                .filter_map(|(i, _)| tokens.get(i).and_then(|t| t.as_str()))
-                .map(|s| AddedToken::from(s.to_string(), true))
-                .collect();
-            inner.add_special_tokens(specials).map_err(tok_err)?;
-        }
+        let tokens: Vec<&str> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| t.as_str().ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.tokens[{i}] is not a string", g.path))))
+            .collect::<Result<_>>()?;
+        let types = g.field("tokenizer.ggml.token_type", |v| v.as_array(), "an array").map_err(tok_err)?.unwrap_or(&[]);
         // A special id outside the vocabulary is an error: an end-of-text id that no token has
         // would let generation run on silently.
         let id = |k: &str| -> Result<Option<u32>> {
@@ -91,11 +65,21 @@ impl Tokenizer {
                 i => Ok(i.map(|i| i as u32)),
             }
         };
+        let mut inner = if model == "gpt2" { byte_level_bpe(g, &tokens)? } else { sentencepiece_bpe(g, &tokens, types, id("tokenizer.ggml.unknown_token_id")?)? };
+        // Control tokens (type 3) are matched whole, never split by BPE.
+        let specials: Vec<AddedToken> = types
+            .iter()
+            .zip(&tokens)
+            .filter(|(t, _)| t.as_u64() == Some(3))
+            .map(|(_, s)| AddedToken::from(s.to_string(), true))
+            .collect();
+        inner.add_special_tokens(specials).map_err(tok_err)?;
         Ok(Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
             eos: id("tokenizer.ggml.eos_token_id")?,
-            add_bos: g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(false),
+            // Absent, llama.cpp adds BOS for SentencePiece vocabularies and not for BPE ones.
+            add_bos: g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(model == "llama"),
         })
     }
 
@@ -127,5 +111,170 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+}
+
+/// Byte-level BPE (`gpt2`) from a GGUF's vocabulary, merges and pre-tokenizer name.
+fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let mut merges = Vec::new();
+    if let Some(ms) = g.field("tokenizer.ggml.merges", |v| v.as_array(), "an array").map_err(tok_err)? {
+        for (i, m) in ms.iter().enumerate() {
+            let s = m.as_str().unwrap_or("");
+            let (a, b) = s
+                .split_once(' ')
+                .ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.merges[{i}] `{s}` is not two tokens", g.path)))?;
+            merges.push((a.to_string(), b.to_string()));
+        }
+    }
+    let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
+    // Llama 3 takes a pre-token that is a whole token as is, before any merge (as llama.cpp and
+    // its tokenizer.json do): "Việt" is one token there, not the three its merges reach.
+    let whole_words = matches!(pre, "llama-bpe" | "llama3");
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(whole_words).build().map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let split = |pat: &str| -> Result<PreTokenizerWrapper> {
+        Ok(PreTokenizerWrapper::Split(
+            Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
+        ))
+    };
+    let pre_tok = match pre {
+        "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
+        "smollm" => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
+        "qwen2" => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
+        "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
+        other => return Err(tok_err(format!("{}: tokenizer.ggml.pre `{other}` is not supported (default, gpt2, smollm, qwen2, llama-bpe)", g.path))),
+    };
+    inner.with_pre_tokenizer(Some(pre_tok));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
+}
+
+/// SentencePiece BPE (`llama`) from a GGUF's vocabulary and token scores, as llama.cpp runs it:
+/// spaces become `▁` (one more before the text unless `add_space_prefix` is false), then the
+/// adjacent pair whose joined piece is a token with the highest score is merged, again and
+/// again; a character no token covers becomes its UTF-8 bytes' `<0xXX>` tokens. As BPE merges:
+/// every way to split each token into two tokens, ranked by the whole token's score.
+fn sentencepiece_bpe(g: &GgufFile, tokens: &[&str], types: &[crate::gguf::Value], unk: Option<u32>) -> Result<tokenizers::Tokenizer> {
+    let scores = g.field("tokenizer.ggml.scores", |v| v.as_array(), "an array").map_err(tok_err)?.unwrap_or(&[]);
+    if !scores.is_empty() && scores.len() != tokens.len() {
+        return Err(tok_err(format!("{}: tokenizer.ggml.scores has {} entries for {} tokens", g.path, scores.len(), tokens.len())));
+    }
+    let score = |i: usize| -> Result<f64> {
+        match scores.get(i) {
+            None => Ok(0.0),
+            Some(v) => v.as_f64().filter(|s| s.is_finite()).ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.scores[{i}] is {v:?}, not a finite number", g.path))),
+        }
+    };
+    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    // Byte tokens (type 6) stand for bytes, never for their text `<0x41>`.
+    let is_byte = |i: usize| types.get(i).and_then(|t| t.as_u64()) == Some(6);
+    let mut ranked = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if is_byte(i) {
+            continue;
+        }
+        for (at, _) in t.char_indices().skip(1) {
+            let (a, b) = t.split_at(at);
+            if let (Some(&ia), Some(&ib)) = (vocab.get(a), vocab.get(b)) {
+                if !is_byte(ia as usize) && !is_byte(ib as usize) {
+                    ranked.push((score(i)?, i, at, a, b));
+                }
+            }
+        }
+    }
+    // Highest score first; ties in token and then split order, so the ranks are deterministic.
+    ranked.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+    let merges = ranked.into_iter().map(|(_, _, _, a, b)| (a.to_string(), b.to_string())).collect();
+    let mut bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
+    if let Some(u) = unk {
+        bpe = bpe.unk_token(tokens[u as usize].to_string());
+    }
+    let mut inner = tokenizers::Tokenizer::new(bpe.build().map_err(tok_err)?);
+    let space_prefix = g.field("tokenizer.ggml.add_space_prefix", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(true);
+    let escape = NormalizerWrapper::Replace(Replace::new(" ", "\u{2581}").map_err(tok_err)?);
+    let mut decoders = vec![
+        DecoderWrapper::Replace(Replace::new("\u{2581}", " ").map_err(tok_err)?),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ];
+    if space_prefix {
+        inner
+            .with_normalizer(Some(NormalizerSequence::new(vec![NormalizerWrapper::Prepend(Prepend::new("\u{2581}".into())), escape])))
+            .map_err(tok_err)?;
+        decoders.push(DecoderWrapper::Strip(Strip::new(' ', 1, 0)));
+    } else {
+        inner.with_normalizer(Some(escape)).map_err(tok_err)?;
+    }
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgufWriter, Value};
+
+    /// A SentencePiece vocabulary: `<unk>`, `<s>`, `</s>`, two byte tokens, and pieces with scores.
+    fn spm(scores: &[(&str, f32)], extra: &[(&str, Value)]) -> Result<Tokenizer> {
+        let mut tokens = vec![("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3), ("<0xC3>", 0.0, 6), ("<0xA9>", 0.0, 6)];
+        tokens.extend(scores.iter().map(|&(t, s)| (t, s, 1)));
+        let mut meta = vec![
+            ("tokenizer.ggml.model", Value::String("llama".into())),
+            ("tokenizer.ggml.tokens", Value::Array(tokens.iter().map(|t| Value::String(t.0.into())).collect())),
+            ("tokenizer.ggml.scores", Value::Array(tokens.iter().map(|t| Value::F32(t.1)).collect())),
+            ("tokenizer.ggml.token_type", Value::Array(tokens.iter().map(|t| Value::I32(t.2)).collect())),
+            ("tokenizer.ggml.unknown_token_id", Value::U32(0)),
+            ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ];
+        for (k, v) in extra {
+            meta.retain(|m| m.0 != *k);
+            meta.push((k, v.clone()));
+        }
+        let mut w = GgufWriter::new();
+        for (k, v) in meta {
+            w.meta(k, v);
+        }
+        Tokenizer::from_gguf(&GgufFile::from_bytes("spm.gguf", w.to_bytes())?)
+    }
+
+    const PIECES: [(&str, f32); 8] = [("\u{2581}", -1.0), ("a", -2.0), ("b", -2.0), ("c", -2.0), ("ab", -3.0), ("bc", -4.0), ("\u{2581}a", -5.0), ("\u{2581}bc", -6.0)];
+
+    fn id(tok: &Tokenizer, piece: &str) -> u32 {
+        tok.inner.token_to_id(piece).unwrap()
+    }
+
+    #[test]
+    fn sentencepiece_merges_the_highest_scored_pair_first() {
+        let tok = spm(&PIECES, &[]).unwrap();
+        // "▁abc": `ab` (-3) beats `bc` (-4) and `▁a` (-5); then nothing joins.
+        let ids = |v: &[&str]| v.iter().map(|p| id(&tok, p)).collect::<Vec<_>>();
+        assert_eq!(tok.encode("abc").unwrap(), [&[1][..], &ids(&["\u{2581}", "ab", "c"])].concat(), "BOS first by default");
+        // With `bc` scored above `ab`, the text goes the other way: `bc`, then `▁a`.
+        let mut swapped = PIECES;
+        swapped[5].1 = -2.5;
+        let tok2 = spm(&swapped, &[]).unwrap();
+        assert_eq!(tok2.encode("abc").unwrap()[1..], [id(&tok2, "\u{2581}a"), id(&tok2, "bc")]);
+        // A space is `▁`; a character no piece covers is its UTF-8 bytes; decoding gives the text back.
+        let enc = tok.encode("a bc é").unwrap();
+        assert_eq!(enc[1..], ids(&["\u{2581}a", "\u{2581}bc", "\u{2581}", "<0xC3>", "<0xA9>"]));
+        assert_eq!(tok.decode(&enc[1..]).unwrap(), "a bc é");
+        assert!(tok.encode("").unwrap() == [1], "no prefix on empty text");
+    }
+
+    #[test]
+    fn sentencepiece_options_and_bad_scores() {
+        let no_prefix = spm(&PIECES, &[("tokenizer.ggml.add_space_prefix", Value::Bool(false)), ("tokenizer.ggml.add_bos_token", Value::Bool(false))]).unwrap();
+        assert_eq!(no_prefix.encode("abc").unwrap(), [id(&no_prefix, "ab"), id(&no_prefix, "c")]);
+        assert_eq!(no_prefix.decode(&no_prefix.encode(" a").unwrap()).unwrap(), " a");
+        let mut nan = PIECES;
+        nan[4].1 = f32::NAN;
+        let e = spm(&nan, &[]).err().expect("a NaN score is an error").to_string();
+        assert!(e.contains("tokenizer.ggml.scores[9]") && e.contains("finite"), "{e}");
+        let e = spm(&PIECES, &[("tokenizer.ggml.scores", Value::Array(vec![Value::F32(0.0)]))]).err().unwrap().to_string();
+        assert!(e.contains("1 entries for 13 tokens"), "{e}");
+        let e = spm(&PIECES, &[("tokenizer.ggml.model", Value::String("t5".into()))]).err().unwrap().to_string();
+        assert!(e.contains("`t5` is not supported"), "{e}");
     }
 }

@@ -541,14 +541,59 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
     assert!(same <= 2.0 * baseline && same * 10.0 < without, "baseline {baseline:.3e}, with {same:.3e}, without {without:.3e}");
 }
 
-/// A GGUF whose tokenizer is of a kind this tool does not build (SentencePiece `llama`, as Llama 2
-/// and Mistral files carry) still runs on token ids, on the oracle and on a device; text asks for
+/// A GGUF with a SentencePiece (`llama`) tokenizer runs on text, on the oracle and on a device:
+/// tiny-llama's weights with a 272-token SentencePiece vocabulary (3 specials, 256 byte tokens,
+/// 13 scored pieces). BOS first (llama.cpp's default for these), `▁hello` reached by its scores,
+/// `é` as its two byte tokens; the generated ids decode to text.
+#[test]
+fn a_sentencepiece_gguf_runs_on_text() {
+    use oracle::gguf::Value;
+    let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
+    let pieces = [("\u{2581}", -1.0), ("h", -2.0), ("e", -2.0), ("l", -2.0), ("o", -2.0), ("\u{2581}h", -3.0), ("he", -4.0)];
+    let pieces = pieces.into_iter().chain([("ll", -5.0), ("lo", -6.0), ("\u{2581}he", -7.0), ("llo", -8.0), ("\u{2581}hello", -9.0), ("w", -2.0)]);
+    let mut tokens: Vec<(String, f32, i32)> = vec![("<unk>".into(), 0.0, 2), ("<s>".into(), 0.0, 3), ("</s>".into(), 0.0, 3)];
+    tokens.extend((0..=255u8).map(|b| (format!("<0x{b:02X}>"), 0.0, 6)));
+    tokens.extend(pieces.map(|(p, s)| (p.to_string(), s, 1)));
+    assert_eq!(tokens.len(), 272, "tiny-llama's vocabulary size");
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &g.metadata {
+        if !k.starts_with("tokenizer.") {
+            w.meta(k, v.clone());
+        }
+    }
+    w.meta("tokenizer.ggml.model", Value::String("llama".into()));
+    w.meta("tokenizer.ggml.tokens", Value::Array(tokens.iter().map(|t| Value::String(t.0.clone())).collect()));
+    w.meta("tokenizer.ggml.scores", Value::Array(tokens.iter().map(|t| Value::F32(t.1)).collect()));
+    w.meta("tokenizer.ggml.token_type", Value::Array(tokens.iter().map(|t| Value::I32(t.2)).collect()));
+    w.meta("tokenizer.ggml.unknown_token_id", Value::U32(0));
+    w.meta("tokenizer.ggml.bos_token_id", Value::U32(1));
+    w.meta("tokenizer.ggml.eos_token_id", Value::U32(2));
+    for t in &g.tensors {
+        w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("spm.gguf");
+    w.write_to(&path).unwrap();
+    let id = |p: &str| tokens.iter().position(|t| t.0 == p).unwrap() as u64;
+    let want: Vec<u64> = vec![1, id("\u{2581}hello"), id("\u{2581}"), id("<0xC3>"), id("<0xA9>")];
+    for device in ["ref", "cpu"] {
+        let o = xtask(&["run", "--model", path.to_str().unwrap(), "--prompt", "hello é", "--max-new-tokens", "4", "--ignore-eos", "--json", "--device", device], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let ids: Vec<u64> = v["prompt_ids"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap()).collect();
+        assert_eq!(ids, want, "{device}: {v}");
+        assert_eq!(v["tokens"].as_array().map(Vec::len), Some(4), "{device}: {v}");
+        assert!(v["text"].is_string(), "{device}: {v}");
+    }
+}
+
+/// A GGUF whose tokenizer is of a kind this tool does not build (`t5`'s Unigram, here) still runs on token ids, on the oracle and on a device; text asks for
 /// ids instead. A tokenizer model that is not a string stays an error naming the key.
 #[test]
-fn a_sentencepiece_gguf_runs_on_token_ids_and_asks_for_them_for_text() {
+fn a_gguf_with_an_unbuilt_tokenizer_runs_on_token_ids_and_asks_for_them_for_text() {
     let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    for (value, ok) in [(oracle::gguf::Value::String("llama".into()), true), (oracle::gguf::Value::U32(1), false)] {
+    for (value, ok) in [(oracle::gguf::Value::String("t5".into()), true), (oracle::gguf::Value::U32(1), false)] {
         let mut w = oracle::gguf::GgufWriter::new();
         for (k, v) in &g.metadata {
             w.meta(k, if k == "tokenizer.ggml.model" { value.clone() } else { v.clone() });
@@ -556,7 +601,7 @@ fn a_sentencepiece_gguf_runs_on_token_ids_and_asks_for_them_for_text() {
         for t in &g.tensors {
             w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
         }
-        let path = dir.path().join("spm.gguf");
+        let path = dir.path().join("t5.gguf");
         w.write_to(&path).unwrap();
         let model = path.to_str().unwrap();
         for device in ["ref", "cpu"] {
