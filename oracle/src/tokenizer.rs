@@ -109,6 +109,11 @@ impl Tokenizer {
         self.inner.save(path, false).map_err(|e| tok_err(format!("{}: {e}", path.display())))
     }
 
+    /// The vocabulary's string for an id (`Ġ`/`▁` for spaces, `<0x0A>` for a byte token).
+    pub fn piece(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

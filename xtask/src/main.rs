@@ -59,6 +59,8 @@ enum Command {
     Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
     Run(cmd::run::RunArgs),
+    /// A model's tokenizer alone: text to comma-separated ids (as --prompt-ids takes them), or --ids back to text.
+    Tokenize(cmd::tokenize::TokenizeArgs),
     /// Writes every tap and the logits of every position in the dump format (docs/DUMP_FORMAT.md).
     Dump(cmd::dump::DumpArgs),
     /// Throughput of a device on a model: prefill/decode tok/s, time to first token, inter-token latency percentiles, peak RSS (for the oracle also weight bandwidth vs a memory probe; for GPU devices device memory peak and kernel launches per step).
@@ -104,6 +106,7 @@ fn main() -> ExitCode {
         Command::AbRun(a) => cmd::ab::run_main(a),
         Command::Report(a) => cmd::report::main(a),
         Command::Run(a) => cmd::run::main(a),
+        Command::Tokenize(a) => cmd::tokenize::main(a),
         Command::Dump(a) => cmd::dump::main(a),
         Command::Bench(a) => cmd::bench::main(a),
         Command::Roofline(a) => cmd::roofline::main(a),

@@ -429,6 +429,53 @@ fn suites_count(filter: &str) -> usize {
     suites::kernels::select_cases(&opts).len()
 }
 
+/// SmolLM2's tokenizer (byte-level BPE with the SmolLM digit split, and its chat tokens matched
+/// whole) gives llama.cpp's ids (through the PyPI bindings, when installed; skips, saying so,
+/// otherwise). The `tokenize` command prints the oracle's ids as `--prompt-ids` takes them.
+#[test]
+fn smollm2_tokenizer_matches_llama_cpp_when_available() {
+    let texts = [
+        "The capital of France is",
+        "",
+        " ",
+        "   \t\n\n\n  x",
+        "3.14159 and 1234567 numbers, 2024-01-22",
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+        "naïve café — 東京 🦙 Äpfel нещо",
+        "Hello, y'all! How're you doin'? I'M FINE.",
+        "fn main() {\n    println!(\"{}\", x >= 10);\n}",
+    ];
+    let model = smollm2();
+    let o = xtask(&["tokenize", "--model", "smollm2", "--text", texts[0]], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "504,3575,282,4649,314");
+    let probe = Command::new("python3").args(["-c", "import llama_cpp"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED (llama.cpp part): llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+        return;
+    }
+    let script = format!(
+        "import json, sys\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, vocab_only=True, verbose=False)\nprint(json.dumps([m.tokenize(t.encode(), add_bos=False, special=True) for t in json.load(sys.stdin)]))",
+        model.display().to_string()
+    );
+    let mut child = Command::new("python3")
+        .args(["-c", &script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), serde_json::to_string(&texts).unwrap().as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<Vec<u32>> = serde_json::from_slice(&o.stdout).unwrap();
+    let tok = oracle::loader::open_tokenizer(&model).unwrap().unwrap();
+    for (text, theirs) in texts.iter().zip(&theirs) {
+        assert_eq!(&tok.encode(text).unwrap(), theirs, "{text:?}");
+    }
+    eprintln!("{} texts: the oracle's ids are llama.cpp's", texts.len());
+}
+
 /// llama.cpp (through the PyPI `llama-cpp-python` bindings, when installed) on the same Q4_1 GGUF:
 /// its CPU path also multiplies Q4_1 weights with Q8 activations, so the `cpu` device should
 /// produce the same greedy tokens up to a first difference at a near tie of the oracle's logits.

@@ -14,6 +14,7 @@ pub mod ptx;
 pub mod report;
 pub mod roofline;
 pub mod run;
+pub mod tokenize;
 
 use crate::Exit;
 use oracle::generate::AnyModel;

@@ -56,7 +56,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         (Some(text), None) => {
             let tok = tok.as_ref().ok_or_else(|| Exit {
                 code: 2,
-                message: format!("model `{}` has no tokenizer this tool builds (a GGUF's byte-level BPE `gpt2` tokenizer, or a tokenizer.json beside a checkpoint); use --prompt-ids", a.model),
+                message: format!("model `{}` has no tokenizer this tool builds (a GGUF's byte-level BPE `gpt2` or SentencePiece `llama` tokenizer, or a tokenizer.json beside a checkpoint); use --prompt-ids", a.model),
             })?;
             let ids = tok.encode(text)?;
             if ids.is_empty() {
