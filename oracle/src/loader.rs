@@ -31,6 +31,16 @@ impl RawTensor<'_> {
     pub fn n_elements(&self) -> usize {
         self.dims.iter().product()
     }
+
+    /// The bytes of each of `n` equal parts (the experts of a stacked `[cols, rows, n_expert]`
+    /// tensor); an error saying why when the bytes do not split into `n` parts of whole blocks.
+    pub fn parts(&self, n: usize) -> std::result::Result<std::slice::ChunksExact<'_, u8>, String> {
+        let per = self.bytes.len() / n.max(1);
+        if n == 0 || !self.bytes.len().is_multiple_of(n) || per == 0 || !per.is_multiple_of(self.ty.type_size()) {
+            return Err(format!("{} bytes do not split into {n} parts of whole {} blocks", self.bytes.len(), self.ty.name()));
+        }
+        Ok(self.bytes.chunks_exact(per))
+    }
 }
 
 /// Where weights come from.
@@ -513,6 +523,19 @@ mod tests {
         );
         assert_eq!(hf_fused_experts("model.layers.1.mlp.experts.down_proj"), Some(vec![("blk.1.ffn_down_exps.weight".into(), None)]));
         assert_eq!(hf_fused_experts("model.layers.1.mlp.experts.up_proj"), None);
+    }
+
+    #[test]
+    fn a_raw_tensor_splits_into_parts_of_whole_blocks_or_says_why() {
+        // Q8_0 blocks are 34 bytes: 4 blocks split into 2 or 4 parts, not 3, 8 or 0.
+        let t = RawTensor { dims: vec![32, 4, 1], ty: GgmlType::Q8_0, bytes: Cow::Owned((0..136).map(|i| i as u8).collect()) };
+        let two: Vec<&[u8]> = t.parts(2).unwrap().collect();
+        assert_eq!((two.len(), two[1][0]), (2, 68));
+        assert_eq!(t.parts(4).unwrap().count(), 4);
+        for bad in [3, 8, 0] {
+            let e = t.parts(bad).err().expect("refused");
+            assert!(e.contains("136 bytes") && e.contains(&format!("{bad} parts")), "{e}");
+        }
     }
 
     #[test]

@@ -238,8 +238,8 @@ impl Loader<'_> {
             if t.dims != [cols, rows, n_expert] {
                 return Err(wrong(&t.dims));
             }
-            let per = t.bytes.len() / n_expert.max(1);
-            return t.bytes.chunks_exact(per.max(1)).map(|c| Mat::packed(rows, cols, t.ty, c.to_vec()).map_err(|e| self.in_tensor(name, e))).collect();
+            let parts = t.parts(n_expert).map_err(|e| self.in_tensor(name, OracleError::Spec(e)))?;
+            return parts.map(|c| Mat::packed(rows, cols, t.ty, c.to_vec()).map_err(|e| self.in_tensor(name, e))).collect();
         }
         let t = self.get(name)?.ok_or_else(missing)?;
         if t.dims != [cols, rows, n_expert] {

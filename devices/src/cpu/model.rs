@@ -130,11 +130,8 @@ impl Loader<'_> {
         if t.dims != [cols, rows, n_expert] {
             return Err(err(&self.label, format!("tensor `{name}` has dims {:?}", t.dims)));
         }
-        let per = t.bytes.len() / n_expert.max(1);
-        if n_expert == 0 || !t.bytes.len().is_multiple_of(n_expert) || !per.is_multiple_of(t.ty.type_size()) {
-            return Err(err(&self.label, format!("tensor `{name}` ({} bytes) does not split into {n_expert} experts of whole {} blocks", t.bytes.len(), t.ty.name())));
-        }
-        Ok(t.bytes.chunks_exact(per).map(|b| PackedMat { ty: t.ty, rows, cols, bytes: b.to_vec() }).collect())
+        let parts = t.parts(n_expert).map_err(|e| err(&self.label, format!("tensor `{name}`: {e} (one per expert)")))?;
+        Ok(parts.map(|b| PackedMat { ty: t.ty, rows, cols, bytes: b.to_vec() }).collect())
     }
     fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, DeviceError> {
         let m = self.mat_like_vec(name, n)?;
