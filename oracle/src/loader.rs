@@ -533,7 +533,7 @@ mod tests {
         assert_eq!((two.len(), two[1][0]), (2, 68));
         assert_eq!(t.parts(4).unwrap().count(), 4);
         for bad in [3, 8, 0] {
-            let e = t.parts(bad).err().expect("refused");
+            let e = t.parts(bad).expect_err("refused");
             assert!(e.contains("136 bytes") && e.contains(&format!("{bad} parts")), "{e}");
         }
     }
