@@ -38,14 +38,15 @@ impl Generation {
     }
 }
 
-/// Generates up to `max_new` tokens after `prompt`; stops early at `stop` (e.g. EOS) if given.
+/// Generates up to `max_new` tokens after `prompt`; stops early after any id of `stop` (the
+/// tokenizer's end-of-generation ids).
 pub fn generate<T: Real>(
     model: &Model<T>,
     prompt: &[u32],
     max_new: usize,
     sampler: &SamplerConfig,
     seed: u64,
-    stop: Option<u32>,
+    stop: &[u32],
     taps: &mut dyn Tap,
 ) -> Result<Generation> {
     let mut cache = model.new_cache();
@@ -61,7 +62,7 @@ pub fn generate_with<T: Real, E: From<OracleError>>(
     max_new: usize,
     sampler: &SamplerConfig,
     seed: u64,
-    stop: Option<u32>,
+    stop: &[u32],
 ) -> std::result::Result<Generation, E> {
     if prompt.is_empty() {
         return Err(OracleError::Shape("generate: the prompt has no tokens".into()).into());
@@ -81,7 +82,7 @@ pub fn generate_with<T: Real, E: From<OracleError>>(
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut step_s = Vec::with_capacity(max_new);
-    while tokens.len() < max_new && Some(next) != stop {
+    while tokens.len() < max_new && !stop.contains(&next) {
         let ts = Instant::now();
         let logits = forward_last(&[next])?;
         next = sample(&logits, sampler, &mut rng) as u32;
@@ -124,7 +125,7 @@ impl AnyModel {
         }
     }
 
-    pub fn generate(&self, prompt: &[u32], max_new: usize, sampler: &SamplerConfig, seed: u64, stop: Option<u32>, taps: &mut dyn Tap) -> Result<Generation> {
+    pub fn generate(&self, prompt: &[u32], max_new: usize, sampler: &SamplerConfig, seed: u64, stop: &[u32], taps: &mut dyn Tap) -> Result<Generation> {
         match self {
             AnyModel::F32(m) => generate(m, prompt, max_new, sampler, seed, stop, taps),
             AnyModel::F64(m) => generate(m, prompt, max_new, sampler, seed, stop, taps),
@@ -145,5 +146,26 @@ impl AnyModel {
             AnyModel::F32(m) => m.weight_bytes_per_token(),
             AnyModel::F64(m) => m.weight_bytes_per_token(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake engine whose greedy next token after `t` is `t + 1`: generation stops after the
+    /// first id of `stop` it produces (kept in the output), or at `max_new`.
+    #[test]
+    fn generation_stops_after_any_stop_id() {
+        let next_of = |ids: &[u32]| -> Result<Vec<f32>> {
+            let mut logits = vec![0.0f32; 16];
+            logits[(*ids.last().unwrap() as usize + 1) % 16] = 1.0;
+            Ok(logits)
+        };
+        let run = |stop: &[u32], max_new| generate_with(next_of, &[3], max_new, &SamplerConfig::GREEDY, 0, stop).unwrap().tokens;
+        assert_eq!(run(&[], 5), [4, 5, 6, 7, 8]);
+        assert_eq!(run(&[9, 6], 8), [4, 5, 6]);
+        assert_eq!(run(&[4], 8), [4], "a stop id from the prefill ends it there");
+        assert_eq!(run(&[12], 3), [4, 5, 6]);
     }
 }

@@ -451,9 +451,8 @@ fn gguf_tokenizer(g: &GgufFile) -> Result<Option<Tokenizer>> {
 
 /// The `tokenizer.json` beside a safetensors model, if any.
 fn dir_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
-    let tj = dir.join("tokenizer.json");
-    if tj.exists() {
-        Ok(Some(Tokenizer::from_file(&tj)?))
+    if dir.join("tokenizer.json").exists() {
+        Ok(Some(Tokenizer::from_checkpoint(dir)?))
     } else {
         Ok(None)
     }

@@ -31,7 +31,12 @@ const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     pub bos: Option<u32>,
-    pub eos: Option<u32>,
+    /// The ids that end a generation: a GGUF's end-of-sequence, end-of-turn and end-of-message
+    /// ids (as llama.cpp stops at each); a checkpoint's `eos_token_id`, one id or a list, from
+    /// `generation_config.json`, else `config.json`.
+    pub eos: Vec<u32>,
+    /// Whether `encode` puts `bos` first itself (a GGUF's `add_bos_token`); a `tokenizer.json`
+    /// adds its own special tokens, as its post-processor says.
     pub add_bos: bool,
 }
 
@@ -77,21 +82,62 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
-            eos: id("tokenizer.ggml.eos_token_id")?,
+            eos: {
+                let mut eos = Vec::new();
+                for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+                    eos.extend(id(k)?.filter(|i| !eos.contains(i)));
+                }
+                eos
+            },
             // Absent, llama.cpp adds BOS for SentencePiece vocabularies and not for BPE ones.
             add_bos: g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(model == "llama"),
         })
     }
 
-    /// Loads a Hugging Face `tokenizer.json`.
-    pub fn from_file(path: &std::path::Path) -> Result<Tokenizer> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
-        Ok(Tokenizer { inner, bos: None, eos: None, add_bos: false })
+    /// Loads the Hugging Face `tokenizer.json` of a checkpoint directory, with its special ids
+    /// from `generation_config.json` (when present) and `config.json`: `bos_token_id`, and
+    /// `eos_token_id` as one id or a list (Llama 3 Instruct stops at three). An id that is not a
+    /// non-negative integer, or lies outside the vocabulary, is an error naming file and key.
+    pub fn from_checkpoint(dir: &std::path::Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
+        let n_vocab = inner.get_vocab_size(true) as u64;
+        let (mut bos, mut eos) = (None, None);
+        for name in ["generation_config.json", "config.json"] {
+            let file = dir.join(name);
+            if !file.exists() {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).map_err(|e| tok_err(format!("{}: {e}", file.display())))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| tok_err(format!("{}: {e}", file.display())))?;
+            let ids = |key: &str| -> Result<Option<Vec<u32>>> {
+                let bad = |what: &str| tok_err(format!("{}: `{key}` {what}", file.display()));
+                let one = |x: &serde_json::Value| match x.as_u64() {
+                    Some(i) if i < n_vocab => Ok(i as u32),
+                    Some(i) => Err(bad(&format!("is {i}, outside the vocabulary of {n_vocab} tokens"))),
+                    None => Err(bad(&format!("is {x}, not a token id or a list of them"))),
+                };
+                match v.get(key) {
+                    None | Some(serde_json::Value::Null) => Ok(None),
+                    Some(serde_json::Value::Array(xs)) => xs.iter().map(one).collect::<Result<Vec<_>>>().map(Some),
+                    Some(x) => one(x).map(|i| Some(vec![i])),
+                }
+            };
+            // generation_config.json comes first and wins.
+            if bos.is_none() {
+                bos = ids("bos_token_id")?.and_then(|b| b.first().copied());
+            }
+            if eos.is_none() {
+                eos = ids("eos_token_id")?;
+            }
+        }
+        Ok(Tokenizer { inner, bos, eos: eos.unwrap_or_default(), add_bos: false })
     }
 
     /// Token ids of `text` (with BOS first when the model asks for it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        // With the special tokens a tokenizer.json's post-processor adds (none for a GGUF's).
+        let enc = self.inner.encode(text, true).map_err(tok_err)?;
         let mut ids = Vec::new();
         if self.add_bos {
             ids.extend(self.bos);
@@ -266,6 +312,35 @@ mod tests {
         assert_eq!(enc[1..], ids(&["\u{2581}a", "\u{2581}bc", "\u{2581}", "<0xC3>", "<0xA9>"]));
         assert_eq!(tok.decode(&enc[1..]).unwrap(), "a bc é");
         assert!(tok.encode("").unwrap() == [1], "no prefix on empty text");
+    }
+
+    /// A checkpoint's tokenizer.json adds the specials its post-processor names; its stop ids come
+    /// from generation_config.json (a list) before config.json; bad ids are errors naming the file.
+    #[test]
+    fn a_checkpoint_tokenizer_takes_its_specials_and_stop_ids_from_its_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let tj = dir.path().join("tokenizer.json");
+        spm(&PIECES, &[]).unwrap().save(&tj).unwrap();
+        let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
+        json["post_processor"] = serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
+        });
+        std::fs::write(&tj, json.to_string()).unwrap();
+        let write = |name: &str, v: serde_json::Value| std::fs::write(dir.path().join(name), v.to_string()).unwrap();
+        write("config.json", serde_json::json!({"bos_token_id": 1, "eos_token_id": 2}));
+        let tok = Tokenizer::from_checkpoint(dir.path()).unwrap();
+        let abc = tok.encode("abc").unwrap();
+        assert_eq!((abc[0], abc.len(), tok.bos, tok.eos.as_slice()), (1, 4, Some(1), &[2][..]), "BOS by the post-processor, once");
+        write("generation_config.json", serde_json::json!({"eos_token_id": [2, 9]}));
+        assert_eq!(Tokenizer::from_checkpoint(dir.path()).unwrap().eos, [2, 9]);
+        for (bad, says) in [(serde_json::json!("2"), "is \"2\", not a token id"), (serde_json::json!([2, 99]), "is 99, outside the vocabulary of 13")] {
+            write("generation_config.json", serde_json::json!({"eos_token_id": bad}));
+            let e = Tokenizer::from_checkpoint(dir.path()).err().expect("refused").to_string();
+            assert!(e.contains("generation_config.json: `eos_token_id`") && e.contains(says), "{e}");
+        }
     }
 
     #[test]

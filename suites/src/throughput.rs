@@ -107,7 +107,7 @@ pub fn median(v: &[f64]) -> f64 {
 /// decode figure has a probe taken seconds before it on the same noisy machine.
 pub fn bench_ref(model: &AnyModel, prompt: &[u32], gen_len: usize, reps: usize, progress: impl FnMut(usize)) -> oracle::Result<RefBench> {
     let greedy = SamplerConfig::GREEDY;
-    bench_with(|p, n| model.generate(p, n, &greedy, 0, None, &mut NoTap), model.weight_bytes_per_token(), prompt, gen_len, reps, progress)
+    bench_with(|p, n| model.generate(p, n, &greedy, 0, &[], &mut NoTap), model.weight_bytes_per_token(), prompt, gen_len, reps, progress)
 }
 
 /// The same measurement over any generator (a device model's greedy loop, say);

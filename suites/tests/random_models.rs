@@ -643,7 +643,7 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
         std::fs::write(&path, write_model(&s)).unwrap();
         let (oracle_model, _) = AnyModel::load(&path, Precision::F32).unwrap();
         let prompt = vec![17u32, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
-        let cont = oracle_model.generate(&prompt, 24, &SamplerConfig::GREEDY, 0, None, &mut oracle::NoTap).unwrap().tokens;
+        let cont = oracle_model.generate(&prompt, 24, &SamplerConfig::GREEDY, 0, &[], &mut oracle::NoTap).unwrap().tokens;
         let golden = Golden { model: "moe".into(), sha256: String::new(), prompt_ids: prompt, continuation_ids: cont, regenerate: String::new() };
         let seq = golden.sequence();
         let mut own = RoutingTap::default();

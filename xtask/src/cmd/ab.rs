@@ -120,7 +120,7 @@ impl RunSample {
 /// One whole measured run, as the arm protocol's JSON line.
 fn one_run(engine: &mut super::Engine, ids: &[u32], gen_len: usize, cpu: &str) -> Result<String, Exit> {
     let greedy = oracle::ops::SamplerConfig::GREEDY;
-    let g = engine.generate(ids, gen_len, &greedy, 0, None)?;
+    let g = engine.generate(ids, gen_len, &greedy, 0, &[])?;
     let s = RunSample {
         prefill_ms: g.prefill_s * 1e3,
         decode_ms: g.decode_s * 1e3,
@@ -149,7 +149,7 @@ pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
     super::check_ids(&ids, engine.spec().n_vocab)?;
     let greedy = oracle::ops::SamplerConfig::GREEDY;
     // Warm-up: page in the weights and the code paths before the measured run.
-    engine.generate(&ids, 2, &greedy, 0, None)?;
+    engine.generate(&ids, 2, &greedy, 0, &[])?;
     let cpu = Provenance::collect(rayon::current_num_threads()).cpu;
     let say = |line: String| -> Result<(), Exit> {
         let mut out = std::io::stdout().lock();

@@ -121,7 +121,7 @@ pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usiz
         super::Engine::Oracle(model) => suites::throughput::bench_ref(model, &prompt, gen_len, reps, |i| pb.set_position(i as u64))?,
         engine => {
             let greedy = oracle::ops::SamplerConfig::GREEDY;
-            suites::throughput::bench_with(|p, n| engine.generate(p, n, &greedy, 0, None), 0, &prompt, gen_len, reps, |i| pb.set_position(i as u64))?
+            suites::throughput::bench_with(|p, n| engine.generate(p, n, &greedy, 0, &[]), 0, &prompt, gen_len, reps, |i| pb.set_position(i as u64))?
         }
     };
     pb.finish_and_clear();
@@ -220,7 +220,7 @@ fn profile_decode(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) ->
         if !engine.start_kernel_profile() {
             return Ok(None);
         }
-        let run = engine.generate(prompt, n, &greedy, 0, None);
+        let run = engine.generate(prompt, n, &greedy, 0, &[]);
         let profile = engine.take_kernel_profile();
         run?;
         Ok(profile)

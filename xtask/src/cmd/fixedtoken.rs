@@ -37,7 +37,7 @@ pub struct FixedTokenArgs {
 }
 
 fn oracle_golden(oracle: &AnyModel, model: &str, sha256: String, prompt: Vec<u32>, n: usize) -> Result<Golden, Exit> {
-    let g = oracle.generate(&prompt, n, &SamplerConfig::GREEDY, 0, None, &mut NoTap)?;
+    let g = oracle.generate(&prompt, n, &SamplerConfig::GREEDY, 0, &[], &mut NoTap)?;
     Ok(Golden { model: model.to_string(), sha256, prompt_ids: prompt, continuation_ids: g.tokens, regenerate: format!("cargo xtask fixed-token --model {model} --write-golden --n-generate {n}") })
 }
 
@@ -147,7 +147,7 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
     match engine {
         Engine::Oracle(m) => {
             let logits: Vec<f32> = m.prefill_logits(&seq, &mut routing)?.iter().map(|v| *v as f32).collect();
-            let greedy = m.generate(&golden.prompt_ids, n, &SamplerConfig::GREEDY, 0, None, &mut NoTap)?.tokens;
+            let greedy = m.generate(&golden.prompt_ids, n, &SamplerConfig::GREEDY, 0, &[], &mut NoTap)?.tokens;
             // The oracle's own prefill/decode/append identity is the self-check suite's job.
             Ok((Some(logits), DeviceRuns { greedy: Some(greedy), cache_paths: None, routing_differs: Vec::new(), followed_oracle: None }, routing))
         }
@@ -167,7 +167,7 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
                 };
             }
             let logits = m.forward(&seq, &mut routing).map_err(dev_err)?;
-            let greedy = super::generate_on_device(m.as_mut(), &golden.prompt_ids, n, &SamplerConfig::GREEDY, 0, None)?.tokens;
+            let greedy = super::generate_on_device(m.as_mut(), &golden.prompt_ids, n, &SamplerConfig::GREEDY, 0, &[])?.tokens;
             let v = m.spec().n_vocab;
             // Prefill of the prompt, then one decode step per golden token.
             m.reset();

@@ -40,7 +40,7 @@ pub fn generate_on_device(
     max_new: usize,
     sampler: &oracle::ops::SamplerConfig,
     seed: u64,
-    stop: Option<u32>,
+    stop: &[u32],
 ) -> Result<oracle::generate::Generation, Exit> {
     model.reset();
     let forward_last = |ids: &[u32]| -> Result<Vec<f32>, Exit> { model.forward_last(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() }) };
@@ -82,7 +82,7 @@ impl Engine {
         }
     }
 
-    pub fn generate(&mut self, prompt: &[u32], max_new: usize, sampler: &oracle::ops::SamplerConfig, seed: u64, stop: Option<u32>) -> Result<oracle::generate::Generation, Exit> {
+    pub fn generate(&mut self, prompt: &[u32], max_new: usize, sampler: &oracle::ops::SamplerConfig, seed: u64, stop: &[u32]) -> Result<oracle::generate::Generation, Exit> {
         match self {
             Engine::Oracle(m) => Ok(m.generate(prompt, max_new, sampler, seed, stop, &mut oracle::NoTap)?),
             Engine::Device(m) => generate_on_device(m.as_mut(), prompt, max_new, sampler, seed, stop),

@@ -67,7 +67,10 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         (None, None) => unreachable!("clap requires one"),
     };
     check_ids(&prompt, engine.spec().n_vocab)?;
-    let stop = if a.ignore_eos { None } else { tok.as_ref().and_then(|t| t.eos) };
+    let stop = match &tok {
+        Some(t) if !a.ignore_eos => t.eos.as_slice(),
+        _ => &[],
+    };
     let sampler = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p };
     let g = engine.generate(&prompt, a.max_new_tokens, &sampler, a.seed, stop)?;
     let text = match &tok {

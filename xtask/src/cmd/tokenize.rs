@@ -40,7 +40,7 @@ pub fn main(a: TokenizeArgs) -> Result<u8, Exit> {
                 t.clone()
             };
             let mut ids = tok.encode(&text)?;
-            if a.no_bos && tok.add_bos && tok.bos.is_some() && ids.first() == tok.bos.as_ref() {
+            if a.no_bos && tok.bos.is_some() && ids.first() == tok.bos.as_ref() {
                 ids.remove(0);
             }
             (ids, text)
