@@ -138,6 +138,10 @@ const LAYER_NAMES: [(&str, &str); 15] = [
     ("mlp.down_proj.weight", "ffn_down.weight"),
 ];
 
+/// Phi-3's fused tensors: Q, K and V in one, gate and up in one (GGUF stores the latter as
+/// `ffn_up`, so a dense model's `mlp.up_proj` stays the name [`gguf_to_hf_name`] gives for it).
+const FUSED_LAYER_NAMES: [(&str, &str); 2] = [("self_attn.qkv_proj.weight", "attn_qkv.weight"), ("mlp.gate_up_proj.weight", "ffn_up.weight")];
+
 /// Per-layer tensors of MoE checkpoints (Qwen2-MoE / Qwen3-MoE, then Mixtral): the router and
 /// the shared expert. Both routers map to one GGUF name; the Qwen form comes first, so it is the
 /// one [`gguf_to_hf_name`] gives.
@@ -201,12 +205,12 @@ fn rename(name: &str, whole: impl Iterator<Item = (&'static str, &'static str)>,
 
 /// Maps a Hugging Face tensor name to its GGUF name (None: not a weight this loader reads).
 pub fn hf_to_gguf_name(hf: &str) -> Option<String> {
-    rename(hf, MODEL_NAMES.into_iter(), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES), "model.layers.", "blk.")
+    rename(hf, MODEL_NAMES.into_iter(), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).chain(FUSED_LAYER_NAMES), "model.layers.", "blk.")
 }
 
 /// Maps a GGUF tensor name to its Hugging Face name (the inverse of [`hf_to_gguf_name`]).
 pub fn gguf_to_hf_name(gguf: &str) -> Option<String> {
-    rename(gguf, MODEL_NAMES.into_iter().map(|(h, g)| (g, h)), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).map(|(h, g)| (g, h)), "blk.", "model.layers.")
+    rename(gguf, MODEL_NAMES.into_iter().map(|(h, g)| (g, h)), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).chain(FUSED_LAYER_NAMES).map(|(h, g)| (g, h)), "blk.", "model.layers.")
 }
 
 impl SafetensorsDir {
@@ -436,6 +440,92 @@ impl TensorSource for SafetensorsDir {
     }
 }
 
+/// A model's tensors with Phi-3's fused ones split (`ModelSpec::fused`): `blk.N.attn_q`, `attn_k`
+/// and `attn_v` are row ranges of the stored `attn_qkv` (Q, K, V), `ffn_gate` and `ffn_up` the
+/// first and second half of the stored `ffn_up` (gate first, as llama.cpp and Transformers split
+/// it). Whole rows are whole blocks, so a slice of a quantized tensor is a quantized tensor.
+/// Every other name passes through.
+pub struct Unfused {
+    inner: Box<dyn TensorSource>,
+    q_rows: usize,
+    kv_rows: usize,
+    ff_rows: usize,
+}
+
+impl Unfused {
+    pub fn new(inner: Box<dyn TensorSource>, spec: &ModelSpec) -> Unfused {
+        Unfused { inner, q_rows: spec.n_head * spec.head_dim, kv_rows: spec.n_head_kv * spec.head_dim, ff_rows: spec.n_ff }
+    }
+
+    /// (stored tensor, first row, rows, rows the stored tensor must have) of a split name.
+    fn part_of(&self, name: &str) -> Option<(String, usize, usize, usize)> {
+        let (layer, tail) = name.strip_prefix("blk.")?.split_once('.')?;
+        let (q, kv, ff) = (self.q_rows, self.kv_rows, self.ff_rows);
+        let (stored, first, rows, total) = match tail {
+            "attn_q.weight" => ("attn_qkv.weight", 0, q, q + 2 * kv),
+            "attn_k.weight" => ("attn_qkv.weight", q, kv, q + 2 * kv),
+            "attn_v.weight" => ("attn_qkv.weight", q + kv, kv, q + 2 * kv),
+            "ffn_gate.weight" => ("ffn_up.weight", 0, ff, 2 * ff),
+            "ffn_up.weight" => ("ffn_up.weight", ff, ff, 2 * ff),
+            _ => return None,
+        };
+        Some((format!("blk.{layer}.{stored}"), first, rows, total))
+    }
+}
+
+impl TensorSource for Unfused {
+    fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
+        if self.part_of(name).is_none() {
+            return self.inner.load(name);
+        }
+        let Some(t) = self.raw(name)? else { return Ok(None) };
+        let data = crate::quant::decode(t.ty, &t.bytes, t.n_elements())?;
+        Ok(Some(LoadedTensor { dims: t.dims, data }))
+    }
+
+    fn label(&self) -> String {
+        self.inner.label()
+    }
+
+    fn n_elements(&self) -> Result<u64> {
+        self.inner.n_elements()
+    }
+
+    fn n_bytes(&self) -> Result<u64> {
+        self.inner.n_bytes()
+    }
+
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        let Some((stored, first, rows, total)) = self.part_of(name) else { return self.inner.raw(name) };
+        let Some(t) = self.inner.raw(&stored)? else { return Ok(None) };
+        let (cols, block) = (t.dims.first().copied().unwrap_or(0), t.ty.block_size());
+        if t.dims.len() != 2 || t.dims[1] != total || !cols.is_multiple_of(block) {
+            return Err(OracleError::Spec(format!(
+                "{}: tensor `{stored}` has dims {:?}, expected [n_embd, {total}] rows of whole {} blocks to split into `{name}`",
+                self.label(),
+                t.dims,
+                t.ty.name()
+            )));
+        }
+        let row_bytes = cols / block * t.ty.type_size();
+        let range = first * row_bytes..(first + rows) * row_bytes;
+        let bytes = match t.bytes {
+            Cow::Borrowed(b) => Cow::Borrowed(&b[range]),
+            Cow::Owned(b) => Cow::Owned(b[range].to_vec()),
+        };
+        Ok(Some(RawTensor { dims: vec![cols, rows], ty: t.ty, bytes }))
+    }
+}
+
+/// `src` as the interpreter and the devices read it: Phi-3's fused tensors split.
+fn unfused(src: Box<dyn TensorSource>, spec: &ModelSpec) -> Box<dyn TensorSource> {
+    if spec.fused {
+        Box::new(Unfused::new(src, spec))
+    } else {
+        src
+    }
+}
+
 /// The tokenizer a GGUF file carries in its metadata, if any. A tokenizer of another kind than
 /// the byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) this reader builds — `t5`,
 /// `bert`, ... — is no tokenizer here: the model still runs on token ids, and a command given
@@ -462,12 +552,12 @@ fn dir_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
 pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Option<Tokenizer>)> {
     if path.is_dir() {
         let (dir, spec) = SafetensorsDir::open(path)?;
-        Ok((Box::new(dir), spec, dir_tokenizer(path)?))
+        Ok((unfused(Box::new(dir), &spec), spec, dir_tokenizer(path)?))
     } else {
         let g = GgufFile::open(path)?;
         let spec = ModelSpec::from_gguf(&g)?;
         let tokenizer = gguf_tokenizer(&g)?;
-        Ok((Box::new(g), spec, tokenizer))
+        Ok((unfused(Box::new(g), &spec), spec, tokenizer))
     }
 }
 
@@ -475,11 +565,11 @@ pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Opti
 pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
     if path.is_dir() {
         let (dir, spec) = SafetensorsDir::open(path)?;
-        Ok((Box::new(dir), spec))
+        Ok((unfused(Box::new(dir), &spec), spec))
     } else {
         let g = GgufFile::open(path)?;
         let spec = ModelSpec::from_gguf(&g)?;
-        Ok((Box::new(g), spec))
+        Ok((unfused(Box::new(g), &spec), spec))
     }
 }
 

@@ -140,6 +140,12 @@ pub struct ModelSpec {
     pub activation: Activation,
     pub moe: Option<MoeSpec>,
     pub sliding_window: Option<usize>,
+    /// Phi-3 stores Q, K and V as one `attn_qkv` tensor (rows: Q, then K, then V) and gate and up
+    /// as one `ffn_up` tensor of twice the rows (gate first). The loaders hand them out split
+    /// (`loader::Unfused`): the interpreter and every device read `attn_q`, `ffn_gate`, ... as
+    /// for any other model.
+    #[serde(default)]
+    pub fused: bool,
     pub context_length: usize,
     /// Attention score scale; 1/sqrt(head_dim) unless the model says otherwise.
     pub attn_scale: f64,
@@ -211,6 +217,9 @@ impl ModelSpec {
         if self.sliding_window == Some(0) {
             return Err(spec_err("sliding window is zero"));
         }
+        if self.fused && (self.moe.is_some() || self.qkv_bias) {
+            return Err(spec_err("fused Q/K/V and gate/up tensors (phi3) are read for dense models without Q/K/V biases only"));
+        }
         if let Some(m) = &self.moe {
             if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
                 return Err(spec_err(format!("{} experts used out of {}", m.n_expert_used, m.n_expert)));
@@ -235,8 +244,8 @@ impl ModelSpec {
 
         let style = match arch.as_str() {
             "llama" | "mistral" | "mixtral" => RopeStyle::Normal,
-            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" => RopeStyle::Neox,
-            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe)", g.path))),
+            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "phi3" => RopeStyle::Neox,
+            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3)", g.path))),
         };
         let n_embd = req_u("embedding_length")?;
         let n_head = req_u("attention.head_count")?;
@@ -297,6 +306,11 @@ impl ModelSpec {
             }
             _ => None,
         };
+        // Phi-3 128k's LongRoPE: which factors apply depends on the context an engine runs at,
+        // and its attention factor scales every angle's cos and sin; neither is modelled here.
+        if let Some(t) = ["rope_factors_long.weight", "rope_factors_short.weight"].into_iter().find(|t| has(t)) {
+            return Err(spec_err(format!("{}: tensor `{t}`: LongRoPE frequency factors (Phi-3 128k context) are not supported", g.path)));
+        }
         // Llama 3.1-style per-pair frequency factors: one finite positive value per rotated pair.
         let n_rot = opt_u("rope.dimension_count")?.unwrap_or(head_dim);
         let freq_factors = match g.tensor("rope_freqs.weight") {
@@ -337,6 +351,7 @@ impl ModelSpec {
             activation: Activation::Silu,
             moe,
             sliding_window: opt_u("attention.sliding_window")?.filter(|w| *w > 0),
+            fused: arch == "phi3",
             context_length: ctx,
             attn_scale: 1.0 / (head_dim as f64).sqrt(),
             stages: Vec::new(),
@@ -380,7 +395,8 @@ impl ModelSpec {
         if !layer.parse::<usize>().is_ok_and(|i| i < self.n_layer) {
             return false;
         }
-        let mut tails = vec!["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_norm.weight"];
+        let mut tails = vec!["attn_norm.weight", "attn_output.weight", "ffn_norm.weight"];
+        tails.extend(if self.fused { &["attn_qkv.weight"][..] } else { &["attn_q.weight", "attn_k.weight", "attn_v.weight"] });
         if self.qkv_bias {
             tails.extend(["attn_q.bias", "attn_k.bias", "attn_v.bias"]);
         }
@@ -391,6 +407,7 @@ impl ModelSpec {
             tails.extend(["attn_q_norm.weight", "attn_k_norm.weight"]);
         }
         match &self.moe {
+            None if self.fused => tails.extend(["ffn_up.weight", "ffn_down.weight"]),
             None => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
             Some(m) => {
                 tails.extend(["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]);
@@ -433,7 +450,8 @@ impl ModelSpec {
             "qwen3" => "qwen3",
             "qwen2_moe" => "qwen2moe",
             "qwen3_moe" => "qwen3moe",
-            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)"))),
+            "phi3" => "phi3",
+            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3)"))),
         };
         let qwen = arch.starts_with("qwen");
         let n_embd = req("hidden_size")?;
@@ -508,12 +526,12 @@ impl ModelSpec {
         };
         let attention_bias = top.b("attention_bias")?.unwrap_or(false);
         let n_layer = req("num_hidden_layers")?;
-        // Mistral windows every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
+        // Mistral and Phi-3 window every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
         // with `use_sliding_window`, and then only layers from `max_window_layers` on (their
         // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
         // the model; a split is not.
         let sliding_window = match model_type.as_str() {
-            "mistral" | "mixtral" => u("sliding_window")?,
+            "mistral" | "mixtral" | "phi3" => u("sliding_window")?,
             _ if qwen && top.b("use_sliding_window")?.unwrap_or(false) => match u("max_window_layers")?.unwrap_or(28) {
                 0 => u("sliding_window")?,
                 m if m >= n_layer => None,
@@ -592,6 +610,7 @@ impl ModelSpec {
             activation: act,
             moe,
             sliding_window,
+            fused: arch == "phi3",
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
             stages: Vec::new(),

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Writes a Llama/Qwen2/Qwen3 GGUF, dense or MoE, as a Hugging Face directory (config.json +
+"""Writes a Llama/Qwen2/Qwen3/Phi-3 GGUF, dense or MoE, as a Hugging Face directory (config.json +
 model.safetensors), every tensor dequantized by gguf-py and stored as F32, F16 or BF16 (rounded to
 nearest even), with Q and K rows put back in Hugging Face's order (llama.cpp's converter permutes
 them for its interleaved RoPE; Hugging Face checkpoints use the rotate-half layout) and a stacked
 expert tensor split into one tensor per expert as checkpoints ship them (a llama with experts is
-written as Mixtral, qwen2moe as Qwen2-MoE, qwen3moe as Qwen3-MoE). For checking the devices'
+written as Mixtral, qwen2moe as Qwen2-MoE, qwen3moe as Qwen3-MoE; Phi-3's fused tensors stay fused,
+as `qkv_proj` and `gate_up_proj`). For checking the devices'
 safetensors path on a real model:
 
     python3 tools/reference/gguf_to_safetensors.py .cache/touchstone/real/smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2-bf16 --dtype bf16
@@ -53,8 +54,8 @@ def main():
     a = ap.parse_args()
     r = gguf.GGUFReader(a.gguf)
     arch = field(r, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
-        raise SystemExit(f"{a.gguf}: architecture {arch!r}; this writes llama, qwen2, qwen3, qwen2moe and qwen3moe models")
+    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3"):
+        raise SystemExit(f"{a.gguf}: architecture {arch!r}; this writes llama, qwen2, qwen3, qwen2moe, qwen3moe and phi3 models")
     n_expert = field(r, f"{arch}.expert_count", 0)
     mixtral = arch == "llama" and n_expert > 0
     if field(r, f"{arch}.expert_gating_func", 1) != 1:
@@ -73,6 +74,9 @@ def main():
         "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight", "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     }
+    if arch == "phi3":
+        # Phi-3 keeps Q/K/V in one tensor and gate/up in another (GGUF's ffn_up, gate rows first).
+        layer.update({"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"})
     # Stacked experts -> one tensor per expert ({e} is the expert index).
     experts = {
         "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight" if mixtral else "mlp.experts.{e}.gate_proj.weight",
@@ -119,6 +123,7 @@ def main():
         "rms_norm_eps": field(r, f"{arch}.attention.layer_norm_rms_epsilon"), "rope_theta": field(r, f"{arch}.rope.freq_base", 10000.0),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors),
         "max_position_embeddings": field(r, f"{arch}.context_length"), "hidden_act": "silu",
+        "sliding_window": field(r, f"{arch}.attention.sliding_window"),
         "head_dim": field(r, f"{arch}.attention.key_length", field(r, f"{arch}.embedding_length") // n_head),
     }
     if n_expert:

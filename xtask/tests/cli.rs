@@ -449,9 +449,7 @@ fn smollm2_tokenizer_matches_llama_cpp_when_available() {
     let o = xtask(&["tokenize", "--model", "smollm2", "--text", texts[0]], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "504,3575,282,4649,314");
-    let probe = Command::new("python3").args(["-c", "import llama_cpp"]).output();
-    if !matches!(probe, Ok(ref o) if o.status.success()) {
-        eprintln!("SKIPPED (llama.cpp part): llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+    if !llama_cpp_installed() {
         return;
     }
     let script = format!(
@@ -474,6 +472,127 @@ fn smollm2_tokenizer_matches_llama_cpp_when_available() {
         assert_eq!(&tok.encode(text).unwrap(), theirs, "{text:?}");
     }
     eprintln!("{} texts: the oracle's ids are llama.cpp's", texts.len());
+}
+
+/// 48 token ids spread over a tiny model's vocabulary, as `--prompt-ids` takes them.
+fn tiny_ids_48() -> String {
+    (0..48).map(|i| ((i * 37 + 11) % 250 + 5).to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// llama.cpp's logits (through the PyPI bindings) of every position of `ids`, `[48, n_vocab]` flat.
+fn llama_cpp_logits(model: &Path, ids: &str) -> Vec<f32> {
+    let script = format!(
+        "import json\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, n_threads=2, n_ctx=128, logits_all=True, verbose=False)\nm.eval([{ids}])\nprint(json.dumps(m.scores[:48].tolist()))",
+        model.display().to_string()
+    );
+    let o = Command::new("python3").args(["-c", &script]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice::<Vec<Vec<f32>>>(&o.stdout).unwrap().concat()
+}
+
+/// The logits of every position of `ids` on `device`, dumped under `out`.
+fn dump_logits(model: &Path, device: &str, ids: &str, out: &Path) -> Vec<f32> {
+    let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--device", device, "--prompt-ids", ids, "--out", out.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{device}: {}", stderr(&o));
+    read_logits(out).1
+}
+
+/// Relative RMS difference of `a` from `b`.
+fn rel_rms(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let e: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
+    let r: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (e / r).sqrt()
+}
+
+fn llama_cpp_installed() -> bool {
+    let probe = Command::new("python3").args(["-c", "import llama_cpp"]).output();
+    let ok = matches!(probe, Ok(ref o) if o.status.success());
+    if !ok {
+        eprintln!("SKIPPED (llama.cpp part): llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+    }
+    ok
+}
+
+/// Phi-3's fused tensors. tiny-llama's weights, decoded to f32, are written twice: as a `qwen2`
+/// GGUF with separate Q/K/V and gate/up tensors (rotate-half RoPE, no biases: the computation
+/// Phi-3 does) and as a `phi3` GGUF with `attn_qkv` (Q, K, V rows) and `ffn_up` (gate rows, then
+/// up rows). The same model, so each device's logits are byte-identical between the two files;
+/// gate and up joined the other way round are not. When llama-cpp-python is installed,
+/// llama.cpp's logits on the phi3 file are as close to the oracle's as on the qwen2 file (and
+/// the swapped file is far from both).
+#[test]
+fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
+    use oracle::gguf::Value;
+    let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
+    let f32_bytes = |name: &str| -> Vec<u8> {
+        let t = g.tensor(name).unwrap_or_else(|| panic!("{name}"));
+        g.tensor_f32(t).unwrap().iter().flat_map(|v| v.to_le_bytes()).collect()
+    };
+    let dims = |name: &str| g.tensor(name).unwrap().dims.clone();
+    let n_layer = g.tensors.iter().filter(|t| t.name.ends_with("attn_norm.weight")).count();
+    let write = |arch: &str, fused: Option<bool>, path: &Path| {
+        let mut w = oracle::gguf::GgufWriter::new();
+        for (k, v) in &g.metadata {
+            match k.strip_prefix("llama.") {
+                Some(rest) => w.meta(&format!("{arch}.{rest}"), v.clone()),
+                None if k == "general.architecture" => w.meta(k, Value::String(arch.into())),
+                None => w.meta(k, v.clone()),
+            };
+        }
+        for t in &g.tensors {
+            let tail = t.name.split_once('.').and_then(|(_, r)| r.split_once('.')).map(|(_, tail)| tail).unwrap_or("");
+            let joined = matches!(tail, "attn_q.weight" | "attn_k.weight" | "attn_v.weight" | "ffn_gate.weight" | "ffn_up.weight");
+            if fused.is_none() || !joined {
+                w.tensor(&t.name, &t.dims, oracle::quant::GgmlType::F32, f32_bytes(&t.name));
+            }
+        }
+        if let Some(gate_first) = fused {
+            for l in 0..n_layer {
+                let n = |tail: &str| format!("blk.{l}.{tail}");
+                let (q, k, v) = (dims(&n("attn_q.weight")), dims(&n("attn_k.weight")), dims(&n("attn_v.weight")));
+                let qkv = [f32_bytes(&n("attn_q.weight")), f32_bytes(&n("attn_k.weight")), f32_bytes(&n("attn_v.weight"))].concat();
+                w.tensor(&n("attn_qkv.weight"), &[q[0], q[1] + k[1] + v[1]], oracle::quant::GgmlType::F32, qkv);
+                let (gate, up) = (f32_bytes(&n("ffn_gate.weight")), f32_bytes(&n("ffn_up.weight")));
+                let gu = if gate_first { [gate, up].concat() } else { [up, gate].concat() };
+                let d = dims(&n("ffn_up.weight"));
+                w.tensor(&n("ffn_up.weight"), &[d[0], 2 * d[1]], oracle::quant::GgmlType::F32, gu);
+            }
+        }
+        w.write_to(path).unwrap();
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (separate, phi3, swapped) = (dir.path().join("qwen2.gguf"), dir.path().join("phi3.gguf"), dir.path().join("phi3-swapped.gguf"));
+    write("qwen2", None, &separate);
+    write("phi3", Some(true), &phi3);
+    write("phi3", Some(false), &swapped);
+    let ids = tiny_ids_48();
+    let logits = |model: &Path, device: &str| dump_logits(model, device, &ids, &dir.path().join(format!("{}-{device}", model.file_stem().unwrap().to_string_lossy())));
+    for device in ["ref", "cpu", "gpu-emu", "fixed"] {
+        let (a, b) = (logits(&separate, device), logits(&phi3, device));
+        assert!(a == b, "{device}: phi3 logits differ from the separate tensors' (relative RMS {:.2e})", rel_rms(&b, &a));
+        let off = rel_rms(&logits(&swapped, device), &a);
+        assert!(off > 1e-2, "{device}: gate and up swapped should change the logits, relative RMS {off:.2e}");
+    }
+    // The same model as a Phi-3 checkpoint (`qkv_proj`, `gate_up_proj`), written by gguf-py.
+    let ckpt = dir.path().join("phi3-hf");
+    let script = fixtures::workspace_root().join("tools/reference/gguf_to_safetensors.py");
+    let o = Command::new("python3").arg(&script).arg(&phi3).arg(&ckpt).args(["--dtype", "f32"]).output().unwrap();
+    if o.status.success() {
+        for device in ["ref", "cpu"] {
+            assert!(logits(&ckpt, device) == logits(&phi3, device), "{device}: the phi3 checkpoint's logits differ from its GGUF's");
+        }
+    } else {
+        assert!(String::from_utf8_lossy(&o.stderr).contains("No module named"), "{}", String::from_utf8_lossy(&o.stderr));
+        eprintln!("SKIPPED (checkpoint part): gguf-py is not installed (pip install -r tools/reference/requirements.txt)");
+    }
+    if llama_cpp_installed() {
+        let oracle = logits(&separate, "ref");
+        let (baseline, phi3_err, swapped_err) =
+            (rel_rms(&llama_cpp_logits(&separate, &ids), &oracle), rel_rms(&llama_cpp_logits(&phi3, &ids), &oracle), rel_rms(&llama_cpp_logits(&swapped, &ids), &oracle));
+        eprintln!("llama.cpp vs the oracle (relative RMS, 48 positions): qwen2 file {baseline:.2e}, phi3 file {phi3_err:.2e}, phi3 with gate/up swapped {swapped_err:.2e}");
+        assert!(phi3_err <= 2.0 * baseline.max(1e-6) && swapped_err > 10.0 * phi3_err, "{baseline:.3e} {phi3_err:.3e} {swapped_err:.3e}");
+    }
 }
 
 /// llama.cpp (through the PyPI `llama-cpp-python` bindings, when installed) on the same Q4_1 GGUF:
@@ -556,29 +675,9 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
     let dir = tempfile::tempdir().unwrap();
     let with = dir.path().join("tiny-llama-llama3.gguf");
     w.write_to(&with).unwrap();
-    let ids: Vec<String> = (0..48).map(|i| ((i * 37 + 11) % 250 + 5).to_string()).collect();
-    let ids = ids.join(",");
-    let llama_cpp_logits = |model: &Path| -> Vec<f32> {
-        let script = format!(
-            "import json\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, n_threads=2, n_ctx=128, logits_all=True, verbose=False)\nm.eval([{ids}])\nprint(json.dumps(m.scores[:48].tolist()))",
-            model.display().to_string()
-        );
-        let o = Command::new("python3").args(["-c", &script]).output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice::<Vec<Vec<f32>>>(&o.stdout).unwrap().concat()
-    };
-    let oracle_logits = |model: &Path| {
-        let out = dir.path().join(model.file_stem().unwrap());
-        let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--device", "ref", "--prompt-ids", &ids, "--out", out.to_str().unwrap()], &[]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        read_logits(&out).1
-    };
-    let rel_rms = |a: &[f32], b: &[f32]| {
-        assert_eq!(a.len(), b.len());
-        let e: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
-        let r: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-        (e / r).sqrt()
-    };
+    let ids = tiny_ids_48();
+    let llama_cpp_logits = |model: &Path| llama_cpp_logits(model, &ids);
+    let oracle_logits = |model: &Path| dump_logits(model, "ref", &ids, &dir.path().join(model.file_stem().unwrap()));
     let (theirs, oracle_with, oracle_without) = (llama_cpp_logits(&with), oracle_logits(&with), oracle_logits(&src));
     // What llama.cpp's Q8 activations alone cost on this model: both engines without factors.
     let baseline = rel_rms(&llama_cpp_logits(&src), &oracle_without);
