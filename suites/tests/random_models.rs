@@ -1,5 +1,5 @@
 //! Whole models of random shape, judged like the real ones: proptest draws an architecture
-//! (llama, qwen2, qwen3; one in four a MoE with or without a gated shared expert, softmax or
+//! (llama, qwen2, qwen3, phi3 with its fused Q/K/V and gate/up tensors; one in four a MoE with or without a gated shared expert, softmax or
 //! sigmoid gating), widths, head counts (MHA, GQA, MQA), head sizes, partial rotary, RoPE
 //! scaling (linear, YaRN, Llama 3.1 frequency factors), biases, QK-norm, a sliding window, tied or untied output and a weight type per
 //! matrix, writes the model as a GGUF file with random weights, feeds the ids to each device as
@@ -126,9 +126,14 @@ fn write_model(s: &Shape) -> Vec<u8> {
     for i in 0..s.n_layer {
         let n = |t: &str| format!("blk.{i}.{t}");
         vec(&mut w, &mut r, &n("attn_norm.weight"), d, 1.0);
-        mat(&mut w, &mut r, &n("attn_q.weight"), q, d);
-        mat(&mut w, &mut r, &n("attn_k.weight"), kv, d);
-        mat(&mut w, &mut r, &n("attn_v.weight"), kv, d);
+        if s.arch == "phi3" {
+            // Phi-3 keeps Q, K and V in one tensor (of one type, quantized or not), split by rows.
+            mat(&mut w, &mut r, &n("attn_qkv.weight"), q + 2 * kv, d);
+        } else {
+            mat(&mut w, &mut r, &n("attn_q.weight"), q, d);
+            mat(&mut w, &mut r, &n("attn_k.weight"), kv, d);
+            mat(&mut w, &mut r, &n("attn_v.weight"), kv, d);
+        }
         mat(&mut w, &mut r, &n("attn_output.weight"), d, q);
         // Q/K/V biases: always on qwen2; on llama and qwen3 with the output bias (Hugging Face's
         // `attention_bias` biases all four projections).
@@ -146,6 +151,11 @@ fn write_model(s: &Shape) -> Vec<u8> {
         }
         vec(&mut w, &mut r, &n("ffn_norm.weight"), d, 1.0);
         match s.moe {
+            // Phi-3: gate and up rows in one `ffn_up`.
+            None if s.arch == "phi3" => {
+                mat(&mut w, &mut r, &n("ffn_up.weight"), 2 * s.n_ff, d);
+                mat(&mut w, &mut r, &n("ffn_down.weight"), d, s.n_ff);
+            }
             None => {
                 mat(&mut w, &mut r, &n("ffn_gate.weight"), s.n_ff, d);
                 mat(&mut w, &mut r, &n("ffn_up.weight"), s.n_ff, d);
@@ -177,7 +187,7 @@ fn write_model(s: &Shape) -> Vec<u8> {
 
 fn shape() -> impl Strategy<Value = Shape> {
     (
-        (0usize..3, 1usize..9, 1usize..5, 1usize..4, 1usize..33, 0.0f64..1.0),
+        (0usize..4, 1usize..9, 1usize..5, 1usize..4, 1usize..33, 0.0f64..1.0),
         (1usize..3, 1usize..24, 0usize..4, any::<bool>(), any::<bool>(), 0usize..3, 20usize..600, any::<u64>()),
         (0usize..4, 1usize..9, 0.0f64..1.0, 0usize..3, any::<[bool; 3]>()),
     )
@@ -185,8 +195,10 @@ fn shape() -> impl Strategy<Value = Shape> {
             let head_dim = 8 * hd8; // 8..256
             // Half the models rotate whole heads (as every Hugging Face llama/qwen does), half part.
             let n_rot = if rot_frac >= 0.5 { head_dim } else { 2 * ((head_dim as f64 * rot_frac) as usize).clamp(1, head_dim / 2) };
+            // Phi-3 (fused Q/K/V and gate/up) is dense and unbiased.
+            let phi3 = arch == 3;
             Shape {
-                arch: ["llama", "qwen2", "qwen3"][arch],
+                arch: ["llama", "qwen2", "qwen3", "phi3"][arch],
                 // 16..112 (widths not a multiple of 32 take float weights only) or 256 (K-quants).
                 n_embd: if embd16 == 8 { 256 } else { 16 * embd16 },
                 n_head: n_kv * group,
@@ -197,12 +209,12 @@ fn shape() -> impl Strategy<Value = Shape> {
                 n_layer,
                 vocab,
                 scaling,
-                out_bias,
+                out_bias: out_bias && !phi3,
                 tied,
                 window: [0, 3, 7][window],
                 // One model in four is a MoE (qwen2 with experts is Qwen2-MoE; llama with
                 // experts is Mixtral-style).
-                moe: (moe == 0).then(|| {
+                moe: (moe == 0 && !phi3).then(|| {
                     let used = ((n_expert as f64 * used_frac) as usize).clamp(1, n_expert);
                     (n_expert, used, 16 * ff16.div_ceil(2), [0, 32, 16 * ff16][shared], shared_gate, sigmoid, normalize)
                 }),
@@ -271,7 +283,8 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
 /// them); llama Q/K rows (and biases) are un-interleaved as llama.cpp's
 /// converter interleaves them.
 fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Option<()> {
-    if s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
+    // Phi-3 checkpoints are checked in xtask's phi3 test (gguf-py writes them).
+    if s.arch == "phi3" || s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
         return None;
     }
     if let Some((_, _, _, shared_ff, shared_gate, sigmoid, normalize)) = s.moe {
@@ -708,4 +721,24 @@ fn llama3_frequency_factors_pass_on_every_device() {
     }
     let judged = judged.into_inner().unwrap();
     assert_eq!((judged.get("safetensors"), judged.get("cpu"), judged.get("fixed")), (Some(&2), Some(&3), Some(&3)), "{judged:?}");
+}
+
+/// Phi-3's fused tensors, quantized: every device reads `attn_q`/`attn_k`/`attn_v` and
+/// `ffn_gate`/`ffn_up` as row ranges of the stored `attn_qkv` and `ffn_up` (whole rows of
+/// whole blocks), and layer-diff passes everywhere; the seeds give the fused tensors block and
+/// K-quant types (checked, so the slicing of packed rows is what runs).
+#[test]
+fn phi3_fused_quantized_tensors_pass_on_every_device() {
+    let judged = Judged::default();
+    let base = Shape { arch: "phi3", n_embd: 256, n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, seed: 0 };
+    let mut fused_types = Vec::new();
+    for (seed, window) in [(41, 0), (42, 7), (43, 0), (44, 0)] {
+        let s = Shape { seed, window, ..base.clone() };
+        let g = oracle::gguf::GgufFile::from_bytes("phi3.gguf", write_model(&s)).unwrap();
+        fused_types.extend(g.tensors.iter().filter(|t| t.name.ends_with("attn_qkv.weight") || t.name.ends_with("ffn_up.weight")).map(|t| t.ty));
+        check(&s, 24, &judged).unwrap();
+    }
+    assert!(fused_types.iter().any(|t| t.block_size() == 256) && fused_types.iter().any(|t| t.block_size() == 32 && *t != GgmlType::F32), "{fused_types:?}");
+    let judged = judged.into_inner().unwrap();
+    assert_eq!((judged.get("cpu"), judged.get("fixed"), judged.get("external")), (Some(&4), Some(&4), Some(&4)), "{judged:?}");
 }
