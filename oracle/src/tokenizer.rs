@@ -25,6 +25,13 @@ fn tok_err(e: impl std::fmt::Display) -> OracleError {
 
 /// GPT-4-style split used by Qwen2 (and Qwen3) byte-level BPE.
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The GGUF pre-tokenizer names (`tokenizer.ggml.pre`) llama.cpp runs as Llama 3's split
+/// (with whole-token pre-tokens taken as is, and BOS added by default), as Qwen2's, and as
+/// GPT-2's; each group is one behaviour there.
+const LLAMA3_PRES: [&str; 9] = ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"];
+const QWEN2_PRES: [&str; 4] = ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"];
+const GPT2_PRES: [&str; 11] = ["gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert"];
+
 /// Llama-3 split (digits in groups of up to three).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -79,6 +86,7 @@ impl Tokenizer {
             .map(|(_, s)| AddedToken::from(s.to_string(), true))
             .collect();
         inner.add_special_tokens(specials).map_err(tok_err)?;
+        let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
         Ok(Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
@@ -89,8 +97,9 @@ impl Tokenizer {
                 }
                 eos
             },
-            // Absent, llama.cpp adds BOS for SentencePiece vocabularies and not for BPE ones.
-            add_bos: g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(model == "llama"),
+            // Absent, llama.cpp adds BOS for SentencePiece vocabularies and Llama 3's, not for
+            // other BPE ones.
+            add_bos: g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(model == "llama" || LLAMA3_PRES.contains(&pre)),
         })
     }
 
@@ -181,7 +190,7 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer
     let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
     // Llama 3 takes a pre-token that is a whole token as is, before any merge (as llama.cpp and
     // its tokenizer.json do): "Việt" is one token there, not the three its merges reach.
-    let whole_words = matches!(pre, "llama-bpe" | "llama3");
+    let whole_words = LLAMA3_PRES.contains(&pre);
     let bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(whole_words).build().map_err(tok_err)?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
     let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
@@ -191,11 +200,19 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer
         ))
     };
     let pre_tok = match pre {
-        "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
+        p if p == "default" || GPT2_PRES.contains(&p) => Sequence::new(vec![byte_level(true)]),
         "smollm" => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
-        "qwen2" => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
-        "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
-        other => return Err(tok_err(format!("{}: tokenizer.ggml.pre `{other}` is not supported (default, gpt2, smollm, qwen2, llama-bpe)", g.path))),
+        p if QWEN2_PRES.contains(&p) => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
+        p if LLAMA3_PRES.contains(&p) => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
+        other => {
+            return Err(tok_err(format!(
+                "{}: tokenizer.ggml.pre `{other}` is not supported (default, smollm, {}, {}, {})",
+                g.path,
+                GPT2_PRES.join(", "),
+                QWEN2_PRES.join(", "),
+                LLAMA3_PRES.join(", ")
+            )))
+        }
     };
     inner.with_pre_tokenizer(Some(pre_tok));
     inner.with_decoder(Some(ByteLevelDecoder::default()));

@@ -599,6 +599,30 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
     }
 }
 
+/// Whether a tokenizer puts BOS first when its GGUF does not say (`add_bos_token` absent): as
+/// llama.cpp does for each of its test vocabularies (SentencePiece and Llama 3: yes; GPT-2 and
+/// Qwen2: no), through `tokenize`. Skips without the vocabularies (tools/reference/llama_vocab.py)
+/// or the llama.cpp bindings.
+#[test]
+fn bos_defaults_match_llama_cpp_when_available() {
+    let dir = fixtures::cache_dir().join("llama-vocab");
+    let vocabs: Vec<PathBuf> = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2"].iter().map(|v| dir.join(format!("ggml-vocab-{v}.gguf"))).filter(|p| p.exists()).collect();
+    if vocabs.is_empty() {
+        eprintln!("SKIPPED: no llama.cpp vocabularies in {} (python3 tools/reference/llama_vocab.py)", dir.display());
+        return;
+    }
+    if !llama_cpp_installed() {
+        return;
+    }
+    for v in &vocabs {
+        let script = format!("from llama_cpp import Llama\nm = Llama(model_path={:?}, vocab_only=True, verbose=False)\nprint(','.join(map(str, m.tokenize(b'Hello world', add_bos=True))))", v.display().to_string());
+        let o = Command::new("python3").args(["-c", &script]).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let ours = xtask(&["tokenize", "--model", v.to_str().unwrap(), "--text", "Hello world"], &[]);
+        assert_eq!(String::from_utf8_lossy(&ours.stdout).trim(), String::from_utf8_lossy(&o.stdout).trim(), "{}", v.display());
+    }
+}
+
 /// llama.cpp (through the PyPI `llama-cpp-python` bindings, when installed) on the same Q4_1 GGUF:
 /// its CPU path also multiplies Q4_1 weights with Q8 activations, so the `cpu` device should
 /// produce the same greedy tokens up to a first difference at a near tie of the oracle's logits.
