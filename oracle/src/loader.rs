@@ -526,16 +526,23 @@ fn unfused(src: Box<dyn TensorSource>, spec: &ModelSpec) -> Box<dyn TensorSource
     }
 }
 
-/// The tokenizer a GGUF file carries in its metadata, if any. A tokenizer of another kind than
-/// the byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) this reader builds — `t5`,
-/// `bert`, ... — is no tokenizer here: the model still runs on token ids, and a command given
-/// text says it needs ids. A malformed tokenizer of a built kind, or a model name that is not a
-/// string, is an error.
+/// The tokenizer a GGUF file carries in its metadata, if any. One of a kind or with a
+/// pre-tokenizer this reader does not build (`tokenizer::gguf_gap` says which) is no tokenizer
+/// here: the model still runs on token ids, and a command given text says why it needs ids. A
+/// malformed tokenizer of a built kind, or a model name that is not a string, is an error.
 fn gguf_tokenizer(g: &GgufFile) -> Result<Option<Tokenizer>> {
-    match g.field("tokenizer.ggml.model", |v| v.as_str(), "a string").map_err(|e| OracleError::Tokenizer(e.to_string()))? {
-        None => Ok(None),
-        Some(m) if !matches!(m, "gpt2" | "llama") => Ok(None),
-        Some(_) => Ok(Some(Tokenizer::from_gguf(g)?)),
+    match crate::tokenizer::gguf_gap(g)? {
+        Some(_) => Ok(None),
+        None => Ok(Some(Tokenizer::from_gguf(g)?)),
+    }
+}
+
+/// Why a model has no tokenizer this tool builds (for a command given text), or None when it has one.
+pub fn tokenizer_gap(path: &Path) -> Result<Option<String>> {
+    if path.is_dir() {
+        Ok((!path.join("tokenizer.json").exists()).then(|| "its directory has no tokenizer.json".to_string()))
+    } else {
+        crate::tokenizer::gguf_gap(&GgufFile::open(path)?)
     }
 }
 

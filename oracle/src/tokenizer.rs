@@ -174,6 +174,43 @@ impl Tokenizer {
     }
 }
 
+/// The split a byte-level BPE pre-tokenizer name stands for.
+enum PreSplit {
+    Gpt2,
+    SmolLm,
+    Qwen2,
+    Llama3,
+}
+
+fn pre_split(pre: &str) -> std::result::Result<PreSplit, String> {
+    match pre {
+        p if p == "default" || GPT2_PRES.contains(&p) => Ok(PreSplit::Gpt2),
+        "smollm" => Ok(PreSplit::SmolLm),
+        p if QWEN2_PRES.contains(&p) => Ok(PreSplit::Qwen2),
+        p if LLAMA3_PRES.contains(&p) => Ok(PreSplit::Llama3),
+        other => Err(format!(
+            "tokenizer.ggml.pre `{other}` is not supported (default, smollm, {}, {}, {})",
+            GPT2_PRES.join(", "),
+            QWEN2_PRES.join(", "),
+            LLAMA3_PRES.join(", ")
+        )),
+    }
+}
+
+/// Why this tool builds no tokenizer from a GGUF's metadata — none stored, a kind other than
+/// `gpt2` and `llama`, a pre-tokenizer it does not know — or None when it builds one (which may
+/// still fail on malformed metadata). Such a model runs on token ids.
+pub fn gguf_gap(g: &GgufFile) -> Result<Option<String>> {
+    let model = g.field("tokenizer.ggml.model", |v| v.as_str(), "a string").map_err(tok_err)?;
+    let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
+    Ok(match model {
+        None => Some("it stores no tokenizer (`tokenizer.ggml.model`)".into()),
+        Some("gpt2") => pre_split(pre).err(),
+        Some("llama") => None,
+        Some(other) => Some(format!("its tokenizer kind `{other}` is not one this tool builds (byte-level BPE `gpt2`, SentencePiece `llama`)")),
+    })
+}
+
 /// Byte-level BPE (`gpt2`) from a GGUF's vocabulary, merges and pre-tokenizer name.
 fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
     let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
@@ -199,20 +236,11 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer
             Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
         ))
     };
-    let pre_tok = match pre {
-        p if p == "default" || GPT2_PRES.contains(&p) => Sequence::new(vec![byte_level(true)]),
-        "smollm" => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
-        p if QWEN2_PRES.contains(&p) => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
-        p if LLAMA3_PRES.contains(&p) => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
-        other => {
-            return Err(tok_err(format!(
-                "{}: tokenizer.ggml.pre `{other}` is not supported (default, smollm, {}, {}, {})",
-                g.path,
-                GPT2_PRES.join(", "),
-                QWEN2_PRES.join(", "),
-                LLAMA3_PRES.join(", ")
-            )))
-        }
+    let pre_tok = match pre_split(pre).map_err(|e| tok_err(format!("{}: {e}", g.path)))? {
+        PreSplit::Gpt2 => Sequence::new(vec![byte_level(true)]),
+        PreSplit::SmolLm => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
+        PreSplit::Qwen2 => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
+        PreSplit::Llama3 => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
     };
     inner.with_pre_tokenizer(Some(pre_tok));
     inner.with_decoder(Some(ByteLevelDecoder::default()));

@@ -761,16 +761,24 @@ fn a_sentencepiece_gguf_runs_on_text() {
     }
 }
 
-/// A GGUF whose tokenizer is of a kind this tool does not build (`t5`'s Unigram, here) still runs on token ids, on the oracle and on a device; text asks for
+/// A GGUF whose tokenizer is of a kind (`t5`'s Unigram) or has a pre-tokenizer (`starcoder`) this
+/// tool does not build still runs on token ids, on the oracle and on a device; text asks for
 /// ids instead. A tokenizer model that is not a string stays an error naming the key.
 #[test]
 fn a_gguf_with_an_unbuilt_tokenizer_runs_on_token_ids_and_asks_for_them_for_text() {
     let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    for (value, ok) in [(oracle::gguf::Value::String("t5".into()), true), (oracle::gguf::Value::U32(1), false)] {
+    use oracle::gguf::Value;
+    // (key, value, runs on ids, why text is refused)
+    let cases = [
+        ("tokenizer.ggml.model", Value::String("t5".into()), true, "tokenizer kind `t5`"),
+        ("tokenizer.ggml.pre", Value::String("starcoder".into()), true, "tokenizer.ggml.pre `starcoder` is not supported"),
+        ("tokenizer.ggml.model", Value::U32(1), false, ""),
+    ];
+    for (key, value, ok, why) in cases {
         let mut w = oracle::gguf::GgufWriter::new();
         for (k, v) in &g.metadata {
-            w.meta(k, if k == "tokenizer.ggml.model" { value.clone() } else { v.clone() });
+            w.meta(k, if k == key { value.clone() } else { v.clone() });
         }
         for t in &g.tensors {
             w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
@@ -792,7 +800,10 @@ fn a_gguf_with_an_unbuilt_tokenizer_runs_on_token_ids_and_asks_for_them_for_text
         if ok {
             let o = xtask(&["run", "--model", model, "--prompt", "hello", "--device", "ref"], &[]);
             assert_eq!(o.status.code(), Some(2));
-            assert!(stderr(&o).contains("has no tokenizer this tool builds") && stderr(&o).contains("use --prompt-ids"), "{}", stderr(&o));
+            assert!(stderr(&o).contains("has no tokenizer this tool builds") && stderr(&o).contains(why) && stderr(&o).contains("use --prompt-ids"), "{}", stderr(&o));
+            let o = xtask(&["tokenize", "--model", model, "--text", "hello"], &[]);
+            assert_eq!(o.status.code(), Some(2));
+            assert!(stderr(&o).contains(why), "{}", stderr(&o));
         }
     }
 }

@@ -62,6 +62,16 @@ pub fn resolve_model(model: &str) -> Result<PathBuf, Exit> {
     Ok(::fixtures::resolve(model, false)?)
 }
 
+/// The reason a model (at `path`) has no tokenizer this tool builds, for a command given text.
+pub fn no_tokenizer(model: &str, path: &std::path::Path) -> String {
+    let why = match oracle::loader::tokenizer_gap(path) {
+        Ok(Some(why)) => why,
+        Ok(None) => "its tokenizer was not built".into(),
+        Err(e) => e.to_string(),
+    };
+    format!("model `{model}` has no tokenizer this tool builds: {why}")
+}
+
 /// What a model runs on: the oracle, or a device's own model (which loads its own weights, so the
 /// oracle's f32 copy is never built for device runs).
 #[allow(clippy::large_enum_variant)] // one per command, never in a collection

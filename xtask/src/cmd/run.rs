@@ -50,13 +50,13 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
     if !(a.temperature >= 0.0 && a.top_p > 0.0 && a.top_p <= 1.0) {
         return Err(Exit { code: 2, message: "--temperature must be >= 0 and --top-p in (0, 1]".into() });
     }
-    let (_, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
+    let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
     let prompt = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => parse_ids(ids)?,
         (Some(text), None) => {
             let tok = tok.as_ref().ok_or_else(|| Exit {
                 code: 2,
-                message: format!("model `{}` has no tokenizer this tool builds (a GGUF's byte-level BPE `gpt2` or SentencePiece `llama` tokenizer, or a tokenizer.json beside a checkpoint); use --prompt-ids", a.model),
+                message: format!("{}; use --prompt-ids", super::no_tokenizer(&a.model, &path)),
             })?;
             let ids = tok.encode(text)?;
             if ids.is_empty() {

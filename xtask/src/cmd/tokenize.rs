@@ -26,10 +26,7 @@ pub struct TokenizeArgs {
 
 pub fn main(a: TokenizeArgs) -> Result<u8, Exit> {
     let path = resolve_model(&a.model)?;
-    let tok = oracle::loader::open_tokenizer(&path)?.ok_or_else(|| Exit {
-        code: 2,
-        message: format!("model `{}` has no tokenizer this tool builds (a GGUF's byte-level BPE `gpt2` or SentencePiece `llama` tokenizer, or a tokenizer.json beside a checkpoint)", a.model),
-    })?;
+    let tok = oracle::loader::open_tokenizer(&path)?.ok_or_else(|| Exit { code: 2, message: super::no_tokenizer(&a.model, &path) })?;
     let (ids, text) = match (&a.text, &a.ids) {
         (Some(t), None) => {
             let text = if t == "-" {
