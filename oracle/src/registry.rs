@@ -310,7 +310,8 @@ fn add_bias_ref(c: &OpCase) -> Result<Vec<Output>> {
 /// The RoPE configuration a `rope` case describes. Scaling codes in case params: 0 none,
 /// 1 linear x4, 2 YaRN x4 over a 128-position original context, 3 Llama 3.1's per-pair
 /// frequency factors (x8, low/high frequency factors 1 and 4, a 64-position original context, so
-/// the cases' pairs fall in all three bands). Devices and the suite read a case's configuration
+/// the cases' pairs fall in all three bands), 4 Phi-3's LongRoPE (per-pair factors rising from 1
+/// to 3.5, cos and sin scaled by 1.19). Devices and the suite read a case's configuration
 /// through this one function.
 pub fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
     let (theta, n_rot) = (c.p("theta")?, c.pu("n_rot")?);
@@ -318,23 +319,27 @@ pub fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
         0 => (RopeScaling::None, None),
         1 => (RopeScaling::Linear { factor: 4.0 }, None),
         2 => (RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 }, None),
-        _ => (RopeScaling::None, Some(crate::spec::llama3_freq_factors(theta, n_rot, 8.0, 1.0, 4.0, 64))),
+        3 => (RopeScaling::None, Some(crate::spec::llama3_freq_factors(theta, n_rot, 8.0, 1.0, 4.0, 64))),
+        _ => (RopeScaling::LongRope { attn_factor: LONGROPE_CASE_ATTN_FACTOR }, Some((0..n_rot / 2).map(|i| (1.0 + 2.5 * i as f64 / (n_rot / 2) as f64) as f32).collect())),
     };
     Ok(RopeSpec { style: if c.pu("neox")? == 1 { RopeStyle::Neox } else { RopeStyle::Normal }, theta, n_rot, scaling, freq_factors })
 }
+
+/// The cos/sin scale of the LongRoPE rope cases (Phi-3-mini-128k's: sqrt(1 + ln 32 / ln 4096)).
+pub const LONGROPE_CASE_ATTN_FACTOR: f64 = 1.190_238_071_423_808_3;
 
 fn rope_cases(base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for (n_head, hd, n_rot) in [(1usize, 8usize, 8usize), (3, 64, 64), (9, 64, 64), (2, 64, 32)] {
         for neox in [0, 1] {
-            for scaling in [0, 1, 2, 3] {
+            for scaling in [0, 1, 2, 3, 4] {
                 for (theta, variant) in [10_000.0, 1_000_000.0].into_iter().flat_map(|t| (0..3u64).map(move |v| (t, v))) {
                     let seed = seed_of(base, (n_head * 1000 + hd + neox * 7 + scaling) as u64 * 4 + variant);
                     let mut r = SplitMix64(seed);
                     let positions = [0usize, 1, 7, 300, 4095];
                     let x = activations(&mut r, positions.len(), n_head * hd);
                     let style = if neox == 1 { "neox" } else { "normal" };
-                    let sc = ["none", "linear", "yarn", "llama3"][scaling];
+                    let sc = ["none", "linear", "yarn", "llama3", "longrope"][scaling];
                     v.push(case(
                         "rope",
                         format!("rope(style={style},scaling={sc},theta={theta:e},heads={n_head},head_dim={hd},n_rot={n_rot},seed={seed})"),
@@ -579,7 +584,7 @@ pub fn registry() -> Vec<OpEntry> {
         OpEntry { name: "matmul", summary: "y = x W^T, W in any GGUF type", rule: ToleranceRule::Dot, cases: matmul_cases, reference: matmul_ref, flops: matmul_flops, bytes: n_f32 },
         OpEntry { name: "add_bias", summary: "x + b per row", rule: ToleranceRule::Elementwise, cases: |b| binary_cases("add_bias", b), reference: add_bias_ref, flops: elems, bytes: n_f32 },
         OpEntry { name: "add", summary: "residual add", rule: ToleranceRule::Elementwise, cases: |b| binary_cases("add", b), reference: add_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "rope", summary: "rotary embedding, normal/neox, none/linear/yarn", rule: ToleranceRule::Transcendental, cases: rope_cases, reference: rope_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { name: "rope", summary: "rotary embedding, normal/neox, none/linear/yarn/llama3 factors/longrope", rule: ToleranceRule::Transcendental, cases: rope_cases, reference: rope_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { name: "qk_norm", summary: "per-head RMSNorm over head_dim (Qwen3)", rule: ToleranceRule::RowReduction, cases: qk_norm_cases, reference: qk_norm_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { name: "attention", summary: "causal GQA attention over a KV cache, optional window", rule: ToleranceRule::Dot, cases: attention_cases, reference: attention_ref, flops: attention_flops, bytes: n_f32 },
         OpEntry { name: "softmax", summary: "row softmax, max-subtracted", rule: ToleranceRule::RowReduction, cases: softmax_cases, reference: softmax_ref, flops: per_elem_flops, bytes: n_f32 },

@@ -35,6 +35,10 @@ pub enum RopeScaling {
         ext_factor: f64,
         attn_factor: f64,
     },
+    /// Phi-3's LongRoPE: per-pair factors (`RopeSpec::freq_factors`, the short ones, which an
+    /// engine running at most the original context uses) divide the angles, and `attn_factor`
+    /// scales every cos and sin.
+    LongRope { attn_factor: f64 },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -205,6 +209,12 @@ impl ModelSpec {
                 }
                 pos(original_context, "rope scaling original context length")?;
             }
+            RopeScaling::LongRope { attn_factor } => {
+                positive(attn_factor, "attention factor")?;
+                if self.rope.freq_factors.is_none() {
+                    return Err(spec_err("LongRoPE scaling without its per-pair frequency factors"));
+                }
+            }
         }
         if let Some(f) = &self.rope.freq_factors {
             if f.len() != self.rope.n_rot / 2 {
@@ -306,17 +316,14 @@ impl ModelSpec {
             }
             _ => None,
         };
-        // Phi-3 128k's LongRoPE: which factors apply depends on the context an engine runs at,
-        // and its attention factor scales every angle's cos and sin; neither is modelled here.
-        if let Some(t) = ["rope_factors_long.weight", "rope_factors_short.weight"].into_iter().find(|t| has(t)) {
-            return Err(spec_err(format!("{}: tensor `{t}`: LongRoPE frequency factors (Phi-3 128k context) are not supported", g.path)));
-        }
-        // Llama 3.1-style per-pair frequency factors: one finite positive value per rotated pair.
+        // Per-pair frequency factors, one finite positive value per rotated pair: Llama 3.1's
+        // `rope_freqs`, or Phi-3 128k's LongRoPE pair, of which an engine at most at the original
+        // context (as llama.cpp then, and Transformers up to that many positions) uses the short.
         let n_rot = opt_u("rope.dimension_count")?.unwrap_or(head_dim);
-        let freq_factors = match g.tensor("rope_freqs.weight") {
-            None => None,
-            Some(t) => {
-                let bad = |why: String| spec_err(format!("{}: tensor `rope_freqs.weight` {why}", g.path));
+        let factors = |name: &str| -> Result<Option<Vec<f32>>> {
+            let Some(t) = g.tensor(name) else { return Ok(None) };
+            {
+                let bad = |why: String| spec_err(format!("{}: tensor `{name}` {why}", g.path));
                 let f = g.tensor_f32(t).map_err(|e| bad(e.to_string()))?;
                 if f.len() != n_rot / 2 {
                     return Err(bad(format!("holds {} values, but rope.dimension_count {n_rot} makes {} rotated pairs, one factor each", f.len(), n_rot / 2)));
@@ -324,8 +331,18 @@ impl ModelSpec {
                 if let Some((i, v)) = f.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
                     return Err(bad(format!("holds {v} at element {i}; RoPE frequency factors must be finite and positive")));
                 }
-                Some(f)
+                Ok(Some(f))
             }
+        };
+        let (short, long) = (factors("rope_factors_short.weight")?, factors("rope_factors_long.weight")?);
+        let mut scaling = scaling;
+        let freq_factors = match (factors("rope_freqs.weight")?, short, long) {
+            (f, None, None) => f,
+            (None, Some(short), Some(_)) if scaling == RopeScaling::None => {
+                scaling = RopeScaling::LongRope { attn_factor: opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0) };
+                Some(short)
+            }
+            _ => return Err(spec_err(format!("{}: LongRoPE needs both `rope_factors_short.weight` and `rope_factors_long.weight`, without `rope_freqs.weight` or another rope scaling", g.path))),
         };
         let mut spec = ModelSpec {
             arch: arch.clone(),
@@ -388,7 +405,8 @@ impl ModelSpec {
         match name {
             "token_embd.weight" | "output_norm.weight" => return true,
             "output.weight" => return !self.tied_output,
-            "rope_freqs.weight" => return self.rope.freq_factors.is_some(),
+            "rope_freqs.weight" => return self.rope.freq_factors.is_some() && !matches!(self.rope.scaling, RopeScaling::LongRope { .. }),
+            "rope_factors_short.weight" | "rope_factors_long.weight" => return matches!(self.rope.scaling, RopeScaling::LongRope { .. }),
             _ => {}
         }
         let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return false };
@@ -520,7 +538,34 @@ impl ModelSpec {
                         freq_factors = Some(llama3_freq_factors(theta, head_dim, factor, low, high, original));
                         RopeScaling::None
                     }
-                    other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn, llama3)"))),
+                    // Phi-3's LongRoPE ("su" in its first configs): the short factors (what an
+                    // engine at most at the original context uses), and cos/sin scaled by
+                    // `attention_factor`, by default sqrt(1 + ln(s) / ln(original)) for the
+                    // extension s = max_position_embeddings / original (1 when s <= 1).
+                    "longrope" | "su" => {
+                        let pairs = |k: &str| -> Result<Vec<f32>> {
+                            let xs = s.typed(k, |v| v.as_array(), "an array of numbers")?.ok_or_else(|| err(format!("config.json: {}longrope scaling needs `{k}`", s.at)))?;
+                            let f: Vec<f32> = xs.iter().map(|x| x.as_f64().map(|x| x as f32).filter(|x| x.is_finite() && *x > 0.0)).collect::<Option<_>>().ok_or_else(|| err(format!("config.json: `{}{k}` holds a value that is not a finite positive number", s.at)))?;
+                            if f.len() != head_dim / 2 {
+                                return Err(err(format!("config.json: `{}{k}` has {} values for {} rotated pairs", s.at, f.len(), head_dim / 2)));
+                            }
+                            Ok(f)
+                        };
+                        let (short, _long) = (pairs("short_factor")?, pairs("long_factor")?);
+                        let original = match s.u("original_max_position_embeddings")? {
+                            Some(o) => o,
+                            None => top.u("original_max_position_embeddings")?.ok_or_else(|| err("config.json: longrope scaling needs `original_max_position_embeddings`".into()))?,
+                        };
+                        let extension = ctx as f64 / original.max(1) as f64;
+                        let attn_factor = match s.f("attention_factor")? {
+                            Some(a) => a,
+                            None if extension <= 1.0 || original <= 1 => 1.0,
+                            None => (1.0 + extension.ln() / (original as f64).ln()).sqrt(),
+                        };
+                        freq_factors = Some(short);
+                        RopeScaling::LongRope { attn_factor }
+                    }
+                    other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn, llama3, longrope)"))),
                 }
             }
         };
@@ -685,5 +730,34 @@ mod tests {
             assert!(e.contains(want), "{extra}: {e}");
         }
         assert!(qwen3_moe(serde_json::json!({"mlp_only_layers": []})).is_ok());
+    }
+
+    /// Phi-3's config: fused tensors, its window, and LongRoPE's short factors with the attention
+    /// factor Transformers derives (sqrt(1 + ln 32 / ln 4096) for 131072 over 4096 positions)
+    /// unless given; factors of the wrong count or sign are refused naming the key.
+    #[test]
+    fn phi3_configs_read_longrope() {
+        let phi3 = |rope: serde_json::Value| {
+            let cfg = serde_json::json!({"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
+                "intermediate_size": 96, "sliding_window": 2047, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_scaling": rope});
+            ModelSpec::from_hf_config(&cfg, "config.json")
+        };
+        let short: Vec<f64> = (0..8).map(|i| 1.0 + i as f64 / 8.0).collect();
+        let s = phi3(serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": vec![4.0; 8]})).unwrap();
+        assert!(s.fused && s.sliding_window == Some(2047));
+        let RopeScaling::LongRope { attn_factor } = s.rope.scaling else { panic!("{:?}", s.rope.scaling) };
+        assert!((attn_factor - (1.0 + 32f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12, "{attn_factor}");
+        assert_eq!(s.rope.freq_factors.as_deref().unwrap()[1], 1.125);
+        let given = phi3(serde_json::json!({"rope_type": "longrope", "short_factor": short, "long_factor": short, "attention_factor": 1.5})).unwrap();
+        assert_eq!(given.rope.scaling, RopeScaling::LongRope { attn_factor: 1.5 });
+        assert!(phi3(serde_json::Value::Null).unwrap().rope.scaling == RopeScaling::None);
+        for (rope, want) in [
+            (serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": short}), "`rope_scaling.short_factor` has 1 values for 8 rotated pairs"),
+            (serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": [-1.0, 1, 1, 1, 1, 1, 1, 1]}), "`rope_scaling.long_factor` holds a value that is not a finite positive number"),
+            (serde_json::json!({"type": "longrope", "short_factor": short}), "needs `long_factor`"),
+        ] {
+            let e = phi3(rope.clone()).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(want), "{rope}: {e}");
+        }
     }
 }

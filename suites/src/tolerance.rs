@@ -152,7 +152,11 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
             let hd = case.pu("head_dim").unwrap_or(1);
             let n_rot = case.pu("n_rot").unwrap_or(hd);
             let neox = case.pu("neox").unwrap_or(0) == 1;
-            let mscale = if case.pu("scaling").unwrap_or(0) == 2 { 1.0 + 0.1 * 4f64.ln() } else { 1.0 };
+            let mscale = match case.pu("scaling").unwrap_or(0) {
+                2 => 1.0 + 0.1 * 4f64.ln(),
+                4 => oracle::registry::LONGROPE_CASE_ATTN_FACTOR,
+                _ => 1.0,
+            };
             let yy = y(0);
             let b = (0..x.data.len())
                 .map(|i| {

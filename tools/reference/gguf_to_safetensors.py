@@ -84,7 +84,12 @@ def main():
         "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight" if mixtral else "mlp.experts.{e}.down_proj.weight",
     }
     tensors = []
+    longrope = {}
     for t in r.tensors:
+        if t.name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+            # Phi-3's LongRoPE factors live in config.json.
+            longrope[t.name.split("_")[2].split(".")[0]] = [float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type)]
+            continue
         if t.name in names:
             hf = names[t.name]
         else:
@@ -144,6 +149,10 @@ def main():
                                "original_max_position_embeddings": field(r, f"{arch}.rope.scaling.original_context_length")}
     elif scaling != "none":
         raise SystemExit(f"{a.gguf}: rope scaling {scaling!r} has no Hugging Face config here")
+    if longrope:
+        cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": longrope["short"], "long_factor": longrope["long"],
+                               "attention_factor": field(r, f"{arch}.rope.scaling.attn_factor", 1.0)}
+        cfg["original_max_position_embeddings"] = cfg["max_position_embeddings"]
     with open(os.path.join(a.out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     print(f"{a.out_dir}: {len(tensors)} tensors as {a.dtype}, {offset / 2**20:.1f} MiB")

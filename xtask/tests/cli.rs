@@ -521,7 +521,8 @@ fn llama_cpp_installed() -> bool {
 /// model, so each device's logits are byte-identical between the two files (packed rows sliced
 /// out of the fused tensors); gate and up joined the other way round are not. When llama-cpp-python is installed,
 /// llama.cpp's logits on the phi3 file are as close to the oracle's as on the qwen2 file (and
-/// the swapped file is far from both).
+/// the swapped file is far from both); with LongRoPE factors, llama.cpp and the oracle agree as
+/// closely, and the oracle without them is far.
 #[test]
 fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
     use oracle::gguf::Value;
@@ -537,7 +538,12 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
     };
     let dims = |name: &str| g.tensor(name).unwrap().dims.clone();
     let n_layer = g.tensors.iter().filter(|t| t.name.ends_with("attn_norm.weight")).count();
-    let write = |arch: &str, fused: Option<bool>, path: &Path| {
+    // Phi-3 128k's LongRoPE: short factors rising 1..3.5, long ones four times those (an engine
+    // at most at the original context uses the short), cos and sin scaled by 1.19.
+    let half = oracle::spec::ModelSpec::from_gguf(&g).unwrap().rope.n_rot / 2;
+    let short: Vec<f32> = (0..half).map(|i| 1.0 + 2.5 * i as f32 / half as f32).collect();
+    let long: Vec<f32> = short.iter().map(|f| 4.0 * f).collect();
+    let write = |arch: &str, fused: Option<bool>, longrope: bool, path: &Path| {
         let mut w = oracle::gguf::GgufWriter::new();
         for (k, v) in &g.metadata {
             match k.strip_prefix("llama.") {
@@ -563,13 +569,21 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
                 w.tensor(&n("ffn_up.weight"), &[d[0], 2 * d[1]], oracle::quant::GgmlType::Q4_K, gu);
             }
         }
+        if longrope {
+            w.meta(&format!("{arch}.rope.scaling.attn_factor"), Value::F32(1.19));
+            for (name, f) in [("rope_factors_short.weight", &short), ("rope_factors_long.weight", &long)] {
+                w.tensor(name, &[half as u64], oracle::quant::GgmlType::F32, f.iter().flat_map(|v| v.to_le_bytes()).collect());
+            }
+        }
         w.write_to(path).unwrap();
     };
     let dir = tempfile::tempdir().unwrap();
     let (separate, phi3, swapped) = (dir.path().join("qwen2.gguf"), dir.path().join("phi3.gguf"), dir.path().join("phi3-swapped.gguf"));
-    write("qwen2", None, &separate);
-    write("phi3", Some(true), &phi3);
-    write("phi3", Some(false), &swapped);
+    let longrope = dir.path().join("phi3-longrope.gguf");
+    write("qwen2", None, false, &separate);
+    write("phi3", Some(true), false, &phi3);
+    write("phi3", Some(false), false, &swapped);
+    write("phi3", Some(true), true, &longrope);
     let ids = tiny_ids_48();
     let logits = |model: &Path, device: &str| dump_logits(model, device, &ids, &dir.path().join(format!("{}-{device}", model.file_stem().unwrap().to_string_lossy())));
     for device in ["ref", "cpu", "gpu-emu", "fixed"] {
@@ -578,17 +592,26 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
         let off = rel_rms(&logits(&swapped, device), &a);
         assert!(off > 1e-2, "{device}: gate and up swapped should change the logits, relative RMS {off:.2e}");
     }
-    // The same model as a Phi-3 checkpoint (`qkv_proj`, `gate_up_proj`), dequantized by gguf-py
-    // to the values the oracle decodes (so on the oracle only: a device multiplies Q4_K rows
-    // otherwise than f32 ones).
-    let ckpt = dir.path().join("phi3-hf");
+    // LongRoPE passes layer-diff on every device (their RoPE tables take the factors and the
+    // cos/sin scale) and moves the logits.
+    for device in ["cpu", "gpu-emu", "fixed"] {
+        let o = xtask(&["layer-diff", "--model", longrope.to_str().unwrap(), "--device", device, "--prompt-ids", &ids, "--report-dir", dir.path().join(format!("ld-{device}")).to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", stderr(&o));
+    }
+    assert!(rel_rms(&logits(&longrope, "ref"), &logits(&phi3, "ref")) > 1e-2, "LongRoPE should change the logits");
+    // The same models as Phi-3 checkpoints (`qkv_proj`, `gate_up_proj`; LongRoPE's factors and
+    // attention factor in config.json), dequantized by gguf-py to the values the oracle decodes
+    // (so on the oracle only: a device multiplies Q4_K rows otherwise than f32 ones).
     let script = fixtures::workspace_root().join("tools/reference/gguf_to_safetensors.py");
-    let o = Command::new("python3").arg(&script).arg(&phi3).arg(&ckpt).args(["--dtype", "f32"]).output().unwrap();
-    if o.status.success() {
-        assert!(logits(&ckpt, "ref") == logits(&phi3, "ref"), "the phi3 checkpoint's logits differ from its GGUF's");
-    } else {
-        assert!(String::from_utf8_lossy(&o.stderr).contains("No module named"), "{}", String::from_utf8_lossy(&o.stderr));
-        eprintln!("SKIPPED (checkpoint part): gguf-py is not installed (pip install -r tools/reference/requirements.txt)");
+    for gguf in [&phi3, &longrope] {
+        let ckpt = dir.path().join(format!("{}-hf", gguf.file_stem().unwrap().to_string_lossy()));
+        let o = Command::new("python3").arg(&script).arg(gguf).arg(&ckpt).args(["--dtype", "f32"]).output().unwrap();
+        if o.status.success() {
+            assert!(logits(&ckpt, "ref") == logits(gguf, "ref"), "{}: the checkpoint's logits differ from its GGUF's", gguf.display());
+        } else {
+            assert!(String::from_utf8_lossy(&o.stderr).contains("No module named"), "{}", String::from_utf8_lossy(&o.stderr));
+            eprintln!("SKIPPED (checkpoint part): gguf-py is not installed (pip install -r tools/reference/requirements.txt)");
+        }
     }
     if llama_cpp_installed() {
         let oracle = logits(&separate, "ref");
@@ -596,6 +619,10 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
             (rel_rms(&llama_cpp_logits(&separate, &ids), &oracle), rel_rms(&llama_cpp_logits(&phi3, &ids), &oracle), rel_rms(&llama_cpp_logits(&swapped, &ids), &oracle));
         eprintln!("llama.cpp vs the oracle (relative RMS, 48 positions): qwen2 file {baseline:.2e}, phi3 file {phi3_err:.2e}, phi3 with gate/up swapped {swapped_err:.2e}");
         assert!(phi3_err <= 2.0 * baseline.max(1e-6) && swapped_err > 10.0 * phi3_err, "{baseline:.3e} {phi3_err:.3e} {swapped_err:.3e}");
+        let theirs = llama_cpp_logits(&longrope, &ids);
+        let (same, without) = (rel_rms(&theirs, &logits(&longrope, "ref")), rel_rms(&theirs, &logits(&phi3, "ref")));
+        eprintln!("llama.cpp with LongRoPE vs the oracle with it {same:.2e}, without it {without:.2e}");
+        assert!(same <= 2.0 * baseline.max(1e-6) && without > 10.0 * same, "{baseline:.3e} {same:.3e} {without:.3e}");
     }
 }
 

@@ -21,6 +21,7 @@ pub fn rope_cos_sin(spec: &RopeSpec, pos: usize, i: usize) -> (f64, f64) {
     let (theta, mscale) = match spec.scaling {
         RopeScaling::None => (theta_extrap, 1.0),
         RopeScaling::Linear { factor } => (theta_extrap / factor, 1.0),
+        RopeScaling::LongRope { attn_factor } => (theta_extrap, attn_factor),
         RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
             let freq_scale = 1.0 / factor;
             let theta_interp = freq_scale * theta_extrap;
