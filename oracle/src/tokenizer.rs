@@ -32,6 +32,24 @@ const LLAMA3_PRES: [&str; 9] = ["llama3", "llama-v3", "llama-bpe", "falcon3", "f
 const QWEN2_PRES: [&str; 4] = ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"];
 const GPT2_PRES: [&str; 11] = ["gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert"];
 
+/// DeepSeek LLM's and DeepSeek Coder's splits: regular expressions applied one after another,
+/// each splitting the pieces the previous left (as their tokenizer.json and llama.cpp do).
+const DEEPSEEK_LLM_PATTERNS: [&str; 6] = [
+    "[\r\n]",
+    "\\s?[A-Za-z\u{B5}\u{C0}-\u{D6}\u{D8}-\u{F6}\u{F8}-\u{1BA}\u{1BC}-\u{1BF}\u{1C4}-\u{293}\u{295}-\u{2AF}\u{370}-\u{373}\u{376}\u{377}\u{37B}-\u{37D}\u{37F}\u{386}\u{388}-\u{38A}\u{38C}\u{38E}-\u{3A1}\u{3A3}-\u{3F5}\u{3F7}-\u{481}\u{48A}-\u{52F}\u{531}-\u{556}\u{10A0}-\u{10C5}\u{13A0}-\u{13F5}\u{13F8}-\u{13FD}\u{1C90}-\u{1CBA}\u{1CBD}-\u{1CBF}\u{1D00}-\u{1D2B}\u{1D6B}-\u{1D77}\u{1D79}-\u{1D9A}\u{1E00}-\u{1F15}\u{1F18}-\u{1F1D}\u{1F20}-\u{1F45}\u{1F48}-\u{1F4D}\u{1F50}-\u{1F57}\u{1F59}\u{1F5B}\u{1F5D}\u{1F5F}-\u{1F7D}\u{1F80}-\u{1FB4}\u{1FB6}-\u{1FBC}\u{1FBE}\u{1FC2}-\u{1FC4}\u{1FC6}-\u{1FCC}\u{1FD0}-\u{1FD3}\u{1FD6}-\u{1FDB}\u{1FE0}-\u{1FEC}\u{1FF2}-\u{1FF4}\u{1FF6}-\u{1FFC}\u{2102}\u{2107}\u{210A}-\u{2113}\u{2115}\u{2119}-\u{211D}\u{2124}\u{2126}\u{2128}\u{212A}-\u{212D}\u{212F}-\u{2134}\u{2139}\u{213C}-\u{213F}\u{2145}-\u{2149}\u{214E}\u{2183}\u{2184}\u{2C00}-\u{2C7B}\u{2C7E}-\u{2CE4}\u{2CEB}-\u{2CEE}\u{2CF2}\u{2CF3}\u{A640}-\u{A66D}\u{A680}-\u{A69B}\u{A722}-\u{A76F}\u{A771}-\u{A787}\u{A78B}-\u{A78E}\u{AB70}-\u{ABBF}\u{FB00}-\u{FB06}\u{FB13}-\u{FB17}\u{FF21}-\u{FF3A}\u{FF41}-\u{FF5A}\u{10400}-\u{1044F}\u{104B0}-\u{104D3}\u{104D8}-\u{104FB}\u{10C80}-\u{10CB2}\u{10CC0}-\u{10CF2}\u{118A0}-\u{118DF}\u{1E900}-\u{1E943}]+",
+    "\\s?[!-/:-~\u{FF01}-\u{FF0F}\u{FF1A}-\u{FF5E}\u{2018}-\u{201F}\u{3000}-\u{3002}]+",
+    "\\s+$",
+    "[\u{4E00}-\u{9FA5}\u{800}-\u{4E00}\u{AC00}-\u{D7FF}]+",
+    "\\p{N}+",
+];
+const DEEPSEEK_CODER_PATTERNS: [&str; 5] = [
+    "[\r\n]",
+    "\\s?\\p{L}+",
+    "\\s?\\p{P}+",
+    "[\u{4E00}-\u{9FA5}\u{800}-\u{4E00}\u{AC00}-\u{D7FF}]+",
+    "\\p{N}",
+];
+
 /// Llama-3 split (digits in groups of up to three).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -180,6 +198,8 @@ enum PreSplit {
     SmolLm,
     Qwen2,
     Llama3,
+    DeepSeekLlm,
+    DeepSeekCoder,
 }
 
 fn pre_split(pre: &str) -> std::result::Result<PreSplit, String> {
@@ -188,8 +208,10 @@ fn pre_split(pre: &str) -> std::result::Result<PreSplit, String> {
         "smollm" => Ok(PreSplit::SmolLm),
         p if QWEN2_PRES.contains(&p) => Ok(PreSplit::Qwen2),
         p if LLAMA3_PRES.contains(&p) => Ok(PreSplit::Llama3),
+        "deepseek-llm" => Ok(PreSplit::DeepSeekLlm),
+        "deepseek-coder" => Ok(PreSplit::DeepSeekCoder),
         other => Err(format!(
-            "tokenizer.ggml.pre `{other}` is not supported (default, smollm, {}, {}, {})",
+            "tokenizer.ggml.pre `{other}` is not supported (default, smollm, deepseek-llm, deepseek-coder, {}, {}, {})",
             GPT2_PRES.join(", "),
             QWEN2_PRES.join(", "),
             LLAMA3_PRES.join(", ")
@@ -236,11 +258,18 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer
             Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
         ))
     };
-    let pre_tok = match pre_split(pre).map_err(|e| tok_err(format!("{}: {e}", g.path)))? {
+    let split_kind = pre_split(pre).map_err(|e| tok_err(format!("{}: {e}", g.path)))?;
+    let pre_tok = match split_kind {
         PreSplit::Gpt2 => Sequence::new(vec![byte_level(true)]),
         PreSplit::SmolLm => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
         PreSplit::Qwen2 => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
         PreSplit::Llama3 => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
+        PreSplit::DeepSeekLlm | PreSplit::DeepSeekCoder => {
+            let patterns: &[&str] = if matches!(split_kind, PreSplit::DeepSeekLlm) { &DEEPSEEK_LLM_PATTERNS } else { &DEEPSEEK_CODER_PATTERNS };
+            let mut steps = patterns.iter().map(|p| split(p)).collect::<Result<Vec<_>>>()?;
+            steps.push(byte_level(false));
+            Sequence::new(steps)
+        }
     };
     inner.with_pre_tokenizer(Some(pre_tok));
     inner.with_decoder(Some(ByteLevelDecoder::default()));

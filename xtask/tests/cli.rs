@@ -633,7 +633,7 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
 #[test]
 fn bos_defaults_match_llama_cpp_when_available() {
     let dir = fixtures::cache_dir().join("llama-vocab");
-    let vocabs: Vec<PathBuf> = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2"].iter().map(|v| dir.join(format!("ggml-vocab-{v}.gguf"))).filter(|p| p.exists()).collect();
+    let vocabs: Vec<PathBuf> = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder"].iter().map(|v| dir.join(format!("ggml-vocab-{v}.gguf"))).filter(|p| p.exists()).collect();
     if vocabs.is_empty() {
         eprintln!("SKIPPED: no llama.cpp vocabularies in {} (python3 tools/reference/llama_vocab.py)", dir.display());
         return;
