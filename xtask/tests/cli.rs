@@ -745,7 +745,8 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
 /// A GGUF with a SentencePiece (`llama`) tokenizer runs on text, on the oracle and on a device:
 /// tiny-llama's weights with a 272-token SentencePiece vocabulary (3 specials, 256 byte tokens,
 /// 13 scored pieces). BOS first (llama.cpp's default for these), `▁hello` reached by its scores,
-/// `é` as its two byte tokens; the generated ids decode to text.
+/// `é` as its two byte tokens; the generated ids decode to text; `dump` and `layer-diff` take the
+/// same text.
 #[test]
 fn a_sentencepiece_gguf_runs_on_text() {
     use oracle::gguf::Value;
@@ -786,6 +787,15 @@ fn a_sentencepiece_gguf_runs_on_text() {
         assert_eq!(v["tokens"].as_array().map(Vec::len), Some(4), "{device}: {v}");
         assert!(v["text"].is_string(), "{device}: {v}");
     }
+    // `dump` and `layer-diff` take the text too, tokenized the same way.
+    let out = dir.path().join("dump");
+    let o = xtask(&["dump", "--model", path.to_str().unwrap(), "--prompt", "hello é", "--out", out.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["token_ids"], serde_json::json!(want), "{manifest}");
+    let o = xtask(&["layer-diff", "--model", path.to_str().unwrap(), "--device", "cpu", "--prompt", "hello é", "--report-dir", dir.path().join("ld").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("over 5 tokens"), "{}", stderr(&o));
 }
 
 /// A GGUF whose tokenizer is of a kind (`t5`'s Unigram) or has a pre-tokenizer (`starcoder`) this

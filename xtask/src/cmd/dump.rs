@@ -1,6 +1,6 @@
 //! `cargo xtask dump`: every tap and the logits of every position, in the dump format.
 
-use super::{check_device, check_ids, load_engine, parse_ids};
+use super::{check_device, check_ids, load_engine};
 use crate::Exit;
 use oracle::dump::{write_dump, ModelInfo};
 use oracle::{Precision, RecordingTap};
@@ -12,8 +12,11 @@ pub struct DumpArgs {
     #[arg(long)]
     model: String,
     /// Token ids to run, comma-separated.
+    #[arg(long, conflicts_with = "prompt", required_unless_present = "prompt")]
+    prompt_ids: Option<String>,
+    /// Text to run instead, tokenized with the model's own tokenizer.
     #[arg(long)]
-    prompt_ids: String,
+    prompt: Option<String>,
     /// Output directory (created; existing dump files are replaced).
     #[arg(long)]
     out: PathBuf,
@@ -27,8 +30,8 @@ pub struct DumpArgs {
 
 pub fn main(a: DumpArgs) -> Result<u8, Exit> {
     check_device(&a.device)?;
-    let ids = parse_ids(&a.prompt_ids)?;
-    let (path, mut engine, _) = load_engine(&a.model, &a.device, a.precision)?;
+    let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
+    let ids = super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?.expect("clap requires one");
     check_ids(&ids, engine.spec().n_vocab)?;
     let mut taps = RecordingTap::default();
     engine.prefill(&ids, &mut taps)?;

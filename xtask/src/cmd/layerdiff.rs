@@ -26,8 +26,11 @@ pub struct LayerDiffArgs {
     pub mode: String,
     /// Token ids to run, comma-separated (default: a fixed English prompt, or fixed ids when the
     /// model has no tokenizer).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prompt")]
     pub prompt_ids: Option<String>,
+    /// Text to run instead, tokenized with the model's own tokenizer.
+    #[arg(long)]
+    pub prompt: Option<String>,
     /// Compare the device with this second device (or dump) tap by tap instead of gating it
     /// against the oracle; the oracle's distance to each stays in the report.
     #[arg(long)]
@@ -74,7 +77,10 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
         check_device(b)?;
     }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, Precision::F32)?;
-    let ids = prompt_ids(a.prompt_ids.as_deref(), tok.as_ref())?;
+    let ids = match super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)? {
+        Some(ids) => ids,
+        None => prompt_ids(None, tok.as_ref())?,
+    };
     check_ids(&ids, engine.spec().n_vocab)?;
     eprintln!("layer-diff: {} on {} over {} tokens ...", a.device, a.model, ids.len());
     let taps_a = device_taps(&mut engine, &ids)?;

@@ -62,6 +62,25 @@ pub fn resolve_model(model: &str) -> Result<PathBuf, Exit> {
     Ok(::fixtures::resolve(model, false)?)
 }
 
+/// The ids of a command's prompt given as `--prompt` text (encoded with the model's own
+/// tokenizer; an error saying why when it has none, or when the text gives no tokens) or as
+/// `--prompt-ids`; None when neither was given.
+pub fn given_prompt(text: Option<&str>, ids: Option<&str>, tok: Option<&Tokenizer>, model: &str, path: &std::path::Path) -> Result<Option<Vec<u32>>, Exit> {
+    match (text, ids) {
+        (Some(_), Some(_)) => Err(Exit { code: 2, message: "give --prompt or --prompt-ids, not both".into() }),
+        (None, Some(ids)) => parse_ids(ids).map(Some),
+        (Some(text), None) => {
+            let tok = tok.ok_or_else(|| Exit { code: 2, message: format!("{}; use --prompt-ids", no_tokenizer(model, path)) })?;
+            let ids = tok.encode(text)?;
+            if ids.is_empty() {
+                return Err(Exit { code: 2, message: format!("--prompt {text:?} gives no tokens: nothing to run") });
+            }
+            Ok(Some(ids))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
 /// The reason a model (at `path`) has no tokenizer this tool builds, for a command given text.
 pub fn no_tokenizer(model: &str, path: &std::path::Path) -> String {
     let why = match oracle::loader::tokenizer_gap(path) {

@@ -1,6 +1,6 @@
 //! `cargo xtask run`: generation on the oracle.
 
-use super::{check_device, check_ids, load_engine, parse_ids};
+use super::{check_device, check_ids, load_engine};
 use crate::Exit;
 use oracle::ops::SamplerConfig;
 use oracle::Precision;
@@ -51,21 +51,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         return Err(Exit { code: 2, message: "--temperature must be >= 0 and --top-p in (0, 1]".into() });
     }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
-    let prompt = match (&a.prompt, &a.prompt_ids) {
-        (_, Some(ids)) => parse_ids(ids)?,
-        (Some(text), None) => {
-            let tok = tok.as_ref().ok_or_else(|| Exit {
-                code: 2,
-                message: format!("{}; use --prompt-ids", super::no_tokenizer(&a.model, &path)),
-            })?;
-            let ids = tok.encode(text)?;
-            if ids.is_empty() {
-                return Err(Exit { code: 2, message: format!("--prompt {text:?} gives no tokens: nothing to generate from") });
-            }
-            ids
-        }
-        (None, None) => unreachable!("clap requires one"),
-    };
+    let prompt = super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?.expect("clap requires one");
     check_ids(&prompt, engine.spec().n_vocab)?;
     let stop = match &tok {
         Some(t) if !a.ignore_eos => t.eos.as_slice(),
