@@ -580,6 +580,37 @@ pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
     }
 }
 
+/// A model's chat template (Jinja source), if it has one: a GGUF's `tokenizer.chat_template`; a
+/// checkpoint's `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string,
+/// or a list of named templates, of which `default`).
+pub fn chat_template(path: &Path) -> Result<Option<String>> {
+    let tok_err = |file: &Path, why: String| OracleError::Tokenizer(format!("{}: {why}", file.display()));
+    if !path.is_dir() {
+        let g = GgufFile::open(path)?;
+        return Ok(g.field("tokenizer.chat_template", |v| v.as_str(), "a string").map_err(|e| OracleError::Tokenizer(e.to_string()))?.map(str::to_string));
+    }
+    let jinja = path.join("chat_template.jinja");
+    if jinja.is_file() {
+        return std::fs::read_to_string(&jinja).map(Some).map_err(|e| OracleError::io(&jinja, e));
+    }
+    let cfg = path.join("tokenizer_config.json");
+    if !cfg.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&cfg).map_err(|e| OracleError::io(&cfg, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| tok_err(&cfg, format!("not valid JSON: {e}")))?;
+    match v.get("chat_template") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(t)) => Ok(Some(t.clone())),
+        Some(serde_json::Value::Array(named)) => Ok(named
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template").and_then(|t| t.as_str()))
+            .map(str::to_string)),
+        Some(other) => Err(tok_err(&cfg, format!("`chat_template` is {other}, expected a string or a list of named templates"))),
+    }
+}
+
 /// Only the tokenizer of a model (for device runs, which load their own weights).
 pub fn open_tokenizer(path: &Path) -> Result<Option<Tokenizer>> {
     if path.is_dir() {

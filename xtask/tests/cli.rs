@@ -626,6 +626,64 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
     }
 }
 
+/// `run --chat` renders the model's own chat template as Transformers does (Jinja2 with blocks
+/// trimmed, `raise_exception`, loop controls): the prompt `run --chat --json` reports equals
+/// Jinja2's rendering of SmolLM2's template and of a template that leans on Python string
+/// methods, whitespace control, a namespace and a system message; the ids start with the chat
+/// tokens, matched whole. Jinja2 comes from tools/reference/requirements.txt; without it this
+/// compares nothing and says SKIPPED.
+#[test]
+fn chat_prompts_render_as_jinja2_renders_them() {
+    let smol = smollm2();
+    let custom = "{{- bos_token -}}{%- set ns = namespace(sys='') -%}{%- for m in messages -%}{%- if m['role'] == 'system' -%}{%- set ns.sys = m['content'].strip() -%}{%- continue -%}{%- endif -%}\n<|im_start|>{{ m['role'] }}{% if ns.sys %} [{{ ns.sys.upper() }}]{% endif %}\n  {{ m['content'].replace('France', 'FRANCE') | trim }}<|im_end|>{%- if loop.last and m['role'] != 'user' %}{{ raise_exception('last message must be the user') }}{% endif -%}\n{%- endfor %}\n{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let dir = tempfile::tempdir().unwrap();
+    // SmolLM2 with its template replaced by the custom one.
+    let g = oracle::gguf::GgufFile::open(&smol).unwrap();
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &g.metadata {
+        w.meta(k, if k == "tokenizer.chat_template" { oracle::gguf::Value::String(custom.into()) } else { v.clone() });
+    }
+    for t in &g.tensors {
+        w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    let custom_model = dir.path().join("custom-template.gguf");
+    w.write_to(&custom_model).unwrap();
+    let have_jinja2 = Command::new("python3").args(["-c", "import jinja2"]).output().is_ok_and(|o| o.status.success());
+    for (model, system) in [(&smol, None), (&custom_model, Some("  be brief ")), (&custom_model, None)] {
+        let mut args = vec!["run", "--model", model.to_str().unwrap(), "--chat", "--prompt", " What is the capital of France? ", "--max-new-tokens", "0", "--json"];
+        if let Some(s) = system {
+            args.extend(["--system", s]);
+        }
+        let o = xtask(&args, &[]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let ours = v["chat_prompt"].as_str().unwrap().to_string();
+        let ids = v["prompt_ids"].as_array().unwrap();
+        assert!(ids.iter().filter(|i| i.as_u64() == Some(1)).count() >= 2, "<|im_start|> matched whole: {ids:?}");
+        if !have_jinja2 {
+            eprintln!("SKIPPED (Jinja2 part): jinja2 is not installed (pip install -r tools/reference/requirements.txt)");
+            continue;
+        }
+        let template = oracle::loader::chat_template(model).unwrap().unwrap();
+        let mut messages = vec![];
+        if let Some(s) = system {
+            messages.push(serde_json::json!({"role": "system", "content": s}));
+        }
+        messages.push(serde_json::json!({"role": "user", "content": " What is the capital of France? "}));
+        let input = serde_json::json!({"t": template, "m": messages, "bos": "<|im_start|>", "eos": "<|im_end|>"});
+        let script = "import json, sys, jinja2\nfrom jinja2.sandbox import ImmutableSandboxedEnvironment\nd = json.load(sys.stdin)\nenv = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=['jinja2.ext.loopcontrols'])\ndef raise_exception(m):\n    raise jinja2.exceptions.TemplateError(m)\nenv.globals['raise_exception'] = raise_exception\nsys.stdout.write(env.from_string(d['t']).render(messages=d['m'], add_generation_prompt=True, bos_token=d['bos'], eos_token=d['eos']))";
+        let mut child = Command::new("python3").args(["-c", script]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.to_string().as_bytes()).unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success());
+        assert_eq!(ours, String::from_utf8(o.stdout).unwrap(), "{}", model.display());
+    }
+    // A model without a chat template: exit 2 saying so.
+    let o = xtask(&["run", "--model", "tiny-llama", "--chat", "--prompt", "hi", "--max-new-tokens", "0"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("has no chat template"), "{}", stderr(&o));
+}
+
 /// Whether a tokenizer puts BOS first when its GGUF does not say (`add_bos_token` absent): as
 /// llama.cpp does for each of its test vocabularies (SentencePiece and Llama 3: yes; GPT-2 and
 /// Qwen2: no), through `tokenize`. Skips without the vocabularies (tools/reference/llama_vocab.py)

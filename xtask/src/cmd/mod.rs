@@ -3,6 +3,7 @@
 pub mod ab;
 pub mod bench;
 pub mod bisect;
+pub mod chat;
 pub mod dump;
 pub mod fixedtoken;
 pub mod fixtures;

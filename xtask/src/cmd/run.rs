@@ -43,6 +43,14 @@ pub struct RunArgs {
     /// Keep generating after the end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
+    /// Send --prompt as a user message through the model's own chat template (a GGUF's
+    /// `tokenizer.chat_template`, a checkpoint's tokenizer_config.json), as an instruct model
+    /// expects; prints the reply alone.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// With --chat: a system message first.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
 }
 
 pub fn main(a: RunArgs) -> Result<u8, Exit> {
@@ -51,7 +59,23 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         return Err(Exit { code: 2, message: "--temperature must be >= 0 and --top-p in (0, 1]".into() });
     }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
-    let prompt = super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?.expect("clap requires one");
+    let chat_prompt = match (&a.prompt, &tok) {
+        (Some(text), Some(t)) if a.chat => {
+            let template = oracle::loader::chat_template(&path)?.ok_or_else(|| Exit { code: 2, message: format!("model `{}` has no chat template; run without --chat", a.model) })?;
+            let mut messages = Vec::new();
+            if let Some(system) = &a.system {
+                messages.push(("system", system.as_str()));
+            }
+            messages.push(("user", text.as_str()));
+            Some(super::chat::render(&template, &messages, t)?)
+        }
+        (_, None) if a.chat => return Err(Exit { code: 2, message: super::no_tokenizer(&a.model, &path) }),
+        _ => None,
+    };
+    let prompt = match (&chat_prompt, &tok) {
+        (Some(rendered), Some(t)) => super::chat::encode(rendered, t)?,
+        _ => super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?.expect("clap requires one"),
+    };
     check_ids(&prompt, engine.spec().n_vocab)?;
     let stop = match &tok {
         Some(t) if !a.ignore_eos => t.eos.as_slice(),
@@ -68,6 +92,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
             "tokens": g.tokens,
             "text": text,
             "prompt_ids": g.prompt,
+            "chat_prompt": chat_prompt,
             // null, not 0, when generation ended before a decode step (nothing was timed).
             "decode_tok_per_s": (g.decode_steps > 0).then(|| g.decode_tok_per_s()),
             "prefill_s": g.prefill_s,
@@ -79,6 +104,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         outln!("{v}");
     } else {
         match (&tok, &text) {
+            (Some(_), Some(text)) if chat_prompt.is_some() => outln!("{text}"),
             (Some(t), Some(text)) => outln!("{}{}", t.decode(&g.prompt)?, text),
             _ => outln!("{:?}", g.tokens),
         }

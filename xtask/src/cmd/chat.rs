@@ -1,0 +1,38 @@
+//! Chat prompts: a conversation rendered with the model's own chat template (Jinja), in the
+//! environment Transformers renders them in (blocks trimmed, Python's string methods,
+//! `raise_exception`), so an instruct model sees the prompt it was trained on.
+
+use crate::Exit;
+use oracle::tokenizer::Tokenizer;
+
+/// `messages` as (role, content) rendered with `template`, ending with the assistant's turn
+/// opened (`add_generation_prompt`); `bos_token` and `eos_token` are the tokenizer's pieces.
+pub fn render(template: &str, messages: &[(&str, &str)], tok: &Tokenizer) -> Result<String, Exit> {
+    let bad = |e: minijinja::Error| Exit { code: 2, message: format!("chat template: {e:#}") };
+    let mut env = minijinja::Environment::new();
+    env.set_syntax(minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(bad)?);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> { Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg)) });
+    env.add_template("chat", template).map_err(bad)?;
+    let piece = |id: Option<u32>| id.and_then(|i| tok.piece(i)).unwrap_or_default();
+    let messages: Vec<serde_json::Value> = messages.iter().map(|(role, content)| serde_json::json!({ "role": role, "content": content })).collect();
+    let ctx = minijinja::context! {
+        messages => minijinja::value::Value::from(minijinja::value::Serde(messages)),
+        add_generation_prompt => true,
+        bos_token => piece(tok.bos),
+        eos_token => piece(tok.eos.first().copied()),
+    };
+    env.get_template("chat").and_then(|t| t.render(ctx)).map_err(bad)
+}
+
+/// The ids of a rendered chat prompt: BOS is put first by the tokenizer only when the template
+/// did not already write it.
+pub fn encode(rendered: &str, tok: &Tokenizer) -> Result<Vec<u32>, Exit> {
+    let mut ids = tok.encode(rendered)?;
+    if let (Some(b), [first, second, ..]) = (tok.bos, ids.as_slice()) {
+        if tok.add_bos && *first == b && *second == b {
+            ids.remove(0);
+        }
+    }
+    Ok(ids)
+}
