@@ -25,14 +25,33 @@ pub fn render(template: &str, messages: &[(&str, &str)], tok: &Tokenizer) -> Res
     env.get_template("chat").and_then(|t| t.render(ctx)).map_err(bad)
 }
 
-/// The ids of a rendered chat prompt: BOS is put first by the tokenizer only when the template
-/// did not already write it.
+/// The ids of a rendered chat prompt: the BOS a tokenizer puts first (a GGUF's `add_bos_token`,
+/// a tokenizer.json's post-processor) is dropped when the template already wrote it, as
+/// Transformers tokenizes a rendered chat without adding special tokens.
 pub fn encode(rendered: &str, tok: &Tokenizer) -> Result<Vec<u32>, Exit> {
     let mut ids = tok.encode(rendered)?;
     if let (Some(b), [first, second, ..]) = (tok.bos, ids.as_slice()) {
-        if tok.add_bos && *first == b && *second == b {
+        if *first == b && *second == b {
             ids.remove(0);
         }
     }
     Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A template that writes BOS itself gets it once (SmolLM2's BOS is `<|im_start|>`, id 1);
+    /// a text that does not start with it is left alone.
+    #[test]
+    fn a_bos_the_template_wrote_is_not_doubled() {
+        let tok = oracle::loader::open_tokenizer(&::fixtures::resolve("smollm2", true).unwrap()).unwrap().unwrap();
+        assert_eq!(tok.bos, Some(1));
+        let doubled = tok.encode("<|im_start|><|im_start|>user").unwrap();
+        assert_eq!(&doubled[..2], &[1, 1]);
+        assert_eq!(encode("<|im_start|><|im_start|>user", &tok).unwrap(), doubled[1..]);
+        assert_eq!(encode("<|im_start|>user", &tok).unwrap(), tok.encode("<|im_start|>user").unwrap());
+        assert_eq!(encode("hello", &tok).unwrap(), tok.encode("hello").unwrap());
+    }
 }
