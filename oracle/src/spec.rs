@@ -322,17 +322,15 @@ impl ModelSpec {
         let n_rot = opt_u("rope.dimension_count")?.unwrap_or(head_dim);
         let factors = |name: &str| -> Result<Option<Vec<f32>>> {
             let Some(t) = g.tensor(name) else { return Ok(None) };
-            {
-                let bad = |why: String| spec_err(format!("{}: tensor `{name}` {why}", g.path));
-                let f = g.tensor_f32(t).map_err(|e| bad(e.to_string()))?;
-                if f.len() != n_rot / 2 {
-                    return Err(bad(format!("holds {} values, but rope.dimension_count {n_rot} makes {} rotated pairs, one factor each", f.len(), n_rot / 2)));
-                }
-                if let Some((i, v)) = f.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
-                    return Err(bad(format!("holds {v} at element {i}; RoPE frequency factors must be finite and positive")));
-                }
-                Ok(Some(f))
+            let bad = |why: String| spec_err(format!("{}: tensor `{name}` {why}", g.path));
+            let f = g.tensor_f32(t).map_err(|e| bad(e.to_string()))?;
+            if f.len() != n_rot / 2 {
+                return Err(bad(format!("holds {} values, but rope.dimension_count {n_rot} makes {} rotated pairs, one factor each", f.len(), n_rot / 2)));
             }
+            if let Some((i, v)) = f.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
+                return Err(bad(format!("holds {v} at element {i}; RoPE frequency factors must be finite and positive")));
+            }
+            Ok(Some(f))
         };
         let (short, long) = (factors("rope_factors_short.weight")?, factors("rope_factors_long.weight")?);
         let mut scaling = scaling;

@@ -95,7 +95,8 @@ impl Tokenizer {
                 i => Ok(i.map(|i| i as u32)),
             }
         };
-        let mut inner = if model == "gpt2" { byte_level_bpe(g, &tokens)? } else { sentencepiece_bpe(g, &tokens, types, id("tokenizer.ggml.unknown_token_id")?)? };
+        let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
+        let mut inner = if model == "gpt2" { byte_level_bpe(g, &tokens, pre)? } else { sentencepiece_bpe(g, &tokens, types, id("tokenizer.ggml.unknown_token_id")?)? };
         // Control tokens (type 3) are matched whole, never split by BPE.
         let specials: Vec<AddedToken> = types
             .iter()
@@ -104,7 +105,6 @@ impl Tokenizer {
             .map(|(_, s)| AddedToken::from(s.to_string(), true))
             .collect();
         inner.add_special_tokens(specials).map_err(tok_err)?;
-        let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
         Ok(Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
@@ -233,8 +233,9 @@ pub fn gguf_gap(g: &GgufFile) -> Result<Option<String>> {
     })
 }
 
-/// Byte-level BPE (`gpt2`) from a GGUF's vocabulary, merges and pre-tokenizer name.
-fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+/// Byte-level BPE (`gpt2`) from a GGUF's vocabulary and merges, split as `pre` (its
+/// `tokenizer.ggml.pre`) names.
+fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers::Tokenizer> {
     let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
     let mut merges = Vec::new();
     if let Some(ms) = g.field("tokenizer.ggml.merges", |v| v.as_array(), "an array").map_err(tok_err)? {
@@ -246,7 +247,6 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer
             merges.push((a.to_string(), b.to_string()));
         }
     }
-    let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
     // Llama 3 takes a pre-token that is a whole token as is, before any merge (as llama.cpp and
     // its tokenizer.json do): "Việt" is one token there, not the three its merges reach.
     let whole_words = LLAMA3_PRES.contains(&pre);
