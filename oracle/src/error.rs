@@ -17,6 +17,14 @@ pub enum OracleError {
         offset: u64,
         reason: String,
     },
+    /// A flat model file (`flat`) is malformed, truncated or corrupt.
+    #[error("{file}: flat model field `{field}` at byte offset {offset}: {reason}")]
+    Flat {
+        file: String,
+        field: String,
+        offset: u64,
+        reason: String,
+    },
     /// A safetensors file or its config.json is malformed or inconsistent.
     #[error("{file}: {reason}")]
     Safetensors { file: String, reason: String },

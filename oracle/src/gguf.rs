@@ -139,13 +139,13 @@ pub struct GgufFile {
     bytes: Bytes,
 }
 
-enum Bytes {
+pub(crate) enum Bytes {
     Mapped(memmap2::Mmap),
     Owned(Vec<u8>),
 }
 
 impl Bytes {
-    fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         match self {
             Bytes::Mapped(m) => m,
             Bytes::Owned(v) => v,

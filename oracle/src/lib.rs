@@ -11,6 +11,7 @@
 
 pub mod dump;
 pub mod error;
+pub mod flat;
 pub mod generate;
 pub mod gguf;
 pub mod loader;

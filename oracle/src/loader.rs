@@ -539,7 +539,9 @@ fn gguf_tokenizer(g: &GgufFile) -> Result<Option<Tokenizer>> {
 
 /// Why a model has no tokenizer this tool builds (for a command given text), or None when it has one.
 pub fn tokenizer_gap(path: &Path) -> Result<Option<String>> {
-    if path.is_dir() {
+    if crate::flat::is_flat(path) {
+        Ok(Some(FLAT_NO_TOKENIZER.to_string()))
+    } else if path.is_dir() {
         Ok((!path.join("tokenizer.json").exists()).then(|| "its directory has no tokenizer.json".to_string()))
     } else {
         crate::tokenizer::gguf_gap(&GgufFile::open(path)?)
@@ -555,9 +557,16 @@ fn dir_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
     }
 }
 
-/// Opens a model: a `.gguf` file or a safetensors directory, with its tokenizer when it has one.
+/// Why a flat model file has no tokenizer.
+const FLAT_NO_TOKENIZER: &str = "a flat model file carries no tokenizer (`cargo xtask tokenize` on the model it was exported from gives the ids)";
+
+/// Opens a model: a `.gguf` file, a flat model file (`flat`) or a safetensors directory, with its
+/// tokenizer when it has one.
 pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Option<Tokenizer>)> {
-    if path.is_dir() {
+    if crate::flat::is_flat(path) {
+        let (flat, spec) = crate::flat::FlatFile::open(path)?;
+        Ok((Box::new(flat), spec, None))
+    } else if path.is_dir() {
         let (dir, spec) = SafetensorsDir::open(path)?;
         Ok((unfused(Box::new(dir), &spec), spec, dir_tokenizer(path)?))
     } else {
@@ -570,7 +579,10 @@ pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Opti
 
 /// Opens a model's weights and spec without its tokenizer (for device loaders).
 pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
-    if path.is_dir() {
+    if crate::flat::is_flat(path) {
+        let (flat, spec) = crate::flat::FlatFile::open(path)?;
+        Ok((Box::new(flat), spec))
+    } else if path.is_dir() {
         let (dir, spec) = SafetensorsDir::open(path)?;
         Ok((unfused(Box::new(dir), &spec), spec))
     } else {
@@ -585,6 +597,9 @@ pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
 /// or a list of named templates, of which `default`).
 pub fn chat_template(path: &Path) -> Result<Option<String>> {
     let tok_err = |file: &Path, why: String| OracleError::Tokenizer(format!("{}: {why}", file.display()));
+    if crate::flat::is_flat(path) {
+        return Ok(None);
+    }
     if !path.is_dir() {
         let g = GgufFile::open(path)?;
         return Ok(g.field("tokenizer.chat_template", |v| v.as_str(), "a string").map_err(|e| OracleError::Tokenizer(e.to_string()))?.map(str::to_string));
@@ -613,7 +628,9 @@ pub fn chat_template(path: &Path) -> Result<Option<String>> {
 
 /// Only the tokenizer of a model (for device runs, which load their own weights).
 pub fn open_tokenizer(path: &Path) -> Result<Option<Tokenizer>> {
-    if path.is_dir() {
+    if crate::flat::is_flat(path) {
+        Ok(None)
+    } else if path.is_dir() {
         dir_tokenizer(path)
     } else {
         gguf_tokenizer(&GgufFile::open(path)?)

@@ -411,19 +411,33 @@ impl ModelSpec {
         if !layer.parse::<usize>().is_ok_and(|i| i < self.n_layer) {
             return false;
         }
-        let mut tails = vec!["attn_norm.weight", "attn_output.weight", "ffn_norm.weight"];
-        tails.extend(if self.fused { &["attn_qkv.weight"][..] } else { &["attn_q.weight", "attn_k.weight", "attn_v.weight"] });
-        if self.qkv_bias {
-            tails.extend(["attn_q.bias", "attn_k.bias", "attn_v.bias"]);
-        }
-        if self.out_bias {
-            tails.push("attn_output.bias");
+        self.layer_tails(self.fused).contains(&tail)
+    }
+
+    /// The names (after `blk.N.`) of each layer's weights, in the order of a forward pass; with
+    /// `fused`, Phi-3's joined `attn_qkv` and gate/up `ffn_up` in place of the separate ones.
+    fn layer_tails(&self, fused: bool) -> Vec<&'static str> {
+        let mut tails = vec!["attn_norm.weight"];
+        if fused {
+            tails.push("attn_qkv.weight");
+        } else {
+            for (w, b) in [("attn_q.weight", "attn_q.bias"), ("attn_k.weight", "attn_k.bias"), ("attn_v.weight", "attn_v.bias")] {
+                tails.push(w);
+                if self.qkv_bias {
+                    tails.push(b);
+                }
+            }
         }
         if self.qk_norm {
             tails.extend(["attn_q_norm.weight", "attn_k_norm.weight"]);
         }
+        tails.push("attn_output.weight");
+        if self.out_bias {
+            tails.push("attn_output.bias");
+        }
+        tails.push("ffn_norm.weight");
         match &self.moe {
-            None if self.fused => tails.extend(["ffn_up.weight", "ffn_down.weight"]),
+            None if fused => tails.extend(["ffn_up.weight", "ffn_down.weight"]),
             None => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
             Some(m) => {
                 tails.extend(["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]);
@@ -435,7 +449,24 @@ impl ModelSpec {
                 }
             }
         }
-        tails.contains(&tail)
+        tails
+    }
+
+    /// The weights the interpreter reads by name, in the order of a forward pass (fused tensors
+    /// as the loaders hand them out: `attn_q`, `attn_k`, `attn_v`, `ffn_gate`, `ffn_up`).
+    /// RoPE frequency factors are not among them: they are part of the spec. Only for a spec
+    /// whose layer count was checked against a file (it lists every layer's names).
+    pub fn tensor_names(&self) -> Vec<String> {
+        let tails = self.layer_tails(false);
+        let mut names = vec!["token_embd.weight".to_string()];
+        for i in 0..self.n_layer {
+            names.extend(tails.iter().map(|t| format!("blk.{i}.{t}")));
+        }
+        names.push("output_norm.weight".into());
+        if !self.tied_output {
+            names.push("output.weight".into());
+        }
+        names
     }
 
     /// Refuses tensors (GGUF names) this spec does not read: the model would run without them
@@ -728,6 +759,31 @@ mod tests {
             assert!(e.contains(want), "{extra}: {e}");
         }
         assert!(qwen3_moe(serde_json::json!({"mlp_only_layers": []})).is_ok());
+    }
+
+    /// `tensor_names` lists exactly what `reads_tensor` accepts for an unfused spec: every name
+    /// read, each once, and a name of each kind the spec does not read absent.
+    #[test]
+    fn tensor_names_are_the_tensors_read() {
+        let mut shared = qwen3_moe(serde_json::json!({})).unwrap();
+        shared.moe.as_mut().unwrap().shared_ffn = Some(16);
+        shared.moe.as_mut().unwrap().shared_gate = true;
+        let mut biased = qwen3_moe(serde_json::json!({})).unwrap();
+        biased.moe = None;
+        (biased.qkv_bias, biased.out_bias, biased.qk_norm, biased.tied_output) = (true, true, false, true);
+        for spec in [qwen3_moe(serde_json::json!({})).unwrap(), shared, biased] {
+            let names = spec.tensor_names();
+            assert!(names.iter().all(|n| spec.reads_tensor(n)), "{names:?}");
+            let unique: std::collections::HashSet<_> = names.iter().collect();
+            assert_eq!(unique.len(), names.len());
+            let per_layer = names.iter().filter(|n| n.starts_with("blk.0.")).count();
+            assert_eq!(names.len(), 2 + !spec.tied_output as usize + spec.n_layer * per_layer);
+            for tail in ["attn_q.bias", "attn_output.bias", "attn_q_norm.weight", "ffn_gate.weight", "ffn_gate_exps.weight", "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight"] {
+                let name = format!("blk.1.{tail}");
+                assert_eq!(names.contains(&name), spec.reads_tensor(&name), "{name}");
+            }
+            assert_eq!(names.contains(&"output.weight".to_string()), !spec.tied_output);
+        }
     }
 
     /// Phi-3's config: fused tensors, its window, and LongRoPE's short factors with the attention

@@ -14,7 +14,8 @@
 //! counts bit-identical, f32 within its bound of f64) runs on every model, and the GPU kernels
 //! run in the emulator's three thread orders must give the same bits. Models Hugging Face
 //! configs can express are
-//! also written as safetensors + config.json and must load to the GGUF's logits.
+//! also written as safetensors + config.json and must load to the GGUF's logits; every model is
+//! exported as a flat file (`oracle::flat`) and must load to them bit for bit.
 //! `TOUCHSTONE_RANDOM_MODELS=N` draws N models instead of 64.
 
 use devices::{DeviceError, DeviceModel, ModelOptions};
@@ -488,6 +489,17 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
             *judged.lock().unwrap().entry(kind.to_string()).or_default() += 1;
         }
     }
+    // The same model exported as a flat file (`cargo xtask export`, weights kept as stored) and
+    // read back: the same spec (fused tensors split) and bit-identical logits on the oracle.
+    let flat = dir.path().join("random.flat");
+    let (src, spec) = oracle::loader::open_weights(&path).unwrap();
+    oracle::flat::export(&flat, &spec, src.as_ref(), oracle::flat::Target::Keep, &mut |_, _, _| {}).map_err(|e| TestCaseError::fail(format!("{s:?}: flat export: {e}")))?;
+    let (flat_model, _) = AnyModel::load(&flat, Precision::F32).map_err(|e| TestCaseError::fail(format!("{s:?}: flat: {e}")))?;
+    let want = oracle::ModelSpec { fused: false, ..spec.clone() };
+    prop_assert!(flat_model.spec() == &want, "{s:?}: the flat file's spec differs: {:?}", flat_model.spec());
+    let (a, b) = (oracle_model.prefill_logits(&ids, &mut oracle::NoTap).unwrap(), flat_model.prefill_logits(&ids, &mut oracle::NoTap).unwrap());
+    prop_assert!(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{s:?}: the flat file's logits differ from the GGUF's");
+    *judged.lock().unwrap().entry("flat".to_string()).or_default() += 1;
     // The cpu device's taps written as a dump and read back as an external engine's.
     let dump = dir.path().join("dump");
     write_cpu_dump(&path, &ids, &dump);
@@ -528,7 +540,7 @@ fn random_models_pass_layer_diff_on_every_device() {
     }
     let judged = judged.into_inner().unwrap();
     eprintln!("models judged per device: {judged:?}");
-    for device in ["cpu", "cpu:kv-f16", "fixed", "fixed-int4", "external", "safetensors"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
+    for device in ["cpu", "cpu:kv-f16", "fixed", "fixed-int4", "external", "safetensors", "flat"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
         assert!(judged.get(device).copied().unwrap_or(0) > 0, "{device} judged no model: {judged:?}");
     }
 }

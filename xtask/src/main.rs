@@ -63,6 +63,8 @@ enum Command {
     Tokenize(cmd::tokenize::TokenizeArgs),
     /// Writes every tap and the logits of every position in the dump format (docs/DUMP_FORMAT.md).
     Dump(cmd::dump::DumpArgs),
+    /// Writes a model as one flat file (fixed header, tensor table, aligned tensors; docs/FLAT_FORMAT.md) for engines without a GGUF parser; every command reads it back as a model.
+    Export(cmd::export::ExportArgs),
     /// Throughput of a device on a model: prefill/decode tok/s, time to first token, inter-token latency percentiles, peak RSS (for the oracle also weight bandwidth vs a memory probe; for GPU devices device memory peak and kernel launches per step).
     Bench(cmd::bench::BenchArgs),
     /// GEMV weight bandwidth per weight type vs the device's copy bandwidth, measured in one run (GPU devices and cpu); gated by --min-ratio.
@@ -108,6 +110,7 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd::run::main(a),
         Command::Tokenize(a) => cmd::tokenize::main(a),
         Command::Dump(a) => cmd::dump::main(a),
+        Command::Export(a) => cmd::export::main(a),
         Command::Bench(a) => cmd::bench::main(a),
         Command::Roofline(a) => cmd::roofline::main(a),
         #[cfg(feature = "cuda")]

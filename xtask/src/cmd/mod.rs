@@ -5,6 +5,7 @@ pub mod bench;
 pub mod bisect;
 pub mod chat;
 pub mod dump;
+pub mod export;
 pub mod fixedtoken;
 pub mod fixtures;
 pub mod gate;
