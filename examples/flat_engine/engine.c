@@ -1,18 +1,19 @@
 /* A small inference engine in C that reads Touchstone's flat model format and speaks the dump
  * protocol (docs/DUMP_FORMAT.md, docs/FLAT_FORMAT.md). It stands for an engine without a GGUF
  * parser: it maps the file, checks it with touchstone_flat.h, and runs a dense Llama-family model
- * (Llama, Qwen2, Qwen3: GQA, QK-norm, biases, tied output, either RoPE layout) with f32 weights
- * and activations, accumulating dot products in double.
+ * (Llama, Qwen2, Qwen3: GQA, QK-norm, biases, tied output, either RoPE layout) with f32, Q8_0 or
+ * Q4_0 matrices (a quantized row is decoded to f32 as ggml decodes it, which is exact) and f32
+ * activations, accumulating dot products in double.
  *
  *   cc -O2 -std=c11 -o flat_engine examples/flat_engine/engine.c -lm
- *   cargo xtask export --model tiny-llama --type f32 --out tiny.flat
- *   cargo xtask fixed-token --device "exec:sh examples/flat_engine/run.sh" --model tiny.flat
+ *   cargo xtask export --model smollm2 --type q4_0 --out smollm2.flat
+ *   cargo xtask fixed-token --device "exec:sh examples/flat_engine/run.sh" --model smollm2.flat
  *
  * run.sh builds it once and passes the model's sha256 (TOUCHSTONE_MODEL_SHA256). Touchstone gives
  * TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS, TOUCHSTONE_N_GENERATE and TOUCHSTONE_OUT. With
  * N_GENERATE > 0 it writes a token-only dump (generated_ids), else the output of every layer
  * (blk.N.l_out), the final norm and the logits of every position. It refuses what it does not
- * implement (quantized weights, MoE, RoPE scaling, sliding windows) with a message and exit 2.
+ * implement (other weight types, MoE, RoPE scaling, sliding windows) with a message and exit 2.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <fcntl.h>
@@ -34,29 +35,74 @@ static void die(const char *what, const char *why) {
 static const void *file;
 static const struct ts_flat_header *h;
 
-/* An f32 tensor of exactly `n` values. */
-static const float *weight(const char *name, uint64_t n) {
+/* A matrix as stored: f32, or ggml's Q8_0 / Q4_0 blocks of 32 values. */
+struct mat {
+    uint32_t type;
+    const uint8_t *data;
+};
+
+static const struct ts_flat_tensor *tensor(const char *name, uint64_t n) {
     const struct ts_flat_tensor *t = ts_flat_find(file, name);
     if (!t) die(name, "missing tensor");
-    if (t->type != TS_GGML_F32) die(name, "not f32: this engine reads f32 weights (cargo xtask export --type f32)");
-    if (t->n_bytes != n * 4) die(name, "unexpected size");
+    if (t->dims[0] * t->dims[1] * t->dims[2] * t->dims[3] != n) die(name, "unexpected shape");
+    return t;
+}
+
+/* An f32 vector (norm weights, biases) of exactly `n` values. */
+static const float *vec(const char *name, uint64_t n) {
+    const struct ts_flat_tensor *t = tensor(name, n);
+    if (t->type != TS_GGML_F32) die(name, "not f32");
     return (const float *)ts_flat_data(file, t);
 }
 
-static const float *layer_weight(int l, const char *tail, uint64_t n) {
-    char name[64];
-    snprintf(name, sizeof name, "blk.%d.%s", l, tail);
-    return weight(name, n);
+static struct mat matrix(const char *name, uint64_t n) {
+    const struct ts_flat_tensor *t = tensor(name, n);
+    if (t->type != TS_GGML_F32 && t->type != TS_GGML_Q8_0 && t->type != TS_GGML_Q4_0)
+        die(name, "not f32, q8_0 or q4_0: the types this engine reads (cargo xtask export --type f32|q8_0|q4_0)");
+    return (struct mat){t->type, (const uint8_t *)ts_flat_data(file, t)};
 }
 
-static const float *layer_weight_if(int l, const char *tail, uint64_t n, int present) { return present ? layer_weight(l, tail, n) : NULL; }
+static const char *layer_name(int l, const char *tail) {
+    static char name[64];
+    snprintf(name, sizeof name, "blk.%d.%s", l, tail);
+    return name;
+}
+
+static const float *layer_vec(int l, const char *tail, uint64_t n, int present) { return present ? vec(layer_name(l, tail), n) : NULL; }
+
+static struct mat layer_matrix(int l, const char *tail, uint64_t n) { return matrix(layer_name(l, tail), n); }
+
+static float f16_to_f32(uint16_t h) {
+    int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float v = exp == 0 ? ldexpf((float)man, -24) : exp == 31 ? (man ? NAN : INFINITY) : ldexpf((float)(man | 0x400), exp - 25);
+    return (h >> 15) ? -v : v;
+}
+
+/* Row `r` of a matrix with `cols` columns, decoded to f32 into `out`. */
+static void row(struct mat w, int r, int cols, float *out) {
+    if (w.type == TS_GGML_F32) {
+        memcpy(out, w.data + (size_t)r * cols * 4, (size_t)cols * 4);
+        return;
+    }
+    size_t block = w.type == TS_GGML_Q8_0 ? 34 : 18;
+    const uint8_t *b = w.data + (size_t)r * (cols / 32) * block;
+    for (int k = 0; k < cols / 32; k++, b += block, out += 32) {
+        float d = f16_to_f32((uint16_t)(b[0] | b[1] << 8));
+        for (int j = 0; j < 32; j++) {
+            int q = w.type == TS_GGML_Q8_0 ? (int8_t)b[2 + j] : j < 16 ? (b[2 + j] & 15) - 8 : (b[2 + j - 16] >> 4) - 8;
+            out[j] = (float)q * d;
+        }
+    }
+}
+
+static float *row_buf;
 
 /* y[rows] = W[rows][cols] x (+ b) */
-static void matvec(float *y, const float *w, const float *x, int rows, int cols, const float *b) {
+static void matvec(float *y, struct mat w, const float *x, int rows, int cols, const float *b) {
     for (int r = 0; r < rows; r++) {
+        row(w, r, cols, row_buf);
         double s = 0;
-        const float *row = w + (size_t)r * cols;
-        for (int c = 0; c < cols; c++) s += (double)row[c] * x[c];
+        for (int c = 0; c < cols; c++) s += (double)row_buf[c] * x[c];
         y[r] = (float)(s + (b ? b[r] : 0));
     }
 }
@@ -118,9 +164,11 @@ int main(void) {
 
     int E = (int)h->n_embd, L = (int)h->n_layer, H = (int)h->n_head, HK = (int)h->n_head_kv, D = (int)h->head_dim, F = (int)h->n_ff, V = (int)h->n_vocab;
     int qk_norm = !!(h->flags & TS_FLAT_QK_NORM), bias = !!(h->flags & TS_FLAT_QKV_BIAS), obias = !!(h->flags & TS_FLAT_OUT_BIAS);
-    const float *embd = weight("token_embd.weight", (uint64_t)E * V);
-    const float *out_norm = weight("output_norm.weight", E);
-    const float *out_w = (h->flags & TS_FLAT_TIED_OUTPUT) ? embd : weight("output.weight", (uint64_t)E * V);
+    struct mat embd = matrix("token_embd.weight", (uint64_t)E * V);
+    const float *out_norm = vec("output_norm.weight", E);
+    struct mat out_w = (h->flags & TS_FLAT_TIED_OUTPUT) ? embd : matrix("output.weight", (uint64_t)E * V);
+    int widest = E > F ? E : F;
+    row_buf = calloc((size_t)(widest > H * D ? widest : H * D), 4);
 
     /* The prompt, then room for the generated ids. */
     int n_prompt = 1;
@@ -141,14 +189,14 @@ int main(void) {
     float *last = calloc(V, 4);
 
     for (int pos = 0; pos < cap && pos < n_ids; pos++) {
-        memcpy(x, embd + (size_t)ids[pos] * E, (size_t)E * 4);
+        row(embd, ids[pos], E, x);
         for (int l = 0; l < L; l++) {
-            rmsnorm(xn, x, layer_weight(l, "attn_norm.weight", E), E);
-            matvec(q, layer_weight(l, "attn_q.weight", (uint64_t)E * H * D), xn, H * D, E, layer_weight_if(l, "attn_q.bias", (uint64_t)H * D, bias));
-            matvec(k, layer_weight(l, "attn_k.weight", (uint64_t)E * HK * D), xn, HK * D, E, layer_weight_if(l, "attn_k.bias", (uint64_t)HK * D, bias));
-            matvec(v, layer_weight(l, "attn_v.weight", (uint64_t)E * HK * D), xn, HK * D, E, layer_weight_if(l, "attn_v.bias", (uint64_t)HK * D, bias));
+            rmsnorm(xn, x, layer_vec(l, "attn_norm.weight", E, 1), E);
+            matvec(q, layer_matrix(l, "attn_q.weight", (uint64_t)E * H * D), xn, H * D, E, layer_vec(l, "attn_q.bias", (uint64_t)H * D, bias));
+            matvec(k, layer_matrix(l, "attn_k.weight", (uint64_t)E * HK * D), xn, HK * D, E, layer_vec(l, "attn_k.bias", (uint64_t)HK * D, bias));
+            matvec(v, layer_matrix(l, "attn_v.weight", (uint64_t)E * HK * D), xn, HK * D, E, layer_vec(l, "attn_v.bias", (uint64_t)HK * D, bias));
             if (qk_norm) {
-                const float *qn = layer_weight(l, "attn_q_norm.weight", D), *kn = layer_weight(l, "attn_k_norm.weight", D);
+                const float *qn = layer_vec(l, "attn_q_norm.weight", D, 1), *kn = layer_vec(l, "attn_k_norm.weight", D, 1);
                 for (int hh = 0; hh < H; hh++) rmsnorm(q + hh * D, q + hh * D, qn, D);
                 for (int hh = 0; hh < HK; hh++) rmsnorm(k + hh * D, k + hh * D, kn, D);
             }
@@ -173,17 +221,17 @@ int main(void) {
                     att[hh * D + d] = (float)acc;
                 }
             }
-            matvec(tmp, layer_weight(l, "attn_output.weight", (uint64_t)H * D * E), att, E, H * D, layer_weight_if(l, "attn_output.bias", E, obias));
+            matvec(tmp, layer_matrix(l, "attn_output.weight", (uint64_t)H * D * E), att, E, H * D, layer_vec(l, "attn_output.bias", E, obias));
             for (int i = 0; i < E; i++) x[i] += tmp[i];
-            rmsnorm(xn, x, layer_weight(l, "ffn_norm.weight", E), E);
-            matvec(g, layer_weight(l, "ffn_gate.weight", (uint64_t)E * F), xn, F, E, NULL);
-            matvec(u, layer_weight(l, "ffn_up.weight", (uint64_t)E * F), xn, F, E, NULL);
+            rmsnorm(xn, x, layer_vec(l, "ffn_norm.weight", E, 1), E);
+            matvec(g, layer_matrix(l, "ffn_gate.weight", (uint64_t)E * F), xn, F, E, NULL);
+            matvec(u, layer_matrix(l, "ffn_up.weight", (uint64_t)E * F), xn, F, E, NULL);
             for (int i = 0; i < F; i++) {
                 double a = g[i];
                 double act = h->activation ? 0.5 * a * (1 + tanh(0.7978845608028654 * (a + 0.044715 * a * a * a))) : a / (1 + exp(-a));
                 g[i] = (float)(act * u[i]);
             }
-            matvec(tmp, layer_weight(l, "ffn_down.weight", (uint64_t)F * E), g, E, F, NULL);
+            matvec(tmp, layer_matrix(l, "ffn_down.weight", (uint64_t)F * E), g, E, F, NULL);
             for (int i = 0; i < E; i++) x[i] += tmp[i];
             if (pos < n_prompt) memcpy(l_out + ((size_t)l * n_prompt + pos) * E, x, (size_t)E * 4);
         }
