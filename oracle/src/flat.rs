@@ -83,8 +83,10 @@ mod off {
 
 /// FNV-1a 64 (what the table's checksums are): a few lines in any language.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    fnv1a64_from(0xcbf2_9ce4_8422_2325, bytes)
+    fnv1a64_from(FNV_OFFSET, bytes)
 }
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 
 fn fnv1a64_from(mut h: u64, bytes: &[u8]) -> u64 {
     for &b in bytes {
@@ -555,25 +557,39 @@ pub fn export(path: &Path, spec: &ModelSpec, source: &dyn TensorSource, target: 
         let (mut pos, mut table, mut exported) = (data_offset, Vec::with_capacity(names.len()), Vec::with_capacity(names.len()));
         for (k, name) in names.iter().enumerate() {
             progress(k, names.len(), name);
-            let (from, to, dims, bytes): (GgmlType, GgmlType, Vec<usize>, Vec<u8>) = if name == FREQ_FACTORS {
+            let padded = pos.div_ceil(ALIGN) * ALIGN;
+            file.write_all(&vec![0u8; (padded - pos) as usize]).map_err(io)?;
+            // Written as it is hashed; a converted tensor a few rows at a time, so no more than
+            // about 4 MiB of it is held decoded.
+            let (mut sum, mut n_bytes) = (FNV_OFFSET, 0u64);
+            let mut emit = |chunk: &[u8]| -> Result<()> {
+                file.write_all(chunk).map_err(io)?;
+                sum = fnv1a64_from(sum, chunk);
+                n_bytes += chunk.len() as u64;
+                Ok(())
+            };
+            let (from, to, dims) = if name == FREQ_FACTORS {
                 let f = spec.rope.freq_factors.as_deref().unwrap_or_default();
-                (GgmlType::F32, GgmlType::F32, vec![f.len()], f.iter().flat_map(|v| v.to_le_bytes()).collect())
+                emit(&f.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+                (GgmlType::F32, GgmlType::F32, vec![f.len()])
             } else {
                 let raw = source.raw(name)?.ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", source.label())))?;
                 let to = target_type(target, name, raw.ty, &raw.dims);
-                let bytes = if to == raw.ty {
-                    raw.bytes.into_owned()
+                if to == raw.ty {
+                    emit(&raw.bytes)?;
                 } else {
-                    let values = crate::quant::decode(raw.ty, &raw.bytes, raw.n_elements())?;
-                    crate::quant::encode(to, &values)?
-                };
-                (raw.ty, to, raw.dims, bytes)
+                    let row = raw.dims[0].max(1);
+                    let row_bytes = raw.ty.bytes_for(row as u64).filter(|&b| b > 0).ok_or_else(|| OracleError::Spec(format!("{}: tensor `{name}` rows of {row} are not whole {} blocks", source.label(), raw.ty.name())))? as usize;
+                    let rows = ((1 << 20) / row).max(1);
+                    for chunk in raw.bytes.chunks(row_bytes * rows) {
+                        let values = crate::quant::decode(raw.ty, chunk, chunk.len() / row_bytes * row)?;
+                        emit(&crate::quant::encode(to, &values)?)?;
+                    }
+                }
+                (raw.ty, to, raw.dims)
             };
-            let padded = pos.div_ceil(ALIGN) * ALIGN;
-            file.write_all(&vec![0u8; (padded - pos) as usize]).map_err(io)?;
-            file.write_all(&bytes).map_err(io)?;
-            let t = FlatTensor { name: name.clone(), ty: to, dims: dims.iter().map(|&d| d as u64).collect(), offset: padded, n_bytes: bytes.len() as u64, checksum: fnv1a64(&bytes) };
-            pos = padded + bytes.len() as u64;
+            let t = FlatTensor { name: name.clone(), ty: to, dims: dims.iter().map(|&d| d as u64).collect(), offset: padded, n_bytes, checksum: sum };
+            pos = padded + n_bytes;
             exported.push(Exported { name: name.clone(), from, to, dims: t.dims.clone(), n_bytes: t.n_bytes });
             table.push(t);
         }
