@@ -379,13 +379,9 @@ impl FlatFile {
 
 impl TensorSource for FlatFile {
     fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
-        let Some(&i) = self.index.get(name) else { return Ok(None) };
-        let t = &self.tensors[i];
-        let data = crate::quant::decode(t.ty, self.checked_bytes(i)?, t.dims.iter().product::<u64>() as usize)?;
-        if let Some((e, v)) = data.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-            return Err(OracleError::non_finite_weight(&self.path, name, e, *v, t.dims[0] as usize));
-        }
-        Ok(Some(LoadedTensor { dims: t.dims.iter().map(|&d| d as usize).collect(), data }))
+        let Some(raw) = self.raw(name)? else { return Ok(None) };
+        let data = crate::quant::decode(raw.ty, &raw.bytes, raw.n_elements())?;
+        Ok(Some(LoadedTensor { dims: raw.dims, data }))
     }
 
     fn label(&self) -> String {
@@ -403,10 +399,7 @@ impl TensorSource for FlatFile {
     fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
         let Some(&i) = self.index.get(name) else { return Ok(None) };
         let t = &self.tensors[i];
-        let bytes = self.checked_bytes(i)?;
-        if let Some((e, v)) = crate::quant::first_non_finite(t.ty, bytes) {
-            return Err(OracleError::non_finite_weight(&self.path, name, e, v, t.dims[0] as usize));
-        }
+        let bytes = crate::quant::finite_weight(&self.path, name, t.ty, self.checked_bytes(i)?, t.dims[0] as usize)?;
         Ok(Some(RawTensor { dims: t.dims.iter().map(|&d| d as usize).collect(), ty: t.ty, bytes: Cow::Borrowed(bytes) }))
     }
 }

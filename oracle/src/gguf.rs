@@ -420,27 +420,7 @@ impl GgufFile {
     /// The tensor's bytes for a loader that keeps them packed, refused when any value decodes to NaN
     /// or an infinity (naming the file, tensor, element, row and column), as the oracle refuses it.
     pub fn weight_bytes(&self, info: &TensorInfo) -> Result<&[u8]> {
-        self.weight_part(info, 0, 1)
-    }
-
-    /// Part `part` of `parts` equal parts of a tensor's bytes (one expert of a stacked
-    /// `[cols, rows, n_expert]` tensor), checked like `weight_bytes`; an element is named by its
-    /// index in the whole tensor. Errors when the bytes do not split into whole blocks.
-    pub fn weight_part(&self, info: &TensorInfo, part: usize, parts: usize) -> Result<&[u8]> {
-        let bytes = self.tensor_bytes(info);
-        let (ts, bs) = (info.ty.type_size(), info.ty.block_size());
-        let per = bytes.len() / parts.max(1);
-        if parts == 0 || part >= parts || !bytes.len().is_multiple_of(parts) || !per.is_multiple_of(ts) {
-            return Err(OracleError::Spec(format!("{}: tensor `{}` ({} bytes) does not split into {parts} parts of whole {} blocks", self.path, info.name, bytes.len(), info.ty.name())));
-        }
-        let slice = &bytes[part * per..(part + 1) * per];
-        match crate::quant::first_non_finite(info.ty, slice) {
-            Some((i, v)) => {
-                let element = part * (per / ts) * bs + i;
-                Err(OracleError::non_finite_weight(&self.path, &info.name, element, v, info.dims.first().copied().unwrap_or(1) as usize))
-            }
-            None => Ok(slice),
-        }
+        crate::quant::finite_weight(&self.path, &info.name, info.ty, self.tensor_bytes(info), info.dims.first().copied().unwrap_or(1) as usize)
     }
 
     /// Decodes a whole tensor to f32.

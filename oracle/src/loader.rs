@@ -366,9 +366,7 @@ impl SafetensorsDir {
         let mut joined: Option<(Vec<usize>, GgmlType, Vec<u8>)> = None;
         for p in parts {
             let (dims, ty, bytes, path) = self.part(p)?;
-            if let Some((i, v)) = crate::quant::first_non_finite(ty, bytes) {
-                return Err(OracleError::non_finite_weight(&path.display().to_string(), &p.hf, i, v, dims.first().copied().unwrap_or(1)));
-            }
+            let bytes = crate::quant::finite_weight(&path.display().to_string(), &p.hf, ty, bytes, dims.first().copied().unwrap_or(1))?;
             let (dims, bytes) = match p.half {
                 None => (dims, Cow::Borrowed(bytes)),
                 Some(h) => half_of_each_expert(dims, ty, bytes, h).ok_or_else(|| OracleError::Safetensors {

@@ -202,6 +202,15 @@ fn scale_fields(ty: GgmlType) -> &'static [usize] {
     }
 }
 
+/// `bytes` (a tensor `name` of `label`, rows of `row_len` values) when every value is finite;
+/// else the error every loader gives for a NaN or infinite weight, naming element, row and column.
+pub fn finite_weight<'a>(label: &str, name: &str, ty: GgmlType, bytes: &'a [u8], row_len: usize) -> Result<&'a [u8]> {
+    match first_non_finite(ty, bytes) {
+        Some((element, v)) => Err(crate::OracleError::non_finite_weight(label, name, element, v, row_len)),
+        None => Ok(bytes),
+    }
+}
+
 /// The first element of `bytes` (packed type `ty`, a whole number of blocks) that decodes to NaN or
 /// an infinity, with the value it decodes to; None when every element is finite. Reads the scale
 /// fields of quantized blocks and decodes only a block whose scales are not finite, so checking a
