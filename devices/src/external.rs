@@ -6,6 +6,10 @@
 //!   `TOUCHSTONE_MODEL` (model file), `TOUCHSTONE_PROMPT_IDS` (comma-separated ids),
 //!   `TOUCHSTONE_N_GENERATE` (greedy tokens wanted; 0 = one prefill), `TOUCHSTONE_OUT` (the
 //!   directory to write). Its stdout and stderr go to `engine.log` in that directory.
+//! - `ids:CMD` runs a token-only engine that writes no dump at all (a bare-metal kernel whose only
+//!   output is a serial console): the same environment, and the greedy ids it generated read from
+//!   the last line of its stdout that holds nothing but ids (comma- or space-separated; boot
+//!   messages before it are ignored). Only the greedy gate can judge it.
 //!
 //! Everything read is checked before it is used: format and version, the model's sha256, the token
 //! ids, each tensor's shape and every value's finiteness. A bad dump is an error naming the file
@@ -25,6 +29,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 pub enum Source {
     Dir(PathBuf),
     Exec(String),
+    Ids(String),
 }
 
 pub struct ExternalDevice {
@@ -33,11 +38,14 @@ pub struct ExternalDevice {
 }
 
 impl ExternalDevice {
-    /// `external:DIR` or `exec:CMD`; `TOUCHSTONE_EXEC_TIMEOUT` (seconds) overrides the timeout.
+    /// `external:DIR`, `exec:CMD` or `ids:CMD`; `TOUCHSTONE_EXEC_TIMEOUT` (seconds) overrides the timeout.
     pub fn parse(name: &str) -> Option<ExternalDevice> {
         let timeout = std::env::var("TOUCHSTONE_EXEC_TIMEOUT").ok().and_then(|s| s.parse::<f64>().ok()).filter(|s| *s > 0.0).map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
         if let Some(dir) = name.strip_prefix("external:") {
             return Some(ExternalDevice { source: Source::Dir(PathBuf::from(dir)), timeout });
+        }
+        if let Some(cmd) = name.strip_prefix("ids:") {
+            return Some(ExternalDevice { source: Source::Ids(cmd.to_string()), timeout });
         }
         name.strip_prefix("exec:").map(|cmd| ExternalDevice { source: Source::Exec(cmd.to_string()), timeout })
     }
@@ -48,6 +56,7 @@ impl Device for ExternalDevice {
         match &self.source {
             Source::Dir(d) => format!("external:{}", d.display()),
             Source::Exec(c) => format!("exec:{c}"),
+            Source::Ids(c) => format!("ids:{c}"),
         }
     }
     fn arithmetic(&self, _: &OpCase) -> Arithmetic {
@@ -174,10 +183,11 @@ impl ExternalModel {
                 let work = tempfile::Builder::new().prefix("touchstone-exec-").tempdir().map_err(|e| self.failed(format!("cannot create a work directory: {e}")))?;
                 let out = work.path().join("dump");
                 std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
-                run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout).map_err(|r| self.failed(r))?;
+                run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout, None).map_err(|r| self.failed(r))?;
                 self.workdir = Some(work);
                 out
             }
+            Source::Ids(_) => return Err(self.failed("an `ids:` engine prints the ids it generated and nothing else; this suite needs its logits or taps (`fixed-token` judges its greedy ids; an engine that can write a dump runs as `exec:`)")),
         };
         let dump = read_dump(&dir, tokens, self.model_sha256.as_deref(), self.spec.n_vocab)?;
         if let Some(a) = &dump.manifest.arithmetic {
@@ -191,15 +201,47 @@ impl ExternalModel {
     fn failed(&self, reason: impl std::fmt::Display) -> DeviceError {
         DeviceError::Failed { device: self.name.clone(), case: "run".into(), reason: reason.to_string() }
     }
+
+    /// The greedy ids an `ids:` engine printed for `prompt`: the last line of its stdout that
+    /// holds only ids, checked against the vocabulary; ids beyond `max_new` are ignored.
+    fn printed_ids(&mut self, cmd: &str, prompt: &[u32], max_new: usize) -> Result<Vec<u32>, DeviceError> {
+        let work = tempfile::Builder::new().prefix("touchstone-ids-").tempdir().map_err(|e| self.failed(format!("cannot create a work directory: {e}")))?;
+        let out = work.path().join("out");
+        std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
+        let stdout_path = work.path().join("stdout.txt");
+        let result = run_engine(cmd, &self.model_path, prompt, max_new, &out, self.timeout, Some(&stdout_path));
+        self.workdir = Some(work);
+        result.map_err(|r| self.failed(r))?;
+        let text = std::fs::read(&stdout_path).map_err(|e| self.failed(format!("{}: {e}", stdout_path.display())))?;
+        let text = String::from_utf8_lossy(&text);
+        let line = text.lines().rev().map(str::trim).find(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_digit() || c == ',' || c.is_whitespace()) && l.chars().any(|c| c.is_ascii_digit()));
+        let Some(line) = line else {
+            let last: Vec<&str> = text.lines().rev().take(3).collect();
+            return Err(self.failed(format!("`{cmd}` printed no line of token ids on stdout (the last lines: {:?})", last.into_iter().rev().collect::<Vec<_>>())));
+        };
+        let mut ids = Vec::new();
+        for t in line.split(|c: char| c == ',' || c.is_whitespace()).filter(|t| !t.is_empty()) {
+            let id: u32 = t.parse().map_err(|_| self.failed(format!("`{cmd}` printed `{t}`, not a token id")))?;
+            if id as usize >= self.spec.n_vocab {
+                return Err(self.failed(format!("`{cmd}` printed id {id}, outside the vocabulary of {}", self.spec.n_vocab)));
+            }
+            ids.push(id);
+        }
+        ids.truncate(max_new);
+        Ok(ids)
+    }
 }
 
-/// Runs an `exec:` engine for one request; Err names the exit status or the timeout and shows the
-/// end of its log.
-fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &Path, timeout: Duration) -> Result<(), String> {
+/// Runs an `exec:` or `ids:` engine for one request; Err names the exit status or the timeout and
+/// shows the end of its log. Its stdout goes to `stdout` when given, else with stderr to the log.
+fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &Path, timeout: Duration, stdout: Option<&Path>) -> Result<(), String> {
     use std::os::unix::process::CommandExt;
     let log_path = out.join("engine.log");
     let log = std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
-    let log2 = log.try_clone().map_err(|e| e.to_string())?;
+    let log2 = match stdout {
+        Some(p) => std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?,
+        None => log.try_clone().map_err(|e| e.to_string())?,
+    };
     let ids: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
     let mut child = std::process::Command::new("sh")
         .arg("-c")
@@ -209,8 +251,8 @@ fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &
         .env("TOUCHSTONE_N_GENERATE", n_generate.to_string())
         .env("TOUCHSTONE_OUT", out)
         .stdin(std::process::Stdio::null())
-        .stdout(log)
-        .stderr(log2)
+        .stdout(log2)
+        .stderr(log)
         .process_group(0)
         .spawn()
         .map_err(|e| format!("cannot start `sh -c {cmd}`: {e}"))?;
@@ -274,6 +316,10 @@ impl DeviceModel for ExternalModel {
         Ok(logits)
     }
     fn generate_ids(&mut self, prompt: &[u32], max_new: usize) -> Option<Result<Vec<u32>, DeviceError>> {
+        if let Source::Ids(cmd) = &self.source {
+            let cmd = cmd.clone();
+            return Some(self.printed_ids(&cmd, prompt, max_new));
+        }
         if let Source::Dir(d) = &self.source {
             // A directory holds one dump: it answers a generation request only if it is a
             // token-only dump of exactly this prompt.

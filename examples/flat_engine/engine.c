@@ -11,7 +11,8 @@
  *
  * run.sh builds it once and passes the model's sha256 (TOUCHSTONE_MODEL_SHA256). Touchstone gives
  * TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS, TOUCHSTONE_N_GENERATE and TOUCHSTONE_OUT. With
- * N_GENERATE > 0 it writes a token-only dump (generated_ids), else the output of every layer
+ * N_GENERATE > 0 it writes a token-only dump (generated_ids) and prints the ids on stdout (so it
+ * also runs as `ids:sh examples/flat_engine/run.sh`, as a serial-console engine would), else the output of every layer
  * (blk.N.l_out), the final norm and the logits of every position. It refuses what it does not
  * implement (other weight types, MoE, RoPE scaling, sliding windows) with a message and exit 2.
  */
@@ -281,5 +282,11 @@ int main(void) {
         fprintf(m, "\"logits\":{\"name\":\"logits\",\"shape\":[%d,%d],\"dtype\":\"f32\",\"file\":\"logits.safetensors\"}}\n", n_prompt, V);
     }
     if (fclose(m)) die(path, "write failed");
+    /* The generated ids on stdout too, one line, as an engine whose only output is a serial
+     * console prints them (`ids:` device). */
+    if (n_generate > 0) {
+        for (int i = n_prompt; i < n_ids; i++) printf("%s%d", i > n_prompt ? "," : "", ids[i]);
+        printf("\n");
+    }
     return 0;
 }

@@ -1,7 +1,7 @@
 //! External engines through the dump protocol: a cpu dump read back through `external:DIR`
 //! passes, a perturbed layer output is found at exactly that layer, bad dumps and bad commands
-//! exit 2 naming the file/tap, and the example engine (examples/external_engine) is gated
-//! through `exec:`.
+//! exit 2 naming the file/tap, the example engine (examples/external_engine) is gated
+//! through `exec:`, and a token-only engine that only prints ids is judged through `ids:`.
 
 mod common;
 
@@ -227,4 +227,36 @@ fn the_example_engine_is_gated_through_exec() {
     let o = xtask(&["fixed-token", "--device", engine, "--model", "tiny-llama", "--report-dir", tmp.path().join("ft").to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(text(&o).contains("gate=greedy"));
+}
+
+/// `ids:CMD`: an engine whose only output is its console (boot noise, then a line of ids) is
+/// judged by the greedy gate on the last line of ids it printed; wrong ids fail (exit 1), no
+/// ids, ids outside the vocabulary, or a suite that needs logits exit 2 saying why.
+#[test]
+fn an_engine_that_only_prints_ids_is_judged_by_its_greedy_ids() {
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(workspace().join("fixtures/golden/tiny-llama.json")).unwrap()).unwrap();
+    let ids: Vec<String> = golden["continuation_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    let fixed_token = |device: &str| xtask(&["fixed-token", "--device", device, "--model", "tiny-llama"], &[]);
+    // Boot messages, then the golden's ids (and more than were asked, which are ignored).
+    let right = format!("ids:echo 'booting...'; echo 'model loaded'; echo '{} 7 7'", ids.join(" "));
+    let o = fixed_token(&right);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("2 passed, 0 failed, 3 unsupported"), "{}", text(&o));
+    let mut wrong = ids.clone();
+    wrong[5] = if wrong[5] == "1" { "2".into() } else { "1".into() };
+    let o = fixed_token(&format!("ids:echo {}", wrong.join(",")));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("first mismatch at generated token 5"), "{}", text(&o));
+    for (device, want) in [
+        ("ids:echo booting", "printed no line of token ids"),
+        ("ids:echo 5,99999", "printed id 99999, outside the vocabulary"),
+        ("ids:echo 1; exit 4", "exited with"),
+    ] {
+        let o = fixed_token(device);
+        assert_eq!(o.status.code(), Some(2), "{device}: {}", text(&o));
+        assert!(stderr(&o).contains(want), "{device}: {}", text(&o));
+    }
+    let o = layer_diff(&right, "tiny-llama", "1,2,3", &tempfile::tempdir().unwrap().path().join("r"));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("prints the ids it generated and nothing else"), "{}", text(&o));
 }

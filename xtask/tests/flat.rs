@@ -92,6 +92,11 @@ fn the_c_flat_engine_is_gated_through_exec() {
             assert!(text(&o).contains("4 passed, 0 failed"), "{model}: {}", text(&o));
         }
     }
+    // The same engine as a console-only one: its printed ids, judged by the greedy gate.
+    let flat = tmp.path().join("smollm2.flat");
+    let o = xtask(&["fixed-token", "--device", "ids:sh examples/flat_engine/run.sh", "--model", flat.to_str().unwrap(), "--report-dir", tmp.path().join("ids").to_str().unwrap()], &env);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).lines().any(|l| l.contains("Pass") && l.contains("gate=greedy")), "{}", text(&o));
     // Weights it cannot read are refused by the engine, and that is a could-not-run (exit 2).
     let q = tmp.path().join("q.flat");
     export("tiny-llama", "keep", &q);

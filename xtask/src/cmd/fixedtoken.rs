@@ -16,7 +16,7 @@ use suites::layerdiff::{propagated_budget, Dims, RoutingFollower};
 
 #[derive(clap::Args)]
 pub struct FixedTokenArgs {
-    #[arg(long, default_value = "cpu", help = concat!("Device under test: cpu, cpu:kv-f16 (f16 KV cache), fixed, fixed-int4, ref, ", devices::gpu_emu_syntax!(), ", cuda[:N], rocm[:N], external:DIR, exec:CMD."))]
+    #[arg(long, default_value = "cpu", help = concat!("Device under test: cpu, cpu:kv-f16 (f16 KV cache), fixed, fixed-int4, ref, ", devices::gpu_emu_syntax!(), ", cuda[:N], rocm[:N], external:DIR, exec:CMD, ids:CMD (an engine that only prints the ids it generated)."))]
     pub device: String,
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a GGUF path / safetensors directory.
     #[arg(long)]
