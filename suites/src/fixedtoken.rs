@@ -13,6 +13,11 @@
 //!   oracle regression fails here, never silently);
 //! - `cache_consistency`: logits reached by one prefill, by prefill + decode steps and by prefill
 //!   + append agree within the budget (unsupported for one-shot external engines).
+//! - `kld_vs_baseline` (when given a baseline: the report of an earlier run on the same model and
+//!   golden, e.g. the last good commit): mean KLD at most `factor` times the baseline's. The
+//!   worst-case bound of `kld_mean` is loose for devices with quantized activations; this one
+//!   is as sharp as the engine is repeatable, and catches a change of numerics the bound lets
+//!   through.
 //!
 //! The logit budget is the layer-diff propagated budget of `result_output` (suites::layerdiff),
 //! so one model of the device's arithmetic feeds both gates.
@@ -220,6 +225,43 @@ pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
         }
     }
     out
+}
+
+/// KLD below which two runs are taken as equal (a deterministic f32 engine measures ~1e-12).
+pub const BASELINE_KLD_FLOOR: f64 = 1e-12;
+
+/// The `kld_vs_baseline` gate: this run's mean KLD (`stats`, a `token_stats` section) against
+/// `factor` times the mean KLD of `baseline` (an earlier fixed-token report.json). Err (could not
+/// run) when the baseline is not a fixed-token report of the same model and golden, or holds no
+/// KLD; a token-only run (no KLD) is unsupported.
+pub fn against_baseline(golden: &Golden, stats: &Value, baseline: &Value, factor: f64, device: &str) -> Result<Case, String> {
+    if baseline["suite"] != "fixed-token" {
+        return Err(format!("the baseline is a {} report, not a fixed-token one", baseline["suite"]));
+    }
+    let bg = &baseline["golden"];
+    if bg["sha256"] != golden.sha256.as_str() {
+        return Err(format!("the baseline was run on a model with sha256 {}, this one has {}", bg["sha256"], golden.sha256));
+    }
+    if bg["prompt_ids"] != json!(golden.prompt_ids) || bg["continuation_ids"] != json!(golden.continuation_ids) {
+        return Err("the baseline was run over another token sequence (its golden prompt or continuation differs): the two mean KLDs would not measure the same thing".into());
+    }
+    let base = baseline["token_stats"]["kld"]["mean"].as_f64().ok_or("the baseline holds no mean KLD (a token-only run?)")?;
+    let id = format!("fixed_token(model={},gate=kld_vs_baseline)", golden.model);
+    let Some(now) = stats["kld"]["mean"].as_f64() else {
+        return Ok(Case { id, device: device.into(), verdict: Verdict::Unsupported, metrics: Map::new(), tolerance: Tolerance { rule: "no logits".into(), bound: 0.0 }, margin: 0.0, message: Some("token-only engine: no KLD to compare with the baseline".into()) });
+    };
+    let bound = (base * factor).max(BASELINE_KLD_FLOOR);
+    let metrics = m(&[
+        ("kld_mean", json!(now)),
+        ("baseline_kld_mean", json!(base)),
+        ("ratio", json!(now / base)),
+        ("baseline_device", baseline["cases"][0]["device"].clone()),
+        ("baseline_same_top1", baseline["token_stats"]["same_top1"]["count"].clone()),
+        ("same_top1", stats["same_top1"]["count"].clone()),
+    ]);
+    let pass = now <= bound;
+    let message = (!pass).then(|| format!("mean KLD {now:.3e} is {:.2}x the baseline's {base:.3e} (allowed {factor}x)", now / base));
+    Ok(case(id, device, pass, &format!("mean KLD <= {factor} x the baseline's (floor {BASELINE_KLD_FLOOR:e})"), bound, now, metrics, message))
 }
 
 /// Judges one device run: the gate cases (see the module header) and the `token_stats` section.

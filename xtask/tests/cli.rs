@@ -206,6 +206,45 @@ fn fixed_token_runs_a_given_prompt() {
     assert!(stderr(&o).contains("holds its own prompt"), "{}", text(&o));
 }
 
+/// `fixed-token --baseline`: a run judged against an earlier run's report passes when its mean
+/// KLD is as low; against a baseline whose KLD was (edited to be) 100x lower it fails with the
+/// ratio; a baseline of another golden or a factor under 1 exit 2.
+#[test]
+fn fixed_token_against_a_baseline_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |d: &str| tmp.path().join(d).to_str().unwrap().to_string();
+    let run = |extra: &[&str], report: &str| {
+        let mut args = vec!["fixed-token", "--device", "cpu", "--model", "tiny-llama"];
+        args.extend_from_slice(extra);
+        let r = dir(report);
+        args.extend_from_slice(&["--report-dir", &r]);
+        xtask(&args, &[])
+    };
+    let o = run(&[], "base");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let base = dir("base") + "/report.json";
+    let o = run(&["--baseline", &base], "same");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).lines().any(|l| l.contains("Pass") && l.contains("gate=kld_vs_baseline")), "{}", text(&o));
+    let mut edited: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
+    let kld = edited["token_stats"]["kld"]["mean"].as_f64().unwrap();
+    assert!(kld > 1e-9, "{kld}");
+    edited["token_stats"]["kld"]["mean"] = serde_json::json!(kld / 100.0);
+    let lower = tmp.path().join("lower.json");
+    std::fs::write(&lower, edited.to_string()).unwrap();
+    let o = run(&["--baseline", lower.to_str().unwrap()], "worse");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("100.00x the baseline's"), "{}", text(&o));
+    edited["golden"]["prompt_ids"] = serde_json::json!([1, 2]);
+    std::fs::write(&lower, edited.to_string()).unwrap();
+    let o = run(&["--baseline", lower.to_str().unwrap()], "other");
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("over another token sequence"), "{}", text(&o));
+    let o = run(&["--baseline", &base, "--baseline-factor", "0.5"], "factor");
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("must be a finite number of at least 1"), "{}", text(&o));
+}
+
 #[test]
 fn a_reader_that_stops_early_ends_the_run_quietly() {
     // `cargo xtask kernels | head -1`: once the reader has gone, the next write to stdout ends

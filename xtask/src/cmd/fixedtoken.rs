@@ -42,6 +42,15 @@ pub struct FixedTokenArgs {
     /// thousands of tokens teacher-forced through the KV cache).
     #[arg(long)]
     pub prompt_file: Option<PathBuf>,
+    /// The report.json of an earlier fixed-token run on the same model and golden (the last good
+    /// commit, another engine): adds the gate `kld_vs_baseline`, mean KLD at most
+    /// --baseline-factor times the baseline's, sharper than the worst-case bound of `kld_mean`.
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
+    /// How much the mean KLD may grow over the baseline's (KLD grows as the square of the logit
+    /// error: 1.5 allows about 22% more error).
+    #[arg(long, default_value_t = 1.5)]
+    pub baseline_factor: f64,
     /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-<time>/).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
@@ -63,6 +72,16 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
 
 /// Runs the gate the arguments describe (None after `--write-golden`).
 pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
+    if !(a.baseline_factor.is_finite() && a.baseline_factor >= 1.0) {
+        return Err(Exit { code: 2, message: format!("--baseline-factor {} must be a finite number of at least 1", a.baseline_factor) });
+    }
+    let baseline: Option<serde_json::Value> = match &a.baseline {
+        Some(f) => {
+            let text = std::fs::read_to_string(f).map_err(|e| super::io_exit(f, e))?;
+            Some(serde_json::from_str(&text).map_err(|e| Exit { code: 2, message: format!("--baseline {}: not a report.json: {e}", f.display()) })?)
+        }
+        None => None,
+    };
     if a.n_generate == 0 {
         return Err(Exit { code: 2, message: "--n-generate must be at least 1: a golden with no continuation leaves the greedy gate nothing to compare".into() });
     }
@@ -149,6 +168,11 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, &a.device),
         None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), &a.device),
     };
+    let mut cases = cases;
+    if let (Some(base), Some(f)) = (&baseline, &a.baseline) {
+        let c = fixedtoken::against_baseline(&golden, &stats, base, a.baseline_factor, &a.device).map_err(|e| Exit { code: 2, message: format!("--baseline {}: {e}", f.display()) })?;
+        cases.push(c);
+    }
     let mut report = Report::new("fixed-token", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert("golden".into(), json!({ "source": origin, "model": golden.model, "sha256": golden.sha256, "prompt_ids": golden.prompt_ids, "continuation_ids": golden.continuation_ids }));
     report.sections.insert("logit_budget".into(), json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output", "arithmetic": arith }));
