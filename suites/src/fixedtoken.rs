@@ -58,6 +58,11 @@ pub struct PositionStats {
     /// p_device(oracle's top token) - p_oracle(oracle's top token).
     pub dp: f64,
     pub max_abs: f64,
+    /// Mean |device - oracle| logit over the vocabulary (the "full-vocabulary mean absolute logit
+    /// error" engine authors report).
+    pub mean_abs: f64,
+    /// Whether the two top-5 lists hold the same ids (in any order).
+    pub top5_equal: bool,
     /// Oracle's top-1 minus top-2 logit.
     pub margin: f64,
     /// The logit error budget at this position (RMS), and whether the margin is within twice it.
@@ -97,6 +102,7 @@ pub fn position_stats(oracle: &[f64], device: &[f32], n_vocab: usize, budget: &B
             let (to, td) = (top_k(o, 5), top_k(&d, 5));
             let overlap = to.iter().filter(|i| td.contains(i)).count() as f64 / 5.0;
             let max_abs = o.iter().zip(&d).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+            let mean_abs = o.iter().zip(&d).map(|(a, b)| (a - b).abs()).sum::<f64>() / n_vocab as f64;
             let rms = (o.iter().map(|v| v * v).sum::<f64>() / n_vocab as f64).sqrt();
             let delta = budget.bound(rms);
             let margin = o[to[0]] - o[to[1]];
@@ -108,6 +114,8 @@ pub fn position_stats(oracle: &[f64], device: &[f32], n_vocab: usize, budget: &B
                 top5_overlap: overlap,
                 dp: ld[to[0]].exp() - lo[to[0]].exp(),
                 max_abs: if d.iter().all(|v| v.is_finite()) { max_abs } else { f64::INFINITY },
+                mean_abs: if d.iter().all(|v| v.is_finite()) { mean_abs } else { f64::INFINITY },
+                top5_equal: to.iter().all(|i| td.contains(i)),
                 margin,
                 delta,
                 near_tie: margin < 2.0 * delta,
@@ -149,6 +157,8 @@ pub fn token_stats(stats: &[PositionStats]) -> Value {
         "dp": { "p1": percentile(&dp, 0.01), "p5": percentile(&dp, 0.05), "median": percentile(&dp, 0.5), "p95": percentile(&dp, 0.95), "p99": percentile(&dp, 0.99) },
         "near_ties": stats.iter().filter(|s| s.near_tie).count(),
         "max_abs_logit": stats.iter().map(|s| s.max_abs).fold(0.0, f64::max),
+        "mean_abs_logit": stats.iter().map(|s| s.mean_abs).sum::<f64>() / n,
+        "same_top5": stats.iter().filter(|s| s.top5_equal).count(),
         "per_position": stats.iter().map(|s| json!({ "pos": s.pos, "kld": s.kld, "kld_bound": s.kld_bound, "top1_oracle": s.top1_oracle, "top1_device": s.top1_device, "margin": s.margin, "near_tie": s.near_tie, "dp": s.dp })).collect::<Vec<_>>(),
     })
 }
@@ -462,6 +472,23 @@ mod tests {
         assert_eq!(greedy.verdict, Verdict::Pass);
         assert!(greedy.message.as_deref().unwrap().contains("near tie"));
         assert!(cases.iter().any(|c| c.verdict == Verdict::Unsupported), "a one-shot engine's cache check is unsupported, not passed");
+    }
+
+    /// The mean absolute logit error and the top-5 agreement, on logits where both are known.
+    #[test]
+    fn mean_absolute_error_and_top5_agreement() {
+        let v = 8;
+        let o = logits(&[1, 2, 3, 4], v, 5.0);
+        let mut d: Vec<f32> = o.iter().map(|x| *x as f32 + 0.25).collect();
+        for x in &mut d[v..2 * v] {
+            *x = -*x; // position 1: the order reversed, so its top-5 is another set
+        }
+        let s = position_stats(&o, &d, v, &Budget { rel: 1e-3, abs: 0.0 });
+        assert!((s[0].mean_abs - 0.25).abs() < 1e-6, "{}", s[0].mean_abs);
+        assert!(s[0].top5_equal && !s[1].top5_equal && s[2].top5_equal);
+        let ts = token_stats(&s);
+        assert_eq!(ts["same_top5"], 3);
+        assert!(ts["mean_abs_logit"].as_f64().unwrap() > 0.25);
     }
 
     #[test]

@@ -227,6 +227,8 @@ fn fixed_token_against_a_baseline_report() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(text(&o).lines().any(|l| l.contains("Pass") && l.contains("gate=kld_vs_baseline")), "{}", text(&o));
     let mut edited: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
+    let ts = &edited["token_stats"];
+    assert!(ts["mean_abs_logit"].as_f64().unwrap() > 0.0 && ts["same_top5"].as_u64().unwrap() <= ts["positions"].as_u64().unwrap(), "{ts}");
     let kld = edited["token_stats"]["kld"]["mean"].as_f64().unwrap();
     assert!(kld > 1e-9, "{kld}");
     edited["token_stats"]["kld"]["mean"] = serde_json::json!(kld / 100.0);

@@ -265,6 +265,9 @@ fn print_summary(r: &Report) {
             ts.get("same_top1").and_then(|s| s.get("ci95")).map_or("-".into(), |v| v.to_string()),
             ts.get("near_ties").map_or("-".into(), |v| v.to_string()),
         );
+        if let (Some(mean_abs), Some(top5), Some(n)) = (ts.get("mean_abs_logit").and_then(|v| v.as_f64()), ts.get("same_top5"), ts.get("positions")) {
+            outln!("mean |logit error| {mean_abs:.4e} (max {}); same top-5 ids at {top5} of {n} positions", f(&["max_abs_logit"]));
+        }
     }
     for c in &r.cases {
         outln!("  {:<12} {}{}", format!("{:?}", c.verdict), c.id, c.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default());
