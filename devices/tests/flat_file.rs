@@ -163,7 +163,9 @@ fn hostile_headers_with_a_matching_checksum_are_refused_clearly() {
         ("n_tensors u32::MAX", Box::new(|b| b[32..36].copy_from_slice(&u32::MAX.to_le_bytes())), "n_tensors"),
         ("unknown type", Box::new(move |b| b[q + 64..q + 68].copy_from_slice(&99u32.to_le_bytes())), "unknown GGML type id 99"),
         ("five dims", Box::new(move |b| b[q + 68..q + 72].copy_from_slice(&5u32.to_le_bytes())), "expected 1 to 4"),
-        ("dims overflow", Box::new(move |b| b[q + 72..q + 80].copy_from_slice(&u64::MAX.to_le_bytes())), "n_bytes"),
+        // attn_q's rows given as 48 values: not whole blocks of its quantized type.
+        ("rows not whole blocks", Box::new(move |b| { let ty = u32::from_le_bytes(b[q + 64..q + 68].try_into().unwrap()); assert_ne!(ty, 0, "attn_q is quantized here"); b[q + 72..q + 80].copy_from_slice(&48u64.to_le_bytes()) }), "is not a multiple of the"),
+        ("dims overflow", Box::new(move |b| b[q + 80..q + 88].copy_from_slice(&u64::MAX.to_le_bytes())), "n_bytes"),
         ("size off", Box::new(move |b| { let n = u64::from_le_bytes(b[q + 112..q + 120].try_into().unwrap()) - 2; b[q + 112..q + 120].copy_from_slice(&n.to_le_bytes()) }), "take"),
         ("offset past the end", Box::new(move |b| b[down + 104..down + 112].copy_from_slice(&(1u64 << 62).to_le_bytes())), "end within the file"),
         ("overlap", Box::new(move |b| { let o = b[embd + 104..embd + 112].to_vec(); b[q + 104..q + 112].copy_from_slice(&o) }), "previous tensor's end"),

@@ -213,6 +213,9 @@ impl FlatFile {
                 return Err(err(&field("dims"), at + 72 + 8 * (n_dims + d), format!("dims beyond n_dims {n_dims} must be 1, found {}", all_dims[n_dims + d])));
             }
             let dims = all_dims[..n_dims].to_vec();
+            if !dims[0].is_multiple_of(ty.block_size() as u64) {
+                return Err(err(&field("dims"), at + 72, format!("row length {} is not a multiple of the {} block size {}", dims[0], ty.name(), ty.block_size())));
+            }
             let n_elements = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).filter(|&n| n > 0);
             let need = n_elements.and_then(|n| ty.bytes_for(n));
             let (offset, n_bytes) = (u64_at(e, 104), u64_at(e, 112));
