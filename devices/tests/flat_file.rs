@@ -174,6 +174,7 @@ fn hostile_headers_with_a_matching_checksum_are_refused_clearly() {
         ("unknown flag", Box::new(|b| b[112] |= 0x80), "bits this reader does not know"),
         ("rope scaling 9", Box::new(|b| b[104] = 9), "expected 0 none"),
         ("zero heads", Box::new(|b| b[76..80].fill(0)), "n_head is zero"),
+        ("2^32-1 layers", Box::new(|b| b[72..76].fill(0xff)), "4294967295 layers, but the table holds 21 tensors"),
         ("vocabulary off", Box::new(|b| b[64] ^= 1), "n_vocab"),
         ("a reserved byte", Box::new(|b| b[300] = 1), "reserved"),
         ("version 2", Box::new(|b| b[8] = 2), "this reader reads version 1"),
