@@ -4,6 +4,7 @@
 //! source of truth; `report.md`, `junit.xml` and `cases.csv` are rendered from it. Writes are
 //! atomic (temp file + rename). Reports from shards merge into one (`Report::merge`).
 
+pub mod compare;
 #[cfg(feature = "parquet")]
 pub mod parquet;
 pub mod plot;

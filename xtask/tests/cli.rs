@@ -247,6 +247,51 @@ fn fixed_token_against_a_baseline_report() {
     assert!(stderr(&o).contains("must be a finite number of at least 1"), "{}", text(&o));
 }
 
+/// `report compare BASE NEW`: a rerun compares clean; a case that stopped passing, a grown error
+/// and a case gone are regressions (exit 1); reports of different suites or with no case in
+/// common exit 2.
+#[test]
+fn report_compare_finds_what_got_worse() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |d: &str| tmp.path().join(d).to_str().unwrap().to_string();
+    for d in ["a", "b"] {
+        let o = xtask(&["kernels", "--device", "cpu", "--filter", "^silu", "--report-dir", &dir(d)], &[]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    }
+    let o = xtask(&["report", "compare", &dir("a"), &dir("b")], &[]);
+    assert_eq!(o.status.code(), Some(0), "a rerun of a deterministic device: {}", text(&o));
+    assert!(text(&o).contains(": 0 regressions"), "{}", text(&o));
+    let mut r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("b/report.json")).unwrap()).unwrap();
+    let n = r["cases"].as_array().unwrap().len();
+    assert!(n >= 10, "{n} silu cases");
+    r["cases"][0]["verdict"] = "fail".into();
+    // The case that used least of its bound now uses all of it.
+    let used = |c: &serde_json::Value| 1.0 - c["margin"].as_f64().unwrap() / c["tolerance"]["bound"].as_f64().unwrap();
+    let least = (1..n).min_by(|&i, &j| used(&r["cases"][i]).total_cmp(&used(&r["cases"][j]))).unwrap();
+    assert!(used(&r["cases"][least]) < 0.4, "{}", r["cases"][least]);
+    r["cases"][least]["margin"] = serde_json::json!(0.0);
+    let last = r["cases"].as_array().unwrap().len() - 1;
+    let gone_at = if least == last { last - 1 } else { last };
+    let gone = r["cases"][gone_at]["id"].as_str().unwrap().to_string();
+    r["cases"].as_array_mut().unwrap().remove(gone_at);
+    std::fs::create_dir_all(dir("c")).unwrap();
+    std::fs::write(tmp.path().join("c/report.json"), r.to_string()).unwrap();
+    let o = xtask(&["report", "compare", &dir("a"), &dir("c")], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("no longer passes (1)") && out.contains("Pass -> Fail"), "{out}");
+    assert!(out.contains("missing from the new run (1)") && out.contains(&gone), "{out}");
+    assert!(out.contains("error grew (1)"), "{out}");
+    assert!(out.contains(": 3 regressions"), "{out}");
+    let o = xtask(&["kernels", "--device", "cpu", "--filter", "^rms_norm", "--report-dir", &dir("d")], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = xtask(&["report", "compare", &dir("a"), &dir("d")], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("share no case"), "{}", text(&o));
+    let o = xtask(&["report", "compare", &dir("a"), &dir("b"), "--factor", "1"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
+
 #[test]
 fn a_reader_that_stops_early_ends_the_run_quietly() {
     // `cargo xtask kernels | head -1`: once the reader has gone, the next write to stdout ends
