@@ -18,7 +18,7 @@ use suites::layerdiff::{propagated_budget, Dims, RoutingFollower};
 pub struct FixedTokenArgs {
     #[arg(long, default_value = "cpu", help = concat!("Device under test: cpu, cpu:kv-f16 (f16 KV cache), fixed, fixed-int4, ref, ", devices::gpu_emu_syntax!(), ", cuda[:N], rocm[:N], external:DIR, exec:CMD, ids:CMD (an engine that only prints the ids it generated)."))]
     pub device: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a GGUF path / safetensors directory.
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long)]
     pub model: String,
     /// Golden file (default: fixtures/golden/<model>.json for fixture models; for other models

@@ -16,7 +16,7 @@ pub const DEFAULT_IDS: [u32; 11] = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
 pub struct LayerDiffArgs {
     #[arg(long, help = concat!("Device under test: cpu, cpu:kv-f16 (f16 KV cache), fixed, fixed-int4, ref, ", devices::gpu_emu_syntax!(), ", cuda[:N], rocm[:N], external:DIR (a dump), exec:CMD (an engine command)."))]
     pub device: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a GGUF path / safetensors directory.
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long)]
     pub model: String,
     /// Which comparison gates: `isolated` (each op fed the device's own inputs: the op's own

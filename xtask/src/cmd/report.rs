@@ -26,7 +26,9 @@ enum Action {
     /// case by case: exit 1 when a case that passed no longer does, a baseline case is missing,
     /// or a case's measured error grew more than --factor times to above --floor of its bound.
     Compare {
+        /// The baseline run's report directory (holding report.json).
         base: PathBuf,
+        /// The run to judge: a report directory of the same suite(s).
         new: PathBuf,
         /// Growth of a case's measured error that counts as a change.
         #[arg(long, default_value_t = 2.0)]
