@@ -240,11 +240,10 @@ pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
 /// KLD below which two runs are taken as equal (a deterministic f32 engine measures ~1e-12).
 pub const BASELINE_KLD_FLOOR: f64 = 1e-12;
 
-/// The `kld_vs_baseline` gate: this run's mean KLD (`stats`, a `token_stats` section) against
-/// `factor` times the mean KLD of `baseline` (an earlier fixed-token report.json). Err (could not
-/// run) when the baseline is not a fixed-token report of the same model and golden, or holds no
-/// KLD; a token-only run (no KLD) is unsupported.
-pub fn against_baseline(golden: &Golden, stats: &Value, baseline: &Value, factor: f64, device: &str) -> Result<Case, String> {
+/// The mean KLD of `baseline` (an earlier fixed-token report.json), checked to be a run over
+/// `golden` (the same model and token sequence); Err says why not (checked before a run, so a
+/// wrong baseline costs none).
+pub fn baseline_kld(golden: &Golden, baseline: &Value) -> Result<f64, String> {
     if baseline["suite"] != "fixed-token" {
         return Err(format!("the baseline is a {} report, not a fixed-token one", baseline["suite"]));
     }
@@ -255,10 +254,16 @@ pub fn against_baseline(golden: &Golden, stats: &Value, baseline: &Value, factor
     if bg["prompt_ids"] != json!(golden.prompt_ids) || bg["continuation_ids"] != json!(golden.continuation_ids) {
         return Err("the baseline was run over another token sequence (its golden prompt or continuation differs): the two mean KLDs would not measure the same thing".into());
     }
-    let base = baseline["token_stats"]["kld"]["mean"].as_f64().ok_or("the baseline holds no mean KLD (a token-only run?)")?;
+    baseline["token_stats"]["kld"]["mean"].as_f64().ok_or_else(|| "the baseline holds no mean KLD (a token-only run?)".to_string())
+}
+
+/// The `kld_vs_baseline` gate: this run's mean KLD (`stats`, a `token_stats` section) against
+/// `factor` times `base` (the mean KLD of `baseline`, from [`baseline_kld`]); a token-only run
+/// (no KLD) is unsupported.
+pub fn against_baseline(golden: &Golden, stats: &Value, base: f64, baseline: &Value, factor: f64, device: &str) -> Case {
     let id = format!("fixed_token(model={},gate=kld_vs_baseline)", golden.model);
     let Some(now) = stats["kld"]["mean"].as_f64() else {
-        return Ok(Case { id, device: device.into(), verdict: Verdict::Unsupported, metrics: Map::new(), tolerance: Tolerance { rule: "no logits".into(), bound: 0.0 }, margin: 0.0, message: Some("token-only engine: no KLD to compare with the baseline".into()) });
+        return Case { id, device: device.into(), verdict: Verdict::Unsupported, metrics: Map::new(), tolerance: Tolerance { rule: "no logits".into(), bound: 0.0 }, margin: 0.0, message: Some("token-only engine: no KLD to compare with the baseline".into()) };
     };
     let bound = (base * factor).max(BASELINE_KLD_FLOOR);
     let metrics = m(&[
@@ -271,7 +276,7 @@ pub fn against_baseline(golden: &Golden, stats: &Value, baseline: &Value, factor
     ]);
     let pass = now <= bound;
     let message = (!pass).then(|| format!("mean KLD {now:.3e} is {:.2}x the baseline's {base:.3e} (allowed {factor}x)", now / base));
-    Ok(case(id, device, pass, &format!("mean KLD <= {factor} x the baseline's (floor {BASELINE_KLD_FLOOR:e})"), bound, now, metrics, message))
+    case(id, device, pass, &format!("mean KLD <= {factor} x the baseline's (floor {BASELINE_KLD_FLOOR:e})"), bound, now, metrics, message)
 }
 
 /// Judges one device run: the gate cases (see the module header) and the `token_stats` section.

@@ -133,6 +133,10 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     if golden.continuation_ids.is_empty() {
         return Err(Exit { code: 2, message: format!("{origin}: the golden has no continuation tokens, so the greedy gate would compare nothing; regenerate with `{}`", golden.regenerate) });
     }
+    let base_kld = match (&baseline, &a.baseline) {
+        (Some(base), Some(f)) => Some(fixedtoken::baseline_kld(&golden, base).map_err(|e| Exit { code: 2, message: format!("--baseline {}: {e}", f.display()) })?),
+        _ => None,
+    };
     let seq = golden.sequence();
     let n_vocab = oracle.spec().n_vocab;
     super::check_ids(&seq, n_vocab)?;
@@ -169,9 +173,8 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), &a.device),
     };
     let mut cases = cases;
-    if let (Some(base), Some(f)) = (&baseline, &a.baseline) {
-        let c = fixedtoken::against_baseline(&golden, &stats, base, a.baseline_factor, &a.device).map_err(|e| Exit { code: 2, message: format!("--baseline {}: {e}", f.display()) })?;
-        cases.push(c);
+    if let (Some(base), Some(kld)) = (&baseline, base_kld) {
+        cases.push(fixedtoken::against_baseline(&golden, &stats, kld, base, a.baseline_factor, &a.device));
     }
     let mut report = Report::new("fixed-token", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert("golden".into(), json!({ "source": origin, "model": golden.model, "sha256": golden.sha256, "prompt_ids": golden.prompt_ids, "continuation_ids": golden.continuation_ids }));
