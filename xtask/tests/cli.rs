@@ -290,6 +290,11 @@ fn report_compare_finds_what_got_worse() {
     assert!(stderr(&o).contains("share no case"), "{}", text(&o));
     let o = xtask(&["report", "compare", &dir("a"), &dir("b"), "--factor", "1"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let o = xtask(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--report-dir", &dir("e")], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = xtask(&["report", "compare", &dir("a"), &dir("e")], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("compare runs of the same suites"), "{}", text(&o));
 }
 
 #[test]
