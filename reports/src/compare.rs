@@ -52,16 +52,30 @@ fn measured(c: &Case) -> Option<f64> {
     (m.is_finite() && c.tolerance.bound.is_finite()).then_some(m.max(0.0))
 }
 
-/// Compares `new` with `base` case by case (matched on id and device).
+/// Each case keyed by id, device and which occurrence of that pair it is (a report may hold the
+/// same pair more than once: `gate` judges the oracle's golden once per device).
+fn keyed(r: &Report) -> Vec<((String, String, usize), &Case)> {
+    let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
+    r.cases
+        .iter()
+        .map(|c| {
+            let n = seen.entry((c.id.as_str(), c.device.as_str())).or_insert(0);
+            *n += 1;
+            ((c.id.clone(), c.device.clone(), *n - 1), c)
+        })
+        .collect()
+}
+
+/// Compares `new` with `base` case by case (matched on id, device and occurrence).
 pub fn compare(base: &Report, new: &Report, factor: f64, floor: f64) -> Comparison {
-    let key = |c: &Case| (c.id.clone(), c.device.clone());
-    let now: HashMap<(String, String), &Case> = new.cases.iter().map(|c| (key(c), c)).collect();
-    let was: HashMap<(String, String), &Case> = base.cases.iter().map(|c| (key(c), c)).collect();
+    let (base, new) = (keyed(base), keyed(new));
+    let now: HashMap<&(String, String, usize), &Case> = new.iter().map(|(k, c)| (k, *c)).collect();
+    let was: HashMap<&(String, String, usize), &Case> = base.iter().map(|(k, c)| (k, *c)).collect();
     let mut out = Comparison::default();
-    for b in &base.cases {
-        let k = key(b);
-        let Some(n) = now.get(&k) else {
-            out.changes.push((k.0, k.1, Change::Missing));
+    for (k, b) in &base {
+        let k0 = (k.0.clone(), k.1.clone());
+        let Some(n) = now.get(k) else {
+            out.changes.push((k0.0, k0.1, Change::Missing));
             continue;
         };
         out.matched += 1;
@@ -83,11 +97,11 @@ pub fn compare(base: &Report, new: &Report, factor: f64, floor: f64) -> Comparis
             None
         };
         if let Some(c) = change {
-            out.changes.push((k.0, k.1, c));
+            out.changes.push((k0.0, k0.1, c));
         }
     }
-    for n in &new.cases {
-        if !was.contains_key(&key(n)) {
+    for (k, n) in &new {
+        if !was.contains_key(k) {
             out.changes.push((n.id.clone(), n.device.clone(), Change::New));
         }
     }
@@ -142,5 +156,16 @@ mod tests {
         reg.sort();
         assert_eq!(reg, ["fails", "gone", "grew"]);
         assert_eq!(compare(&base, &base, 2.0, 0.01).changes, vec![]);
+    }
+
+    /// A pair (id, device) that occurs twice is matched occurrence by occurrence.
+    #[test]
+    fn repeated_cases_are_matched_in_order() {
+        let base = report(vec![case("golden", Verdict::Pass, 1.0, 0.0), case("golden", Verdict::Pass, 1.0, 0.0)]);
+        let new = report(vec![case("golden", Verdict::Pass, 1.0, 0.0), case("golden", Verdict::Fail, 1.0, 2.0)]);
+        let c = compare(&base, &new, 2.0, 0.01);
+        assert_eq!(c.matched, 2);
+        assert_eq!(c.changes, vec![("golden".to_string(), "cpu".to_string(), Change::NoLongerPasses { was: Verdict::Pass, now: Verdict::Fail })]);
+        assert_eq!(compare(&base, &report(vec![case("golden", Verdict::Pass, 1.0, 0.0)]), 2.0, 0.01).changes.len(), 1, "the second is missing");
     }
 }
