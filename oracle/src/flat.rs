@@ -356,8 +356,11 @@ impl FlatFile {
         if let Some(missing) = names.iter().find(|n| !self.index.contains_key(n.as_str())) {
             return Err(bad("n_tensors", off::N_TENSORS, format!("the table has no tensor `{missing}`, which a {} model with this header reads", spec.arch)));
         }
-        let extra = self.tensors.iter().find(|t| t.name != FREQ_FACTORS && !names.contains(&t.name)).or_else(|| (flags & FLAG_FREQ_FACTORS == 0).then(|| self.index.get(FREQ_FACTORS).map(|&i| &self.tensors[i])).flatten());
-        if let Some(t) = extra {
+        let mut expected: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
+        if flags & FLAG_FREQ_FACTORS != 0 {
+            expected.insert(FREQ_FACTORS);
+        }
+        if let Some(t) = self.tensors.iter().find(|t| !expected.contains(t.name.as_str())) {
             return Err(bad("n_tensors", off::N_TENSORS, format!("tensor `{}` would not be read by a {} model with this header; a file whose weights would be ignored is refused", t.name, spec.arch)));
         }
         let te = &self.tensors[self.index["token_embd.weight"]];
@@ -384,9 +387,7 @@ impl FlatFile {
 
 impl TensorSource for FlatFile {
     fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
-        let Some(raw) = self.raw(name)? else { return Ok(None) };
-        let data = crate::quant::decode(raw.ty, &raw.bytes, raw.n_elements())?;
-        Ok(Some(LoadedTensor { dims: raw.dims, data }))
+        self.raw(name)?.map(|t| t.decode()).transpose()
     }
 
     fn label(&self) -> String {

@@ -32,6 +32,11 @@ impl RawTensor<'_> {
         self.dims.iter().product()
     }
 
+    /// The tensor decoded to f32 (what `TensorSource::load` gives).
+    pub fn decode(&self) -> Result<LoadedTensor> {
+        Ok(LoadedTensor { dims: self.dims.clone(), data: crate::quant::decode(self.ty, &self.bytes, self.n_elements())? })
+    }
+
     /// The bytes of each of `n` equal parts (the experts of a stacked `[cols, rows, n_expert]`
     /// tensor); an error saying why when the bytes do not split into `n` parts of whole blocks.
     pub fn parts(&self, n: usize) -> std::result::Result<std::slice::ChunksExact<'_, u8>, String> {
@@ -416,9 +421,7 @@ fn half_of_each_expert(dims: Vec<usize>, ty: GgmlType, bytes: &[u8], h: usize) -
 
 impl TensorSource for SafetensorsDir {
     fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
-        let Some(t) = self.stored(name)? else { return Ok(None) };
-        let data = crate::quant::decode(t.ty, &t.bytes, t.n_elements())?;
-        Ok(Some(LoadedTensor { dims: t.dims, data }))
+        self.stored(name)?.map(|t| t.decode()).transpose()
     }
 
     fn label(&self) -> String {
@@ -476,9 +479,7 @@ impl TensorSource for Unfused {
         if self.part_of(name).is_none() {
             return self.inner.load(name);
         }
-        let Some(t) = self.raw(name)? else { return Ok(None) };
-        let data = crate::quant::decode(t.ty, &t.bytes, t.n_elements())?;
-        Ok(Some(LoadedTensor { dims: t.dims, data }))
+        self.raw(name)?.map(|t| t.decode()).transpose()
     }
 
     fn label(&self) -> String {

@@ -99,12 +99,12 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     if given.is_some() && a.golden.is_some() && !a.write_golden {
         return Err(Exit { code: 2, message: "--golden FILE holds its own prompt; give a prompt (--prompt, --prompt-ids, --prompt-file) or a golden file, not both (or add --write-golden to write the prompt's golden to FILE)".into() });
     }
+    // A given prompt has no golden file unless one is being written.
+    let golden_file = if given.is_some() { a.golden.clone().filter(|_| a.write_golden) } else { a.golden.clone().or_else(|| ::fixtures::golden_path(&a.model)) };
     let prompt = match given {
         Some(ids) => ids,
         None => prompt_ids(None, tok.as_ref())?,
     };
-    // A given prompt has no golden file unless one is being written.
-    let golden_file = if a.prompt.is_some() || a.prompt_ids.is_some() || a.prompt_file.is_some() { a.golden.clone().filter(|_| a.write_golden) } else { a.golden.clone().or_else(|| ::fixtures::golden_path(&a.model)) };
     if a.write_golden {
         let file = golden_file.ok_or_else(|| Exit { code: 2, message: format!("give --golden FILE to say where to write (model `{}` has no golden file of its own, or a prompt was given: a fixture's golden keeps its prompt)", a.model) })?;
         let g = oracle_golden(&oracle, &a.model, sha256, prompt, a.n_generate)?;
@@ -168,11 +168,10 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
             eprintln!("routing: {f}");
         }
     }
-    let (cases, mut stats) = match device_logits {
+    let (mut cases, mut stats) = match device_logits {
         Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, &a.device),
         None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), &a.device),
     };
-    let mut cases = cases;
     if let (Some(base), Some(kld)) = (&baseline, base_kld) {
         cases.push(fixedtoken::against_baseline(&golden, &stats, kld, base, a.baseline_factor, &a.device));
     }
