@@ -262,6 +262,12 @@ pub struct TapDiff {
     /// MoE expert ids: tokens (over both runs) where the oracle followed the device's choice at a
     /// near tie.
     pub routing_followed: usize,
+    /// How much this op magnified the relative error of the inputs the device gave it, measured
+    /// by the oracle itself (see [`carry_through_ops`]); None where not measured.
+    pub amplification: Option<f64>,
+    /// What was added to the depth model's relative propagated budget for error magnified here
+    /// and upstream (0: none; see [`carry_through_ops`]).
+    pub magnified: f64,
 }
 
 impl TapDiff {
@@ -445,6 +451,8 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
             budget_isolated: local.map(|b| b.and_independent(since_given)),
             id_mismatches: None,
             routing_followed: 0,
+            amplification: None,
+            magnified: 0.0,
         };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             if let Some(b) = local {
@@ -488,7 +496,90 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
         }
         out.push(t);
     }
+    if let Some(isolated) = isolated {
+        carry_through_ops(&mut out, reference, isolated, dims);
+    }
     Ok(out)
+}
+
+/// The taps the op behind tap `kind` of `layer` reads, by name (the stage order of
+/// `oracle::model`), each the nearest one the oracle recorded (`has`).
+fn tap_inputs(layer: Option<usize>, kind: &str, n_layer: usize, has: &dyn Fn(&str) -> bool) -> Vec<String> {
+    let Some(i) = layer else {
+        return match kind {
+            "result_norm" if n_layer > 0 => vec![format!("blk.{}.l_out", n_layer - 1)],
+            "result_output" => vec!["result_norm".to_string()],
+            _ => Vec::new(),
+        };
+    };
+    let first = |kinds: &[&str]| kinds.iter().map(|k| format!("blk.{i}.{k}")).find(|n| has(n));
+    let residual = Some(if i == 0 { "inp_embd".to_string() } else { format!("blk.{}.l_out", i - 1) });
+    let names = match kind {
+        "attn_norm" => vec![residual],
+        "attn_q" | "attn_k" | "attn_v" => vec![first(&["attn_norm"])],
+        "attn_q_norm" => vec![first(&["attn_q"])],
+        "attn_k_norm" => vec![first(&["attn_k"])],
+        "attn_q_rope" => vec![first(&["attn_q_norm", "attn_q"])],
+        "attn_k_rope" => vec![first(&["attn_k_norm", "attn_k"])],
+        "attn_kqv" => vec![first(&["attn_q_rope", "attn_q_norm", "attn_q"]), first(&["attn_k_rope", "attn_k_norm", "attn_k"]), first(&["attn_v"])],
+        "attn_out" => vec![first(&["attn_kqv"])],
+        "ffn_inp" => vec![residual, first(&["attn_out"])],
+        "ffn_norm" => vec![first(&["ffn_inp"])],
+        "ffn_gate" | "ffn_up" | "ffn_moe_probs" => vec![first(&["ffn_norm"])],
+        "ffn_act" => vec![first(&["ffn_gate"]), first(&["ffn_up"])],
+        "ffn_out" => vec![first(&["ffn_act", "ffn_norm"])],
+        "l_out" => vec![first(&["ffn_inp"]), first(&["ffn_out"])],
+        _ => Vec::new(),
+    };
+    names.into_iter().flatten().filter(|n| has(n)).collect()
+}
+
+/// What two evaluations of one op by the oracle (f32 results) may differ by, relative, with no
+/// difference in what they compute: a few roundings of the output.
+const ORACLE_ROUNDING: f64 = 8.0 * (f32::EPSILON as f64 / 2.0);
+
+/// The depth model of [`propagated_budget`] lets each op pass its inputs' relative error on
+/// unmagnified. Some ops magnify it, by an amount that depends on the data: a gated activation
+/// whose output is much smaller than its inputs' product (silu(g)·u over few, cancelling
+/// channels), attention with peaked scores, a norm whose weights single out the channels where
+/// the error sits. The oracle measures this itself: the isolated re-run evaluates each op on
+/// the device's inputs, so `inherited = rel(isolated - reference)` (less the oracle's own output
+/// rounding) is what the op made of the error the device's inputs carried, `input` the largest
+/// relative error among those inputs, and `amplification = inherited / input`. What the op added
+/// beyond passing that error on, `max(0, inherited - input)`, is granted on top of the depth
+/// model, together with what was granted upstream carried through this op
+/// (`amplification * the largest grant among its inputs`, so a residual add dilutes it):
+/// `magnified = amplification * upstream + max(0, inherited - input)`, budget `depth + magnified`.
+/// Both terms are the device's measured errors, not budgets, so the grant is as small as the
+/// inputs' errors are, and an error that grows through ops that do not magnify it (what the
+/// depth model is there to catch) is granted nothing. Taps are visited in execution order; one
+/// whose inputs the device did not give keeps the depth model.
+fn carry_through_ops(taps: &mut [TapDiff], reference: &RecordingTap, isolated: &RecordingTap, dims: &Dims) {
+    let index: std::collections::HashMap<String, usize> = taps.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+    let has = |n: &str| reference.tensors.contains_key(n);
+    for ti in 0..taps.len() {
+        let t = &taps[ti];
+        let (Some(depth), Some(_), None) = (t.budget_propagated, t.propagated, t.id_mismatches) else { continue };
+        let inputs = tap_inputs(t.layer, &t.kind, dims.n_layer, &has);
+        // (largest relative error, largest grant) over the inputs, all compared.
+        let worst = inputs.iter().try_fold((0.0f64, 0.0f64), |(e, g), n| {
+            let input = &taps[*index.get(n)?];
+            let s = input.propagated?;
+            // A grant ends at the residual add that closes its branch: the stream does not carry it on.
+            let carried = if matches!(input.kind.as_str(), "inp_embd" | "ffn_inp" | "l_out") { 0.0 } else { input.magnified };
+            (s.rms_ref > 0.0).then(|| (e.max(s.rel()), g.max(carried)))
+        });
+        let (Some((input, upstream)), Some((width, r)), Some((_, iso))) = (worst.filter(|_| !inputs.is_empty()), reference.tensors.get(&t.name), isolated.tensors.get(&t.name)) else { continue };
+        if input <= 0.0 {
+            continue;
+        }
+        let inherited = (err_stats(iso, r, *width).rel() - ORACLE_ROUNDING).max(0.0);
+        let amplification = inherited / input;
+        let t = &mut taps[ti];
+        t.amplification = Some(amplification);
+        t.magnified = amplification * upstream + (inherited - input).max(0.0);
+        t.budget_propagated = Some(Budget { rel: depth.rel + t.magnified, abs: depth.abs });
+    }
 }
 
 /// The first tap (execution order) whose isolated error exceeds its budget; taps without an
@@ -541,6 +632,10 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             m.insert("kind".into(), json!(t.kind));
             stats_json("propagated", &t.propagated, &t.budget_propagated, &mut m);
             stats_json("isolated", &t.isolated, &t.budget_isolated, &mut m);
+            if let Some(a) = t.amplification {
+                m.insert("propagated_amplification".into(), json!(a));
+                m.insert("propagated_magnified".into(), json!(t.magnified));
+            }
             if let Some(n) = t.id_mismatches {
                 m.insert("id_mismatches".into(), json!(n));
                 m.insert("routing_followed_at_near_ties".into(), json!(t.routing_followed));
@@ -851,6 +946,54 @@ mod tests {
         let mut bad = r.clone();
         bad.tensors.get_mut("blk.0.l_out").unwrap().0 = 32;
         assert!(diff(&r, None, &bad, &Arithmetic::F32, &d).is_err(), "a wrong width is an error");
+    }
+
+    /// An op that magnifies its inputs' error (the oracle's own re-run on the device's inputs
+    /// moves 5x as far as they are off) is granted what it added; an error that grows where no
+    /// op magnifies it is granted nothing and still fails.
+    #[test]
+    fn magnified_error_is_granted_and_unexplained_growth_is_not() {
+        let d = Dims { n_layer: 1, ..dims() };
+        let q8 = Arithmetic { activation_q8_block: Some(32), ..Arithmetic::F32 };
+        let vals = |seed: f32| -> Vec<f32> { (0..5 * 64).map(|i| (i as f32 * seed).sin() + 0.5).collect() };
+        // `v` moved by `rel` of its RMS along a fixed pattern.
+        let off = |v: &[f32], rel: f64, seed: f32| -> Vec<f32> {
+            let rms = (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
+            let n: Vec<f64> = (0..v.len()).map(|i| (i as f32 * seed).cos() as f64).collect();
+            let nrms = (n.iter().map(|x| x * x).sum::<f64>() / n.len() as f64).sqrt();
+            v.iter().zip(&n).map(|(x, e)| (*x as f64 + rel * rms * e / nrms) as f32).collect()
+        };
+        let names = ["blk.0.ffn_gate", "blk.0.ffn_up", "blk.0.ffn_act", "blk.0.ffn_out"];
+        let mut r = RecordingTap::default();
+        for (i, n) in names.iter().enumerate() {
+            r.record(n, 0, 5, 64, &vals(0.3 + i as f32 * 0.11));
+        }
+        let at = |t: &RecordingTap, n: &str| t.tensors[n].1.clone();
+        // Device: gate 1% off, up exact; act 5% off and out 12% off.
+        let mut dev = r.clone();
+        dev.record("blk.0.ffn_gate", 0, 5, 64, &off(&at(&r, "blk.0.ffn_gate"), 0.01, 0.7));
+        dev.record("blk.0.ffn_act", 0, 5, 64, &off(&at(&r, "blk.0.ffn_act"), 0.05, 0.9));
+        dev.record("blk.0.ffn_out", 0, 5, 64, &off(&at(&r, "blk.0.ffn_out"), 0.12, 1.3));
+        // The oracle on the device's inputs: act moves all of its 5% (amplification 5), out 5%.
+        let mut iso = r.clone();
+        iso.record("blk.0.ffn_act", 0, 5, 64, &at(&dev, "blk.0.ffn_act"));
+        iso.record("blk.0.ffn_out", 0, 5, 64, &off(&at(&r, "blk.0.ffn_out"), 0.05, 1.3));
+        let taps = diff(&r, Some(&iso), &dev, &q8, &d).unwrap();
+        let get = |n: &str| taps.iter().find(|t| t.name == n).unwrap();
+        let act = get("blk.0.ffn_act");
+        let depth = propagated_budget("ffn_act", Some(0), &q8, &d).unwrap().rel;
+        assert!(act.propagated.unwrap().rel() > depth, "the depth model alone would fail this tap");
+        assert!((act.amplification.unwrap() - 5.0).abs() < 1e-3 && (act.magnified - 0.04).abs() < 1e-4, "{:?} {}", act.amplification, act.magnified);
+        assert_eq!(act.exceeds(Mode::Propagated), Some(false));
+        // out: the 4% grant carried through (amplification 1), but 12% is far beyond it.
+        let out = get("blk.0.ffn_out");
+        assert!((out.magnified - 0.04).abs() < 1e-3, "{}", out.magnified);
+        assert_eq!(out.exceeds(Mode::Propagated), Some(true));
+        // The same act error with the oracle not moving (the device's own error): no grant, fails.
+        let taps = diff(&r, Some(&r), &dev, &q8, &d).unwrap();
+        let act = taps.iter().find(|t| t.name == "blk.0.ffn_act").unwrap();
+        assert_eq!((act.amplification, act.magnified), (Some(0.0), 0.0));
+        assert_eq!(act.exceeds(Mode::Propagated), Some(true));
     }
 
     #[test]
