@@ -277,7 +277,7 @@ impl FlatFile {
                 ext_factor: f64_at(h, off::YARN_EXT_FACTOR),
                 attn_factor,
             },
-            3 => RopeScaling::LongRope { attn_factor },
+            3 => RopeScaling::LongRope { attn_factor, original_context: usize::try_from(u64_at(h, off::ROPE_ORIGINAL_CONTEXT)).map_err(|_| bad("rope_original_context", off::ROPE_ORIGINAL_CONTEXT, "too large".into()))? },
             v => return Err(bad("rope_scaling", off::ROPE_SCALING, format!("{v}, expected 0 none, 1 linear, 2 yarn or 3 longrope"))),
         };
         let activation = match u32_at(h, off::ACTIVATION) {
@@ -509,8 +509,9 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
             h[off::ROPE_ORIGINAL_CONTEXT..off::ROPE_ORIGINAL_CONTEXT + 8].copy_from_slice(&(original_context as u64).to_le_bytes());
             2
         }
-        RopeScaling::LongRope { attn_factor } => {
+        RopeScaling::LongRope { attn_factor, original_context } => {
             f64s(&mut h, off::ROPE_ATTN_FACTOR, attn_factor);
+            h[off::ROPE_ORIGINAL_CONTEXT..off::ROPE_ORIGINAL_CONTEXT + 8].copy_from_slice(&(original_context as u64).to_le_bytes());
             3
         }
     };

@@ -37,8 +37,11 @@ pub enum RopeScaling {
     },
     /// Phi-3's LongRoPE: per-pair factors (`RopeSpec::freq_factors`, the short ones, which an
     /// engine running at most the original context uses) divide the angles, and `attn_factor`
-    /// scales every cos and sin.
-    LongRope { attn_factor: f64 },
+    /// scales every cos and sin. Past `original_context` positions engines switch to the long
+    /// factors, each by its own rule (Transformers for the whole sequence once it is longer,
+    /// llama.cpp when its context is configured longer): not modelled, so the oracle refuses
+    /// positions there instead of rotating them with the short factors.
+    LongRope { attn_factor: f64, original_context: usize },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -209,8 +212,9 @@ impl ModelSpec {
                 }
                 pos(original_context, "rope scaling original context length")?;
             }
-            RopeScaling::LongRope { attn_factor } => {
+            RopeScaling::LongRope { attn_factor, original_context } => {
                 positive(attn_factor, "attention factor")?;
+                pos(original_context, "LongRoPE original context length")?;
                 if self.rope.freq_factors.is_none() {
                     return Err(spec_err("LongRoPE scaling without its per-pair frequency factors"));
                 }
@@ -337,7 +341,7 @@ impl ModelSpec {
         let freq_factors = match (factors("rope_freqs.weight")?, short, long) {
             (f, None, None) => f,
             (None, Some(short), Some(_)) if scaling == RopeScaling::None => {
-                scaling = RopeScaling::LongRope { attn_factor: opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0) };
+                scaling = RopeScaling::LongRope { attn_factor: opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0), original_context: opt_u("rope.scaling.original_context_length")?.unwrap_or(ctx) };
                 Some(short)
             }
             _ => return Err(spec_err(format!("{}: LongRoPE needs both `rope_factors_short.weight` and `rope_factors_long.weight`, without `rope_freqs.weight` or another rope scaling", g.path))),
@@ -592,7 +596,7 @@ impl ModelSpec {
                             None => (1.0 + extension.ln() / (original as f64).ln()).sqrt(),
                         };
                         freq_factors = Some(short);
-                        RopeScaling::LongRope { attn_factor }
+                        RopeScaling::LongRope { attn_factor, original_context: original }
                     }
                     other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn, llama3, longrope)"))),
                 }
@@ -799,11 +803,11 @@ mod tests {
         let short: Vec<f64> = (0..8).map(|i| 1.0 + i as f64 / 8.0).collect();
         let s = phi3(serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": vec![4.0; 8]})).unwrap();
         assert!(s.fused && s.sliding_window == Some(2047));
-        let RopeScaling::LongRope { attn_factor } = s.rope.scaling else { panic!("{:?}", s.rope.scaling) };
+        let RopeScaling::LongRope { attn_factor, original_context: 4096 } = s.rope.scaling else { panic!("{:?}", s.rope.scaling) };
         assert!((attn_factor - (1.0 + 32f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12, "{attn_factor}");
         assert_eq!(s.rope.freq_factors.as_deref().unwrap()[1], 1.125);
         let given = phi3(serde_json::json!({"rope_type": "longrope", "short_factor": short, "long_factor": short, "attention_factor": 1.5})).unwrap();
-        assert_eq!(given.rope.scaling, RopeScaling::LongRope { attn_factor: 1.5 });
+        assert_eq!(given.rope.scaling, RopeScaling::LongRope { attn_factor: 1.5, original_context: 4096 });
         assert!(phi3(serde_json::Value::Null).unwrap().rope.scaling == RopeScaling::None);
         for (rope, want) in [
             (serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": short}), "`rope_scaling.short_factor` has 1 values for 8 rotated pairs"),

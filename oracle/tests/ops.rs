@@ -73,6 +73,22 @@ fn rope_linear_scaling_divides_positions() {
     close(&x, &[1f64.cos(), 1f64.sin(), 0.01f64.cos(), 0.01f64.sin()], 1e-7);
 }
 
+/// A LongRoPE model's short factors cover its original context only; past it engines switch to
+/// the long factors by rules that differ, so the oracle refuses those positions, saying why,
+/// instead of rotating them with the short factors.
+#[test]
+fn longrope_refuses_positions_past_the_original_context() {
+    let spec = RopeSpec { freq_factors: Some(vec![1.0, 2.0]), ..rope_spec(RopeStyle::Normal, RopeScaling::LongRope { attn_factor: 1.25, original_context: 8 }) };
+    let mut x = vec![1.0f32, 0.0, 1.0, 0.0];
+    ops::rope(&mut x, &[7], 1, 4, &spec).unwrap();
+    // Pair 0 at position 7 turns by 7 rad (factor 1), every cos/sin scaled by 1.25.
+    assert!((x[0] as f64 - 1.25 * 7f64.cos()).abs() < 1e-6, "{x:?}");
+    let mut x = vec![1.0f32, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0];
+    let e = ops::rope(&mut x, &[3, 8], 1, 4, &spec).unwrap_err().to_string();
+    assert!(e.contains("position 8") && e.contains("original context of 8"), "{e}");
+    assert_eq!(x, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0], "nothing rotated");
+}
+
 #[test]
 fn rope_yarn_matches_llama_cpp_formula() {
     // Independent transcription of ggml's rope_yarn / ggml_rope_yarn_corr_dims in Python:

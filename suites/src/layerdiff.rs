@@ -671,7 +671,13 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                         } else {
                             None
                         };
-                        (if over { Verdict::Fail } else { Verdict::Pass }, bound, bound - s.rms_err, format!("rms_err <= {:.3e}*rms_ref + {:.3e}", b.rel, b.abs), msg)
+                        let rel = if mode == Mode::Propagated && t.magnified > 0.0 {
+                            // Say what part of the budget magnification upstream and here granted.
+                            format!("({:.3e} + {:.3e} magnified)", b.rel - t.magnified, t.magnified)
+                        } else {
+                            format!("{:.3e}", b.rel)
+                        };
+                        (if over { Verdict::Fail } else { Verdict::Pass }, bound, bound - s.rms_err, format!("rms_err <= {rel}*rms_ref + {:.3e}", b.abs), msg)
                     }
                     (None, _) => (Verdict::Unsupported, 0.0, 0.0, "not compared".into(), Some(format!("no {mode:?} comparison for this tap"))),
                     (_, None) => (Verdict::Unsupported, 0.0, 0.0, "no budget".into(), Some(format!("no budget rule for tap kind `{}`", t.kind))),

@@ -728,6 +728,31 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
         assert_eq!(o.status.code(), Some(0), "{device}: {}", stderr(&o));
     }
     assert!(rel_rms(&logits(&longrope, "ref"), &logits(&phi3, "ref")) > 1e-2, "LongRoPE should change the logits");
+    // With an original context of 16 positions (`rope.scaling.original_context_length`), the
+    // oracle judges 16 and refuses the 17th, saying why, rather than rotate it with the short factors.
+    let short_ctx = dir.path().join("phi3-longrope-16.gguf");
+    let lr = oracle::gguf::GgufFile::open(&longrope).unwrap();
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &lr.metadata {
+        w.meta(k, v.clone());
+    }
+    w.meta("phi3.rope.scaling.original_context_length", Value::U32(16));
+    for t in &lr.tensors {
+        w.tensor(&t.name, &t.dims, t.ty, lr.tensor_bytes(t).to_vec());
+    }
+    w.write_to(&short_ctx).unwrap();
+    let first = |n: usize| ids.split(',').take(n).collect::<Vec<_>>().join(",");
+    // The same as a flat file (`export`), whose header carries the original context.
+    let flat = dir.path().join("phi3-longrope-16.flat");
+    let o = xtask(&["export", "--model", short_ctx.to_str().unwrap(), "--out", flat.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for model in [&short_ctx, &flat] {
+        for (n, ok) in [(16, true), (17, false)] {
+            let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--prompt-ids", &first(n), "--out", dir.path().join(format!("lr16-{n}")).to_str().unwrap()], &[]);
+            assert_eq!(o.status.success(), ok, "{}, {n} positions: {}", model.display(), stderr(&o));
+            assert!(ok || stderr(&o).contains("position 16 is past this LongRoPE model's original context of 16 positions"), "{}", stderr(&o));
+        }
+    }
     // The same models as Phi-3 checkpoints (`qkv_proj`, `gate_up_proj`; LongRoPE's factors and
     // attention factor in config.json), dequantized by gguf-py to the values the oracle decodes
     // (so on the oracle only: a device multiplies Q4_K rows otherwise than f32 ones).

@@ -96,7 +96,7 @@ pub fn rope_table_f64(spec: &RopeSpec, pos: usize) -> Vec<(f64, f64)> {
             let (angle, mag) = match spec.scaling {
                 RopeScaling::None => (base, 1.0),
                 RopeScaling::Linear { factor } => (base / factor, 1.0),
-                RopeScaling::LongRope { attn_factor } => (base, attn_factor),
+                RopeScaling::LongRope { attn_factor, .. } => (base, attn_factor),
                 RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
                     let corr = |beta: f64| n_rot * (original_context as f64 / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * spec.theta.ln());
                     let (lo, hi) = (corr(beta_fast).floor().max(0.0), corr(beta_slow).ceil().min(n_rot - 1.0));

@@ -2,7 +2,7 @@
 //! with linear and YaRN frequency scaling as llama.cpp defines them.
 
 use super::check_len;
-use crate::error::Result;
+use crate::error::{OracleError, Result};
 use crate::real::Real;
 use crate::spec::{RopeScaling, RopeSpec, RopeStyle};
 
@@ -21,7 +21,7 @@ pub fn rope_cos_sin(spec: &RopeSpec, pos: usize, i: usize) -> (f64, f64) {
     let (theta, mscale) = match spec.scaling {
         RopeScaling::None => (theta_extrap, 1.0),
         RopeScaling::Linear { factor } => (theta_extrap / factor, 1.0),
-        RopeScaling::LongRope { attn_factor } => (theta_extrap, attn_factor),
+        RopeScaling::LongRope { attn_factor, .. } => (theta_extrap, attn_factor),
         RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
             let freq_scale = 1.0 / factor;
             let theta_interp = freq_scale * theta_extrap;
@@ -45,6 +45,13 @@ pub fn rope_cos_sin(spec: &RopeSpec, pos: usize, i: usize) -> (f64, f64) {
 /// Rotates `x: [m, n_head * head_dim]` in place; token `t` is at position `positions[t]`.
 pub fn rope<T: Real>(x: &mut [T], positions: &[usize], n_head: usize, head_dim: usize, spec: &RopeSpec) -> Result<()> {
     check_len("rope input", x.len(), positions.len(), n_head * head_dim)?;
+    if let (RopeScaling::LongRope { original_context, .. }, Some(&last)) = (&spec.scaling, positions.iter().max()) {
+        if last >= *original_context {
+            return Err(OracleError::Shape(format!(
+                "rope: position {last} is past this LongRoPE model's original context of {original_context} positions; engines switch to the long factors there, each by its own rule (Transformers for the whole sequence once it is longer, llama.cpp when its context is configured longer), which the oracle does not model: judge at most {original_context} positions"
+            )));
+        }
+    }
     let half = spec.n_rot / 2;
     for (t, &pos) in positions.iter().enumerate() {
         let cs: Vec<(f64, f64)> = (0..half).map(|i| rope_cos_sin(spec, pos, i)).collect();
