@@ -119,6 +119,9 @@ struct Part {
     /// Of a fused `gate_up_proj` `[n_expert, 2 * rows, cols]`: the gate (0) or up (1) half of
     /// every expert's rows. None: the whole tensor.
     half: Option<usize>,
+    /// One expert's matrix of a stacked `[cols, rows, n_expert]` tensor (a stack of one expert
+    /// is still 3-D).
+    expert: bool,
 }
 
 /// Whole-model tensors: (Hugging Face name, GGUF name).
@@ -259,14 +262,14 @@ impl SafetensorsDir {
                 let name = name.as_str();
                 let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 let data = start..start + view.data().len();
-                let part = |half| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half };
+                let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert };
                 if let Some(g) = hf_to_gguf_name(name) {
-                    index.insert(g, vec![part(None)]);
+                    index.insert(g, vec![part(None, false)]);
                 } else if let Some((g, e)) = hf_expert_part(name) {
-                    experts.entry(g).or_default().insert(e, part(None));
+                    experts.entry(g).or_default().insert(e, part(None, true));
                 } else if let Some(fused) = hf_fused_experts(name) {
                     for (g, half) in fused {
-                        index.insert(g, vec![part(half)]);
+                        index.insert(g, vec![part(half, false)]);
                     }
                 } else if !name.ends_with(".rotary_emb.inv_freq") {
                     // (Old checkpoints store RoPE's inverse frequencies, which the config defines.)
@@ -379,7 +382,7 @@ impl SafetensorsDir {
                     reason: format!("fused expert tensor `{}` is not [n_expert, 2 * ffn, hidden] with whole rows", p.hf),
                 })?,
             };
-            if parts.len() == 1 {
+            if parts.len() == 1 && !p.expert {
                 return Ok(Some(RawTensor { dims, ty, bytes }));
             }
             match &mut joined {

@@ -557,7 +557,7 @@ fn random_models_pass_layer_diff_on_every_device() {
 /// activations for a model whose attn_q, down and output projections are float while attn_k and
 /// the FFN gate are quantized (it judged only those three matrices), so the Q8_0 activations of
 /// the others broke a budget they were never given. And two where the propagated budget itself
-/// was wrong (see below).
+/// was wrong, and a one-expert checkpoint the safetensors loader refused (see below).
 #[test]
 fn shapes_that_found_bugs() {
     let judged = Judged::default();
@@ -572,6 +572,10 @@ fn shapes_that_found_bugs() {
     check(&phi3, 1, &judged).unwrap();
     let qwen3 = Shape { arch: "qwen3", n_embd: 256, n_head: 2, n_head_kv: 2, head_dim: 104, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 432, tied: false, seed: 1642801155426654446, ..phi3 };
     check(&qwen3, 1, &judged).unwrap();
+    // A Mixtral checkpoint with one expert: its stacked expert tensors (one part each) were read
+    // as 2-D matrices and refused ("has dims [16, 16], expected [16, 16, 1]").
+    let one_expert = Shape { arch: "llama", n_embd: 16, n_head: 1, n_head_kv: 1, head_dim: 8, n_rot: 8, n_ff: 16, n_layer: 1, vocab: 20, moe: Some((1, 1, 16, 0, false, false, true)), seed: 0, ..base };
+    check(&one_expert, 3, &judged).unwrap();
     assert_eq!(judged.into_inner().unwrap().get("fixed"), Some(&4));
 }
 
