@@ -266,18 +266,20 @@ impl FlatFile {
         };
         let factor = f64_at(h, off::ROPE_FACTOR);
         let attn_factor = f64_at(h, off::ROPE_ATTN_FACTOR);
+        // Read only by the scalings that use it (YaRN, LongRoPE).
+        let original_context = || usize::try_from(u64_at(h, off::ROPE_ORIGINAL_CONTEXT)).map_err(|_| bad("rope_original_context", off::ROPE_ORIGINAL_CONTEXT, "too large".into()));
         let scaling = match u32_at(h, off::ROPE_SCALING) {
             0 => RopeScaling::None,
             1 => RopeScaling::Linear { factor },
             2 => RopeScaling::Yarn {
                 factor,
-                original_context: usize::try_from(u64_at(h, off::ROPE_ORIGINAL_CONTEXT)).map_err(|_| bad("rope_original_context", off::ROPE_ORIGINAL_CONTEXT, "too large".into()))?,
+                original_context: original_context()?,
                 beta_fast: f64_at(h, off::YARN_BETA_FAST),
                 beta_slow: f64_at(h, off::YARN_BETA_SLOW),
                 ext_factor: f64_at(h, off::YARN_EXT_FACTOR),
                 attn_factor,
             },
-            3 => RopeScaling::LongRope { attn_factor, original_context: usize::try_from(u64_at(h, off::ROPE_ORIGINAL_CONTEXT)).map_err(|_| bad("rope_original_context", off::ROPE_ORIGINAL_CONTEXT, "too large".into()))? },
+            3 => RopeScaling::LongRope { attn_factor, original_context: original_context()? },
             v => return Err(bad("rope_scaling", off::ROPE_SCALING, format!("{v}, expected 0 none, 1 linear, 2 yarn or 3 longrope"))),
         };
         let activation = match u32_at(h, off::ACTIVATION) {
@@ -491,6 +493,7 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
         put32(&mut h, off::SHARED_FFN, m.shared_ffn.unwrap_or(0), "shared_ffn")?;
     }
     let f64s = |h: &mut [u8; HEADER_SIZE], o: usize, v: f64| h[o..o + 8].copy_from_slice(&v.to_le_bytes());
+    let u64s = |h: &mut [u8; HEADER_SIZE], o: usize, v: u64| h[o..o + 8].copy_from_slice(&v.to_le_bytes());
     f64s(&mut h, off::NORM_EPS, spec.norm_eps);
     f64s(&mut h, off::ROPE_THETA, spec.rope.theta);
     f64s(&mut h, off::ATTN_SCALE, spec.attn_scale);
@@ -506,12 +509,12 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
             f64s(&mut h, off::YARN_BETA_SLOW, beta_slow);
             f64s(&mut h, off::YARN_EXT_FACTOR, ext_factor);
             f64s(&mut h, off::ROPE_ATTN_FACTOR, attn_factor);
-            h[off::ROPE_ORIGINAL_CONTEXT..off::ROPE_ORIGINAL_CONTEXT + 8].copy_from_slice(&(original_context as u64).to_le_bytes());
+            u64s(&mut h, off::ROPE_ORIGINAL_CONTEXT, original_context as u64);
             2
         }
         RopeScaling::LongRope { attn_factor, original_context } => {
             f64s(&mut h, off::ROPE_ATTN_FACTOR, attn_factor);
-            h[off::ROPE_ORIGINAL_CONTEXT..off::ROPE_ORIGINAL_CONTEXT + 8].copy_from_slice(&(original_context as u64).to_le_bytes());
+            u64s(&mut h, off::ROPE_ORIGINAL_CONTEXT, original_context as u64);
             3
         }
     };

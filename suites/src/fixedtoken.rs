@@ -100,9 +100,13 @@ pub fn position_stats(oracle: &[f64], device: &[f32], n_vocab: usize, budget: &B
             let (lo, ld) = (log_softmax(o), log_softmax(&d));
             let kld: f64 = lo.iter().zip(&ld).map(|(a, b)| if a.is_finite() { a.exp() * (a - b) } else { 0.0 }).sum();
             let (to, td) = (top_k(o, 5), top_k(&d, 5));
-            let overlap = to.iter().filter(|i| td.contains(i)).count() as f64 / 5.0;
-            let max_abs = o.iter().zip(&d).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-            let mean_abs = o.iter().zip(&d).map(|(a, b)| (a - b).abs()).sum::<f64>() / n_vocab as f64;
+            let common = to.iter().filter(|i| td.contains(i)).count();
+            // Largest and summed |error| in one pass; infinite when the device gave a non-finite logit.
+            let finite = d.iter().all(|v| v.is_finite());
+            let (max_abs, sum_abs) = o.iter().zip(&d).fold((0.0f64, 0.0f64), |(m, s), (a, b)| {
+                let e = (a - b).abs();
+                (m.max(e), s + e)
+            });
             let rms = (o.iter().map(|v| v * v).sum::<f64>() / n_vocab as f64).sqrt();
             let delta = budget.bound(rms);
             let margin = o[to[0]] - o[to[1]];
@@ -111,11 +115,11 @@ pub fn position_stats(oracle: &[f64], device: &[f32], n_vocab: usize, budget: &B
                 kld: if kld.is_nan() { f64::INFINITY } else { kld.max(0.0) },
                 top1_oracle: to[0] as u32,
                 top1_device: td[0] as u32,
-                top5_overlap: overlap,
+                top5_overlap: common as f64 / 5.0,
                 dp: ld[to[0]].exp() - lo[to[0]].exp(),
-                max_abs: if d.iter().all(|v| v.is_finite()) { max_abs } else { f64::INFINITY },
-                mean_abs: if d.iter().all(|v| v.is_finite()) { mean_abs } else { f64::INFINITY },
-                top5_equal: to.iter().all(|i| td.contains(i)),
+                max_abs: if finite { max_abs } else { f64::INFINITY },
+                mean_abs: if finite { sum_abs / n_vocab as f64 } else { f64::INFINITY },
+                top5_equal: common == to.len(),
                 margin,
                 delta,
                 near_tie: margin < 2.0 * delta,
