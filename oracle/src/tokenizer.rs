@@ -29,8 +29,20 @@ const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{
 /// (with whole-token pre-tokens taken as is, and BOS added by default), as Qwen2's, and as
 /// GPT-2's; each group is one behaviour there.
 const LLAMA3_PRES: [&str; 9] = ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"];
-const QWEN2_PRES: [&str; 4] = ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"];
-const GPT2_PRES: [&str; 11] = ["gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert"];
+const QWEN2_PRES: [&str; 6] = ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez"];
+const GPT2_PRES: [&str; 17] = [
+    "gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo",
+    "jais", "trillion", "granite-docling", "exaone4",
+];
+/// GPT-2's split after every digit is split off alone (StarCoder, SmolLM, Command R, ...).
+const DIGITS_PRES: [&str; 7] = ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"];
+
+/// GPT-2's split as a regular expression (the byte-level pre-tokenizer's own).
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+/// Falcon's: runs of punctuation first, then GPT-2's split, then digits in threes.
+const FALCON_PATTERNS: [&str; 3] = [r"[\p{P}\$\+<=>\^~\|`]+", GPT2_PATTERN, "[0-9][0-9][0-9]"];
+/// Qwen3.5's: Qwen2's with combining marks (`\p{M}`) kept inside words.
+const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// DeepSeek LLM's and DeepSeek Coder's splits: regular expressions applied one after another,
 /// each splitting the pieces the previous left (as their tokenizer.json and llama.cpp do).
@@ -105,6 +117,16 @@ impl Tokenizer {
             .map(|(_, s)| AddedToken::from(s.to_string(), true))
             .collect();
         inner.add_special_tokens(specials).map_err(tok_err)?;
+        // User-defined tokens (type 4: MPT's runs of spaces, Command R's turn markers) are
+        // matched whole in the raw text too, as llama.cpp does even where it parses no special
+        // tokens.
+        let user: Vec<AddedToken> = types
+            .iter()
+            .zip(&tokens)
+            .filter(|(t, _)| t.as_u64() == Some(4))
+            .map(|(_, s)| AddedToken::from(s.to_string(), false).normalized(false))
+            .collect();
+        inner.add_tokens(user).map_err(tok_err)?;
         Ok(Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
@@ -195,8 +217,10 @@ impl Tokenizer {
 /// The split a byte-level BPE pre-tokenizer name stands for.
 enum PreSplit {
     Gpt2,
-    SmolLm,
+    Digits,
+    Falcon,
     Qwen2,
+    Qwen35,
     Llama3,
     DeepSeekLlm,
     DeepSeekCoder,
@@ -205,14 +229,17 @@ enum PreSplit {
 fn pre_split(pre: &str) -> std::result::Result<PreSplit, String> {
     match pre {
         p if p == "default" || GPT2_PRES.contains(&p) => Ok(PreSplit::Gpt2),
-        "smollm" => Ok(PreSplit::SmolLm),
+        p if DIGITS_PRES.contains(&p) => Ok(PreSplit::Digits),
+        "falcon" => Ok(PreSplit::Falcon),
         p if QWEN2_PRES.contains(&p) => Ok(PreSplit::Qwen2),
+        "qwen35" => Ok(PreSplit::Qwen35),
         p if LLAMA3_PRES.contains(&p) => Ok(PreSplit::Llama3),
         "deepseek-llm" => Ok(PreSplit::DeepSeekLlm),
         "deepseek-coder" => Ok(PreSplit::DeepSeekCoder),
         other => Err(format!(
-            "tokenizer.ggml.pre `{other}` is not supported (default, smollm, deepseek-llm, deepseek-coder, {}, {}, {})",
+            "tokenizer.ggml.pre `{other}` is not supported (default, falcon, qwen35, deepseek-llm, deepseek-coder, {}, {}, {}, {})",
             GPT2_PRES.join(", "),
+            DIGITS_PRES.join(", "),
             QWEN2_PRES.join(", "),
             LLAMA3_PRES.join(", ")
         )),
@@ -252,28 +279,39 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers
     let whole_words = LLAMA3_PRES.contains(&pre);
     let bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(whole_words).build().map_err(tok_err)?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
-    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
-    let split = |pat: &str| -> Result<PreTokenizerWrapper> {
-        Ok(PreTokenizerWrapper::Split(
-            Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
-        ))
-    };
-    let split_kind = pre_split(pre).map_err(|e| tok_err(format!("{}: {e}", g.path)))?;
-    let pre_tok = match split_kind {
-        PreSplit::Gpt2 => Sequence::new(vec![byte_level(true)]),
-        PreSplit::SmolLm => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
-        PreSplit::Qwen2 => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
-        PreSplit::Llama3 => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
-        PreSplit::DeepSeekLlm | PreSplit::DeepSeekCoder => {
-            let patterns: &[&str] = if matches!(split_kind, PreSplit::DeepSeekLlm) { &DEEPSEEK_LLM_PATTERNS } else { &DEEPSEEK_CODER_PATTERNS };
-            let mut steps = patterns.iter().map(|p| split(p)).collect::<Result<Vec<_>>>()?;
-            steps.push(byte_level(false));
-            Sequence::new(steps)
-        }
-    };
+    let pre_tok = pre_tokenizer(pre).map_err(|e| tok_err(format!("{}: {e}", g.path)))?;
     inner.with_pre_tokenizer(Some(pre_tok));
     inner.with_decoder(Some(ByteLevelDecoder::default()));
     Ok(inner)
+}
+
+/// The pre-tokenizer a byte-level BPE pre-tokenizer name (`tokenizer.ggml.pre`) stands for:
+/// the split into pre-tokens, then the byte-to-character map.
+fn pre_tokenizer(pre: &str) -> std::result::Result<Sequence, String> {
+    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let split = |pat: &str| -> std::result::Result<PreTokenizerWrapper, String> {
+        Ok(PreTokenizerWrapper::Split(
+            Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(|e| e.to_string())?,
+        ))
+    };
+    let split_kind = pre_split(pre)?;
+    Ok(match split_kind {
+        PreSplit::Gpt2 => Sequence::new(vec![byte_level(true)]),
+        PreSplit::Digits => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
+        PreSplit::Qwen2 => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
+        PreSplit::Qwen35 => Sequence::new(vec![split(QWEN35_PATTERN)?, byte_level(false)]),
+        PreSplit::Llama3 => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
+        PreSplit::DeepSeekLlm | PreSplit::DeepSeekCoder | PreSplit::Falcon => {
+            let patterns: &[&str] = match split_kind {
+                PreSplit::DeepSeekLlm => &DEEPSEEK_LLM_PATTERNS,
+                PreSplit::DeepSeekCoder => &DEEPSEEK_CODER_PATTERNS,
+                _ => &FALCON_PATTERNS,
+            };
+            let mut steps = patterns.iter().map(|p| split(p)).collect::<std::result::Result<Vec<_>, _>>()?;
+            steps.push(byte_level(false));
+            Sequence::new(steps)
+        }
+    })
 }
 
 /// SentencePiece BPE (`llama`) from a GGUF's vocabulary and token scores, as llama.cpp runs it:
@@ -430,5 +468,44 @@ mod tests {
         assert!(e.contains("1 entries for 13 tokens"), "{e}");
         let e = spm(&PIECES, &[("tokenizer.ggml.model", Value::String("t5".into()))]).err().unwrap().to_string();
         assert!(e.contains("`t5` is not supported"), "{e}");
+    }
+
+    /// The pre-tokens a byte-level pre-tokenizer name splits `text` into (in byte-level characters).
+    fn pre_tokens(pre: &str, text: &str) -> Vec<String> {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let mut s = PreTokenizedString::from(text);
+        pre_tokenizer(pre).unwrap().pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Char).into_iter().map(|(t, _, _)| t.to_string()).collect()
+    }
+
+    #[test]
+    fn pre_tokenizer_names_split_as_llama_cpp_runs_them() {
+        // Qwen3.5 keeps a combining mark in its word; Qwen2 splits it off (its test vectors alone
+        // do not tell the two apart).
+        // (U+0301 is the bytes CC 81, `Ìģ` in byte-level characters.)
+        let decomposed = "cafe\u{301} ok";
+        assert_eq!(pre_tokens("qwen35", decomposed), ["cafe\u{cc}\u{123}", "Ġok"]);
+        assert_eq!(pre_tokens("qwen2", decomposed), ["cafe", "\u{cc}\u{123}", "Ġok"]);
+        // Falcon: punctuation runs alone, then GPT-2's split, then digits in threes.
+        assert_eq!(pre_tokens("falcon", "a+=b 12345"), ["a", "+=", "b", "Ġ", "123", "45"]);
+        // StarCoder, Command R, ...: every digit alone; MPT and OLMo: GPT-2's split.
+        assert_eq!(pre_tokens("command-r", "x 123"), ["x", "Ġ", "1", "2", "3"]);
+        assert_eq!(pre_tokens("mpt", "x 123"), ["x", "Ġ123"]);
+        let e = pre_tokenizer("tekken").err().unwrap();
+        assert!(e.contains("`tekken` is not supported") && e.contains("falcon"), "{e}");
+    }
+
+    #[test]
+    fn user_defined_tokens_are_matched_whole() {
+        let mut pieces = PIECES.to_vec();
+        pieces.push(("<x>", 0.0));
+        let mut types: Vec<Value> = [2, 3, 3, 6, 6].into_iter().map(Value::I32).collect();
+        types.extend(PIECES.iter().map(|_| Value::I32(1)));
+        types.push(Value::I32(4));
+        let tok = spm(&pieces, &[("tokenizer.ggml.token_type", Value::Array(types)), ("tokenizer.ggml.add_bos_token", Value::Bool(false))]).unwrap();
+        // As llama.cpp: the text after a token matched whole gets its own space prefix.
+        let ids = tok.encode("ab<x>c").unwrap();
+        assert_eq!(ids, ["\u{2581}", "ab", "<x>", "\u{2581}", "c"].map(|p| id(&tok, p)));
+        assert_eq!(tok.decode(&ids).unwrap(), "ab<x> c");
     }
 }

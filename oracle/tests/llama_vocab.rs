@@ -9,8 +9,11 @@ use oracle::tokenizer::Tokenizer;
 use std::path::PathBuf;
 
 /// SentencePiece (`llama`: Llama 2, Phi-3) and byte-level BPE (`gpt2` with the gpt-2, llama-bpe,
-/// qwen2, deepseek-llm and deepseek-coder pre-tokenizers).
-const VOCABS: [&str; 7] = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder"];
+/// qwen2, qwen35, deepseek-llm, deepseek-coder, falcon, mpt, starcoder, refact and command-r
+/// pre-tokenizers).
+const VOCABS: [&str; 13] = [
+    "llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "qwen35", "falcon", "mpt", "starcoder", "refact", "command-r",
+];
 
 fn vocab_dir() -> PathBuf {
     match std::env::var_os("TOUCHSTONE_CACHE") {

@@ -1010,7 +1010,7 @@ fn a_sentencepiece_gguf_runs_on_text() {
     assert!(stderr(&o).contains("over 5 tokens"), "{}", stderr(&o));
 }
 
-/// A GGUF whose tokenizer is of a kind (`t5`'s Unigram) or has a pre-tokenizer (`starcoder`) this
+/// A GGUF whose tokenizer is of a kind (`t5`'s Unigram) or has a pre-tokenizer (`tekken`) this
 /// tool does not build still runs on token ids, on the oracle and on a device; text asks for
 /// ids instead. A tokenizer model that is not a string stays an error naming the key.
 #[test]
@@ -1021,7 +1021,7 @@ fn a_gguf_with_an_unbuilt_tokenizer_runs_on_token_ids_and_asks_for_them_for_text
     // (key, value, runs on ids, why text is refused)
     let cases = [
         ("tokenizer.ggml.model", Value::String("t5".into()), true, "tokenizer kind `t5`"),
-        ("tokenizer.ggml.pre", Value::String("starcoder".into()), true, "tokenizer.ggml.pre `starcoder` is not supported"),
+        ("tokenizer.ggml.pre", Value::String("tekken".into()), true, "tokenizer.ggml.pre `tekken` is not supported"),
         ("tokenizer.ggml.model", Value::U32(1), false, ""),
     ];
     for (key, value, ok, why) in cases {
