@@ -83,9 +83,9 @@ impl Tokenizer {
     /// token scores.
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
         let model = g.field("tokenizer.ggml.model", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("");
-        if !matches!(model, "gpt2" | "llama") {
+        if !matches!(model, "gpt2" | "llama" | "gemma4") {
             return Err(tok_err(format!(
-                "{}: `tokenizer.ggml.model` `{model}` is not supported (byte-level BPE `gpt2` and SentencePiece `llama` are)",
+                "{}: `tokenizer.ggml.model` `{model}` is not supported (byte-level BPE `gpt2`, SentencePiece `llama` and Gemma 4's `gemma4` are)",
                 g.path
             )));
         }
@@ -108,7 +108,11 @@ impl Tokenizer {
             }
         };
         let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
-        let mut inner = if model == "gpt2" { byte_level_bpe(g, &tokens, pre)? } else { sentencepiece_bpe(g, &tokens, types, id("tokenizer.ggml.unknown_token_id")?)? };
+        let mut inner = match model {
+            "gpt2" => byte_level_bpe(g, &tokens, pre)?,
+            "gemma4" => gemma4_bpe(g, &tokens)?,
+            _ => sentencepiece_bpe(g, &tokens, types, id("tokenizer.ggml.unknown_token_id")?)?,
+        };
         // Control tokens (type 3) are matched whole, never split by BPE.
         let specials: Vec<AddedToken> = types
             .iter()
@@ -138,8 +142,9 @@ impl Tokenizer {
                 eos
             },
             // Absent, llama.cpp adds BOS for SentencePiece vocabularies and Llama 3's, not for
-            // other BPE ones.
-            add_bos: g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(model == "llama" || LLAMA3_PRES.contains(&pre)),
+            // other BPE ones; for Gemma 4 always, whatever the file says.
+            add_bos: model == "gemma4"
+                || g.field("tokenizer.ggml.add_bos_token", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(model == "llama" || LLAMA3_PRES.contains(&pre)),
         })
     }
 
@@ -255,8 +260,8 @@ pub fn gguf_gap(g: &GgufFile) -> Result<Option<String>> {
     Ok(match model {
         None => Some("it stores no tokenizer (`tokenizer.ggml.model`)".into()),
         Some("gpt2") => pre_split(pre).err(),
-        Some("llama") => None,
-        Some(other) => Some(format!("its tokenizer kind `{other}` is not one this tool builds (byte-level BPE `gpt2`, SentencePiece `llama`)")),
+        Some("llama" | "gemma4") => None,
+        Some(other) => Some(format!("its tokenizer kind `{other}` is not one this tool builds (byte-level BPE `gpt2`, SentencePiece `llama`, Gemma 4's `gemma4`)")),
     })
 }
 
@@ -264,16 +269,7 @@ pub fn gguf_gap(g: &GgufFile) -> Result<Option<String>> {
 /// `tokenizer.ggml.pre`) names.
 fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers::Tokenizer> {
     let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
-    let mut merges = Vec::new();
-    if let Some(ms) = g.field("tokenizer.ggml.merges", |v| v.as_array(), "an array").map_err(tok_err)? {
-        for (i, m) in ms.iter().enumerate() {
-            let s = m.as_str().unwrap_or("");
-            let (a, b) = s
-                .split_once(' ')
-                .ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.merges[{i}] `{s}` is not two tokens", g.path)))?;
-            merges.push((a.to_string(), b.to_string()));
-        }
-    }
+    let merges = gguf_merges(g)?;
     // Llama 3 takes a pre-token that is a whole token as is, before any merge (as llama.cpp and
     // its tokenizer.json do): "Việt" is one token there, not the three its merges reach.
     let whole_words = LLAMA3_PRES.contains(&pre);
@@ -282,6 +278,44 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers
     let pre_tok = pre_tokenizer(pre).map_err(|e| tok_err(format!("{}: {e}", g.path)))?;
     inner.with_pre_tokenizer(Some(pre_tok));
     inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
+}
+
+/// A GGUF's BPE merges (`tokenizer.ggml.merges`), each two tokens split at the first space after
+/// the first character, as llama.cpp splits them (Gemma 4's tokens of tabs and newlines hold a
+/// space in their merges, never as their first character).
+fn gguf_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
+    let mut merges = Vec::new();
+    if let Some(ms) = g.field("tokenizer.ggml.merges", |v| v.as_array(), "an array").map_err(tok_err)? {
+        for (i, m) in ms.iter().enumerate() {
+            let s = m.as_str().ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.merges[{i}] is not a string", g.path)))?;
+            let first = s.chars().next().map_or(0, char::len_utf8);
+            let (a, b) = s[first..]
+                .find(' ')
+                .map(|at| (&s[..first + at], &s[first + at + 1..]))
+                .ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.merges[{i}] `{s}` is not two tokens", g.path)))?;
+            merges.push((a.to_string(), b.to_string()));
+        }
+    }
+    Ok(merges)
+}
+
+/// Gemma 4's BPE (`tokenizer.ggml.model = gemma4`) as llama.cpp runs it: SentencePiece-style
+/// pieces (spaces become `▁`, no space prefix) merged by the GGUF's merges over raw UTF-8, the
+/// text split only into lines and runs of newlines (a run that is itself a token taken whole);
+/// a piece no token covers becomes its bytes' `<0xXX>` tokens.
+fn gemma4_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, gguf_merges(g)?).byte_fallback(true).build().map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_normalizer(Some(NormalizerWrapper::Replace(Replace::new(" ", "\u{2581}").map_err(tok_err)?))).map_err(tok_err)?;
+    let lines = Split::new(SplitPattern::Regex("[^\n]+|[\n]+".into()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?;
+    inner.with_pre_tokenizer(Some(Sequence::new(vec![PreTokenizerWrapper::Split(lines)])));
+    inner.with_decoder(Some(DecoderSequence::new(vec![
+        DecoderWrapper::Replace(Replace::new("\u{2581}", " ").map_err(tok_err)?),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ])));
     Ok(inner)
 }
 
@@ -507,5 +541,24 @@ mod tests {
         let ids = tok.encode("ab<x>c").unwrap();
         assert_eq!(ids, ["\u{2581}", "ab", "<x>", "\u{2581}", "c"].map(|p| id(&tok, p)));
         assert_eq!(tok.decode(&ids).unwrap(), "ab<x> c");
+    }
+
+    #[test]
+    fn gemma4_merges_pieces_with_escaped_spaces_and_always_adds_bos() {
+        let tokens = ["<pad>", "<eos>", "<bos>", "<0xC3>", "<0xA9>", "\u{2581}", "a", "b", "ab", "\u{2581}ab", "\n", "\n\n"];
+        let types = [3, 3, 3, 6, 6, 1, 1, 1, 1, 1, 1, 1];
+        let mut w = GgufWriter::new();
+        w.meta("tokenizer.ggml.model", Value::String("gemma4".into()));
+        w.meta("tokenizer.ggml.tokens", Value::Array(tokens.iter().map(|t| Value::String(t.to_string())).collect()));
+        w.meta("tokenizer.ggml.token_type", Value::Array(types.iter().map(|&t| Value::I32(t)).collect()));
+        w.meta("tokenizer.ggml.merges", Value::Array(["a b", "\u{2581} ab", "\n \n"].iter().map(|m| Value::String(m.to_string())).collect()));
+        w.meta("tokenizer.ggml.bos_token_id", Value::U32(2));
+        // llama.cpp adds BOS for Gemma 4 even where the file says not to.
+        w.meta("tokenizer.ggml.add_bos_token", Value::Bool(false));
+        let tok = Tokenizer::from_gguf(&GgufFile::from_bytes("gemma4.gguf", w.to_bytes()).unwrap()).unwrap();
+        let text = " ab\n\n\u{e9}";
+        let ids = tok.encode(text).unwrap();
+        assert_eq!(ids, [2, 9, 11, 3, 4], "BOS, `▁ab` (no space prefix), one newline token, é as its two bytes");
+        assert_eq!(tok.decode(&ids[1..]).unwrap(), text);
     }
 }

@@ -24,10 +24,10 @@ import tempfile
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-# The vocabularies whose tokenizer kinds the oracle builds (SentencePiece `llama`; byte-level
-# BPE with the gpt2, llama-bpe, qwen2, qwen35, deepseek-llm, deepseek-coder, falcon, mpt,
-# starcoder, refact and command-r pre-tokenizers).
-VOCABS = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder",
+# The vocabularies whose tokenizer kinds the oracle builds (SentencePiece `llama`; Gemma 4's
+# `gemma4`; byte-level BPE with the gpt2, llama-bpe, qwen2, qwen35, deepseek-llm, deepseek-coder,
+# falcon, mpt, starcoder, refact and command-r pre-tokenizers).
+VOCABS = ["gemma-4", "llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder",
           "qwen35", "falcon", "mpt", "starcoder", "refact", "command-r"]
 
 
