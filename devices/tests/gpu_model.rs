@@ -202,7 +202,7 @@ fn q_and_k_normalized_by_one_launch_get_the_bits_of_two() {
 fn q_and_k_rotated_by_one_launch_get_the_bits_of_two() {
     let Some(g) = emu_gpu() else { return };
     let (tokens, hd, n_rot) = (3, 64, 48);
-    let spec = oracle::spec::RopeSpec { style: oracle::spec::RopeStyle::Neox, theta: 10_000.0, n_rot, scaling: oracle::spec::RopeScaling::None, freq_factors: None };
+    let spec = oracle::spec::RopeSpec { style: oracle::spec::RopeStyle::Neox, theta: 10_000.0, n_rot, scaling: oracle::spec::RopeScaling::None, freq_factors: None, longrope_factors: None };
     let table = g.upload_f32(&devices::gpu::rope_table(&spec, 5..5 + tokens)).unwrap();
     let (q0, k0): (Vec<f32>, Vec<f32>) = ((0..tokens * 4 * hd).map(|i| (i % 29) as f32 / 7.0 - 2.0).collect(), (0..tokens * 2 * hd).map(|i| (i % 31) as f32 / 9.0 - 1.5).collect());
     for neox in [false, true] {

@@ -52,7 +52,8 @@ struct ts_flat_header {
     uint32_t n_expert, n_expert_used, expert_ffn, moe_gating, moe_flags, shared_ffn;
     double norm_eps, rope_theta, attn_scale, rope_factor, yarn_beta_fast, yarn_beta_slow, yarn_ext_factor, rope_attn_factor;
     uint64_t rope_original_context;
-    uint8_t reserved[288];
+    uint64_t rope_context;         /* LongRoPE: the context its factors serve (0: the original) */
+    uint8_t reserved[280];
     uint64_t meta_checksum;        /* FNV-1a 64 of bytes 0..504, then the table */
 };
 
@@ -73,6 +74,7 @@ _Static_assert(offsetof(struct ts_flat_header, n_rot) == 96, "n_rot at 96");
 _Static_assert(offsetof(struct ts_flat_header, n_expert) == 120, "n_expert at 120");
 _Static_assert(offsetof(struct ts_flat_header, norm_eps) == 144, "norm_eps at 144");
 _Static_assert(offsetof(struct ts_flat_header, rope_original_context) == 208, "rope_original_context at 208");
+_Static_assert(offsetof(struct ts_flat_header, rope_context) == 216, "rope_context at 216");
 _Static_assert(offsetof(struct ts_flat_header, meta_checksum) == 504, "meta_checksum at 504");
 _Static_assert(sizeof(struct ts_flat_tensor) == 128, "entry is 128 bytes");
 _Static_assert(offsetof(struct ts_flat_tensor, offset) == 104, "offset at 104");

@@ -76,8 +76,9 @@ mod off {
     pub const YARN_EXT_FACTOR: usize = 192;
     pub const ROPE_ATTN_FACTOR: usize = 200;
     pub const ROPE_ORIGINAL_CONTEXT: usize = 208;
-    /// Bytes 216..504 are reserved (zero).
-    pub const RESERVED: usize = 216;
+    pub const ROPE_CONTEXT: usize = 216;
+    /// Bytes 224..504 are reserved (zero).
+    pub const RESERVED: usize = 224;
     pub const META_CHECKSUM: usize = 504;
 }
 
@@ -279,7 +280,16 @@ impl FlatFile {
                 ext_factor: f64_at(h, off::YARN_EXT_FACTOR),
                 attn_factor,
             },
-            3 => RopeScaling::LongRope { attn_factor, original_context: original_context()? },
+            3 => {
+                let original_context = original_context()?;
+                // The context the file's factors were exported for; 0 (files written before the
+                // field): the original context, whose short factors they then are.
+                let context = match u64_at(h, off::ROPE_CONTEXT) {
+                    0 => original_context,
+                    c => usize::try_from(c).map_err(|_| bad("rope_context", off::ROPE_CONTEXT, "too large".into()))?,
+                };
+                RopeScaling::LongRope { attn_factor, original_context, context }
+            }
             v => return Err(bad("rope_scaling", off::ROPE_SCALING, format!("{v}, expected 0 none, 1 linear, 2 yarn or 3 longrope"))),
         };
         let activation = match u32_at(h, off::ACTIVATION) {
@@ -330,7 +340,7 @@ impl FlatFile {
             head_dim: u(off::HEAD_DIM),
             n_ff: u(off::N_FF),
             norm_eps: f64_at(h, off::NORM_EPS),
-            rope: RopeSpec { style, theta: f64_at(h, off::ROPE_THETA), n_rot: u(off::N_ROT), scaling, freq_factors },
+            rope: RopeSpec { style, theta: f64_at(h, off::ROPE_THETA), n_rot: u(off::N_ROT), scaling, freq_factors, longrope_factors: None },
             qk_norm: flags & FLAG_QK_NORM != 0,
             qkv_bias: flags & FLAG_QKV_BIAS != 0,
             out_bias: flags & FLAG_OUT_BIAS != 0,
@@ -344,6 +354,7 @@ impl FlatFile {
             stages: vec![],
         };
         spec.derive_stages();
+        spec.set_context(crate::spec::configured_context()?).map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
         spec.validate().map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
         if !(spec.attn_scale.is_finite() && spec.attn_scale > 0.0) {
             return Err(bad("attn_scale", off::ATTN_SCALE, format!("{} is not a finite positive number", spec.attn_scale)));
@@ -512,9 +523,10 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
             u64s(&mut h, off::ROPE_ORIGINAL_CONTEXT, original_context as u64);
             2
         }
-        RopeScaling::LongRope { attn_factor, original_context } => {
+        RopeScaling::LongRope { attn_factor, original_context, context } => {
             f64s(&mut h, off::ROPE_ATTN_FACTOR, attn_factor);
             u64s(&mut h, off::ROPE_ORIGINAL_CONTEXT, original_context as u64);
+            u64s(&mut h, off::ROPE_CONTEXT, context as u64);
             3
         }
     };
@@ -613,6 +625,8 @@ pub fn export(path: &Path, spec: &ModelSpec, source: &dyn TensorSource, target: 
         let (_, back) = FlatFile::open(&part)?;
         let mut want = spec.clone();
         want.fused = false;
+        // LongRoPE: the factors of the configured context only.
+        want.rope.longrope_factors = None;
         if back != want {
             return Err(OracleError::Spec(format!("{}: the model's spec does not survive the flat format (read back: {back:?}; source: {want:?})", path.display())));
         }

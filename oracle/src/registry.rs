@@ -320,9 +320,9 @@ pub fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
         1 => (RopeScaling::Linear { factor: 4.0 }, None),
         2 => (RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 }, None),
         3 => (RopeScaling::None, Some(crate::spec::llama3_freq_factors(theta, n_rot, 8.0, 1.0, 4.0, 64))),
-        _ => (RopeScaling::LongRope { attn_factor: LONGROPE_CASE_ATTN_FACTOR, original_context: 4096 }, Some((0..n_rot / 2).map(|i| (1.0 + 2.5 * i as f64 / (n_rot / 2) as f64) as f32).collect())),
+        _ => (RopeScaling::LongRope { attn_factor: LONGROPE_CASE_ATTN_FACTOR, original_context: 4096, context: 4096 }, Some((0..n_rot / 2).map(|i| (1.0 + 2.5 * i as f64 / (n_rot / 2) as f64) as f32).collect())),
     };
-    Ok(RopeSpec { style: if c.pu("neox")? == 1 { RopeStyle::Neox } else { RopeStyle::Normal }, theta, n_rot, scaling, freq_factors })
+    Ok(RopeSpec { style: if c.pu("neox")? == 1 { RopeStyle::Neox } else { RopeStyle::Normal }, theta, n_rot, scaling, freq_factors, longrope_factors: None })
 }
 
 /// The cos/sin scale of the LongRoPE rope cases (Phi-3-mini-128k's: sqrt(1 + ln 32 / ln 4096)).

@@ -35,13 +35,19 @@ pub enum RopeScaling {
         ext_factor: f64,
         attn_factor: f64,
     },
-    /// Phi-3's LongRoPE: per-pair factors (`RopeSpec::freq_factors`, the short ones, which an
-    /// engine running at most the original context uses) divide the angles, and `attn_factor`
-    /// scales every cos and sin. Past `original_context` positions engines switch to the long
-    /// factors, each by its own rule (Transformers for the whole sequence once it is longer,
-    /// llama.cpp when its context is configured longer): not modelled, so the oracle refuses
-    /// positions there instead of rotating them with the short factors.
-    LongRope { attn_factor: f64, original_context: usize },
+    /// Phi-3's LongRoPE: per-pair factors (`RopeSpec::freq_factors`) divide the angles, and
+    /// `attn_factor` scales every cos and sin. Which factors: as llama.cpp, by the context the
+    /// engine is configured for (`context`, `--context` / `TOUCHSTONE_CONTEXT`; by default the
+    /// original context): the short ones up to `original_context` positions, the long ones at
+    /// every position when the context is longer. Positions at or past `context` are refused.
+    /// (Transformers switches the whole sequence to the long factors once it is longer than the
+    /// original context, keeping keys it cached with the short ones: not modelled.)
+    LongRope {
+        attn_factor: f64,
+        original_context: usize,
+        #[serde(default)]
+        context: usize,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -56,6 +62,27 @@ pub struct RopeSpec {
     /// "llama3" scaling is carried this way (`llama3_freq_factors`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub freq_factors: Option<Vec<f32>>,
+    /// LongRoPE's two factor lists (short, long) as the model stores them, from which
+    /// `ModelSpec::set_context` picks `freq_factors`; absent from a flat file, which holds the
+    /// factors its export was configured for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub longrope_factors: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// The environment variable that tells every model loader the context (positions) the engine
+/// under test is configured for (`cargo xtask --context N` sets it).
+pub const CONTEXT_ENV: &str = "TOUCHSTONE_CONTEXT";
+
+/// The context `TOUCHSTONE_CONTEXT` asks for, if set: a positive integer, else an error naming it.
+pub fn configured_context() -> Result<Option<usize>> {
+    match std::env::var(CONTEXT_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(spec_err(format!("{CONTEXT_ENV}=`{v}` is not a positive number of positions"))),
+        },
+        Err(e) => Err(spec_err(format!("{CONTEXT_ENV}: {e}"))),
+    }
 }
 
 /// Llama 3.1's RoPE frequency factors (Hugging Face `rope_type: "llama3"`): pairs whose
@@ -212,9 +239,10 @@ impl ModelSpec {
                 }
                 pos(original_context, "rope scaling original context length")?;
             }
-            RopeScaling::LongRope { attn_factor, original_context } => {
+            RopeScaling::LongRope { attn_factor, original_context, context } => {
                 positive(attn_factor, "attention factor")?;
                 pos(original_context, "LongRoPE original context length")?;
+                pos(context, "LongRoPE context")?;
                 if self.rope.freq_factors.is_none() {
                     return Err(spec_err("LongRoPE scaling without its per-pair frequency factors"));
                 }
@@ -338,10 +366,13 @@ impl ModelSpec {
         };
         let (short, long) = (factors("rope_factors_short.weight")?, factors("rope_factors_long.weight")?);
         let mut scaling = scaling;
+        let mut longrope_factors = None;
         let freq_factors = match (factors("rope_freqs.weight")?, short, long) {
             (f, None, None) => f,
-            (None, Some(short), Some(_)) if scaling == RopeScaling::None => {
-                scaling = RopeScaling::LongRope { attn_factor: opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0), original_context: opt_u("rope.scaling.original_context_length")?.unwrap_or(ctx) };
+            (None, Some(short), Some(long)) if scaling == RopeScaling::None => {
+                let original_context = opt_u("rope.scaling.original_context_length")?.unwrap_or(ctx);
+                scaling = RopeScaling::LongRope { attn_factor: opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0), original_context, context: original_context };
+                longrope_factors = Some((short.clone(), long));
                 Some(short)
             }
             _ => return Err(spec_err(format!("{}: LongRoPE needs both `rope_factors_short.weight` and `rope_factors_long.weight`, without `rope_freqs.weight` or another rope scaling", g.path))),
@@ -362,6 +393,7 @@ impl ModelSpec {
                 n_rot,
                 scaling,
                 freq_factors,
+                longrope_factors,
             },
             qk_norm: has("blk.0.attn_q_norm.weight"),
             qkv_bias: has("blk.0.attn_q.bias"),
@@ -376,9 +408,32 @@ impl ModelSpec {
             stages: Vec::new(),
         };
         spec.derive_stages();
+        spec.set_context(configured_context()?)?;
         spec.validate()?;
         spec.check_against_tensors(g)?;
         Ok(spec)
+    }
+
+    /// Configures the model for an engine running `context` positions (None: the default), as
+    /// llama.cpp's context size does: a LongRoPE model takes its short factors up to its original
+    /// context and its long factors, at every position, when the context is longer. Other models
+    /// are unchanged. A flat file holds the factors of the context it was exported for, and
+    /// refuses another.
+    pub fn set_context(&mut self, context: Option<usize>) -> Result<()> {
+        let RopeScaling::LongRope { original_context, context: current, .. } = &mut self.rope.scaling else { return Ok(()) };
+        let Some(want) = context else { return Ok(()) };
+        let want = want.max(*original_context);
+        match &self.rope.longrope_factors {
+            Some((short, long)) => {
+                self.rope.freq_factors = Some(if want > *original_context { long.clone() } else { short.clone() });
+                *current = want;
+                Ok(())
+            }
+            None if want == *current => Ok(()),
+            None => Err(spec_err(format!(
+                "this model holds the LongRoPE factors of a {current}-position context (original context {original_context}) only, not those of {want} positions (a flat file: export it again with --context {want})"
+            ))),
+        }
     }
 
     /// The sizes every loader allocates by (vocabulary, width, layer count) must be backed by the
@@ -535,6 +590,7 @@ impl ModelSpec {
             (None, None) => None,
         };
         let mut freq_factors = None;
+        let mut longrope_factors = None;
         let scaling = match scaling_fields {
             None => RopeScaling::None,
             Some(s) => {
@@ -584,7 +640,7 @@ impl ModelSpec {
                             }
                             Ok(f)
                         };
-                        let (short, _long) = (pairs("short_factor")?, pairs("long_factor")?);
+                        let (short, long) = (pairs("short_factor")?, pairs("long_factor")?);
                         let original = match s.u("original_max_position_embeddings")? {
                             Some(o) => o,
                             None => top.u("original_max_position_embeddings")?.ok_or_else(|| err("config.json: longrope scaling needs `original_max_position_embeddings`".into()))?,
@@ -595,8 +651,9 @@ impl ModelSpec {
                             None if extension <= 1.0 || original <= 1 => 1.0,
                             None => (1.0 + extension.ln() / (original as f64).ln()).sqrt(),
                         };
-                        freq_factors = Some(short);
-                        RopeScaling::LongRope { attn_factor, original_context: original }
+                        freq_factors = Some(short.clone());
+                        longrope_factors = Some((short, long));
+                        RopeScaling::LongRope { attn_factor, original_context: original, context: original }
                     }
                     other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn, llama3, longrope)"))),
                 }
@@ -677,6 +734,7 @@ impl ModelSpec {
                 n_rot: head_dim,
                 scaling,
                 freq_factors,
+                longrope_factors,
             },
             qk_norm: arch == "qwen3" || arch == "qwen3moe",
             // Qwen2 (and Qwen2-MoE) always biases Q/K/V (never O); llama, mistral and qwen3 bias
@@ -694,6 +752,7 @@ impl ModelSpec {
             stages: Vec::new(),
         };
         spec.derive_stages();
+        spec.set_context(configured_context()?)?;
         spec.validate()?;
         Ok(spec)
     }
@@ -803,11 +862,23 @@ mod tests {
         let short: Vec<f64> = (0..8).map(|i| 1.0 + i as f64 / 8.0).collect();
         let s = phi3(serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": vec![4.0; 8]})).unwrap();
         assert!(s.fused && s.sliding_window == Some(2047));
-        let RopeScaling::LongRope { attn_factor, original_context: 4096 } = s.rope.scaling else { panic!("{:?}", s.rope.scaling) };
+        let RopeScaling::LongRope { attn_factor, original_context: 4096, context: 4096 } = s.rope.scaling else { panic!("{:?}", s.rope.scaling) };
         assert!((attn_factor - (1.0 + 32f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12, "{attn_factor}");
         assert_eq!(s.rope.freq_factors.as_deref().unwrap()[1], 1.125);
         let given = phi3(serde_json::json!({"rope_type": "longrope", "short_factor": short, "long_factor": short, "attention_factor": 1.5})).unwrap();
-        assert_eq!(given.rope.scaling, RopeScaling::LongRope { attn_factor: 1.5, original_context: 4096 });
+        assert_eq!(given.rope.scaling, RopeScaling::LongRope { attn_factor: 1.5, original_context: 4096, context: 4096 });
+        // A longer context takes the long factors (at every position), a shorter one the short.
+        let mut long = s.clone();
+        long.set_context(Some(8192)).unwrap();
+        assert_eq!((long.rope.freq_factors.as_deref(), long.rope.scaling), (Some(&[4.0f32; 8][..]), RopeScaling::LongRope { attn_factor, original_context: 4096, context: 8192 }));
+        long.set_context(Some(100)).unwrap();
+        assert_eq!(long, s, "back to the short factors and the original context");
+        // Without both lists (a flat file's spec) another context is refused, the same one kept.
+        let mut flat = s.clone();
+        flat.rope.longrope_factors = None;
+        flat.set_context(Some(4096)).unwrap();
+        let e = flat.set_context(Some(8192)).unwrap_err().to_string();
+        assert!(e.contains("of a 4096-position context") && e.contains("--context 8192"), "{e}");
         assert!(phi3(serde_json::Value::Null).unwrap().rope.scaling == RopeScaling::None);
         for (rope, want) in [
             (serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": short}), "`rope_scaling.short_factor` has 1 values for 8 rotated pairs"),

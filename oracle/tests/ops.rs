@@ -46,7 +46,7 @@ fn matmul_accumulates_in_f64() {
 }
 
 fn rope_spec(style: RopeStyle, scaling: RopeScaling) -> RopeSpec {
-    RopeSpec { style, theta: 10_000.0, n_rot: 4, scaling, freq_factors: None }
+    RopeSpec { style, theta: 10_000.0, n_rot: 4, scaling, freq_factors: None, longrope_factors: None }
 }
 
 #[test]
@@ -73,20 +73,27 @@ fn rope_linear_scaling_divides_positions() {
     close(&x, &[1f64.cos(), 1f64.sin(), 0.01f64.cos(), 0.01f64.sin()], 1e-7);
 }
 
-/// A LongRoPE model's short factors cover its original context only; past it engines switch to
-/// the long factors by rules that differ, so the oracle refuses those positions, saying why,
-/// instead of rotating them with the short factors.
+/// A LongRoPE model rotates at most the positions of the context it is configured for (by
+/// default its original context, with the short factors), and refuses those past it, saying why,
+/// instead of rotating them with factors no engine uses there.
 #[test]
-fn longrope_refuses_positions_past_the_original_context() {
-    let spec = RopeSpec { freq_factors: Some(vec![1.0, 2.0]), ..rope_spec(RopeStyle::Normal, RopeScaling::LongRope { attn_factor: 1.25, original_context: 8 }) };
+fn longrope_refuses_positions_past_its_configured_context() {
+    let spec = RopeSpec { freq_factors: Some(vec![1.0, 2.0]), ..rope_spec(RopeStyle::Normal, RopeScaling::LongRope { attn_factor: 1.25, original_context: 8, context: 8 }) };
     let mut x = vec![1.0f32, 0.0, 1.0, 0.0];
     ops::rope(&mut x, &[7], 1, 4, &spec).unwrap();
     // Pair 0 at position 7 turns by 7 rad (factor 1), every cos/sin scaled by 1.25.
     assert!((x[0] as f64 - 1.25 * 7f64.cos()).abs() < 1e-6, "{x:?}");
     let mut x = vec![1.0f32, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0];
     let e = ops::rope(&mut x, &[3, 8], 1, 4, &spec).unwrap_err().to_string();
-    assert!(e.contains("position 8") && e.contains("original context of 8"), "{e}");
+    assert!(e.contains("position 8 is past the 8-position context") && e.contains("short factors") && e.contains("--context"), "{e}");
     assert_eq!(x, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0], "nothing rotated");
+    // Configured for 16 positions (with the long factors in `freq_factors`): 15 is rotated, 16 not.
+    let long = RopeSpec { freq_factors: Some(vec![3.0, 5.0]), scaling: RopeScaling::LongRope { attn_factor: 1.25, original_context: 8, context: 16 }, ..spec };
+    let mut x = vec![1.0f32, 0.0, 1.0, 0.0];
+    ops::rope(&mut x, &[15], 1, 4, &long).unwrap();
+    assert!((x[0] as f64 - 1.25 * 5f64.cos()).abs() < 1e-6 && (x[1] as f64 - 1.25 * 5f64.sin()).abs() < 1e-6, "pair 0 turns by 15/3 rad: {x:?}");
+    let e = ops::rope(&mut [0.0f32; 4], &[16], 1, 4, &long).unwrap_err().to_string();
+    assert!(e.contains("16-position context") && e.contains("long factors"), "{e}");
 }
 
 #[test]
@@ -108,6 +115,7 @@ fn rope_yarn_matches_llama_cpp_formula() {
         n_rot: 8,
         scaling: RopeScaling::Yarn { factor: 4.0, original_context: 64, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
         freq_factors: None,
+        longrope_factors: None,
     };
     for (i, (c, s)) in expected.iter().enumerate() {
         let (oc, os) = ops::rope_cos_sin(&spec, 7, i);

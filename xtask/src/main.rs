@@ -35,6 +35,13 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// The context (positions) the engine under test is configured for, as llama.cpp's `-c`: a
+    /// LongRoPE model (Phi-3 128k) takes its long factors, at every position, when this is longer
+    /// than its original context, else its short ones (the default); positions past it are
+    /// refused. Other models are unchanged. Sets TOUCHSTONE_CONTEXT, which every model loader,
+    /// child process and `exec:` engine sees.
+    #[arg(long, global = true, value_name = "POSITIONS", value_parser = clap::value_parser!(u64).range(1..))]
+    context: Option<u64>,
 }
 
 #[derive(Subcommand)]
@@ -97,6 +104,10 @@ impl<E: Into<anyhow::Error>> From<E> for Exit {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(n) = cli.context {
+        // Before any thread starts.
+        std::env::set_var(oracle::spec::CONTEXT_ENV, n.to_string());
+    }
     let result = match cli.command {
         Command::Gate(a) => cmd::gate::main(a),
         Command::Kernels(a) => cmd::kernels::main(a),

@@ -750,8 +750,49 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
         for (n, ok) in [(16, true), (17, false)] {
             let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--prompt-ids", &first(n), "--out", dir.path().join(format!("lr16-{n}")).to_str().unwrap()], &[]);
             assert_eq!(o.status.success(), ok, "{}, {n} positions: {}", model.display(), stderr(&o));
-            assert!(ok || stderr(&o).contains("position 16 is past this LongRoPE model's original context of 16 positions"), "{}", stderr(&o));
+            assert!(ok || stderr(&o).contains("position 16 is past the 16-position context this LongRoPE model is configured for"), "{}", stderr(&o));
         }
+    }
+    // Configured for 128 positions (`--context 128`, as llama.cpp run with `-c 128`), the model
+    // takes its long factors at every position: all 48 positions run, layer-diff passes on every
+    // device (each reads the factors the loader picked), and even the first 16 positions' logits
+    // move from the short factors'. A flat file exported so holds the long factors and that
+    // context, runs 48 positions as the GGUF does, and refuses to be judged at another context.
+    let dump_at = |model: &Path, context: Option<&str>, n: usize, tag: &str| {
+        let mut args = vec!["dump", "--model", model.to_str().unwrap(), "--prompt-ids"];
+        let (ids_n, out) = (first(n), dir.path().join(tag));
+        args.extend([ids_n.as_str(), "--out", out.to_str().unwrap()]);
+        if let Some(c) = context {
+            args.extend(["--context", c]);
+        }
+        (xtask(&args, &[]), out)
+    };
+    let long_logits = |model: &Path, context: Option<&str>, n: usize, tag: &str| {
+        let (o, out) = dump_at(model, context, n, tag);
+        assert!(o.status.success(), "{}: {}", model.display(), stderr(&o));
+        read_logits(&out).1
+    };
+    let oracle_long = long_logits(&short_ctx, Some("128"), 48, "lr128");
+    let (short16, long16) = (long_logits(&short_ctx, None, 16, "lr16-short"), long_logits(&short_ctx, Some("128"), 16, "lr16-long"));
+    let moved = rel_rms(&long16, &short16);
+    assert!(moved > 1e-2, "the long factors should move the first 16 positions' logits: {moved:.2e}");
+    for device in ["cpu", "gpu-emu", "fixed"] {
+        let o = xtask(&["--context", "128", "layer-diff", "--model", short_ctx.to_str().unwrap(), "--device", device, "--prompt-ids", &ids, "--report-dir", dir.path().join(format!("ld128-{device}")).to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device} at --context 128: {}", stderr(&o));
+    }
+    let flat_long = dir.path().join("phi3-longrope-16-ctx128.flat");
+    let o = xtask(&["export", "--context", "128", "--model", short_ctx.to_str().unwrap(), "--out", flat_long.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(long_logits(&flat_long, None, 48, "flat128") == oracle_long, "the flat file exported at --context 128 gives the GGUF's logits at that context");
+    let (o, _) = dump_at(&flat_long, Some("16"), 8, "flat128-at16");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("LongRoPE factors of a 128-position context") && stderr(&o).contains("export it again with --context 16"), "{}", stderr(&o));
+    if llama_cpp_installed() {
+        // llama.cpp at n_ctx 128 (past the original 16) uses the long factors too.
+        let theirs = llama_cpp_logits(&short_ctx, &ids);
+        let (same, short) = (rel_rms(&theirs, &oracle_long), rel_rms(&theirs, &logits(&longrope, "ref")));
+        eprintln!("llama.cpp at n_ctx 128 on the original-context-16 file vs the oracle at --context 128: {same:.2e}, vs the short factors: {short:.2e}");
+        assert!(same < 5e-2 && short > 10.0 * same, "{same:.3e} {short:.3e}");
     }
     // The same models as Phi-3 checkpoints (`qkv_proj`, `gate_up_proj`; LongRoPE's factors and
     // attention factor in config.json), dequantized by gguf-py to the values the oracle decodes

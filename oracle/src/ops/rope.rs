@@ -45,10 +45,11 @@ pub fn rope_cos_sin(spec: &RopeSpec, pos: usize, i: usize) -> (f64, f64) {
 /// Rotates `x: [m, n_head * head_dim]` in place; token `t` is at position `positions[t]`.
 pub fn rope<T: Real>(x: &mut [T], positions: &[usize], n_head: usize, head_dim: usize, spec: &RopeSpec) -> Result<()> {
     check_len("rope input", x.len(), positions.len(), n_head * head_dim)?;
-    if let (RopeScaling::LongRope { original_context, .. }, Some(&last)) = (&spec.scaling, positions.iter().max()) {
-        if last >= *original_context {
+    if let (RopeScaling::LongRope { original_context, context, .. }, Some(&last)) = (&spec.scaling, positions.iter().max()) {
+        if last >= *context {
+            let which = if context > original_context { "long" } else { "short" };
             return Err(OracleError::Shape(format!(
-                "rope: position {last} is past this LongRoPE model's original context of {original_context} positions; engines switch to the long factors there, each by its own rule (Transformers for the whole sequence once it is longer, llama.cpp when its context is configured longer), which the oracle does not model: judge at most {original_context} positions"
+                "rope: position {last} is past the {context}-position context this LongRoPE model is configured for (original context {original_context}, its {which} factors); an engine configured for a longer context (llama.cpp's -c) uses the long factors at every position: judge it with --context N (or TOUCHSTONE_CONTEXT=N) set to that context"
             )));
         }
     }
