@@ -75,6 +75,10 @@ pub struct Provenance {
     /// states them; absent keys the OS did not state.
     #[serde(default)]
     pub machine_settings: std::collections::BTreeMap<String, String>,
+    /// The context the models were configured for (`--context N` / `TOUCHSTONE_CONTEXT`: a
+    /// LongRoPE model's long factors when longer than its original context); absent: the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<String>,
 }
 
 impl Provenance {
@@ -97,6 +101,7 @@ impl Provenance {
             devices: Default::default(),
             features: Vec::new(),
             machine_settings: settings::collect(),
+            context: std::env::var("TOUCHSTONE_CONTEXT").ok(),
         }
     }
 }
@@ -198,6 +203,9 @@ impl Report {
             p.threads,
             p.touchstone_version
         );
+        if let Some(c) = &p.context {
+            out += &format!("models configured for a context of {c} positions (`--context`)\n\n");
+        }
         for (name, what) in &p.devices {
             out += &format!("- device `{name}`: {what}\n");
         }

@@ -779,6 +779,8 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
     for device in ["cpu", "gpu-emu", "fixed"] {
         let o = xtask(&["--context", "128", "layer-diff", "--model", short_ctx.to_str().unwrap(), "--device", device, "--prompt-ids", &ids, "--report-dir", dir.path().join(format!("ld128-{device}")).to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(0), "{device} at --context 128: {}", stderr(&o));
+        let report: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join(format!("ld128-{device}/report.json"))).unwrap()).unwrap();
+        assert_eq!(report["provenance"]["context"], "128", "the report says which context it judged");
     }
     let flat_long = dir.path().join("phi3-longrope-16-ctx128.flat");
     let o = xtask(&["export", "--context", "128", "--model", short_ctx.to_str().unwrap(), "--out", flat_long.to_str().unwrap()], &[]);
