@@ -883,12 +883,15 @@ fn chat_prompts_render_as_jinja2_renders_them() {
 
 /// Whether a tokenizer puts BOS first when its GGUF does not say (`add_bos_token` absent): as
 /// llama.cpp does for each of its test vocabularies (SentencePiece and Llama 3: yes; GPT-2 and
-/// Qwen2: no), through `tokenize`. Skips without the vocabularies (tools/reference/llama_vocab.py)
+/// Qwen2: no; Gemma 4: always), through `tokenize`. Skips without the vocabularies (tools/reference/llama_vocab.py)
 /// or the llama.cpp bindings.
 #[test]
 fn bos_defaults_match_llama_cpp_when_available() {
     let dir = fixtures::cache_dir().join("llama-vocab");
-    let vocabs: Vec<PathBuf> = ["llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder"].iter().map(|v| dir.join(format!("ggml-vocab-{v}.gguf"))).filter(|p| p.exists()).collect();
+    let names = [
+        "llama-spm", "phi-3", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "qwen35", "falcon", "mpt", "starcoder", "refact", "command-r", "gemma-4",
+    ];
+    let vocabs: Vec<PathBuf> = names.iter().map(|v| dir.join(format!("ggml-vocab-{v}.gguf"))).filter(|p| p.exists()).collect();
     if vocabs.is_empty() {
         eprintln!("SKIPPED: no llama.cpp vocabularies in {} (python3 tools/reference/llama_vocab.py)", dir.display());
         return;
