@@ -531,16 +531,23 @@ mod tests {
 
     #[test]
     fn user_defined_tokens_are_matched_whole() {
-        let mut pieces = PIECES.to_vec();
-        pieces.push(("<x>", 0.0));
-        let mut types: Vec<Value> = [2, 3, 3, 6, 6].into_iter().map(Value::I32).collect();
-        types.extend(PIECES.iter().map(|_| Value::I32(1)));
-        types.push(Value::I32(4));
-        let tok = spm(&pieces, &[("tokenizer.ggml.token_type", Value::Array(types)), ("tokenizer.ggml.add_bos_token", Value::Bool(false))]).unwrap();
+        // PIECES and one user-defined token (type 4).
+        let with_user = |token: &'static str| {
+            let mut pieces = PIECES.to_vec();
+            pieces.push((token, 0.0));
+            let mut types: Vec<Value> = [2, 3, 3, 6, 6].into_iter().map(Value::I32).collect();
+            types.extend(PIECES.iter().map(|_| Value::I32(1)));
+            types.push(Value::I32(4));
+            spm(&pieces, &[("tokenizer.ggml.token_type", Value::Array(types)), ("tokenizer.ggml.add_bos_token", Value::Bool(false))]).unwrap()
+        };
         // As llama.cpp: the text after a token matched whole gets its own space prefix.
+        let tok = with_user("<x>");
         let ids = tok.encode("ab<x>c").unwrap();
         assert_eq!(ids, ["\u{2581}", "ab", "<x>", "\u{2581}", "c"].map(|p| id(&tok, p)));
         assert_eq!(tok.decode(&ids).unwrap(), "ab<x> c");
+        // An empty one (a malformed vocabulary) matches nothing, and panics nothing.
+        let odd = with_user("");
+        assert_eq!(odd.encode("ab").unwrap(), ["\u{2581}", "ab"].map(|p| id(&odd, p)));
     }
 
     #[test]
