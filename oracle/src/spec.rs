@@ -242,7 +242,9 @@ impl ModelSpec {
             RopeScaling::LongRope { attn_factor, original_context, context } => {
                 positive(attn_factor, "attention factor")?;
                 pos(original_context, "LongRoPE original context length")?;
-                pos(context, "LongRoPE context")?;
+                if context < original_context {
+                    return Err(spec_err(format!("LongRoPE context {context} is shorter than its original context {original_context}")));
+                }
                 if self.rope.freq_factors.is_none() {
                     return Err(spec_err("LongRoPE scaling without its per-pair frequency factors"));
                 }
@@ -879,6 +881,8 @@ mod tests {
         flat.set_context(Some(4096)).unwrap();
         let e = flat.set_context(Some(8192)).unwrap_err().to_string();
         assert!(e.contains("of a 4096-position context") && e.contains("--context 8192"), "{e}");
+        flat.rope.scaling = RopeScaling::LongRope { attn_factor, original_context: 4096, context: 100 };
+        assert!(flat.validate().unwrap_err().to_string().contains("LongRoPE context 100 is shorter than its original context 4096"));
         assert!(phi3(serde_json::Value::Null).unwrap().rope.scaling == RopeScaling::None);
         for (rope, want) in [
             (serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": short}), "`rope_scaling.short_factor` has 1 values for 8 rotated pairs"),
