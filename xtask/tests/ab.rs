@@ -65,3 +65,38 @@ fn failing_arms_and_different_outputs_exit_2() {
     assert_ne!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("outputs differ from generated token 2"), "{}", text(&o));
 }
+
+/// `--metric` picks what is compared: an arm whose fastest decode step equals A's but whose
+/// other steps stall (mean 2x) is "no change" by the fastest step, "slower" by the mean; an arm
+/// with A's steps and a 10x prefill is slower only by the whole request. (Fixed JSON lines, so
+/// every pair has the same ratio.)
+#[test]
+fn the_metric_option_chooses_what_is_compared() {
+    let line = |prefill: u32, steps: &[f64]| {
+        let step_ms = steps.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+        let decode: f64 = steps.iter().sum();
+        format!("exec:echo '{{\"prefill_ms\":{prefill},\"decode_ms\":{decode},\"n_prompt\":16,\"n_gen\":5,\"tokens\":[1,2,3,4,5],\"step_ms\":[{step_ms}]}}'")
+    };
+    let a = line(10, &[1.0, 1.0, 1.0, 1.0]);
+    let stalls = line(10, &[1.0, 2.0, 2.0, 3.0]);
+    let slow_prefill = line(100, &[1.0, 1.0, 1.0, 1.0]);
+    let dir = tempfile::tempdir().unwrap();
+    for (b, metric, code, median, out) in [
+        (&stalls, "fastest-step", 0, 0.0),
+        (&stalls, "mean", 1, 1.0),
+        (&stalls, "request", 1, 18.0 / 14.0 - 1.0),
+        (&slow_prefill, "mean", 0, 0.0),
+        (&slow_prefill, "request", 1, 104.0 / 14.0 - 1.0),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (b, metric, code, median))| (b, metric, code, median, dir.path().join(format!("{i}-{metric}"))))
+    {
+        let o = xtask(&["ab", "--a", &a, "--b", b, "--model", "tiny-llama", "--pairs", "6", "--max-pairs", "6", "--metric", metric, "--report-dir", out.to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(code), "{metric}: {}", text(&o));
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        let m = r["ab"]["stats"]["median_change"].as_f64().unwrap();
+        assert!((m - median).abs() < 1e-9, "{metric}: median change {m}, expected {median}");
+        assert!(r["cases"][0]["id"].as_str().unwrap().starts_with("ab(metric="), "{}", r["cases"][0]["id"]);
+    }
+}

@@ -60,8 +60,57 @@ pub struct AbArgs {
     /// Seconds one run may take before it is killed (an error, exit 2).
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// What the verdict compares per run. `fastest-step`: the run's fastest decode step (the
+    /// engine's own speed: noise on a shared machine only adds time; 1-2% pair-to-pair noise
+    /// here). `mean`: decode time per token with every stall in it, as users wait through them
+    /// (5-9% noise here: more pairs, or a wider --threshold). `request`: the whole request,
+    /// prefill plus decode (time to the last token), for long prompts.
+    #[arg(long, value_enum, default_value_t = Metric::FastestStep)]
+    metric: Metric,
     #[arg(long)]
     report_dir: Option<PathBuf>,
+}
+
+/// The per-run figure an A/B compares (see `AbArgs::metric`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Metric {
+    FastestStep,
+    Mean,
+    Request,
+}
+
+impl Metric {
+    fn of(self, s: &RunSample) -> f64 {
+        match self {
+            Metric::FastestStep => s.ms_per_token(),
+            Metric::Mean => s.mean_ms_per_token(),
+            Metric::Request => s.prefill_ms + s.decode_ms,
+        }
+    }
+    /// The column heading of one arm's figure.
+    fn unit(self) -> &'static str {
+        match self {
+            Metric::FastestStep => "ms/token (fastest step)",
+            Metric::Mean => "ms/token (mean)",
+            Metric::Request => "ms/request",
+        }
+    }
+    /// What is compared, in words.
+    fn words(self) -> &'static str {
+        match self {
+            Metric::FastestStep => "decode ms per token (fastest step of each run; mean when steps are unknown)",
+            Metric::Mean => "decode ms per token (mean of each run, stalls included)",
+            Metric::Request => "ms per request (prefill + decode of each run)",
+        }
+    }
+    /// The name in the case id (`decode_ms_per_token` as before for the default).
+    fn id(self) -> &'static str {
+        match self {
+            Metric::FastestStep => "decode_ms_per_token",
+            Metric::Mean => "decode_mean_ms_per_token",
+            Metric::Request => "request_ms",
+        }
+    }
 }
 
 /// Internal: one measured run on a device of this build, printed as one JSON line.
@@ -433,6 +482,13 @@ struct Pair {
     a_first: bool,
 }
 
+impl Pair {
+    /// B's change against A in `metric` (B/A - 1: positive is slower).
+    fn change(&self, metric: Metric) -> f64 {
+        metric.of(&self.b) / metric.of(&self.a) - 1.0
+    }
+}
+
 pub fn main(a: AbArgs) -> Result<u8, Exit> {
     let broken: Vec<&str> = [
         (a.pairs < 2, "--pairs >= 2"),
@@ -498,7 +554,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
             pb.set_length(target as u64);
             pb.set_position(pairs.len() as u64);
         }
-        let ratios: Vec<f64> = pairs.iter().map(|p| p.b.ms_per_token() / p.a.ms_per_token()).collect();
+        let ratios: Vec<f64> = pairs.iter().map(|p| p.change(a.metric) + 1.0).collect();
         stats = ab::analyze(&ratios, threshold, 0x5eed);
         match (stats.verdict, stats.pairs_needed, &failure) {
             (AbVerdict::Inconclusive, Some(need), None) if pairs.len() < a.max_pairs => {
@@ -562,14 +618,16 @@ fn pct(x: f64) -> String {
 }
 
 fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>) {
-    outln!("pair  order   A ms/token   B ms/token   change");
+    let m = a.metric;
+    outln!("pair  order   A {unit}   B {unit}   change", unit = m.unit());
     for (i, p) in pairs.iter().enumerate() {
-        outln!("{:>4}  {}   {:>10.3}   {:>10.3}   {}", i + 1, if p.a_first { "A,B" } else { "B,A" }, p.a.ms_per_token(), p.b.ms_per_token(), pct(p.b.ms_per_token() / p.a.ms_per_token() - 1.0));
+        outln!("{:>4}  {}   {:>10.3}   {:>10.3}   {}", i + 1, if p.a_first { "A,B" } else { "B,A" }, m.of(&p.a), m.of(&p.b), pct(p.change(m)));
     }
     outln!(
-        "B ({}) vs A ({}), decode time per token: median {} (95% CI {} .. {}), Wilcoxon p = {:.3}, threshold ±{:.1}% -> {}{}",
+        "B ({}) vs A ({}), {}: median {} (95% CI {} .. {}), Wilcoxon p = {:.3}, threshold ±{:.1}% -> {}{}",
         a.b,
         a.a,
+        m.words(),
         pct(s.median_change),
         pct(s.ci95.0),
         pct(s.ci95.1),
@@ -598,7 +656,7 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
     metrics.insert("p_value".into(), json!(s.p_value));
     metrics.insert("pairs".into(), json!(s.pairs));
     let case = Case {
-        id: format!("ab(metric=decode_ms_per_token,a={},b={},model={})", a.a, a.b, a.model),
+        id: format!("ab(metric={},a={},b={},model={})", a.metric.id(), a.a, a.b, a.model),
         device: format!("{} vs {}", a.b, a.a),
         verdict,
         metrics,
@@ -607,11 +665,11 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
         message: problem.or_else(|| Some(format!("{}: median {} (CI {} .. {}), p = {:.3}", s.verdict.words(), pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1), s.p_value))),
     };
     let mut r = Report::new("ab", Provenance::collect(rayon::current_num_threads()), vec![case]);
-    let samples: Vec<serde_json::Value> = pairs.iter().enumerate().map(|(i, p)| json!({ "pair": i + 1, "order": if p.a_first { "AB" } else { "BA" }, "a": p.a, "b": p.b, "change": p.b.ms_per_token() / p.a.ms_per_token() - 1.0 })).collect();
+    let samples: Vec<serde_json::Value> = pairs.iter().enumerate().map(|(i, p)| json!({ "pair": i + 1, "order": if p.a_first { "AB" } else { "BA" }, "a": p.a, "b": p.b, "change": p.change(a.metric) })).collect();
     r.sections.insert(
         "ab".into(),
         json!({
-            "a": a.a, "b": a.b, "model": a.model, "metric": "decode ms per token (fastest step of each run; mean when steps are unknown)", "threshold": s.threshold,
+            "a": a.a, "b": a.b, "model": a.model, "metric": a.metric.words(), "threshold": s.threshold,
             "stats": s, "verdict": s.verdict.words(),
             "tokens_hash": { "a": pairs.first().map(|p| hash(&p.a.tokens)), "b": pairs.first().map(|p| hash(&p.b.tokens)) },
             "first_output_difference": first_difference,
@@ -622,7 +680,7 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let (ra, rb) = (p.a.ms_per_token(), p.b.ms_per_token());
+            let (ra, rb) = (a.metric.of(&p.a), a.metric.of(&p.b));
             vec![
                 (i + 1).to_string(),
                 if p.a_first { "A,B".into() } else { "B,A".into() },
@@ -643,15 +701,16 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
         String::new(),
         format!("p = {:.3}: **{}**", s.p_value, s.verdict.words()),
     ]);
-    r.add_table("ab_table", &format!("A = `{}`, B = `{}` on {} (decode time per token)", a.a, a.b, a.model), &["pair", "order", "A ms/token (fastest step)", "B ms/token (fastest step)", "change", "change of mean ms/token", "prefill ms A / B"], rows);
-    let changes: Vec<(f64, f64)> = pairs.iter().enumerate().map(|(i, p)| ((i + 1) as f64, 100.0 * (p.b.ms_per_token() / p.a.ms_per_token() - 1.0))).collect();
+    let (col_a, col_b) = (format!("A {}", a.metric.unit()), format!("B {}", a.metric.unit()));
+    r.add_table("ab_table", &format!("A = `{}`, B = `{}` on {} ({})", a.a, a.b, a.model, a.metric.words()), &["pair", "order", &col_a, &col_b, "change", "change of mean ms/token", "prefill ms A / B"], rows);
+    let changes: Vec<(f64, f64)> = pairs.iter().enumerate().map(|(i, p)| ((i + 1) as f64, 100.0 * p.change(a.metric))).collect();
     let n = pairs.len().max(1) as f64;
     r.add_chart(
         "ab_changes",
         Chart {
             title: format!("B vs A per pair ({}: {})", s.verdict.words(), pct(s.median_change)),
             x_label: "pair".into(),
-            y_label: "change of decode time per token (%)".into(),
+            y_label: format!("change of {} (%)", a.metric.unit()),
             log_y: false,
             series: vec![
                 Series { name: "B/A - 1 per pair".into(), points: changes, colour: 0, dashed: false },
