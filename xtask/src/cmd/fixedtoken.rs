@@ -144,6 +144,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let mut oracle_routing = RoutingTap::default();
     let oracle_logits = oracle.prefill_logits(&seq, &mut oracle_routing)?;
     let dims = Dims::of(oracle.spec(), seq.len());
+    let spec = oracle.spec().clone();
     drop(oracle);
 
     let (_, mut engine, _) = load_engine(&a.model, &a.device, Precision::F32)?;
@@ -175,6 +176,20 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     if let (Some(base), Some(kld)) = (&baseline, base_kld) {
         cases.push(fixedtoken::against_baseline(&golden, &stats, kld, base, a.baseline_factor, &a.device));
     }
+    // The oracle once more (loaded anew), with the device's declared arithmetic emulated: what an
+    // honest engine of that arithmetic gets on this sequence.
+    let emulated = match fixedtoken::EmulatedArithmetic::new(&arith, spec.moe.is_some()) {
+        Ok(mut emu) if stats["kld"]["mean"].is_f64() => {
+            let (oracle, _) = super::load_oracle(&path, Precision::F32)?;
+            let logits: Vec<f32> = oracle.prefill_logits(&seq, &mut emu)?.iter().map(|v| *v as f32).collect();
+            drop(oracle);
+            let emu_stats = fixedtoken::token_stats(&fixedtoken::position_stats(&oracle_logits, &logits, n_vocab, &budget));
+            cases.push(fixedtoken::against_emulation(&golden, &stats, &emu_stats, &a.device));
+            json!({ "kld": emu_stats["kld"], "same_top1": emu_stats["same_top1"], "factor": fixedtoken::EMULATION_FACTOR })
+        }
+        Ok(_) => json!({ "not_applicable": "token-only engine: no KLD" }),
+        Err(why) => json!({ "not_applicable": why }),
+    };
     let mut report = Report::new("fixed-token", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert("golden".into(), json!({ "source": origin, "model": golden.model, "sha256": golden.sha256, "prompt_ids": golden.prompt_ids, "continuation_ids": golden.continuation_ids }));
     report.sections.insert("logit_budget".into(), json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output", "arithmetic": arith }));
@@ -184,6 +199,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     stats["routing_followed"] = json!(follows.len());
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("token_stats".into(), stats);
+    report.sections.insert("emulated_arithmetic".into(), emulated);
     Ok(Some(report))
 }
 
