@@ -190,6 +190,14 @@ fn fixed_token_runs_a_given_prompt() {
     let n = r["golden"]["prompt_ids"].as_array().unwrap().len();
     assert!(n > 100, "{n} prompt tokens");
     assert!(text(&o).contains("gate=cache_consistency:append"), "{}", text(&o));
+    // cpu declares Q8 activations: it is held to the oracle run with them emulated; the oracle
+    // itself declares nothing to emulate, and the report says so.
+    let emu = r["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().unwrap().contains("gate=kld_vs_emulation")).expect("a kld_vs_emulation case");
+    assert_eq!(emu["verdict"], "pass", "{emu}");
+    assert!(emu["metrics"]["emulated_kld_mean"].as_f64().unwrap() > 0.0, "{emu}");
+    let o = xtask(&["fixed-token", "--device", "ref", "--model", "tiny-llama", "--prompt-ids", "9,8,7", "--n-generate", "3", "--report-dir", tmp.path().join("ref").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(report("ref")["emulated_arithmetic"]["not_applicable"].as_str().unwrap().contains("nothing"), "{}", report("ref")["emulated_arithmetic"]);
     // Written only where --golden says, then read back as any golden file.
     let g = tmp.path().join("g.json");
     let o = xtask(&["fixed-token", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--write-golden"], &[]);
