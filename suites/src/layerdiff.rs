@@ -268,6 +268,11 @@ pub struct TapDiff {
     /// What was added to the depth model's relative propagated budget for error magnified here
     /// and upstream (0: none; see [`carry_through_ops`]).
     pub magnified: f64,
+    /// Relative RMS error, against the oracle's own pass, of the oracle run with the device's
+    /// declared arithmetic emulated ([`crate::emulate::EmulatedArithmetic`]): the propagated
+    /// error an honest engine of that arithmetic has here. Reported beside the device's, not
+    /// gated; None where the arithmetic is not emulated.
+    pub emulated: Option<f64>,
 }
 
 impl TapDiff {
@@ -453,6 +458,7 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
             routing_followed: 0,
             amplification: None,
             magnified: 0.0,
+            emulated: None,
         };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             if let Some(b) = local {
@@ -636,6 +642,12 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                 m.insert("propagated_amplification".into(), json!(a));
                 m.insert("propagated_magnified".into(), json!(t.magnified));
             }
+            if let Some(e) = t.emulated {
+                m.insert("emulated_rel".into(), json!(e));
+                if let Some(p) = &t.propagated {
+                    m.insert("propagated_over_emulated".into(), json!(p.rel() / e.max(f64::MIN_POSITIVE)));
+                }
+            }
             if let Some(n) = t.id_mismatches {
                 m.insert("id_mismatches".into(), json!(n));
                 m.insert("routing_followed_at_near_ties".into(), json!(t.routing_followed));
@@ -717,6 +729,7 @@ pub fn layer_table(taps: &[TapDiff]) -> Vec<Vec<String>> {
                 key,
                 out.map_or("-".into(), |t| t.kind.clone()),
                 fmt_rel(out, Mode::Propagated),
+                out.and_then(|t| t.emulated).map_or("-".into(), |e| format!("{e:.2e}")),
                 worst.map_or("-".into(), |t| t.kind.clone()),
                 fmt_rel(worst.copied(), Mode::Isolated),
                 format!("{failed_prop} / {failed_iso} / {missing}"),
@@ -725,10 +738,11 @@ pub fn layer_table(taps: &[TapDiff]) -> Vec<Vec<String>> {
         .collect()
 }
 
-pub const LAYER_TABLE_COLUMNS: [&str; 6] = [
+pub const LAYER_TABLE_COLUMNS: [&str; 7] = [
     "layer",
     "output tap",
     "its rel. RMS error / budget (propagated)",
+    "its rel. RMS error with the declared arithmetic emulated",
     "worst op (isolated, by budget use)",
     "its rel. RMS error / budget (isolated)",
     "taps over budget propagated / isolated / missing",
@@ -765,6 +779,12 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
             series.push(Series { name: format!("{kind} budget"), points: budget, colour: ci, dashed: true });
         }
     }
+    // The residual stream's error with the declared arithmetic emulated: what an honest engine of
+    // it accumulates.
+    let emulated: Vec<(f64, f64)> = taps.iter().filter(|t| t.kind == "l_out").filter_map(|t| Some((t.layer? as f64, t.emulated?.max(f32::EPSILON as f64 / 4.0)))).collect();
+    if mode == Mode::Propagated && !emulated.is_empty() {
+        series.push(Series { name: "l_out, declared arithmetic emulated".into(), points: emulated, colour: kinds.len(), dashed: false });
+    }
     Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None }
 }
 
@@ -799,6 +819,22 @@ pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, ari
     let mut sub = rerun(true, "isolated");
     oracle_model.prefill_logits(ids, &mut sub).map_err(|e| e.to_string())?;
     let mut taps = diff(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
+    // Once more with the declared arithmetic emulated, where it can be: each tap's propagated
+    // error an honest engine of that arithmetic has, beside the device's.
+    let emulation = match crate::emulate::EmulatedArithmetic::new(arith, oracle_model.spec().moe.is_some()) {
+        Ok(emu) => {
+            let mut emu = emu.recording();
+            oracle_model.prefill_logits(ids, &mut emu).map_err(|e| e.to_string())?;
+            let recorded = emu.recorded.unwrap_or_default();
+            for t in &mut taps {
+                if let (Some((w, e)), Some((_, r))) = (recorded.tensors.get(&t.name), reference.recorded.tensors.get(&t.name)) {
+                    t.emulated = Some(err_stats(e, r, *w).rel());
+                }
+            }
+            json!({ "applied": true })
+        }
+        Err(why) => json!({ "not_applicable": why }),
+    };
     let follows: Vec<RoutingFollow> = reference.routing.follows.into_iter().chain(sub.routing.follows).collect();
     for t in &mut taps {
         t.routing_followed = follows.iter().filter(|f| f.tap == t.name).count();
@@ -806,6 +842,7 @@ pub fn run(oracle_model: &AnyModel, ids: &[u32], device_taps: &RecordingTap, ari
     let mut report = report(&taps, mode, model, device, ids, None);
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("arithmetic".into(), json!(arith));
+    report.sections.insert("emulated_arithmetic".into(), emulation);
     Ok(Outcome { taps, report, follows })
 }
 

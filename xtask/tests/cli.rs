@@ -535,6 +535,15 @@ fn gate_passes_and_writes_reports() {
         assert!(ids.iter().filter(|(id, d, v)| id.starts_with("fixed_token(") && id.contains("gate=greedy") && *d == device && *v == "pass").count() >= 2, "fixed-token ran on {device}");
     }
     assert!(ids.iter().any(|(id, d, v)| id.starts_with("layers(model=tiny-moe") && *d == "fixed" && *v == "unsupported"), "MoE on fixed is unsupported, not passed");
+    // cpu (Q8 activations) is also held to, and its layer-diff taps measured against, the oracle
+    // run with its declared arithmetic emulated; fixed (integer) is not emulated.
+    for model in ["tiny-llama", "tiny-qwen3"] {
+        let id = format!("fixed_token(model={model},gate=kld_vs_emulation)");
+        assert!(ids.iter().any(|(i, d, v)| *i == id && *d == "cpu" && *v == "pass"), "{id} on cpu");
+        assert!(!ids.iter().any(|(i, d, _)| *i == id && *d == "fixed"), "{id} on fixed");
+    }
+    let l_out = r["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().unwrap().starts_with("layer_diff(model=tiny-llama,tap=blk.1.l_out") && c["device"] == "cpu").expect("cpu's blk.1.l_out");
+    assert!(l_out["metrics"]["emulated_rel"].as_f64().unwrap() > 0.0, "{l_out}");
     for f in ["report.md", "junit.xml", "cases.csv"] {
         assert!(dir.path().join(f).exists(), "{f}");
     }

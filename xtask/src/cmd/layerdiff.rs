@@ -101,9 +101,9 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
 
 fn print_table(o: &layerdiff::Outcome) {
     let rows = layerdiff::layer_table(&o.taps);
-    outln!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", "layer", "out tap", "prop. rel err / budget", "worst op", "iso. rel err / budget", "over p/i/m");
+    outln!("{:<14} {:<10} {:>24} {:>9} {:<14} {:>24} {:>10}", "layer", "out tap", "prop. rel err / budget", "emulated", "worst op", "iso. rel err / budget", "over p/i/m");
     for r in rows {
-        outln!("{:<14} {:<10} {:>24} {:<14} {:>24} {:>10}", r[0], r[1], r[2], r[3], r[4], r[5]);
+        outln!("{:<14} {:<10} {:>24} {:>9} {:<14} {:>24} {:>10}", r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
     }
     if let Some(d) = o.report.sections.get("first_difference") {
         match d.get("tap") {
