@@ -790,6 +790,11 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
         read_logits(&out).1
     };
     let oracle_long = long_logits(&short_ctx, Some("128"), 48, "lr128");
+    // On a model without LongRoPE the option changes nothing, and says so (once).
+    let (o, _) = dump_at(&phi3, Some("128"), 4, "plain128");
+    assert!(o.status.success() && stderr(&o).matches("changes nothing for").count() == 1, "{}", stderr(&o));
+    let (o, _) = dump_at(&short_ctx, Some("128"), 4, "lr128-4");
+    assert!(!stderr(&o).contains("changes nothing"), "{}", stderr(&o));
     let (short16, long16) = (long_logits(&short_ctx, None, 16, "lr16-short"), long_logits(&short_ctx, Some("128"), 16, "lr16-long"));
     let moved = rel_rms(&long16, &short16);
     assert!(moved > 1e-2, "the long factors should move the first 16 positions' logits: {moved:.2e}");

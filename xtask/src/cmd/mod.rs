@@ -170,6 +170,7 @@ impl Engine {
 /// bits, but every product decodes its rows again, so the oracle runs several times slower.
 pub fn load_oracle(path: &Path, precision: Precision) -> Result<(AnyModel, Option<Tokenizer>), Exit> {
     let (m, tok) = AnyModel::load(path, precision)?;
+    context_note(path, m.spec());
     if m.store() == oracle::WeightStore::Packed {
         eprintln!(
             "note: the oracle holds {}'s weights packed as stored and decodes each row when a product uses it \
@@ -179,6 +180,17 @@ pub fn load_oracle(path: &Path, precision: Precision) -> Result<(AnyModel, Optio
         );
     }
     Ok((m, tok))
+}
+
+/// Says once, on stderr, when `--context` was given for a model it changes nothing for (no
+/// LongRoPE scaling), so nobody takes it for a limit on the positions judged.
+fn context_note(path: &Path, spec: &oracle::spec::ModelSpec) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if let Ok(c) = std::env::var(oracle::spec::CONTEXT_ENV) {
+        if !matches!(spec.rope.scaling, oracle::spec::RopeScaling::LongRope { .. }) && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            eprintln!("note: --context {c} changes nothing for {}: it configures LongRoPE models only, and this one has none", path.display());
+        }
+    }
 }
 
 /// Resolves `model` and loads it on `device` (`ref` = the oracle at `precision`), with the
@@ -193,6 +205,7 @@ pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(P
     // External dumps must name the model under test by its hash.
     let model_sha256 = if device.starts_with("external:") || device.starts_with("exec:") { Some(::fixtures::sha256_model(&path)?) } else { None };
     let dm = dev.load_model(&path, &devices::ModelOptions { model_sha256, ..Default::default() }).map_err(device_exit)?;
+    context_note(&path, dm.spec());
     let tok = oracle::loader::open_tokenizer(&path)?;
     Ok((path, Engine::Device(dm), tok))
 }
