@@ -113,24 +113,14 @@ impl Tokenizer {
             "gemma4" => gemma4_bpe(g, &tokens)?,
             _ => sentencepiece_bpe(g, &tokens, types, id("tokenizer.ggml.unknown_token_id")?)?,
         };
-        // Control tokens (type 3) are matched whole, never split by BPE.
-        let specials: Vec<AddedToken> = types
-            .iter()
-            .zip(&tokens)
-            .filter(|(t, _)| t.as_u64() == Some(3))
-            .map(|(_, s)| AddedToken::from(s.to_string(), true))
-            .collect();
-        inner.add_special_tokens(specials).map_err(tok_err)?;
-        // User-defined tokens (type 4: MPT's runs of spaces, Command R's turn markers) are
-        // matched whole in the raw text too, as llama.cpp does even where it parses no special
-        // tokens.
-        let user: Vec<AddedToken> = types
-            .iter()
-            .zip(&tokens)
-            .filter(|(t, _)| t.as_u64() == Some(4))
-            .map(|(_, s)| AddedToken::from(s.to_string(), false).normalized(false))
-            .collect();
-        inner.add_tokens(user).map_err(tok_err)?;
+        // The tokens of one type, each matched whole in the raw text, never split by BPE.
+        let of_type = |ty: u64, special: bool| -> Vec<AddedToken> {
+            types.iter().zip(&tokens).filter(|(t, _)| t.as_u64() == Some(ty)).map(|(_, s)| AddedToken::from(s.to_string(), special).normalized(false)).collect()
+        };
+        // Control tokens (type 3), and user-defined ones (type 4: MPT's runs of spaces, Command
+        // R's turn markers), which llama.cpp matches whole even where it parses no special tokens.
+        inner.add_special_tokens(of_type(3, true)).map_err(tok_err)?;
+        inner.add_tokens(of_type(4, false)).map_err(tok_err)?;
         Ok(Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
@@ -268,7 +258,7 @@ pub fn gguf_gap(g: &GgufFile) -> Result<Option<String>> {
 /// Byte-level BPE (`gpt2`) from a GGUF's vocabulary and merges, split as `pre` (its
 /// `tokenizer.ggml.pre`) names.
 fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers::Tokenizer> {
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let vocab = vocab_of(tokens);
     let merges = gguf_merges(g)?;
     // Llama 3 takes a pre-token that is a whole token as is, before any merge (as llama.cpp and
     // its tokenizer.json do): "Việt" is one token there, not the three its merges reach.
@@ -300,22 +290,33 @@ fn gguf_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
     Ok(merges)
 }
 
+/// A vocabulary's tokens and their ids (positions).
+fn vocab_of(tokens: &[&str]) -> tokenizers::models::bpe::Vocab {
+    tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect()
+}
+
+/// SentencePiece-style pieces: spaces become `▁` before the model sees the text.
+fn escape_spaces() -> Result<NormalizerWrapper> {
+    Ok(NormalizerWrapper::Replace(Replace::new(" ", "\u{2581}").map_err(tok_err)?))
+}
+
+/// And back: `▁` to spaces, `<0xXX>` tokens to their bytes, the pieces joined.
+fn unescape_spaces() -> Result<Vec<DecoderWrapper>> {
+    Ok(vec![DecoderWrapper::Replace(Replace::new("\u{2581}", " ").map_err(tok_err)?), DecoderWrapper::ByteFallback(ByteFallback::new()), DecoderWrapper::Fuse(Fuse::new())])
+}
+
 /// Gemma 4's BPE (`tokenizer.ggml.model = gemma4`) as llama.cpp runs it: SentencePiece-style
 /// pieces (spaces become `▁`, no space prefix) merged by the GGUF's merges over raw UTF-8, the
 /// text split only into lines and runs of newlines (a run that is itself a token taken whole);
 /// a piece no token covers becomes its bytes' `<0xXX>` tokens.
 fn gemma4_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let vocab = vocab_of(tokens);
     let bpe = BPE::builder().vocab_and_merges(vocab, gguf_merges(g)?).byte_fallback(true).build().map_err(tok_err)?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
-    inner.with_normalizer(Some(NormalizerWrapper::Replace(Replace::new(" ", "\u{2581}").map_err(tok_err)?))).map_err(tok_err)?;
+    inner.with_normalizer(Some(escape_spaces()?)).map_err(tok_err)?;
     let lines = Split::new(SplitPattern::Regex("[^\n]+|[\n]+".into()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?;
     inner.with_pre_tokenizer(Some(Sequence::new(vec![PreTokenizerWrapper::Split(lines)])));
-    inner.with_decoder(Some(DecoderSequence::new(vec![
-        DecoderWrapper::Replace(Replace::new("\u{2581}", " ").map_err(tok_err)?),
-        DecoderWrapper::ByteFallback(ByteFallback::new()),
-        DecoderWrapper::Fuse(Fuse::new()),
-    ])));
+    inner.with_decoder(Some(DecoderSequence::new(unescape_spaces()?)));
     Ok(inner)
 }
 
@@ -364,7 +365,7 @@ fn sentencepiece_bpe(g: &GgufFile, tokens: &[&str], types: &[crate::gguf::Value]
             Some(v) => v.as_f64().filter(|s| s.is_finite()).ok_or_else(|| tok_err(format!("{}: tokenizer.ggml.scores[{i}] is {v:?}, not a finite number", g.path))),
         }
     };
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let vocab = vocab_of(tokens);
     // Byte tokens (type 6) stand for bytes, never for their text `<0x41>`.
     let is_byte = |i: usize| types.get(i).and_then(|t| t.as_u64()) == Some(6);
     let mut ranked = Vec::new();
@@ -390,12 +391,8 @@ fn sentencepiece_bpe(g: &GgufFile, tokens: &[&str], types: &[crate::gguf::Value]
     }
     let mut inner = tokenizers::Tokenizer::new(bpe.build().map_err(tok_err)?);
     let space_prefix = g.field("tokenizer.ggml.add_space_prefix", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(true);
-    let escape = NormalizerWrapper::Replace(Replace::new(" ", "\u{2581}").map_err(tok_err)?);
-    let mut decoders = vec![
-        DecoderWrapper::Replace(Replace::new("\u{2581}", " ").map_err(tok_err)?),
-        DecoderWrapper::ByteFallback(ByteFallback::new()),
-        DecoderWrapper::Fuse(Fuse::new()),
-    ];
+    let escape = escape_spaces()?;
+    let mut decoders = unescape_spaces()?;
     if space_prefix {
         inner
             .with_normalizer(Some(NormalizerSequence::new(vec![NormalizerWrapper::Prepend(Prepend::new("\u{2581}".into())), escape])))

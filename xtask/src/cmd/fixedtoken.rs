@@ -144,7 +144,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let mut oracle_routing = RoutingTap::default();
     let oracle_logits = oracle.prefill_logits(&seq, &mut oracle_routing)?;
     let dims = Dims::of(oracle.spec(), seq.len());
-    let spec = oracle.spec().clone();
+    let moe = oracle.spec().moe.is_some();
     drop(oracle);
 
     let (_, mut engine, _) = load_engine(&a.model, &a.device, Precision::F32)?;
@@ -178,7 +178,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     }
     // The oracle once more (loaded anew), with the device's declared arithmetic emulated: what an
     // honest engine of that arithmetic gets on this sequence.
-    let emulated = match suites::emulate::EmulatedArithmetic::new(&arith, spec.moe.is_some()) {
+    let emulated = match suites::emulate::EmulatedArithmetic::new(&arith, moe) {
         Ok(mut emu) if stats["kld"]["mean"].is_f64() => {
             let (oracle, _) = super::load_oracle(&path, Precision::F32)?;
             let logits: Vec<f32> = oracle.prefill_logits(&seq, &mut emu)?.iter().map(|v| *v as f32).collect();
