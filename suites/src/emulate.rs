@@ -2,14 +2,20 @@
 //! arithmetic computes, as the reference the fixed-token gate (`kld_vs_emulation`) and layer-diff
 //! (each tap's `emulated` error) hold a device to.
 
+use oracle::loader::{LoadedTensor, RawTensor, TensorSource};
+
 /// The oracle re-run with a declared arithmetic's roundings where it declares them, so its logits
 /// are what an honest engine of that arithmetic computes (up to the order of its sums): a tap
 /// that substitutes, after each op, the value rounded as the engine would hold it —
 /// activations entering a matrix product rounded to symmetric 8-bit blocks (llama.cpp's Q8_0:
 /// scale max|x|/127 stored as f16) when `activation_q8_block` says so, cached keys and values
-/// rounded to the cache's format, and every value to a 16-bit storage format.
+/// rounded to the cache's format, and every value to a 16-bit storage format. For fixed-point
+/// arithmetic every tap's value lands on the activation grid (Q16), and the weights are those the
+/// engine holds ([`EmulatedArithmetic::load_model`]).
 #[derive(Debug)]
 pub struct EmulatedArithmetic {
+    /// Fixed-point formats: every tap on the activation grid, weights rounded at load.
+    fixed: Option<devices::FixedPoint>,
     q8_block: Option<usize>,
     kv: Option<devices::NumFormat>,
     storage: Option<devices::NumFormat>,
@@ -22,6 +28,82 @@ pub struct EmulatedArithmetic {
 /// The taps whose values enter a matrix product (the attention and FFN inputs, the attention
 /// output before its projection, the final norm before the output matrix).
 const MATMUL_INPUTS: [&str; 5] = [".attn_norm", ".attn_kqv", ".ffn_norm", ".ffn_act", "result_norm"];
+
+/// `x` on the grid of `frac` fractional bits, rounded to nearest with ties away from zero (as a
+/// fixed-point engine converts a value to its integer); not-a-number and infinities unchanged.
+pub fn on_grid(x: f64, frac: u32) -> f64 {
+    let s = (1u64 << frac) as f64;
+    if x.is_finite() {
+        (x * s).round() / s
+    } else {
+        x
+    }
+}
+
+/// A fixed-point engine's matrix `w` (rows of `cols` values) as it holds it: every value on the
+/// weight grid, or, with INT4 groups (and `cols` a multiple of the group), each group of a row as
+/// q * s with s = amax/7 on the weight grid and q = round(w/s) in -7..=7 (the `fixed-int4`
+/// device's conversion; a row length that is not a multiple stays on the grid, as there).
+pub fn fixed_point_matrix(w: &[f32], cols: usize, fp: &devices::FixedPoint) -> Vec<f64> {
+    match fp.int4_group.filter(|g| *g > 0 && cols.is_multiple_of(*g)) {
+        None => w.iter().map(|v| on_grid(*v as f64, fp.weight_frac)).collect(),
+        Some(g) => w
+            .chunks(g)
+            .flat_map(|grp| {
+                let amax = grp.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
+                let s = on_grid(amax / 7.0, fp.weight_frac);
+                grp.iter().map(move |v| if s > 0.0 { (*v as f64 / s).round().clamp(-7.0, 7.0) * s } else { 0.0 })
+            })
+            .collect(),
+    }
+}
+
+/// A model's tensors as a fixed-point engine holds them ([`fixed_point_matrix`] for matrices,
+/// norm scales on the norm grid, biases and the embedding table on the activation grid), served
+/// decoded (as F32 when asked for packed bytes). With `head_from_embd`, `output.weight` is the
+/// embedding table rounded as a matrix: a tied model's engine holds the table twice, as
+/// activations to look up and as weights to multiply.
+struct FixedPointWeights {
+    inner: Box<dyn TensorSource>,
+    fp: devices::FixedPoint,
+    head_from_embd: Option<u64>,
+}
+
+impl FixedPointWeights {
+    fn rounded(&self, name: &str) -> oracle::Result<Option<LoadedTensor>> {
+        let from = if name == "output.weight" && self.head_from_embd.is_some() { "token_embd.weight" } else { name };
+        let Some(mut t) = self.inner.load(from)? else { return Ok(None) };
+        let grid = |t: &mut LoadedTensor, frac| t.data.iter_mut().for_each(|v| *v = on_grid(*v as f64, frac) as f32);
+        if name == "token_embd.weight" {
+            grid(&mut t, self.fp.act_frac);
+        } else if t.dims.len() >= 2 {
+            t.data = fixed_point_matrix(&t.data, t.dims[0], &self.fp).into_iter().map(|v| v as f32).collect();
+        } else if name.ends_with("_norm.weight") {
+            grid(&mut t, self.fp.norm_frac);
+        } else if name.ends_with(".bias") {
+            grid(&mut t, self.fp.act_frac);
+        }
+        Ok(Some(t))
+    }
+}
+
+impl TensorSource for FixedPointWeights {
+    fn load(&self, name: &str) -> oracle::Result<Option<LoadedTensor>> {
+        self.rounded(name)
+    }
+    fn label(&self) -> String {
+        self.inner.label()
+    }
+    fn n_elements(&self) -> oracle::Result<u64> {
+        Ok(self.inner.n_elements()?.saturating_add(self.head_from_embd.unwrap_or(0)))
+    }
+    fn n_bytes(&self) -> oracle::Result<u64> {
+        Ok(self.n_elements()?.saturating_mul(4))
+    }
+    fn raw(&self, name: &str) -> oracle::Result<Option<RawTensor<'_>>> {
+        Ok(self.rounded(name)?.map(|t| RawTensor { dims: t.dims, ty: oracle::quant::GgmlType::F32, bytes: t.data.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into() }))
+    }
+}
 
 /// One value rounded to a 16-bit format (`F16`, `BF16`); others unchanged.
 fn round_to(f: devices::NumFormat, x: f32) -> f32 {
@@ -49,24 +131,39 @@ pub fn round_q8_blocks(x: &mut [f32], width: usize, block: usize) {
 }
 
 impl EmulatedArithmetic {
-    /// The emulation of `arith` (on a MoE model when `moe`), or why there is none: fixed-point
-    /// arithmetic (its roundings are not the float ones emulated here), MoE models (their expert
-    /// products have no taps to round at), or nothing declared to round (f32 storage, no
-    /// quantized activations, no rounding cache: the worst-case bound is already sharp there).
+    /// The emulation of `arith` (on a MoE model when `moe`), or why there is none: MoE models
+    /// (their expert products have no taps to round at), or nothing declared to round (f32
+    /// storage, no quantized activations, no rounding cache: the worst-case bound is already
+    /// sharp there). Fixed-point arithmetic is emulated by its grids: the integer approximations
+    /// of exp, sigmoid and the inverse square root, and values no tap shows (attention scores and
+    /// weights, the gate and up projections apart), keep the oracle's precision.
     pub fn new(arith: &devices::Arithmetic, moe: bool) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        if arith.fixed.is_some() {
-            return Err("fixed-point arithmetic is not emulated".into());
-        }
         if moe {
             return Err("MoE experts' products have no taps to round at".into());
+        }
+        if let Some(fp) = arith.fixed {
+            return Ok(EmulatedArithmetic { fixed: Some(fp), q8_block: None, kv: None, storage: None, pending: None, recorded: None });
         }
         let storage = matches!(arith.storage, F16 | BF16).then_some(arith.storage);
         let kv = arith.kv_cache.filter(|f| matches!(f, F16 | BF16));
         if arith.activation_q8_block.is_none() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
         }
-        Ok(EmulatedArithmetic { q8_block: arith.activation_q8_block, kv, storage, pending: None, recorded: None })
+        Ok(EmulatedArithmetic { fixed: None, q8_block: arith.activation_q8_block, kv, storage, pending: None, recorded: None })
+    }
+
+    /// The oracle this emulation runs, when it is not the caller's: for fixed-point arithmetic
+    /// the model at `path` loaded anew with its weights as the engine holds them (decoded f32;
+    /// refused, as any load, when the machine cannot hold it). None: the engine computes with the
+    /// file's own weights, so the caller's oracle serves.
+    pub fn load_model(&self, path: &std::path::Path) -> oracle::Result<Option<oracle::generate::AnyModel>> {
+        let Some(fp) = self.fixed else { return Ok(None) };
+        let (inner, mut spec) = oracle::loader::open_weights(path)?;
+        let head_from_embd = spec.tied_output.then(|| (spec.n_vocab as u64).saturating_mul(spec.n_embd as u64));
+        spec.tied_output = false;
+        let src = FixedPointWeights { inner, fp, head_from_embd };
+        Ok(Some(oracle::generate::AnyModel::F32(oracle::Model::load_with(spec, &src, oracle::WeightStore::Decoded)?)))
     }
 
     /// The same emulation, also recording every tap (layer-diff compares them with the oracle's).
@@ -82,6 +179,10 @@ impl oracle::Tap for EmulatedArithmetic {
         }
         let mut v = data.to_vec();
         let mut changed = false;
+        if let Some(fp) = self.fixed {
+            v.iter_mut().for_each(|x| *x = on_grid(*x as f64, fp.act_frac) as f32);
+            changed = true;
+        }
         if let Some(f) = self.storage {
             v.iter_mut().for_each(|x| *x = round_to(f, *x));
             changed = true;
@@ -137,8 +238,38 @@ mod tests {
         emu.record("blk.1.attn_norm", 0, 1, 64, &x);
         assert!(emu.substitute("blk.1.attn_norm", 0, 1, 64).is_none());
         assert!(EmulatedArithmetic::new(&devices::Arithmetic::F32, false).unwrap_err().contains("nothing"));
-        let point = devices::FixedPoint { act_frac: 16, weight_frac: 24, norm_frac: 20, table_frac: 16, exp_abs: 1e-4, int4_group: None };
-        assert!(EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..q8 }, false).unwrap_err().contains("fixed-point"));
         assert!(EmulatedArithmetic::new(&q8, true).unwrap_err().contains("MoE"));
+        // Fixed point: every tap on the activation grid, the residual stream too.
+        let point = devices::fixed::FixedDevice { int4: false }.point();
+        let mut emu = EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..devices::Arithmetic::F32 }, false).unwrap();
+        emu.record("blk.0.ffn_inp", 0, 1, 64, &x);
+        let sub = emu.substitute("blk.0.ffn_inp", 0, 1, 64).expect("every tap is rounded");
+        assert!(sub.iter().zip(&x).all(|(s, v)| *s as f64 == devices::fixed::to_q(*v as f64, 16) as f64 / 65536.0), "{sub:?}");
+        assert!(EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..devices::Arithmetic::F32 }, true).unwrap_err().contains("MoE"));
+    }
+
+    /// The emulated fixed-point weights are the `fixed` and `fixed-int4` devices' own conversion
+    /// (`devices::fixed::convert_weights`), value for value: Q24, INT4 groups with a Q24 scale,
+    /// and Q24 for a row length that is not a multiple of the group.
+    #[test]
+    fn fixed_point_weights_are_the_devices_conversion() {
+        use devices::fixed::{convert_weights, FixedWeights, IntValues};
+        let (rows, cols) = (3, 64);
+        let w: Vec<f32> = (0..rows * cols).map(|i| (((i * 7919) % 211) as f32 - 105.0) * 3.1e-3 * if i % 17 == 0 { 9.0 } else { 1.0 }).collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let q24 = |v: i64| v as f64 / (1u64 << 24) as f64;
+        for int4 in [false, true] {
+            let fp = devices::fixed::FixedDevice { int4 }.point();
+            let want: Vec<f64> = match convert_weights(oracle::quant::GgmlType::F32, rows, cols, &bytes, int4) {
+                FixedWeights::Q24 { w: IntValues::Narrow(v), .. } => v.iter().map(|x| q24(*x as i64)).collect(),
+                FixedWeights::Q24 { w: IntValues::Wide(v), .. } => v.iter().map(|x| q24(*x)).collect(),
+                FixedWeights::Int4 { q, scale, .. } => q.iter().enumerate().map(|(i, x)| *x as f64 * q24(scale[i / 32])).collect(),
+            };
+            let got = fixed_point_matrix(&w, cols, &fp);
+            assert_eq!(got, want, "int4 {int4}");
+            assert!(got.iter().zip(&w).any(|(g, v)| *g != *v as f64), "it rounds");
+        }
+        let int4 = devices::fixed::FixedDevice { int4: true }.point();
+        assert_eq!(fixed_point_matrix(&w[..60], 30, &int4), fixed_point_matrix(&w[..60], 30, &devices::fixed::FixedDevice { int4: false }.point()));
     }
 }

@@ -19,7 +19,8 @@
 //!   is as sharp as the engine is repeatable, and catches a change of numerics the bound lets
 //!   through.
 //! - `kld_vs_emulation` (devices whose declared arithmetic rounds beyond f32: Q8 activations, a
-//!   16-bit cache or storage): mean KLD at most [`EMULATION_FACTOR`] times that of the oracle
+//!   16-bit cache or storage, fixed point): mean KLD at most `factor` (by default
+//!   [`EMULATION_FACTOR`]) times that of the oracle
 //!   re-run with the declared roundings emulated ([`crate::emulate::EmulatedArithmetic`]), i.e. what an honest
 //!   engine of that arithmetic gets; sharp with no earlier run.
 //!
@@ -245,18 +246,19 @@ pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
     out
 }
 
-/// How many times the emulated arithmetic's mean KLD a device may reach (`kld_vs_emulation`).
+/// How many times the emulated arithmetic's mean KLD a device may reach by default
+/// (`kld_vs_emulation`).
 pub const EMULATION_FACTOR: f64 = 4.0;
 
-/// The `kld_vs_emulation` gate: this run's mean KLD (`stats`) at most [`EMULATION_FACTOR`] times
+/// The `kld_vs_emulation` gate: this run's mean KLD (`stats`) at most `factor` times
 /// the mean KLD of the oracle re-run with the device's declared arithmetic (`emulated`, the
 /// `token_stats` of those logits against the oracle's). Where the worst-case bound of `kld_mean`
 /// is loose (quantized activations), this is what an engine of that arithmetic gets, on this
 /// model and sequence, with no earlier run needed.
-pub fn against_emulation(golden: &Golden, stats: &Value, emulated: &Value, device: &str) -> Case {
+pub fn against_emulation(golden: &Golden, stats: &Value, emulated: &Value, factor: f64, device: &str) -> Case {
     let id = format!("fixed_token(model={},gate=kld_vs_emulation)", golden.model);
     let extra = [("emulated_kld_mean", emulated["kld"]["mean"].clone()), ("emulated_same_top1", emulated["same_top1"]["count"].clone())];
-    kld_ratio_case(id, device, stats, emulated["kld"]["mean"].as_f64(), EMULATION_FACTOR, "that of the oracle run with the declared arithmetic emulated", &extra)
+    kld_ratio_case(id, device, stats, emulated["kld"]["mean"].as_f64(), factor, "that of the oracle run with the declared arithmetic emulated", &extra)
 }
 
 /// A gate holding this run's mean KLD (`stats`, a `token_stats` section) to `factor` times a

@@ -7,6 +7,7 @@
 //! The bounds are first-order worst-case (Higham-style `gamma(n) = n*u / (1 - n*u)`), so a correct
 //! device cannot exceed them, while bugs that change values by more than rounding do.
 
+use crate::emulate::on_grid;
 use devices::Arithmetic;
 use oracle::quant::decode;
 use oracle::registry::{Input, OpCase, Output, Tensor, ToleranceRule};
@@ -247,11 +248,6 @@ fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bo
 // Fixed-point devices.
 // ---------------------------------------------------------------------------------------------
 
-fn quant(x: f64, frac: u32) -> f64 {
-    let s = (1u64 << frac) as f64;
-    (x * s).round() / s
-}
-
 /// Bounds for an integer fixed-point device. Its arithmetic is fully declared (Q formats, round to
 /// nearest, exact integer sums), so the suite predicts in f64 what the device must compute from
 /// the quantized inputs, and the bound is |prediction - oracle| (the cost of the formats
@@ -260,7 +256,7 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
     let h = 0.5 / (1u64 << fp.act_frac) as f64; // half an activation quantum
     let q = 2.0 * h;
     let eps_e = fp.exp_abs;
-    let xq = |t: &Tensor| -> Vec<f64> { t.data.iter().map(|v| if v.is_finite() { quant(*v as f64, fp.act_frac) } else { f64::NEG_INFINITY }).collect() };
+    let xq = |t: &Tensor| -> Vec<f64> { t.data.iter().map(|v| if v.is_finite() { on_grid(*v as f64, fp.act_frac) } else { f64::NEG_INFINITY }).collect() };
     let y: Vec<f64> = match reference.first() {
         Some(Output::F32(t)) => t.data.iter().map(|v| *v as f64).collect(),
         _ => Vec::new(),
@@ -286,17 +282,7 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
             let dense: Vec<f32> = (0..m0).flat_map(|r| x.data[r * stride..r * stride + k].iter().copied()).collect();
             let x = &Tensor { shape: vec![m0, k], data: dense };
             // The device's weights: Q24 values, or INT4 groups with a Q24 scale.
-            let wd: Vec<f64> = match fp.int4_group {
-                None => w.iter().map(|v| quant(*v as f64, fp.weight_frac)).collect(),
-                Some(g) => w
-                    .chunks(g)
-                    .flat_map(|grp| {
-                        let amax = grp.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
-                        let s = quant(amax / 7.0, fp.weight_frac);
-                        grp.iter().map(move |v| if s > 0.0 { (*v as f64 / s).round().clamp(-7.0, 7.0) * s } else { 0.0 }).collect::<Vec<_>>()
-                    })
-                    .collect(),
-            };
+            let wd = crate::emulate::fixed_point_matrix(&w, k, fp);
             let xs = xq(x);
             let m = x.shape[0];
             let mut b = vec![0.0; m * rows];
@@ -318,7 +304,7 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
         "rms_norm" | "qk_norm" => {
             let x = f32_in(case, "x");
             let n = if case.op == "qk_norm" { case.pu("head_dim").unwrap_or(1) } else { x.shape[1] };
-            let w: Vec<f64> = f32_in(case, "weight").data.iter().map(|v| quant(*v as f64, fp.norm_frac)).collect();
+            let w: Vec<f64> = f32_in(case, "weight").data.iter().map(|v| on_grid(*v as f64, fp.norm_frac)).collect();
             let eps = case.p("eps").unwrap_or(0.0);
             let xs = xq(x);
             let mut b = Vec::with_capacity(xs.len());
@@ -349,7 +335,7 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
             for (t, &p) in pos.iter().enumerate() {
                 for i in 0..half {
                     let (c, s) = oracle::ops::rope_cos_sin(&spec, p as usize, i);
-                    let (c, s) = (quant(c, fp.table_frac), quant(s, fp.table_frac));
+                    let (c, s) = (on_grid(c, fp.table_frac), on_grid(s, fp.table_frac));
                     for hh in 0..n_head {
                         let base = (t * n_head + hh) * hd;
                         let (a, bb) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
@@ -397,7 +383,7 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
             let (qs, ks, vs) = (xq(qt), xq(kt), xq(vt));
             let g = AttnGeometry::of(case);
             let (nh, nkv, hd) = (g.nh, g.nkv, g.hd);
-            let scale = quant(1.0 / (hd as f64).sqrt(), 30);
+            let scale = on_grid(1.0 / (hd as f64).sqrt(), 30);
             let mut b = vec![0.0; y.len()];
             for &(t, hh, kvh, first, p) in &g.rows {
                 let qh = &qs[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];

@@ -514,6 +514,34 @@ fn gate_bench_suite_times_each_device_and_model_and_reports_what_it_cannot_run()
     }
 }
 
+/// A fixed-point engine is held to the oracle run with its grids emulated. For `fixed-int4` the
+/// emulation is all but exact (its error is the INT4 weights'), so the mean KLDs agree to a
+/// fraction of a percent, a factor of 1.5 passes, and layer-diff's emulated error of each layer
+/// output is the device's own within 2%.
+#[test]
+fn a_fixed_point_engine_is_held_to_its_emulated_grids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |d: &str| tmp.path().join(d).to_str().unwrap().to_string();
+    let report = |d: &str| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(tmp.path().join(d).join("report.json")).unwrap()).unwrap() };
+    let o = xtask(&["fixed-token", "--device", "fixed-int4", "--model", "tiny-llama", "--emulation-factor", "1.5", "--report-dir", &dir("ft")], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report("ft");
+    let emu = r["cases"].as_array().unwrap().iter().find(|c| c["id"] == "fixed_token(model=tiny-llama,gate=kld_vs_emulation)").expect("a kld_vs_emulation case");
+    let ratio = emu["metrics"]["ratio"].as_f64().unwrap();
+    assert!((0.99..1.01).contains(&ratio), "{emu}");
+    assert_eq!(emu["tolerance"]["bound"].as_f64().unwrap(), 1.5 * emu["metrics"]["emulated_kld_mean"].as_f64().unwrap());
+    assert_eq!(r["emulated_arithmetic"]["factor"], 1.5);
+    let o = xtask(&["layer-diff", "--device", "fixed-int4", "--model", "tiny-llama", "--report-dir", &dir("ld")], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report("ld");
+    let l_outs: Vec<&serde_json::Value> = r["cases"].as_array().unwrap().iter().filter(|c| c["metrics"]["kind"] == "l_out").collect();
+    assert!(l_outs.len() >= 2);
+    for c in l_outs {
+        let over = c["metrics"]["propagated_over_emulated"].as_f64().unwrap();
+        assert!((0.98..1.02).contains(&over), "{c}");
+    }
+}
+
 #[test]
 fn gate_passes_and_writes_reports() {
     let dir = tempfile::tempdir().unwrap();
@@ -535,12 +563,13 @@ fn gate_passes_and_writes_reports() {
         assert!(ids.iter().filter(|(id, d, v)| id.starts_with("fixed_token(") && id.contains("gate=greedy") && *d == device && *v == "pass").count() >= 2, "fixed-token ran on {device}");
     }
     assert!(ids.iter().any(|(id, d, v)| id.starts_with("layers(model=tiny-moe") && *d == "fixed" && *v == "unsupported"), "MoE on fixed is unsupported, not passed");
-    // cpu (Q8 activations) is also held to, and its layer-diff taps measured against, the oracle
-    // run with its declared arithmetic emulated; fixed (integer) is not emulated.
+    // cpu (Q8 activations) and fixed (Q16/Q24) are also held to, and their layer-diff taps
+    // measured against, the oracle run with their declared arithmetic emulated.
     for model in ["tiny-llama", "tiny-qwen3"] {
         let id = format!("fixed_token(model={model},gate=kld_vs_emulation)");
-        assert!(ids.iter().any(|(i, d, v)| *i == id && *d == "cpu" && *v == "pass"), "{id} on cpu");
-        assert!(!ids.iter().any(|(i, d, _)| *i == id && *d == "fixed"), "{id} on fixed");
+        for device in ["cpu", "fixed"] {
+            assert!(ids.iter().any(|(i, d, v)| *i == id && *d == device && *v == "pass"), "{id} on {device}");
+        }
     }
     let l_out = r["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().unwrap().starts_with("layer_diff(model=tiny-llama,tap=blk.1.l_out") && c["device"] == "cpu").expect("cpu's blk.1.l_out");
     assert!(l_out["metrics"]["emulated_rel"].as_f64().unwrap() > 0.0, "{l_out}");
