@@ -30,6 +30,14 @@ pub trait Tap {
     fn route(&mut self, _name: &str, _pos: usize, _probs: &[f64], _chosen: &[usize]) -> Option<Vec<usize>> {
         None
     }
+    /// The input of a matrix product (`[n, width]`, `weight` the matrix's GGUF name, e.g.
+    /// `blk.0.attn_q.weight`; a MoE expert's `blk.L.ffn_gate_exps.weight`, one token at a time):
+    /// the interpreter multiplies what this returns instead, if anything. Never recorded: the
+    /// emulation of a declared arithmetic rounds here what the engine rounds before a product
+    /// with a quantized matrix.
+    fn product_input(&mut self, _weight: &str, _width: usize, _data: &[f32]) -> Option<Vec<f32>> {
+        None
+    }
 }
 
 /// A tap that records nothing.
@@ -76,6 +84,38 @@ fn tap<T: Real>(t: &mut dyn Tap, name: &str, start: usize, n: usize, width: usiz
             }
         }
     }
+}
+
+/// Which feed-forward block `dense_ffn` computes: a dense layer's (its intermediates recorded as
+/// taps `blk.L.ffn_gate|up|act`, tokens from `start`), a MoE expert's or the shared expert's (no
+/// taps); the suffix of its matrices' names.
+#[derive(Clone, Copy)]
+enum FfnKind {
+    Layer { start: usize },
+    Expert,
+    Shared,
+}
+
+/// `x` (rows of `width`) as the input of the product with `weight`: what
+/// [`Tap::product_input`] returns, else `x` itself.
+fn product_input<'a, T: Real>(taps: &mut dyn Tap, weight: &str, width: usize, x: &'a [T]) -> std::borrow::Cow<'a, [T]> {
+    if taps.enabled() {
+        let v: Vec<f32> = x.iter().map(|a| a.to_f32()).collect();
+        if let Some(sub) = taps.product_input(weight, width, &v).filter(|s| s.len() == x.len()) {
+            return sub.iter().map(|a| T::from_f32(*a)).collect::<Vec<T>>().into();
+        }
+    }
+    x.into()
+}
+
+/// `x` (`[m, cols]`) times each matrix of `mats` (with its GGUF name), each input first offered
+/// to [`Tap::product_input`]; one pass over `x` when none is replaced.
+fn products<T: Real>(taps: &mut dyn Tap, x: &[T], m: usize, mats: &[(&Mat<T>, &str)]) -> Result<Vec<Vec<T>>> {
+    let inputs: Vec<std::borrow::Cow<'_, [T]>> = mats.iter().map(|(w, n)| product_input(taps, n, w.cols, x)).collect();
+    if inputs.iter().all(|i| matches!(i, std::borrow::Cow::Borrowed(_))) {
+        return ops::matmul_many(x, m, &mats.iter().map(|(w, _)| *w).collect::<Vec<_>>());
+    }
+    mats.iter().zip(&inputs).map(|((w, _), i)| ops::matmul(i, m, w)).collect()
 }
 
 pub struct DenseFfn<T> {
@@ -416,7 +456,7 @@ impl<T: Real> Model<T> {
                     }
                     Stage::QkvProj => {
                         // q: [m, n_head*hd], k, v: [m, n_head_kv*hd]
-                        let mut qkv = ops::matmul_many(&h, m, &[&layer.wq, &layer.wk, &layer.wv])?.into_iter();
+                        let mut qkv = products(taps, &h, m, &[(&layer.wq, &name("attn_q.weight")), (&layer.wk, &name("attn_k.weight")), (&layer.wv, &name("attn_v.weight"))])?.into_iter();
                         (q, k, v) = (qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default());
                         if let (Some(bq), Some(bk), Some(bv)) = (&layer.bq, &layer.bk, &layer.bv) {
                             ops::add_bias(&mut q, bq)?;
@@ -459,7 +499,7 @@ impl<T: Real> Model<T> {
                         tap(taps, &name("attn_kqv"), start, m, q_dim, &mut attn);
                     }
                     Stage::AttnOutProj => {
-                        attn = ops::matmul(&attn, m, &layer.wo)?;
+                        attn = ops::matmul(&product_input(taps, &name("attn_output.weight"), layer.wo.cols, &attn), m, &layer.wo)?;
                         if let Some(bo) = &layer.bo {
                             ops::add_bias(&mut attn, bo)?;
                         }
@@ -477,7 +517,7 @@ impl<T: Real> Model<T> {
                         let Ffn::Dense(f) = &layer.ffn else {
                             return Err(OracleError::Spec(format!("layer {li}: dense FFN stage but MoE weights")));
                         };
-                        ffn_out = self.dense_ffn(f, &h, m, Some((taps, li, start)))?;
+                        ffn_out = self.dense_ffn(f, &h, m, taps, li, FfnKind::Layer { start })?;
                         tap(taps, &name("ffn_out"), start, m, d, &mut ffn_out);
                     }
                     Stage::MoeFfn => {
@@ -498,28 +538,37 @@ impl<T: Real> Model<T> {
         let xs = &x[row0 * d..];
         let mut normed = ops::rms_norm(xs, d, Some(&self.output_norm), s.norm_eps)?;
         tap(taps, "result_norm", start + row0, rows, d, &mut normed);
-        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let mut logits = ops::matmul(&normed, rows, head)?;
+        let (head, head_name) = match &self.output {
+            Some(o) => (o, "output.weight"),
+            None => (&self.tok_embd, "token_embd.weight"),
+        };
+        let mut logits = ops::matmul(&product_input(taps, head_name, d, &normed), rows, head)?;
         tap(taps, "result_output", start + row0, rows, s.n_vocab, &mut logits);
         Ok(logits)
     }
 
-    fn dense_ffn(&self, f: &DenseFfn<T>, h: &[T], m: usize, mut taps: Option<(&mut dyn Tap, usize, usize)>) -> Result<Vec<T>> {
-        let mut gate_up = ops::matmul_many(h, m, &[&f.gate, &f.up])?.into_iter();
+    fn dense_ffn(&self, f: &DenseFfn<T>, h: &[T], m: usize, taps: &mut dyn Tap, li: usize, kind: FfnKind) -> Result<Vec<T>> {
+        let suffix = match kind {
+            FfnKind::Layer { .. } => "",
+            FfnKind::Expert => "_exps",
+            FfnKind::Shared => "_shexp",
+        };
+        let weight = |p: &str| format!("blk.{li}.ffn_{p}{suffix}.weight");
+        let mut gate_up = products(taps, h, m, &[(&f.gate, &weight("gate")), (&f.up, &weight("up"))])?.into_iter();
         let (mut gate, mut up) = (gate_up.next().unwrap_or_default(), gate_up.next().unwrap_or_default());
         let w = f.gate.rows;
-        if let Some((t, li, start)) = taps.as_mut() {
-            tap(*t, &format!("blk.{li}.ffn_gate"), *start, m, w, &mut gate);
-            tap(*t, &format!("blk.{li}.ffn_up"), *start, m, w, &mut up);
+        if let FfnKind::Layer { start } = kind {
+            tap(taps, &format!("blk.{li}.ffn_gate"), start, m, w, &mut gate);
+            tap(taps, &format!("blk.{li}.ffn_up"), start, m, w, &mut up);
         }
         let mut act = match self.spec.activation {
             Activation::Silu => ops::swiglu(&gate, &up)?,
             Activation::GeluTanh => ops::geglu(&gate, &up)?,
         };
-        if let Some((t, li, start)) = taps {
-            tap(t, &format!("blk.{li}.ffn_act"), start, m, w, &mut act);
+        if let FfnKind::Layer { start } = kind {
+            tap(taps, &format!("blk.{li}.ffn_act"), start, m, w, &mut act);
         }
-        ops::matmul(&act, m, &f.down)
+        ops::matmul(&product_input(taps, &weight("down"), f.down.cols, &act), m, &f.down)
     }
 
     fn moe_ffn(&self, layer: &Layer<T>, h: &[T], m: usize, taps: &mut dyn Tap, li: usize, start: usize) -> Result<Vec<T>> {
@@ -537,7 +586,8 @@ impl<T: Real> Model<T> {
             let ht = &h[t * d..(t + 1) * d];
             // Router logits stay in f64: the expert choice is a discrete result and must not be
             // decided by a rounding of the oracle's own.
-            let logits: Vec<f64> = (0..router.rows).map(|e| T::dot(ht, router.row(e, &mut buf))).collect();
+            let hr = product_input(taps, &format!("blk.{li}.ffn_gate_inp.weight"), d, ht);
+            let logits: Vec<f64> = (0..router.rows).map(|e| T::dot(&hr, router.row(e, &mut buf))).collect();
             let mut r = ops::moe_route(&logits, ms.n_expert_used, ms.gating, ms.normalize_topk);
             if taps.enabled() {
                 if let Some(forced) = taps.route(&topk_name, start + t, &r.probs, &r.experts) {
@@ -548,15 +598,15 @@ impl<T: Real> Model<T> {
             topk_tap.extend(r.experts.iter().map(|e| *e as f32));
             let mut acc = vec![0.0f64; d];
             for (&e, &w) in r.experts.iter().zip(&r.weights) {
-                let y = self.dense_ffn(&experts[e], ht, 1, None)?;
+                let y = self.dense_ffn(&experts[e], ht, 1, taps, li, FfnKind::Expert)?;
                 for i in 0..d {
                     acc[i] += w * y[i].to_f64();
                 }
             }
             if let Some(sf) = shared {
-                let y = self.dense_ffn(sf, ht, 1, None)?;
+                let y = self.dense_ffn(sf, ht, 1, taps, li, FfnKind::Shared)?;
                 let g = match shared_gate {
-                    Some(gm) => 1.0 / (1.0 + (-T::dot(ht, gm.row(0, &mut buf))).exp()),
+                    Some(gm) => 1.0 / (1.0 + (-T::dot(&product_input(taps, &format!("blk.{li}.ffn_gate_inp_shexp.weight"), d, ht), gm.row(0, &mut buf))).exp()),
                     None => 1.0,
                 };
                 for i in 0..d {

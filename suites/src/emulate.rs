@@ -7,8 +7,10 @@ use oracle::loader::{LoadedTensor, RawTensor, TensorSource};
 /// The oracle re-run with a declared arithmetic's roundings where it declares them, so its logits
 /// are what an honest engine of that arithmetic computes (up to the order of its sums): a tap
 /// that substitutes, after each op, the value rounded as the engine would hold it —
-/// activations entering a matrix product rounded to symmetric 8-bit blocks (llama.cpp's Q8_0:
-/// scale max|x|/127 stored as f16) when `activation_q8_block` says so, cached keys and values
+/// activations entering a product with a quantized matrix rounded to symmetric 8-bit blocks
+/// (llama.cpp's Q8_0: scale max|x|/127 stored as f16) when `activation_q8_block` says so, at
+/// [`oracle::Tap::product_input`] (inside MoE experts too; inputs of f32/f16/bf16 matrices, such
+/// as a MoE router's, unrounded, as declared), cached keys and values
 /// rounded to the cache's format, and every value to a 16-bit storage format. For fixed-point
 /// arithmetic every tap's value lands on the activation grid (Q16), and the weights are those the
 /// engine holds ([`EmulatedArithmetic::load_model`]).
@@ -16,6 +18,11 @@ use oracle::loader::{LoadedTensor, RawTensor, TensorSource};
 pub struct EmulatedArithmetic {
     /// Fixed-point formats: every tap on the activation grid, weights rounded at load.
     fixed: Option<devices::FixedPoint>,
+    /// The model's file (fixed point loads its weights anew from it).
+    path: std::path::PathBuf,
+    /// The matrices the model stores quantized (GGUF names): the products whose input is
+    /// rounded to Q8 blocks.
+    quantized: std::collections::BTreeSet<String>,
     q8_block: Option<usize>,
     kv: Option<devices::NumFormat>,
     storage: Option<devices::NumFormat>,
@@ -25,9 +32,6 @@ pub struct EmulatedArithmetic {
     pub recorded: Option<oracle::RecordingTap>,
 }
 
-/// The taps whose values enter a matrix product (the attention and FFN inputs, the attention
-/// output before its projection, the final norm before the output matrix).
-const MATMUL_INPUTS: [&str; 5] = [".attn_norm", ".attn_kqv", ".ffn_norm", ".ffn_act", "result_norm"];
 
 /// `x` on the grid of `frac` fractional bits, rounded to nearest with ties away from zero (as a
 /// fixed-point engine converts a value to its integer); not-a-number and infinities unchanged.
@@ -105,6 +109,23 @@ impl TensorSource for FixedPointWeights {
     }
 }
 
+/// The matrices of the model at `path` stored in a quantized type (not f32, f16 or bf16), by
+/// GGUF name: those a Q8-activation engine multiplies with rounded inputs.
+pub fn quantized_matrices(path: &std::path::Path) -> oracle::Result<std::collections::BTreeSet<String>> {
+    let (src, spec) = oracle::loader::open_weights(path)?;
+    let per_layer = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"];
+    let names = (0..spec.n_layer).flat_map(|l| per_layer.iter().map(move |t| format!("blk.{l}.{t}.weight"))).chain(["output.weight".to_string(), "token_embd.weight".to_string()]);
+    let mut out = std::collections::BTreeSet::new();
+    for n in names {
+        if let Some(t) = src.raw(&n)? {
+            if !devices::cpu::qdot::is_float(t.ty) {
+                out.insert(n);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// One value rounded to a 16-bit format (`F16`, `BF16`); others unchanged.
 fn round_to(f: devices::NumFormat, x: f32) -> f32 {
     match f {
@@ -131,35 +152,37 @@ pub fn round_q8_blocks(x: &mut [f32], width: usize, block: usize) {
 }
 
 impl EmulatedArithmetic {
-    /// The emulation of `arith` (on a MoE model when `moe`), or why there is none: MoE models
-    /// (their expert products have no taps to round at), or nothing declared to round (f32
-    /// storage, no quantized activations, no rounding cache: the worst-case bound is already
-    /// sharp there). Fixed-point arithmetic is emulated by its grids: the integer approximations
-    /// of exp, sigmoid and the inverse square root, and values no tap shows (attention scores and
-    /// weights, the gate and up projections apart), keep the oracle's precision.
-    pub fn new(arith: &devices::Arithmetic, moe: bool) -> Result<EmulatedArithmetic, String> {
+    /// The emulation of `arith`, or why there is none: nothing declared to round (f32 storage,
+    /// no quantized activations, no rounding cache: the worst-case bound is already sharp
+    /// there). Fixed-point arithmetic is emulated by its grids: the integer approximations of
+    /// exp, sigmoid and the inverse square root, and the attention scores and weights (no tap
+    /// shows them), keep the oracle's precision. On MoE models the values inside the experts
+    /// are rounded as the taps are ([`oracle::Tap::inner`]).
+    pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        if moe {
-            return Err("MoE experts' products have no taps to round at".into());
-        }
+        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), quantized: Default::default(), q8_block: None, kv: None, storage: None, pending: None, recorded: None };
         if let Some(fp) = arith.fixed {
-            return Ok(EmulatedArithmetic { fixed: Some(fp), q8_block: None, kv: None, storage: None, pending: None, recorded: None });
+            return Ok(EmulatedArithmetic { fixed: Some(fp), ..none });
         }
         let storage = matches!(arith.storage, F16 | BF16).then_some(arith.storage);
         let kv = arith.kv_cache.filter(|f| matches!(f, F16 | BF16));
         if arith.activation_q8_block.is_none() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
         }
-        Ok(EmulatedArithmetic { fixed: None, q8_block: arith.activation_q8_block, kv, storage, pending: None, recorded: None })
+        let quantized = match arith.activation_q8_block {
+            Some(_) => quantized_matrices(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?,
+            None => Default::default(),
+        };
+        Ok(EmulatedArithmetic { q8_block: arith.activation_q8_block, kv, storage, quantized, ..none })
     }
 
     /// The oracle this emulation runs, when it is not the caller's: for fixed-point arithmetic
-    /// the model at `path` loaded anew with its weights as the engine holds them (decoded f32;
+    /// the model loaded anew with its weights as the engine holds them (decoded f32;
     /// refused, as any load, when the machine cannot hold it). None: the engine computes with the
     /// file's own weights, so the caller's oracle serves.
-    pub fn load_model(&self, path: &std::path::Path) -> oracle::Result<Option<oracle::generate::AnyModel>> {
+    pub fn load_model(&self) -> oracle::Result<Option<oracle::generate::AnyModel>> {
         let Some(fp) = self.fixed else { return Ok(None) };
-        let (inner, mut spec) = oracle::loader::open_weights(path)?;
+        let (inner, mut spec) = oracle::loader::open_weights(&self.path)?;
         let head_from_embd = spec.tied_output.then(|| (spec.n_vocab as u64).saturating_mul(spec.n_embd as u64));
         spec.tied_output = false;
         let src = FixedPointWeights { inner, fp, head_from_embd };
@@ -172,11 +195,30 @@ impl EmulatedArithmetic {
     }
 }
 
-impl oracle::Tap for EmulatedArithmetic {
+use oracle::Tap;
+
+impl Tap for EmulatedArithmetic {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
         if let Some(r) = &mut self.recorded {
             r.record(name, start_pos, n_tokens, width, data);
         }
+        self.pending = self.rounded(name, data);
+    }
+    fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {
+        self.pending.take()
+    }
+    fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
+        let b = self.q8_block.filter(|_| self.quantized.contains(weight))?;
+        let mut v = data.to_vec();
+        round_q8_blocks(&mut v, width, b);
+        Some(v)
+    }
+}
+
+impl EmulatedArithmetic {
+    /// `data` (tap `name`) as the engine holds it, or None where the declared arithmetic does
+    /// not round it.
+    fn rounded(&self, name: &str, data: &[f32]) -> Option<Vec<f32>> {
         let mut v = data.to_vec();
         let mut changed = false;
         if let Some(fp) = self.fixed {
@@ -191,14 +233,30 @@ impl oracle::Tap for EmulatedArithmetic {
             v.iter_mut().for_each(|x| *x = round_to(f, *x));
             changed = true;
         }
-        if let Some(b) = self.q8_block.filter(|_| MATMUL_INPUTS.iter().any(|m| name.ends_with(m))) {
-            round_q8_blocks(&mut v, width, b);
-            changed = true;
-        }
-        self.pending = changed.then_some(v);
+        changed.then_some(v)
     }
-    fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {
-        self.pending.take()
+}
+
+/// An emulated run that routes each MoE token as the device did where the two choices differ
+/// only at a near tie (as the oracle's own re-runs do, `routing`): the emulation and the device
+/// then take the same experts, and their errors measure the same computation.
+pub struct Following<'a> {
+    pub emu: EmulatedArithmetic,
+    pub routing: crate::layerdiff::RoutingFollower<'a>,
+}
+
+impl oracle::Tap for Following<'_> {
+    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        self.emu.record(name, start_pos, n_tokens, width, data);
+    }
+    fn substitute(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize) -> Option<Vec<f32>> {
+        self.emu.substitute(name, start_pos, n_tokens, width)
+    }
+    fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
+        self.emu.product_input(weight, width, data)
+    }
+    fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
+        self.routing.route(name, pos, probs, chosen)
     }
 }
 
@@ -223,29 +281,31 @@ mod tests {
     #[test]
     fn the_emulated_arithmetic_rounds_where_declared() {
         use oracle::Tap;
-        let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
-        let mut emu = EmulatedArithmetic::new(&q8, false).unwrap();
         let x: Vec<f32> = (0..64).map(|i| 0.1 + i as f32 * 0.0123).collect();
-        emu.record("blk.0.attn_norm", 0, 1, 64, &x);
-        let sub = emu.substitute("blk.0.attn_norm", 0, 1, 64).expect("a matmul input is rounded");
+        let nowhere = std::path::Path::new("/nonexistent/model.gguf");
+        // Q8 activations: the input of a product with a quantized matrix, nothing else.
+        let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
+        assert!(EmulatedArithmetic::new(&q8, nowhere).unwrap_err().contains("matrix types could not be read"));
+        let quantized = ["blk.0.attn_q.weight".to_string()].into_iter().collect();
+        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), quantized, q8_block: Some(32), kv: None, storage: None, pending: None, recorded: None };
+        let sub = emu.product_input("blk.0.attn_q.weight", 64, &x).expect("a quantized matrix's input is rounded");
         assert!(sub != x && sub.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 0.9 / 127.0 * 0.5 + 1e-6));
-        emu.record("blk.0.ffn_inp", 0, 1, 64, &x);
-        assert!(emu.substitute("blk.0.ffn_inp", 0, 1, 64).is_none(), "the residual stream is not");
+        assert!(emu.product_input("blk.0.ffn_gate_inp.weight", 64, &x).is_none(), "a float matrix's is not");
+        emu.record("blk.0.attn_norm", 0, 1, 64, &x);
+        assert!(emu.substitute("blk.0.attn_norm", 0, 1, 64).is_none(), "nor is the tap");
         let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..devices::Arithmetic::F32 };
-        let mut emu = EmulatedArithmetic::new(&kv, false).unwrap();
+        let mut emu = EmulatedArithmetic::new(&kv, nowhere).unwrap();
         emu.record("blk.1.attn_v", 0, 1, 64, &x);
         assert_eq!(emu.substitute("blk.1.attn_v", 0, 1, 64).unwrap(), x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect::<Vec<_>>());
         emu.record("blk.1.attn_norm", 0, 1, 64, &x);
         assert!(emu.substitute("blk.1.attn_norm", 0, 1, 64).is_none());
-        assert!(EmulatedArithmetic::new(&devices::Arithmetic::F32, false).unwrap_err().contains("nothing"));
-        assert!(EmulatedArithmetic::new(&q8, true).unwrap_err().contains("MoE"));
+        assert!(EmulatedArithmetic::new(&devices::Arithmetic::F32, nowhere).unwrap_err().contains("nothing"));
         // Fixed point: every tap on the activation grid, the residual stream too.
         let point = devices::fixed::FixedDevice { int4: false }.point();
-        let mut emu = EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..devices::Arithmetic::F32 }, false).unwrap();
+        let mut emu = EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..devices::Arithmetic::F32 }, nowhere).unwrap();
         emu.record("blk.0.ffn_inp", 0, 1, 64, &x);
         let sub = emu.substitute("blk.0.ffn_inp", 0, 1, 64).expect("every tap is rounded");
         assert!(sub.iter().zip(&x).all(|(s, v)| *s as f64 == devices::fixed::to_q(*v as f64, 16) as f64 / 65536.0), "{sub:?}");
-        assert!(EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..devices::Arithmetic::F32 }, true).unwrap_err().contains("MoE"));
     }
 
     /// The emulated fixed-point weights are the `fixed` and `fixed-int4` devices' own conversion

@@ -803,9 +803,9 @@ pub struct Outcome {
 /// within its error budget may pick either), both runs route that token as the device did
 /// ([`follow_at_near_tie`], listed in the `routing_followed` section): otherwise everything
 /// after it would be compared with a different expert's output.
-/// `path` is the model's file, from which an emulation that needs weights of its own (fixed
-/// point) loads them; without it such an emulation is reported as not applicable.
-pub fn run(oracle_model: &AnyModel, path: Option<&std::path::Path>, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, model: &str, device: &str) -> Result<Outcome, String> {
+/// `path` is the model's file: the emulation of the declared arithmetic reads its matrix types
+/// there (and, for fixed point, loads its weights anew).
+pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, model: &str, device: &str) -> Result<Outcome, String> {
     arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
     let dims = Dims::of(oracle_model.spec(), ids.len());
     let rerun = |substitute_values: bool, run: &'static str| {
@@ -823,18 +823,15 @@ pub fn run(oracle_model: &AnyModel, path: Option<&std::path::Path>, ids: &[u32],
     let mut taps = diff(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
     // Once more with the declared arithmetic emulated, where it can be: each tap's propagated
     // error an honest engine of that arithmetic has, beside the device's.
-    let emulation = match crate::emulate::EmulatedArithmetic::new(arith, oracle_model.spec().moe.is_some()).and_then(|emu| {
-        let own = match path {
-            Some(p) => emu.load_model(p).map_err(|e| format!("the emulated weights could not be loaded: {e}"))?,
-            None if arith.fixed.is_some() => return Err("the model's file was not given, and fixed-point weights are rounded as they load".into()),
-            None => None,
-        };
+    let emulation = match crate::emulate::EmulatedArithmetic::new(arith, path).and_then(|emu| {
+        let own = emu.load_model().map_err(|e| format!("the emulated weights could not be loaded: {e}"))?;
         Ok((emu, own))
     }) {
         Ok((emu, own)) => {
-            let mut emu = emu.recording();
-            own.as_ref().unwrap_or(oracle_model).prefill_logits(ids, &mut emu).map_err(|e| e.to_string())?;
-            let recorded = emu.recorded.unwrap_or_default();
+            let routing = RoutingFollower::new(device_taps, Box::new(|layer| propagated_budget("ffn_moe_probs", layer, arith, &dims)), "emulated");
+            let mut run = crate::emulate::Following { emu: emu.recording(), routing };
+            own.as_ref().unwrap_or(oracle_model).prefill_logits(ids, &mut run).map_err(|e| e.to_string())?;
+            let recorded = run.emu.recorded.unwrap_or_default();
             for t in &mut taps {
                 if let (Some((w, e)), Some((_, r))) = (recorded.tensors.get(&t.name), reference.recorded.tensors.get(&t.name)) {
                     t.emulated = Some(err_stats(e, r, *w).rel());

@@ -514,12 +514,14 @@ fn gate_bench_suite_times_each_device_and_model_and_reports_what_it_cannot_run()
     }
 }
 
-/// A fixed-point engine is held to the oracle run with its grids emulated. For `fixed-int4` the
-/// emulation is all but exact (its error is the INT4 weights'), so the mean KLDs agree to a
-/// fraction of a percent, a factor of 1.5 passes, and layer-diff's emulated error of each layer
-/// output is the device's own within 2%.
+/// Honest engines measure what the oracle run with their declared arithmetic emulated measures.
+/// For `fixed-int4` the emulation is all but exact (its error is the INT4 weights'), so the mean
+/// KLDs agree to a fraction of a percent, a factor of 1.5 passes, and layer-diff's emulated error
+/// of each layer output is the device's own within 2%. For `cpu` (Q8_0 inputs to the products
+/// with quantized matrices only: tiny-llama mixes f16, bf16 and f32 matrices in, tiny-moe's
+/// router is f32, its experts Q8_0, and a near tie in its routing is followed) within 5%.
 #[test]
-fn a_fixed_point_engine_is_held_to_its_emulated_grids() {
+fn honest_engines_measure_their_emulated_arithmetic() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = |d: &str| tmp.path().join(d).to_str().unwrap().to_string();
     let report = |d: &str| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(tmp.path().join(d).join("report.json")).unwrap()).unwrap() };
@@ -531,6 +533,14 @@ fn a_fixed_point_engine_is_held_to_its_emulated_grids() {
     assert!((0.99..1.01).contains(&ratio), "{emu}");
     assert_eq!(emu["tolerance"]["bound"].as_f64().unwrap(), 1.5 * emu["metrics"]["emulated_kld_mean"].as_f64().unwrap());
     assert_eq!(r["emulated_arithmetic"]["factor"], 1.5);
+    for model in ["tiny-llama", "tiny-moe"] {
+        let o = xtask(&["fixed-token", "--device", "cpu", "--model", model, "--report-dir", &dir(model)], &[]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        let r = report(model);
+        let emu = r["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().unwrap().ends_with("gate=kld_vs_emulation)")).expect("a kld_vs_emulation case");
+        let ratio = emu["metrics"]["ratio"].as_f64().unwrap();
+        assert!((0.95..1.05).contains(&ratio), "{model}: {emu}");
+    }
     let o = xtask(&["layer-diff", "--device", "fixed-int4", "--model", "tiny-llama", "--report-dir", &dir("ld")], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report("ld");

@@ -153,7 +153,6 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let mut oracle_routing = RoutingTap::default();
     let oracle_logits = oracle.prefill_logits(&seq, &mut oracle_routing)?;
     let dims = Dims::of(oracle.spec(), seq.len());
-    let moe = oracle.spec().moe.is_some();
     drop(oracle);
 
     let (_, mut engine, _) = load_engine(&a.model, &a.device, Precision::F32)?;
@@ -187,15 +186,19 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     }
     // The oracle once more (loaded anew), with the device's declared arithmetic emulated: what an
     // honest engine of that arithmetic gets on this sequence.
-    let emulated = match suites::emulate::EmulatedArithmetic::new(&arith, moe) {
-        Ok(mut emu) if stats["kld"]["mean"].is_f64() => {
-            let oracle = match emu.load_model(&path)? {
+    let emulated = match suites::emulate::EmulatedArithmetic::new(&arith, &path) {
+        Ok(emu) if stats["kld"]["mean"].is_f64() => {
+            let oracle = match emu.load_model()? {
                 Some(m) => m,
                 None => super::load_oracle(&path, Precision::F32)?.0,
             };
-            let logits: Vec<f32> = oracle.prefill_logits(&seq, &mut emu)?.iter().map(|v| *v as f32).collect();
+            // Routed as the device did at near ties, and compared with the oracle that was.
+            let budget_of = Box::new(|layer| propagated_budget("ffn_moe_probs", layer, &arith, &dims));
+            let mut run = suites::emulate::Following { emu, routing: RoutingFollower::new(&device_routing.0, budget_of, "emulated") };
+            let logits: Vec<f32> = oracle.prefill_logits(&seq, &mut run)?.iter().map(|v| *v as f32).collect();
             drop(oracle);
-            let emu_stats = fixedtoken::token_stats(&fixedtoken::position_stats(&oracle_logits, &logits, n_vocab, &budget));
+            let reference = runs.followed_oracle.as_deref().unwrap_or(&oracle_logits);
+            let emu_stats = fixedtoken::token_stats(&fixedtoken::position_stats(reference, &logits, n_vocab, &budget));
             cases.push(fixedtoken::against_emulation(&golden, &stats, &emu_stats, a.emulation_factor, &a.device));
             json!({ "kld": emu_stats["kld"], "same_top1": emu_stats["same_top1"], "factor": a.emulation_factor })
         }

@@ -89,7 +89,7 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
     let shape_err = |e: String| Exit { code: 2, message: e };
     Ok(match &a.against {
-        None => layerdiff::run(&oracle_model, Some(&path), &ids, &taps_a, &arith_a, mode, &a.model, &a.device).map_err(shape_err)?,
+        None => layerdiff::run(&oracle_model, &path, &ids, &taps_a, &arith_a, mode, &a.model, &a.device).map_err(shape_err)?,
         Some(b) => {
             let (_, mut engine_b, _) = load_engine(&a.model, b, Precision::F32)?;
             let taps_b = device_taps(&mut engine_b, &ids)?;
