@@ -260,8 +260,9 @@ impl Report {
         }
         out += "## Cases\n\n| case | device | verdict | measured max abs | bound | margin | rule |\n|---|---|---|---|---|---|---|\n";
         for c in &self.cases {
-            let measured = c.metrics.get("max_abs").and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-            out += &format!("| `{}` | {} | {:?} | {:.3e} | {:.3e} | {:.3e} | {} |\n", c.id, c.device, c.verdict, measured, c.tolerance.bound, c.margin, c.tolerance.rule.replace('|', "\\|"));
+            // A gate that measures no absolute error (KLD ratios, ids) shows a dash, not NaN.
+            let measured = c.metrics.get("max_abs").and_then(|v| v.as_f64()).map_or("—".to_string(), |v| format!("{v:.3e}"));
+            out += &format!("| `{}` | {} | {:?} | {measured} | {:.3e} | {:.3e} | {} |\n", c.id, c.device, c.verdict, c.tolerance.bound, c.margin, c.tolerance.rule.replace('|', "\\|"));
         }
         out
     }
