@@ -173,6 +173,9 @@ impl EmulatedArithmetic {
             Some(_) => quantized_matrices(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?,
             None => Default::default(),
         };
+        if quantized.is_empty() && kv.is_none() && storage.is_none() {
+            return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix".into());
+        }
         Ok(EmulatedArithmetic { q8_block: arith.activation_q8_block, kv, storage, quantized, ..none })
     }
 
@@ -306,6 +309,41 @@ mod tests {
         emu.record("blk.0.ffn_inp", 0, 1, 64, &x);
         let sub = emu.substitute("blk.0.ffn_inp", 0, 1, 64).expect("every tap is rounded");
         assert!(sub.iter().zip(&x).all(|(s, v)| *s as f64 == devices::fixed::to_q(*v as f64, 16) as f64 / 65536.0), "{sub:?}");
+    }
+
+    /// `quantized_matrices` names the matrices stored in a quantized type and no others; Q8
+    /// activations on a model whose matrices are all f32/f16/bf16 round nothing, and the
+    /// emulation says so instead of holding a device to the oracle itself.
+    #[test]
+    fn q8_activations_round_only_before_quantized_matrices() {
+        use oracle::gguf::{GgufWriter, Value};
+        use oracle::quant::{encode, GgmlType};
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, types: &[(&str, GgmlType)]| {
+            let mut w = GgufWriter::new();
+            w.meta("general.architecture", Value::String("llama".into()));
+            for (k, v) in [("context_length", 64), ("embedding_length", 32), ("block_count", 1), ("feed_forward_length", 64), ("attention.head_count", 2), ("attention.head_count_kv", 2), ("vocab_size", 40)] {
+                w.meta(&format!("llama.{k}"), Value::U32(v));
+            }
+            w.meta("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
+            w.tensor("token_embd.weight", &[32, 40], GgmlType::F32, encode(GgmlType::F32, &[0.5f32; 32 * 40]).unwrap());
+            w.tensor("blk.0.attn_norm.weight", &[32], GgmlType::F32, encode(GgmlType::F32, &[1.0f32; 32]).unwrap());
+            for (t, ty) in types {
+                w.tensor(t, &[32, 32], *ty, encode(*ty, &[0.5f32; 32 * 32]).unwrap());
+            }
+            let path = dir.path().join(name);
+            w.write_to(&path).unwrap();
+            path
+        };
+        let mixed = write("mixed.gguf", &[("blk.0.attn_q.weight", GgmlType::Q4_0), ("blk.0.attn_k.weight", GgmlType::F16), ("blk.0.ffn_down.weight", GgmlType::Q8_0), ("output.weight", GgmlType::BF16)]);
+        let got: Vec<String> = quantized_matrices(&mixed).unwrap().into_iter().collect();
+        assert_eq!(got, ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]);
+        let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
+        assert!(EmulatedArithmetic::new(&q8, &mixed).is_ok());
+        let float = write("float.gguf", &[("blk.0.attn_q.weight", GgmlType::F32), ("output.weight", GgmlType::F16)]);
+        assert!(EmulatedArithmetic::new(&q8, &float).unwrap_err().contains("meet no quantized matrix"));
+        let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..q8 };
+        assert!(EmulatedArithmetic::new(&kv, &float).is_ok(), "the cache still rounds");
     }
 
     /// The emulated fixed-point weights are the `fixed` and `fixed-int4` devices' own conversion
