@@ -72,6 +72,33 @@ pub fn bootstrap_median_ci(x: &[f64], resamples: usize, seed: u64) -> (f64, f64)
     (at(0.025), at(0.975))
 }
 
+/// Paired bootstrap percentile 95% CI of sum(a)/sum(b) (the ratio of two means over the same
+/// items, resampled together; seeded); None when there is nothing to resample or a resample's
+/// denominator is 0.
+pub fn bootstrap_ratio_ci(a: &[f64], b: &[f64], resamples: usize, seed: u64) -> Option<(f64, f64)> {
+    let n = a.len();
+    if n == 0 || b.len() != n || resamples == 0 {
+        return None;
+    }
+    let mut rng = Rng(seed);
+    let mut ratios = Vec::with_capacity(resamples);
+    for _ in 0..resamples {
+        let (mut sa, mut sb) = (0.0, 0.0);
+        for _ in 0..n {
+            let i = (rng.next_u64() % n as u64) as usize;
+            sa += a[i];
+            sb += b[i];
+        }
+        if sb == 0.0 {
+            return None;
+        }
+        ratios.push(sa / sb);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let at = |q: f64| ratios[((resamples - 1) as f64 * q).round() as usize];
+    Some((at(0.025), at(0.975)))
+}
+
 /// Exact two-sided Wilcoxon signed-rank p-value (zeros dropped; tied magnitudes get mid-ranks,
 /// counted exactly on doubled integer ranks).
 pub fn wilcoxon_p(x: &[f64]) -> f64 {
@@ -203,6 +230,25 @@ mod tests {
         // Symmetric around zero: p = 1.
         assert!(wilcoxon_p(&[-1.0, 1.0, -2.0, 2.0]) > 0.99);
         assert_eq!(wilcoxon_p(&[]), 1.0);
+    }
+
+    /// The paired ratio CI: exact for a constant ratio, around the point ratio and wider for
+    /// one heavy item than for even ones, the same bits for the same seed; None with nothing to
+    /// resample or a zero denominator.
+    #[test]
+    fn paired_ratio_ci_resamples_items_together() {
+        let b: Vec<f64> = (1..=40).map(|i| i as f64 * 0.01).collect();
+        let twice: Vec<f64> = b.iter().map(|v| 2.0 * v).collect();
+        assert_eq!(bootstrap_ratio_ci(&twice, &b, 500, 7), Some((2.0, 2.0)));
+        let mut heavy = twice.clone();
+        heavy[3] *= 30.0;
+        let (lo, hi) = bootstrap_ratio_ci(&heavy, &b, 2000, 7).unwrap();
+        let point = heavy.iter().sum::<f64>() / b.iter().sum::<f64>();
+        assert!(lo < point && point < hi && hi - lo > 0.5, "{lo} {point} {hi}");
+        assert_eq!(bootstrap_ratio_ci(&heavy, &b, 2000, 7), Some((lo, hi)));
+        assert_eq!(bootstrap_ratio_ci(&[], &[], 100, 1), None);
+        assert_eq!(bootstrap_ratio_ci(&[1.0], &[0.0], 100, 1), None);
+        assert_eq!(bootstrap_ratio_ci(&[1.0, 2.0], &[1.0], 100, 1), None);
     }
 
     #[test]

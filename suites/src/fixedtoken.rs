@@ -258,20 +258,28 @@ pub const EMULATION_FACTOR: f64 = 4.0;
 pub fn against_emulation(golden: &Golden, stats: &Value, emulated: &Value, factor: f64, device: &str) -> Case {
     let id = format!("fixed_token(model={},gate=kld_vs_emulation)", golden.model);
     let extra = [("emulated_kld_mean", emulated["kld"]["mean"].clone()), ("emulated_same_top1", emulated["same_top1"]["count"].clone())];
-    kld_ratio_case(id, device, stats, emulated["kld"]["mean"].as_f64(), factor, "that of the oracle run with the declared arithmetic emulated", &extra)
+    kld_ratio_case(id, device, stats, emulated["kld"]["mean"].as_f64(), emulated, factor, "that of the oracle run with the declared arithmetic emulated", &extra)
 }
 
 /// A gate holding this run's mean KLD (`stats`, a `token_stats` section) to `factor` times a
 /// reference mean KLD (`what`, with `extra` metrics about it); unsupported for a token-only run.
-fn kld_ratio_case(id: String, device: &str, stats: &Value, reference: Option<f64>, factor: f64, what: &str, extra: &[(&str, Value)]) -> Case {
+/// Where both `token_stats` sections hold the KLD of the same positions, `ratio_ci95` is the
+/// paired bootstrap 95% CI of the ratio (how much of it a short sequence's luck can move).
+fn kld_ratio_case(id: String, device: &str, stats: &Value, reference: Option<f64>, reference_stats: &Value, factor: f64, what: &str, extra: &[(&str, Value)]) -> Case {
     let (Some(now), Some(reference)) = (stats["kld"]["mean"].as_f64(), reference) else {
         return Case { id, device: device.into(), verdict: Verdict::Unsupported, metrics: Map::new(), tolerance: Tolerance { rule: "no logits".into(), bound: 0.0 }, margin: 0.0, message: Some(format!("token-only engine: no KLD to compare with {what}")) };
     };
     let bound = (reference * factor).max(BASELINE_KLD_FLOOR);
     let mut metrics = m(&[("kld_mean", json!(now)), ("ratio", json!(now / reference)), ("same_top1", stats["same_top1"]["count"].clone())]);
+    let per_position = |s: &Value| -> Option<Vec<f64>> { s["per_position"].as_array()?.iter().map(|p| p["kld"].as_f64()).collect() };
+    let ci = per_position(stats).zip(per_position(reference_stats)).and_then(|(a, b)| crate::ab::bootstrap_ratio_ci(&a, &b, 2000, 0x6b6c_6472));
+    if let Some((lo, hi)) = ci {
+        metrics.insert("ratio_ci95".into(), json!([lo, hi]));
+    }
     metrics.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
     let pass = now <= bound;
-    let message = (!pass).then(|| format!("mean KLD {now:.3e} is {:.2}x {what} ({reference:.3e}; allowed {factor}x)", now / reference));
+    let ci_text = ci.map_or(String::new(), |(lo, hi)| format!(", 95% CI {lo:.2}-{hi:.2}x"));
+    let message = (!pass).then(|| format!("mean KLD {now:.3e} is {:.2}x {what} ({reference:.3e}; allowed {factor}x{ci_text})", now / reference));
     case(id, device, pass, &format!("mean KLD <= {factor} x {what} (floor {BASELINE_KLD_FLOOR:e})"), bound, now, metrics, message)
 }
 
@@ -305,7 +313,7 @@ pub fn against_baseline(golden: &Golden, stats: &Value, base: f64, baseline: &Va
         ("baseline_device", baseline["cases"][0]["device"].clone()),
         ("baseline_same_top1", baseline["token_stats"]["same_top1"]["count"].clone()),
     ];
-    kld_ratio_case(id, device, stats, Some(base), factor, "the baseline's", &extra)
+    kld_ratio_case(id, device, stats, Some(base), &baseline["token_stats"], factor, "the baseline's", &extra)
 }
 
 /// Judges one device run: the gate cases (see the module header) and the `token_stats` section.

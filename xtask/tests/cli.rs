@@ -540,6 +540,8 @@ fn honest_engines_measure_their_emulated_arithmetic() {
         let emu = r["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().unwrap().ends_with("gate=kld_vs_emulation)")).expect("a kld_vs_emulation case");
         let ratio = emu["metrics"]["ratio"].as_f64().unwrap();
         assert!((0.95..1.05).contains(&ratio), "{model}: {emu}");
+        let ci = &emu["metrics"]["ratio_ci95"];
+        assert!(ci[0].as_f64().unwrap() <= ratio && ratio <= ci[1].as_f64().unwrap(), "{model}: {emu}");
     }
     let o = xtask(&["layer-diff", "--device", "fixed-int4", "--model", "tiny-llama", "--report-dir", &dir("ld")], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
