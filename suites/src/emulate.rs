@@ -27,8 +27,8 @@ pub struct EmulatedArithmetic {
     kv: Option<devices::NumFormat>,
     storage: Option<devices::NumFormat>,
     pending: Option<Vec<f32>>,
-    /// Each tap's value as the op computed it (before the rounding the next op sees), when
-    /// [`EmulatedArithmetic::recording`] asked for it.
+    /// Each tap's value as the engine shows it (on its grid or in its storage format; before a
+    /// cache's rounding), when [`EmulatedArithmetic::recording`] asked for it.
     pub recorded: Option<oracle::RecordingTap>,
 }
 
@@ -202,10 +202,16 @@ use oracle::Tap;
 
 impl Tap for EmulatedArithmetic {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        // The value as the engine holds it (its storage format or fixed-point grid) is what it
+        // shows as this tap; its cache may round it once more for the attention that reads it.
+        let held = self.held(data);
         if let Some(r) = &mut self.recorded {
-            r.record(name, start_pos, n_tokens, width, data);
+            r.record(name, start_pos, n_tokens, width, held.as_deref().unwrap_or(data));
         }
-        self.pending = self.rounded(name, data);
+        self.pending = match self.kv.filter(|_| name.ends_with(".attn_k_rope") || name.ends_with(".attn_v")) {
+            Some(f) => Some(held.as_deref().unwrap_or(data).iter().map(|x| round_to(f, *x)).collect()),
+            None => held,
+        };
     }
     fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {
         self.pending.take()
@@ -219,24 +225,13 @@ impl Tap for EmulatedArithmetic {
 }
 
 impl EmulatedArithmetic {
-    /// `data` (tap `name`) as the engine holds it, or None where the declared arithmetic does
-    /// not round it.
-    fn rounded(&self, name: &str, data: &[f32]) -> Option<Vec<f32>> {
-        let mut v = data.to_vec();
-        let mut changed = false;
+    /// A tap's value `data` as the engine holds it (on the fixed-point activation grid, in its
+    /// 16-bit storage format), or None where the declared arithmetic holds it as computed.
+    fn held(&self, data: &[f32]) -> Option<Vec<f32>> {
         if let Some(fp) = self.fixed {
-            v.iter_mut().for_each(|x| *x = on_grid(*x as f64, fp.act_frac) as f32);
-            changed = true;
+            return Some(data.iter().map(|x| on_grid(*x as f64, fp.act_frac) as f32).collect());
         }
-        if let Some(f) = self.storage {
-            v.iter_mut().for_each(|x| *x = round_to(f, *x));
-            changed = true;
-        }
-        if let Some(f) = self.kv.filter(|_| name.ends_with(".attn_k_rope") || name.ends_with(".attn_v")) {
-            v.iter_mut().for_each(|x| *x = round_to(f, *x));
-            changed = true;
-        }
-        changed.then_some(v)
+        self.storage.map(|f| data.iter().map(|x| round_to(f, *x)).collect())
     }
 }
 
@@ -297,18 +292,20 @@ mod tests {
         emu.record("blk.0.attn_norm", 0, 1, 64, &x);
         assert!(emu.substitute("blk.0.attn_norm", 0, 1, 64).is_none(), "nor is the tap");
         let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..devices::Arithmetic::F32 };
-        let mut emu = EmulatedArithmetic::new(&kv, nowhere).unwrap();
+        let mut emu = EmulatedArithmetic::new(&kv, nowhere).unwrap().recording();
         emu.record("blk.1.attn_v", 0, 1, 64, &x);
         assert_eq!(emu.substitute("blk.1.attn_v", 0, 1, 64).unwrap(), x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect::<Vec<_>>());
+        assert_eq!(emu.recorded.as_ref().unwrap().tensors["blk.1.attn_v"].1, x, "shown as computed, rounded only in the cache");
         emu.record("blk.1.attn_norm", 0, 1, 64, &x);
         assert!(emu.substitute("blk.1.attn_norm", 0, 1, 64).is_none());
         assert!(EmulatedArithmetic::new(&devices::Arithmetic::F32, nowhere).unwrap_err().contains("nothing"));
         // Fixed point: every tap on the activation grid, the residual stream too.
         let point = devices::fixed::FixedDevice { int4: false }.point();
-        let mut emu = EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..devices::Arithmetic::F32 }, nowhere).unwrap();
+        let mut emu = EmulatedArithmetic::new(&devices::Arithmetic { fixed: Some(point), ..devices::Arithmetic::F32 }, nowhere).unwrap().recording();
         emu.record("blk.0.ffn_inp", 0, 1, 64, &x);
         let sub = emu.substitute("blk.0.ffn_inp", 0, 1, 64).expect("every tap is rounded");
         assert!(sub.iter().zip(&x).all(|(s, v)| *s as f64 == devices::fixed::to_q(*v as f64, 16) as f64 / 65536.0), "{sub:?}");
+        assert_eq!(emu.recorded.as_ref().unwrap().tensors["blk.0.ffn_inp"].1, sub, "shown as the engine holds it");
     }
 
     /// `quantized_matrices` names the matrices stored in a quantized type and no others; Q8

@@ -644,8 +644,9 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             }
             if let Some(e) = t.emulated {
                 m.insert("emulated_rel".into(), json!(e));
-                if let Some(p) = &t.propagated {
-                    m.insert("propagated_over_emulated".into(), json!(p.rel() / e.max(f64::MIN_POSITIVE)));
+                // No ratio where the emulation has no error yet (no rounding before this tap).
+                if let Some(p) = t.propagated.as_ref().filter(|_| e > 0.0) {
+                    m.insert("propagated_over_emulated".into(), json!(p.rel() / e));
                 }
             }
             if let Some(n) = t.id_mismatches {

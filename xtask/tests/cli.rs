@@ -552,6 +552,18 @@ fn honest_engines_measure_their_emulated_arithmetic() {
         let over = c["metrics"]["propagated_over_emulated"].as_f64().unwrap();
         assert!((0.98..1.02).contains(&over), "{c}");
     }
+    // `fixed` (Q24 weights): every tap up to the attention is the emulation's to 0.5% (the
+    // values as the engine holds them, on the Q16 grid); the attention's integer exp and its
+    // Q16 scores and weights, not emulated, add the rest.
+    let o = xtask(&["layer-diff", "--device", "fixed", "--model", "tiny-llama", "--report-dir", &dir("ld-fixed")], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report("ld-fixed");
+    let before_attention = ["inp_embd", "blk.0.attn_norm", "blk.0.attn_q", "blk.0.attn_k", "blk.0.attn_v", "blk.0.attn_q_rope", "blk.0.attn_k_rope"];
+    for tap in before_attention {
+        let c = r["cases"].as_array().unwrap().iter().find(|c| c["metrics"]["tap"] == tap).unwrap_or_else(|| panic!("{tap}"));
+        let over = c["metrics"]["propagated_over_emulated"].as_f64().unwrap();
+        assert!((0.995..1.005).contains(&over), "{c}");
+    }
 }
 
 #[test]
