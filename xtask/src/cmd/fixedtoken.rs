@@ -295,7 +295,7 @@ fn print_summary(r: &Report) {
             f(&["kld", "max"]),
             f(&["kld_bound_mean"]),
             f(&["same_top1", "rate"]),
-            ts.get("same_top1").and_then(|s| s.get("ci95")).map_or("-".into(), |v| v.to_string()),
+            ts.get("same_top1").and_then(|s| s.get("ci95")).and_then(|v| Some(format!("[{:.3}, {:.3}]", v.get(0)?.as_f64()?, v.get(1)?.as_f64()?))).unwrap_or("-".into()),
             ts.get("near_ties").map_or("-".into(), |v| v.to_string()),
         );
         if let (Some(mean_abs), Some(top5), Some(n)) = (ts.get("mean_abs_logit").and_then(|v| v.as_f64()), ts.get("same_top5"), ts.get("positions")) {
@@ -303,7 +303,13 @@ fn print_summary(r: &Report) {
         }
     }
     for c in &r.cases {
-        outln!("  {:<12} {}{}", format!("{:?}", c.verdict), c.id, c.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default());
+        // A KLD-ratio gate that passed says by how much (a failed one's message does).
+        let ratio = c.metrics.get("ratio").and_then(|v| v.as_f64()).map(|x| {
+            let ci = c.metrics.get("ratio_ci95").and_then(|v| Some(format!(", 95% CI {:.3}-{:.3}x", v.get(0)?.as_f64()?, v.get(1)?.as_f64()?))).unwrap_or_default();
+            let of = if c.id.contains("gate=kld_vs_baseline") { "the baseline's" } else { "the emulated arithmetic's" };
+            format!(": mean KLD {x:.3}x {of}{ci} (bound {:.3e})", c.tolerance.bound)
+        });
+        outln!("  {:<12} {}{}", format!("{:?}", c.verdict), c.id, c.message.as_deref().map(|m| format!(": {m}")).or(ratio).unwrap_or_default());
     }
     let s = &r.summary;
     outln!("{} gates: {} passed, {} failed, {} unsupported, {} errors", s.executed, s.passed, s.failed, s.unsupported, s.errors);
