@@ -838,7 +838,10 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
                     t.emulated = Some(err_stats(e, r, *w).rel());
                 }
             }
-            json!({ "applied": true })
+            // Where the device leaves the emulated line most (taps the emulation has not yet
+            // rounded anything before are skipped): where to look when it leaves it at all.
+            let departure = taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1));
+            json!({ "applied": true, "largest_departure": departure.map(|(t, r)| json!({ "tap": t.name, "propagated_over_emulated": r })) })
         }
         Err(why) => json!({ "not_applicable": why }),
     };

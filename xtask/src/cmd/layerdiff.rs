@@ -111,6 +111,13 @@ fn print_table(o: &layerdiff::Outcome) {
             None => outln!("the two agree bit for bit at every tap"),
         }
     }
+    if let Some(d) = o.report.sections.get("emulated_arithmetic").and_then(|e| e.get("largest_departure")).filter(|d| !d.is_null()) {
+        outln!(
+            "largest departure from the declared arithmetic emulated: {} (propagated error {:.2}x the emulation's)",
+            d["tap"].as_str().unwrap_or("?"),
+            d["propagated_over_emulated"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
     match layerdiff::first_divergence(&o.taps) {
         Some(t) => outln!("first divergence: {} ({})", t.name, o.report.sections.get("first_divergence").map(|v| v.to_string()).unwrap_or_default()),
         None => outln!("first divergence: none (every tap within its budget)"),
