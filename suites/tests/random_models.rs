@@ -268,10 +268,12 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
         let out = layerdiff::run(oracle_model, path, ids, &taps, &m.arithmetic(), mode, "random", device)?;
         // The `cpu` devices are their declared arithmetic and nothing else (Q8_0 inputs to the
         // quantized matrices, an f16 cache): the emulated run predicts their logits' error on any
-        // model (0.98-1.07x over 113 random models when this check was written).
+        // model (0.98-1.07x over 113 random models when this check was written), wherever the
+        // emulated roundings reach the logits at all (from 1e-4 relative: a model whose only
+        // quantized matrix barely touches them leaves f32 noise to compare).
         if mode == Mode::Propagated && device.starts_with("cpu") {
             let t = out.taps.iter().find(|t| t.name == "result_output").ok_or("no result_output tap")?;
-            if let (Some(p), Some(e)) = (&t.propagated, t.emulated) {
+            if let (Some(p), Some(e)) = (&t.propagated, t.emulated.filter(|e| *e >= 1e-4)) {
                 let r = p.rel() / e;
                 if !(0.7..=1.5).contains(&r) {
                     return Err(format!("{device}: the logits' error is {r:.3}x that of its declared arithmetic emulated (expected 0.7-1.5x)"));
