@@ -3,6 +3,7 @@
 //! (each tap's `emulated` error) hold a device to.
 
 use oracle::loader::{LoadedTensor, RawTensor, TensorSource};
+use oracle::Tap;
 
 /// The oracle re-run with a declared arithmetic's roundings where it declares them, so its logits
 /// are what an honest engine of that arithmetic computes (up to the order of its sums): a tap
@@ -31,7 +32,6 @@ pub struct EmulatedArithmetic {
     /// cache's rounding), when [`EmulatedArithmetic::recording`] asked for it.
     pub recorded: Option<oracle::RecordingTap>,
 }
-
 
 /// `x` on the grid of `frac` fractional bits, rounded to nearest with ties away from zero (as a
 /// fixed-point engine converts a value to its integer); not-a-number and infinities unchanged.
@@ -156,8 +156,8 @@ impl EmulatedArithmetic {
     /// no quantized activations, no rounding cache: the worst-case bound is already sharp
     /// there). Fixed-point arithmetic is emulated by its grids: the integer approximations of
     /// exp, sigmoid and the inverse square root, and the attention scores and weights (no tap
-    /// shows them), keep the oracle's precision. On MoE models the values inside the experts
-    /// are rounded as the taps are ([`oracle::Tap::inner`]).
+    /// shows them), keep the oracle's precision. On MoE models the experts' product inputs are
+    /// rounded as the others are ([`oracle::Tap::product_input`]).
     pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
         let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), quantized: Default::default(), q8_block: None, kv: None, storage: None, pending: None, recorded: None };
@@ -197,8 +197,6 @@ impl EmulatedArithmetic {
         EmulatedArithmetic { recorded: Some(oracle::RecordingTap::default()), ..self }
     }
 }
-
-use oracle::Tap;
 
 impl Tap for EmulatedArithmetic {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
@@ -275,10 +273,9 @@ mod tests {
     }
 
     /// The emulation rounds where the arithmetic says and nowhere else, and says why it does not
-    /// apply to fixed-point, MoE or plain f32 arithmetic.
+    /// apply to plain f32 arithmetic (fixed point: every tap on its grid).
     #[test]
     fn the_emulated_arithmetic_rounds_where_declared() {
-        use oracle::Tap;
         let x: Vec<f32> = (0..64).map(|i| 0.1 + i as f32 * 0.0123).collect();
         let nowhere = std::path::Path::new("/nonexistent/model.gguf");
         // Q8 activations: the input of a product with a quantized matrix, nothing else.
