@@ -258,15 +258,16 @@ pub const EMULATION_FACTOR: f64 = 4.0;
 pub fn against_emulation(golden: &Golden, stats: &Value, emulated: &Value, factor: f64, device: &str) -> Case {
     let id = format!("fixed_token(model={},gate=kld_vs_emulation)", golden.model);
     let extra = [("emulated_kld_mean", emulated["kld"]["mean"].clone()), ("emulated_same_top1", emulated["same_top1"]["count"].clone())];
-    kld_ratio_case(id, device, stats, emulated["kld"]["mean"].as_f64(), emulated, factor, "that of the oracle run with the declared arithmetic emulated", &extra)
+    kld_ratio_case(id, device, stats, emulated, factor, "that of the oracle run with the declared arithmetic emulated", &extra)
 }
 
-/// A gate holding this run's mean KLD (`stats`, a `token_stats` section) to `factor` times a
-/// reference mean KLD (`what`, with `extra` metrics about it); unsupported for a token-only run.
-/// Where both `token_stats` sections hold the KLD of the same positions, `ratio_ci95` is the
-/// paired bootstrap 95% CI of the ratio (how much of it a short sequence's luck can move).
-fn kld_ratio_case(id: String, device: &str, stats: &Value, reference: Option<f64>, reference_stats: &Value, factor: f64, what: &str, extra: &[(&str, Value)]) -> Case {
-    let (Some(now), Some(reference)) = (stats["kld"]["mean"].as_f64(), reference) else {
+/// A gate holding this run's mean KLD (`stats`, a `token_stats` section) to `factor` times the
+/// mean KLD of another run over the same positions (`reference_stats`, `what`, with `extra`
+/// metrics about it); unsupported for a token-only run. Where both sections list per-position
+/// KLDs, `ratio_ci95` is the paired bootstrap 95% CI of the ratio (how much of it a short
+/// sequence's luck can move).
+fn kld_ratio_case(id: String, device: &str, stats: &Value, reference_stats: &Value, factor: f64, what: &str, extra: &[(&str, Value)]) -> Case {
+    let (Some(now), Some(reference)) = (stats["kld"]["mean"].as_f64(), reference_stats["kld"]["mean"].as_f64()) else {
         return Case { id, device: device.into(), verdict: Verdict::Unsupported, metrics: Map::new(), tolerance: Tolerance { rule: "no logits".into(), bound: 0.0 }, margin: 0.0, message: Some(format!("token-only engine: no KLD to compare with {what}")) };
     };
     let bound = (reference * factor).max(BASELINE_KLD_FLOOR);
@@ -313,7 +314,7 @@ pub fn against_baseline(golden: &Golden, stats: &Value, base: f64, baseline: &Va
         ("baseline_device", baseline["cases"][0]["device"].clone()),
         ("baseline_same_top1", baseline["token_stats"]["same_top1"]["count"].clone()),
     ];
-    kld_ratio_case(id, device, stats, Some(base), &baseline["token_stats"], factor, "the baseline's", &extra)
+    kld_ratio_case(id, device, stats, &baseline["token_stats"], factor, "the baseline's", &extra)
 }
 
 /// Judges one device run: the gate cases (see the module header) and the `token_stats` section.

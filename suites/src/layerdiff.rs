@@ -388,6 +388,12 @@ impl<'a> RoutingFollower<'a> {
         RoutingFollower { device, budget_of, run, follows: Vec::new() }
     }
 
+    /// A follower for a propagated run (the oracle's own, or the emulated arithmetic's): a near
+    /// tie is judged by the propagated budget of the expert scores.
+    pub fn propagated(device: &'a RecordingTap, arith: &'a Arithmetic, dims: &'a Dims, run: &'static str) -> Self {
+        Self::new(device, Box::new(move |layer| propagated_budget("ffn_moe_probs", layer, arith, dims)), run)
+    }
+
     /// `Tap::route` for the run this follower serves.
     pub fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
         let (w, data) = self.device.tensors.get(name)?;
@@ -810,12 +816,12 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
     arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
     let dims = Dims::of(oracle_model.spec(), ids.len());
     let rerun = |substitute_values: bool, run: &'static str| {
-        let budget_of: Box<dyn Fn(Option<usize>) -> Option<Budget>> = if substitute_values {
-            Box::new(|_| local_budget("ffn_moe_probs", arith, &dims))
+        let routing = if substitute_values {
+            RoutingFollower::new(device_taps, Box::new(|_| local_budget("ffn_moe_probs", arith, &dims)), run)
         } else {
-            Box::new(|layer| propagated_budget("ffn_moe_probs", layer, arith, &dims))
+            RoutingFollower::propagated(device_taps, arith, &dims, run)
         };
-        Rerun { routing: RoutingFollower::new(device_taps, budget_of, run), substitute_values, recorded: RecordingTap::default() }
+        Rerun { routing, substitute_values, recorded: RecordingTap::default() }
     };
     let mut reference = rerun(false, "propagated");
     oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
@@ -829,8 +835,7 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
         Ok((emu, own))
     }) {
         Ok((emu, own)) => {
-            let routing = RoutingFollower::new(device_taps, Box::new(|layer| propagated_budget("ffn_moe_probs", layer, arith, &dims)), "emulated");
-            let mut run = crate::emulate::Following { emu: emu.recording(), routing };
+            let mut run = crate::emulate::Following { emu: emu.recording(), routing: RoutingFollower::propagated(device_taps, arith, &dims, "emulated") };
             own.as_ref().unwrap_or(oracle_model).prefill_logits(ids, &mut run).map_err(|e| e.to_string())?;
             let recorded = run.emu.recorded.unwrap_or_default();
             for t in &mut taps {

@@ -169,8 +169,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let mut follows = Vec::new();
     if runs.routing_differs.contains(&true) {
         let (oracle, _) = super::load_oracle(&path, Precision::F32)?;
-        let budget_of = Box::new(|layer| propagated_budget("ffn_moe_probs", layer, &arith, &dims));
-        let mut tap = fixedtoken::FollowRouting { routing: RoutingFollower::new(&device_routing.0, budget_of, "teacher-forced"), recorded: RoutingTap::default() };
+        let mut tap = fixedtoken::FollowRouting { routing: RoutingFollower::propagated(&device_routing.0, &arith, &dims, "teacher-forced"), recorded: RoutingTap::default() };
         runs.followed_oracle = Some(oracle.prefill_logits(&seq, &mut tap)?);
         follows = tap.routing.follows;
         for f in &follows {
@@ -193,8 +192,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
                 None => super::load_oracle(&path, Precision::F32)?.0,
             };
             // Routed as the device did at near ties, and compared with the oracle that was.
-            let budget_of = Box::new(|layer| propagated_budget("ffn_moe_probs", layer, &arith, &dims));
-            let mut run = suites::emulate::Following { emu, routing: RoutingFollower::new(&device_routing.0, budget_of, "emulated") };
+            let mut run = suites::emulate::Following { emu, routing: RoutingFollower::propagated(&device_routing.0, &arith, &dims, "emulated") };
             let logits: Vec<f32> = oracle.prefill_logits(&seq, &mut run)?.iter().map(|v| *v as f32).collect();
             drop(oracle);
             let reference = runs.followed_oracle.as_deref().unwrap_or(&oracle_logits);
