@@ -5,6 +5,17 @@
 use oracle::loader::{LoadedTensor, RawTensor, TensorSource};
 use oracle::Tap;
 
+/// How many times the emulated arithmetic's error a device may reach by default: its mean KLD
+/// (fixed-token's `kld_vs_emulation`) and its propagated error at each tap (layer-diff's
+/// `emulated_departure`). Honest engines measure 0.93-1.93x on the fixtures and random models
+/// (docs/ACCURACY.md); `--emulation-factor` sets it per run.
+pub const EMULATION_FACTOR: f64 = 4.0;
+
+/// The emulated arithmetic's relative propagated error from which layer-diff holds a tap to it
+/// (`emulated_departure`): under it the emulated roundings have barely reached the tap, and
+/// the f32 noise of the device's own order of sums (1e-6 and less) would weigh in the ratio.
+pub const EMULATED_FLOOR: f64 = 1e-4;
+
 /// The oracle re-run with a declared arithmetic's roundings where it declares them, so its logits
 /// are what an honest engine of that arithmetic computes (up to the order of its sums): a tap
 /// that substitutes, after each op, the value rounded as the engine would hold it —

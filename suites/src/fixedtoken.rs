@@ -27,6 +27,7 @@
 //! The logit budget is the layer-diff propagated budget of `result_output` (suites::layerdiff),
 //! so one model of the device's arithmetic feeds both gates.
 
+pub use crate::emulate::EMULATION_FACTOR;
 use crate::layerdiff::Budget;
 use crate::throughput::percentile;
 use reports::{Case, Tolerance, Verdict};
@@ -245,10 +246,6 @@ pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
     }
     out
 }
-
-/// How many times the emulated arithmetic's mean KLD a device may reach by default
-/// (`kld_vs_emulation`).
-pub const EMULATION_FACTOR: f64 = 4.0;
 
 /// The `kld_vs_emulation` gate: this run's mean KLD (`stats`) at most `factor` times
 /// the mean KLD of the oracle re-run with the device's declared arithmetic (`emulated`, the

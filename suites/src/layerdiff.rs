@@ -13,6 +13,12 @@
 //! The first tap, in execution order, whose isolated error exceeds its budget is the
 //! `first_divergence`: the guilty op.
 //!
+//! Where the device's declared arithmetic can be emulated on the oracle
+//! ([`crate::emulate::EmulatedArithmetic`]), a third run gives each tap the propagated error an
+//! honest engine of that arithmetic has, and one more gate, `emulated_departure`, holds the
+//! device's propagated error to `factor` times it at every tap where it is material: a change of
+//! numerics inside the worst-case budgets, located at the first tap it shows in.
+//!
 //! Budgets bound the RMS error of a tap over all its positions: `rms_err <= rel * rms_ref + abs`.
 //! They are a stated model (docs/ACCURACY.md, "Layer-diff budgets"), not a proof: the kernel gate
 //! proves per-element bounds op by op; this gate localizes drift in a whole model.
@@ -270,8 +276,9 @@ pub struct TapDiff {
     pub magnified: f64,
     /// Relative RMS error, against the oracle's own pass, of the oracle run with the device's
     /// declared arithmetic emulated ([`crate::emulate::EmulatedArithmetic`]): the propagated
-    /// error an honest engine of that arithmetic has here. Reported beside the device's, not
-    /// gated; None where the arithmetic is not emulated.
+    /// error an honest engine of that arithmetic has here. Reported beside the device's and held
+    /// to it by the `emulated_departure` gate ([`emulated_departure`]); None where the arithmetic
+    /// is not emulated.
     pub emulated: Option<f64>,
 }
 
@@ -707,6 +714,49 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
         .collect()
 }
 
+/// The `emulated_departure` gate: at every tap where the declared arithmetic emulated has a
+/// relative propagated error of at least [`crate::emulate::EMULATED_FLOOR`], the device's
+/// propagated error is at most `factor` times it. The verdict names the first tap (execution
+/// order) past the factor — where a change of numerics shows first — and the largest ratio. None
+/// when no tap reaches the floor (nothing to hold the device to). A tap with values non-finite
+/// on the device's side only is past any factor (its ratio is infinite).
+pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &str) -> Option<Case> {
+    let floor = crate::emulate::EMULATED_FLOOR;
+    let ratio = |p: &ErrStats, e: f64| if p.nonfinite > 0 { f64::INFINITY } else { p.rel() / e };
+    let ratios: Vec<(&TapDiff, f64)> = taps.iter().filter(|t| !t.missing).filter_map(|t| Some((t, ratio(t.propagated.as_ref()?, t.emulated.filter(|e| *e >= floor)?)))).collect();
+    let over = |r: f64| r.is_nan() || r > factor;
+    let (largest, largest_ratio) = *ratios.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let first = ratios.iter().find(|(_, r)| over(*r));
+    let mut m = Map::new();
+    m.insert("taps_compared".into(), json!(ratios.len()));
+    m.insert("largest_ratio".into(), json!(largest_ratio));
+    m.insert("largest_tap".into(), json!(largest.name));
+    m.insert("factor".into(), json!(factor));
+    if let Some((t, r)) = first {
+        m.insert("first_departure_tap".into(), json!(t.name));
+        m.insert("first_departure_ratio".into(), json!(r));
+    }
+    let message = match first {
+        Some((t, r)) => format!(
+            "{}: propagated error {r:.2}x that of the declared arithmetic emulated (allowed {factor}x); {} of {} taps past it, the largest {largest_ratio:.2}x at {}",
+            t.name,
+            ratios.iter().filter(|(_, r)| over(*r)).count(),
+            ratios.len(),
+            largest.name
+        ),
+        None => format!("largest {largest_ratio:.2}x the emulated arithmetic's error, at {} ({} taps compared)", largest.name, ratios.len()),
+    };
+    Some(Case {
+        id: format!("layer_diff(model={model},gate=emulated_departure)"),
+        device: device.to_string(),
+        verdict: if first.is_some() { Verdict::Fail } else { Verdict::Pass },
+        metrics: m,
+        tolerance: Tolerance { rule: format!("propagated rel. error <= {factor} x the declared arithmetic emulated's, at every tap where that is >= {floor:e}"), bound: factor },
+        margin: factor - largest_ratio,
+        message: Some(message),
+    })
+}
+
 /// Rows of the per-layer table: layer, l_out propagated error/bound, worst isolated op.
 pub fn layer_table(taps: &[TapDiff]) -> Vec<Vec<String>> {
     let mut groups: Vec<(String, Vec<&TapDiff>)> = Vec::new();
@@ -812,7 +862,9 @@ pub struct Outcome {
 /// after it would be compared with a different expert's output.
 /// `path` is the model's file: the emulation of the declared arithmetic reads its matrix types
 /// there (and, for fixed point, loads its weights anew).
-pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, model: &str, device: &str) -> Result<Outcome, String> {
+/// `emulation_factor` is the `emulated_departure` gate's factor ([`emulated_departure`]).
+#[allow(clippy::too_many_arguments)]
+pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, emulation_factor: f64, model: &str, device: &str) -> Result<Outcome, String> {
     arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
     let dims = Dims::of(oracle_model.spec(), ids.len());
     let rerun = |substitute_values: bool, run: &'static str| {
@@ -830,6 +882,7 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
     let mut taps = diff(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
     // Once more with the declared arithmetic emulated, where it can be: each tap's propagated
     // error an honest engine of that arithmetic has, beside the device's.
+    let mut departure_case = None;
     let emulation = match crate::emulate::EmulatedArithmetic::new(arith, path).and_then(|emu| {
         let own = emu.load_model().map_err(|e| format!("the emulated weights could not be loaded: {e}"))?;
         Ok((emu, own))
@@ -846,7 +899,12 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
             // Where the device leaves the emulated line most (taps the emulation has not yet
             // rounded anything before are skipped): where to look when it leaves it at all.
             let departure = taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1));
-            json!({ "applied": true, "largest_departure": departure.map(|(t, r)| json!({ "tap": t.name, "propagated_over_emulated": r })) })
+            let mut section = json!({ "applied": true, "largest_departure": departure.map(|(t, r)| json!({ "tap": t.name, "propagated_over_emulated": r })), "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR });
+            match emulated_departure(&taps, emulation_factor, model, device) {
+                Some(case) => departure_case = Some(case),
+                None => section["gate"] = json!(format!("not applicable: the emulated error reaches {:e} at no tap (the declared roundings barely touch this model)", crate::emulate::EMULATED_FLOOR)),
+            }
+            section
         }
         Err(why) => json!({ "not_applicable": why }),
     };
@@ -854,7 +912,7 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
     for t in &mut taps {
         t.routing_followed = follows.iter().filter(|f| f.tap == t.name).count();
     }
-    let mut report = report(&taps, mode, model, device, ids, None);
+    let mut report = report(&taps, mode, model, device, ids, None, departure_case);
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("arithmetic".into(), json!(arith));
     report.sections.insert("emulated_arithmetic".into(), emulation);
@@ -882,7 +940,7 @@ pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap
         };
         t.budget_isolated = None;
     }
-    let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0));
+    let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), None);
     report.sections.insert("arithmetic".into(), Value::Object(Map::from_iter([(a.0.to_string(), json!(a.2)), (b.0.to_string(), json!(b.2))])));
     // Two builds of one engine often agree bit for bit up to a change: the first tap where they
     // differ at all is worth knowing even when the difference is inside the budget.
@@ -897,8 +955,11 @@ pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap
     Ok(Outcome { taps, report, follows: Vec::new() })
 }
 
-fn report(taps: &[TapDiff], mode: Mode, model: &str, device: &str, ids: &[u32], against: Option<&str>) -> Report {
-    let mut report = Report::new("layer-diff", Provenance::collect(rayon::current_num_threads()), cases(taps, device, model, mode));
+/// The report of a run: one case per tap, then `departure` (the `emulated_departure` gate).
+fn report(taps: &[TapDiff], mode: Mode, model: &str, device: &str, ids: &[u32], against: Option<&str>, departure: Option<Case>) -> Report {
+    let mut cases = cases(taps, device, model, mode);
+    cases.extend(departure);
+    let mut report = Report::new("layer-diff", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert("mode".into(), json!(mode));
     report.sections.insert("model".into(), json!(model));
     report.sections.insert("prompt_ids".into(), json!(ids));
@@ -1004,6 +1065,50 @@ mod tests {
         let mut bad = r.clone();
         bad.tensors.get_mut("blk.0.l_out").unwrap().0 = 32;
         assert!(diff(&r, None, &bad, &Arithmetic::F32, &d).is_err(), "a wrong width is an error");
+    }
+
+    /// The departure gate holds each tap's propagated error to `factor` times the emulated
+    /// arithmetic's where that is material, names the first tap past it, ignores taps under
+    /// the floor, and does not apply where no tap reaches it.
+    #[test]
+    fn emulated_departure_names_the_first_tap_past_the_factor() {
+        let d = dims();
+        let mut r = RecordingTap::default();
+        let vals: Vec<f32> = (0..5 * 64).map(|i| (i as f32 * 0.37).sin() + 0.1).collect();
+        let names = ["blk.0.attn_norm", "blk.0.l_out", "blk.1.attn_q", "blk.1.l_out", "result_norm"];
+        for name in names {
+            r.record(name, 0, 5, 64, &vals);
+        }
+        // Each tap of the device off by `rel` of its RMS (every value scaled by 1 +- rel).
+        let mut dev = r.clone();
+        for (name, rel) in [("blk.0.attn_norm", 1e-5), ("blk.0.l_out", 1e-3), ("blk.1.attn_q", 2e-3), ("blk.1.l_out", 5e-3), ("result_norm", 6e-3)] {
+            for (i, v) in dev.tensors.get_mut(name).unwrap().1.iter_mut().enumerate() {
+                *v *= 1.0 + if i % 2 == 0 { rel } else { -rel } as f32;
+            }
+        }
+        let mut taps = diff(&r, None, &dev, &Arithmetic::F32, &d).unwrap();
+        // The emulated errors: under the floor at attn_norm (its 100x is not held against it).
+        for (t, e) in taps.iter_mut().zip([1e-7, 1e-3, 1e-3, 1e-3, 1e-3]) {
+            t.emulated = Some(e);
+        }
+        let c = emulated_departure(&taps, 4.0, "m", "dev").unwrap();
+        assert_eq!(c.verdict, Verdict::Fail, "{c:?}");
+        assert_eq!(c.metrics["taps_compared"], 4);
+        assert_eq!(c.metrics["first_departure_tap"], "blk.1.l_out");
+        assert_eq!(c.metrics["largest_tap"], "result_norm");
+        assert!((c.metrics["largest_ratio"].as_f64().unwrap() - 6.0).abs() < 1e-3, "{c:?}");
+        assert!(c.message.as_deref().unwrap().starts_with("blk.1.l_out: propagated error 5.00x"), "{c:?}");
+        let c = emulated_departure(&taps, 6.5, "m", "dev").unwrap();
+        assert_eq!(c.verdict, Verdict::Pass, "{c:?}");
+        assert!((c.margin - 0.5).abs() < 1e-3, "{c:?}");
+        // Values non-finite on the device's side only: past any factor.
+        taps[2].propagated.as_mut().unwrap().nonfinite = 1;
+        let c = emulated_departure(&taps, 1e6, "m", "dev").unwrap();
+        assert_eq!((c.verdict, &c.metrics["first_departure_tap"]), (Verdict::Fail, &json!("blk.1.attn_q")), "{c:?}");
+        for t in &mut taps {
+            t.emulated = Some(5e-5);
+        }
+        assert!(emulated_departure(&taps, 4.0, "m", "dev").is_none(), "no tap reaches the floor");
     }
 
     /// An op that magnifies its inputs' error (the oracle's own re-run on the device's inputs

@@ -265,7 +265,7 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
     };
     let taps = forward_in_chunks(m.as_mut(), device, ids, chunks)?;
     for mode in [Mode::Isolated, Mode::Propagated] {
-        let out = layerdiff::run(oracle_model, path, ids, &taps, &m.arithmetic(), mode, "random", device)?;
+        let out = layerdiff::run(oracle_model, path, ids, &taps, &m.arithmetic(), mode, suites::emulate::EMULATION_FACTOR, "random", device)?;
         // The `cpu` devices are their declared arithmetic and nothing else (Q8_0 inputs to the
         // quantized matrices, an f16 cache): the emulated run predicts their logits' error on any
         // model (0.98-1.07x over 113 random models when this check was written), wherever the
@@ -610,12 +610,12 @@ fn an_f16_kv_cache_passes_on_its_declaration_and_fails_without_it() {
     let declared = m.arithmetic();
     assert_eq!(declared.kv_cache, Some(devices::NumFormat::F16));
     for mode in [Mode::Isolated, Mode::Propagated] {
-        let ok = layerdiff::run(&oracle_model, &path, &ids, &taps, &declared, mode, "llama", "cpu:kv-f16").unwrap();
+        let ok = layerdiff::run(&oracle_model, &path, &ids, &taps, &declared, mode, suites::emulate::EMULATION_FACTOR, "llama", "cpu:kv-f16").unwrap();
         assert_eq!(ok.report.exit_code(), 0, "{mode:?}: {:?}", layerdiff::first_divergence(&ok.taps).map(|t| &t.name));
         assert_eq!(ok.report.sections["arithmetic"]["kv_cache"], "f16", "the report says what the budgets came from");
     }
     let undeclared = devices::Arithmetic { kv_cache: None, ..declared };
-    let bad = layerdiff::run(&oracle_model, &path, &ids, &taps, &undeclared, Mode::Isolated, "llama", "cpu:kv-f16").unwrap();
+    let bad = layerdiff::run(&oracle_model, &path, &ids, &taps, &undeclared, Mode::Isolated, suites::emulate::EMULATION_FACTOR, "llama", "cpu:kv-f16").unwrap();
     assert_eq!(bad.report.exit_code(), 1);
     assert_eq!(layerdiff::first_divergence(&bad.taps).map(|t| t.name.as_str()), Some("blk.0.attn_kqv"));
 }
@@ -651,7 +651,7 @@ fn a_wrong_expert_choice_is_not_excused_as_a_near_tie() {
     let mut taps = RecordingTap::default();
     m.forward(&ids, &mut taps).unwrap();
     let arith = m.arithmetic();
-    let ok = layerdiff::run(&oracle_model, &path, &ids, &taps, &arith, Mode::Isolated, "moe", "cpu").unwrap();
+    let ok = layerdiff::run(&oracle_model, &path, &ids, &taps, &arith, Mode::Isolated, suites::emulate::EMULATION_FACTOR, "moe", "cpu").unwrap();
     assert_eq!(ok.report.exit_code(), 0);
 
     let probs = taps.tensors["blk.0.ffn_moe_probs"].1[8..16].to_vec();
@@ -659,7 +659,7 @@ fn a_wrong_expert_choice_is_not_excused_as_a_near_tie() {
     let topk = &mut taps.tensors.get_mut("blk.0.ffn_moe_topk").unwrap().1;
     assert_ne!(topk[3], worst);
     topk[3] = worst; // position 1's second expert
-    let bad = layerdiff::run(&oracle_model, &path, &ids, &taps, &arith, Mode::Isolated, "moe", "cpu").unwrap();
+    let bad = layerdiff::run(&oracle_model, &path, &ids, &taps, &arith, Mode::Isolated, suites::emulate::EMULATION_FACTOR, "moe", "cpu").unwrap();
     assert_eq!(bad.report.exit_code(), 1);
     assert!(bad.follows.is_empty(), "{:?}", bad.follows);
     let t = bad.taps.iter().find(|t| t.name == "blk.0.ffn_moe_topk").unwrap();

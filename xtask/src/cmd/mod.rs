@@ -25,6 +25,15 @@ use oracle::Precision;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// `--emulation-factor`: a finite number of at least 1, else exit 2.
+pub fn check_emulation_factor(f: f64) -> Result<(), Exit> {
+    if f.is_finite() && f >= 1.0 {
+        Ok(())
+    } else {
+        Err(Exit { code: 2, message: format!("--emulation-factor {f} must be a finite number of at least 1") })
+    }
+}
+
 /// Checks that `device` opens (every device but `ref` runs whole models through
 /// `Device::load_model`; `ref` is the oracle itself). Exit 2 with the device's reason if not.
 pub fn check_device(device: &str) -> Result<(), Exit> {
