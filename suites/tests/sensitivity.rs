@@ -1,6 +1,8 @@
 //! Gate sensitivity: each bug class real engines ship, injected into a test-only faulty device,
 //! must turn its cases red under the derived tolerances, while the correct cpu device passes the
-//! very same cases. This is what shows the tolerances are tight enough to matter.
+//! very same cases. This is what shows the tolerances are tight enough to matter. And a change
+//! of numerics inside a whole model's worst-case layer-diff budgets must fail the gate that holds
+//! it to its declared arithmetic, emulated.
 
 use devices::cpu::CpuDevice;
 use devices::faulty::{Fault, FaultyDevice};
@@ -48,4 +50,90 @@ fn every_injected_bug_class_is_caught_and_the_correct_device_passes() {
         assert!(red as f64 >= 0.9 * total as f64, "{fault:?}: only {red} of {total} affected cases failed");
     }
     eprintln!("{}", summary.join("\n"));
+}
+
+/// An engine of the `cpu` device's declared arithmetic (Q8_0 inputs to the products with
+/// quantized matrices), emulated exactly, except that the input of one matrix (`coarser`: its
+/// name and a number of levels) is rounded to 32-value blocks on a coarser grid than declared
+/// (scale max|x|/levels instead of /127): a change of numerics inside one product, as a kernel
+/// revision could make. None: the honest engine.
+struct Regressed {
+    emu: suites::emulate::EmulatedArithmetic,
+    coarser: Option<(&'static str, f32)>,
+}
+
+impl oracle::Tap for Regressed {
+    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        self.emu.record(name, start_pos, n_tokens, width, data);
+    }
+    fn substitute(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize) -> Option<Vec<f32>> {
+        self.emu.substitute(name, start_pos, n_tokens, width)
+    }
+    fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
+        let Some(levels) = self.coarser.filter(|(m, _)| *m == weight).map(|(_, l)| l) else {
+            return self.emu.product_input(weight, width, data);
+        };
+        let mut v = data.to_vec();
+        for row in v.chunks_mut(width) {
+            for b in row.chunks_mut(32) {
+                let d = b.iter().fold(0f32, |m, x| m.max(x.abs())) / levels;
+                for x in b.iter_mut() {
+                    *x = if d > 0.0 { (*x / d).round() * d } else { 0.0 };
+                }
+            }
+        }
+        Some(v)
+    }
+}
+
+/// A change of numerics inside the worst-case budgets: an engine that rounds one product's
+/// input (blk.0.attn_v's) on a grid 6.35x coarser than it declares (max|x|/20 for /127) passes
+/// every tap's budget in both modes; the `emulated_departure` gate fails it at its default factor,
+/// at that tap (6.1x when written). One 2.5x coarser (/50, 2.55x) passes the default factor and
+/// fails 1.5, a factor suited to an engine the emulation models exactly: the honest engine
+/// measures 1.00x.
+#[test]
+fn the_emulated_departure_gate_catches_a_coarser_rounding_the_budgets_let_through() {
+    use suites::layerdiff::{self, Mode};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    std::fs::write(&path, fixtures::synthetic::build("tiny-llama").unwrap()).unwrap();
+    let (oracle_model, _) = oracle::generate::AnyModel::load(&path, oracle::Precision::F32).unwrap();
+    let arith = devices::open("cpu").unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap().arithmetic();
+    let ids = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
+    // The departure case of each mode, after checking that every tap is within its budget.
+    let judge = |levels: Option<f32>, factor: f64| -> Vec<reports::Case> {
+        let emu = suites::emulate::EmulatedArithmetic::new(&arith, &path).unwrap().recording();
+        let mut engine = Regressed { emu, coarser: levels.map(|l| ("blk.0.attn_v.weight", l)) };
+        oracle_model.prefill_logits(&ids, &mut engine).unwrap();
+        let taps = engine.emu.recorded.unwrap();
+        [Mode::Isolated, Mode::Propagated]
+            .map(|mode| {
+                let out = layerdiff::run(&oracle_model, &path, &ids, &taps, &arith, mode, factor, "tiny-llama", "regressed").unwrap();
+                let (gate, budgets): (Vec<_>, Vec<_>) = out.report.cases.into_iter().partition(|c| c.id.ends_with(",gate=emulated_departure)"));
+                assert!(budgets.len() > 30, "{mode:?}: {} taps", budgets.len());
+                for c in &budgets {
+                    assert_eq!(c.verdict, Verdict::Pass, "{levels:?} {mode:?}: {} {:?}", c.id, c.message);
+                }
+                assert_eq!(gate.len(), 1, "{mode:?}");
+                gate.into_iter().next().unwrap()
+            })
+            .to_vec()
+    };
+    let ratio = |c: &reports::Case| c.metrics["largest_ratio"].as_f64().unwrap();
+    for c in judge(None, 1.5) {
+        assert_eq!(c.verdict, Verdict::Pass, "{c:?}");
+        assert!((0.99..1.01).contains(&ratio(&c)), "{c:?}");
+    }
+    for c in judge(Some(20.0), suites::emulate::EMULATION_FACTOR) {
+        assert_eq!(c.verdict, Verdict::Fail, "{c:?}");
+        assert_eq!(c.metrics["first_departure_tap"], "blk.0.attn_v", "{c:?}");
+        assert!(ratio(&c) > 5.0, "{c:?}");
+    }
+    for (factor, verdict) in [(suites::emulate::EMULATION_FACTOR, Verdict::Pass), (1.5, Verdict::Fail)] {
+        for c in judge(Some(50.0), factor) {
+            assert_eq!(c.verdict, verdict, "factor {factor}: {c:?}");
+            assert!((2.0..3.0).contains(&ratio(&c)), "{c:?}");
+        }
+    }
 }

@@ -161,6 +161,8 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["ab", "--a", "cpu", "--b", "ref", "--model", "tiny-llama", "--prompt-len", "100000000"], "exceed 2^20 positions");
     refused(&["ab", "--a", "cpu", "--b", "ref", "--model", "tiny-llama", "--pairs", "5", "--max-pairs", "2", "--threshold", "inf"], "need --max-pairs >= --pairs, --threshold a positive percentage");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
+    refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "0.5"], "--emulation-factor 0.5 must be a finite number of at least 1");
+    refused(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "inf"], "--emulation-factor inf must be a finite number of at least 1");
     let mut golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(workspace().join("fixtures/golden/tiny-llama.json")).unwrap()).unwrap();
     golden["continuation_ids"] = serde_json::json!([]);
     let f = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
@@ -543,9 +545,14 @@ fn honest_engines_measure_their_emulated_arithmetic() {
         let ci = &emu["metrics"]["ratio_ci95"];
         assert!(ci[0].as_f64().unwrap() <= ratio && ratio <= ci[1].as_f64().unwrap(), "{model}: {emu}");
     }
-    let o = xtask(&["layer-diff", "--device", "fixed-int4", "--model", "tiny-llama", "--report-dir", &dir("ld")], &[]);
+    let o = xtask(&["layer-diff", "--device", "fixed-int4", "--model", "tiny-llama", "--emulation-factor", "1.5", "--report-dir", &dir("ld")], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report("ld");
+    // ... and every tap is within 1.5x the emulation's error (the emulated_departure gate).
+    let gate = r["cases"].as_array().unwrap().iter().find(|c| c["id"] == "layer_diff(model=tiny-llama,gate=emulated_departure)").expect("an emulated_departure case");
+    assert_eq!((&gate["verdict"], &gate["tolerance"]["bound"]), (&serde_json::json!("pass"), &serde_json::json!(1.5)), "{gate}");
+    assert!(gate["metrics"]["taps_compared"].as_u64().unwrap() > 20, "{gate}");
+    assert!(text(&o).contains("emulated_departure gate (1.5x): Pass"), "{}", text(&o));
     let l_outs: Vec<&serde_json::Value> = r["cases"].as_array().unwrap().iter().filter(|c| c["metrics"]["kind"] == "l_out").collect();
     assert!(l_outs.len() >= 2);
     for c in l_outs {
