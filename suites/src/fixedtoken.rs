@@ -34,7 +34,7 @@ use reports::{Case, Tolerance, Verdict};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-/// A golden sequence for one model (fixtures/golden/<model>.json).
+/// A golden sequence for one model (`fixtures/golden/<model>.json`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Golden {
     pub model: String,

@@ -269,10 +269,10 @@ pub struct TapDiff {
     /// near tie.
     pub routing_followed: usize,
     /// How much this op magnified the relative error of the inputs the device gave it, measured
-    /// by the oracle itself (see [`carry_through_ops`]); None where not measured.
+    /// by the oracle itself (see `carry_through_ops`); None where not measured.
     pub amplification: Option<f64>,
     /// What was added to the depth model's relative propagated budget for error magnified here
-    /// and upstream (0: none; see [`carry_through_ops`]).
+    /// and upstream (0: none; see `carry_through_ops`).
     pub magnified: f64,
     /// Relative RMS error, against the oracle's own pass, of the oracle run with the device's
     /// declared arithmetic emulated ([`crate::emulate::EmulatedArithmetic`]): the propagated

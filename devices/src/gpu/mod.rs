@@ -154,7 +154,7 @@ pub trait Backend: Send + Sync {
 
 /// A backend with memory accounting and a cache of freed buffers. Device allocation and release
 /// are slow (and a release synchronizes the device on CUDA), while a model's forward pass frees
-/// and allocates the same activation sizes every token; dropped buffers up to [`POOL_MAX_BUF`]
+/// and allocates the same activation sizes every token; dropped buffers up to `POOL_MAX_BUF`
 /// bytes are kept by size and handed out again.
 pub struct Gpu {
     pub backend: Box<dyn Backend>,

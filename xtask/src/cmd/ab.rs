@@ -24,7 +24,7 @@ use suites::ab::{self, AbVerdict};
 
 #[derive(clap::Args)]
 pub struct AbArgs {
-    /// Baseline arm: a device (cpu, fixed, ref), git:REV[:DEVICE], or exec:CMD.
+    /// Baseline arm: a device (cpu, fixed, ref), git:REV or git:REV:DEVICE, or exec:CMD.
     #[arg(long)]
     a: String,
     /// Candidate arm (same forms as --a).

@@ -32,7 +32,7 @@ pub struct BenchArgs {
     /// Measured repetitions (after one warm-up).
     #[arg(long, default_value_t = REPS)]
     reps: usize,
-    /// Where report.json (with every raw sample), report.md and the latency plot go (default target/touchstone/bench-<time>/).
+    /// Where report.json (with every raw sample), report.md and the latency plot go (default target/touchstone/bench-TIME/).
     #[arg(long)]
     report_dir: Option<PathBuf>,
     #[arg(long, default_value = "f32")]

@@ -21,7 +21,7 @@ pub struct FixedTokenArgs {
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long)]
     pub model: String,
-    /// Golden file (default: fixtures/golden/<model>.json for fixture models; for other models
+    /// Golden file (default: fixtures/golden/MODEL.json for fixture models; for other models
     /// the oracle's greedy continuation is computed in this run and the report says so).
     #[arg(long)]
     pub golden: Option<PathBuf>,
@@ -57,7 +57,7 @@ pub struct FixedTokenArgs {
     /// engine that rounds them worse than it declares.
     #[arg(long, default_value_t = fixedtoken::EMULATION_FACTOR)]
     pub emulation_factor: f64,
-    /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-<time>/).
+    /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-TIME/).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
 }

@@ -33,7 +33,7 @@ pub struct GateArgs {
     /// Run shard K of N of the kernel cases.
     #[arg(long)]
     shard: Option<String>,
-    /// Where the reports go (default: target/touchstone/gate-<timestamp>/).
+    /// Where the reports go (default: target/touchstone/gate-TIME/).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }

@@ -21,7 +21,7 @@ pub struct KernelsArgs {
     /// Run shard K of N (1-based), e.g. 2/4; the split is a stable hash of the case id.
     #[arg(long)]
     shard: Option<String>,
-    /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-<time>/).
+    /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-TIME/).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }

@@ -41,7 +41,7 @@ pub struct LayerDiffArgs {
     /// 1.5 suits engines whose arithmetic the emulation models exactly (cpu, fixed-int4).
     #[arg(long, default_value_t = suites::emulate::EMULATION_FACTOR)]
     pub emulation_factor: f64,
-    /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-<time>/).
+    /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-TIME/).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
 }

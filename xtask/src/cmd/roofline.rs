@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct RooflineArgs {
-    /// cuda[:N], rocm[:N] (device events), cpu (wall clock), gpu-emu (its figures say nothing about a GPU, so its gate is inconclusive: exit 3).
+    /// cuda or cuda:N, rocm or rocm:N (device events), cpu (wall clock), gpu-emu (its figures say nothing about a GPU, so its gate is inconclusive: exit 3).
     #[arg(long)]
     device: String,
     /// Size of the copy buffer and of each GEMV weight matrix, in MiB (large enough to defeat caches).
@@ -25,7 +25,7 @@ pub struct RooflineArgs {
     /// Gated GEMV bandwidth / copy bandwidth must reach this.
     #[arg(long, default_value_t = 0.85)]
     min_ratio: f64,
-    /// Where report.json and report.md go (default target/touchstone/roofline-<time>/).
+    /// Where report.json and report.md go (default target/touchstone/roofline-TIME/).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }
