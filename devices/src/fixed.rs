@@ -611,8 +611,8 @@ impl FixedModel {
         let raw = |name: &str| -> Result<oracle::loader::RawTensor<'_>, DeviceError> { src.raw(name).map_err(model_err)?.ok_or_else(|| model_err(format!("{label}: missing tensor `{name}`"))) };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<FixedWeights, DeviceError> {
             let t = raw(name)?;
-            if t.n_elements() != rows * cols || t.dims[0] != cols {
-                return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}", t.dims)));
+            if Some(t.n_elements()) != rows.checked_mul(cols) || t.dims[0] != cols {
+                return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
             }
             Ok(convert_weights(t.ty, rows, cols, &t.bytes, int4 && cols.is_multiple_of(INT4_GROUP)))
         };
@@ -647,8 +647,8 @@ impl FixedModel {
         }
         // The embedding table as Q16 activations (rows are looked up, never multiplied).
         let te = raw("token_embd.weight")?;
-        if te.n_elements() != spec.n_vocab * d || te.dims[0] != d {
-            return Err(model_err(format!("{label}: tensor `token_embd.weight` has dims {:?}", te.dims)));
+        if Some(te.n_elements()) != spec.n_vocab.checked_mul(d) || te.dims[0] != d {
+            return Err(model_err(format!("{label}: tensor `token_embd.weight` has dims {:?}, expected [{d}, {}]", te.dims, spec.n_vocab)));
         }
         let te_bytes = te.bytes;
         let row_bytes = te_bytes.len() / spec.n_vocab;

@@ -581,12 +581,23 @@ pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Opti
 
 /// Opens a model's weights and spec without its tokenizer (for device loaders).
 pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
+    // The layer count every loader sizes its layers by must be backed by the files (a GGUF's
+    // is checked with its other metadata in `ModelSpec::from_gguf`): a config claiming 10^9
+    // layers over one is this error, not a huge allocation in the next loader.
+    let backed = |src: Box<dyn TensorSource>, spec: ModelSpec| -> Result<(Box<dyn TensorSource>, ModelSpec)> {
+        let last = format!("blk.{}.attn_norm.weight", spec.n_layer.saturating_sub(1));
+        if src.raw(&last)?.is_none() {
+            return Err(OracleError::Spec(format!("{}: the model has {} layers but no tensor `{last}`", src.label(), spec.n_layer)));
+        }
+        Ok((src, spec))
+    };
     if crate::flat::is_flat(path) {
         let (flat, spec) = crate::flat::FlatFile::open(path)?;
-        Ok((Box::new(flat), spec))
+        backed(Box::new(flat), spec)
     } else if path.is_dir() {
         let (dir, spec) = SafetensorsDir::open(path)?;
-        Ok((unfused(Box::new(dir), &spec), spec))
+        let src = unfused(Box::new(dir), &spec);
+        backed(src, spec)
     } else {
         let g = GgufFile::open(path)?;
         let spec = ModelSpec::from_gguf(&g)?;

@@ -132,3 +132,94 @@ fn moe_checkpoints_with_a_broken_expert_are_refused_naming_it() {
         assert!(e.contains(want) && !e.contains("panicked"), "{n}: {e}");
     }
 }
+
+/// Sizes config.json claims and the files do not back (10^9 layers, one layer more than the
+/// files hold, a vocabulary of 2^40) are one clear error on every device loader, never an
+/// allocation of that size: 10^9 layers aborted `cpu` and `gpu-emu` (a 768 GB layer table)
+/// before the layer count was checked against the files for every kind of model file.
+#[test]
+fn config_sizes_the_files_do_not_back_are_refused_by_every_device_loader() {
+    let dir = tempfile::tempdir().unwrap();
+    write_dir(dir.path(), "tiny-llama", safetensors::Dtype::F32, |_, _| {});
+    let cfg_path = dir.path().join("config.json");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    for (key, v, want) in [
+        ("num_hidden_layers", 1_000_000_000u64, "the model has 1000000000 layers but no tensor `blk.999999999.attn_norm.weight`"),
+        ("num_hidden_layers", 3, "the model has 3 layers but no tensor `blk.2.attn_norm.weight`"),
+        ("vocab_size", 1 << 40, "has dims [256, 272], expected [256, 1099511627776]"),
+    ] {
+        let mut c = cfg.clone();
+        c[key] = serde_json::json!(v);
+        std::fs::write(&cfg_path, c.to_string()).unwrap();
+        for device in ["ref", "cpu", "fixed", "gpu-emu"] {
+            let o = xtask(&["run", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "{key}={v} on {device}: {e}");
+            assert!(e.contains(want) && !e.contains("panicked"), "{key}={v} on {device}: {e}");
+        }
+    }
+}
+
+/// Hostile config.json values on every device loader (the oracle's own loader has this test in
+/// fixtures/tests/safetensors_dir.rs): each field of tiny-llama's config, and the optional rope,
+/// window, bias and expert fields, set in turn to edge values; `cpu`, `fixed` and `gpu-emu` load
+/// the directory and run a prefill and a decode step, or refuse it with an error. A panic fails
+/// the test naming field, value and device (an abort, such as an allocation too large to make,
+/// ends the test process, which fails it too).
+#[test]
+fn edge_values_in_every_config_field_never_panic_a_device_loader() {
+    let dir = tempfile::tempdir().unwrap();
+    write_dir(dir.path(), "tiny-llama", safetensors::Dtype::F32, |_, _| {});
+    let cfg_path = dir.path().join("config.json");
+    let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut keys: Vec<String> = base.as_object().unwrap().keys().cloned().collect();
+    keys.extend(["rope_scaling", "sliding_window", "attention_bias", "partial_rotary_factor", "num_experts", "num_experts_per_tok", "torch_dtype"].map(String::from));
+    let values = [
+        serde_json::json!(0),
+        serde_json::json!(1),
+        serde_json::json!(-1),
+        serde_json::json!(3),
+        serde_json::json!(1u64 << 31),
+        serde_json::json!(1u64 << 40),
+        serde_json::json!(1e30),
+        serde_json::json!(0.5),
+        serde_json::json!("x"),
+        serde_json::Value::Null,
+        serde_json::json!({"rope_type": "yarn", "factor": 1e30}),
+    ];
+    let mut devices = vec!["cpu", "fixed"];
+    match devices::open("gpu-emu") {
+        Ok(_) => devices.push("gpu-emu"),
+        Err(e) => eprintln!("SKIPPED on gpu-emu: {e}"),
+    }
+    let (mut panics, mut runs, mut refused) = (Vec::new(), 0usize, 0usize);
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    for key in &keys {
+        for v in &values {
+            let mut cfg = base.clone();
+            cfg[key.as_str()] = v.clone();
+            std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+            for device in &devices {
+                let r = std::panic::catch_unwind(|| -> Result<(), String> {
+                    let mut m = devices::open(device).map_err(|e| e.to_string())?.load_model(dir.path(), &devices::ModelOptions::default()).map_err(|e| e.to_string())?;
+                    m.forward(&[1, 2], &mut oracle::NoTap).map_err(|e| e.to_string())?;
+                    m.forward(&[3], &mut oracle::NoTap).map_err(|e| e.to_string())?;
+                    Ok(())
+                });
+                match r {
+                    Ok(Ok(())) => runs += 1,
+                    Ok(Err(_)) => refused += 1,
+                    Err(p) => {
+                        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                        panics.push(format!("{key}={v} on {device}: {msg}"));
+                    }
+                }
+            }
+        }
+    }
+    std::panic::set_hook(hook);
+    eprintln!("{runs} runs, {refused} refused with an error, {} panics", panics.len());
+    assert!(runs > 0 && refused > 0, "the edits must both pass and fail somewhere: {runs} runs, {refused} refused");
+    assert!(panics.is_empty(), "{} panics:\n{}", panics.len(), panics.join("\n"));
+}

@@ -119,7 +119,7 @@ impl Loader<'_> {
     }
     fn opt_mat(&self, name: &str, rows: usize, cols: usize) -> Result<Option<PackedMat>, DeviceError> {
         let Some(t) = self.raw(name)? else { return Ok(None) };
-        if t.dims.len() < 2 || t.dims[0] != cols || t.n_elements() != rows * cols {
+        if t.dims.len() < 2 || t.dims[0] != cols || Some(t.n_elements()) != rows.checked_mul(cols) {
             return Err(err(&self.label, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
         }
         Ok(Some(PackedMat { ty: t.ty, rows, cols, bytes: t.bytes.to_vec() }))
@@ -128,7 +128,7 @@ impl Loader<'_> {
     fn experts(&self, name: &str, n_expert: usize, rows: usize, cols: usize) -> Result<Vec<PackedMat>, DeviceError> {
         let t = self.raw(name)?.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))?;
         if t.dims != [cols, rows, n_expert] {
-            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}", t.dims)));
+            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}, {n_expert}]", t.dims)));
         }
         let parts = t.parts(n_expert).map_err(|e| err(&self.label, format!("tensor `{name}`: {e} (one per expert)")))?;
         Ok(parts.map(|b| PackedMat { ty: t.ty, rows, cols, bytes: b.to_vec() }).collect())
@@ -182,7 +182,7 @@ impl CpuModel {
                 down: l.mat(&format!("blk.{i}.ffn_down{suffix}.weight"), d, f)?,
             })
         };
-        let mut layers = Vec::with_capacity(spec.n_layer);
+        let mut layers = Vec::new(); // not sized by the spec: a layer count the files do not back is an error below, not an allocation
         for i in 0..spec.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}");
             let (dense, router, experts, shared, shared_gate) = match &spec.moe {
