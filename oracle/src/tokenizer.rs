@@ -144,7 +144,24 @@ impl Tokenizer {
     /// non-negative integer, or lies outside the vocabulary, is an error naming file and key.
     pub fn from_checkpoint(dir: &std::path::Path) -> Result<Tokenizer> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
+        // The tokenizers crate panics on a merge whose result is no token and longer than every
+        // token (it copies into a buffer of the longest token's size before looking it up).
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+            let model = &v["model"];
+            if let (Some(vocab), Some(merges)) = (model["vocab"].as_object(), model["merges"].as_array()) {
+                let prefix = model["continuing_subword_prefix"].as_str().unwrap_or("");
+                let pairs = merges.iter().map(|m| match m {
+                    serde_json::Value::String(s) => s.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())),
+                    serde_json::Value::Array(ab) if ab.len() == 2 => Some((ab[0].as_str()?.to_string(), ab[1].as_str()?.to_string())),
+                    _ => None,
+                });
+                check_merges(pairs, |t| vocab.contains_key(t), prefix).map_err(|e| tok_err(format!("{}: model.{e}", path.display())))?;
+            }
+        }
+        let inner = std::panic::catch_unwind(|| <tokenizers::Tokenizer as std::str::FromStr>::from_str(&text))
+            .map_err(|_| tok_err(format!("{}: the tokenizers crate panicked reading it (a malformed tokenizer.json)", path.display())))?
+            .map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
         let n_vocab = inner.get_vocab_size(true) as u64;
         let (mut bos, mut eos) = (None, None);
         for name in ["generation_config.json", "config.json"] {
@@ -259,7 +276,7 @@ pub fn gguf_gap(g: &GgufFile) -> Result<Option<String>> {
 /// `tokenizer.ggml.pre`) names.
 fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers::Tokenizer> {
     let vocab = vocab_of(tokens);
-    let merges = gguf_merges(g)?;
+    let merges = gguf_merges(g, &vocab)?;
     // Llama 3 takes a pre-token that is a whole token as is, before any merge (as llama.cpp and
     // its tokenizer.json do): "Việt" is one token there, not the three its merges reach.
     let whole_words = LLAMA3_PRES.contains(&pre);
@@ -274,7 +291,7 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers
 /// A GGUF's BPE merges (`tokenizer.ggml.merges`), each two tokens split at the first space after
 /// the first character, as llama.cpp splits them (Gemma 4's tokens of tabs and newlines hold a
 /// space in their merges, never as their first character).
-fn gguf_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
+fn gguf_merges(g: &GgufFile, vocab: &tokenizers::models::bpe::Vocab) -> Result<Vec<(String, String)>> {
     let mut merges = Vec::new();
     if let Some(ms) = g.field("tokenizer.ggml.merges", |v| v.as_array(), "an array").map_err(tok_err)? {
         for (i, m) in ms.iter().enumerate() {
@@ -287,7 +304,23 @@ fn gguf_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
             merges.push((a.to_string(), b.to_string()));
         }
     }
+    check_merges(merges.iter().map(|(a, b)| Some((a.clone(), b.clone()))), |t| vocab.contains_key(t), "").map_err(|e| tok_err(format!("{}: tokenizer.ggml.{e}", g.path)))?;
     Ok(merges)
+}
+
+/// Every BPE merge (a, b) must make a token (`a` followed by `b` less the continuing-subword
+/// `prefix`): the tokenizers crate refuses one that does not only after copying it into a buffer
+/// sized by the longest token, which panics when it is longer. Malformed entries (None) are left
+/// for the crate to refuse. Err names the merge: `merges[i] ...`.
+fn check_merges(merges: impl Iterator<Item = Option<(String, String)>>, is_token: impl Fn(&str) -> bool, prefix: &str) -> std::result::Result<(), String> {
+    for (i, m) in merges.enumerate() {
+        let Some((a, b)) = m else { continue };
+        let made = format!("{a}{}", b.strip_prefix(prefix).unwrap_or(&b));
+        if is_token(&a) && is_token(&b) && !is_token(&made) {
+            return Err(format!("merges[{i}] `{a} {b}` makes `{made}`, which is not a token of the vocabulary"));
+        }
+    }
+    Ok(())
 }
 
 /// A vocabulary's tokens and their ids (positions).
@@ -311,7 +344,8 @@ fn unescape_spaces() -> Result<Vec<DecoderWrapper>> {
 /// a piece no token covers becomes its bytes' `<0xXX>` tokens.
 fn gemma4_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
     let vocab = vocab_of(tokens);
-    let bpe = BPE::builder().vocab_and_merges(vocab, gguf_merges(g)?).byte_fallback(true).build().map_err(tok_err)?;
+    let merges = gguf_merges(g, &vocab)?;
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).build().map_err(tok_err)?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
     inner.with_normalizer(Some(escape_spaces()?)).map_err(tok_err)?;
     let lines = Split::new(SplitPattern::Regex("[^\n]+|[\n]+".into()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?;
@@ -564,5 +598,26 @@ mod tests {
         let ids = tok.encode(text).unwrap();
         assert_eq!(ids, [2, 9, 11, 3, 4], "BOS, `▁ab` (no space prefix), one newline token, é as its two bytes");
         assert_eq!(tok.decode(&ids[1..]).unwrap(), text);
+    }
+
+    /// A merge whose result is no token and longer than every token (the tokenizers crate
+    /// panicked on it, copying it into a buffer sized by the longest token) is an error naming
+    /// the merge, from a GGUF's metadata and from a checkpoint's tokenizer.json.
+    #[test]
+    fn a_merge_that_makes_no_token_is_an_error_not_a_panic() {
+        for model in ["gpt2", "gemma4"] {
+            let mut w = GgufWriter::new();
+            w.meta("tokenizer.ggml.model", Value::String(model.into()));
+            w.meta("tokenizer.ggml.tokens", Value::Array(["a", "b"].iter().map(|t| Value::String(t.to_string())).collect()));
+            w.meta("tokenizer.ggml.merges", Value::Array(vec![Value::String("a b".into())]));
+            let e = Tokenizer::from_gguf(&GgufFile::from_bytes("m.gguf", w.to_bytes()).unwrap()).err().unwrap_or_else(|| panic!("{model}: accepted")).to_string();
+            assert!(e.contains("m.gguf: tokenizer.ggml.merges[0] `a b` makes `ab`, which is not a token of the vocabulary"), "{model}: {e}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        for merges in [r#"["a b"]"#, r#"[["a", "b"]]"#] {
+            std::fs::write(dir.path().join("tokenizer.json"), format!(r#"{{"model": {{"type": "BPE", "vocab": {{"a": 0, "b": 1}}, "merges": {merges}}}}}"#)).unwrap();
+            let e = Tokenizer::from_checkpoint(dir.path()).err().expect("accepted").to_string();
+            assert!(e.contains("tokenizer.json: model.merges[0] `a b` makes `ab`, which is not a token of the vocabulary"), "{e}");
+        }
     }
 }
