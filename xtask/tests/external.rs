@@ -110,11 +110,13 @@ fn a_dump_of_layer_outputs_alone_is_judged_layer_by_layer() {
     let device = format!("external:{}", dump.display());
     let o = layer_diff(&device, "smollm2", IDS, &tmp.path().join("ok"));
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert!(text(&o).contains("31 passed, 0 failed"), "{}", text(&o));
+    // 31 taps and the emulated_departure gate (the dump declares cpu's Q8 activations).
+    assert!(text(&o).contains("32 passed, 0 failed") && text(&o).contains("emulated_departure gate (4x): Pass"), "{}", text(&o));
     edit_tap(&dump, "blk.17.l_out", |v| v.iter_mut().for_each(|x| *x *= 1.3));
     let o = layer_diff(&device, "smollm2", IDS, &tmp.path().join("bad"));
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("first divergence: blk.17.l_out"), "{}", text(&o));
+    assert!(text(&o).contains("emulated_departure gate (4x): Fail — blk.17.l_out: "), "{}", text(&o));
 }
 
 /// An engine with an f16 KV cache says so in its manifest (`arithmetic.kv_cache`, what `dump
