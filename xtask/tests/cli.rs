@@ -631,6 +631,17 @@ fn kernels_ref_is_exact_and_shards_merge_back() {
     assert_eq!(cases.len(), expected, "the two shards together hold every case once");
     // The oracle judged against itself is exact.
     assert!(cases.iter().all(|c| c["metrics"]["max_abs"].as_f64() == Some(0.0)), "ref is not exact");
+    // A shard given twice would count its cases twice: refused, naming a case and both places.
+    let o = xtask(&["report", "merge", &p(&dirs[0]), &p(&dirs[1]), &p(&dirs[0]), "--out", &p(&dirs[2])], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains(&format!("is in both {} and {} (a shard given twice?)", p(&dirs[0]), p(&dirs[0]))), "{}", text(&o));
+    // So would a report of another suite.
+    let other = tempfile::tempdir().unwrap();
+    let o = xtask(&["fixed-token", "--device", "ref", "--model", "tiny-llama", "--prompt-ids", "1,2", "--n-generate", "2", "--report-dir", &p(&other)], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = xtask(&["report", "merge", &p(&dirs[0]), &p(&other), "--out", &p(&dirs[2])], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("a `fixed-token` one: only shards of one suite merge"), "{}", text(&o));
 }
 
 fn suites_count(filter: &str) -> usize {

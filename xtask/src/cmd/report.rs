@@ -43,10 +43,34 @@ enum Action {
     },
 }
 
+/// Shards merge only if they are of one suite and no case (id and device) is in two of them:
+/// a shard given twice, or two runs of one shard, would count its cases twice.
+fn check_shards(dirs: &[PathBuf], parts: &[Report]) -> Result<(), Exit> {
+    let refuse = |message: String| Err(Exit { code: 2, message });
+    let mut seen: std::collections::HashMap<(&str, &str), usize> = Default::default();
+    for (i, r) in parts.iter().enumerate() {
+        if r.suite != parts[0].suite {
+            return refuse(format!("{} is a `{}` report and {} a `{}` one: only shards of one suite merge", dirs[0].display(), parts[0].suite, dirs[i].display(), r.suite));
+        }
+        for c in &r.cases {
+            if let Some(j) = seen.insert((c.id.as_str(), c.device.as_str()), i) {
+                let (a, b) = (dirs[j].display(), dirs[i].display());
+                return refuse(if i == j {
+                    format!("{a} holds case `{}` on {} twice", c.id, c.device)
+                } else {
+                    format!("case `{}` on {} is in both {a} and {b} (a shard given twice?): merged, it would count twice", c.id, c.device)
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn main(a: ReportArgs) -> Result<u8, Exit> {
     match a.action {
         Action::Merge { dirs, out } => {
             let parts = dirs.iter().map(|d| Report::read(d)).collect::<Result<Vec<_>, _>>()?;
+            check_shards(&dirs, &parts)?;
             let merged = Report::merge(parts).ok_or_else(|| Exit { code: 2, message: "nothing to merge".into() })?;
             merged.write(&out).map_err(|e| super::io_exit(&out, e))?; // provenance of the shards, unchanged
             super::kernels::print_summary(&merged);
