@@ -132,6 +132,10 @@ pub fn read_dump(dir: &Path, tokens: &[u32], model_sha256: Option<&str>, n_vocab
             return Err(bad(dir, format!("{}: generated id {id} is outside the vocabulary of {n_vocab}", mpath.display())));
         }
     }
+    let mut listed = std::collections::HashSet::new();
+    if let Some(t) = manifest.taps.iter().find(|t| !listed.insert(t.name.as_str())) {
+        return Err(bad(dir, format!("{}: tap `{}` is listed twice", mpath.display(), t.name)));
+    }
     let mut files: Vec<&str> = manifest.taps.iter().map(|t| t.file.as_str()).chain(manifest.logits.iter().map(|l| l.file.as_str())).collect();
     files.sort_unstable();
     files.dedup();

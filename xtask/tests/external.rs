@@ -174,6 +174,15 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("manifest.json") && text(&o).contains("token_ids"), "{}", text(&o));
 
+    let d = fresh("twice");
+    edit_manifest(&d, |j| {
+        let first = j["taps"][0].clone();
+        j["taps"].as_array_mut().unwrap().push(first);
+    });
+    let o = run(&d, ids);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("manifest.json: tap `inp_embd` is listed twice"), "{}", text(&o));
+
     let d = fresh("shape");
     let tap = edit_manifest(&d, |j| {
         j["taps"][2]["shape"] = serde_json::json!([7, 3]);
