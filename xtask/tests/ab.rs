@@ -42,10 +42,19 @@ fn an_exec_arm_sleeping_3_percent_per_token_is_slower() {
 #[test]
 fn failing_arms_and_different_outputs_exit_2() {
     let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["ab", "--a", "exec:echo '{\"prefill_ms\":1,\"decode_ms\":5,\"n_prompt\":16,\"n_gen\":32,\"tokens\":[1,2]}'", "--b", "exec:exit 4", "--model", "tiny-llama", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    let o = xtask(&["ab", "--a", "exec:echo '{\"prefill_ms\":1,\"decode_ms\":5,\"n_prompt\":16,\"n_gen\":2,\"tokens\":[1,2]}'", "--b", "exec:exit 4", "--model", "tiny-llama", "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("arm B") && text(&o).contains("pair 1"), "{}", text(&o));
+    assert!(text(&o).contains("no pair completed, nothing to compare") && !text(&o).contains("NaN"), "{}", text(&o));
     assert!(dir.path().join("report.json").exists(), "the report is written with what was gathered");
+
+    // A line that does not add up: more tokens than listed, or than were asked for.
+    for (n_gen, toks, gen_len) in [(32, "1,2", "32"), (3, "1,2,3", "2")] {
+        let arm = format!("exec:echo '{{\"prefill_ms\":1,\"decode_ms\":5,\"n_prompt\":16,\"n_gen\":{n_gen},\"tokens\":[{toks}]}}'");
+        let o = xtask(&["ab", "--a", &arm, "--b", &arm, "--model", "tiny-llama", "--gen-len", gen_len], &[]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains(&format!("says n_gen {n_gen} with ")) && text(&o).contains(&format!("for a request of {gen_len}")), "{}", text(&o));
+    }
 
     let t0 = std::time::Instant::now();
     let o = xtask(&["ab", "--a", "exec:sleep 30", "--b", "exec:true", "--model", "tiny-llama", "--timeout", "1"], &[]);

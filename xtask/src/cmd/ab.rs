@@ -4,7 +4,9 @@
 //! repository (`git:REV` or `git:REV:DEVICE`, built once in its own worktree and cached), or an
 //! external command (`exec:CMD`) that prints one JSON line per run:
 //! `{"prefill_ms":…, "decode_ms":…, "n_prompt":…, "n_gen":…, "tokens":[…]}` (it gets
-//! TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS and TOUCHSTONE_N_GENERATE in its environment).
+//! TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS and TOUCHSTONE_N_GENERATE in its environment;
+//! `n_gen` must be the number of `tokens`, from 2 to TOUCHSTONE_N_GENERATE, times finite and
+//! non-negative, `decode_ms` positive; optional `step_ms`, `cpu`, `peak_rss_kb`).
 //! Both arms get identical inputs; pairs run in ABBA order. Device and git arms are servers of
 //! `xtask ab-run --serve` stepped token by token in lockstep (restarted every few pairs); `exec:`
 //! arms are a fresh process per run. The per-pair B/A ratio of decode time per token is judged by
@@ -430,9 +432,9 @@ fn lockstep_pair(first: &Runner, second: &Runner, gen_len: usize, n_prompt: usiz
 }
 
 /// Runs one arm once: its JSON line, or why not.
-fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
+fn run_once(r: &Runner, timeout: Duration, gen_len: usize) -> Result<RunSample, String> {
     if r.server.is_some() {
-        return request(r, "run", timeout).and_then(|v| parse_sample(&v.to_string()));
+        return request(r, "run", timeout).and_then(|v| parse_sample(&v.to_string(), gen_len));
     }
     let out = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
     let err = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
@@ -460,13 +462,19 @@ fn run_once(r: &Runner, timeout: Duration) -> Result<RunSample, String> {
         return Err(format!("exited with {status}: {}", last_lines(&stderr)));
     }
     let line = stdout.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or("printed no JSON line")?;
-    parse_sample(line)
+    parse_sample(line, gen_len)
 }
 
-fn parse_sample(line: &str) -> Result<RunSample, String> {
+/// An arm's JSON line, checked: at least 2 and at most `gen_len` (the request) tokens
+/// generated, as many as it lists, positive finite times.
+fn parse_sample(line: &str, gen_len: usize) -> Result<RunSample, String> {
     let s: RunSample = serde_json::from_str(line).map_err(|e| format!("its JSON line is not the arm protocol ({e}): {line}"))?;
-    if s.n_gen < 2 || !(s.decode_ms > 0.0) || !(s.prefill_ms >= 0.0) {
-        return Err(format!("implausible sample (n_gen {}, decode_ms {}, prefill_ms {})", s.n_gen, s.decode_ms, s.prefill_ms));
+    let finite = |x: f64| x.is_finite() && x >= 0.0;
+    if s.n_gen < 2 || !(s.decode_ms > 0.0) || !finite(s.decode_ms) || !finite(s.prefill_ms) || !s.step_ms.iter().all(|x| finite(*x)) {
+        return Err(format!("implausible sample (n_gen {}, decode_ms {}, prefill_ms {}, a step_ms not a finite time)", s.n_gen, s.decode_ms, s.prefill_ms));
+    }
+    if s.n_gen > gen_len || s.tokens.len() != s.n_gen {
+        return Err(format!("says n_gen {} with {} tokens listed, for a request of {gen_len} (TOUCHSTONE_N_GENERATE)", s.n_gen, s.tokens.len()));
     }
     Ok(s)
 }
@@ -538,7 +546,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
             let ran = if lockstep {
                 lockstep_pair(order[0], order[1], a.gen_len, a.prompt_len, timeout)
             } else {
-                let run = |r: &Runner| run_once(r, timeout).map_err(|e| (r.name.clone(), e));
+                let run = |r: &Runner| run_once(r, timeout, a.gen_len).map_err(|e| (r.name.clone(), e));
                 run(order[0]).and_then(|first| Ok((first, run(order[1])?)))
             };
             match ran {
@@ -622,6 +630,10 @@ fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Op
     outln!("pair  order   A {unit}   B {unit}   change", unit = m.unit());
     for (i, p) in pairs.iter().enumerate() {
         outln!("{:>4}  {}   {:>10.3}   {:>10.3}   {}", i + 1, if p.a_first { "A,B" } else { "B,A" }, m.of(&p.a), m.of(&p.b), pct(p.change(m)));
+    }
+    if pairs.is_empty() {
+        outln!("B ({}) vs A ({}): no pair completed, nothing to compare", a.b, a.a);
+        return;
     }
     outln!(
         "B ({}) vs A ({}), {}: median {} (95% CI {} .. {}), Wilcoxon p = {:.3}, threshold ±{:.1}% -> {}{}",
