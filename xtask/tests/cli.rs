@@ -163,6 +163,18 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "0.5"], "--emulation-factor 0.5 must be a finite number of at least 1");
     refused(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "inf"], "--emulation-factor inf must be a finite number of at least 1");
+    // A prompt whose recordings would not fit in memory is refused before anything runs (the
+    // limit stands in for a small machine; tiny-llama's weights take 1.5 MiB).
+    let long: String = (0..200).map(|i| (1 + i % 250).to_string()).collect::<Vec<_>>().join(",");
+    for (args, want) in [
+        (vec!["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str()], "layer-diff over 200 positions would hold 4 recordings of every tap and the logits at once: about 28.2 MiB, more than the 8.0 MiB"),
+        (vec!["dump", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str(), "--out", "/nonexistent/never-written"], "dump over 200 positions would hold 2 recordings"),
+        (vec!["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str(), "--n-generate", "2000"], "fixed-token over 2200 positions would hold 10 recordings of the logits at once"),
+    ] {
+        let o = xtask(&args, &[("TOUCHSTONE_MEMORY_LIMIT", "8M")]);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(stderr(&o).contains(want) && stderr(&o).contains("nothing was run"), "{args:?}: {}", text(&o));
+    }
     let mut golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(workspace().join("fixtures/golden/tiny-llama.json")).unwrap()).unwrap();
     golden["continuation_ids"] = serde_json::json!([]);
     let f = tempfile::Builder::new().suffix(".json").tempfile().unwrap();

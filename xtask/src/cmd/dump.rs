@@ -33,6 +33,8 @@ pub fn main(a: DumpArgs) -> Result<u8, Exit> {
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
     let ids = super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?.expect("clap requires one");
     check_ids(&ids, engine.spec().n_vocab)?;
+    // The recording, and its copy as written.
+    super::check_recordings_fit("dump", engine.spec(), true, ids.len(), 2)?;
     let mut taps = RecordingTap::default();
     engine.prefill(&ids, &mut taps)?;
     let info = ModelInfo { name: a.model.clone(), sha256: ::fixtures::sha256_model(&path)?, arch: engine.spec().arch.clone() };

@@ -112,6 +112,11 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         Some(ids) => ids,
         None => prompt_ids(None, tok.as_ref())?,
     };
+    super::check_ids(&prompt, oracle.spec().n_vocab)?;
+    if golden_file.as_ref().is_none_or(|f| !f.exists()) || a.write_golden {
+        // Generating the golden reads the prompt's logits; a run of it more (checked below).
+        super::check_recordings_fit("fixed-token", oracle.spec(), false, prompt.len().saturating_add(a.n_generate), 10)?;
+    }
     if a.write_golden {
         let file = golden_file.ok_or_else(|| Exit { code: 2, message: format!("give --golden FILE to say where to write (model `{}` has no golden file of its own, or a prompt was given: a fixture's golden keeps its prompt)", a.model) })?;
         let g = oracle_golden(&oracle, &a.model, sha256, prompt, a.n_generate)?;
@@ -147,6 +152,9 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let seq = golden.sequence();
     let n_vocab = oracle.spec().n_vocab;
     super::check_ids(&seq, n_vocab)?;
+    // The oracle's logits, the device's (prefill, decode and append runs), the followed and the
+    // emulated re-runs: every position's logits, in f32 (f64 while computed).
+    super::check_recordings_fit("fixed-token", oracle.spec(), false, seq.len(), 10)?;
     eprintln!("fixed-token: {} on {} over {} positions ({} golden tokens) ...", a.device, a.model, seq.len(), golden.continuation_ids.len());
     let mut oracle_routing = RoutingTap::default();
     let oracle_logits = oracle.prefill_logits(&seq, &mut oracle_routing)?;

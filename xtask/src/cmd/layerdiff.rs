@@ -89,6 +89,9 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
         None => prompt_ids(None, tok.as_ref())?,
     };
     check_ids(&ids, engine.spec().n_vocab)?;
+    // The device's taps, the oracle's own, its isolated and its emulated re-runs (or the
+    // second device's).
+    super::check_recordings_fit("layer-diff", engine.spec(), true, ids.len(), 4)?;
     eprintln!("layer-diff: {} on {} over {} tokens ...", a.device, a.model, ids.len());
     let taps_a = device_taps(&mut engine, &ids)?;
     let arith_a = engine.arithmetic();

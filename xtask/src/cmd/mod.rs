@@ -227,6 +227,43 @@ pub fn check_ids(ids: &[u32], n_vocab: usize) -> Result<(), Exit> {
     Ok(())
 }
 
+/// f32 values a forward pass over one position records: its logits, and with `taps` every tap
+/// besides (the embedding, each layer's attention and FFN taps, the final norm), as the oracle
+/// and the devices record them.
+pub fn floats_per_position(spec: &oracle::ModelSpec, taps: bool) -> u64 {
+    let (d, q, kv) = (spec.n_embd as u64, (spec.n_head * spec.head_dim) as u64, (spec.n_head_kv * spec.head_dim) as u64);
+    if !taps {
+        return spec.n_vocab as u64;
+    }
+    let ffn = match &spec.moe {
+        None => 3 * spec.n_ff as u64,
+        Some(m) => (m.n_expert + m.n_expert_used) as u64,
+    };
+    let layer = 6 * d + 3 * q + 3 * kv + if spec.qk_norm { q + kv } else { 0 } + ffn;
+    (spec.n_vocab as u64).saturating_add(2 * d).saturating_add(layer.saturating_mul(spec.n_layer as u64))
+}
+
+/// Refuses, before a run, `copies` recordings of `n_positions` positions (`floats_per_position`)
+/// that would not fit in the memory available: a long prompt would otherwise run for minutes
+/// and end in the OOM killer, with no message.
+pub fn check_recordings_fit(what: &str, spec: &oracle::ModelSpec, taps: bool, n_positions: usize, copies: u64) -> Result<(), Exit> {
+    let bytes = floats_per_position(spec, taps).saturating_mul(n_positions as u64).saturating_mul(4 * copies);
+    let Some((avail, source)) = oracle::memory::available()? else { return Ok(()) };
+    if bytes <= avail {
+        return Ok(());
+    }
+    let recorded = if taps { "every tap and the logits" } else { "the logits" };
+    Err(Exit {
+        code: 2,
+        message: format!(
+            "{what} over {n_positions} positions would hold {copies} recordings of {recorded} at once: about {}, more than the {} this machine has available ({source}); nothing was run. Give a shorter prompt ({} overrides the estimate)",
+            oracle::memory::human(bytes),
+            oracle::memory::human(avail),
+            oracle::memory::LIMIT_ENV
+        ),
+    })
+}
+
 /// The synthetic prompt of `bench` and `ab`: `prompt_len` ids spread over the vocabulary (never
 /// id 0), refused when prompt and generation together exceed the 2^20 positions a run may take.
 pub fn bench_prompt(prompt_len: usize, gen_len: usize, n_vocab: usize) -> Result<Vec<u32>, Exit> {
