@@ -896,13 +896,17 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
                     t.emulated = Some(err_stats(e, r, *w).rel());
                 }
             }
-            // Where the device leaves the emulated line most (taps the emulation has not yet
-            // rounded anything before are skipped): where to look when it leaves it at all.
-            let departure = taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1));
-            let mut section = json!({ "applied": true, "largest_departure": departure.map(|(t, r)| json!({ "tap": t.name, "propagated_over_emulated": r })), "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR });
-            match emulated_departure(&taps, emulation_factor, model, device) {
-                Some(case) => departure_case = Some(case),
-                None => section["gate"] = json!(format!("not applicable: the emulated error reaches {:e} at no tap (the declared roundings barely touch this model)", crate::emulate::EMULATED_FLOOR)),
+            // Where the device leaves the emulated line most: where to look when it leaves it at
+            // all. Among the taps the gate compares; where it compares none, among those the
+            // emulation has rounded anything before.
+            departure_case = emulated_departure(&taps, emulation_factor, model, device);
+            let largest = match &departure_case {
+                Some(c) => Some((c.metrics["largest_tap"].clone(), c.metrics["largest_ratio"].clone())),
+                None => taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, r)| (json!(t.name), json!(r))),
+            };
+            let mut section = json!({ "applied": true, "largest_departure": largest.map(|(t, r)| json!({ "tap": t, "propagated_over_emulated": r })), "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR });
+            if departure_case.is_none() {
+                section["gate"] = json!(format!("not applicable: the emulated error reaches {:e} at no tap (the declared roundings barely touch this model)", crate::emulate::EMULATED_FLOOR));
             }
             section
         }
