@@ -113,6 +113,7 @@ pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usiz
     }
     let (_, mut engine, _) = load_engine(model, device, precision)?;
     let prompt = super::bench_prompt(prompt_len, gen_len, engine.spec().n_vocab)?;
+    super::check_kv_fits("bench", engine.spec(), prompt_len.saturating_add(gen_len))?;
     let pb = indicatif::ProgressBar::new(reps as u64);
     pb.set_style(indicatif::ProgressStyle::with_template("bench {prefix} {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
     // A prefix, not part of the template: a model path may hold braces.

@@ -247,16 +247,29 @@ pub fn floats_per_position(spec: &oracle::ModelSpec, taps: bool) -> u64 {
 /// that would not fit in the memory available: a long prompt would otherwise run for minutes
 /// and end in the OOM killer, with no message.
 pub fn check_recordings_fit(what: &str, spec: &oracle::ModelSpec, taps: bool, n_positions: usize, copies: u64) -> Result<(), Exit> {
-    let bytes = floats_per_position(spec, taps).saturating_mul(n_positions as u64).saturating_mul(4 * copies);
+    let recorded = if taps { "every tap and the logits" } else { "the logits" };
+    check_positions_fit(what, &format!("{copies} recordings of {recorded}"), floats_per_position(spec, taps).saturating_mul(copies), n_positions)
+}
+
+/// The same for the KV cache a run of `n_positions` positions fills (keys and values of every
+/// layer, f32: the oracle's and the `cpu` device's default).
+pub fn check_kv_fits(what: &str, spec: &oracle::ModelSpec, n_positions: usize) -> Result<(), Exit> {
+    let per_position = 2 * spec.n_layer as u64 * (spec.n_head_kv * spec.head_dim) as u64;
+    check_positions_fit(what, "a KV cache of every layer", per_position, n_positions)
+}
+
+/// Refuses `floats` f32 values per position (`held`: what they are) over `n_positions` when
+/// they exceed the memory available (`oracle::memory::available`).
+fn check_positions_fit(what: &str, held: &str, floats: u64, n_positions: usize) -> Result<(), Exit> {
+    let bytes = floats.saturating_mul(n_positions as u64).saturating_mul(4);
     let Some((avail, source)) = oracle::memory::available()? else { return Ok(()) };
     if bytes <= avail {
         return Ok(());
     }
-    let recorded = if taps { "every tap and the logits" } else { "the logits" };
     Err(Exit {
         code: 2,
         message: format!(
-            "{what} over {n_positions} positions would hold {copies} recordings of {recorded} at once: about {}, more than the {} this machine has available ({source}); nothing was run. Give a shorter prompt ({} overrides the estimate)",
+            "{what} over {n_positions} positions would hold {held} at once: about {}, more than the {} this machine has available ({source}); nothing was run. Give fewer positions: a shorter prompt, fewer tokens to generate ({} overrides the estimate)",
             oracle::memory::human(bytes),
             oracle::memory::human(avail),
             oracle::memory::LIMIT_ENV

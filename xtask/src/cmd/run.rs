@@ -77,6 +77,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
         _ => super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?.expect("clap requires one"),
     };
     check_ids(&prompt, engine.spec().n_vocab)?;
+    super::check_kv_fits("run", engine.spec(), prompt.len().saturating_add(a.max_new_tokens))?;
     let stop = match &tok {
         Some(t) if !a.ignore_eos => t.eos.as_slice(),
         _ => &[],
