@@ -308,15 +308,22 @@ fn gguf_merges(g: &GgufFile, vocab: &tokenizers::models::bpe::Vocab) -> Result<V
     Ok(merges)
 }
 
-/// Every BPE merge (a, b) must make a token (`a` followed by `b` less the continuing-subword
-/// `prefix`): the tokenizers crate refuses one that does not only after copying it into a buffer
-/// sized by the longest token, which panics when it is longer. Malformed entries (None) are left
-/// for the crate to refuse. Err names the merge: `merges[i] ...`.
+/// Every BPE merge (a, b) must make a token (`a` followed by `b` less its first `prefix`-length
+/// bytes, the continuing-subword prefix, as the tokenizers crate cuts it): the crate refuses one
+/// that does not only after copying it into a buffer sized by the longest token, which panics
+/// when it is longer (and cuts a `b` shorter than the prefix with an underflow). Malformed
+/// entries (None) are left for the crate to refuse. Err names the merge: `merges[i] ...`.
 fn check_merges(merges: impl Iterator<Item = Option<(String, String)>>, is_token: impl Fn(&str) -> bool, prefix: &str) -> std::result::Result<(), String> {
     for (i, m) in merges.enumerate() {
         let Some((a, b)) = m else { continue };
-        let made = format!("{a}{}", b.strip_prefix(prefix).unwrap_or(&b));
-        if is_token(&a) && is_token(&b) && !is_token(&made) {
+        if !(is_token(&a) && is_token(&b)) {
+            continue;
+        }
+        let Some(tail) = b.get(prefix.len()..) else {
+            return Err(format!("merges[{i}] `{a} {b}`: `{b}` has no whole characters after its first {} bytes, which the merge cuts as the continuing-subword prefix `{prefix}`", prefix.len()));
+        };
+        let made = format!("{a}{tail}");
+        if !is_token(&made) {
             return Err(format!("merges[{i}] `{a} {b}` makes `{made}`, which is not a token of the vocabulary"));
         }
     }
@@ -619,5 +626,13 @@ mod tests {
             let e = Tokenizer::from_checkpoint(dir.path()).err().expect("accepted").to_string();
             assert!(e.contains("tokenizer.json: model.merges[0] `a b` makes `ab`, which is not a token of the vocabulary"), "{e}");
         }
+        // With a continuing-subword prefix the crate cuts the second token's first bytes: one
+        // shorter than the prefix is refused too, and a well-formed merge loads.
+        let with_prefix = |merge: &str| format!(r###"{{"model": {{"type": "BPE", "vocab": {{"a": 0, "b": 1, "##b": 2, "ab": 3}}, "merges": ["{merge}"], "continuing_subword_prefix": "##"}}}}"###);
+        std::fs::write(dir.path().join("tokenizer.json"), with_prefix("a b")).unwrap();
+        let e = Tokenizer::from_checkpoint(dir.path()).err().expect("accepted").to_string();
+        assert!(e.contains("model.merges[0] `a b`: `b` has no whole characters after its first 2 bytes, which the merge cuts as the continuing-subword prefix `##`"), "{e}");
+        std::fs::write(dir.path().join("tokenizer.json"), with_prefix("a ##b")).unwrap();
+        Tokenizer::from_checkpoint(dir.path()).unwrap();
     }
 }
