@@ -38,17 +38,29 @@ pub struct ExternalDevice {
 }
 
 impl ExternalDevice {
-    /// `external:DIR`, `exec:CMD` or `ids:CMD`; `TOUCHSTONE_EXEC_TIMEOUT` (seconds) overrides the timeout.
-    pub fn parse(name: &str) -> Option<ExternalDevice> {
-        let timeout = std::env::var("TOUCHSTONE_EXEC_TIMEOUT").ok().and_then(|s| s.parse::<f64>().ok()).filter(|s| *s > 0.0).map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
-        if let Some(dir) = name.strip_prefix("external:") {
-            return Some(ExternalDevice { source: Source::Dir(PathBuf::from(dir)), timeout });
-        }
-        if let Some(cmd) = name.strip_prefix("ids:") {
-            return Some(ExternalDevice { source: Source::Ids(cmd.to_string()), timeout });
-        }
-        name.strip_prefix("exec:").map(|cmd| ExternalDevice { source: Source::Exec(cmd.to_string()), timeout })
+    /// `external:DIR`, `exec:CMD` or `ids:CMD` (None for any other name); `TOUCHSTONE_EXEC_TIMEOUT`
+    /// (seconds, up to a year) overrides the timeout, and a value that is not one is an error.
+    pub fn parse(name: &str) -> Option<Result<ExternalDevice, String>> {
+        let source = if let Some(dir) = name.strip_prefix("external:") {
+            Source::Dir(PathBuf::from(dir))
+        } else if let Some(cmd) = name.strip_prefix("ids:") {
+            Source::Ids(cmd.to_string())
+        } else {
+            Source::Exec(name.strip_prefix("exec:")?.to_string())
+        };
+        Some(exec_timeout().map(|timeout| ExternalDevice { source, timeout }))
     }
+}
+
+/// `TOUCHSTONE_EXEC_TIMEOUT` (seconds), else [`DEFAULT_TIMEOUT`].
+fn exec_timeout() -> Result<Duration, String> {
+    let Ok(v) = std::env::var("TOUCHSTONE_EXEC_TIMEOUT") else { return Ok(DEFAULT_TIMEOUT) };
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| *s > 0.0 && *s <= 365.0 * 86_400.0)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| format!("TOUCHSTONE_EXEC_TIMEOUT={v:?} is not a number of seconds (more than 0, at most a year)"))
 }
 
 impl Device for ExternalDevice {
@@ -188,6 +200,15 @@ impl ExternalModel {
                 let out = work.path().join("dump");
                 std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
                 run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout, None).map_err(|r| self.failed(r))?;
+                if !out.join("manifest.json").exists() {
+                    let log = std::fs::read_to_string(out.join("engine.log")).unwrap_or_default();
+                    let tail: Vec<&str> = log.lines().rev().take(8).collect();
+                    let tail = tail.into_iter().rev().collect::<Vec<_>>().join("\n  ");
+                    return Err(self.failed(format!(
+                        "`{cmd}` exited 0 but wrote no dump (no manifest.json in $TOUCHSTONE_OUT; docs/DUMP_FORMAT.md){}",
+                        if tail.is_empty() { String::new() } else { format!("; end of its log:\n  {tail}") }
+                    )));
+                }
                 self.workdir = Some(work);
                 out
             }

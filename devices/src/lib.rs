@@ -372,7 +372,10 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
         n if n.starts_with("gpu-emu") || n.starts_with("cuda") || n.starts_with("rocm") => gpu::open(n),
         n if n == "external:" || n == "exec:" || n == "ids:" => unavailable("give a dump directory (external:DIR) or a command (exec:CMD, ids:CMD)"),
-        n if n.starts_with("external:") || n.starts_with("exec:") || n.starts_with("ids:") => Ok(Box::new(external::ExternalDevice::parse(n).expect("prefix checked"))),
+        n if n.starts_with("external:") || n.starts_with("exec:") || n.starts_with("ids:") => match external::ExternalDevice::parse(n).expect("prefix checked") {
+            Ok(d) => Ok(Box::new(d)),
+            Err(why) => unavailable(&why),
+        },
         _ => unavailable(concat!("unknown device (ref, cpu, cpu:kv-f16, fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD, ids:CMD)")),
     }
 }

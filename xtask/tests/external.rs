@@ -203,6 +203,17 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert!(text(&o).contains("manifest.json: arithmetic") && text(&o).contains(want), "{}", text(&o));
     }
+
+    // An engine that exits 0 without writing a dump is told so, with its log's end; a timeout
+    // that is not a number of seconds is refused (infinity panicked converting it).
+    let o = xtask(&["layer-diff", "--device", "exec:echo engine-said-this", "--model", "tiny-llama", "--prompt-ids", ids], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("exited 0 but wrote no dump (no manifest.json in $TOUCHSTONE_OUT") && text(&o).contains("engine-said-this"), "{}", text(&o));
+    for v in ["inf", "1e300", "NaN", "0", "soon"] {
+        let o = xtask(&["layer-diff", "--device", "exec:true", "--model", "tiny-llama", "--prompt-ids", ids], &[("TOUCHSTONE_EXEC_TIMEOUT", v)]);
+        assert_eq!(o.status.code(), Some(2), "{v}: {}", text(&o));
+        assert!(text(&o).contains(&format!("TOUCHSTONE_EXEC_TIMEOUT=\"{v}\" is not a number of seconds")) && !text(&o).contains("panicked"), "{v}: {}", text(&o));
+    }
 }
 
 #[test]
