@@ -107,11 +107,16 @@ impl Tokenizer {
                 i => Ok(i.map(|i| i as u32)),
             }
         };
+        // Where a SentencePiece vocabulary does not name them, llama.cpp takes unknown 0, BOS 1
+        // and EOS 2 (as Llama 2's vocabulary has them).
+        let id_or = |k: &str, spm_default: u32| -> Result<Option<u32>> {
+            Ok(id(k)?.or(Some(spm_default).filter(|&d| model == "llama" && (d as usize) < tokens.len())))
+        };
         let pre = g.field("tokenizer.ggml.pre", |v| v.as_str(), "a string").map_err(tok_err)?.unwrap_or("default");
         let mut inner = match model {
             "gpt2" => byte_level_bpe(g, &tokens, pre)?,
             "gemma4" => gemma4_bpe(g, &tokens)?,
-            _ => sentencepiece_bpe(g, &tokens, types, id("tokenizer.ggml.unknown_token_id")?)?,
+            _ => sentencepiece_bpe(g, &tokens, types, id_or("tokenizer.ggml.unknown_token_id", 0)?)?,
         };
         // The tokens of one type, each matched whole in the raw text, never split by BPE.
         let of_type = |ty: u64, special: bool| -> Vec<AddedToken> {
@@ -123,10 +128,10 @@ impl Tokenizer {
         inner.add_tokens(of_type(4, false)).map_err(tok_err)?;
         Ok(Tokenizer {
             inner,
-            bos: id("tokenizer.ggml.bos_token_id")?,
+            bos: id_or("tokenizer.ggml.bos_token_id", 1)?,
             eos: {
-                let mut eos = Vec::new();
-                for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+                let mut eos: Vec<u32> = id_or("tokenizer.ggml.eos_token_id", 2)?.into_iter().collect();
+                for k in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
                     eos.extend(id(k)?.filter(|i| !eos.contains(i)));
                 }
                 eos
@@ -634,5 +639,21 @@ mod tests {
         assert!(e.contains("model.merges[0] `a b`: `b` has no whole characters after its first 2 bytes, which the merge cuts as the continuing-subword prefix `##`"), "{e}");
         std::fs::write(dir.path().join("tokenizer.json"), with_prefix("a ##b")).unwrap();
         Tokenizer::from_checkpoint(dir.path()).unwrap();
+    }
+
+    /// A SentencePiece vocabulary that names no unknown, BOS or EOS id gets llama.cpp's 0, 1
+    /// and 2: text no piece or byte token covers becomes the unknown token (it was dropped
+    /// without a word), and BOS is added.
+    #[test]
+    fn sentencepiece_special_ids_default_as_in_llama_cpp() {
+        let tokens = [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("\u{2581}", 1), ("a", 1), ("\u{2581}a", 1)];
+        let mut w = GgufWriter::new();
+        w.meta("tokenizer.ggml.model", Value::String("llama".into()));
+        w.meta("tokenizer.ggml.tokens", Value::Array(tokens.iter().map(|t| Value::String(t.0.into())).collect()));
+        w.meta("tokenizer.ggml.scores", Value::Array(tokens.iter().map(|t| Value::F32(-(t.0.len() as f32))).collect()));
+        w.meta("tokenizer.ggml.token_type", Value::Array(tokens.iter().map(|t| Value::I32(t.1)).collect()));
+        let tok = Tokenizer::from_gguf(&GgufFile::from_bytes("spm.gguf", w.to_bytes()).unwrap()).unwrap();
+        assert_eq!((tok.bos, tok.eos.as_slice()), (Some(1), &[2][..]));
+        assert_eq!(tok.encode("a z").unwrap(), [1, 5, 3, 0], "BOS, `▁a`, `▁`, and `z` (no piece, no byte token) as <unk>");
     }
 }
