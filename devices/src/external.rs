@@ -201,13 +201,7 @@ impl ExternalModel {
                 std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
                 run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout, None).map_err(|r| self.failed(r))?;
                 if !out.join("manifest.json").exists() {
-                    let log = std::fs::read_to_string(out.join("engine.log")).unwrap_or_default();
-                    let tail: Vec<&str> = log.lines().rev().take(8).collect();
-                    let tail = tail.into_iter().rev().collect::<Vec<_>>().join("\n  ");
-                    return Err(self.failed(format!(
-                        "`{cmd}` exited 0 but wrote no dump (no manifest.json in $TOUCHSTONE_OUT; docs/DUMP_FORMAT.md){}",
-                        if tail.is_empty() { String::new() } else { format!("; end of its log:\n  {tail}") }
-                    )));
+                    return Err(self.failed(format!("`{cmd}` exited 0 but wrote no dump (no manifest.json in $TOUCHSTONE_OUT; docs/DUMP_FORMAT.md){}", log_tail(&out.join("engine.log")))));
                 }
                 self.workdir = Some(work);
                 out
@@ -282,27 +276,30 @@ fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &
         .spawn()
         .map_err(|e| format!("cannot start `sh -c {cmd}`: {e}"))?;
     let t0 = Instant::now();
-    let tail = || {
-        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        let tail = lines[lines.len().saturating_sub(8)..].join("\n  ");
-        if tail.is_empty() { String::new() } else { format!("; end of its log:\n  {tail}") }
-    };
     loop {
         match child.try_wait() {
             Ok(Some(status)) if status.success() => return Ok(()),
-            Ok(Some(status)) => return Err(format!("`{cmd}` exited with {status}{}", tail())),
+            Ok(Some(status)) => return Err(format!("`{cmd}` exited with {status}{}", log_tail(&log_path))),
             Ok(None) if t0.elapsed() > timeout => {
                 // Kill the whole process group: `sh -c` may have started children of its own.
                 kill_process_group(child.id());
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("`{cmd}` did not finish within {:.0} s (killed; set TOUCHSTONE_EXEC_TIMEOUT to allow more){}", timeout.as_secs_f64(), tail()));
+                return Err(format!("`{cmd}` did not finish within {:.0} s (killed; set TOUCHSTONE_EXEC_TIMEOUT to allow more){}", timeout.as_secs_f64(), log_tail(&log_path)));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
             Err(e) => return Err(format!("waiting for `{cmd}`: {e}")),
         }
     }
+}
+
+/// `; end of its log:` and an engine log's last 8 lines, for an error message (empty when the
+/// log is empty or unreadable).
+fn log_tail(log_path: &Path) -> String {
+    let text = std::fs::read_to_string(log_path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = lines[lines.len().saturating_sub(8)..].join("\n  ");
+    if tail.is_empty() { String::new() } else { format!("; end of its log:\n  {tail}") }
 }
 
 /// SIGKILL to the process group led by `pid` (a child started with `process_group(0)`), so

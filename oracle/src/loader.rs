@@ -579,16 +579,22 @@ pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Opti
     }
 }
 
+/// The layer count every loader sizes its layers by must be backed by the files: a config
+/// claiming 10^9 layers over one is this error, naming the layer it lacks, not a huge allocation
+/// (and, where layers load in parallel, not an error about whichever layer failed first).
+pub fn check_layers_backed(src: &dyn TensorSource, n_layer: usize) -> Result<()> {
+    let last = format!("blk.{}.attn_norm.weight", n_layer.saturating_sub(1));
+    if src.raw(&last)?.is_none() {
+        return Err(OracleError::Spec(format!("{}: the model has {n_layer} layers but no tensor `{last}`", src.label())));
+    }
+    Ok(())
+}
+
 /// Opens a model's weights and spec without its tokenizer (for device loaders).
 pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
-    // The layer count every loader sizes its layers by must be backed by the files (a GGUF's
-    // is checked with its other metadata in `ModelSpec::from_gguf`): a config claiming 10^9
-    // layers over one is this error, not a huge allocation in the next loader.
+    // A GGUF's layer count is checked with its other metadata in `ModelSpec::from_gguf`.
     let backed = |src: Box<dyn TensorSource>, spec: ModelSpec| -> Result<(Box<dyn TensorSource>, ModelSpec)> {
-        let last = format!("blk.{}.attn_norm.weight", spec.n_layer.saturating_sub(1));
-        if src.raw(&last)?.is_none() {
-            return Err(OracleError::Spec(format!("{}: the model has {} layers but no tensor `{last}`", src.label(), spec.n_layer)));
-        }
+        check_layers_backed(src.as_ref(), spec.n_layer)?;
         Ok((src, spec))
     };
     if crate::flat::is_flat(path) {

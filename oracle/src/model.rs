@@ -332,12 +332,7 @@ impl<T: Real> Model<T> {
         let tok_embd = l.mat("token_embd.weight", s.n_vocab, d)?;
         let output_norm = l.vec("output_norm.weight", d)?;
         let output = if s.tied_output { None } else { Some(l.mat("output.weight", s.n_vocab, d)?) };
-        // A layer count the files do not back is one error naming the layer it lacks (layers
-        // load in parallel below, so their own errors would name whichever layer failed first).
-        let last = format!("blk.{}.attn_norm.weight", s.n_layer - 1);
-        if l.get(&last)?.is_none() {
-            return Err(OracleError::Spec(format!("{}: the model has {} layers but no tensor `{last}`", src.label(), s.n_layer)));
-        }
+        crate::loader::check_layers_backed(src, s.n_layer)?;
         let layers = (0..s.n_layer)
             .into_par_iter()
             .map(|i| -> Result<Layer<T>> {

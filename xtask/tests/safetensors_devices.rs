@@ -63,6 +63,16 @@ fn write_dir(dir: &Path, model: &str, dtype: safetensors::Dtype, plant: impl Fn(
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
 }
 
+/// `run` of the directory on `device`, which must refuse it (exit 2, no panic; `case` names the
+/// edit in a failure): its stderr.
+fn refused(dir: &Path, device: &str, case: &str) -> String {
+    let o = xtask(&["run", "--model", dir.to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{case}: {e}");
+    assert!(!e.contains("panicked"), "{case}: {e}");
+    e
+}
+
 #[test]
 fn devices_run_safetensors_directories_and_pass_layer_diff_against_the_oracle() {
     for (model, dtype, devices) in [
@@ -92,9 +102,7 @@ fn a_nan_in_a_safetensors_weight_is_refused_by_every_device_loader() {
         }
     });
     for device in ["ref", "cpu", "fixed", "gpu-emu"] {
-        let o = xtask(&["run", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
-        let e = stderr(&o);
-        assert_eq!(o.status.code(), Some(2), "{device}: {e}");
+        let e = refused(dir.path(), device, device);
         // The oracle names the tensor by its GGUF name, the device loaders by the file's own.
         let named = e.contains("`blk.1.ffn_up.weight` holds") || e.contains("model.safetensors: tensor `model.layers.1.mlp.up_proj.weight` holds");
         assert!(named && e.contains("NaN at element 5 (row 0, column 5)") && !e.contains("panicked"), "{device}: {e}");
@@ -112,10 +120,8 @@ fn moe_checkpoints_with_a_broken_expert_are_refused_naming_it() {
         }
     });
     for device in ["ref", "cpu", "gpu-emu"] {
-        let o = xtask(&["run", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
-        let e = stderr(&o);
-        assert_eq!(o.status.code(), Some(2), "{device}: {e}");
-        assert!(e.contains("tensor `model.layers.1.mlp.experts.2.up_proj.weight` holds NaN at element 7 (row 0, column 7)") && !e.contains("panicked"), "{device}: {e}");
+        let e = refused(dir.path(), device, device);
+        assert!(e.contains("tensor `model.layers.1.mlp.experts.2.up_proj.weight` holds NaN at element 7 (row 0, column 7)"), "{device}: {e}");
     }
     // config.json claims a fifth expert the files do not hold, then only three.
     let dir = tempfile::tempdir().unwrap();
@@ -126,10 +132,8 @@ fn moe_checkpoints_with_a_broken_expert_are_refused_naming_it() {
         let mut c = cfg.clone();
         c["num_experts"] = serde_json::json!(n);
         std::fs::write(&cfg_path, c.to_string()).unwrap();
-        let o = xtask(&["run", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1", "--device", "ref"], &[]);
-        let e = stderr(&o);
-        assert_eq!(o.status.code(), Some(2), "{n}: {e}");
-        assert!(e.contains(want) && !e.contains("panicked"), "{n}: {e}");
+        let e = refused(dir.path(), "ref", &n.to_string());
+        assert!(e.contains(want), "{n}: {e}");
     }
 }
 
@@ -152,10 +156,8 @@ fn config_sizes_the_files_do_not_back_are_refused_by_every_device_loader() {
         c[key] = serde_json::json!(v);
         std::fs::write(&cfg_path, c.to_string()).unwrap();
         for device in ["ref", "cpu", "fixed", "gpu-emu"] {
-            let o = xtask(&["run", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1", "--device", device], &[]);
-            let e = stderr(&o);
-            assert_eq!(o.status.code(), Some(2), "{key}={v} on {device}: {e}");
-            assert!(e.contains(want) && !e.contains("panicked"), "{key}={v} on {device}: {e}");
+            let e = refused(dir.path(), device, &format!("{key}={v} on {device}"));
+            assert!(e.contains(want), "{key}={v} on {device}: {e}");
         }
     }
 }

@@ -78,10 +78,8 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
 
 /// Runs the gate the arguments describe (None after `--write-golden`).
 pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
-    if !(a.baseline_factor.is_finite() && a.baseline_factor >= 1.0) {
-        return Err(Exit { code: 2, message: format!("--baseline-factor {} must be a finite number of at least 1", a.baseline_factor) });
-    }
-    super::check_emulation_factor(a.emulation_factor)?;
+    super::check_factor("--baseline-factor", a.baseline_factor)?;
+    super::check_factor("--emulation-factor", a.emulation_factor)?;
     let baseline: Option<serde_json::Value> = match &a.baseline {
         Some(f) => {
             let text = std::fs::read_to_string(f).map_err(|e| super::io_exit(f, e))?;

@@ -37,7 +37,7 @@ pub struct LayerDiffArgs {
     pub against: Option<String>,
     /// The `emulated_departure` gate: where the device's declared arithmetic can be emulated on
     /// the oracle, its propagated error at each tap may be at most this many times the emulated
-    /// run's (at taps where that is at least 1e-4 relative). Honest engines measure 0.93-1.93x;
+    /// run's (at taps where that is at least 1e-4 relative). Honest engines measure 1.00-1.89x on the fixtures and SmolLM2 (docs/ACCURACY.md);
     /// 1.5 suits engines whose arithmetic the emulation models exactly (cpu, fixed-int4).
     #[arg(long, default_value_t = suites::emulate::EMULATION_FACTOR)]
     pub emulation_factor: f64,
@@ -78,7 +78,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
 /// Runs the comparison the arguments describe (no printing, no files).
 pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let mode: Mode = a.mode.parse().map_err(|e| Exit { code: 2, message: format!("--mode: {e}") })?;
-    super::check_emulation_factor(a.emulation_factor)?;
+    super::check_factor("--emulation-factor", a.emulation_factor)?;
     check_device(&a.device)?;
     if let Some(b) = &a.against {
         check_device(b)?;

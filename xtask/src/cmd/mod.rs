@@ -25,12 +25,13 @@ use oracle::Precision;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// `--emulation-factor`: a finite number of at least 1, else exit 2.
-pub fn check_emulation_factor(f: f64) -> Result<(), Exit> {
+/// A factor option (`flag`: `--emulation-factor`, `--baseline-factor`): a finite number of at
+/// least 1, else exit 2.
+pub fn check_factor(flag: &str, f: f64) -> Result<(), Exit> {
     if f.is_finite() && f >= 1.0 {
         Ok(())
     } else {
-        Err(Exit { code: 2, message: format!("--emulation-factor {f} must be a finite number of at least 1") })
+        Err(Exit { code: 2, message: format!("{flag} {f} must be a finite number of at least 1") })
     }
 }
 
