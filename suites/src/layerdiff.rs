@@ -249,6 +249,14 @@ pub fn err_stats(device: &[f32], reference: &[f32], width: usize) -> ErrStats {
     ErrStats { max_abs, rms_err: (se / n).sqrt(), rms_ref: (sr / n).sqrt(), cosine, nonfinite, worst_pos: worst }
 }
 
+/// Over how many elements an energy is spread: (sum w)^2 / sum w^2 of the elements' weights w
+/// (their squares): 1 when one element holds all of it, n when n hold equal parts, 0 when
+/// there is none. Non-finite weights are left out.
+pub fn spread(weights: impl Iterator<Item = f64>) -> f64 {
+    let (sum, sum_sq) = weights.filter(|w| w.is_finite()).fold((0.0, 0.0), |(s, q), w| (s + w, q + w * w));
+    if sum_sq > 0.0 { sum * sum / sum_sq } else { 0.0 }
+}
+
 /// One tap's comparison.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TapDiff {
@@ -280,6 +288,12 @@ pub struct TapDiff {
     /// to it by the `emulated_departure` gate ([`emulated_departure`]); None where the arithmetic
     /// is not emulated.
     pub emulated: Option<f64>,
+    /// Over how many elements ([`spread`]) the device's and the emulation's errors together
+    /// sit (each element weighted by the sum of its two squared errors), and the oracle's values
+    /// of this tap: where both are under [`crate::emulate::EMULATED_MIN_SPREAD`] (a massive
+    /// activation holds the values and the errors), the gate does not hold the tap to the
+    /// emulation. None where the arithmetic is not emulated.
+    pub emulated_spread: Option<(f64, f64)>,
 }
 
 impl TapDiff {
@@ -472,6 +486,7 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
             amplification: None,
             magnified: 0.0,
             emulated: None,
+            emulated_spread: None,
         };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             if let Some(b) = local {
@@ -657,6 +672,10 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             }
             if let Some(e) = t.emulated {
                 m.insert("emulated_rel".into(), json!(e));
+                if let Some((errors, values)) = t.emulated_spread {
+                    m.insert("error_spread".into(), json!(errors));
+                    m.insert("value_spread".into(), json!(values));
+                }
                 // No ratio where the emulation has no error yet (no rounding before this tap).
                 if let Some(p) = t.propagated.as_ref().filter(|_| e > 0.0) {
                     m.insert("propagated_over_emulated".into(), json!(p.rel() / e));
@@ -717,13 +736,19 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
 /// The `emulated_departure` gate: at every tap where the declared arithmetic emulated has a
 /// relative propagated error of at least [`crate::emulate::EMULATED_FLOOR`], the device's
 /// propagated error is at most `factor` times it. The verdict names the first tap (execution
-/// order) past the factor — where a change of numerics shows first — and the largest ratio. None
-/// when no tap reaches the floor (nothing to hold the device to). A tap with values non-finite
-/// on the device's side only is past any factor (its ratio is infinite).
+/// order) past the factor — where a change of numerics shows first — and the largest ratio.
+/// Taps where a massive activation holds both the oracle's values and the two errors (each
+/// spread over fewer than [`crate::emulate::EMULATED_MIN_SPREAD`] elements,
+/// [`TapDiff::emulated_spread`]) are named, not held: their ratio is one of a few roundings,
+/// not a measurement (the worst-case budgets still hold them). None when no tap qualifies (nothing to hold the device to). A
+/// tap with values non-finite on the device's side only is past any factor (its ratio is
+/// infinite).
 pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &str) -> Option<Case> {
-    let floor = crate::emulate::EMULATED_FLOOR;
+    use crate::emulate::{EMULATED_FLOOR as FLOOR, EMULATED_MIN_SPREAD as MIN_SPREAD};
     let ratio = |p: &ErrStats, e: f64| if p.nonfinite > 0 { f64::INFINITY } else { p.rel() / e };
-    let ratios: Vec<(&TapDiff, f64)> = taps.iter().filter(|t| !t.missing).filter_map(|t| Some((t, ratio(t.propagated.as_ref()?, t.emulated.filter(|e| *e >= floor)?)))).collect();
+    let material: Vec<&TapDiff> = taps.iter().filter(|t| !t.missing && t.propagated.is_some() && t.emulated.is_some_and(|e| e >= FLOOR)).collect();
+    let (held, concentrated): (Vec<&TapDiff>, Vec<&TapDiff>) = material.into_iter().partition(|t| t.emulated_spread.is_none_or(|(errors, values)| errors >= MIN_SPREAD || values >= MIN_SPREAD));
+    let ratios: Vec<(&TapDiff, f64)> = held.iter().filter_map(|t| Some((*t, ratio(t.propagated.as_ref()?, t.emulated?)))).collect();
     let over = |r: f64| r.is_nan() || r > factor;
     let (largest, largest_ratio) = *ratios.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
     let first = ratios.iter().find(|(_, r)| over(*r));
@@ -732,26 +757,31 @@ pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &s
     m.insert("largest_ratio".into(), json!(largest_ratio));
     m.insert("largest_tap".into(), json!(largest.name));
     m.insert("factor".into(), json!(factor));
+    m.insert("taps_concentrated".into(), json!(concentrated.iter().map(|t| &t.name).collect::<Vec<_>>()));
     if let Some((t, r)) = first {
         m.insert("first_departure_tap".into(), json!(t.name));
         m.insert("first_departure_ratio".into(), json!(r));
     }
+    let not_held = match concentrated.len() {
+        0 => String::new(),
+        n => format!("; {n} taps not held, a massive activation holding their values and errors (under {MIN_SPREAD} elements; first {})", concentrated[0].name),
+    };
     let message = match first {
         Some((t, r)) => format!(
-            "{}: propagated error {r:.2}x that of the declared arithmetic emulated (allowed {factor}x); {} of {} taps past it, the largest {largest_ratio:.2}x at {}",
+            "{}: propagated error {r:.2}x that of the declared arithmetic emulated (allowed {factor}x); {} of {} taps past it, the largest {largest_ratio:.2}x at {}{not_held}",
             t.name,
             ratios.iter().filter(|(_, r)| over(*r)).count(),
             ratios.len(),
             largest.name
         ),
-        None => format!("largest {largest_ratio:.2}x the emulated arithmetic's error, at {} ({} taps compared)", largest.name, ratios.len()),
+        None => format!("largest {largest_ratio:.2}x the emulated arithmetic's error, at {} ({} taps compared{not_held})", largest.name, ratios.len()),
     };
     Some(Case {
         id: format!("layer_diff(model={model},gate=emulated_departure)"),
         device: device.to_string(),
         verdict: if first.is_some() { Verdict::Fail } else { Verdict::Pass },
         metrics: m,
-        tolerance: Tolerance { rule: format!("propagated rel. error <= {factor} x the declared arithmetic emulated's, at every tap where that is >= {floor:e}"), bound: factor },
+        tolerance: Tolerance { rule: format!("propagated rel. error <= {factor} x the declared arithmetic emulated's, at every tap where that is >= {FLOOR:e}, except where both the values and the errors sit in < {MIN_SPREAD} elements"), bound: factor },
         margin: factor - largest_ratio,
         message: Some(message),
     })
@@ -894,6 +924,12 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
             for t in &mut taps {
                 if let (Some((w, e)), Some((_, r))) = (recorded.tensors.get(&t.name), reference.recorded.tensors.get(&t.name)) {
                     t.emulated = Some(err_stats(e, r, *w).rel());
+                    let sq = |x: f32, r: f32| (x as f64 - r as f64).powi(2);
+                    let errors = match device_taps.tensors.get(&t.name) {
+                        Some((_, d)) if d.len() == r.len() => spread(d.iter().zip(e).zip(r).map(|((d, e), r)| sq(*d, *r) + sq(*e, *r))),
+                        _ => spread(e.iter().zip(r).map(|(e, r)| sq(*e, *r))),
+                    };
+                    t.emulated_spread = Some((errors, spread(r.iter().map(|r| (*r as f64).powi(2)))));
                 }
             }
             // Where the device leaves the emulated line most: where to look when it leaves it at
@@ -904,9 +940,13 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
                 Some(c) => Some((c.metrics["largest_tap"].clone(), c.metrics["largest_ratio"].clone())),
                 None => taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, r)| (json!(t.name), json!(r))),
             };
-            let mut section = json!({ "applied": true, "largest_departure": largest.map(|(t, r)| json!({ "tap": t, "propagated_over_emulated": r })), "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR });
+            let mut section = json!({ "applied": true, "largest_departure": largest.map(|(t, r)| json!({ "tap": t, "propagated_over_emulated": r })), "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR, "min_spread": crate::emulate::EMULATED_MIN_SPREAD });
             if departure_case.is_none() {
-                section["gate"] = json!(format!("not applicable: the emulated error reaches {:e} at no tap (the declared roundings barely touch this model)", crate::emulate::EMULATED_FLOOR));
+                section["gate"] = json!(format!(
+                    "not applicable: the emulated error reaches {:e} at no tap where the values or the errors are spread over {} elements (the declared roundings barely touch this model)",
+                    crate::emulate::EMULATED_FLOOR,
+                    crate::emulate::EMULATED_MIN_SPREAD
+                ));
             }
             section
         }
@@ -1071,6 +1111,19 @@ mod tests {
         assert!(diff(&r, None, &bad, &Arithmetic::F32, &d).is_err(), "a wrong width is an error");
     }
 
+    /// A spread counts the elements that hold an energy: one element, 1; n equal parts, n;
+    /// one large and many small (a massive activation), close to 1; none, 0.
+    #[test]
+    fn spread_counts_the_elements_an_energy_sits_in() {
+        let one = [0.0, 0.0, 2.25, 0.0];
+        assert_eq!(spread(one.into_iter()), 1.0);
+        assert!((spread([0.0625; 8].into_iter().chain([0.0; 56])) - 8.0).abs() < 1e-9);
+        let massive = std::iter::once(22_500f64.powi(2)).chain(std::iter::repeat_n(1.0, 5000));
+        assert!(spread(massive) < 1.001);
+        assert_eq!(spread([0.0; 4].into_iter()), 0.0, "nothing, no spread");
+        assert_eq!(spread([f64::NAN, 1.0].into_iter()), 1.0, "a non-finite weight is left out");
+    }
+
     /// The departure gate holds each tap's propagated error to `factor` times the emulated
     /// arithmetic's where that is material, names the first tap past it, ignores taps under
     /// the floor, and does not apply where no tap reaches it.
@@ -1105,6 +1158,19 @@ mod tests {
         let c = emulated_departure(&taps, 6.5, "m", "dev").unwrap();
         assert_eq!(c.verdict, Verdict::Pass, "{c:?}");
         assert!((c.margin - 0.5).abs() < 1e-3, "{c:?}");
+        // An emulated error held in one or two elements (a massive activation's) is not a
+        // measurement to hold the device to: result_norm's 6x is counted and named, not held.
+        taps[4].emulated_spread = Some((1.2, 1.0));
+        let c = emulated_departure(&taps, 5.5, "m", "dev").unwrap();
+        assert_eq!((c.verdict, &c.metrics["taps_compared"], &c.metrics["taps_concentrated"]), (Verdict::Pass, &json!(3), &json!(["result_norm"])), "{c:?}");
+        assert!(c.message.as_deref().unwrap().contains("1 taps not held, a massive activation holding their values and errors (under 16 elements; first result_norm)"), "{c:?}");
+        // Errors in one element of values spread evenly (a bug, not a massive activation), or
+        // errors spread evenly: held.
+        for s in [(1.2, 320.0), (16.0, 1.0)] {
+            taps[4].emulated_spread = Some(s);
+            assert_eq!(emulated_departure(&taps, 5.5, "m", "dev").unwrap().verdict, Verdict::Fail, "{s:?}: held");
+        }
+        taps[4].emulated_spread = None;
         // Values non-finite on the device's side only: past any factor.
         taps[2].propagated.as_mut().unwrap().nonfinite = 1;
         let c = emulated_departure(&taps, 1e6, "m", "dev").unwrap();

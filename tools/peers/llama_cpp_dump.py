@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""llama.cpp as an `exec:` engine: its own intermediate tensors, written as a Touchstone dump.
+
+    cargo xtask layer-diff  --device "exec:python3 tools/peers/llama_cpp_dump.py" --model smollm2
+    cargo xtask fixed-token --device "exec:python3 tools/peers/llama_cpp_dump.py" --model smollm2
+
+A development peer, never a runtime dependency: it needs the PyPI sdist `llama-cpp-python`
+(`pip install llama-cpp-python`, which builds llama.cpp from source, ~12 min on 2 cores) and
+numpy. It runs the ids in TOUCHSTONE_PROMPT_IDS through llama.cpp's CPU backend in one batch with
+every position's logits requested, and reads each graph node the taps need through llama.cpp's
+eval callback (`cb_eval`, the hook `llama-eval-callback` prints from), by the names llama.cpp's
+graph gives them (`attn_norm-3`, `Qcur-3`, `l_out-3`, ...; docs/DUMP_FORMAT.md). Names llama.cpp
+gives twice are told apart by the node's op: the `Qcur`/`Kcur` that ROPE computes is the rotated
+one. With TOUCHSTONE_N_GENERATE > 0 it generates greedily and writes a token-only dump.
+
+The dump declares llama.cpp's CPU arithmetic as far as the declaration can say it: f32
+activations, Q8 blocks into every product with a quantized matrix (32 wide, the Q8_0/Q8_1 that
+Q4_0..Q8_0 weights meet; 256 when the file holds K-quants, whose products take Q8_K blocks) and an
+f16 KV cache. What it cannot say is reported by the comparison, not hidden: llama.cpp also rounds
+the query and the attention weights to f16 where they meet the f16 cache, and the activations
+entering an F16/BF16 matrix to that format.
+
+Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
+attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32 keeps the cache in
+f32 (and declares it).
+"""
+import ctypes
+import json
+import os
+import sys
+
+import numpy as np
+
+import llama_cpp
+from llama_cpp import _ggml
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "external_engine"))
+from engine import sha256, write_safetensors  # noqa: E402
+
+
+class GgmlTensor(ctypes.Structure):
+    """`struct ggml_tensor` of the ggml llama-cpp-python 0.3.x vendors (ggml.h; GGML_MAX_SRC 10)."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+ggml = _ggml.libggml
+ggml.ggml_op_desc.argtypes, ggml.ggml_op_desc.restype = [ctypes.c_void_p], ctypes.c_char_p
+ggml.ggml_nbytes.argtypes, ggml.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+ggml.ggml_backend_tensor_get.restype = None
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+
+# llama.cpp's graph name (before "-{layer}") -> our tap (after "blk.{layer}."), for the node
+# that is not a ROPE; and for ROPE nodes of that name.
+LAYER_TAPS = {
+    "attn_norm": "attn_norm", "Qcur": "attn_q", "Kcur": "attn_k", "Vcur": "attn_v",
+    "Qcur_normed": "attn_q_norm", "Kcur_normed": "attn_k_norm", "kqv_out": "attn_kqv",
+    "attn_out": "attn_out", "ffn_inp": "ffn_inp", "ffn_norm": "ffn_norm", "ffn_gate": "ffn_gate",
+    "ffn_up": "ffn_up", "ffn_swiglu": "ffn_act", "ffn_geglu": "ffn_act", "ffn_out": "ffn_out",
+    "l_out": "l_out",
+}
+ROPE_TAPS = {"Qcur": "attn_q_rope", "Kcur": "attn_k_rope"}
+GLOBAL_TAPS = {"inp_embd": "inp_embd", "embd": "inp_embd", "result_norm": "result_norm"}
+
+
+def tap_name(node_name, op):
+    """Our tap name for a llama.cpp graph node, or None for a node no tap shows."""
+    if node_name in GLOBAL_TAPS:
+        return GLOBAL_TAPS[node_name]
+    base, _, layer = node_name.rpartition("-")
+    if not layer.isdigit():
+        return None
+    table = ROPE_TAPS if op == "ROPE" and base in ROPE_TAPS else LAYER_TAPS
+    return f"blk.{layer}.{table[base]}" if base in table else None
+
+
+def node_rows(t, n_tokens):
+    """The node's values as [n_tokens, width] f32, whatever its strides (views included)."""
+    t = t.contents
+    dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}.get(t.type)
+    if dtype is None:
+        return None
+    extent = ggml.ggml_nbytes(ctypes.addressof(t))
+    raw = (ctypes.c_uint8 * extent)()
+    ggml.ggml_backend_tensor_get(ctypes.addressof(t), raw, 0, extent)
+    shape = tuple(reversed(list(t.ne)))
+    strides = tuple(reversed(list(t.nb)))
+    base = np.frombuffer(raw, dtype=dtype, count=extent // np.dtype(dtype).itemsize)
+    values = np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides, writeable=False)
+    values = np.array(values, dtype=np.float32)
+    if values.size % n_tokens:
+        return None
+    return values.reshape(n_tokens, -1)
+
+
+def kquant_file(path):
+    """Whether the GGUF holds K-quant matrices (their products take Q8_K blocks of 256)."""
+    from gguf import GGUFReader
+    from gguf.constants import GGMLQuantizationType as Q
+    kquants = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    return any(t.tensor_type in kquants for t in GGUFReader(path).tensors)
+
+
+def main():
+    model_path, out = os.environ["TOUCHSTONE_MODEL"], os.environ["TOUCHSTONE_OUT"]
+    ids = [int(t) for t in os.environ["TOUCHSTONE_PROMPT_IDS"].split(",")]
+    n_generate = int(os.environ.get("TOUCHSTONE_N_GENERATE", "0"))
+    threads = int(os.environ.get("RAYON_NUM_THREADS", "2"))
+    flash = os.environ.get("TOUCHSTONE_LLAMA_FLASH_ATTN", "0") == "1"
+    kv = os.environ.get("TOUCHSTONE_LLAMA_KV", "f16")
+    if kv not in ("f16", "f32"):
+        sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: f16 or f32")
+    n_ctx = max(64, len(ids) + n_generate + 8)
+
+    # The prompt runs as one batch (n_batch = n_ubatch = its length): one graph, each tap once.
+    taps, order = {}, []  # name -> [n_tokens, width], in the order llama.cpp computed them
+    n_batch_tokens = [0]
+
+    def on_node(tensor_p, ask, _user):
+        t = ctypes.cast(tensor_p, ctypes.POINTER(GgmlTensor))
+        name = tap_name(t.contents.name.decode(errors="replace"), ggml.ggml_op_desc(tensor_p).decode())
+        if ask:
+            return name is not None
+        rows = node_rows(t, n_batch_tokens[0])
+        if name is not None and rows is not None:
+            if name not in taps:
+                order.append(name)
+            # The last node of a name wins (llama.cpp gives a projection's reshaped view the
+            # projection's name: the same values).
+            taps[name] = rows
+        return True
+
+    callback = llama_cpp.ggml_backend_sched_eval_callback(on_node)
+
+    llama_cpp.llama_backend_init()
+    # llama.cpp's log goes nowhere (the callback is kept alive: ctypes would free it).
+    quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
+    llama_cpp.llama_log_set(quiet, None)
+    mparams = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+    if not model:
+        sys.exit(f"{model_path}: llama.cpp could not load it")
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = cparams.n_ubatch = max(len(ids), 1)
+    cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cparams.type_k = cparams.type_v = GGML_TYPE_F16 if kv == "f16" else GGML_TYPE_F32
+    if n_generate == 0:
+        cparams.cb_eval = callback
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        sys.exit("llama.cpp could not create a context")
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+
+    def decode(tokens, start, all_logits):
+        batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, start + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 1 if all_logits or i == len(tokens) - 1 else 0
+        batch.n_tokens = len(tokens)
+        n_batch_tokens[0] = len(tokens)
+        rc = llama_cpp.llama_decode(ctx, batch)
+        llama_cpp.llama_batch_free(batch)
+        if rc != 0:
+            sys.exit(f"llama_decode returned {rc}")
+        rows = range(len(tokens)) if all_logits else [len(tokens) - 1]
+        return np.array([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)) for i in rows], dtype=np.float32)
+
+    arch = "llama"
+    manifest = {
+        "format": "touchstone-dump",
+        "version": 1,
+        "model": {"name": os.path.basename(model_path), "sha256": sha256(model_path), "arch": arch},
+        "device": f"llama.cpp {llama_cpp.__version__} cpu{' flash-attn' if flash else ''} kv-{kv}",
+        "precision": "f32",
+        "token_ids": ids,
+        "positions": list(range(len(ids))),
+        "taps": [],
+        "logits": None,
+        "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": 256 if kquant_file(model_path) else 32,
+                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": kv},
+    }
+    if n_generate > 0:
+        logits, seq = decode(ids, 0, False), []
+        while True:
+            seq.append(int(np.argmax(logits[-1])))
+            if len(seq) == n_generate:
+                break
+            logits = decode([seq[-1]], len(ids) + len(seq) - 1, False)
+        manifest["generated_ids"] = seq
+    else:
+        logits = decode(ids, 0, True)
+        tensors = [(name, taps[name]) for name in order]
+        write_safetensors(os.path.join(out, "taps.safetensors"), tensors)
+        write_safetensors(os.path.join(out, "logits.safetensors"), [("logits", logits)])
+        manifest["taps"] = [{"name": k, "shape": list(v.shape), "dtype": "f32", "file": "taps.safetensors"} for k, v in tensors]
+        manifest["logits"] = {"name": "logits", "shape": list(logits.shape), "dtype": "f32", "file": "logits.safetensors"}
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
