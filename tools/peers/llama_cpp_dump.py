@@ -22,7 +22,8 @@ entering an F16/BF16 matrix to that format.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
 attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32 keeps the cache in
-f32 (and declares it).
+f32 (and declares it); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares another activation block
+(`none`: f32 activations, an understatement the budgets must catch).
 """
 import ctypes
 import json
@@ -126,6 +127,10 @@ def main():
     if kv not in ("f16", "f32"):
         sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: f16 or f32")
     n_ctx = max(64, len(ids) + n_generate + 8)
+    q8 = os.environ.get("TOUCHSTONE_LLAMA_Q8_BLOCK", "file")
+    if q8 not in ("file", "32", "256", "none"):
+        sys.exit(f"TOUCHSTONE_LLAMA_Q8_BLOCK={q8}: 32, 256 or none")
+    q8_block = (256 if kquant_file(model_path) else 32) if q8 == "file" else None if q8 == "none" else int(q8)
 
     # The prompt runs as one batch (n_batch = n_ubatch = its length): one graph, each tap once.
     taps, order = {}, []  # name -> [n_tokens, width], in the order llama.cpp computed them
@@ -194,7 +199,7 @@ def main():
         "positions": list(range(len(ids))),
         "taps": [],
         "logits": None,
-        "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": 256 if kquant_file(model_path) else 32,
+        "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
                        "transcendental_ulps": 4.0, "fixed": None, "kv_cache": kv},
     }
     if n_generate > 0:

@@ -282,3 +282,40 @@ fn an_engine_that_only_prints_ids_is_judged_by_its_greedy_ids() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("prints the ids it generated and nothing else"), "{}", text(&o));
 }
+
+/// llama.cpp itself (tools/peers/llama_cpp_dump.py: its graph's nodes read through its eval
+/// callback) judged tap by tap on SmolLM2: with its f16 cache or an f32 one, it passes every
+/// budget and stays near the emulation of its declared arithmetic (Q8 activations), also where
+/// SmolLM2's massive activation holds the error in one element (an f32 cache measured 4.09x
+/// there, which the gate no longer reads as a departure); declaring f32 activations instead
+/// fails. A development peer: skipped, saying so, without `pip install llama-cpp-python`.
+#[test]
+fn llama_cpp_is_judged_tap_by_tap_through_exec() {
+    let probe = std::process::Command::new("python3").args(["-c", "import llama_cpp, gguf, numpy"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED: llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = "exec:python3 tools/peers/llama_cpp_dump.py";
+    let run = |suite: &str, env: &[(&str, &str)], dir: &str| {
+        let out = tmp.path().join(dir);
+        let o = xtask(&[suite, "--device", engine, "--model", "smollm2", "--report-dir", out.to_str().unwrap()], env);
+        let report: serde_json::Value = std::fs::read_to_string(out.join("report.json")).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
+        (o, report)
+    };
+    for (env, dir) in [(&[][..], "f16"), (&[("TOUCHSTONE_LLAMA_KV", "f32")][..], "f32")] {
+        let (o, report) = run("layer-diff", env, dir);
+        assert_eq!(o.status.code(), Some(0), "{dir}: {}", text(&o));
+        let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"] == "layer_diff(model=smollm2,gate=emulated_departure)").expect("the departure gate ran");
+        assert!(gate["metrics"]["largest_ratio"].as_f64().unwrap() < 2.0, "{dir}: {gate}");
+        assert!(!gate["metrics"]["taps_concentrated"].as_array().unwrap().is_empty(), "{dir}: SmolLM2's massive activation is named");
+        assert_eq!(report["summary"]["unsupported"], 0, "{dir}: every tap the oracle records, llama.cpp dumped");
+    }
+    let (o, _) = run("fixed-token", &[], "ft");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("Pass         fixed_token(model=smollm2,gate=kld_vs_emulation)"), "{}", text(&o));
+    let (o, report) = run("layer-diff", &[("TOUCHSTONE_LLAMA_Q8_BLOCK", "none")], "understated");
+    assert_eq!(o.status.code(), Some(1), "f32 activations declared: {}", text(&o));
+    assert_eq!(report["first_divergence"]["tap"], "blk.0.attn_q", "the first product with Q8 inputs");
+}
