@@ -64,7 +64,7 @@ ggml.ggml_op_desc.argtypes, ggml.ggml_op_desc.restype = [ctypes.c_void_p], ctype
 ggml.ggml_nbytes.argtypes, ggml.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
 ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 ggml.ggml_backend_tensor_get.restype = None
-GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32 = 0, 1, 26
 
 # llama.cpp's graph name (before "-{layer}") -> our tap (after "blk.{layer}."), for the node
 # that is not a ROPE; and for ROPE nodes of that name.
@@ -73,14 +73,18 @@ LAYER_TAPS = {
     "Qcur_normed": "attn_q_norm", "Kcur_normed": "attn_k_norm", "kqv_out": "attn_kqv",
     "attn_out": "attn_out", "ffn_inp": "ffn_inp", "ffn_norm": "ffn_norm", "ffn_gate": "ffn_gate",
     "ffn_up": "ffn_up", "ffn_swiglu": "ffn_act", "ffn_geglu": "ffn_act", "ffn_out": "ffn_out",
-    "l_out": "l_out",
+    "l_out": "l_out", "ffn_moe_probs": "ffn_moe_probs", "ffn_moe_topk": "ffn_moe_topk",
 }
 ROPE_TAPS = {"Qcur": "attn_q_rope", "Kcur": "attn_k_rope"}
 GLOBAL_TAPS = {"inp_embd": "inp_embd", "embd": "inp_embd", "result_norm": "result_norm"}
 
 
-def tap_name(node_name, op):
-    """Our tap name for a llama.cpp graph node, or None for a node no tap shows."""
+def tap_name(node_name, op, weight):
+    """Our tap name for a llama.cpp graph node, or None for a node no tap shows. `weight`: the
+    name of the node's first source (a product's matrix, by its GGUF name)."""
+    if op == "MUL_MAT" and weight.startswith("blk.") and weight.endswith(".attn_output.weight"):
+        # Some graphs (Qwen2-MoE, Qwen3) name no node `attn_out`: the output projection is it.
+        return f"blk.{weight.split('.')[1]}.attn_out"
     if node_name in GLOBAL_TAPS:
         return GLOBAL_TAPS[node_name]
     base, _, layer = node_name.rpartition("-")
@@ -93,7 +97,8 @@ def tap_name(node_name, op):
 def node_rows(t, n_tokens):
     """The node's values as [n_tokens, width] f32, whatever its strides (views included)."""
     t = t.contents
-    dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}.get(t.type)
+    # I32: the chosen experts' ids (`ffn_moe_topk`), written as f32 as the format says.
+    dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16, GGML_TYPE_I32: np.int32}.get(t.type)
     if dtype is None:
         return None
     extent = ggml.ggml_nbytes(ctypes.addressof(t))
@@ -138,7 +143,9 @@ def main():
 
     def on_node(tensor_p, ask, _user):
         t = ctypes.cast(tensor_p, ctypes.POINTER(GgmlTensor))
-        name = tap_name(t.contents.name.decode(errors="replace"), ggml.ggml_op_desc(tensor_p).decode())
+        src0 = t.contents.src[0]
+        weight = ctypes.cast(src0, ctypes.POINTER(GgmlTensor)).contents.name.decode(errors="replace") if src0 else ""
+        name = tap_name(t.contents.name.decode(errors="replace"), ggml.ggml_op_desc(tensor_p).decode(), weight)
         if ask:
             return name is not None
         rows = node_rows(t, n_batch_tokens[0])

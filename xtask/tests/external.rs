@@ -284,7 +284,8 @@ fn an_engine_that_only_prints_ids_is_judged_by_its_greedy_ids() {
 }
 
 /// llama.cpp itself (tools/peers/llama_cpp_dump.py: its graph's nodes read through its eval
-/// callback) judged tap by tap on SmolLM2: with its f16 cache or an f32 one, it passes every
+/// callback) judged tap by tap on the synthetic models (every tap, MoE expert ids included) and
+/// SmolLM2: with its f16 cache or an f32 one, it passes every
 /// budget and stays near the emulation of its declared arithmetic (Q8 activations), also where
 /// SmolLM2's massive activation holds the error in one element (an f32 cache measured 4.09x
 /// there, which the gate no longer reads as a departure); declaring f32 activations instead
@@ -311,6 +312,14 @@ fn llama_cpp_is_judged_tap_by_tap_through_exec() {
         assert!(gate["metrics"]["largest_ratio"].as_f64().unwrap() < 2.0, "{dir}: {gate}");
         assert!(!gate["metrics"]["taps_concentrated"].as_array().unwrap().is_empty(), "{dir}: SmolLM2's massive activation is named");
         assert_eq!(report["summary"]["unsupported"], 0, "{dir}: every tap the oracle records, llama.cpp dumped");
+    }
+    // The synthetic models, MoE routing included (expert ids equal, not near): every tap.
+    for model in ["tiny-llama", "tiny-qwen3", "tiny-moe"] {
+        let out = tmp.path().join(model);
+        let o = xtask(&["layer-diff", "--device", engine, "--model", model, "--report-dir", out.to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{model}: {}", text(&o));
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        assert_eq!(report["summary"]["unsupported"], 0, "{model}: no tap missing");
     }
     let (o, _) = run("fixed-token", &[], "ft");
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
