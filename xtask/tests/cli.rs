@@ -163,6 +163,17 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "0.5"], "--emulation-factor 0.5 must be a finite number of at least 1");
     refused(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "inf"], "--emulation-factor inf must be a finite number of at least 1");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "inf"], "--temperature must be finite and >= 0 (it is inf)");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,,2", "--max-new-tokens", "2"], "--prompt-ids `1,,2`: nothing between commas at item 2");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", ",1", "--max-new-tokens", "2"], "nothing between commas at item 1");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,x", "--max-new-tokens", "2"], "--prompt-ids `1,x`: `x`: invalid digit");
+    // Spaces, commas with spaces and a trailing comma are ids as written.
+    for ids in ["5 9 17", "5, 9, 17", "5,9,17,"] {
+        let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", ids, "--max-new-tokens", "1", "--json"], &[]);
+        assert_eq!(o.status.code(), Some(0), "{ids}: {}", text(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["prompt_ids"], serde_json::json!([5, 9, 17]), "{ids}");
+    }
     // A prompt whose recordings would not fit in memory is refused before anything runs (the
     // limit stands in for a small machine; tiny-llama's weights take 1.5 MiB).
     let long: String = (0..200).map(|i| (1 + i % 250).to_string()).collect::<Vec<_>>().join(",");

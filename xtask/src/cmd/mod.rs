@@ -59,14 +59,25 @@ pub fn generate_on_device(
     oracle::generate::generate_with(forward_last, prompt, max_new, sampler, seed, stop)
 }
 
-/// Parses `504,3575,282` or `504 3575 282`.
+/// Parses `504,3575,282`, `504, 3575` or `504 3575 282`; nothing between two commas (`1,,2`, a
+/// lost id) is refused rather than skipped.
 pub fn parse_ids(s: &str) -> Result<Vec<u32>, Exit> {
-    let ids: Result<Vec<u32>, _> = s.split(|c: char| c == ',' || c.is_whitespace()).filter(|t| !t.is_empty()).map(|t| t.parse::<u32>()).collect();
-    match ids {
-        Ok(v) if !v.is_empty() => Ok(v),
-        Ok(_) => Err(Exit { code: 2, message: "--prompt-ids is empty".into() }),
-        Err(e) => Err(Exit { code: 2, message: format!("--prompt-ids `{s}`: {e} (expected comma-separated token ids)") }),
+    let bad = |why: String| Exit { code: 2, message: format!("--prompt-ids `{s}`: {why} (expected comma-separated token ids)") };
+    let mut ids = Vec::new();
+    let pieces: Vec<&str> = s.split(',').collect();
+    for (i, piece) in pieces.iter().enumerate() {
+        let words: Vec<&str> = piece.split_whitespace().collect();
+        if words.is_empty() && pieces.len() > 1 && s.trim() != "," && !(i + 1 == pieces.len() && i > 0) {
+            return Err(bad(format!("nothing between commas at item {}", i + 1)));
+        }
+        for w in words {
+            ids.push(w.parse::<u32>().map_err(|e| bad(format!("`{w}`: {e}")))?);
+        }
     }
+    if ids.is_empty() {
+        return Err(Exit { code: 2, message: "--prompt-ids is empty".into() });
+    }
+    Ok(ids)
 }
 
 /// Resolves a model name/path (generating or fetching fixtures on first use).

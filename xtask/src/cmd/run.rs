@@ -55,8 +55,8 @@ pub struct RunArgs {
 
 pub fn main(a: RunArgs) -> Result<u8, Exit> {
     check_device(&a.device)?;
-    if !(a.temperature >= 0.0 && a.top_p > 0.0 && a.top_p <= 1.0) {
-        return Err(Exit { code: 2, message: "--temperature must be >= 0 and --top-p in (0, 1]".into() });
+    if !(a.temperature >= 0.0 && a.temperature.is_finite() && a.top_p > 0.0 && a.top_p <= 1.0) {
+        return Err(Exit { code: 2, message: format!("--temperature must be finite and >= 0 (it is {}), --top-p in (0, 1] (it is {})", a.temperature, a.top_p) });
     }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
     let chat_prompt = match (&a.prompt, &tok) {
