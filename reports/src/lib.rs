@@ -15,6 +15,16 @@ use std::path::Path;
 
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// Whether a report of `schema_version` can be read as this build's [`Report`]: only its own
+/// version (another one's fields may mean other things), or why not.
+pub fn check_schema_version(schema_version: u64) -> Result<(), String> {
+    if schema_version == SCHEMA_VERSION as u64 {
+        Ok(())
+    } else {
+        Err(format!("report schema version {schema_version}; this build reads version {SCHEMA_VERSION} only (docs/REPORT_SCHEMA.md)"))
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verdict {
@@ -364,7 +374,9 @@ impl Report {
     pub fn read(dir: &Path) -> std::io::Result<Report> {
         let path = dir.join("report.json");
         let text = std::fs::read_to_string(&path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-        serde_json::from_str(&text).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {e}", dir.join("report.json").display())))
+        let report: Report = serde_json::from_str(&text).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {e}", path.display())))?;
+        check_schema_version(report.schema_version as u64).map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {why}", path.display())))?;
+        Ok(report)
     }
 
     /// Writes report.json, report.md, junit.xml and cases.csv into `dir` atomically.

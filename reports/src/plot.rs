@@ -69,6 +69,15 @@ fn draw_err(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(format!("plot: {e}"))
 }
 
+/// The largest magnitude a chart draws: a point beyond it (or not finite, or not positive on a
+/// log axis) is left out of the drawing — report.json keeps it — since an axis spanning
+/// +-1e308 overflows to an infinite range, on which plotters' ticks never end.
+const PLOT_LIMIT: f64 = 1e30;
+
+fn plottable(c: &Chart, (x, y): &(f64, f64)) -> bool {
+    x.abs() <= PLOT_LIMIT && y.abs() <= PLOT_LIMIT && (!c.log_y || *y > 0.0)
+}
+
 fn draw<DB: DrawingBackend>(root: DrawingArea<DB, plotters::coord::Shift>, c: &Chart) -> std::io::Result<()>
 where
     DB::ErrorType: 'static,
@@ -106,7 +115,8 @@ where
         legend.draw(&PathElement::new(vec![(17, y + 6), (24, y + 6)], grey.stroke_width(1))).map_err(draw_err)?;
         legend.draw(&Text::new("dashed: budget (same colour)", (30, y - 1), ("sans-serif", 12))).map_err(draw_err)?;
     }
-    let pts = c.series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| x.is_finite() && y.is_finite() && (!c.log_y || *y > 0.0));
+    let pts = c.series.iter().flat_map(|s| s.points.iter()).filter(|p| plottable(c, p));
+    let band = c.band.filter(|(lo, hi)| plottable(c, &(0.0, *lo)) && plottable(c, &(0.0, *hi)));
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for (x, y) in pts {
         x0 = x0.min(*x);
@@ -114,7 +124,7 @@ where
         y0 = y0.min(*y);
         y1 = y1.max(*y);
     }
-    if let Some((lo, hi)) = c.band {
+    if let Some((lo, hi)) = band {
         y0 = y0.min(lo);
         y1 = y1.max(hi);
     }
@@ -145,12 +155,12 @@ where
                 .y_label_formatter(&|v: &f64| if c.log_y || v.abs() < 1e-3 && *v != 0.0 { format!("{v:.0e}") } else if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.2}") })
                 .draw()
                 .map_err(draw_err)?;
-            if let Some((lo, hi)) = c.band {
+            if let Some((lo, hi)) = band {
                 chart.draw_series(std::iter::once(Rectangle::new([(x0, lo), (x1, hi)], RGBColor(31, 119, 180).mix(0.15).filled()))).map_err(draw_err)?;
             }
             for s in &c.series {
                 let col = colour(s.colour);
-                let points: Vec<(f64, f64)> = s.points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite() && (!c.log_y || *y > 0.0)).collect();
+                let points: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| plottable(c, p)).collect();
                 let style = ShapeStyle { color: col.to_rgba(), filled: false, stroke_width: if s.dashed { 1 } else { 2 } };
                 if s.dashed {
                     chart.draw_series(DashedLineSeries::new(points, 6, 4, style)).map_err(draw_err)?;
@@ -169,8 +179,14 @@ where
     Ok(())
 }
 
-/// Writes `<stem>.png` and `<stem>.svg` into `dir`; returns both paths.
+/// Writes `<stem>.png` and `<stem>.svg` into `dir`; returns both paths. A stem that is not a
+/// plain file name (a report.json from elsewhere naming `../../x`) is refused: charts are
+/// written inside `dir` only.
 pub fn write_chart(dir: &Path, stem: &str, chart: &Chart) -> std::io::Result<Vec<PathBuf>> {
+    let plain = !stem.is_empty() && !stem.starts_with('.') && !stem.contains(['/', '\\', '\0', ':']);
+    if !plain {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("chart stem `{stem}` is not a plain file name (charts are written inside {} only)", dir.display())));
+    }
     register_font();
     std::fs::create_dir_all(dir)?;
     let png = dir.join(format!("{stem}.png"));
@@ -204,5 +220,24 @@ mod tests {
         assert_eq!(&png[1..4], b"PNG");
         let svg = std::fs::read_to_string(&files[1]).unwrap();
         assert!(svg.contains("<svg") && svg.contains("l_out") && svg.contains("dashed: budget"), "the SVG carries the legend text");
+    }
+
+    /// A chart from a report.json written elsewhere: values at the ends of f64 are left out of
+    /// the drawing (an axis of +-1e308 never finished its ticks), and a stem that would write
+    /// outside the directory is refused.
+    #[test]
+    fn hostile_charts_are_drawn_or_refused_never_hang_or_escape() {
+        let dir = tempfile::tempdir().unwrap();
+        let extreme = vec![(1e308, -1e308), (0.0, 1e308), (-1e308, 1e-308), (1.0, 2.0)];
+        for log_y in [false, true] {
+            let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y, series: vec![Series { name: "s".into(), points: extreme.clone(), colour: 1 << 40, dashed: false }], band: Some((1e308, -1e308)) };
+            write_chart(dir.path(), "extreme", &chart).unwrap();
+        }
+        let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y: false, series: vec![], band: None };
+        for stem in ["../x", "a/b", "", ".hidden", "..", "c:\\x"] {
+            let e = write_chart(dir.path(), stem, &chart).unwrap_err().to_string();
+            assert!(e.contains("is not a plain file name"), "{stem}: {e}");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "only extreme.png and extreme.svg were written");
     }
 }

@@ -83,7 +83,9 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let baseline: Option<serde_json::Value> = match &a.baseline {
         Some(f) => {
             let text = std::fs::read_to_string(f).map_err(|e| super::io_exit(f, e))?;
-            Some(serde_json::from_str(&text).map_err(|e| Exit { code: 2, message: format!("--baseline {}: not a report.json: {e}", f.display()) })?)
+            let report: serde_json::Value = serde_json::from_str(&text).map_err(|e| Exit { code: 2, message: format!("--baseline {}: not a report.json: {e}", f.display()) })?;
+            reports::check_schema_version(report["schema_version"].as_u64().unwrap_or(0)).map_err(|why| Exit { code: 2, message: format!("--baseline {}: {why}", f.display()) })?;
+            Some(report)
         }
         None => None,
     };
