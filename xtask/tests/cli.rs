@@ -167,6 +167,15 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,,2", "--max-new-tokens", "2"], "--prompt-ids `1,,2`: nothing between commas at item 2");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", ",1", "--max-new-tokens", "2"], "nothing between commas at item 1");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,x", "--max-new-tokens", "2"], "--prompt-ids `1,x`: `x`: invalid digit");
+    // A report directory that cannot be one is refused before the run, not after it.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let under = file.path().join("sub");
+    for dir in [file.path(), under.as_path()] {
+        for cmd in [&["layer-diff", "--device", "cpu", "--model", "tiny-llama"][..], &["kernels", "--device", "cpu"], &["gate", "--suite", "kernels"]] {
+            let args: Vec<&str> = cmd.iter().copied().chain(["--report-dir", dir.to_str().unwrap()]).collect();
+            refused(&args, "is a file, not a directory; nothing was run");
+        }
+    }
     // Spaces, commas with spaces and a trailing comma are ids as written.
     for ids in ["5 9 17", "5, 9, 17", "5,9,17,"] {
         let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", ids, "--max-new-tokens", "1", "--json"], &[]);

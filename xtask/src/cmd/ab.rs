@@ -498,6 +498,7 @@ impl Pair {
 }
 
 pub fn main(a: AbArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
     let broken: Vec<&str> = [
         (a.pairs < 2, "--pairs >= 2"),
         (a.max_pairs < a.pairs, "--max-pairs >= --pairs"),

@@ -40,6 +40,7 @@ pub struct BenchArgs {
 }
 
 pub fn main(a: BenchArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
     check_device(&a.device)?;
     super::print_timing_notes();
     let m = measure(&a.device, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps)?;

@@ -68,6 +68,7 @@ fn oracle_golden(oracle: &AnyModel, model: &str, sha256: String, prompt: Vec<u32
 }
 
 pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
     let Some(mut report) = fixed_token(&a)? else { return Ok(0) };
     print_summary(&report);
     let dir = super::report_dir(a.report_dir, "fixed-token");

@@ -39,6 +39,7 @@ pub struct GateArgs {
 }
 
 pub fn main(a: GateArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
     let suites: Vec<String> = if a.suite.is_empty() { DEFAULT_SUITES.iter().map(|s| s.to_string()).collect() } else { a.suite.clone() };
     for s in &suites {
         if !SUITES.contains(&s.as_str()) {

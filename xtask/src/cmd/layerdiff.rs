@@ -64,6 +64,7 @@ fn device_taps(engine: &mut Engine, ids: &[u32]) -> Result<RecordingTap, Exit> {
 }
 
 pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
     let mut outcome = layer_diff(&a)?;
     print_table(&outcome);
     for f in &outcome.follows {

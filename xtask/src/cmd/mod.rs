@@ -334,6 +334,17 @@ pub fn report_dir(given: Option<PathBuf>, suite: &str) -> PathBuf {
     })
 }
 
+/// Refuses, before anything runs, a `--report-dir` that cannot become a directory: an existing
+/// file, or a path under one (it failed only when the report was written, after the whole run).
+pub fn check_report_dir(given: Option<&Path>) -> Result<(), Exit> {
+    let Some(dir) = given else { return Ok(()) };
+    let blocker = dir.ancestors().find(|p| !p.as_os_str().is_empty() && p.exists());
+    match blocker {
+        Some(p) if !p.is_dir() => Err(Exit { code: 2, message: format!("--report-dir {}: {} is a file, not a directory; nothing was run", dir.display(), p.display()) }),
+        _ => Ok(()),
+    }
+}
+
 /// Writes `report` under `dir` after adding what only the binary knows to its provenance: the
 /// devices it opened (with their hardware and driver) and the features it was built with.
 pub fn write_report(report: &mut reports::Report, dir: &std::path::Path) -> Result<(), Exit> {

@@ -31,6 +31,7 @@ pub struct RooflineArgs {
 }
 
 pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
     if a.mib == 0 || a.reps == 0 {
         return Err(Exit { code: 2, message: "--mib and --reps must be at least 1".into() });
     }
