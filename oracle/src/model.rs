@@ -38,6 +38,12 @@ pub trait Tap {
     fn product_input(&mut self, _weight: &str, _width: usize, _data: &[f32]) -> Option<Vec<f32>> {
         None
     }
+    /// The rule that computes attention weights from scores in place of the softmax
+    /// ([`crate::ops::AttentionWeights`]), if any: the emulation of a fixed-point arithmetic
+    /// computes them on its grid, as the engine does where no tap shows it.
+    fn attention_weights(&self) -> Option<&crate::ops::AttentionWeights> {
+        None
+    }
 }
 
 /// A tap that records nothing.
@@ -490,7 +496,7 @@ impl<T: Real> Model<T> {
                             scale: s.attn_scale,
                             window: s.sliding_window,
                         };
-                        attn = ops::attention(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params)?;
+                        attn = ops::attention_with(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params, taps.attention_weights())?;
                         tap(taps, &name("attn_kqv"), start, m, q_dim, &mut attn);
                     }
                     Stage::AttnOutProj => {

@@ -178,6 +178,27 @@ fn attention_scores_do_not_overflow() {
     close(&y, &[(1.0 + 2.0 * e) / (1.0 + e)], 1e-7);
 }
 
+/// A weights rule replaces the softmax: the softmax itself as a rule gives the same bits, equal
+/// weights average the values, and a rule that returns another number of weights is an error.
+#[test]
+fn attention_weights_rule_replaces_the_softmax() {
+    let p = AttentionParams { n_head: 1, n_head_kv: 1, head_dim: 2, scale: 0.7, window: None };
+    let (q, k, v) = ([0.3f32, -1.2], [1.0f32, 0.5, -0.25, 2.0, 0.75, -1.0], [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    let own = ops::attention(&q, &[2], &k, &v, 3, &p).unwrap();
+    let softmax = |s: &[f64]| {
+        let max = s.iter().fold(f64::NEG_INFINITY, |m, x| m.max(*x));
+        let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        e.iter().map(|x| x / sum).collect::<Vec<f64>>()
+    };
+    assert_eq!(ops::attention_with(&q, &[2], &k, &v, 3, &p, Some(&softmax)).unwrap(), own);
+    let equal = |s: &[f64]| vec![1.0 / s.len() as f64; s.len()];
+    assert_eq!(ops::attention_with(&q, &[2], &k, &v, 3, &p, Some(&equal)).unwrap(), vec![3.0, 4.0]);
+    let short = |s: &[f64]| vec![1.0; s.len() - 1];
+    let e = ops::attention_with(&q, &[2], &k, &v, 3, &p, Some(&short)).unwrap_err().to_string();
+    assert!(e.contains("another number of weights"), "{e}");
+}
+
 #[test]
 fn softmax_and_activations_by_hand() {
     let y = ops::softmax_rows(&[1.0f32, 2.0, 3.0], 3).unwrap();

@@ -15,10 +15,21 @@ pub struct AttentionParams {
     pub window: Option<usize>,
 }
 
+/// A rule that turns one query head's scaled scores (over the keys it sees, in order) into its
+/// attention weights, one per score, in place of the softmax: the emulation of a fixed-point
+/// arithmetic computes them on its grid. Pure, and run on worker threads.
+pub type AttentionWeights = dyn Fn(&[f64]) -> Vec<f64> + Send + Sync;
+
 /// `q: [m, n_head*hd]` for queries at `positions`; `k, v: [kv_len, n_kv*hd]` hold positions
 /// `0..kv_len`. Query `t` attends to keys `j <= positions[t]` (and within the window).
 /// Returns `[m, n_head*hd]`.
 pub fn attention<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len: usize, p: &AttentionParams) -> Result<Vec<T>> {
+    attention_with(q, positions, k, v, kv_len, p, None)
+}
+
+/// [`attention`], with the weights from `weights` instead of the softmax where given (a rule
+/// that returns another number of weights than scores is an error).
+pub fn attention_with<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len: usize, p: &AttentionParams, weights: Option<&AttentionWeights>) -> Result<Vec<T>> {
     let (nh, nkv, hd) = (p.n_head, p.n_head_kv, p.head_dim);
     if nkv == 0 || nh % nkv != 0 {
         return Err(OracleError::Shape(format!("attention: {nh} query heads cannot share {nkv} kv heads")));
@@ -37,6 +48,7 @@ pub fn attention<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len
     }
     let group = nh / nkv;
     let mut out = vec![T::default(); m * nh * hd];
+    let bad_rule = std::sync::atomic::AtomicBool::new(false);
     // One task per (token, head): independent outputs, each reduction stays on one thread.
     out.par_chunks_mut(hd).enumerate().for_each(|(th, o)| {
         let (t, h) = (th / nh, th % nh);
@@ -51,7 +63,13 @@ pub fn attention<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len
         let scores: Vec<f64> = (first..=pos)
             .map(|j| T::dot(qh, &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]) * p.scale)
             .collect();
-        let probs = super::act::softmax_f64(&scores);
+        let probs = match weights {
+            Some(rule) => rule(&scores),
+            None => super::act::softmax_f64(&scores),
+        };
+        if probs.len() != scores.len() {
+            bad_rule.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let mut acc = vec![0.0f64; hd];
         for (pj, j) in probs.iter().zip(first..=pos) {
             let vj = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
@@ -63,5 +81,8 @@ pub fn attention<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len
             o[d] = T::from_f64(acc[d]);
         }
     });
+    if bad_rule.into_inner() {
+        return Err(OracleError::Shape("attention: the weights rule returned another number of weights than scores".into()));
+    }
     Ok(out)
 }

@@ -13,7 +13,7 @@ pub mod rope;
 pub mod sample;
 
 pub use act::{add, add_bias, gelu_tanh, geglu, silu, softmax_rows, swiglu};
-pub use attention::{attention, AttentionParams};
+pub use attention::{attention, attention_with, AttentionParams, AttentionWeights};
 pub use embed::embed;
 pub use matmul::{matmul, matmul_many, Mat, RowBuf};
 pub use moe::{moe_route, Routing};
