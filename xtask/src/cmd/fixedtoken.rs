@@ -52,9 +52,9 @@ pub struct FixedTokenArgs {
     #[arg(long, default_value_t = 1.5)]
     pub baseline_factor: f64,
     /// How many times the mean KLD of the oracle run with the device's declared arithmetic
-    /// emulated the device may reach (gate `kld_vs_emulation`). Honest engines measure 0.7-1.8x
-    /// (docs/ACCURACY.md); where the emulation is all but exact (INT4 weights) 1.5 catches an
-    /// engine that rounds them worse than it declares.
+    /// emulated the device may reach (gate `kld_vs_emulation`). Honest engines, llama.cpp among
+    /// them, measure 0.9-1.3x (docs/ACCURACY.md); where the emulation is all but exact (INT4
+    /// weights) 1.5 catches an engine that rounds them worse than it declares.
     #[arg(long, default_value_t = fixedtoken::EMULATION_FACTOR)]
     pub emulation_factor: f64,
     /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-TIME/).
