@@ -18,7 +18,7 @@ pub const EMULATION_FACTOR: f64 = 4.0;
 pub const EMULATED_FLOOR: f64 = 1e-4;
 
 /// Over how many elements the device's and the emulation's errors over a tap's bulk (its
-/// massive values left out, `layerdiff::bulk_errors`) must be spread (`layerdiff::spread`) for
+/// massive values left out, `layerdiff::bulk_errors`) must be spread (`layerdiff::BulkErrors::spread`) for
 /// layer-diff to hold the one to the other there: the ratio of two errors that each sit in k
 /// elements scatters as sqrt(F(k, k)) does — past 4x with probability 0.16 for k = 1, 6e-7 for
 /// k = 16. SmolLM2's massive activation (22,500 at position 0, dimension 507, in every residual

@@ -249,14 +249,6 @@ pub fn err_stats(device: &[f32], reference: &[f32], width: usize) -> ErrStats {
     ErrStats { max_abs, rms_err: (se / n).sqrt(), rms_ref: (sr / n).sqrt(), cosine, nonfinite, worst_pos: worst }
 }
 
-/// Over how many elements an energy is spread: (sum w)^2 / sum w^2 of the elements' weights w
-/// (their squares): 1 when one element holds all of it, n when n hold equal parts, 0 when
-/// there is none. Non-finite weights are left out.
-pub fn spread(weights: impl Iterator<Item = f64>) -> f64 {
-    let (sum, sum_sq) = weights.filter(|w| w.is_finite()).fold((0.0, 0.0), |(s, q), w| (s + w, q + w * w));
-    if sum_sq > 0.0 { sum * sum / sum_sq } else { 0.0 }
-}
-
 /// A tap's value is massive when its magnitude exceeds this many times the tap's median
 /// magnitude (its mean where the median is 0): SmolLM2's 22,500 against a median under 1. On
 /// SmolLM2 at most 2.4% of a tap's values are (`blk.11.ffn_out`), on the synthetic models none.
@@ -265,7 +257,8 @@ pub const MASSIVE: f64 = 64.0;
 /// The device's and the emulation's errors over a tap's bulk — its values without the massive
 /// ones ([`MASSIVE`]), whose error is a sample of a few roundings — as relative RMS errors of
 /// the bulk, with the number of massive values left out and over how many elements the two
-/// errors together sit ([`spread`], each element weighted by the sum of its two squared errors).
+/// errors together sit: (sum w)^2 / sum w^2, w each element's two squared errors summed — 1
+/// when one element holds all of it, n when n hold equal parts, 0 without error.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct BulkErrors {
     pub device_rel: f64,
@@ -286,8 +279,9 @@ pub fn bulk_errors(device: &[f32], emulated: &[f32], reference: &[f32]) -> BulkE
     let mid = magnitudes.len() / 2;
     let median = *magnitudes.select_nth_unstable_by(mid, f32::total_cmp).1 as f64;
     let typical = if median > 0.0 { median } else { magnitudes.iter().map(|m| *m as f64).sum::<f64>() / magnitudes.len() as f64 };
-    let (mut sd, mut se, mut sr, mut massive) = (0.0, 0.0, 0.0, 0usize);
-    let mut pooled = Vec::with_capacity(n);
+    // Sums of the squared errors, of the squared values, and of the pooled weights' squares
+    // (the spread's denominator), in one pass: no copy of a tap as large as the logits.
+    let (mut sd, mut se, mut sr, mut sw2, mut massive) = (0.0, 0.0, 0.0, 0.0, 0usize);
     for i in (0..n).filter(|i| finite(*i)) {
         let r = reference[i] as f64;
         if r.abs() > MASSIVE * typical {
@@ -295,11 +289,11 @@ pub fn bulk_errors(device: &[f32], emulated: &[f32], reference: &[f32]) -> BulkE
             continue;
         }
         let (d, e) = ((device[i] as f64 - r).powi(2), (emulated[i] as f64 - r).powi(2));
-        (sd, se, sr) = (sd + d, se + e, sr + r * r);
-        pooled.push(d + e);
+        (sd, se, sr, sw2) = (sd + d, se + e, sr + r * r, sw2 + (d + e) * (d + e));
     }
     let rel = |x: f64| if sr > 0.0 { (x / sr).sqrt() } else { x.sqrt() };
-    BulkErrors { device_rel: rel(sd), emulated_rel: rel(se), massive, spread: spread(pooled.into_iter()) }
+    let spread = if sw2 > 0.0 && (sd + se).is_finite() { (sd + se) * (sd + se) / sw2 } else { 0.0 };
+    BulkErrors { device_rel: rel(sd), emulated_rel: rel(se), massive, spread }
 }
 
 /// One tap's comparison.
@@ -1153,19 +1147,6 @@ mod tests {
         assert!(diff(&r, None, &bad, &Arithmetic::F32, &d).is_err(), "a wrong width is an error");
     }
 
-    /// A spread counts the elements that hold an energy: one element, 1; n equal parts, n;
-    /// one large and many small (a massive activation), close to 1; none, 0.
-    #[test]
-    fn spread_counts_the_elements_an_energy_sits_in() {
-        let one = [0.0, 0.0, 2.25, 0.0];
-        assert_eq!(spread(one.into_iter()), 1.0);
-        assert!((spread([0.0625; 8].into_iter().chain([0.0; 56])) - 8.0).abs() < 1e-9);
-        let massive = std::iter::once(22_500f64.powi(2)).chain(std::iter::repeat_n(1.0, 5000));
-        assert!(spread(massive) < 1.001);
-        assert_eq!(spread([0.0; 4].into_iter()), 0.0, "nothing, no spread");
-        assert_eq!(spread([f64::NAN, 1.0].into_iter()), 1.0, "a non-finite weight is left out");
-    }
-
     /// The departure gate holds each tap's propagated error to `factor` times the emulated
     /// arithmetic's where that is material, names the first tap past it, ignores taps under
     /// the floor, and does not apply where no tap reaches it.
@@ -1231,6 +1212,11 @@ mod tests {
         let b = bulk_errors(&honest, &emulated, &reference);
         assert_eq!(b.massive, 1);
         assert!((b.device_rel / b.emulated_rel - 1.0).abs() < 0.1 && b.spread > 1000.0, "{b:?}");
+        // One element's error alone: spread 1; none: 0.
+        let mut one = reference.clone();
+        one[100] += 0.5;
+        assert_eq!(bulk_errors(&one, &reference, &reference).spread, 1.0);
+        assert_eq!(bulk_errors(&reference, &reference, &reference).spread, 0.0);
         let off: Vec<f32> = emulated.iter().map(|x| x * 1.3).collect();
         let b = bulk_errors(&off, &emulated, &reference);
         assert!(b.device_rel / b.emulated_rel > 100.0, "{b:?}");
