@@ -5,11 +5,22 @@
 use crate::Exit;
 use oracle::tokenizer::Tokenizer;
 
+/// The fuel a chat template may burn in one render ([`render`]).
+pub const TEMPLATE_FUEL: u64 = 2_000_000;
+
 /// `messages` as (role, content) rendered with `template`, ending with the assistant's turn
 /// opened (`add_generation_prompt`); `bos_token` and `eos_token` are the tokenizer's pieces.
 pub fn render(template: &str, messages: &[(&str, &str)], tok: &Tokenizer) -> Result<String, Exit> {
-    let bad = |e: minijinja::Error| Exit { code: 2, message: format!("chat template: {e:#}") };
+    let bad = |e: minijinja::Error| {
+        let budget = if e.kind() == minijinja::ErrorKind::OutOfFuel { format!(" (its budget is {TEMPLATE_FUEL} steps: no chat prompt needs a loop or a string this large)") } else { String::new() };
+        Exit { code: 2, message: format!("chat template: {e:#}{budget}") }
+    };
     let mut env = minijinja::Environment::new();
+    // A template is part of a model file, which may come from anywhere: its loops and strings
+    // run on a budget (minijinja's fuel: about one unit per instruction or 64 bytes), so a
+    // nested loop or a string multiplied a billion times is an error, not a hang or an abort.
+    // Real templates need far less (SmolLM2's, with two messages: under 100).
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.set_syntax(minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(bad)?);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> { Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg)) });
@@ -42,6 +53,22 @@ pub fn encode(rendered: &str, tok: &Tokenizer) -> Result<Vec<u32>, Exit> {
 mod tests {
     use super::*;
 
+    /// A hostile template (a model file's: loops of 10^10 steps, a string of 10^9 bytes,
+    /// unbounded recursion) is an error in well under a second; the model's own renders.
+    #[test]
+    fn hostile_templates_run_out_of_fuel() {
+        let tok = oracle::loader::open_tokenizer(&::fixtures::resolve("smollm2", true).unwrap()).unwrap().unwrap();
+        for t in ["{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "{{ 'x' * 1000000000 }}", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"] {
+            let start = std::time::Instant::now();
+            let e = render(t, &[("user", "hi")], &tok).err().unwrap_or_else(|| panic!("{t}: rendered"));
+            assert!(e.code == 2 && e.message.starts_with("chat template: ") && (e.message.contains("its budget is 2000000 steps") || e.message.contains("recursion limit")), "{t}: {}", e.message);
+            assert!(start.elapsed() < std::time::Duration::from_secs(10), "{t}: {:?}", start.elapsed());
+        }
+        let own = oracle::loader::chat_template(&::fixtures::resolve("smollm2", true).unwrap()).unwrap().unwrap();
+        let text = render(&own, &[("system", "You are helpful."), ("user", "What is the capital of France?")], &tok).unwrap();
+        assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
+    }
+
     /// A template that writes BOS itself gets it once (SmolLM2's BOS is `<|im_start|>`, id 1);
     /// a text that does not start with it is left alone.
     #[test]
@@ -55,3 +82,4 @@ mod tests {
         assert_eq!(encode("hello", &tok).unwrap(), tok.encode("hello").unwrap());
     }
 }
+
