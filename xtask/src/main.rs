@@ -102,8 +102,26 @@ impl<E: Into<anyhow::Error>> From<E> for Exit {
     }
 }
 
+/// The most worker threads `RAYON_NUM_THREADS` may ask for: more than any machine's cores by
+/// far (100,000 spent minutes creating threads before a token ran).
+const MAX_THREADS: usize = 4096;
+
+/// `RAYON_NUM_THREADS`, read by rayon when its pool first starts: a count past [`MAX_THREADS`]
+/// is refused here, before any thread starts. rayon itself falls back to one thread per core
+/// for 0 and for what is not a number, as documented.
+fn check_thread_count() -> Result<(), Exit> {
+    match std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.trim().parse::<usize>().ok()) {
+        Some(n) if n > MAX_THREADS => Err(Exit { code: 2, message: format!("RAYON_NUM_THREADS={n}: more than {MAX_THREADS} worker threads (0 or unset: one per core)") }),
+        _ => Ok(()),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = check_thread_count() {
+        eprintln!("error: {}", e.message);
+        return ExitCode::from(e.code);
+    }
     if let Some(n) = cli.context {
         // Before any thread starts.
         std::env::set_var(oracle::spec::CONTEXT_ENV, n.to_string());
