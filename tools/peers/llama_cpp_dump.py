@@ -59,6 +59,11 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
+if not llama_cpp.__version__.startswith("0.3."):
+    # The struct above is ggml's as llama-cpp-python 0.3.x vendors it; another layout would be
+    # read as garbage.
+    sys.exit(f"llama-cpp-python {llama_cpp.__version__}: this peer reads ggml tensors as 0.3.x lays them out (pip install 'llama-cpp-python==0.3.36')")
+
 ggml = _ggml.libggml
 ggml.ggml_op_desc.argtypes, ggml.ggml_op_desc.restype = [ctypes.c_void_p], ctypes.c_char_p
 ggml.ggml_nbytes.argtypes, ggml.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
