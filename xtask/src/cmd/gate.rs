@@ -47,6 +47,9 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
         }
     }
     let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into(), "fixed".into()] } else { a.device.clone() };
+    if suites.iter().any(|s| s == "kernels") {
+        device_names.iter().try_for_each(|d| super::check_runs_ops(d))?;
+    }
     let devices = device_names.iter().map(|d| devices::open(d)).collect::<Result<Vec<_>, _>>().map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let shard = a.shard.as_deref().map(super::parse_shard).transpose()?;
     let mut cases = Vec::new();

@@ -28,6 +28,7 @@ pub struct KernelsArgs {
 
 pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
+    super::check_runs_ops(&a.device)?;
     let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let filter = match &a.filter {
         Some(f) => Some(regex::Regex::new(f).map_err(|e| Exit { code: 2, message: format!("--filter: {e}") })?),

@@ -37,6 +37,15 @@ pub fn check_factor(flag: &str, f: f64) -> Result<(), Exit> {
 
 /// Checks that `device` opens (every device but `ref` runs whole models through
 /// `Device::load_model`; `ref` is the oracle itself). Exit 2 with the device's reason if not.
+/// Refuses the kernel suite on an engine judged through dumps of whole models (`external:`,
+/// `exec:`, `ids:`): it runs no single op, so every case would be `unsupported`.
+pub fn check_runs_ops(device: &str) -> Result<(), Exit> {
+    if ["external:", "exec:", "ids:"].iter().any(|p| device.starts_with(p)) {
+        return Err(Exit { code: 2, message: format!("`{device}` is an engine judged through whole-model dumps and runs no single op: the kernel suite cannot run on it (layer-diff and fixed-token judge it; `gate --suite layers --suite tokens`)") });
+    }
+    Ok(())
+}
+
 pub fn check_device(device: &str) -> Result<(), Exit> {
     if device == "ref" {
         return Ok(());
