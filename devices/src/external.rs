@@ -231,7 +231,8 @@ impl ExternalModel {
         let result = run_engine(cmd, &self.model_path, prompt, max_new, &out, self.timeout, Some(&stdout_path));
         self.workdir = Some(work);
         result.map_err(|r| self.failed(r))?;
-        let text = std::fs::read(&stdout_path).map_err(|e| self.failed(format!("{}: {e}", stdout_path.display())))?;
+        // The ids are on its last lines: 16 MiB holds 2^20 ids of 7 digits and their separators.
+        let text = file_tail(&stdout_path, 16 << 20);
         let text = String::from_utf8_lossy(&text);
         let line = text.lines().rev().map(str::trim).find(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_digit() || c == ',' || c.is_whitespace()) && l.chars().any(|c| c.is_ascii_digit()));
         let Some(line) = line else {
@@ -254,49 +255,89 @@ impl ExternalModel {
 /// Runs an `exec:` or `ids:` engine for one request; Err names the exit status or the timeout and
 /// shows the end of its log. Its stdout goes to `stdout` when given, else with stderr to the log.
 fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &Path, timeout: Duration, stdout: Option<&Path>) -> Result<(), String> {
-    use std::os::unix::process::CommandExt;
     let log_path = out.join("engine.log");
-    let log = std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
-    let log2 = match stdout {
-        Some(p) => std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?,
-        None => log.try_clone().map_err(|e| e.to_string())?,
-    };
     let ids: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
-    let mut child = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(cmd)
-        .env("TOUCHSTONE_MODEL", model)
-        .env("TOUCHSTONE_PROMPT_IDS", ids.join(","))
-        .env("TOUCHSTONE_N_GENERATE", n_generate.to_string())
-        .env("TOUCHSTONE_OUT", out)
-        .stdin(std::process::Stdio::null())
-        .stdout(log2)
-        .stderr(log)
-        .process_group(0)
-        .spawn()
-        .map_err(|e| format!("cannot start `sh -c {cmd}`: {e}"))?;
+    let mut command = std::process::Command::new("sh");
+    command.arg("-c").arg(cmd).env("TOUCHSTONE_MODEL", model).env("TOUCHSTONE_PROMPT_IDS", ids.join(",")).env("TOUCHSTONE_N_GENERATE", n_generate.to_string()).env("TOUCHSTONE_OUT", out);
+    match run_bounded(&mut command, stdout.unwrap_or(&log_path), &log_path, timeout, "set TOUCHSTONE_EXEC_TIMEOUT to allow more") {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => Err(format!("`{cmd}` exited with {status}{}", log_tail(&log_path))),
+        Err(e) => Err(format!("`{cmd}` {e}{}", log_tail(&log_path))),
+    }
+}
+
+/// Runs `command` to its end in a process group of its own, with no stdin and its stdout and
+/// stderr written to files (one file when the paths are equal), and returns its exit status.
+/// Err (a phrase to follow the command's name) when it cannot start, runs past `timeout` (the
+/// `hint` says how to allow more) or writes more than [`OUTPUT_LIMIT`] to either file; its whole
+/// group is then killed. Whatever it leaves running in its group when it exits (`engine &`) is
+/// killed too, so nothing keeps writing what is about to be read or takes the CPU from what follows.
+pub fn run_bounded(command: &mut std::process::Command, stdout: &Path, stderr: &Path, timeout: Duration, hint: &str) -> Result<std::process::ExitStatus, String> {
+    use std::os::unix::process::CommandExt;
+    let create = |p: &Path| std::fs::File::create(p).map_err(|e| format!("cannot write its output to {}: {e}", p.display()));
+    let err_file = create(stderr)?;
+    let out_file = if stdout == stderr { err_file.try_clone().map_err(|e| e.to_string())? } else { create(stdout)? };
+    let mut child = command.stdin(std::process::Stdio::null()).stdout(out_file).stderr(err_file).process_group(0).spawn().map_err(|e| format!("cannot start: {e}"))?;
+    let streams: Vec<(&Path, &str)> = if stdout == stderr { vec![(stdout, "its stdout and stderr")] } else { vec![(stdout, "its stdout"), (stderr, "its stderr")] };
     let t0 = Instant::now();
     loop {
         match child.try_wait() {
-            Ok(Some(status)) if status.success() => return Ok(()),
-            Ok(Some(status)) => return Err(format!("`{cmd}` exited with {status}{}", log_tail(&log_path))),
-            Ok(None) if t0.elapsed() > timeout => {
-                // Kill the whole process group: `sh -c` may have started children of its own.
+            Ok(Some(status)) => {
                 kill_process_group(child.id());
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("`{cmd}` did not finish within {:.0} s (killed; set TOUCHSTONE_EXEC_TIMEOUT to allow more){}", timeout.as_secs_f64(), log_tail(&log_path)));
+                return Ok(status);
             }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("waiting for `{cmd}`: {e}")),
+            Ok(None) if t0.elapsed() > timeout => {
+                stop(&mut child);
+                return Err(format!("did not finish within {:.0} s (killed; {hint})", timeout.as_secs_f64()));
+            }
+            Ok(None) => {
+                if let Some((_, what)) = streams.iter().find(|(p, _)| std::fs::metadata(p).is_ok_and(|m| m.len() > OUTPUT_LIMIT)) {
+                    stop(&mut child);
+                    return Err(format!("wrote more than {} MiB to {what} (killed: a command's output is for reading, not a disk to fill)", OUTPUT_LIMIT >> 20));
+                }
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => {
+                stop(&mut child);
+                return Err(format!("could not be waited for: {e}"));
+            }
         }
     }
+}
+
+/// Kills a running command's whole process group and reaps it.
+fn stop(child: &mut std::process::Child) {
+    kill_process_group(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The most a command run by [`run_bounded`] (an engine, for one request) may write to its stdout
+/// or its stderr.
+pub const OUTPUT_LIMIT: u64 = 256 << 20;
+
+/// The last `n` bytes of a file (all of it when shorter), with the first, partial line left out
+/// when the file is longer; empty when unreadable.
+pub fn file_tail(path: &Path, n: u64) -> Vec<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else { return Vec::new() };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = len.saturating_sub(n);
+    let mut buf = Vec::new();
+    if f.seek(SeekFrom::Start(start)).is_err() || f.take(n).read_to_end(&mut buf).is_err() {
+        return Vec::new();
+    }
+    if start > 0 {
+        let cut = buf.iter().position(|b| *b == b'\n').map_or(buf.len(), |i| i + 1);
+        buf.drain(..cut);
+    }
+    buf
 }
 
 /// `; end of its log:` and an engine log's last 8 lines, for an error message (empty when the
 /// log is empty or unreadable).
 fn log_tail(log_path: &Path) -> String {
-    let text = std::fs::read_to_string(log_path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&file_tail(log_path, 64 << 10)).into_owned();
     let lines: Vec<&str> = text.lines().collect();
     let tail = lines[lines.len().saturating_sub(8)..].join("\n  ");
     if tail.is_empty() { String::new() } else { format!("; end of its log:\n  {tail}") }

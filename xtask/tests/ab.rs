@@ -62,6 +62,11 @@ fn failing_arms_and_different_outputs_exit_2() {
     assert!(text(&o).contains("arm A") && text(&o).contains("did not finish within 1 s"), "{}", text(&o));
     assert!(t0.elapsed().as_secs() < 20, "a hung arm is killed");
 
+    // An arm flooding its stderr is stopped at the output limit, not read whole at the timeout.
+    let o = xtask(&["ab", "--a", "exec:yes flood >&2", "--b", "exec:true", "--model", "tiny-llama", "--timeout", "120"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("arm A") && text(&o).contains("wrote more than 256 MiB to its stderr"), "{}", text(&o));
+
     let o = xtask(&["ab", "--a", "exec:echo not json", "--b", "exec:true", "--model", "tiny-llama"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("arm A") && text(&o).contains("no JSON"), "{}", text(&o));

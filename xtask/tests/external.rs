@@ -232,6 +232,24 @@ fn exec_commands_that_fail_or_hang_exit_2() {
     let o = layer_diff("exec:true", "tiny-llama", "1,2,3", &tmp.path().join("r"));
     assert_eq!(o.status.code(), Some(2), "an engine that writes nothing is an error: {}", text(&o));
     assert!(text(&o).contains("manifest.json"), "{}", text(&o));
+
+    // An engine that floods its log (or, as `ids:`, its stdout) is stopped at the output limit,
+    // long before its timeout: in 5 s one such log grew to 4.5 GB and was read whole into memory.
+    for (device, stream) in [("exec:yes flood >&2", "its stdout and stderr"), ("ids:yes 1", "its stdout")] {
+        let t0 = std::time::Instant::now();
+        let args: &[&str] = if device.starts_with("ids:") { &["fixed-token", "--device", device, "--model", "tiny-llama"] } else { &["layer-diff", "--device", device, "--model", "tiny-llama", "--prompt-ids", "1,2,3"] };
+        let o = xtask(args, &[("TOUCHSTONE_EXEC_TIMEOUT", "120")]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains("wrote more than 256 MiB to") && text(&o).contains(stream), "{}", text(&o));
+        assert!(t0.elapsed().as_secs() < 90, "stopped at the limit, not the timeout: {:?}", t0.elapsed());
+    }
+
+    // What an engine leaves running when it exits (`engine &`) is killed with it.
+    let marker = tmp.path().join("leftover-ran");
+    let o = layer_diff(&format!("exec:(sleep 2; touch {}) & exit 3", marker.display()), "tiny-llama", "1,2,3", &tmp.path().join("r"));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    assert!(!marker.exists(), "the engine's background process outlived it");
 }
 
 #[test]

@@ -436,28 +436,12 @@ fn run_once(r: &Runner, timeout: Duration, gen_len: usize) -> Result<RunSample, 
     if r.server.is_some() {
         return request(r, "run", timeout).and_then(|v| parse_sample(&v.to_string(), gen_len));
     }
-    let out = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
-    let err = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
-    let mut cmd = (r.cmd)();
-    cmd.stdin(std::process::Stdio::null()).stdout(out.reopen().map_err(|e| e.to_string())?).stderr(err.reopen().map_err(|e| e.to_string())?);
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().map_err(|e| format!("cannot start: {e}"))?;
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
-            break s;
-        }
-        if t0.elapsed() > timeout {
-            // The whole process group: `sh -c` may have started children of its own.
-            devices::external::kill_process_group(child.id());
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("did not finish within {} s (killed)", timeout.as_secs()));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let stdout = std::fs::read_to_string(out.path()).unwrap_or_default();
-    let stderr = std::fs::read_to_string(err.path()).unwrap_or_default();
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let status = devices::external::run_bounded(&mut (r.cmd)(), &out, &err, timeout, "--timeout allows more")?;
+    // The JSON line is its last; 16 MiB holds one listing 2^20 ids.
+    let stdout = String::from_utf8_lossy(&devices::external::file_tail(&out, 16 << 20)).into_owned();
+    let stderr = String::from_utf8_lossy(&devices::external::file_tail(&err, 64 << 10)).into_owned();
     if !status.success() {
         return Err(format!("exited with {status}: {}", last_lines(&stderr)));
     }
