@@ -89,6 +89,25 @@ pub struct Provenance {
     /// LongRoPE model's long factors when longer than its original context); absent: the default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<String>,
+    /// When the command that made the report started and when it collected its results, UTC,
+    /// RFC 3339 to the second (`2026-12-03T16:50:31Z`); absent in reports from before these fields.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+}
+
+static START: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
+
+/// Marks now as the start of this run (the first call counts); [`Provenance::collect`] records it
+/// as `started_at` (the time of its own call when nothing marked one).
+pub fn mark_start() {
+    START.get_or_init(std::time::SystemTime::now);
+}
+
+/// A time as RFC 3339 UTC to the second.
+fn rfc3339(t: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
 }
 
 impl Provenance {
@@ -112,6 +131,8 @@ impl Provenance {
             features: Vec::new(),
             machine_settings: settings::collect(),
             context: std::env::var("TOUCHSTONE_CONTEXT").ok(),
+            started_at: Some(rfc3339(*START.get_or_init(std::time::SystemTime::now))),
+            finished_at: Some(rfc3339(std::time::SystemTime::now())),
         }
     }
 }
@@ -213,6 +234,9 @@ impl Report {
             p.threads,
             p.touchstone_version
         );
+        if let (Some(t0), Some(t1)) = (&p.started_at, &p.finished_at) {
+            out += &format!("run from {t0} to {t1}\n\n");
+        }
         if let Some(c) = &p.context {
             out += &format!("models configured for a context of {c} positions (`--context`)\n\n");
         }

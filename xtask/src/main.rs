@@ -117,6 +117,7 @@ fn check_thread_count() -> Result<(), Exit> {
 }
 
 fn main() -> ExitCode {
+    reports::mark_start();
     let cli = Cli::parse();
     if let Err(e) = check_thread_count() {
         eprintln!("error: {}", e.message);

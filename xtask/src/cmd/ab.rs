@@ -589,8 +589,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     }
 
     let mut report = build_report(&a, &pairs, &stats, first_difference, failure.as_ref().map(|f| f.message.clone()).or_else(|| problems.first().cloned()));
-    let dir = super::report_dir(a.report_dir.clone(), "ab");
-    super::write_report(&mut report, &dir)?;
+    let dir = super::write_report(&mut report, a.report_dir.clone())?;
     print_table(&a, &pairs, &stats, first_difference);
     outln!("report: {}", dir.join("report.json").display());
     if let Some(f) = failure {

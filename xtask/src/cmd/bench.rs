@@ -32,7 +32,7 @@ pub struct BenchArgs {
     /// Measured repetitions (after one warm-up).
     #[arg(long, default_value_t = REPS)]
     reps: usize,
-    /// Where report.json (with every raw sample), report.md and the latency plot go (default target/touchstone/bench-TIME/).
+    /// Where report.json (with every raw sample), report.md and the latency plot go (default target/touchstone/bench-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
     #[arg(long, default_value = "f32")]
@@ -268,8 +268,7 @@ fn write_report(a: &BenchArgs, m: Measured) -> Result<u8, Exit> {
         report.sections.insert("decode_kernel_profile".into(), json!({"tokens": k.tokens, "profile": k.profile}));
     }
     report.sections.insert("bench".into(), serde_json::to_value(&r).unwrap_or_default());
-    let dir = super::report_dir(a.report_dir.clone(), "bench");
-    super::write_report(&mut report, &dir)?;
+    let dir = super::write_report(&mut report, a.report_dir.clone())?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

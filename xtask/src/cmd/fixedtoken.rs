@@ -57,7 +57,7 @@ pub struct FixedTokenArgs {
     /// weights) 1.5 catches an engine that rounds them worse than it declares.
     #[arg(long, default_value_t = fixedtoken::EMULATION_FACTOR)]
     pub emulation_factor: f64,
-    /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-TIME/).
+    /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
 }
@@ -71,8 +71,7 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     let Some(mut report) = fixed_token(&a)? else { return Ok(0) };
     print_summary(&report);
-    let dir = super::report_dir(a.report_dir, "fixed-token");
-    super::write_report(&mut report, &dir)?;
+    let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

@@ -33,7 +33,7 @@ pub struct GateArgs {
     /// Run shard K of N of the kernel cases.
     #[arg(long)]
     shard: Option<String>,
-    /// Where the reports go (default: target/touchstone/gate-TIME/).
+    /// Where the reports go (default: target/touchstone/gate-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }
@@ -100,8 +100,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
         }
         report.add_table("bench_table", &format!("throughput ({} repetitions, medians)", super::bench::REPS), &columns, bench_rows);
     }
-    let dir = super::report_dir(a.report_dir, "gate");
-    super::write_report(&mut report, &dir)?;
+    let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

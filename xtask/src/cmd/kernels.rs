@@ -21,7 +21,7 @@ pub struct KernelsArgs {
     /// Run shard K of N (1-based), e.g. 2/4; the split is a stable hash of the case id.
     #[arg(long)]
     shard: Option<String>,
-    /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-TIME/).
+    /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }
@@ -41,8 +41,7 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     pb.finish_and_clear();
     let mut report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
     print_summary(&report);
-    let dir = super::report_dir(a.report_dir, "kernels");
-    super::write_report(&mut report, &dir)?;
+    let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }

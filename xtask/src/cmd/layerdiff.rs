@@ -43,7 +43,7 @@ pub struct LayerDiffArgs {
     /// models (cpu, fixed, fixed-int4).
     #[arg(long, default_value_t = suites::emulate::EMULATION_FACTOR)]
     pub emulation_factor: f64,
-    /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-TIME/).
+    /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
 }
@@ -70,8 +70,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     for f in &outcome.follows {
         outln!("routing: {f}");
     }
-    let dir = super::report_dir(a.report_dir, "layer-diff");
-    super::write_report(&mut outcome.report, &dir)?;
+    let dir = super::write_report(&mut outcome.report, a.report_dir)?;
     let s = &outcome.report.summary;
     outln!("{} cases (a tap each, and the emulated_departure gate where it applies): {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
     outln!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());

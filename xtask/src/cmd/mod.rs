@@ -335,14 +335,6 @@ pub fn progress(total: u64, what: &str) -> indicatif::ProgressBar {
     pb
 }
 
-/// `--report-dir` or `target/touchstone/<suite>-<unix time>/`.
-pub fn report_dir(given: Option<PathBuf>, suite: &str) -> PathBuf {
-    given.unwrap_or_else(|| {
-        let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        PathBuf::from("target/touchstone").join(format!("{suite}-{ts}"))
-    })
-}
-
 /// Refuses, before anything runs, a `--report-dir` that cannot become a directory: an existing
 /// file, or a path under one (it failed only when the report was written, after the whole run).
 pub fn check_report_dir(given: Option<&Path>) -> Result<(), Exit> {
@@ -354,12 +346,38 @@ pub fn check_report_dir(given: Option<&Path>) -> Result<(), Exit> {
     }
 }
 
-/// Writes `report` under `dir` after adding what only the binary knows to its provenance: the
-/// devices it opened (with their hardware and driver) and the features it was built with.
-pub fn write_report(report: &mut reports::Report, dir: &std::path::Path) -> Result<(), Exit> {
+/// Writes `report` under `--report-dir` (`given`), else under a new directory
+/// `target/touchstone/<suite>-<start time, UTC>` (`kernels-20261203-165031`, then `-2`, `-3`, ...:
+/// runs started in the same second never share one), after adding what only the binary knows to
+/// its provenance: the devices it opened (with their hardware and driver) and the features it was
+/// built with. Returns the directory.
+pub fn write_report(report: &mut reports::Report, given: Option<PathBuf>) -> Result<PathBuf, Exit> {
     report.provenance.devices.extend(devices::opened());
     report.provenance.features = crate::FEATURES.iter().filter(|(_, on)| *on).map(|(f, _)| f.to_string()).collect();
-    report.write(dir).map_err(|e| io_exit(dir, e))
+    let dir = match given {
+        Some(d) => d,
+        None => new_report_dir(&report.suite, report.provenance.started_at.as_deref())?,
+    };
+    report.write(&dir).map_err(|e| io_exit(&dir, e))?;
+    Ok(dir)
+}
+
+/// Creates `target/touchstone/<suite>-<stamp>[-K]`, the first of those names not yet taken
+/// (created, not just tested, so two processes cannot both take one).
+fn new_report_dir(suite: &str, started_at: Option<&str>) -> Result<PathBuf, Exit> {
+    let root = PathBuf::from("target/touchstone");
+    std::fs::create_dir_all(&root).map_err(|e| io_exit(&root, e))?;
+    // `2026-12-03T16:50:31Z` -> `20261203-165031`.
+    let stamp: String = started_at.unwrap_or("unknown-time").chars().filter(|c| c.is_ascii_alphanumeric()).map(|c| if c == 'T' { '-' } else { c }).filter(|c| *c != 'Z').collect();
+    for k in 1..=1000 {
+        let dir = root.join(if k == 1 { format!("{suite}-{stamp}") } else { format!("{suite}-{stamp}-{k}") });
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io_exit(&dir, e)),
+        }
+    }
+    Err(Exit { code: 2, message: format!("{}: 1000 reports of `{suite}` started at {stamp} already; give --report-dir", root.display()) })
 }
 
 /// An I/O failure on `path` as a could-not-run exit that names the path.
@@ -374,4 +392,19 @@ pub fn git(dir: &Path, args: &[&str]) -> Result<String, Exit> {
         return Err(Exit { code: 2, message: format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()) });
     }
     Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn runs_started_in_the_same_second_get_directories_of_their_own() {
+        let suite = format!("unit-test-{}", std::process::id());
+        let dirs: Vec<_> = (0..3).map(|_| super::new_report_dir(&suite, Some("2026-12-03T16:32:50Z")).unwrap()).collect();
+        let names: Vec<String> = dirs.iter().map(|d| d.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, [format!("{suite}-20261203-163250"), format!("{suite}-20261203-163250-2"), format!("{suite}-20261203-163250-3")]);
+        assert!(dirs.iter().all(|d| d.is_dir()));
+        for d in dirs {
+            std::fs::remove_dir(d).unwrap();
+        }
+    }
 }

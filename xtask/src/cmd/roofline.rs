@@ -25,7 +25,7 @@ pub struct RooflineArgs {
     /// Gated GEMV bandwidth / copy bandwidth must reach this.
     #[arg(long, default_value_t = 0.85)]
     min_ratio: f64,
-    /// Where report.json and report.md go (default target/touchstone/roofline-TIME/).
+    /// Where report.json and report.md go (default target/touchstone/roofline-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }
@@ -104,8 +104,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
             if probe.gemv.iter().any(|g| g.alternative) { " (* another launch shape of the same kernel, timed for comparison, not gated)" } else { "" }
         ), &["weights", "MiB", "GB/s", "of copy", "gate", "kernel"], rows);
     report.sections.insert("bandwidth_probe".into(), serde_json::to_value(&probe).unwrap_or_default());
-    let dir = super::report_dir(a.report_dir, "roofline");
-    super::write_report(&mut report, &dir)?;
+    let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
 }
