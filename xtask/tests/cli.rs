@@ -1236,3 +1236,16 @@ fn a_gguf_with_an_unbuilt_tokenizer_runs_on_token_ids_and_asks_for_them_for_text
         }
     }
 }
+
+/// A run past the model's context_length (the tiny fixtures': 512) says so once, and runs.
+#[test]
+fn a_run_past_the_models_context_says_so() {
+    let note = "past the model's context_length of 512";
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "520", "--ignore-eos", "--device", "cpu"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(stderr(&o).matches(note).count(), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("run: 523 positions"), "{}", stderr(&o));
+    let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(!stderr(&o).contains("context_length"), "{}", stderr(&o));
+}
