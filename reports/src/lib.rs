@@ -361,9 +361,12 @@ impl Report {
     }
 
     /// Merges shard reports of one suite: cases concatenated (sorted by id, device), summary
-    /// recomputed, provenance of the first.
+    /// recomputed, provenance of the first, but running from the earliest start to the latest
+    /// finish.
     pub fn merge(parts: Vec<Report>) -> Option<Report> {
-        let first = parts.first()?.clone();
+        let mut first = parts.first()?.clone();
+        first.provenance.started_at = parts.iter().filter_map(|r| r.provenance.started_at.clone()).min();
+        first.provenance.finished_at = parts.iter().filter_map(|r| r.provenance.finished_at.clone()).max();
         let mut cases: Vec<Case> = parts.into_iter().flat_map(|r| r.cases).collect();
         cases.sort_by(|a, b| (&a.id, &a.device).cmp(&(&b.id, &b.device)));
         Some(Report::new(&first.suite, first.provenance, cases))

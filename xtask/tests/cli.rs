@@ -680,6 +680,21 @@ fn kernels_ref_is_exact_and_shards_merge_back() {
     let o = xtask(&["report", "merge", &p(&dirs[0]), &p(&other), "--out", &p(&dirs[2])], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("a `fixed-token` one: only shards of one suite merge"), "{}", text(&o));
+    // The merged report spans its shards' run times.
+    let at = |d: &tempfile::TempDir, k: &str| -> String {
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("report.json")).unwrap()).unwrap();
+        r["provenance"][k].as_str().unwrap().to_string()
+    };
+    assert_eq!(at(&dirs[2], "started_at"), at(&dirs[0], "started_at").min(at(&dirs[1], "started_at")));
+    assert_eq!(at(&dirs[2], "finished_at"), at(&dirs[0], "finished_at").max(at(&dirs[1], "finished_at")));
+    // And shards of two commits do not merge.
+    let file = dirs[1].path().join("report.json");
+    let mut r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    r["provenance"]["git_rev"] = "0123456789abcdef0123456789abcdef01234567".into();
+    std::fs::write(&file, r.to_string()).unwrap();
+    let o = xtask(&["report", "merge", &p(&dirs[0]), &p(&dirs[1]), "--out", &p(&dirs[2])], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("at 0123456789abcdef0123456789abcdef01234567: shards of two versions do not merge"), "{}", text(&o));
 }
 
 fn suites_count(filter: &str) -> usize {

@@ -15,13 +15,18 @@ pub struct ReportArgs {
 enum Action {
     /// Merges shard reports (each a directory with report.json) into one.
     Merge {
+        /// The shards' report directories (each holding report.json), e.g. from `kernels --shard K/N`.
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
+        /// Where the merged report.json, report.md, junit.xml and cases.csv go.
         #[arg(long)]
         out: PathBuf,
     },
     /// Re-renders report.md, junit.xml and cases.csv from DIR/report.json.
-    Render { dir: PathBuf },
+    Render {
+        /// A report directory (holding report.json); the files are written next to it.
+        dir: PathBuf,
+    },
     /// Compares a run (NEW, a report directory) with a baseline run (BASE: the last good commit)
     /// case by case: exit 1 when a case that passed no longer does, a baseline case is missing,
     /// or a case's measured error grew more than --factor times to above --floor of its bound.
@@ -43,7 +48,7 @@ enum Action {
     },
 }
 
-/// Shards merge only if they are of one suite and no case (id and device) is in two of them:
+/// Shards merge only if they are of one suite and one commit (where both say which) and no case (id and device) is in two of them:
 /// a shard given twice, or two runs of one shard, would count its cases twice.
 fn check_shards(dirs: &[PathBuf], parts: &[Report]) -> Result<(), Exit> {
     let refuse = |message: String| Err(Exit { code: 2, message });
@@ -51,6 +56,11 @@ fn check_shards(dirs: &[PathBuf], parts: &[Report]) -> Result<(), Exit> {
     for (i, r) in parts.iter().enumerate() {
         if r.suite != parts[0].suite {
             return refuse(format!("{} is a `{}` report and {} a `{}` one: only shards of one suite merge", dirs[0].display(), parts[0].suite, dirs[i].display(), r.suite));
+        }
+        if let (Some(a), Some(b)) = (&parts[0].provenance.git_rev, &r.provenance.git_rev) {
+            if a != b {
+                return refuse(format!("{} was run at commit {a} and {} at {b}: shards of two versions do not merge into one report (run every shard of one commit)", dirs[0].display(), dirs[i].display()));
+            }
         }
         for c in &r.cases {
             if let Some(j) = seen.insert((c.id.as_str(), c.device.as_str()), i) {
