@@ -32,6 +32,7 @@ pub struct AbArgs {
     /// Candidate arm (same forms as --a).
     #[arg(long)]
     b: String,
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long, default_value = "smollm2")]
     model: String,
     /// Pairs to run before the first verdict.
@@ -69,6 +70,7 @@ pub struct AbArgs {
     /// prefill plus decode (time to the last token), for long prompts.
     #[arg(long, value_enum, default_value_t = Metric::FastestStep)]
     metric: Metric,
+    /// Where report.json (every pair's samples), report.md, junit.xml, cases.csv and the plots go (default target/touchstone/ab-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }

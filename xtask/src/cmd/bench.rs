@@ -21,6 +21,7 @@ pub struct BenchArgs {
     /// `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
     #[arg(long, default_value = "ref")]
     device: String,
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long, default_value = "smollm2")]
     model: String,
     /// Prompt length in tokens (token ids 1..=N cycled through the vocabulary).
@@ -35,6 +36,7 @@ pub struct BenchArgs {
     /// Where report.json (with every raw sample), report.md and the latency plot go (default target/touchstone/bench-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
+    /// Oracle storage precision (`--device ref`): f32 (f64 accumulation) or f64 throughout.
     #[arg(long, default_value = "f32")]
     precision: Precision,
 }

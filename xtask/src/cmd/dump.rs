@@ -24,6 +24,7 @@ pub struct DumpArgs {
     /// `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
     #[arg(long, default_value = "ref")]
     device: String,
+    /// Oracle storage precision (`--device ref`): f32 (f64 accumulation) or f64 throughout.
     #[arg(long, default_value = "f32")]
     precision: Precision,
 }
