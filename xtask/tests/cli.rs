@@ -1264,3 +1264,19 @@ fn a_run_past_the_models_context_says_so() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(!stderr(&o).contains("context_length"), "{}", stderr(&o));
 }
+
+/// `kernels --list` names the selected cases and why the device cannot run some, runs nothing;
+/// a selection of no case is an error there.
+#[test]
+fn kernels_list_names_the_selected_cases_and_what_is_unsupported() {
+    let o = xtask(&["kernels", "--device", "fixed", "--list", "--filter", "^(layer_norm|rms_norm)"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let n = suites_count("^(layer_norm|rms_norm)");
+    assert_eq!(out.lines().filter(|l| l.starts_with("layer_norm(") || l.starts_with("rms_norm(")).count(), n, "{out}");
+    assert!(out.lines().filter(|l| l.starts_with("layer_norm(")).all(|l| l.ends_with("unsupported: no integer kernel for `layer_norm` on fixed")), "{out}");
+    assert!(out.lines().filter(|l| l.starts_with("rms_norm(")).all(|l| !l.contains("unsupported")), "{out}");
+    assert!(out.contains(&format!("{n} cases, {} of them unsupported on fixed", suites_count("^layer_norm"))), "{out}");
+    let o = xtask(&["kernels", "--device", "cpu", "--list", "--filter", "^no-such-op"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}

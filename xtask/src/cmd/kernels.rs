@@ -21,6 +21,9 @@ pub struct KernelsArgs {
     /// Run shard K of N (1-based), e.g. 2/4; the split is a stable hash of the case id.
     #[arg(long)]
     shard: Option<String>,
+    /// List the selected cases (id, and why the device cannot run one it does not support) instead of running them.
+    #[arg(long)]
+    list: bool,
     /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
@@ -36,6 +39,12 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     };
     let opts = suites::kernels::KernelOptions { filter, shard: a.shard.as_deref().map(parse_shard).transpose()?, perf: a.perf, seed: a.seed };
     let selected = suites::kernels::select_cases(&opts);
+    if a.list {
+        return list(device.as_ref(), &selected, a.filter.is_some() || a.shard.is_some());
+    }
+    if selected.is_empty() {
+        eprintln!("note: the selection (--filter, --shard) holds none of the {} cases; list them with --list", suites::kernels::select_cases(&suites::kernels::KernelOptions { seed: a.seed, ..Default::default() }).len());
+    }
     let pb = super::progress(selected.len() as u64, &format!("kernels on {}", a.device));
     let cases = suites::kernels::run(device.as_ref(), &selected, opts.perf, |done, _| pb.set_position(done as u64));
     pb.finish_and_clear();
@@ -44,6 +53,26 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
+}
+
+/// `--list`: one line per selected case, `unsupported: WHY` after those the device cannot run;
+/// exit 2 when a selection (filter or shard) holds no case.
+fn list(device: &dyn devices::Device, selected: &[oracle::registry::OpCase], narrowed: bool) -> Result<u8, Exit> {
+    let mut unsupported = 0;
+    for c in selected {
+        match device.supports(c) {
+            devices::Support::Yes => outln!("{}", c.id),
+            devices::Support::Unsupported(why) => {
+                unsupported += 1;
+                outln!("{}  unsupported: {why}", c.id)
+            }
+        }
+    }
+    outln!("{} cases, {unsupported} of them unsupported on {}", selected.len(), device.name());
+    if selected.is_empty() && narrowed {
+        return Err(Exit { code: 2, message: "the selection (--filter, --shard) holds no case".into() });
+    }
+    Ok(0)
 }
 
 /// Per-op summary lines, then failures, then the totals.
