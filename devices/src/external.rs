@@ -144,25 +144,34 @@ pub fn read_dump(dir: &Path, tokens: &[u32], model_sha256: Option<&str>, n_vocab
             return Err(bad(dir, format!("{}: generated id {id} is outside the vocabulary of {n_vocab}", mpath.display())));
         }
     }
-    let mut listed = std::collections::HashSet::new();
-    if let Some(t) = manifest.taps.iter().find(|t| !listed.insert(t.name.as_str())) {
-        return Err(bad(dir, format!("{}: tap `{}` is listed twice", mpath.display(), t.name)));
+    // Twice under one name, or under two names that are one tap (`l_out-3` is `blk.3.l_out`):
+    // either copy could have been the one judged.
+    let mut listed: std::collections::HashMap<String, &str> = std::collections::HashMap::new();
+    for t in &manifest.taps {
+        if let Some(first) = listed.insert(canonical_tap_name(&t.name), &t.name) {
+            let what = if first == t.name { format!("tap `{first}` is listed twice") } else { format!("taps `{first}` and `{}` are one tap, `{}`", t.name, canonical_tap_name(&t.name)) };
+            return Err(bad(dir, format!("{}: {what}", mpath.display())));
+        }
     }
     let mut files: Vec<&str> = manifest.taps.iter().map(|t| t.file.as_str()).chain(manifest.logits.iter().map(|l| l.file.as_str())).collect();
     files.sort_unstable();
     files.dedup();
     let mut tensors = std::collections::HashMap::new();
     for f in files {
-        for (name, shape, vals) in read_tensors(dir, f).map_err(|e| bad(dir, e))? {
-            tensors.insert((f.to_string(), name), (shape, vals));
+        for t in read_tensors(dir, f).map_err(|e| bad(dir, e))? {
+            tensors.insert((f.to_string(), t.name.clone()), t);
         }
     }
     let mut take = |entry: &oracle::dump::TapEntry, width_must: Option<usize>| -> Result<(usize, Vec<f32>), DeviceError> {
         let file = dir.join(&entry.file);
-        let (shape, vals) = tensors.remove(&(entry.file.clone(), entry.name.clone())).ok_or_else(|| bad(dir, format!("{}: no tensor `{}` (listed in manifest.json)", file.display(), entry.name)))?;
+        let t = tensors.remove(&(entry.file.clone(), entry.name.clone())).ok_or_else(|| bad(dir, format!("{}: no tensor `{}` (listed in manifest.json)", file.display(), entry.name)))?;
         if !["f32", "f16", "bf16"].contains(&entry.dtype.as_str()) {
             return Err(bad(dir, format!("manifest.json: tap `{}` has dtype {:?} (f32, f16, bf16 allowed)", entry.name, entry.dtype)));
         }
+        if t.dtype != entry.dtype {
+            return Err(bad(dir, format!("{}: tensor `{}` is stored as {}, but manifest.json says {}", file.display(), entry.name, t.dtype, entry.dtype)));
+        }
+        let (shape, vals) = (t.shape, t.values);
         if shape != entry.shape || shape.len() != 2 || shape[0] != n || width_must.is_some_and(|w| shape[1] != w) {
             return Err(bad(
                 dir,

@@ -133,9 +133,19 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(m)
 }
 
+/// One tensor of a dump file, widened to f32.
+#[derive(Clone, Debug)]
+pub struct DumpTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// What the file stores: `f32`, `f16` or `bf16`.
+    pub dtype: &'static str,
+    pub values: Vec<f32>,
+}
+
 /// Reads every tensor of `dir/file` (a plain file name inside the dump directory) as f32
-/// (f16/bf16 widened): (name, shape, values), in file order.
-pub fn read_tensors(dir: &Path, file: &str) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+/// (f16/bf16 widened), in file order.
+pub fn read_tensors(dir: &Path, file: &str) -> Result<Vec<DumpTensor>> {
     let p = dir.join(file);
     let err = |r: String| OracleError::Safetensors { file: p.display().to_string(), reason: r };
     if file.is_empty() || file.contains('/') || file.contains('\\') || file == ".." || file == "." {
@@ -146,13 +156,13 @@ pub fn read_tensors(dir: &Path, file: &str) -> Result<Vec<(String, Vec<usize>, V
     let mut out = Vec::new();
     for (name, v) in st.tensors() {
         let d = v.data();
-        let vals = match v.dtype() {
-            safetensors::Dtype::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            safetensors::Dtype::F16 => d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            safetensors::Dtype::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        let (dtype, values) = match v.dtype() {
+            safetensors::Dtype::F32 => ("f32", d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            safetensors::Dtype::F16 => ("f16", d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()),
+            safetensors::Dtype::BF16 => ("bf16", d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()),
             other => return Err(err(format!("{name}: dtype {other:?} (f32, f16, bf16 allowed)"))),
         };
-        out.push((name, v.shape().to_vec(), vals));
+        out.push(DumpTensor { name, shape: v.shape().to_vec(), dtype, values });
     }
     Ok(out)
 }
@@ -161,8 +171,8 @@ pub fn read_tensors(dir: &Path, file: &str) -> Result<Vec<(String, Vec<usize>, V
 pub fn read_tensor(dir: &Path, file: &str, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
     read_tensors(dir, file)?
         .into_iter()
-        .find(|(n, _, _)| n == name)
-        .map(|(_, s, v)| (s, v))
+        .find(|t| t.name == name)
+        .map(|t| (t.shape, t.values))
         .ok_or_else(|| OracleError::Safetensors { file: dir.join(file).display().to_string(), reason: format!("no tensor `{name}`") })
 }
 

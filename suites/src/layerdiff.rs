@@ -913,6 +913,12 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
     Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None }
 }
 
+/// The device's taps the oracle has no tap of that name for (a dump's misspelt or foreign
+/// names, a layer past the model's): compared with nothing, so listed, never counted as passes.
+pub fn unjudged(reference: &RecordingTap, device: &RecordingTap) -> Vec<String> {
+    device.order.iter().filter(|n| !reference.tensors.contains_key(*n)).cloned().collect()
+}
+
 /// Everything one layer-diff run produced.
 pub struct Outcome {
     pub taps: Vec<TapDiff>,
@@ -993,6 +999,7 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
         t.routing_followed = follows.iter().filter(|f| f.tap == t.name).count();
     }
     let mut report = report(&taps, mode, model, device, ids, None, departure_case);
+    report.sections.insert("unjudged_taps".into(), json!(unjudged(&reference.recorded, device_taps)));
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("arithmetic".into(), json!(arith));
     report.sections.insert("emulated_arithmetic".into(), emulation);
@@ -1021,6 +1028,9 @@ pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap
         t.budget_isolated = None;
     }
     let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), None);
+    let mut names = unjudged(&reference, a.1);
+    names.extend(unjudged(&reference, b.1).into_iter().filter(|n| !a.1.tensors.contains_key(n)));
+    report.sections.insert("unjudged_taps".into(), json!(names));
     report.sections.insert("arithmetic".into(), Value::Object(Map::from_iter([(a.0.to_string(), json!(a.2)), (b.0.to_string(), json!(b.2))])));
     // Two builds of one engine often agree bit for bit up to a change: the first tap where they
     // differ at all is worth knowing even when the difference is inside the budget.

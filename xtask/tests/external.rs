@@ -22,11 +22,18 @@ fn dump_device(device: &str, model: &str, ids: &str, dir: &Path) {
 
 /// Rewrites one tensor of a dump's taps file through `f`.
 fn edit_tap(dir: &Path, tap: &str, f: impl Fn(&mut Vec<f32>)) {
+    edit_taps(dir, |tensors| {
+        let t = tensors.iter_mut().find(|t| t.name == tap).unwrap_or_else(|| panic!("no tap {tap}"));
+        f(&mut t.values);
+    });
+}
+
+/// Rewrites a dump's taps file (as f32) through `f`.
+fn edit_taps(dir: &Path, f: impl Fn(&mut Vec<oracle::dump::DumpTensor>)) {
     let file = oracle::dump::TAPS_FILE;
     let mut tensors = oracle::dump::read_tensors(dir, file).unwrap();
-    let t = tensors.iter_mut().find(|(n, _, _)| n == tap).unwrap_or_else(|| panic!("no tap {tap}"));
-    f(&mut t.2);
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors.iter().map(|(n, s, v)| (n.clone(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+    f(&mut tensors);
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors.iter().map(|t| (t.name.clone(), t.shape.clone(), t.values.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = bytes.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())).collect();
     safetensors::serialize_to_file(views, None, &dir.join(file)).unwrap();
 }
@@ -182,6 +189,35 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     let o = run(&d, ids);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("manifest.json: tap `inp_embd` is listed twice"), "{}", text(&o));
+
+    // Two names that are one tap (llama.cpp's and ours): either copy could have been judged.
+    let d = fresh("one-tap");
+    edit_manifest(&d, |j| {
+        let mut t = j["taps"].as_array().unwrap().iter().find(|t| t["name"] == "blk.1.l_out").unwrap().clone();
+        t["name"] = "l_out-1".into();
+        j["taps"].as_array_mut().unwrap().push(t);
+    });
+    let o = run(&d, ids);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("manifest.json: taps `blk.1.l_out` and `l_out-1` are one tap, `blk.1.l_out`"), "{}", text(&o));
+
+    // A tensor stored in another dtype than the manifest states.
+    let d = fresh("dtype");
+    edit_manifest(&d, |j| j["taps"][1]["dtype"] = "bf16".into());
+    let o = run(&d, ids);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("is stored as f32, but manifest.json says bf16"), "{}", text(&o));
+
+    // A tap under a name the oracle does not have (misspelt here) is judged against nothing:
+    // the run says so and lists it in the report, and the tap it should have been is missing.
+    let d = fresh("misspelt");
+    edit_taps(&d, |t| t.iter_mut().filter(|t| t.name == "blk.1.ffn_out").for_each(|t| t.name = "blk.1.ffn_output".into()));
+    edit_manifest(&d, |j| j["taps"].as_array_mut().unwrap().iter_mut().filter(|t| t["name"] == "blk.1.ffn_out").for_each(|t| t["name"] = "blk.1.ffn_output".into()));
+    let o = run(&d, ids);
+    assert!(text(&o).contains("note: 1 of the device's taps have no tap of that name in the oracle, so were not judged: `blk.1.ffn_output`"), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("r/report.json")).unwrap()).unwrap();
+    assert_eq!(r["unjudged_taps"], serde_json::json!(["blk.1.ffn_output"]));
+    assert!(r["cases"].as_array().unwrap().iter().any(|c| c["metrics"]["tap"] == "blk.1.ffn_out" && c["verdict"] == "unsupported"), "the tap it should have been is missing");
 
     let d = fresh("shape");
     let tap = edit_manifest(&d, |j| {

@@ -70,6 +70,14 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     for f in &outcome.follows {
         outln!("routing: {f}");
     }
+    if let Some(names) = outcome.report.sections.get("unjudged_taps").and_then(|v| v.as_array()).filter(|v| !v.is_empty()) {
+        let names: Vec<&str> = names.iter().filter_map(|v| v.as_str()).collect();
+        eprintln!(
+            "note: {} of the device's taps have no tap of that name in the oracle, so were not judged: {} (the names it knows: docs/DUMP_FORMAT.md)",
+            names.len(),
+            names.iter().take(12).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ") + if names.len() > 12 { ", ..." } else { "" }
+        );
+    }
     let dir = super::write_report(&mut outcome.report, a.report_dir)?;
     let s = &outcome.report.summary;
     outln!("{} cases (a tap each, and the emulated_departure gate where it applies): {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
