@@ -207,6 +207,14 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     let f = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
     std::fs::write(f.path(), golden.to_string()).unwrap();
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--golden", f.path().to_str().unwrap()], "the golden has no continuation tokens");
+    // A golden whose prompt is empty, or whose ids lie outside the vocabulary, is refused naming
+    // the file (they failed deep in a run, or without the file's name).
+    for (field, ids, want) in [("prompt_ids", serde_json::json!([]), "the golden's prompt_ids are empty"), ("continuation_ids", serde_json::json!([3, 99999]), "token id 99999 at position 61 is outside the vocabulary of 272")] {
+        let mut g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(workspace().join("fixtures/golden/tiny-llama.json")).unwrap()).unwrap();
+        g[field] = ids;
+        std::fs::write(f.path(), g.to_string()).unwrap();
+        refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--golden", f.path().to_str().unwrap()], &format!("{}: {want}", f.path().display()));
+    }
 }
 
 /// fixed-token on a prompt of one's own (ids, text, or a file: a long context): the golden is the

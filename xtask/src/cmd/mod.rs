@@ -268,17 +268,19 @@ pub fn floats_per_position(spec: &oracle::ModelSpec, taps: bool) -> u64 {
 /// that would not fit in the memory available: a long prompt would otherwise run for minutes
 /// and end in the OOM killer, with no message.
 pub fn check_recordings_fit(what: &str, spec: &oracle::ModelSpec, taps: bool, n_positions: usize, copies: u64) -> Result<(), Exit> {
-    note_past_context(what, spec, n_positions);
     let recorded = if taps { "every tap and the logits" } else { "the logits" };
-    check_positions_fit(what, &format!("{copies} recordings of {recorded}"), floats_per_position(spec, taps).saturating_mul(copies), n_positions)
+    check_positions_fit(what, &format!("{copies} recordings of {recorded}"), floats_per_position(spec, taps).saturating_mul(copies), n_positions)?;
+    note_past_context(what, spec, n_positions);
+    Ok(())
 }
 
 /// The same for the KV cache a run of `n_positions` positions fills (keys and values of every
 /// layer, f32: the oracle's and the `cpu` device's default).
 pub fn check_kv_fits(what: &str, spec: &oracle::ModelSpec, n_positions: usize) -> Result<(), Exit> {
-    note_past_context(what, spec, n_positions);
     let per_position = 2 * spec.n_layer as u64 * (spec.n_head_kv * spec.head_dim) as u64;
-    check_positions_fit(what, "a KV cache of every layer", per_position, n_positions)
+    check_positions_fit(what, "a KV cache of every layer", per_position, n_positions)?;
+    note_past_context(what, spec, n_positions);
+    Ok(())
 }
 
 /// A note (stderr, once per process) when a run takes more positions than the model's
