@@ -83,9 +83,12 @@ where
     DB::ErrorType: 'static,
 {
     root.fill(&WHITE).map_err(draw_err)?;
-    // The legend gets its own column on the right so it never hides data.
+    // The legend gets its own column on the right so it never hides data, as wide as its
+    // longest name needs (within a third of the picture).
     let (width, _) = root.dim_in_pixel();
-    let (root, legend) = root.split_horizontally(width.saturating_sub(230));
+    let longest = c.series.iter().filter_map(|s| root.estimate_text_size(&s.name, &("sans-serif", 13).into_text_style(&root)).ok()).map(|(w, _)| w).max().unwrap_or(0);
+    let legend_width = (longest + 48).clamp(230, width / 3);
+    let (root, legend) = root.split_horizontally(width.saturating_sub(legend_width));
     let mut y = 50;
     for s in c.series.iter().filter(|s| !s.dashed) {
         let col = colour(s.colour);
@@ -141,6 +144,9 @@ where
         let pad = ((y1 - y0) * 0.08).max(1e-12);
         (y0, y1) = (y0 - pad, y1 + pad);
     }
+    // Layers, positions and pairs are whole numbers: label whole numbers only, at most 12.
+    let whole_x = c.series.iter().flat_map(|s| s.points.iter()).filter(|p| plottable(c, p)).all(|(x, _)| x.fract() == 0.0);
+    let x_labels = if whole_x { ((x1 - x0) as usize + 1).min(12) } else { 10 };
     let mut builder = ChartBuilder::on(&root);
     builder.caption(&c.title, ("sans-serif", 22)).margin(12).x_label_area_size(40).y_label_area_size(80);
     macro_rules! body {
@@ -151,7 +157,8 @@ where
                 .x_desc(&c.x_label)
                 .y_desc(&c.y_label)
                 .label_style(("sans-serif", 14))
-                .x_label_formatter(&|v: &f64| if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.2}") })
+                .x_labels(x_labels)
+                .x_label_formatter(&|v: &f64| if v.fract() == 0.0 { format!("{v:.0}") } else if whole_x { String::new() } else { format!("{v:.2}") })
                 .y_label_formatter(&|v: &f64| if c.log_y || v.abs() < 1e-3 && *v != 0.0 { format!("{v:.0e}") } else if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.2}") })
                 .draw()
                 .map_err(draw_err)?;
