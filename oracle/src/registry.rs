@@ -116,6 +116,18 @@ pub struct OpEntry {
     pub bytes: fn(&OpCase) -> u64,
 }
 
+impl OpEntry {
+    /// The cases whose ids `keep` accepts, the same as `cases` gives them. Matmul builds only
+    /// those (its quantized weights are what takes the time: a filtered or sharded run of the
+    /// kernel suite would otherwise encode all 923 cases' weights first).
+    pub fn cases_where(&self, base_seed: u64, keep: &dyn Fn(&str) -> bool) -> Vec<OpCase> {
+        if self.name == "matmul" {
+            return matmul_cases_where(base_seed, keep);
+        }
+        (self.cases)(base_seed).into_iter().filter(|c| keep(&c.id)).collect()
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Input generation.
 // ---------------------------------------------------------------------------------------------
@@ -219,6 +231,13 @@ fn layer_norm_ref(c: &OpCase) -> Result<Vec<Output>> {
 }
 
 fn matmul_cases(base: u64) -> Vec<OpCase> {
+    matmul_cases_where(base, &|_| true)
+}
+
+/// The matmul cases whose ids `keep` accepts; the others' weights are never drawn or encoded
+/// (encoding all of them takes about 10 s here; each case's inputs come from its own seed, so a
+/// kept case is the same either way).
+fn matmul_cases_where(base: u64, keep: &dyn Fn(&str) -> bool) -> Vec<OpCase> {
     let mut v = Vec::new();
     for ty in GgmlType::ALL {
         let bs = ty.block_size();
@@ -228,15 +247,27 @@ fn matmul_cases(base: u64) -> Vec<OpCase> {
             .filter(|(k, _)| k % bs == 0)
             .collect();
         for (k, n) in shapes {
+            // A variant's seed, so its weights, do not depend on m: each is drawn and encoded
+            // once, with the generator's state after it (where x is drawn from).
+            let mut weights: [Option<(SplitMix64, Vec<u8>)>; 4] = Default::default();
             for (m, variant) in [1usize, 3, 8].into_iter().flat_map(|m| (0..4u64).map(move |v| (m, v))) {
                 let seed = seed_of(base, (k * 31 + n) as u64 * 8 + variant);
-                let mut r = SplitMix64(seed ^ ty.id() as u64);
-                let w = normals(&mut r, n * k, 1.0 / (k as f64).sqrt());
-                let x = activations(&mut r, m, k);
-                let bytes = encode(ty, &w).expect("whole blocks");
+                let view_id = (m == 3 && variant == 1).then(|| format!("matmul(w={},k={k},n={n},m={m},view=row_stride_{},seed={seed})", ty.name(), k + 32));
+                let id = format!("matmul(w={},k={k},n={n},m={m},seed={seed})", ty.name());
+                let (keep_view, keep_plain) = (view_id.as_deref().is_some_and(keep), keep(&id));
+                if !keep_view && !keep_plain {
+                    continue;
+                }
+                let (after_w, bytes) = weights[variant as usize].get_or_insert_with(|| {
+                    let mut r = SplitMix64(seed ^ ty.id() as u64);
+                    let w = normals(&mut r, n * k, 1.0 / (k as f64).sqrt());
+                    (r, encode(ty, &w).expect("whole blocks"))
+                });
+                let x = activations(&mut after_w.clone(), m, k);
+                let bytes = bytes.clone();
                 // One variant per shape takes x as a non-contiguous view: rows `k + 32` apart, the
                 // gap filled with NaN, so a kernel that ignores the stride poisons its result.
-                if m == 3 && variant == 1 {
+                if let Some(view_id) = view_id.filter(|_| keep_view) {
                     let stride = k + 32;
                     let mut xv = vec![f32::NAN; m * stride];
                     for row in 0..m {
@@ -244,19 +275,15 @@ fn matmul_cases(base: u64) -> Vec<OpCase> {
                     }
                     v.push(case(
                         "matmul",
-                        format!("matmul(w={},k={k},n={n},m={m},view=row_stride_{stride},seed={seed})", ty.name()),
+                        view_id,
                         seed,
                         vec![("x", t(&[m, stride], xv)), ("w", Input::Quant { ty, rows: n, cols: k, bytes: bytes.clone() })],
                         &[("x_cols", k as f64)],
                     ));
                 }
-                v.push(case(
-                    "matmul",
-                    format!("matmul(w={},k={k},n={n},m={m},seed={seed})", ty.name()),
-                    seed,
-                    vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })],
-                    &[],
-                ));
+                if keep_plain {
+                    v.push(case("matmul", id, seed, vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })], &[]));
+                }
             }
         }
     }

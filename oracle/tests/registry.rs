@@ -77,3 +77,24 @@ fn exact_ops_resolve_ties_to_the_lower_index() {
         assert_eq!(ids[2] as usize, n / 3, "{}", c.id);
     }
 }
+
+/// A selection (a filter, a shard) builds exactly the cases the full list holds under those ids,
+/// inputs and all: matmul builds only the kept ones, and shares a variant's weights between m.
+#[test]
+fn a_selection_builds_the_same_cases_as_the_full_list() {
+    let inputs = |c: &oracle::registry::OpCase| format!("{:?}", c.inputs);
+    for e in registry().iter().filter(|e| ["matmul", "rms_norm"].contains(&e.name)) {
+        let full = (e.cases)(7);
+        for keep in [
+            Box::new(|id: &str| id.contains("m=8") && id.contains("w=q4_k")) as Box<dyn Fn(&str) -> bool>,
+            Box::new(|id: &str| id.contains("view=") || id.ends_with("1)")),
+            Box::new(|id: &str| id.bytes().map(usize::from).sum::<usize>() % 5 == 2),
+        ] {
+            let chosen = e.cases_where(7, &keep);
+            let want: Vec<_> = full.iter().filter(|c| keep(&c.id)).collect();
+            assert!(!chosen.is_empty() || e.name != "matmul", "{}: the selection holds cases", e.name);
+            assert_eq!(chosen.iter().map(|c| &c.id).collect::<Vec<_>>(), want.iter().map(|c| &c.id).collect::<Vec<_>>(), "{}", e.name);
+            assert!(chosen.iter().zip(&want).all(|(a, b)| inputs(a) == inputs(b) && a.params == b.params), "{}: the inputs differ", e.name);
+        }
+    }
+}

@@ -32,21 +32,8 @@ pub fn shard_of(id: &str, n: usize) -> usize {
 
 /// All registry cases selected by the options, in registry order.
 pub fn select_cases(opts: &KernelOptions) -> Vec<OpCase> {
-    let mut out = Vec::new();
-    for e in registry() {
-        for c in (e.cases)(opts.seed) {
-            if opts.filter.as_ref().is_some_and(|f| !f.is_match(&c.id)) {
-                continue;
-            }
-            if let Some((k, n)) = opts.shard {
-                if shard_of(&c.id, n) != k - 1 {
-                    continue;
-                }
-            }
-            out.push(c);
-        }
-    }
-    out
+    let keep = |id: &str| opts.filter.as_ref().is_none_or(|f| f.is_match(id)) && opts.shard.is_none_or(|(k, n)| shard_of(id, n) == k - 1);
+    registry().iter().flat_map(|e| e.cases_where(opts.seed, &keep)).collect()
 }
 
 fn ulp_distance(a: f32, b: f32) -> u64 {
