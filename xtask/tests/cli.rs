@@ -159,7 +159,7 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["roofline", "--device", "cpu", "--min-ratio", "NaN"], "--min-ratio NaN must be a positive number");
     refused(&["bench", "--device", "cpu", "--model", "tiny-llama", "--prompt-len", "100000000"], "exceed 2^20 positions");
     refused(&["ab", "--a", "cpu", "--b", "ref", "--model", "tiny-llama", "--prompt-len", "100000000"], "exceed 2^20 positions");
-    refused(&["ab", "--a", "cpu", "--b", "ref", "--model", "tiny-llama", "--pairs", "5", "--max-pairs", "2", "--threshold", "inf"], "need --max-pairs >= --pairs, --threshold a positive percentage");
+    refused(&["ab", "--a", "cpu", "--b", "ref", "--model", "tiny-llama", "--pairs", "5", "--max-pairs", "2", "--threshold", "inf", "--timeout", "0"], "need --max-pairs >= --pairs, --threshold a positive percentage, --timeout >= 1 (seconds)");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "0.5"], "--emulation-factor 0.5 must be a finite number of at least 1");
     refused(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "inf"], "--emulation-factor inf must be a finite number of at least 1");

@@ -491,6 +491,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
         (a.gen_len < 2, "--gen-len >= 2"),
         (a.prompt_len == 0, "--prompt-len >= 1"),
         (!(a.threshold > 0.0 && a.threshold.is_finite()), "--threshold a positive percentage"),
+        (a.timeout == 0, "--timeout >= 1 (seconds)"),
     ]
     .into_iter()
     .filter_map(|(bad, rule)| bad.then_some(rule))
