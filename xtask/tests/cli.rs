@@ -1290,3 +1290,20 @@ fn kernels_list_names_the_selected_cases_and_what_is_unsupported() {
     let o = xtask(&["kernels", "--device", "cpu", "--list", "--filter", "^no-such-op"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
+
+/// bisect refuses, before it makes a worktree, a good and bad revision that are one commit or
+/// in the wrong order (git's own messages were empty or cryptic).
+#[test]
+fn bisect_refuses_revisions_with_nothing_between_them_or_swapped() {
+    let o = xtask(&["bisect", "--good", "HEAD", "--bad", "HEAD", "--", "kernels", "--device", "cpu"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("are the same commit") && stderr(&o).contains("nothing lies between them"), "{}", text(&o));
+    let has_parent = Command::new("git").current_dir(workspace()).args(["rev-parse", "--verify", "-q", "HEAD~1"]).output().is_ok_and(|o| o.status.success());
+    if !has_parent {
+        eprintln!("SKIPPED the swapped case: this clone has no HEAD~1");
+        return;
+    }
+    let o = xtask(&["bisect", "--good", "HEAD", "--bad", "HEAD~1", "--", "kernels", "--device", "cpu"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(stderr(&o).contains("is not an ancestor of --bad HEAD~1") && stderr(&o).contains("swapped?"), "{}", text(&o));
+}

@@ -49,6 +49,14 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
     let top = PathBuf::from(git(&here, &["rev-parse", "--show-toplevel"])?);
     let good = git(&top, &["rev-parse", "--verify", &format!("{}^{{commit}}", a.good)])?;
     let bad = git(&top, &["rev-parse", "--verify", &format!("{}^{{commit}}", a.bad)])?;
+    // Refused before a worktree is made: git's own messages for these were empty or cryptic.
+    if good == bad {
+        return Err(Exit { code: 2, message: format!("--good {} and --bad {} are the same commit {good:.10}: nothing lies between them", a.good, a.bad) });
+    }
+    let ancestor = Command::new("git").current_dir(&top).args(["merge-base", "--is-ancestor", &good, &bad]).status().map_err(|e| Exit { code: 2, message: format!("git: {e}") })?;
+    if !ancestor.success() {
+        return Err(Exit { code: 2, message: format!("--good {} ({good:.10}) is not an ancestor of --bad {} ({bad:.10}): the good revision must come first (swapped?)", a.good, a.bad) });
+    }
     let work = a.work_dir.unwrap_or_else(|| top.join("target/touchstone/bisect"));
     let tree = work.join("worktree");
     let reports = work.join("reports");
