@@ -17,7 +17,7 @@
 //! it cannot be stepped token by token, so suites that need that report it as unsupported.
 
 use crate::{Arithmetic, Device, DeviceError, DeviceModel, ModelOptions, Support};
-use oracle::dump::{canonical_tap_name, read_manifest, read_tensors, Manifest};
+use oracle::dump::{canonical_tap_name, read_manifest, read_tensors_where, Manifest};
 use oracle::registry::{OpCase, Output};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -158,7 +158,8 @@ pub fn read_dump(dir: &Path, tokens: &[u32], model_sha256: Option<&str>, n_vocab
     files.dedup();
     let mut tensors = std::collections::HashMap::new();
     for f in files {
-        for t in read_tensors(dir, f).map_err(|e| bad(dir, e))? {
+        let listed = |name: &str| manifest.taps.iter().chain(&manifest.logits).any(|t| t.file == f && t.name == name);
+        for t in read_tensors_where(dir, f, &listed).map_err(|e| bad(dir, e))? {
             tensors.insert((f.to_string(), t.name.clone()), t);
         }
     }

@@ -146,15 +146,25 @@ pub struct DumpTensor {
 /// Reads every tensor of `dir/file` (a plain file name inside the dump directory) as f32
 /// (f16/bf16 widened), in file order.
 pub fn read_tensors(dir: &Path, file: &str) -> Result<Vec<DumpTensor>> {
+    read_tensors_where(dir, file, &|_| true)
+}
+
+/// The tensors of `dir/file` whose names `keep` accepts, as [`read_tensors`]. The file is
+/// mapped, not read: an engine's file may hold far more than the tensors wanted (every node of
+/// its graph), and only those are copied out.
+pub fn read_tensors_where(dir: &Path, file: &str, keep: &dyn Fn(&str) -> bool) -> Result<Vec<DumpTensor>> {
     let p = dir.join(file);
     let err = |r: String| OracleError::Safetensors { file: p.display().to_string(), reason: r };
     if file.is_empty() || file.contains('/') || file.contains('\\') || file == ".." || file == "." {
         return Err(err("a dump's tensor file must be a plain file name inside the dump directory".into()));
     }
-    let bytes = std::fs::read(&p).map_err(|e| OracleError::io(&p, e))?;
+    let f = std::fs::File::open(&p).map_err(|e| OracleError::io(&p, e))?;
+    // SAFETY: read-only; a file truncated under us by another process is the one case a map
+    // cannot defend against (as for the GGUF reader).
+    let bytes = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| OracleError::io(&p, e))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
     let mut out = Vec::new();
-    for (name, v) in st.tensors() {
+    for (name, v) in st.tensors().into_iter().filter(|(n, _)| keep(n)) {
         let d = v.data();
         let (dtype, values) = match v.dtype() {
             safetensors::Dtype::F32 => ("f32", d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
@@ -169,7 +179,7 @@ pub fn read_tensors(dir: &Path, file: &str) -> Result<Vec<DumpTensor>> {
 
 /// Reads tensor `name` from `dir/file`: (shape, values).
 pub fn read_tensor(dir: &Path, file: &str, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-    read_tensors(dir, file)?
+    read_tensors_where(dir, file, &|n| n == name)?
         .into_iter()
         .find(|t| t.name == name)
         .map(|t| (t.shape, t.values))

@@ -30,11 +30,18 @@ fn edit_tap(dir: &Path, tap: &str, f: impl Fn(&mut Vec<f32>)) {
 
 /// Rewrites a dump's taps file (as f32) through `f`.
 fn edit_taps(dir: &Path, f: impl Fn(&mut Vec<oracle::dump::DumpTensor>)) {
+    write_taps(dir, f, None);
+}
+
+/// Rewrites a dump's taps file (as f32) through `f`, with one more tensor of any dtype when
+/// `extra` says so (name, dtype, shape, bytes).
+fn write_taps(dir: &Path, f: impl Fn(&mut Vec<oracle::dump::DumpTensor>), extra: Option<(&str, safetensors::Dtype, Vec<usize>, &[u8])>) {
     let file = oracle::dump::TAPS_FILE;
     let mut tensors = oracle::dump::read_tensors(dir, file).unwrap();
     f(&mut tensors);
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors.iter().map(|t| (t.name.clone(), t.shape.clone(), t.values.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = bytes.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())).collect();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = bytes.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())).collect();
+    views.extend(extra.map(|(n, ty, shape, b)| (n.to_string(), safetensors::tensor::TensorView::new(ty, shape, b).unwrap())));
     safetensors::serialize_to_file(views, None, &dir.join(file)).unwrap();
 }
 
@@ -218,6 +225,14 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("r/report.json")).unwrap()).unwrap();
     assert_eq!(r["unjudged_taps"], serde_json::json!(["blk.1.ffn_output"]));
     assert!(r["cases"].as_array().unwrap().iter().any(|c| c["metrics"]["tap"] == "blk.1.ffn_out" && c["verdict"] == "unsupported"), "the tap it should have been is missing");
+
+    // Tensors a file holds but the manifest does not list are not read at all (an engine may
+    // write every node of its graph): an unlisted i64 tensor beside the taps is no error.
+    let d = fresh("unlisted");
+    let ids_bytes: Vec<u8> = (0..64i64).flat_map(|x| x.to_le_bytes()).collect();
+    write_taps(&d, |_| {}, Some(("graph.node.ids", safetensors::Dtype::I64, vec![64], &ids_bytes)));
+    let o = run(&d, ids);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 
     let d = fresh("shape");
     let tap = edit_manifest(&d, |j| {
