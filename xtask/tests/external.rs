@@ -97,7 +97,7 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("bad/report.json")).unwrap()).unwrap();
     assert_eq!(report["first_divergence"]["tap"], "blk.17.l_out", "{}", report["first_divergence"]);
     assert_eq!(report["first_divergence"]["worst_position"], 4);
-    assert!(text(&o).contains("first divergence: blk.17.l_out"));
+    assert!(text(&o).contains("first divergence: blk.17.l_out (isolated): RMS error") && text(&o).contains("its budget of") && text(&o).contains("largest at position 4"), "{}", text(&o));
     // The two-build comparison names the first tap where the builds differ at all (the 2% change
     // of one position stays inside the sum of both builds' propagated budgets).
     let o = xtask(&["layer-diff", "--device", "cpu", "--against", &device, "--model", "smollm2", "--prompt-ids", IDS, "--report-dir", tmp.path().join("vs2").to_str().unwrap()], &[]);

@@ -119,6 +119,21 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     })
 }
 
+/// `blk.3.ffn_out (isolated): RMS error 2.2e-4, 369x its budget of 6.1e-7, largest at position 0`
+/// from the report's `first_divergence` section (and the expert ids that differ, for MoE).
+fn describe_divergence(tap: &str, d: &serde_json::Value) -> String {
+    let (err, bound) = (d["rms_err"].as_f64(), d["bound"].as_f64());
+    let mut s = format!("{tap} ({})", d["compared"].as_str().unwrap_or("?"));
+    if let (Some(e), Some(b)) = (err, bound) {
+        let times = match e / b { _ if b <= 0.0 => "above".to_string(), r if r >= 100.0 => format!("{r:.0}x"), r => format!("{r:.2}x") };
+        s += &format!(": RMS error {e:.3e}, {times} its budget of {b:.3e}, largest at position {}", d["worst_position"]);
+    }
+    if let Some(n) = d["id_mismatches"].as_u64().filter(|n| *n > 0) {
+        s += &format!("; {n} expert ids differ");
+    }
+    s
+}
+
 fn print_table(o: &layerdiff::Outcome) {
     let rows = layerdiff::layer_table(&o.taps);
     outln!("{:<14} {:<10} {:>24} {:>9} {:<14} {:>24} {:>10}", "layer", "out tap", "prop. rel err / budget", "emulated", "worst op", "iso. rel err / budget", "over p/i/m");
@@ -127,7 +142,7 @@ fn print_table(o: &layerdiff::Outcome) {
     }
     if let Some(d) = o.report.sections.get("first_difference") {
         match d.get("tap") {
-            Some(t) => outln!("first tap where the two differ at all: {t} ({d})"),
+            Some(t) => outln!("first tap where the two differ at all: {} (RMS difference {:.3e}, largest at position {})", t.as_str().unwrap_or("?"), d["rms_err"].as_f64().unwrap_or(f64::NAN), d["worst_position"]),
             None => outln!("the two agree bit for bit at every tap"),
         }
     }
@@ -144,7 +159,7 @@ fn print_table(o: &layerdiff::Outcome) {
         }
     }
     match layerdiff::first_divergence(&o.taps) {
-        Some(t) => outln!("first divergence: {} ({})", t.name, o.report.sections.get("first_divergence").map(|v| v.to_string()).unwrap_or_default()),
+        Some(t) => outln!("first divergence: {}", describe_divergence(&t.name, o.report.sections.get("first_divergence").unwrap_or(&serde_json::Value::Null))),
         None => outln!("first divergence: none (every tap within its budget)"),
     }
 }
