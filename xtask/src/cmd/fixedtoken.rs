@@ -296,14 +296,14 @@ fn print_summary(r: &Report) {
     if let Some(ts) = r.sections.get("token_stats") {
         let f = |p: &[&str]| p.iter().try_fold(ts, |v, k| v.get(k)).and_then(|v| v.as_f64()).map_or("-".into(), |x| format!("{x:.4e}"));
         outln!(
-            "KLD mean {} median {} p99 {} max {} (bound on mean {}); same top-1 {} (95% CI {}); near ties {}",
+            "KLD mean {} median {} p99 {} max {} (bound on mean {}); same top-1 {} of positions (95% CI {}); near ties {}",
             f(&["kld", "mean"]),
             f(&["kld", "median"]),
             f(&["kld", "p99"]),
             f(&["kld", "max"]),
             f(&["kld_bound_mean"]),
-            f(&["same_top1", "rate"]),
-            ts.get("same_top1").and_then(|s| s.get("ci95")).and_then(|v| Some(format!("[{:.3}, {:.3}]", v.get(0)?.as_f64()?, v.get(1)?.as_f64()?))).unwrap_or("-".into()),
+            ts.get("same_top1").and_then(|s| s.get("rate")).and_then(|v| v.as_f64()).map_or("-".into(), |x| format!("{:.1}%", 100.0 * x)),
+            ts.get("same_top1").and_then(|s| s.get("ci95")).and_then(|v| Some(format!("{:.1}-{:.1}%", 100.0 * v.get(0)?.as_f64()?, 100.0 * v.get(1)?.as_f64()?))).unwrap_or("-".into()),
             ts.get("near_ties").map_or("-".into(), |v| v.to_string()),
         );
         if let (Some(mean_abs), Some(top5), Some(n)) = (ts.get("mean_abs_logit").and_then(|v| v.as_f64()), ts.get("same_top5"), ts.get("positions")) {
