@@ -49,9 +49,10 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     let (r, device_peak, kernels) = (&m.r, m.device_peak, &m.kernels);
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
-    outln!("device {} model {} precision {:?}, {} threads{path_note}", a.device, a.model, a.precision, r.threads);
-    outln!("prefill ({} tokens): median {:.1} tok/s   samples {:?}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
-    outln!("decode  ({} tokens): median {:.2} tok/s   samples {:?}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
+    let precision = if a.device == "ref" { format!(" precision {:?}", a.precision).to_lowercase() } else { String::new() };
+    outln!("device {} model {}{precision}, {} threads{path_note}", a.device, a.model, r.threads);
+    outln!("prefill ({} tokens): median {:.1} tok/s   samples {}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
+    outln!("decode  ({} tokens): median {:.2} tok/s   samples {}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
     let [p50, p90, p99] = r.itl_p50_p90_p99_ms;
     outln!("time to first token: median {:.1} ms; inter-token latency p50 {p50:.2} ms, p90 {p90:.2} ms, p99 {p99:.2} ms; peak RSS {}", med(&r.ttft_ms), r.peak_rss_kb.map_or("unknown".into(), |k| format!("{:.0} MiB", k as f64 / 1024.0)));
     if let Some(b) = device_peak {
@@ -83,12 +84,12 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     let copy: Vec<f64> = r.probes.iter().map(|p| p.copy_gbps).collect();
     let read: Vec<f64> = r.probes.iter().map(|p| p.read_gbps).collect();
     outln!(
-        "weights read per token {:.1} MB -> effective {:.2} GB/s (median)   samples {:?}",
+        "weights read per token {:.1} MB -> effective {:.2} GB/s (median)   samples {}",
         r.weight_bytes_per_token as f64 / 1e6,
         med(&r.effective_gbps),
         fmt(&r.effective_gbps)
     );
-    outln!("probe before each rep (512 MB, same threads): copy {:?} GB/s, read {:?} GB/s", fmt(&copy), fmt(&read));
+    outln!("probe before each rep (512 MB, same threads): copy {} GB/s, read {} GB/s", fmt(&copy), fmt(&read));
     outln!(
         "effective / probe, median of per-rep ratios: {:.0}% of STREAM-style copy, {:.0}% of read-only",
         100.0 * r.fraction_of_copy_probe,
@@ -275,6 +276,7 @@ fn write_report(a: &BenchArgs, m: Measured) -> Result<u8, Exit> {
     Ok(report.exit_code())
 }
 
-fn fmt(v: &[f64]) -> Vec<String> {
-    v.iter().map(|x| format!("{x:.2}")).collect()
+/// Samples as `[13237.54, 11325.18]`.
+fn fmt(v: &[f64]) -> String {
+    format!("[{}]", v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", "))
 }
