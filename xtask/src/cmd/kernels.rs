@@ -77,19 +77,21 @@ fn list(device: &dyn devices::Device, selected: &[oracle::registry::OpCase], nar
 
 /// Per-op summary lines, then failures, then the totals.
 pub fn print_summary(r: &Report) {
-    outln!("{:<12} {:<8} {:>6} {:>6} {:>6} {:>6} {:>14}", "op", "dtype", "pass", "fail", "unsup", "error", "worst err/bound");
+    let coverage = r.coverage();
+    let w = coverage.keys().map(|(op, _)| op.len()).max().unwrap_or(0).max(12);
+    outln!("{:<w$} {:<8} {:>6} {:>6} {:>6} {:>6} {:>14}", "op", "dtype", "pass", "fail", "unsup", "error", "worst err/bound");
     let mut worst: std::collections::BTreeMap<(String, String), f64> = Default::default();
     for c in &r.cases {
         let w = c.metrics.get("worst_error_over_bound").and_then(|v| v.as_f64()).unwrap_or(0.0);
         let e = worst.entry(Report::op_and_dtype(&c.id)).or_insert(0.0);
         *e = e.max(w);
     }
-    for ((op, dt), per) in r.coverage() {
+    for ((op, dt), per) in coverage {
         let t = per.values().fold([0; 4], |mut acc, c| {
             (0..4).for_each(|i| acc[i] += c[i]);
             acc
         });
-        outln!("{op:<12} {dt:<8} {:>6} {:>6} {:>6} {:>6} {:>14.3}", t[0], t[1], t[2], t[3], worst.get(&(op.clone(), dt.clone())).copied().unwrap_or(0.0));
+        outln!("{op:<w$} {dt:<8} {:>6} {:>6} {:>6} {:>6} {:>14.3}", t[0], t[1], t[2], t[3], worst.get(&(op.clone(), dt.clone())).copied().unwrap_or(0.0));
     }
     for c in r.cases.iter().filter(|c| matches!(c.verdict, reports::Verdict::Fail | reports::Verdict::Error)).take(20) {
         outln!("  {:?} {}: {}", c.verdict, c.id, c.message.as_deref().unwrap_or(""));
