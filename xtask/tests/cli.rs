@@ -166,6 +166,7 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "inf"], "--temperature must be finite and >= 0 (it is inf)");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,,2", "--max-new-tokens", "2"], "--prompt-ids `1,,2`: nothing between commas at item 2");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", ",1", "--max-new-tokens", "2"], "nothing between commas at item 1");
+    refused(&["tokenize", "--model", "tiny-llama", "--ids", "1,,2"], "--ids `1,,2`: nothing between commas at item 2");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,x", "--max-new-tokens", "2"], "--prompt-ids `1,x`: `x`: invalid digit");
     let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2"], &[("RAYON_NUM_THREADS", "100000")]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));

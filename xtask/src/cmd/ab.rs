@@ -197,7 +197,7 @@ fn timed_next(m: &mut dyn devices::DeviceModel, ids: &[u32]) -> Result<(u32, f64
 
 pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
     use std::io::Write;
-    let ids = super::parse_ids(&a.prompt_ids)?;
+    let ids = super::parse_ids("--prompt-ids", &a.prompt_ids)?;
     let (_, mut engine, _) = super::load_engine(&a.model, &a.device, oracle::Precision::F32)?;
     super::check_ids(&ids, engine.spec().n_vocab)?;
     let greedy = oracle::ops::SamplerConfig::GREEDY;

@@ -51,7 +51,7 @@ pub struct LayerDiffArgs {
 /// The prompt ids: given, or the default prompt encoded, or the default ids.
 pub fn prompt_ids(given: Option<&str>, tok: Option<&oracle::tokenizer::Tokenizer>) -> Result<Vec<u32>, Exit> {
     match (given, tok) {
-        (Some(s), _) => parse_ids(s),
+        (Some(s), _) => parse_ids("--prompt-ids", s),
         (None, Some(t)) => Ok(t.encode(DEFAULT_PROMPT)?),
         (None, None) => Ok(DEFAULT_IDS.to_vec()),
     }

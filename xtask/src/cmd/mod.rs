@@ -68,10 +68,10 @@ pub fn generate_on_device(
     oracle::generate::generate_with(forward_last, prompt, max_new, sampler, seed, stop)
 }
 
-/// Parses `504,3575,282`, `504, 3575` or `504 3575 282`; nothing between two commas (`1,,2`, a
-/// lost id) is refused rather than skipped.
-pub fn parse_ids(s: &str) -> Result<Vec<u32>, Exit> {
-    let bad = |why: String| Exit { code: 2, message: format!("--prompt-ids `{s}`: {why} (expected comma-separated token ids)") };
+/// Parses `504,3575,282`, `504, 3575` or `504 3575 282` given to `flag`; nothing between two
+/// commas (`1,,2`, a lost id) is refused rather than skipped.
+pub fn parse_ids(flag: &str, s: &str) -> Result<Vec<u32>, Exit> {
+    let bad = |why: String| Exit { code: 2, message: format!("{flag} `{s}`: {why} (expected comma-separated token ids)") };
     let mut ids = Vec::new();
     let pieces: Vec<&str> = s.split(',').collect();
     for (i, piece) in pieces.iter().enumerate() {
@@ -84,7 +84,7 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>, Exit> {
         }
     }
     if ids.is_empty() {
-        return Err(Exit { code: 2, message: "--prompt-ids is empty".into() });
+        return Err(Exit { code: 2, message: format!("{flag} is empty") });
     }
     Ok(ids)
 }
@@ -100,7 +100,7 @@ pub fn resolve_model(model: &str) -> Result<PathBuf, Exit> {
 pub fn given_prompt(text: Option<&str>, ids: Option<&str>, tok: Option<&Tokenizer>, model: &str, path: &std::path::Path) -> Result<Option<Vec<u32>>, Exit> {
     match (text, ids) {
         (Some(_), Some(_)) => Err(Exit { code: 2, message: "give --prompt or --prompt-ids, not both".into() }),
-        (None, Some(ids)) => parse_ids(ids).map(Some),
+        (None, Some(ids)) => parse_ids("--prompt-ids", ids).map(Some),
         (Some(text), None) => {
             let tok = tok.ok_or_else(|| Exit { code: 2, message: format!("{}; use --prompt-ids", no_tokenizer(model, path)) })?;
             let ids = tok.encode(text)?;

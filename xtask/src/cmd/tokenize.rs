@@ -43,7 +43,7 @@ pub fn main(a: TokenizeArgs) -> Result<u8, Exit> {
             (ids, text)
         }
         (None, Some(ids)) => {
-            let ids = parse_ids(ids)?;
+            let ids = parse_ids("--ids", ids)?;
             super::check_ids(&ids, tok.vocab_size())?;
             let text = tok.decode(&ids)?;
             (ids, text)
