@@ -119,9 +119,17 @@ pub fn write_dump(dir: &Path, model: ModelInfo, device: &str, precision: &str, t
     Ok(manifest)
 }
 
-/// Reads a dump's manifest and one of its tensors as f32 (f16/bf16 are widened).
+/// The largest manifest.json read: a manifest of a million positions' ids and a thousand taps
+/// is under 16 MiB; a larger file is an engine's mistake, not something to load.
+pub const MANIFEST_LIMIT: u64 = 64 << 20;
+
+/// Reads a dump's manifest, checking its format and version.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let p = dir.join("manifest.json");
+    let size = std::fs::metadata(&p).map_err(|e| OracleError::io(&p, e))?.len();
+    if size > MANIFEST_LIMIT {
+        return Err(OracleError::Safetensors { file: p.display().to_string(), reason: format!("{size} bytes, more than a manifest holds (at most {} MiB)", MANIFEST_LIMIT >> 20) });
+    }
     let text = std::fs::read_to_string(&p).map_err(|e| OracleError::io(&p, e))?;
     let m: Manifest = serde_json::from_str(&text).map_err(|e| OracleError::Safetensors { file: p.display().to_string(), reason: format!("invalid manifest: {e}") })?;
     if m.format != FORMAT_NAME || m.version != FORMAT_VERSION {

@@ -188,6 +188,16 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("manifest.json") && text(&o).contains("token_ids"), "{}", text(&o));
 
+    // A manifest past 64 MiB is refused before it is read (JSON padded with spaces here).
+    let d = fresh("huge-manifest");
+    let m = d.join("manifest.json");
+    let mut body = std::fs::read_to_string(&m).unwrap();
+    body.push_str(&" ".repeat(65 << 20));
+    std::fs::write(&m, body).unwrap();
+    let o = run(&d, ids);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("more than a manifest holds (at most 64 MiB)"), "{}", text(&o));
+
     let d = fresh("twice");
     edit_manifest(&d, |j| {
         let first = j["taps"][0].clone();
