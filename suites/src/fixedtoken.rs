@@ -115,7 +115,8 @@ pub fn position_stats(oracle: &[f64], device: &[f32], n_vocab: usize, budget: &B
             });
             let rms = (o.iter().map(|v| v * v).sum::<f64>() / n_vocab as f64).sqrt();
             let delta = budget.bound(rms);
-            let margin = o[to[0]] - o[to[1]];
+            // A one-token vocabulary has no runner-up: nothing can flip.
+            let margin = to.get(1).map_or(f64::INFINITY, |&second| o[to[0]] - o[second]);
             PositionStats {
                 pos,
                 kld: if kld.is_nan() { f64::INFINITY } else { kld.max(0.0) },

@@ -212,3 +212,68 @@ fn edge_values_in_every_config_field_never_panic_a_device_loader() {
     }
     tally.finish();
 }
+
+/// A Llama checkpoint of one layer and `n_vocab` tokens, F32, uniform pseudo-random values from
+/// a fixed seed. (Weights from a smooth formula such as sin(i·k) make rows whose products with
+/// the layer's input cancel, and layer-diff's budgets assume they do not: docs/ACCURACY.md,
+/// "Layer-diff budgets".)
+fn write_small_vocab(dir: &Path, n_vocab: usize) {
+    let (h, f) = (64usize, 128usize);
+    let mut state = 0x5eed_u64;
+    let mut fill = |n: usize, scale: f32| -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (scale * ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5)).to_le_bytes()
+            })
+            .collect()
+    };
+    let ones: Vec<u8> = (0..h).flat_map(|_| 1f32.to_le_bytes()).collect();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![n_vocab, h], fill(n_vocab * h, 2.0)),
+        ("lm_head.weight".into(), vec![n_vocab, h], fill(n_vocab * h, 2.0)),
+        ("model.norm.weight".into(), vec![h], ones.clone()),
+    ];
+    for (name, shape) in [("self_attn.q_proj", [h, h]), ("self_attn.k_proj", [h, h]), ("self_attn.v_proj", [h, h]), ("self_attn.o_proj", [h, h]), ("mlp.gate_proj", [f, h]), ("mlp.up_proj", [f, h]), ("mlp.down_proj", [h, f])] {
+        tensors.push((format!("model.layers.0.{name}.weight"), shape.to_vec(), fill(shape[0] * shape[1], 0.5)));
+    }
+    for norm in ["input_layernorm", "post_attention_layernorm"] {
+        tensors.push((format!("model.layers.0.{norm}.weight"), vec![h], ones.clone()));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let cfg = serde_json::json!({
+        "model_type": "llama", "hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": f, "num_hidden_layers": 1, "vocab_size": n_vocab, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": false, "max_position_embeddings": 256, "hidden_act": "silu"
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+}
+
+/// A model of one token, or of fewer tokens than the default ids reach (250), and no tokenizer:
+/// every suite runs on it. Fixed-token panicked on one token (it indexed the runner-up of a
+/// vocabulary that has none), bench asked for token 1 of a one-token vocabulary, and the
+/// oracle self-check, layer-diff and fixed-token (default ids up to 250) refused to run.
+#[test]
+fn models_of_few_tokens_run_every_suite() {
+    for n_vocab in [1, 5] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("model");
+        std::fs::create_dir(&dir).unwrap();
+        write_small_vocab(&dir, n_vocab);
+        let report = tmp.path().join("report");
+        let o = xtask(
+            &["gate", "--model", dir.to_str().unwrap(), "--device", "cpu", "--suite", "oracle", "--suite", "layers", "--suite", "tokens", "--suite", "bench", "--report-dir", report.to_str().unwrap()],
+            &[],
+        );
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{n_vocab} tokens: {e}");
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(report.join("report.json")).unwrap()).unwrap();
+        let ids: Vec<&str> = r["cases"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
+        for suite in ["cache_consistency(", "layer_diff(", "fixed_token(", "bench("] {
+            assert!(ids.iter().any(|id| id.starts_with(suite)), "{n_vocab} tokens: no {suite} case in {ids:?}");
+        }
+        assert_eq!(r["summary"]["failed"], 0, "{n_vocab} tokens");
+        assert_eq!(r["summary"]["errors"], 0, "{n_vocab} tokens");
+    }
+}

@@ -1,7 +1,7 @@
 //! `cargo xtask fixed-token`: teacher-forced logit statistics, greedy-vs-golden and cache
 //! consistency on a device (suites::fixedtoken), or `--write-golden` to regenerate a golden file.
 
-use super::layerdiff::prompt_ids;
+use super::layerdiff::default_prompt;
 use super::{check_device, load_engine, resolve_model, Engine};
 use crate::Exit;
 use oracle::generate::AnyModel;
@@ -110,7 +110,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let golden_file = if given.is_some() { a.golden.clone().filter(|_| a.write_golden) } else { a.golden.clone().or_else(|| ::fixtures::golden_path(&a.model)) };
     let prompt = match given {
         Some(ids) => ids,
-        None => prompt_ids(None, tok.as_ref())?,
+        None => default_prompt(tok.as_ref(), oracle.spec().n_vocab)?,
     };
     super::check_ids(&prompt, oracle.spec().n_vocab)?;
     if golden_file.as_ref().is_none_or(|f| !f.exists()) || a.write_golden {

@@ -55,8 +55,9 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     let mut cases = Vec::new();
     let models: Vec<String> = if a.model.is_empty() { ::fixtures::SYNTHETIC.iter().map(|s| s.to_string()).collect() } else { a.model.clone() };
     if suites.iter().any(|s| s == "oracle") {
-        // A short fixed sequence: crosses the prefill/decode boundary and the YaRN/rope code paths.
-        let tokens: Vec<u32> = vec![17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
+        // A short fixed sequence (the default ids of layer-diff): crosses the prefill/decode
+        // boundary and the YaRN/rope code paths.
+        let tokens = super::layerdiff::DEFAULT_IDS;
         for m in &models {
             let path = resolve_model(m)?;
             eprintln!("gate: oracle self-check on {m} ...");

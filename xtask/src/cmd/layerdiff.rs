@@ -1,7 +1,7 @@
 //! `cargo xtask layer-diff`: every tap of a device's forward pass against the oracle's, with the
 //! first divergence, a per-layer table and error-by-layer plots (suites::layerdiff).
 
-use super::{check_device, check_ids, load_engine, parse_ids, Engine};
+use super::{check_device, check_ids, load_engine, Engine};
 use crate::Exit;
 use oracle::{Precision, RecordingTap};
 use std::path::PathBuf;
@@ -48,12 +48,12 @@ pub struct LayerDiffArgs {
     pub report_dir: Option<PathBuf>,
 }
 
-/// The prompt ids: given, or the default prompt encoded, or the default ids.
-pub fn prompt_ids(given: Option<&str>, tok: Option<&oracle::tokenizer::Tokenizer>) -> Result<Vec<u32>, Exit> {
-    match (given, tok) {
-        (Some(s), _) => parse_ids("--prompt-ids", s),
-        (None, Some(t)) => Ok(t.encode(DEFAULT_PROMPT)?),
-        (None, None) => Ok(DEFAULT_IDS.to_vec()),
+/// The prompt when none is given: the default prompt encoded, or, without a tokenizer, the
+/// default ids (taken modulo the vocabulary, so a model of fewer than 251 tokens gets ids it has).
+pub fn default_prompt(tok: Option<&oracle::tokenizer::Tokenizer>, n_vocab: usize) -> Result<Vec<u32>, Exit> {
+    match tok {
+        Some(t) => Ok(t.encode(DEFAULT_PROMPT)?),
+        None => Ok(DEFAULT_IDS.iter().map(|&id| id % n_vocab.max(1) as u32).collect()),
     }
 }
 
@@ -96,7 +96,7 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, Precision::F32)?;
     let ids = match super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)? {
         Some(ids) => ids,
-        None => prompt_ids(None, tok.as_ref())?,
+        None => default_prompt(tok.as_ref(), engine.spec().n_vocab)?,
     };
     check_ids(&ids, engine.spec().n_vocab)?;
     // The device's taps, the oracle's own, its isolated and its emulated re-runs (or the

@@ -313,13 +313,14 @@ fn check_positions_fit(what: &str, held: &str, floats: u64, n_positions: usize) 
 }
 
 /// The synthetic prompt of `bench` and `ab`: `prompt_len` ids spread over the vocabulary (never
-/// id 0), refused when prompt and generation together exceed the 2^20 positions a run may take.
+/// id 0 unless it is the only one), refused when prompt and generation together exceed the 2^20 positions a run may take.
 pub fn bench_prompt(prompt_len: usize, gen_len: usize, n_vocab: usize) -> Result<Vec<u32>, Exit> {
     if prompt_len.saturating_add(gen_len) > 1 << 20 {
         return Err(Exit { code: 2, message: format!("--prompt-len {prompt_len} + --gen-len {gen_len} exceed 2^20 positions") });
     }
     let spread = (n_vocab as u64).saturating_sub(1).max(1);
-    Ok((0..prompt_len as u64).map(|i| (1 + i * 7919 % spread) as u32).collect())
+    // `% n_vocab`: a one-token vocabulary has only id 0.
+    Ok((0..prompt_len as u64).map(|i| ((1 + i * 7919 % spread) % n_vocab as u64) as u32).collect())
 }
 
 /// Parses `K/N` (1 <= K <= N).
