@@ -213,29 +213,30 @@ fn edge_values_in_every_config_field_never_panic_a_device_loader() {
     tally.finish();
 }
 
-/// A Llama checkpoint of one layer and `n_vocab` tokens, F32, uniform pseudo-random values from
-/// a fixed seed. (Weights from a smooth formula such as sin(i·k) make rows whose products with
-/// the layer's input cancel, and layer-diff's budgets assume they do not: docs/ACCURACY.md,
-/// "Layer-diff budgets".)
-fn write_small_vocab(dir: &Path, n_vocab: usize) {
+/// A Llama checkpoint of one layer and `n_vocab` tokens, F32: uniform pseudo-random values from
+/// a fixed seed, or (`smooth`) values of sin(i·k) along each tensor, whose rows make products
+/// with the layer's input that cancel.
+fn write_small_vocab(dir: &Path, n_vocab: usize, smooth: bool) {
     let (h, f) = (64usize, 128usize);
     let mut state = 0x5eed_u64;
-    let mut fill = |n: usize, scale: f32| -> Vec<u8> {
+    // `n` values of `scale` times a uniform value in [-0.5, 0.5), or times sin(i·k).
+    let mut fill = |n: usize, k: f32, scale: f32| -> Vec<u8> {
         (0..n)
-            .flat_map(|_| {
+            .flat_map(|i| {
                 state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (scale * ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5)).to_le_bytes()
+                let unit = if smooth { (i as f32 * k).sin() } else { (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5 };
+                (scale * unit).to_le_bytes()
             })
             .collect()
     };
     let ones: Vec<u8> = (0..h).flat_map(|_| 1f32.to_le_bytes()).collect();
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
-        ("model.embed_tokens.weight".into(), vec![n_vocab, h], fill(n_vocab * h, 2.0)),
-        ("lm_head.weight".into(), vec![n_vocab, h], fill(n_vocab * h, 2.0)),
+        ("model.embed_tokens.weight".into(), vec![n_vocab, h], fill(n_vocab * h, 0.37, 1.0)),
+        ("lm_head.weight".into(), vec![n_vocab, h], fill(n_vocab * h, 0.53, 1.0)),
         ("model.norm.weight".into(), vec![h], ones.clone()),
     ];
-    for (name, shape) in [("self_attn.q_proj", [h, h]), ("self_attn.k_proj", [h, h]), ("self_attn.v_proj", [h, h]), ("self_attn.o_proj", [h, h]), ("mlp.gate_proj", [f, h]), ("mlp.up_proj", [f, h]), ("mlp.down_proj", [h, f])] {
-        tensors.push((format!("model.layers.0.{name}.weight"), shape.to_vec(), fill(shape[0] * shape[1], 0.5)));
+    for (i, (name, shape)) in [("self_attn.q_proj", [h, h]), ("self_attn.k_proj", [h, h]), ("self_attn.v_proj", [h, h]), ("self_attn.o_proj", [h, h]), ("mlp.gate_proj", [f, h]), ("mlp.up_proj", [f, h]), ("mlp.down_proj", [h, f])].into_iter().enumerate() {
+        tensors.push((format!("model.layers.0.{name}.weight"), shape.to_vec(), fill(shape[0] * shape[1], 0.11 + 0.07 * i as f32, 0.1)));
     }
     for norm in ["input_layernorm", "post_attention_layernorm"] {
         tensors.push((format!("model.layers.0.{norm}.weight"), vec![h], ones.clone()));
@@ -260,7 +261,7 @@ fn models_of_few_tokens_run_every_suite() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("model");
         std::fs::create_dir(&dir).unwrap();
-        write_small_vocab(&dir, n_vocab);
+        write_small_vocab(&dir, n_vocab, false);
         let report = tmp.path().join("report");
         let o = xtask(
             &["gate", "--model", dir.to_str().unwrap(), "--device", "cpu", "--suite", "oracle", "--suite", "layers", "--suite", "tokens", "--suite", "bench", "--report-dir", report.to_str().unwrap()],
@@ -275,5 +276,25 @@ fn models_of_few_tokens_run_every_suite() {
         }
         assert_eq!(r["summary"]["failed"], 0, "{n_vocab} tokens");
         assert_eq!(r["summary"]["errors"], 0, "{n_vocab} tokens");
+    }
+}
+
+/// Weight rows whose products with their input cancel (a smooth checkpoint: the terms of
+/// `attn_out`'s dot products are 20 times its outputs, on random weights about as large): the
+/// rounding errors of an honest f32 engine are relative to the terms, and layer-diff's budgets
+/// read the terms' size off the outputs. `cpu` failed `attn_out` (1.1x its budget) until the
+/// budgets took the terms' scale; the report gives it.
+#[test]
+fn products_whose_terms_cancel_are_budgeted_by_their_terms() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_small_vocab(tmp.path(), 5, true);
+    let report = tmp.path().join("report");
+    for device in ["cpu", "fixed"] {
+        let o = xtask(&["layer-diff", "--device", device, "--model", tmp.path().to_str().unwrap(), "--report-dir", report.to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", stderr(&o));
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(report.join("report.json")).unwrap()).unwrap();
+        let attn_out = r["cases"].as_array().unwrap().iter().find(|c| c["metrics"]["tap"] == "blk.0.attn_out").unwrap();
+        let (terms, out) = (attn_out["metrics"]["term_rms"].as_f64().unwrap(), attn_out["metrics"]["output_rms"].as_f64().unwrap());
+        assert!(terms > 10.0 * out, "{device}: attn_out's terms {terms} against its outputs {out}");
     }
 }
