@@ -217,6 +217,26 @@ impl oracle::Tap for RoutingTap {
     }
 }
 
+/// The oracle's teacher-forced run: the routing taps, and a sample of the output head's inputs,
+/// for the scale of the logits' terms ([`crate::layerdiff::term_scales`]).
+#[derive(Default)]
+pub struct OracleTap {
+    pub routing: RoutingTap,
+    pub head: crate::layerdiff::ProductRows,
+}
+
+impl oracle::Tap for OracleTap {
+    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        self.routing.record(name, start_pos, n_tokens, width, data);
+    }
+    fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
+        if crate::layerdiff::product_tap(weight).as_deref() == Some("result_output") {
+            self.head.add(weight, width, data);
+        }
+        None
+    }
+}
+
 /// The oracle's tap for its re-run on a MoE model: records the routing taps and follows the
 /// device's routing at near ties (`routing`).
 pub struct FollowRouting<'a> {

@@ -516,7 +516,9 @@ pub struct ProductRows {
 }
 
 impl ProductRows {
-    fn add(&mut self, weight: &str, width: usize, data: &[f32]) {
+    /// Keeps evenly spaced rows of `data` (`[n, width]`, the input of the product with `weight`)
+    /// until the product has [`TERM_SAMPLE_ROWS`].
+    pub fn add(&mut self, weight: &str, width: usize, data: &[f32]) {
         let n = data.len() / width.max(1);
         let (w, kept) = self.rows.entry(weight.to_string()).or_insert_with(|| (width, Vec::new()));
         if *w != width || n == 0 {
@@ -533,7 +535,7 @@ impl ProductRows {
 /// The tap a matrix product's output is recorded as, for the products whose every output is
 /// one dot product with one matrix (not a MoE's experts, whose outputs are mixed, or its router,
 /// whose scores pass through a softmax before the tap).
-fn product_tap(weight: &str) -> Option<String> {
+pub fn product_tap(weight: &str) -> Option<String> {
     let stem = weight.strip_suffix(".weight")?;
     if stem == "output" || stem == "token_embd" {
         return Some("result_output".into());
@@ -549,7 +551,7 @@ fn product_tap(weight: &str) -> Option<String> {
 }
 
 /// The scale of a matrix product's terms beside that of its outputs, over a sample of input
-/// rows `a` and every output `j`: `term_rms` = RMS of `sqrt(sum_i (a_i w_ji)^2)`, `out_rms` =
+/// rows `a` and every output `j`: `term_rms` = RMS of `sqrt(sum_i (a_i w_ji)^2)`, `output_rms` =
 /// RMS of `sum_i a_i w_ji + b_j`. The roundings in a dot product (its inputs', its weights',
 /// its accumulation's) are each relative to a term, so their sum grows like `term_rms`; the
 /// budgets' statistical rule reads it off the output's RMS, which is the same where the terms'
@@ -559,7 +561,7 @@ fn product_tap(weight: &str) -> Option<String> {
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct TermScale {
     pub term_rms: f64,
-    pub out_rms: f64,
+    pub output_rms: f64,
 }
 
 /// [`TermScale`] of every product in `products` that a tap records, from the matrices (and
@@ -599,23 +601,30 @@ pub fn term_scales(products: &ProductRows, weights: &dyn oracle::loader::TensorS
             .collect();
         let n = (per_row.len() * (rows.len() / width)) as f64;
         let (t, o) = per_row.iter().fold((0.0, 0.0), |(t, o), (a, b)| (t + a, o + b));
-        out.insert(tap, TermScale { term_rms: (t / n).sqrt(), out_rms: (o / n).sqrt() });
+        out.insert(tap, TermScale { term_rms: (t / n).sqrt(), output_rms: (o / n).sqrt() });
     }
     Ok(out)
 }
 
-/// Grants each product tap whose terms cancel (`term_rms > out_rms`) its op's relative budget
+/// Grants each product tap whose terms cancel (`term_rms > output_rms`) its op's relative budget
 /// over the difference, as an absolute RMS allowance on both comparisons: the budget an op of
 /// uncancelled terms of that size gets. Products whose terms do not cancel keep their budgets.
 pub fn widen_for_cancellation(taps: &mut [TapDiff], scales: &std::collections::BTreeMap<String, TermScale>, arith: &Arithmetic, dims: &Dims) {
     for t in taps.iter_mut() {
-        let (Some(scale), Some(local)) = (scales.get(&t.name), local_budget(&t.kind, arith, dims)) else { continue };
+        let (Some(scale), Some(grant)) = (scales.get(&t.name), scales.get(&t.name).and_then(|s| cancellation_grant(&t.kind, s, arith, dims))) else { continue };
         t.terms = Some(*scale);
-        t.terms_grant = local.rel * (scale.term_rms - scale.out_rms).max(0.0);
+        t.terms_grant = grant;
         for b in [&mut t.budget_isolated, &mut t.budget_propagated].into_iter().flatten() {
             b.abs += t.terms_grant;
         }
     }
+}
+
+/// The absolute RMS allowance for the cancelling terms of the product behind tap `kind`: its
+/// op's relative budget over the excess of the terms' RMS over the outputs' (0 where they do not
+/// cancel); None for a kind without a budget rule.
+pub fn cancellation_grant(kind: &str, scale: &TermScale, arith: &Arithmetic, dims: &Dims) -> Option<f64> {
+    Some(local_budget(kind, arith, dims)?.rel * (scale.term_rms - scale.output_rms).max(0.0))
 }
 
 /// A tap of the device's run that cannot be compared: wrong width or number of positions.
@@ -850,7 +859,7 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             }
             if let Some(ts) = t.terms {
                 m.insert("term_rms".into(), json!(ts.term_rms));
-                m.insert("output_rms".into(), json!(ts.out_rms));
+                m.insert("output_rms".into(), json!(ts.output_rms));
                 m.insert("terms_grant".into(), json!(t.terms_grant));
             }
             if let Some(n) = t.id_mismatches {
@@ -1253,8 +1262,8 @@ mod tests {
         let s = term_scales(&rows, &src).unwrap();
         assert_eq!(s.keys().collect::<Vec<_>>(), ["blk.0.attn_out", "blk.0.attn_q"]);
         let terms = ((2.0 + 2.0 + 4.0 + 4.0) / 4.0f64).sqrt();
-        assert_eq!(s["blk.0.attn_out"], TermScale { term_rms: terms, out_rms: ((0.0 + 4.0 + 4.0 + 4.0) / 4.0f64).sqrt() });
-        assert_eq!(s["blk.0.attn_q"], TermScale { term_rms: terms, out_rms: ((1.0 + 4.0 + 9.0 + 4.0) / 4.0f64).sqrt() });
+        assert_eq!(s["blk.0.attn_out"], TermScale { term_rms: terms, output_rms: ((0.0 + 4.0 + 4.0 + 4.0) / 4.0f64).sqrt() });
+        assert_eq!(s["blk.0.attn_q"], TermScale { term_rms: terms, output_rms: ((1.0 + 4.0 + 9.0 + 4.0) / 4.0f64).sqrt() });
         // Past TERM_SAMPLE_ROWS rows, rows are sampled evenly, never more.
         let mut many = ProductRows::default();
         many.add("output.weight", 1, &(0..100).map(|i| i as f32).collect::<Vec<_>>());

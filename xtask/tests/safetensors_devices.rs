@@ -296,5 +296,12 @@ fn products_whose_terms_cancel_are_budgeted_by_their_terms() {
         let attn_out = r["cases"].as_array().unwrap().iter().find(|c| c["metrics"]["tap"] == "blk.0.attn_out").unwrap();
         let (terms, out) = (attn_out["metrics"]["term_rms"].as_f64().unwrap(), attn_out["metrics"]["output_rms"].as_f64().unwrap());
         assert!(terms > 10.0 * out, "{device}: attn_out's terms {terms} against its outputs {out}");
+        // Fixed-token's logit budget measures the output head's terms the same way.
+        let o = xtask(&["fixed-token", "--device", device, "--model", tmp.path().to_str().unwrap(), "--report-dir", report.to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", stderr(&o));
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(report.join("report.json")).unwrap()).unwrap();
+        let head = &r["logit_budget"]["head_terms"];
+        assert!(head["term_rms"].as_f64().unwrap() > 0.0 && head["output_rms"].as_f64().unwrap() > 0.0, "{device}: {head}");
+        assert!(r["logit_budget"]["abs"].as_f64().unwrap() >= r["logit_budget"]["terms_grant"].as_f64().unwrap(), "{device}");
     }
 }

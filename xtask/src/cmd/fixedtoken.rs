@@ -12,7 +12,7 @@ use reports::{Provenance, Report};
 use serde_json::json;
 use std::path::PathBuf;
 use suites::fixedtoken::{self, DeviceRuns, Golden, RoutingTap};
-use suites::layerdiff::{propagated_budget, Dims, RoutingFollower};
+use suites::layerdiff::{self, propagated_budget, Dims, RoutingFollower};
 
 #[derive(clap::Args)]
 pub struct FixedTokenArgs {
@@ -159,8 +159,9 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     // emulated re-runs: every position's logits, in f32 (f64 while computed).
     super::check_recordings_fit("fixed-token", oracle.spec(), false, seq.len(), 10)?;
     eprintln!("fixed-token: {} on {} over {} positions ({} golden tokens) ...", a.device, a.model, seq.len(), golden.continuation_ids.len());
-    let mut oracle_routing = RoutingTap::default();
-    let oracle_logits = oracle.prefill_logits(&seq, &mut oracle_routing)?;
+    let mut oracle_tap = fixedtoken::OracleTap::default();
+    let oracle_logits = oracle.prefill_logits(&seq, &mut oracle_tap)?;
+    let oracle_routing = oracle_tap.routing;
     let dims = Dims::of(oracle.spec(), seq.len());
     drop(oracle);
 
@@ -171,7 +172,12 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let arith = engine.arithmetic();
     arith.check().map_err(|e| Exit { code: 2, message: format!("{}: declared arithmetic: {e}", a.device) })?;
     drop(engine);
-    let budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit { code: 2, message: "no logit budget rule".into() })?;
+    let mut budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit { code: 2, message: "no logit budget rule".into() })?;
+    // Where the output head's terms cancel, the logits' rounding errors are larger than their
+    // size suggests: the budget grants the difference (as layer-diff's does).
+    let head_terms = oracle::loader::open_weights(&path).and_then(|(weights, _)| layerdiff::term_scales(&oracle_tap.head, weights.as_ref()))?.remove("result_output");
+    let terms_grant = head_terms.as_ref().and_then(|s| layerdiff::cancellation_grant("result_output", s, &arith, &dims)).unwrap_or(0.0);
+    budget.abs += terms_grant;
     // A MoE device that routed some token otherwise: the oracle again (loaded anew, so the two
     // models were never held at once), routing as the device did where the choices differ only
     // at a near tie.
@@ -214,7 +220,10 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     };
     let mut report = Report::new("fixed-token", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert("golden".into(), json!({ "source": origin, "model": golden.model, "sha256": golden.sha256, "prompt_ids": golden.prompt_ids, "continuation_ids": golden.continuation_ids }));
-    report.sections.insert("logit_budget".into(), json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output", "arithmetic": arith }));
+    report.sections.insert(
+        "logit_budget".into(),
+        json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output (abs: with terms_grant for the head's cancelling terms)", "arithmetic": arith, "head_terms": head_terms, "terms_grant": terms_grant }),
+    );
     if let Some(per_pos) = stats.get("per_position").cloned() {
         report.add_chart("kld_by_position", kld_chart(&per_pos, &a.device, &a.model));
     }
