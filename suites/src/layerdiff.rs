@@ -557,7 +557,7 @@ pub fn product_tap(weight: &str) -> Option<String> {
 /// budgets' statistical rule reads it off the output's RMS, which is the same where the terms'
 /// signs are random (0.98 on random weights) and smaller where they cancel: a checkpoint whose
 /// weight rows are smooth (sin(i k)) gave 18.7 for `attn_out`, where an honest f32 engine then
-/// measured 1.1x its budget. [`widen_for_cancellation`] grants the difference.
+/// measured 1.1x its budget. [`diff_with_terms`] grants the difference.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct TermScale {
     pub term_rms: f64,
@@ -606,20 +606,6 @@ pub fn term_scales(products: &ProductRows, weights: &dyn oracle::loader::TensorS
     Ok(out)
 }
 
-/// Grants each product tap whose terms cancel (`term_rms > output_rms`) its op's relative budget
-/// over the difference, as an absolute RMS allowance on both comparisons: the budget an op of
-/// uncancelled terms of that size gets. Products whose terms do not cancel keep their budgets.
-pub fn widen_for_cancellation(taps: &mut [TapDiff], scales: &std::collections::BTreeMap<String, TermScale>, arith: &Arithmetic, dims: &Dims) {
-    for t in taps.iter_mut() {
-        let (Some(scale), Some(grant)) = (scales.get(&t.name), scales.get(&t.name).and_then(|s| cancellation_grant(&t.kind, s, arith, dims))) else { continue };
-        t.terms = Some(*scale);
-        t.terms_grant = grant;
-        for b in [&mut t.budget_isolated, &mut t.budget_propagated].into_iter().flatten() {
-            b.abs += t.terms_grant;
-        }
-    }
-}
-
 /// The absolute RMS allowance for the cancelling terms of the product behind tap `kind`: its
 /// op's relative budget over the excess of the terms' RMS over the outputs' (0 where they do not
 /// cancel); None for a kind without a budget rule.
@@ -634,6 +620,15 @@ pub struct ShapeError(pub String);
 /// Compares every tap the oracle produced with the device's (`device`), against the oracle's own
 /// run (`reference`) and, when given, the oracle re-run on the device's values (`isolated`).
 pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &RecordingTap, arith: &Arithmetic, dims: &Dims) -> Result<Vec<TapDiff>, ShapeError> {
+    diff_with_terms(reference, isolated, device, arith, dims, &std::collections::BTreeMap::new())
+}
+
+/// [`diff`], with the products' term scales ([`term_scales`]): a product tap whose terms cancel
+/// gets its op's relative budget over the excess of the terms' RMS over the outputs'
+/// ([`cancellation_grant`]) as an absolute allowance on its isolated budget, and as a grant on
+/// its propagated budget that the ops after it carry on as they carry magnified error
+/// (`carry_through_ops`): the error an honest engine makes there flows downstream.
+pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &RecordingTap, arith: &Arithmetic, dims: &Dims, scales: &std::collections::BTreeMap<String, TermScale>) -> Result<Vec<TapDiff>, ShapeError> {
     let mut out = Vec::new();
     // The isolated re-run substitutes the device's values only at the taps the device gave. Where
     // it gave fewer (an engine that dumps layer outputs alone), a tap's isolated error holds the
@@ -702,10 +697,24 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
         if let Some((_, idata)) = isolated.and_then(|i| i.tensors.get(name)) {
             t.isolated = Some(err_stats(ddata, idata, *width));
         }
+        if let Some(scale) = scales.get(name) {
+            t.terms = Some(*scale);
+            t.terms_grant = cancellation_grant(kind, scale, arith, dims).unwrap_or(0.0);
+            if let Some(b) = &mut t.budget_isolated {
+                b.abs += t.terms_grant;
+            }
+        }
         out.push(t);
     }
-    if let Some(isolated) = isolated {
-        carry_through_ops(&mut out, reference, isolated, dims);
+    match isolated {
+        Some(isolated) => carry_through_ops(&mut out, reference, isolated, dims),
+        None => {
+            for t in &mut out {
+                if let Some(b) = &mut t.budget_propagated {
+                    b.abs += t.terms_grant;
+                }
+            }
+        }
     }
     Ok(out)
 }
@@ -767,7 +776,14 @@ fn carry_through_ops(taps: &mut [TapDiff], reference: &RecordingTap, isolated: &
     let has = |n: &str| reference.tensors.contains_key(n);
     for ti in 0..taps.len() {
         let t = &taps[ti];
-        let (Some(depth), Some(_), None) = (t.budget_propagated, t.propagated, t.id_mismatches) else { continue };
+        let (Some(depth), Some(stats), None) = (t.budget_propagated, t.propagated, t.id_mismatches) else { continue };
+        // A product's own grant for its cancelling terms, relative to the tap: granted here, and
+        // carried on like magnified error.
+        let own = if t.terms_grant > 0.0 && stats.rms_ref > 0.0 { t.terms_grant / stats.rms_ref } else { 0.0 };
+        let grant_own_only = |t: &mut TapDiff| {
+            t.magnified = own;
+            t.budget_propagated = Some(Budget { rel: depth.rel + own, abs: depth.abs });
+        };
         let inputs = tap_inputs(t.layer, &t.kind, dims.n_layer, &has);
         // (largest relative error, largest grant) over the inputs, all compared.
         let worst = inputs.iter().try_fold((0.0f64, 0.0f64), |(e, g), n| {
@@ -777,15 +793,19 @@ fn carry_through_ops(taps: &mut [TapDiff], reference: &RecordingTap, isolated: &
             let carried = if matches!(input.kind.as_str(), "inp_embd" | "ffn_inp" | "l_out") { 0.0 } else { input.magnified };
             (s.rms_ref > 0.0).then(|| (e.max(s.rel()), g.max(carried)))
         });
-        let (Some((input, upstream)), Some((width, r)), Some((_, iso))) = (worst.filter(|_| !inputs.is_empty()), reference.tensors.get(&t.name), isolated.tensors.get(&t.name)) else { continue };
+        let (Some((input, upstream)), Some((width, r)), Some((_, iso))) = (worst.filter(|_| !inputs.is_empty()), reference.tensors.get(&t.name), isolated.tensors.get(&t.name)) else {
+            grant_own_only(&mut taps[ti]);
+            continue;
+        };
         if input <= 0.0 {
+            grant_own_only(&mut taps[ti]);
             continue;
         }
         let inherited = (err_stats(iso, r, *width).rel() - ORACLE_ROUNDING).max(0.0);
         let amplification = inherited / input;
         let t = &mut taps[ti];
         t.amplification = Some(amplification);
-        t.magnified = amplification * upstream + (inherited - input).max(0.0);
+        t.magnified = amplification * upstream + (inherited - input).max(0.0) + own;
         t.budget_propagated = Some(Budget { rel: depth.rel + t.magnified, abs: depth.abs });
     }
 }
@@ -899,11 +919,14 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                         };
                         let rel = if mode == Mode::Propagated && t.magnified > 0.0 {
                             // Say what part of the budget magnification upstream and here granted.
-                            format!("({:.3e} + {:.3e} magnified)", b.rel - t.magnified, t.magnified)
+                            format!("({:.3e} + {:.3e} magnified{})", b.rel - t.magnified, t.magnified, if t.terms_grant > 0.0 { " or cancelling terms" } else { "" })
                         } else {
                             format!("{:.3e}", b.rel)
                         };
-                        let abs = if t.terms_grant > 0.0 {
+                        // The grant for cancelling terms sits in the absolute part, except in a
+                        // propagated budget that carried it on as a relative grant.
+                        let abs_holds_grant = (mode == Mode::Isolated || t.magnified == 0.0) && b.abs >= t.terms_grant;
+                        let abs = if t.terms_grant > 0.0 && abs_holds_grant {
                             // Say what part of the allowance the products' cancelling terms granted.
                             format!("({:.3e} + {:.3e} cancelling terms)", b.abs - t.terms_grant, t.terms_grant)
                         } else {
@@ -1102,11 +1125,11 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
     oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
     let mut sub = rerun(true, "isolated");
     oracle_model.prefill_logits(ids, &mut sub).map_err(|e| e.to_string())?;
-    let mut taps = diff(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims).map_err(|e| e.0)?;
-    if let Some(products) = &sub.products {
-        let scales = oracle::loader::open_weights(path).and_then(|(weights, _)| term_scales(products, weights.as_ref())).map_err(|e| format!("the scale of the products' terms: {e}"))?;
-        widen_for_cancellation(&mut taps, &scales, arith, &dims);
-    }
+    let scales = match &sub.products {
+        Some(products) => oracle::loader::open_weights(path).and_then(|(weights, _)| term_scales(products, weights.as_ref())).map_err(|e| format!("the scale of the products' terms: {e}"))?,
+        None => Default::default(),
+    };
+    let mut taps = diff_with_terms(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims, &scales).map_err(|e| e.0)?;
     // Once more with the declared arithmetic emulated, where it can be: each tap's propagated
     // error an honest engine of that arithmetic has, beside the device's.
     let mut departure_case = None;

@@ -48,6 +48,10 @@ struct Shape {
     /// (experts, experts used per token, expert FFN width, shared expert width or 0, shared
     /// expert gate, sigmoid gating, normalized top-k weights); None: a dense FFN.
     moe: Option<(usize, usize, usize, usize, bool, bool, bool)>,
+    /// Dense matrices of smooth rows (`sin(i·k + phase)` along the tensor) instead of random
+    /// values: products whose terms cancel (layer-diff budgets them by their terms; a MoE's
+    /// expert products, which have no tap of their own, stay random).
+    smooth: bool,
     seed: u64,
 }
 
@@ -104,8 +108,12 @@ fn write_model(s: &Shape) -> Vec<u8> {
         }
         _ => {}
     }
+    let smooth = s.smooth && s.moe.is_none();
     let mat = |w: &mut GgufWriter, r: &mut SplitMix64, name: &str, rows: usize, cols: usize| {
-        let x: Vec<f32> = (0..rows * cols).map(|_| (r.next_normal() / (cols as f64).sqrt()) as f32).collect();
+        // Only a smooth model draws its rows' frequency and phase (a random model's weights stay
+        // the stream of normals they were, so the shapes kept below still reproduce).
+        let (k, phase) = if smooth { (0.01 + 1.5 * r.next_f64(), 6.0 * r.next_f64()) } else { (0.0, 0.0) };
+        let x: Vec<f32> = (0..rows * cols).map(|i| (if smooth { (i as f64 * k + phase).sin() * 2f64.sqrt() } else { r.next_normal() } / (cols as f64).sqrt()) as f32).collect();
         let ty = weight_type(cols, r.next_u64());
         w.tensor(name, &[cols as u64, rows as u64], ty, encode(ty, &x).unwrap());
     };
@@ -219,6 +227,8 @@ fn shape() -> impl Strategy<Value = Shape> {
                     let used = ((n_expert as f64 * used_frac) as usize).clamp(1, n_expert);
                     (n_expert, used, 16 * ff16.div_ceil(2), [0, 32, 16 * ff16][shared], shared_gate, sigmoid, normalize)
                 }),
+                // Random weights: the emulation's fidelity (checked in `judge`) holds on them.
+                smooth: false,
                 seed,
             }
         })
@@ -253,7 +263,7 @@ fn forward_in_chunks(m: &mut dyn DeviceModel, device: &str, ids: &[u32], chunks:
 /// Layer-diff of `device` on the model in `path` over `ids`, both modes: Ok(false) when the
 /// device says it cannot run this model, else every tap within budget or an error naming the
 /// first that is not.
-fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u32], chunks: &[usize]) -> Result<bool, String> {
+fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u32], chunks: &[usize], smooth: bool) -> Result<bool, String> {
     let dev = devices::open(device).map_err(|e| e.to_string())?;
     let mut m: Box<dyn DeviceModel> = match dev.load_model(path, &ModelOptions::default()) {
         Ok(m) => m,
@@ -273,7 +283,15 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
         // quantized matrix barely touches them leaves f32 noise to compare). So are the integer
         // devices since their attention is emulated on its grid too (fixed-int4 0.9998-1.0000x
         // over 40 models, fixed 0.999-1.07x where its Q16 error reaches the floor: seed 4242).
-        if mode == Mode::Propagated && (device.starts_with("cpu") || device.starts_with("fixed")) {
+        // Not on smooth weights, whose products cancel: there the order and the kind of each
+        // rounding weigh in, and the emulation does not reproduce them all. `fixed`'s norms'
+        // integer inverse square root (not emulated) errs by a scale per row, which a product
+        // passes on as it is, while the emulation's grid roundings are per element and grow
+        // where the head's terms cancel (a Phi-3 model with head terms 5.3x its logits: fixed's
+        // logit error 0.25x the emulation's; `cpu:kv-f16` 0.20x on another): the emulation
+        // overstates the error there, which loosens `emulated_departure`, not fails an engine.
+        let emulation_tracks = !smooth;
+        if mode == Mode::Propagated && emulation_tracks && (device.starts_with("cpu") || device.starts_with("fixed")) {
             let t = out.taps.iter().find(|t| t.name == "result_output").ok_or("no result_output tap")?;
             if let (Some(p), Some(e)) = (&t.propagated, t.emulated.filter(|e| *e >= 1e-4)) {
                 let r = p.rel() / e;
@@ -528,7 +546,7 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
         // A dump is one prefill: an external engine cannot be stepped.
         let one_prefill = [ids.len()];
         let chunks = if device.starts_with("external:") { &one_prefill[..] } else { &chunks[..] };
-        match judge(&oracle_model, &path, device, &ids, chunks) {
+        match judge(&oracle_model, &path, device, &ids, chunks, s.smooth && s.moe.is_none()) {
             Ok(ran) => *judged.lock().unwrap().entry(if device.starts_with("external:") { "external".to_string() } else { device.to_string() }).or_default() += ran as usize,
             Err(e) => {
                 // Kept for a closer look (`cargo xtask layer-diff --device D --model FILE --prompt-ids ...`).
@@ -577,14 +595,14 @@ fn random_models_pass_layer_diff_on_every_device() {
 #[test]
 fn shapes_that_found_bugs() {
     let judged = Judged::default();
-    let base = Shape { arch: "llama", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 16, n_rot: 2, n_ff: 96, n_layer: 1, vocab: 300, scaling: 0, out_bias: true, tied: false, window: 0, moe: None, seed: 0 };
+    let base = Shape { arch: "llama", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 16, n_rot: 2, n_ff: 96, n_layer: 1, vocab: 300, scaling: 0, out_bias: true, tied: false, window: 0, moe: None, smooth: false, seed: 0 };
     check(&base, 3, &judged).unwrap();
     let mixed = Shape { n_embd: 64, n_head: 2, head_dim: 32, n_ff: 224, seed: 707767943552255558, ..base };
     check(&mixed, 1, &judged).unwrap();
     // SwiGLU over 16 channels whose output is 4x smaller than its inputs' product magnified the
     // gate's and up's relative error 5.7x (fixed-int4, phi3) and 7.4x (cpu, qwen3): the
     // propagated `ffn_act` tap broke the depth model's budget with every op within its own.
-    let phi3 = Shape { arch: "phi3", n_embd: 32, n_head: 8, n_head_kv: 4, head_dim: 224, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 101, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, seed: 4188272124517499334 };
+    let phi3 = Shape { arch: "phi3", n_embd: 32, n_head: 8, n_head_kv: 4, head_dim: 224, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 101, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, seed: 4188272124517499334 };
     check(&phi3, 1, &judged).unwrap();
     let qwen3 = Shape { arch: "qwen3", n_embd: 256, n_head: 2, n_head_kv: 2, head_dim: 104, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 432, tied: false, seed: 1642801155426654446, ..phi3 };
     check(&qwen3, 1, &judged).unwrap();
@@ -592,7 +610,13 @@ fn shapes_that_found_bugs() {
     // as 2-D matrices and refused ("has dims [16, 16], expected [16, 16, 1]").
     let one_expert = Shape { arch: "llama", n_embd: 16, n_head: 1, n_head_kv: 1, head_dim: 8, n_rot: 8, n_ff: 16, n_layer: 1, vocab: 20, moe: Some((1, 1, 16, 0, false, false, true)), seed: 0, ..base };
     check(&one_expert, 3, &judged).unwrap();
-    assert_eq!(judged.into_inner().unwrap().get("fixed"), Some(&4));
+    // Smooth weight rows: `attn_k`'s terms 12x its outputs, so the honest `cpu` engine's Q8_0
+    // error there (5.4%) is granted at `attn_k` (layer-diff's cancellation grant) and must be
+    // carried to `attn_k_rope`, which passes it on unchanged: it failed there (depth budget 4.45%)
+    // until the grant was carried like magnified error.
+    let smooth = Shape { arch: "phi3", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 8, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 24, tied: false, smooth: true, seed: 8791283330682666076, ..phi3 };
+    check(&smooth, 1, &judged).unwrap();
+    assert_eq!(judged.into_inner().unwrap().get("fixed"), Some(&5));
 }
 
 /// `cpu:kv-f16` rounds its cached keys and values to f16 and says so (`kv_cache: f16` in its
@@ -601,7 +625,7 @@ fn shapes_that_found_bugs() {
 /// declared cache format admits it.
 #[test]
 fn an_f16_kv_cache_passes_on_its_declaration_and_fails_without_it() {
-    let s = Shape { arch: "llama", n_embd: 128, n_head: 2, n_head_kv: 1, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 200, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, seed: 5 };
+    let s = Shape { arch: "llama", n_embd: 128, n_head: 2, n_head_kv: 1, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 200, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, seed: 5 };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("llama.gguf");
     std::fs::write(&path, write_model(&s)).unwrap();
@@ -642,6 +666,7 @@ fn a_wrong_expert_choice_is_not_excused_as_a_near_tie() {
         tied: true,
         window: 0,
         moe: Some((8, 2, 32, 0, false, false, true)),
+        smooth: false,
         seed: 11,
     };
     let dir = tempfile::tempdir().unwrap();
@@ -696,6 +721,7 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
             tied: false,
             window: 0,
             moe: Some((8, 2, 32, if i % 2 == 0 { 64 } else { 0 }, i % 4 == 0, i % 5 == 0, true)),
+            smooth: false,
             seed: seeds[i],
         };
         let dir = tempfile::tempdir().unwrap();
@@ -739,7 +765,7 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
 #[test]
 fn moe_checkpoints_load_to_the_gguf_logits() {
     let judged = Judged::default();
-    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, seed: 11 };
+    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, smooth: false, seed: 11 };
     // Even seeds: experts one tensor each; odd (Qwen only): fused as Transformers 5 saves them.
     let shapes = [
         Shape { moe: Some((4, 2, 48, 0, false, false, true)), ..base.clone() },
@@ -762,7 +788,7 @@ fn moe_checkpoints_load_to_the_gguf_logits() {
 #[test]
 fn llama3_frequency_factors_pass_on_every_device() {
     let judged = Judged::default();
-    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 3, out_bias: false, tied: false, window: 0, moe: None, seed: 31 };
+    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 3, out_bias: false, tied: false, window: 0, moe: None, smooth: false, seed: 31 };
     for s in [base.clone(), Shape { n_rot: 8, seed: 32, ..base.clone() }, Shape { arch: "qwen2", head_dim: 32, n_head: 2, n_head_kv: 1, n_rot: 32, seed: 33, ..base.clone() }] {
         check(&s, 70, &judged).unwrap();
     }
@@ -777,7 +803,7 @@ fn llama3_frequency_factors_pass_on_every_device() {
 #[test]
 fn phi3_fused_quantized_tensors_pass_on_every_device() {
     let judged = Judged::default();
-    let base = Shape { arch: "phi3", n_embd: 256, n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, seed: 0 };
+    let base = Shape { arch: "phi3", n_embd: 256, n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, smooth: false, seed: 0 };
     let mut fused_types = Vec::new();
     for (seed, window) in [(41, 0), (42, 7), (43, 0), (44, 0)] {
         let s = Shape { seed, window, ..base.clone() };
