@@ -572,33 +572,45 @@ pub fn term_scales(products: &ProductRows, weights: &dyn oracle::loader::TensorS
     let mut out = std::collections::BTreeMap::new();
     for (weight, (width, rows)) in &products.rows {
         let (Some(tap), false) = (product_tap(weight), rows.is_empty()) else { continue };
-        let Some(w) = weights.load(weight)? else { continue };
-        if w.dims.first() != Some(width) {
+        // The matrix as stored, decoded a block of rows at a time (a model's output head
+        // decoded whole would take gigabytes beside a model held packed).
+        let Some(w) = weights.raw(weight)? else { continue };
+        let row_bytes = (*width / w.ty.block_size().max(1)) * w.ty.type_size();
+        if w.dims.first() != Some(width) || !width.is_multiple_of(w.ty.block_size()) || row_bytes == 0 || !w.bytes.len().is_multiple_of(row_bytes) {
             continue;
         }
+        let n_out = w.bytes.len() / row_bytes;
         let bias = weights.load(&weight.replace(".weight", ".bias"))?.map(|b| b.data);
-        let n_out = w.data.len() / width;
         if bias.as_ref().is_some_and(|b| b.len() != n_out) {
             continue;
         }
+        const ROWS_PER_BLOCK: usize = 64;
         // Per output row j: (sum over sampled inputs of sum_i (a_i w_ji)^2, of (a.w_j + b_j)^2).
-        let per_row: Vec<(f64, f64)> = w
-            .data
-            .par_chunks_exact(*width)
+        let per_block: Vec<oracle::Result<Vec<(f64, f64)>>> = w
+            .bytes
+            .par_chunks(row_bytes * ROWS_PER_BLOCK)
             .enumerate()
-            .map(|(j, wj)| {
-                let b = bias.as_ref().map_or(0.0, |b| b[j] as f64);
-                rows.chunks_exact(*width).fold((0.0, 0.0), |(t, o), a| {
-                    let (mut sq, mut dot) = (0.0f64, 0.0f64);
-                    for (x, y) in a.iter().zip(wj) {
-                        let term = *x as f64 * *y as f64;
-                        sq += term * term;
-                        dot += term;
-                    }
-                    (t + sq, o + (dot + b) * (dot + b))
-                })
+            .map(|(block, bytes)| {
+                let values = oracle::quant::decode(w.ty, bytes, bytes.len() / row_bytes * width)?;
+                Ok(values
+                    .chunks_exact(*width)
+                    .enumerate()
+                    .map(|(i, wj)| {
+                        let b = bias.as_ref().map_or(0.0, |b| b[block * ROWS_PER_BLOCK + i] as f64);
+                        rows.chunks_exact(*width).fold((0.0, 0.0), |(t, o), a| {
+                            let (mut sq, mut dot) = (0.0f64, 0.0f64);
+                            for (x, y) in a.iter().zip(wj) {
+                                let term = *x as f64 * *y as f64;
+                                sq += term * term;
+                                dot += term;
+                            }
+                            (t + sq, o + (dot + b) * (dot + b))
+                        })
+                    })
+                    .collect())
             })
             .collect();
+        let per_row: Vec<(f64, f64)> = per_block.into_iter().collect::<oracle::Result<Vec<_>>>()?.into_iter().flatten().collect();
         let n = (per_row.len() * (rows.len() / width)) as f64;
         let (t, o) = per_row.iter().fold((0.0, 0.0), |(t, o), (a, b)| (t + a, o + b));
         out.insert(tap, TermScale { term_rms: (t / n).sqrt(), output_rms: (o / n).sqrt() });
@@ -1249,7 +1261,7 @@ mod tests {
     struct Matrices(Vec<(&'static str, Vec<usize>, Vec<f32>)>);
     impl oracle::loader::TensorSource for Matrices {
         fn load(&self, name: &str) -> oracle::Result<Option<oracle::loader::LoadedTensor>> {
-            Ok(self.0.iter().find(|(n, _, _)| *n == name).map(|(_, dims, data)| oracle::loader::LoadedTensor { dims: dims.clone(), data: data.clone() }))
+            self.raw(name)?.map(|r| r.decode()).transpose()
         }
         fn label(&self) -> String {
             "test matrices".into()
@@ -1260,8 +1272,12 @@ mod tests {
         fn n_bytes(&self) -> oracle::Result<u64> {
             Ok(0)
         }
-        fn raw(&self, _: &str) -> oracle::Result<Option<oracle::loader::RawTensor<'_>>> {
-            Ok(None)
+        fn raw(&self, name: &str) -> oracle::Result<Option<oracle::loader::RawTensor<'_>>> {
+            Ok(self.0.iter().find(|(n, _, _)| *n == name).map(|(_, dims, data)| oracle::loader::RawTensor {
+                dims: dims.clone(),
+                ty: oracle::quant::GgmlType::F32,
+                bytes: data.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into(),
+            }))
         }
     }
 
@@ -1287,6 +1303,12 @@ mod tests {
         let terms = ((2.0 + 2.0 + 4.0 + 4.0) / 4.0f64).sqrt();
         assert_eq!(s["blk.0.attn_out"], TermScale { term_rms: terms, output_rms: ((0.0 + 4.0 + 4.0 + 4.0) / 4.0f64).sqrt() });
         assert_eq!(s["blk.0.attn_q"], TermScale { term_rms: terms, output_rms: ((1.0 + 4.0 + 9.0 + 4.0) / 4.0f64).sqrt() });
+        // A matrix of more rows than one decoded block (64): each row meets its own bias.
+        let mut tall = ProductRows::default();
+        tall.add("blk.1.attn_v.weight", 2, &[1.0, 1.0]);
+        let src = Matrices(vec![("blk.1.attn_v.weight", vec![2, 130], vec![1.0; 260]), ("blk.1.attn_v.bias", vec![130], (0..130).map(|j| j as f32).collect())]);
+        let want = ((0..130).map(|j| (2.0 + j as f64).powi(2)).sum::<f64>() / 130.0).sqrt();
+        assert_eq!(term_scales(&tall, &src).unwrap()["blk.1.attn_v"], TermScale { term_rms: 2f64.sqrt(), output_rms: want });
         // Past TERM_SAMPLE_ROWS rows, rows are sampled evenly, never more.
         let mut many = ProductRows::default();
         many.add("output.weight", 1, &(0..100).map(|i| i as f32).collect::<Vec<_>>());
