@@ -163,7 +163,11 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "0.5"], "--emulation-factor 0.5 must be a finite number of at least 1");
     refused(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "inf"], "--emulation-factor inf must be a finite number of at least 1");
-    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "inf"], "--temperature must be finite and >= 0 (it is inf)");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "inf"], "--temperature inf must be a finite number >= 0");
+    // A negative value reaches the check (clap took `-1` for an unknown flag), and each value is
+    // named on its own.
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "-1"], "--temperature -1 must be a finite number >= 0");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "1", "--top-p", "-0.5"], "--top-p -0.5 must be in (0, 1]");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,,2", "--max-new-tokens", "2"], "--prompt-ids `1,,2`: nothing between commas at item 2");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", ",1", "--max-new-tokens", "2"], "nothing between commas at item 1");
     refused(&["tokenize", "--model", "tiny-llama", "--ids", "1,,2"], "--ids `1,,2`: nothing between commas at item 2");

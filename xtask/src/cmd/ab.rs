@@ -42,7 +42,7 @@ pub struct AbArgs {
     #[arg(long, default_value_t = 80)]
     max_pairs: usize,
     /// The change (percent) that matters: "no change" means the 95% CI lies inside ±threshold.
-    #[arg(long, default_value_t = 1.5)]
+    #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
     threshold: f64,
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 16)]

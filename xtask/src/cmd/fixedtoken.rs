@@ -49,13 +49,13 @@ pub struct FixedTokenArgs {
     pub baseline: Option<PathBuf>,
     /// How much the mean KLD may grow over the baseline's (KLD grows as the square of the logit
     /// error: 1.5 allows about 22% more error).
-    #[arg(long, default_value_t = 1.5)]
+    #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
     pub baseline_factor: f64,
     /// How many times the mean KLD of the oracle run with the device's declared arithmetic
     /// emulated the device may reach (gate `kld_vs_emulation`). Honest engines, llama.cpp among
     /// them, measure 0.9-1.3x (docs/ACCURACY.md); where the emulation is all but exact (INT4
     /// weights) 1.5 catches an engine that rounds them worse than it declares.
-    #[arg(long, default_value_t = fixedtoken::EMULATION_FACTOR)]
+    #[arg(long, default_value_t = fixedtoken::EMULATION_FACTOR, allow_negative_numbers = true)]
     pub emulation_factor: f64,
     /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]

@@ -41,7 +41,7 @@ pub struct LayerDiffArgs {
     /// is at least 1e-4 relative. Honest engines, llama.cpp among them, measure 1.00-1.23x on the
     /// fixtures and SmolLM2 (docs/ACCURACY.md); 1.5 suits engines whose arithmetic the emulation
     /// models (cpu, fixed, fixed-int4).
-    #[arg(long, default_value_t = suites::emulate::EMULATION_FACTOR)]
+    #[arg(long, default_value_t = suites::emulate::EMULATION_FACTOR, allow_negative_numbers = true)]
     pub emulation_factor: f64,
     /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]

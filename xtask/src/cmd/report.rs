@@ -36,11 +36,11 @@ enum Action {
         /// The run to judge: a report directory of the same suite(s).
         new: PathBuf,
         /// Growth of a case's measured error that counts as a change.
-        #[arg(long, default_value_t = 2.0)]
+        #[arg(long, default_value_t = 2.0, allow_negative_numbers = true)]
         factor: f64,
         /// Fraction of its bound a grown error must exceed to count as a regression (growth among
         /// errors far below their bounds is listed, not failed).
-        #[arg(long, default_value_t = 0.01)]
+        #[arg(long, default_value_t = 0.01, allow_negative_numbers = true)]
         floor: f64,
         /// How many changes of each kind to print.
         #[arg(long, default_value_t = 20)]

@@ -23,7 +23,7 @@ pub struct RooflineArgs {
     #[arg(long, default_value = "f16")]
     gate_type: String,
     /// Gated GEMV bandwidth / copy bandwidth must reach this.
-    #[arg(long, default_value_t = 0.85)]
+    #[arg(long, default_value_t = 0.85, allow_negative_numbers = true)]
     min_ratio: f64,
     /// Where report.json and report.md go (default target/touchstone/roofline-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]

@@ -29,13 +29,13 @@ pub struct RunArgs {
     #[arg(long, default_value = "f32")]
     precision: Precision,
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f64,
     /// Keep the k most likely tokens when sampling (0 = all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Nucleus sampling threshold.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f64,
     /// Seed of the sampler's RNG.
     #[arg(long, default_value_t = 0)]
@@ -55,8 +55,11 @@ pub struct RunArgs {
 
 pub fn main(a: RunArgs) -> Result<u8, Exit> {
     check_device(&a.device)?;
-    if !(a.temperature >= 0.0 && a.temperature.is_finite() && a.top_p > 0.0 && a.top_p <= 1.0) {
-        return Err(Exit { code: 2, message: format!("--temperature must be finite and >= 0 (it is {}), --top-p in (0, 1] (it is {})", a.temperature, a.top_p) });
+    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
+        return Err(Exit { code: 2, message: format!("--temperature {} must be a finite number >= 0 (0: greedy)", a.temperature) });
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        return Err(Exit { code: 2, message: format!("--top-p {} must be in (0, 1] (1: no nucleus cut)", a.top_p) });
     }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
     let chat_prompt = match (&a.prompt, &tok) {
