@@ -44,6 +44,7 @@ pub struct BenchArgs {
 pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     check_device(&a.device)?;
+    check_sizes(a.prompt_len, a.gen_len, a.reps)?;
     super::print_timing_notes();
     let m = measure(&a.device, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps)?;
     let (r, device_peak, kernels) = (&m.r, m.device_peak, &m.kernels);
@@ -110,11 +111,17 @@ pub struct Measured {
 }
 
 /// Loads `model` on `device` (checked by the caller) and times `reps` greedy generations of
+/// A bench needs a prompt, two generated tokens (a decode step to time) and one repetition.
+fn check_sizes(prompt_len: usize, gen_len: usize, reps: usize) -> Result<(), Exit> {
+    if prompt_len == 0 || gen_len < 2 || reps == 0 {
+        return Err(Exit { code: 2, message: format!("--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required (given {prompt_len}, {gen_len}, {reps})") });
+    }
+    Ok(())
+}
+
 /// `gen_len` tokens after a `prompt_len`-token prompt, with a progress bar.
 pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
-    if prompt_len == 0 || gen_len < 2 || reps == 0 {
-        return Err(Exit { code: 2, message: "--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required".into() });
-    }
+    check_sizes(prompt_len, gen_len, reps)?;
     let (_, mut engine, _) = load_engine(model, device, precision)?;
     let prompt = super::bench_prompt(prompt_len, gen_len, engine.spec().n_vocab)?;
     super::check_kv_fits("bench", engine.spec(), prompt_len.saturating_add(gen_len))?;
