@@ -187,9 +187,10 @@ pub fn read_tensors_where(dir: &Path, file: &str, keep: &dyn Fn(&str) -> bool) -
 
 /// Reads tensor `name` from `dir/file`: (shape, values).
 pub fn read_tensor(dir: &Path, file: &str, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    // The predicate keeps this one name: the first tensor read, if any, is it.
     read_tensors_where(dir, file, &|n| n == name)?
         .into_iter()
-        .find(|t| t.name == name)
+        .next()
         .map(|t| (t.shape, t.values))
         .ok_or_else(|| OracleError::Safetensors { file: dir.join(file).display().to_string(), reason: format!("no tensor `{name}`") })
 }

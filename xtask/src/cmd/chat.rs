@@ -82,4 +82,3 @@ mod tests {
         assert_eq!(encode("hello", &tok).unwrap(), tok.encode("hello").unwrap());
     }
 }
-
