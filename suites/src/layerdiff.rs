@@ -334,7 +334,9 @@ pub struct TapDiff {
     /// A matrix product's tap: the scale of its dot products' terms beside that of its outputs
     /// ([`TermScale`]), where measured; its budgets are widened where the terms cancel.
     pub terms: Option<TermScale>,
-    /// The absolute RMS allowance both budgets got for the terms' cancelling (0: none).
+    /// The allowance for the terms' cancelling (0: none): absolute RMS on the isolated budget;
+    /// on the propagated one, relative to the tap and carried downstream (`carry_through_ops`;
+    /// absolute where there is no isolated run to carry it).
     pub terms_grant: f64,
 }
 
@@ -556,7 +558,7 @@ pub fn product_tap(weight: &str) -> Option<String> {
 /// its accumulation's) are each relative to a term, so their sum grows like `term_rms`; the
 /// budgets' statistical rule reads it off the output's RMS, which is the same where the terms'
 /// signs are random (0.98 on random weights) and smaller where they cancel: a checkpoint whose
-/// weight rows are smooth (sin(i k)) gave 18.7 for `attn_out`, where an honest f32 engine then
+/// weight rows are smooth (sin(i k)) gave 19.9 for `attn_out`, where an honest f32 engine then
 /// measured 1.1x its budget. [`diff_with_terms`] grants the difference.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct TermScale {
