@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Writes Llama checkpoints (config.json + model.safetensors, F32) whose weight rows are smooth:
+each matrix holds scale * sin(i * k + phase) along its flattened values, k and phase drawn per
+tensor. Products with such rows cancel (their terms are many times their outputs), the case
+layer-diff budgets by the terms' size (docs/ACCURACY.md, "Products whose terms cancel"):
+
+    python3 tools/reference/smooth_checkpoints.py --out /tmp/smooth --count 40
+    for s in $(seq 0 39); do
+        cargo xtask gate --model /tmp/smooth/m$s --device cpu --device fixed --device gpu-emu \\
+            --suite layers --suite tokens --report-dir /tmp/smooth/r$s
+    done
+
+Model `m{seed}` is drawn from numpy's default_rng(seed): vocabulary 3-299, 1-3 layers, width 16-96,
+1-4 heads of 4-32, GQA where the heads allow. A development aid (numpy,
+tools/reference/requirements.txt), never a runtime dependency.
+"""
+import argparse
+import json
+import os
+import struct
+
+import numpy as np
+
+
+def write_safetensors(path, tensors):
+    """The safetensors format by hand: an 8-byte header length, a JSON header, the raw bytes."""
+    header, blobs, offset = {}, [], 0
+    for name, array in tensors.items():
+        data = np.ascontiguousarray(array, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+
+
+def checkpoint(directory, seed):
+    rng = np.random.default_rng(seed)
+    n_vocab = int(rng.integers(3, 300))
+    n_head = int(rng.choice([1, 2, 4]))
+    head_dim = int(rng.choice([4, 8, 16, 32]))
+    n_head_kv = int(rng.choice([n for n in (1, 2, 4) if n_head % n == 0]))
+    hidden = int(rng.choice([16, 32, 64, 96]))
+    n_ff = int(rng.choice([8, 32, 100]))
+    n_layer = int(rng.integers(1, 4))
+
+    def smooth(shape, scale):
+        k, phase = rng.uniform(0.01, 1.5), rng.uniform(0, 6)
+        n = int(np.prod(shape))
+        return (scale * np.sin(np.arange(n) * k + phase)).reshape(shape).astype(np.float32)
+
+    ones = np.ones(hidden, np.float32)
+    tensors = {"model.embed_tokens.weight": smooth((n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth((n_vocab, hidden), 1.0)}
+    for layer in range(n_layer):
+        prefix = f"model.layers.{layer}."
+        for name, shape in [
+            ("self_attn.q_proj", (n_head * head_dim, hidden)),
+            ("self_attn.k_proj", (n_head_kv * head_dim, hidden)),
+            ("self_attn.v_proj", (n_head_kv * head_dim, hidden)),
+            ("self_attn.o_proj", (hidden, n_head * head_dim)),
+            ("mlp.gate_proj", (n_ff, hidden)),
+            ("mlp.up_proj", (n_ff, hidden)),
+            ("mlp.down_proj", (hidden, n_ff)),
+        ]:
+            tensors[prefix + name + ".weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+        tensors[prefix + "input_layernorm.weight"] = ones
+        tensors[prefix + "post_attention_layernorm.weight"] = ones
+    os.makedirs(directory, exist_ok=True)
+    write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
+    config = {
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+        "head_dim": head_dim,
+    }
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory that receives m0, m1, ...")
+    parser.add_argument("--count", type=int, default=40, help="how many checkpoints (seeds 0..count-1)")
+    args = parser.parse_args()
+    for seed in range(args.count):
+        checkpoint(os.path.join(args.out, f"m{seed}"), seed)
+    print(f"wrote {args.count} checkpoints under {args.out}")
+
+
+if __name__ == "__main__":
+    main()
