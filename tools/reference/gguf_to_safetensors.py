@@ -16,10 +16,11 @@ A development aid (gguf-py + numpy, tools/reference/requirements.txt), never a r
 import argparse
 import json
 import os
-import struct
 
 import gguf
 import numpy as np
+
+import safetensors_file
 
 
 def field(r, key, default=None):
@@ -110,16 +111,7 @@ def main():
             w = unpermute(w, n_head_kv)
         tensors.append((hf, shape, to_bytes(w, a.dtype)))
     os.makedirs(a.out_dir, exist_ok=True)
-    header, offset = {}, 0
-    for hf, shape, b in tensors:
-        header[hf] = {"dtype": a.dtype.upper(), "shape": shape, "data_offsets": [offset, offset + len(b)]}
-        offset += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(os.path.join(a.out_dir, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h)
-        for _, _, b in tensors:
-            f.write(b)
+    safetensors_file.write(os.path.join(a.out_dir, "model.safetensors"), [(hf, a.dtype.upper(), shape, b) for hf, shape, b in tensors])
     model_type = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if mixtral else arch)
     cfg = {
         "model_type": model_type, "hidden_size": field(r, f"{arch}.embedding_length"), "num_attention_heads": n_head,
@@ -155,7 +147,7 @@ def main():
         cfg["original_max_position_embeddings"] = cfg["max_position_embeddings"]
     with open(os.path.join(a.out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    print(f"{a.out_dir}: {len(tensors)} tensors as {a.dtype}, {offset / 2**20:.1f} MiB")
+    print(f"{a.out_dir}: {len(tensors)} tensors as {a.dtype}, {sum(len(b) for _, _, b in tensors) / 2**20:.1f} MiB")
 
 
 def tail_of(name):

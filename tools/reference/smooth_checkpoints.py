@@ -17,26 +17,10 @@ tools/reference/requirements.txt), never a runtime dependency.
 import argparse
 import json
 import os
-import struct
 
 import numpy as np
 
-
-def write_safetensors(path, tensors):
-    """The safetensors format by hand: an 8-byte header length, a JSON header, the raw bytes."""
-    header, blobs, offset = {}, [], 0
-    for name, array in tensors.items():
-        data = np.ascontiguousarray(array, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)
+import safetensors_file
 
 
 def checkpoint(directory, seed):
@@ -71,7 +55,7 @@ def checkpoint(directory, seed):
         tensors[prefix + "input_layernorm.weight"] = ones
         tensors[prefix + "post_attention_layernorm.weight"] = ones
     os.makedirs(directory, exist_ok=True)
-    write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
+    safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
     config = {
         "model_type": "llama", "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
         "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-5,
