@@ -110,7 +110,6 @@ pub struct Measured {
     oracle_weights: Option<&'static str>,
 }
 
-/// Loads `model` on `device` (checked by the caller) and times `reps` greedy generations of
 /// A bench needs a prompt, two generated tokens (a decode step to time) and one repetition.
 fn check_sizes(prompt_len: usize, gen_len: usize, reps: usize) -> Result<(), Exit> {
     if prompt_len == 0 || gen_len < 2 || reps == 0 {
@@ -119,6 +118,7 @@ fn check_sizes(prompt_len: usize, gen_len: usize, reps: usize) -> Result<(), Exi
     Ok(())
 }
 
+/// Loads `model` on `device` (checked by the caller) and times `reps` greedy generations of
 /// `gen_len` tokens after a `prompt_len`-token prompt, with a progress bar.
 pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
     check_sizes(prompt_len, gen_len, reps)?;

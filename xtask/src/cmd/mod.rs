@@ -313,7 +313,8 @@ fn check_positions_fit(what: &str, held: &str, floats: u64, n_positions: usize) 
 }
 
 /// The synthetic prompt of `bench` and `ab`: `prompt_len` ids spread over the vocabulary (never
-/// id 0 unless it is the only one), refused when prompt and generation together exceed the 2^20 positions a run may take.
+/// id 0 unless it is the only one), refused when prompt and generation together exceed the 2^20
+/// positions a run may take.
 pub fn bench_prompt(prompt_len: usize, gen_len: usize, n_vocab: usize) -> Result<Vec<u32>, Exit> {
     if prompt_len.saturating_add(gen_len) > 1 << 20 {
         return Err(Exit { code: 2, message: format!("--prompt-len {prompt_len} + --gen-len {gen_len} exceed 2^20 positions") });
