@@ -1112,6 +1112,38 @@ pub struct Outcome {
     pub follows: Vec<RoutingFollow>,
 }
 
+/// One device's taps judged against the oracle: the oracle's own run and its re-run on the
+/// device's values (each following the device's MoE routing at near ties), and every tap
+/// compared with both, its budgets granted what the oracle measured (magnification by the ops,
+/// [`carry_through_ops`]; cancelling terms, [`term_scales`] over the device's product inputs).
+struct Judged<'a> {
+    reference: Rerun<'a>,
+    isolated: Rerun<'a>,
+    taps: Vec<TapDiff>,
+}
+
+fn judge<'a>(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_taps: &'a RecordingTap, arith: &'a Arithmetic, dims: &'a Dims) -> Result<Judged<'a>, String> {
+    let rerun = |substitute_values: bool, run: &'static str| {
+        let routing = if substitute_values {
+            RoutingFollower::new(device_taps, Box::new(move |_| local_budget("ffn_moe_probs", arith, dims)), run)
+        } else {
+            RoutingFollower::propagated(device_taps, arith, dims, run)
+        };
+        // The isolated run also samples each product's inputs (the device's values).
+        Rerun { routing, substitute_values, recorded: RecordingTap::default(), products: substitute_values.then(ProductRows::default) }
+    };
+    let mut reference = rerun(false, "propagated");
+    oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
+    let mut isolated = rerun(true, "isolated");
+    oracle_model.prefill_logits(ids, &mut isolated).map_err(|e| e.to_string())?;
+    let scales = match &isolated.products {
+        Some(products) => oracle::loader::open_weights(path).and_then(|(weights, _)| term_scales(products, weights.as_ref())).map_err(|e| format!("the scale of the products' terms: {e}"))?,
+        None => Default::default(),
+    };
+    let taps = diff_with_terms(&reference.recorded, Some(&isolated.recorded), device_taps, arith, dims, &scales).map_err(|e| e.0)?;
+    Ok(Judged { reference, isolated, taps })
+}
+
 /// Runs the oracle on `ids` (its own forward pass, then again fed the device's taps), compares
 /// with `device_taps` and builds the report (cases gated by `mode`, first divergence, per-layer
 /// table, error-by-layer charts).
@@ -1126,24 +1158,7 @@ pub struct Outcome {
 pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_taps: &RecordingTap, arith: &Arithmetic, mode: Mode, emulation_factor: f64, model: &str, device: &str) -> Result<Outcome, String> {
     arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
     let dims = Dims::of(oracle_model.spec(), ids.len());
-    let rerun = |substitute_values: bool, run: &'static str| {
-        let routing = if substitute_values {
-            RoutingFollower::new(device_taps, Box::new(|_| local_budget("ffn_moe_probs", arith, &dims)), run)
-        } else {
-            RoutingFollower::propagated(device_taps, arith, &dims, run)
-        };
-        // The isolated run also samples each product's inputs (the device's values).
-        Rerun { routing, substitute_values, recorded: RecordingTap::default(), products: substitute_values.then(ProductRows::default) }
-    };
-    let mut reference = rerun(false, "propagated");
-    oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
-    let mut sub = rerun(true, "isolated");
-    oracle_model.prefill_logits(ids, &mut sub).map_err(|e| e.to_string())?;
-    let scales = match &sub.products {
-        Some(products) => oracle::loader::open_weights(path).and_then(|(weights, _)| term_scales(products, weights.as_ref())).map_err(|e| format!("the scale of the products' terms: {e}"))?,
-        None => Default::default(),
-    };
-    let mut taps = diff_with_terms(&reference.recorded, Some(&sub.recorded), device_taps, arith, &dims, &scales).map_err(|e| e.0)?;
+    let Judged { reference, isolated: sub, mut taps } = judge(oracle_model, path, ids, device_taps, arith, &dims)?;
     // Once more with the declared arithmetic emulated, where it can be: each tap's propagated
     // error an honest engine of that arithmetic has, beside the device's.
     let mut departure_case = None;
@@ -1196,30 +1211,36 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
     Ok(Outcome { taps, report, follows })
 }
 
-/// `--against`: device A compared with device B tap by tap (budget: the sum of both devices'
-/// propagated budgets, since each may be that far from the oracle); the oracle's distance to each
+/// `--against`: device A compared with device B tap by tap. Each may be its own propagated
+/// budget away from the oracle, so the budget is the sum of both, each as a comparison with the
+/// oracle grants it (magnification measured by the oracle's re-run on that device's values,
+/// cancelling terms over that device's product inputs: [`judge`]); the oracle's distance to each
 /// stays in the report as the reference column.
-pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap, &Arithmetic), b: (&str, &RecordingTap, &Arithmetic), model: &str) -> Result<Outcome, String> {
+pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], a: (&str, &RecordingTap, &Arithmetic), b: (&str, &RecordingTap, &Arithmetic), model: &str) -> Result<Outcome, String> {
     for (device, _, arith) in [&a, &b] {
         arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
     }
-    let mut reference = RecordingTap::default();
-    oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
     let dims = Dims::of(oracle_model.spec(), ids.len());
-    let vs_oracle_a = diff(&reference, None, a.1, a.2, &dims).map_err(|e| e.0)?;
-    let vs_oracle_b = diff(&reference, None, b.1, b.2, &dims).map_err(|e| e.0)?;
+    let vs_oracle_a = judge(oracle_model, path, ids, a.1, a.2, &dims).map_err(|e| format!("{}: {e}", a.0))?;
+    let vs_oracle_b = judge(oracle_model, path, ids, b.1, b.2, &dims).map_err(|e| format!("{}: {e}", b.0))?;
     let mut taps = diff(b.1, None, a.1, a.2, &dims).map_err(|e| e.0)?;
+    let find = |v: &'_ [TapDiff], name: &str| v.iter().find(|t| t.name == name).cloned();
     for t in &mut taps {
-        let (layer, kind) = split_tap(&t.name);
-        t.budget_propagated = match (propagated_budget(kind, layer, a.2, &dims), propagated_budget(kind, layer, b.2, &dims)) {
+        let (ta, tb) = (find(&vs_oracle_a.taps, &t.name), find(&vs_oracle_b.taps, &t.name));
+        t.budget_propagated = match (ta.as_ref().and_then(|t| t.budget_propagated), tb.as_ref().and_then(|t| t.budget_propagated)) {
             (Some(x), Some(y)) => Some(Budget { rel: x.rel + y.rel, abs: x.abs + y.abs }),
             _ => None,
         };
         t.budget_isolated = None;
+        // What of the budget the two comparisons with the oracle granted, for the rule's text.
+        t.magnified = ta.as_ref().map_or(0.0, |t| t.magnified) + tb.as_ref().map_or(0.0, |t| t.magnified);
+        t.terms_grant = ta.as_ref().map_or(0.0, |t| t.terms_grant) + tb.as_ref().map_or(0.0, |t| t.terms_grant);
+        t.terms = ta.and_then(|t| t.terms);
     }
     let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), None);
-    let mut names = unjudged(&reference, a.1);
-    names.extend(unjudged(&reference, b.1).into_iter().filter(|n| !a.1.tensors.contains_key(n)));
+    let reference = &vs_oracle_a.reference.recorded;
+    let mut names = unjudged(reference, a.1);
+    names.extend(unjudged(reference, b.1).into_iter().filter(|n| !a.1.tensors.contains_key(n)));
     report.sections.insert("unjudged_taps".into(), json!(names));
     report.sections.insert("arithmetic".into(), Value::Object(Map::from_iter([(a.0.to_string(), json!(a.2)), (b.0.to_string(), json!(b.2))])));
     // Two builds of one engine often agree bit for bit up to a change: the first tap where they
@@ -1229,9 +1250,13 @@ pub fn run_against(oracle_model: &AnyModel, ids: &[u32], a: (&str, &RecordingTap
     let lookup = |v: &[TapDiff], name: &str| v.iter().find(|t| t.name == name).and_then(|t| t.propagated).map(|s| s.rel());
     for c in &mut report.cases {
         let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();
-        c.metrics.insert(format!("oracle_vs_{}_rel_rms", a.0), json!(lookup(&vs_oracle_a, &name)));
-        c.metrics.insert(format!("oracle_vs_{}_rel_rms", b.0), json!(lookup(&vs_oracle_b, &name)));
+        c.metrics.insert(format!("oracle_vs_{}_rel_rms", a.0), json!(lookup(&vs_oracle_a.taps, &name)));
+        c.metrics.insert(format!("oracle_vs_{}_rel_rms", b.0), json!(lookup(&vs_oracle_b.taps, &name)));
     }
+    // Where each comparison with the oracle followed its device's MoE routing at a near tie, by
+    // device (the budgets above rest on those runs).
+    let followed = [(a.0, vs_oracle_a), (b.0, vs_oracle_b)].map(|(device, j)| (device.to_string(), json!(j.reference.routing.follows.into_iter().chain(j.isolated.routing.follows).collect::<Vec<_>>())));
+    report.sections.insert("routing_followed".into(), Value::Object(Map::from_iter(followed)));
     Ok(Outcome { taps, report, follows: Vec::new() })
 }
 

@@ -69,11 +69,14 @@ def checkpoint(directory, seed):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory that receives m0, m1, ...")
-    parser.add_argument("--count", type=int, default=40, help="how many checkpoints (seeds 0..count-1)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--count", type=int, default=40, help="how many checkpoints (seeds 0..count-1)")
+    which.add_argument("--seed", type=int, help="only the checkpoint of this seed (m{seed})")
     args = parser.parse_args()
-    for seed in range(args.count):
+    seeds = [args.seed] if args.seed is not None else range(args.count)
+    for seed in seeds:
         checkpoint(os.path.join(args.out, f"m{seed}"), seed)
-    print(f"wrote {args.count} checkpoints under {args.out}")
+    print(f"wrote {len(seeds)} checkpoint(s) under {args.out}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,12 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     for f in &outcome.follows {
         outln!("routing: {f}");
     }
+    // `--against`: each device's comparison with the oracle, by device.
+    for (device, follows) in outcome.report.sections.get("routing_followed").and_then(|v| v.as_object()).into_iter().flatten() {
+        if let Some(n) = follows.as_array().map(Vec::len).filter(|n| *n > 0) {
+            outln!("routing: the oracle followed {device}'s experts at {n} near tie(s) (report.json's routing_followed)");
+        }
+    }
     if let Some(names) = outcome.report.sections.get("unjudged_taps").and_then(|v| v.as_array()).filter(|v| !v.is_empty()) {
         let names: Vec<&str> = names.iter().filter_map(|v| v.as_str()).collect();
         eprintln!(
@@ -114,7 +120,7 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
             let (_, mut engine_b, _) = load_engine(&a.model, b, Precision::F32)?;
             let taps_b = device_taps(&mut engine_b, &ids)?;
             let arith_b = engine_b.arithmetic();
-            layerdiff::run_against(&oracle_model, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model).map_err(shape_err)?
+            layerdiff::run_against(&oracle_model, &path, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model).map_err(shape_err)?
         }
     })
 }
