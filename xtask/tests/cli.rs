@@ -163,6 +163,9 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "0.5"], "--emulation-factor 0.5 must be a finite number of at least 1");
     refused(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "inf"], "--emulation-factor inf must be a finite number of at least 1");
+    // Options that `--against` cannot honour are refused, not ignored.
+    refused(&["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--mode", "isolated"], "--mode isolated: --against compares the two devices' whole runs (propagated)");
+    refused(&["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--emulation-factor", "2"], "'--against <AGAINST>' cannot be used with '--emulation-factor");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "inf"], "--temperature inf must be a finite number >= 0");
     // A negative value reaches the check (clap took `-1` for an unknown flag), and each value is
     // named on its own.

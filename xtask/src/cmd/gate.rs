@@ -78,7 +78,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
             for m in &models {
                 eprintln!("gate: {suite} on {d} / {m} ...");
                 let got = if suite == "layers" {
-                    let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: "isolated".into(), prompt_ids: None, prompt: None, against: None, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None };
+                    let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None };
                     super::layerdiff::layer_diff(&args).map(|o| o.report.cases)
                 } else if suite == "bench" {
                     super::bench::measure(d, m, oracle::Precision::F32, super::bench::PROMPT_LEN, super::bench::GEN_LEN, super::bench::REPS).map(|r| vec![super::bench::case(d, m, &r)])

@@ -22,8 +22,9 @@ pub struct LayerDiffArgs {
     /// Which comparison gates: `isolated` (each op fed the device's own inputs: the op's own
     /// error) or `propagated` (the device's whole run against the oracle's: accumulated error).
     /// Both are always measured and reported; the first divergence is always the isolated one.
-    #[arg(long, default_value = "isolated")]
-    pub mode: String,
+    /// Default `isolated`; with `--against`, `propagated` (the only comparison of two devices).
+    #[arg(long)]
+    pub mode: Option<String>,
     /// Token ids to run, comma-separated (default: a fixed English prompt, or fixed ids when the
     /// model has no tokenizer).
     #[arg(long, conflicts_with = "prompt")]
@@ -41,7 +42,8 @@ pub struct LayerDiffArgs {
     /// is at least 1e-4 relative. Honest engines, llama.cpp among them, measure 1.00-1.23x on the
     /// fixtures and SmolLM2 (docs/ACCURACY.md); 1.5 suits engines whose arithmetic the emulation
     /// models (cpu, fixed, fixed-int4).
-    #[arg(long, default_value_t = suites::emulate::EMULATION_FACTOR, allow_negative_numbers = true)]
+    /// Not with `--against` (two devices are held to each other's budgets, not to an emulation).
+    #[arg(long, default_value_t = suites::emulate::EMULATION_FACTOR, allow_negative_numbers = true, conflicts_with = "against")]
     pub emulation_factor: f64,
     /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
@@ -93,7 +95,10 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
 
 /// Runs the comparison the arguments describe (no printing, no files).
 pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
-    let mode: Mode = a.mode.parse().map_err(|e| Exit { code: 2, message: format!("--mode: {e}") })?;
+    let mode: Mode = a.mode.as_deref().unwrap_or("isolated").parse().map_err(|e| Exit { code: 2, message: format!("--mode: {e}") })?;
+    if a.against.is_some() && a.mode.is_some() && mode != Mode::Propagated {
+        return Err(Exit { code: 2, message: "--mode isolated: --against compares the two devices' whole runs (propagated); each device's isolated comparison is `layer-diff --device D` against the oracle".into() });
+    }
     super::check_factor("--emulation-factor", a.emulation_factor)?;
     check_device(&a.device)?;
     if let Some(b) = &a.against {
