@@ -163,7 +163,13 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "0"], "--n-generate must be at least 1");
     refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "0.5"], "--emulation-factor 0.5 must be a finite number of at least 1");
     refused(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--emulation-factor", "inf"], "--emulation-factor inf must be a finite number of at least 1");
-    // Options that `--against` cannot honour are refused, not ignored.
+    // Options the run cannot honour are refused, not ignored.
+    refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--n-generate", "5"], "--n-generate 5: the golden file");
+    refused(&["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--baseline-factor", "3"], "the following required arguments were not provided:\n  --baseline <BASELINE>");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--top-k", "5", "--seed", "3"], "--top-k 5, --seed 3: sampling settings, but --temperature is 0");
+    refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--device", "cpu", "--precision", "f64"], "--precision f64: the oracle's storage precision (--device ref); `cpu` computes");
+    refused(&["bench", "--device", "fixed", "--model", "tiny-llama", "--precision", "f64"], "--precision f64: the oracle's storage precision");
+    refused(&["kernels", "--device", "cpu", "--list", "--perf"], "cannot be used with");
     refused(&["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--mode", "isolated"], "--mode isolated: --against compares the two devices' whole runs (propagated)");
     refused(&["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--emulation-factor", "2"], "'--against <AGAINST>' cannot be used with '--emulation-factor");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "inf"], "--temperature inf must be a finite number >= 0");

@@ -83,7 +83,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
                 } else if suite == "bench" {
                     super::bench::measure(d, m, oracle::Precision::F32, super::bench::PROMPT_LEN, super::bench::GEN_LEN, super::bench::REPS).map(|r| vec![super::bench::case(d, m, &r)])
                 } else {
-                    let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: 24, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None };
+                    let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None };
                     super::fixedtoken::fixed_token(&args).map(|r| r.map(|r| r.cases).unwrap_or_default())
                 };
                 cases.extend(got.unwrap_or_else(|e| vec![could_not_run(suite, d, m, e)]));

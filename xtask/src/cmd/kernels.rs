@@ -22,7 +22,7 @@ pub struct KernelsArgs {
     #[arg(long)]
     shard: Option<String>,
     /// List the selected cases (id, and why the device cannot run one it does not support) instead of running them.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["perf", "report_dir"])]
     list: bool,
     /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]

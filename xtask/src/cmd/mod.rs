@@ -231,6 +231,9 @@ pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(P
         let (m, tok) = load_oracle(&path, precision)?;
         return Ok((path, Engine::Oracle(m), tok));
     }
+    if precision != Precision::F32 {
+        return Err(Exit { code: 2, message: format!("--precision {}: the oracle's storage precision (--device ref); `{device}` computes in its own declared arithmetic", format!("{precision:?}").to_lowercase()) });
+    }
     let dev = devices::open(device).map_err(device_exit)?;
     // External dumps must name the model under test by its hash.
     let model_sha256 = if device.starts_with("external:") || device.starts_with("exec:") { Some(::fixtures::sha256_model(&path)?) } else { None };

@@ -61,6 +61,11 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         return Err(Exit { code: 2, message: format!("--top-p {} must be in (0, 1] (1: no nucleus cut)", a.top_p) });
     }
+    // Greedy decoding takes the most likely token: the sampler's settings would change nothing.
+    let sampling: Vec<String> = [(a.top_k != 0).then(|| format!("--top-k {}", a.top_k)), (a.top_p != 1.0).then(|| format!("--top-p {}", a.top_p)), (a.seed != 0).then(|| format!("--seed {}", a.seed))].into_iter().flatten().collect();
+    if a.temperature == 0.0 && !sampling.is_empty() {
+        return Err(Exit { code: 2, message: format!("{}: sampling settings, but --temperature is 0 (greedy: the most likely token each step); give --temperature above 0 to sample", sampling.join(", ")) });
+    }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
     let chat_prompt = match (&a.prompt, &tok) {
         (Some(text), Some(t)) if a.chat => {
