@@ -170,6 +170,7 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--device", "cpu", "--precision", "f64"], "--precision f64: the oracle's storage precision (--device ref); `cpu` computes");
     refused(&["bench", "--device", "fixed", "--model", "tiny-llama", "--precision", "f64"], "--precision f64: the oracle's storage precision");
     refused(&["kernels", "--device", "cpu", "--list", "--perf"], "cannot be used with");
+    refused(&["gate", "--shard", "1/2"], "--shard 1/2 splits the kernel cases alone");
     refused(&["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--mode", "isolated"], "--mode isolated: --against compares the two devices' whole runs (propagated)");
     refused(&["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--emulation-factor", "2"], "'--against <AGAINST>' cannot be used with '--emulation-factor");
     refused(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--temperature", "inf"], "--temperature inf must be a finite number >= 0");

@@ -30,7 +30,8 @@ pub struct GateArgs {
     /// repetitions' greedy outputs differ or stop short, and records the figures).
     #[arg(long)]
     suite: Vec<String>,
-    /// Run shard K of N of the kernel cases.
+    /// Run shard K of N of the kernel cases (with `--suite kernels` alone: the other suites are
+    /// not split, so each shard would run them whole and the shards' reports would not merge).
     #[arg(long)]
     shard: Option<String>,
     /// Where the reports go (default: target/touchstone/gate-YYYYMMDD-HHMMSS/, the start time in UTC).
@@ -45,6 +46,9 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
         if !SUITES.contains(&s.as_str()) {
             return Err(Exit { code: 2, message: format!("no suite `{s}` (suites: {})", SUITES.join(", ")) });
         }
+    }
+    if let Some(s) = a.shard.as_deref().filter(|_| suites.iter().any(|s| s != "kernels")) {
+        return Err(Exit { code: 2, message: format!("--shard {s} splits the kernel cases alone; the other suites would run whole in every shard (and the shards' reports not merge): give --suite kernels, and run the others unsharded") });
     }
     let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into(), "fixed".into()] } else { a.device.clone() };
     if suites.iter().any(|s| s == "kernels") {
