@@ -1247,6 +1247,10 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     // differ at all is worth knowing even when the difference is inside the budget.
     let first_difference = taps.iter().find(|t| t.propagated.is_some_and(|s| s.rms_err > 0.0 || s.nonfinite > 0) || t.id_mismatches.is_some_and(|n| n > 0));
     report.sections.insert("first_difference".into(), first_difference.map_or(serde_json::Value::Null, |t| json!({ "tap": t.name, "rms_err": t.propagated.map(|s| s.rms_err), "worst_position": t.propagated.map(|s| s.worst_pos) })));
+    // Each device's own first divergence from the oracle (isolated where it can be), for the
+    // reader: the pair's gate holds their difference to the sum of two propagated budgets, which
+    // a tap that one device computes wrong can stay inside.
+    report.sections.insert("first_divergence_vs_oracle".into(), json!({ a.0: first_divergence_json(&vs_oracle_a.taps), b.0: first_divergence_json(&vs_oracle_b.taps) }));
     let lookup = |v: &[TapDiff], name: &str| v.iter().find(|t| t.name == name).and_then(|t| t.propagated).map(|s| s.rel());
     for c in &mut report.cases {
         let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();

@@ -105,6 +105,11 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("vs2/report.json")).unwrap()).unwrap();
     assert_eq!(report["first_difference"]["tap"], "blk.17.l_out", "{}", report["first_difference"]);
     assert_eq!(report["first_difference"]["worst_position"], 4);
+    // Beside it, where each build leaves the oracle: the dump at that layer, the cpu nowhere.
+    let vs_oracle = &report["first_divergence_vs_oracle"];
+    assert_eq!(vs_oracle[device.as_str()]["tap"], "blk.17.l_out", "{vs_oracle}");
+    assert!(vs_oracle["cpu"].is_null(), "{vs_oracle}");
+    assert!(text(&o).contains(&format!("{device} against the oracle (not gated here): first divergence blk.17.l_out (isolated)")), "{}", text(&o));
 }
 
 /// An engine that dumps only its layer outputs (hidden states, as many engines can) and logits:

@@ -169,6 +169,14 @@ fn print_table(o: &layerdiff::Outcome) {
             outln!("emulated_departure gate: {why}");
         }
     }
+    // `--against`: where each device leaves the oracle (not gated here; `layer-diff --device D`
+    // gates it).
+    for (device, d) in o.report.sections.get("first_divergence_vs_oracle").and_then(|v| v.as_object()).into_iter().flatten() {
+        match d.get("tap").and_then(|t| t.as_str()) {
+            Some(tap) => outln!("{device} against the oracle (not gated here): first divergence {}", describe_divergence(tap, d)),
+            None => outln!("{device} against the oracle (not gated here): every tap within its budget"),
+        }
+    }
     match layerdiff::first_divergence(&o.taps) {
         Some(t) => outln!("first divergence: {}", describe_divergence(&t.name, o.report.sections.get("first_divergence").unwrap_or(&serde_json::Value::Null))),
         None => outln!("first divergence: none (every tap within its budget)"),
