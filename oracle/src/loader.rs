@@ -256,7 +256,8 @@ impl SafetensorsDir {
             let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| OracleError::io(&path, e))?;
             let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| OracleError::Safetensors {
                 file: path.display().to_string(),
-                reason: e.to_string(),
+                // The crate's size errors name no tensor: find the one.
+                reason: invalid_tensor_entry(&map).map_or_else(|| e.to_string(), |which| format!("{e}: {which}")),
             })?;
             for (name, view) in st.tensors() {
                 let name = name.as_str();
@@ -408,6 +409,29 @@ impl SafetensorsDir {
 /// Half `h` (0: the first `rows`, 1: the next) of every expert's `2 * rows` rows of a fused
 /// tensor, GGML dims `[cols, 2 * rows, n_expert]`: dims `[cols, rows, n_expert]` and its bytes.
 /// None when the tensor is not 3-D with an even row count.
+/// The first tensor entry (in the order of its data) of a safetensors header whose shape and
+/// dtype do not fit its `data_offsets`, described for an error message; None when the header
+/// does not parse or every entry fits (the safetensors crate's own message then stands).
+fn invalid_tensor_entry(file: &[u8]) -> Option<String> {
+    let len = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(file.get(8..8usize.checked_add(len)?)?).ok()?;
+    let mut entries: Vec<(&String, &serde_json::Value)> = header.iter().filter(|(name, _)| *name != "__metadata__").collect();
+    entries.sort_by_key(|(_, t)| t["data_offsets"][0].as_u64());
+    entries.into_iter().find_map(|(name, t)| {
+        let dtype: safetensors::Dtype = serde_json::from_value(t["dtype"].clone()).ok()?;
+        let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).ok()?;
+        let offsets: [usize; 2] = serde_json::from_value(t["data_offsets"].clone()).ok()?;
+        let held = offsets[1].checked_sub(offsets[0]);
+        let needed = shape.iter().try_fold(1usize, |n, d| n.checked_mul(*d)).and_then(|n| n.checked_mul(dtype.bitsize())).map(|bits| bits.div_ceil(8));
+        let held_text = held.map_or_else(|| format!("data_offsets {offsets:?} run backwards"), |h| format!("its data_offsets {offsets:?} hold {h}"));
+        match needed {
+            None => Some(format!("tensor `{name}`: shape {shape:?} of {dtype:?} overflows")),
+            Some(n) if Some(n) != held => Some(format!("tensor `{name}`: shape {shape:?} of {dtype:?} needs {n} bytes, {held_text}")),
+            Some(_) => None,
+        }
+    })
+}
+
 fn half_of_each_expert(dims: Vec<usize>, ty: GgmlType, bytes: &[u8], h: usize) -> Option<(Vec<usize>, Cow<'static, [u8]>)> {
     let [cols, rows2, n_expert] = dims[..] else { return None };
     if rows2 % 2 != 0 {
@@ -731,5 +755,28 @@ mod tests {
         safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
         let e = SafetensorsDir::open(dir.path()).err().expect("refused").to_string();
         assert!(e.contains("`blk.0.ffn_gate_exps.weight` is stored twice, fused as `model.layers.0.mlp.experts.gate_up_proj` and per expert as `model.layers.0.mlp.experts.0.gate_proj.weight`"), "{e}");
+    }
+
+    /// A header entry whose shape does not fit its bytes: the safetensors crate's message names
+    /// no tensor; the loader's names it, its shape and what its offsets hold.
+    #[test]
+    fn a_tensor_whose_shape_does_not_fit_its_bytes_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), r#"{"model_type": "llama", "hidden_size": 4, "intermediate_size": 2, "num_attention_heads": 1, "num_hidden_layers": 1, "vocab_size": 2}"#).unwrap();
+        let write = |header: &str, data_len: usize| {
+            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(header.as_bytes());
+            bytes.resize(bytes.len() + data_len, 0);
+            std::fs::write(dir.path().join("model.safetensors"), bytes).unwrap();
+            SafetensorsDir::open(dir.path()).err().expect("refused").to_string()
+        };
+        let ok = r#"{"model.norm.weight":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"lm_head.weight":{"dtype":"F32","shape":[2,4],"data_offsets":[16,48]}}"#;
+        assert_eq!(invalid_tensor_entry(&std::fs::read(dir.path().join("config.json")).unwrap()), None, "not a safetensors file: no entry to name");
+        let e = write(&ok.replace("[2,4]", "[4,4]"), 48);
+        assert!(e.contains("tensor `lm_head.weight`: shape [4, 4] of F32 needs 64 bytes, its data_offsets [16, 48] hold 32"), "{e}");
+        let e = write(&ok.replace("[2,4]", "[4611686018427387904,4]"), 48);
+        assert!(e.contains("tensor `lm_head.weight`: shape [4611686018427387904, 4] of F32 overflows"), "{e}");
+        let e = write(&ok.replace(r#""F32","shape":[4]"#, r#""F16","shape":[4]"#), 48);
+        assert!(e.contains("tensor `model.norm.weight`: shape [4] of F16 needs 8 bytes, its data_offsets [0, 16] hold 16"), "{e}");
     }
 }
