@@ -64,6 +64,8 @@ pub struct FixedTokenArgs {
 }
 
 fn oracle_golden(oracle: &AnyModel, model: &str, sha256: String, prompt: Vec<u32>, n: usize) -> Result<Golden, Exit> {
+    let stages = super::Stages::new(1, "fixed-token");
+    stages.next(&format!("the oracle's greedy continuation of {} prompt tokens (the golden)", prompt.len()));
     let g = oracle.generate(&prompt, n, &SamplerConfig::GREEDY, 0, &[], &mut NoTap)?;
     Ok(Golden { model: model.to_string(), sha256, prompt_ids: prompt, continuation_ids: g.tokens, regenerate: format!("cargo xtask fixed-token --model {model} --write-golden --n-generate {n}") })
 }
@@ -164,6 +166,8 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     // emulated re-runs: every position's logits, in f32 (f64 while computed).
     super::check_recordings_fit("fixed-token", oracle.spec(), false, seq.len(), 10)?;
     eprintln!("fixed-token: {} on {} over {} positions ({} golden tokens) ...", a.device, a.model, seq.len(), golden.continuation_ids.len());
+    let stages = super::Stages::new(3, &format!("fixed-token {} on {}", a.device, a.model));
+    stages.next(&format!("the oracle over {} positions", seq.len()));
     let mut oracle_tap = fixedtoken::OracleTap::default();
     let oracle_logits = oracle.prefill_logits(&seq, &mut oracle_tap)?;
     let oracle_routing = oracle_tap.routing;
@@ -171,6 +175,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     drop(oracle);
 
     let (_, mut engine, _) = load_engine(&a.model, &a.device, Precision::F32)?;
+    stages.next(&format!("{}: teacher-forced, greedy, decode and append runs", a.device));
     let (device_logits, mut runs, device_routing) = device_runs(&mut engine, &golden)?;
     runs.routing_differs = fixedtoken::routing_differs(&oracle_routing, &device_routing, seq.len());
     // Asked after the run: an external engine's arithmetic comes from its dump's manifest.
@@ -188,12 +193,13 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     // at a near tie.
     let mut follows = Vec::new();
     if runs.routing_differs.contains(&true) {
+        stages.next(&format!("the oracle routed as {} at near ties", a.device));
         let (oracle, _) = super::load_oracle(&path, Precision::F32)?;
         let mut tap = fixedtoken::FollowRouting { routing: RoutingFollower::propagated(&device_routing.0, &arith, &dims, "teacher-forced"), recorded: RoutingTap::default() };
         runs.followed_oracle = Some(oracle.prefill_logits(&seq, &mut tap)?);
         follows = tap.routing.follows;
         for f in &follows {
-            eprintln!("routing: {f}");
+            stages.note(&format!("routing: {f}"));
         }
     }
     let (mut cases, mut stats) = match device_logits {
@@ -207,6 +213,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     // honest engine of that arithmetic gets on this sequence.
     let emulated = match suites::emulate::EmulatedArithmetic::new(&arith, &path) {
         Ok(emu) if stats["kld"]["mean"].is_f64() => {
+            stages.next("the oracle with the declared arithmetic emulated");
             let oracle = match emu.load_model()? {
                 Some(m) => m,
                 None => super::load_oracle(&path, Precision::F32)?.0,

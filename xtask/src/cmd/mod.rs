@@ -354,6 +354,42 @@ pub fn progress(total: u64, what: &str) -> indicatif::ProgressBar {
     pb
 }
 
+/// A progress line on stderr for work done in a few long stages (a spinner, the stage's name
+/// and the time taken; hidden when stderr is not a terminal): `next` names the stage begun.
+pub struct Stages {
+    pb: indicatif::ProgressBar,
+    what: String,
+}
+
+impl Stages {
+    pub fn new(total: u64, what: &str) -> Stages {
+        let pb = indicatif::ProgressBar::new(total);
+        pb.set_style(indicatif::ProgressStyle::with_template("{spinner} {msg} (stage {pos}/{len}, {elapsed})").expect("template"));
+        pb.enable_steady_tick(std::time::Duration::from_millis(200));
+        Stages { pb, what: what.to_string() }
+    }
+
+    /// Begins the next stage (one past the count given is counted in).
+    pub fn next(&self, stage: &str) {
+        self.pb.set_message(format!("{}: {stage}", self.what));
+        if self.pb.length().is_some_and(|n| self.pb.position() >= n) {
+            self.pb.inc_length(1);
+        }
+        self.pb.inc(1);
+    }
+
+    /// A line on stderr above the progress line.
+    pub fn note(&self, line: &str) {
+        self.pb.suspend(|| eprintln!("{line}"));
+    }
+}
+
+impl Drop for Stages {
+    fn drop(&mut self) {
+        self.pb.finish_and_clear();
+    }
+}
+
 /// Refuses, before anything runs, a `--report-dir` that cannot become a directory: an existing
 /// file, or a path under one (it failed only when the report was written, after the whole run).
 pub fn check_report_dir(given: Option<&Path>) -> Result<(), Exit> {
