@@ -114,17 +114,24 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     // second device's).
     super::check_recordings_fit("layer-diff", engine.spec(), true, ids.len(), 4)?;
     eprintln!("layer-diff: {} on {} over {} tokens ...", a.device, a.model, ids.len());
+    let stages = super::Stages::new(if a.against.is_some() { 3 } else { 2 }, &format!("layer-diff {} on {}", a.device, a.model));
+    stages.next(&format!("{}: every tap", a.device));
     let taps_a = device_taps(&mut engine, &ids)?;
     let arith_a = engine.arithmetic();
     drop(engine);
     let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
     let shape_err = |e: String| Exit { code: 2, message: e };
     Ok(match &a.against {
-        None => layerdiff::run(&oracle_model, &path, &ids, &taps_a, &arith_a, mode, a.emulation_factor, &a.model, &a.device).map_err(shape_err)?,
+        None => {
+            stages.next("the oracle: its own run, on the device's values, with the declared arithmetic emulated");
+            layerdiff::run(&oracle_model, &path, &ids, &taps_a, &arith_a, mode, a.emulation_factor, &a.model, &a.device).map_err(shape_err)?
+        }
         Some(b) => {
             let (_, mut engine_b, _) = load_engine(&a.model, b, Precision::F32)?;
+            stages.next(&format!("{b}: every tap"));
             let taps_b = device_taps(&mut engine_b, &ids)?;
             let arith_b = engine_b.arithmetic();
+            stages.next("the oracle: its own run and on each device's values");
             layerdiff::run_against(&oracle_model, &path, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model).map_err(shape_err)?
         }
     })
