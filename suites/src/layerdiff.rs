@@ -497,7 +497,11 @@ impl Tap for Rerun<'_> {
         (*w == width && data.len() >= range.end).then(|| data[range].to_vec())
     }
     fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        self.routing.route(name, pos, probs, chosen)
+        let forced = self.routing.route(name, pos, probs, chosen);
+        if let Some(p) = &mut self.products {
+            p.routed(name, forced.as_deref().unwrap_or(chosen));
+        }
+        forced
     }
     fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
         if let Some(p) = &mut self.products {
@@ -511,16 +515,60 @@ impl Tap for Rerun<'_> {
 /// positions): the scales are ratios of RMS values, steady over a few dozen rows.
 pub const TERM_SAMPLE_ROWS: usize = 32;
 
-/// A sample of the input rows of the oracle's matrix products, by the matrix's GGUF name.
+/// A sample of the input rows of the oracle's matrix products, by the matrix's GGUF name; for a
+/// MoE layer's expert matrices (`blk.L.ffn_{gate,up,down}_exps.weight`, one token at a time),
+/// each row with the expert it went to.
 #[derive(Default, Debug)]
 pub struct ProductRows {
     rows: std::collections::BTreeMap<String, (usize, Vec<f32>)>,
+    experts: std::collections::BTreeMap<String, ExpertRows>,
+    /// By layer: the experts the token now computed was routed to, and how many of their
+    /// products of each kind (gate, up, down) the interpreter has asked for so far.
+    routing: std::collections::BTreeMap<usize, (Vec<usize>, [usize; 3])>,
+}
+
+/// Rows of one stacked expert matrix's products, each with its expert, sampled evenly over the
+/// run: every `stride`-th row is kept, and when more than [`TERM_SAMPLE_ROWS`] are kept every
+/// other one is dropped and the stride doubled (the same rows for the same run).
+#[derive(Default, Debug)]
+struct ExpertRows {
+    width: usize,
+    seen: usize,
+    stride: usize,
+    rows: Vec<(usize, Vec<f32>)>,
 }
 
 impl ProductRows {
+    /// The experts a token is routed to at MoE layer tap `name` (`blk.L.ffn_moe_topk`): its
+    /// expert products that follow are theirs, in this order.
+    pub fn routed(&mut self, name: &str, experts: &[usize]) {
+        if let (Some(layer), "ffn_moe_topk") = split_tap(name) {
+            self.routing.insert(layer, (experts.to_vec(), [0; 3]));
+        }
+    }
+
     /// Keeps evenly spaced rows of `data` (`[n, width]`, the input of the product with `weight`)
-    /// until the product has [`TERM_SAMPLE_ROWS`].
+    /// until the product has [`TERM_SAMPLE_ROWS`]; an expert matrix's rows with their expert.
     pub fn add(&mut self, weight: &str, width: usize, data: &[f32]) {
+        if let Some((layer, kind)) = expert_product(weight) {
+            let Some((experts, calls)) = self.routing.get_mut(&layer) else { return };
+            let Some(&expert) = experts.get(calls[kind]) else { return };
+            calls[kind] += 1;
+            let e = self.experts.entry(weight.to_string()).or_insert_with(|| ExpertRows { width, stride: 1, ..Default::default() });
+            if e.width != width || data.len() != width {
+                return;
+            }
+            if e.seen.is_multiple_of(e.stride) {
+                e.rows.push((expert, data.to_vec()));
+                if e.rows.len() > TERM_SAMPLE_ROWS {
+                    let kept = std::mem::take(&mut e.rows);
+                    e.rows = kept.into_iter().step_by(2).collect();
+                    e.stride *= 2;
+                }
+            }
+            e.seen += 1;
+            return;
+        }
         let n = data.len() / width.max(1);
         let (w, kept) = self.rows.entry(weight.to_string()).or_insert_with(|| (width, Vec::new()));
         if *w != width || n == 0 {
@@ -532,6 +580,13 @@ impl ProductRows {
             kept.extend_from_slice(&data[row * width..(row + 1) * width]);
         }
     }
+}
+
+/// `blk.L.ffn_{gate,up,down}_exps.weight` -> (L, 0|1|2): a MoE layer's stacked expert matrix.
+fn expert_product(weight: &str) -> Option<(usize, usize)> {
+    let (layer, kind) = weight.strip_prefix("blk.")?.strip_suffix("_exps.weight")?.split_once('.')?;
+    let kind = ["ffn_gate", "ffn_up", "ffn_down"].iter().position(|k| *k == kind)?;
+    Some((layer.parse().ok()?, kind))
 }
 
 /// The tap a matrix product's output is recorded as, for the products whose every output is
@@ -570,54 +625,104 @@ pub struct TermScale {
 /// biases) in `weights`, in f64. Each output row's sums are taken in a fixed order, so the
 /// scales are the same bits for any thread count.
 pub fn term_scales(products: &ProductRows, weights: &dyn oracle::loader::TensorSource) -> oracle::Result<std::collections::BTreeMap<String, TermScale>> {
-    use rayon::prelude::*;
     let mut out = std::collections::BTreeMap::new();
     for (weight, (width, rows)) in &products.rows {
         let (Some(tap), false) = (product_tap(weight), rows.is_empty()) else { continue };
-        // The matrix as stored, decoded a block of rows at a time (a model's output head
-        // decoded whole would take gigabytes beside a model held packed).
         let Some(w) = weights.raw(weight)? else { continue };
-        let row_bytes = (*width / w.ty.block_size().max(1)) * w.ty.type_size();
-        if w.dims.first() != Some(width) || !width.is_multiple_of(w.ty.block_size()) || row_bytes == 0 || !w.bytes.len().is_multiple_of(row_bytes) {
-            continue;
-        }
+        let Some(row_bytes) = row_bytes(&w, *width) else { continue };
         let n_out = w.bytes.len() / row_bytes;
         let bias = weights.load(&weight.replace(".weight", ".bias"))?.map(|b| b.data);
         if bias.as_ref().is_some_and(|b| b.len() != n_out) {
             continue;
         }
-        const ROWS_PER_BLOCK: usize = 64;
-        // Per output row j: (sum over sampled inputs of sum_i (a_i w_ji)^2, of (a.w_j + b_j)^2).
-        let per_block: Vec<oracle::Result<Vec<(f64, f64)>>> = w
-            .bytes
-            .par_chunks(row_bytes * ROWS_PER_BLOCK)
-            .enumerate()
-            .map(|(block, bytes)| {
-                let values = oracle::quant::decode(w.ty, bytes, bytes.len() / row_bytes * width)?;
-                Ok(values
-                    .chunks_exact(*width)
-                    .enumerate()
-                    .map(|(i, wj)| {
-                        let b = bias.as_ref().map_or(0.0, |b| b[block * ROWS_PER_BLOCK + i] as f64);
-                        rows.chunks_exact(*width).fold((0.0, 0.0), |(t, o), a| {
-                            let (mut sq, mut dot) = (0.0f64, 0.0f64);
-                            for (x, y) in a.iter().zip(wj) {
-                                let term = *x as f64 * *y as f64;
-                                sq += term * term;
-                                dot += term;
-                            }
-                            (t + sq, o + (dot + b) * (dot + b))
-                        })
-                    })
-                    .collect())
-            })
-            .collect();
-        let per_row: Vec<(f64, f64)> = per_block.into_iter().collect::<oracle::Result<Vec<_>>>()?.into_iter().flatten().collect();
-        let n = (per_row.len() * (rows.len() / width)) as f64;
-        let (t, o) = per_row.iter().fold((0.0, 0.0), |(t, o), (a, b)| (t + a, o + b));
+        let (t, o, n) = term_sums(w.ty, &w.bytes, row_bytes, *width, rows, bias.as_deref())?;
         out.insert(tap, TermScale { term_rms: (t / n).sqrt(), output_rms: (o / n).sqrt() });
     }
     Ok(out)
+}
+
+/// The bytes of one row of `width` values of matrix `w`, if `w` is a matrix of such rows.
+fn row_bytes(w: &oracle::loader::RawTensor<'_>, width: usize) -> Option<usize> {
+    let row_bytes = (width / w.ty.block_size().max(1)) * w.ty.type_size();
+    (w.dims.first() == Some(&width) && width.is_multiple_of(w.ty.block_size()) && row_bytes > 0 && w.bytes.len().is_multiple_of(row_bytes)).then_some(row_bytes)
+}
+
+/// Over the input rows `rows` (of `width`) and every output row of the matrix stored in `bytes`
+/// (`ty`, rows of `row_bytes`; `bias` per output): (sum of `sum_i (a_i w_ji)^2`, sum of
+/// `(a.w_j + b_j)^2`, how many outputs), in f64, in a fixed order (the same bits for any thread
+/// count). The matrix is decoded 64 rows at a time (a model's output head decoded whole would
+/// take gigabytes beside a model held packed).
+fn term_sums(ty: oracle::quant::GgmlType, bytes: &[u8], row_bytes: usize, width: usize, rows: &[f32], bias: Option<&[f32]>) -> oracle::Result<(f64, f64, f64)> {
+    use rayon::prelude::*;
+    const ROWS_PER_BLOCK: usize = 64;
+    let per_block: Vec<oracle::Result<(f64, f64)>> = bytes
+        .par_chunks(row_bytes * ROWS_PER_BLOCK)
+        .enumerate()
+        .map(|(block, bytes)| {
+            let values = oracle::quant::decode(ty, bytes, bytes.len() / row_bytes * width)?;
+            Ok(values.chunks_exact(width).enumerate().fold((0.0, 0.0), |(t, o), (i, wj)| {
+                let b = bias.map_or(0.0, |b| b[block * ROWS_PER_BLOCK + i] as f64);
+                rows.chunks_exact(width).fold((t, o), |(t, o), a| {
+                    let (mut sq, mut dot) = (0.0f64, 0.0f64);
+                    for (x, y) in a.iter().zip(wj) {
+                        let term = *x as f64 * *y as f64;
+                        sq += term * term;
+                        dot += term;
+                    }
+                    (t + sq, o + (dot + b) * (dot + b))
+                })
+            }))
+        })
+        .collect();
+    let (mut t, mut o) = (0.0, 0.0);
+    for r in per_block {
+        let (bt, bo) = r?;
+        t += bt;
+        o += bo;
+    }
+    Ok((t, o, (bytes.len() / row_bytes * (rows.len() / width.max(1))) as f64))
+}
+
+/// For each MoE layer whose expert products were sampled, by its `blk.L.ffn_out` tap: how many
+/// times the outputs' RMS the products' rounding errors may reach there, `1 + excess`, where a
+/// product's excess is `term_rms / output_rms - 1` (0 where its terms do not cancel; pooled
+/// over the experts' sampled rows, [`term_sums`]) and the block's is that of its gate or up
+/// product (whichever is larger) plus its down product's — each passed on to the output
+/// unmagnified, as the depth model of [`propagated_budget`] has it and as the dense taps carry
+/// their grants (`carry_through_ops`) — or the shared expert's, if larger. The experts have no
+/// taps of their own, so the layer's `ffn_out` compared in isolation holds all their errors.
+pub fn moe_term_ratios(products: &ProductRows, weights: &dyn oracle::loader::TensorSource) -> oracle::Result<std::collections::BTreeMap<String, f64>> {
+    let excess = |t: f64, o: f64| if o > 0.0 { ((t / o).sqrt() - 1.0).max(0.0) } else { 0.0 };
+    let mut per_layer: std::collections::BTreeMap<usize, ([f64; 3], [f64; 3])> = Default::default();
+    for (weight, e) in &products.experts {
+        let (Some((layer, kind)), Some(w)) = (expert_product(weight), weights.raw(weight)?) else { continue };
+        let (Some(row_bytes), Some(&n_out)) = (row_bytes(&w, e.width), w.dims.get(1)) else { continue };
+        let block = n_out * row_bytes;
+        let (mut t, mut o) = (0.0, 0.0);
+        let mut by_expert: std::collections::BTreeMap<usize, Vec<f32>> = Default::default();
+        for (expert, row) in &e.rows {
+            by_expert.entry(*expert).or_default().extend_from_slice(row);
+        }
+        for (expert, rows) in by_expert {
+            let Some(bytes) = w.bytes.get(expert * block..(expert + 1) * block) else { continue };
+            let (bt, bo, _) = term_sums(w.ty, bytes, row_bytes, e.width, &rows, None)?;
+            t += bt;
+            o += bo;
+        }
+        per_layer.entry(layer).or_default().0[kind] = excess(t, o);
+    }
+    // The shared expert's products (2-D matrices, every token).
+    for (layer, (_, shared)) in per_layer.iter_mut() {
+        for (kind, p) in ["gate", "up", "down"].iter().enumerate() {
+            let weight = format!("blk.{layer}.ffn_{p}_shexp.weight");
+            let (Some((width, rows)), Some(w)) = (products.rows.get(&weight), weights.raw(&weight)?) else { continue };
+            let Some(row_bytes) = row_bytes(&w, *width).filter(|_| !rows.is_empty()) else { continue };
+            let (t, o, _) = term_sums(w.ty, &w.bytes, row_bytes, *width, rows, None)?;
+            shared[kind] = excess(t, o);
+        }
+    }
+    let block = |r: [f64; 3]| r[0].max(r[1]) + r[2];
+    Ok(per_layer.into_iter().map(|(layer, (experts, shared))| (format!("blk.{layer}.ffn_out"), 1.0 + block(experts).max(block(shared)))).collect())
 }
 
 /// The absolute RMS allowance for the cancelling terms of the product behind tap `kind`: its
@@ -1136,10 +1241,20 @@ fn judge<'a>(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], devic
     oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
     let mut isolated = rerun(true, "isolated");
     oracle_model.prefill_logits(ids, &mut isolated).map_err(|e| e.to_string())?;
-    let scales = match &isolated.products {
-        Some(products) => oracle::loader::open_weights(path).and_then(|(weights, _)| term_scales(products, weights.as_ref())).map_err(|e| format!("the scale of the products' terms: {e}"))?,
-        None => Default::default(),
-    };
+    let mut scales = std::collections::BTreeMap::new();
+    if let Some(products) = &isolated.products {
+        let measured = oracle::loader::open_weights(path).and_then(|(weights, _)| Ok((term_scales(products, weights.as_ref())?, moe_term_ratios(products, weights.as_ref())?)));
+        let (dense, moe) = measured.map_err(|e| format!("the scale of the products' terms: {e}"))?;
+        scales = dense;
+        // A MoE layer's output, in the units of its tap: its RMS in the isolated run, and the
+        // terms' that many times it.
+        for (tap, ratio) in moe {
+            if let Some((_, v)) = isolated.recorded.tensors.get(&tap) {
+                let rms = (v.iter().map(|x| *x as f64 * *x as f64).sum::<f64>() / v.len().max(1) as f64).sqrt();
+                scales.insert(tap, TermScale { term_rms: ratio * rms, output_rms: rms });
+            }
+        }
+    }
     let taps = diff_with_terms(&reference.recorded, Some(&isolated.recorded), device_taps, arith, dims, &scales).map_err(|e| e.0)?;
     Ok(Judged { reference, isolated, taps })
 }
@@ -1310,6 +1425,47 @@ mod tests {
                 bytes: data.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into(),
             }))
         }
+    }
+
+    /// A MoE layer's ratio by hand: the token routed to experts [1, 0] sends (1, 1) to expert 1's
+    /// products and (2, 0) to expert 0's. Expert 1's gate rows (1, -1) cancel on (1, 1) (terms
+    /// squared 2 per row, outputs 0); expert 0's gate rows (1, 1) on (2, 0) do not (4 and 4):
+    /// pooled, terms 12 against outputs 8, excess sqrt(1.5) - 1. Rows (1, 1) elsewhere do not
+    /// cancel (excess 0), so the block's ratio is sqrt(1.5). Rows sent to the wrong expert
+    /// would give other sums.
+    #[test]
+    fn moe_term_ratios_by_hand() {
+        let mut rows = ProductRows::default();
+        rows.routed("blk.0.ffn_moe_topk", &[1, 0]);
+        for a in [[1.0, 1.0], [2.0, 0.0]] {
+            for p in ["gate", "up", "down"] {
+                rows.add(&format!("blk.0.ffn_{p}_exps.weight"), 2, &a);
+            }
+        }
+        // Stacked [expert][row][col]: expert 0's rows, then expert 1's.
+        let same = vec![1.0; 8];
+        let src = Matrices(vec![
+            ("blk.0.ffn_gate_exps.weight", vec![2, 2, 2], vec![1.0, 1.0, 1.0, 1.0, 1.0, -1.0, 1.0, -1.0]),
+            ("blk.0.ffn_up_exps.weight", vec![2, 2, 2], same.clone()),
+            ("blk.0.ffn_down_exps.weight", vec![2, 2, 2], same),
+        ]);
+        let r = moe_term_ratios(&rows, &src).unwrap();
+        assert_eq!(r.keys().collect::<Vec<_>>(), ["blk.0.ffn_out"]);
+        assert!((r["blk.0.ffn_out"] - 1.5f64.sqrt()).abs() < 1e-12, "{r:?}");
+        // Expert products of a token with no routing seen are not sampled; past
+        // TERM_SAMPLE_ROWS, every other row is dropped and the stride doubles.
+        let mut many = ProductRows::default();
+        many.add("blk.2.ffn_down_exps.weight", 1, &[5.0]);
+        assert!(many.experts.is_empty());
+        for i in 0..100 {
+            many.routed("blk.2.ffn_moe_topk", &[i % 3]);
+            many.add("blk.2.ffn_down_exps.weight", 1, &[i as f32]);
+        }
+        let kept = &many.experts["blk.2.ffn_down_exps.weight"].rows;
+        assert!(kept.len() <= TERM_SAMPLE_ROWS);
+        assert_eq!(kept.iter().map(|(e, v)| (*e, v[0])).collect::<Vec<_>>(), (0..100).step_by(4).map(|i| (i % 3, i as f32)).collect::<Vec<_>>());
+        assert_eq!(expert_product("blk.12.ffn_up_exps.weight"), Some((12, 1)));
+        assert_eq!(expert_product("blk.12.ffn_up_shexp.weight"), None);
     }
 
     /// The terms' and the outputs' RMS by hand: rows (1, -1) and (1, 1) against inputs (1, 1)

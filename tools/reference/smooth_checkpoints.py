@@ -11,8 +11,9 @@ layer-diff budgets by the terms' size (docs/ACCURACY.md, "Products whose terms c
     done
 
 Model `m{seed}` is drawn from numpy's default_rng(seed): vocabulary 3-299, 1-3 layers, width 16-96,
-1-4 heads of 4-32, GQA where the heads allow. A development aid (numpy,
-tools/reference/requirements.txt), never a runtime dependency.
+1-4 heads of 4-32, GQA where the heads allow. With `--moe`, Mixtral checkpoints instead (1-2
+layers, 2-8 experts of which 1-2 are used, a random router, smooth expert matrices). A
+development aid (numpy, tools/reference/requirements.txt), never a runtime dependency.
 """
 import argparse
 import json
@@ -66,16 +67,63 @@ def checkpoint(directory, seed):
         json.dump(config, f)
 
 
+def moe_checkpoint(directory, seed):
+    rng = np.random.default_rng(seed)
+    n_vocab = int(rng.integers(3, 300))
+    n_head = int(rng.choice([1, 2, 4]))
+    head_dim = int(rng.choice([8, 16, 32]))
+    n_head_kv = int(rng.choice([n for n in (1, 2, 4) if n_head % n == 0]))
+    hidden = int(rng.choice([16, 32, 64]))
+    n_ff = int(rng.choice([8, 32, 64]))
+    n_layer = int(rng.integers(1, 3))
+    n_expert = int(rng.choice([2, 4, 8]))
+    n_used = int(rng.integers(1, min(n_expert, 2) + 1))
+
+    def smooth(shape, scale):
+        k, phase = rng.uniform(0.01, 1.5), rng.uniform(0, 6)
+        n = int(np.prod(shape))
+        return (scale * np.sin(np.arange(n) * k + phase)).reshape(shape).astype(np.float32)
+
+    ones = np.ones(hidden, np.float32)
+    tensors = {"model.embed_tokens.weight": smooth((n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth((n_vocab, hidden), 1.0)}
+    for layer in range(n_layer):
+        prefix = f"model.layers.{layer}."
+        for name, shape in [
+            ("self_attn.q_proj", (n_head * head_dim, hidden)),
+            ("self_attn.k_proj", (n_head_kv * head_dim, hidden)),
+            ("self_attn.v_proj", (n_head_kv * head_dim, hidden)),
+            ("self_attn.o_proj", (hidden, n_head * head_dim)),
+        ]:
+            tensors[prefix + name + ".weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+        tensors[prefix + "block_sparse_moe.gate.weight"] = rng.normal(0, 0.5, (n_expert, hidden)).astype(np.float32)
+        for e in range(n_expert):
+            for w, shape in [("w1", (n_ff, hidden)), ("w3", (n_ff, hidden)), ("w2", (hidden, n_ff))]:
+                tensors[prefix + f"block_sparse_moe.experts.{e}.{w}.weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+        tensors[prefix + "input_layernorm.weight"] = ones
+        tensors[prefix + "post_attention_layernorm.weight"] = ones
+    os.makedirs(directory, exist_ok=True)
+    safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
+    config = {
+        "model_type": "mixtral", "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+        "head_dim": head_dim, "num_local_experts": n_expert, "num_experts_per_tok": n_used, "sliding_window": None,
+    }
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory that receives m0, m1, ...")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--count", type=int, default=40, help="how many checkpoints (seeds 0..count-1)")
     which.add_argument("--seed", type=int, help="only the checkpoint of this seed (m{seed})")
+    parser.add_argument("--moe", action="store_true", help="Mixtral checkpoints (smooth experts) instead of Llama ones")
     args = parser.parse_args()
     seeds = [args.seed] if args.seed is not None else range(args.count)
     for seed in seeds:
-        checkpoint(os.path.join(args.out, f"m{seed}"), seed)
+        (moe_checkpoint if args.moe else checkpoint)(os.path.join(args.out, f"m{seed}"), seed)
     print(f"wrote {len(seeds)} checkpoint(s) under {args.out}")
 
 
