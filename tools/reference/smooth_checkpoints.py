@@ -11,9 +11,11 @@ layer-diff budgets by the terms' size (docs/ACCURACY.md, "Products whose terms c
     done
 
 Model `m{seed}` is drawn from numpy's default_rng(seed): vocabulary 3-299, 1-3 layers, width 16-96,
-1-4 heads of 4-32, GQA where the heads allow. With `--moe`, Mixtral checkpoints instead (1-2
-layers, 2-8 experts of which 1-2 are used, a random router, smooth expert matrices). A
-development aid (numpy, tools/reference/requirements.txt), never a runtime dependency.
+1-4 heads of 4-32, GQA where the heads allow. With `--moe mixtral`, Mixtral checkpoints instead
+(1-2 layers, 2-8 experts of which 1-2 are used, a random router, smooth expert matrices); with
+`--moe qwen2_moe`, Qwen2-MoE ones (random attention with biases, router and output head; smooth
+experts and a smooth shared expert behind its sigmoid gate). A development aid (numpy,
+tools/reference/requirements.txt), never a runtime dependency.
 """
 import argparse
 import json
@@ -113,17 +115,74 @@ def moe_checkpoint(directory, seed):
         json.dump(config, f)
 
 
+def qwen2_moe_checkpoint(directory, seed):
+    rng = np.random.default_rng(seed)
+    n_vocab = int(rng.integers(3, 300))
+    n_head = int(rng.choice([1, 2, 4]))
+    head_dim = int(rng.choice([8, 16, 32]))
+    n_head_kv = int(rng.choice([n for n in (1, 2, 4) if n_head % n == 0]))
+    hidden = int(rng.choice([16, 32, 64]))
+    n_ff = int(rng.choice([8, 32, 64]))
+    n_shared = int(rng.choice([8, 32, 64]))
+    n_layer = int(rng.integers(1, 3))
+    n_expert = int(rng.choice([2, 4, 8]))
+    n_used = int(rng.integers(1, min(n_expert, 2) + 1))
+
+    def smooth(shape, scale):
+        k, phase = rng.uniform(0.01, 1.5), rng.uniform(0, 6)
+        n = int(np.prod(shape))
+        return (scale * np.sin(np.arange(n) * k + phase)).reshape(shape).astype(np.float32)
+
+    def normal(shape, scale):
+        return rng.normal(0, scale, shape).astype(np.float32)
+
+    ones = np.ones(hidden, np.float32)
+    tensors = {"model.embed_tokens.weight": normal((n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": normal((n_vocab, hidden), 0.3)}
+    for layer in range(n_layer):
+        prefix = f"model.layers.{layer}."
+        for name, shape in [
+            ("self_attn.q_proj", (n_head * head_dim, hidden)),
+            ("self_attn.k_proj", (n_head_kv * head_dim, hidden)),
+            ("self_attn.v_proj", (n_head_kv * head_dim, hidden)),
+            ("self_attn.o_proj", (hidden, n_head * head_dim)),
+        ]:
+            tensors[prefix + name + ".weight"] = normal(shape, 0.3)
+        for b, n in [("q", n_head * head_dim), ("k", n_head_kv * head_dim), ("v", n_head_kv * head_dim)]:
+            tensors[prefix + f"self_attn.{b}_proj.bias"] = normal((n,), 0.1)
+        tensors[prefix + "mlp.gate.weight"] = normal((n_expert, hidden), 0.5)
+        for e in range(n_expert):
+            for w, shape in [("gate_proj", (n_ff, hidden)), ("up_proj", (n_ff, hidden)), ("down_proj", (hidden, n_ff))]:
+                tensors[prefix + f"mlp.experts.{e}.{w}.weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+        for w, shape in [("gate_proj", (n_shared, hidden)), ("up_proj", (n_shared, hidden)), ("down_proj", (hidden, n_shared))]:
+            tensors[prefix + f"mlp.shared_expert.{w}.weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+        tensors[prefix + "mlp.shared_expert_gate.weight"] = normal((1, hidden), 0.5)
+        tensors[prefix + "input_layernorm.weight"] = ones
+        tensors[prefix + "post_attention_layernorm.weight"] = ones
+    os.makedirs(directory, exist_ok=True)
+    safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
+    config = {
+        "model_type": "qwen2_moe", "hidden_size": hidden, "intermediate_size": n_ff, "moe_intermediate_size": n_ff,
+        "shared_expert_intermediate_size": n_shared, "head_dim": head_dim, "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+        "num_experts": n_expert, "num_experts_per_tok": n_used, "norm_topk_prob": False, "decoder_sparse_step": 1,
+    }
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory that receives m0, m1, ...")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--count", type=int, default=40, help="how many checkpoints (seeds 0..count-1)")
     which.add_argument("--seed", type=int, help="only the checkpoint of this seed (m{seed})")
-    parser.add_argument("--moe", action="store_true", help="Mixtral checkpoints (smooth experts) instead of Llama ones")
+    parser.add_argument("--moe", choices=["mixtral", "qwen2_moe"], help="MoE checkpoints (smooth experts) of this type instead of Llama ones")
     args = parser.parse_args()
     seeds = [args.seed] if args.seed is not None else range(args.count)
+    write = {None: checkpoint, "mixtral": moe_checkpoint, "qwen2_moe": qwen2_moe_checkpoint}[args.moe]
     for seed in seeds:
-        (moe_checkpoint if args.moe else checkpoint)(os.path.join(args.out, f"m{seed}"), seed)
+        write(os.path.join(args.out, f"m{seed}"), seed)
     print(f"wrote {len(seeds)} checkpoint(s) under {args.out}")
 
 
