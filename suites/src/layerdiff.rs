@@ -1352,7 +1352,39 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
         t.terms_grant = ta.as_ref().map_or(0.0, |t| t.terms_grant) + tb.as_ref().map_or(0.0, |t| t.terms_grant);
         t.terms = ta.and_then(|t| t.terms);
     }
+    // Where the two took other experts for a token and each choice is one its own comparison with
+    // the oracle followed at a near tie (or the oracle's own), both are honest, and from there on
+    // they compute different things: that token's expert mix and, through attention, every later
+    // position of the later layers. From that tap on, each tap is held to the two devices' own
+    // comparisons with the oracle routed as each was (the worse of the two, against its own
+    // budget). An expert choice that neither comparison explains fails as before.
+    let split = routing_split(&mut taps, (a.1, &vs_oracle_a.reference.recorded), (b.1, &vs_oracle_b.reference.recorded));
+    let mut judged_alone = std::collections::BTreeMap::new();
+    if let Some((at, _, _)) = &split {
+        for t in taps.iter_mut().skip(*at + 1) {
+            let (ta, tb) = (find(&vs_oracle_a.taps, &t.name), find(&vs_oracle_b.taps, &t.name));
+            if t.id_mismatches.is_some() {
+                t.id_mismatches = Some(ta.as_ref().and_then(|t| t.id_mismatches).unwrap_or(0) + tb.as_ref().and_then(|t| t.id_mismatches).unwrap_or(0));
+                continue;
+            }
+            let worse = [(a.0, ta), (b.0, tb)].into_iter().filter_map(|(d, t)| Some((d, t.as_ref()?.budget_use(Mode::Propagated)?, t?))).max_by(|x, y| x.1.total_cmp(&y.1));
+            if let Some((device, _, own)) = worse {
+                (t.propagated, t.budget_propagated, t.magnified, t.terms_grant) = (own.propagated, own.budget_propagated, own.magnified, own.terms_grant);
+                judged_alone.insert(t.name.clone(), device);
+            }
+        }
+    }
     let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), None);
+    report.sections.insert("routing_split".into(), split.as_ref().map_or(Value::Null, |(at, position, choices)| json!({ "tap": taps[*at].name, "position": position, a.0: choices.0, b.0: choices.1 })));
+    for c in &mut report.cases {
+        if let Some(n) = c.metrics.get("routing_followed_at_near_ties").and_then(|v| v.as_u64()).filter(|n| *n > 0) {
+            c.message = Some(format!("the two chose other experts at {n} position(s), each as the oracle routed as it was at a near tie"));
+        }
+        if let Some(device) = c.metrics.get("tap").and_then(|v| v.as_str()).and_then(|n| judged_alone.get(n)) {
+            c.metrics.insert("judged_against_the_oracle_routed_as".into(), json!(device));
+            c.tolerance.rule = format!("{} (past the routing split: {device} against the oracle routed as it was, the worse of the two)", c.tolerance.rule);
+        }
+    }
     let reference = &vs_oracle_a.reference.recorded;
     let mut names = unjudged(reference, a.1);
     names.extend(unjudged(reference, b.1).into_iter().filter(|n| !a.1.tensors.contains_key(n)));
@@ -1360,7 +1392,7 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     report.sections.insert("arithmetic".into(), Value::Object(Map::from_iter([(a.0.to_string(), json!(a.2)), (b.0.to_string(), json!(b.2))])));
     // Two builds of one engine often agree bit for bit up to a change: the first tap where they
     // differ at all is worth knowing even when the difference is inside the budget.
-    let first_difference = taps.iter().find(|t| t.propagated.is_some_and(|s| s.rms_err > 0.0 || s.nonfinite > 0) || t.id_mismatches.is_some_and(|n| n > 0));
+    let first_difference = taps.iter().find(|t| t.propagated.is_some_and(|s| s.rms_err > 0.0 || s.nonfinite > 0) || t.id_mismatches.is_some_and(|n| n > 0) || t.routing_followed > 0);
     report.sections.insert("first_difference".into(), first_difference.map_or(serde_json::Value::Null, |t| json!({ "tap": t.name, "rms_err": t.propagated.map(|s| s.rms_err), "worst_position": t.propagated.map(|s| s.worst_pos) })));
     // Each device's own first divergence from the oracle (isolated where it can be), for the
     // reader: the pair's gate holds their difference to the sum of two propagated budgets, which
@@ -1377,6 +1409,42 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     let followed = [(a.0, vs_oracle_a), (b.0, vs_oracle_b)].map(|(device, j)| (device.to_string(), json!(j.reference.routing.follows.into_iter().chain(j.isolated.routing.follows).collect::<Vec<_>>())));
     report.sections.insert("routing_followed".into(), Value::Object(Map::from_iter(followed)));
     Ok(Outcome { taps, report, follows: Vec::new() })
+}
+
+/// `--against`'s expert choices: at each `ffn_moe_topk` tap, the positions where device A (`a`:
+/// its taps, and the oracle's run that followed it) and device B took other experts count as
+/// explained when each device's choice is what the oracle took routing as that device did (its
+/// own choice or a near tie it followed); the tap's `id_mismatches` keeps the rest and
+/// `routing_followed` counts the explained ones. The first explained split: (index of its tap,
+/// position, the two choices).
+fn routing_split(taps: &mut [TapDiff], a: (&RecordingTap, &RecordingTap), b: (&RecordingTap, &RecordingTap)) -> Option<(usize, usize, (Vec<usize>, Vec<usize>))> {
+    let mut first = None;
+    for (i, t) in taps.iter_mut().enumerate() {
+        if t.kind != "ffn_moe_topk" || t.id_mismatches.is_none_or(|n| n == 0) {
+            continue;
+        }
+        let rows = |r: &RecordingTap| r.tensors.get(&t.name).map(|(w, v)| v.chunks((*w).max(1)).map(|row| {
+            let mut ids: Vec<usize> = row.iter().map(|x| *x as usize).collect();
+            ids.sort_unstable();
+            ids
+        }).collect::<Vec<_>>());
+        let (Some(da), Some(oa), Some(db), Some(ob)) = (rows(a.0), rows(a.1), rows(b.0), rows(b.1)) else { continue };
+        let (mut unexplained, mut explained) = (0, 0);
+        for (p, (((da, oa), db), ob)) in da.iter().zip(&oa).zip(&db).zip(&ob).enumerate() {
+            if da == db {
+                continue;
+            }
+            if da == oa && db == ob {
+                explained += 1;
+                first.get_or_insert((i, p, (da.clone(), db.clone())));
+            } else {
+                unexplained += 1;
+            }
+        }
+        t.id_mismatches = Some(unexplained);
+        t.routing_followed = explained;
+    }
+    first
 }
 
 /// The report of a run: one case per tap, then `departure` (the `emulated_departure` gate).

@@ -413,3 +413,55 @@ fn llama_cpp_is_judged_tap_by_tap_through_exec() {
     assert_eq!(o.status.code(), Some(1), "f32 activations declared: {}", text(&o));
     assert_eq!(report["first_divergence"]["tap"], "blk.0.attn_q", "the first product with Q8 inputs");
 }
+
+/// Two devices compared with each other on a MoE model (`--against`), over the tiny-moe golden
+/// sequence, where `cpu` takes experts [1, 2] for position 63 at a near tie and `gpu-emu` the
+/// oracle's [0, 2]: both honest, each as the oracle routed as it was. The pair failed there
+/// (the expert ids, then that token's expert mix and the next layer's taps). Now the split is
+/// named and every tap after it is held to the two devices' own comparisons with the oracle; a
+/// choice that neither comparison explains (an expert swapped in a dump) still fails.
+#[test]
+fn two_devices_that_route_a_token_otherwise_at_a_near_tie_are_each_held_to_the_oracle() {
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(workspace().join("fixtures/golden/tiny-moe.json")).unwrap()).unwrap();
+    let ids: Vec<String> = ["prompt_ids", "continuation_ids"].iter().flat_map(|k| golden[k].as_array().unwrap().iter().map(|v| v.to_string())).collect();
+    let ids = ids.join(",");
+    let tmp = tempfile::tempdir().unwrap();
+    let against = |a: &str, b: &str, dir: &str| {
+        let o = xtask(&["layer-diff", "--device", a, "--against", b, "--model", "tiny-moe", "--prompt-ids", &ids, "--report-dir", tmp.path().join(dir).to_str().unwrap()], &[]);
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join(dir).join("report.json")).unwrap_or_else(|_| panic!("{}", text(&o)))).unwrap();
+        (o, r)
+    };
+    let (o, r) = against("gpu-emu", "cpu", "split");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let split = &r["routing_split"];
+    assert_eq!((split["tap"].as_str(), split["position"].as_u64()), (Some("blk.0.ffn_moe_topk"), Some(63)), "{split}");
+    assert_eq!((&split["cpu"], &split["gpu-emu"]), (&serde_json::json!([1, 2]), &serde_json::json!([0, 2])));
+    let cases = r["cases"].as_array().unwrap();
+    let topk = cases.iter().find(|c| c["metrics"]["tap"] == "blk.0.ffn_moe_topk").unwrap();
+    assert_eq!((topk["verdict"].as_str(), topk["metrics"]["id_mismatches"].as_u64()), (Some("pass"), Some(0)), "{topk}");
+    assert!(topk["message"].as_str().unwrap().contains("the two chose other experts at 1 position(s)"), "{topk}");
+    let alone = cases.iter().filter(|c| c["metrics"]["judged_against_the_oracle_routed_as"].is_string()).count();
+    assert!(alone > 10 && cases.iter().any(|c| c["metrics"]["tap"] == "blk.1.l_out" && c["metrics"]["judged_against_the_oracle_routed_as"].is_string()), "{alone}");
+
+    // A dump of the cpu device whose position-5 choice in layer 0 is an expert no near tie
+    // explains, against the cpu itself: the pair fails there.
+    let dump = tmp.path().join("dump");
+    dump_device("cpu", "tiny-moe", &ids, &dump);
+    let probs = std::cell::RefCell::new(Vec::new());
+    edit_tap(&dump, "blk.0.ffn_moe_probs", |v| *probs.borrow_mut() = v.clone());
+    let probs = probs.into_inner();
+    let n_expert = manifest(&dump)["taps"].as_array().unwrap().iter().find(|t| t["name"] == "blk.0.ffn_moe_probs").unwrap()["shape"][1].as_u64().unwrap() as usize;
+    let row = &probs[5 * n_expert..6 * n_expert];
+    let worst = (0..n_expert).min_by(|&x, &y| row[x].total_cmp(&row[y])).unwrap() as f32;
+    edit_tap(&dump, "blk.0.ffn_moe_topk", |v| {
+        let k = v.len() / ids.split(',').count();
+        assert_ne!(v[5 * k + k - 1], worst);
+        v[5 * k + k - 1] = worst;
+    });
+    let (o, r) = against(&format!("external:{}", dump.display()), "cpu", "bad");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let topk = r["cases"].as_array().unwrap().iter().find(|c| c["metrics"]["tap"] == "blk.0.ffn_moe_topk").unwrap();
+    assert_eq!(topk["verdict"], "fail", "{topk}");
+    assert!(r["routing_split"].is_null(), "{}", r["routing_split"]);
+    assert!(topk["metrics"]["id_mismatches"].as_u64().unwrap() >= 1, "{topk}");
+}
