@@ -37,6 +37,11 @@ fn an_exec_arm_sleeping_3_percent_per_token_is_slower() {
         assert!(dir.path().join(f).exists(), "{f}");
     }
     assert!(std::fs::read_to_string(dir.path().join("report.md")).unwrap().contains("**summary**"));
+    // The pairs by restart group (4 each by default), each with its summed change.
+    let groups = r["ab_groups"]["rows"].as_array().unwrap();
+    assert_eq!(groups.len(), r["ab"]["pairs"].as_array().unwrap().len().div_ceil(4), "{groups:?}");
+    assert_eq!(groups[0][1], "1-4");
+    assert!(text(&o).contains("per restart group of 4 pairs"), "{}", text(&o));
 }
 
 #[test]

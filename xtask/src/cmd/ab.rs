@@ -612,6 +612,31 @@ fn pct(x: f64) -> String {
     format!("{:+.2}%", x * 100.0)
 }
 
+/// One restart group (`--respawn-every` pairs: one lifetime of each arm's server process).
+struct Group {
+    first_pair: usize,
+    pairs: usize,
+    /// The median of its pairs' changes.
+    median: f64,
+    /// B's summed metric over A's, less one: the group's loss as users publish it per restart.
+    summed: f64,
+}
+
+/// The pairs in consecutive groups of `every` (0: one group): whether a change holds in every
+/// process lifetime, or one lifetime's luck with memory placement carries it.
+fn groups(pairs: &[Pair], m: Metric, every: usize) -> Vec<Group> {
+    let every = if every == 0 { pairs.len().max(1) } else { every };
+    pairs
+        .chunks(every)
+        .enumerate()
+        .map(|(i, g)| {
+            let changes: Vec<f64> = g.iter().map(|p| p.change(m)).collect();
+            let (sa, sb) = g.iter().fold((0.0, 0.0), |(sa, sb), p| (sa + m.of(&p.a), sb + m.of(&p.b)));
+            Group { first_pair: i * every + 1, pairs: g.len(), median: suites::throughput::median(&changes), summed: sb / sa - 1.0 }
+        })
+        .collect()
+}
+
 fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>) {
     let m = a.metric;
     outln!("pair  order   A {unit}   B {unit}   change", unit = m.unit());
@@ -635,6 +660,11 @@ fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Op
         s.verdict.words().to_uppercase(),
         s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; --max-pairs {} reached)", a.max_pairs)).unwrap_or_default()
     );
+    let g = groups(pairs, m, a.respawn_every);
+    if g.len() > 1 {
+        let slower = g.iter().filter(|g| g.summed > 0.0).count();
+        outln!("per restart group of {} pairs, B's summed {} over A's: {} ({slower} of {} groups slower)", a.respawn_every, m.unit(), g.iter().map(|g| pct(g.summed)).collect::<Vec<_>>().join(", "), g.len());
+    }
     if let (Some(p), Some(at)) = (pairs.first(), first_difference) {
         outln!("outputs differ from generated token {at}: A hash {}, B hash {}", hash(&p.a.tokens), hash(&p.b.tokens));
     } else if let Some(p) = pairs.first() {
@@ -702,6 +732,12 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
     ]);
     let (col_a, col_b) = (format!("A {}", a.metric.unit()), format!("B {}", a.metric.unit()));
     r.add_table("ab_table", &format!("A = `{}`, B = `{}` on {} ({})", a.a, a.b, a.model, a.metric.words()), &["pair", "order", &col_a, &col_b, "change", "change of mean ms/token", "prefill ms A / B"], rows);
+    let group_rows: Vec<Vec<String>> = groups(pairs, a.metric, a.respawn_every)
+        .iter()
+        .enumerate()
+        .map(|(i, g)| vec![(i + 1).to_string(), format!("{}-{}", g.first_pair, g.first_pair + g.pairs - 1), pct(g.median), pct(g.summed)])
+        .collect();
+    r.add_table("ab_groups", &format!("Per restart group (`--respawn-every {}`: one lifetime of each arm's server process)", a.respawn_every), &["group", "pairs", "median change", "B's summed over A's"], group_rows);
     let changes: Vec<(f64, f64)> = pairs.iter().enumerate().map(|(i, p)| ((i + 1) as f64, 100.0 * p.change(a.metric))).collect();
     let n = pairs.len().max(1) as f64;
     r.add_chart(
