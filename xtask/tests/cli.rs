@@ -208,6 +208,7 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     let long: String = (0..200).map(|i| (1 + i % 250).to_string()).collect::<Vec<_>>().join(",");
     for (args, want) in [
         (vec!["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str()], "layer-diff over 200 positions would hold 4 recordings of every tap and the logits at once: about 28.2 MiB, more than the 8.0 MiB"),
+        (vec!["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--prompt-ids", long.as_str()], "layer-diff over 200 positions would hold 6 recordings"),
         (vec!["dump", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str(), "--out", "/nonexistent/never-written"], "dump over 200 positions would hold 2 recordings"),
         (vec!["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str(), "--n-generate", "2000"], "fixed-token over 2200 positions would hold 10 recordings of the logits at once"),
         (vec!["bench", "--device", "cpu", "--model", "tiny-llama", "--prompt-len", "1000000"], "bench over 1000064 positions would hold a KV cache of every layer at once: about 1.9 GiB"),

@@ -110,9 +110,9 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
         None => default_prompt(tok.as_ref(), engine.spec().n_vocab)?,
     };
     check_ids(&ids, engine.spec().n_vocab)?;
-    // The device's taps, the oracle's own, its isolated and its emulated re-runs (or the
-    // second device's).
-    super::check_recordings_fit("layer-diff", engine.spec(), true, ids.len(), 4)?;
+    // The device's taps, the oracle's own, its isolated and its emulated re-runs; with
+    // `--against`, both devices' taps and the oracle's own and isolated runs for each.
+    super::check_recordings_fit("layer-diff", engine.spec(), true, ids.len(), if a.against.is_some() { 6 } else { 4 })?;
     eprintln!("layer-diff: {} on {} over {} tokens ...", a.device, a.model, ids.len());
     let stages = super::Stages::new(if a.against.is_some() { 3 } else { 2 }, &format!("layer-diff {} on {}", a.device, a.model));
     stages.next(&format!("{}: every tap", a.device));
