@@ -11,11 +11,12 @@ layer-diff budgets by the terms' size (docs/ACCURACY.md, "Products whose terms c
     done
 
 Model `m{seed}` is drawn from numpy's default_rng(seed): vocabulary 3-299, 1-3 layers, width 16-96,
-1-4 heads of 4-32, GQA where the heads allow. With `--moe mixtral`, Mixtral checkpoints instead
-(1-2 layers, 2-8 experts of which 1-2 are used, a random router, smooth expert matrices); with
-`--moe qwen2_moe`, Qwen2-MoE ones (random attention with biases, router and output head; smooth
-experts and a smooth shared expert behind its sigmoid gate). A development aid (numpy,
-tools/reference/requirements.txt), never a runtime dependency.
+1-4 heads of 4-32, GQA where the heads allow; `--qwen3`, the same as Qwen3 (QK-norm). With
+`--moe mixtral`, Mixtral checkpoints instead (1-2 layers, 2-8 experts of which 1-2 are used, a
+random router, smooth expert matrices); with `--moe qwen2_moe`, Qwen2-MoE ones (random attention
+with biases, router and output head; smooth experts and a smooth shared expert behind its
+sigmoid gate). A development aid (numpy, tools/reference/requirements.txt), never a runtime
+dependency.
 """
 import argparse
 import json
@@ -26,7 +27,7 @@ import numpy as np
 import safetensors_file
 
 
-def checkpoint(directory, seed):
+def checkpoint(directory, seed, qwen3=False):
     rng = np.random.default_rng(seed)
     n_vocab = int(rng.integers(3, 300))
     n_head = int(rng.choice([1, 2, 4]))
@@ -55,12 +56,15 @@ def checkpoint(directory, seed):
             ("mlp.down_proj", (hidden, n_ff)),
         ]:
             tensors[prefix + name + ".weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+        if qwen3:
+            tensors[prefix + "self_attn.q_norm.weight"] = np.ones(head_dim, np.float32)
+            tensors[prefix + "self_attn.k_norm.weight"] = np.ones(head_dim, np.float32)
         tensors[prefix + "input_layernorm.weight"] = ones
         tensors[prefix + "post_attention_layernorm.weight"] = ones
     os.makedirs(directory, exist_ok=True)
     safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
     config = {
-        "model_type": "llama", "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
+        "model_type": "qwen3" if qwen3 else "llama", "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
         "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
         "head_dim": head_dim,
@@ -177,10 +181,14 @@ def main():
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--count", type=int, default=40, help="how many checkpoints (seeds 0..count-1)")
     which.add_argument("--seed", type=int, help="only the checkpoint of this seed (m{seed})")
-    parser.add_argument("--moe", choices=["mixtral", "qwen2_moe"], help="MoE checkpoints (smooth experts) of this type instead of Llama ones")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--moe", choices=["mixtral", "qwen2_moe"], help="MoE checkpoints (smooth experts) of this type instead of Llama ones")
+    kind.add_argument("--qwen3", action="store_true", help="Qwen3 checkpoints: the Llama ones with QK-norm (unit weights)")
     args = parser.parse_args()
     seeds = [args.seed] if args.seed is not None else range(args.count)
     write = {None: checkpoint, "mixtral": moe_checkpoint, "qwen2_moe": qwen2_moe_checkpoint}[args.moe]
+    if args.qwen3:
+        write = lambda directory, seed: checkpoint(directory, seed, qwen3=True)
     for seed in seeds:
         write(os.path.join(args.out, f"m{seed}"), seed)
     print(f"wrote {len(seeds)} checkpoint(s) under {args.out}")
