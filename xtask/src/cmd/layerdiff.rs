@@ -33,7 +33,9 @@ pub struct LayerDiffArgs {
     #[arg(long)]
     pub prompt: Option<String>,
     /// Compare the device with this second device (or dump) tap by tap instead of gating it
-    /// against the oracle; the oracle's distance to each stays in the report.
+    /// against the oracle: each tap within the sum of what each device's own comparison with the
+    /// oracle allows it (past a MoE token the two route otherwise at a near tie, each device
+    /// against the oracle routed as it was); the oracle's distance to each stays in the report.
     #[arg(long)]
     pub against: Option<String>,
     /// The `emulated_departure` gate: where the device's declared arithmetic can be emulated on
