@@ -433,6 +433,7 @@ fn two_devices_that_route_a_token_otherwise_at_a_near_tie_are_each_held_to_the_o
     };
     let (o, r) = against("gpu-emu", "cpu", "split");
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("routing split: blk.0.ffn_moe_topk position 63: cpu [1,2], gpu-emu [0,2]"), "{}", text(&o));
     let split = &r["routing_split"];
     assert_eq!((split["tap"].as_str(), split["position"].as_u64()), (Some("blk.0.ffn_moe_topk"), Some(63)), "{split}");
     assert_eq!((&split["cpu"], &split["gpu-emu"]), (&serde_json::json!([1, 2]), &serde_json::json!([0, 2])));

@@ -178,6 +178,12 @@ fn print_table(o: &layerdiff::Outcome) {
             outln!("emulated_departure gate: {why}");
         }
     }
+    // `--against` on MoE: where the two took other experts at a near tie each one's comparison
+    // explains, and what the taps after it are held to.
+    if let Some(s) = o.report.sections.get("routing_split").filter(|s| !s.is_null()) {
+        let choices: Vec<String> = s.as_object().into_iter().flatten().filter(|(k, _)| *k != "tap" && *k != "position").map(|(k, v)| format!("{k} {v}")).collect();
+        outln!("routing split: {} position {}: {} (each as the oracle routed as it was, at a near tie); every tap after it is held to each device's own comparison with the oracle", s["tap"].as_str().unwrap_or("?"), s["position"], choices.join(", "));
+    }
     // `--against`: where each device leaves the oracle (not gated here; `layer-diff --device D`
     // gates it).
     for (device, d) in o.report.sections.get("first_divergence_vs_oracle").and_then(|v| v.as_object()).into_iter().flatten() {
