@@ -406,9 +406,6 @@ impl SafetensorsDir {
     }
 }
 
-/// Half `h` (0: the first `rows`, 1: the next) of every expert's `2 * rows` rows of a fused
-/// tensor, GGML dims `[cols, 2 * rows, n_expert]`: dims `[cols, rows, n_expert]` and its bytes.
-/// None when the tensor is not 3-D with an even row count.
 /// The first tensor entry (in the order of its data) of a safetensors header whose shape and
 /// dtype do not fit its `data_offsets`, described for an error message; None when the header
 /// does not parse or every entry fits (the safetensors crate's own message then stands).
@@ -432,6 +429,9 @@ fn invalid_tensor_entry(file: &[u8]) -> Option<String> {
     })
 }
 
+/// Half `h` (0: the first `rows`, 1: the next) of every expert's `2 * rows` rows of a fused
+/// tensor, GGML dims `[cols, 2 * rows, n_expert]`: dims `[cols, rows, n_expert]` and its bytes.
+/// None when the tensor is not 3-D with an even row count.
 fn half_of_each_expert(dims: Vec<usize>, ty: GgmlType, bytes: &[u8], h: usize) -> Option<(Vec<usize>, Cow<'static, [u8]>)> {
     let [cols, rows2, n_expert] = dims[..] else { return None };
     if rows2 % 2 != 0 {
