@@ -627,18 +627,27 @@ pub struct TermScale {
 pub fn term_scales(products: &ProductRows, weights: &dyn oracle::loader::TensorSource) -> oracle::Result<std::collections::BTreeMap<String, TermScale>> {
     let mut out = std::collections::BTreeMap::new();
     for (weight, (width, rows)) in &products.rows {
-        let (Some(tap), false) = (product_tap(weight), rows.is_empty()) else { continue };
-        let Some(w) = weights.raw(weight)? else { continue };
-        let Some(row_bytes) = row_bytes(&w, *width) else { continue };
-        let n_out = w.bytes.len() / row_bytes;
-        let bias = weights.load(&weight.replace(".weight", ".bias"))?.map(|b| b.data);
-        if bias.as_ref().is_some_and(|b| b.len() != n_out) {
-            continue;
-        }
-        let (t, o, n) = term_sums(w.ty, &w.bytes, row_bytes, *width, rows, bias.as_deref())?;
+        let Some(tap) = product_tap(weight) else { continue };
+        let Some((t, o, n)) = product_sums(weights, weight, *width, rows)? else { continue };
         out.insert(tap, TermScale { term_rms: (t / n).sqrt(), output_rms: (o / n).sqrt() });
     }
     Ok(out)
+}
+
+/// [`term_sums`] of the product of the sampled input `rows` (of `width`) with the 2-D matrix
+/// `weight` as stored in `weights` (and its bias, if it has one); None where there is no such
+/// matrix of rows of `width`, no row sampled, or a bias of another length.
+fn product_sums(weights: &dyn oracle::loader::TensorSource, weight: &str, width: usize, rows: &[f32]) -> oracle::Result<Option<(f64, f64, f64)>> {
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let Some(w) = weights.raw(weight)? else { return Ok(None) };
+    let Some(row_bytes) = row_bytes(&w, width) else { return Ok(None) };
+    let bias = weights.load(&weight.replace(".weight", ".bias"))?.map(|b| b.data);
+    if bias.as_ref().is_some_and(|b| b.len() != w.bytes.len() / row_bytes) {
+        return Ok(None);
+    }
+    term_sums(w.ty, &w.bytes, row_bytes, width, rows, bias.as_deref()).map(Some)
 }
 
 /// The bytes of one row of `width` values of matrix `w`, if `w` is a matrix of such rows.
@@ -715,10 +724,10 @@ pub fn moe_term_ratios(products: &ProductRows, weights: &dyn oracle::loader::Ten
     for (layer, (_, shared)) in per_layer.iter_mut() {
         for (kind, p) in ["gate", "up", "down"].iter().enumerate() {
             let weight = format!("blk.{layer}.ffn_{p}_shexp.weight");
-            let (Some((width, rows)), Some(w)) = (products.rows.get(&weight), weights.raw(&weight)?) else { continue };
-            let Some(row_bytes) = row_bytes(&w, *width).filter(|_| !rows.is_empty()) else { continue };
-            let (t, o, _) = term_sums(w.ty, &w.bytes, row_bytes, *width, rows, None)?;
-            shared[kind] = excess(t, o);
+            let Some((width, rows)) = products.rows.get(&weight) else { continue };
+            if let Some((t, o, _)) = product_sums(weights, &weight, *width, rows)? {
+                shared[kind] = excess(t, o);
+            }
         }
     }
     let block = |r: [f64; 3]| r[0].max(r[1]) + r[2];
@@ -1339,17 +1348,18 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     let vs_oracle_a = judge(oracle_model, path, ids, a.1, a.2, &dims).map_err(|e| format!("{}: {e}", a.0))?;
     let vs_oracle_b = judge(oracle_model, path, ids, b.1, b.2, &dims).map_err(|e| format!("{}: {e}", b.0))?;
     let mut taps = diff(b.1, None, a.1, a.2, &dims).map_err(|e| e.0)?;
-    let find = |v: &'_ [TapDiff], name: &str| v.iter().find(|t| t.name == name).cloned();
+    // Tap `name` in each device's comparison with the oracle.
+    let own = |name: &str| [&vs_oracle_a.taps, &vs_oracle_b.taps].map(|v| v.iter().find(|t| t.name == name));
     for t in &mut taps {
-        let (ta, tb) = (find(&vs_oracle_a.taps, &t.name), find(&vs_oracle_b.taps, &t.name));
-        t.budget_propagated = match (ta.as_ref().and_then(|t| t.budget_propagated), tb.as_ref().and_then(|t| t.budget_propagated)) {
+        let [ta, tb] = own(&t.name);
+        t.budget_propagated = match (ta.and_then(|t| t.budget_propagated), tb.and_then(|t| t.budget_propagated)) {
             (Some(x), Some(y)) => Some(Budget { rel: x.rel + y.rel, abs: x.abs + y.abs }),
             _ => None,
         };
         t.budget_isolated = None;
         // What of the budget the two comparisons with the oracle granted, for the rule's text.
-        t.magnified = ta.as_ref().map_or(0.0, |t| t.magnified) + tb.as_ref().map_or(0.0, |t| t.magnified);
-        t.terms_grant = ta.as_ref().map_or(0.0, |t| t.terms_grant) + tb.as_ref().map_or(0.0, |t| t.terms_grant);
+        t.magnified = ta.map_or(0.0, |t| t.magnified) + tb.map_or(0.0, |t| t.magnified);
+        t.terms_grant = ta.map_or(0.0, |t| t.terms_grant) + tb.map_or(0.0, |t| t.terms_grant);
         t.terms = ta.and_then(|t| t.terms);
     }
     // Where the two took other experts for a token and each choice is one its own comparison with
@@ -1362,12 +1372,12 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     let mut judged_alone = std::collections::BTreeMap::new();
     if let Some((at, _, _)) = &split {
         for t in taps.iter_mut().skip(*at + 1) {
-            let (ta, tb) = (find(&vs_oracle_a.taps, &t.name), find(&vs_oracle_b.taps, &t.name));
+            let [ta, tb] = own(&t.name);
             if t.id_mismatches.is_some() {
-                t.id_mismatches = Some(ta.as_ref().and_then(|t| t.id_mismatches).unwrap_or(0) + tb.as_ref().and_then(|t| t.id_mismatches).unwrap_or(0));
+                t.id_mismatches = Some(ta.and_then(|t| t.id_mismatches).unwrap_or(0) + tb.and_then(|t| t.id_mismatches).unwrap_or(0));
                 continue;
             }
-            let worse = [(a.0, ta), (b.0, tb)].into_iter().filter_map(|(d, t)| Some((d, t.as_ref()?.budget_use(Mode::Propagated)?, t?))).max_by(|x, y| x.1.total_cmp(&y.1));
+            let worse = [(a.0, ta), (b.0, tb)].into_iter().filter_map(|(d, t)| Some((d, t?.budget_use(Mode::Propagated)?, t?))).max_by(|x, y| x.1.total_cmp(&y.1));
             if let Some((device, _, own)) = worse {
                 (t.propagated, t.budget_propagated, t.magnified, t.terms_grant) = (own.propagated, own.budget_propagated, own.magnified, own.terms_grant);
                 judged_alone.insert(t.name.clone(), device);
@@ -1377,10 +1387,14 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), None);
     report.sections.insert("routing_split".into(), split.as_ref().map_or(Value::Null, |(at, position, choices)| json!({ "tap": taps[*at].name, "position": position, a.0: choices.0, b.0: choices.1 })));
     for c in &mut report.cases {
+        let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        for (device, t) in [a.0, b.0].into_iter().zip(own(&name)) {
+            c.metrics.insert(format!("oracle_vs_{device}_rel_rms"), json!(t.and_then(|t| t.propagated).map(|s| s.rel())));
+        }
         if let Some(n) = c.metrics.get("routing_followed_at_near_ties").and_then(|v| v.as_u64()).filter(|n| *n > 0) {
             c.message = Some(format!("the two chose other experts at {n} position(s), each as the oracle routed as it was at a near tie"));
         }
-        if let Some(device) = c.metrics.get("tap").and_then(|v| v.as_str()).and_then(|n| judged_alone.get(n)) {
+        if let Some(device) = judged_alone.get(&name) {
             c.metrics.insert("judged_against_the_oracle_routed_as".into(), json!(device));
             c.tolerance.rule = format!("{} (past the routing split: {device} against the oracle routed as it was, the worse of the two)", c.tolerance.rule);
         }
@@ -1398,12 +1412,6 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     // reader: the pair's gate holds their difference to the sum of two propagated budgets, which
     // a tap that one device computes wrong can stay inside.
     report.sections.insert("first_divergence_vs_oracle".into(), json!({ a.0: first_divergence_json(&vs_oracle_a.taps), b.0: first_divergence_json(&vs_oracle_b.taps) }));
-    let lookup = |v: &[TapDiff], name: &str| v.iter().find(|t| t.name == name).and_then(|t| t.propagated).map(|s| s.rel());
-    for c in &mut report.cases {
-        let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();
-        c.metrics.insert(format!("oracle_vs_{}_rel_rms", a.0), json!(lookup(&vs_oracle_a.taps, &name)));
-        c.metrics.insert(format!("oracle_vs_{}_rel_rms", b.0), json!(lookup(&vs_oracle_b.taps, &name)));
-    }
     // Where each comparison with the oracle followed its device's MoE routing at a near tie, by
     // device (the budgets above rest on those runs).
     let followed = [(a.0, vs_oracle_a), (b.0, vs_oracle_b)].map(|(device, j)| (device.to_string(), json!(j.reference.routing.follows.into_iter().chain(j.isolated.routing.follows).collect::<Vec<_>>())));
