@@ -27,6 +27,51 @@ import numpy as np
 import safetensors_file
 
 
+def smooth(rng, shape, scale):
+    """`scale * sin(i * k + phase)` along the flattened tensor, k and phase drawn from `rng`."""
+    k, phase = rng.uniform(0.01, 1.5), rng.uniform(0, 6)
+    n = int(np.prod(shape))
+    return (scale * np.sin(np.arange(n) * k + phase)).reshape(shape).astype(np.float32)
+
+
+def smooth_matrix(rng, shape):
+    """A smooth matrix of a scale drawn in [0.05, 0.5)."""
+    return smooth(rng, shape, float(rng.uniform(0.05, 0.5)))
+
+
+def normal(rng, shape, scale):
+    return rng.normal(0, scale, shape).astype(np.float32)
+
+
+def attention(n_head, n_head_kv, head_dim, hidden):
+    """The attention projections of a layer: (name, shape), Hugging Face order."""
+    return [
+        ("self_attn.q_proj", (n_head * head_dim, hidden)),
+        ("self_attn.k_proj", (n_head_kv * head_dim, hidden)),
+        ("self_attn.v_proj", (n_head_kv * head_dim, hidden)),
+        ("self_attn.o_proj", (hidden, n_head * head_dim)),
+    ]
+
+
+def mlp(n_ff, hidden, gate, up, down):
+    """A gated MLP's three matrices under the given names: (name, shape)."""
+    return [(gate, (n_ff, hidden)), (up, (n_ff, hidden)), (down, (hidden, n_ff))]
+
+
+def save(directory, tensors, model_type, hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, rms_norm_eps, **extra):
+    """Writes `tensors` (F32) and a config.json of the given type and dimensions (and `extra`)."""
+    os.makedirs(directory, exist_ok=True)
+    safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
+    config = {
+        "model_type": model_type, "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": rms_norm_eps,
+        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+        "head_dim": head_dim, **extra,
+    }
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def checkpoint(directory, seed, qwen3=False):
     rng = np.random.default_rng(seed)
     n_vocab = int(rng.integers(3, 300))
@@ -36,143 +81,85 @@ def checkpoint(directory, seed, qwen3=False):
     hidden = int(rng.choice([16, 32, 64, 96]))
     n_ff = int(rng.choice([8, 32, 100]))
     n_layer = int(rng.integers(1, 4))
-
-    def smooth(shape, scale):
-        k, phase = rng.uniform(0.01, 1.5), rng.uniform(0, 6)
-        n = int(np.prod(shape))
-        return (scale * np.sin(np.arange(n) * k + phase)).reshape(shape).astype(np.float32)
-
     ones = np.ones(hidden, np.float32)
-    tensors = {"model.embed_tokens.weight": smooth((n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth((n_vocab, hidden), 1.0)}
+    tensors = {"model.embed_tokens.weight": smooth(rng, (n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth(rng, (n_vocab, hidden), 1.0)}
     for layer in range(n_layer):
         prefix = f"model.layers.{layer}."
-        for name, shape in [
-            ("self_attn.q_proj", (n_head * head_dim, hidden)),
-            ("self_attn.k_proj", (n_head_kv * head_dim, hidden)),
-            ("self_attn.v_proj", (n_head_kv * head_dim, hidden)),
-            ("self_attn.o_proj", (hidden, n_head * head_dim)),
-            ("mlp.gate_proj", (n_ff, hidden)),
-            ("mlp.up_proj", (n_ff, hidden)),
-            ("mlp.down_proj", (hidden, n_ff)),
-        ]:
-            tensors[prefix + name + ".weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+        for name, shape in attention(n_head, n_head_kv, head_dim, hidden) + mlp(n_ff, hidden, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            tensors[prefix + name + ".weight"] = smooth_matrix(rng, shape)
         if qwen3:
             tensors[prefix + "self_attn.q_norm.weight"] = np.ones(head_dim, np.float32)
             tensors[prefix + "self_attn.k_norm.weight"] = np.ones(head_dim, np.float32)
         tensors[prefix + "input_layernorm.weight"] = ones
         tensors[prefix + "post_attention_layernorm.weight"] = ones
-    os.makedirs(directory, exist_ok=True)
-    safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
-    config = {
-        "model_type": "qwen3" if qwen3 else "llama", "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
-        "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
-        "head_dim": head_dim,
-    }
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
+    save(directory, tensors, "qwen3" if qwen3 else "llama", hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, 1e-5)
+
+
+def moe_dims(rng):
+    """The dimensions the MoE checkpoints draw, in this order (vocabulary, heads, head size, KV
+    heads, width, expert FFN width)."""
+    n_vocab = int(rng.integers(3, 300))
+    n_head = int(rng.choice([1, 2, 4]))
+    head_dim = int(rng.choice([8, 16, 32]))
+    n_head_kv = int(rng.choice([n for n in (1, 2, 4) if n_head % n == 0]))
+    hidden = int(rng.choice([16, 32, 64]))
+    n_ff = int(rng.choice([8, 32, 64]))
+    return n_vocab, n_head, head_dim, n_head_kv, hidden, n_ff
+
+
+def experts_drawn(rng):
+    """How many experts, and how many of them each token uses."""
+    n_expert = int(rng.choice([2, 4, 8]))
+    return n_expert, int(rng.integers(1, min(n_expert, 2) + 1))
 
 
 def moe_checkpoint(directory, seed):
     rng = np.random.default_rng(seed)
-    n_vocab = int(rng.integers(3, 300))
-    n_head = int(rng.choice([1, 2, 4]))
-    head_dim = int(rng.choice([8, 16, 32]))
-    n_head_kv = int(rng.choice([n for n in (1, 2, 4) if n_head % n == 0]))
-    hidden = int(rng.choice([16, 32, 64]))
-    n_ff = int(rng.choice([8, 32, 64]))
+    n_vocab, n_head, head_dim, n_head_kv, hidden, n_ff = moe_dims(rng)
     n_layer = int(rng.integers(1, 3))
-    n_expert = int(rng.choice([2, 4, 8]))
-    n_used = int(rng.integers(1, min(n_expert, 2) + 1))
-
-    def smooth(shape, scale):
-        k, phase = rng.uniform(0.01, 1.5), rng.uniform(0, 6)
-        n = int(np.prod(shape))
-        return (scale * np.sin(np.arange(n) * k + phase)).reshape(shape).astype(np.float32)
-
+    n_expert, n_used = experts_drawn(rng)
     ones = np.ones(hidden, np.float32)
-    tensors = {"model.embed_tokens.weight": smooth((n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth((n_vocab, hidden), 1.0)}
+    tensors = {"model.embed_tokens.weight": smooth(rng, (n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth(rng, (n_vocab, hidden), 1.0)}
     for layer in range(n_layer):
         prefix = f"model.layers.{layer}."
-        for name, shape in [
-            ("self_attn.q_proj", (n_head * head_dim, hidden)),
-            ("self_attn.k_proj", (n_head_kv * head_dim, hidden)),
-            ("self_attn.v_proj", (n_head_kv * head_dim, hidden)),
-            ("self_attn.o_proj", (hidden, n_head * head_dim)),
-        ]:
-            tensors[prefix + name + ".weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
-        tensors[prefix + "block_sparse_moe.gate.weight"] = rng.normal(0, 0.5, (n_expert, hidden)).astype(np.float32)
+        for name, shape in attention(n_head, n_head_kv, head_dim, hidden):
+            tensors[prefix + name + ".weight"] = smooth_matrix(rng, shape)
+        tensors[prefix + "block_sparse_moe.gate.weight"] = normal(rng, (n_expert, hidden), 0.5)
         for e in range(n_expert):
-            for w, shape in [("w1", (n_ff, hidden)), ("w3", (n_ff, hidden)), ("w2", (hidden, n_ff))]:
-                tensors[prefix + f"block_sparse_moe.experts.{e}.{w}.weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
+            for w, shape in mlp(n_ff, hidden, "w1", "w3", "w2"):
+                tensors[prefix + f"block_sparse_moe.experts.{e}.{w}.weight"] = smooth_matrix(rng, shape)
         tensors[prefix + "input_layernorm.weight"] = ones
         tensors[prefix + "post_attention_layernorm.weight"] = ones
-    os.makedirs(directory, exist_ok=True)
-    safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
-    config = {
-        "model_type": "mixtral", "hidden_size": hidden, "intermediate_size": n_ff, "num_attention_heads": n_head,
-        "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
-        "head_dim": head_dim, "num_local_experts": n_expert, "num_experts_per_tok": n_used, "sliding_window": None,
-    }
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
+    save(directory, tensors, "mixtral", hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, 1e-5,
+         num_local_experts=n_expert, num_experts_per_tok=n_used, sliding_window=None)
 
 
 def qwen2_moe_checkpoint(directory, seed):
     rng = np.random.default_rng(seed)
-    n_vocab = int(rng.integers(3, 300))
-    n_head = int(rng.choice([1, 2, 4]))
-    head_dim = int(rng.choice([8, 16, 32]))
-    n_head_kv = int(rng.choice([n for n in (1, 2, 4) if n_head % n == 0]))
-    hidden = int(rng.choice([16, 32, 64]))
-    n_ff = int(rng.choice([8, 32, 64]))
+    n_vocab, n_head, head_dim, n_head_kv, hidden, n_ff = moe_dims(rng)
     n_shared = int(rng.choice([8, 32, 64]))
     n_layer = int(rng.integers(1, 3))
-    n_expert = int(rng.choice([2, 4, 8]))
-    n_used = int(rng.integers(1, min(n_expert, 2) + 1))
-
-    def smooth(shape, scale):
-        k, phase = rng.uniform(0.01, 1.5), rng.uniform(0, 6)
-        n = int(np.prod(shape))
-        return (scale * np.sin(np.arange(n) * k + phase)).reshape(shape).astype(np.float32)
-
-    def normal(shape, scale):
-        return rng.normal(0, scale, shape).astype(np.float32)
-
+    n_expert, n_used = experts_drawn(rng)
     ones = np.ones(hidden, np.float32)
-    tensors = {"model.embed_tokens.weight": normal((n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": normal((n_vocab, hidden), 0.3)}
+    tensors = {"model.embed_tokens.weight": normal(rng, (n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": normal(rng, (n_vocab, hidden), 0.3)}
     for layer in range(n_layer):
         prefix = f"model.layers.{layer}."
-        for name, shape in [
-            ("self_attn.q_proj", (n_head * head_dim, hidden)),
-            ("self_attn.k_proj", (n_head_kv * head_dim, hidden)),
-            ("self_attn.v_proj", (n_head_kv * head_dim, hidden)),
-            ("self_attn.o_proj", (hidden, n_head * head_dim)),
-        ]:
-            tensors[prefix + name + ".weight"] = normal(shape, 0.3)
+        for name, shape in attention(n_head, n_head_kv, head_dim, hidden):
+            tensors[prefix + name + ".weight"] = normal(rng, shape, 0.3)
         for b, n in [("q", n_head * head_dim), ("k", n_head_kv * head_dim), ("v", n_head_kv * head_dim)]:
-            tensors[prefix + f"self_attn.{b}_proj.bias"] = normal((n,), 0.1)
-        tensors[prefix + "mlp.gate.weight"] = normal((n_expert, hidden), 0.5)
+            tensors[prefix + f"self_attn.{b}_proj.bias"] = normal(rng, (n,), 0.1)
+        tensors[prefix + "mlp.gate.weight"] = normal(rng, (n_expert, hidden), 0.5)
         for e in range(n_expert):
-            for w, shape in [("gate_proj", (n_ff, hidden)), ("up_proj", (n_ff, hidden)), ("down_proj", (hidden, n_ff))]:
-                tensors[prefix + f"mlp.experts.{e}.{w}.weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
-        for w, shape in [("gate_proj", (n_shared, hidden)), ("up_proj", (n_shared, hidden)), ("down_proj", (hidden, n_shared))]:
-            tensors[prefix + f"mlp.shared_expert.{w}.weight"] = smooth(shape, float(rng.uniform(0.05, 0.5)))
-        tensors[prefix + "mlp.shared_expert_gate.weight"] = normal((1, hidden), 0.5)
+            for w, shape in mlp(n_ff, hidden, "gate_proj", "up_proj", "down_proj"):
+                tensors[prefix + f"mlp.experts.{e}.{w}.weight"] = smooth_matrix(rng, shape)
+        for w, shape in mlp(n_shared, hidden, "gate_proj", "up_proj", "down_proj"):
+            tensors[prefix + f"mlp.shared_expert.{w}.weight"] = smooth_matrix(rng, shape)
+        tensors[prefix + "mlp.shared_expert_gate.weight"] = normal(rng, (1, hidden), 0.5)
         tensors[prefix + "input_layernorm.weight"] = ones
         tensors[prefix + "post_attention_layernorm.weight"] = ones
-    os.makedirs(directory, exist_ok=True)
-    safetensors_file.write(os.path.join(directory, "model.safetensors"), [(name, "F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()])
-    config = {
-        "model_type": "qwen2_moe", "hidden_size": hidden, "intermediate_size": n_ff, "moe_intermediate_size": n_ff,
-        "shared_expert_intermediate_size": n_shared, "head_dim": head_dim, "num_attention_heads": n_head,
-        "num_key_value_heads": n_head_kv, "num_hidden_layers": n_layer, "vocab_size": n_vocab, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
-        "num_experts": n_expert, "num_experts_per_tok": n_used, "norm_topk_prob": False, "decoder_sparse_step": 1,
-    }
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
+    save(directory, tensors, "qwen2_moe", hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, 1e-6,
+         moe_intermediate_size=n_ff, shared_expert_intermediate_size=n_shared, num_experts=n_expert, num_experts_per_tok=n_used,
+         norm_topk_prob=False, decoder_sparse_step=1)
 
 
 def main():
