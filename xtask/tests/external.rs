@@ -448,10 +448,8 @@ fn two_devices_that_route_a_token_otherwise_at_a_near_tie_are_each_held_to_the_o
     // explains, against the cpu itself: the pair fails there.
     let dump = tmp.path().join("dump");
     dump_device("cpu", "tiny-moe", &ids, &dump);
-    let probs = std::cell::RefCell::new(Vec::new());
-    edit_tap(&dump, "blk.0.ffn_moe_probs", |v| *probs.borrow_mut() = v.clone());
-    let probs = probs.into_inner();
-    let n_expert = manifest(&dump)["taps"].as_array().unwrap().iter().find(|t| t["name"] == "blk.0.ffn_moe_probs").unwrap()["shape"][1].as_u64().unwrap() as usize;
+    let (shape, probs) = oracle::dump::read_tensor(&dump, "taps.safetensors", "blk.0.ffn_moe_probs").unwrap();
+    let n_expert = shape[1];
     let row = &probs[5 * n_expert..6 * n_expert];
     let worst = (0..n_expert).min_by(|&x, &y| row[x].total_cmp(&row[y])).unwrap() as f32;
     edit_tap(&dump, "blk.0.ffn_moe_topk", |v| {

@@ -21,10 +21,6 @@ fn emulator_available() -> bool {
     }
 }
 
-fn report(dir: &std::path::Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap()
-}
-
 #[test]
 fn every_kernel_case_passes_on_the_emulated_gpu_kernels_in_any_thread_order() {
     if !emulator_available() {

@@ -306,6 +306,15 @@ fn products_whose_terms_cancel_are_budgeted_by_their_terms() {
     }
 }
 
+/// Writes checkpoint `seed` of `tools/reference/smooth_checkpoints.py` (with `args`: `--moe
+/// KIND`, `--qwen3`) under `out`; its directory.
+fn smooth_checkpoint(out: &Path, seed: &str, args: &[&str]) -> std::path::PathBuf {
+    let script = workspace().join("tools/reference/smooth_checkpoints.py");
+    let o = std::process::Command::new("python3").arg(&script).args(args).args(["--out", out.to_str().unwrap(), "--seed", seed]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    out.join(format!("m{seed}"))
+}
+
 /// Two honest engines compared with each other (`layer-diff --against`) on a checkpoint of smooth
 /// rows (`tools/reference/smooth_checkpoints.py --seed 23`): each may be as far from the oracle
 /// as its own comparison with the oracle grants (magnification, cancelling terms). Budgeted by
@@ -317,15 +326,12 @@ fn two_honest_devices_compared_with_each_other_are_granted_what_each_is_granted(
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let script = workspace().join("tools/reference/smooth_checkpoints.py");
-    let o = std::process::Command::new("python3").arg(&script).args(["--out", tmp.path().to_str().unwrap(), "--seed", "23"]).output().unwrap();
-    assert!(o.status.success(), "{}", text(&o));
-    let model = tmp.path().join("m23");
-    let report = tmp.path().join("report");
+    let model = smooth_checkpoint(tmp.path(), "23", &[]);
+    let report_dir = tmp.path().join("report");
     for (a, b) in [("gpu-emu", "cpu"), ("fixed-int4", "fixed")] {
-        let o = xtask(&["layer-diff", "--device", a, "--against", b, "--model", model.to_str().unwrap(), "--report-dir", report.to_str().unwrap()], &[]);
+        let o = xtask(&["layer-diff", "--device", a, "--against", b, "--model", model.to_str().unwrap(), "--report-dir", report_dir.to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(0), "{a} against {b}: {}", text(&o));
-        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(report.join("report.json")).unwrap()).unwrap();
+        let r = report(&report_dir);
         assert_eq!(r["against"], b);
         let granted: Vec<&serde_json::Value> = r["cases"].as_array().unwrap().iter().filter(|c| c["metrics"]["terms_grant"].as_f64().is_some_and(|g| g > 0.0)).collect();
         assert!(!granted.is_empty() && granted.iter().all(|c| c["tolerance"]["rule"].as_str().unwrap().contains("cancelling terms")), "{a} against {b}: {granted:?}");
@@ -345,18 +351,12 @@ fn a_moe_layer_whose_expert_products_cancel_is_budgeted_by_their_terms() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let script = workspace().join("tools/reference/smooth_checkpoints.py");
-    for (arch, seed) in [("mixtral", "10"), ("mixtral", "12"), ("qwen2_moe", "13")] {
-        let out = tmp.path().join(arch);
-        let o = std::process::Command::new("python3").arg(&script).args(["--moe", arch, "--out", out.to_str().unwrap(), "--seed", seed]).output().unwrap();
-        assert!(o.status.success(), "{}", text(&o));
-    }
-    let report = tmp.path().join("report");
+    let report_dir = tmp.path().join("report");
     for (arch, seed, device) in [("mixtral", "10", "gpu-emu"), ("mixtral", "10", "cpu:kv-f16"), ("mixtral", "12", "cpu"), ("qwen2_moe", "13", "cpu")] {
-        let model = tmp.path().join(arch).join(format!("m{seed}"));
-        let o = xtask(&["layer-diff", "--device", device, "--model", model.to_str().unwrap(), "--report-dir", report.to_str().unwrap()], &[]);
+        let model = smooth_checkpoint(&tmp.path().join(arch), seed, &["--moe", arch]);
+        let o = xtask(&["layer-diff", "--device", device, "--model", model.to_str().unwrap(), "--report-dir", report_dir.to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(0), "{arch} m{seed} on {device}: {}", text(&o));
-        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(report.join("report.json")).unwrap()).unwrap();
+        let r = report(&report_dir);
         let ffn_out: Vec<&serde_json::Value> = r["cases"].as_array().unwrap().iter().filter(|c| c["metrics"]["kind"] == "ffn_out").collect();
         assert!(!ffn_out.is_empty());
         for c in ffn_out {
