@@ -49,8 +49,9 @@ struct Shape {
     /// expert gate, sigmoid gating, normalized top-k weights); None: a dense FFN.
     moe: Option<(usize, usize, usize, usize, bool, bool, bool)>,
     /// Dense matrices of smooth rows (`sin(i·k + phase)` along the tensor) instead of random
-    /// values: products whose terms cancel (layer-diff budgets them by their terms; a MoE's
-    /// expert products, which have no tap of their own, stay random).
+    /// values: products whose terms cancel (layer-diff budgets them by their terms). A MoE's
+    /// expert matrices stay random here; smooth experts are the MoE checkpoints of
+    /// `tools/reference/smooth_checkpoints.py --moe`.
     smooth: bool,
     seed: u64,
 }
