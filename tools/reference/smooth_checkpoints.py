@@ -15,7 +15,8 @@ Model `m{seed}` is drawn from numpy's default_rng(seed): vocabulary 3-299, 1-3 l
 `--moe mixtral`, Mixtral checkpoints instead (1-2 layers, 2-8 experts of which 1-2 are used, a
 random router, smooth expert matrices); with `--moe qwen2_moe`, Qwen2-MoE ones (random attention
 with biases, router and output head; smooth experts and a smooth shared expert behind its
-sigmoid gate). A development aid (numpy, tools/reference/requirements.txt), never a runtime
+sigmoid gate); with `--moe qwen3_moe`, Qwen3-MoE ones (QK-norm with weights drawn in
+[0.5, 1.5), top-k weights renormalized, smooth experts). A development aid (numpy, tools/reference/requirements.txt), never a runtime
 dependency.
 """
 import argparse
@@ -162,6 +163,30 @@ def qwen2_moe_checkpoint(directory, seed):
          norm_topk_prob=False, decoder_sparse_step=1)
 
 
+def qwen3_moe_checkpoint(directory, seed):
+    rng = np.random.default_rng(seed)
+    n_vocab, n_head, head_dim, n_head_kv, hidden, n_ff = moe_dims(rng)
+    n_layer = int(rng.integers(1, 3))
+    n_expert, n_used = experts_drawn(rng)
+    ones = np.ones(hidden, np.float32)
+    tensors = {"model.embed_tokens.weight": smooth(rng, (n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth(rng, (n_vocab, hidden), 1.0)}
+    for layer in range(n_layer):
+        prefix = f"model.layers.{layer}."
+        for name, shape in attention(n_head, n_head_kv, head_dim, hidden):
+            tensors[prefix + name + ".weight"] = smooth_matrix(rng, shape)
+        for b in ("q", "k"):
+            tensors[prefix + f"self_attn.{b}_norm.weight"] = rng.uniform(0.5, 1.5, head_dim).astype(np.float32)
+        tensors[prefix + "mlp.gate.weight"] = normal(rng, (n_expert, hidden), 0.5)
+        for e in range(n_expert):
+            for w, shape in mlp(n_ff, hidden, "gate_proj", "up_proj", "down_proj"):
+                tensors[prefix + f"mlp.experts.{e}.{w}.weight"] = smooth_matrix(rng, shape)
+        tensors[prefix + "input_layernorm.weight"] = ones
+        tensors[prefix + "post_attention_layernorm.weight"] = ones
+    save(directory, tensors, "qwen3_moe", hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, 1e-6,
+         moe_intermediate_size=n_ff, num_experts=n_expert, num_experts_per_tok=n_used, norm_topk_prob=True,
+         decoder_sparse_step=1, mlp_only_layers=[])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory that receives m0, m1, ...")
@@ -169,11 +194,11 @@ def main():
     which.add_argument("--count", type=int, default=40, help="how many checkpoints (seeds 0..count-1)")
     which.add_argument("--seed", type=int, help="only the checkpoint of this seed (m{seed})")
     kind = parser.add_mutually_exclusive_group()
-    kind.add_argument("--moe", choices=["mixtral", "qwen2_moe"], help="MoE checkpoints (smooth experts) of this type instead of Llama ones")
+    kind.add_argument("--moe", choices=["mixtral", "qwen2_moe", "qwen3_moe"], help="MoE checkpoints (smooth experts) of this type instead of Llama ones")
     kind.add_argument("--qwen3", action="store_true", help="Qwen3 checkpoints: the Llama ones with QK-norm (unit weights)")
     args = parser.parse_args()
     seeds = [args.seed] if args.seed is not None else range(args.count)
-    write = {None: checkpoint, "mixtral": moe_checkpoint, "qwen2_moe": qwen2_moe_checkpoint}[args.moe]
+    write = {None: checkpoint, "mixtral": moe_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "qwen3_moe": qwen3_moe_checkpoint}[args.moe]
     if args.qwen3:
         write = lambda directory, seed: checkpoint(directory, seed, qwen3=True)
     for seed in seeds:
