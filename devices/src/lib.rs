@@ -80,6 +80,13 @@ pub struct Arithmetic {
     /// Activations quantized to symmetric 8-bit blocks of this size (llama.cpp's Q8_0) before
     /// products with quantized weights.
     pub activation_q8_block: Option<usize>,
+    /// The block for products with K-quant matrices (Q4_K, Q5_K, Q6_K) where it differs from
+    /// `activation_q8_block`'s: llama.cpp's CPU backend gives them Q8_K blocks of 256 and the
+    /// other quantized types Q8_0/Q8_1 blocks of 32, so a file that mixes them (a K-quant file
+    /// whose 576-wide rows fell back to Q5_0) rounds its products' inputs two ways. None: the
+    /// same block for every quantized matrix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_q8_block_kquant: Option<usize>,
     /// Accuracy of exp/tanh/sin/cos, in units of the storage roundoff.
     pub transcendental_ulps: f64,
     /// Integer fixed-point arithmetic (the `fixed` device); when set, the bounds come from these
@@ -110,8 +117,25 @@ pub struct FixedPoint {
 }
 
 impl Arithmetic {
-    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, transcendental_ulps: 1.0, fixed: None, kv_cache: None };
-    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, transcendental_ulps: 4.0, fixed: None, kv_cache: None };
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, transcendental_ulps: 1.0, fixed: None, kv_cache: None };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, transcendental_ulps: 4.0, fixed: None, kv_cache: None };
+
+    /// The Q8 block of the activations entering a product with a matrix stored as `ty`: None for
+    /// float matrices (their inputs enter as stored) and where nothing is declared.
+    pub fn q8_block_for(&self, ty: oracle::quant::GgmlType) -> Option<usize> {
+        use oracle::quant::GgmlType::{BF16, F16, F32, Q4_K, Q5_K, Q6_K};
+        match ty {
+            F32 | F16 | BF16 => None,
+            Q4_K | Q5_K | Q6_K => self.activation_q8_block_kquant.or(self.activation_q8_block),
+            _ => self.activation_q8_block,
+        }
+    }
+
+    /// The widest Q8 block any product's input is rounded to: what a budget that does not know
+    /// which matrices a tap's products met must allow.
+    pub fn widest_q8_block(&self) -> Option<usize> {
+        self.activation_q8_block.max(self.activation_q8_block_kquant)
+    }
 
     /// Refuses a declaration outside the domain the budgets are derived for. A dump's manifest
     /// is its author's word: `transcendental_ulps: 1e300` would make every budget infinite and
@@ -125,8 +149,10 @@ impl Arithmetic {
             let shown = if ulps.abs() < 1e9 { ulps.to_string() } else { format!("{ulps:e}") };
             return Err(format!("transcendental_ulps {shown} of {:?} storage: must be finite, >= 0 and at most 2^-4 relative", self.storage));
         }
-        if let Some(b) = self.activation_q8_block.filter(|b| !(1..=1024).contains(b)) {
-            return Err(format!("activation_q8_block {b}: must be 1..=1024"));
+        for (name, block) in [("activation_q8_block", self.activation_q8_block), ("activation_q8_block_kquant", self.activation_q8_block_kquant)] {
+            if let Some(b) = block.filter(|b| !(1..=1024).contains(b)) {
+                return Err(format!("{name} {b}: must be 1..=1024"));
+            }
         }
         if let Some(fp) = &self.fixed {
             for (name, bits) in [("act_frac", fp.act_frac), ("weight_frac", fp.weight_frac), ("norm_frac", fp.norm_frac), ("table_frac", fp.table_frac)] {

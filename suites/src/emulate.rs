@@ -31,7 +31,8 @@ pub const EMULATED_MIN_SPREAD: f64 = 16.0;
 /// are what an honest engine of that arithmetic computes (up to the order of its sums): a tap
 /// that substitutes, after each op, the value rounded as the engine would hold it —
 /// activations entering a product with a quantized matrix rounded to symmetric 8-bit blocks
-/// (llama.cpp's Q8_0: scale max|x|/127 stored as f16) when `activation_q8_block` says so, at
+/// (llama.cpp's Q8_0: scale max|x|/127 stored as f16) when `activation_q8_block` says so (the
+/// block of a K-quant matrix's products `activation_q8_block_kquant`'s where declared), at
 /// [`oracle::Tap::product_input`] (inside MoE experts too; inputs of f32/f16/bf16 matrices, such
 /// as a MoE router's, unrounded, as declared), cached keys and values
 /// rounded to the cache's format, and every value to a 16-bit storage format. For fixed-point
@@ -43,10 +44,9 @@ pub struct EmulatedArithmetic {
     fixed: Option<devices::FixedPoint>,
     /// The model's file (fixed point loads its weights anew from it).
     path: std::path::PathBuf,
-    /// The matrices the model stores quantized (GGUF names): the products whose input is
-    /// rounded to Q8 blocks.
-    quantized: std::collections::BTreeSet<String>,
-    q8_block: Option<usize>,
+    /// The matrices whose products take Q8 activations (GGUF names), each with its block (by
+    /// its stored type: `devices::Arithmetic::q8_block_for`).
+    q8_blocks: std::collections::BTreeMap<String, usize>,
     kv: Option<devices::NumFormat>,
     storage: Option<devices::NumFormat>,
     pending: Option<Vec<f32>>,
@@ -135,15 +135,15 @@ impl TensorSource for FixedPointWeights {
 
 /// The matrices of the model at `path` stored in a quantized type (not f32, f16 or bf16), by
 /// GGUF name: those a Q8-activation engine multiplies with rounded inputs.
-pub fn quantized_matrices(path: &std::path::Path) -> oracle::Result<std::collections::BTreeSet<String>> {
+pub fn quantized_matrices(path: &std::path::Path) -> oracle::Result<std::collections::BTreeMap<String, oracle::quant::GgmlType>> {
     let (src, spec) = oracle::loader::open_weights(path)?;
     let per_layer = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"];
     let names = (0..spec.n_layer).flat_map(|l| per_layer.iter().map(move |t| format!("blk.{l}.{t}.weight"))).chain(["output.weight".to_string(), "token_embd.weight".to_string()]);
-    let mut out = std::collections::BTreeSet::new();
+    let mut out = std::collections::BTreeMap::new();
     for n in names {
         if let Some(t) = src.raw(&n)? {
             if !devices::cpu::qdot::is_float(t.ty) {
-                out.insert(n);
+                out.insert(n, t.ty);
             }
         }
     }
@@ -184,23 +184,23 @@ impl EmulatedArithmetic {
     /// rounded as the others are ([`oracle::Tap::product_input`]).
     pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), quantized: Default::default(), q8_block: None, kv: None, storage: None, pending: None, weights: None, recorded: None };
+        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), q8_blocks: Default::default(), kv: None, storage: None, pending: None, weights: None, recorded: None };
         if let Some(fp) = arith.fixed {
             return Ok(EmulatedArithmetic { fixed: Some(fp), weights: Some(GridSoftmax::new(fp.act_frac)), ..none });
         }
         let storage = matches!(arith.storage, F16 | BF16).then_some(arith.storage);
         let kv = arith.kv_cache.filter(|f| matches!(f, F16 | BF16));
-        if arith.activation_q8_block.is_none() && kv.is_none() && storage.is_none() {
+        if arith.widest_q8_block().is_none() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
         }
-        let quantized = match arith.activation_q8_block {
-            Some(_) => quantized_matrices(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?,
+        let q8_blocks: std::collections::BTreeMap<String, usize> = match arith.widest_q8_block() {
+            Some(_) => quantized_matrices(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?.into_iter().filter_map(|(name, ty)| Some((name, arith.q8_block_for(ty)?))).collect(),
             None => Default::default(),
         };
-        if quantized.is_empty() && kv.is_none() && storage.is_none() {
+        if q8_blocks.is_empty() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix".into());
         }
-        Ok(EmulatedArithmetic { q8_block: arith.activation_q8_block, kv, storage, quantized, ..none })
+        Ok(EmulatedArithmetic { kv, storage, q8_blocks, ..none })
     }
 
     /// The oracle this emulation runs, when it is not the caller's: for fixed-point arithmetic
@@ -242,7 +242,7 @@ impl Tap for EmulatedArithmetic {
         self.weights.as_ref().map(|w| &*w.0)
     }
     fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
-        let b = self.q8_block.filter(|_| self.quantized.contains(weight))?;
+        let b = *self.q8_blocks.get(weight)?;
         let mut v = data.to_vec();
         round_q8_blocks(&mut v, width, b);
         Some(v)
@@ -337,8 +337,8 @@ mod tests {
         // Q8 activations: the input of a product with a quantized matrix, nothing else.
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
         assert!(EmulatedArithmetic::new(&q8, nowhere).unwrap_err().contains("matrix types could not be read"));
-        let quantized = ["blk.0.attn_q.weight".to_string()].into_iter().collect();
-        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), quantized, q8_block: Some(32), kv: None, storage: None, pending: None, weights: None, recorded: None };
+        let q8_blocks = [("blk.0.attn_q.weight".to_string(), 32)].into_iter().collect();
+        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), q8_blocks, kv: None, storage: None, pending: None, weights: None, recorded: None };
         let sub = emu.product_input("blk.0.attn_q.weight", 64, &x).expect("a quantized matrix's input is rounded");
         assert!(sub != x && sub.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 0.9 / 127.0 * 0.5 + 1e-6));
         assert!(emu.product_input("blk.0.ffn_gate_inp.weight", 64, &x).is_none(), "a float matrix's is not");
@@ -379,14 +379,16 @@ mod tests {
             w.tensor("token_embd.weight", &[32, 40], GgmlType::F32, encode(GgmlType::F32, &[0.5f32; 32 * 40]).unwrap());
             w.tensor("blk.0.attn_norm.weight", &[32], GgmlType::F32, encode(GgmlType::F32, &[1.0f32; 32]).unwrap());
             for (t, ty) in types {
-                w.tensor(t, &[32, 32], *ty, encode(*ty, &[0.5f32; 32 * 32]).unwrap());
+                // Rows of one block where a block is wider than 32 (K-quants: 256).
+                let cols = ty.block_size().max(32);
+                w.tensor(t, &[cols as u64, 32], *ty, encode(*ty, &vec![0.5f32; cols * 32]).unwrap());
             }
             let path = dir.path().join(name);
             w.write_to(&path).unwrap();
             path
         };
         let mixed = write("mixed.gguf", &[("blk.0.attn_q.weight", GgmlType::Q4_0), ("blk.0.attn_k.weight", GgmlType::F16), ("blk.0.ffn_down.weight", GgmlType::Q8_0), ("output.weight", GgmlType::BF16)]);
-        let got: Vec<String> = quantized_matrices(&mixed).unwrap().into_iter().collect();
+        let got: Vec<String> = quantized_matrices(&mixed).unwrap().into_keys().collect();
         assert_eq!(got, ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]);
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
         assert!(EmulatedArithmetic::new(&q8, &mixed).is_ok());
@@ -394,6 +396,31 @@ mod tests {
         assert!(EmulatedArithmetic::new(&q8, &float).unwrap_err().contains("meet no quantized matrix"));
         let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..q8 };
         assert!(EmulatedArithmetic::new(&kv, &float).is_ok(), "the cache still rounds");
+
+        // llama.cpp's two blocks: Q8_0's 32 before Q4_0..Q8_0 matrices, Q8_K's 256 before
+        // K-quants; each product's input rounded with its matrix's block.
+        let kmix = write("kmix.gguf", &[("blk.0.attn_q.weight", GgmlType::Q4_0), ("blk.0.ffn_down.weight", GgmlType::Q4_K), ("output.weight", GgmlType::F16)]);
+        let x: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 64 == 0 { 3.0 } else { 0.01 }).collect();
+        let rounded = |b| {
+            let mut v = x.clone();
+            round_q8_blocks(&mut v, 256, b);
+            v
+        };
+        assert_ne!(rounded(32), rounded(256), "the two blocks round this input otherwise");
+        let two = devices::Arithmetic { activation_q8_block_kquant: Some(256), ..q8 };
+        let mut emu = EmulatedArithmetic::new(&two, &kmix).unwrap();
+        assert_eq!(emu.product_input("blk.0.attn_q.weight", 256, &x).unwrap(), rounded(32));
+        assert_eq!(emu.product_input("blk.0.ffn_down.weight", 256, &x).unwrap(), rounded(256));
+        assert!(emu.product_input("output.weight", 256, &x).is_none());
+        // One block declared: it serves the K-quants too.
+        let mut one = EmulatedArithmetic::new(&q8, &kmix).unwrap();
+        assert_eq!(one.product_input("blk.0.ffn_down.weight", 256, &x).unwrap(), rounded(32));
+        // Only the K-quants' block declared: the other matrices' inputs enter as computed.
+        let k_only = devices::Arithmetic { activation_q8_block_kquant: Some(256), ..devices::Arithmetic::F32 };
+        let mut k = EmulatedArithmetic::new(&k_only, &kmix).unwrap();
+        assert!(k.product_input("blk.0.attn_q.weight", 256, &x).is_none());
+        assert_eq!(k.product_input("blk.0.ffn_down.weight", 256, &x).unwrap(), rounded(256));
+        assert!(EmulatedArithmetic::new(&k_only, &mixed).unwrap_err().contains("meet no quantized matrix"));
     }
 
     /// The emulated fixed-point weights are the `fixed` and `fixed-int4` devices' own conversion

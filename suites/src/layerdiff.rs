@@ -164,9 +164,10 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
         rel += C_STAT * a.transcendental_ulps * us;
     }
     if op.matmul {
-        if let Some(b) = a.activation_q8_block {
+        if let Some(b) = a.widest_q8_block() {
             // Q8_0 activations: each element rounds to a step of max|block|/127, so the RMS
-            // error of a block is at most max/254 and its RMS value at least max/sqrt(B).
+            // error of a block is at most max/254 and its RMS value at least max/sqrt(B) (the
+            // widest block declared: a tap does not say which matrices its products met).
             rel += C_COND * (b as f64).sqrt() / 254.0;
         }
     }

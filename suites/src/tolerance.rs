@@ -29,20 +29,6 @@ fn f32_in<'a>(case: &'a OpCase, name: &str) -> &'a Tensor {
     case.f32(name).expect("registry case has this input")
 }
 
-/// ggml's Q8_0 activation quantization (block 32, scale amax/127 stored as f16, round half away
-/// from zero): returns the dequantized values the device multiplies with.
-pub fn q8_dequantized(x: &[f32]) -> Vec<f64> {
-    let mut out = Vec::with_capacity(x.len());
-    for blk in x.chunks(32) {
-        let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let d16 = half::f16::from_f32(d).to_f32() as f64;
-        out.extend(blk.iter().map(|v| (v * id).round() as f64 * d16));
-    }
-    out
-}
-
 pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
     if let Some(fp) = &a.fixed {
         return fixed_bounds(case, reference, fp);
@@ -70,10 +56,14 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
             let (m, k, stride) = oracle::registry::view_dims(case, x);
             let dense: Vec<f32> = (0..m).flat_map(|r| x.data[r * stride..r * stride + k].iter().copied()).collect();
             let x = &Tensor { shape: vec![m, k], data: dense };
-            let xq: Vec<f64> = match a.activation_q8_block {
-                Some(32) => x.data.chunks(k).flat_map(q8_dequantized).collect(),
-                _ => x.data.iter().map(|v| *v as f64).collect(),
-            };
+            // The values the device multiplies with: its Q8 blocks where it declares them for
+            // this matrix's type (llama.cpp's Q8_0: scale amax/127 stored as f16).
+            let block = a.q8_block_for(*ty);
+            let mut xq = x.data.clone();
+            if let Some(b) = block {
+                crate::emulate::round_q8_blocks(&mut xq, k, b);
+            }
+            let xq: Vec<f64> = xq.iter().map(|v| *v as f64).collect();
             let g = gamma(k + 4, ua);
             let mut b = vec![0.0; m * rows];
             for t in 0..m {
@@ -87,7 +77,7 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
                     b[t * rows + r] = d.abs() + g * s + u * (d.abs() + s) + tiny;
                 }
             }
-            let act = if a.activation_q8_block.is_some() { "|sum w*(x - q8(x))| + " } else { "" };
+            let act = block.map_or(String::new(), |b| format!("|sum w*(x - q8(x))| (Q8 blocks of {b}) + "));
             Bounds { per_output: vec![Some(b)], rule: format!("{act}gamma(K+4)*sum|w*x| + u*|y|, K={k}") }
         }
         ("add" | "add_bias", _) => Bounds { per_output: vec![Some(y(0).iter().map(|v| 2.0 * u * v.abs() + tiny).collect())], rule: "2u*|y|".into() },
@@ -409,5 +399,43 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
             one(b, "fixed: |attn(q16 inputs) - y| + sum_j |v_j|*(4h*p_j + eps_exp*(1+p_j*L) + h) + h")
         }
         _ => Bounds { per_output: reference.iter().map(|o| matches!(o, Output::F32(_)).then(|| vec![0.0; y.len()])).collect(), rule: "exact".into() },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device that feeds a K-quant matrix Q8 blocks of 256 (llama.cpp's Q8_K) and its other
+    /// quantized matrices blocks of 32 is held to a bound that covers each: the bound rounds the
+    /// case's input with the block its weight type takes, and a declaration of 32 alone does not
+    /// cover the coarser rounding.
+    #[test]
+    fn matmul_bounds_round_the_input_with_the_block_of_the_weight_type() {
+        let entry = oracle::registry::registry().into_iter().find(|e| e.name == "matmul").unwrap();
+        let cases = entry.cases_where(0, &|id: &str| id.starts_with("matmul(w=q4_k,k=512,n=256,m=3,seed=") || id.starts_with("matmul(w=q4_0,k=512,n=256,m=3,seed="));
+        assert_eq!(cases.len(), 8, "four seeds of each type");
+        let declared = Arithmetic { activation_q8_block: Some(32), activation_q8_block_kquant: Some(256), ..Arithmetic::F32 };
+        let (mut uncovered_by_32, mut kquant_cases) = (0, 0);
+        for case in &cases {
+            let reference = (entry.reference)(case).unwrap();
+            let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else { unreachable!() };
+            let block = if *ty == oracle::quant::GgmlType::Q4_K { 256 } else { 32 };
+            kquant_cases += usize::from(block == 256);
+            // The device: the input in Q8 blocks of its type's block, the product in f64.
+            let w = decode(*ty, bytes, rows * cols).unwrap();
+            let mut x = f32_in(case, "x").data.clone();
+            crate::emulate::round_q8_blocks(&mut x, *cols, block);
+            let got: Vec<f64> = x.chunks(*cols).flat_map(|xr| w.chunks(*cols).map(move |wr| wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>())).collect();
+            let Output::F32(y) = &reference[0] else { unreachable!() };
+            let err: Vec<f64> = got.iter().zip(&y.data).map(|(g, r)| (g - *r as f64).abs()).collect();
+            let bound = bounds(case, &reference, &declared).per_output[0].clone().unwrap();
+            assert!(err.iter().zip(&bound).all(|(e, b)| e <= b), "{}: the declared blocks' bound covers the device", case.id);
+            assert!(bounds(case, &reference, &declared).rule.contains(&format!("Q8 blocks of {block}")));
+            let narrow = bounds(case, &reference, &Arithmetic { activation_q8_block: Some(32), ..Arithmetic::F32 }).per_output[0].clone().unwrap();
+            uncovered_by_32 += usize::from(err.iter().zip(&narrow).any(|(e, b)| e > b));
+        }
+        assert_eq!(kquant_cases, 4);
+        assert_eq!(uncovered_by_32, 4, "blocks of 32 declared: each K-quant case's coarser rounding falls outside");
     }
 }

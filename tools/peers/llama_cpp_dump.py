@@ -15,15 +15,16 @@ one. With TOUCHSTONE_N_GENERATE > 0 it generates greedily and writes a token-onl
 
 The dump declares llama.cpp's CPU arithmetic as far as the declaration can say it: f32
 activations, Q8 blocks into every product with a quantized matrix (32 wide, the Q8_0/Q8_1 that
-Q4_0..Q8_0 weights meet; 256 when the file holds K-quants, whose products take Q8_K blocks) and an
-f16 KV cache. What it cannot say is reported by the comparison, not hidden: llama.cpp also rounds
+Q4_0..Q8_0 weights meet; 256 for K-quant matrices, whose products take Q8_K blocks:
+`activation_q8_block_kquant`, declared when the file holds any) and an f16 KV cache. What it cannot say is reported by the comparison, not hidden: llama.cpp also rounds
 the query and the attention weights to f16 where they meet the f16 cache, and the activations
 entering an F16/BF16 matrix to that format.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
 attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32 keeps the cache in
-f32 (and declares it); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares another activation block
-(`none`: f32 activations, an understatement the budgets must catch).
+f32 (and declares it); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares one activation block for
+every quantized matrix instead (`none`: f32 activations, an understatement the budgets must
+catch).
 """
 import ctypes
 import json
@@ -140,7 +141,8 @@ def main():
     q8 = os.environ.get("TOUCHSTONE_LLAMA_Q8_BLOCK", "file")
     if q8 not in ("file", "32", "256", "none"):
         sys.exit(f"TOUCHSTONE_LLAMA_Q8_BLOCK={q8}: 32, 256 or none")
-    q8_block = (256 if kquant_file(model_path) else 32) if q8 == "file" else None if q8 == "none" else int(q8)
+    q8_block = 32 if q8 == "file" else None if q8 == "none" else int(q8)
+    q8_block_kquant = 256 if q8 == "file" and kquant_file(model_path) else None
 
     # The prompt runs as one batch (n_batch = n_ubatch = its length): one graph, each tap once.
     taps, order = {}, []  # name -> [n_tokens, width], in the order llama.cpp computed them
@@ -212,7 +214,7 @@ def main():
         "taps": [],
         "logits": None,
         "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
-                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": kv},
+                       "activation_q8_block_kquant": q8_block_kquant, "transcendental_ulps": 4.0, "fixed": None, "kv_cache": kv},
     }
     if n_generate > 0:
         logits, seq = decode(ids, 0, False), []

@@ -6,7 +6,7 @@ pub mod kernels;
 pub mod model;
 pub mod qdot;
 
-use crate::{fail, Arithmetic, Device, DeviceError, NumFormat, Support};
+use crate::{fail, Arithmetic, Device, DeviceError, Support};
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
 
@@ -248,14 +248,7 @@ impl Device for CpuDevice {
     }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
         let quantized_weight = case.inputs.iter().any(|(_, i)| matches!(i, Input::Quant { ty, .. } if !qdot::is_float(*ty)));
-        Arithmetic {
-            storage: NumFormat::F32,
-            accumulate: NumFormat::F32,
-            activation_q8_block: if case.op == "matmul" && quantized_weight { Some(32) } else { None },
-            transcendental_ulps: 4.0,
-            fixed: None,
-            kv_cache: None,
-        }
+        Arithmetic { activation_q8_block: (case.op == "matmul" && quantized_weight).then_some(32), ..Arithmetic::F32 }
     }
     fn supports(&self, case: &OpCase) -> Support {
         match case.op {
