@@ -531,7 +531,7 @@ impl Device for FixedDevice {
         if self.int4 { "fixed-int4".into() } else { "fixed".into() }
     }
     fn arithmetic(&self, _: &OpCase) -> Arithmetic {
-        Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, activation_q8_block: None, activation_q8_block_kquant: None, transcendental_ulps: 0.0, fixed: Some(self.point()), kv_cache: None }
+        Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, transcendental_ulps: 0.0, fixed: Some(self.point()), ..Arithmetic::F32 }
     }
     fn supports(&self, case: &OpCase) -> Support {
         if self.int4 && case.op == "matmul" {
@@ -683,7 +683,7 @@ impl crate::DeviceModel for FixedModel {
         &self.spec
     }
     fn arithmetic(&self) -> Arithmetic {
-        Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, activation_q8_block: None, activation_q8_block_kquant: None, transcendental_ulps: 0.0, fixed: Some(self.point), kv_cache: None }
+        Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, transcendental_ulps: 0.0, fixed: Some(self.point), ..Arithmetic::F32 }
     }
     fn cached(&self) -> usize {
         self.kv.len

@@ -87,6 +87,10 @@ pub struct Arithmetic {
     /// same block for every quantized matrix.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activation_q8_block_kquant: Option<usize>,
+    /// Activations entering a product with an F16 or BF16 matrix rounded to that matrix's
+    /// format first (llama.cpp's CPU backend multiplies in the matrix's own type there).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub activation_half_rounding: bool,
     /// Accuracy of exp/tanh/sin/cos, in units of the storage roundoff.
     pub transcendental_ulps: f64,
     /// Integer fixed-point arithmetic (the `fixed` device); when set, the bounds come from these
@@ -97,6 +101,16 @@ pub struct Arithmetic {
     /// so only its budget (and what propagates from it) grows.
     #[serde(default)]
     pub kv_cache: Option<NumFormat>,
+}
+
+/// How a declared arithmetic rounds a product's input before the matrix
+/// ([`Arithmetic::input_rounding`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum InputRounding {
+    /// Symmetric 8-bit blocks of this many values (llama.cpp's Q8_0 and Q8_K).
+    Q8(usize),
+    /// Each value rounded to this 16-bit format (the matrix's own).
+    Half(NumFormat),
 }
 
 /// A fixed-point device's formats: values are integers scaled by 2^-frac_bits.
@@ -117,18 +131,26 @@ pub struct FixedPoint {
 }
 
 impl Arithmetic {
-    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, transcendental_ulps: 1.0, fixed: None, kv_cache: None };
-    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, transcendental_ulps: 4.0, fixed: None, kv_cache: None };
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None };
 
-    /// The Q8 block of the activations entering a product with a matrix stored as `ty`: None for
-    /// float matrices (their inputs enter as stored) and where nothing is declared.
-    pub fn q8_block_for(&self, ty: oracle::quant::GgmlType) -> Option<usize> {
+    /// How the activations entering a product with a matrix stored as `ty` are rounded: Q8
+    /// blocks before a quantized matrix (K-quants' own block where declared), the matrix's
+    /// format before an F16/BF16 one when `activation_half_rounding`; None: they enter as held.
+    pub fn input_rounding(&self, ty: oracle::quant::GgmlType) -> Option<InputRounding> {
         use oracle::quant::GgmlType::{BF16, F16, F32, Q4_K, Q5_K, Q6_K};
         match ty {
-            F32 | F16 | BF16 => None,
-            Q4_K | Q5_K | Q6_K => self.activation_q8_block_kquant.or(self.activation_q8_block),
-            _ => self.activation_q8_block,
+            F32 => None,
+            F16 => self.activation_half_rounding.then_some(InputRounding::Half(NumFormat::F16)),
+            BF16 => self.activation_half_rounding.then_some(InputRounding::Half(NumFormat::BF16)),
+            Q4_K | Q5_K | Q6_K => self.activation_q8_block_kquant.or(self.activation_q8_block).map(InputRounding::Q8),
+            _ => self.activation_q8_block.map(InputRounding::Q8),
         }
+    }
+
+    /// Whether any product's input is rounded (Q8 blocks or a half-precision format).
+    pub fn rounds_product_inputs(&self) -> bool {
+        self.widest_q8_block().is_some() || self.activation_half_rounding
     }
 
     /// The widest Q8 block any product's input is rounded to: what a budget that does not know

@@ -44,9 +44,9 @@ pub struct EmulatedArithmetic {
     fixed: Option<devices::FixedPoint>,
     /// The model's file (fixed point loads its weights anew from it).
     path: std::path::PathBuf,
-    /// The matrices whose products take Q8 activations (GGUF names), each with its block (by
-    /// its stored type: `devices::Arithmetic::q8_block_for`).
-    q8_blocks: std::collections::BTreeMap<String, usize>,
+    /// The matrices whose products take rounded inputs (GGUF names), each with its rounding
+    /// (by its stored type: `devices::Arithmetic::input_rounding`).
+    inputs: std::collections::BTreeMap<String, devices::InputRounding>,
     kv: Option<devices::NumFormat>,
     storage: Option<devices::NumFormat>,
     pending: Option<Vec<f32>>,
@@ -133,25 +133,23 @@ impl TensorSource for FixedPointWeights {
     }
 }
 
-/// The matrices of the model at `path` stored in a quantized type (not f32, f16 or bf16), by
-/// GGUF name: those a Q8-activation engine multiplies with rounded inputs.
-pub fn quantized_matrices(path: &std::path::Path) -> oracle::Result<std::collections::BTreeMap<String, oracle::quant::GgmlType>> {
+/// The matrices of the model at `path` (GGUF names; every product's weight) with the type each
+/// is stored in: what decides how a declared arithmetic rounds each product's input.
+pub fn matrix_types(path: &std::path::Path) -> oracle::Result<std::collections::BTreeMap<String, oracle::quant::GgmlType>> {
     let (src, spec) = oracle::loader::open_weights(path)?;
     let per_layer = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"];
     let names = (0..spec.n_layer).flat_map(|l| per_layer.iter().map(move |t| format!("blk.{l}.{t}.weight"))).chain(["output.weight".to_string(), "token_embd.weight".to_string()]);
     let mut out = std::collections::BTreeMap::new();
     for n in names {
         if let Some(t) = src.raw(&n)? {
-            if !devices::cpu::qdot::is_float(t.ty) {
-                out.insert(n, t.ty);
-            }
+            out.insert(n, t.ty);
         }
     }
     Ok(out)
 }
 
 /// One value rounded to a 16-bit format (`F16`, `BF16`); others unchanged.
-fn round_to(f: devices::NumFormat, x: f32) -> f32 {
+pub fn round_to(f: devices::NumFormat, x: f32) -> f32 {
     match f {
         devices::NumFormat::F16 => half::f16::from_f32(x).to_f32(),
         devices::NumFormat::BF16 => half::bf16::from_f32(x).to_f32(),
@@ -175,6 +173,14 @@ pub fn round_q8_blocks(x: &mut [f32], width: usize, block: usize) {
     }
 }
 
+/// `x` (rows of `width`) as a product's input rounded by `how`: Q8 blocks, or a 16-bit format.
+pub fn round_input(x: &mut [f32], width: usize, how: devices::InputRounding) {
+    match how {
+        devices::InputRounding::Q8(block) => round_q8_blocks(x, width, block),
+        devices::InputRounding::Half(f) => x.iter_mut().for_each(|v| *v = round_to(f, *v)),
+    }
+}
+
 impl EmulatedArithmetic {
     /// The emulation of `arith`, or why there is none: nothing declared to round (f32 storage,
     /// no quantized activations, no rounding cache: the worst-case bound is already sharp
@@ -184,23 +190,23 @@ impl EmulatedArithmetic {
     /// rounded as the others are ([`oracle::Tap::product_input`]).
     pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), q8_blocks: Default::default(), kv: None, storage: None, pending: None, weights: None, recorded: None };
+        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: None, storage: None, pending: None, weights: None, recorded: None };
         if let Some(fp) = arith.fixed {
             return Ok(EmulatedArithmetic { fixed: Some(fp), weights: Some(GridSoftmax::new(fp.act_frac)), ..none });
         }
         let storage = matches!(arith.storage, F16 | BF16).then_some(arith.storage);
         let kv = arith.kv_cache.filter(|f| matches!(f, F16 | BF16));
-        if arith.widest_q8_block().is_none() && kv.is_none() && storage.is_none() {
+        if !arith.rounds_product_inputs() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
         }
-        let q8_blocks: std::collections::BTreeMap<String, usize> = match arith.widest_q8_block() {
-            Some(_) => quantized_matrices(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?.into_iter().filter_map(|(name, ty)| Some((name, arith.q8_block_for(ty)?))).collect(),
-            None => Default::default(),
+        let inputs: std::collections::BTreeMap<String, devices::InputRounding> = match arith.rounds_product_inputs() {
+            true => matrix_types(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?.into_iter().filter_map(|(name, ty)| Some((name, arith.input_rounding(ty)?))).collect(),
+            false => Default::default(),
         };
-        if q8_blocks.is_empty() && kv.is_none() && storage.is_none() {
-            return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix".into());
+        if inputs.is_empty() && kv.is_none() && storage.is_none() {
+            return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix (nor its half-precision rounding an F16/BF16 one)".into());
         }
-        Ok(EmulatedArithmetic { kv, storage, q8_blocks, ..none })
+        Ok(EmulatedArithmetic { kv, storage, inputs, ..none })
     }
 
     /// The oracle this emulation runs, when it is not the caller's: for fixed-point arithmetic
@@ -242,9 +248,8 @@ impl Tap for EmulatedArithmetic {
         self.weights.as_ref().map(|w| &*w.0)
     }
     fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
-        let b = *self.q8_blocks.get(weight)?;
         let mut v = data.to_vec();
-        round_q8_blocks(&mut v, width, b);
+        round_input(&mut v, width, *self.inputs.get(weight)?);
         Some(v)
     }
 }
@@ -337,8 +342,8 @@ mod tests {
         // Q8 activations: the input of a product with a quantized matrix, nothing else.
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
         assert!(EmulatedArithmetic::new(&q8, nowhere).unwrap_err().contains("matrix types could not be read"));
-        let q8_blocks = [("blk.0.attn_q.weight".to_string(), 32)].into_iter().collect();
-        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), q8_blocks, kv: None, storage: None, pending: None, weights: None, recorded: None };
+        let inputs = [("blk.0.attn_q.weight".to_string(), devices::InputRounding::Q8(32))].into_iter().collect();
+        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: None, storage: None, pending: None, weights: None, recorded: None };
         let sub = emu.product_input("blk.0.attn_q.weight", 64, &x).expect("a quantized matrix's input is rounded");
         assert!(sub != x && sub.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 0.9 / 127.0 * 0.5 + 1e-6));
         assert!(emu.product_input("blk.0.ffn_gate_inp.weight", 64, &x).is_none(), "a float matrix's is not");
@@ -361,9 +366,10 @@ mod tests {
         assert_eq!(emu.recorded.as_ref().unwrap().tensors["blk.0.ffn_inp"].1, sub, "shown as the engine holds it");
     }
 
-    /// `quantized_matrices` names the matrices stored in a quantized type and no others; Q8
-    /// activations on a model whose matrices are all f32/f16/bf16 round nothing, and the
-    /// emulation says so instead of holding a device to the oracle itself.
+    /// Q8 activations round the inputs of products with quantized matrices and no others (on a
+    /// model whose matrices are all f32/f16/bf16 they round nothing, and the emulation says so
+    /// instead of holding a device to the oracle itself); K-quants take their own block where
+    /// one is declared, and F16/BF16 matrices their own format under `activation_half_rounding`.
     #[test]
     fn q8_activations_round_only_before_quantized_matrices() {
         use oracle::gguf::{GgufWriter, Value};
@@ -388,14 +394,28 @@ mod tests {
             path
         };
         let mixed = write("mixed.gguf", &[("blk.0.attn_q.weight", GgmlType::Q4_0), ("blk.0.attn_k.weight", GgmlType::F16), ("blk.0.ffn_down.weight", GgmlType::Q8_0), ("output.weight", GgmlType::BF16)]);
-        let got: Vec<String> = quantized_matrices(&mixed).unwrap().into_keys().collect();
-        assert_eq!(got, ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]);
+        let got: Vec<(String, GgmlType)> = matrix_types(&mixed).unwrap().into_iter().collect();
+        assert_eq!(got, [("blk.0.attn_k.weight".into(), GgmlType::F16), ("blk.0.attn_q.weight".into(), GgmlType::Q4_0), ("blk.0.ffn_down.weight".into(), GgmlType::Q8_0), ("output.weight".into(), GgmlType::BF16), ("token_embd.weight".into(), GgmlType::F32)]);
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
-        assert!(EmulatedArithmetic::new(&q8, &mixed).is_ok());
+        let mut emu = EmulatedArithmetic::new(&q8, &mixed).unwrap();
+        let y: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.001234567).collect();
+        for (matrix, rounded) in [("blk.0.attn_q.weight", true), ("blk.0.ffn_down.weight", true), ("blk.0.attn_k.weight", false), ("output.weight", false), ("token_embd.weight", false)] {
+            assert_eq!(emu.product_input(matrix, 32, &y).is_some(), rounded, "{matrix}");
+        }
+        // llama.cpp multiplies an F16/BF16 matrix in its own type: the input rounded to it.
+        let half = devices::Arithmetic { activation_half_rounding: true, ..q8 };
+        let mut emu = EmulatedArithmetic::new(&half, &mixed).unwrap();
+        let as_f16: Vec<f32> = y.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect();
+        let as_bf16: Vec<f32> = y.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
+        assert!(as_f16 != y && as_bf16 != as_f16);
+        assert_eq!(emu.product_input("blk.0.attn_k.weight", 32, &y).unwrap(), as_f16);
+        assert_eq!(emu.product_input("output.weight", 32, &y).unwrap(), as_bf16);
+        assert!(emu.product_input("token_embd.weight", 32, &y).is_none(), "an f32 matrix's input enters as computed");
         let float = write("float.gguf", &[("blk.0.attn_q.weight", GgmlType::F32), ("output.weight", GgmlType::F16)]);
         assert!(EmulatedArithmetic::new(&q8, &float).unwrap_err().contains("meet no quantized matrix"));
         let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..q8 };
         assert!(EmulatedArithmetic::new(&kv, &float).is_ok(), "the cache still rounds");
+        assert!(EmulatedArithmetic::new(&devices::Arithmetic { activation_half_rounding: true, ..q8 }, &float).is_ok(), "the F16 head's input rounds");
 
         // llama.cpp's two blocks: Q8_0's 32 before Q4_0..Q8_0 matrices, Q8_K's 256 before
         // K-quants; each product's input rounded with its matrix's block.

@@ -164,12 +164,13 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
         rel += C_STAT * a.transcendental_ulps * us;
     }
     if op.matmul {
-        if let Some(b) = a.widest_q8_block() {
-            // Q8_0 activations: each element rounds to a step of max|block|/127, so the RMS
-            // error of a block is at most max/254 and its RMS value at least max/sqrt(B) (the
-            // widest block declared: a tap does not say which matrices its products met).
-            rel += C_COND * (b as f64).sqrt() / 254.0;
-        }
+        // Q8_0 activations: each element rounds to a step of max|block|/127, so the RMS error of
+        // a block is at most max/254 and its RMS value at least max/sqrt(B); inputs rounded to a
+        // matrix's 16-bit format err by at most its unit roundoff (bf16's, the coarser). The
+        // widest declared: a tap does not say which matrices its products met.
+        let q8 = a.widest_q8_block().map_or(0.0, |b| (b as f64).sqrt() / 254.0);
+        let half = if a.activation_half_rounding { devices::NumFormat::BF16.unit_roundoff() } else { 0.0 };
+        rel += C_COND * q8.max(half);
     }
     // Values near zero: allow one rounding of the storage format at unit scale per element.
     Some(Budget { rel: rel + cache, abs: us * 1e-3 })
@@ -1598,6 +1599,14 @@ mod tests {
         let q8 = Arithmetic { activation_q8_block: Some(32), ..a };
         assert!(local_budget("attn_q", &q8, &d).unwrap().rel > 10.0 * local_budget("attn_q", &a, &d).unwrap().rel);
         assert_eq!(local_budget("attn_norm", &q8, &d), local_budget("attn_norm", &a, &d), "Q8 applies to products only");
+        // The widest rounding declared: K-quants' blocks of 256 over 32, half-precision inputs
+        // (below a block of 32's, so they add nothing beside it).
+        let kquant = Arithmetic { activation_q8_block_kquant: Some(256), ..q8 };
+        assert!(local_budget("attn_q", &kquant, &d).unwrap().rel > 2.0 * local_budget("attn_q", &q8, &d).unwrap().rel);
+        let half = Arithmetic { activation_half_rounding: true, ..a };
+        assert!(local_budget("attn_q", &half, &d).unwrap().rel > 10.0 * local_budget("attn_q", &a, &d).unwrap().rel);
+        assert_eq!(local_budget("attn_q", &Arithmetic { activation_half_rounding: true, ..q8 }, &d), local_budget("attn_q", &q8, &d));
+        assert_eq!(local_budget("attn_norm", &half, &d), local_budget("attn_norm", &a, &d));
         assert!(local_budget("no_such_tap", &a, &d).is_none());
     }
 

@@ -56,12 +56,13 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
             let (m, k, stride) = oracle::registry::view_dims(case, x);
             let dense: Vec<f32> = (0..m).flat_map(|r| x.data[r * stride..r * stride + k].iter().copied()).collect();
             let x = &Tensor { shape: vec![m, k], data: dense };
-            // The values the device multiplies with: its Q8 blocks where it declares them for
-            // this matrix's type (llama.cpp's Q8_0: scale amax/127 stored as f16).
-            let block = a.q8_block_for(*ty);
+            // The values the device multiplies with: rounded as it declares for this matrix's
+            // type (Q8 blocks, llama.cpp's Q8_0: scale amax/127 stored as f16; or the matrix's
+            // own 16-bit format).
+            let rounding = a.input_rounding(*ty);
             let mut xq = x.data.clone();
-            if let Some(b) = block {
-                crate::emulate::round_q8_blocks(&mut xq, k, b);
+            if let Some(how) = rounding {
+                crate::emulate::round_input(&mut xq, k, how);
             }
             let xq: Vec<f64> = xq.iter().map(|v| *v as f64).collect();
             let g = gamma(k + 4, ua);
@@ -77,7 +78,11 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
                     b[t * rows + r] = d.abs() + g * s + u * (d.abs() + s) + tiny;
                 }
             }
-            let act = block.map_or(String::new(), |b| format!("|sum w*(x - q8(x))| (Q8 blocks of {b}) + "));
+            let act = match rounding {
+                Some(devices::InputRounding::Q8(b)) => format!("|sum w*(x - q8(x))| (Q8 blocks of {b}) + "),
+                Some(devices::InputRounding::Half(f)) => format!("|sum w*(x - {f:?}(x))| + "),
+                None => String::new(),
+            };
             Bounds { per_output: vec![Some(b)], rule: format!("{act}gamma(K+4)*sum|w*x| + u*|y|, K={k}") }
         }
         ("add" | "add_bias", _) => Bounds { per_output: vec![Some(y(0).iter().map(|v| 2.0 * u * v.abs() + tiny).collect())], rule: "2u*|y|".into() },
@@ -406,36 +411,48 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
 mod tests {
     use super::*;
 
-    /// A device that feeds a K-quant matrix Q8 blocks of 256 (llama.cpp's Q8_K) and its other
-    /// quantized matrices blocks of 32 is held to a bound that covers each: the bound rounds the
-    /// case's input with the block its weight type takes, and a declaration of 32 alone does not
-    /// cover the coarser rounding.
+    /// A device that feeds a K-quant matrix Q8 blocks of 256 (llama.cpp's Q8_K), its other
+    /// quantized matrices blocks of 32 and an F16/BF16 matrix its input in that format is held
+    /// to a bound that covers each: the bound rounds the case's input as its weight type takes
+    /// it, and a declaration of blocks of 32 alone covers neither the coarser blocks nor the
+    /// half-precision inputs.
     #[test]
-    fn matmul_bounds_round_the_input_with_the_block_of_the_weight_type() {
+    fn matmul_bounds_round_the_input_as_the_weight_type_takes_it() {
+        use devices::{InputRounding, NumFormat};
+        use oracle::quant::GgmlType;
         let entry = oracle::registry::registry().into_iter().find(|e| e.name == "matmul").unwrap();
-        let cases = entry.cases_where(0, &|id: &str| id.starts_with("matmul(w=q4_k,k=512,n=256,m=3,seed=") || id.starts_with("matmul(w=q4_0,k=512,n=256,m=3,seed="));
-        assert_eq!(cases.len(), 8, "four seeds of each type");
-        let declared = Arithmetic { activation_q8_block: Some(32), activation_q8_block_kquant: Some(256), ..Arithmetic::F32 };
-        let (mut uncovered_by_32, mut kquant_cases) = (0, 0);
+        let types = ["q4_k", "q4_0", "bf16", "f16"];
+        let cases = entry.cases_where(0, &|id: &str| types.iter().any(|t| id.starts_with(&format!("matmul(w={t},k=512,n=256,m=3,seed="))));
+        assert_eq!(cases.len(), 16, "four seeds of each type");
+        let declared = Arithmetic { activation_q8_block: Some(32), activation_q8_block_kquant: Some(256), activation_half_rounding: true, ..Arithmetic::F32 };
+        let mut uncovered_by_32 = std::collections::BTreeMap::new();
         for case in &cases {
             let reference = (entry.reference)(case).unwrap();
             let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else { unreachable!() };
-            let block = if *ty == oracle::quant::GgmlType::Q4_K { 256 } else { 32 };
-            kquant_cases += usize::from(block == 256);
-            // The device: the input in Q8 blocks of its type's block, the product in f64.
+            let how = match ty {
+                GgmlType::Q4_K => InputRounding::Q8(256),
+                GgmlType::BF16 => InputRounding::Half(NumFormat::BF16),
+                GgmlType::F16 => InputRounding::Half(NumFormat::F16),
+                _ => InputRounding::Q8(32),
+            };
+            // The device: the input rounded as its type takes it, the product in f64.
             let w = decode(*ty, bytes, rows * cols).unwrap();
             let mut x = f32_in(case, "x").data.clone();
-            crate::emulate::round_q8_blocks(&mut x, *cols, block);
+            crate::emulate::round_input(&mut x, *cols, how);
             let got: Vec<f64> = x.chunks(*cols).flat_map(|xr| w.chunks(*cols).map(move |wr| wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>())).collect();
             let Output::F32(y) = &reference[0] else { unreachable!() };
             let err: Vec<f64> = got.iter().zip(&y.data).map(|(g, r)| (g - *r as f64).abs()).collect();
-            let bound = bounds(case, &reference, &declared).per_output[0].clone().unwrap();
-            assert!(err.iter().zip(&bound).all(|(e, b)| e <= b), "{}: the declared blocks' bound covers the device", case.id);
-            assert!(bounds(case, &reference, &declared).rule.contains(&format!("Q8 blocks of {block}")));
+            let b = bounds(case, &reference, &declared);
+            assert!(err.iter().zip(b.per_output[0].as_ref().unwrap()).all(|(e, b)| e <= b), "{}: the declared rounding's bound covers the device", case.id);
+            let named = match how {
+                InputRounding::Q8(block) => format!("Q8 blocks of {block}"),
+                InputRounding::Half(f) => format!("{f:?}(x)"),
+            };
+            assert!(b.rule.contains(&named), "{}: {}", case.id, b.rule);
             let narrow = bounds(case, &reference, &Arithmetic { activation_q8_block: Some(32), ..Arithmetic::F32 }).per_output[0].clone().unwrap();
-            uncovered_by_32 += usize::from(err.iter().zip(&narrow).any(|(e, b)| e > b));
+            *uncovered_by_32.entry(ty.name()).or_insert(0) += usize::from(err.iter().zip(&narrow).any(|(e, b)| e > b));
         }
-        assert_eq!(kquant_cases, 4);
-        assert_eq!(uncovered_by_32, 4, "blocks of 32 declared: each K-quant case's coarser rounding falls outside");
+        let want: std::collections::BTreeMap<&str, usize> = [("bf16", 4), ("f16", 4), ("q4_0", 0), ("q4_k", 4)].into_iter().collect();
+        assert_eq!(uncovered_by_32, want, "blocks of 32 declared: the coarser roundings fall outside, blocks of 32 inside");
     }
 }

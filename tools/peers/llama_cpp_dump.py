@@ -16,15 +16,17 @@ one. With TOUCHSTONE_N_GENERATE > 0 it generates greedily and writes a token-onl
 The dump declares llama.cpp's CPU arithmetic as far as the declaration can say it: f32
 activations, Q8 blocks into every product with a quantized matrix (32 wide, the Q8_0/Q8_1 that
 Q4_0..Q8_0 weights meet; 256 for K-quant matrices, whose products take Q8_K blocks:
-`activation_q8_block_kquant`, declared when the file holds any) and an f16 KV cache. What it cannot say is reported by the comparison, not hidden: llama.cpp also rounds
-the query and the attention weights to f16 where they meet the f16 cache, and the activations
-entering an F16/BF16 matrix to that format.
+`activation_q8_block_kquant`, declared when the file holds any), the input of a product with an
+F16/BF16 matrix rounded to that format (`activation_half_rounding`: ggml multiplies in the
+matrix's type there) and an f16 KV cache. What it cannot say is reported by the comparison, not
+hidden: llama.cpp also rounds the query and the attention weights to f16 where they meet the
+f16 cache.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
 attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32 keeps the cache in
 f32 (and declares it); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares one activation block for
-every quantized matrix instead (`none`: f32 activations, an understatement the budgets must
-catch).
+every quantized matrix instead (`none`: f32 activations into every product, an understatement
+the budgets must catch).
 """
 import ctypes
 import json
@@ -214,7 +216,8 @@ def main():
         "taps": [],
         "logits": None,
         "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
-                       "activation_q8_block_kquant": q8_block_kquant, "transcendental_ulps": 4.0, "fixed": None, "kv_cache": kv},
+                       "activation_q8_block_kquant": q8_block_kquant, "activation_half_rounding": q8 != "none",
+                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": kv},
     }
     if n_generate > 0:
         logits, seq = decode(ids, 0, False), []

@@ -420,6 +420,23 @@ fn llama_cpp_is_judged_tap_by_tap_through_exec() {
     let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"] == "fixed_token(model=tiny-llama,gate=kld_vs_emulation)").expect("the emulation gate ran");
     let ratio = gate["metrics"]["ratio"].as_f64().unwrap();
     assert!((0.8..1.25).contains(&ratio), "llama.cpp's mean KLD against its declared arithmetic's: {ratio}");
+    // An F16 or BF16 file: ggml multiplies in the matrix's type, so each product's input is
+    // rounded to it (declared as `activation_half_rounding`). Undeclared, BF16 measured 235x its
+    // emulation and F16 4.7x: an honest engine failed.
+    let tiny = fixtures::resolve("tiny-llama", true).unwrap();
+    for (ftype, name) in [("LLAMA_FTYPE_MOSTLY_BF16", "bf16"), ("LLAMA_FTYPE_MOSTLY_F16", "f16")] {
+        let file = tmp.path().join(format!("tiny-{name}.gguf"));
+        let script = format!("import ctypes, llama_cpp as l\np = l.llama_model_quantize_default_params()\np.ftype = l.{ftype}\np.allow_requantize = True\nassert l.llama_model_quantize({:?}.encode(), {:?}.encode(), ctypes.byref(p)) == 0", tiny.to_str().unwrap(), file.to_str().unwrap());
+        let q = std::process::Command::new("python3").args(["-c", &script]).output().unwrap();
+        assert!(q.status.success(), "{name}: {}", text(&q));
+        let out = tmp.path().join(format!("ft-{name}"));
+        let o = xtask(&["fixed-token", "--device", engine, "--model", file.to_str().unwrap(), "--report-dir", out.to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", text(&o));
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().is_some_and(|id| id.ends_with("gate=kld_vs_emulation)"))).expect("the emulation gate ran");
+        let ratio = gate["metrics"]["ratio"].as_f64().unwrap();
+        assert!((0.8..1.25).contains(&ratio), "{name}: llama.cpp's mean KLD against its declared arithmetic's: {ratio}");
+    }
     let (o, _) = run("fixed-token", &[], "ft");
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(text(&o).contains("Pass         fixed_token(model=smollm2,gate=kld_vs_emulation)"), "{}", text(&o));
