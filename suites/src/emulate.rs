@@ -51,7 +51,10 @@ pub struct EmulatedArithmetic {
     storage: Option<devices::NumFormat>,
     pending: Option<Vec<f32>>,
     /// Fixed point: the attention weights as the engine computes them, on its grid.
-    weights: Option<GridSoftmax>,
+    weights: Option<SoftmaxRule>,
+    /// The attention's query rounded to this format before its product with the cached keys
+    /// (an F16/BF16 cache multiplied in its own type, `activation_half_rounding`).
+    query: Option<devices::NumFormat>,
     /// Each tap's value as the engine shows it (on its grid or in its storage format; before a
     /// cache's rounding), when [`EmulatedArithmetic::recording`] asked for it.
     pub recorded: Option<oracle::RecordingTap>,
@@ -185,14 +188,14 @@ impl EmulatedArithmetic {
     /// The emulation of `arith`, or why there is none: nothing declared to round (f32 storage,
     /// no quantized activations, no rounding cache: the worst-case bound is already sharp
     /// there). Fixed-point arithmetic is emulated by its grids, the attention's scores, exps
-    /// and weights included ([`GridSoftmax`]); the integer approximations of exp, sigmoid and
+    /// and weights included ([`SoftmaxRule::grid`]); the integer approximations of exp, sigmoid and
     /// the inverse square root keep the oracle's precision. On MoE models the experts' product inputs are
     /// rounded as the others are ([`oracle::Tap::product_input`]).
     pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: None, storage: None, pending: None, weights: None, recorded: None };
+        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: None, storage: None, pending: None, weights: None, query: None, recorded: None };
         if let Some(fp) = arith.fixed {
-            return Ok(EmulatedArithmetic { fixed: Some(fp), weights: Some(GridSoftmax::new(fp.act_frac)), ..none });
+            return Ok(EmulatedArithmetic { fixed: Some(fp), weights: Some(SoftmaxRule::grid(fp.act_frac)), ..none });
         }
         let storage = matches!(arith.storage, F16 | BF16).then_some(arith.storage);
         let kv = arith.kv_cache.filter(|f| matches!(f, F16 | BF16));
@@ -206,7 +209,11 @@ impl EmulatedArithmetic {
         if inputs.is_empty() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix (nor its half-precision rounding an F16/BF16 one)".into());
         }
-        Ok(EmulatedArithmetic { kv, storage, inputs, ..none })
+        // A cache that rounds, multiplied in its own type: the query and the attention weights
+        // enter its two products in that format too (llama.cpp without flash attention).
+        let query = kv.filter(|_| arith.activation_half_rounding);
+        let weights = query.map(SoftmaxRule::rounded_to);
+        Ok(EmulatedArithmetic { kv, storage, inputs, query, weights, ..none })
     }
 
     /// The oracle this emulation runs, when it is not the caller's: for fixed-point arithmetic
@@ -236,7 +243,9 @@ impl Tap for EmulatedArithmetic {
         if let Some(r) = &mut self.recorded {
             r.record(name, start_pos, n_tokens, width, held.as_deref().unwrap_or(data));
         }
-        self.pending = match self.kv.filter(|_| name.ends_with(".attn_k_rope") || name.ends_with(".attn_v")) {
+        let cached = name.ends_with(".attn_k_rope") || name.ends_with(".attn_v");
+        let rounded = if cached { self.kv } else { self.query.filter(|_| name.ends_with(".attn_q_rope")) };
+        self.pending = match rounded {
             Some(f) => Some(held.as_deref().unwrap_or(data).iter().map(|x| round_to(f, *x)).collect()),
             None => held,
         };
@@ -291,29 +300,40 @@ impl oracle::Tap for Following<'_> {
     }
 }
 
-/// A fixed-point engine's attention weights, on its activation grid of `frac` fractional bits:
-/// each scaled score on the grid, exp(score - max) on the grid, their exact sum, and each weight
-/// (exp / sum) on the grid — what no tap shows and the engine rounds all the same. The integer
-/// exp's own approximation (under 1e-7 before its rounding) is not emulated.
-pub struct GridSoftmax(Box<oracle::ops::AttentionWeights>);
+/// How an engine turns a query head's scaled scores into attention weights where it rounds
+/// them (through `oracle::Tap::attention_weights`).
+pub struct SoftmaxRule(Box<oracle::ops::AttentionWeights>, &'static str);
 
-impl GridSoftmax {
-    pub fn new(frac: u32) -> GridSoftmax {
+impl SoftmaxRule {
+    /// A fixed-point engine's, on its activation grid of `frac` fractional bits: each scaled
+    /// score on the grid, exp(score - max) on the grid, their exact sum, and each weight
+    /// (exp / sum) on the grid — what no tap shows and the engine rounds all the same. The
+    /// integer exp's own approximation (under 1e-7 before its rounding) is not emulated.
+    pub fn grid(frac: u32) -> SoftmaxRule {
         let quantum = 1.0 / (1u64 << frac) as f64;
-        GridSoftmax(Box::new(move |scores: &[f64]| {
-            let s: Vec<f64> = scores.iter().map(|x| on_grid(*x, frac)).collect();
-            let max = s.iter().fold(f64::NEG_INFINITY, |m, x| m.max(*x));
-            let e: Vec<f64> = s.iter().map(|x| on_grid((x - max).exp(), frac)).collect();
-            // An integer sum of at least one quantum (every exp rounded to 0 cannot be).
-            let sum = e.iter().sum::<f64>().max(quantum);
-            e.iter().map(|x| on_grid(x / sum, frac)).collect()
-        }))
+        SoftmaxRule(
+            Box::new(move |scores: &[f64]| {
+                let s: Vec<f64> = scores.iter().map(|x| on_grid(*x, frac)).collect();
+                let max = s.iter().fold(f64::NEG_INFINITY, |m, x| m.max(*x));
+                let e: Vec<f64> = s.iter().map(|x| on_grid((x - max).exp(), frac)).collect();
+                // An integer sum of at least one quantum (every exp rounded to 0 cannot be).
+                let sum = e.iter().sum::<f64>().max(quantum);
+                e.iter().map(|x| on_grid(x / sum, frac)).collect()
+            }),
+            "grid",
+        )
+    }
+
+    /// The softmax with each weight rounded to a 16-bit format: an engine that multiplies the
+    /// weights with an F16/BF16 cache of values in the cache's type.
+    pub fn rounded_to(f: devices::NumFormat) -> SoftmaxRule {
+        SoftmaxRule(Box::new(move |scores: &[f64]| oracle::ops::act::softmax_f64(scores).into_iter().map(|p| round_to(f, p as f32) as f64).collect()), "rounded")
     }
 }
 
-impl std::fmt::Debug for GridSoftmax {
+impl std::fmt::Debug for SoftmaxRule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("GridSoftmax")
+        write!(f, "SoftmaxRule({})", self.1)
     }
 }
 
@@ -343,7 +363,7 @@ mod tests {
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
         assert!(EmulatedArithmetic::new(&q8, nowhere).unwrap_err().contains("matrix types could not be read"));
         let inputs = [("blk.0.attn_q.weight".to_string(), devices::InputRounding::Q8(32))].into_iter().collect();
-        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: None, storage: None, pending: None, weights: None, recorded: None };
+        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: None, storage: None, pending: None, weights: None, query: None, recorded: None };
         let sub = emu.product_input("blk.0.attn_q.weight", 64, &x).expect("a quantized matrix's input is rounded");
         assert!(sub != x && sub.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 0.9 / 127.0 * 0.5 + 1e-6));
         assert!(emu.product_input("blk.0.ffn_gate_inp.weight", 64, &x).is_none(), "a float matrix's is not");
@@ -356,6 +376,8 @@ mod tests {
         assert_eq!(emu.recorded.as_ref().unwrap().tensors["blk.1.attn_v"].1, x, "shown as computed, rounded only in the cache");
         emu.record("blk.1.attn_norm", 0, 1, 64, &x);
         assert!(emu.substitute("blk.1.attn_norm", 0, 1, 64).is_none());
+        emu.record("blk.1.attn_q_rope", 0, 1, 64, &x);
+        assert!(emu.substitute("blk.1.attn_q_rope", 0, 1, 64).is_none() && emu.attention_weights().is_none(), "a cache alone rounds what it holds");
         assert!(EmulatedArithmetic::new(&devices::Arithmetic::F32, nowhere).unwrap_err().contains("nothing"));
         // Fixed point: every tap on the activation grid, the residual stream too.
         let point = devices::fixed::FixedDevice { int4: false }.point();
@@ -416,6 +438,16 @@ mod tests {
         let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..q8 };
         assert!(EmulatedArithmetic::new(&kv, &float).is_ok(), "the cache still rounds");
         assert!(EmulatedArithmetic::new(&devices::Arithmetic { activation_half_rounding: true, ..q8 }, &float).is_ok(), "the F16 head's input rounds");
+        // An f16 cache multiplied in its own type (llama.cpp without flash attention): the query
+        // and the attention weights enter its products as f16.
+        let mut emu = EmulatedArithmetic::new(&devices::Arithmetic { activation_half_rounding: true, ..kv }, &float).unwrap();
+        emu.record("blk.1.attn_q_rope", 0, 1, 32, &y);
+        assert_eq!(emu.substitute("blk.1.attn_q_rope", 0, 1, 32).unwrap(), y.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect::<Vec<_>>());
+        let scores = [0.3, -1.25, 2.0, 0.7];
+        let weights = emu.attention_weights().expect("the weights are rounded")(&scores);
+        let exact = oracle::ops::act::softmax_f64(&scores);
+        assert!(weights.iter().zip(&exact).all(|(w, p)| *w == half::f16::from_f64(*p).to_f64() && (w - p).abs() <= p * 4.9e-4), "{weights:?} {exact:?}");
+        assert!(weights != exact);
 
         // llama.cpp's two blocks: Q8_0's 32 before Q4_0..Q8_0 matrices, Q8_K's 256 before
         // K-quants; each product's input rounded with its matrix's block.
@@ -451,7 +483,7 @@ mod tests {
     /// everywhere, over rows of scores from near ties to a 30-unit spread.
     #[test]
     fn grid_softmax_is_the_integer_devices_softmax() {
-        let rule = GridSoftmax::new(16);
+        let rule = SoftmaxRule::grid(16);
         let (mut entries, mut equal) = (0, 0);
         for row in 0..200u64 {
             let spread = 0.01 + (row % 20) as f64 * 1.5;

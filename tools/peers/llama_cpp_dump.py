@@ -18,9 +18,10 @@ activations, Q8 blocks into every product with a quantized matrix (32 wide, the 
 Q4_0..Q8_0 weights meet; 256 for K-quant matrices, whose products take Q8_K blocks:
 `activation_q8_block_kquant`, declared when the file holds any), the input of a product with an
 F16/BF16 matrix rounded to that format (`activation_half_rounding`: ggml multiplies in the
-matrix's type there) and an f16 KV cache. What it cannot say is reported by the comparison, not
-hidden: llama.cpp also rounds the query and the attention weights to f16 where they meet the
-f16 cache.
+matrix's type there, and so the query and the attention weights enter their products with an
+f16 cache as f16) and an f16 KV cache. With flash attention llama.cpp accumulates the weighted
+values in f16 instead of rounding the weights, which the declaration does not say; the
+comparison shows what that costs.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
 attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32 keeps the cache in
