@@ -475,9 +475,6 @@ mod tests {
         assert!(EmulatedArithmetic::new(&k_only, &mixed).unwrap_err().contains("meet no quantized matrix"));
     }
 
-    /// The emulated fixed-point weights are the `fixed` and `fixed-int4` devices' own conversion
-    /// (`devices::fixed::convert_weights`), value for value: Q24, INT4 groups with a Q24 scale,
-    /// and Q24 for a row length that is not a multiple of the group.
     /// The grid softmax is the integer device's softmax (its integer exp, exact sum and Q16
     /// division) up to that exp's own approximation: at most one quantum apart, and equal almost
     /// everywhere, over rows of scores from near ties to a 30-unit spread.
@@ -501,6 +498,9 @@ mod tests {
         assert!(equal as f64 >= 0.99 * entries as f64, "{equal} of {entries} weights equal");
     }
 
+    /// The emulated fixed-point weights are the `fixed` and `fixed-int4` devices' own conversion
+    /// (`devices::fixed::convert_weights`), value for value: Q24, INT4 groups with a Q24 scale,
+    /// and Q24 for a row length that is not a multiple of the group.
     #[test]
     fn fixed_point_weights_are_the_devices_conversion() {
         use devices::fixed::{convert_weights, FixedWeights, IntValues};
