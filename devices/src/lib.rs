@@ -89,7 +89,7 @@ pub struct Arithmetic {
     pub activation_q8_block_kquant: Option<usize>,
     /// Activations entering a product with an F16 or BF16 matrix rounded to that matrix's
     /// format first (llama.cpp's CPU backend multiplies in the matrix's own type there).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not", deserialize_with = "null_is_false")]
     pub activation_half_rounding: bool,
     /// Accuracy of exp/tanh/sin/cos, in units of the storage roundoff.
     pub transcendental_ulps: f64,
@@ -101,6 +101,11 @@ pub struct Arithmetic {
     /// so only its budget (and what propagates from it) grows.
     #[serde(default)]
     pub kv_cache: Option<NumFormat>,
+}
+
+/// A flag a manifest may write as null (absent) as well as true or false.
+fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(<Option<bool> as serde::Deserialize>::deserialize(d)?.unwrap_or(false))
 }
 
 /// How a declared arithmetic rounds a product's input before the matrix
@@ -430,4 +435,29 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
 
 pub(crate) fn fail(device: &str, case: &OpCase, reason: impl std::fmt::Display) -> DeviceError {
     DeviceError::Failed { device: device.to_string(), case: case.id.clone(), reason: reason.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A manifest's declaration as JSON: the optional fields may be absent or null; a field of
+    /// the wrong type is an error, not a default; what is written back leaves out what was not
+    /// declared.
+    #[test]
+    fn a_declared_arithmetic_reads_absent_and_null_optional_fields_as_undeclared() {
+        let base = r#""storage": "f32", "accumulate": "f32", "activation_q8_block": 32, "transcendental_ulps": 4.0, "fixed": null"#;
+        let read = |extra: &str| serde_json::from_str::<Arithmetic>(&format!("{{{base}{extra}}}"));
+        let plain = Arithmetic { activation_q8_block: Some(32), ..Arithmetic::F32 };
+        assert_eq!(read("").unwrap(), plain);
+        assert_eq!(read(r#", "kv_cache": null, "activation_q8_block_kquant": null, "activation_half_rounding": null"#).unwrap(), plain);
+        let full = read(r#", "kv_cache": "f16", "activation_q8_block_kquant": 256, "activation_half_rounding": true"#).unwrap();
+        assert_eq!(full, Arithmetic { kv_cache: Some(NumFormat::F16), activation_q8_block_kquant: Some(256), activation_half_rounding: true, ..plain });
+        assert!(read(r#", "activation_half_rounding": "yes""#).unwrap_err().to_string().contains("expected a boolean"));
+        let written = serde_json::to_value(plain).unwrap();
+        assert!(written.get("activation_q8_block_kquant").is_none() && written.get("activation_half_rounding").is_none(), "{written}");
+        assert_eq!(serde_json::from_value::<Arithmetic>(serde_json::to_value(full).unwrap()).unwrap(), full);
+        // Each block is checked.
+        assert!(Arithmetic { activation_q8_block_kquant: Some(0), ..plain }.check().unwrap_err().contains("activation_q8_block_kquant 0"));
+    }
 }
