@@ -84,13 +84,35 @@ pub struct Dims {
     pub n_ff: usize,
     pub n_pos: usize,
     pub n_layer: usize,
+    /// [`rope_angle_rms`] of the model's RoPE over these positions.
+    pub rope_angle_rms: f64,
 }
 
 impl Dims {
     pub fn of(spec: &ModelSpec, n_pos: usize) -> Dims {
         let n_ff = spec.moe.as_ref().map_or(spec.n_ff, |m| m.expert_ffn.max(m.shared_ffn.unwrap_or(0)));
-        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer }
+        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms: rope_angle_rms(&spec.rope, n_pos) }
     }
+}
+
+/// The RMS, over the rotated pairs and the positions 0..n_pos, of a RoPE angle p·w_i
+/// (w_i = theta^(-2i/n_rot) divided by the pair's frequency factor; a context scaling only
+/// lowers it and is left out), each weighted by the i + 1 roundings that forming w_i by repeated
+/// multiplication (as ggml does) puts into it. An engine that holds the angle in its storage
+/// format rotates by an angle that far off times u: at the highest frequencies the angle is the
+/// position itself, so the error grows with the context (u * 8000 = 5e-4 in f32 at position
+/// 8,000), and the oracle, which forms angles in f64, does not share it.
+pub fn rope_angle_rms(rope: &oracle::spec::RopeSpec, n_pos: usize) -> f64 {
+    let pairs = rope.n_rot / 2;
+    if pairs == 0 || n_pos == 0 || !(rope.theta.is_finite() && rope.theta > 0.0) {
+        return 0.0;
+    }
+    let n = n_pos as f64;
+    let mean_p2 = (n - 1.0) * (2.0 * n - 1.0) / 6.0;
+    let factor = |i: usize| rope.freq_factors.as_ref().and_then(|f| f.get(i)).map_or(1.0, |f| *f as f64).abs().max(f64::MIN_POSITIVE);
+    let mean_w2 = (0..pairs).map(|i| (rope.theta.powf(-2.0 * i as f64 / rope.n_rot as f64) / factor(i)).powi(2) * (i + 1) as f64).sum::<f64>() / pairs as f64;
+    let rms = (mean_p2 * mean_w2).sqrt();
+    if rms.is_finite() { rms } else { 0.0 }
 }
 
 /// `blk.{i}.{kind}` -> (Some(i), kind); other names -> (None, name).
@@ -162,6 +184,10 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
     let mut rel = C_STAT * (us + ua * k.sqrt());
     if op.transcendental {
         rel += C_STAT * a.transcendental_ulps * us;
+    }
+    if matches!(kind, "attn_q_rope" | "attn_k_rope") {
+        // The angle held in the storage format: a rotation by an angle off by u times it.
+        rel += C_STAT * us * d.rope_angle_rms;
     }
     if op.matmul {
         // Q8_0 activations: each element rounds to a step of max|block|/127, so the RMS error of
@@ -1586,7 +1612,7 @@ mod tests {
     }
 
     fn dims() -> Dims {
-        Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4 }
+        Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4, rope_angle_rms: 2.0 }
     }
 
     #[test]
@@ -1608,6 +1634,44 @@ mod tests {
         assert_eq!(local_budget("attn_q", &Arithmetic { activation_half_rounding: true, ..q8 }, &d), local_budget("attn_q", &q8, &d));
         assert_eq!(local_budget("attn_norm", &half, &d), local_budget("attn_norm", &a, &d));
         assert!(local_budget("no_such_tap", &a, &d).is_none());
+    }
+
+    /// An engine that forms RoPE angles in f32 as ggml does (theta_scale = base^(-2/n_rot) in
+    /// f32, the angle starting at the position and multiplied by theta_scale pair after pair)
+    /// rotates by angles off by about u times the angle, which grows with the position: the
+    /// isolated budget now allows it at 2,000 positions of SmolLM2's RoPE. Without the angle's
+    /// term it did not (llama.cpp over 165 or more positions of SmolLM2 failed `attn_q_rope`).
+    #[test]
+    fn rope_budgets_allow_angles_held_in_f32_at_long_positions() {
+        use oracle::spec::{RopeScaling, RopeSpec, RopeStyle};
+        let rope = RopeSpec { style: RopeStyle::Normal, theta: 100_000.0, n_rot: 64, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None };
+        let (n_pos, pairs) = (2000usize, 32usize);
+        let (mut err2, mut ref2) = (0.0f64, 0.0f64);
+        let theta_scale = (rope.theta as f32).powf(-2.0 / 64.0);
+        for p in 0..n_pos {
+            let mut angle = p as f32;
+            for i in 0..pairs {
+                // A pair of values of unit size, varied per pair and position.
+                let (x0, x1) = (((p * 7 + i * 13) % 17) as f64 / 8.0 - 1.0, ((p * 5 + i * 3) % 11) as f64 / 5.0 - 1.0);
+                let exact = p as f64 * rope.theta.powf(-2.0 * i as f64 / 64.0);
+                let (c, s) = (angle.cos() as f64, angle.sin() as f64);
+                let (y0, y1) = (x0 * exact.cos() - x1 * exact.sin(), x0 * exact.sin() + x1 * exact.cos());
+                let (g0, g1) = (x0 * c - x1 * s, x0 * s + x1 * c);
+                err2 += (g0 - y0).powi(2) + (g1 - y1).powi(2);
+                ref2 += y0 * y0 + y1 * y1;
+                angle *= theta_scale;
+            }
+        }
+        let measured = (err2 / ref2).sqrt();
+        let d = Dims { head_dim: 64, n_pos, rope_angle_rms: rope_angle_rms(&rope, n_pos), ..dims() };
+        let budget = local_budget("attn_q_rope", &Arithmetic::F32, &d).unwrap().rel;
+        assert!(measured < budget, "measured {measured:e}, budget {budget:e}");
+        let without = local_budget("attn_q_rope", &Arithmetic::F32, &Dims { rope_angle_rms: 0.0, ..d }).unwrap().rel;
+        assert!(measured > 3.0 * without, "the angle's error is most of it: measured {measured:e}, budget without the angle {without:e}");
+        assert!(budget < 20.0 * measured, "and the budget stays near it: {budget:e}");
+        // A short prompt's angles are small: the term vanishes with the positions.
+        assert!(rope_angle_rms(&rope, 1) == 0.0 && rope_angle_rms(&rope, 10) < rope_angle_rms(&rope, 100));
+        assert_eq!(rope_angle_rms(&RopeSpec { theta: f64::NAN, ..rope.clone() }, 100), 0.0);
     }
 
     #[test]
