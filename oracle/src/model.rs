@@ -229,6 +229,15 @@ struct Loader<'a> {
     packed: bool,
 }
 
+/// A stored tensor's GGML dims as a matrix's (rows, cols): [cols, rows], or [cols] for a single
+/// row (GGUF writers drop trailing dimensions of one: llama.cpp writes Qwen2-MoE's shared-expert
+/// gate, a [1, n_embd] matrix, as [n_embd]), with any further dimensions of one.
+fn matrix_dims(dims: &[usize]) -> Option<(usize, usize)> {
+    let (&cols, rest) = dims.split_first()?;
+    let rows = rest.first().copied().unwrap_or(1);
+    rest.iter().skip(1).all(|d| *d == 1).then_some((rows, cols))
+}
+
 impl Loader<'_> {
     /// Tensor `name`, refused when it holds NaN or an infinity: a weight that is not a number is a
     /// broken file, and a judge that loaded it would pass on NaN to every device it judges.
@@ -263,13 +272,13 @@ impl Loader<'_> {
         let wrong = |dims: &[usize]| OracleError::Spec(format!("{}: tensor `{name}` has dims {dims:?}, expected [{cols}, {rows}]", self.src.label()));
         if self.packed {
             let Some(t) = self.src.raw(name)? else { return Ok(None) };
-            if t.dims.len() < 2 || t.dims[0] != cols || t.dims[1] != rows || t.n_elements() != rows * cols {
+            if matrix_dims(&t.dims) != Some((rows, cols)) || t.n_elements() != rows * cols {
                 return Err(wrong(&t.dims));
             }
             return Mat::packed(rows, cols, t.ty, t.bytes.to_vec()).map(Some).map_err(|e| self.in_tensor(name, e));
         }
         let Some(t) = self.get(name)? else { return Ok(None) };
-        if t.dims.len() < 2 || t.dims[0] != cols || t.dims[1] != rows || t.data.len() != rows * cols {
+        if matrix_dims(&t.dims) != Some((rows, cols)) || t.data.len() != rows * cols {
             return Err(wrong(&t.dims));
         }
         Ok(Some(Mat::new(rows, cols, t.data.into_iter().map(T::from_f32).collect())?))

@@ -1323,3 +1323,38 @@ fn bisect_refuses_revisions_with_nothing_between_them_or_swapped() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("is not an ancestor of --bad HEAD~1") && stderr(&o).contains("swapped?"), "{}", text(&o));
 }
+
+/// A one-row matrix stored as a vector: GGUF writers drop trailing dimensions of one, so the
+/// Qwen2-MoE shared-expert gate ([1, n_embd]) that llama.cpp itself writes (`llama_model_quantize`
+/// on tiny-moe, as on any Qwen2-MoE file it converts) has dims [n_embd], and the oracle refused
+/// every such file ("has dims [256], expected [256, 1]"). Now the same bytes under either shape
+/// give the same logits on every device that runs MoE.
+#[test]
+fn a_one_row_matrix_stored_as_a_vector_loads_on_every_device() {
+    let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-moe", true).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &g.metadata {
+        w.meta(k, v.clone());
+    }
+    let mut squeezed = 0;
+    for t in &g.tensors {
+        let dims: Vec<u64> = if t.name.ends_with("ffn_gate_inp_shexp.weight") {
+            assert_eq!(t.dims[1..], [1], "{}: a one-row matrix in the fixture", t.name);
+            squeezed += 1;
+            t.dims[..1].to_vec()
+        } else {
+            t.dims.clone()
+        };
+        w.tensor(&t.name, &dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    assert!(squeezed > 0, "tiny-moe has a shared-expert gate");
+    let vector = dir.path().join("tiny-moe-vector-gate.gguf");
+    w.write_to(&vector).unwrap();
+    let ids = "5,17,42,99,3,250,7";
+    for device in ["ref", "cpu", "gpu-emu"] {
+        let a = dump_logits(&fixtures::resolve("tiny-moe", true).unwrap(), device, ids, &dir.path().join(format!("{device}-matrix")));
+        let b = dump_logits(&vector, device, ids, &dir.path().join(format!("{device}-vector")));
+        assert_eq!(a, b, "{device}: the same weights under either shape");
+    }
+}
