@@ -154,6 +154,17 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
                 _ => 1.0,
             };
             let yy = y(0);
+            // The angle of pair `pair` at the case's token `t`, before any context scaling (which
+            // only lowers it): an engine that forms it in its storage format (ggml: the
+            // position times theta_scale^pair, by repeated multiplication) rotates by an angle
+            // off by up to (pair + 2) u times it, which grows with the position.
+            let (spec, pos) = (oracle::registry::rope_spec_of(case).ok(), case.ids("pos").unwrap_or(&[]));
+            let row = x.shape.get(1).copied().unwrap_or(1).max(1);
+            let angle = |t: usize, pair: usize| -> f64 {
+                let (Some(spec), Some(&p)) = (&spec, pos.get(t)) else { return 0.0 };
+                let factor = spec.freq_factors.as_ref().and_then(|f| f.get(pair)).map_or(1.0, |f| (*f as f64).abs().max(f64::MIN_POSITIVE));
+                p as f64 * spec.theta.powf(-2.0 * pair as f64 / n_rot.max(1) as f64) / factor
+            };
             let b = (0..x.data.len())
                 .map(|i| {
                     let (head0, j) = (i - i % hd, i % hd);
@@ -161,11 +172,13 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
                         return tiny;
                     }
                     let partner = if neox { if j < n_rot / 2 { j + n_rot / 2 } else { j - n_rot / 2 } } else { j ^ 1 };
+                    let pair = if neox { j % (n_rot / 2).max(1) } else { j / 2 };
                     let mag = (x.data[i] as f64).abs() + (x.data[head0 + partner] as f64).abs();
-                    4.0 * u * mscale * mag + u * yy[i].abs() + tiny
+                    let angle_err = (pair + 2) as f64 * u * angle(i / row, pair);
+                    (4.0 * u + angle_err) * mscale * mag + u * yy[i].abs() + tiny
                 })
                 .collect();
-            Bounds { per_output: vec![Some(b)], rule: "4u*mscale*(|x_a|+|x_b|) + u*|y|".into() }
+            Bounds { per_output: vec![Some(b)], rule: "(4u + (pair+2)*u*angle)*mscale*(|x_a|+|x_b|) + u*|y|".into() }
         }
         ("attention", _) => attention_bounds(case, &y(0), u, ua, ulps),
         ("moe_route", _) => {
@@ -455,4 +468,61 @@ mod tests {
         let want: std::collections::BTreeMap<&str, usize> = [("bf16", 4), ("f16", 4), ("q4_0", 0), ("q4_k", 4)].into_iter().collect();
         assert_eq!(uncovered_by_32, want, "blocks of 32 declared: the coarser roundings fall outside, blocks of 32 inside");
     }
+
+    /// An engine that forms RoPE angles in f32 as ggml does (theta_scale = base^(-2/n_rot) in
+    /// f32; the angle starts at the position and is multiplied by theta_scale pair after pair)
+    /// passes the kernel cases' bound at every position, 4,095 included, where that rounding
+    /// alone is past the bound of a rotation by an exact angle; a rotation by the next position's
+    /// angle still fails it.
+    #[test]
+    fn rope_bounds_allow_angles_formed_in_f32_and_not_a_wrong_position() {
+        let entry = oracle::registry::registry().into_iter().find(|e| e.name == "rope").unwrap();
+        let cases = entry.cases_where(0, &|id: &str| id.contains("scaling=none"));
+        assert_eq!(cases.len(), 48);
+        let u = f32::EPSILON as f64 / 2.0;
+        let (mut needed_the_angle, mut off_by_one_caught) = (0, 0);
+        for case in &cases {
+            let reference = (entry.reference)(case).unwrap();
+            let Output::F32(y) = &reference[0] else { unreachable!() };
+            let x = f32_in(case, "x");
+            let (hd, n_rot, n_head, neox) = (case.pu("head_dim").unwrap(), case.pu("n_rot").unwrap(), case.pu("n_head").unwrap(), case.pu("neox").unwrap() == 1);
+            let theta = case.params["theta"];
+            let pos = case.ids("pos").unwrap();
+            let theta_scale = (theta as f32).powf(-2.0 / n_rot as f32);
+            let rotate = |f32_angles: bool, shift: u32| -> Vec<f64> {
+                let mut out: Vec<f64> = x.data.iter().map(|v| *v as f64).collect();
+                for (t, &p) in pos.iter().enumerate() {
+                    for h in 0..n_head {
+                        let mut angle = (p + shift) as f32;
+                        for pair in 0..n_rot / 2 {
+                            let exact = (p + shift) as f64 * theta.powf(-2.0 * pair as f64 / n_rot as f64);
+                            let (c, s) = if f32_angles { (angle.cos() as f64, angle.sin() as f64) } else { (exact.cos(), exact.sin()) };
+                            let (a, b) = if neox { (pair, pair + n_rot / 2) } else { (2 * pair, 2 * pair + 1) };
+                            let base = t * n_head * hd + h * hd;
+                            let (xa, xb) = (x.data[base + a] as f64, x.data[base + b] as f64);
+                            out[base + a] = xa * c - xb * s;
+                            out[base + b] = xa * s + xb * c;
+                            angle *= theta_scale;
+                        }
+                    }
+                }
+                out
+            };
+            let bound = bounds(case, &reference, &Arithmetic::F32).per_output[0].clone().unwrap();
+            let err = |got: &[f64]| got.iter().zip(&y.data).map(|(g, r)| (g - *r as f64).abs()).collect::<Vec<f64>>();
+            let f32_angles = err(&rotate(true, 0));
+            assert!(f32_angles.iter().zip(&bound).all(|(e, b)| e <= b), "{}: f32 angles within the bound", case.id);
+            // The bound of a rotation by an exact angle (the angle's term left out).
+            let exact_only = |i: usize| {
+                let (head0, j) = (i - i % hd, i % hd);
+                let partner = if neox { if j < n_rot / 2 { j + n_rot / 2 } else { j - n_rot / 2 } } else { j ^ 1 };
+                4.0 * u * ((x.data[i] as f64).abs() + (x.data[head0 + partner] as f64).abs()) + u * (y.data[i] as f64).abs()
+            };
+            needed_the_angle += usize::from(f32_angles.iter().enumerate().any(|(i, e)| i % hd < n_rot && *e > exact_only(i) + f32::MIN_POSITIVE as f64));
+            off_by_one_caught += usize::from(err(&rotate(false, 1)).iter().zip(&bound).any(|(e, b)| e > b));
+        }
+        assert_eq!(needed_the_angle, cases.len(), "the f32 angle's error passes an exact angle's bound in every case");
+        assert_eq!(off_by_one_caught, cases.len(), "the next position's angle fails every case");
+    }
+
 }
