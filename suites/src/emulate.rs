@@ -34,7 +34,9 @@ pub const EMULATED_MIN_SPREAD: f64 = 16.0;
 /// (llama.cpp's Q8_0: scale max|x|/127 stored as f16) when `activation_q8_block` says so (the
 /// block of a K-quant matrix's products `activation_q8_block_kquant`'s where declared), at
 /// [`oracle::Tap::product_input`] (inside MoE experts too; inputs of f32/f16/bf16 matrices, such
-/// as a MoE router's, unrounded, as declared), cached keys and values
+/// as a MoE router's, unrounded, as declared — or, under `activation_half_rounding`, those of
+/// f16/bf16 matrices in that format, and with a rounding cache the query and the attention
+/// weights in the cache's), cached keys and values
 /// rounded to the cache's format, and every value to a 16-bit storage format. For fixed-point
 /// arithmetic every tap's value lands on the activation grid (Q16), and the weights are those the
 /// engine holds ([`EmulatedArithmetic::load_model`]).
@@ -50,7 +52,8 @@ pub struct EmulatedArithmetic {
     kv: Option<devices::NumFormat>,
     storage: Option<devices::NumFormat>,
     pending: Option<Vec<f32>>,
-    /// Fixed point: the attention weights as the engine computes them, on its grid.
+    /// The attention weights as the engine computes them where it rounds them: on a fixed-point
+    /// grid, or in the format of an F16/BF16 cache it multiplies in that type.
     weights: Option<SoftmaxRule>,
     /// The attention's query rounded to this format before its product with the cached keys
     /// (an F16/BF16 cache multiplied in its own type, `activation_half_rounding`).
@@ -202,9 +205,10 @@ impl EmulatedArithmetic {
         if !arith.rounds_product_inputs() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
         }
-        let inputs: std::collections::BTreeMap<String, devices::InputRounding> = match arith.rounds_product_inputs() {
-            true => matrix_types(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?.into_iter().filter_map(|(name, ty)| Some((name, arith.input_rounding(ty)?))).collect(),
-            false => Default::default(),
+        let inputs: std::collections::BTreeMap<String, devices::InputRounding> = if arith.rounds_product_inputs() {
+            matrix_types(path).map_err(|e| format!("the model's matrix types could not be read: {e}"))?.into_iter().filter_map(|(name, ty)| Some((name, arith.input_rounding(ty)?))).collect()
+        } else {
+            Default::default()
         };
         if inputs.is_empty() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix (nor its half-precision rounding an F16/BF16 one)".into());
