@@ -109,8 +109,8 @@ pub fn rope_angle_rms(rope: &oracle::spec::RopeSpec, n_pos: usize) -> f64 {
     }
     let n = n_pos as f64;
     let mean_p2 = (n - 1.0) * (2.0 * n - 1.0) / 6.0;
-    let factor = |i: usize| rope.freq_factors.as_ref().and_then(|f| f.get(i)).map_or(1.0, |f| *f as f64).abs().max(f64::MIN_POSITIVE);
-    let mean_w2 = (0..pairs).map(|i| (rope.theta.powf(-2.0 * i as f64 / rope.n_rot as f64) / factor(i)).powi(2) * (i + 1) as f64).sum::<f64>() / pairs as f64;
+    // w_i is pair i's angle at position 1.
+    let mean_w2 = (0..pairs).map(|i| oracle::ops::rope_base_angle(rope, 1, i).powi(2) * (i + 1) as f64).sum::<f64>() / pairs as f64;
     let rms = (mean_p2 * mean_w2).sqrt();
     if rms.is_finite() { rms } else { 0.0 }
 }

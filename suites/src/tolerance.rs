@@ -162,8 +162,7 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
             let row = x.shape.get(1).copied().unwrap_or(1).max(1);
             let angle = |t: usize, pair: usize| -> f64 {
                 let (Some(spec), Some(&p)) = (&spec, pos.get(t)) else { return 0.0 };
-                let factor = spec.freq_factors.as_ref().and_then(|f| f.get(pair)).map_or(1.0, |f| (*f as f64).abs().max(f64::MIN_POSITIVE));
-                p as f64 * spec.theta.powf(-2.0 * pair as f64 / n_rot.max(1) as f64) / factor
+                oracle::ops::rope_base_angle(spec, p as usize, pair).abs()
             };
             let b = (0..x.data.len())
                 .map(|i| {

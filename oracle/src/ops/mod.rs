@@ -18,7 +18,7 @@ pub use embed::embed;
 pub use matmul::{matmul, matmul_many, Mat, RowBuf};
 pub use moe::{moe_route, Routing};
 pub use norm::{layer_norm, rms_norm};
-pub use rope::{rope, rope_cos_sin};
+pub use rope::{rope, rope_base_angle, rope_cos_sin};
 pub use sample::{argmax, sample, top_k, SamplerConfig, SplitMix64};
 
 use crate::error::{OracleError, Result};

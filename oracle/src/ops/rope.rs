@@ -11,13 +11,20 @@ fn yarn_corr_dim(n_rot: usize, n_ctx_orig: usize, beta: f64, base: f64) -> f64 {
     n_rot as f64 * (n_ctx_orig as f64 / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
 }
 
+/// Pair `i`'s angle at `pos` before any context scaling: pos * theta^(-2i/n_rot), divided by the
+/// pair's frequency factor (Llama 3.1, LongRoPE) where the model has them, as in llama.cpp.
+/// Linear and YaRN scaling only lower it, so it also bounds the angle an engine forms.
+pub fn rope_base_angle(spec: &RopeSpec, pos: usize, i: usize) -> f64 {
+    let theta = pos as f64 * spec.theta.powf(-2.0 * i as f64 / spec.n_rot as f64);
+    match spec.freq_factors.as_ref().and_then(|f| f.get(i)) {
+        Some(f) => theta / *f as f64,
+        None => theta,
+    }
+}
+
 /// cos and sin (already multiplied by the magnitude scale) for pair `i` (0..n_rot/2) at `pos`.
 pub fn rope_cos_sin(spec: &RopeSpec, pos: usize, i: usize) -> (f64, f64) {
-    let mut theta_extrap = pos as f64 * spec.theta.powf(-2.0 * i as f64 / spec.n_rot as f64);
-    // Per-pair frequency factors (Llama 3.1) divide the angle before any scaling, as in llama.cpp.
-    if let Some(f) = &spec.freq_factors {
-        theta_extrap /= f[i] as f64;
-    }
+    let theta_extrap = rope_base_angle(spec, pos, i);
     let (theta, mscale) = match spec.scaling {
         RopeScaling::None => (theta_extrap, 1.0),
         RopeScaling::Linear { factor } => (theta_extrap / factor, 1.0),
