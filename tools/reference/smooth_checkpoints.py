@@ -114,7 +114,11 @@ def experts_drawn(rng):
     return n_expert, int(rng.integers(1, min(n_expert, 2) + 1))
 
 
-def moe_checkpoint(directory, seed):
+def smooth_moe_checkpoint(directory, seed, model_type, router, experts, expert_names, rms_norm_eps, config, qk_norm=False):
+    """Mixtral and Qwen3-MoE checkpoints: smooth embeddings, head, attention and experts (the
+    `expert_names` gate, up and down matrices under `experts`), a random `router`; with `qk_norm`,
+    QK-norm weights drawn in [0.5, 1.5). `config(n_ff, n_expert, n_used)` gives the type's own
+    config.json keys."""
     rng = np.random.default_rng(seed)
     n_vocab, n_head, head_dim, n_head_kv, hidden, n_ff = moe_dims(rng)
     n_layer = int(rng.integers(1, 3))
@@ -125,14 +129,21 @@ def moe_checkpoint(directory, seed):
         prefix = f"model.layers.{layer}."
         for name, shape in attention(n_head, n_head_kv, head_dim, hidden):
             tensors[prefix + name + ".weight"] = smooth_matrix(rng, shape)
-        tensors[prefix + "block_sparse_moe.gate.weight"] = normal(rng, (n_expert, hidden), 0.5)
+        if qk_norm:
+            for b in ("q", "k"):
+                tensors[prefix + f"self_attn.{b}_norm.weight"] = rng.uniform(0.5, 1.5, head_dim).astype(np.float32)
+        tensors[prefix + router] = normal(rng, (n_expert, hidden), 0.5)
         for e in range(n_expert):
-            for w, shape in mlp(n_ff, hidden, "w1", "w3", "w2"):
-                tensors[prefix + f"block_sparse_moe.experts.{e}.{w}.weight"] = smooth_matrix(rng, shape)
+            for w, shape in mlp(n_ff, hidden, *expert_names):
+                tensors[prefix + f"{experts}.{e}.{w}.weight"] = smooth_matrix(rng, shape)
         tensors[prefix + "input_layernorm.weight"] = ones
         tensors[prefix + "post_attention_layernorm.weight"] = ones
-    save(directory, tensors, "mixtral", hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, 1e-5,
-         num_local_experts=n_expert, num_experts_per_tok=n_used, sliding_window=None)
+    save(directory, tensors, model_type, hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, rms_norm_eps, **config(n_ff, n_expert, n_used))
+
+
+def moe_checkpoint(directory, seed):
+    smooth_moe_checkpoint(directory, seed, "mixtral", "block_sparse_moe.gate.weight", "block_sparse_moe.experts", ("w1", "w3", "w2"), 1e-5,
+                          lambda n_ff, n_expert, n_used: dict(num_local_experts=n_expert, num_experts_per_tok=n_used, sliding_window=None))
 
 
 def qwen2_moe_checkpoint(directory, seed):
@@ -164,27 +175,10 @@ def qwen2_moe_checkpoint(directory, seed):
 
 
 def qwen3_moe_checkpoint(directory, seed):
-    rng = np.random.default_rng(seed)
-    n_vocab, n_head, head_dim, n_head_kv, hidden, n_ff = moe_dims(rng)
-    n_layer = int(rng.integers(1, 3))
-    n_expert, n_used = experts_drawn(rng)
-    ones = np.ones(hidden, np.float32)
-    tensors = {"model.embed_tokens.weight": smooth(rng, (n_vocab, hidden), 1.0), "model.norm.weight": ones, "lm_head.weight": smooth(rng, (n_vocab, hidden), 1.0)}
-    for layer in range(n_layer):
-        prefix = f"model.layers.{layer}."
-        for name, shape in attention(n_head, n_head_kv, head_dim, hidden):
-            tensors[prefix + name + ".weight"] = smooth_matrix(rng, shape)
-        for b in ("q", "k"):
-            tensors[prefix + f"self_attn.{b}_norm.weight"] = rng.uniform(0.5, 1.5, head_dim).astype(np.float32)
-        tensors[prefix + "mlp.gate.weight"] = normal(rng, (n_expert, hidden), 0.5)
-        for e in range(n_expert):
-            for w, shape in mlp(n_ff, hidden, "gate_proj", "up_proj", "down_proj"):
-                tensors[prefix + f"mlp.experts.{e}.{w}.weight"] = smooth_matrix(rng, shape)
-        tensors[prefix + "input_layernorm.weight"] = ones
-        tensors[prefix + "post_attention_layernorm.weight"] = ones
-    save(directory, tensors, "qwen3_moe", hidden, n_ff, n_head, n_head_kv, head_dim, n_layer, n_vocab, 1e-6,
-         moe_intermediate_size=n_ff, num_experts=n_expert, num_experts_per_tok=n_used, norm_topk_prob=True,
-         decoder_sparse_step=1, mlp_only_layers=[])
+    smooth_moe_checkpoint(directory, seed, "qwen3_moe", "mlp.gate.weight", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), 1e-6,
+                          lambda n_ff, n_expert, n_used: dict(moe_intermediate_size=n_ff, num_experts=n_expert, num_experts_per_tok=n_used,
+                                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+                          qk_norm=True)
 
 
 def main():
