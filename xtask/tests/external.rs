@@ -408,17 +408,21 @@ fn llama_cpp_is_judged_tap_by_tap_through_exec() {
         let out = tmp.path().join(model);
         let o = xtask(&["layer-diff", "--device", engine, "--model", model, "--report-dir", out.to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(0), "{model}: {}", text(&o));
-        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        let report = report(&out);
         assert_eq!(report["summary"]["unsupported"], 0, "{model}: no tap missing");
         let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().is_some_and(|id| id.contains("gate=emulated_departure"))).expect("the departure gate ran");
         assert!(gate["metrics"]["largest_ratio"].as_f64().unwrap() > 0.9, "{model}: {gate}");
     }
-    let out = tmp.path().join("ft-tiny-llama");
-    let o = xtask(&["fixed-token", "--device", engine, "--model", "tiny-llama", "--report-dir", out.to_str().unwrap()], &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
-    let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"] == "fixed_token(model=tiny-llama,gate=kld_vs_emulation)").expect("the emulation gate ran");
-    let ratio = gate["metrics"]["ratio"].as_f64().unwrap();
+    // llama.cpp's mean KLD over its declared arithmetic's, on `model` (a fixture or a file).
+    let kld_ratio = |model: &str, dir: &str| -> f64 {
+        let out = tmp.path().join(dir);
+        let o = xtask(&["fixed-token", "--device", engine, "--model", model, "--report-dir", out.to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{model}: {}", text(&o));
+        let report = report(&out);
+        let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().is_some_and(|id| id.ends_with("gate=kld_vs_emulation)"))).expect("the emulation gate ran");
+        gate["metrics"]["ratio"].as_f64().unwrap()
+    };
+    let ratio = kld_ratio("tiny-llama", "ft-tiny-llama");
     assert!((0.8..1.25).contains(&ratio), "llama.cpp's mean KLD against its declared arithmetic's: {ratio}");
     // An F16 or BF16 file: ggml multiplies in the matrix's type, so each product's input is
     // rounded to it (declared as `activation_half_rounding`). Undeclared, BF16 measured 235x its
@@ -429,12 +433,7 @@ fn llama_cpp_is_judged_tap_by_tap_through_exec() {
         let script = format!("import ctypes, llama_cpp as l\np = l.llama_model_quantize_default_params()\np.ftype = l.{ftype}\np.allow_requantize = True\nassert l.llama_model_quantize({:?}.encode(), {:?}.encode(), ctypes.byref(p)) == 0", tiny.to_str().unwrap(), file.to_str().unwrap());
         let q = std::process::Command::new("python3").args(["-c", &script]).output().unwrap();
         assert!(q.status.success(), "{name}: {}", text(&q));
-        let out = tmp.path().join(format!("ft-{name}"));
-        let o = xtask(&["fixed-token", "--device", engine, "--model", file.to_str().unwrap(), "--report-dir", out.to_str().unwrap()], &[]);
-        assert_eq!(o.status.code(), Some(0), "{name}: {}", text(&o));
-        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
-        let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().is_some_and(|id| id.ends_with("gate=kld_vs_emulation)"))).expect("the emulation gate ran");
-        let ratio = gate["metrics"]["ratio"].as_f64().unwrap();
+        let ratio = kld_ratio(file.to_str().unwrap(), &format!("ft-{name}"));
         assert!((0.8..1.25).contains(&ratio), "{name}: llama.cpp's mean KLD against its declared arithmetic's: {ratio}");
     }
     let (o, _) = run("fixed-token", &[], "ft");
