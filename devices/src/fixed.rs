@@ -552,9 +552,9 @@ impl Device for FixedDevice {
         self.run(case).map_err(|r| fail(&self.name(), case, r))
     }
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
-        if opts.kv_f16 {
-            // Unsupported, not ignored: a run asked for an f16 cache must not report one it did not have.
-            return Err(DeviceError::Unavailable(self.name(), "an f16 KV cache is not implemented on the integer device (its cache holds Q16 integers)".into()));
+        if let Some(kv) = opts.kv_cache {
+            // Unsupported, not ignored: a run asked for such a cache must not report one it did not have.
+            return Err(DeviceError::Unavailable(self.name(), format!("a {kv} KV cache is not implemented on the integer device (its cache holds Q16 integers)")));
         }
         Ok(Box::new(FixedModel::load(path, self.int4)?))
     }

@@ -70,6 +70,139 @@ impl NumFormat {
     }
 }
 
+/// The format a KV cache holds its keys and values in (`Arithmetic::kv_cache`, the `cpu:kv-*`
+/// devices): the GGML types llama.cpp's `--cache-type-k/-v` take that this tool decodes — a float
+/// format, or each cached row quantized to blocks of 32 (so a head of a multiple of 32 values is
+/// whole blocks). Written as the type's name (`"f16"`, `"q8_0"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct KvFormat(oracle::quant::GgmlType);
+
+impl KvFormat {
+    /// The formats a cache may be declared in, as written.
+    pub const NAMES: &'static str = "f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0";
+
+    /// The format of this name, or None when a cache cannot be declared in it.
+    pub fn parse(name: &str) -> Option<KvFormat> {
+        use oracle::quant::GgmlType::*;
+        oracle::quant::GgmlType::from_name(name).filter(|t| matches!(t, F32 | F16 | BF16 | Q8_0 | Q5_1 | Q5_0 | Q4_1 | Q4_0)).map(KvFormat)
+    }
+    pub fn ty(self) -> oracle::quant::GgmlType {
+        self.0
+    }
+    pub fn name(self) -> &'static str {
+        self.0.name()
+    }
+    /// The float format of a float cache; None for a block-quantized one.
+    pub fn float(self) -> Option<NumFormat> {
+        use oracle::quant::GgmlType::{BF16, F16, F32};
+        match self.0 {
+            F32 => Some(NumFormat::F32),
+            F16 => Some(NumFormat::F16),
+            BF16 => Some(NumFormat::BF16),
+            _ => None,
+        }
+    }
+    /// Values per block of a block-quantized cache (its rows must hold whole blocks per head).
+    pub fn block(self) -> Option<usize> {
+        self.float().is_none().then(|| self.0.block_size())
+    }
+    /// The relative size of one cached value's rounding, as the budgets take a unit roundoff:
+    /// a float format's unit roundoff; for a block format, the RMS rounding error of a block
+    /// (half its step, about, the step a fraction of the block's largest value: 1/127 for
+    /// Q8_0, 1/8 for Q4_0 and 1/16 for Q5_0, whose scales are max/-8 and max/-16, and at most
+    /// 2/15 and 2/31 of it for Q4_1 and Q5_1, whose steps span max - min) over the block's RMS
+    /// value (at least max/sqrt(B)).
+    pub fn rel_rounding(self) -> f64 {
+        use oracle::quant::GgmlType::*;
+        let step = match self.0 {
+            Q8_0 => 1.0 / 127.0,
+            Q5_1 => 2.0 / 31.0,
+            Q5_0 => 1.0 / 16.0,
+            Q4_1 => 2.0 / 15.0,
+            Q4_0 => 1.0 / 8.0,
+            _ => return self.float().map_or(0.0, NumFormat::unit_roundoff),
+        };
+        (self.0.block_size() as f64).sqrt() * step / 2.0
+    }
+    /// A query (heads of `head_dim` values) as it enters its product with keys cached in this
+    /// format: for a block-quantized cache, rounded to Q8_0 blocks of 32 (the keys' product type
+    /// in ggml, llama.cpp's flash attention included); unchanged for a float cache (whose own
+    /// rounding of the query is `activation_half_rounding`'s). None when a head is not whole
+    /// blocks.
+    pub fn round_query(self, q: &mut [f32], head_dim: usize) -> Option<()> {
+        match self.block() {
+            Some(_) => KvFormat(oracle::quant::GgmlType::Q8_0).round_rows(q, head_dim),
+            None => Some(()),
+        }
+    }
+    /// `rows` (each `width` values, a whole number of blocks) as the cache gives them back:
+    /// encoded to the format and decoded, as ggml stores a row and reads it. None when `width`
+    /// is not a whole number of blocks.
+    pub fn round_rows(self, rows: &mut [f32], width: usize) -> Option<()> {
+        if width == 0 || !width.is_multiple_of(self.0.block_size()) || !rows.len().is_multiple_of(width) {
+            return None;
+        }
+        let bytes = oracle::quant::encode(self.0, rows).ok()?;
+        oracle::quant::decode_into(self.0, &bytes, rows).ok()
+    }
+}
+
+/// The widths of the Walsh-Hadamard rotations a rotating block-quantized cache applies to a
+/// head of `head_dim` values (`Arithmetic::kv_cache_rotation`): (keys and query, values); None
+/// when such heads are not rotated (not a multiple of 64 wide).
+pub fn kv_rotation_widths(head_dim: usize) -> Option<(usize, usize)> {
+    if head_dim == 0 || !head_dim.is_multiple_of(64) {
+        return None;
+    }
+    Some((1 << head_dim.trailing_zeros(), 64))
+}
+
+/// Rotates each run of `n` values of `x` (a power of two) by the orthonormal Walsh-Hadamard
+/// matrix of that size in Sylvester order (H[i][j] = (-1)^popcount(i & j) / sqrt(n), its own
+/// inverse), in f64, rounded back to f32 once.
+pub fn hadamard_rotate(x: &mut [f32], n: usize) {
+    if n < 2 || !n.is_power_of_two() {
+        return;
+    }
+    let scale = 1.0 / (n as f64).sqrt();
+    let mut buf = vec![0f64; n];
+    for chunk in x.chunks_exact_mut(n) {
+        buf.iter_mut().zip(chunk.iter()).for_each(|(b, v)| *b = *v as f64);
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (buf[j], buf[j + h]);
+                    buf[j] = a + b;
+                    buf[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        chunk.iter_mut().zip(buf.iter()).for_each(|(v, b)| *v = (b * scale) as f32);
+    }
+}
+
+impl TryFrom<String> for KvFormat {
+    type Error = String;
+    fn try_from(s: String) -> Result<KvFormat, String> {
+        KvFormat::parse(&s).ok_or_else(|| format!("kv_cache \"{s}\" is not a cache format this tool reads ({})", KvFormat::NAMES))
+    }
+}
+
+impl From<KvFormat> for String {
+    fn from(f: KvFormat) -> String {
+        f.name().to_string()
+    }
+}
+
+impl std::fmt::Display for KvFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// How a device computes one op: what the tolerance rule consumes.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Arithmetic {
@@ -97,10 +230,20 @@ pub struct Arithmetic {
     /// quanta instead of floating-point roundoff.
     pub fixed: Option<FixedPoint>,
     /// Format of the cached keys and values when the cache rounds them (llama.cpp's default
-    /// cache is f16); None: the cache holds what `storage` holds. Only attention reads the cache,
-    /// so only its budget (and what propagates from it) grows.
+    /// cache is f16; `--cache-type-k/-v q8_0` and the other block formats quantize each row, and
+    /// then the query enters its product with the keys as Q8_0 blocks of 32, the keys' own
+    /// product type); None: the cache holds what `storage` holds. Only attention reads the
+    /// cache, so only its budget (and what propagates from it) grows.
     #[serde(default)]
-    pub kv_cache: Option<NumFormat>,
+    pub kv_cache: Option<KvFormat>,
+    /// A block-quantized cache holds each head's keys and values rotated by an orthonormal
+    /// Walsh-Hadamard matrix (llama.cpp's attention rotation, on by default for quantized caches
+    /// of heads a multiple of 64 wide): keys and the query by the largest power of two that
+    /// divides the head, values by 64, each rotated back after the attention. Rotations leave
+    /// the exact scores and outputs alone; they spread an outlier across its block, so the
+    /// quantization errs less. Heads not a multiple of 64 wide are not rotated.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not", deserialize_with = "null_is_false")]
+    pub kv_cache_rotation: bool,
 }
 
 /// A flag a manifest may write as null (absent) as well as true or false.
@@ -136,8 +279,8 @@ pub struct FixedPoint {
 }
 
 impl Arithmetic {
-    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None };
-    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None };
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None, kv_cache_rotation: false };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None, kv_cache_rotation: false };
 
     /// How the activations entering a product with a matrix stored as `ty` are rounded: Q8
     /// blocks before a quantized matrix (K-quants' own block where declared), the matrix's
@@ -301,9 +444,9 @@ impl<T: Clone> KvStore<T> {
 /// Options of a device model run.
 #[derive(Clone, Debug, Default)]
 pub struct ModelOptions {
-    /// Keep every cached key and value in f16 (the `cpu` device stores them as f16 and widens
-    /// each row as attention reads it: an f16 cache's numbers and its memory).
-    pub kv_f16: bool,
+    /// Keep every cached key and value in this format (the `cpu` device stores each row so and
+    /// decodes it as attention reads it: the cache's numbers and its memory); None: as computed.
+    pub kv_cache: Option<KvFormat>,
     /// The model file's sha256, when known: external dumps must name the same model.
     pub model_sha256: Option<String>,
 }
@@ -420,7 +563,10 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     match name {
         "ref" => Ok(Box::new(reference::RefDevice)),
         "cpu" => Ok(Box::new(cpu::CpuDevice::default())),
-        "cpu:kv-f16" => Ok(Box::new(cpu::CpuDevice { kv_f16: true })),
+        n if n.starts_with("cpu:kv-") => match KvFormat::parse(&n["cpu:kv-".len()..]) {
+            Some(kv) => Ok(Box::new(cpu::CpuDevice { kv_cache: Some(kv) })),
+            None => unavailable(&format!("unknown KV cache format (cpu:kv-TYPE takes {})", KvFormat::NAMES)),
+        },
         "fixed" => Ok(Box::new(fixed::FixedDevice { int4: false })),
         "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
         n if n.starts_with("gpu-emu") || n.starts_with("cuda") || n.starts_with("rocm") => gpu::open(n),
@@ -429,7 +575,7 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
             Ok(d) => Ok(Box::new(d)),
             Err(why) => unavailable(&why),
         },
-        _ => unavailable(concat!("unknown device (ref, cpu, cpu:kv-f16, fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD, ids:CMD)")),
+        _ => unavailable(concat!("unknown device (ref, cpu, cpu:kv-TYPE, fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD, ids:CMD)")),
     }
 }
 
@@ -440,6 +586,59 @@ pub(crate) fn fail(device: &str, case: &OpCase, reason: impl std::fmt::Display) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each cache format gives back what its codec decodes, within its step; the budgets' size
+    /// of a rounding orders the formats as their steps do; rows of part blocks are refused.
+    #[test]
+    fn cache_formats_round_rows_as_their_codec_does() {
+        let x: Vec<f32> = (0..128).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mut last = 0.0;
+        for (name, step) in [("f32", 0.0), ("f16", 2f32.powi(-10)), ("bf16", 2f32.powi(-7)), ("q8_0", 1.0 / 127.0), ("q5_0", 1.0 / 16.0), ("q5_1", 2.0 / 31.0), ("q4_0", 1.0 / 8.0), ("q4_1", 2.0 / 15.0)] {
+            let f = KvFormat::parse(name).unwrap();
+            assert_eq!(f.to_string(), name);
+            let mut r = x.clone();
+            f.round_rows(&mut r, 64).unwrap();
+            let worst = r.iter().zip(&x).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            // One full step at a symmetric format's clamped end; half a step elsewhere.
+            assert!(worst <= step * amax * 1.01 + 1e-6, "{name}: {worst} off, step {}", step * amax);
+            assert!(f.rel_rounding() >= last, "{name}");
+            last = f.rel_rounding();
+            assert_eq!(f.block().is_some(), name.starts_with('q'));
+        }
+        assert!(KvFormat::parse("q4_0").unwrap().round_rows(&mut x.clone(), 48).is_none(), "rows of part blocks");
+        assert!(KvFormat::parse("q4_k").is_none() && KvFormat::parse("iq4_nl").is_none());
+        let mut q = x.clone();
+        KvFormat::parse("q4_1").unwrap().round_query(&mut q, 64).unwrap();
+        let mut q8 = x.clone();
+        KvFormat::parse("q8_0").unwrap().round_rows(&mut q8, 64).unwrap();
+        assert_eq!(q, q8, "a block cache's keys take the query as Q8_0 blocks");
+        let mut untouched = x.clone();
+        KvFormat::parse("f16").unwrap().round_query(&mut untouched, 64).unwrap();
+        assert_eq!(untouched, x);
+    }
+
+    /// The Walsh-Hadamard rotation is orthonormal and its own inverse, Sylvester-ordered (its
+    /// first row all 1/sqrt(n)); the rotation widths follow llama.cpp's rule.
+    #[test]
+    fn hadamard_rotations_are_orthonormal_involutions() {
+        let x: Vec<f32> = (0..128).map(|i| ((i * 53 % 97) as f32 - 48.0) / 5.0).collect();
+        let mut y = x.clone();
+        hadamard_rotate(&mut y, 64);
+        let norm = |v: &[f32]| v.iter().map(|a| (*a as f64).powi(2)).sum::<f64>();
+        assert!((norm(&y) - norm(&x)).abs() <= 1e-6 * norm(&x) && y != x);
+        let mut e0 = vec![0f32; 64];
+        e0[0] = 1.0;
+        hadamard_rotate(&mut e0, 64);
+        assert!(e0.iter().all(|v| *v == 0.125));
+        hadamard_rotate(&mut y, 64);
+        assert!(y.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 1e-5 * b.abs().max(1.0)));
+        assert_eq!(kv_rotation_widths(64), Some((64, 64)));
+        assert_eq!(kv_rotation_widths(128), Some((128, 64)));
+        assert_eq!(kv_rotation_widths(192), Some((64, 64)));
+        assert_eq!(kv_rotation_widths(96), None);
+        assert_eq!(kv_rotation_widths(0), None);
+    }
 
     /// A manifest's declaration as JSON: the optional fields may be absent or null; a field of
     /// the wrong type is an error, not a default; what is written back leaves out what was not
@@ -452,11 +651,20 @@ mod tests {
         assert_eq!(read("").unwrap(), plain);
         assert_eq!(read(r#", "kv_cache": null, "activation_q8_block_kquant": null, "activation_half_rounding": null"#).unwrap(), plain);
         let full = read(r#", "kv_cache": "f16", "activation_q8_block_kquant": 256, "activation_half_rounding": true"#).unwrap();
-        assert_eq!(full, Arithmetic { kv_cache: Some(NumFormat::F16), activation_q8_block_kquant: Some(256), activation_half_rounding: true, ..plain });
+        assert_eq!(full, Arithmetic { kv_cache: KvFormat::parse("f16"), activation_q8_block_kquant: Some(256), activation_half_rounding: true, ..plain });
         assert!(read(r#", "activation_half_rounding": "yes""#).unwrap_err().to_string().contains("expected a boolean"));
         let written = serde_json::to_value(plain).unwrap();
         assert!(written.get("activation_q8_block_kquant").is_none() && written.get("activation_half_rounding").is_none(), "{written}");
         assert_eq!(serde_json::from_value::<Arithmetic>(serde_json::to_value(full).unwrap()).unwrap(), full);
+        // A quantized cache and its rotation; a cache type this tool cannot decode is an error
+        // naming it and what it takes.
+        let q8 = read(r#", "kv_cache": "q8_0", "kv_cache_rotation": true"#).unwrap();
+        assert_eq!((q8.kv_cache.map(KvFormat::ty), q8.kv_cache_rotation), (Some(oracle::quant::GgmlType::Q8_0), true));
+        assert_eq!(serde_json::to_value(q8).unwrap()["kv_cache"], "q8_0");
+        assert!(!read(r#", "kv_cache_rotation": null"#).unwrap().kv_cache_rotation);
+        let e = read(r#", "kv_cache": "iq4_nl""#).unwrap_err().to_string();
+        assert!(e.contains("iq4_nl") && e.contains(KvFormat::NAMES), "{e}");
+        assert!(read(r#", "kv_cache": "q4_k""#).is_err(), "a K-quant is no cache type");
         // Each block is checked.
         assert!(Arithmetic { activation_q8_block_kquant: Some(0), ..plain }.check().unwrap_err().contains("activation_q8_block_kquant 0"));
     }

@@ -49,15 +49,19 @@ pub struct EmulatedArithmetic {
     /// The matrices whose products take rounded inputs (GGUF names), each with its rounding
     /// (by its stored type: `devices::Arithmetic::input_rounding`).
     inputs: std::collections::BTreeMap<String, devices::InputRounding>,
-    kv: Option<devices::NumFormat>,
+    kv: Option<devices::KvFormat>,
     storage: Option<devices::NumFormat>,
     pending: Option<Vec<f32>>,
     /// The attention weights as the engine computes them where it rounds them: on a fixed-point
     /// grid, or in the format of an F16/BF16 cache it multiplies in that type.
     weights: Option<SoftmaxRule>,
-    /// The attention's query rounded to this format before its product with the cached keys
-    /// (an F16/BF16 cache multiplied in its own type, `activation_half_rounding`).
-    query: Option<devices::NumFormat>,
+    /// The attention's query rounded so before its product with the cached keys: to the format
+    /// of an F16/BF16 cache multiplied in its own type (`activation_half_rounding`), to Q8_0
+    /// blocks before a block-quantized cache's keys.
+    query: Option<devices::InputRounding>,
+    /// The Walsh-Hadamard widths (keys and query, values) of a rotating block-quantized cache
+    /// (`kv_cache_rotation`): each value rounded in the rotated basis and rotated back.
+    rotation: Option<(usize, usize)>,
     /// Each tap's value as the engine shows it (on its grid or in its storage format; before a
     /// cache's rounding), when [`EmulatedArithmetic::recording`] asked for it.
     pub recorded: Option<oracle::RecordingTap>,
@@ -196,12 +200,20 @@ impl EmulatedArithmetic {
     /// rounded as the others are ([`oracle::Tap::product_input`]).
     pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: None, storage: None, pending: None, weights: None, query: None, recorded: None };
+        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: None, storage: None, pending: None, weights: None, query: None, rotation: None, recorded: None };
         if let Some(fp) = arith.fixed {
             return Ok(EmulatedArithmetic { fixed: Some(fp), weights: Some(SoftmaxRule::grid(fp.act_frac)), ..none });
         }
         let storage = matches!(arith.storage, F16 | BF16).then_some(arith.storage);
-        let kv = arith.kv_cache.filter(|f| matches!(f, F16 | BF16));
+        let kv = arith.kv_cache.filter(|f| f.float() != Some(devices::NumFormat::F32));
+        let mut rotation = None;
+        if let Some((f, b)) = kv.and_then(|f| Some((f, f.block()?))) {
+            let (_, spec) = oracle::loader::open_weights(path).map_err(|e| format!("the model could not be read: {e}"))?;
+            if !spec.head_dim.is_multiple_of(b) {
+                return Err(format!("a {f} KV cache quantizes each head in blocks of {b}; this model's heads are {} wide", spec.head_dim));
+            }
+            rotation = devices::kv_rotation_widths(spec.head_dim).filter(|_| arith.kv_cache_rotation);
+        }
         if !arith.rounds_product_inputs() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
         }
@@ -213,11 +225,18 @@ impl EmulatedArithmetic {
         if inputs.is_empty() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix (nor its half-precision rounding an F16/BF16 one)".into());
         }
-        // A cache that rounds, multiplied in its own type: the query and the attention weights
-        // enter its two products in that format too (llama.cpp without flash attention).
-        let query = kv.filter(|_| arith.activation_half_rounding);
-        let weights = query.map(SoftmaxRule::rounded_to);
-        Ok(EmulatedArithmetic { kv, storage, inputs, query, weights, ..none })
+        // A float cache that rounds, multiplied in its own type: the query and the attention
+        // weights enter its two products in that format too (llama.cpp without flash
+        // attention). A block-quantized cache's keys take the query as Q8_0 blocks of 32; its
+        // values are decoded to f32 for the weighted sum (llama.cpp's flash attention, which
+        // such a cache needs), so the weights stay as computed.
+        let half = kv.and_then(|f| f.float()).filter(|_| arith.activation_half_rounding);
+        let query = match kv.and_then(|f| f.block()) {
+            Some(_) => Some(devices::InputRounding::Q8(32)),
+            None => half.map(devices::InputRounding::Half),
+        };
+        let weights = half.map(SoftmaxRule::rounded_to);
+        Ok(EmulatedArithmetic { kv, storage, inputs, query, weights, rotation, ..none })
     }
 
     /// The oracle this emulation runs, when it is not the caller's: for fixed-point arithmetic
@@ -247,11 +266,23 @@ impl Tap for EmulatedArithmetic {
         if let Some(r) = &mut self.recorded {
             r.record(name, start_pos, n_tokens, width, held.as_deref().unwrap_or(data));
         }
-        let cached = name.ends_with(".attn_k_rope") || name.ends_with(".attn_v");
-        let rounded = if cached { self.kv } else { self.query.filter(|_| name.ends_with(".attn_q_rope")) };
-        self.pending = match rounded {
-            Some(f) => Some(held.as_deref().unwrap_or(data).iter().map(|x| round_to(f, *x)).collect()),
-            None => held,
+        let (key, value) = (name.ends_with(".attn_k_rope"), name.ends_with(".attn_v"));
+        let query = self.query.filter(|_| name.ends_with(".attn_q_rope"));
+        // A rotating cache rounds in the rotated basis (the query in the keys'); rotating back
+        // leaves the scores and outputs the engine computes in that basis.
+        let rotate = self.rotation.map(|(k, v)| if value { v } else { k }).unwrap_or(0);
+        let round = |how: &dyn Fn(&mut [f32])| {
+            let mut v = held.clone().unwrap_or_else(|| data.to_vec());
+            devices::hadamard_rotate(&mut v, rotate);
+            how(&mut v);
+            devices::hadamard_rotate(&mut v, rotate);
+            Some(v)
+        };
+        self.pending = match (self.kv.filter(|_| key || value), query) {
+            // A width of whole blocks was checked when the emulation was made.
+            (Some(f), _) => round(&|v: &mut [f32]| _ = f.round_rows(v, width)),
+            (None, Some(how)) => round(&|v: &mut [f32]| round_input(v, width, how)),
+            (None, None) => held,
         };
     }
     fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {
@@ -367,13 +398,13 @@ mod tests {
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
         assert!(EmulatedArithmetic::new(&q8, nowhere).unwrap_err().contains("matrix types could not be read"));
         let inputs = [("blk.0.attn_q.weight".to_string(), devices::InputRounding::Q8(32))].into_iter().collect();
-        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: None, storage: None, pending: None, weights: None, query: None, recorded: None };
+        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: None, rotation: None, storage: None, pending: None, weights: None, query: None, recorded: None };
         let sub = emu.product_input("blk.0.attn_q.weight", 64, &x).expect("a quantized matrix's input is rounded");
         assert!(sub != x && sub.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 0.9 / 127.0 * 0.5 + 1e-6));
         assert!(emu.product_input("blk.0.ffn_gate_inp.weight", 64, &x).is_none(), "a float matrix's is not");
         emu.record("blk.0.attn_norm", 0, 1, 64, &x);
         assert!(emu.substitute("blk.0.attn_norm", 0, 1, 64).is_none(), "nor is the tap");
-        let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..devices::Arithmetic::F32 };
+        let kv = devices::Arithmetic { kv_cache: devices::KvFormat::parse("f16"), ..devices::Arithmetic::F32 };
         let mut emu = EmulatedArithmetic::new(&kv, nowhere).unwrap().recording();
         emu.record("blk.1.attn_v", 0, 1, 64, &x);
         assert_eq!(emu.substitute("blk.1.attn_v", 0, 1, 64).unwrap(), x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect::<Vec<_>>());
@@ -390,6 +421,52 @@ mod tests {
         let sub = emu.substitute("blk.0.ffn_inp", 0, 1, 64).expect("every tap is rounded");
         assert!(sub.iter().zip(&x).all(|(s, v)| *s as f64 == devices::fixed::to_q(*v as f64, 16) as f64 / 65536.0), "{sub:?}");
         assert_eq!(emu.recorded.as_ref().unwrap().tensors["blk.0.ffn_inp"].1, sub, "shown as the engine holds it");
+    }
+
+    /// A block-quantized cache: the cached keys and values come back as the format decodes
+    /// them, the query enters the keys' product as Q8_0 blocks, and a rotating cache rounds in
+    /// the Hadamard basis — which spreads an outlier (less error than rounding it as it is) and
+    /// leaves the scores what the engine computes there, Q8_0(Hq) . Q8_0(Hk). A head of less
+    /// than whole blocks is refused.
+    #[test]
+    fn a_block_quantized_cache_rounds_keys_values_and_query_in_its_basis() {
+        let q4 = devices::KvFormat::parse("q4_0").unwrap();
+        let base = EmulatedArithmetic { fixed: None, path: "nowhere".into(), inputs: Default::default(), kv: Some(q4), rotation: None, storage: None, pending: None, weights: None, query: Some(devices::InputRounding::Q8(32)), recorded: None };
+        // Small values and one outlier in a head of 64.
+        let x: Vec<f32> = (0..64).map(|i| if i == 5 { 100.0 } else { ((i * 29 % 17) as f32 - 8.0) / 8.0 }).collect();
+        let through = |emu: &mut EmulatedArithmetic, tap: &str, v: &[f32]| {
+            emu.record(tap, 0, 1, 64, v);
+            emu.substitute(tap, 0, 1, 64).unwrap()
+        };
+        let mut plain = EmulatedArithmetic { ..base };
+        let mut expect = x.clone();
+        q4.round_rows(&mut expect, 64).unwrap();
+        assert_eq!(through(&mut plain, "blk.0.attn_k_rope", &x), expect);
+        assert_eq!(through(&mut plain, "blk.0.attn_v", &x), expect);
+        let mut q8 = x.clone();
+        round_q8_blocks(&mut q8, 64, 32);
+        assert_eq!(through(&mut plain, "blk.0.attn_q_rope", &x), q8);
+        plain.record("blk.0.attn_q", 0, 1, 64, &x);
+        assert!(plain.substitute("blk.0.attn_q", 0, 1, 64).is_none(), "only the query entering the keys' product");
+
+        // Rotating a Q8_0 cache: the outlier's step no longer swamps its block's small values.
+        let q8kv = devices::KvFormat::parse("q8_0").unwrap();
+        let mut rotating = EmulatedArithmetic { rotation: devices::kv_rotation_widths(64), ..EmulatedArithmetic { kv: Some(q8kv), ..plain } };
+        let k = through(&mut rotating, "blk.0.attn_k_rope", &x);
+        let mut as_it_is = x.clone();
+        q8kv.round_rows(&mut as_it_is, 64).unwrap();
+        let err = |v: &[f32]| v.iter().zip(&x).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
+        assert!(err(&k) < 0.5 * err(&as_it_is), "rotated {} vs as it is {}", err(&k), err(&as_it_is));
+        let q = through(&mut rotating, "blk.0.attn_q_rope", &x);
+        let (mut hq, mut hk) = (x.clone(), x.clone());
+        devices::hadamard_rotate(&mut hq, 64);
+        devices::hadamard_rotate(&mut hk, 64);
+        round_q8_blocks(&mut hq, 64, 32);
+        q8kv.round_rows(&mut hk, 64).unwrap();
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+        let (emulated, engine) = (dot(&q, &k), dot(&hq, &hk));
+        assert!((emulated - engine).abs() <= 1e-5 * engine.abs(), "{emulated} vs {engine}");
+
     }
 
     /// Q8 activations round the inputs of products with quantized matrices and no others (on a
@@ -439,8 +516,11 @@ mod tests {
         assert!(emu.product_input("token_embd.weight", 32, &y).is_none(), "an f32 matrix's input enters as computed");
         let float = write("float.gguf", &[("blk.0.attn_q.weight", GgmlType::F32), ("output.weight", GgmlType::F16)]);
         assert!(EmulatedArithmetic::new(&q8, &float).unwrap_err().contains("meet no quantized matrix"));
-        let kv = devices::Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..q8 };
+        let kv = devices::Arithmetic { kv_cache: devices::KvFormat::parse("f16"), ..q8 };
         assert!(EmulatedArithmetic::new(&kv, &float).is_ok(), "the cache still rounds");
+        // A block-quantized cache of heads 16 wide (this model's) cannot be: refused, naming it.
+        let blocks = devices::Arithmetic { kv_cache: devices::KvFormat::parse("q4_0"), ..q8 };
+        assert!(EmulatedArithmetic::new(&blocks, &float).unwrap_err().contains("heads are 16 wide"));
         assert!(EmulatedArithmetic::new(&devices::Arithmetic { activation_half_rounding: true, ..q8 }, &float).is_ok(), "the F16 head's input rounds");
         // An f16 cache multiplied in its own type (llama.cpp without flash attention): the query
         // and the attention weights enter its products as f16.

@@ -204,16 +204,23 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
 
 /// The attention output's share of a cache that rounds keys and values (`kv_cache` coarser than
 /// the storage format, e.g. an f16 cache behind f32 activations): each cached value carries one
-/// rounding of relative size u. A score is a dot product over `head_dim` rounded keys, so its
-/// error grows like u·√head_dim (the statistical rule of the accumulations above); the output, a
-/// softmax-weighted sum of rounded values, adds one u. Zero for every other tap and when the
-/// cache holds what storage holds.
+/// rounding of relative size u (`KvFormat::rel_rounding`: a block format's relative to its
+/// block's RMS value, at its worst). A score is a dot product over `head_dim` rounded keys, so
+/// its error grows like u·√head_dim (the statistical rule of the accumulations above); the
+/// output, a softmax-weighted sum of rounded values, adds one u. A block-quantized cache's keys
+/// meet the query as Q8_0 blocks, one more rounding of each score's terms. Zero for every other
+/// tap and when the cache holds what storage holds. Under a block format this allows what the
+/// worst block would cost, far above what a Q8_0 cache costs a model's typical values: there
+/// the emulated arithmetic's error (`emulated_departure`) holds the engine to what an honest one
+/// of its cache gets.
 fn kv_cache_rel(kind: &str, a: &Arithmetic, d: &Dims) -> f64 {
-    let u = match a.kv_cache {
-        Some(f) if kind == "attn_kqv" && f.unit_roundoff() > a.storage.unit_roundoff() => f.unit_roundoff(),
+    let (u, f) = match a.kv_cache {
+        Some(f) if kind == "attn_kqv" && f.rel_rounding() > a.storage.unit_roundoff() => (f.rel_rounding(), f),
         _ => return 0.0,
     };
-    C_STAT * u * (1.0 + (d.head_dim as f64).sqrt())
+    let query = f.block().map_or(0.0, |_| devices::KvFormat::parse("q8_0").map_or(0.0, |q8| q8.rel_rounding()));
+    let sqrt_hd = (d.head_dim as f64).sqrt();
+    C_STAT * (u * (1.0 + sqrt_hd) + query * sqrt_hd)
 }
 
 /// The propagated budget at `layer` (None before the first layer, `n_layer` after the last):
@@ -1678,7 +1685,7 @@ mod tests {
     fn an_f16_kv_cache_grows_only_attention_and_what_follows_it() {
         let d = dims();
         let a = Arithmetic::F32;
-        let f16 = Arithmetic { kv_cache: Some(devices::NumFormat::F16), ..a };
+        let f16 = Arithmetic { kv_cache: devices::KvFormat::parse("f16"), ..a };
         let (plain, cached) = (local_budget("attn_kqv", &a, &d).unwrap(), local_budget("attn_kqv", &f16, &d).unwrap());
         // One f16 rounding per cached value: u = 2^-11, times (1 + sqrt(head_dim)) = 5 for head_dim 16.
         assert_eq!(cached.rel - plain.rel, C_STAT * (-11f64).exp2() * 5.0);
@@ -1687,9 +1694,9 @@ mod tests {
         }
         assert!(propagated_budget("l_out", Some(2), &f16, &d).unwrap().rel > propagated_budget("l_out", Some(2), &a, &d).unwrap().rel);
         // A cache no coarser than storage adds nothing; a bf16 one more than an f16 one.
-        let same = Arithmetic { kv_cache: Some(devices::NumFormat::F32), ..a };
+        let same = Arithmetic { kv_cache: devices::KvFormat::parse("f32"), ..a };
         assert_eq!(local_budget("attn_kqv", &same, &d), Some(plain));
-        let bf16 = Arithmetic { kv_cache: Some(devices::NumFormat::BF16), ..a };
+        let bf16 = Arithmetic { kv_cache: devices::KvFormat::parse("bf16"), ..a };
         assert!(local_budget("attn_kqv", &bf16, &d).unwrap().rel > cached.rel);
     }
 

@@ -620,22 +620,29 @@ fn shapes_that_found_bugs() {
     assert_eq!(judged.into_inner().unwrap().get("fixed"), Some(&5));
 }
 
+/// The model of the KV cache tests (a head of 64: whole blocks of 32, rotation widths of 64),
+/// written as `llama.gguf` in the returned directory, loaded, and the ids they run.
+fn cache_test_model() -> (tempfile::TempDir, AnyModel, Vec<u32>) {
+    let s = Shape { arch: "llama", n_embd: 128, n_head: 2, n_head_kv: 1, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 200, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, seed: 5 };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("llama.gguf");
+    std::fs::write(&path, write_model(&s)).unwrap();
+    let (oracle_model, _) = AnyModel::load(&path, Precision::F32).unwrap();
+    (dir, oracle_model, (0..24).map(|i| (i * 37 + 3) % 200).collect())
+}
+
 /// `cpu:kv-f16` rounds its cached keys and values to f16 and says so (`kv_cache: f16` in its
 /// arithmetic): layer-diff passes it on that declaration, and the same taps judged as if the
 /// cache held f32 fail at the attention output, so the rounding really happens and only the
 /// declared cache format admits it.
 #[test]
 fn an_f16_kv_cache_passes_on_its_declaration_and_fails_without_it() {
-    let s = Shape { arch: "llama", n_embd: 128, n_head: 2, n_head_kv: 1, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 200, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, seed: 5 };
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, oracle_model, ids) = cache_test_model();
     let path = dir.path().join("llama.gguf");
-    std::fs::write(&path, write_model(&s)).unwrap();
-    let (oracle_model, _) = AnyModel::load(&path, Precision::F32).unwrap();
-    let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 3) % 200).collect();
     let mut m = devices::open("cpu:kv-f16").unwrap().load_model(&path, &ModelOptions::default()).unwrap();
     let taps = forward_in_chunks(m.as_mut(), "cpu:kv-f16", &ids, &[10, 1, 13]).unwrap();
     let declared = m.arithmetic();
-    assert_eq!(declared.kv_cache, Some(devices::NumFormat::F16));
+    assert_eq!(declared.kv_cache, devices::KvFormat::parse("f16"));
     for mode in [Mode::Isolated, Mode::Propagated] {
         let ok = layerdiff::run(&oracle_model, &path, &ids, &taps, &declared, mode, suites::emulate::EMULATION_FACTOR, "llama", "cpu:kv-f16").unwrap();
         assert_eq!(ok.report.exit_code(), 0, "{mode:?}: {:?}", layerdiff::first_divergence(&ok.taps).map(|t| &t.name));
@@ -645,6 +652,40 @@ fn an_f16_kv_cache_passes_on_its_declaration_and_fails_without_it() {
     let bad = layerdiff::run(&oracle_model, &path, &ids, &taps, &undeclared, Mode::Isolated, suites::emulate::EMULATION_FACTOR, "llama", "cpu:kv-f16").unwrap();
     assert_eq!(bad.report.exit_code(), 1);
     assert_eq!(layerdiff::first_divergence(&bad.taps).map(|t| t.name.as_str()), Some("blk.0.attn_kqv"));
+}
+
+/// `cpu:kv-q8_0` and `cpu:kv-q4_0` quantize each cached row and take the query as Q8_0 blocks
+/// (as llama.cpp's quantized caches do), and declare it: layer-diff passes each on its
+/// declaration, every tap within the emulated arithmetic's error; the Q4_0 cache's taps judged
+/// as a Q8_0 cache's fail `emulated_departure` at the first attention (its budget, sized for
+/// the worst block, lets that error pass: the emulation is what holds a block cache); judged as
+/// an f16 cache's they fail its budget there.
+#[test]
+fn a_block_quantized_kv_cache_is_held_to_its_emulation() {
+    let (dir, oracle_model, ids) = cache_test_model();
+    let path = dir.path().join("llama.gguf");
+    let run = |device: &str| {
+        let mut m = devices::open(device).unwrap().load_model(&path, &ModelOptions::default()).unwrap();
+        (forward_in_chunks(m.as_mut(), device, &ids, &[10, 1, 13]).unwrap(), m.arithmetic())
+    };
+    let ((q8_taps, q8), (q4_taps, q4)) = (run("cpu:kv-q8_0"), run("cpu:kv-q4_0"));
+    assert_eq!((q8.kv_cache.map(|f| f.name()), q4.kv_cache.map(|f| f.name())), (Some("q8_0"), Some("q4_0")));
+    let judge = |taps, a: &devices::Arithmetic, mode| layerdiff::run(&oracle_model, &path, &ids, taps, a, mode, suites::emulate::EMULATION_FACTOR, "llama", "cpu").unwrap();
+    let departure = |r: &layerdiff::Outcome| r.report.cases.iter().find(|c| c.id.ends_with(",gate=emulated_departure)")).map(|c| (c.verdict, c.metrics.get("first_departure_tap").cloned()));
+    for (taps, a) in [(&q8_taps, &q8), (&q4_taps, &q4)] {
+        for mode in [Mode::Isolated, Mode::Propagated] {
+            let ok = judge(taps, a, mode);
+            assert_eq!(ok.report.exit_code(), 0, "{:?} {mode:?}: {:?} {:?}", a.kv_cache, layerdiff::first_divergence(&ok.taps).map(|t| &t.name), departure(&ok));
+            assert_eq!(departure(&ok).map(|d| d.0), Some(reports::Verdict::Pass));
+        }
+    }
+    let understated = judge(&q4_taps, &q8, Mode::Isolated);
+    let (verdict, first) = departure(&understated).unwrap();
+    assert_eq!((verdict, first), (reports::Verdict::Fail, Some(serde_json::json!("blk.0.attn_kqv"))));
+    assert!(layerdiff::first_divergence(&understated.taps).is_none(), "the budget alone lets a Q4_0 cache pass as Q8_0");
+    let as_f16 = judge(&q4_taps, &devices::Arithmetic { kv_cache: devices::KvFormat::parse("f16"), ..q4 }, Mode::Isolated);
+    assert_eq!(as_f16.report.exit_code(), 1);
+    assert_eq!(layerdiff::first_divergence(&as_f16.taps).map(|t| t.name.as_str()), Some("blk.0.attn_kqv"));
 }
 
 /// Following the device at near ties must not excuse a wrong expert choice: the device's taps

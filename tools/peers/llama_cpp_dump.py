@@ -19,13 +19,17 @@ Q4_0..Q8_0 weights meet; 256 for K-quant matrices, whose products take Q8_K bloc
 `activation_q8_block_kquant`, declared when the file holds any), the input of a product with an
 F16/BF16 matrix rounded to that format (`activation_half_rounding`: ggml multiplies in the
 matrix's type there, and so the query and the attention weights enter their products with an
-f16 cache as f16) and an f16 KV cache. With flash attention llama.cpp accumulates the weighted
-values in f16 instead of rounding the weights, which the declaration does not say; the
+f16 cache as f16) and its KV cache's format (f16 by default; a block-quantized cache's keys
+take the query as Q8_0 blocks). With flash attention and an f16 cache llama.cpp accumulates the
+weighted values in f16 instead of rounding the weights, which the declaration does not say; the
 comparison shows what that costs.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
-attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32 keeps the cache in
-f32 (and declares it); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares one activation block for
+attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32|bf16|q8_0|q5_1|
+q5_0|q4_1|q4_0 keeps both caches in that type (and declares it; the quantized ones need flash
+attention, as in llama.cpp, and are declared rotated, `kv_cache_rotation`, unless
+LLAMA_ATTN_ROT_DISABLE=1 turns llama.cpp's rotation off; flash attention reads an f32 cache as
+f16, so that is declared); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares one activation block for
 every quantized matrix instead (`none`: f32 activations into every product, an understatement
 the budgets must catch).
 """
@@ -74,6 +78,8 @@ ggml.ggml_nbytes.argtypes, ggml.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.
 ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 ggml.ggml_backend_tensor_get.restype = None
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32 = 0, 1, 26
+# The cache types llama.cpp takes (`--cache-type-k/-v`) that a dump can declare, by GGML id.
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
 
 # llama.cpp's graph name (before "-{layer}") -> our tap (after "blk.{layer}."), for the node
 # that is not a ROPE; and for ROPE nodes of that name.
@@ -88,12 +94,16 @@ ROPE_TAPS = {"Qcur": "attn_q_rope", "Kcur": "attn_k_rope"}
 GLOBAL_TAPS = {"inp_embd": "inp_embd", "embd": "inp_embd", "result_norm": "result_norm"}
 
 
-def tap_name(node_name, op, weight):
+def tap_name(node_name, op, weight, second=""):
     """Our tap name for a llama.cpp graph node, or None for a node no tap shows. `weight`: the
-    name of the node's first source (a product's matrix, by its GGUF name)."""
+    name of the node's first source (a product's matrix, by its GGUF name); `second`: its second."""
     if op == "MUL_MAT" and weight.startswith("blk.") and weight.endswith(".attn_output.weight"):
         # Some graphs (Qwen2-MoE, Qwen3) name no node `attn_out`: the output projection is it.
         return f"blk.{weight.split('.')[1]}.attn_out"
+    if op == "MUL_MAT" and weight == "attn_inp_v_rot" and second.startswith("kqv_out-"):
+        # A quantized value cache holds Hadamard-rotated values (llama.cpp's attention
+        # rotation): `kqv_out` is the output in the rotated basis, this product turns it back.
+        return f"blk.{second.split('-')[1].split(' ')[0]}.attn_kqv"
     if node_name in GLOBAL_TAPS:
         return GLOBAL_TAPS[node_name]
     base, _, layer = node_name.rpartition("-")
@@ -138,8 +148,14 @@ def main():
     threads = int(os.environ.get("RAYON_NUM_THREADS", "2"))
     flash = os.environ.get("TOUCHSTONE_LLAMA_FLASH_ATTN", "0") == "1"
     kv = os.environ.get("TOUCHSTONE_LLAMA_KV", "f16")
-    if kv not in ("f16", "f32"):
-        sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: f16 or f32")
+    if kv not in CACHE_TYPES:
+        sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: one of {', '.join(CACHE_TYPES)}")
+    if kv.startswith("q") and not flash:
+        sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: llama.cpp quantizes the value cache only under flash attention (TOUCHSTONE_LLAMA_FLASH_ATTN=1)")
+    # Flash attention reads an f32 cache as f16 (llama.cpp casts it); a quantized cache holds
+    # Hadamard-rotated keys and values unless LLAMA_ATTN_ROT_DISABLE is set (llama.cpp's rule).
+    declared_kv = "f16" if flash and kv == "f32" else kv
+    rotated = kv.startswith("q") and not int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or "0")
     n_ctx = max(64, len(ids) + n_generate + 8)
     q8 = os.environ.get("TOUCHSTONE_LLAMA_Q8_BLOCK", "file")
     if q8 not in ("file", "32", "256", "none"):
@@ -153,9 +169,9 @@ def main():
 
     def on_node(tensor_p, ask, _user):
         t = ctypes.cast(tensor_p, ctypes.POINTER(GgmlTensor))
-        src0 = t.contents.src[0]
-        weight = ctypes.cast(src0, ctypes.POINTER(GgmlTensor)).contents.name.decode(errors="replace") if src0 else ""
-        name = tap_name(t.contents.name.decode(errors="replace"), ggml.ggml_op_desc(tensor_p).decode(), weight)
+        src0, src1 = t.contents.src[0], t.contents.src[1]
+        weight, second = (ctypes.cast(p, ctypes.POINTER(GgmlTensor)).contents.name.decode(errors="replace") if p else "" for p in (src0, src1))
+        name = tap_name(t.contents.name.decode(errors="replace"), ggml.ggml_op_desc(tensor_p).decode(), weight, second)
         if ask:
             return name is not None
         rows = node_rows(t, n_batch_tokens[0])
@@ -182,7 +198,7 @@ def main():
     cparams.n_batch = cparams.n_ubatch = max(len(ids), 1)
     cparams.n_threads = cparams.n_threads_batch = threads
     cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    cparams.type_k = cparams.type_v = GGML_TYPE_F16 if kv == "f16" else GGML_TYPE_F32
+    cparams.type_k = cparams.type_v = CACHE_TYPES[kv]
     if n_generate == 0:
         cparams.cb_eval = callback
     ctx = llama_cpp.llama_init_from_model(model, cparams)
@@ -218,7 +234,8 @@ def main():
         "logits": None,
         "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
                        "activation_q8_block_kquant": q8_block_kquant, "activation_half_rounding": q8 != "none",
-                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": kv},
+                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": declared_kv,
+                       "kv_cache_rotation": rotated},
     }
     if n_generate > 0:
         logits, seq = decode(ids, 0, False), []

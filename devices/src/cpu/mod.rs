@@ -12,10 +12,11 @@ use oracle::registry::{Input, OpCase, Output, Tensor};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuDevice {
-    /// `cpu:kv-f16`: whole models store their cached keys and values as f16 (llama.cpp's default
-    /// cache type), declared in the models' arithmetic so the budgets allow for it. Ops are
-    /// unchanged.
-    pub kv_f16: bool,
+    /// `cpu:kv-TYPE`: whole models store their cached keys and values in this format (`f16`,
+    /// llama.cpp's default cache type; `q8_0`, `q4_0`, ... as its `--cache-type-k/-v` quantize
+    /// them), declared in the models' arithmetic so the budgets and the emulation allow for it.
+    /// Ops are unchanged.
+    pub kv_cache: Option<crate::KvFormat>,
 }
 
 /// Rows of a weight matrix per rayon task.
@@ -240,10 +241,13 @@ impl CpuDevice {
 
 impl Device for CpuDevice {
     fn name(&self) -> String {
-        if self.kv_f16 { "cpu:kv-f16".into() } else { "cpu".into() }
+        match self.kv_cache {
+            Some(kv) => format!("cpu:kv-{kv}"),
+            None => "cpu".into(),
+        }
     }
     fn describe(&self) -> String {
-        let kv = if self.kv_f16 { ", f16 KV cache" } else { "" };
+        let kv = self.kv_cache.map(|kv| format!(", {kv} KV cache")).unwrap_or_default();
         format!("{}: f32, Q8_0 activations x packed weights{kv}, {}, {} rayon threads", self.name(), qdot::path_name(), rayon::current_num_threads())
     }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
@@ -261,8 +265,8 @@ impl Device for CpuDevice {
         Self::run(case).map_err(|r| fail("cpu", case, r))
     }
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
-        let opts = crate::ModelOptions { kv_f16: opts.kv_f16 || self.kv_f16, ..opts.clone() };
-        // The loader's errors are this device's (`cpu:kv-f16` too).
+        let opts = crate::ModelOptions { kv_cache: self.kv_cache.or(opts.kv_cache), ..opts.clone() };
+        // The loader's errors are this device's (`cpu:kv-TYPE` too).
         let model = model::CpuModel::load(path, &opts).map_err(|e| match e {
             DeviceError::Failed { case, reason, .. } => DeviceError::Failed { device: self.name(), case, reason },
             other => other,

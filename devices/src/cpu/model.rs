@@ -51,39 +51,52 @@ pub struct CpuModel {
     pub(crate) output_norm: Vec<f32>,
     pub(crate) output: Option<PackedMat>,
     pub(crate) layers: Vec<Layer>,
-    pub(crate) kv_f16: bool,
-    /// Keys and values `[len, n_head_kv * head_dim]` per layer (f16 when `kv_f16`).
+    pub(crate) kv_cache: Option<crate::KvFormat>,
+    /// Keys and values `[len, n_head_kv * head_dim]` per layer (in `kv_cache`'s format).
     pub(crate) kv: KvCache,
 }
 
-/// The KV cache in the format the device declares: f32, or f16 (`cpu:kv-f16`), which holds the
-/// same rounded numbers in half the memory.
+/// The KV cache in the format the device declares: f32, f16 (`cpu:kv-f16`), which holds the
+/// same rounded numbers in half the memory, or any other cache format (`cpu:kv-q8_0`, ...) as
+/// encoded rows, decoded as attention reads them.
 pub(crate) enum KvCache {
     F32(KvStore<f32>),
     F16(KvStore<half::f16>),
+    Encoded(crate::KvFormat, KvStore<u8>),
 }
 
 impl KvCache {
+    fn new(format: Option<crate::KvFormat>, n_layer: usize) -> KvCache {
+        match format.map(|f| (f, f.ty())) {
+            None | Some((_, GgmlType::F32)) => KvCache::F32(KvStore::new(n_layer)),
+            Some((_, GgmlType::F16)) => KvCache::F16(KvStore::new(n_layer)),
+            Some((f, _)) => KvCache::Encoded(f, KvStore::new(n_layer)),
+        }
+    }
     fn len(&self) -> usize {
         match self {
             KvCache::F32(c) => c.len,
             KvCache::F16(c) => c.len,
+            KvCache::Encoded(_, c) => c.len,
         }
     }
     fn set_len(&mut self, n: usize) {
         match self {
             KvCache::F32(c) => c.len = n,
             KvCache::F16(c) => c.len = n,
+            KvCache::Encoded(_, c) => c.len = n,
         }
     }
     fn reset(&mut self) {
         match self {
             KvCache::F32(c) => c.reset(),
             KvCache::F16(c) => c.reset(),
+            KvCache::Encoded(_, c) => c.reset(),
         }
     }
-    /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, f16-rounded
-    /// for an f16 cache) and runs attention over the cache.
+    /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, rounded as
+    /// the cache's format holds them) and runs attention over the cache. A block-quantized
+    /// cache's keys meet the query as Q8_0 blocks of 32, as ggml multiplies them.
     fn write_and_attend(&mut self, li: usize, start: usize, width: usize, (q, k, v): (&[f32], &[f32], &[f32]), pos: &[usize], cfg: &kernels::AttnCfg) -> Result<Vec<f32>, String> {
         let kv_len = start + pos.len();
         match self {
@@ -95,6 +108,16 @@ impl KvCache {
                 let half = |x: &[f32]| -> Vec<half::f16> { x.iter().map(|v| half::f16::from_f32(*v)).collect() };
                 c.write(li, start, width, &half(k), &half(v));
                 kernels::attention(q, pos, &c.k[li], &c.v[li], kv_len, cfg)
+            }
+            KvCache::Encoded(f, c) => {
+                let ty = f.ty();
+                let encode = |x: &[f32]| oracle::quant::encode(ty, x).map_err(|e| format!("{f} KV cache: {e}"));
+                let row_bytes = ty.bytes_for(width as u64).ok_or_else(|| format!("{f} KV cache: rows of {width} values are not whole blocks"))? as usize;
+                c.write(li, start, row_bytes, &encode(k)?, &encode(v)?);
+                let decode = |b: &[u8]| oracle::quant::decode(ty, b, kv_len * width).map_err(|e| format!("{f} KV cache: {e}"));
+                let mut q = q.to_vec();
+                f.round_query(&mut q, cfg.head_dim).ok_or_else(|| format!("{f} KV cache: a query head of {} values is not whole blocks", cfg.head_dim))?;
+                kernels::attention(&q, pos, &decode(&c.k[li])?, &decode(&c.v[li])?, kv_len, cfg)
             }
         }
     }
@@ -172,8 +195,12 @@ impl CpuModel {
         // A copy of every stored tensor: refused up front when the machine cannot hold them.
         let packed = src.n_bytes().map_err(|e| err("model", e))?;
         oracle::memory::check_fits(&label, "holding the packed weights", packed).map_err(|e| err("model", e))?;
-        let l = Loader { src: src.as_ref(), label };
         let (d, hd) = (spec.n_embd, spec.head_dim);
+        if let Some(b) = opts.kv_cache.and_then(|f| f.block()).filter(|b| !hd.is_multiple_of(*b)) {
+            let f = opts.kv_cache.expect("a block format");
+            return Err(err(&label, format!("a {f} KV cache quantizes each head's keys and values in blocks of {b}; this model's heads are {hd} wide")));
+        }
+        let l = Loader { src: src.as_ref(), label };
         let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
         let ffn = |i: usize, suffix: &str, f: usize| -> Result<Ffn, DeviceError> {
             Ok(Ffn {
@@ -221,7 +248,7 @@ impl CpuModel {
         let output = if spec.tied_output { None } else { Some(l.mat("output.weight", spec.n_vocab, d)?) };
         let output_norm = l.vec("output_norm.weight", d)?;
         let n_layer = spec.n_layer;
-        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_f16: opts.kv_f16, kv: if opts.kv_f16 { KvCache::F16(KvStore::new(n_layer)) } else { KvCache::F32(KvStore::new(n_layer)) } })
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv: KvCache::new(opts.kv_cache, n_layer) })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
@@ -283,8 +310,7 @@ impl DeviceModel for CpuModel {
         // with any quantized matrix it multiplies by is judged by that arithmetic throughout
         // (every matrix counts: mixed recipes keep some at F16 and quantize the rest).
         let quantized = self.matrices().any(|m| !qdot::is_float(m.ty));
-        let kv_cache = self.kv_f16.then_some(crate::NumFormat::F16);
-        crate::Arithmetic { activation_q8_block: quantized.then_some(32), kv_cache, ..crate::Arithmetic::F32 }
+        crate::Arithmetic { activation_q8_block: quantized.then_some(32), kv_cache: self.kv_cache, ..crate::Arithmetic::F32 }
     }
     fn cached(&self) -> usize {
         self.kv.len()

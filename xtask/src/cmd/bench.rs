@@ -17,7 +17,7 @@ pub const REPS: usize = 3;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-f16` (f16 KV cache), `fixed`,
+    /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-TYPE` (its KV cache in f16, bf16, q8_0, q5_1, q5_0, q4_1 or q4_0), `fixed`,
     /// `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
     #[arg(long, default_value = "ref")]
     device: String,
