@@ -370,7 +370,7 @@ fn an_engine_that_only_prints_ids_is_judged_by_its_greedy_ids() {
 
 /// llama.cpp itself (tools/peers/llama_cpp_dump.py: its graph's nodes read through its eval
 /// callback) judged tap by tap on the synthetic models (every tap, MoE expert ids included) and
-/// SmolLM2: with its f16 cache or an f32 one, it passes every
+/// SmolLM2: with its f16 cache or an f32 one (or a q4_0 one under flash attention), it passes every
 /// budget and stays near the emulation of its declared arithmetic (Q8 activations) at every
 /// tap, compared over each tap's bulk: SmolLM2's massive activation holds a whole tap's error in
 /// one element (an f32 cache measured 4.09x there over the whole tap, a false departure);
@@ -422,6 +422,14 @@ fn llama_cpp_is_judged_tap_by_tap_through_exec() {
         let gate = report["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().is_some_and(|id| id.ends_with("gate=kld_vs_emulation)"))).expect("the emulation gate ran");
         gate["metrics"]["ratio"].as_f64().unwrap()
     };
+    // A quantized cache under flash attention, Hadamard-rotated by llama.cpp and declared so
+    // (`kv_cache: q4_0`, `kv_cache_rotation`): it failed at blk.0.attn_kqv (95-135x the
+    // emulation) when f16 was the closest declaration.
+    let (o, report) = run("layer-diff", &[("TOUCHSTONE_LLAMA_FLASH_ATTN", "1"), ("TOUCHSTONE_LLAMA_KV", "q4_0")], "kv-q4_0");
+    assert_eq!(o.status.code(), Some(0), "q4_0 cache: {}", text(&o));
+    assert_eq!((&report["arithmetic"]["kv_cache"], &report["arithmetic"]["kv_cache_rotation"]), (&serde_json::json!("q4_0"), &serde_json::json!(true)));
+    let departure = report["cases"].as_array().unwrap().iter().find(|c| c["id"].as_str().is_some_and(|id| id.ends_with("gate=emulated_departure)"))).expect("the emulation gate ran");
+    assert!(departure["metrics"]["largest_ratio"].as_f64().unwrap() < 1.6, "{departure}");
     let ratio = kld_ratio("tiny-llama", "ft-tiny-llama");
     assert!((0.8..1.25).contains(&ratio), "llama.cpp's mean KLD against its declared arithmetic's: {ratio}");
     // An F16 or BF16 file: ggml multiplies in the matrix's type, so each product's input is
