@@ -25,6 +25,8 @@
 #define TY_Q5_0 6
 #define TY_Q5_1 7
 #define TY_Q8_0 8
+#define TY_Q2_K 10
+#define TY_Q3_K 11
 #define TY_Q4_K 12
 #define TY_Q5_K 13
 #define TY_Q6_K 14
@@ -134,6 +136,37 @@ __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
             int q = (qs[l] >> shift) & 0x0F;
             if (five && (b[16 + l] & (1u << j))) q += 16;
             out[l] = dj * (float)q - mj;
+        }
+        return;
+    }
+    case TY_Q2_K:
+    case TY_Q3_K: {
+        // Super-blocks of 256 in sixteen 16-value groups. Q2_K: scales[16] (low nibble scale,
+        // high nibble min), qs[64], d, dmin; Q3_K: hmask[32], qs[64], scales[12] (6-bit, minus
+        // 32), d. Chunk c%8 = 4n + j takes bits 2j..2j+2 of qs[32n ..][0..32] (and bit 4n + j of
+        // hmask[0..32], clear meaning minus 4); its groups are 2(c%8) and 2(c%8) + 1.
+        int two = ty == TY_Q2_K;
+        const u8* b = row + (two ? 84 : 110) * (c / 8);
+        int j = c % 8, n = j / 4, shift = 2 * (j % 4);
+        const u8* qs = b + (two ? 16 : 32) + 32 * n;
+        float d = ts_half(ts_u16(b + (two ? 80 : 108)));
+        for (int h = 0; h < 2; ++h) {
+            int g = 2 * j + h;
+            float dl, ml = 0.0f;
+            if (two) {
+                dl = d * (float)(b[g] & 0x0F);
+                ml = ts_half(ts_u16(b + 82)) * (float)(b[g] >> 4);
+            } else {
+                const u8* sc = b + 96;
+                int low = g < 8 ? (sc[g] & 0x0F) : (sc[g - 8] >> 4);
+                int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+                dl = d * (float)((low | (high << 4)) - 32);
+            }
+            for (int l = 16 * h; l < 16 * h + 16; ++l) {
+                int q = (qs[l] >> shift) & 3;
+                if (!two && !(b[l] & (1u << (4 * n + j % 4)))) q -= 4;
+                out[l] = dl * (float)q - ml;
+            }
         }
         return;
     }

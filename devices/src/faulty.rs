@@ -22,7 +22,7 @@ pub enum Fault {
     MisstridedWeight,
     /// Quantized block scale 3% off.
     QuantScaleWrong,
-    /// The min/offset of Q4_1, Q5_1, Q4_K, Q5_K blocks ignored.
+    /// The min/offset of Q4_1, Q5_1, Q2_K, Q4_K, Q5_K blocks ignored.
     QuantMinIgnored,
     /// Softmax without subtracting the row maximum (overflows).
     SoftmaxNoMaxSub,
@@ -87,6 +87,8 @@ fn scale_fields(ty: GgmlType) -> (Option<usize>, Option<usize>) {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => (Some(0), None),
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => (Some(0), Some(2)),
         GgmlType::Q6_K => (Some(208), None),
+        GgmlType::Q2_K => (Some(80), Some(82)),
+        GgmlType::Q3_K => (Some(108), None),
         _ => (None, None),
     }
 }

@@ -22,6 +22,8 @@ pub enum GgmlType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
@@ -32,7 +34,7 @@ pub const QK_K: usize = 256;
 
 impl GgmlType {
     /// Every supported type, in GGML id order.
-    pub const ALL: [GgmlType; 11] = [
+    pub const ALL: [GgmlType; 13] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -40,6 +42,8 @@ impl GgmlType {
         GgmlType::Q5_0,
         GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
@@ -56,6 +60,8 @@ impl GgmlType {
             GgmlType::Q5_0 => 6,
             GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q2_K => 10,
+            GgmlType::Q3_K => 11,
             GgmlType::Q4_K => 12,
             GgmlType::Q5_K => 13,
             GgmlType::Q6_K => 14,
@@ -77,6 +83,8 @@ impl GgmlType {
             GgmlType::Q5_0 => "q5_0",
             GgmlType::Q5_1 => "q5_1",
             GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q2_K => "q2_k",
+            GgmlType::Q3_K => "q3_k",
             GgmlType::Q4_K => "q4_k",
             GgmlType::Q5_K => "q5_k",
             GgmlType::Q6_K => "q6_k",
@@ -94,7 +102,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => QK_K,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => QK_K,
         }
     }
 
@@ -108,6 +116,8 @@ impl GgmlType {
             GgmlType::Q5_0 => 22,
             GgmlType::Q5_1 => 24,
             GgmlType::Q8_0 => 34,
+            GgmlType::Q2_K => 84,
+            GgmlType::Q3_K => 110,
             GgmlType::Q4_K => 144,
             GgmlType::Q5_K => 176,
             GgmlType::Q6_K => 210,
@@ -171,6 +181,8 @@ pub fn decode_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
                     GgmlType::Q5_0 => decode_q5_0(blk, y),
                     GgmlType::Q5_1 => decode_q5_1(blk, y),
                     GgmlType::Q8_0 => decode_q8_0(blk, y),
+                    GgmlType::Q2_K => decode_q2_k(blk, y),
+                    GgmlType::Q3_K => decode_q3_k(blk, y),
                     GgmlType::Q4_K => decode_q4_k(blk, y),
                     GgmlType::Q5_K => decode_q5_k(blk, y),
                     GgmlType::Q6_K => decode_q6_k(blk, y),
@@ -199,6 +211,8 @@ fn scale_fields(ty: GgmlType) -> &'static [usize] {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q6_K => &[208],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
     }
 }
 
@@ -289,6 +303,50 @@ fn decode_q8_0(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     for j in 0..32 {
         y[j] = (b[2 + j] as i8) as f32 * d;
+    }
+}
+
+// Q2_K and Q3_K super-blocks of 256: in each half (128 values, 32 bytes of `qs`), value
+// 128n + 32j + l (l < 32) is bits 2j..2j+2 of qs[32n + l], and its 16-value group is 8n + 2j +
+// l / 16.
+#[inline]
+fn k_low_bits(qs: &[u8], i: usize) -> (u8, usize) {
+    let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
+    ((qs[32 * n + l] >> (2 * j)) & 3, 8 * n + 2 * j + l / 16)
+}
+
+// block_q2_K: scales[16] (low nibble scale, high nibble min of each 16-value group), qs[64],
+// d: f16, dmin: f16; value = d * scale * q - dmin * min, q in 0..4.
+fn decode_q2_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (rd_f16(b, 80), rd_f16(b, 82));
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    for (i, v) in y.iter_mut().enumerate().take(QK_K) {
+        let (q, g) = k_low_bits(qs, i);
+        let (dl, ml) = (d * (scales[g] & 0xF) as f32, dmin * (scales[g] >> 4) as f32);
+        *v = dl * q as f32 - ml;
+    }
+}
+
+/// The sixteen 6-bit scales of a Q3_K super-block, unpacked from its 12 bytes (low nibbles in
+/// bytes 0..8, the two high bits of scale j in byte 8 + j % 4 at bit 2 * (j / 4)), minus 32.
+pub fn q3_k_scales(sc: &[u8]) -> [i8; 16] {
+    std::array::from_fn(|j| {
+        let low = if j < 8 { sc[j] & 0xF } else { sc[j - 8] >> 4 };
+        let high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+        ((low | (high << 4)) as i32 - 32) as i8
+    })
+}
+
+// block_q3_K: hmask[32], qs[64], scales[12], d: f16. Value i's 3-bit q is its two low bits minus
+// 4 unless bit 4n + j of hmask[l] is set; value = d * scale * q, q in -4..4.
+fn decode_q3_k(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 108);
+    let (hmask, qs, scales) = (&b[0..32], &b[32..96], q3_k_scales(&b[96..108]));
+    for (i, v) in y.iter_mut().enumerate().take(QK_K) {
+        let (low, g) = k_low_bits(qs, i);
+        let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
+        let q = low as i32 - if hmask[l] & (1 << (4 * n + j)) != 0 { 0 } else { 4 };
+        *v = d * scales[g] as f32 * q as f32;
     }
 }
 
@@ -393,6 +451,8 @@ pub fn encode(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
                     GgmlType::Q5_0 => encode_q5_0(blk, &mut out),
                     GgmlType::Q5_1 => encode_q5_1(blk, &mut out),
                     GgmlType::Q8_0 => encode_q8_0(blk, &mut out),
+                    GgmlType::Q2_K => encode_q2_k(blk, &mut out),
+                    GgmlType::Q3_K => encode_q3_k(blk, &mut out),
                     GgmlType::Q4_K => encode_qk_asym(blk, false, &mut out),
                     GgmlType::Q5_K => encode_qk_asym(blk, true, &mut out),
                     GgmlType::Q6_K => encode_q6_k(blk, &mut out),
@@ -564,6 +624,81 @@ fn encode_qk_asym(x: &[f32], five_bits: bool, out: &mut Vec<u8>) {
     }
 }
 
+/// Packs 256 two-bit values into Q2_K/Q3_K's `qs` layout (`k_low_bits`).
+fn pack_k_low_bits(levels: &[u8; QK_K]) -> [u8; 64] {
+    std::array::from_fn(|b| {
+        let (n, l) = (b / 32, b % 32);
+        (0..4).fold(0u8, |acc, j| acc | ((levels[128 * n + 32 * j + l] & 3) << (2 * j)))
+    })
+}
+
+/// Q2_K: sixteen 16-element groups, each with a 4-bit scale and a 4-bit min on top of f16 `d` and
+/// `dmin`. A simple encoder (not ggml's iterative one): each group's range [min(0, lo), hi]
+/// split in 3 steps, the scales and mins rounded up to their 4-bit grids so the grid covers the
+/// group (to within one `dmin`), each value rounded to the nearest of its four levels.
+fn encode_q2_k(x: &[f32], out: &mut Vec<u8>) {
+    let groups: Vec<(f32, f32)> = x.chunks_exact(16).map(|g| {
+        let lo = g.iter().fold(0f32, |m, v| m.min(*v));
+        let hi = g.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+        ((hi - lo).max(0.0) / 3.0, -lo)
+    }).collect();
+    let up = |v: f32| f16::from_f32(v * (1.0 + 2f32.powi(-10))).to_f32();
+    let d = up(groups.iter().fold(0f32, |m, g| m.max(g.0)) / 15.0);
+    let dmin = up(groups.iter().fold(0f32, |m, g| m.max(g.1)) / 15.0);
+    let grid = |v: f32, step: f32| if step > 0.0 { (v / step).ceil().clamp(0.0, 15.0) as u8 } else { 0 };
+    let scales: Vec<u8> = groups.iter().map(|(sc, mn)| grid(*sc, d) | (grid(*mn, dmin) << 4)).collect();
+    let mut levels = [0u8; QK_K];
+    for (i, v) in x.iter().enumerate() {
+        let g = scales[i / 16];
+        let (dl, ml) = (d * (g & 0xF) as f32, dmin * (g >> 4) as f32);
+        levels[i] = if dl > 0.0 { ((v + ml) / dl).round().clamp(0.0, 3.0) as u8 } else { 0 };
+    }
+    out.extend_from_slice(&scales);
+    out.extend_from_slice(&pack_k_low_bits(&levels));
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+    out.extend_from_slice(&f16::from_f32(dmin).to_le_bytes());
+}
+
+/// Q3_K: sixteen 16-element groups with 6-bit signed scales on top of an f16 `d`, values in
+/// -4..4. Each group's scale is its signed largest value over -4 (ggml's symmetric rule), the
+/// scales put on their 6-bit grid by the largest one, each value rounded to its group's grid.
+fn encode_q3_k(x: &[f32], out: &mut Vec<u8>) {
+    let scales: Vec<f32> = x.chunks_exact(16).map(|g| signed_absmax(g) / -4.0).collect();
+    let max_scale = scales.iter().fold(0f32, |m, s| if s.abs() > m.abs() { *s } else { m });
+    let (d, ls): (f32, Vec<i32>) = if max_scale == 0.0 {
+        (0.0, vec![0; 16])
+    } else {
+        let iscale = -32.0 / max_scale;
+        let d = f16::from_f32(1.0 / iscale).to_f32();
+        (d, scales.iter().map(|s| ((iscale * s).round() as i32).clamp(-32, 31)).collect())
+    };
+    let mut packed = [0u8; 12];
+    for (j, l) in ls.iter().enumerate() {
+        let l = (l + 32) as u8;
+        if j < 8 {
+            packed[j] = l & 0xF;
+        } else {
+            packed[j - 8] |= (l & 0xF) << 4;
+        }
+        packed[8 + j % 4] |= (l >> 4) << (2 * (j / 4));
+    }
+    let (mut levels, mut hmask) = ([0u8; QK_K], [0u8; 32]);
+    for (i, v) in x.iter().enumerate() {
+        let dl = d * ls[i / 16] as f32;
+        let q = if dl != 0.0 { (v / dl).round().clamp(-4.0, 3.0) as i32 } else { 0 };
+        let stored = (q + 4) as u8;
+        levels[i] = stored & 3;
+        if stored > 3 {
+            let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
+            hmask[l] |= 1 << (4 * n + j);
+        }
+    }
+    out.extend_from_slice(&hmask);
+    out.extend_from_slice(&pack_k_low_bits(&levels));
+    out.extend_from_slice(&packed);
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+}
+
 /// Q6_K: sixteen 16-element sub-blocks with signed 8-bit scales on top of an f16 `d`;
 /// value = d*sc*(q-32), q in 0..64.
 fn encode_q6_k(x: &[f32], out: &mut Vec<u8>) {
@@ -629,6 +764,20 @@ pub fn encode_error_bound(ty: GgmlType, x: &[f32], block: &[u8]) -> f32 {
                 worst = worst.max(0.5 * d * sc as f32);
             }
             worst + 0.5 * dmin + amax * 2f32.powi(-9) + rounding
+        }
+        GgmlType::Q2_K => {
+            // Half a step of the group's grid; the grid, its scale and min rounded up, covers
+            // the group but for up to one `dmin` at its top; f16 rounding of d and dmin.
+            let (d, dmin) = (rd_f16(block, 80), rd_f16(block, 82));
+            let worst = block[0..16].iter().map(|s| 0.5 * d * (s & 0xF) as f32).fold(0.0f32, f32::max);
+            worst + dmin + amax * 2f32.powi(-9) + rounding
+        }
+        GgmlType::Q3_K => {
+            // One full step at the clamped end (q = 3 for a value 4 steps away) plus what the
+            // scale's 6-bit rounding (half a `d`) costs over four steps.
+            let d = rd_f16(block, 108).abs();
+            let worst = q3_k_scales(&block[96..108]).iter().map(|s| d * (*s as f32).abs()).fold(0.0f32, f32::max);
+            worst + 2.0 * d + amax * 2f32.powi(-9) + rounding
         }
         GgmlType::Q6_K => {
             let d = rd_f16(block, 208).abs();

@@ -185,6 +185,8 @@ fn encoders_are_not_trivially_lossy() {
         (GgmlType::Q4_K, 0.13),
         (GgmlType::Q5_K, 0.065),
         (GgmlType::Q6_K, 0.035),
+        (GgmlType::Q2_K, 0.45),
+        (GgmlType::Q3_K, 0.2),
         (GgmlType::F16, 0.001),
         (GgmlType::BF16, 0.005),
     ];
@@ -209,6 +211,8 @@ fn candle_dtype(ty: GgmlType) -> candle_core::quantized::GgmlDType {
         GgmlType::Q5_0 => C::Q5_0,
         GgmlType::Q5_1 => C::Q5_1,
         GgmlType::Q8_0 => C::Q8_0,
+        GgmlType::Q2_K => C::Q2K,
+        GgmlType::Q3_K => C::Q3K,
         GgmlType::Q4_K => C::Q4K,
         GgmlType::Q5_K => C::Q5K,
         GgmlType::Q6_K => C::Q6K,
@@ -223,6 +227,8 @@ fn random_blocks(ty: GgmlType, n_blocks: usize, rng: &mut SplitMix64) -> Vec<u8>
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q6_K => &[208],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
         GgmlType::F16 => return (0..n_blocks).flat_map(|_| h((rng.next_normal() * 4.0) as f32)).collect(),
         GgmlType::BF16 => return (0..n_blocks).flat_map(|_| half::bf16::from_f64(rng.next_normal()).to_le_bytes()).collect(),
         GgmlType::F32 => return (0..n_blocks).flat_map(|_| (rng.next_normal() as f32).to_le_bytes()).collect(),
@@ -250,6 +256,16 @@ fn decoders_match_candle_on_random_blocks() {
         for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
             assert!(a.to_bits() == b.to_bits(), "{}: element {i}: ours {a} vs candle {b}", ty.name());
         }
+    }
+}
+
+/// Where a block keeps its f16 scale `d`.
+fn d_offset(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q6_K => 208,
+        GgmlType::Q2_K => 80,
+        GgmlType::Q3_K => 108,
+        _ => 0,
     }
 }
 
@@ -283,8 +299,8 @@ fn first_non_finite_agrees_with_a_full_decode_on_arbitrary_bytes() {
                 match ty {
                     GgmlType::F32 => b[at..at + 4].copy_from_slice(&f32::from_bits(0x7f80_0000 | (r >> 8) as u32 & 0x807f_ffff).to_le_bytes()),
                     GgmlType::BF16 => b[at..at + 2].copy_from_slice(&(0x7f80 | (r >> 8) as u16 & 0x807f).to_le_bytes()),
-                    GgmlType::Q6_K => b[at + 208..at + 210].copy_from_slice(&f16_bad.to_le_bytes()),
-                    _ => b[at..at + 2].copy_from_slice(&f16_bad.to_le_bytes()), // F16 and every block's d at 0
+                    // F16 and every block's d (at 0 but for the K-quants that keep it last).
+                    _ => b[at + d_offset(ty)..at + d_offset(ty) + 2].copy_from_slice(&f16_bad.to_le_bytes()),
                 }
             }
             let y = decode(ty, &b, n_blocks * bs).unwrap();
@@ -306,7 +322,7 @@ fn first_non_finite_finds_a_planted_scale() {
         let x: Vec<f32> = (0..3 * ty.block_size()).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut b = encode(ty, &x).unwrap();
         assert_eq!(first_non_finite(ty, &b), None, "{}", ty.name());
-        let d_at = if ty == GgmlType::Q6_K { 208 } else { 0 };
+        let d_at = d_offset(ty);
         for bad in [f16::NAN, f16::INFINITY, f16::NEG_INFINITY] {
             let at = ty.type_size() + d_at; // block 1's d
             let keep = [b[at], b[at + 1]];

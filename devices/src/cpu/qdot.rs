@@ -602,6 +602,39 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                 }
             }
         }
+        GgmlType::Q2_K | GgmlType::Q3_K => {
+            // Sixteen 16-value groups, each with its own scale (Q2_K's 4-bit scale and min,
+            // Q3_K's 6-bit signed one): 32 values unpacked to i8, their two scales applied to
+            // the halves of the block dot, as for Q6_K.
+            let two = ty == GgmlType::Q2_K;
+            for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
+                let (qs, hmask) = if two { (&blk[16..80], &blk[0..0]) } else { (&blk[32..96], &blk[0..32]) };
+                let (d, dmin) = if two { (I::f16(blk, 80), I::f16(blk, 82)) } else { (I::f16(blk, 108), 0.0) };
+                let scales: [i32; 16] = if two { std::array::from_fn(|g| (blk[g] & 0xF) as i32) } else { oracle::quant::q3_k_scales(&blk[96..108]).map(|s| s as i32) };
+                let mut q = [0i8; QK_K];
+                for (i, v) in q.iter_mut().enumerate() {
+                    let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
+                    let low = ((qs[32 * n + l] >> (2 * j)) & 3) as i8;
+                    *v = if two || hmask[l] & (1 << (4 * n + j)) != 0 { low } else { low - 4 };
+                }
+                for sub in 0..8 {
+                    let b = kb * 8 + sub;
+                    let w = I::i8s(&q[32 * sub..32 * sub + 32]);
+                    for t in 0..T {
+                        acc[t] = I::fma(acc[t], I::scale_halves(I::dot(w, xq(t, b)), scales[2 * sub], scales[2 * sub + 1]), d * xs[t].d[b]);
+                    }
+                    if two {
+                        // Each group's min times its 16 activations' sum.
+                        let (m_lo, m_hi) = ((blk[2 * sub] >> 4) as i32, (blk[2 * sub + 1] >> 4) as i32);
+                        for t in 0..T {
+                            let x = xq(t, b);
+                            let (lo, hi) = (x[..16].iter().map(|v| *v as i32).sum::<i32>(), x[16..].iter().map(|v| *v as i32).sum::<i32>());
+                            mins[t] -= dmin * (m_lo * lo + m_hi * hi) as f32 * xs[t].d[b];
+                        }
+                    }
+                }
+            }
+        }
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("float weights use the f32 path"),
     }
     std::array::from_fn(|t| I::hsum(acc[t]) + mins[t])
@@ -935,11 +968,14 @@ mod tests {
             }
             same(dot_row(ty, row, &x), path_name());
         });
-        assert_eq!(checked, 8 * 200);
+        assert_eq!(checked, QUANTIZED_TYPES * 200);
         eprintln!("checked: {}", path_name());
     }
 
     const K: usize = 2 * QK_K;
+
+    /// The quantized types (every one has block dots; eight of them before Q2_K and Q3_K came).
+    const QUANTIZED_TYPES: usize = 10;
 
     /// Calls `check` with `per_type` random rows of `K` values of every quantized type and the
     /// seeded generator; returns how many rows it checked.
@@ -1004,7 +1040,7 @@ mod tests {
             let same = |a: &[u32], b: &[u32]| a.iter().zip(b).all(|(p, q)| p == q || (f32::from_bits(*p).is_nan() && f32::from_bits(*q).is_nan()));
             assert!(same(&four, &one) && same(&three, &one[1..]) && same(&portable, &one), "{ty:?}: {four:?} / {three:?} / {portable:?} vs {one:?}");
         });
-        assert_eq!(checked, 8 * 50);
+        assert_eq!(checked, QUANTIZED_TYPES * 50);
     }
 
     /// The embedding lookup's row expansion against the oracle's decoders (which the kernel
@@ -1021,7 +1057,7 @@ mod tests {
                 assert!(g == w || (g.is_nan() && w.is_nan()), "{ty:?} element {i}: {g} vs oracle {w}");
             }
         });
-        assert_eq!(checked, 8 * 50);
+        assert_eq!(checked, QUANTIZED_TYPES * 50);
     }
 
     /// The fused float-row dot against widening the row and `dot_f32`: every length up to 40
