@@ -30,6 +30,8 @@
 #define TY_Q4_K 12
 #define TY_Q5_K 13
 #define TY_Q6_K 14
+#define TY_IQ4_NL 20
+#define TY_IQ4_XS 23
 #define TY_BF16 30
 
 // ---------------------------------------------------------------------------------------------
@@ -167,6 +169,31 @@ __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
                 if (!two && !(b[l] & (1u << (4 * n + j % 4)))) q -= 4;
                 out[l] = dl * (float)q - ml;
             }
+        }
+        return;
+    }
+    case TY_IQ4_NL:
+    case TY_IQ4_XS: {
+        // Non-linear levels (ggml's kvalues_iq4nl), 32 per block. IQ4_NL: d, qs[16]; IQ4_XS:
+        // super-blocks of 256, d, scales_h (u16), scales_l[4], qs[128], sub-block c%8's scale
+        // 6 bits (low four in scales_l, high two in scales_h) minus 32, times d.
+        const signed char levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+        const u8* qs;
+        float dl;
+        if (ty == TY_IQ4_NL) {
+            const u8* b = row + 18 * c;
+            dl = ts_half(ts_u16(b));
+            qs = b + 2;
+        } else {
+            const u8* b = row + 136 * (c / 8);
+            int ib = c % 8;
+            int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((ts_u16(b + 2) >> (2 * ib)) & 3) << 4);
+            dl = ts_half(ts_u16(b)) * (float)(ls - 32);
+            qs = b + 8 + 16 * ib;
+        }
+        for (int j = 0; j < 16; ++j) {
+            out[j] = dl * (float)levels[qs[j] & 0x0F];
+            out[j + 16] = dl * (float)levels[qs[j] >> 4];
         }
         return;
     }

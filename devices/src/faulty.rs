@@ -89,6 +89,7 @@ fn scale_fields(ty: GgmlType) -> (Option<usize>, Option<usize>) {
         GgmlType::Q6_K => (Some(208), None),
         GgmlType::Q2_K => (Some(80), Some(82)),
         GgmlType::Q3_K => (Some(108), None),
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => (Some(0), None),
         _ => (None, None),
     }
 }

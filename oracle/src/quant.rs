@@ -28,13 +28,15 @@ pub enum GgmlType {
     Q5_K,
     Q6_K,
     BF16,
+    IQ4_NL,
+    IQ4_XS,
 }
 
 pub const QK_K: usize = 256;
 
 impl GgmlType {
     /// Every supported type, in GGML id order.
-    pub const ALL: [GgmlType; 13] = [
+    pub const ALL: [GgmlType; 15] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -47,6 +49,8 @@ impl GgmlType {
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
         GgmlType::BF16,
     ];
 
@@ -65,6 +69,8 @@ impl GgmlType {
             GgmlType::Q4_K => 12,
             GgmlType::Q5_K => 13,
             GgmlType::Q6_K => 14,
+            GgmlType::IQ4_NL => 20,
+            GgmlType::IQ4_XS => 23,
             GgmlType::BF16 => 30,
         }
     }
@@ -88,6 +94,8 @@ impl GgmlType {
             GgmlType::Q4_K => "q4_k",
             GgmlType::Q5_K => "q5_k",
             GgmlType::Q6_K => "q6_k",
+            GgmlType::IQ4_NL => "iq4_nl",
+            GgmlType::IQ4_XS => "iq4_xs",
             GgmlType::BF16 => "bf16",
         }
     }
@@ -101,8 +109,8 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
-            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => QK_K,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::IQ4_NL => 32,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => QK_K,
         }
     }
 
@@ -121,6 +129,8 @@ impl GgmlType {
             GgmlType::Q4_K => 144,
             GgmlType::Q5_K => 176,
             GgmlType::Q6_K => 210,
+            GgmlType::IQ4_NL => 18,
+            GgmlType::IQ4_XS => 136,
         }
     }
 
@@ -186,6 +196,8 @@ pub fn decode_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
                     GgmlType::Q4_K => decode_q4_k(blk, y),
                     GgmlType::Q5_K => decode_q5_k(blk, y),
                     GgmlType::Q6_K => decode_q6_k(blk, y),
+                    GgmlType::IQ4_NL => decode_iq4_nl(blk, y),
+                    GgmlType::IQ4_XS => decode_iq4_xs(blk, y),
                     _ => unreachable!("scalar types handled above"),
                 }
             }
@@ -213,6 +225,7 @@ fn scale_fields(ty: GgmlType) -> &'static [usize] {
         GgmlType::Q6_K => &[208],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
     }
 }
 
@@ -350,6 +363,76 @@ fn decode_q3_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// The sixteen levels of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`), indexed by a 4-bit q.
+pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+// 32 values of IQ4_NL/IQ4_XS: the low nibbles of `qs[0..16]` are values 0..16, the high ones
+// 16..32; value = dl * level.
+fn decode_iq4_32(qs: &[u8], dl: f32, y: &mut [f32]) {
+    for j in 0..16 {
+        y[j] = dl * IQ4_LEVELS[(qs[j] & 0xF) as usize] as f32;
+        y[j + 16] = dl * IQ4_LEVELS[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+// block_iq4_nl: d: f16, qs[16].
+fn decode_iq4_nl(b: &[u8], y: &mut [f32]) {
+    decode_iq4_32(&b[2..18], rd_f16(b, 0), y);
+}
+
+/// The 6-bit scale of sub-block `ib` (0..8) of an IQ4_XS super-block, minus 32: its low four bits
+/// in `scales_l` (byte 4 + ib / 2, nibble ib % 2), its high two in `scales_h` (bits 2ib, 2ib + 1).
+pub fn iq4_xs_scale(b: &[u8], ib: usize) -> i32 {
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) as i32 | ((((high >> (2 * ib)) & 3) as i32) << 4)) - 32
+}
+
+// block_iq4_xs: d: f16, scales_h: u16, scales_l[4], qs[128]; sub-block ib's value =
+// (d * scale) * level.
+fn decode_iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    for (ib, y) in y.chunks_exact_mut(32).enumerate().take(8) {
+        decode_iq4_32(&b[8 + 16 * ib..24 + 16 * ib], d * iq4_xs_scale(b, ib) as f32, y);
+    }
+}
+
+/// 32 values as IQ4 levels of step `dl`: each value's nearest level (ties to the lower).
+fn encode_iq4_32(x: &[f32], dl: f32) -> [u8; 16] {
+    let level = |v: f32| -> u8 {
+        if dl == 0.0 {
+            return 8; // level 1, the one nearest zero
+        }
+        let t = v / dl;
+        (0..16).min_by(|a, b| (t - IQ4_LEVELS[*a] as f32).abs().total_cmp(&(t - IQ4_LEVELS[*b] as f32).abs())).unwrap_or(8) as u8
+    };
+    std::array::from_fn(|j| level(x[j]) | (level(x[j + 16]) << 4))
+}
+
+/// IQ4_NL: a block's signed largest value maps to level -127 (ggml's symmetric rule), each value
+/// to its nearest level (not ggml's searched scale).
+fn encode_iq4_nl(x: &[f32], out: &mut Vec<u8>) {
+    let d = push_f16(out, signed_absmax(x) / -127.0);
+    out.extend_from_slice(&encode_iq4_32(x, d));
+}
+
+/// IQ4_XS: each 32-value sub-block's scale (its signed largest value over -127) on a 6-bit grid of
+/// the super-block's largest scale over -32, each value to its nearest level.
+fn encode_iq4_xs(x: &[f32], out: &mut Vec<u8>) {
+    let scales: Vec<f32> = x.chunks_exact(32).map(|b| signed_absmax(b) / -127.0).collect();
+    let max_scale = scales.iter().fold(0f32, |m, s| if s.abs() > m.abs() { *s } else { m });
+    let d = f16::from_f32(max_scale / -32.0).to_f32();
+    let ls: Vec<i32> = scales.iter().map(|s| if d != 0.0 { ((s / d).round() as i32).clamp(-32, 31) } else { 0 }).collect();
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+    let high = ls.iter().enumerate().fold(0u16, |h, (ib, l)| h | ((((l + 32) >> 4) & 3) as u16) << (2 * ib));
+    out.extend_from_slice(&high.to_le_bytes());
+    for pair in ls.chunks_exact(2) {
+        out.push((((pair[0] + 32) & 0xF) | (((pair[1] + 32) & 0xF) << 4)) as u8);
+    }
+    for (b, l) in x.chunks_exact(32).zip(&ls) {
+        out.extend_from_slice(&encode_iq4_32(b, d * *l as f32));
+    }
+}
+
 /// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of Q4_K/Q5_K.
 #[inline]
 pub fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
@@ -456,6 +539,8 @@ pub fn encode(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
                     GgmlType::Q4_K => encode_qk_asym(blk, false, &mut out),
                     GgmlType::Q5_K => encode_qk_asym(blk, true, &mut out),
                     GgmlType::Q6_K => encode_q6_k(blk, &mut out),
+                    GgmlType::IQ4_NL => encode_iq4_nl(blk, &mut out),
+                    GgmlType::IQ4_XS => encode_iq4_xs(blk, &mut out),
                     _ => unreachable!(),
                 }
             }
@@ -778,6 +863,18 @@ pub fn encode_error_bound(ty: GgmlType, x: &[f32], block: &[u8]) -> f32 {
             let d = rd_f16(block, 108).abs();
             let worst = q3_k_scales(&block[96..108]).iter().map(|s| d * (*s as f32).abs()).fold(0.0f32, f32::max);
             worst + 2.0 * d + amax * 2f32.powi(-9) + rounding
+        }
+        GgmlType::IQ4_NL => {
+            // Half the widest gap between levels (24 steps), or the 14 steps past level 113 at
+            // the clamped end; f16 rounding of d.
+            14.0 * rd_f16(block, 0).abs() + amax * 2f32.powi(-10) + rounding
+        }
+        GgmlType::IQ4_XS => {
+            // As IQ4_NL per sub-block, plus the 6-bit rounding of its scale (half a `d`) over
+            // 127 steps.
+            let d = rd_f16(block, 0).abs();
+            let worst = (0..8).map(|ib| 14.0 * d * (iq4_xs_scale(block, ib) as f32).abs()).fold(0.0f32, f32::max);
+            worst + 64.0 * d + amax * 2f32.powi(-9) + rounding
         }
         GgmlType::Q6_K => {
             let d = rd_f16(block, 208).abs();

@@ -1,5 +1,5 @@
 //! Codec tests: hand-built blocks with hand-computed values, round-trip bounds of the reference
-//! encoders, and a cross-check of every decoder against candle-core on random blocks.
+//! encoders, and a cross-check of every decoder against candle-core and gguf-py on random blocks.
 
 use half::f16;
 use oracle::quant::{decode, encode, encode_error_bound, GgmlType};
@@ -187,6 +187,8 @@ fn encoders_are_not_trivially_lossy() {
         (GgmlType::Q6_K, 0.035),
         (GgmlType::Q2_K, 0.45),
         (GgmlType::Q3_K, 0.2),
+        (GgmlType::IQ4_NL, 0.13),
+        (GgmlType::IQ4_XS, 0.13),
         (GgmlType::F16, 0.001),
         (GgmlType::BF16, 0.005),
     ];
@@ -200,9 +202,11 @@ fn encoders_are_not_trivially_lossy() {
     }
 }
 
-fn candle_dtype(ty: GgmlType) -> candle_core::quantized::GgmlDType {
+/// candle's type of `ty`; None for the IQ4 types, which candle does not decode (gguf-py's
+/// dequantizers judge them, `decoders_match_gguf_py_on_random_blocks`).
+fn candle_dtype(ty: GgmlType) -> Option<candle_core::quantized::GgmlDType> {
     use candle_core::quantized::GgmlDType as C;
-    match ty {
+    Some(match ty {
         GgmlType::F32 => C::F32,
         GgmlType::F16 => C::F16,
         GgmlType::BF16 => C::BF16,
@@ -216,7 +220,8 @@ fn candle_dtype(ty: GgmlType) -> candle_core::quantized::GgmlDType {
         GgmlType::Q4_K => C::Q4K,
         GgmlType::Q5_K => C::Q5K,
         GgmlType::Q6_K => C::Q6K,
-    }
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => return None,
+    })
 }
 
 /// Random blocks: random bytes everywhere, with the f16 scale fields replaced by finite values.
@@ -229,6 +234,7 @@ fn random_blocks(ty: GgmlType, n_blocks: usize, rng: &mut SplitMix64) -> Vec<u8>
         GgmlType::Q6_K => &[208],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
         GgmlType::F16 => return (0..n_blocks).flat_map(|_| h((rng.next_normal() * 4.0) as f32)).collect(),
         GgmlType::BF16 => return (0..n_blocks).flat_map(|_| half::bf16::from_f64(rng.next_normal()).to_le_bytes()).collect(),
         GgmlType::F32 => return (0..n_blocks).flat_map(|_| (rng.next_normal() as f32).to_le_bytes()).collect(),
@@ -250,13 +256,50 @@ fn decoders_match_candle_on_random_blocks() {
         let n = n_blocks * ty.block_size();
         let bytes = random_blocks(ty, n_blocks, &mut rng);
         let ours = decode(ty, &bytes, n).unwrap();
-        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(candle_dtype(ty), &bytes, vec![n], &dev).unwrap();
+        let Some(dtype) = candle_dtype(ty) else { continue };
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &bytes, vec![n], &dev).unwrap();
         let theirs: Vec<f32> = q.dequantize(&dev).unwrap().to_vec1().unwrap();
         assert_eq!(ours.len(), theirs.len());
         for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
             assert!(a.to_bits() == b.to_bits(), "{}: element {i}: ours {a} vs candle {b}", ty.name());
         }
     }
+}
+
+/// Every quantized decoder against gguf-py's (llama.cpp's own Python package, numpy) on random
+/// blocks: the same values to within an f32 rounding of each (its numpy order of the scale
+/// products may differ). Skipped, saying so, without gguf-py.
+#[test]
+fn decoders_match_gguf_py_on_random_blocks() {
+    let probe = std::process::Command::new("python3").args(["-c", "import gguf.quants, numpy"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED: gguf-py is not installed (pip install -r tools/reference/requirements.txt)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = SplitMix64(77);
+    let mut checked = 0;
+    for ty in GgmlType::ALL.into_iter().filter(|t| t.block_size() > 1) {
+        let n_blocks = 64;
+        let n = n_blocks * ty.block_size();
+        let bytes = random_blocks(ty, n_blocks, &mut rng);
+        let (input, output) = (dir.path().join(format!("{}.in", ty.name())), dir.path().join(format!("{}.out", ty.name())));
+        std::fs::write(&input, &bytes).unwrap();
+        let script = format!(
+            "import numpy as np, gguf\nfrom gguf.quants import dequantize\nt = gguf.GGMLQuantizationType({})\ndata = np.fromfile({:?}, dtype=np.uint8).reshape({n_blocks}, {})\ndequantize(data, t).astype('<f4').reshape(-1).tofile({:?})",
+            ty.id(), input.to_str().unwrap(), ty.type_size(), output.to_str().unwrap()
+        );
+        let o = std::process::Command::new("python3").args(["-c", &script]).output().unwrap();
+        assert!(o.status.success(), "{}: {}", ty.name(), String::from_utf8_lossy(&o.stderr));
+        let theirs: Vec<f32> = std::fs::read(&output).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let ours = decode(ty, &bytes, n).unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{}", ty.name());
+        for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!((a - b).abs() <= 2.0 * f32::EPSILON * a.abs().max(b.abs()) || (a.is_nan() && b.is_nan()), "{}: element {i}: ours {a} vs gguf-py {b}", ty.name());
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, GgmlType::ALL.iter().filter(|t| t.block_size() > 1).count());
 }
 
 /// Where a block keeps its f16 scale `d`.

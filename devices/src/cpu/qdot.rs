@@ -635,6 +635,32 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                 }
             }
         }
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => {
+            // 32-value blocks of non-linear levels (i8), with IQ4_NL's f16 scale or IQ4_XS's
+            // 6-bit one on its super-block's d: Q8_0's block dot once the levels are looked up.
+            let nl = ty == GgmlType::IQ4_NL;
+            let mut w = [0i8; 32];
+            let mut block = |b: usize, qs: &[u8], dl: f32| {
+                for j in 0..16 {
+                    w[j] = oracle::quant::IQ4_LEVELS[(qs[j] & 0xF) as usize];
+                    w[j + 16] = oracle::quant::IQ4_LEVELS[(qs[j] >> 4) as usize];
+                }
+                let wv = I::i8s(&w);
+                for t in 0..T {
+                    acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), dl * xs[t].d[b]);
+                }
+            };
+            for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
+                let d = I::f16(blk, 0);
+                if nl {
+                    block(kb, &blk[2..18], d);
+                } else {
+                    for ib in 0..8 {
+                        block(8 * kb + ib, &blk[8 + 16 * ib..24 + 16 * ib], d * oracle::quant::iq4_xs_scale(blk, ib) as f32);
+                    }
+                }
+            }
+        }
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("float weights use the f32 path"),
     }
     std::array::from_fn(|t| I::hsum(acc[t]) + mins[t])
@@ -681,11 +707,11 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
             }
         }
         _ => {
-            // K-quants: run the block dot of each super-block against one-hot Q8 blocks of
-            // exactly representable scale (d = 1), which returns each element's value.
-            let size = ty.type_size();
-            let mut x = Q8Row { q: vec![0; QK_K], d: vec![1.0; QK_K / 32], dsum: vec![0.0; QK_K / 32] };
-            for (blk, o) in row.chunks_exact(size).zip(out.chunks_exact_mut(QK_K)) {
+            // K-quants and the IQ4 types: run the block dot of each block against one-hot Q8
+            // blocks of exactly representable scale (d = 1), which returns each element's value.
+            let (size, bs) = (ty.type_size(), ty.block_size());
+            let mut x = Q8Row { q: vec![0; bs], d: vec![1.0; bs / 32], dsum: vec![0.0; bs / 32] };
+            for (blk, o) in row.chunks_exact(size).zip(out.chunks_exact_mut(bs)) {
                 for (j, y) in o.iter_mut().enumerate() {
                     x.q[j] = 1;
                     x.dsum[j / 32] = 1.0;
@@ -974,8 +1000,9 @@ mod tests {
 
     const K: usize = 2 * QK_K;
 
-    /// The quantized types (every one has block dots; eight of them before Q2_K and Q3_K came).
-    const QUANTIZED_TYPES: usize = 10;
+    /// The quantized types (every one has block dots; eight of them before Q2_K, Q3_K, IQ4_NL
+    /// and IQ4_XS came).
+    const QUANTIZED_TYPES: usize = 12;
 
     /// Calls `check` with `per_type` random rows of `K` values of every quantized type and the
     /// seeded generator; returns how many rows it checked.
