@@ -80,12 +80,12 @@ pub struct KvFormat(oracle::quant::GgmlType);
 
 impl KvFormat {
     /// The formats a cache may be declared in, as written.
-    pub const NAMES: &'static str = "f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0";
+    pub const NAMES: &'static str = "f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl";
 
     /// The format of this name, or None when a cache cannot be declared in it.
     pub fn parse(name: &str) -> Option<KvFormat> {
         use oracle::quant::GgmlType::*;
-        oracle::quant::GgmlType::from_name(name).filter(|t| matches!(t, F32 | F16 | BF16 | Q8_0 | Q5_1 | Q5_0 | Q4_1 | Q4_0)).map(KvFormat)
+        oracle::quant::GgmlType::from_name(name).filter(|t| matches!(t, F32 | F16 | BF16 | Q8_0 | Q5_1 | Q5_0 | Q4_1 | Q4_0 | IQ4_NL)).map(KvFormat)
     }
     pub fn ty(self) -> oracle::quant::GgmlType {
         self.0
@@ -110,9 +110,9 @@ impl KvFormat {
     /// The relative size of one cached value's rounding, as the budgets take a unit roundoff:
     /// a float format's unit roundoff; for a block format, the RMS rounding error of a block
     /// (half its step, about, the step a fraction of the block's largest value: 1/127 for
-    /// Q8_0, 1/8 for Q4_0 and 1/16 for Q5_0, whose scales are max/-8 and max/-16, and at most
-    /// 2/15 and 2/31 of it for Q4_1 and Q5_1, whose steps span max - min) over the block's RMS
-    /// value (at least max/sqrt(B)).
+    /// Q8_0, 1/8 for Q4_0 and 1/16 for Q5_0, whose scales are max/-8 and max/-16, at most
+    /// 2/15 and 2/31 of it for Q4_1 and Q5_1, whose steps span max - min, and 28/127 for
+    /// IQ4_NL's uneven levels) over the block's RMS value (at least max/sqrt(B)).
     pub fn rel_rounding(self) -> f64 {
         use oracle::quant::GgmlType::*;
         let step = match self.0 {
@@ -121,6 +121,9 @@ impl KvFormat {
             Q5_0 => 1.0 / 16.0,
             Q4_1 => 2.0 / 15.0,
             Q4_0 => 1.0 / 8.0,
+            // Its levels span -127..113 steps of max/127: half the widest gap is 12 steps, the
+            // clamped end 14.
+            IQ4_NL => 28.0 / 127.0,
             _ => return self.float().map_or(0.0, NumFormat::unit_roundoff),
         };
         (self.0.block_size() as f64).sqrt() * step / 2.0
@@ -594,7 +597,7 @@ mod tests {
         let x: Vec<f32> = (0..128).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let mut last = 0.0;
-        for (name, step) in [("f32", 0.0), ("f16", 2f32.powi(-10)), ("bf16", 2f32.powi(-7)), ("q8_0", 1.0 / 127.0), ("q5_0", 1.0 / 16.0), ("q5_1", 2.0 / 31.0), ("q4_0", 1.0 / 8.0), ("q4_1", 2.0 / 15.0)] {
+        for (name, step) in [("f32", 0.0), ("f16", 2f32.powi(-10)), ("bf16", 2f32.powi(-7)), ("q8_0", 1.0 / 127.0), ("q5_0", 1.0 / 16.0), ("q5_1", 2.0 / 31.0), ("q4_0", 1.0 / 8.0), ("q4_1", 2.0 / 15.0), ("iq4_nl", 28.0 / 127.0)] {
             let f = KvFormat::parse(name).unwrap();
             assert_eq!(f.to_string(), name);
             let mut r = x.clone();
@@ -604,10 +607,10 @@ mod tests {
             assert!(worst <= step * amax * 1.01 + 1e-6, "{name}: {worst} off, step {}", step * amax);
             assert!(f.rel_rounding() >= last, "{name}");
             last = f.rel_rounding();
-            assert_eq!(f.block().is_some(), name.starts_with('q'));
+            assert_eq!(f.block().is_some(), name.contains('q'));
         }
         assert!(KvFormat::parse("q4_0").unwrap().round_rows(&mut x.clone(), 48).is_none(), "rows of part blocks");
-        assert!(KvFormat::parse("q4_k").is_none() && KvFormat::parse("iq4_nl").is_none());
+        assert!(KvFormat::parse("q4_k").is_none() && KvFormat::parse("iq4_xs").is_none());
         let mut q = x.clone();
         KvFormat::parse("q4_1").unwrap().round_query(&mut q, 64).unwrap();
         let mut q8 = x.clone();
@@ -662,8 +665,8 @@ mod tests {
         assert_eq!((q8.kv_cache.map(KvFormat::ty), q8.kv_cache_rotation), (Some(oracle::quant::GgmlType::Q8_0), true));
         assert_eq!(serde_json::to_value(q8).unwrap()["kv_cache"], "q8_0");
         assert!(!read(r#", "kv_cache_rotation": null"#).unwrap().kv_cache_rotation);
-        let e = read(r#", "kv_cache": "iq4_nl""#).unwrap_err().to_string();
-        assert!(e.contains("iq4_nl") && e.contains(KvFormat::NAMES), "{e}");
+        let e = read(r#", "kv_cache": "iq4_xs""#).unwrap_err().to_string();
+        assert!(e.contains("iq4_xs") && e.contains(KvFormat::NAMES), "{e}");
         assert!(read(r#", "kv_cache": "q4_k""#).is_err(), "a K-quant is no cache type");
         // Each block is checked.
         assert!(Arithmetic { activation_q8_block_kquant: Some(0), ..plain }.check().unwrap_err().contains("activation_q8_block_kquant 0"));

@@ -26,7 +26,7 @@ comparison shows what that costs.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
 attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32|bf16|q8_0|q5_1|
-q5_0|q4_1|q4_0 keeps both caches in that type (and declares it; the quantized ones need flash
+q5_0|q4_1|q4_0|iq4_nl keeps both caches in that type (and declares it; the quantized ones need flash
 attention, as in llama.cpp, and are declared rotated, `kv_cache_rotation`, unless
 LLAMA_ATTN_ROT_DISABLE=1 turns llama.cpp's rotation off; flash attention reads an f32 cache as
 f16, so that is declared); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares one activation block for
@@ -79,7 +79,7 @@ ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctype
 ggml.ggml_backend_tensor_get.restype = None
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32 = 0, 1, 26
 # The cache types llama.cpp takes (`--cache-type-k/-v`) that a dump can declare, by GGML id.
-CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2, "iq4_nl": 20}
 
 # llama.cpp's graph name (before "-{layer}") -> our tap (after "blk.{layer}."), for the node
 # that is not a ROPE; and for ROPE nodes of that name.
@@ -150,12 +150,12 @@ def main():
     kv = os.environ.get("TOUCHSTONE_LLAMA_KV", "f16")
     if kv not in CACHE_TYPES:
         sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: one of {', '.join(CACHE_TYPES)}")
-    if kv.startswith("q") and not flash:
+    if kv not in ("f32", "f16", "bf16") and not flash:
         sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: llama.cpp quantizes the value cache only under flash attention (TOUCHSTONE_LLAMA_FLASH_ATTN=1)")
     # Flash attention reads an f32 cache as f16 (llama.cpp casts it); a quantized cache holds
     # Hadamard-rotated keys and values unless LLAMA_ATTN_ROT_DISABLE is set (llama.cpp's rule).
     declared_kv = "f16" if flash and kv == "f32" else kv
-    rotated = kv.startswith("q") and not int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or "0")
+    rotated = kv not in ("f32", "f16", "bf16") and not int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or "0")
     n_ctx = max(64, len(ids) + n_generate + 8)
     q8 = os.environ.get("TOUCHSTONE_LLAMA_Q8_BLOCK", "file")
     if q8 not in ("file", "32", "256", "none"):
