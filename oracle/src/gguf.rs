@@ -349,7 +349,11 @@ impl GgufFile {
                 }
                 let ty_at = c.pos;
                 let ty_id = c.u32(&field("type"))?;
-                let ty = GgmlType::from_id(ty_id).ok_or_else(|| c.err(&field("type"), ty_at, format!("unsupported tensor type id {ty_id}")))?;
+                let ty = GgmlType::from_id(ty_id).ok_or_else(|| {
+                    let named = GgmlType::ggml_name(ty_id).map(|n| format!(" ({n})")).unwrap_or_default();
+                    let known: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
+                    c.err(&field("type"), ty_at, format!("unsupported tensor type id {ty_id}{named}; this tool decodes {}", known.join(", ")))
+                })?;
                 if dims[0] % ty.block_size() as u64 != 0 {
                     return Err(c.err(&field("dims[0]"), n_dims_at + 4, format!("row length {} is not a multiple of the {} block size {}", dims[0], ty.name(), ty.block_size())));
                 }

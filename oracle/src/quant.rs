@@ -79,6 +79,36 @@ impl GgmlType {
         GgmlType::ALL.iter().copied().find(|t| t.id() == id)
     }
 
+    /// ggml's name of a type id this tool does not decode (`iq2_xxs`, `q8_k`, `mxfp4`, ...), for
+    /// saying which one a file holds; None for an id ggml does not name.
+    pub fn ggml_name(id: u32) -> Option<&'static str> {
+        const NAMES: [(u32, &str); 22] = [
+            (4, "q4_2 (removed from ggml)"),
+            (5, "q4_3 (removed from ggml)"),
+            (9, "q8_1"),
+            (15, "q8_k"),
+            (16, "iq2_xxs"),
+            (17, "iq2_xs"),
+            (18, "iq3_xxs"),
+            (19, "iq1_s"),
+            (21, "iq3_s"),
+            (22, "iq2_s"),
+            (24, "i8"),
+            (25, "i16"),
+            (26, "i32"),
+            (27, "i64"),
+            (28, "f64"),
+            (29, "iq1_m"),
+            (34, "tq1_0"),
+            (35, "tq2_0"),
+            (39, "mxfp4"),
+            (40, "nvfp4"),
+            (41, "q1_0"),
+            (42, "q2_0"),
+        ];
+        GgmlType::from_id(id).map(GgmlType::name).or_else(|| NAMES.iter().find(|(i, _)| *i == id).map(|(_, n)| *n))
+    }
+
     /// Lower-case name as used in case ids and reports (`q4_1`, `bf16`).
     pub fn name(self) -> &'static str {
         match self {

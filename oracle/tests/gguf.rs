@@ -143,7 +143,13 @@ fn hostile_tensor_infos() {
 
     let mut b = good.clone();
     b[at + 20..at + 24].copy_from_slice(&1234u32.to_le_bytes());
-    expect_err("unknown type", b, "tensor `a`.type");
+    let msg = expect_err("unknown type", b, "tensor `a`.type");
+    assert!(msg.contains("id 1234; this tool decodes f32, f16, q4_0"), "{msg}");
+    // A type ggml has and this tool does not decode is named, so the user knows which.
+    let mut b = good.clone();
+    b[at + 20..at + 24].copy_from_slice(&16u32.to_le_bytes());
+    let msg = expect_err("iq2_xxs", b, "tensor `a`.type");
+    assert!(msg.contains("type id 16 (iq2_xxs)") && msg.contains("iq4_xs"), "{msg}");
 
     let mut b = good.clone();
     patch_u64(&mut b, at + 4, 33); // Q8_0 rows must be a multiple of 32
