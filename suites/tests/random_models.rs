@@ -747,7 +747,9 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
     use suites::layerdiff::{propagated_budget, Dims, RoutingFollower};
     let mut r = SplitMix64(99);
     let seeds: Vec<u64> = (0..30).map(|_| r.next_u64()).collect();
-    for i in [5usize, 24] {
+    // Models 5 and 24 until IQ4_NL joined the weight types drawn (which redrew every model's
+    // types); 9 of the 30 show it now, these two among them.
+    for i in [2usize, 3] {
         let s = Shape {
             arch: ["llama", "qwen2", "qwen3"][i % 3],
             n_embd: 64,
