@@ -79,13 +79,22 @@ impl NumFormat {
 pub struct KvFormat(oracle::quant::GgmlType);
 
 impl KvFormat {
-    /// The formats a cache may be declared in, as written.
-    pub const NAMES: &'static str = "f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl";
+    /// The formats a cache may be declared in.
+    const TYPES: [oracle::quant::GgmlType; 9] = {
+        use oracle::quant::GgmlType::*;
+        [F32, F16, BF16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, IQ4_NL]
+    };
+    /// Q8_0: the format a block-quantized cache's keys take the query in.
+    pub const Q8_0: KvFormat = KvFormat(oracle::quant::GgmlType::Q8_0);
+
+    /// The formats a cache may be declared in, as written (`f32, f16, ...`).
+    pub fn names() -> String {
+        KvFormat::TYPES.map(|t| t.name()).join(", ")
+    }
 
     /// The format of this name, or None when a cache cannot be declared in it.
     pub fn parse(name: &str) -> Option<KvFormat> {
-        use oracle::quant::GgmlType::*;
-        oracle::quant::GgmlType::from_name(name).filter(|t| matches!(t, F32 | F16 | BF16 | Q8_0 | Q5_1 | Q5_0 | Q4_1 | Q4_0 | IQ4_NL)).map(KvFormat)
+        oracle::quant::GgmlType::from_name(name).filter(|t| KvFormat::TYPES.contains(t)).map(KvFormat)
     }
     pub fn ty(self) -> oracle::quant::GgmlType {
         self.0
@@ -135,7 +144,7 @@ impl KvFormat {
     /// blocks.
     pub fn round_query(self, q: &mut [f32], head_dim: usize) -> Option<()> {
         match self.block() {
-            Some(_) => KvFormat(oracle::quant::GgmlType::Q8_0).round_rows(q, head_dim),
+            Some(_) => KvFormat::Q8_0.round_rows(q, head_dim),
             None => Some(()),
         }
     }
@@ -190,7 +199,7 @@ pub fn hadamard_rotate(x: &mut [f32], n: usize) {
 impl TryFrom<String> for KvFormat {
     type Error = String;
     fn try_from(s: String) -> Result<KvFormat, String> {
-        KvFormat::parse(&s).ok_or_else(|| format!("kv_cache \"{s}\" is not a cache format this tool reads ({})", KvFormat::NAMES))
+        KvFormat::parse(&s).ok_or_else(|| format!("kv_cache \"{s}\" is not a cache format this tool reads ({})", KvFormat::names()))
     }
 }
 
@@ -568,7 +577,7 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
         "cpu" => Ok(Box::new(cpu::CpuDevice::default())),
         n if n.starts_with("cpu:kv-") => match KvFormat::parse(&n["cpu:kv-".len()..]) {
             Some(kv) => Ok(Box::new(cpu::CpuDevice { kv_cache: Some(kv) })),
-            None => unavailable(&format!("unknown KV cache format (cpu:kv-TYPE takes {})", KvFormat::NAMES)),
+            None => unavailable(&format!("unknown KV cache format (cpu:kv-TYPE takes {})", KvFormat::names())),
         },
         "fixed" => Ok(Box::new(fixed::FixedDevice { int4: false })),
         "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
@@ -666,7 +675,7 @@ mod tests {
         assert_eq!(serde_json::to_value(q8).unwrap()["kv_cache"], "q8_0");
         assert!(!read(r#", "kv_cache_rotation": null"#).unwrap().kv_cache_rotation);
         let e = read(r#", "kv_cache": "iq4_xs""#).unwrap_err().to_string();
-        assert!(e.contains("iq4_xs") && e.contains(KvFormat::NAMES), "{e}");
+        assert!(e.contains("iq4_xs") && e.contains("f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl"), "{e}");
         assert!(read(r#", "kv_cache": "q4_k""#).is_err(), "a K-quant is no cache type");
         // Each block is checked.
         assert!(Arithmetic { activation_q8_block_kquant: Some(0), ..plain }.check().unwrap_err().contains("activation_q8_block_kquant 0"));

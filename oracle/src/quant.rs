@@ -349,23 +349,31 @@ fn decode_q8_0(b: &[u8], y: &mut [f32]) {
     }
 }
 
-// Q2_K and Q3_K super-blocks of 256: in each half (128 values, 32 bytes of `qs`), value
-// 128n + 32j + l (l < 32) is bits 2j..2j+2 of qs[32n + l], and its 16-value group is 8n + 2j +
-// l / 16.
-#[inline]
-fn k_low_bits(qs: &[u8], i: usize) -> (u8, usize) {
-    let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
-    ((qs[32 * n + l] >> (2 * j)) & 3, 8 * n + 2 * j + l / 16)
+/// The 256 quants of a Q2_K (0..4) or Q3_K (-4..4) super-block `b`, in value order; value i's
+/// 16-value group (its scale) is i / 16. In each half (128 values, 32 bytes of `qs`), value
+/// 128n + 32j + l (l < 32) is bits 2j..2j+2 of qs[32n + l]; Q3_K's third bit is bit 4n + j of
+/// hmask[l] (clear: minus 4).
+pub fn q2_q3_k_quants(ty: GgmlType, b: &[u8]) -> [i8; QK_K] {
+    let q3 = ty == GgmlType::Q3_K;
+    let qs = if q3 { &b[32..96] } else { &b[16..80] };
+    std::array::from_fn(|i| {
+        let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
+        let low = ((qs[32 * n + l] >> (2 * j)) & 3) as i8;
+        if q3 && b[l] & (1 << (4 * n + j)) == 0 {
+            low - 4
+        } else {
+            low
+        }
+    })
 }
 
 // block_q2_K: scales[16] (low nibble scale, high nibble min of each 16-value group), qs[64],
 // d: f16, dmin: f16; value = d * scale * q - dmin * min, q in 0..4.
 fn decode_q2_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (rd_f16(b, 80), rd_f16(b, 82));
-    let (scales, qs) = (&b[0..16], &b[16..80]);
-    for (i, v) in y.iter_mut().enumerate().take(QK_K) {
-        let (q, g) = k_low_bits(qs, i);
-        let (dl, ml) = (d * (scales[g] & 0xF) as f32, dmin * (scales[g] >> 4) as f32);
+    for (i, (v, q)) in y.iter_mut().zip(q2_q3_k_quants(GgmlType::Q2_K, b)).enumerate() {
+        let g = b[i / 16];
+        let (dl, ml) = (d * (g & 0xF) as f32, dmin * (g >> 4) as f32);
         *v = dl * q as f32 - ml;
     }
 }
@@ -380,28 +388,27 @@ pub fn q3_k_scales(sc: &[u8]) -> [i8; 16] {
     })
 }
 
-// block_q3_K: hmask[32], qs[64], scales[12], d: f16. Value i's 3-bit q is its two low bits minus
-// 4 unless bit 4n + j of hmask[l] is set; value = d * scale * q, q in -4..4.
+// block_q3_K: hmask[32], qs[64], scales[12], d: f16; value = d * scale * q, q in -4..4.
 fn decode_q3_k(b: &[u8], y: &mut [f32]) {
-    let d = rd_f16(b, 108);
-    let (hmask, qs, scales) = (&b[0..32], &b[32..96], q3_k_scales(&b[96..108]));
-    for (i, v) in y.iter_mut().enumerate().take(QK_K) {
-        let (low, g) = k_low_bits(qs, i);
-        let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
-        let q = low as i32 - if hmask[l] & (1 << (4 * n + j)) != 0 { 0 } else { 4 };
-        *v = d * scales[g] as f32 * q as f32;
+    let (d, scales) = (rd_f16(b, 108), q3_k_scales(&b[96..108]));
+    for (i, (v, q)) in y.iter_mut().zip(q2_q3_k_quants(GgmlType::Q3_K, b)).enumerate() {
+        *v = d * scales[i / 16] as f32 * q as f32;
     }
 }
 
 /// The sixteen levels of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`), indexed by a 4-bit q.
 pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
-// 32 values of IQ4_NL/IQ4_XS: the low nibbles of `qs[0..16]` are values 0..16, the high ones
-// 16..32; value = dl * level.
+/// The levels of 32 IQ4_NL/IQ4_XS values: the low nibbles of `qs[0..16]` index values 0..16,
+/// the high ones 16..32.
+pub fn iq4_levels(qs: &[u8]) -> [i8; 32] {
+    std::array::from_fn(|j| IQ4_LEVELS[(if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 }) as usize])
+}
+
+// 32 values of IQ4_NL/IQ4_XS; value = dl * level.
 fn decode_iq4_32(qs: &[u8], dl: f32, y: &mut [f32]) {
-    for j in 0..16 {
-        y[j] = dl * IQ4_LEVELS[(qs[j] & 0xF) as usize] as f32;
-        y[j + 16] = dl * IQ4_LEVELS[(qs[j] >> 4) as usize] as f32;
+    for (v, level) in y.iter_mut().zip(iq4_levels(qs)) {
+        *v = dl * level as f32;
     }
 }
 

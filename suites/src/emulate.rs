@@ -271,18 +271,21 @@ impl Tap for EmulatedArithmetic {
         // A rotating cache rounds in the rotated basis (the query in the keys'); rotating back
         // leaves the scores and outputs the engine computes in that basis.
         let rotate = self.rotation.map(|(k, v)| if value { v } else { k }).unwrap_or(0);
-        let round = |how: &dyn Fn(&mut [f32])| {
-            let mut v = held.clone().unwrap_or_else(|| data.to_vec());
-            devices::hadamard_rotate(&mut v, rotate);
-            how(&mut v);
-            devices::hadamard_rotate(&mut v, rotate);
-            Some(v)
-        };
-        self.pending = match (self.kv.filter(|_| key || value), query) {
+        let how: Option<Box<dyn Fn(&mut [f32])>> = match (self.kv.filter(|_| key || value), query) {
             // A width of whole blocks was checked when the emulation was made.
-            (Some(f), _) => round(&|v: &mut [f32]| _ = f.round_rows(v, width)),
-            (None, Some(how)) => round(&|v: &mut [f32]| round_input(v, width, how)),
-            (None, None) => held,
+            (Some(f), _) => Some(Box::new(move |v: &mut [f32]| _ = f.round_rows(v, width))),
+            (None, Some(how)) => Some(Box::new(move |v: &mut [f32]| round_input(v, width, how))),
+            (None, None) => None,
+        };
+        self.pending = match how {
+            Some(how) => {
+                let mut v = held.unwrap_or_else(|| data.to_vec());
+                devices::hadamard_rotate(&mut v, rotate);
+                how(&mut v);
+                devices::hadamard_rotate(&mut v, rotate);
+                Some(v)
+            }
+            None => held,
         };
     }
     fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {

@@ -218,7 +218,7 @@ fn kv_cache_rel(kind: &str, a: &Arithmetic, d: &Dims) -> f64 {
         Some(f) if kind == "attn_kqv" && f.rel_rounding() > a.storage.unit_roundoff() => (f.rel_rounding(), f),
         _ => return 0.0,
     };
-    let query = f.block().map_or(0.0, |_| devices::KvFormat::parse("q8_0").map_or(0.0, |q8| q8.rel_rounding()));
+    let query = f.block().map_or(0.0, |_| devices::KvFormat::Q8_0.rel_rounding());
     let sqrt_hd = (d.head_dim as f64).sqrt();
     C_STAT * (u * (1.0 + sqrt_hd) + query * sqrt_hd)
 }

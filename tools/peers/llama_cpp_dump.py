@@ -150,12 +150,13 @@ def main():
     kv = os.environ.get("TOUCHSTONE_LLAMA_KV", "f16")
     if kv not in CACHE_TYPES:
         sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: one of {', '.join(CACHE_TYPES)}")
-    if kv not in ("f32", "f16", "bf16") and not flash:
+    quantized = kv not in ("f32", "f16", "bf16")
+    if quantized and not flash:
         sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: llama.cpp quantizes the value cache only under flash attention (TOUCHSTONE_LLAMA_FLASH_ATTN=1)")
     # Flash attention reads an f32 cache as f16 (llama.cpp casts it); a quantized cache holds
     # Hadamard-rotated keys and values unless LLAMA_ATTN_ROT_DISABLE is set (llama.cpp's rule).
     declared_kv = "f16" if flash and kv == "f32" else kv
-    rotated = kv not in ("f32", "f16", "bf16") and not int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or "0")
+    rotated = quantized and not int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or "0")
     n_ctx = max(64, len(ids) + n_generate + 8)
     q8 = os.environ.get("TOUCHSTONE_LLAMA_Q8_BLOCK", "file")
     if q8 not in ("file", "32", "256", "none"):

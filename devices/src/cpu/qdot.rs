@@ -608,15 +608,9 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             // the halves of the block dot, as for Q6_K.
             let two = ty == GgmlType::Q2_K;
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
-                let (qs, hmask) = if two { (&blk[16..80], &blk[0..0]) } else { (&blk[32..96], &blk[0..32]) };
                 let (d, dmin) = if two { (I::f16(blk, 80), I::f16(blk, 82)) } else { (I::f16(blk, 108), 0.0) };
                 let scales: [i32; 16] = if two { std::array::from_fn(|g| (blk[g] & 0xF) as i32) } else { oracle::quant::q3_k_scales(&blk[96..108]).map(|s| s as i32) };
-                let mut q = [0i8; QK_K];
-                for (i, v) in q.iter_mut().enumerate() {
-                    let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
-                    let low = ((qs[32 * n + l] >> (2 * j)) & 3) as i8;
-                    *v = if two || hmask[l] & (1 << (4 * n + j)) != 0 { low } else { low - 4 };
-                }
+                let q = oracle::quant::q2_q3_k_quants(ty, blk);
                 for sub in 0..8 {
                     let b = kb * 8 + sub;
                     let w = I::i8s(&q[32 * sub..32 * sub + 32]);
@@ -639,13 +633,8 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             // 32-value blocks of non-linear levels (i8), with IQ4_NL's f16 scale or IQ4_XS's
             // 6-bit one on its super-block's d: Q8_0's block dot once the levels are looked up.
             let nl = ty == GgmlType::IQ4_NL;
-            let mut w = [0i8; 32];
             let mut block = |b: usize, qs: &[u8], dl: f32| {
-                for j in 0..16 {
-                    w[j] = oracle::quant::IQ4_LEVELS[(qs[j] & 0xF) as usize];
-                    w[j + 16] = oracle::quant::IQ4_LEVELS[(qs[j] >> 4) as usize];
-                }
-                let wv = I::i8s(&w);
+                let wv = I::i8s(&oracle::quant::iq4_levels(qs));
                 for t in 0..T {
                     acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), dl * xs[t].d[b]);
                 }
@@ -1000,8 +989,9 @@ mod tests {
 
     const K: usize = 2 * QK_K;
 
+
     /// The quantized types (every one has block dots; eight of them before Q2_K, Q3_K, IQ4_NL
-    /// and IQ4_XS came).
+    /// and IQ4_XS came): a literal, so a type missing from the rows checked is caught.
     const QUANTIZED_TYPES: usize = 12;
 
     /// Calls `check` with `per_type` random rows of `K` values of every quantized type and the
