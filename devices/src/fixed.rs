@@ -552,7 +552,8 @@ impl Device for FixedDevice {
         self.run(case).map_err(|r| fail(&self.name(), case, r))
     }
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
-        if let Some(kv) = opts.kv_cache {
+        let kv = opts.kv_cache;
+        if kv != crate::KvTypes::default() {
             // Unsupported, not ignored: a run asked for such a cache must not report one it did not have.
             return Err(DeviceError::Unavailable(self.name(), format!("a {kv} KV cache is not implemented on the integer device (its cache holds Q16 integers)")));
         }

@@ -84,6 +84,8 @@ impl KvFormat {
         use oracle::quant::GgmlType::*;
         [F32, F16, BF16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, IQ4_NL]
     };
+    /// F32: a cache that holds what an f32 engine computes.
+    pub const F32: KvFormat = KvFormat(oracle::quant::GgmlType::F32);
     /// Q8_0: the format a block-quantized cache's keys take the query in.
     pub const Q8_0: KvFormat = KvFormat(oracle::quant::GgmlType::Q8_0);
 
@@ -157,6 +159,49 @@ impl KvFormat {
         }
         let bytes = oracle::quant::encode(self.0, rows).ok()?;
         oracle::quant::decode_into(self.0, &bytes, rows).ok()
+    }
+}
+
+/// The formats a KV cache holds its keys and values in, each None where it holds them as
+/// computed (llama.cpp's `--cache-type-k` and `--cache-type-v`). Written `q8_0` when both are
+/// one format, `q8_0-f16` (keys, values) when they differ: the `cpu:kv-*` devices' suffix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvTypes {
+    pub k: Option<KvFormat>,
+    pub v: Option<KvFormat>,
+}
+
+impl KvTypes {
+    /// Keys and values in one format.
+    pub fn both(f: KvFormat) -> KvTypes {
+        KvTypes { k: Some(f), v: Some(f) }
+    }
+    /// `TYPE` (keys and values) or `K-V`; None when either is not a cache format.
+    pub fn parse(s: &str) -> Option<KvTypes> {
+        match s.split_once('-') {
+            None => KvFormat::parse(s).map(KvTypes::both),
+            Some((k, v)) => Some(KvTypes { k: Some(KvFormat::parse(k)?), v: Some(KvFormat::parse(v)?) }),
+        }
+    }
+    /// Neither keys nor values rounded by the cache (unset, or f32).
+    pub fn is_none(&self) -> bool {
+        [self.k, self.v].iter().all(|f| f.is_none_or(|f| f == KvFormat::F32))
+    }
+    /// The formats set: the keys', then the values' where it differs.
+    pub fn formats(&self) -> impl Iterator<Item = KvFormat> {
+        let v = self.v.filter(|v| Some(*v) != self.k);
+        self.k.into_iter().chain(v)
+    }
+}
+
+impl std::fmt::Display for KvTypes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (k, v) = (self.k.unwrap_or(KvFormat::F32), self.v.unwrap_or(KvFormat::F32));
+        if k == v {
+            write!(f, "{k}")
+        } else {
+            write!(f, "{k}-{v}")
+        }
     }
 }
 
@@ -248,12 +293,20 @@ pub struct Arithmetic {
     /// cache, so only its budget (and what propagates from it) grows.
     #[serde(default)]
     pub kv_cache: Option<KvFormat>,
+    /// Format of the cached values where it differs from the keys' (`kv_cache`, which then
+    /// holds the keys alone): llama.cpp's `--cache-type-k q8_0 --cache-type-v f16`, say. None:
+    /// the values are held as the keys are. See [`Arithmetic::key_cache`] and
+    /// [`Arithmetic::value_cache`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_v: Option<KvFormat>,
     /// A block-quantized cache holds each head's keys and values rotated by an orthonormal
     /// Walsh-Hadamard matrix (llama.cpp's attention rotation, on by default for quantized caches
     /// of heads a multiple of 64 wide): keys and the query by the largest power of two that
     /// divides the head, values by 64, each rotated back after the attention. Rotations leave
     /// the exact scores and outputs alone; they spread an outlier across its block, so the
-    /// quantization errs less. Heads not a multiple of 64 wide are not rotated.
+    /// quantization errs less. Heads not a multiple of 64 wide are not rotated, nor keys or
+    /// values held in a float format (llama.cpp rotates each of the two only when its cache
+    /// type is quantized).
     #[serde(default, skip_serializing_if = "std::ops::Not::not", deserialize_with = "null_is_false")]
     pub kv_cache_rotation: bool,
 }
@@ -291,8 +344,20 @@ pub struct FixedPoint {
 }
 
 impl Arithmetic {
-    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None, kv_cache_rotation: false };
-    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None, kv_cache_rotation: false };
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false };
+
+    /// The formats the cache holds keys and values in (`kv_cache`, and `kv_cache_v` where the
+    /// values' differs).
+    pub fn kv_types(&self) -> KvTypes {
+        KvTypes { k: self.kv_cache, v: self.kv_cache_v.or(self.kv_cache) }
+    }
+    /// This arithmetic with a cache of `kv`'s formats (`kv_cache_v` declared only where the
+    /// values' format differs from the keys').
+    pub fn with_kv(self, kv: KvTypes) -> Arithmetic {
+        let v = (kv.v != kv.k).then(|| kv.v.unwrap_or(KvFormat::F32));
+        Arithmetic { kv_cache: kv.k, kv_cache_v: v, ..self }
+    }
 
     /// How the activations entering a product with a matrix stored as `ty` are rounded: Q8
     /// blocks before a quantized matrix (K-quants' own block where declared), the matrix's
@@ -423,8 +488,8 @@ pub struct BandwidthProbe {
     pub not_hardware: Option<String>,
 }
 
-/// A device model's key/value cache: per layer, `[len, width]` keys and values of any element
-/// type (f32 on `cpu`, Q16 integers on `fixed`).
+/// A device model's key/value cache: per layer, `[len, width]` keys and values of one element
+/// type (Q16 integers on `fixed`).
 pub struct KvStore<T> {
     pub k: Vec<Vec<T>>,
     pub v: Vec<Vec<T>>,
@@ -456,9 +521,9 @@ impl<T: Clone> KvStore<T> {
 /// Options of a device model run.
 #[derive(Clone, Debug, Default)]
 pub struct ModelOptions {
-    /// Keep every cached key and value in this format (the `cpu` device stores each row so and
-    /// decodes it as attention reads it: the cache's numbers and its memory); None: as computed.
-    pub kv_cache: Option<KvFormat>,
+    /// Keep every cached key and value in these formats (the `cpu` device stores each row so and
+    /// decodes it as attention reads it: the cache's numbers and its memory); unset: as computed.
+    pub kv_cache: KvTypes,
     /// The model file's sha256, when known: external dumps must name the same model.
     pub model_sha256: Option<String>,
 }
@@ -575,9 +640,9 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     match name {
         "ref" => Ok(Box::new(reference::RefDevice)),
         "cpu" => Ok(Box::new(cpu::CpuDevice::default())),
-        n if n.starts_with("cpu:kv-") => match KvFormat::parse(&n["cpu:kv-".len()..]) {
-            Some(kv) => Ok(Box::new(cpu::CpuDevice { kv_cache: Some(kv) })),
-            None => unavailable(&format!("unknown KV cache format (cpu:kv-TYPE takes {})", KvFormat::names())),
+        n if n.starts_with("cpu:kv-") => match KvTypes::parse(&n["cpu:kv-".len()..]) {
+            Some(kv) => Ok(Box::new(cpu::CpuDevice { kv_cache: kv })),
+            None => unavailable(&format!("unknown KV cache format (cpu:kv-TYPE, or cpu:kv-K-V for keys and values apart, takes {})", KvFormat::names())),
         },
         "fixed" => Ok(Box::new(fixed::FixedDevice { int4: false })),
         "fixed-int4" => Ok(Box::new(fixed::FixedDevice { int4: true })),
@@ -587,7 +652,7 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
             Ok(d) => Ok(Box::new(d)),
             Err(why) => unavailable(&why),
         },
-        _ => unavailable(concat!("unknown device (ref, cpu, cpu:kv-TYPE, fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD, ids:CMD)")),
+        _ => unavailable(concat!("unknown device (ref, cpu, cpu:kv-TYPE[-TYPE], fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD, ids:CMD)")),
     }
 }
 
@@ -628,6 +693,36 @@ mod tests {
         let mut untouched = x.clone();
         KvFormat::parse("f16").unwrap().round_query(&mut untouched, 64).unwrap();
         assert_eq!(untouched, x);
+    }
+
+    /// A cache's formats as the `cpu:kv-*` devices and llama.cpp's `--cache-type-k/-v` say them:
+    /// one for both, or keys then values; set into a declaration and read back.
+    #[test]
+    fn kv_cache_types_parse_print_and_declare_keys_and_values_apart() {
+        let q8 = KvFormat::Q8_0;
+        let f16 = KvFormat::parse("f16").unwrap();
+        assert_eq!(KvTypes::parse("q8_0"), Some(KvTypes::both(q8)));
+        assert_eq!(KvTypes::parse("q8_0-f16"), Some(KvTypes { k: Some(q8), v: Some(f16) }));
+        for bad in ["q8_0-", "-f16", "q8_0-f16-f16", "q4_k-f16", "f16-q4_k", ""] {
+            assert_eq!(KvTypes::parse(bad), None, "{bad}");
+        }
+        for s in ["q8_0", "q8_0-f16", "f32-q4_0", "iq4_nl-q5_1"] {
+            let t = KvTypes::parse(s).unwrap();
+            assert_eq!(t.to_string(), s);
+            assert_eq!(Arithmetic::F32.with_kv(t).kv_types(), t, "{s}");
+        }
+        assert_eq!(KvTypes::parse("f16-f16").unwrap().to_string(), "f16");
+        assert_eq!(KvTypes::parse("q8_0-f16").unwrap().formats().collect::<Vec<_>>(), [q8, f16]);
+        assert_eq!(KvTypes::both(q8).formats().collect::<Vec<_>>(), [q8]);
+        // An f32 cache rounds nothing; values in f32 behind q8_0 keys are declared so.
+        assert!(KvTypes::parse("f32").unwrap().is_none() && KvTypes::default().is_none() && !KvTypes::parse("f32-f16").unwrap().is_none());
+        let keys_only = Arithmetic::F32.with_kv(KvTypes { k: Some(q8), v: None });
+        assert_eq!((keys_only.kv_cache, keys_only.kv_cache_v), (Some(q8), Some(KvFormat::F32)));
+        // The device names.
+        for name in ["cpu:kv-q8_0-f16", "cpu:kv-q4_0", "cpu:kv-f16-q8_0"] {
+            assert_eq!(open(name).unwrap().name(), name);
+        }
+        assert!(open("cpu:kv-q8_0-q4_k").is_err_and(|e| e.to_string().contains("cpu:kv-K-V")));
     }
 
     /// The Walsh-Hadamard rotation is orthonormal and its own inverse, Sylvester-ordered (its
@@ -677,6 +772,13 @@ mod tests {
         let e = read(r#", "kv_cache": "iq4_xs""#).unwrap_err().to_string();
         assert!(e.contains("iq4_xs") && e.contains("f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl"), "{e}");
         assert!(read(r#", "kv_cache": "q4_k""#).is_err(), "a K-quant is no cache type");
+        // Keys and values apart (`kv_cache_v`); written only where the values' format differs.
+        let split = read(r#", "kv_cache": "q8_0", "kv_cache_v": "f16""#).unwrap();
+        assert_eq!(split.kv_types(), KvTypes::parse("q8_0-f16").unwrap());
+        assert_eq!(serde_json::to_value(split).unwrap()["kv_cache_v"], "f16");
+        assert!(serde_json::to_value(q8).unwrap().get("kv_cache_v").is_none());
+        assert_eq!(q8.kv_types(), KvTypes::both(KvFormat::Q8_0), "the values as the keys when not said");
+        assert!(read(r#", "kv_cache_v": "q4_k""#).unwrap_err().to_string().contains("q4_k"));
         // Each block is checked.
         assert!(Arithmetic { activation_q8_block_kquant: Some(0), ..plain }.check().unwrap_err().contains("activation_q8_block_kquant 0"));
     }

@@ -10,7 +10,7 @@ const TOKENS: [u32; 9] = [5, 200, 17, 3, 99, 250, 1, 42, 7];
 
 fn cpu_model(name: &str, kv_f16: bool) -> Box<dyn DeviceModel> {
     let path = fixtures::resolve(name, true).unwrap();
-    devices::cpu::CpuDevice::default().load_model(&path, &ModelOptions { kv_cache: kv_f16.then(|| devices::KvFormat::parse("f16").unwrap()), ..Default::default() }).unwrap()
+    devices::cpu::CpuDevice::default().load_model(&path, &ModelOptions { kv_cache: if kv_f16 { devices::KvTypes::parse("f16").unwrap() } else { Default::default() }, ..Default::default() }).unwrap()
 }
 
 fn compare(name: &str, tokens: &[u32]) -> (f64, f64, usize) {
@@ -124,6 +124,6 @@ fn fixed_model_tracks_the_oracle_and_int4_drifts_further() {
     let e = devices::fixed::FixedDevice { int4: false }.load_model(&moe, &ModelOptions::default()).err().unwrap().to_string();
     assert!(e.contains("MoE"), "{e}");
     // An f16 KV cache it does not have is refused, not silently ignored.
-    let e = devices::fixed::FixedDevice { int4: false }.load_model(&path, &ModelOptions { kv_cache: devices::KvFormat::parse("f16"), ..Default::default() }).err().unwrap().to_string();
+    let e = devices::fixed::FixedDevice { int4: false }.load_model(&path, &ModelOptions { kv_cache: devices::KvTypes::parse("f16").unwrap(), ..Default::default() }).err().unwrap().to_string();
     assert!(e.contains("f16 KV cache is not implemented"), "{e}");
 }

@@ -49,7 +49,8 @@ pub struct EmulatedArithmetic {
     /// The matrices whose products take rounded inputs (GGUF names), each with its rounding
     /// (by its stored type: `devices::Arithmetic::input_rounding`).
     inputs: std::collections::BTreeMap<String, devices::InputRounding>,
-    kv: Option<devices::KvFormat>,
+    /// The cache's formats for keys and values, each None where it holds them as computed.
+    kv: devices::KvTypes,
     storage: Option<devices::NumFormat>,
     pending: Option<Vec<f32>>,
     /// The attention weights as the engine computes them where it rounds them: on a fixed-point
@@ -200,19 +201,24 @@ impl EmulatedArithmetic {
     /// rounded as the others are ([`oracle::Tap::product_input`]).
     pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: None, storage: None, pending: None, weights: None, query: None, rotation: None, recorded: None };
+        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: Default::default(), storage: None, pending: None, weights: None, query: None, rotation: None, recorded: None };
         if let Some(fp) = arith.fixed {
             return Ok(EmulatedArithmetic { fixed: Some(fp), weights: Some(SoftmaxRule::grid(fp.act_frac)), ..none });
         }
         let storage = matches!(arith.storage, F16 | BF16).then_some(arith.storage);
-        let kv = arith.kv_cache.filter(|f| f.float() != Some(devices::NumFormat::F32));
+        let rounds = |f: Option<devices::KvFormat>| f.filter(|f| *f != devices::KvFormat::F32);
+        let kv = devices::KvTypes { k: rounds(arith.kv_types().k), v: rounds(arith.kv_types().v) };
         let mut rotation = None;
-        if let Some((f, b)) = kv.and_then(|f| Some((f, f.block()?))) {
+        if kv.formats().any(|f| f.block().is_some()) {
             let (_, spec) = oracle::loader::open_weights(path).map_err(|e| format!("the model could not be read: {e}"))?;
-            if !spec.head_dim.is_multiple_of(b) {
-                return Err(format!("a {f} KV cache quantizes each head in blocks of {b}; this model's heads are {} wide", spec.head_dim));
+            for f in kv.formats() {
+                if let Some(b) = f.block().filter(|b| !spec.head_dim.is_multiple_of(*b)) {
+                    return Err(format!("a {f} KV cache quantizes each head in blocks of {b}; this model's heads are {} wide", spec.head_dim));
+                }
             }
-            rotation = devices::kv_rotation_widths(spec.head_dim).filter(|_| arith.kv_cache_rotation);
+            // Only the side held in blocks is rotated (llama.cpp's rule).
+            let blocks = |f: Option<devices::KvFormat>| f.is_some_and(|f| f.block().is_some());
+            rotation = devices::kv_rotation_widths(spec.head_dim).filter(|_| arith.kv_cache_rotation).map(|(k, v)| (if blocks(kv.k) { k } else { 0 }, if blocks(kv.v) { v } else { 0 }));
         }
         if !arith.rounds_product_inputs() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
@@ -225,17 +231,17 @@ impl EmulatedArithmetic {
         if inputs.is_empty() && kv.is_none() && storage.is_none() {
             return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix (nor its half-precision rounding an F16/BF16 one)".into());
         }
-        // A float cache that rounds, multiplied in its own type: the query and the attention
-        // weights enter its two products in that format too (llama.cpp without flash
-        // attention). A block-quantized cache's keys take the query as Q8_0 blocks of 32; its
-        // values are decoded to f32 for the weighted sum (llama.cpp's flash attention, which
-        // such a cache needs), so the weights stay as computed.
-        let half = kv.and_then(|f| f.float()).filter(|_| arith.activation_half_rounding);
-        let query = match kv.and_then(|f| f.block()) {
+        // A float cache that rounds, multiplied in its own type: the query enters its product
+        // with the keys, and the attention weights theirs with the values, in that format too
+        // (llama.cpp without flash attention). Keys in a block format take the query as Q8_0
+        // blocks of 32; values in one are decoded to f32 for the weighted sum (llama.cpp's flash
+        // attention, which such a value cache needs), so the weights stay as computed.
+        let half = |f: Option<devices::KvFormat>| f.and_then(|f| f.float()).filter(|_| arith.activation_half_rounding);
+        let query = match kv.k.and_then(|f| f.block()) {
             Some(_) => Some(devices::InputRounding::Q8(32)),
-            None => half.map(devices::InputRounding::Half),
+            None => half(kv.k).map(devices::InputRounding::Half),
         };
-        let weights = half.map(SoftmaxRule::rounded_to);
+        let weights = half(kv.v).map(SoftmaxRule::rounded_to);
         Ok(EmulatedArithmetic { kv, storage, inputs, query, weights, rotation, ..none })
     }
 
@@ -271,7 +277,8 @@ impl Tap for EmulatedArithmetic {
         // A rotating cache rounds in the rotated basis (the query in the keys'); rotating back
         // leaves the scores and outputs the engine computes in that basis.
         let rotate = self.rotation.map(|(k, v)| if value { v } else { k }).unwrap_or(0);
-        let how: Option<Box<dyn Fn(&mut [f32])>> = match (self.kv.filter(|_| key || value), query) {
+        let cached = if key { self.kv.k } else if value { self.kv.v } else { None };
+        let how: Option<Box<dyn Fn(&mut [f32])>> = match (cached, query) {
             // A width of whole blocks was checked when the emulation was made.
             (Some(f), _) => Some(Box::new(move |v: &mut [f32]| _ = f.round_rows(v, width))),
             (None, Some(how)) => Some(Box::new(move |v: &mut [f32]| round_input(v, width, how))),
@@ -401,7 +408,7 @@ mod tests {
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
         assert!(EmulatedArithmetic::new(&q8, nowhere).unwrap_err().contains("matrix types could not be read"));
         let inputs = [("blk.0.attn_q.weight".to_string(), devices::InputRounding::Q8(32))].into_iter().collect();
-        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: None, rotation: None, storage: None, pending: None, weights: None, query: None, recorded: None };
+        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: Default::default(), rotation: None, storage: None, pending: None, weights: None, query: None, recorded: None };
         let sub = emu.product_input("blk.0.attn_q.weight", 64, &x).expect("a quantized matrix's input is rounded");
         assert!(sub != x && sub.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 0.9 / 127.0 * 0.5 + 1e-6));
         assert!(emu.product_input("blk.0.ffn_gate_inp.weight", 64, &x).is_none(), "a float matrix's is not");
@@ -434,7 +441,7 @@ mod tests {
     #[test]
     fn a_block_quantized_cache_rounds_keys_values_and_query_in_its_basis() {
         let q4 = devices::KvFormat::parse("q4_0").unwrap();
-        let base = EmulatedArithmetic { fixed: None, path: "nowhere".into(), inputs: Default::default(), kv: Some(q4), rotation: None, storage: None, pending: None, weights: None, query: Some(devices::InputRounding::Q8(32)), recorded: None };
+        let base = EmulatedArithmetic { fixed: None, path: "nowhere".into(), inputs: Default::default(), kv: devices::KvTypes::both(q4), rotation: None, storage: None, pending: None, weights: None, query: Some(devices::InputRounding::Q8(32)), recorded: None };
         // Small values and one outlier in a head of 64.
         let x: Vec<f32> = (0..64).map(|i| if i == 5 { 100.0 } else { ((i * 29 % 17) as f32 - 8.0) / 8.0 }).collect();
         let through = |emu: &mut EmulatedArithmetic, tap: &str, v: &[f32]| {
@@ -454,7 +461,7 @@ mod tests {
 
         // Rotating a Q8_0 cache: the outlier's step no longer swamps its block's small values.
         let q8kv = devices::KvFormat::parse("q8_0").unwrap();
-        let mut rotating = EmulatedArithmetic { rotation: devices::kv_rotation_widths(64), ..EmulatedArithmetic { kv: Some(q8kv), ..plain } };
+        let mut rotating = EmulatedArithmetic { rotation: devices::kv_rotation_widths(64), ..EmulatedArithmetic { kv: devices::KvTypes::both(q8kv), ..plain } };
         let k = through(&mut rotating, "blk.0.attn_k_rope", &x);
         let mut as_it_is = x.clone();
         q8kv.round_rows(&mut as_it_is, 64).unwrap();

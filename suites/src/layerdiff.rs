@@ -203,24 +203,30 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
 }
 
 /// The attention output's share of a cache that rounds keys and values (`kv_cache` coarser than
-/// the storage format, e.g. an f16 cache behind f32 activations): each cached value carries one
-/// rounding of relative size u (`KvFormat::rel_rounding`: a block format's relative to its
-/// block's RMS value, at its worst). A score is a dot product over `head_dim` rounded keys, so
-/// its error grows like u·√head_dim (the statistical rule of the accumulations above); the
-/// output, a softmax-weighted sum of rounded values, adds one u. A block-quantized cache's keys
-/// meet the query as Q8_0 blocks, one more rounding of each score's terms. Zero for every other
-/// tap and when the cache holds what storage holds. Under a block format this allows what the
-/// worst block would cost, far above what a Q8_0 cache costs a model's typical values: there
-/// the emulated arithmetic's error (`emulated_departure`) holds the engine to what an honest one
-/// of its cache gets.
+/// the storage format, e.g. an f16 cache behind f32 activations; the values' own format where
+/// `kv_cache_v` declares one): each cached value carries one rounding of relative size u
+/// (`KvFormat::rel_rounding`: a block format's relative to its block's RMS value, at its
+/// worst). A score is a dot product over `head_dim` rounded keys, so its error grows like
+/// u_k·√head_dim (the statistical rule of the accumulations above); the output, a
+/// softmax-weighted sum of rounded values, adds one u_v. Keys in a block format meet the query
+/// as Q8_0 blocks, one more rounding of each score's terms. Zero for every other tap and when the
+/// cache holds what storage holds. Under a block format this allows what the worst block would
+/// cost, far above what a Q8_0 cache costs a model's typical values: there the emulated
+/// arithmetic's error (`emulated_departure`) holds the engine to what an honest one of its cache
+/// gets.
 fn kv_cache_rel(kind: &str, a: &Arithmetic, d: &Dims) -> f64 {
-    let (u, f) = match a.kv_cache {
-        Some(f) if kind == "attn_kqv" && f.rel_rounding() > a.storage.unit_roundoff() => (f.rel_rounding(), f),
-        _ => return 0.0,
-    };
-    let query = f.block().map_or(0.0, |_| devices::KvFormat::Q8_0.rel_rounding());
+    if kind != "attn_kqv" {
+        return 0.0;
+    }
+    let coarser = |f: Option<devices::KvFormat>| f.filter(|f| f.rel_rounding() > a.storage.unit_roundoff());
+    let kv = a.kv_types();
     let sqrt_hd = (d.head_dim as f64).sqrt();
-    C_STAT * (u * (1.0 + sqrt_hd) + query * sqrt_hd)
+    let keys = coarser(kv.k).map_or(0.0, |f| {
+        let query = f.block().map_or(0.0, |_| devices::KvFormat::Q8_0.rel_rounding());
+        (f.rel_rounding() + query) * sqrt_hd
+    });
+    let values = coarser(kv.v).map_or(0.0, |f| f.rel_rounding());
+    C_STAT * (keys + values)
 }
 
 /// The propagated budget at `layer` (None before the first layer, `n_layer` after the last):
@@ -1698,6 +1704,14 @@ mod tests {
         assert_eq!(local_budget("attn_kqv", &same, &d), Some(plain));
         let bf16 = Arithmetic { kv_cache: devices::KvFormat::parse("bf16"), ..a };
         assert!(local_budget("attn_kqv", &bf16, &d).unwrap().rel > cached.rel);
+        // Keys and values apart: the keys' rounding counts sqrt(head_dim) times (with the
+        // query's Q8_0 blocks before block keys), the values' once.
+        let rel = |k: &str, v: &str| local_budget("attn_kqv", &a.with_kv(devices::KvTypes::parse(&format!("{k}-{v}")).unwrap()), &d).unwrap().rel - plain.rel;
+        let (u16, u8) = ((-11f64).exp2(), devices::KvFormat::Q8_0.rel_rounding());
+        for (k, v, want) in [("f16", "f32", u16 * 4.0), ("f32", "f16", u16), ("q8_0", "f16", 2.0 * u8 * 4.0 + u16), ("f16", "q8_0", u16 * 4.0 + u8)] {
+            let got = rel(k, v);
+            assert!((got / (C_STAT * want) - 1.0).abs() < 1e-9, "{k}-{v}: {got:e}, want {:e}", C_STAT * want);
+        }
     }
 
     #[test]

@@ -688,6 +688,34 @@ fn a_block_quantized_kv_cache_is_held_to_its_emulation() {
     assert_eq!(layerdiff::first_divergence(&as_f16.taps).map(|t| t.name.as_str()), Some("blk.0.attn_kqv"));
 }
 
+/// Keys and values in different formats (`cpu:kv-q4_0-f16`, `cpu:kv-f16-q4_0`, as llama.cpp's
+/// `--cache-type-k` and `--cache-type-v` apart): each passes layer-diff on its declaration
+/// (`kv_cache` the keys', `kv_cache_v` the values'), and its taps judged with the Q4_0 side
+/// declared f16 fail at the first attention, so each side's rounding is its own declaration's.
+/// (Not so the other's declaration: `cpu:kv-q4_0-f16`'s taps judged as `f16-q4_0`'s pass here,
+/// where Q4_0 keys and Q4_0 values cost the attention output alike.)
+#[test]
+fn keys_and_values_cached_in_different_formats_are_judged_each_by_its_own() {
+    let (dir, oracle_model, ids) = cache_test_model();
+    let path = dir.path().join("llama.gguf");
+    let judge = |taps: &RecordingTap, a: &devices::Arithmetic, mode| layerdiff::run(&oracle_model, &path, &ids, taps, a, mode, suites::emulate::EMULATION_FACTOR, "llama", "cpu").unwrap();
+    for device in ["cpu:kv-q4_0-f16", "cpu:kv-f16-q4_0"] {
+        let mut m = devices::open(device).unwrap().load_model(&path, &ModelOptions::default()).unwrap();
+        let taps = forward_in_chunks(m.as_mut(), device, &ids, &[10, 1, 13]).unwrap();
+        let a = m.arithmetic();
+        assert_eq!(a.kv_types(), devices::KvTypes::parse(&device["cpu:kv-".len()..]).unwrap());
+        for mode in [Mode::Isolated, Mode::Propagated] {
+            let ok = judge(&taps, &a, mode);
+            assert_eq!(ok.report.exit_code(), 0, "{device} {mode:?}: {:?}", layerdiff::first_divergence(&ok.taps).map(|t| &t.name));
+            assert_eq!(ok.report.sections["arithmetic"]["kv_cache_v"], serde_json::json!(a.kv_cache_v.unwrap().name()), "the report says what the budgets came from");
+        }
+        let f16 = devices::KvFormat::parse("f16").unwrap();
+        let bad = judge(&taps, &a.with_kv(devices::KvTypes::both(f16)), Mode::Isolated);
+        assert_eq!(bad.report.exit_code(), 1, "{device} judged as an f16 cache");
+        assert_eq!(layerdiff::first_divergence(&bad.taps).map(|t| t.name.as_str()), Some("blk.0.attn_kqv"), "{device}");
+    }
+}
+
 /// Following the device at near ties must not excuse a wrong expert choice: the device's taps
 /// with one token routed to its lowest-scored expert (its recorded scores unchanged, so they do
 /// not explain the swap) fail layer-diff with an id mismatch, and the oracle follows nothing.

@@ -26,8 +26,10 @@ comparison shows what that costs.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
 attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32|bf16|q8_0|q5_1|
-q5_0|q4_1|q4_0|iq4_nl keeps both caches in that type (and declares it; the quantized ones need flash
-attention, as in llama.cpp, and are declared rotated, `kv_cache_rotation`, unless
+q5_0|q4_1|q4_0|iq4_nl keeps both caches in that type, and TOUCHSTONE_LLAMA_KV=KEYS-VALUES (q8_0-f16)
+each in its own (`--cache-type-k`, `--cache-type-v`), and declares them (`kv_cache`, and
+`kv_cache_v` where the values' differs; a quantized value cache needs flash attention, as in
+llama.cpp; quantized ones are declared rotated, `kv_cache_rotation`, unless
 LLAMA_ATTN_ROT_DISABLE=1 turns llama.cpp's rotation off; flash attention reads an f32 cache as
 f16, so that is declared); TOUCHSTONE_LLAMA_Q8_BLOCK=32|256|none declares one activation block for
 every quantized matrix instead (`none`: f32 activations into every product, an understatement
@@ -148,15 +150,18 @@ def main():
     threads = int(os.environ.get("RAYON_NUM_THREADS", "2"))
     flash = os.environ.get("TOUCHSTONE_LLAMA_FLASH_ATTN", "0") == "1"
     kv = os.environ.get("TOUCHSTONE_LLAMA_KV", "f16")
-    if kv not in CACHE_TYPES:
-        sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: one of {', '.join(CACHE_TYPES)}")
-    quantized = kv not in ("f32", "f16", "bf16")
-    if quantized and not flash:
+    kv_k, _, kv_v = kv.partition("-")
+    kv_v = kv_v or kv_k
+    if kv_k not in CACHE_TYPES or kv_v not in CACHE_TYPES:
+        sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: TYPE or KEYS-VALUES (e.g. q8_0-f16), each one of {', '.join(CACHE_TYPES)}")
+    quantized = [t not in ("f32", "f16", "bf16") for t in (kv_k, kv_v)]
+    if quantized[1] and not flash:
         sys.exit(f"TOUCHSTONE_LLAMA_KV={kv}: llama.cpp quantizes the value cache only under flash attention (TOUCHSTONE_LLAMA_FLASH_ATTN=1)")
     # Flash attention reads an f32 cache as f16 (llama.cpp casts it); a quantized cache holds
-    # Hadamard-rotated keys and values unless LLAMA_ATTN_ROT_DISABLE is set (llama.cpp's rule).
-    declared_kv = "f16" if flash and kv == "f32" else kv
-    rotated = quantized and not int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or "0")
+    # Hadamard-rotated keys (values) unless LLAMA_ATTN_ROT_DISABLE is set (llama.cpp's rule; a
+    # cache held in a float format is not rotated, as the declaration's rotation says).
+    declared_k, declared_v = ("f16" if flash and t == "f32" else t for t in (kv_k, kv_v))
+    rotated = any(quantized) and not int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or "0")
     n_ctx = max(64, len(ids) + n_generate + 8)
     q8 = os.environ.get("TOUCHSTONE_LLAMA_Q8_BLOCK", "file")
     if q8 not in ("file", "32", "256", "none"):
@@ -199,7 +204,7 @@ def main():
     cparams.n_batch = cparams.n_ubatch = max(len(ids), 1)
     cparams.n_threads = cparams.n_threads_batch = threads
     cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    cparams.type_k = cparams.type_v = CACHE_TYPES[kv]
+    cparams.type_k, cparams.type_v = CACHE_TYPES[kv_k], CACHE_TYPES[kv_v]
     if n_generate == 0:
         cparams.cb_eval = callback
     ctx = llama_cpp.llama_init_from_model(model, cparams)
@@ -235,9 +240,11 @@ def main():
         "logits": None,
         "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
                        "activation_q8_block_kquant": q8_block_kquant, "activation_half_rounding": q8 != "none",
-                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": declared_kv,
+                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": declared_k,
                        "kv_cache_rotation": rotated},
     }
+    if declared_v != declared_k:
+        manifest["arithmetic"]["kv_cache_v"] = declared_v
     if n_generate > 0:
         logits, seq = decode(ids, 0, False), []
         while True:

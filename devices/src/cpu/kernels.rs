@@ -196,7 +196,7 @@ impl KvValue for half::f16 {
 /// query heads sharing one KV head) read each key and value row once between them.
 const POSITIONS_PER_TASK: usize = 4;
 
-pub fn attention<T: KvValue>(q: &[f32], pos: &[usize], k: &[T], v: &[T], kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
+pub fn attention<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: &[K], v: &[V], kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
     let (nh, nkv, hd) = (c.n_head, c.n_head_kv, c.head_dim);
     if nkv == 0 || nh % nkv != 0 || pos.iter().any(|&p| p >= kv_len) {
         return Err("attention: bad head counts or a query past the cache".into());
@@ -233,19 +233,19 @@ pub fn attention<T: KvValue>(q: &[f32], pos: &[usize], k: &[T], v: &[T], kv_len:
 }
 
 /// One KV head's rows in the cache: row `j` is `[j * stride + offset ..][..hd]`.
-struct KvHead<'a, T> {
-    k: &'a [T],
-    v: &'a [T],
+struct KvHead<'a, K, V> {
+    k: &'a [K],
+    v: &'a [V],
     stride: usize,
     offset: usize,
     hd: usize,
 }
 
-impl<T: KvValue> KvHead<'_, T> {
+impl<K: KvValue, V: KvValue> KvHead<'_, K, V> {
     /// Rows `rows` (at most `N`) of `src` (its keys or values) as f32, widened into `buf` when
     /// they are f16; the rest of the array empty.
     #[inline(always)]
-    fn rows<'b, const N: usize, const AVX: bool>(&self, src: &'b [T], rows: std::ops::Range<usize>, buf: &'b mut [f32]) -> [&'b [f32]; N] {
+    fn rows<'b, T: KvValue, const N: usize, const AVX: bool>(&self, src: &'b [T], rows: std::ops::Range<usize>, buf: &'b mut [f32]) -> [&'b [f32]; N] {
         let mut out: [&[f32]; N] = [&[]; N];
         let mut widened = buf.chunks_exact_mut(self.hd.max(1));
         for (o, j) in out.iter_mut().zip(rows) {
@@ -260,7 +260,7 @@ impl<T: KvValue> KvHead<'_, T> {
     /// long cache comes from memory, and one KV head's rows are `stride` apart, a pattern the
     /// hardware prefetchers follow too late. No effect on any value.
     #[inline(always)]
-    fn prefetch(&self, src: &[T], rows: std::ops::Range<usize>) {
+    fn prefetch<T>(&self, src: &[T], rows: std::ops::Range<usize>) {
         #[cfg(target_arch = "x86_64")]
         for j in rows {
             let at = j * self.stride + self.offset;
@@ -296,7 +296,7 @@ const VALUES_PER_STEP: usize = 8;
 /// their order are those of one query alone (scores in row order, each the lane sums of
 /// `dot_f32`, no fused multiply-add), and the body is compiled a second time with AVX2/FMA/F16C
 /// (chosen at run time), where four keys are scored at once with 8-lane vectors: the same bits.
-fn attend<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
+fn attend<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx2() {
@@ -304,13 +304,13 @@ fn attend<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) 
             return unsafe { attend_avx2(q, queries, kv, scale) };
         }
     }
-    attend_impl::<T, false>(q, queries, kv, scale)
+    attend_impl::<K, V, false>(q, queries, kv, scale)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2<T: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
-    attend_impl::<T, true>(q, queries, kv, scale)
+unsafe fn attend_avx2<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32) -> Vec<f32> {
+    attend_impl::<K, V, true>(q, queries, kv, scale)
 }
 
 /// `dot_f32(q, r)` for each of four rows, with its bits (four independent accumulators instead
@@ -379,7 +379,7 @@ unsafe fn dot4_avx2(q: &[f32], keys: &[&[f32]; KEYS_PER_STEP]) -> [f32; KEYS_PER
 }
 
 #[inline(always)]
-fn attend_impl<T: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &KvHead<T>, scale: f32) -> Vec<f32> {
+fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32) -> Vec<f32> {
     // Plain loops, no closures: a closure would not inherit the AVX2 target features.
     let hd = kv.hd;
     let (mut lo, mut hi) = (usize::MAX, 0);
@@ -387,7 +387,7 @@ fn attend_impl<T: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &K
         lo = lo.min(*qr.rows.start());
         hi = hi.max(*qr.rows.end());
     }
-    let mut buf = vec![0.0f32; if T::WIDENS { KEYS_PER_STEP.max(VALUES_PER_STEP) * hd } else { 0 }]; // empty: no allocation
+    let mut buf = vec![0.0f32; if K::WIDENS || V::WIDENS { KEYS_PER_STEP.max(VALUES_PER_STEP) * hd } else { 0 }]; // empty: no allocation
     let mut scores: Vec<Vec<f32>> = Vec::with_capacity(queries.len());
     for qr in queries {
         scores.push(Vec::with_capacity(qr.rows.end() + 1 - qr.rows.start()));
@@ -396,7 +396,7 @@ fn attend_impl<T: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &K
     while j <= hi {
         let step = KEYS_PER_STEP.min(hi + 1 - j);
         kv.prefetch(kv.k, j + PREFETCH_ROWS..(j + PREFETCH_ROWS + step).min(hi + 1));
-        let keys: [&[f32]; KEYS_PER_STEP] = kv.rows::<KEYS_PER_STEP, AVX>(kv.k, j..j + step, &mut buf);
+        let keys: [&[f32]; KEYS_PER_STEP] = kv.rows::<K, KEYS_PER_STEP, AVX>(kv.k, j..j + step, &mut buf);
         for (qr, s) in queries.iter().zip(scores.iter_mut()) {
             let qv = &q[qr.at..qr.at + hd];
             if step == KEYS_PER_STEP && qr.rows.contains(&j) && qr.rows.contains(&(j + KEYS_PER_STEP - 1)) {
@@ -422,7 +422,7 @@ fn attend_impl<T: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &K
     while j <= hi {
         let step = VALUES_PER_STEP.min(hi + 1 - j);
         kv.prefetch(kv.v, j + PREFETCH_ROWS..(j + PREFETCH_ROWS + step).min(hi + 1));
-        let values: [&[f32]; VALUES_PER_STEP] = kv.rows::<VALUES_PER_STEP, AVX>(kv.v, j..j + step, &mut buf);
+        let values: [&[f32]; VALUES_PER_STEP] = kv.rows::<V, VALUES_PER_STEP, AVX>(kv.v, j..j + step, &mut buf);
         for (i, qr) in queries.iter().enumerate() {
             // The query's rows among j..j + step: one run.
             let (a, b) = ((*qr.rows.start()).max(j), (*qr.rows.end() + 1).min(j + step));
@@ -616,6 +616,9 @@ mod tests {
             let want = attention(&q, &pos, &kr, &vr, len, &c).unwrap();
             let got = attention(&q, &pos, &kh, &vh, len, &c).unwrap();
             assert_eq!(bits(&got), bits(&want), "window {window}");
+            // Keys and values each in its own format (`cpu:kv-f16-f32`, `cpu:kv-f32-f16`).
+            assert_eq!(bits(&attention(&q, &pos, &kh, &v, len, &c).unwrap()), bits(&attention(&q, &pos, &kr, &v, len, &c).unwrap()), "f16 keys, window {window}");
+            assert_eq!(bits(&attention(&q, &pos, &k, &vh, len, &c).unwrap()), bits(&attention(&q, &pos, &k, &vr, len, &c).unwrap()), "f16 values, window {window}");
         }
         assert_eq!(std::mem::size_of_val(kh.as_slice()) * 2, std::mem::size_of_val(k.as_slice()));
     }

@@ -6,7 +6,7 @@ pub mod kernels;
 pub mod model;
 pub mod qdot;
 
-use crate::{fail, Arithmetic, Device, DeviceError, Support};
+use crate::{fail, Arithmetic, Device, DeviceError, KvTypes, Support};
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
 
@@ -14,9 +14,9 @@ use oracle::registry::{Input, OpCase, Output, Tensor};
 pub struct CpuDevice {
     /// `cpu:kv-TYPE`: whole models store their cached keys and values in this format (`f16`,
     /// llama.cpp's default cache type; `q8_0`, `q4_0`, ... as its `--cache-type-k/-v` quantize
-    /// them), declared in the models' arithmetic so the budgets and the emulation allow for it.
-    /// Ops are unchanged.
-    pub kv_cache: Option<crate::KvFormat>,
+    /// them; `cpu:kv-K-V`: keys and values each in its own), declared in the models' arithmetic
+    /// so the budgets and the emulation allow for it. Ops are unchanged.
+    pub kv_cache: crate::KvTypes,
 }
 
 /// Rows of a weight matrix per rayon task.
@@ -241,13 +241,18 @@ impl CpuDevice {
 
 impl Device for CpuDevice {
     fn name(&self) -> String {
-        match self.kv_cache {
-            Some(kv) => format!("cpu:kv-{kv}"),
-            None => "cpu".into(),
+        match self.kv_cache == KvTypes::default() {
+            true => "cpu".into(),
+            false => format!("cpu:kv-{}", self.kv_cache),
         }
     }
     fn describe(&self) -> String {
-        let kv = self.kv_cache.map(|kv| format!(", {kv} KV cache")).unwrap_or_default();
+        let f32 = |f: Option<crate::KvFormat>| f.unwrap_or(crate::KvFormat::F32);
+        let kv = match self.kv_cache {
+            c if c == KvTypes::default() => String::new(),
+            KvTypes { k, v } if k == v => format!(", {} KV cache", f32(k)),
+            KvTypes { k, v } => format!(", {} key / {} value cache", f32(k), f32(v)),
+        };
         format!("{}: f32, Q8_0 activations x packed weights{kv}, {}, {} rayon threads", self.name(), qdot::path_name(), rayon::current_num_threads())
     }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
@@ -265,7 +270,8 @@ impl Device for CpuDevice {
         Self::run(case).map_err(|r| fail("cpu", case, r))
     }
     fn load_model(&self, path: &std::path::Path, opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
-        let opts = crate::ModelOptions { kv_cache: self.kv_cache.or(opts.kv_cache), ..opts.clone() };
+        let kv_cache = if self.kv_cache == KvTypes::default() { opts.kv_cache } else { self.kv_cache };
+        let opts = crate::ModelOptions { kv_cache, ..opts.clone() };
         // The loader's errors are this device's (`cpu:kv-TYPE` too).
         let model = model::CpuModel::load(path, &opts).map_err(|e| match e {
             DeviceError::Failed { case, reason, .. } => DeviceError::Failed { device: self.name(), case, reason },

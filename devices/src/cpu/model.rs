@@ -2,7 +2,7 @@
 //! kernels, an f32 (or f16) KV cache, and taps under the same names as the oracle's.
 
 use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
-use crate::{DeviceError, DeviceModel, KvStore, ModelOptions};
+use crate::{DeviceError, DeviceModel, ModelOptions};
 use oracle::loader::{RawTensor, TensorSource};
 use oracle::quant::GgmlType;
 use oracle::spec::{Activation, Gating, ModelSpec, Stage};
@@ -51,74 +51,111 @@ pub struct CpuModel {
     pub(crate) output_norm: Vec<f32>,
     pub(crate) output: Option<PackedMat>,
     pub(crate) layers: Vec<Layer>,
-    pub(crate) kv_cache: Option<crate::KvFormat>,
-    /// Keys and values `[len, n_head_kv * head_dim]` per layer (in `kv_cache`'s format).
+    pub(crate) kv_cache: crate::KvTypes,
+    /// Keys and values `[len, n_head_kv * head_dim]` per layer (each in `kv_cache`'s format).
     pub(crate) kv: KvCache,
 }
 
-/// The KV cache in the format the device declares: f32, f16 (`cpu:kv-f16`), which holds the
-/// same rounded numbers in half the memory, or any other cache format (`cpu:kv-q8_0`, ...) as
-/// encoded rows, decoded as attention reads them.
-pub(crate) enum KvCache {
-    F32(KvStore<f32>),
-    F16(KvStore<half::f16>),
-    Encoded(crate::KvFormat, KvStore<u8>),
+/// Keys and values in the formats the device declares, each its own: f32, f16 (`cpu:kv-f16`),
+/// which holds the same rounded numbers in half the memory, or any other cache format
+/// (`cpu:kv-q8_0`, `cpu:kv-q8_0-f16`, ...) as encoded rows, decoded as attention reads them.
+pub(crate) struct KvCache {
+    k: CacheRows,
+    v: CacheRows,
+    /// Positions held.
+    len: usize,
+}
+
+/// One side of the cache (keys or values): per layer, `[len, width]` rows in its format.
+enum CacheRows {
+    F32(Vec<Vec<f32>>),
+    F16(Vec<Vec<half::f16>>),
+    Encoded(crate::KvFormat, Vec<Vec<u8>>),
+}
+
+/// A side's rows as attention reads them: f32 (held so, or decoded from blocks) or f16, widened
+/// by attention itself.
+enum Held<'a> {
+    F32(std::borrow::Cow<'a, [f32]>),
+    F16(&'a [half::f16]),
+}
+
+impl CacheRows {
+    fn new(format: Option<crate::KvFormat>, n_layer: usize) -> CacheRows {
+        match format.map(|f| (f, f.ty())) {
+            None | Some((_, GgmlType::F32)) => CacheRows::F32(vec![Vec::new(); n_layer]),
+            Some((_, GgmlType::F16)) => CacheRows::F16(vec![Vec::new(); n_layer]),
+            Some((f, _)) => CacheRows::Encoded(f, vec![Vec::new(); n_layer]),
+        }
+    }
+    fn clear(&mut self) {
+        match self {
+            CacheRows::F32(c) => c.iter_mut().for_each(Vec::clear),
+            CacheRows::F16(c) => c.iter_mut().for_each(Vec::clear),
+            CacheRows::Encoded(_, c) => c.iter_mut().for_each(Vec::clear),
+        }
+    }
+    /// Replaces layer `li`'s rows from position `start` on with `x` (rows of `width` values),
+    /// rounded as this side's format holds them.
+    fn write(&mut self, li: usize, start: usize, width: usize, x: &[f32]) -> Result<(), String> {
+        fn put<T: Copy>(c: &mut Vec<T>, at: usize, new: impl IntoIterator<Item = T>) {
+            c.truncate(at);
+            c.extend(new);
+        }
+        match self {
+            CacheRows::F32(c) => put(&mut c[li], start * width, x.iter().copied()),
+            CacheRows::F16(c) => put(&mut c[li], start * width, x.iter().map(|v| half::f16::from_f32(*v))),
+            CacheRows::Encoded(f, c) => {
+                let ty = f.ty();
+                let row_bytes = ty.bytes_for(width as u64).ok_or_else(|| format!("{f} KV cache: rows of {width} values are not whole blocks"))? as usize;
+                let bytes = oracle::quant::encode(ty, x).map_err(|e| format!("{f} KV cache: {e}"))?;
+                put(&mut c[li], start * row_bytes, bytes);
+            }
+        }
+        Ok(())
+    }
+    /// Layer `li`'s `n` values as attention reads them.
+    fn read(&self, li: usize, n: usize) -> Result<Held<'_>, String> {
+        Ok(match self {
+            CacheRows::F32(c) => Held::F32(std::borrow::Cow::Borrowed(&c[li])),
+            CacheRows::F16(c) => Held::F16(&c[li]),
+            CacheRows::Encoded(f, c) => Held::F32(std::borrow::Cow::Owned(oracle::quant::decode(f.ty(), &c[li], n).map_err(|e| format!("{f} KV cache: {e}"))?)),
+        })
+    }
 }
 
 impl KvCache {
-    fn new(format: Option<crate::KvFormat>, n_layer: usize) -> KvCache {
-        match format.map(|f| (f, f.ty())) {
-            None | Some((_, GgmlType::F32)) => KvCache::F32(KvStore::new(n_layer)),
-            Some((_, GgmlType::F16)) => KvCache::F16(KvStore::new(n_layer)),
-            Some((f, _)) => KvCache::Encoded(f, KvStore::new(n_layer)),
-        }
+    fn new(format: crate::KvTypes, n_layer: usize) -> KvCache {
+        KvCache { k: CacheRows::new(format.k, n_layer), v: CacheRows::new(format.v, n_layer), len: 0 }
     }
     fn len(&self) -> usize {
-        match self {
-            KvCache::F32(c) => c.len,
-            KvCache::F16(c) => c.len,
-            KvCache::Encoded(_, c) => c.len,
-        }
+        self.len
     }
     fn set_len(&mut self, n: usize) {
-        match self {
-            KvCache::F32(c) => c.len = n,
-            KvCache::F16(c) => c.len = n,
-            KvCache::Encoded(_, c) => c.len = n,
-        }
+        self.len = n;
     }
     fn reset(&mut self) {
-        match self {
-            KvCache::F32(c) => c.reset(),
-            KvCache::F16(c) => c.reset(),
-            KvCache::Encoded(_, c) => c.reset(),
-        }
+        self.k.clear();
+        self.v.clear();
+        self.len = 0;
     }
     /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, rounded as
-    /// the cache's format holds them) and runs attention over the cache. A block-quantized
-    /// cache's keys meet the query as Q8_0 blocks of 32, as ggml multiplies them.
+    /// the cache's formats hold them) and runs attention over the cache. Keys in a block format
+    /// meet the query as Q8_0 blocks of 32, as ggml multiplies them.
     fn write_and_attend(&mut self, li: usize, start: usize, width: usize, (q, k, v): (&[f32], &[f32], &[f32]), pos: &[usize], cfg: &kernels::AttnCfg) -> Result<Vec<f32>, String> {
+        let n = (start + pos.len()) * width;
+        self.k.write(li, start, width, k)?;
+        self.v.write(li, start, width, v)?;
+        let mut q = std::borrow::Cow::Borrowed(q);
+        if let CacheRows::Encoded(f, _) = self.k {
+            f.round_query(q.to_mut(), cfg.head_dim).ok_or_else(|| format!("{f} KV cache: a query head of {} values is not whole blocks", cfg.head_dim))?;
+        }
         let kv_len = start + pos.len();
-        match self {
-            KvCache::F32(c) => {
-                c.write(li, start, width, k, v);
-                kernels::attention(q, pos, &c.k[li], &c.v[li], kv_len, cfg)
-            }
-            KvCache::F16(c) => {
-                let half = |x: &[f32]| -> Vec<half::f16> { x.iter().map(|v| half::f16::from_f32(*v)).collect() };
-                c.write(li, start, width, &half(k), &half(v));
-                kernels::attention(q, pos, &c.k[li], &c.v[li], kv_len, cfg)
-            }
-            KvCache::Encoded(f, c) => {
-                let ty = f.ty();
-                let encode = |x: &[f32]| oracle::quant::encode(ty, x).map_err(|e| format!("{f} KV cache: {e}"));
-                let row_bytes = ty.bytes_for(width as u64).ok_or_else(|| format!("{f} KV cache: rows of {width} values are not whole blocks"))? as usize;
-                c.write(li, start, row_bytes, &encode(k)?, &encode(v)?);
-                let decode = |b: &[u8]| oracle::quant::decode(ty, b, kv_len * width).map_err(|e| format!("{f} KV cache: {e}"));
-                let mut q = q.to_vec();
-                f.round_query(&mut q, cfg.head_dim).ok_or_else(|| format!("{f} KV cache: a query head of {} values is not whole blocks", cfg.head_dim))?;
-                kernels::attention(&q, pos, &decode(&c.k[li])?, &decode(&c.v[li])?, kv_len, cfg)
-            }
+        match (self.k.read(li, n)?, self.v.read(li, n)?) {
+            (Held::F32(k), Held::F32(v)) => kernels::attention(&q, pos, &k, &v, kv_len, cfg),
+            (Held::F32(k), Held::F16(v)) => kernels::attention(&q, pos, &k, v, kv_len, cfg),
+            (Held::F16(k), Held::F32(v)) => kernels::attention(&q, pos, k, &v, kv_len, cfg),
+            (Held::F16(k), Held::F16(v)) => kernels::attention(&q, pos, k, v, kv_len, cfg),
         }
     }
 }
@@ -196,9 +233,10 @@ impl CpuModel {
         let packed = src.n_bytes().map_err(|e| err("model", e))?;
         oracle::memory::check_fits(&label, "holding the packed weights", packed).map_err(|e| err("model", e))?;
         let (d, hd) = (spec.n_embd, spec.head_dim);
-        if let Some(b) = opts.kv_cache.and_then(|f| f.block()).filter(|b| !hd.is_multiple_of(*b)) {
-            let f = opts.kv_cache.expect("a block format");
-            return Err(err(&label, format!("a {f} KV cache quantizes each head's keys and values in blocks of {b}; this model's heads are {hd} wide")));
+        for f in opts.kv_cache.formats() {
+            if let Some(b) = f.block().filter(|b| !hd.is_multiple_of(*b)) {
+                return Err(err(&label, format!("a {f} KV cache quantizes each head's cached rows in blocks of {b}; this model's heads are {hd} wide")));
+            }
         }
         let l = Loader { src: src.as_ref(), label };
         let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
@@ -310,7 +348,7 @@ impl DeviceModel for CpuModel {
         // with any quantized matrix it multiplies by is judged by that arithmetic throughout
         // (every matrix counts: mixed recipes keep some at F16 and quantize the rest).
         let quantized = self.matrices().any(|m| !qdot::is_float(m.ty));
-        crate::Arithmetic { activation_q8_block: quantized.then_some(32), kv_cache: self.kv_cache, ..crate::Arithmetic::F32 }
+        crate::Arithmetic { activation_q8_block: quantized.then_some(32), ..crate::Arithmetic::F32 }.with_kv(self.kv_cache)
     }
     fn cached(&self) -> usize {
         self.kv.len()

@@ -67,7 +67,8 @@ impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, path: &std::path::Path, opts: &ModelOptions) -> Result<GpuModel, DeviceError> {
         let name = gpu.backend.name();
         let fail = |reason: String| DeviceError::Failed { device: name.clone(), case: path.display().to_string(), reason };
-        if let Some(kv) = opts.kv_cache {
+        let kv = opts.kv_cache;
+        if kv != crate::KvTypes::default() {
             return Err(fail(format!("a {kv} KV cache is not implemented on GPU devices (the cache is f32)")));
         }
         // The file is read by the cpu device's loader; its errors are reported under this device.

@@ -17,7 +17,7 @@ pub const REPS: usize = 3;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-TYPE` (its KV cache in f16, bf16, q8_0, q5_1, q5_0, q4_1 or q4_0), `fixed`,
+    /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-TYPE` (its KV cache in f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 or iq4_nl; `cpu:kv-K-V` keys and values apart), `fixed`,
     /// `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
     #[arg(long, default_value = "ref")]
     device: String,

@@ -20,7 +20,7 @@ pub struct DumpArgs {
     /// Output directory (created; existing dump files are replaced).
     #[arg(long)]
     out: PathBuf,
-    /// Device whose taps to write: `ref` (the oracle), `cpu`, `cpu:kv-TYPE`, `fixed`, `fixed-int4`,
+    /// Device whose taps to write: `ref` (the oracle), `cpu`, `cpu:kv-TYPE[-TYPE]`, `fixed`, `fixed-int4`,
     /// `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
     #[arg(long, default_value = "ref")]
     device: String,
