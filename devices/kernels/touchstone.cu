@@ -33,6 +33,9 @@
 #define TY_IQ4_NL 20
 #define TY_IQ4_XS 23
 #define TY_BF16 30
+#define TY_TQ1_0 34
+#define TY_TQ2_0 35
+#define TY_MXFP4 39
 
 // ---------------------------------------------------------------------------------------------
 // Number formats, decoded by hand so no platform header is needed.
@@ -194,6 +197,44 @@ __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
         for (int j = 0; j < 16; ++j) {
             out[j] = dl * (float)levels[qs[j] & 0x0F];
             out[j + 16] = dl * (float)levels[qs[j] >> 4];
+        }
+        return;
+    }
+    case TY_TQ1_0:
+    case TY_TQ2_0: {
+        // Super-blocks of 256 ternary digits (-1, 0, 1) on one f16 d at the block's end. TQ2_0:
+        // qs[64], value 128j + 32l + m in bits 2l of byte 32j + m, as 0..2. TQ1_0: qs[48], qh[4],
+        // five base-3 digits per byte as its fraction of 243, most significant first: digit n of
+        // byte m is ((byte * 3^n mod 256) * 3) >> 8; bytes 0..32 hold values 32n + m, 32..48
+        // values 160 + 16n + m, qh (four digits) values 240 + 4n + m.
+        int one = ty == TY_TQ1_0;
+        const u8* b = row + (one ? 54 : 66) * (c / 8);
+        float d = ts_half(ts_u16(b + (one ? 52 : 64)));
+        for (int l = 0; l < 32; ++l) {
+            int i = 32 * (c % 8) + l, q;
+            if (one) {
+                int at, n;
+                if (i < 160) { at = i % 32; n = i / 32; }
+                else if (i < 240) { at = 32 + (i - 160) % 16; n = (i - 160) / 16; }
+                else { at = 48 + (i - 240) % 4; n = (i - 240) / 4; }
+                const int pow3[5] = {1, 3, 9, 27, 81};
+                q = ((((int)b[at] * pow3[n]) & 0xFF) * 3) >> 8;
+            } else {
+                q = (b[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3;
+            }
+            out[l] = d * (float)(q - 1);
+        }
+        return;
+    }
+    case TY_MXFP4: {
+        // Blocks of 32: e (E8M0), qs[16]; OCP E2M1 values doubled to integers, the scale
+        // 2^(e - 128) halved to match (subnormal for e < 2). Low nibbles are values 0..16.
+        const signed char levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        const u8* b = row + 17 * c;
+        float d = ts_bits_to_float(b[0] < 2 ? 0x00200000u << b[0] : (u32)(b[0] - 1) << 23);
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * (float)levels[b[1 + j] & 0x0F];
+            out[j + 16] = d * (float)levels[b[1 + j] >> 4];
         }
         return;
     }

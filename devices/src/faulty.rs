@@ -90,6 +90,8 @@ fn scale_fields(ty: GgmlType) -> (Option<usize>, Option<usize>) {
         GgmlType::Q2_K => (Some(80), Some(82)),
         GgmlType::Q3_K => (Some(108), None),
         GgmlType::IQ4_NL | GgmlType::IQ4_XS => (Some(0), None),
+        GgmlType::TQ1_0 => (Some(52), None),
+        GgmlType::TQ2_0 => (Some(64), None),
         _ => (None, None),
     }
 }

@@ -270,7 +270,7 @@ pub struct Arithmetic {
     /// Activations quantized to symmetric 8-bit blocks of this size (llama.cpp's Q8_0) before
     /// products with quantized weights.
     pub activation_q8_block: Option<usize>,
-    /// The block for products with K-quant matrices (Q2_K to Q6_K, and IQ4_XS) where it differs from
+    /// The block for products with K-quant matrices (Q2_K to Q6_K, IQ4_XS, TQ1_0 and TQ2_0) where it differs from
     /// `activation_q8_block`'s: llama.cpp's CPU backend gives them Q8_K blocks of 256 and the
     /// other quantized types Q8_0/Q8_1 blocks of 32, so a file that mixes them (a K-quant file
     /// whose 576-wide rows fell back to Q5_0) rounds its products' inputs two ways. None: the
@@ -363,12 +363,12 @@ impl Arithmetic {
     /// blocks before a quantized matrix (K-quants' own block where declared), the matrix's
     /// format before an F16/BF16 one when `activation_half_rounding`; None: they enter as held.
     pub fn input_rounding(&self, ty: oracle::quant::GgmlType) -> Option<InputRounding> {
-        use oracle::quant::GgmlType::{BF16, F16, F32, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K};
+        use oracle::quant::GgmlType::{BF16, F16, F32, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, TQ1_0, TQ2_0};
         match ty {
             F32 => None,
             F16 => self.activation_half_rounding.then_some(InputRounding::Half(NumFormat::F16)),
             BF16 => self.activation_half_rounding.then_some(InputRounding::Half(NumFormat::BF16)),
-            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => self.activation_q8_block_kquant.or(self.activation_q8_block).map(InputRounding::Q8),
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS | TQ1_0 | TQ2_0 => self.activation_q8_block_kquant.or(self.activation_q8_block).map(InputRounding::Q8),
             _ => self.activation_q8_block.map(InputRounding::Q8),
         }
     }

@@ -30,13 +30,16 @@ pub enum GgmlType {
     BF16,
     IQ4_NL,
     IQ4_XS,
+    TQ1_0,
+    TQ2_0,
+    MXFP4,
 }
 
 pub const QK_K: usize = 256;
 
 impl GgmlType {
     /// Every supported type, in GGML id order.
-    pub const ALL: [GgmlType; 15] = [
+    pub const ALL: [GgmlType; 18] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -52,6 +55,9 @@ impl GgmlType {
         GgmlType::IQ4_NL,
         GgmlType::IQ4_XS,
         GgmlType::BF16,
+        GgmlType::TQ1_0,
+        GgmlType::TQ2_0,
+        GgmlType::MXFP4,
     ];
 
     /// The GGML type id stored in GGUF tensor infos.
@@ -72,6 +78,9 @@ impl GgmlType {
             GgmlType::IQ4_NL => 20,
             GgmlType::IQ4_XS => 23,
             GgmlType::BF16 => 30,
+            GgmlType::TQ1_0 => 34,
+            GgmlType::TQ2_0 => 35,
+            GgmlType::MXFP4 => 39,
         }
     }
 
@@ -82,7 +91,7 @@ impl GgmlType {
     /// ggml's name of a type id this tool does not decode (`iq2_xxs`, `q8_k`, `mxfp4`, ...), for
     /// saying which one a file holds; None for an id ggml does not name.
     pub fn ggml_name(id: u32) -> Option<&'static str> {
-        const NAMES: [(u32, &str); 22] = [
+        const NAMES: [(u32, &str); 19] = [
             (4, "q4_2 (removed from ggml)"),
             (5, "q4_3 (removed from ggml)"),
             (9, "q8_1"),
@@ -99,9 +108,6 @@ impl GgmlType {
             (27, "i64"),
             (28, "f64"),
             (29, "iq1_m"),
-            (34, "tq1_0"),
-            (35, "tq2_0"),
-            (39, "mxfp4"),
             (40, "nvfp4"),
             (41, "q1_0"),
             (42, "q2_0"),
@@ -127,6 +133,9 @@ impl GgmlType {
             GgmlType::IQ4_NL => "iq4_nl",
             GgmlType::IQ4_XS => "iq4_xs",
             GgmlType::BF16 => "bf16",
+            GgmlType::TQ1_0 => "tq1_0",
+            GgmlType::TQ2_0 => "tq2_0",
+            GgmlType::MXFP4 => "mxfp4",
         }
     }
 
@@ -139,8 +148,8 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::IQ4_NL => 32,
-            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => QK_K,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::MXFP4 => 32,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS | GgmlType::TQ1_0 | GgmlType::TQ2_0 => QK_K,
         }
     }
 
@@ -161,6 +170,9 @@ impl GgmlType {
             GgmlType::Q6_K => 210,
             GgmlType::IQ4_NL => 18,
             GgmlType::IQ4_XS => 136,
+            GgmlType::TQ1_0 => 54,
+            GgmlType::TQ2_0 => 66,
+            GgmlType::MXFP4 => 17,
         }
     }
 
@@ -228,6 +240,8 @@ pub fn decode_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
                     GgmlType::Q6_K => decode_q6_k(blk, y),
                     GgmlType::IQ4_NL => decode_iq4_nl(blk, y),
                     GgmlType::IQ4_XS => decode_iq4_xs(blk, y),
+                    GgmlType::TQ1_0 | GgmlType::TQ2_0 => decode_tq(ty, blk, y),
+                    GgmlType::MXFP4 => decode_mxfp4(blk, y),
                     _ => unreachable!("scalar types handled above"),
                 }
             }
@@ -247,9 +261,13 @@ pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
 /// decodes to finite values exactly when these are finite: with a finite f16 `d` (at most 65504)
 /// the largest product, d * 63 * 31 or d * 127, stays far inside f32's range, and IEEE arithmetic
 /// makes every value that uses a NaN or infinite scale NaN or infinite (infinity times 0 is NaN).
+/// MXFP4's scale is a power of two, never NaN, but its largest overflow f32
+/// ([`may_not_be_finite`]).
 fn scale_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[],
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::MXFP4 => &[],
+        GgmlType::TQ1_0 => &[52],
+        GgmlType::TQ2_0 => &[64],
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q6_K => &[208],
@@ -283,13 +301,23 @@ pub fn first_non_finite(ty: GgmlType, bytes: &[u8]) -> Option<(usize, f32)> {
             let (ts, bs) = (ty.type_size(), ty.block_size());
             let mut y = vec![0.0f32; bs];
             bytes.chunks_exact(ts).enumerate().find_map(|(bi, blk)| {
-                if scale_fields(ty).iter().all(|&at| rd_f16(blk, at).is_finite()) {
+                if !may_not_be_finite(ty, blk) {
                     return None;
                 }
                 decode_into(ty, blk, &mut y).ok()?;
                 y.iter().enumerate().find_map(|(j, &v)| hit(bi * bs + j, v))
             })
         }
+    }
+}
+
+/// Whether a block of `ty` may decode to a value that is not finite (then decoded to see): a
+/// scale field that is not finite, or an MXFP4 exponent of 2^125 or more (times its largest
+/// level, 6, past f32's range).
+fn may_not_be_finite(ty: GgmlType, blk: &[u8]) -> bool {
+    match ty {
+        GgmlType::MXFP4 => blk[0] >= 253,
+        _ => !scale_fields(ty).iter().all(|&at| rd_f16(blk, at).is_finite()),
     }
 }
 
@@ -470,6 +498,118 @@ fn encode_iq4_xs(x: &[f32], out: &mut Vec<u8>) {
     }
 }
 
+/// The 256 ternary digits (-1, 0 or 1) of a TQ1_0 or TQ2_0 block. TQ2_0 (`qs[64]`, then d: f16)
+/// packs four per byte: bits 2l..2l+2 of byte 32j + m hold value 128j + 32l + m, as 0..=2 for
+/// -1..=1. TQ1_0 (`qs[48]`, `qh[4]`, then d: f16) packs five per byte in base 3, most significant
+/// first, as the byte's fraction of 243 (b = ceil(v * 256 / 243)): digit n of byte m of the first
+/// 32 is value 32n + m, of the next 16 value 160 + 16n + m, and digit n (< 4) of `qh[m]` value
+/// 240 + 4n + m; digit n is the top base-3 digit of b * 3^n (mod 256), ((b * 3^n mod 256) * 3) >> 8.
+pub fn tq_trits(ty: GgmlType, b: &[u8]) -> [i8; QK_K] {
+    let mut t = [0i8; QK_K];
+    if ty == GgmlType::TQ2_0 {
+        for (i, v) in t.iter_mut().enumerate() {
+            let (j, l, m) = (i / 128, (i % 128) / 32, i % 32);
+            *v = ((b[32 * j + m] >> (2 * l)) & 3) as i8 - 1;
+        }
+        return t;
+    }
+    let digit = |byte: u8, n: u32| ((byte.wrapping_mul(3u8.pow(n)) as u16 * 3) >> 8) as i8 - 1;
+    for n in 0..5 {
+        for m in 0..32 {
+            t[32 * n as usize + m] = digit(b[m], n);
+        }
+        for m in 0..16 {
+            t[160 + 16 * n as usize + m] = digit(b[32 + m], n);
+        }
+    }
+    for n in 0..4 {
+        for m in 0..4 {
+            t[240 + 4 * n as usize + m] = digit(b[48 + m], n);
+        }
+    }
+    t
+}
+
+// TQ1_0 / TQ2_0: value = d * digit, d the f16 at the block's end.
+fn decode_tq(ty: GgmlType, b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, ty.type_size() - 2);
+    for (o, t) in y.iter_mut().zip(tq_trits(ty, b)) {
+        *o = d * t as f32;
+    }
+}
+
+/// TQ1_0 / TQ2_0: d = the block's largest magnitude, each value rounded to the nearest of -d, 0, d.
+fn encode_tq(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let id = inv(amax);
+    // 0..=2 for -1..=1.
+    let q: Vec<u8> = x.iter().map(|v| ((v * id).round().clamp(-1.0, 1.0) + 1.0) as u8).collect();
+    if ty == GgmlType::TQ2_0 {
+        for j in 0..2 {
+            for m in 0..32 {
+                out.push((0..4).fold(0u8, |b, l| b | (q[128 * j + 32 * l + m] << (2 * l))));
+            }
+        }
+    } else {
+        // Digits most significant first, the byte the value's fraction of 243 rounded up.
+        let pack = |digits: &mut dyn Iterator<Item = u8>| -> u8 {
+            let v = digits.fold(0u16, |v, d| v * 3 + d as u16);
+            ((v * 256).div_ceil(243)) as u8
+        };
+        for m in 0..32 {
+            out.push(pack(&mut (0..5).map(|n| q[32 * n + m])));
+        }
+        for m in 0..16 {
+            out.push(pack(&mut (0..5).map(|n| q[160 + 16 * n + m])));
+        }
+        for m in 0..4 {
+            // Four digits and a zero fifth.
+            out.push(pack(&mut (0..4).map(|n| q[240 + 4 * n + m]).chain([0])));
+        }
+    }
+    push_f16(out, amax);
+}
+
+/// The sixteen values of a 4-bit MXFP4 element (OCP MX E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+/// negatives), doubled to integers as ggml stores them; the block's scale is halved to match.
+pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// The scale of an MXFP4 block with E8M0 exponent byte `e`, halved (the levels are doubled):
+/// 2^(e - 128), subnormal for e < 2.
+pub fn mxfp4_scale(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(((e - 1) as u32) << 23)
+    }
+}
+
+/// The levels of an MXFP4 block's 32 values: the low nibbles of `qs[0..16]` index values 0..16,
+/// the high ones 16..32.
+pub fn mxfp4_levels(qs: &[u8]) -> [i8; 32] {
+    std::array::from_fn(|j| MXFP4_LEVELS[((qs[j % 16] >> (4 * (j / 16))) & 0xF) as usize])
+}
+
+// block_mxfp4: e: u8 (E8M0), qs[16]; value = scale * level.
+fn decode_mxfp4(b: &[u8], y: &mut [f32]) {
+    let d = mxfp4_scale(b[0]);
+    for (o, l) in y.iter_mut().zip(mxfp4_levels(&b[1..17])) {
+        *o = d * l as f32;
+    }
+}
+
+/// MXFP4: the exponent puts the block's largest magnitude in [8, 16) steps (OCP's rule:
+/// floor(log2(max)) - 2, so it lands on or above level 8, the largest in range for the top
+/// exponent), each value to its nearest level (ties to the lower index); 0 for an all-zero block.
+fn encode_mxfp4(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let e = if amax > 0.0 { (amax.log2().floor() as i32 - 2 + 127).clamp(0, 255) as u8 } else { 0 };
+    let d = mxfp4_scale(e);
+    let level = |v: f32| -> u8 { (0..16u8).min_by(|a, b| (d * MXFP4_LEVELS[*a as usize] as f32 - v).abs().total_cmp(&(d * MXFP4_LEVELS[*b as usize] as f32 - v).abs())).unwrap_or(0) };
+    out.push(e);
+    out.extend((0..16).map(|j| level(x[j]) | (level(x[j + 16]) << 4)));
+}
+
 /// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of Q4_K/Q5_K.
 #[inline]
 pub fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
@@ -578,6 +718,8 @@ pub fn encode(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
                     GgmlType::Q6_K => encode_q6_k(blk, &mut out),
                     GgmlType::IQ4_NL => encode_iq4_nl(blk, &mut out),
                     GgmlType::IQ4_XS => encode_iq4_xs(blk, &mut out),
+                    GgmlType::TQ1_0 | GgmlType::TQ2_0 => encode_tq(ty, blk, &mut out),
+                    GgmlType::MXFP4 => encode_mxfp4(blk, &mut out),
                     _ => unreachable!(),
                 }
             }
@@ -912,6 +1054,15 @@ pub fn encode_error_bound(ty: GgmlType, x: &[f32], block: &[u8]) -> f32 {
             let d = rd_f16(block, 0).abs();
             let worst = (0..8).map(|ib| 14.0 * d * (iq4_xs_scale(block, ib) as f32).abs()).fold(0.0f32, f32::max);
             worst + 64.0 * d + amax * 2f32.powi(-9) + rounding
+        }
+        GgmlType::TQ1_0 | GgmlType::TQ2_0 => {
+            // Half of d (a value between 0 and d rounds to one of them); f16 rounding of d.
+            0.5 * rd_f16(block, ty.type_size() - 2).abs() + amax * 2f32.powi(-10) + rounding
+        }
+        GgmlType::MXFP4 => {
+            // Half the widest gap between levels (4 steps: 8 to 12), or the up to 4 steps past
+            // level 12 of a largest value in [8, 16) steps.
+            4.0 * mxfp4_scale(block[0]) + rounding
         }
         GgmlType::Q6_K => {
             let d = rd_f16(block, 208).abs();

@@ -2,7 +2,7 @@
 //! encoders, and a cross-check of every decoder against candle-core and gguf-py on random blocks.
 
 use half::f16;
-use oracle::quant::{decode, encode, encode_error_bound, GgmlType};
+use oracle::quant::{decode, encode, encode_error_bound, GgmlType, QK_K};
 use oracle::ops::SplitMix64;
 
 fn h(v: f32) -> [u8; 2] {
@@ -189,6 +189,9 @@ fn encoders_are_not_trivially_lossy() {
         (GgmlType::Q3_K, 0.2),
         (GgmlType::IQ4_NL, 0.13),
         (GgmlType::IQ4_XS, 0.13),
+        (GgmlType::TQ1_0, 0.9),
+        (GgmlType::TQ2_0, 0.9),
+        (GgmlType::MXFP4, 0.2),
         (GgmlType::F16, 0.001),
         (GgmlType::BF16, 0.005),
     ];
@@ -202,8 +205,8 @@ fn encoders_are_not_trivially_lossy() {
     }
 }
 
-/// candle's type of `ty`; None for the IQ4 types, which candle does not decode (gguf-py's
-/// dequantizers judge them, `decoders_match_gguf_py_on_random_blocks`).
+/// candle's type of `ty`; None for the IQ4, TQ and MXFP4 types, which candle does not decode
+/// (gguf-py's dequantizers judge them, `decoders_match_gguf_py_on_random_blocks`).
 fn candle_dtype(ty: GgmlType) -> Option<candle_core::quantized::GgmlDType> {
     use candle_core::quantized::GgmlDType as C;
     Some(match ty {
@@ -220,11 +223,12 @@ fn candle_dtype(ty: GgmlType) -> Option<candle_core::quantized::GgmlDType> {
         GgmlType::Q4_K => C::Q4K,
         GgmlType::Q5_K => C::Q5K,
         GgmlType::Q6_K => C::Q6K,
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS => return None,
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::TQ1_0 | GgmlType::TQ2_0 | GgmlType::MXFP4 => return None,
     })
 }
 
-/// Random blocks: random bytes everywhere, with the f16 scale fields replaced by finite values.
+/// Random blocks: random bytes everywhere, with the f16 scale fields replaced by finite values
+/// (MXFP4's exponent byte by one of 2^-28..2^22).
 fn random_blocks(ty: GgmlType, n_blocks: usize, rng: &mut SplitMix64) -> Vec<u8> {
     let ts = ty.type_size();
     let mut b: Vec<u8> = (0..n_blocks * ts).map(|_| rng.next_u64() as u8).collect();
@@ -235,6 +239,12 @@ fn random_blocks(ty: GgmlType, n_blocks: usize, rng: &mut SplitMix64) -> Vec<u8>
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
         GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        GgmlType::TQ1_0 => &[52],
+        GgmlType::TQ2_0 => &[64],
+        GgmlType::MXFP4 => {
+            b.chunks_mut(ts).for_each(|blk| blk[0] = 100 + (rng.next_u64() % 51) as u8);
+            return b;
+        }
         GgmlType::F16 => return (0..n_blocks).flat_map(|_| h((rng.next_normal() * 4.0) as f32)).collect(),
         GgmlType::BF16 => return (0..n_blocks).flat_map(|_| half::bf16::from_f64(rng.next_normal()).to_le_bytes()).collect(),
         GgmlType::F32 => return (0..n_blocks).flat_map(|_| (rng.next_normal() as f32).to_le_bytes()).collect(),
@@ -266,14 +276,22 @@ fn decoders_match_candle_on_random_blocks() {
     }
 }
 
+/// Whether gguf-py and numpy import; when not, says the test is skipped.
+fn gguf_py_present() -> bool {
+    let probe = std::process::Command::new("python3").args(["-c", "import gguf.quants, numpy"]).output();
+    let present = matches!(probe, Ok(ref o) if o.status.success());
+    if !present {
+        eprintln!("SKIPPED: gguf-py is not installed (pip install -r tools/reference/requirements.txt)");
+    }
+    present
+}
+
 /// Every quantized decoder against gguf-py's (llama.cpp's own Python package, numpy) on random
 /// blocks: the same values to within an f32 rounding of each (its numpy order of the scale
 /// products may differ). Skipped, saying so, without gguf-py.
 #[test]
 fn decoders_match_gguf_py_on_random_blocks() {
-    let probe = std::process::Command::new("python3").args(["-c", "import gguf.quants, numpy"]).output();
-    if !matches!(probe, Ok(ref o) if o.status.success()) {
-        eprintln!("SKIPPED: gguf-py is not installed (pip install -r tools/reference/requirements.txt)");
+    if !gguf_py_present() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -302,12 +320,42 @@ fn decoders_match_gguf_py_on_random_blocks() {
     assert_eq!(checked, GgmlType::ALL.iter().filter(|t| t.block_size() > 1).count());
 }
 
+/// TQ1_0, TQ2_0 and MXFP4 encode as ggml's reference quantizers do (absmax ternary digits; OCP's
+/// exponent and the nearest level): the same bytes as gguf-py's quantizers on random values.
+/// Skipped, saying so, without gguf-py.
+#[test]
+fn tq_and_mxfp4_encoders_match_gguf_py() {
+    if !gguf_py_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = SplitMix64(91);
+    for ty in [GgmlType::TQ1_0, GgmlType::TQ2_0, GgmlType::MXFP4] {
+        let mut x = random_values(&mut rng, 16 * QK_K, 0.05);
+        x[..QK_K].iter_mut().for_each(|v| *v = 0.0); // an all-zero block too
+        let (input, output) = (dir.path().join(format!("{}.in", ty.name())), dir.path().join(format!("{}.out", ty.name())));
+        std::fs::write(&input, x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let script = format!(
+            "import numpy as np, gguf\nfrom gguf.quants import quantize\nx = np.fromfile({:?}, dtype='<f4').reshape(1, -1)\nquantize(x, gguf.GGMLQuantizationType({})).tofile({:?})",
+            input.to_str().unwrap(), ty.id(), output.to_str().unwrap()
+        );
+        let o = std::process::Command::new("python3").args(["-c", &script]).output().unwrap();
+        assert!(o.status.success(), "{}: {}", ty.name(), String::from_utf8_lossy(&o.stderr));
+        let (ours, theirs) = (encode(ty, &x).unwrap(), std::fs::read(&output).unwrap());
+        assert_eq!(ours.len(), theirs.len(), "{}", ty.name());
+        let first = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+        assert_eq!(first, None, "{}: first differing byte (block {:?})", ty.name(), first.map(|i| i / ty.type_size()));
+    }
+}
+
 /// Where a block keeps its f16 scale `d`.
 fn d_offset(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q6_K => 208,
         GgmlType::Q2_K => 80,
         GgmlType::Q3_K => 108,
+        GgmlType::TQ1_0 => 52,
+        GgmlType::TQ2_0 => 64,
         _ => 0,
     }
 }
@@ -342,6 +390,8 @@ fn first_non_finite_agrees_with_a_full_decode_on_arbitrary_bytes() {
                 match ty {
                     GgmlType::F32 => b[at..at + 4].copy_from_slice(&f32::from_bits(0x7f80_0000 | (r >> 8) as u32 & 0x807f_ffff).to_le_bytes()),
                     GgmlType::BF16 => b[at..at + 2].copy_from_slice(&(0x7f80 | (r >> 8) as u16 & 0x807f).to_le_bytes()),
+                    // An MXFP4 exponent of 2^125 or more: its levels of 4 and more overflow.
+                    GgmlType::MXFP4 => b[at] = 253 + (r % 3) as u8,
                     // F16 and every block's d (at 0 but for the K-quants that keep it last).
                     _ => b[at + d_offset(ty)..at + d_offset(ty) + 2].copy_from_slice(&f16_bad.to_le_bytes()),
                 }
@@ -365,6 +415,15 @@ fn first_non_finite_finds_a_planted_scale() {
         let x: Vec<f32> = (0..3 * ty.block_size()).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut b = encode(ty, &x).unwrap();
         assert_eq!(first_non_finite(ty, &b), None, "{}", ty.name());
+        if ty == GgmlType::MXFP4 {
+            // Its scale is a power of two, never NaN; the largest, 2^127, overflows every level
+            // from 2 up (a zero stays zero): the first such element of block 1 is found.
+            b[ty.type_size()] = 255;
+            let want = decode(ty, &b, x.len()).unwrap().iter().position(|v| !v.is_finite());
+            assert!(want.is_some_and(|i| (32..64).contains(&i)));
+            assert_eq!(first_non_finite(ty, &b).map(|(i, _)| i), want);
+            continue;
+        }
         let d_at = d_offset(ty);
         for bad in [f16::NAN, f16::INFINITY, f16::NEG_INFINITY] {
             let at = ty.type_size() + d_at; // block 1's d

@@ -765,9 +765,12 @@ fn a_wrong_expert_choice_is_not_excused_as_a_near_tie() {
 
 /// fixed-token on MoE models: where the device's teacher-forced run routes a token otherwise
 /// than the oracle at a near tie, the device's logits are compared with an oracle re-run that
-/// routes as the device did (`FollowRouting`), not charged another expert's output. Two random
-/// 4-layer MoE models on which a correct `cpu` device failed the KLD gate (mean KLD 2x its bound,
-/// every excess at a routing flip) before; the check is not blind: without the re-run they fail.
+/// routes as the device did (`FollowRouting`), not charged another expert's output. Over 30
+/// random 4-layer MoE models, a correct `cpu` device fails the KLD gate on some (mean KLD up to 2x
+/// its bound, every excess at a routing flip) without the re-run — the check is not blind — and
+/// passes every gate on each model whose routing flips once the re-run is there. The models are
+/// scanned rather than named: a weight type joining the ones drawn redraws every model (IQ4_NL
+/// moved the two this test once named; TQ1_0, TQ2_0 and MXFP4 the two after them).
 #[test]
 fn moe_routing_near_ties_do_not_fail_fixed_token() {
     use oracle::ops::SamplerConfig;
@@ -775,9 +778,8 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
     use suites::layerdiff::{propagated_budget, Dims, RoutingFollower};
     let mut r = SplitMix64(99);
     let seeds: Vec<u64> = (0..30).map(|_| r.next_u64()).collect();
-    // Models 5 and 24 until IQ4_NL joined the weight types drawn (which redrew every model's
-    // types); 9 of the 30 show it now, these two among them.
-    for i in [2usize, 3] {
+    let (mut flipped, mut failed_without) = (Vec::new(), Vec::new());
+    for (i, seed) in seeds.into_iter().enumerate() {
         let s = Shape {
             arch: ["llama", "qwen2", "qwen3"][i % 3],
             n_embd: 64,
@@ -794,7 +796,7 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
             window: 0,
             moe: Some((8, 2, 32, if i % 2 == 0 { 64 } else { 0 }, i % 4 == 0, i % 5 == 0, true)),
             smooth: false,
-            seed: seeds[i],
+            seed,
         };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("moe.gguf");
@@ -813,20 +815,26 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
         let dims = Dims::of(oracle_model.spec(), seq.len());
         let budget = propagated_budget("result_output", None, &arith, &dims).unwrap();
         let mut runs = DeviceRuns { greedy: None, cache_paths: None, routing_differs: routing_differs(&own, &dev, seq.len()), followed_oracle: None };
-        assert!(runs.routing_differs.contains(&true), "model {i}: no routing flip to test");
+        if !runs.routing_differs.contains(&true) {
+            continue;
+        }
+        flipped.push(i);
         let kld_gate = |runs: &DeviceRuns| {
             let (cases, _) = evaluate(&golden, &oracle_logits, &logits, s.vocab, &budget, runs, "cpu");
             cases.iter().find(|c| c.id.contains("gate=kld_mean")).unwrap().verdict
         };
-        assert_eq!(kld_gate(&runs), reports::Verdict::Fail, "model {i}: the flips should fail the gate without the re-run");
+        if kld_gate(&runs) == reports::Verdict::Fail {
+            failed_without.push(i);
+        }
         let mut tap = FollowRouting { routing: RoutingFollower::new(&dev.0, Box::new(|_| None), "teacher-forced"), recorded: RoutingTap::default() };
         runs.followed_oracle = Some(oracle_model.prefill_logits(&seq, &mut tap).unwrap());
-        assert!(!tap.routing.follows.is_empty());
-        assert_eq!(kld_gate(&runs), reports::Verdict::Pass, "model {i}: {:?}", tap.routing.follows);
+        assert!(!tap.routing.follows.is_empty(), "model {i}: its routing flips, so the re-run follows some");
         let (cases, _) = evaluate(&golden, &oracle_logits, &logits, s.vocab, &budget, &runs, "cpu");
         // (cache_consistency is not asked for here: no cache paths given.)
         assert!(cases.iter().filter(|c| !c.id.contains("cache_consistency")).all(|c| c.verdict == reports::Verdict::Pass), "model {i}: {cases:?}");
     }
+    eprintln!("routing flips on models {flipped:?}; the KLD gate fails without the re-run on {failed_without:?}");
+    assert!(failed_without.len() >= 2, "too few models whose flips fail the gate without the re-run to test it: {failed_without:?} (flips on {flipped:?})");
 }
 
 /// MoE checkpoints as Hugging Face ships them (one tensor per expert, or fused

@@ -136,10 +136,11 @@ def node_rows(t, n_tokens):
 
 
 def kquant_file(path):
-    """Whether the GGUF holds K-quant matrices (their products take Q8_K blocks of 256)."""
+    """Whether the GGUF holds matrices whose products take Q8_K blocks of 256 (K-quants, IQ4_XS,
+    TQ1_0, TQ2_0: ggml's CPU `vec_dot_type` for them)."""
     from gguf import GGUFReader
     from gguf.constants import GGMLQuantizationType as Q
-    kquants = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    kquants = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0}
     return any(t.tensor_type in kquants for t in GGUFReader(path).tensors)
 
 

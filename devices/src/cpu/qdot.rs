@@ -650,6 +650,29 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                 }
             }
         }
+        GgmlType::TQ1_0 | GgmlType::TQ2_0 => {
+            // 256 ternary digits on one f16 d (at the block's end): Q8_0's block dot on each 32.
+            for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
+                let d = I::f16(blk, ty.type_size() - 2);
+                let trits = oracle::quant::tq_trits(ty, blk);
+                for (ib, w) in trits.chunks_exact(32).enumerate() {
+                    let wv = I::i8s(w);
+                    for t in 0..T {
+                        acc[t] = I::fma(acc[t], I::dot(wv, xq(t, 8 * kb + ib)), d * xs[t].d[8 * kb + ib]);
+                    }
+                }
+            }
+        }
+        GgmlType::MXFP4 => {
+            // 32 doubled E2M1 levels on a power-of-two scale: Q8_0's block dot.
+            for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
+                let wv = I::i8s(&oracle::quant::mxfp4_levels(&blk[1..17]));
+                let d = oracle::quant::mxfp4_scale(blk[0]);
+                for t in 0..T {
+                    acc[t] = I::fma(acc[t], I::dot(wv, xq(t, kb)), d * xs[t].d[kb]);
+                }
+            }
+        }
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("float weights use the f32 path"),
     }
     std::array::from_fn(|t| I::hsum(acc[t]) + mins[t])
@@ -990,9 +1013,9 @@ mod tests {
     const K: usize = 2 * QK_K;
 
 
-    /// The quantized types (every one has block dots; eight of them before Q2_K, Q3_K, IQ4_NL
-    /// and IQ4_XS came): a literal, so a type missing from the rows checked is caught.
-    const QUANTIZED_TYPES: usize = 12;
+    /// The quantized types (every one has block dots; eight of them before Q2_K, Q3_K, IQ4_NL,
+    /// IQ4_XS, TQ1_0, TQ2_0 and MXFP4 came): a literal, so a type missing from the rows checked is caught.
+    const QUANTIZED_TYPES: usize = 15;
 
     /// Calls `check` with `per_type` random rows of `K` values of every quantized type and the
     /// seeded generator; returns how many rows it checked.
