@@ -36,6 +36,9 @@
 #define TY_TQ1_0 34
 #define TY_TQ2_0 35
 #define TY_MXFP4 39
+#define TY_NVFP4 40
+#define TY_Q1_0 41
+#define TY_Q2_0 42
 
 // ---------------------------------------------------------------------------------------------
 // Number formats, decoded by hand so no platform header is needed.
@@ -235,6 +238,36 @@ __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
         for (int j = 0; j < 16; ++j) {
             out[j] = d * (float)levels[b[1 + j] & 0x0F];
             out[j + 16] = d * (float)levels[b[1 + j] >> 4];
+        }
+        return;
+    }
+    case TY_NVFP4: {
+        // Blocks of 64: d[4] (unsigned E4M3, bias 7, one per 16 values; 0 and 0x7f read as 0;
+        // halved as MXFP4's), qs[32]; sub-block s's values are the low nibbles of qs[8s..8s+8],
+        // then their high nibbles. Chunk c is sub-blocks 2(c%2) and 2(c%2) + 1 of block c/2.
+        const signed char levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        const u8* b = row + 36 * (c / 2);
+        for (int h = 0; h < 2; ++h) {
+            int s = 2 * (c % 2) + h, x = b[s], e = (x >> 3) & 15, m = x & 7;
+            float d = (x == 0 || x == 0x7f) ? 0.0f : 0.5f * (e == 0 ? (float)m * (1.0f / 512.0f) : (1.0f + (float)m / 8.0f) * ts_bits_to_float((u32)(e - 7 + 127) << 23));
+            for (int j = 0; j < 8; ++j) {
+                out[16 * h + j] = (float)levels[b[4 + 8 * s + j] & 0x0F] * d;
+                out[16 * h + j + 8] = (float)levels[b[4 + 8 * s + j] >> 4] * d;
+            }
+        }
+        return;
+    }
+    case TY_Q1_0:
+    case TY_Q2_0: {
+        // d, qs[16]. Q1_0: blocks of 128 sign bits (bit j of qs[j/8]: 1 for +d, 0 for -d);
+        // Q2_0: blocks of 64 two-bit digits (bits 2(j%4) of qs[j/4]: 0..3 for -1..2, times d).
+        int one = ty == TY_Q1_0, per = one ? 4 : 2;
+        const u8* b = row + 18 * (c / per);
+        float d = ts_half(ts_u16(b));
+        for (int l = 0; l < 32; ++l) {
+            int j = 32 * (c % per) + l;
+            int q = one ? (((b[2 + j / 8] >> (j % 8)) & 1) ? 1 : -1) : (int)((b[2 + j / 4] >> (2 * (j % 4))) & 3) - 1;
+            out[l] = (float)q * d;
         }
         return;
     }

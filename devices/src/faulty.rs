@@ -92,6 +92,7 @@ fn scale_fields(ty: GgmlType) -> (Option<usize>, Option<usize>) {
         GgmlType::IQ4_NL | GgmlType::IQ4_XS => (Some(0), None),
         GgmlType::TQ1_0 => (Some(52), None),
         GgmlType::TQ2_0 => (Some(64), None),
+        GgmlType::Q1_0 | GgmlType::Q2_0 => (Some(0), None),
         _ => (None, None),
     }
 }

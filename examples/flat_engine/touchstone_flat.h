@@ -30,7 +30,7 @@ enum ts_flat_rope_scaling { TS_ROPE_NONE = 0, TS_ROPE_LINEAR = 1, TS_ROPE_YARN =
 enum ts_ggml_type {
     TS_GGML_F32 = 0, TS_GGML_F16 = 1, TS_GGML_Q4_0 = 2, TS_GGML_Q4_1 = 3, TS_GGML_Q5_0 = 6, TS_GGML_Q5_1 = 7,
     TS_GGML_Q8_0 = 8, TS_GGML_Q2_K = 10, TS_GGML_Q3_K = 11, TS_GGML_Q4_K = 12, TS_GGML_Q5_K = 13, TS_GGML_Q6_K = 14, TS_GGML_IQ4_NL = 20, TS_GGML_IQ4_XS = 23, TS_GGML_BF16 = 30,
-    TS_GGML_TQ1_0 = 34, TS_GGML_TQ2_0 = 35, TS_GGML_MXFP4 = 39,
+    TS_GGML_TQ1_0 = 34, TS_GGML_TQ2_0 = 35, TS_GGML_MXFP4 = 39, TS_GGML_NVFP4 = 40, TS_GGML_Q1_0 = 41, TS_GGML_Q2_0 = 42,
 };
 
 struct ts_flat_header {
@@ -116,6 +116,9 @@ static inline uint64_t ts_ggml_block_bytes(uint32_t type, uint64_t *values) {
     case TS_GGML_TQ1_0: *values = 256; return 54;
     case TS_GGML_TQ2_0: *values = 256; return 66;
     case TS_GGML_MXFP4: *values = 32; return 17;
+    case TS_GGML_NVFP4: *values = 64; return 36;
+    case TS_GGML_Q1_0: *values = 128; return 18;
+    case TS_GGML_Q2_0: *values = 64; return 18;
     default: *values = 0; return 0;
     }
 }

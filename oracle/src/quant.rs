@@ -33,13 +33,16 @@ pub enum GgmlType {
     TQ1_0,
     TQ2_0,
     MXFP4,
+    NVFP4,
+    Q1_0,
+    Q2_0,
 }
 
 pub const QK_K: usize = 256;
 
 impl GgmlType {
     /// Every supported type, in GGML id order.
-    pub const ALL: [GgmlType; 18] = [
+    pub const ALL: [GgmlType; 21] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -58,6 +61,9 @@ impl GgmlType {
         GgmlType::TQ1_0,
         GgmlType::TQ2_0,
         GgmlType::MXFP4,
+        GgmlType::NVFP4,
+        GgmlType::Q1_0,
+        GgmlType::Q2_0,
     ];
 
     /// The GGML type id stored in GGUF tensor infos.
@@ -81,6 +87,9 @@ impl GgmlType {
             GgmlType::TQ1_0 => 34,
             GgmlType::TQ2_0 => 35,
             GgmlType::MXFP4 => 39,
+            GgmlType::NVFP4 => 40,
+            GgmlType::Q1_0 => 41,
+            GgmlType::Q2_0 => 42,
         }
     }
 
@@ -91,7 +100,7 @@ impl GgmlType {
     /// ggml's name of a type id this tool does not decode (`iq2_xxs`, `q8_k`, `mxfp4`, ...), for
     /// saying which one a file holds; None for an id ggml does not name.
     pub fn ggml_name(id: u32) -> Option<&'static str> {
-        const NAMES: [(u32, &str); 19] = [
+        const NAMES: [(u32, &str); 16] = [
             (4, "q4_2 (removed from ggml)"),
             (5, "q4_3 (removed from ggml)"),
             (9, "q8_1"),
@@ -108,9 +117,6 @@ impl GgmlType {
             (27, "i64"),
             (28, "f64"),
             (29, "iq1_m"),
-            (40, "nvfp4"),
-            (41, "q1_0"),
-            (42, "q2_0"),
         ];
         GgmlType::from_id(id).map(GgmlType::name).or_else(|| NAMES.iter().find(|(i, _)| *i == id).map(|(_, n)| *n))
     }
@@ -136,6 +142,9 @@ impl GgmlType {
             GgmlType::TQ1_0 => "tq1_0",
             GgmlType::TQ2_0 => "tq2_0",
             GgmlType::MXFP4 => "mxfp4",
+            GgmlType::NVFP4 => "nvfp4",
+            GgmlType::Q1_0 => "q1_0",
+            GgmlType::Q2_0 => "q2_0",
         }
     }
 
@@ -149,6 +158,8 @@ impl GgmlType {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::MXFP4 => 32,
+            GgmlType::NVFP4 | GgmlType::Q2_0 => 64,
+            GgmlType::Q1_0 => 128,
             GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS | GgmlType::TQ1_0 | GgmlType::TQ2_0 => QK_K,
         }
     }
@@ -173,6 +184,8 @@ impl GgmlType {
             GgmlType::TQ1_0 => 54,
             GgmlType::TQ2_0 => 66,
             GgmlType::MXFP4 => 17,
+            GgmlType::NVFP4 => 36,
+            GgmlType::Q1_0 | GgmlType::Q2_0 => 18,
         }
     }
 
@@ -242,6 +255,8 @@ pub fn decode_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
                     GgmlType::IQ4_XS => decode_iq4_xs(blk, y),
                     GgmlType::TQ1_0 | GgmlType::TQ2_0 => decode_tq(ty, blk, y),
                     GgmlType::MXFP4 => decode_mxfp4(blk, y),
+                    GgmlType::NVFP4 => decode_nvfp4(blk, y),
+                    GgmlType::Q1_0 | GgmlType::Q2_0 => decode_q1_q2_0(ty, blk, y),
                     _ => unreachable!("scalar types handled above"),
                 }
             }
@@ -262,10 +277,12 @@ pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
 /// the largest product, d * 63 * 31 or d * 127, stays far inside f32's range, and IEEE arithmetic
 /// makes every value that uses a NaN or infinite scale NaN or infinite (infinity times 0 is NaN).
 /// MXFP4's scale is a power of two, never NaN, but its largest overflow f32
-/// ([`may_not_be_finite`]).
+/// ([`may_not_be_finite`]); NVFP4's are UE4M3 values, each at most 240 (times a level of at
+/// most 6: always finite).
 fn scale_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::MXFP4 => &[],
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::MXFP4 | GgmlType::NVFP4 => &[],
+        GgmlType::Q1_0 | GgmlType::Q2_0 => &[0],
         GgmlType::TQ1_0 => &[52],
         GgmlType::TQ2_0 => &[64],
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
@@ -605,9 +622,115 @@ fn encode_mxfp4(x: &[f32], out: &mut Vec<u8>) {
     let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let e = if amax > 0.0 { (amax.log2().floor() as i32 - 2 + 127).clamp(0, 255) as u8 } else { 0 };
     let d = mxfp4_scale(e);
-    let level = |v: f32| -> u8 { (0..16u8).min_by(|a, b| (d * MXFP4_LEVELS[*a as usize] as f32 - v).abs().total_cmp(&(d * MXFP4_LEVELS[*b as usize] as f32 - v).abs())).unwrap_or(0) };
     out.push(e);
-    out.extend((0..16).map(|j| level(x[j]) | (level(x[j + 16]) << 4)));
+    out.extend((0..16).map(|j| nearest_fp4(x[j], d) | (nearest_fp4(x[j + 16], d) << 4)));
+}
+
+/// The digits of a Q1_0 block (128 values, bit j of `qs[j / 8]`: 1 for +1, 0 for -1) or a Q2_0
+/// one (64 values, bits 2(j % 4).. of `qs[j / 4]` as 0..=3 for -1..=2), `qs` after the f16 d.
+pub fn q1_q2_0_digits(ty: GgmlType, b: &[u8]) -> Vec<i8> {
+    let qs = &b[2..18];
+    match ty {
+        GgmlType::Q1_0 => (0..128).map(|j| if (qs[j / 8] >> (j % 8)) & 1 == 1 { 1 } else { -1 }).collect(),
+        _ => (0..64).map(|j| ((qs[j / 4] >> (2 * (j % 4))) & 3) as i8 - 1).collect(),
+    }
+}
+
+// Q1_0 / Q2_0: d: f16, qs[16]; value = digit * d.
+fn decode_q1_q2_0(ty: GgmlType, b: &[u8], y: &mut [f32]) {
+    let d = rd_f16(b, 0);
+    for (o, q) in y.iter_mut().zip(q1_q2_0_digits(ty, b)) {
+        *o = q as f32 * d;
+    }
+}
+
+/// Q1_0: d = the block's mean magnitude, each value's sign (zero as +). Q2_0: d = its largest
+/// magnitude, each value rounded to the nearest of -d, 0, d, 2d (ggml's reference rules).
+fn encode_q1_q2_0(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) {
+    let mut qs = [0u8; 16];
+    if ty == GgmlType::Q1_0 {
+        let d = x.iter().fold(0.0f32, |s, v| s + v.abs()) / 128.0;
+        push_f16(out, d);
+        for (j, v) in x.iter().enumerate() {
+            qs[j / 8] |= ((*v >= 0.0) as u8) << (j % 8);
+        }
+    } else {
+        let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        push_f16(out, amax);
+        let id = inv(amax);
+        for (j, v) in x.iter().enumerate() {
+            qs[j / 4] |= (((v * id).round() as i32 + 1).clamp(0, 3) as u8) << (2 * (j % 4));
+        }
+    }
+    out.extend_from_slice(&qs);
+}
+
+/// An NVFP4 sub-block scale: unsigned E4M3 (4 exponent bits, bias 7; subnormal below exponent 1;
+/// 0 and 0x7f, E4M3's NaN, read as 0; the top bit ignored), halved as MXFP4's is (the levels are
+/// doubled): ggml's `ggml_ue4m3_to_fp32`.
+pub fn ue4m3_scale(x: u8) -> f32 {
+    if x == 0 || x == 0x7f {
+        return 0.0;
+    }
+    let (e, m) = (((x >> 3) & 0xf) as i32, (x & 7) as f32);
+    let raw = if e == 0 { m * 2f32.powi(-9) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) };
+    raw * 0.5
+}
+
+/// `x` as unsigned E4M3, as ggml rounds it (`ggml_fp32_to_ue4m3`: clamped to 448, the mantissa's
+/// top three bits rounded by the next one, the largest normal 0x7e).
+fn to_ue4m3(x: f32) -> u8 {
+    if x.is_nan() || x <= 0.0 {
+        return 0;
+    }
+    let x = x.min(448.0);
+    let bits = x.to_bits();
+    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 7;
+    if exp <= 0 {
+        let m = ((x * 512.0 + 0.5) as i32).min(7);
+        return if m < 1 { 0 } else { m as u8 };
+    }
+    if exp >= 15 {
+        return 0x7e;
+    }
+    let (mut e, mut m) = (exp, ((bits >> 20) & 7) as i32 + ((bits >> 19) & 1) as i32);
+    if m > 7 {
+        m = 0;
+        e += 1;
+        if e >= 15 {
+            return 0x7e;
+        }
+    }
+    ((e << 3) | m) as u8
+}
+
+// block_nvfp4: d[4] (UE4M3, one per 16 values), qs[32]; sub-block s's 16 values are the low
+// nibbles of qs[8s..8s + 8], then their high nibbles; value = level * scale.
+fn decode_nvfp4(b: &[u8], y: &mut [f32]) {
+    for (s, y) in y.chunks_exact_mut(16).enumerate() {
+        let d = ue4m3_scale(b[s]);
+        for j in 0..8 {
+            let q = b[4 + 8 * s + j];
+            y[j] = MXFP4_LEVELS[(q & 0xf) as usize] as f32 * d;
+            y[j + 8] = MXFP4_LEVELS[(q >> 4) as usize] as f32 * d;
+        }
+    }
+}
+
+/// The nearest of the sixteen (doubled) E2M1 levels at scale `d` (the first of equals).
+fn nearest_fp4(v: f32, d: f32) -> u8 {
+    (0..16u8).min_by(|a, b| (MXFP4_LEVELS[*a as usize] as f32 * d - v).abs().total_cmp(&(MXFP4_LEVELS[*b as usize] as f32 * d - v).abs())).unwrap_or(0)
+}
+
+/// NVFP4: each 16-value sub-block's scale its largest magnitude over 6 in UE4M3, each value to
+/// its nearest level (ggml's reference rule).
+fn encode_nvfp4(x: &[f32], out: &mut Vec<u8>) {
+    let scales: Vec<u8> = x.chunks_exact(16).map(|b| to_ue4m3(b.iter().fold(0.0f32, |a, v| a.max(v.abs())) / 6.0)).collect();
+    out.extend_from_slice(&scales);
+    for (b, ue) in x.chunks_exact(16).zip(&scales) {
+        let d = ue4m3_scale(*ue);
+        out.extend((0..8).map(|j| nearest_fp4(b[j], d) | (nearest_fp4(b[j + 8], d) << 4)));
+    }
 }
 
 /// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of Q4_K/Q5_K.
@@ -720,6 +843,8 @@ pub fn encode(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
                     GgmlType::IQ4_XS => encode_iq4_xs(blk, &mut out),
                     GgmlType::TQ1_0 | GgmlType::TQ2_0 => encode_tq(ty, blk, &mut out),
                     GgmlType::MXFP4 => encode_mxfp4(blk, &mut out),
+                    GgmlType::NVFP4 => encode_nvfp4(blk, &mut out),
+                    GgmlType::Q1_0 | GgmlType::Q2_0 => encode_q1_q2_0(ty, blk, &mut out),
                     _ => unreachable!(),
                 }
             }
@@ -1063,6 +1188,23 @@ pub fn encode_error_bound(ty: GgmlType, x: &[f32], block: &[u8]) -> f32 {
             // Half the widest gap between levels (4 steps: 8 to 12), or the up to 4 steps past
             // level 12 of a largest value in [8, 16) steps.
             4.0 * mxfp4_scale(block[0]) + rounding
+        }
+        GgmlType::NVFP4 => {
+            // Half the widest gap (2 steps) of a sub-block whose largest value sits at level 12
+            // but for the scale's rounding (E4M3: 2^-4 of it, so 0.75 steps at 12), or a value
+            // past a saturated scale; subnormal scales round by up to 2^-10 absolute.
+            let worst = (0..4).map(|s| ue4m3_scale(block[s])).fold(0.0f32, f32::max);
+            // A sub-block whose max/6 passes 448 saturates the scale (0x7e, 224): its values
+            // past level 12 clamp there.
+            2.75 * worst + 12.0 * 2f32.powi(-10) + (amax - 12.0 * 224.0).max(0.0) + rounding
+        }
+        GgmlType::Q1_0 => {
+            // Every value becomes +-mean|x|: off by at most the block's largest magnitude plus d.
+            amax + rd_f16(block, 0).abs() + rounding
+        }
+        GgmlType::Q2_0 => {
+            // Half of d (values span -d..d, the grid -d..2d); f16 rounding of d.
+            0.5 * rd_f16(block, 0).abs() + amax * 2f32.powi(-10) + rounding
         }
         GgmlType::Q6_K => {
             let d = rd_f16(block, 208).abs();

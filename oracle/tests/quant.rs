@@ -192,6 +192,9 @@ fn encoders_are_not_trivially_lossy() {
         (GgmlType::TQ1_0, 0.9),
         (GgmlType::TQ2_0, 0.9),
         (GgmlType::MXFP4, 0.2),
+        (GgmlType::NVFP4, 0.2),
+        (GgmlType::Q1_0, 0.9),
+        (GgmlType::Q2_0, 0.9),
         (GgmlType::F16, 0.001),
         (GgmlType::BF16, 0.005),
     ];
@@ -205,8 +208,8 @@ fn encoders_are_not_trivially_lossy() {
     }
 }
 
-/// candle's type of `ty`; None for the IQ4, TQ and MXFP4 types, which candle does not decode
-/// (gguf-py's dequantizers judge them, `decoders_match_gguf_py_on_random_blocks`).
+/// candle's type of `ty`; None for the IQ4, TQ, FP4, Q1_0 and Q2_0 types, which candle does not
+/// decode (gguf-py's dequantizers judge most of them, `decoders_match_gguf_py_on_random_blocks`).
 fn candle_dtype(ty: GgmlType) -> Option<candle_core::quantized::GgmlDType> {
     use candle_core::quantized::GgmlDType as C;
     Some(match ty {
@@ -223,7 +226,7 @@ fn candle_dtype(ty: GgmlType) -> Option<candle_core::quantized::GgmlDType> {
         GgmlType::Q4_K => C::Q4K,
         GgmlType::Q5_K => C::Q5K,
         GgmlType::Q6_K => C::Q6K,
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::TQ1_0 | GgmlType::TQ2_0 | GgmlType::MXFP4 => return None,
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::TQ1_0 | GgmlType::TQ2_0 | GgmlType::MXFP4 | GgmlType::NVFP4 | GgmlType::Q1_0 | GgmlType::Q2_0 => return None,
     })
 }
 
@@ -241,6 +244,9 @@ fn random_blocks(ty: GgmlType, n_blocks: usize, rng: &mut SplitMix64) -> Vec<u8>
         GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
         GgmlType::TQ1_0 => &[52],
         GgmlType::TQ2_0 => &[64],
+        GgmlType::Q1_0 | GgmlType::Q2_0 => &[0],
+        // Any byte is a finite UE4M3 scale.
+        GgmlType::NVFP4 => &[],
         GgmlType::MXFP4 => {
             b.chunks_mut(ts).for_each(|blk| blk[0] = 100 + (rng.next_u64() % 51) as u8);
             return b;
@@ -297,7 +303,7 @@ fn decoders_match_gguf_py_on_random_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = SplitMix64(77);
     let mut checked = 0;
-    for ty in GgmlType::ALL.into_iter().filter(|t| t.block_size() > 1) {
+    for ty in GgmlType::ALL.into_iter().filter(|t| t.block_size() > 1 && !NOT_IN_GGUF_PY.contains(t)) {
         let n_blocks = 64;
         let n = n_blocks * ty.block_size();
         let bytes = random_blocks(ty, n_blocks, &mut rng);
@@ -317,11 +323,42 @@ fn decoders_match_gguf_py_on_random_blocks() {
         }
         checked += 1;
     }
-    assert_eq!(checked, GgmlType::ALL.iter().filter(|t| t.block_size() > 1).count());
+    assert_eq!(checked, GgmlType::ALL.iter().filter(|t| t.block_size() > 1).count() - NOT_IN_GGUF_PY.len());
+}
+
+/// The types gguf-py 0.19 has no dequantizer for (Q1_0: an id only; Q2_0: not even that). Their
+/// reference is llama.cpp itself: `q1_0_and_q2_0_known_blocks` below holds the decoders to
+/// ggml's layout, and ACCURACY.md records real llama.cpp files against its own F32 dequantization.
+const NOT_IN_GGUF_PY: [GgmlType; 2] = [GgmlType::Q1_0, GgmlType::Q2_0];
+
+/// Q1_0 (one sign bit per value, 128 per block) and Q2_0 (two-bit digits -1..=2, 64 per block),
+/// written by hand in ggml's layout: d (f16), then the bits, least significant first.
+#[test]
+fn q1_0_and_q2_0_known_blocks() {
+    let mut b = h(0.5).to_vec();
+    let bits: [u8; 16] = std::array::from_fn(|i| [0b1010_0001, 0xff, 0x00, 0x80][i % 4]);
+    b.extend_from_slice(&bits);
+    let y = decode(GgmlType::Q1_0, &b, 128).unwrap();
+    assert_eq!(&y[..8], &[0.5, -0.5, -0.5, -0.5, -0.5, 0.5, -0.5, 0.5]);
+    assert!(y[8..16].iter().all(|v| *v == 0.5) && y[16..24].iter().all(|v| *v == -0.5));
+    assert_eq!(&y[24..32], &[-0.5, -0.5, -0.5, -0.5, -0.5, -0.5, -0.5, 0.5]);
+    let mut b = h(0.25).to_vec();
+    let digits: [u8; 16] = std::array::from_fn(|i| if i == 0 { 0b11_10_01_00 } else { 0b01_01_01_01 });
+    b.extend_from_slice(&digits);
+    let y = decode(GgmlType::Q2_0, &b, 64).unwrap();
+    assert_eq!(&y[..4], &[-0.25, 0.0, 0.25, 0.5]);
+    assert!(y[4..].iter().all(|v| *v == 0.0));
+    // The encoders round trip values on their grids exactly (ggml's Q2_0 rule scales by the
+    // largest magnitude, so its digit 2 goes unused).
+    let x: Vec<f32> = (0..64).map(|i| [-0.5f32, 0.0, 0.5][i % 3]).collect();
+    assert_eq!(decode(GgmlType::Q2_0, &encode(GgmlType::Q2_0, &x).unwrap(), 64).unwrap(), x);
+    let x: Vec<f32> = (0..128).map(|i| if i % 3 == 0 { 0.75 } else { -0.75 }).collect();
+    assert_eq!(decode(GgmlType::Q1_0, &encode(GgmlType::Q1_0, &x).unwrap(), 128).unwrap(), x);
 }
 
 /// TQ1_0, TQ2_0 and MXFP4 encode as ggml's reference quantizers do (absmax ternary digits; OCP's
 /// exponent and the nearest level): the same bytes as gguf-py's quantizers on random values.
+/// (gguf-py 0.19 has no NVFP4 quantizer; the oracle's follows ggml's reference rule too.)
 /// Skipped, saying so, without gguf-py.
 #[test]
 fn tq_and_mxfp4_encoders_match_gguf_py() {
@@ -403,7 +440,8 @@ fn first_non_finite_agrees_with_a_full_decode_on_arbitrary_bytes() {
             found += want.is_some() as usize;
         }
     }
-    assert!(found >= 200 * GgmlType::ALL.len(), "the trials planted too few non-finite values to test anything: {found}");
+    // NVFP4 never decodes to a non-finite value (its largest scale, 240, times 6).
+    assert!(found >= 200 * (GgmlType::ALL.len() - 1), "the trials planted too few non-finite values to test anything: {found}");
 }
 
 /// A NaN or infinite scale makes its whole block non-finite, element 0 included (infinity times a
@@ -415,6 +453,16 @@ fn first_non_finite_finds_a_planted_scale() {
         let x: Vec<f32> = (0..3 * ty.block_size()).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut b = encode(ty, &x).unwrap();
         assert_eq!(first_non_finite(ty, &b), None, "{}", ty.name());
+        if ty == GgmlType::NVFP4 {
+            // Every byte is a finite scale, the largest (0xff: 1.875 x 2^8, halved) 240: block 1
+            // with every scale at it reaches 12 x 240 and stays finite.
+            let at = ty.type_size();
+            b[at..at + 4].fill(0xff);
+            assert_eq!(first_non_finite(ty, &b), None);
+            let y = decode(ty, &b, x.len()).unwrap();
+            assert!(y.iter().all(|v| v.is_finite()) && y[64..128].iter().fold(0f32, |m, v| m.max(v.abs())) == 12.0 * 240.0);
+            continue;
+        }
         if ty == GgmlType::MXFP4 {
             // Its scale is a power of two, never NaN; the largest, 2^127, overflows every level
             // from 2 up (a zero stays zero): the first such element of block 1 is found.

@@ -135,13 +135,48 @@ def node_rows(t, n_tokens):
     return values.reshape(n_tokens, -1)
 
 
+def tensor_types(path):
+    """The GGML type id of every tensor in a GGUF file, read from its tensor infos (gguf-py's
+    reader refuses ids newer than its own enum, Q2_0's among them)."""
+    import struct
+    with open(path, "rb") as f:
+        def unpack(fmt):
+            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))
+        magic, _version, n_tensors, n_kv = unpack("4sIQQ")
+        if magic != b"GGUF":
+            sys.exit(f"{path}: not a GGUF file")
+        sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+        def skip(vtype):
+            if vtype == 8:  # string
+                f.seek(unpack("Q")[0], 1)
+            elif vtype == 9:  # array: element type, count, elements
+                etype, count = unpack("IQ")
+                if etype in sizes:
+                    f.seek(sizes[etype] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(etype)
+            else:
+                f.seek(sizes[vtype], 1)
+        for _ in range(n_kv):
+            f.seek(unpack("Q")[0], 1)  # key
+            skip(unpack("I")[0])
+        types = []
+        for _ in range(n_tensors):
+            f.seek(unpack("Q")[0], 1)  # name
+            n_dims = unpack("I")[0]
+            f.seek(8 * n_dims, 1)
+            types.append(unpack("I")[0])
+            f.seek(8, 1)  # offset
+        return types
+
+
 def kquant_file(path):
     """Whether the GGUF holds matrices whose products take Q8_K blocks of 256 (K-quants, IQ4_XS,
     TQ1_0, TQ2_0: ggml's CPU `vec_dot_type` for them)."""
-    from gguf import GGUFReader
-    from gguf.constants import GGMLQuantizationType as Q
-    kquants = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0}
-    return any(t.tensor_type in kquants for t in GGUFReader(path).tensors)
+    q8_k = {10, 11, 12, 13, 14, 23, 34, 35}  # Q2_K..Q6_K, IQ4_XS, TQ1_0, TQ2_0
+    return any(t in q8_k for t in tensor_types(path))
 
 
 def main():

@@ -673,6 +673,39 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                 }
             }
         }
+        GgmlType::Q1_0 | GgmlType::Q2_0 => {
+            // Sign bits (Q1_0, 128 values) or 2-bit digits (Q2_0, 64) on one f16 d: Q8_0's block
+            // dot on each 32.
+            let per = ty.block_size() / 32;
+            for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
+                let d = I::f16(blk, 0);
+                for (ib, w) in oracle::quant::q1_q2_0_digits(ty, blk).chunks_exact(32).enumerate() {
+                    let (wv, b) = (I::i8s(w), per * kb + ib);
+                    for t in 0..T {
+                        acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), d * xs[t].d[b]);
+                    }
+                }
+            }
+        }
+        GgmlType::NVFP4 => {
+            // 64 values in four 16-value sub-blocks, each with its own UE4M3 scale: the block dot
+            // of each 32 taken once per sub-block, the other sub-block's levels zeroed.
+            for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
+                for s in 0..4 {
+                    let (b, d, at) = (2 * kb + s / 2, oracle::quant::ue4m3_scale(blk[s]), 16 * (s % 2));
+                    let q = &blk[4 + 8 * s..12 + 8 * s];
+                    let mut w = [0i8; 32];
+                    for j in 0..8 {
+                        w[at + j] = oracle::quant::MXFP4_LEVELS[(q[j] & 0xf) as usize];
+                        w[at + j + 8] = oracle::quant::MXFP4_LEVELS[(q[j] >> 4) as usize];
+                    }
+                    let wv = I::i8s(&w);
+                    for t in 0..T {
+                        acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), d * xs[t].d[b]);
+                    }
+                }
+            }
+        }
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("float weights use the f32 path"),
     }
     std::array::from_fn(|t| I::hsum(acc[t]) + mins[t])
@@ -1014,8 +1047,8 @@ mod tests {
 
 
     /// The quantized types (every one has block dots; eight of them before Q2_K, Q3_K, IQ4_NL,
-    /// IQ4_XS, TQ1_0, TQ2_0 and MXFP4 came): a literal, so a type missing from the rows checked is caught.
-    const QUANTIZED_TYPES: usize = 15;
+    /// IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0 and Q2_0 came): a literal, so a type missing from the rows checked is caught.
+    const QUANTIZED_TYPES: usize = 18;
 
     /// Calls `check` with `per_type` random rows of `K` values of every quantized type and the
     /// seeded generator; returns how many rows it checked.

@@ -20,7 +20,7 @@ pub struct ExportArgs {
     out: PathBuf,
     /// What to write the weights as: `keep` (each tensor as the model stores it), or a GGML type
     /// (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl,
-    /// iq4_xs, tq1_0, tq2_0, mxfp4) for the matrices, with
+    /// iq4_xs, tq1_0, tq2_0, mxfp4, nvfp4, q1_0, q2_0) for the matrices, with
     /// norm weights, biases and MoE routers as f32 (as llama.cpp's quantizer does).
     #[arg(long = "type", default_value = "keep", value_parser = parse_target)]
     target: Target,
