@@ -77,6 +77,14 @@ __device__ __forceinline__ void ts_k_scale_min(int j, const u8* q, float* sc, fl
     }
 }
 
+// A 4-bit E2M1 value (MXFP4, NVFP4) doubled to an integer, as ggml stores its levels: magnitudes
+// 0, 1, 2, 3, 4, 6, 8, 12 for codes 0..7, bit 3 the sign. Computed, not looked up, so the
+// kernels keep no table on the stack.
+__device__ __forceinline__ int ts_fp4(int q) {
+    int i = q & 7, m = i < 4 ? i : (2 + (i & 1)) << ((i >> 1) - 1);
+    return (q & 8) ? -m : m;
+}
+
 // Elements 32c..32c+32 of a packed row, for every type (float types included). The arithmetic
 // of each line is the one GGML's reference dequantizers use.
 __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
@@ -220,8 +228,8 @@ __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
                 if (i < 160) { at = i % 32; n = i / 32; }
                 else if (i < 240) { at = 32 + (i - 160) % 16; n = (i - 160) / 16; }
                 else { at = 48 + (i - 240) % 4; n = (i - 240) / 4; }
-                const int pow3[5] = {1, 3, 9, 27, 81};
-                q = ((((int)b[at] * pow3[n]) & 0xFF) * 3) >> 8;
+                int p3 = n == 0 ? 1 : n == 1 ? 3 : n == 2 ? 9 : n == 3 ? 27 : 81;
+                q = ((((int)b[at] * p3) & 0xFF) * 3) >> 8;
             } else {
                 q = (b[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3;
             }
@@ -230,14 +238,13 @@ __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
         return;
     }
     case TY_MXFP4: {
-        // Blocks of 32: e (E8M0), qs[16]; OCP E2M1 values doubled to integers, the scale
+        // Blocks of 32: e (E8M0), qs[16]; OCP E2M1 values doubled to integers (ts_fp4), the scale
         // 2^(e - 128) halved to match (subnormal for e < 2). Low nibbles are values 0..16.
-        const signed char levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
         const u8* b = row + 17 * c;
         float d = ts_bits_to_float(b[0] < 2 ? 0x00200000u << b[0] : (u32)(b[0] - 1) << 23);
         for (int j = 0; j < 16; ++j) {
-            out[j] = d * (float)levels[b[1 + j] & 0x0F];
-            out[j + 16] = d * (float)levels[b[1 + j] >> 4];
+            out[j] = d * (float)ts_fp4(b[1 + j] & 0x0F);
+            out[j + 16] = d * (float)ts_fp4(b[1 + j] >> 4);
         }
         return;
     }
@@ -245,14 +252,13 @@ __device__ void ts_dequant32(int ty, const u8* row, int c, float* out) {
         // Blocks of 64: d[4] (unsigned E4M3, bias 7, one per 16 values; 0 and 0x7f read as 0;
         // halved as MXFP4's), qs[32]; sub-block s's values are the low nibbles of qs[8s..8s+8],
         // then their high nibbles. Chunk c is sub-blocks 2(c%2) and 2(c%2) + 1 of block c/2.
-        const signed char levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
         const u8* b = row + 36 * (c / 2);
         for (int h = 0; h < 2; ++h) {
             int s = 2 * (c % 2) + h, x = b[s], e = (x >> 3) & 15, m = x & 7;
             float d = (x == 0 || x == 0x7f) ? 0.0f : 0.5f * (e == 0 ? (float)m * (1.0f / 512.0f) : (1.0f + (float)m / 8.0f) * ts_bits_to_float((u32)(e - 7 + 127) << 23));
             for (int j = 0; j < 8; ++j) {
-                out[16 * h + j] = (float)levels[b[4 + 8 * s + j] & 0x0F] * d;
-                out[16 * h + j + 8] = (float)levels[b[4 + 8 * s + j] >> 4] * d;
+                out[16 * h + j] = (float)ts_fp4(b[4 + 8 * s + j] & 0x0F) * d;
+                out[16 * h + j + 8] = (float)ts_fp4(b[4 + 8 * s + j] >> 4) * d;
             }
         }
         return;
