@@ -273,8 +273,10 @@ pub struct Arithmetic {
     /// The block for products with K-quant matrices (Q2_K to Q6_K, IQ4_XS, TQ1_0 and TQ2_0) where it differs from
     /// `activation_q8_block`'s: llama.cpp's CPU backend gives them Q8_K blocks of 256 and the
     /// other quantized types Q8_0/Q8_1 blocks of 32, so a file that mixes them (a K-quant file
-    /// whose 576-wide rows fell back to Q5_0) rounds its products' inputs two ways. None: the
-    /// same block for every quantized matrix.
+    /// whose 576-wide rows fell back to Q5_0) rounds its products' inputs two ways. These blocks
+    /// round as Q8_K does: an f32 scale, the block's signed largest value over -127
+    /// ([`InputRounding::Q8K`]); `activation_q8_block`'s as Q8_0 does (an f16 scale). None: the
+    /// same block, Q8_0's rule, for every quantized matrix.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activation_q8_block_kquant: Option<usize>,
     /// Activations entering a product with an F16 or BF16 matrix rounded to that matrix's
@@ -320,8 +322,13 @@ fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Erro
 /// ([`Arithmetic::input_rounding`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum InputRounding {
-    /// Symmetric 8-bit blocks of this many values (llama.cpp's Q8_0 and Q8_K).
+    /// Symmetric 8-bit blocks of this many values, each block's scale its largest magnitude over
+    /// 127 stored as f16 (llama.cpp's Q8_0).
     Q8(usize),
+    /// Symmetric 8-bit blocks of this many values with an f32 scale: the block's signed largest
+    /// value over -127, each value's multiple rounded half to even (llama.cpp's Q8_K, which its
+    /// CPU backend gives K-quant products: `activation_q8_block_kquant`).
+    Q8K(usize),
     /// Each value rounded to this 16-bit format (the matrix's own).
     Half(NumFormat),
 }
@@ -368,7 +375,10 @@ impl Arithmetic {
             F32 => None,
             F16 => self.activation_half_rounding.then_some(InputRounding::Half(NumFormat::F16)),
             BF16 => self.activation_half_rounding.then_some(InputRounding::Half(NumFormat::BF16)),
-            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS | TQ1_0 | TQ2_0 => self.activation_q8_block_kquant.or(self.activation_q8_block).map(InputRounding::Q8),
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS | TQ1_0 | TQ2_0 => match self.activation_q8_block_kquant {
+                Some(b) => Some(InputRounding::Q8K(b)),
+                None => self.activation_q8_block.map(InputRounding::Q8),
+            },
             _ => self.activation_q8_block.map(InputRounding::Q8),
         }
     }

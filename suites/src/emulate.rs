@@ -184,10 +184,35 @@ pub fn round_q8_blocks(x: &mut [f32], width: usize, block: usize) {
     }
 }
 
-/// `x` (rows of `width`) as a product's input rounded by `how`: Q8 blocks, or a 16-bit format.
+/// `x` (rows of `width`) in llama.cpp's Q8_K blocks of `block` values, decoded: each block's scale
+/// is its signed largest value over -127, kept in f32 (so that value becomes exactly -127 steps),
+/// each value's multiple of it rounded half to even (`nearest_int`) and clamped at 127; an
+/// all-zero block stays zero. Against Q8_0's f16 scale this removes a rounding shared by the whole
+/// block (up to 2^-11 of every value in it), which a Q2_K matrix's min term, a sum over the
+/// block's activations, turns into a coherent error.
+pub fn round_q8k_blocks(x: &mut [f32], width: usize, block: usize) {
+    for row in x.chunks_mut(width.max(1)) {
+        for b in row.chunks_mut(block.max(1)) {
+            let max = b.iter().fold(0f32, |m, v| if v.abs() > m.abs() { *v } else { m });
+            if max == 0.0 {
+                b.iter_mut().for_each(|v| *v = 0.0);
+                continue;
+            }
+            let iscale = -127.0 / max;
+            let d = 1.0 / iscale;
+            for v in b.iter_mut() {
+                *v = (iscale * *v).round_ties_even().min(127.0) * d;
+            }
+        }
+    }
+}
+
+/// `x` (rows of `width`) as a product's input rounded by `how`: Q8_0 or Q8_K blocks, or a 16-bit
+/// format.
 pub fn round_input(x: &mut [f32], width: usize, how: devices::InputRounding) {
     match how {
         devices::InputRounding::Q8(block) => round_q8_blocks(x, width, block),
+        devices::InputRounding::Q8K(block) => round_q8k_blocks(x, width, block),
         devices::InputRounding::Half(f) => x.iter_mut().for_each(|v| *v = round_to(f, *v)),
     }
 }
@@ -553,10 +578,17 @@ mod tests {
             v
         };
         assert_ne!(rounded(32), rounded(256), "the two blocks round this input otherwise");
+        // K-quant blocks round as Q8_K: an f32 scale, the signed largest value at exactly -127.
+        let mut k256 = x.clone();
+        round_q8k_blocks(&mut k256, 256, 256);
+        let at = (0..256).max_by(|a, b| x[*a].abs().total_cmp(&x[*b].abs())).unwrap();
+        let (kept, q8_0) = (k256[at], rounded(256)[at]);
+        assert!((kept - x[at]).abs() <= 2.0 * f32::EPSILON * x[at].abs(), "Q8_K keeps the block's largest value but for f32 rounding: {kept} vs {}", x[at]);
+        assert!((q8_0 - x[at]).abs() > 1e-4 * x[at].abs(), "Q8_0's f16 scale moves it: {q8_0} vs {}", x[at]);
         let two = devices::Arithmetic { activation_q8_block_kquant: Some(256), ..q8 };
         let mut emu = EmulatedArithmetic::new(&two, &kmix).unwrap();
         assert_eq!(emu.product_input("blk.0.attn_q.weight", 256, &x).unwrap(), rounded(32));
-        assert_eq!(emu.product_input("blk.0.ffn_down.weight", 256, &x).unwrap(), rounded(256));
+        assert_eq!(emu.product_input("blk.0.ffn_down.weight", 256, &x).unwrap(), k256);
         assert!(emu.product_input("output.weight", 256, &x).is_none());
         // One block declared: it serves the K-quants too.
         let mut one = EmulatedArithmetic::new(&q8, &kmix).unwrap();
@@ -565,7 +597,7 @@ mod tests {
         let k_only = devices::Arithmetic { activation_q8_block_kquant: Some(256), ..devices::Arithmetic::F32 };
         let mut k = EmulatedArithmetic::new(&k_only, &kmix).unwrap();
         assert!(k.product_input("blk.0.attn_q.weight", 256, &x).is_none());
-        assert_eq!(k.product_input("blk.0.ffn_down.weight", 256, &x).unwrap(), rounded(256));
+        assert_eq!(k.product_input("blk.0.ffn_down.weight", 256, &x).unwrap(), k256);
         assert!(EmulatedArithmetic::new(&k_only, &mixed).unwrap_err().contains("meet no quantized matrix"));
     }
 

@@ -80,6 +80,7 @@ pub fn bounds(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
             }
             let act = match rounding {
                 Some(devices::InputRounding::Q8(b)) => format!("|sum w*(x - q8(x))| (Q8 blocks of {b}) + "),
+                Some(devices::InputRounding::Q8K(b)) => format!("|sum w*(x - q8(x))| (Q8_K blocks of {b}) + "),
                 Some(devices::InputRounding::Half(f)) => format!("|sum w*(x - {f:?}(x))| + "),
                 None => String::new(),
             };
@@ -442,7 +443,7 @@ mod tests {
             let reference = (entry.reference)(case).unwrap();
             let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else { unreachable!() };
             let how = match ty {
-                GgmlType::Q4_K => InputRounding::Q8(256),
+                GgmlType::Q4_K => InputRounding::Q8K(256),
                 GgmlType::BF16 => InputRounding::Half(NumFormat::BF16),
                 GgmlType::F16 => InputRounding::Half(NumFormat::F16),
                 _ => InputRounding::Q8(32),
@@ -458,6 +459,7 @@ mod tests {
             assert!(err.iter().zip(b.per_output[0].as_ref().unwrap()).all(|(e, b)| e <= b), "{}: the declared rounding's bound covers the device", case.id);
             let named = match how {
                 InputRounding::Q8(block) => format!("Q8 blocks of {block}"),
+                InputRounding::Q8K(block) => format!("Q8_K blocks of {block}"),
                 InputRounding::Half(f) => format!("{f:?}(x)"),
             };
             assert!(b.rule.contains(&named), "{}: {}", case.id, b.rule);

@@ -15,7 +15,7 @@ one. With TOUCHSTONE_N_GENERATE > 0 it generates greedily and writes a token-onl
 
 The dump declares llama.cpp's CPU arithmetic as far as the declaration can say it: f32
 activations, Q8 blocks into every product with a quantized matrix (32 wide, the Q8_0/Q8_1 that
-Q4_0..Q8_0 weights meet; 256 for K-quant matrices, whose products take Q8_K blocks:
+Q4_0..Q8_0 weights meet; 256 for K-quant, IQ4_XS and TQ matrices, whose products take Q8_K blocks:
 `activation_q8_block_kquant`, declared when the file holds any), the input of a product with an
 F16/BF16 matrix rounded to that format (`activation_half_rounding`: ggml multiplies in the
 matrix's type there, and so the query and the attention weights enter their products with an
