@@ -201,7 +201,9 @@ pub fn round_q8k_blocks(x: &mut [f32], width: usize, block: usize) {
             let iscale = -127.0 / max;
             let d = 1.0 / iscale;
             for v in b.iter_mut() {
-                *v = (iscale * *v).round_ties_even().min(127.0) * d;
+                // Clamped by comparison, not `min`, so a NaN stays NaN.
+                let q = (iscale * *v).round_ties_even();
+                *v = if q > 127.0 { 127.0 } else { q } * d;
             }
         }
     }
@@ -585,6 +587,10 @@ mod tests {
         let (kept, q8_0) = (k256[at], rounded(256)[at]);
         assert!((kept - x[at]).abs() <= 2.0 * f32::EPSILON * x[at].abs(), "Q8_K keeps the block's largest value but for f32 rounding: {kept} vs {}", x[at]);
         assert!((q8_0 - x[at]).abs() > 1e-4 * x[at].abs(), "Q8_0's f16 scale moves it: {q8_0} vs {}", x[at]);
+        let mut nan = x.clone();
+        nan[5] = f32::NAN;
+        round_q8k_blocks(&mut nan, 256, 256);
+        assert!(nan[5].is_nan() && nan.iter().filter(|v| v.is_nan()).count() == 1, "a NaN input stays NaN, alone");
         let two = devices::Arithmetic { activation_q8_block_kquant: Some(256), ..q8 };
         let mut emu = EmulatedArithmetic::new(&two, &kmix).unwrap();
         assert_eq!(emu.product_input("blk.0.attn_q.weight", 256, &x).unwrap(), rounded(32));
