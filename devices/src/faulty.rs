@@ -81,20 +81,11 @@ fn ids_input<'a>(case: &'a mut OpCase, name: &str) -> Option<&'a mut Vec<u32>> {
     case.inputs.iter_mut().find(|(n, _)| *n == name).and_then(|(_, i)| if let Input::Ids(v) = i { Some(v) } else { None })
 }
 
-/// Byte offsets of the f16 scale (`d`) and min (`m`, if any) fields inside one block.
+/// Byte offsets of the f16 scale (`d`) and min (`m`, if any) fields inside one block (the
+/// oracle's own table, `oracle::quant::scale_fields`).
 fn scale_fields(ty: GgmlType) -> (Option<usize>, Option<usize>) {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => (Some(0), None),
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => (Some(0), Some(2)),
-        GgmlType::Q6_K => (Some(208), None),
-        GgmlType::Q2_K => (Some(80), Some(82)),
-        GgmlType::Q3_K => (Some(108), None),
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS => (Some(0), None),
-        GgmlType::TQ1_0 => (Some(52), None),
-        GgmlType::TQ2_0 => (Some(64), None),
-        GgmlType::Q1_0 | GgmlType::Q2_0 => (Some(0), None),
-        _ => (None, None),
-    }
+    let f = oracle::quant::scale_fields(ty);
+    (f.first().copied(), f.get(1).copied())
 }
 
 impl FaultyDevice {

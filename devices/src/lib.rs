@@ -297,8 +297,7 @@ pub struct Arithmetic {
     pub kv_cache: Option<KvFormat>,
     /// Format of the cached values where it differs from the keys' (`kv_cache`, which then
     /// holds the keys alone): llama.cpp's `--cache-type-k q8_0 --cache-type-v f16`, say. None:
-    /// the values are held as the keys are. See [`Arithmetic::key_cache`] and
-    /// [`Arithmetic::value_cache`].
+    /// the values are held as the keys are. Both together: [`Arithmetic::kv_types`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_cache_v: Option<KvFormat>,
     /// A block-quantized cache holds each head's keys and values rotated by an orthonormal

@@ -272,14 +272,15 @@ pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-/// Byte offsets of a block's f16 scale fields; every other field is a small integer. A block
+/// Byte offsets of a block's f16 scale fields, the scale (`d`) first and then the min where there
+/// is one (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K); every other field is a small integer. A block
 /// decodes to finite values exactly when these are finite: with a finite f16 `d` (at most 65504)
 /// the largest product, d * 63 * 31 or d * 127, stays far inside f32's range, and IEEE arithmetic
 /// makes every value that uses a NaN or infinite scale NaN or infinite (infinity times 0 is NaN).
 /// MXFP4's scale is a power of two, never NaN, but its largest overflow f32
 /// ([`may_not_be_finite`]); NVFP4's are UE4M3 values, each at most 240 (times a level of at
 /// most 6: always finite).
-fn scale_fields(ty: GgmlType) -> &'static [usize] {
+pub fn scale_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::MXFP4 | GgmlType::NVFP4 => &[],
         GgmlType::Q1_0 | GgmlType::Q2_0 => &[0],
@@ -444,10 +445,16 @@ fn decode_q3_k(b: &[u8], y: &mut [f32]) {
 /// The sixteen levels of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`), indexed by a 4-bit q.
 pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
-/// The levels of 32 IQ4_NL/IQ4_XS values: the low nibbles of `qs[0..16]` index values 0..16,
-/// the high ones 16..32.
+/// `N` values given as 4-bit indices into `levels`, ggml's nibble layout: the low nibbles of
+/// `qs[0..N/2]` index values 0..N/2, the high ones N/2..N (IQ4_NL/IQ4_XS and MXFP4 blocks of 32,
+/// NVFP4 sub-blocks of 16).
+pub fn nibble_levels<const N: usize>(levels: &[i8; 16], qs: &[u8]) -> [i8; N] {
+    std::array::from_fn(|j| levels[((qs[j % (N / 2)] >> (4 * (j / (N / 2)))) & 0xF) as usize])
+}
+
+/// The levels of 32 IQ4_NL/IQ4_XS values.
 pub fn iq4_levels(qs: &[u8]) -> [i8; 32] {
-    std::array::from_fn(|j| IQ4_LEVELS[(if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 }) as usize])
+    nibble_levels(&IQ4_LEVELS, qs)
 }
 
 // 32 values of IQ4_NL/IQ4_XS; value = dl * level.
@@ -601,10 +608,14 @@ pub fn mxfp4_scale(e: u8) -> f32 {
     }
 }
 
-/// The levels of an MXFP4 block's 32 values: the low nibbles of `qs[0..16]` index values 0..16,
-/// the high ones 16..32.
+/// The levels of an MXFP4 block's 32 values.
 pub fn mxfp4_levels(qs: &[u8]) -> [i8; 32] {
-    std::array::from_fn(|j| MXFP4_LEVELS[((qs[j % 16] >> (4 * (j / 16))) & 0xF) as usize])
+    nibble_levels(&MXFP4_LEVELS, qs)
+}
+
+/// The levels of sub-block `s` (0..4) of an NVFP4 block `b`: 16 values, in `qs[8s..8s + 8]`.
+pub fn nvfp4_levels(b: &[u8], s: usize) -> [i8; 16] {
+    nibble_levels(&MXFP4_LEVELS, &b[4 + 8 * s..12 + 8 * s])
 }
 
 // block_mxfp4: e: u8 (E8M0), qs[16]; value = scale * level.
@@ -627,12 +638,13 @@ fn encode_mxfp4(x: &[f32], out: &mut Vec<u8>) {
 }
 
 /// The digits of a Q1_0 block (128 values, bit j of `qs[j / 8]`: 1 for +1, 0 for -1) or a Q2_0
-/// one (64 values, bits 2(j % 4).. of `qs[j / 4]` as 0..=3 for -1..=2), `qs` after the f16 d.
-pub fn q1_q2_0_digits(ty: GgmlType, b: &[u8]) -> Vec<i8> {
+/// one (its 64 values first, bits 2(j % 4).. of `qs[j / 4]` as 0..=3 for -1..=2; the rest 0),
+/// `qs` after the f16 d. A fixed array: the cpu block dots unpack a block at a time.
+pub fn q1_q2_0_digits(ty: GgmlType, b: &[u8]) -> [i8; 128] {
     let qs = &b[2..18];
     match ty {
-        GgmlType::Q1_0 => (0..128).map(|j| if (qs[j / 8] >> (j % 8)) & 1 == 1 { 1 } else { -1 }).collect(),
-        _ => (0..64).map(|j| ((qs[j / 4] >> (2 * (j % 4))) & 3) as i8 - 1).collect(),
+        GgmlType::Q1_0 => std::array::from_fn(|j| if (qs[j / 8] >> (j % 8)) & 1 == 1 { 1 } else { -1 }),
+        _ => std::array::from_fn(|j| if j < 64 { ((qs[j / 4] >> (2 * (j % 4))) & 3) as i8 - 1 } else { 0 }),
     }
 }
 
@@ -709,10 +721,8 @@ fn to_ue4m3(x: f32) -> u8 {
 fn decode_nvfp4(b: &[u8], y: &mut [f32]) {
     for (s, y) in y.chunks_exact_mut(16).enumerate() {
         let d = ue4m3_scale(b[s]);
-        for j in 0..8 {
-            let q = b[4 + 8 * s + j];
-            y[j] = MXFP4_LEVELS[(q & 0xf) as usize] as f32 * d;
-            y[j + 8] = MXFP4_LEVELS[(q >> 4) as usize] as f32 * d;
+        for (o, l) in y.iter_mut().zip(nvfp4_levels(b, s)) {
+            *o = l as f32 * d;
         }
     }
 }

@@ -679,7 +679,7 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             let per = ty.block_size() / 32;
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
                 let d = I::f16(blk, 0);
-                for (ib, w) in oracle::quant::q1_q2_0_digits(ty, blk).chunks_exact(32).enumerate() {
+                for (ib, w) in oracle::quant::q1_q2_0_digits(ty, blk)[..ty.block_size()].chunks_exact(32).enumerate() {
                     let (wv, b) = (I::i8s(w), per * kb + ib);
                     for t in 0..T {
                         acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), d * xs[t].d[b]);
@@ -693,12 +693,8 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
                 for s in 0..4 {
                     let (b, d, at) = (2 * kb + s / 2, oracle::quant::ue4m3_scale(blk[s]), 16 * (s % 2));
-                    let q = &blk[4 + 8 * s..12 + 8 * s];
                     let mut w = [0i8; 32];
-                    for j in 0..8 {
-                        w[at + j] = oracle::quant::MXFP4_LEVELS[(q[j] & 0xf) as usize];
-                        w[at + j + 8] = oracle::quant::MXFP4_LEVELS[(q[j] >> 4) as usize];
-                    }
+                    w[at..at + 16].copy_from_slice(&oracle::quant::nvfp4_levels(blk, s));
                     let wv = I::i8s(&w);
                     for t in 0..T {
                         acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), d * xs[t].d[b]);
@@ -1045,9 +1041,9 @@ mod tests {
 
     const K: usize = 2 * QK_K;
 
-
     /// The quantized types (every one has block dots; eight of them before Q2_K, Q3_K, IQ4_NL,
-    /// IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0 and Q2_0 came): a literal, so a type missing from the rows checked is caught.
+    /// IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0 and Q2_0 came): a literal, so a type missing
+    /// from the rows checked is caught.
     const QUANTIZED_TYPES: usize = 18;
 
     /// Calls `check` with `per_type` random rows of `K` values of every quantized type and the
