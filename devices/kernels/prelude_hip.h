@@ -4,3 +4,5 @@
 __device__ __forceinline__ float ts_half(u16 h) {
     return (float)__builtin_bit_cast(_Float16, h);
 }
+// A 16-byte load of weights read once (CUDA's prelude keeps them out of L1; a plain load here).
+#define ts_load16_stream(p) ts_load16(p)

@@ -82,6 +82,8 @@ static inline uint4 ts_load16(const void* p) {
     memcpy(&v, p, 16);
     return v;
 }
+// A 16-byte load of weights read once (a cache hint on CUDA; the same checked load here).
+#define ts_load16_stream(p) ts_load16(p)
 static inline void ts_store16(void* p, uint4 v) {
     if ((unsigned long)p & 15) ts_emu_fault("misaligned 16-byte store", p);
     memcpy(p, &v, 16);

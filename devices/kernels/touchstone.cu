@@ -407,26 +407,28 @@ __device__ __forceinline__ TsMatmulSegment ts_matmul_segment(const u8* w0, int t
 // Sums each row's lanes for every token with one shared-memory tree (the same tree for every
 // launch of a shape, so the result does not depend on scheduling) and lane 0 writes y (r < 0:
 // a thread past the last row, which still takes part in the barriers).
-__device__ void ts_matmul_store(const float* acc, float* red, int lanes, int r, int m, float* y, int y_stride) {
+template <int MAXM>
+__device__ __forceinline__ void ts_matmul_store(const float* acc, float* red, int lanes, int r, int m, float* y, int y_stride) {
     int tid = threadIdx.x, bd = blockDim.x, lane = tid & (lanes - 1);
-    for (int t = 0; t < TS_MAX_TOKENS; ++t)
+    for (int t = 0; t < MAXM; ++t)
         if (t < m) red[t * bd + tid] = acc[t];
     __syncthreads();
     for (int s = lanes / 2; s > 0; s >>= 1) {
         if (lane < s)
-            for (int t = 0; t < TS_MAX_TOKENS; ++t)
+            for (int t = 0; t < MAXM; ++t)
                 if (t < m) red[t * bd + tid] += red[t * bd + tid + s];
         __syncthreads();
     }
     if (lane == 0 && r >= 0)
-        for (int t = 0; t < TS_MAX_TOKENS; ++t)
+        for (int t = 0; t < MAXM; ++t)
             if (t < m) y[(long long)t * y_stride + r] = red[t * bd + tid];
 }
 
 // This thread's weight row index in its segment (r = -1 past the last row; the row pointer is
 // then null), its lane, and its sums set to zero.
+template <int MAXM>
 __device__ __forceinline__ const u8* ts_matmul_begin(const TsMatmulSegment& sg, int* r, int* lane, float* acc) {
-    for (int t = 0; t < TS_MAX_TOKENS; ++t) acc[t] = 0.0f;
+    for (int t = 0; t < MAXM; ++t) acc[t] = 0.0f;
     *lane = threadIdx.x & (sg.lanes - 1);
     *r = sg.block * (blockDim.x / sg.lanes) + threadIdx.x / sg.lanes;
     if (*r >= sg.rows) *r = -1;
@@ -438,7 +440,7 @@ extern "C" __global__ void ts_matmul(TS_MATMUL_PARAMS) {
     TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
     int ty = sg.ty, lanes = sg.lanes, r, lane;
     float acc[TS_MAX_TOKENS];
-    const u8* row = ts_matmul_begin(sg, &r, &lane, acc);
+    const u8* row = ts_matmul_begin<TS_MAX_TOKENS>(sg, &r, &lane, acc);
     if (row) {
         for (int i = lane; i < k; i += lanes) {
             float wv = ts_float_at(ty, row, i);
@@ -446,81 +448,165 @@ extern "C" __global__ void ts_matmul(TS_MATMUL_PARAMS) {
                 if (t < m) acc[t] += wv * x[(long long)t * x_stride + i];
         }
     }
-    ts_matmul_store(acc, red, lanes, r, m, sg.y, sg.rows);
+    ts_matmul_store<TS_MAX_TOKENS>(acc, red, lanes, r, m, sg.y, sg.rows);
 }
 
-// 16-byte units a thread loads before it uses any: a GEMV is bound by the bytes waiting on
-// memory, and one load in flight per thread is too few to cover a GPU's memory latency.
-#define TS_MATMUL_BATCH 4
 
 // Float weights 16 bytes at a time: unit u of a row is its bytes [16u, 16u + 16), 4 f32 or 8
 // f16/bf16 values, and x is read 16 bytes at a time too. Needs k * size % 16 == 0, row_bytes % 16
 // == 0, w and x 16-byte aligned and x_stride % 4 == 0 (the host checks).
+// One 16-byte unit of float weights (4 f32 or 8 f16/bf16 values, `per`) times the x values at
+// xr: the products summed in order into one float, which the caller adds to its token's sum.
+__device__ __forceinline__ float ts_unit_dot(int ty, int per, uint4 w, const float* xr) {
+    u32 bits[4] = {w.x, w.y, w.z, w.w};
+    float wv[8];
+    for (int l = 0; l < 4; ++l) {
+        if (ty == TY_F32) {
+            wv[l] = ts_bits_to_float(bits[l]);
+        } else {
+            u16 lo = (u16)(bits[l] & 0xFFFFu), hi = (u16)(bits[l] >> 16);
+            wv[2 * l] = ty == TY_F16 ? ts_half(lo) : ts_bf16(lo);
+            wv[2 * l + 1] = ty == TY_F16 ? ts_half(hi) : ts_bf16(hi);
+        }
+    }
+    uint4 a = ts_load16(xr);
+    float s = wv[0] * ts_bits_to_float(a.x) + wv[1] * ts_bits_to_float(a.y) + wv[2] * ts_bits_to_float(a.z) + wv[3] * ts_bits_to_float(a.w);
+    if (per == 8) {
+        uint4 b = ts_load16(xr + 4);
+        s += wv[4] * ts_bits_to_float(b.x) + wv[5] * ts_bits_to_float(b.y) + wv[6] * ts_bits_to_float(b.z) + wv[7] * ts_bits_to_float(b.w);
+    }
+    return s;
+}
+
+// Up to 8 tokens: a thread loads 4 of its units (TS_MATMUL_BATCH) before it uses any, since a
+// GEMV is bound by the bytes waiting on memory and one load in flight per thread is too few to
+// cover a GPU's memory latency; then it multiplies them by every token.
+#define TS_MATMUL_BATCH 4
 extern "C" __global__ void ts_matmul_v(TS_MATMUL_PARAMS) {
     DYNAMIC_SHARED(float, red);
     TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
     int ty = sg.ty, lanes = sg.lanes, r, lane;
     float acc[TS_MAX_TOKENS];
-    const u8* row = ts_matmul_begin(sg, &r, &lane, acc);
+    const u8* row = ts_matmul_begin<TS_MAX_TOKENS>(sg, &r, &lane, acc);
     if (row) {
         int per = ty == TY_F32 ? 4 : 8;
         int units = k / per;
         for (int u0 = lane; u0 < units; u0 += TS_MATMUL_BATCH * lanes) {
             uint4 q[TS_MATMUL_BATCH];
             TS_UNROLL for (int j = 0; j < TS_MATMUL_BATCH; ++j)
-                if (u0 + j * lanes < units) q[j] = ts_load16(row + 16LL * (u0 + j * lanes));
+                if (u0 + j * lanes < units) q[j] = ts_load16_stream(row + 16LL * (u0 + j * lanes));
             TS_UNROLL for (int j = 0; j < TS_MATMUL_BATCH; ++j) {
                 int u = u0 + j * lanes;
                 if (u >= units) continue;
-                u32 bits[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
-                float wv[8];
-                for (int l = 0; l < 4; ++l) {
-                    if (ty == TY_F32) {
-                        wv[l] = ts_bits_to_float(bits[l]);
-                    } else {
-                        u16 lo = (u16)(bits[l] & 0xFFFFu), hi = (u16)(bits[l] >> 16);
-                        wv[2 * l] = ty == TY_F16 ? ts_half(lo) : ts_bf16(lo);
-                        wv[2 * l + 1] = ty == TY_F16 ? ts_half(hi) : ts_bf16(hi);
-                    }
-                }
                 for (int t = 0; t < TS_MAX_TOKENS; ++t) {
                     if (t >= m) break;
-                    const float* xr = x + (long long)t * x_stride + (long long)u * per;
-                    uint4 a = ts_load16(xr);
-                    float s = wv[0] * ts_bits_to_float(a.x) + wv[1] * ts_bits_to_float(a.y) + wv[2] * ts_bits_to_float(a.z) + wv[3] * ts_bits_to_float(a.w);
-                    if (per == 8) {
-                        uint4 b = ts_load16(xr + 4);
-                        s += wv[4] * ts_bits_to_float(b.x) + wv[5] * ts_bits_to_float(b.y) + wv[6] * ts_bits_to_float(b.z) + wv[7] * ts_bits_to_float(b.w);
-                    }
-                    acc[t] += s;
+                    acc[t] += ts_unit_dot(ty, per, q[j], x + (long long)t * x_stride + (long long)u * per);
                 }
             }
         }
     }
-    ts_matmul_store(acc, red, lanes, r, m, sg.y, sg.rows);
+    ts_matmul_store<TS_MAX_TOKENS>(acc, red, lanes, r, m, sg.y, sg.rows);
 }
 
-// Packed weights (every type, k % 32 == 0): unit c of a row is its 32-element chunk c.
-extern "C" __global__ void ts_matmul_q(TS_MATMUL_PARAMS) {
+// One token (a decode step's GEMV), pipelined: a thread issues the loads of its next BATCH units
+// before it multiplies the batch it holds, so its loads are in flight while it computes (in
+// ts_matmul_v they are not). The units are summed in the same order as ts_matmul_v sums them:
+// the same bits. ts_matmul_v1 holds 2 x 4 units, ts_matmul_v1b2 2 x 2 (fewer registers).
+template <int BATCH>
+__device__ __forceinline__ void ts_matmul_v1_body(TS_MATMUL_PARAMS) {
     DYNAMIC_SHARED(float, red);
     TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
     int ty = sg.ty, lanes = sg.lanes, r, lane;
-    float acc[TS_MAX_TOKENS];
-    const u8* row = ts_matmul_begin(sg, &r, &lane, acc);
+    float acc[1];
+    const u8* row = ts_matmul_begin<1>(sg, &r, &lane, acc);
     if (row) {
-        float wv[32];
-        for (int c = lane; c < k / 32; c += lanes) {
+        int per = ty == TY_F32 ? 4 : 8;
+        int units = k / per;
+        uint4 q[BATCH], next[BATCH];
+        TS_UNROLL for (int j = 0; j < BATCH; ++j)
+            if (lane + j * lanes < units) q[j] = ts_load16_stream(row + 16LL * (lane + j * lanes));
+        for (int u0 = lane; u0 < units; u0 += BATCH * lanes) {
+            int n0 = u0 + BATCH * lanes;
+            TS_UNROLL for (int j = 0; j < BATCH; ++j)
+                if (n0 + j * lanes < units) next[j] = ts_load16_stream(row + 16LL * (n0 + j * lanes));
+            TS_UNROLL for (int j = 0; j < BATCH; ++j) {
+                int u = u0 + j * lanes;
+                if (u < units) acc[0] += ts_unit_dot(ty, per, q[j], x + (long long)u * per);
+            }
+            TS_UNROLL for (int j = 0; j < BATCH; ++j) q[j] = next[j];
+        }
+    }
+    ts_matmul_store<1>(acc, red, lanes, r, m, sg.y, sg.rows);
+}
+extern "C" __global__ void ts_matmul_v1(TS_MATMUL_PARAMS) {
+    ts_matmul_v1_body<4>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
+}
+extern "C" __global__ void ts_matmul_v1b2(TS_MATMUL_PARAMS) {
+    ts_matmul_v1_body<2>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
+}
+
+// Packed weights (every type, k % 32 == 0): unit c of a row is its 32-element chunk c, which one
+// thread decodes and multiplies by x[32c, 32c + 32). Threads of a warp work on neighbouring chunks,
+// so reading x straight from global memory would touch 32 cache lines per load; the block stages
+// x through shared memory instead, TS_XTILE floats at a time (split among the m tokens), each
+// chunk's eight 16-byte groups rotated by the chunk's index so that neighbouring threads reading
+// the same group hit different banks. Each thread still takes its chunks in increasing order and
+// sums each chunk's products in element order: the staging changes where x is read from, not
+// one bit of the result. Dynamic shared: m * blockDim.x + TS_XTILE floats.
+#define TS_XTILE 8192
+
+__device__ __forceinline__ int ts_xtile_slot(int cl, int l) {
+    return 32 * cl + ((((l >> 2) + cl) & 7) << 2) + (l & 3);
+}
+
+template <int MAXM>
+__device__ __forceinline__ void ts_matmul_q_body(TS_MATMUL_PARAMS) {
+    DYNAMIC_SHARED(float, red);
+    float* xs = red + m * blockDim.x;
+    TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
+    int ty = sg.ty, lanes = sg.lanes, r, lane;
+    float acc[MAXM];
+    const u8* row = ts_matmul_begin<MAXM>(sg, &r, &lane, acc);
+    int chunks = k / 32, tile = TS_XTILE / 32 / m;
+    for (int c0 = 0; c0 < chunks; c0 += tile) {
+        int n = chunks - c0 < tile ? chunks - c0 : tile;
+        __syncthreads();  // every thread is done with the previous tile
+        for (int e = threadIdx.x; e < m * n * 32; e += blockDim.x) {
+            int t = e / (n * 32), i = e - t * n * 32;
+            xs[t * tile * 32 + ts_xtile_slot(i >> 5, i & 31)] = x[(long long)t * x_stride + 32LL * c0 + i];
+        }
+        __syncthreads();
+        if (!row) continue;
+        // This thread's first chunk in the tile: chunks c = lane (mod lanes), as without tiles.
+        int first = c0 + ((lane - c0 % lanes) % lanes + lanes) % lanes;
+        for (int c = first; c < c0 + n; c += lanes) {
+            float wv[32];
             ts_dequant32(ty, row, c, wv);
-            for (int t = 0; t < TS_MAX_TOKENS; ++t) {
+            int cl = c - c0;
+            for (int t = 0; t < MAXM; ++t) {
                 if (t >= m) break;
-                const float* xr = x + (long long)t * x_stride + 32 * c;
+                const float* xr = xs + t * tile * 32;
                 float s = 0.0f;
-                for (int l = 0; l < 32; ++l) s += wv[l] * xr[l];
+                TS_UNROLL for (int g = 0; g < 8; ++g) {
+                    uint4 a = ts_load16(xr + ts_xtile_slot(cl, 4 * g));
+                    s += wv[4 * g] * ts_bits_to_float(a.x);
+                    s += wv[4 * g + 1] * ts_bits_to_float(a.y);
+                    s += wv[4 * g + 2] * ts_bits_to_float(a.z);
+                    s += wv[4 * g + 3] * ts_bits_to_float(a.w);
+                }
                 acc[t] += s;
             }
         }
     }
-    ts_matmul_store(acc, red, lanes, r, m, sg.y, sg.rows);
+    ts_matmul_store<MAXM>(acc, red, lanes, r, m, sg.y, sg.rows);
+}
+
+// MAXM as in ts_matmul_v: ts_matmul_q1 is the one-token variant, with the same bits.
+extern "C" __global__ void ts_matmul_q(TS_MATMUL_PARAMS) {
+    ts_matmul_q_body<TS_MAX_TOKENS>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
+}
+extern "C" __global__ void ts_matmul_q1(TS_MATMUL_PARAMS) {
+    ts_matmul_q_body<1>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
 }
 
 // Rows `ids` of a packed table: out[i, :] = decode(W[ids[i], :]). One block per id. Float

@@ -13,7 +13,7 @@ pub const TYPES: [GgmlType; 7] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16, 
 
 /// Threads per weight row a GPU probe also times besides its matmul's own choice (block size
 /// permitting), so one run shows which shape reads its weights fastest.
-pub const SWEEP_LANES: [u32; 4] = [32, 64, 128, 256];
+pub const SWEEP_LANES: [u32; 6] = [8, 16, 32, 64, 128, 256];
 
 /// Checks that a GEMV in another launch shape computed what the first did: the shapes sum each
 /// row in a different order, so the results may differ by rounding only (relative 1e-4 of the

@@ -62,12 +62,16 @@ fn assemble(ptx: &str, arch: &str) {
     for (name, u) in &usage {
         assert_eq!(u.spill, 0, "{arch}: {name} spills registers to local memory");
     }
-    // The GEMV the roofline gates: its batch of 16-byte loads must stay in registers (an array
-    // indexed in a loop the compiler did not unroll goes to the stack, i.e. to memory), and 64
-    // registers let four 256-thread blocks share an SM, i.e. 64 KiB of weight loads in flight.
-    let v = usage.get("ts_matmul_v").unwrap_or_else(|| panic!("{arch}: no ts_matmul_v in ptxas -v output"));
-    assert_eq!(v.stack, 0, "{arch}: ts_matmul_v keeps its load batch on the stack");
-    assert!(v.registers <= 64, "{arch}: ts_matmul_v uses {} registers (> 64: fewer blocks per SM)", v.registers);
+    // The float matmuls, the one-token form (ts_matmul_v1) being the GEMV the roofline gates:
+    // their batches of 16-byte loads must stay in registers (an array indexed in a loop the
+    // compiler did not unroll goes to the stack, i.e. to memory), and 64 registers let four
+    // 256-thread blocks share an SM. ts_matmul_v1 holds two batches of four (the one it
+    // multiplies and the one in flight): 128 B of weight loads per thread, 128 KiB per SM.
+    for name in ["ts_matmul_v", "ts_matmul_v1", "ts_matmul_v1b2"] {
+        let u = usage.get(name).unwrap_or_else(|| panic!("{arch}: no {name} in ptxas -v output"));
+        assert_eq!(u.stack, 0, "{arch}: {name} keeps its load batch on the stack");
+        assert!(u.registers <= 64, "{arch}: {name} uses {} registers (> 64: fewer blocks per SM)", u.registers);
+    }
 }
 
 #[derive(Default, Debug)]

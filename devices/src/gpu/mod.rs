@@ -68,6 +68,18 @@ impl MatmulPlan {
     pub fn rows_per_block(&self) -> u32 {
         self.block / self.lanes
     }
+
+    /// The plan as launched for `m` tokens: one token takes the kernel's one-token variant (one
+    /// sum per thread instead of eight: fewer registers, more threads per SM), which gives the
+    /// same bits.
+    pub fn for_tokens(self, m: usize) -> MatmulPlan {
+        let kernel = match (self.kernel, m) {
+            ("ts_matmul_v", 1) => "ts_matmul_v1",
+            ("ts_matmul_q", 1) => "ts_matmul_q1",
+            (k, _) => k,
+        };
+        MatmulPlan { kernel, ..self }
+    }
 }
 
 impl std::fmt::Display for MatmulPlan {
@@ -93,8 +105,37 @@ pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, b
     } else {
         ("ts_matmul", cols)
     };
-    MatmulPlan { kernel, lanes: (units.max(1).next_power_of_two() as u32).min(block), block }
+    let cap = match kernel {
+        "ts_matmul_q" => MAX_LANES_Q,
+        "ts_matmul_v" => MAX_LANES_V,
+        _ => block,
+    };
+    MatmulPlan { kernel, lanes: (units.max(1).next_power_of_two() as u32).min(cap).min(block), block }
 }
+
+/// The kernel a matmul kernel is a variant of: `ts_matmul_v1` and `ts_matmul_q1` are the
+/// one-token forms of `ts_matmul_v` and `ts_matmul_q`, `ts_matmul_v1b2` the one-token float form
+/// with half the loads per batch (the roofline times it); each gives the same sums.
+pub fn variant_of(kernel: &str) -> &str {
+    match kernel {
+        "ts_matmul_v1" | "ts_matmul_v1b2" => "ts_matmul_v",
+        "ts_matmul_q1" => "ts_matmul_q",
+        k => k,
+    }
+}
+
+/// Floats of x `ts_matmul_q` stages in shared memory at a time (`TS_XTILE` in the kernel source).
+pub const XTILE_FLOATS: u32 = 8192;
+
+/// Most threads per row for packed weights: every block stages all of x, so a block should hold
+/// several rows to share that read. On an H200 (docs/BENCHMARKS.md) 16 lanes, 16 rows per block,
+/// read fastest for every packed type timed (Q4_0 8192 wide: 972 GB/s; 8 lanes 795, 32 lanes 946).
+const MAX_LANES_Q: u32 = 16;
+
+/// Most threads per row for float weights: on an H200 an F16 row 8192 wide read at 91% of the
+/// copy bandwidth with 32 lanes and 71% with a whole 256-thread block (whose reduction waits on
+/// every load of the row); F32 differed by a few percent.
+const MAX_LANES_V: u32 = 32;
 
 /// Shared memory a launch may ask for (the portable 48 KiB).
 const MAX_SHARED_BYTES: usize = 48 * 1024;
@@ -443,7 +484,7 @@ impl Gpu {
         }
         for ((w, _), p) in group.iter().zip(plans) {
             let own = self.matmul_plan(w, x, x_stride);
-            if p.kernel != own.kernel || p.block != own.block || !p.lanes.is_power_of_two() || p.lanes > p.block {
+            if variant_of(p.kernel) != variant_of(own.kernel) || p.block != own.block || !p.lanes.is_power_of_two() || p.lanes > p.block {
                 return Err(format!("matmul plan `{p}` does not fit a {} matrix here (its own plan is `{own}`)", w.ty.name()));
             }
         }
@@ -479,7 +520,12 @@ impl Gpu {
                     None => args.extend([Arg::Ptr(0), Arg::I32(0), Arg::I64(0), Arg::I32(0), Arg::I32(1), Arg::Ptr(0)]),
                 }
             }
-            self.launch(first.kernel, [grid as u32, 1, 1], [first.block, 1, 1], 4 * first.block * mt as u32, &args)?;
+            let kernel = first.for_tokens(mt).kernel;
+            if matches!(kernel, "ts_matmul_v1" | "ts_matmul_v1b2" | "ts_matmul_q1") && mt != 1 {
+                return Err(format!("{kernel} multiplies one token, not {mt}"));
+            }
+            let staged = if variant_of(kernel) == "ts_matmul_q" { XTILE_FLOATS } else { 0 };
+            self.launch(kernel, [grid as u32, 1, 1], [first.block, 1, 1], 4 * (first.block * mt as u32 + staged), &args)?;
         }
         Ok(())
     }
@@ -856,6 +902,10 @@ impl GpuDevice {
             // per row, each checked to compute what the first did (a fast wrong GEMV is no figure).
             let mut plans = vec![own];
             plans.extend(probe::SWEEP_LANES.iter().filter(|&&l| l != own.lanes && l <= own.block).map(|&lanes| MatmulPlan { lanes, ..own }));
+            // The float kernel's smaller load batch, at every thread count.
+            if own.kernel == "ts_matmul_v" {
+                plans.extend(probe::SWEEP_LANES.iter().filter(|&&l| l <= own.block).map(|&lanes| MatmulPlan { kernel: "ts_matmul_v1b2", lanes, ..own }));
+            }
             let mut first: Option<Vec<f32>> = None;
             for plan in plans {
                 let y = g.alloc(4 * rows)?;
@@ -865,7 +915,7 @@ impl GpuDevice {
                     None => first = Some(out),
                     Some(want) => probe::same_gemv(want, &out, &format!("{} GEMV with `{plan}`", ty.name()))?,
                 }
-                gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: packed.len(), gbps: packed.len() as f64 / t / 1e9, kernel: plan.to_string(), alternative: plan != own });
+                gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: packed.len(), gbps: packed.len() as f64 / t / 1e9, kernel: plan.for_tokens(1).to_string(), alternative: plan != own });
             }
         }
         Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: g.backend.timings_not_of_hardware() })
@@ -919,16 +969,34 @@ mod tests {
     }
 
     #[test]
-    fn a_long_row_keeps_the_block_and_a_short_one_shares_it() {
-        // The roofline's GEMV: 1,024 16-byte units per row, 4 per thread of a 256-thread block.
-        assert_eq!(plan(GgmlType::F16, 8192, true, 256), ("ts_matmul_v", 256));
-        // SmolLM2's Q4_1 rows of 576: 18 chunks, 32 lanes, 8 rows per block.
-        assert_eq!(plan(GgmlType::Q4_1, 576, true, 256), ("ts_matmul_q", 32));
-        assert_eq!(plan(GgmlType::Q4_K, 1536, true, 256), ("ts_matmul_q", 64));
-        assert_eq!(plan(GgmlType::F32, 576, true, 256), ("ts_matmul_v", 256));
+    fn a_long_row_is_streamed_by_a_few_threads_and_a_short_one_shares_them() {
+        // The roofline's GEMV: 1,024 16-byte units per row, 32 per thread (4 batches of 8).
+        assert_eq!(plan(GgmlType::F16, 8192, true, 256), ("ts_matmul_v", 32));
+        // SmolLM2's Q4_1 rows of 576: 18 chunks, 16 lanes, 16 rows per block.
+        assert_eq!(plan(GgmlType::Q4_1, 576, true, 256), ("ts_matmul_q", 16));
+        assert_eq!(plan(GgmlType::Q4_K, 1536, true, 256), ("ts_matmul_q", 16));
+        assert_eq!(plan(GgmlType::Q8_0, 64, true, 256), ("ts_matmul_q", 2));
+        assert_eq!(plan(GgmlType::F32, 576, true, 256), ("ts_matmul_v", 32));
         assert_eq!(plan(GgmlType::BF16, 64, true, 256), ("ts_matmul_v", 8));
         // The emulator's 32-thread blocks cap the lanes.
         assert_eq!(plan(GgmlType::F16, 8192, true, 32), ("ts_matmul_v", 32));
+        assert_eq!(plan(GgmlType::F16, 8192, true, 16), ("ts_matmul_v", 16));
+    }
+
+    #[test]
+    fn kernel_names_list_the_matmul_variants() {
+        let names = kernel_names();
+        for want in ["ts_matmul_v", "ts_matmul_v1", "ts_matmul_v1b2", "ts_matmul_q", "ts_matmul_q1"] {
+            assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
+        }
+        assert!(names.iter().all(|n| n.starts_with("ts_") && !n.contains(['(', ' '])), "{names:?}");
+    }
+
+    #[test]
+    fn the_staged_x_tile_is_the_size_the_kernel_was_built_with() {
+        assert!(KERNEL_SOURCE.contains(&format!("#define TS_XTILE {XTILE_FLOATS}\n")), "TS_XTILE in touchstone.cu differs from XTILE_FLOATS");
+        // Its floats and the reduction's (8 tokens of a 256-thread block) fit the portable 48 KiB.
+        assert!(4 * (XTILE_FLOATS as usize + MAX_TOKENS_PER_LAUNCH * 256) <= MAX_SHARED_BYTES);
     }
 
     #[test]
