@@ -548,70 +548,26 @@ extern "C" __global__ void ts_matmul_v1b2(TS_MATMUL_PARAMS) {
 // Packed weights (every type, k % 32 == 0): unit c of a row is its 32-element chunk c, which one
 // thread decodes and multiplies by x[32c, 32c + 32). Threads of a warp work on neighbouring chunks,
 // so reading x straight from global memory would touch 32 cache lines per load; the block stages
-// x through shared memory instead, XT floats at a time (split among the m tokens, in whole groups
-// of 8 chunks), each chunk's eight 16-byte groups rotated by the chunk's index so that
-// neighbouring threads reading the same group hit different banks.
-//
-// WSTAGE: the block also copies its rows' packed bytes into shared memory, in sub-tiles of whole
-// 8-chunk groups (so every sub-tile starts at a block boundary of every type), with 4-, 2- or
-// 1-byte loads that neighbouring threads issue for neighbouring bytes; the decoder then reads
-// shared memory, where its one-byte reads of a chunk had each been a load of global memory
-// touching as many cache lines as the warp has chunks. Rows too long for one group in the space
-// left read global memory as without WSTAGE.
-//
-// Each thread still takes its chunks in increasing order and sums each chunk's products in element
-// order: neither staging changes one bit of the result. Dynamic shared: m * blockDim.x + XT
-// floats, and with WSTAGE the rest of TS_SHARED_BYTES.
+// x through shared memory instead, TS_XTILE floats at a time (split among the m tokens), each
+// chunk's eight 16-byte groups rotated by the chunk's index so that neighbouring threads reading
+// the same group hit different banks. Each thread still takes its chunks in increasing order and
+// sums each chunk's products in element order: the staging changes where x is read from, not
+// one bit of the result. Dynamic shared: m * blockDim.x + TS_XTILE floats.
 #define TS_XTILE 8192
-#define TS_XTILE_W 4096
-#define TS_SHARED_BYTES 49152
 
 __device__ __forceinline__ int ts_xtile_slot(int cl, int l) {
     return 32 * cl + ((((l >> 2) + cl) & 7) << 2) + (l & 3);
 }
 
-// Bytes [off, off + len) of rows r0..r0 + nrows of w (row_bytes apart) into ws (wstride apart, a
-// multiple of 16 and at least len rounded up to 4), by the whole block: each thread writes whole
-// 4-byte words of ws (so no two threads write one word), read with the widest loads that every
-// address allows; a row's last word may carry up to 3 bytes past len, which nothing reads.
-__device__ __forceinline__ void ts_stage_rows(u8* ws, int wstride, const u8* w, long long row_bytes, int r0, int nrows, long long off, int len) {
-    long long a = (long long)(unsigned long long)w | row_bytes | off;
-    int unit = (a & 3) == 0 ? 4 : (a & 1) == 0 ? 2 : 1;
-    int words = (len + 3) / 4;
-    for (int e = threadIdx.x; e < nrows * words; e += blockDim.x) {
-        int j = e / words, i = 4 * (e - j * words);
-        const u8* src = w + (long long)(r0 + j) * row_bytes + off + i;
-        u32 v = 0;
-        if (unit == 4 && i + 4 <= len) {
-            v = *(const u32*)src;
-        } else if (unit == 2) {
-            v = *(const u16*)src;
-            if (i + 2 < len) v |= (u32)*(const u16*)(src + 2) << 16;
-        } else {
-            for (int b = 0; b < 4; ++b)
-                if (i + b < len) v |= (u32)src[b] << (8 * b);
-        }
-        *(u32*)(ws + j * wstride + i) = v;
-    }
-}
-
-template <int MAXM, int XT, bool WSTAGE>
+template <int MAXM>
 __device__ __forceinline__ void ts_matmul_q_body(TS_MATMUL_PARAMS) {
     DYNAMIC_SHARED(float, red);
     float* xs = red + m * blockDim.x;
-    u8* ws = (u8*)(xs + XT);
     TsMatmulSegment sg = ts_matmul_segment(TS_MATMUL_SEGMENTS);
     int ty = sg.ty, lanes = sg.lanes, r, lane;
     float acc[MAXM];
     const u8* row = ts_matmul_begin<MAXM>(sg, &r, &lane, acc);
-    int chunks = k / 32, tile = (XT / 32 / m) & ~7;
-    // The weight sub-tile: as many 8-chunk groups of every row of the block as fit.
-    int rpb = blockDim.x / lanes, r0 = sg.block * rpb;
-    int nrows = sg.rows - r0 < rpb ? sg.rows - r0 : rpb;
-    long long group = (sg.row_bytes * 8 + chunks - 1) / chunks;
-    int wstride = WSTAGE ? ((TS_SHARED_BYTES - 4 * (m * (int)blockDim.x + XT)) / rpb) & ~15 : 0;
-    bool staged = WSTAGE && wstride >= group;
-    int sub = staged && (int)(wstride / group) * 8 < tile ? (int)(wstride / group) * 8 : tile;
+    int chunks = k / 32, tile = TS_XTILE / 32 / m;
     for (int c0 = 0; c0 < chunks; c0 += tile) {
         int n = chunks - c0 < tile ? chunks - c0 : tile;
         __syncthreads();  // every thread is done with the previous tile
@@ -619,52 +575,38 @@ __device__ __forceinline__ void ts_matmul_q_body(TS_MATMUL_PARAMS) {
             int t = e / (n * 32), i = e - t * n * 32;
             xs[t * tile * 32 + ts_xtile_slot(i >> 5, i & 31)] = x[(long long)t * x_stride + 32LL * c0 + i];
         }
-        for (int w0 = c0; w0 < c0 + n; w0 += sub) {
-            int wn = c0 + n - w0 < sub ? c0 + n - w0 : sub;
-            if (staged) {
-                if (w0 != c0) __syncthreads();  // every thread is done with the previous sub-tile
-                long long off = sg.row_bytes * w0 / chunks;
-                ts_stage_rows(ws, wstride, sg.w, sg.row_bytes, r0, nrows, off, (int)(sg.row_bytes * (w0 + wn) / chunks - off));
-            }
-            __syncthreads();
-            if (!row) continue;
-            const u8* src = staged ? ws + (r - r0) * wstride : row;
-            int cbase = staged ? w0 : 0;
-            // This thread's first chunk here: chunks c = lane (mod lanes), as without tiles.
-            int first = w0 + ((lane - w0 % lanes) % lanes + lanes) % lanes;
-            for (int c = first; c < w0 + wn; c += lanes) {
-                float wv[32];
-                ts_dequant32(ty, src, c - cbase, wv);
-                int cl = c - c0;
-                for (int t = 0; t < MAXM; ++t) {
-                    if (t >= m) break;
-                    const float* xr = xs + t * tile * 32;
-                    float s = 0.0f;
-                    TS_UNROLL for (int g = 0; g < 8; ++g) {
-                        uint4 a = ts_load16(xr + ts_xtile_slot(cl, 4 * g));
-                        s += wv[4 * g] * ts_bits_to_float(a.x);
-                        s += wv[4 * g + 1] * ts_bits_to_float(a.y);
-                        s += wv[4 * g + 2] * ts_bits_to_float(a.z);
-                        s += wv[4 * g + 3] * ts_bits_to_float(a.w);
-                    }
-                    acc[t] += s;
+        __syncthreads();
+        if (!row) continue;
+        // This thread's first chunk in the tile: chunks c = lane (mod lanes), as without tiles.
+        int first = c0 + ((lane - c0 % lanes) % lanes + lanes) % lanes;
+        for (int c = first; c < c0 + n; c += lanes) {
+            float wv[32];
+            ts_dequant32(ty, row, c, wv);
+            int cl = c - c0;
+            for (int t = 0; t < MAXM; ++t) {
+                if (t >= m) break;
+                const float* xr = xs + t * tile * 32;
+                float s = 0.0f;
+                TS_UNROLL for (int g = 0; g < 8; ++g) {
+                    uint4 a = ts_load16(xr + ts_xtile_slot(cl, 4 * g));
+                    s += wv[4 * g] * ts_bits_to_float(a.x);
+                    s += wv[4 * g + 1] * ts_bits_to_float(a.y);
+                    s += wv[4 * g + 2] * ts_bits_to_float(a.z);
+                    s += wv[4 * g + 3] * ts_bits_to_float(a.w);
                 }
+                acc[t] += s;
             }
         }
     }
     ts_matmul_store<MAXM>(acc, red, lanes, r, m, sg.y, sg.rows);
 }
 
-// MAXM as in ts_matmul_v: ts_matmul_q1 and ts_matmul_q1w are one-token variants, with the same
-// bits; ts_matmul_q1w also stages the weights (WSTAGE).
+// MAXM as in ts_matmul_v: ts_matmul_q1 is the one-token variant, with the same bits.
 extern "C" __global__ void ts_matmul_q(TS_MATMUL_PARAMS) {
-    ts_matmul_q_body<TS_MAX_TOKENS, TS_XTILE, false>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
+    ts_matmul_q_body<TS_MAX_TOKENS>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
 }
 extern "C" __global__ void ts_matmul_q1(TS_MATMUL_PARAMS) {
-    ts_matmul_q_body<1, TS_XTILE, false>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
-}
-extern "C" __global__ void ts_matmul_q1w(TS_MATMUL_PARAMS) {
-    ts_matmul_q_body<1, TS_XTILE_W, true>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
+    ts_matmul_q_body<1>(k, x, x_stride, m, TS_MATMUL_SEGMENTS);
 }
 
 // Rows `ids` of a packed table: out[i, :] = decode(W[ids[i], :]). One block per id. Float

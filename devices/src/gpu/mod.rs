@@ -75,7 +75,7 @@ impl MatmulPlan {
     pub fn for_tokens(self, m: usize) -> MatmulPlan {
         let kernel = match (self.kernel, m) {
             ("ts_matmul_v", 1) => "ts_matmul_v1",
-            ("ts_matmul_q", 1) => "ts_matmul_q1w",
+            ("ts_matmul_q", 1) => "ts_matmul_q1",
             (k, _) => k,
         };
         MatmulPlan { kernel, ..self }
@@ -113,35 +113,19 @@ pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, b
     MatmulPlan { kernel, lanes: (units.max(1).next_power_of_two() as u32).min(cap).min(block), block }
 }
 
-/// The kernel a matmul kernel is a variant of: `ts_matmul_v1` and `ts_matmul_q1w` are the
-/// one-token forms of `ts_matmul_v` and `ts_matmul_q`; the roofline also times
-/// `ts_matmul_v1b2` (half the loads per batch) and `ts_matmul_q1` (weights read from global
-/// memory, not staged in shared memory). Each gives the same sums.
+/// The kernel a matmul kernel is a variant of: `ts_matmul_v1` and `ts_matmul_q1` are the
+/// one-token forms of `ts_matmul_v` and `ts_matmul_q`, `ts_matmul_v1b2` the one-token float form
+/// with half the loads per batch (the roofline times it); each gives the same sums.
 pub fn variant_of(kernel: &str) -> &str {
     match kernel {
         "ts_matmul_v1" | "ts_matmul_v1b2" => "ts_matmul_v",
-        "ts_matmul_q1" | "ts_matmul_q1w" => "ts_matmul_q",
+        "ts_matmul_q1" => "ts_matmul_q",
         k => k,
     }
 }
 
-/// Floats of x `ts_matmul_q` and `ts_matmul_q1` stage in shared memory at a time (`TS_XTILE` in
-/// the kernel source).
+/// Floats of x `ts_matmul_q` stages in shared memory at a time (`TS_XTILE` in the kernel source).
 pub const XTILE_FLOATS: u32 = 8192;
-
-/// The shared memory a launch of `ts_matmul_q1w` takes: all of the portable 48 KiB, x's tile
-/// and the weights' (`TS_SHARED_BYTES`).
-pub const MATMUL_Q1W_SHARED_BYTES: u32 = 48 * 1024;
-
-/// Dynamic shared memory of a matmul launch of `m` tokens in blocks of `block` threads: the
-/// per-token sums, x's tile for the packed kernels, and for `ts_matmul_q1w` the weights' too.
-pub fn matmul_shared_bytes(kernel: &str, block: u32, m: usize) -> u32 {
-    match kernel {
-        "ts_matmul_q1w" => MATMUL_Q1W_SHARED_BYTES,
-        "ts_matmul_q" | "ts_matmul_q1" => 4 * (block * m as u32 + XTILE_FLOATS),
-        _ => 4 * block * m as u32,
-    }
-}
 
 /// Most threads per row for packed weights: every block stages all of x, so a block should hold
 /// several rows to share that read. On an H200 (docs/BENCHMARKS.md) 16 lanes, 16 rows per block,
@@ -537,10 +521,11 @@ impl Gpu {
                 }
             }
             let kernel = first.for_tokens(mt).kernel;
-            if matches!(kernel, "ts_matmul_v1" | "ts_matmul_v1b2" | "ts_matmul_q1" | "ts_matmul_q1w") && mt != 1 {
+            if matches!(kernel, "ts_matmul_v1" | "ts_matmul_v1b2" | "ts_matmul_q1") && mt != 1 {
                 return Err(format!("{kernel} multiplies one token, not {mt}"));
             }
-            self.launch(kernel, [grid as u32, 1, 1], [first.block, 1, 1], matmul_shared_bytes(kernel, first.block, mt), &args)?;
+            let staged = if variant_of(kernel) == "ts_matmul_q" { XTILE_FLOATS } else { 0 };
+            self.launch(kernel, [grid as u32, 1, 1], [first.block, 1, 1], 4 * (first.block * mt as u32 + staged), &args)?;
         }
         Ok(())
     }
@@ -917,15 +902,9 @@ impl GpuDevice {
             // per row, each checked to compute what the first did (a fast wrong GEMV is no figure).
             let mut plans = vec![own];
             plans.extend(probe::SWEEP_LANES.iter().filter(|&&l| l != own.lanes && l <= own.block).map(|&lanes| MatmulPlan { lanes, ..own }));
-            // The float kernel's smaller load batch, and the packed kernel without its weights
-            // staged, at every thread count.
-            let other = match own.kernel {
-                "ts_matmul_v" => Some("ts_matmul_v1b2"),
-                "ts_matmul_q" => Some("ts_matmul_q1"),
-                _ => None,
-            };
-            if let Some(kernel) = other {
-                plans.extend(probe::SWEEP_LANES.iter().filter(|&&l| l <= own.block).map(|&lanes| MatmulPlan { kernel, lanes, ..own }));
+            // The float kernel's smaller load batch, at every thread count.
+            if own.kernel == "ts_matmul_v" {
+                plans.extend(probe::SWEEP_LANES.iter().filter(|&&l| l <= own.block).map(|&lanes| MatmulPlan { kernel: "ts_matmul_v1b2", lanes, ..own }));
             }
             let mut first: Option<Vec<f32>> = None;
             for plan in plans {
@@ -1007,7 +986,7 @@ mod tests {
     #[test]
     fn kernel_names_list_the_matmul_variants() {
         let names = kernel_names();
-        for want in ["ts_matmul_v", "ts_matmul_v1", "ts_matmul_v1b2", "ts_matmul_q", "ts_matmul_q1", "ts_matmul_q1w"] {
+        for want in ["ts_matmul_v", "ts_matmul_v1", "ts_matmul_v1b2", "ts_matmul_q", "ts_matmul_q1"] {
             assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
         }
         assert!(names.iter().all(|n| n.starts_with("ts_") && !n.contains(['(', ' '])), "{names:?}");
@@ -1016,8 +995,6 @@ mod tests {
     #[test]
     fn the_staged_x_tile_is_the_size_the_kernel_was_built_with() {
         assert!(KERNEL_SOURCE.contains(&format!("#define TS_XTILE {XTILE_FLOATS}\n")), "TS_XTILE in touchstone.cu differs from XTILE_FLOATS");
-        assert!(KERNEL_SOURCE.contains(&format!("#define TS_SHARED_BYTES {MATMUL_Q1W_SHARED_BYTES}\n")), "TS_SHARED_BYTES in touchstone.cu differs");
-        assert!(MATMUL_Q1W_SHARED_BYTES as usize <= MAX_SHARED_BYTES);
         // Its floats and the reduction's (8 tokens of a 256-thread block) fit the portable 48 KiB.
         assert!(4 * (XTILE_FLOATS as usize + MAX_TOKENS_PER_LAUNCH * 256) <= MAX_SHARED_BYTES);
     }
