@@ -12,9 +12,10 @@
 # Trip 1 carries bin, ptx and smol-a and runs everything but SmolLM2 (so its figures exist even if
 # trip 2 fails); trip 2 carries smol-b and runs SmolLM2's steps. The sandbox drops trip 1's
 # ignored folders from the repository when trip 2 arrives, so device-check.sh keeps a copy of
-# them outside it (/tmp/touchstone-stage) on a machine kept warm between the two, and puts them back. On the GPU machine, `STAGE=.device ci/device-check.sh`
-# joins the halves into $STAGE/cache, where the fixture loader checks the file's sha256 before any
-# use (a wrong or partial join is an error, not a model), and runs everything from the stage.
+# them outside it (/tmp/touchstone-stage) on a machine kept warm between the two, and puts them
+# back. On the GPU machine, `STAGE=.device ci/device-check.sh` joins the halves into
+# $STAGE/cache, where the fixture loader checks the file's sha256 before any use (a wrong or
+# partial join is an error, not a model), and runs everything from the stage.
 # A staged run leaves two files in $OUT, summary.txt and reports.tar.gz (every log and report),
 # since such a sandbox brings back at most 8 files.
 #

@@ -70,8 +70,8 @@ impl MatmulPlan {
     }
 
     /// The plan as launched for `m` tokens: one token takes the kernel's one-token variant (one
-    /// sum per thread instead of eight: fewer registers, more threads per SM), which gives the
-    /// same bits.
+    /// sum per thread instead of eight; for float weights also the next batch of loads in flight
+    /// while the current one is multiplied), which gives the same bits.
     pub fn for_tokens(self, m: usize) -> MatmulPlan {
         let kernel = match (self.kernel, m) {
             ("ts_matmul_v", 1) => "ts_matmul_v1",
@@ -970,7 +970,7 @@ mod tests {
 
     #[test]
     fn a_long_row_is_streamed_by_a_few_threads_and_a_short_one_shares_them() {
-        // The roofline's GEMV: 1,024 16-byte units per row, 32 per thread (4 batches of 8).
+        // The roofline's GEMV: 1,024 16-byte units per row, 32 per thread (8 batches of 4).
         assert_eq!(plan(GgmlType::F16, 8192, true, 256), ("ts_matmul_v", 32));
         // SmolLM2's Q4_1 rows of 576: 18 chunks, 16 lanes, 16 rows per block.
         assert_eq!(plan(GgmlType::Q4_1, 576, true, 256), ("ts_matmul_q", 16));
