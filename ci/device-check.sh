@@ -20,8 +20,8 @@
 # `STAGE=.device ci/device-check.sh` there joins the halves into $STAGE/cache (the loader checks
 # its sha256) and takes TOUCHSTONE_BIN, TOUCHSTONE_PTX_CACHE and TOUCHSTONE_CACHE from the stage.
 # Such a sandbox replaced the ignored stage folder between the two uploads on an H200 machine
-# (2026-12-04), so the first upload's parts are also copied to $STASH (default
-# /tmp/touchstone-stage, outside the repository) and the second run takes them from there.
+# (2026-12-04): with STASH=DIR (outside the repository, e.g. /tmp/touchstone-stage) the first
+# upload's parts are also copied to DIR and the second run takes them from there.
 #
 # SANITIZE=1 adds compute-sanitizer's memcheck and racecheck over one shard of eight of the
 # kernel suite (the GPU's own check of what gpu-emu approximates: out-of-bounds accesses and
@@ -108,17 +108,19 @@ note "== Touchstone device check on $DEVICE ($(date -u +%FT%TZ))"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi not available"; } | tee "$WORK/gpu.txt" | tee -a "$SUMMARY"
 
 if [ -n "${STAGE:-}" ]; then
-    # The sandbox replaces the repository's ignored folders on every upload, so what the first
-    # upload brought is kept outside it, in $STASH, and put back for the second.
-    STASH=${STASH:-/tmp/touchstone-stage}
-    for part in bin ptx smol-a; do
-        if [ -e "$STAGE/$part" ]; then
-            mkdir -p "$STASH" && rm -rf "${STASH:?}/$part" && cp -r "$STAGE/$part" "$STASH/"
-        elif [ -e "$STASH/$part" ]; then
-            mkdir -p "$STAGE" && cp -r "$STASH/$part" "$STAGE/"
-            note "$STAGE/$part: restored from $STASH (brought by an earlier upload to this machine)"
-        fi
-    done
+    # With STASH set: a sandbox that replaces the repository's ignored folders on every upload
+    # loses the first upload's parts before the second arrives, so they are kept outside it, in
+    # $STASH, and put back for the second.
+    if [ -n "${STASH:-}" ]; then
+        for part in bin ptx smol-a; do
+            if [ -e "$STAGE/$part" ]; then
+                mkdir -p "$STASH" && rm -rf "${STASH:?}/$part" && cp -r "$STAGE/$part" "$STASH/"
+            elif [ -e "$STASH/$part" ]; then
+                mkdir -p "$STAGE" && cp -r "$STASH/$part" "$STAGE/"
+                note "$STAGE/$part: restored from $STASH (brought by an earlier upload to this machine)"
+            fi
+        done
+    fi
     export TOUCHSTONE_BIN=$STAGE/bin/xtask TOUCHSTONE_PTX_CACHE=$STAGE/ptx TOUCHSTONE_CACHE=$STAGE/cache
     if [ -f "$STAGE/smol-a/dest" ]; then
         dest=$TOUCHSTONE_CACHE/$(cat "$STAGE/smol-a/dest")

@@ -11,9 +11,9 @@
 #
 # Trip 1 carries bin, ptx and smol-a and runs everything but SmolLM2 (so its figures exist even if
 # trip 2 fails); trip 2 carries smol-b and runs SmolLM2's steps. The sandbox drops trip 1's
-# ignored folders from the repository when trip 2 arrives, so device-check.sh keeps a copy of
-# them outside it (/tmp/touchstone-stage) on a machine kept warm between the two, and puts them
-# back. On the GPU machine, `STAGE=.device ci/device-check.sh` joins the halves into
+# ignored folders from the repository when trip 2 arrives, so with STASH=/tmp/touchstone-stage
+# device-check.sh keeps a copy of them outside it on a machine kept warm between the two, and puts
+# them back. On the GPU machine, `STAGE=.device ci/device-check.sh` joins the halves into
 # $STAGE/cache, where the fixture loader checks the file's sha256 before any use (a wrong or
 # partial join is an error, not a model), and runs everything from the stage.
 # A staged run leaves two files in $OUT, summary.txt and reports.tar.gz (every log and report),
@@ -65,6 +65,6 @@ trip1=$(( tree + $(du -sb "$STAGE/bin" "$STAGE/ptx" "$STAGE/smol-a" | awk '{s +=
 trip2=$(( tree + $(du -sb "$STAGE/smol-b" | cut -f1) ))
 echo "== staged under $STAGE: trip 1 (tree + bin + ptx + smol-a) $(( trip1 >> 20 )) MiB, trip 2 (tree + smol-b) $(( trip2 >> 20 )) MiB"
 echo "   trip 1: carry $STAGE/bin $STAGE/ptx $STAGE/smol-a; command:"
-echo "     STAGE=$STAGE STEPS='kernels models roofline' MODELS='tiny-llama tiny-qwen3 tiny-moe' ci/device-check.sh"
+echo "     STASH=/tmp/touchstone-stage STAGE=$STAGE STEPS='kernels models roofline' MODELS='tiny-llama tiny-qwen3 tiny-moe' ci/device-check.sh"
 echo "   trip 2 (at once: the machine stays warm only ~30 s; trip 1's parts come back from /tmp/touchstone-stage there; on a fresh machine it finds no binary and says so): carry $STAGE/smol-b; command:"
-echo "     STAGE=$STAGE STEPS='models bench' MODELS=smollm2 ci/device-check.sh"
+echo "     STASH=/tmp/touchstone-stage STAGE=$STAGE STEPS='models bench' MODELS=smollm2 ci/device-check.sh"

@@ -149,7 +149,10 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     std::fs::write(s.join("smol-b/part"), &model[600..]).unwrap();
     std::fs::write(s.join("smol-a/dest"), "real/staged/model.gguf\n").unwrap();
     let out_dir = out.path().to_str().unwrap();
-    let o = device_check(&[("STAGE", s.to_str().unwrap()), ("OUT", out_dir), ("DEVICE", "gpu-emu"), ("STEPS", "models roofline"), ("MODELS", "tiny-llama"), ("ROOFLINE_MIB", "1")]);
+    let stash = tempfile::tempdir().unwrap();
+    let stash_dir = stash.path().join("parts");
+    let stash_dir = stash_dir.to_str().unwrap();
+    let o = device_check(&[("STAGE", s.to_str().unwrap()), ("STASH", stash_dir), ("OUT", out_dir), ("DEVICE", "gpu-emu"), ("STEPS", "models roofline"), ("MODELS", "tiny-llama"), ("ROOFLINE_MIB", "1")]);
     let summary = std::fs::read_to_string(out.path().join("summary.txt")).unwrap();
     assert_eq!(o.status.code(), Some(3), "{}\n{summary}", text(&o));
     assert_eq!(std::fs::read(s.join("cache/real/staged/model.gguf")).unwrap(), model);
@@ -168,6 +171,26 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     for f in ["./gpu.txt", "./summary.txt", "./layer-diff-tiny-llama.log", "./layer-diff-tiny-llama/report.json", "./fixed-token-tiny-llama/report.json", "./roofline/report.json"] {
         assert!(listing.lines().any(|l| l == f), "`{f}` not in the archive:\n{listing}");
     }
+    // A second upload that brings only the model's second part (the sandbox dropped the first
+    // upload's folders): with STASH the first upload's parts come back from outside the
+    // repository, and the model is joined as before.
+    let stage2 = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(stage2.path().join("smol-b")).unwrap();
+    std::fs::write(stage2.path().join("smol-b/part"), &model[600..]).unwrap();
+    let o = device_check(&[("STAGE", stage2.path().to_str().unwrap()), ("STASH", stash_dir), ("OUT", out_dir), ("DEVICE", "gpu-emu"), ("STEPS", "models"), ("MODELS", "tiny-llama")]);
+    let summary = std::fs::read_to_string(out.path().join("summary.txt")).unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}\n{summary}", text(&o));
+    for part in ["bin", "smol-a"] {
+        assert!(summary.contains(&format!("/{part}: restored from {stash_dir}")), "{part}:\n{summary}");
+    }
+    assert_eq!(std::fs::read(stage2.path().join("cache/real/staged/model.gguf")).unwrap(), model);
+    // Without STASH nothing is kept or restored: the same upload finds no binary and says so.
+    let stage3 = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(stage3.path().join("smol-b")).unwrap();
+    let o = device_check(&[("STAGE", stage3.path().to_str().unwrap()), ("OUT", out_dir), ("DEVICE", "gpu-emu"), ("STEPS", "models"), ("MODELS", "tiny-llama")]);
+    let summary = std::fs::read_to_string(out.path().join("summary.txt")).unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}\n{summary}", text(&o));
+    assert!(summary.contains("no xtask binary at") && !summary.contains("restored from"), "{summary}");
     // A misspelt step must not make a run that checks nothing and exits 0.
     let o = device_check(&[("STEPS", "kernel"), ("OUT", out_dir)]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
