@@ -451,12 +451,13 @@ extern "C" __global__ void ts_matmul(TS_MATMUL_PARAMS) {
     ts_matmul_store<TS_MAX_TOKENS>(acc, red, lanes, r, m, sg.y, sg.rows);
 }
 
-
-// Float weights 16 bytes at a time: unit u of a row is its bytes [16u, 16u + 16), 4 f32 or 8
-// f16/bf16 values, and x is read 16 bytes at a time too. Needs k * size % 16 == 0, row_bytes % 16
-// == 0, w and x 16-byte aligned and x_stride % 4 == 0 (the host checks).
-// One 16-byte unit of float weights (4 f32 or 8 f16/bf16 values, `per`) times the x values at
-// xr: the products summed in order into one float, which the caller adds to its token's sum.
+// Float weights 16 bytes at a time (ts_matmul_v, ts_matmul_v1, ts_matmul_v1b2): unit u of a row
+// is its bytes [16u, 16u + 16), 4 f32 or 8 f16/bf16 values, and x is read 16 bytes at a time
+// too. Needs k * size % 16 == 0, row_bytes % 16 == 0, w and x 16-byte aligned and x_stride % 4
+// == 0 (the host checks).
+//
+// One unit (`per` values) times the x values at xr: the products summed in order into one float,
+// which the caller adds to its token's sum.
 __device__ __forceinline__ float ts_unit_dot(int ty, int per, uint4 w, const float* xr) {
     u32 bits[4] = {w.x, w.y, w.z, w.w};
     float wv[8];

@@ -115,7 +115,8 @@ pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, b
 
 /// The kernel a matmul kernel is a variant of: `ts_matmul_v1` and `ts_matmul_q1` are the
 /// one-token forms of `ts_matmul_v` and `ts_matmul_q`, `ts_matmul_v1b2` the one-token float form
-/// with half the loads per batch (the roofline times it); each gives the same sums.
+/// with half the loads per batch (the roofline times it); each gives the same sums, and each
+/// multiplies one token only.
 pub fn variant_of(kernel: &str) -> &str {
     match kernel {
         "ts_matmul_v1" | "ts_matmul_v1b2" => "ts_matmul_v",
@@ -521,7 +522,8 @@ impl Gpu {
                 }
             }
             let kernel = first.for_tokens(mt).kernel;
-            if matches!(kernel, "ts_matmul_v1" | "ts_matmul_v1b2" | "ts_matmul_q1") && mt != 1 {
+            // Every variant (variant_of) is a one-token kernel.
+            if variant_of(kernel) != kernel && mt != 1 {
                 return Err(format!("{kernel} multiplies one token, not {mt}"));
             }
             let staged = if variant_of(kernel) == "ts_matmul_q" { XTILE_FLOATS } else { 0 };
