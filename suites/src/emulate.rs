@@ -346,6 +346,20 @@ impl EmulatedArithmetic {
     }
 }
 
+/// The declared arithmetic as a device: every tap of the oracle run over `ids` with `arith`'s
+/// roundings emulated, as an honest engine of that arithmetic would dump them. Judged by
+/// layer-diff against the declaration's own budgets it must pass at every tap: a tap over budget
+/// there is a budget below what the declared arithmetic itself produces (the self-consistency
+/// invariant of docs/ARCHITECTURE.md). Ok(None) where the declaration rounds nothing the
+/// emulation can apply.
+pub fn emulated_taps(oracle_model: &oracle::generate::AnyModel, path: &std::path::Path, ids: &[u32], arith: &devices::Arithmetic) -> Result<Option<oracle::RecordingTap>, String> {
+    let Ok(emu) = EmulatedArithmetic::new(arith, path) else { return Ok(None) };
+    let own = emu.load_model().map_err(|e| format!("the emulated weights could not be loaded: {e}"))?;
+    let mut emu = emu.recording();
+    own.as_ref().unwrap_or(oracle_model).prefill_logits(ids, &mut emu).map_err(|e| e.to_string())?;
+    Ok(emu.recorded)
+}
+
 /// An emulated run that routes each MoE token as the device did where the two choices differ
 /// only at a near tie (as the oracle's own re-runs do, `routing`): the emulation and the device
 /// then take the same experts, and their errors measure the same computation.

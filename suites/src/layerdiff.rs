@@ -379,9 +379,19 @@ pub struct TapDiff {
     /// on the propagated one, relative to the tap and carried downstream (`carry_through_ops`;
     /// absolute where there is no isolated run to carry it).
     pub terms_grant: f64,
+    /// `attn_kqv`: the allowance for the declared roundings of its scores, keys, values and
+    /// weights as measured on the inputs the device gave it ([`attention_allowances`]), beyond
+    /// what the dims model's cache term allows (0: none). Held and carried as `terms_grant` is.
+    pub attention_grant: f64,
 }
 
 impl TapDiff {
+    /// What the measured terms granted this tap: cancelling products' terms and attention's
+    /// scores (absolute RMS; see the two fields).
+    pub fn grant(&self) -> f64 {
+        self.terms_grant + self.attention_grant
+    }
+
     /// The comparison of `mode` and its budget.
     pub fn compared(&self, mode: Mode) -> (Option<ErrStats>, Option<Budget>) {
         match mode {
@@ -402,6 +412,15 @@ impl TapDiff {
         }
         let (s, b) = self.compared(mode);
         Self::over(&s, &b)
+    }
+
+    /// How much of the propagated budget the declared arithmetic emulated uses here: its error
+    /// over the bound (the headroom an honest engine of that arithmetic has is `1 - this`; above
+    /// 1 the budget is below what the declaration itself produces). None where not emulated.
+    pub fn emulated_budget_use(&self) -> Option<f64> {
+        let (e, s, b) = (self.emulated?, self.propagated?, self.budget_propagated?);
+        let bound = b.bound(s.rms_ref);
+        (bound > 0.0).then(|| e * s.rms_ref / bound)
     }
 
     /// Measured RMS error over its bound (> 1 is over budget).
@@ -782,6 +801,28 @@ pub fn cancellation_grant(kind: &str, scale: &TermScale, arith: &Arithmetic, dim
     Some(local_budget(kind, arith, dims)?.rel * (scale.term_rms - scale.output_rms).max(0.0))
 }
 
+/// For each layer's `attn_kqv`: `C_STAT` times the attention output's error that the declared
+/// roundings of its scores, keys, values and weights produce on the inputs the device gave it
+/// (its `attn_q_rope`/`attn_k_rope`/`attn_v` taps, or the nearest earlier ones; where it gave none,
+/// the oracle's values from `fallback`), as an absolute RMS ([`crate::attention_terms`]). The
+/// dims model's cache term assumes scores made of unit terms; real models' are not (key biases,
+/// sinks, massive activations), and there the declared arithmetic errs beyond it.
+pub fn attention_allowances(spec: &ModelSpec, device: &RecordingTap, fallback: &RecordingTap, arith: &Arithmetic, n_pos: usize) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Some(roundings) = crate::attention_terms::Roundings::of(arith, spec.head_dim) else { return out };
+    let params = oracle::ops::AttentionParams { n_head: spec.n_head, n_head_kv: spec.n_head_kv, head_dim: spec.head_dim, scale: spec.attn_scale, window: spec.sliding_window };
+    let get = |layer: usize, kinds: &[&str]| {
+        kinds.iter().map(|k| format!("blk.{layer}.{k}")).find_map(|n| device.tensors.get(&n).or_else(|| fallback.tensors.get(&n))).map(|(_, v)| v.as_slice())
+    };
+    for layer in 0..spec.n_layer {
+        let (Some(q), Some(k), Some(v)) = (get(layer, &["attn_q_rope", "attn_q_norm", "attn_q"]), get(layer, &["attn_k_rope", "attn_k_norm", "attn_k"]), get(layer, &["attn_v"])) else { continue };
+        if let Some(s) = crate::attention_terms::sensitivity(q, k, v, n_pos, &params, &roundings) {
+            out.insert(format!("blk.{layer}.attn_kqv"), C_STAT * s);
+        }
+    }
+    out
+}
+
 /// A tap of the device's run that cannot be compared: wrong width or number of positions.
 #[derive(Debug)]
 pub struct ShapeError(pub String);
@@ -789,7 +830,16 @@ pub struct ShapeError(pub String);
 /// Compares every tap the oracle produced with the device's (`device`), against the oracle's own
 /// run (`reference`) and, when given, the oracle re-run on the device's values (`isolated`).
 pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &RecordingTap, arith: &Arithmetic, dims: &Dims) -> Result<Vec<TapDiff>, ShapeError> {
-    diff_with_terms(reference, isolated, device, arith, dims, &std::collections::BTreeMap::new())
+    diff_with_terms(reference, isolated, device, arith, dims, &Measured::default())
+}
+
+/// What the oracle measured on the device's inputs that widens a budget: the products' term
+/// scales ([`term_scales`]) and attention's sensitivity to its declared roundings
+/// ([`attention_allowances`]), each by tap.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    pub terms: std::collections::BTreeMap<String, TermScale>,
+    pub attention: std::collections::BTreeMap<String, f64>,
 }
 
 /// [`diff`], with the products' term scales ([`term_scales`]): a product tap whose terms cancel
@@ -797,7 +847,7 @@ pub fn diff(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &
 /// ([`cancellation_grant`]) as an absolute allowance on its isolated budget, and as a grant on
 /// its propagated budget that the ops after it carry on as they carry magnified error
 /// (`carry_through_ops`): the error an honest engine makes there flows downstream.
-pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &RecordingTap, arith: &Arithmetic, dims: &Dims, scales: &std::collections::BTreeMap<String, TermScale>) -> Result<Vec<TapDiff>, ShapeError> {
+pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>, device: &RecordingTap, arith: &Arithmetic, dims: &Dims, measured: &Measured) -> Result<Vec<TapDiff>, ShapeError> {
     let mut out = Vec::new();
     // The isolated re-run substitutes the device's values only at the taps the device gave. Where
     // it gave fewer (an engine that dumps layer outputs alone), a tap's isolated error holds the
@@ -825,6 +875,7 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
             emulated_bulk: None,
             terms: None,
             terms_grant: 0.0,
+            attention_grant: 0.0,
         };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             if let Some(b) = local {
@@ -866,12 +917,18 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
         if let Some((_, idata)) = isolated.and_then(|i| i.tensors.get(name)) {
             t.isolated = Some(err_stats(ddata, idata, *width));
         }
-        if let Some(scale) = scales.get(name) {
+        if let Some(scale) = measured.terms.get(name) {
             t.terms = Some(*scale);
             t.terms_grant = cancellation_grant(kind, scale, arith, dims).unwrap_or(0.0);
-            if let Some(b) = &mut t.budget_isolated {
-                b.abs += t.terms_grant;
-            }
+        }
+        if let Some(allowance) = measured.attention.get(name) {
+            // The measured allowance replaces the dims model's cache term where it is larger.
+            let rms_ref = t.isolated.or(t.propagated).map_or(0.0, |s| s.rms_ref);
+            t.attention_grant = (allowance - kv_cache_rel(kind, arith, dims) * rms_ref).max(0.0);
+        }
+        let grant = t.grant();
+        if let Some(b) = &mut t.budget_isolated {
+            b.abs += grant;
         }
         out.push(t);
     }
@@ -879,8 +936,9 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
         Some(isolated) => carry_through_ops(&mut out, reference, isolated, dims),
         None => {
             for t in &mut out {
+                let grant = t.grant();
                 if let Some(b) = &mut t.budget_propagated {
-                    b.abs += t.terms_grant;
+                    b.abs += grant;
                 }
             }
         }
@@ -948,7 +1006,7 @@ fn carry_through_ops(taps: &mut [TapDiff], reference: &RecordingTap, isolated: &
         let (Some(depth), Some(stats), None) = (t.budget_propagated, t.propagated, t.id_mismatches) else { continue };
         // A product's own grant for its cancelling terms, relative to the tap: granted here, and
         // carried on like magnified error.
-        let own = if t.terms_grant > 0.0 && stats.rms_ref > 0.0 { t.terms_grant / stats.rms_ref } else { 0.0 };
+        let own = if t.grant() > 0.0 && stats.rms_ref > 0.0 { t.grant() / stats.rms_ref } else { 0.0 };
         let grant_own_only = |t: &mut TapDiff| {
             t.magnified = own;
             t.budget_propagated = Some(Budget { rel: depth.rel + own, abs: depth.abs });
@@ -958,9 +1016,10 @@ fn carry_through_ops(taps: &mut [TapDiff], reference: &RecordingTap, isolated: &
         let worst = inputs.iter().try_fold((0.0f64, 0.0f64), |(e, g), n| {
             let input = &taps[*index.get(n)?];
             let s = input.propagated?;
-            // A grant ends at the residual add that closes its branch: the stream does not carry it on.
-            let carried = if matches!(input.kind.as_str(), "inp_embd" | "ffn_inp" | "l_out") { 0.0 } else { input.magnified };
-            (s.rms_ref > 0.0).then(|| (e.max(s.rel()), g.max(carried)))
+            // The residual add passes a branch's grant into the stream as its own amplification
+            // measured it (diluted by the stream's size), and the stream carries it on: the error
+            // it grants is in every later layer's input.
+            (s.rms_ref > 0.0).then(|| (e.max(s.rel()), g.max(input.magnified)))
         });
         let (Some((input, upstream)), Some((width, r)), Some((_, iso))) = (worst.filter(|_| !inputs.is_empty()), reference.tensors.get(&t.name), isolated.tensors.get(&t.name)) else {
             grant_own_only(&mut taps[ti]);
@@ -1041,6 +1100,9 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                     m.insert("massive_values".into(), json!(b.massive));
                     m.insert("bulk_error_spread".into(), json!(b.spread));
                 }
+                if let Some(u) = t.emulated_budget_use() {
+                    m.insert("emulated_budget_use".into(), json!(u));
+                }
                 // No ratio where the emulation has no error yet (no rounding before this tap).
                 if let Some(p) = t.propagated.as_ref().filter(|_| e > 0.0) {
                     m.insert("propagated_over_emulated".into(), json!(p.rel() / e));
@@ -1050,6 +1112,9 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                 m.insert("term_rms".into(), json!(ts.term_rms));
                 m.insert("output_rms".into(), json!(ts.output_rms));
                 m.insert("terms_grant".into(), json!(t.terms_grant));
+            }
+            if t.attention_grant > 0.0 {
+                m.insert("attention_grant".into(), json!(t.attention_grant));
             }
             if let Some(n) = t.id_mismatches {
                 m.insert("id_mismatches".into(), json!(n));
@@ -1088,16 +1153,17 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                         };
                         let rel = if mode == Mode::Propagated && t.magnified > 0.0 {
                             // Say what part of the budget magnification upstream and here granted.
-                            format!("({:.3e} + {:.3e} magnified{})", b.rel - t.magnified, t.magnified, if t.terms_grant > 0.0 { " or cancelling terms" } else { "" })
+                            format!("({:.3e} + {:.3e} magnified{})", b.rel - t.magnified, t.magnified, if t.grant() > 0.0 { " or measured terms" } else { "" })
                         } else {
                             format!("{:.3e}", b.rel)
                         };
                         // The grant for cancelling terms sits in the absolute part, except in a
                         // propagated budget that carried it on as a relative grant.
-                        let abs_holds_grant = (mode == Mode::Isolated || t.magnified == 0.0) && b.abs >= t.terms_grant;
-                        let abs = if t.terms_grant > 0.0 && abs_holds_grant {
-                            // Say what part of the allowance the products' cancelling terms granted.
-                            format!("({:.3e} + {:.3e} cancelling terms)", b.abs - t.terms_grant, t.terms_grant)
+                        let abs_holds_grant = (mode == Mode::Isolated || t.magnified == 0.0) && b.abs >= t.grant();
+                        let abs = if t.grant() > 0.0 && abs_holds_grant {
+                            // Say what part of the allowance the measured terms granted.
+                            let what = if t.attention_grant > 0.0 { "attention's rounded scores" } else { "cancelling terms" };
+                            format!("({:.3e} + {:.3e} {what})", b.abs - t.grant(), t.grant())
                         } else {
                             format!("{:.3e}", b.abs)
                         };
@@ -1291,21 +1357,21 @@ fn judge<'a>(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], devic
     oracle_model.prefill_logits(ids, &mut reference).map_err(|e| e.to_string())?;
     let mut isolated = rerun(true, "isolated");
     oracle_model.prefill_logits(ids, &mut isolated).map_err(|e| e.to_string())?;
-    let mut scales = std::collections::BTreeMap::new();
+    let mut measured = Measured { attention: attention_allowances(oracle_model.spec(), device_taps, &isolated.recorded, arith, dims.n_pos), ..Measured::default() };
     if let Some(products) = &isolated.products {
-        let measured = oracle::loader::open_weights(path).and_then(|(weights, _)| Ok((term_scales(products, weights.as_ref())?, moe_term_ratios(products, weights.as_ref())?)));
-        let (dense, moe) = measured.map_err(|e| format!("the scale of the products' terms: {e}"))?;
-        scales = dense;
+        let scales = oracle::loader::open_weights(path).and_then(|(weights, _)| Ok((term_scales(products, weights.as_ref())?, moe_term_ratios(products, weights.as_ref())?)));
+        let (dense, moe) = scales.map_err(|e| format!("the scale of the products' terms: {e}"))?;
+        measured.terms = dense;
         // A MoE layer's output, in the units of its tap: its RMS in the isolated run, and the
         // terms' that many times it.
         for (tap, ratio) in moe {
             if let Some((_, v)) = isolated.recorded.tensors.get(&tap) {
                 let rms = (v.iter().map(|x| *x as f64 * *x as f64).sum::<f64>() / v.len().max(1) as f64).sqrt();
-                scales.insert(tap, TermScale { term_rms: ratio * rms, output_rms: rms });
+                measured.terms.insert(tap, TermScale { term_rms: ratio * rms, output_rms: rms });
             }
         }
     }
-    let taps = diff_with_terms(&reference.recorded, Some(&isolated.recorded), device_taps, arith, dims, &scales).map_err(|e| e.0)?;
+    let taps = diff_with_terms(&reference.recorded, Some(&isolated.recorded), device_taps, arith, dims, &measured).map_err(|e| e.0)?;
     Ok(Judged { reference, isolated, taps })
 }
 
@@ -1352,7 +1418,11 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
                 Some(c) => Some((c.metrics["largest_tap"].clone(), c.metrics["largest_ratio"].clone())),
                 None => taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, r)| (json!(t.name), json!(r))),
             };
-            let mut section = json!({ "applied": true, "largest_departure": largest.map(|(t, r)| json!({ "tap": t, "propagated_over_emulated": r })), "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR, "min_spread": crate::emulate::EMULATED_MIN_SPREAD });
+            // The tap where the emulated arithmetic comes closest to its own propagated budget:
+            // how much room an honest engine of this arithmetic has (a use near or above 1 is a
+            // budget too tight for the declaration, before any engine meets it).
+            let tightest = taps.iter().filter_map(|t| Some((t, t.emulated_budget_use()?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, u)| json!({ "tap": t.name, "budget_use": u }));
+            let mut section = json!({ "applied": true, "largest_departure": largest.map(|(t, r)| json!({ "tap": t, "propagated_over_emulated": r })), "tightest_budget": tightest, "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR, "min_spread": crate::emulate::EMULATED_MIN_SPREAD });
             if departure_case.is_none() {
                 section["gate"] = json!(format!(
                     "not applicable: the emulated error over a tap's bulk reaches {:e} at no tap whose errors are spread over {} elements (the declared roundings barely touch this model)",
@@ -1401,6 +1471,7 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
         // What of the budget the two comparisons with the oracle granted, for the rule's text.
         t.magnified = ta.map_or(0.0, |t| t.magnified) + tb.map_or(0.0, |t| t.magnified);
         t.terms_grant = ta.map_or(0.0, |t| t.terms_grant) + tb.map_or(0.0, |t| t.terms_grant);
+        t.attention_grant = ta.map_or(0.0, |t| t.attention_grant) + tb.map_or(0.0, |t| t.attention_grant);
         t.terms = ta.and_then(|t| t.terms);
     }
     // Where the two took other experts for a token and each choice is one its own comparison with
@@ -1420,7 +1491,7 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
             }
             let worse = [(a.0, ta), (b.0, tb)].into_iter().filter_map(|(d, t)| Some((d, t?.budget_use(Mode::Propagated)?, t?))).max_by(|x, y| x.1.total_cmp(&y.1));
             if let Some((device, _, own)) = worse {
-                (t.propagated, t.budget_propagated, t.magnified, t.terms_grant) = (own.propagated, own.budget_propagated, own.magnified, own.terms_grant);
+                (t.propagated, t.budget_propagated, t.magnified, t.terms_grant, t.attention_grant) = (own.propagated, own.budget_propagated, own.magnified, own.terms_grant, own.attention_grant);
                 judged_alone.insert(t.name.clone(), device);
             }
         }

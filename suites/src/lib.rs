@@ -5,6 +5,7 @@
 //! (see docs/ARCHITECTURE.md, "Roadmap").
 
 pub mod ab;
+pub mod attention_terms;
 pub mod emulate;
 pub mod fixedtoken;
 pub mod kernels;

@@ -53,7 +53,24 @@ struct Shape {
     /// expert matrices stay random here; smooth experts are the MoE checkpoints of
     /// `tools/reference/smooth_checkpoints.py --moe`.
     smooth: bool,
+    /// What real checkpoints have and random weights lack (see [`RealLike`]); None: plain random.
+    real: Option<RealLike>,
     seed: u64,
+}
+
+/// Features of real checkpoints that the layer-diff budgets must hold on: massive activations
+/// (the first token's embedding has two channels `massive` times the rest, which the residual
+/// stream carries through every layer, as SmolLM2's 22,500 at dimension 507), an attention sink
+/// (every query head's bias points along what the first token's massive channel makes of its
+/// key, so the first position draws most of the attention: scores of about `sink` above the
+/// others) and large key biases (normal of standard deviation `k_bias`, where the random
+/// models' are 0.1: Qwen2's put a common offset of tens into every score, which the softmax
+/// cancels and each term's rounding does not; query and value biases of 0.5).
+#[derive(Debug, Clone, Copy)]
+struct RealLike {
+    massive: f32,
+    sink: f32,
+    k_bias: f32,
 }
 
 /// A weight type a `[rows, cols]` matrix can take (K-quants need 256-wide rows, the others 32).
@@ -110,13 +127,28 @@ fn write_model(s: &Shape) -> Vec<u8> {
         _ => {}
     }
     let smooth = s.smooth && s.moe.is_none();
-    let mat = |w: &mut GgufWriter, r: &mut SplitMix64, name: &str, rows: usize, cols: usize| {
+    // The values of a matrix before it is encoded (a real-like model's query biases read its
+    // key matrices').
+    let mat_values = |w: &mut GgufWriter, r: &mut SplitMix64, name: &str, rows: usize, cols: usize, edit: &dyn Fn(&mut [f32])| -> Vec<f32> {
         // Only a smooth model draws its rows' frequency and phase (a random model's weights stay
         // the stream of normals they were, so the shapes kept below still reproduce).
         let (k, phase) = if smooth { (0.01 + 1.5 * r.next_f64(), 6.0 * r.next_f64()) } else { (0.0, 0.0) };
-        let x: Vec<f32> = (0..rows * cols).map(|i| (if smooth { (i as f64 * k + phase).sin() * 2f64.sqrt() } else { r.next_normal() } / (cols as f64).sqrt()) as f32).collect();
+        let mut x: Vec<f32> = (0..rows * cols).map(|i| (if smooth { (i as f64 * k + phase).sin() * 2f64.sqrt() } else { r.next_normal() } / (cols as f64).sqrt()) as f32).collect();
+        edit(&mut x);
         let ty = weight_type(cols, r.next_u64());
         w.tensor(name, &[cols as u64, rows as u64], ty, encode(ty, &x).unwrap());
+        x
+    };
+    let mat = |w: &mut GgufWriter, r: &mut SplitMix64, name: &str, rows: usize, cols: usize| {
+        mat_values(w, r, name, rows, cols, &|_| {});
+    };
+    // A real-like model's massive channels: the first two (token 0's embedding holds them).
+    let massive = |x: &mut [f32]| {
+        if let Some(real) = s.real {
+            let rms = (x[..s.n_embd].iter().map(|v| v * v).sum::<f32>() / s.n_embd as f32).sqrt();
+            x[0] = real.massive * rms;
+            x[1] = -real.massive * rms;
+        }
     };
     let vec = |w: &mut GgufWriter, r: &mut SplitMix64, name: &str, n: usize, mean: f64| {
         let x: Vec<f32> = (0..n).map(|_| (mean + 0.1 * r.next_normal()) as f32).collect();
@@ -128,7 +160,7 @@ fn write_model(s: &Shape) -> Vec<u8> {
         let f = oracle::spec::llama3_freq_factors(10_000.0, s.n_rot, 8.0, 1.0, 4.0, 64);
         w.tensor("rope_freqs.weight", &[f.len() as u64], GgmlType::F32, encode(GgmlType::F32, &f).unwrap());
     }
-    mat(&mut w, &mut r, "token_embd.weight", s.vocab, d);
+    mat_values(&mut w, &mut r, "token_embd.weight", s.vocab, d, &massive);
     vec(&mut w, &mut r, "output_norm.weight", d, 1.0);
     if !s.tied {
         mat(&mut w, &mut r, "output.weight", s.vocab, d);
@@ -141,13 +173,42 @@ fn write_model(s: &Shape) -> Vec<u8> {
             mat(&mut w, &mut r, &n("attn_qkv.weight"), q + 2 * kv, d);
         } else {
             mat(&mut w, &mut r, &n("attn_q.weight"), q, d);
-            mat(&mut w, &mut r, &n("attn_k.weight"), kv, d);
+            let wk = mat_values(&mut w, &mut r, &n("attn_k.weight"), kv, d, &|_| {});
             mat(&mut w, &mut r, &n("attn_v.weight"), kv, d);
+            if let Some(real) = s.real {
+                // The first token's normalized state is about sqrt(d/2) (e_0 - e_1); its key
+                // (before RoPE) that times the difference of W_k's first two columns. Each query
+                // head's bias points along its key head's share of it, scaled so that the score
+                // of the first position is `sink` above the others, and the Q/K/V biases add
+                // normal values of `qkv_bias`.
+                let (hd, n_rot) = (s.head_dim, s.n_rot);
+                let sink_key: Vec<f32> = (0..kv).map(|row| (wk[row * d] - wk[row * d + 1]) * (d as f32 / 2.0).sqrt()).collect();
+                // Only the dimensions RoPE leaves alone or turns slowest (the lowest-frequency
+                // quarter of the pairs), so the first key stays aligned with queries far from it.
+                let neox = s.arch != "llama";
+                let slow = |i: usize| i >= n_rot || if neox { (i % (n_rot / 2)) >= 3 * n_rot / 8 } else { i >= 3 * n_rot / 4 };
+                let group = s.n_head / s.n_head_kv;
+                let along: Vec<f32> = (0..q)
+                    .map(|i| {
+                        let (h, c) = (i / hd, i % hd);
+                        let k = &sink_key[(h / group) * hd..(h / group + 1) * hd];
+                        let norm2 = (0..hd).filter(|j| slow(*j)).map(|j| k[j] * k[j]).sum::<f32>().max(1e-12);
+                        if slow(c) { real.sink * (hd as f32).sqrt() * k[c] / norm2 } else { 0.0 }
+                    })
+                    .collect();
+                let mut bias = |name: &str, n: usize, along: &[f32], size: f32| {
+                    let x: Vec<f32> = (0..n).map(|j| along.get(j).copied().unwrap_or(0.0) + size * r.next_normal() as f32).collect();
+                    w.tensor(&format!("blk.{i}.{name}"), &[n as u64], GgmlType::F32, encode(GgmlType::F32, &x).unwrap());
+                };
+                bias("attn_q.bias", q, &along, 0.5);
+                bias("attn_k.bias", kv, &[], real.k_bias);
+                bias("attn_v.bias", kv, &[], 0.5);
+            }
         }
         mat(&mut w, &mut r, &n("attn_output.weight"), d, q);
         // Q/K/V biases: always on qwen2; on llama and qwen3 with the output bias (Hugging Face's
         // `attention_bias` biases all four projections).
-        if s.arch == "qwen2" || s.out_bias {
+        if (s.arch == "qwen2" || s.out_bias) && (s.real.is_none() || s.arch == "phi3") {
             vec(&mut w, &mut r, &n("attn_q.bias"), q, 0.0);
             vec(&mut w, &mut r, &n("attn_k.bias"), kv, 0.0);
             vec(&mut w, &mut r, &n("attn_v.bias"), kv, 0.0);
@@ -230,6 +291,7 @@ fn shape() -> impl Strategy<Value = Shape> {
                 }),
                 // Random weights: the emulation's fidelity (checked in `judge`) holds on them.
                 smooth: false,
+                real: None,
                 seed,
             }
         })
@@ -303,7 +365,8 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
         }
         if out.report.exit_code() != 0 {
             let first = layerdiff::first_divergence_json(&out.taps);
-            return Err(format!("{device} ({mode:?}): exit {}, first divergence {first}", out.report.exit_code()));
+            let failed: Vec<String> = out.report.cases.iter().filter(|c| c.verdict == reports::Verdict::Fail).take(3).map(|c| format!("{}: {}", c.id, c.message.as_deref().unwrap_or(""))).collect();
+            return Err(format!("{device} ({mode:?}): exit {}, first divergence {first}, failed: {failed:?}", out.report.exit_code()));
         }
     }
     Ok(true)
@@ -596,14 +659,14 @@ fn random_models_pass_layer_diff_on_every_device() {
 #[test]
 fn shapes_that_found_bugs() {
     let judged = Judged::default();
-    let base = Shape { arch: "llama", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 16, n_rot: 2, n_ff: 96, n_layer: 1, vocab: 300, scaling: 0, out_bias: true, tied: false, window: 0, moe: None, smooth: false, seed: 0 };
+    let base = Shape { arch: "llama", n_embd: 32, n_head: 1, n_head_kv: 1, head_dim: 16, n_rot: 2, n_ff: 96, n_layer: 1, vocab: 300, scaling: 0, out_bias: true, tied: false, window: 0, moe: None, smooth: false, real: None, seed: 0 };
     check(&base, 3, &judged).unwrap();
     let mixed = Shape { n_embd: 64, n_head: 2, head_dim: 32, n_ff: 224, seed: 707767943552255558, ..base };
     check(&mixed, 1, &judged).unwrap();
     // SwiGLU over 16 channels whose output is 4x smaller than its inputs' product magnified the
     // gate's and up's relative error 5.7x (fixed-int4, phi3) and 7.4x (cpu, qwen3): the
     // propagated `ffn_act` tap broke the depth model's budget with every op within its own.
-    let phi3 = Shape { arch: "phi3", n_embd: 32, n_head: 8, n_head_kv: 4, head_dim: 224, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 101, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, seed: 4188272124517499334 };
+    let phi3 = Shape { arch: "phi3", n_embd: 32, n_head: 8, n_head_kv: 4, head_dim: 224, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 101, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, real: None, seed: 4188272124517499334 };
     check(&phi3, 1, &judged).unwrap();
     let qwen3 = Shape { arch: "qwen3", n_embd: 256, n_head: 2, n_head_kv: 2, head_dim: 104, n_rot: 2, n_ff: 16, n_layer: 1, vocab: 432, tied: false, seed: 1642801155426654446, ..phi3 };
     check(&qwen3, 1, &judged).unwrap();
@@ -623,7 +686,7 @@ fn shapes_that_found_bugs() {
 /// The model of the KV cache tests (a head of 64: whole blocks of 32, rotation widths of 64),
 /// written as `llama.gguf` in the returned directory, loaded, and the ids they run.
 fn cache_test_model() -> (tempfile::TempDir, AnyModel, Vec<u32>) {
-    let s = Shape { arch: "llama", n_embd: 128, n_head: 2, n_head_kv: 1, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 200, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, seed: 5 };
+    let s = Shape { arch: "llama", n_embd: 128, n_head: 2, n_head_kv: 1, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 200, scaling: 0, out_bias: false, tied: true, window: 0, moe: None, smooth: false, real: None, seed: 5 };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("llama.gguf");
     std::fs::write(&path, write_model(&s)).unwrap();
@@ -737,6 +800,7 @@ fn a_wrong_expert_choice_is_not_excused_as_a_near_tie() {
         window: 0,
         moe: Some((8, 2, 32, 0, false, false, true)),
         smooth: false,
+        real: None,
         seed: 11,
     };
     let dir = tempfile::tempdir().unwrap();
@@ -796,6 +860,7 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
             window: 0,
             moe: Some((8, 2, 32, if i % 2 == 0 { 64 } else { 0 }, i % 4 == 0, i % 5 == 0, true)),
             smooth: false,
+            real: None,
             seed,
         };
         let dir = tempfile::tempdir().unwrap();
@@ -845,7 +910,7 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
 #[test]
 fn moe_checkpoints_load_to_the_gguf_logits() {
     let judged = Judged::default();
-    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, smooth: false, seed: 11 };
+    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, smooth: false, real: None, seed: 11 };
     // Even seeds: experts one tensor each; odd (Qwen only): fused as Transformers 5 saves them.
     let shapes = [
         Shape { moe: Some((4, 2, 48, 0, false, false, true)), ..base.clone() },
@@ -868,7 +933,7 @@ fn moe_checkpoints_load_to_the_gguf_logits() {
 #[test]
 fn llama3_frequency_factors_pass_on_every_device() {
     let judged = Judged::default();
-    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 3, out_bias: false, tied: false, window: 0, moe: None, smooth: false, seed: 31 };
+    let base = Shape { arch: "llama", n_embd: 64, n_head: 4, n_head_kv: 2, head_dim: 16, n_rot: 16, n_ff: 96, n_layer: 2, vocab: 300, scaling: 3, out_bias: false, tied: false, window: 0, moe: None, smooth: false, real: None, seed: 31 };
     for s in [base.clone(), Shape { n_rot: 8, seed: 32, ..base.clone() }, Shape { arch: "qwen2", head_dim: 32, n_head: 2, n_head_kv: 1, n_rot: 32, seed: 33, ..base.clone() }] {
         check(&s, 70, &judged).unwrap();
     }
@@ -883,7 +948,7 @@ fn llama3_frequency_factors_pass_on_every_device() {
 #[test]
 fn phi3_fused_quantized_tensors_pass_on_every_device() {
     let judged = Judged::default();
-    let base = Shape { arch: "phi3", n_embd: 256, n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, smooth: false, seed: 0 };
+    let base = Shape { arch: "phi3", n_embd: 256, n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 64, n_ff: 256, n_layer: 2, vocab: 300, scaling: 0, out_bias: false, tied: false, window: 0, moe: None, smooth: false, real: None, seed: 0 };
     let mut fused_types = Vec::new();
     for (seed, window) in [(41, 0), (42, 7), (43, 0), (44, 0)] {
         let s = Shape { seed, window, ..base.clone() };
@@ -894,4 +959,105 @@ fn phi3_fused_quantized_tensors_pass_on_every_device() {
     assert!(fused_types.iter().any(|t| t.block_size() == 256) && fused_types.iter().any(|t| t.block_size() == 32 && *t != GgmlType::F32), "{fused_types:?}");
     let judged = judged.into_inner().unwrap();
     assert_eq!((judged.get("cpu"), judged.get("fixed"), judged.get("external")), (Some(&4), Some(&4), Some(&4)), "{judged:?}");
+}
+
+/// llama.cpp's CPU arithmetic as `tools/peers/llama_cpp_dump.py` declares it for a file of
+/// quantized matrices with its default f16 cache: Q8_0 blocks before legacy-quantized matrices,
+/// Q8_K before K-quants, f16 inputs to half-precision matrices and to its cache.
+fn llama_cpp_declaration() -> devices::Arithmetic {
+    serde_json::from_value(serde_json::json!({"storage": "f32", "accumulate": "f32", "activation_q8_block": 32, "activation_q8_block_kquant": 256,
+        "activation_half_rounding": true, "transcendental_ulps": 4.0, "fixed": null, "kv_cache": "f16"}))
+    .unwrap()
+}
+
+/// Real-like models: wide GQA (up to 8 query heads per KV head), heads of 64 to 256, prompts of
+/// up to 100 tokens whose first is the massive-activation token, large Q/K/V biases and a sink.
+fn real_shape() -> impl Strategy<Value = Shape> {
+    (0usize..3, 1usize..3, 1usize..9, 0usize..3, any::<bool>(), 0usize..3, any::<u64>(), (0usize..3, 0usize..3, 0usize..3))
+        .prop_map(|(arch, n_kv, group, hd, neox_partial, window, seed, (massive, sink, bias))| {
+            let head_dim = [64, 128, 256][hd];
+            Shape {
+                arch: ["llama", "qwen2", "qwen3"][arch],
+                n_embd: 256,
+                n_head: n_kv * group,
+                n_head_kv: n_kv,
+                head_dim,
+                n_rot: if neox_partial { head_dim / 2 } else { head_dim },
+                n_ff: 512,
+                n_layer: 2,
+                vocab: 300,
+                scaling: 0,
+                out_bias: false,
+                tied: seed % 2 == 0,
+                window: [0, 0, 16][window],
+                moe: None,
+                smooth: false,
+                real: Some(RealLike { massive: [100.0, 1000.0, 10000.0][massive], sink: [2.0, 6.0, 12.0][sink], k_bias: [0.1, 10.0, 50.0][bias] }),
+                seed,
+            }
+        })
+}
+
+/// Self-consistency of the budgets: the oracle run with a declaration's roundings emulated (what
+/// an honest engine of that arithmetic computes) passes layer-diff in both modes against that
+/// declaration's own budgets, at every tap — for `cpu` (Q8_0 activations), `cpu:kv-f16`,
+/// `cpu:kv-q8_0`, `fixed` and llama.cpp's declaration — and the devices themselves pass, on
+/// models with what real checkpoints have (`RealLike`). `gpu-emu` declares f32 arithmetic, which
+/// the emulation has nothing to round for; it is judged as a device.
+/// `TOUCHSTONE_REAL_LIKE_MODELS=N` draws N models instead of 8.
+#[test]
+fn declared_arithmetic_passes_its_own_budgets_on_real_like_models() {
+    use proptest::test_runner::{Config, TestRunner};
+    let cases = std::env::var("TOUCHSTONE_REAL_LIKE_MODELS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
+    let mut config = Config { cases, failure_persistence: None, ..Config::default() };
+    if std::env::var_os("PROPTEST_RNG_SEED").is_none() {
+        config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_0f_4ea1);
+    }
+    let judged = Judged::default();
+    let mut runner = TestRunner::new(config);
+    let result = runner.run(&(real_shape(), 24usize..100), |(s, n_ids)| {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("real-like.gguf");
+        std::fs::write(&path, write_model(&s)).unwrap();
+        let (oracle_model, _) = AnyModel::load(&path, Precision::F32).map_err(|e| TestCaseError::fail(format!("oracle: {e}")))?;
+        let mut r = SplitMix64(s.seed ^ 1);
+        // The first token carries the massive activations.
+        let ids: Vec<u32> = std::iter::once(0).chain((1..n_ids).map(|_| 1 + (r.next_u64() % (s.vocab as u64 - 1)) as u32)).collect();
+        let declarations = [("cpu", None), ("cpu:kv-f16", None), ("cpu:kv-q8_0", None), ("fixed", None), ("llama.cpp", Some(llama_cpp_declaration()))];
+        for (name, declared) in declarations {
+            let arith = match declared {
+                Some(a) => a,
+                None => devices::open(name).unwrap().load_model(&path, &ModelOptions::default()).map_err(|e| TestCaseError::fail(format!("{name}: {e}")))?.arithmetic(),
+            };
+            let emulated = suites::emulate::emulated_taps(&oracle_model, &path, &ids, &arith).map_err(TestCaseError::fail)?;
+            let Some(taps) = emulated else { continue };
+            for mode in [Mode::Isolated, Mode::Propagated] {
+                let out = layerdiff::run(&oracle_model, &path, &ids, &taps, &arith, mode, suites::emulate::EMULATION_FACTOR, "real-like", name).map_err(TestCaseError::fail)?;
+                if out.report.exit_code() != 0 {
+                    let first = layerdiff::first_divergence_json(&out.taps);
+                    let keep = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-like-{}.gguf", s.seed));
+                    let _ = std::fs::copy(&path, &keep);
+                    return Err(TestCaseError::fail(format!("{s:?}, {} ids: {name}'s declared arithmetic, emulated, fails its own budgets ({mode:?}): {first}; model kept at {}", ids.len(), keep.display())));
+                }
+            }
+            *judged.lock().unwrap().entry(format!("emulated {name}")).or_default() += 1;
+        }
+        let mut devices = vec!["cpu", "cpu:kv-f16", "fixed"];
+        if gpu_available() {
+            devices.push(GPU_EMU);
+        }
+        for device in devices {
+            let ran = judge(&oracle_model, &path, device, &ids, &[ids.len()], false).map_err(|e| TestCaseError::fail(format!("{s:?}, {} ids: {e}", ids.len())))?;
+            *judged.lock().unwrap().entry(device.to_string()).or_default() += ran as usize;
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let judged = judged.into_inner().unwrap();
+    eprintln!("real-like models judged: {judged:?}");
+    for name in ["emulated cpu", "emulated cpu:kv-f16", "emulated cpu:kv-q8_0", "emulated fixed", "emulated llama.cpp", "cpu", "cpu:kv-f16", "fixed"] {
+        assert!(judged.get(name).copied().unwrap_or(0) > 0, "{name} judged no model: {judged:?}");
+    }
 }

@@ -178,6 +178,13 @@ fn print_table(o: &layerdiff::Outcome) {
             outln!("emulated_departure gate: {why}");
         }
     }
+    if let Some(t) = o.report.sections.get("emulated_arithmetic").and_then(|e| e.get("tightest_budget")).filter(|t| !t.is_null()) {
+        outln!(
+            "headroom of the declared arithmetic emulated: at {} it uses {:.0}% of its propagated budget",
+            t["tap"].as_str().unwrap_or("?"),
+            100.0 * t["budget_use"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
     // `--against` on MoE: where the two took other experts at a near tie each one's comparison
     // explains, and what the taps after it are held to.
     if let Some(s) = o.report.sections.get("routing_split").filter(|s| !s.is_null()) {
