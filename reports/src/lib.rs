@@ -152,17 +152,25 @@ pub struct Report {
 
 impl Report {
     pub fn new(suite: &str, provenance: Provenance, cases: Vec<Case>) -> Report {
-        let mut s = Summary { executed: cases.len(), ..Default::default() };
-        for c in &cases {
-            match c.verdict {
-                Verdict::Pass => s.passed += 1,
-                Verdict::Fail => s.failed += 1,
-                Verdict::Unsupported => s.unsupported += 1,
-                Verdict::Error => s.errors += 1,
-                Verdict::Inconclusive => s.inconclusive += 1,
-            }
+        let mut report = Report { schema_version: SCHEMA_VERSION, suite: suite.into(), provenance, summary: Summary::default(), cases: Vec::new(), sections: Default::default() };
+        for c in cases {
+            report.push_case(c);
         }
-        Report { schema_version: SCHEMA_VERSION, suite: suite.into(), provenance, summary: s, cases, sections: Default::default() }
+        report
+    }
+
+    /// Adds a case, counting it in the summary.
+    pub fn push_case(&mut self, c: Case) {
+        let s = &mut self.summary;
+        s.executed += 1;
+        match c.verdict {
+            Verdict::Pass => s.passed += 1,
+            Verdict::Fail => s.failed += 1,
+            Verdict::Unsupported => s.unsupported += 1,
+            Verdict::Error => s.errors += 1,
+            Verdict::Inconclusive => s.inconclusive += 1,
+        }
+        self.cases.push(c);
     }
 
     /// Gate outcome per the exit-code contract: 0 all passed, 1 a case failed or nothing ran,

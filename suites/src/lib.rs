@@ -6,6 +6,7 @@
 
 pub mod ab;
 pub mod attention_terms;
+pub mod coverage;
 pub mod emulate;
 pub mod fixedtoken;
 pub mod kernels;

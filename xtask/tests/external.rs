@@ -510,3 +510,34 @@ fn two_devices_that_route_a_token_otherwise_at_a_near_tie_are_each_held_to_the_o
     assert!(r["routing_split"].is_null(), "{}", r["routing_split"]);
     assert!(topk["metrics"]["id_mismatches"].as_u64().unwrap() >= 1, "{topk}");
 }
+
+/// Tap coverage as a gate: a dump of the embedding and the logits alone passes by default (its
+/// coverage reported in `tap_coverage`), fails under `--require-taps layers` naming the missing
+/// layer outputs, and passes again once it gives them; an unknown kind exits 2.
+#[test]
+fn require_taps_fails_a_dump_that_leaves_the_layers_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("dump");
+    dump_cpu("tiny-llama", "1,2,3,4,5", &dump);
+    let all = manifest(&dump)["taps"].clone();
+    edit_manifest(&dump, |m| m["taps"].as_array_mut().unwrap().retain(|t| t["name"] == "inp_embd"));
+    let device = format!("external:{}", dump.display());
+    let run = |extra: &[&str], dir: &str| {
+        let report = tmp.path().join(dir);
+        let mut args = vec!["layer-diff", "--device", device.as_str(), "--model", "tiny-llama", "--prompt-ids", "1,2,3,4,5", "--report-dir", report.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        (xtask(&args, &[]), report)
+    };
+    let (o, report) = run(&[], "default");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["tap_coverage"]["given"], 2, "{}", r["tap_coverage"]);
+    let (o, _) = run(&["--require-taps", "layers"], "layers");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("tap_coverage gate (every tap of kinds l_out, result_output given): Fail") && text(&o).contains("missing: 2 of 2 l_out"), "{}", text(&o));
+    edit_manifest(&dump, |m| m["taps"] = all);
+    let (o, _) = run(&["--require-taps", "layers"], "given");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let (o, _) = run(&["--require-taps", "l_out,blk_out"], "bad");
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}

@@ -37,6 +37,11 @@ pub struct GateArgs {
     /// Where the reports go (default: target/touchstone/gate-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
+    /// Which taps each device must give in the layers suite (`layer-diff --require-taps`): `all`,
+    /// `layers` (every layer's `l_out` and the logits), a comma list of kinds, a fraction, or `none`
+    /// (the default: reported, not gated).
+    #[arg(long, default_value = suites::coverage::DEFAULT)]
+    require_taps: String,
 }
 
 pub fn main(a: GateArgs) -> Result<u8, Exit> {
@@ -50,6 +55,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     if let Some(s) = a.shard.as_deref().filter(|_| suites.iter().any(|s| s != "kernels")) {
         return Err(Exit { code: 2, message: format!("--shard {s} splits the kernel cases alone; the other suites would run whole in every shard (and the shards' reports not merge): give --suite kernels, and run the others unsharded") });
     }
+    a.require_taps.parse::<suites::coverage::RequiredTaps>().map_err(|e| Exit { code: 2, message: e })?;
     let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into(), "fixed".into()] } else { a.device.clone() };
     if suites.iter().any(|s| s == "kernels") {
         device_names.iter().try_for_each(|d| super::check_runs_ops(d))?;
@@ -82,7 +88,7 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
             for m in &models {
                 eprintln!("gate: {suite} on {d} / {m} ...");
                 let got = if suite == "layers" {
-                    let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None };
+                    let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone() };
                     super::layerdiff::layer_diff(&args).map(|o| o.report.cases)
                 } else if suite == "bench" {
                     super::bench::measure(d, m, oracle::Precision::F32, super::bench::PROMPT_LEN, super::bench::GEN_LEN, super::bench::REPS).map(|r| vec![super::bench::case(d, m, &r)])

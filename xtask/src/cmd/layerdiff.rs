@@ -50,6 +50,13 @@ pub struct LayerDiffArgs {
     /// Where report.json, report.md, junit.xml, cases.csv and the plots go (default target/touchstone/layer-diff-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
+    /// Which taps the device must give (gate case `tap_coverage`): `all`, a comma list of tap
+    /// kinds (`l_out,attn_out`; `result_output` is the logits), a fraction of the oracle's taps
+    /// (`0.9`), `layers` (every layer's `l_out` and the logits: an engine that dumps only its logits
+    /// then fails rather than pass with every layer unjudged), or `none` (the default: coverage
+    /// reported in report.json's `tap_coverage`, not gated).
+    #[arg(long, default_value = suites::coverage::DEFAULT)]
+    pub require_taps: String,
 }
 
 /// The prompt when none is given: the default prompt encoded, or, without a tokenizer, the
@@ -88,6 +95,9 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
             names.iter().take(12).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ") + if names.len() > 12 { ", ..." } else { "" }
         );
     }
+    if let Some(c) = outcome.report.cases.iter().find(|c| c.id.ends_with(",gate=tap_coverage)")) {
+        outln!("tap_coverage gate ({}): {:?} — {} of {} taps given{}", c.tolerance.rule, c.verdict, c.metrics["taps_given"], c.metrics["taps_expected"], c.message.as_deref().map(|m| format!("; {m}")).unwrap_or_default());
+    }
     let dir = super::write_report(&mut outcome.report, a.report_dir)?;
     let s = &outcome.report.summary;
     outln!("{} cases (a tap each, and the emulated_departure gate where it applies): {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
@@ -97,6 +107,18 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
 
 /// Runs the comparison the arguments describe (no printing, no files).
 pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
+    let required: suites::coverage::RequiredTaps = a.require_taps.parse().map_err(|e: String| Exit { code: 2, message: e })?;
+    let mut outcome = layer_diff_taps(a)?;
+    // Which taps the device gave, by kind, and the gate on the ones required.
+    outcome.report.sections.insert("tap_coverage".into(), suites::coverage::section(&outcome.taps, &required));
+    if let Some(c) = suites::coverage::case(&outcome.taps, &required, &a.model, &a.device) {
+        outcome.report.push_case(c);
+    }
+    Ok(outcome)
+}
+
+/// The comparison of every tap, before the coverage gate.
+fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let mode: Mode = a.mode.as_deref().unwrap_or("isolated").parse().map_err(|e| Exit { code: 2, message: format!("--mode: {e}") })?;
     if a.against.is_some() && a.mode.is_some() && mode != Mode::Propagated {
         return Err(Exit { code: 2, message: "--mode isolated: --against compares the two devices' whole runs (propagated); each device's isolated comparison is `layer-diff --device D` against the oracle".into() });
