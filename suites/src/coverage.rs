@@ -13,8 +13,9 @@ use serde_json::{json, Value};
 /// that dumps less fails.
 pub const LAYERS: &str = "l_out,result_output";
 
-/// The rule when none is given: coverage reported, not gated (`none`).
-pub const DEFAULT: &str = "none";
+/// The rule when none is given: `layers`. An engine that dumps only its logits fails unless
+/// the user says `--require-taps none`.
+pub const DEFAULT: &str = "layers";
 
 /// Which taps must be given.
 #[derive(Clone, Debug, PartialEq)]
@@ -164,7 +165,7 @@ mod tests {
 
     #[test]
     fn an_engine_that_dumps_only_its_logits_fails_the_default_rule() {
-        let rule: RequiredTaps = "layers".parse().unwrap();
+        let rule: RequiredTaps = DEFAULT.parse().unwrap();
         let logits_only = model(&|n| n == "result_output" || n == "inp_embd");
         let c = case(&logits_only, &rule, "m", "d").unwrap();
         assert_eq!(c.verdict, Verdict::Fail);
@@ -188,7 +189,8 @@ mod tests {
         assert_eq!("all".parse::<RequiredTaps>(), Ok(RequiredTaps::All));
         assert_eq!("0.5".parse::<RequiredTaps>(), Ok(RequiredTaps::Fraction(0.5)));
         assert_eq!("layers".parse::<RequiredTaps>(), Ok(RequiredTaps::Kinds(vec!["l_out".into(), "result_output".into()])));
-        assert_eq!(DEFAULT.parse::<RequiredTaps>(), Ok(RequiredTaps::Nothing));
+        assert_eq!(DEFAULT.parse::<RequiredTaps>(), "layers".parse::<RequiredTaps>());
+        assert_eq!("none".parse::<RequiredTaps>(), Ok(RequiredTaps::Nothing));
         assert!("1.5".parse::<RequiredTaps>().unwrap_err().contains("(0, 1]"));
         assert!("l_out,blk_out".parse::<RequiredTaps>().unwrap_err().contains("no tap kind `blk_out`"));
     }

@@ -392,6 +392,16 @@ impl TapDiff {
         self.terms_grant + self.attention_grant
     }
 
+    /// What the grant is for, in a budget rule's words (`None` without one).
+    fn grant_source(&self) -> Option<&'static str> {
+        match (self.terms_grant > 0.0, self.attention_grant > 0.0) {
+            (true, true) => Some("cancelling terms and attention's rounded scores"),
+            (true, false) => Some("cancelling terms"),
+            (false, true) => Some("attention's rounded scores"),
+            (false, false) => None,
+        }
+    }
+
     /// The comparison of `mode` and its budget.
     pub fn compared(&self, mode: Mode) -> (Option<ErrStats>, Option<Budget>) {
         match mode {
@@ -1153,7 +1163,7 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                         };
                         let rel = if mode == Mode::Propagated && t.magnified > 0.0 {
                             // Say what part of the budget magnification upstream and here granted.
-                            format!("({:.3e} + {:.3e} magnified{})", b.rel - t.magnified, t.magnified, if t.grant() > 0.0 { " or measured terms" } else { "" })
+                            format!("({:.3e} + {:.3e} magnified{})", b.rel - t.magnified, t.magnified, t.grant_source().map_or(String::new(), |w| format!(" or {w}")))
                         } else {
                             format!("{:.3e}", b.rel)
                         };
@@ -1162,8 +1172,7 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
                         let abs_holds_grant = (mode == Mode::Isolated || t.magnified == 0.0) && b.abs >= t.grant();
                         let abs = if t.grant() > 0.0 && abs_holds_grant {
                             // Say what part of the allowance the measured terms granted.
-                            let what = if t.attention_grant > 0.0 { "attention's rounded scores" } else { "cancelling terms" };
-                            format!("({:.3e} + {:.3e} {what})", b.abs - t.grant(), t.grant())
+                            format!("({:.3e} + {:.3e} {})", b.abs - t.grant(), t.grant(), t.grant_source().unwrap_or_default())
                         } else {
                             format!("{:.3e}", b.abs)
                         };

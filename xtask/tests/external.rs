@@ -129,8 +129,9 @@ fn a_dump_of_layer_outputs_alone_is_judged_layer_by_layer() {
     let device = format!("external:{}", dump.display());
     let o = layer_diff(&device, "smollm2", IDS, &tmp.path().join("ok"));
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    // 31 taps and the emulated_departure gate (the dump declares cpu's Q8 activations).
-    assert!(text(&o).contains("32 passed, 0 failed") && text(&o).contains("emulated_departure gate (4x): Pass"), "{}", text(&o));
+    // 31 taps, the emulated_departure gate (the dump declares cpu's Q8 activations) and the
+    // tap_coverage gate (the default rule, `layers`, requires what this dump gives).
+    assert!(text(&o).contains("33 passed, 0 failed") && text(&o).contains("emulated_departure gate (4x): Pass"), "{}", text(&o));
     edit_tap(&dump, "blk.17.l_out", |v| v.iter_mut().for_each(|x| *x *= 1.3));
     let o = layer_diff(&device, "smollm2", IDS, &tmp.path().join("bad"));
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
@@ -511,9 +512,10 @@ fn two_devices_that_route_a_token_otherwise_at_a_near_tie_are_each_held_to_the_o
     assert!(topk["metrics"]["id_mismatches"].as_u64().unwrap() >= 1, "{topk}");
 }
 
-/// Tap coverage as a gate: a dump of the embedding and the logits alone passes by default (its
-/// coverage reported in `tap_coverage`), fails under `--require-taps layers` naming the missing
-/// layer outputs, and passes again once it gives them; an unknown kind exits 2.
+/// Tap coverage as a gate: a dump of the embedding and the logits alone fails under the default
+/// rule (`layers`) naming the missing layer outputs, passes under `--require-taps none` (its
+/// coverage still reported in `tap_coverage`), and passes the default once it gives them; an
+/// unknown kind exits 2.
 #[test]
 fn require_taps_fails_a_dump_that_leaves_the_layers_out() {
     let tmp = tempfile::tempdir().unwrap();
@@ -528,15 +530,15 @@ fn require_taps_fails_a_dump_that_leaves_the_layers_out() {
         args.extend_from_slice(extra);
         (xtask(&args, &[]), report)
     };
-    let (o, report) = run(&[], "default");
+    let (o, report) = run(&["--require-taps", "none"], "none");
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["tap_coverage"]["given"], 2, "{}", r["tap_coverage"]);
-    let (o, _) = run(&["--require-taps", "layers"], "layers");
+    let (o, _) = run(&[], "default");
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("tap_coverage gate (every tap of kinds l_out, result_output given): Fail") && text(&o).contains("missing: 2 of 2 l_out"), "{}", text(&o));
     edit_manifest(&dump, |m| m["taps"] = all);
-    let (o, _) = run(&["--require-taps", "layers"], "given");
+    let (o, _) = run(&[], "given");
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let (o, _) = run(&["--require-taps", "l_out,blk_out"], "bad");
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));

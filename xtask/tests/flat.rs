@@ -85,7 +85,7 @@ fn the_c_flat_engine_is_gated_through_exec() {
         assert_eq!(o.status.code(), Some(0), "{model}: {}", text(&o));
         let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
         let layers = if model == "smollm2" { 30 } else { 2 };
-        assert_eq!(r["summary"]["passed"].as_u64(), Some(layers + 2), "{model}: every layer output, the final norm and the logits compared: {}", r["summary"]);
+        assert_eq!(r["summary"]["passed"].as_u64(), Some(layers + 3), "{model}: every layer output, the final norm, the logits and the tap_coverage gate: {}", r["summary"]);
         if model != "smollm2" {
             let o = xtask(&["fixed-token", "--device", engine, "--model", path, "--report-dir", tmp.path().join(format!("{model}-ft")).to_str().unwrap()], &env);
             assert_eq!(o.status.code(), Some(0), "{model}: {}", text(&o));

@@ -38,8 +38,8 @@ pub struct GateArgs {
     #[arg(long)]
     report_dir: Option<PathBuf>,
     /// Which taps each device must give in the layers suite (`layer-diff --require-taps`): `all`,
-    /// `layers` (every layer's `l_out` and the logits), a comma list of kinds, a fraction, or `none`
-    /// (the default: reported, not gated).
+    /// `layers` (the default: every layer's `l_out` and the logits), a comma list of kinds, a
+    /// fraction, or `none` (reported, not gated).
     #[arg(long, default_value = suites::coverage::DEFAULT)]
     require_taps: String,
 }

@@ -52,9 +52,9 @@ pub struct LayerDiffArgs {
     pub report_dir: Option<PathBuf>,
     /// Which taps the device must give (gate case `tap_coverage`): `all`, a comma list of tap
     /// kinds (`l_out,attn_out`; `result_output` is the logits), a fraction of the oracle's taps
-    /// (`0.9`), `layers` (every layer's `l_out` and the logits: an engine that dumps only its logits
-    /// then fails rather than pass with every layer unjudged), or `none` (the default: coverage
-    /// reported in report.json's `tap_coverage`, not gated).
+    /// (`0.9`), `layers` (the default: every layer's `l_out` and the logits, so an engine that
+    /// dumps only its logits fails rather than pass with every layer unjudged), or `none`
+    /// (coverage reported in report.json's `tap_coverage`, not gated).
     #[arg(long, default_value = suites::coverage::DEFAULT)]
     pub require_taps: String,
 }
