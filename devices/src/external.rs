@@ -15,7 +15,10 @@
 //! ids, each tensor's shape and every value's finiteness. A bad dump is an error naming the file
 //! and tap (exit 2 upstream), never a silent pass. An external engine runs one prefill per dump:
 //! it cannot be stepped token by token, so suites that need that report it as unsupported.
+//! An `exec:` engine may also run single ops through the op protocol (`ops_protocol`,
+//! docs/OP_PROTOCOL.md); one that does not answer its capabilities request runs none.
 
+use crate::ops_protocol::{self, CaseOutcome, Capabilities, OutputSpec};
 use crate::{Arithmetic, Device, DeviceError, DeviceModel, ModelOptions, Support};
 use oracle::dump::{canonical_tap_name, read_manifest, read_tensors_where, Manifest};
 use oracle::registry::{OpCase, Output};
@@ -35,6 +38,11 @@ pub enum Source {
 pub struct ExternalDevice {
     pub source: Source,
     pub timeout: Duration,
+    /// An `exec:` engine's answer to the op protocol's capabilities request, asked once, when
+    /// the kernel suite first needs it (docs/OP_PROTOCOL.md).
+    capabilities: std::sync::OnceLock<Result<Capabilities, String>>,
+    /// Cases per op batch (`TOUCHSTONE_OPS_BATCH`).
+    batch: usize,
 }
 
 impl ExternalDevice {
@@ -48,7 +56,16 @@ impl ExternalDevice {
         } else {
             Source::Exec(name.strip_prefix("exec:")?.to_string())
         };
-        Some(exec_timeout().map(|timeout| ExternalDevice { source, timeout }))
+        Some(exec_timeout().and_then(|timeout| Ok(ExternalDevice { source, timeout, capabilities: Default::default(), batch: ops_protocol::batch_size()? })))
+    }
+
+    /// The engine's capabilities, or why it has none (a dump directory, a token-only engine, an
+    /// engine that does not answer the request).
+    pub fn capabilities(&self) -> Result<&Capabilities, String> {
+        let Source::Exec(cmd) = &self.source else {
+            return Err("a dump directory or a token-only engine runs no single op (an `exec:` engine that speaks the op protocol does: docs/OP_PROTOCOL.md)".into());
+        };
+        self.capabilities.get_or_init(|| ops_protocol::query_capabilities(cmd, self.timeout)).as_ref().map_err(|e| e.clone())
     }
 }
 
@@ -71,14 +88,38 @@ impl Device for ExternalDevice {
             Source::Ids(c) => format!("ids:{c}"),
         }
     }
-    fn arithmetic(&self, _: &OpCase) -> Arithmetic {
-        Arithmetic::F32
+    fn arithmetic(&self, case: &OpCase) -> Arithmetic {
+        self.capabilities().map_or(Arithmetic::F32, |c| c.arithmetic_of(case.op))
     }
-    fn supports(&self, _: &OpCase) -> Support {
-        Support::Unsupported("external engines run whole models only (the dump protocol has no op calls)".into())
+    fn supports(&self, case: &OpCase) -> Support {
+        match self.capabilities() {
+            Ok(c) => c.refuses(case).map_or(Support::Yes, Support::Unsupported),
+            Err(why) => Support::Unsupported(format!("the engine runs no single op: {why}")),
+        }
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
-        Err(crate::fail(&self.name(), case, "external engines run whole models only"))
+        let reference = (oracle::registry::registry().into_iter().find(|e| e.name == case.op).ok_or_else(|| crate::fail(&self.name(), case, "not a registry op"))?.reference)(case)
+            .map_err(|e| crate::fail(&self.name(), case, format!("the case's output shapes: {e}")))?;
+        let specs = reference.iter().map(OutputSpec::of).collect();
+        self.run_ops(&[(case, specs)]).pop().expect("one case, one result")
+    }
+    fn op_batch(&self) -> usize {
+        self.batch
+    }
+    fn run_ops(&self, cases: &[(&OpCase, Vec<OutputSpec>)]) -> Vec<Result<Vec<Output>, DeviceError>> {
+        let name = self.name();
+        let Source::Exec(cmd) = &self.source else {
+            return cases.iter().map(|(c, _)| Err(crate::fail(&name, c, "external engines given as a dump run whole models only"))).collect();
+        };
+        ops_protocol::run_batch(cmd, cases, self.timeout)
+            .into_iter()
+            .zip(cases)
+            .map(|(o, (c, _))| match o {
+                CaseOutcome::Done(out) => Ok(out),
+                CaseOutcome::Unsupported(reason) => Err(DeviceError::Unsupported { device: name.clone(), case: c.id.clone(), reason }),
+                CaseOutcome::Failed(reason) => Err(DeviceError::WrongResult { device: name.clone(), case: c.id.clone(), reason }),
+            })
+            .collect()
     }
     fn load_model(&self, path: &Path, opts: &ModelOptions) -> Result<Box<dyn DeviceModel>, DeviceError> {
         let (src, spec, _) = oracle::loader::open_model(path).map_err(|e| DeviceError::Unavailable(self.name(), e.to_string()))?;
@@ -283,6 +324,12 @@ fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &
 /// group is then killed. Whatever it leaves running in its group when it exits (`engine &`) is
 /// killed too, so nothing keeps writing what is about to be read or takes the CPU from what follows.
 pub fn run_bounded(command: &mut std::process::Command, stdout: &Path, stderr: &Path, timeout: Duration, hint: &str) -> Result<std::process::ExitStatus, String> {
+    run_bounded_watching(command, stdout, stderr, timeout, hint, None)
+}
+
+/// [`run_bounded`], and when `watch` is `(dir, limit)`, the command is also killed once what it
+/// has written under `dir` (every file, links not followed) passes `limit` bytes.
+pub fn run_bounded_watching(command: &mut std::process::Command, stdout: &Path, stderr: &Path, timeout: Duration, hint: &str, watch: Option<(&Path, u64)>) -> Result<std::process::ExitStatus, String> {
     use std::os::unix::process::CommandExt;
     let create = |p: &Path| std::fs::File::create(p).map_err(|e| format!("cannot write its output to {}: {e}", p.display()));
     let err_file = create(stderr)?;
@@ -290,6 +337,7 @@ pub fn run_bounded(command: &mut std::process::Command, stdout: &Path, stderr: &
     let mut child = command.stdin(std::process::Stdio::null()).stdout(out_file).stderr(err_file).process_group(0).spawn().map_err(|e| format!("cannot start: {e}"))?;
     let streams: Vec<(&Path, &str)> = if stdout == stderr { vec![(stdout, "its stdout and stderr")] } else { vec![(stdout, "its stdout"), (stderr, "its stderr")] };
     let t0 = Instant::now();
+    let mut ticks = 0u64;
     loop {
         match child.try_wait() {
             Ok(Some(status)) => {
@@ -305,6 +353,14 @@ pub fn run_bounded(command: &mut std::process::Command, stdout: &Path, stderr: &
                     stop(&mut child);
                     return Err(format!("wrote more than {} MiB to {what} (killed: a command's output is for reading, not a disk to fill)", OUTPUT_LIMIT >> 20));
                 }
+                ticks += 1;
+                if let Some((dir, limit)) = watch.filter(|_| ticks % 10 == 0) {
+                    let size = dir_size(dir, limit);
+                    if size > limit {
+                        stop(&mut child);
+                        return Err(format!("wrote more than {limit} bytes under {} (killed: more than its outputs can take)", dir.display()));
+                    }
+                }
                 std::thread::sleep(Duration::from_millis(10))
             }
             Err(e) => {
@@ -313,6 +369,27 @@ pub fn run_bounded(command: &mut std::process::Command, stdout: &Path, stderr: &
             }
         }
     }
+}
+
+/// The bytes of the files under `dir` (links not followed), counted until past `stop`.
+fn dir_size(dir: &Path, stop: u64) -> u64 {
+    let mut total = 0u64;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else { continue };
+            if m.is_dir() {
+                todo.push(e.path());
+            } else {
+                total = total.saturating_add(m.len());
+            }
+            if total > stop {
+                return total;
+            }
+        }
+    }
+    total
 }
 
 /// Kills a running command's whole process group and reaps it.

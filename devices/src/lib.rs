@@ -24,6 +24,7 @@ pub mod cpu;
 pub mod external;
 pub mod fixed;
 pub mod gpu;
+pub mod ops_protocol;
 pub mod probe;
 #[cfg(feature = "faults")]
 pub mod faulty;
@@ -41,6 +42,9 @@ pub enum DeviceError {
     /// output): a failure of the device, not an inability to run.
     #[error("{device}: {case}: {reason}")]
     WrongResult { device: String, case: String, reason: String },
+    /// The device found at run time that it cannot run the case (an engine's own word).
+    #[error("{device}: {case}: {reason}")]
+    Unsupported { device: String, case: String, reason: String },
 }
 
 /// Number formats a device can declare.
@@ -447,6 +451,15 @@ pub trait Device: Send + Sync {
     fn supports(&self, case: &OpCase) -> Support;
     /// Runs one op case; outputs in the same order and shapes as the registry reference.
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError>;
+    /// How many cases [`Device::run_ops`] takes at once (1: the suite calls `run_op` per case).
+    fn op_batch(&self) -> usize {
+        1
+    }
+    /// Runs several cases, each told the kind and shape of the outputs it must give; one result
+    /// per case, in order. The default runs them one by one.
+    fn run_ops(&self, cases: &[(&OpCase, Vec<ops_protocol::OutputSpec>)]) -> Vec<Result<Vec<Output>, DeviceError>> {
+        cases.iter().map(|(c, _)| self.run_op(c)).collect()
+    }
     /// Waits for queued work (a no-op on CPU devices).
     fn synchronize(&self) {}
     /// Device time of the last `run_op`'s kernels alone (GPU devices time their launches with

@@ -129,38 +129,50 @@ fn compare(reference: &[Output], device: &[Output], b: &Bounds) -> (bool, Map<St
     (pass, m, bound_at_worst, if margin == f64::INFINITY { 0.0 } else { margin }, message)
 }
 
-/// Runs one case on `device`.
-pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
-    let mk = |verdict, metrics, rule: String, bound, margin, message| Case {
-        id: case.id.clone(),
-        device: device.name(),
-        verdict,
-        metrics,
-        tolerance: Tolerance { rule, bound },
-        margin,
-        message,
-    };
+/// A case's verdict before the device runs it (unsupported, or the oracle could not run it), or
+/// the reference outputs it will be judged against.
+fn prepare(device: &dyn Device, case: &OpCase) -> Result<Vec<Output>, Case> {
     if let Support::Unsupported(why) = device.supports(case) {
-        return mk(Verdict::Unsupported, Map::new(), "-".into(), 0.0, 0.0, Some(why));
+        return Err(verdict(device, case, Verdict::Unsupported, Some(why)));
     }
     let entry = registry().into_iter().find(|e| e.name == case.op).expect("case from the registry");
-    let reference = match (entry.reference)(case) {
+    (entry.reference)(case).map_err(|e| verdict(device, case, Verdict::Error, Some(format!("oracle: {e}"))))
+}
+
+/// A case decided without a comparison.
+fn verdict(device: &dyn Device, case: &OpCase, verdict: Verdict, message: Option<String>) -> Case {
+    Case { id: case.id.clone(), device: device.name(), verdict, metrics: Map::new(), tolerance: Tolerance { rule: "-".into(), bound: 0.0 }, margin: 0.0, message }
+}
+
+/// The case judged: the device's result against the reference, under the bounds of the
+/// arithmetic it declares for the case.
+fn judge(device: &dyn Device, case: &OpCase, reference: &[Output], result: std::thread::Result<Result<Vec<Output>, devices::DeviceError>>) -> Case {
+    let dev_out = match result {
+        Ok(Ok(o)) => o,
+        Ok(Err(e @ devices::DeviceError::WrongResult { .. })) => return verdict(device, case, Verdict::Fail, Some(e.to_string())),
+        Ok(Err(devices::DeviceError::Unsupported { reason, .. })) => return verdict(device, case, Verdict::Unsupported, Some(reason)),
+        Ok(Err(e)) => return verdict(device, case, Verdict::Error, Some(e.to_string())),
+        Err(_) => return verdict(device, case, Verdict::Error, Some("the device panicked".into())),
+    };
+    let arith = device.arithmetic(case);
+    let b = bounds(case, reference, &arith);
+    let (pass, mut metrics, bound, margin, message) = compare(reference, &dev_out, &b);
+    metrics.insert("arithmetic".into(), serde_json::to_value(arith).unwrap_or(Value::Null));
+    Case { id: case.id.clone(), device: device.name(), verdict: if pass { Verdict::Pass } else { Verdict::Fail }, metrics, tolerance: Tolerance { rule: b.rule, bound }, margin, message }
+}
+
+/// Runs one case on `device`.
+pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
+    let reference = match prepare(device, case) {
         Ok(r) => r,
-        Err(e) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some(format!("oracle: {e}"))),
+        Err(decided) => return decided,
     };
     let t = Instant::now();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| device.run_op(case)));
     let mut seconds = t.elapsed().as_secs_f64();
-    let dev_out = match result {
-        Ok(Ok(o)) => o,
-        Ok(Err(e @ devices::DeviceError::WrongResult { .. })) => return mk(Verdict::Fail, Map::new(), "-".into(), 0.0, 0.0, Some(e.to_string())),
-        Ok(Err(e)) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some(e.to_string())),
-        Err(_) => return mk(Verdict::Error, Map::new(), "-".into(), 0.0, 0.0, Some("the device panicked".into())),
-    };
-    let arith = device.arithmetic(case);
-    let b = bounds(case, &reference, &arith);
-    let (pass, mut metrics, bound, margin, message) = compare(&reference, &dev_out, &b);
-    if perf {
+    let mut judged = judge(device, case, &reference, result);
+    if perf && judged.verdict != Verdict::Error {
+        let entry = registry().into_iter().find(|e| e.name == case.op).expect("case from the registry");
         // GPU devices report their kernels' own time (device events, copies excluded).
         let events = device.last_kernel_seconds().is_some();
         if let Some(s) = device.last_kernel_seconds() {
@@ -172,25 +184,48 @@ pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
             device.synchronize();
             seconds = seconds.min(device.last_kernel_seconds().unwrap_or_else(|| t.elapsed().as_secs_f64()));
         }
+        let metrics = &mut judged.metrics;
         metrics.insert("seconds".into(), seconds.into());
         metrics.insert("timing".into(), if events { "device events (kernels only)" } else { "wall clock" }.into());
         metrics.insert("gbps".into(), ((entry.bytes)(case) as f64 / seconds / 1e9).into());
         metrics.insert("gflops".into(), ((entry.flops)(case) as f64 / seconds / 1e9).into());
     }
-    metrics.insert("arithmetic".into(), serde_json::to_value(arith).unwrap_or(Value::Null));
-    mk(if pass { Verdict::Pass } else { Verdict::Fail }, metrics, b.rule, bound, margin, message)
+    judged
 }
 
-/// Runs `cases` (from `select_cases`) on `device`; `progress(done, total)` is called after each.
+/// Runs `cases` (from `select_cases`) on `device`; `progress(done, total)` is called after each
+/// case, or after each batch on a device that takes cases in batches (an `exec:` engine through
+/// the op protocol; `perf` does not apply there: a batch has one wall time).
 pub fn run(device: &dyn Device, cases: &[OpCase], perf: bool, mut progress: impl FnMut(usize, usize)) -> Vec<Case> {
     let total = cases.len();
-    cases
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let r = run_case(device, c, perf);
-            progress(i + 1, total);
-            r
-        })
-        .collect()
+    let batch = device.op_batch().max(1);
+    if batch == 1 {
+        return cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let r = run_case(device, c, perf);
+                progress(i + 1, total);
+                r
+            })
+            .collect();
+    }
+    let mut out: Vec<Case> = Vec::with_capacity(total);
+    for chunk in cases.chunks(batch) {
+        let prepared: Vec<Result<Vec<Output>, Case>> = chunk.iter().map(|c| prepare(device, c)).collect();
+        let ready: Vec<(&OpCase, Vec<devices::ops_protocol::OutputSpec>)> =
+            chunk.iter().zip(&prepared).filter_map(|(c, p)| p.as_ref().ok().map(|r| (c, r.iter().map(devices::ops_protocol::OutputSpec::of).collect()))).collect();
+        let mut results = if ready.is_empty() { Vec::new() } else { device.run_ops(&ready) }.into_iter();
+        for (c, p) in chunk.iter().zip(prepared) {
+            out.push(match p {
+                Err(decided) => decided,
+                Ok(reference) => {
+                    let result = results.next().unwrap_or_else(|| Err(devices::DeviceError::WrongResult { device: device.name(), case: c.id.clone(), reason: "the device returned fewer results than cases".into() }));
+                    judge(device, c, &reference, Ok(result))
+                }
+            });
+        }
+        progress(out.len(), total);
+    }
+    out
 }

@@ -185,7 +185,7 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
     let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "2"], &[("RAYON_NUM_THREADS", "100000")]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("RAYON_NUM_THREADS=100000: more than 4096 worker threads"), "{}", text(&o));
-    refused(&["kernels", "--device", "exec:true"], "runs no single op: the kernel suite cannot run on it");
+    refused(&["kernels", "--device", "ids:true"], "runs no single op: the kernel suite cannot run on it");
     refused(&["gate", "--device", "external:/nowhere"], "runs no single op: the kernel suite cannot run on it");
     // A report directory that cannot be one is refused before the run, not after it.
     let file = tempfile::NamedTempFile::new().unwrap();

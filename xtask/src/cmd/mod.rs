@@ -40,8 +40,8 @@ pub fn check_factor(flag: &str, f: f64) -> Result<(), Exit> {
 /// Refuses the kernel suite on an engine judged through dumps of whole models (`external:`,
 /// `exec:`, `ids:`): it runs no single op, so every case would be `unsupported`.
 pub fn check_runs_ops(device: &str) -> Result<(), Exit> {
-    if ["external:", "exec:", "ids:"].iter().any(|p| device.starts_with(p)) {
-        return Err(Exit { code: 2, message: format!("`{device}` is an engine judged through whole-model dumps and runs no single op: the kernel suite cannot run on it (layer-diff and fixed-token judge it; `gate --suite layers --suite tokens`)") });
+    if ["external:", "ids:"].iter().any(|p| device.starts_with(p)) {
+        return Err(Exit { code: 2, message: format!("`{device}` is an engine judged through a dump or its printed ids and runs no single op: the kernel suite cannot run on it (layer-diff and fixed-token judge it; an `exec:` engine that speaks the op protocol runs the kernel suite: docs/OP_PROTOCOL.md)") });
     }
     Ok(())
 }

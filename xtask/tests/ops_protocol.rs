@@ -1,0 +1,208 @@
+//! The op protocol (docs/OP_PROTOCOL.md): the kernel suite run on an `exec:` engine. The numpy
+//! template (examples/ops_numpy) passes every case it supports with the same case ids as `cpu`;
+//! its seeded bugs and outputs perturbed after it ran go red on exactly the affected cases; a
+//! hostile or broken engine (crash, hang, missing or misshapen outputs, NaN, malformed or
+//! lying results.json, a link out of its directory, a flood of output) fails its own cases with
+//! a message naming the case and the file, and the report is still written.
+
+mod common;
+
+use common::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+const NUMPY: &str = "exec:python3 examples/ops_numpy/engine.py";
+
+fn kernels(device: &str, extra: &[&str], report: &Path, env: &[(&str, &str)]) -> (std::process::Output, serde_json::Value) {
+    let mut args = vec!["kernels", "--device", device, "--report-dir", report.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = xtask(&args, env);
+    let r = std::fs::read_to_string(report.join("report.json")).map(|t| serde_json::from_str(&t).unwrap()).unwrap_or(serde_json::Value::Null);
+    (o, r)
+}
+
+/// Failed cases per op (matmuls per weight type), and all cases per op.
+fn failed_by_op(r: &serde_json::Value) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let (mut failed, mut all) = (BTreeMap::new(), BTreeMap::new());
+    for c in r["cases"].as_array().unwrap() {
+        let id = c["id"].as_str().unwrap();
+        let mut op = id.split('(').next().unwrap().to_string();
+        if let Some(w) = id.strip_prefix("matmul(w=") {
+            op = format!("matmul/{}", w.split(',').next().unwrap());
+        }
+        *all.entry(op.clone()).or_default() += 1;
+        if c["verdict"] == "fail" {
+            *failed.entry(op).or_default() += 1;
+        }
+    }
+    (failed, all)
+}
+
+#[test]
+fn the_numpy_engine_passes_every_case_it_runs_and_its_seeded_bugs_go_red() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (o, r) = kernels(NUMPY, &[], &tmp.path().join("ok"), &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let s = &r["summary"];
+    assert!(s["executed"].as_u64().unwrap() >= 2000 && s["failed"] == 0 && s["errors"] == 0, "{s}");
+    assert!(s["passed"].as_u64().unwrap() >= 2000, "{s}");
+    // The same case ids as the built-in devices run.
+    let listed = xtask(&["kernels", "--device", "cpu", "--list"], &[]);
+    let cpu_ids: BTreeSet<String> = String::from_utf8_lossy(&listed.stdout).lines().filter(|l| l.contains('(')).map(|l| l.split_whitespace().next().unwrap().to_string()).collect();
+    let ids: BTreeSet<String> = r["cases"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, cpu_ids);
+    // Every executed case has its bound, its measured error and its margin; the rest say why not.
+    for c in r["cases"].as_array().unwrap() {
+        if c["verdict"] == "pass" {
+            assert!(c["tolerance"]["bound"].is_number() && c["metrics"]["max_abs"].is_number() && c["margin"].as_f64().unwrap() >= 0.0, "{c}");
+        } else {
+            assert_eq!(c["verdict"], "unsupported", "{c}");
+            assert!(c["message"].as_str().is_some_and(|m| !m.is_empty()), "{c}");
+        }
+    }
+    // Each seeded bug fails exactly the cases it touches.
+    for (bug, touched) in [("rms_eps_x10", &["rms_norm", "qk_norm"][..]), ("rope_pairs_swapped", &["rope"]), ("q4_0_nibbles_swapped", &["matmul/q4_0"])] {
+        let (o, r) = kernels(NUMPY, &["--filter", "^(rms_norm|qk_norm|rope|add|matmul\\(w=q4_[01],k=(32|64))"], &tmp.path().join(bug), &[("TOUCHSTONE_EXAMPLE_BUG", bug)]);
+        assert_eq!(o.status.code(), Some(1), "{bug}: {}", text(&o));
+        let (failed, all) = failed_by_op(&r);
+        assert!(failed.keys().all(|k| touched.contains(&k.as_str())), "{bug}: {failed:?}");
+        for t in touched {
+            assert!(failed.get(*t).copied().unwrap_or(0) * 2 > all[*t], "{bug}: most {t} cases fail: {failed:?} of {all:?}");
+        }
+    }
+}
+
+/// A wrapper that runs the numpy engine, then scales every float output by (1 + 1e-3 noise).
+#[test]
+fn outputs_perturbed_after_the_engine_ran_fail() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let perturb = tmp.path().join("perturb.py");
+    std::fs::write(
+        &perturb,
+        r#"
+import json, os, struct, numpy as np
+p = os.path.join(os.environ["TOUCHSTONE_OUT"], "outputs.safetensors")
+if os.environ.get("TOUCHSTONE_TASK") == "ops" and os.path.exists(p):
+    d = bytearray(open(p, "rb").read()); n = struct.unpack("<Q", d[:8])[0]; h = json.loads(d[8:8 + n])
+    rng = np.random.default_rng(7)
+    for name, t in h.items():
+        if t["dtype"] == "F32":
+            a, b = t["data_offsets"]; v = np.frombuffer(bytes(d[8 + n + a:8 + n + b]), "<f4")
+            d[8 + n + a:8 + n + b] = (v * (1 + 1e-3 * rng.standard_normal(v.size))).astype("<f4").tobytes()
+    open(p, "wb").write(bytes(d))
+"#,
+    )
+    .unwrap();
+    let device = format!("exec:python3 examples/ops_numpy/engine.py && python3 {}", perturb.display());
+    let (o, r) = kernels(&device, &["--filter", "^(rms_norm|softmax|matmul\\(w=q8_0)"], &tmp.path().join("r"), &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let (failed, all) = failed_by_op(&r);
+    for op in ["rms_norm", "softmax", "matmul/q8_0"] {
+        assert!(failed.get(op).copied().unwrap_or(0) * 2 > all[op], "{failed:?} of {all:?}");
+    }
+}
+
+/// A hostile engine: the numpy template, then one thing done wrong to the batch that holds a
+/// chosen case (MODE). Each failure names the case and the file; the other batches pass.
+const HOSTILE: &str = r#"
+import json, os, struct, sys, time, subprocess
+mode, out = os.environ.get("MODE"), os.environ["TOUCHSTONE_OUT"]
+task = os.environ.get("TOUCHSTONE_TASK")
+here = os.environ["ENGINE"]
+if task != "ops":
+    sys.exit(subprocess.call([sys.executable, here]))
+cases = json.load(open(os.path.join(os.environ["TOUCHSTONE_BATCH"], "cases.json")))["cases"]
+target = any(c["id"].endswith("seed=3)") and "shape=[3,7]" in c["id"] for c in cases)
+if target and mode == "crash":
+    sys.exit("segfault, say")
+if target and mode == "hang":
+    time.sleep(600)
+if target and mode == "flood":
+    with open(os.path.join(out, "junk"), "wb") as f:
+        for _ in range(64):
+            f.write(b"x" * (1 << 20))
+    time.sleep(600)
+rc = subprocess.call([sys.executable, here])
+if not target or rc != 0:
+    sys.exit(rc)
+res = os.path.join(out, "results.json"); outs = os.path.join(out, "outputs.safetensors")
+r = json.load(open(res))
+victim = [c for c in cases if c["id"].endswith("seed=3)") and "shape=[3,7]" in c["id"]][0]
+if mode == "malformed":
+    open(res, "w").write("{\"results\": [")
+elif mode == "unknown":
+    r["results"]["add(dtype=f32,shape=[3,9999],seed=1)"] = {"status": "done"}; json.dump(r, open(res, "w"))
+elif mode == "symlink":
+    os.remove(outs); os.symlink("/etc/passwd", outs)
+elif mode in ("missing", "shape", "dtype", "nan"):
+    d = bytearray(open(outs, "rb").read()); n = struct.unpack("<Q", d[:8])[0]; h = json.loads(d[8:8 + n])
+    name = victim["outputs"][0]["tensor"]
+    if mode == "missing":
+        h[name + ".gone"] = h.pop(name)
+    elif mode == "shape":
+        h[name]["shape"] = [21]
+    elif mode == "dtype":
+        h[name]["dtype"] = "I32"
+    else:
+        a = h[name]["data_offsets"][0]; d[8 + n + a:8 + n + a + 4] = struct.pack("<f", float("nan"))
+    head = json.dumps(h).encode(); head += b" " * (-len(head) % 8)
+    open(outs, "wb").write(struct.pack("<Q", len(head)) + head + bytes(d[8 + n:]))
+"#;
+
+#[test]
+fn a_broken_or_hostile_engine_fails_its_own_cases_with_the_reason() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let script = tmp.path().join("hostile.py");
+    std::fs::write(&script, HOSTILE).unwrap();
+    let engine = workspace().join("examples/ops_numpy/engine.py");
+    let device = format!("exec:python3 {}", script.display());
+    for (mode, says) in [
+        ("crash", "exited with exit status: 1"),
+        ("hang", "did not finish within 5 s"),
+        ("flood", "wrote more than"),
+        ("malformed", "results.json: "),
+        ("unknown", "names case `add(dtype=f32,shape=[3,9999],seed=1)`, which is not in this batch"),
+        ("symlink", "outputs.safetensors: not a regular file"),
+        ("missing", "outputs.safetensors: no tensor"),
+        ("shape", "outputs.safetensors: "),
+        ("dtype", "outputs.safetensors: "),
+        ("nan", "non-finite"),
+    ] {
+        let env = [("MODE", mode), ("ENGINE", engine.to_str().unwrap()), ("TOUCHSTONE_OPS_BATCH", "4"), ("TOUCHSTONE_EXEC_TIMEOUT", "5")];
+        let report = tmp.path().join(mode);
+        let (o, r) = kernels(&device, &["--filter", "^add\\(dtype=f32,shape=\\[3,(5|7)\\]"], &report, &env);
+        assert_eq!(o.status.code(), Some(1), "{mode}: {}", text(&o));
+        let cases = r["cases"].as_array().unwrap_or_else(|| panic!("{mode}: no report: {}", text(&o)));
+        let failed: Vec<&serde_json::Value> = cases.iter().filter(|c| c["verdict"] == "fail").collect();
+        assert!(!failed.is_empty() && failed.len() <= 4, "{mode}: the failing batch's cases alone: {}", failed.len());
+        assert!(failed.iter().any(|c| c["id"] == "add(dtype=f32,shape=[3,7],seed=3)"), "{mode}");
+        assert!(failed.iter().all(|c| c["message"].as_str().unwrap().contains(says)), "{mode}: {failed:?}");
+        assert_eq!(r["summary"]["passed"].as_u64().unwrap() as usize + failed.len(), cases.len(), "{mode}: the other batches pass");
+    }
+}
+
+/// An engine that speaks only the dump protocol (or nothing) runs no op: every case is
+/// unsupported, with the reason, and zero executed cases are not a pass.
+#[test]
+fn an_engine_without_the_op_protocol_is_unsupported_never_green() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (o, r) = kernels("exec:true", &["--filter", "^add\\("], &tmp.path().join("r"), &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(r["summary"]["unsupported"], r["cases"].as_array().unwrap().len());
+    assert!(r["cases"][0]["message"].as_str().unwrap().contains("wrote no capabilities.json: it does not speak the op protocol"), "{}", r["cases"][0]);
+    // A declaration outside the bounds' domain is refused, naming the field.
+    let caps = r#"{"protocol":"touchstone-ops","version":1,"ops":["add"],"arithmetic":{"storage":"f32","accumulate":"f32","activation_q8_block":null,"transcendental_ulps":1e300,"fixed":null}}"#;
+    let cmd = format!("exec:[ \"$TOUCHSTONE_TASK\" = capabilities ] && echo '{caps}' > \"$TOUCHSTONE_OUT/capabilities.json\"");
+    let (o, r) = kernels(&cmd, &["--filter", "^add\\("], &tmp.path().join("r2"), &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(r["cases"][0]["message"].as_str().unwrap().contains("capabilities.json: arithmetic: transcendental_ulps"), "{}", r["cases"][0]);
+}
