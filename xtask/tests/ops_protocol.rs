@@ -240,3 +240,23 @@ fn ggml_cpu_kernels_are_judged_op_by_op() {
         assert!(failed.keys().all(|k| k == touched) && failed[touched] * 2 > all[touched], "{bug}: {failed:?} of {all:?}");
     }
 }
+
+/// One command gates an engine on every rung it speaks: an `exec:` command that answers the op
+/// protocol (the numpy template) and the dump protocol (the example dump engine) gets ops,
+/// layers and tokens in one report from `gate` with no `--suite`.
+#[test]
+fn gate_runs_ops_layers_and_tokens_on_one_exec_engine() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = r#"exec:if [ -n "$TOUCHSTONE_TASK" ]; then python3 examples/ops_numpy/engine.py; else python3 examples/external_engine/engine.py; fi"#;
+    let report = tmp.path().join("gate");
+    let o = xtask(&["gate", "--device", engine, "--model", "tiny-llama", "--report-dir", report.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = common::report(&report);
+    let passed = |prefix: &str| r["cases"].as_array().unwrap().iter().filter(|c| c["id"].as_str().unwrap().starts_with(prefix) && c["verdict"] == "pass").count();
+    assert!(passed("matmul(") > 1000 && passed("rms_norm(") > 0, "the op rung ran");
+    assert!(passed("layer_diff(model=tiny-llama,gate=tap_coverage)") == 1 && passed("layer_diff(") > 5, "the layer rung ran");
+    assert!(passed("fixed_token(") > 0, "the token rung ran");
+}
