@@ -18,8 +18,12 @@ ARITHMETIC declares. Expert routing, argmax and top-k compare scores, so they ar
 float64 to get the order right. `sample` needs Touchstone's own random stream and is reported
 unsupported.
 
+OPS_NUMPY_BF16=1 makes it an engine that stores its results in bf16: every float result rounded
+to bf16 (the inputs, as given, and the arithmetic stay f32), declared as bf16 storage, so the
+bounds widen to what bf16 costs; the same rounding under an f32 declaration fails.
+
 TOUCHSTONE_EXAMPLE_BUG seeds a bug for Touchstone's own tests (each must turn cases red):
-`rms_eps_x10`, `rope_pairs_swapped`, `q4_0_nibbles_swapped`.
+`rms_eps_x10`, `rope_pairs_swapped`, `q4_0_nibbles_swapped`, `bf16_declared_f32`.
 """
 import json
 import math
@@ -32,10 +36,22 @@ import numpy as np
 PROTOCOL, VERSION = "touchstone-ops", 1
 BUG = os.environ.get("TOUCHSTONE_EXAMPLE_BUG", "")
 
-# What this engine computes in: f32 storage and accumulation, exp/tanh/sin/cos within 4 ulps.
-ARITHMETIC = {"storage": "f32", "accumulate": "f32", "activation_q8_block": None, "transcendental_ulps": 4.0, "fixed": None}
+# What this engine computes in: f32 storage and accumulation, exp/tanh/sin/cos within 4 ulps;
+# with OPS_NUMPY_BF16, bf16 storage.
+BF16 = os.environ.get("OPS_NUMPY_BF16") == "1" or BUG == "bf16_declared_f32"
+ARITHMETIC = {"storage": "bf16" if BF16 and BUG != "bf16_declared_f32" else "f32", "accumulate": "f32", "activation_q8_block": None,
+              "transcendental_ulps": 4.0, "fixed": None}
 
 F32 = np.float32
+
+
+def bf16(a):
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    a = np.ascontiguousarray(a, dtype=F32)
+    u = a.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    r = np.where(np.isfinite(a), r, a.view(np.uint32))
+    return r.view(F32).reshape(a.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,7 +355,8 @@ def run_batch(batch, out):
             results[case["id"]] = {"status": "error", "message": f"{type(e).__name__}: {e}"}
             continue
         for spec, arr in zip(case["outputs"], outs):
-            tensors.append((spec["tensor"], np.asarray(arr).reshape(spec["shape"])))
+            arr = np.asarray(arr).reshape(spec["shape"])
+            tensors.append((spec["tensor"], bf16(arr) if BF16 and arr.dtype == F32 else arr))
         results[case["id"]] = {"status": "done"}
     write_safetensors(os.path.join(out, "outputs.safetensors"), tensors)
     with open(os.path.join(out, "results.json"), "w") as f:

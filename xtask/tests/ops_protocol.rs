@@ -260,3 +260,25 @@ fn gate_runs_ops_layers_and_tokens_on_one_exec_engine() {
     assert!(passed("layer_diff(model=tiny-llama,gate=tap_coverage)") == 1 && passed("layer_diff(") > 5, "the layer rung ran");
     assert!(passed("fixed_token(") > 0, "the token rung ran");
 }
+
+/// Declared arithmetic decides the bounds: the numpy template storing its results in bf16
+/// passes declared as bf16 (embedding rows and RoPE's untouched dimensions included: a copy is
+/// rounded once on store) and fails declared as f32.
+#[test]
+fn a_bf16_engine_passes_declared_as_bf16_and_fails_declared_as_f32() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let filter = ["--filter", "^(embed|rope|rms_norm|softmax|add|matmul\\(w=q8_0)"];
+    let (o, r) = kernels(NUMPY, &filter, &tmp.path().join("bf16"), &[("OPS_NUMPY_BF16", "1")]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(r["summary"]["passed"].as_u64().unwrap() > 600, "{}", r["summary"]);
+    assert_eq!(r["cases"][0]["metrics"]["arithmetic"]["storage"], "bf16", "{}", r["cases"][0]);
+    let (o, r) = kernels(NUMPY, &filter, &tmp.path().join("f32"), &[("TOUCHSTONE_EXAMPLE_BUG", "bf16_declared_f32")]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let (failed, all) = failed_by_op(&r);
+    for op in ["embed", "rope", "rms_norm", "softmax", "add", "matmul/q8_0"] {
+        assert!(failed.get(op).copied().unwrap_or(0) * 2 > all[op], "{op}: {failed:?} of {all:?}");
+    }
+}
