@@ -55,6 +55,19 @@ pub struct Case {
     pub message: Option<String>,
 }
 
+impl Case {
+    /// The measured error over its bound: the case's `worst_error_over_bound` (kernel cases,
+    /// element by element), else, for a case whose rule is an upper bound (`x <= bound`, with
+    /// `margin` = bound - x), x / bound. None for exact or discrete rules.
+    pub fn error_over_bound(&self) -> Option<f64> {
+        if let Some(r) = self.metrics.get("worst_error_over_bound").and_then(|v| v.as_f64()) {
+            return Some(r);
+        }
+        let b = self.tolerance.bound;
+        (b > 0.0 && b.is_finite() && self.margin.is_finite() && self.tolerance.rule.contains("<=")).then(|| (b - self.margin) / b)
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Summary {
     pub executed: usize,
@@ -309,8 +322,24 @@ impl Report {
         out
     }
 
-    /// JUnit XML: one testcase per case id (classname = device.op), failures and errors with their
-    /// message, unsupported cases as skipped.
+    /// The rung of the ladder a case belongs to, for JUnit class names: `ops` (kernel cases),
+    /// `layers`, `tokens`, `oracle` (the self-check), `bench`, else the case's own op.
+    pub fn rung(id: &str) -> String {
+        let (op, _) = Self::op_and_dtype(id);
+        let is_op = ["embed", "rms_norm", "layer_norm", "matmul", "add_bias", "add", "rope", "qk_norm", "attention", "softmax", "silu", "gelu_tanh", "swiglu", "geglu", "moe_route", "argmax", "top_k", "sample"].contains(&op.as_str());
+        match op.as_str() {
+            _ if is_op => "ops".into(),
+            "layer_diff" | "layers" => "layers".into(),
+            "fixed_token" | "tokens" => "tokens".into(),
+            "cache_consistency" | "thread_determinism" | "f64_shadow" | "weight_store" | "oracle" => "oracle".into(),
+            _ => op,
+        }
+    }
+
+    /// JUnit XML: one testcase per case id (classname `touchstone.RUNG.DEVICE`, the device's
+    /// name or `--name` label with characters other than letters, digits, `_`, `-` and `:` as
+    /// `_`; time the case's `seconds` or `wall_seconds`), failures and errors with their message,
+    /// unsupported cases as skipped.
     pub fn to_junit(&self) -> String {
         let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
         let s = &self.summary;
@@ -323,9 +352,9 @@ impl Report {
             s.unsupported
         );
         for c in &self.cases {
-            let (op, _) = Self::op_and_dtype(&c.id);
-            let secs = c.metrics.get("seconds").and_then(|v| v.as_f64()).unwrap_or(0.0);
-            out += &format!("  <testcase classname=\"{}.{}\" name=\"{}\" time=\"{secs:.6}\">", esc(&c.device), esc(&op), esc(&c.id));
+            let secs = c.metrics.get("seconds").or_else(|| c.metrics.get("wall_seconds")).and_then(|v| v.as_f64()).unwrap_or(0.0);
+            let device: String = c.device.chars().map(|ch| if ch.is_ascii_alphanumeric() || "_-:".contains(ch) { ch } else { '_' }).collect();
+            out += &format!("  <testcase classname=\"touchstone.{}.{}\" name=\"{}\" time=\"{secs:.6}\">", esc(&Self::rung(&c.id)), esc(&device), esc(&c.id));
             let msg = esc(c.message.as_deref().unwrap_or(""));
             match c.verdict {
                 Verdict::Pass => {}

@@ -171,6 +171,7 @@ pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| device.run_op(case)));
     let mut seconds = t.elapsed().as_secs_f64();
     let mut judged = judge(device, case, &reference, result);
+    judged.metrics.insert("wall_seconds".into(), seconds.into());
     if perf && judged.verdict != Verdict::Error {
         let entry = registry().into_iter().find(|e| e.name == case.op).expect("case from the registry");
         // GPU devices report their kernels' own time (device events, copies excluded).
@@ -215,13 +216,17 @@ pub fn run(device: &dyn Device, cases: &[OpCase], perf: bool, mut progress: impl
         let prepared: Vec<Result<Vec<Output>, Case>> = chunk.iter().map(|c| prepare(device, c)).collect();
         let ready: Vec<(&OpCase, Vec<devices::ops_protocol::OutputSpec>)> =
             chunk.iter().zip(&prepared).filter_map(|(c, p)| p.as_ref().ok().map(|r| (c, r.iter().map(devices::ops_protocol::OutputSpec::of).collect()))).collect();
+        let t = Instant::now();
         let mut results = if ready.is_empty() { Vec::new() } else { device.run_ops(&ready) }.into_iter();
+        let each = t.elapsed().as_secs_f64() / ready.len().max(1) as f64;
         for (c, p) in chunk.iter().zip(prepared) {
             out.push(match p {
                 Err(decided) => decided,
                 Ok(reference) => {
                     let result = results.next().unwrap_or_else(|| Err(devices::DeviceError::WrongResult { device: device.name(), case: c.id.clone(), reason: "the device returned fewer results than cases".into() }));
-                    judge(device, c, &reference, Ok(result))
+                    let mut judged = judge(device, c, &reference, Ok(result));
+                    judged.metrics.insert("wall_seconds".into(), each.into());
+                    judged
                 }
             });
         }

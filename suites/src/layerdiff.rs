@@ -1460,7 +1460,55 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
 /// oracle grants it (magnification measured by the oracle's re-run on that device's values,
 /// cancelling terms over that device's product inputs: [`judge`]); the oracle's distance to each
 /// stays in the report as the reference column.
-pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], a: (&str, &RecordingTap, &Arithmetic), b: (&str, &RecordingTap, &Arithmetic), model: &str) -> Result<Outcome, String> {
+/// The relative error under which two engines' errors against the oracle are not told apart by
+/// the `baseline_departure` gate (a few f32 roundings of an exact computation).
+pub const BASELINE_FLOOR: f64 = 1e-6;
+
+/// The `baseline_departure` gate of `--against`: at every tap, the candidate's propagated
+/// relative error against the oracle is at most `factor` times the baseline's (or the floor,
+/// [`BASELINE_FLOOR`]); the first tap in execution order past it fails the case, naming it. A
+/// candidate that departs where its own budget would still allow it (a 1% error in an engine
+/// whose baseline is exact) goes red here. None when no tap has both errors.
+pub fn baseline_departure(candidate: &[TapDiff], baseline: &[TapDiff], factor: f64, model: &str, device: &str) -> Option<Case> {
+    let mut compared = 0usize;
+    let (mut worst, mut first): (Option<(&str, f64)>, Option<(&str, f64, f64, f64)>) = (None, None);
+    for c in candidate {
+        let (Some(ce), Some(be)) = (c.propagated, baseline.iter().find(|t| t.name == c.name).and_then(|t| t.propagated)) else { continue };
+        let (cr, br) = (ce.rel(), be.rel());
+        if !(cr.is_finite() && br.is_finite()) {
+            continue;
+        }
+        compared += 1;
+        let ratio = cr / br.max(BASELINE_FLOOR);
+        if worst.is_none_or(|(_, r)| ratio > r) {
+            worst = Some((&c.name, ratio));
+        }
+        if ratio > factor && first.is_none() {
+            first = Some((&c.name, ratio, cr, br));
+        }
+    }
+    let (worst_tap, worst_ratio) = worst?;
+    let mut m = Map::new();
+    m.insert("taps_compared".into(), json!(compared));
+    m.insert("worst_tap".into(), json!(worst_tap));
+    m.insert("worst_error_over_bound".into(), json!(worst_ratio / factor));
+    m.insert("candidate_over_baseline".into(), json!(worst_ratio));
+    let message = first.map(|(tap, r, cr, br)| {
+        m.insert("first_departure".into(), json!(tap));
+        format!("{tap}: the candidate's propagated error {cr:.3e} is {r:.1}x the baseline's {br:.3e}")
+    });
+    Some(Case {
+        id: format!("layer_diff(model={model},gate=baseline_departure)"),
+        device: device.to_string(),
+        verdict: if first.is_some() { Verdict::Fail } else { Verdict::Pass },
+        metrics: m,
+        tolerance: Tolerance { rule: format!("candidate's propagated rel. error <= {factor} x the baseline's at every tap (floor {BASELINE_FLOOR:e})"), bound: factor },
+        margin: factor - worst_ratio,
+        message,
+    })
+}
+
+pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], a: (&str, &RecordingTap, &Arithmetic), b: (&str, &RecordingTap, &Arithmetic), model: &str, factor: f64) -> Result<Outcome, String> {
     for (device, _, arith) in [&a, &b] {
         arith.check().map_err(|e| format!("{device}: declared arithmetic: {e}"))?;
     }
@@ -1505,7 +1553,15 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
             }
         }
     }
-    let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), None);
+    // Two builds of one arithmetic: the candidate's error may not leave the baseline's. Two
+    // declarations apart, a coarser candidate's larger error is its declaration's (each is held
+    // to its own emulation by `layer-diff --device D`), so the gate does not apply.
+    let same_arithmetic = a.2 == b.2;
+    let departure = if same_arithmetic { baseline_departure(&vs_oracle_a.taps, &vs_oracle_b.taps, factor, model, &format!("{} vs {}", a.0, b.0)) } else { None };
+    let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), departure);
+    if !same_arithmetic {
+        report.sections.insert("baseline_departure".into(), json!("not applied: the two declare different arithmetic (each is held to its own emulation by `layer-diff --device D`)"));
+    }
     report.sections.insert("routing_split".into(), split.as_ref().map_or(Value::Null, |(at, position, choices)| json!({ "tap": taps[*at].name, "position": position, a.0: choices.0, b.0: choices.1 })));
     for c in &mut report.cases {
         let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();

@@ -543,3 +543,30 @@ fn require_taps_fails_a_dump_that_leaves_the_layers_out() {
     let (o, _) = run(&["--require-taps", "l_out,blk_out"], "bad");
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
+
+/// Engine against engine: a candidate build whose one layer output is 1% off, against its good
+/// build as the baseline (both exact engines: the oracle's own dump), fails the
+/// `baseline_departure` gate naming that layer, although 1% is inside the candidate's own
+/// budget there; the good build against itself passes.
+#[test]
+fn a_candidate_that_departs_from_its_baseline_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (good, bad) = (tmp.path().join("good"), tmp.path().join("bad"));
+    dump_device("ref", "tiny-llama", "1,2,3,4,5,6,7,8", &good);
+    dump_device("ref", "tiny-llama", "1,2,3,4,5,6,7,8", &bad);
+    edit_tap(&bad, "blk.1.l_out", |v| v.iter_mut().for_each(|x| *x *= 1.01));
+    let run = |cand: &Path, base: &Path, dir: &str| {
+        let report = tmp.path().join(dir);
+        let o = xtask(&["layer-diff", "--device", &format!("external:{}", cand.display()), "--against", &format!("external:{}", base.display()), "--model", "tiny-llama", "--prompt-ids", "1,2,3,4,5,6,7,8", "--report-dir", report.to_str().unwrap()], &[]);
+        (o, common::report(&report))
+    };
+    let (o, r) = run(&bad, &good, "bad");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let gate = r["cases"].as_array().unwrap().iter().find(|c| c["id"] == "layer_diff(model=tiny-llama,gate=baseline_departure)").unwrap();
+    assert_eq!(gate["verdict"], "fail", "{gate}");
+    assert_eq!(gate["metrics"]["first_departure"], "blk.1.l_out", "{gate}");
+    assert!(text(&o).contains("baseline_departure gate (4x): Fail — blk.1.l_out: "), "{}", text(&o));
+    let (o, r) = run(&good, &good, "same");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(r["cases"].as_array().unwrap().iter().any(|c| c["id"] == "layer_diff(model=tiny-llama,gate=baseline_departure)" && c["verdict"] == "pass"));
+}

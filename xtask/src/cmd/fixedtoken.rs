@@ -61,6 +61,10 @@ pub struct FixedTokenArgs {
     /// Where report.json, report.md, junit.xml, cases.csv and the plot go (default target/touchstone/fixed-token-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
+    /// A label for the device in the console, report.json, report.md and JUnit (an engine's
+    /// command line is long); report.json's `engine_labels` keeps the command it stands for.
+    #[arg(long)]
+    pub name: Option<String>,
 }
 
 fn oracle_golden(oracle: &AnyModel, model: &str, sha256: String, prompt: Vec<u32>, n: usize) -> Result<Golden, Exit> {
@@ -72,7 +76,11 @@ fn oracle_golden(oracle: &AnyModel, model: &str, sha256: String, prompt: Vec<u32
 
 pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
+    super::check_label(a.name.as_deref())?;
+    let t0 = std::time::Instant::now();
     let Some(mut report) = fixed_token(&a)? else { return Ok(0) };
+    super::spread_time(&mut report.cases, t0.elapsed().as_secs_f64());
+    super::relabel(&mut report, &a.device, a.name.as_deref());
     print_summary(&report);
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());

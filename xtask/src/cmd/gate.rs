@@ -19,21 +19,30 @@ const SUITES: [&str; 5] = ["oracle", "kernels", "layers", "tokens", "bench"];
 
 #[derive(clap::Args)]
 pub struct GateArgs {
-    /// Devices for the kernel suite (default: cpu and fixed).
+    /// Devices (default: cpu and fixed); repeat the flag or give a comma list (`cpu,fixed`). An
+    /// engine command (`exec:`, `ids:`, `external:`) is taken whole, commas and all.
     #[arg(long)]
     device: Vec<String>,
-    /// Models for the oracle self-check, layer-diff and fixed-token (default: tiny-llama, tiny-qwen3, tiny-moe).
+    /// Models for the oracle self-check, layer-diff and fixed-token (default: tiny-llama,
+    /// tiny-qwen3, tiny-moe); repeat the flag or give a comma list (a path that exists is taken
+    /// whole).
     #[arg(long)]
     model: Vec<String>,
     /// Suites: oracle, kernels, layers, tokens (default: these four), bench (throughput on each
     /// device and model, 32-token prompt, 64 generated tokens, 3 repetitions; it fails when the
-    /// repetitions' greedy outputs differ or stop short, and records the figures).
-    #[arg(long)]
+    /// repetitions' greedy outputs differ or stop short, and records the figures); repeat the
+    /// flag or give a comma list (`layers,tokens`).
+    #[arg(long, value_delimiter = ',')]
     suite: Vec<String>,
     /// Run shard K of N of the kernel cases (with `--suite kernels` alone: the other suites are
     /// not split, so each shard would run them whole and the shards' reports would not merge).
     #[arg(long)]
     shard: Option<String>,
+    /// A label for the device (one `--device` only) in the console, report.json, report.md and
+    /// JUnit (class names `touchstone.RUNG.LABEL`); report.json's `engine_labels` keeps the
+    /// command it stands for.
+    #[arg(long)]
+    name: Option<String>,
     /// Where the reports go (default: target/touchstone/gate-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
@@ -44,7 +53,14 @@ pub struct GateArgs {
     require_taps: String,
 }
 
-pub fn main(a: GateArgs) -> Result<u8, Exit> {
+/// Comma lists split into their items, except the values `whole` keeps as they are.
+fn split_lists(values: &[String], whole: impl Fn(&str) -> bool) -> Vec<String> {
+    values.iter().flat_map(|v| if whole(v) { vec![v.clone()] } else { v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect() }).collect()
+}
+
+pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
+    a.device = split_lists(&a.device, |d| ["exec:", "ids:", "external:"].iter().any(|p| d.starts_with(p)));
+    a.model = split_lists(&a.model, |m| std::path::Path::new(m).exists());
     super::check_report_dir(a.report_dir.as_deref())?;
     let suites: Vec<String> = if a.suite.is_empty() { DEFAULT_SUITES.iter().map(|s| s.to_string()).collect() } else { a.suite.clone() };
     for s in &suites {
@@ -57,6 +73,11 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     }
     a.require_taps.parse::<suites::coverage::RequiredTaps>().map_err(|e| Exit { code: 2, message: e })?;
     let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into(), "fixed".into()] } else { a.device.clone() };
+    super::check_label(a.name.as_deref())?;
+    if a.name.is_some() && device_names.len() != 1 {
+        return Err(Exit { code: 2, message: format!("--name labels one device; {} are given", device_names.len()) });
+    }
+    let label = |d: &str| a.name.clone().unwrap_or_else(|| d.to_string());
     if suites.iter().any(|s| s == "kernels") {
         device_names.iter().try_for_each(|d| super::check_runs_ops(d))?;
     }
@@ -86,22 +107,32 @@ pub fn main(a: GateArgs) -> Result<u8, Exit> {
     for suite in ["layers", "tokens", "bench"].into_iter().filter(|s| suites.iter().any(|x| x == s)) {
         for d in &device_names {
             for m in &models {
-                eprintln!("gate: {suite} on {d} / {m} ...");
+                eprintln!("gate: {suite} on {} / {m} ...", label(d));
+                let t0 = std::time::Instant::now();
                 let got = if suite == "layers" {
-                    let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone() };
-                    super::layerdiff::layer_diff(&args).map(|o| o.report.cases)
+                    let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, baseline_factor: 4.0, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone(), name: None };
+                    super::layerdiff::layer_diff(&args).map(|o| {
+                        outln!("{}", super::layerdiff::story(&o, &label(d), m));
+                        o.report.cases
+                    })
                 } else if suite == "bench" {
                     super::bench::measure(d, m, oracle::Precision::F32, super::bench::PROMPT_LEN, super::bench::GEN_LEN, super::bench::REPS).map(|r| vec![super::bench::case(d, m, &r)])
                 } else {
-                    let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None };
+                    let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None, name: None };
                     super::fixedtoken::fixed_token(&args).map(|r| r.map(|r| r.cases).unwrap_or_default())
                 };
-                cases.extend(got.unwrap_or_else(|e| vec![could_not_run(suite, d, m, e)]));
+                let mut got = got.unwrap_or_else(|e| vec![could_not_run(suite, d, m, e)]);
+                super::spread_time(&mut got, t0.elapsed().as_secs_f64());
+                cases.extend(got);
             }
         }
     }
     let bench_rows = bench_table(&cases);
     let mut report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
+    if let Some(d) = device_names.first() {
+        let opened = devices.first().map(|x| x.name()).unwrap_or_else(|| d.clone());
+        super::relabel(&mut report, &opened, a.name.as_deref());
+    }
     super::kernels::print_summary(&report);
     if !bench_rows.is_empty() {
         let columns: Vec<&str> = std::iter::once("case").chain(super::bench::TABLE_COLUMNS).collect();

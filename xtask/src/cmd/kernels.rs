@@ -27,11 +27,16 @@ pub struct KernelsArgs {
     /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/kernels-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
+    /// A label for the device in the console, report.json, report.md and JUnit (an engine's
+    /// command line is long); report.json's `engine_labels` keeps the command it stands for.
+    #[arg(long)]
+    name: Option<String>,
 }
 
 pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     super::check_runs_ops(&a.device)?;
+    super::check_label(a.name.as_deref())?;
     let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let filter = match &a.filter {
         Some(f) => Some(regex::Regex::new(f).map_err(|e| Exit { code: 2, message: format!("--filter: {e}") })?),
@@ -49,6 +54,7 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     let cases = suites::kernels::run(device.as_ref(), &selected, opts.perf, |done, _| pb.set_position(done as u64));
     pb.finish_and_clear();
     let mut report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
+    super::relabel(&mut report, &device.name(), a.name.as_deref());
     print_summary(&report);
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
@@ -79,10 +85,13 @@ fn list(device: &dyn devices::Device, selected: &[oracle::registry::OpCase], nar
 pub fn print_summary(r: &Report) {
     let coverage = r.coverage();
     let w = coverage.keys().map(|(op, _)| op.len()).max().unwrap_or(0).max(12);
+    // `worst err/bound`: the largest measured error over its bound among the row's cases (an op
+    // case's worst element; a layer-diff tap's RMS error over its budget; a gate's value over
+    // its limit); 0 where every rule is exact.
     outln!("{:<w$} {:<8} {:>6} {:>6} {:>6} {:>6} {:>14}", "op", "dtype", "pass", "fail", "unsup", "error", "worst err/bound");
     let mut worst: std::collections::BTreeMap<(String, String), f64> = Default::default();
     for c in &r.cases {
-        let w = c.metrics.get("worst_error_over_bound").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let w = c.error_over_bound().unwrap_or(0.0);
         let e = worst.entry(Report::op_and_dtype(&c.id)).or_insert(0.0);
         *e = e.max(w);
     }

@@ -38,6 +38,11 @@ pub struct LayerDiffArgs {
     /// against the oracle routed as it was); the oracle's distance to each stays in the report.
     #[arg(long)]
     pub against: Option<String>,
+    /// With `--against` (the baseline; `--device` is the candidate): gate `baseline_departure`
+    /// holds the candidate's propagated error against the oracle at each tap to this many times
+    /// the baseline's (floor 1e-6 relative), naming the first tap past it.
+    #[arg(long, default_value_t = 4.0, requires = "against")]
+    pub baseline_factor: f64,
     /// The `emulated_departure` gate: where the device's declared arithmetic can be emulated on
     /// the oracle, its propagated error at each tap may be at most this many times the emulated
     /// run's, both over each tap's bulk (values under 64x its median magnitude), at taps where that
@@ -57,6 +62,10 @@ pub struct LayerDiffArgs {
     /// (coverage reported in report.json's `tap_coverage`, not gated).
     #[arg(long, default_value = suites::coverage::DEFAULT)]
     pub require_taps: String,
+    /// A label for the device in the console, report.json, report.md and JUnit (an engine's
+    /// command line is long); report.json's `engine_labels` keeps the command it stands for.
+    #[arg(long)]
+    pub name: Option<String>,
 }
 
 /// The prompt when none is given: the default prompt encoded, or, without a tokenizer, the
@@ -76,7 +85,11 @@ fn device_taps(engine: &mut Engine, ids: &[u32]) -> Result<RecordingTap, Exit> {
 
 pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
+    super::check_label(a.name.as_deref())?;
+    let t0 = std::time::Instant::now();
     let mut outcome = layer_diff(&a)?;
+    super::spread_time(&mut outcome.report.cases, t0.elapsed().as_secs_f64());
+    super::relabel(&mut outcome.report, &a.device, a.name.as_deref());
     print_table(&outcome);
     for f in &outcome.follows {
         outln!("routing: {f}");
@@ -156,7 +169,7 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
             let taps_b = device_taps(&mut engine_b, &ids)?;
             let arith_b = engine_b.arithmetic();
             stages.next("the oracle: its own run and on each device's values");
-            layerdiff::run_against(&oracle_model, &path, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model).map_err(shape_err)?
+            layerdiff::run_against(&oracle_model, &path, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model, a.baseline_factor).map_err(shape_err)?
         }
     })
 }
@@ -176,6 +189,20 @@ fn describe_divergence(tap: &str, d: &serde_json::Value) -> String {
     s
 }
 
+/// One line for `gate`: where the device first leaves its budgets and its worst tap.
+pub fn story(o: &layerdiff::Outcome, device: &str, model: &str) -> String {
+    let first = match layerdiff::first_divergence(&o.taps) {
+        Some(t) => describe_divergence(&t.name, o.report.sections.get("first_divergence").unwrap_or(&serde_json::Value::Null)),
+        None => "none".into(),
+    };
+    let worst = o.report.cases.iter().filter(|c| c.id.contains(",tap=")).filter_map(|c| Some((c, c.error_over_bound()?))).max_by(|a, b| a.1.total_cmp(&b.1));
+    let worst = worst.map_or("none compared".into(), |(c, r)| {
+        let mode = if c.id.contains("mode=isolated") { "isolated" } else { "propagated" };
+        format!("{} ({mode}) at {r:.3} of its budget", c.metrics.get("tap").and_then(|t| t.as_str()).unwrap_or(&c.id))
+    });
+    format!("layers on {device} / {model}: first divergence: {first}; worst tap: {worst}")
+}
+
 fn print_table(o: &layerdiff::Outcome) {
     let rows = layerdiff::layer_table(&o.taps);
     outln!("{:<14} {:<10} {:>24} {:>9} {:<14} {:>24} {:>10}", "layer", "out tap", "prop. rel err / budget", "emulated", "worst op", "iso. rel err / budget", "over p/i/m");
@@ -184,9 +211,15 @@ fn print_table(o: &layerdiff::Outcome) {
     }
     if let Some(d) = o.report.sections.get("first_difference") {
         match d.get("tap") {
-            Some(t) => outln!("first tap where the two differ at all: {} (RMS difference {:.3e}, largest at position {})", t.as_str().unwrap_or("?"), d["rms_err"].as_f64().unwrap_or(f64::NAN), d["worst_position"]),
+            Some(t) => outln!("detail: the first tap where the two differ at all: {} (RMS difference {:.3e}, largest at position {})", t.as_str().unwrap_or("?"), d["rms_err"].as_f64().unwrap_or(f64::NAN), d["worst_position"]),
             None => outln!("the two agree bit for bit at every tap"),
         }
+    }
+    if let Some(c) = o.report.cases.iter().find(|c| c.id.ends_with(",gate=baseline_departure)")) {
+        outln!("baseline_departure gate ({}x): {:?} — {}", c.tolerance.bound, c.verdict, c.message.clone().unwrap_or_else(|| format!("worst {} at {:.2}x the baseline's error", c.metrics.get("worst_tap").and_then(|v| v.as_str()).unwrap_or("?"), c.metrics.get("candidate_over_baseline").and_then(|v| v.as_f64()).unwrap_or(f64::NAN))));
+    }
+    if let Some(why) = o.report.sections.get("baseline_departure").and_then(|v| v.as_str()) {
+        outln!("baseline_departure gate: {why}");
     }
     // Against the declared arithmetic emulated: the gate's line, naming the tap that leaves
     // the emulated line most; where the gate does not apply, that tap and why.

@@ -406,6 +406,63 @@ pub fn check_report_dir(given: Option<&Path>) -> Result<(), Exit> {
 /// runs started in the same second never share one), after adding what only the binary knows to
 /// its provenance: the devices it opened (with their hardware and driver) and the features it was
 /// built with. Returns the directory.
+/// A run's wall time shared among the cases it produced (`wall_seconds`, JUnit's `time`), for
+/// suites that judge many cases from one run (layer-diff, fixed-token); cases that timed
+/// themselves keep their own.
+pub fn spread_time(cases: &mut [reports::Case], seconds: f64) {
+    let n = cases.len().max(1) as f64;
+    for c in cases {
+        c.metrics.entry("wall_seconds").or_insert_with(|| serde_json::json!(seconds / n));
+    }
+}
+
+/// `--name LABEL`: checked (1 to 64 printable characters).
+pub fn check_label(name: Option<&str>) -> Result<(), Exit> {
+    match name {
+        Some(n) if n.trim().is_empty() || n.chars().count() > 64 || n.chars().any(char::is_control) => Err(Exit { code: 2, message: format!("--name {n:?}: a label is 1 to 64 printable characters") }),
+        _ => Ok(()),
+    }
+}
+
+/// Labels device `from` as `to` throughout a report (`--name`): every case's device, message
+/// and the sections' strings and keys (charts' titles included); the section `engine_labels`
+/// keeps what each label stands for.
+pub fn relabel(report: &mut reports::Report, from: &str, to: Option<&str>) {
+    let Some(to) = to else { return };
+    if from == to {
+        return;
+    }
+    fn walk(v: &mut serde_json::Value, from: &str, to: &str) {
+        match v {
+            serde_json::Value::String(s) if s.contains(from) => *s = s.replace(from, to),
+            serde_json::Value::Array(a) => a.iter_mut().for_each(|x| walk(x, from, to)),
+            serde_json::Value::Object(m) => {
+                let old = std::mem::take(m);
+                for (k, mut x) in old {
+                    walk(&mut x, from, to);
+                    m.insert(k.replace(from, to), x);
+                }
+            }
+            _ => {}
+        }
+    }
+    for c in &mut report.cases {
+        c.device = c.device.replace(from, to);
+        if let Some(msg) = &mut c.message {
+            *msg = msg.replace(from, to);
+        }
+    }
+    let mut sections = serde_json::Value::Object(std::mem::take(&mut report.sections));
+    walk(&mut sections, from, to);
+    if let serde_json::Value::Object(m) = sections {
+        report.sections = m;
+    }
+    let labels = report.sections.entry("engine_labels").or_insert_with(|| serde_json::json!({}));
+    if let Some(m) = labels.as_object_mut() {
+        m.insert(to.to_string(), serde_json::json!(from));
+    }
+}
+
 pub fn write_report(report: &mut reports::Report, given: Option<PathBuf>) -> Result<PathBuf, Exit> {
     report.provenance.devices.extend(devices::opened());
     report.provenance.features = crate::FEATURES.iter().filter(|(_, on)| *on).map(|(f, _)| f.to_string()).collect();
