@@ -1,18 +1,27 @@
 #!/usr/bin/env python3
-"""A tiny external engine that speaks Touchstone's dump protocol (docs/DUMP_FORMAT.md).
+"""An engine that speaks Touchstone's dump protocol (docs/DUMP_FORMAT.md): a template.
 
-It stands for "your engine": a numpy float64 Llama forward pass (tools/reference/llama_f64.py,
-weights decoded by gguf-py) that writes a dump Touchstone can judge. Run it through the `exec:`
-device:
+It stands for "your engine": a numpy float64 Llama forward pass over a GGUF file (weights decoded
+by gguf-py) that writes every tap Touchstone knows and the logits. One standalone file: copy it
+anywhere (it needs numpy and gguf: `pip install numpy gguf`) and gate it from there:
 
-    cargo xtask layer-diff  --device "exec:python3 examples/external_engine/engine.py" --model tiny-llama
-    cargo xtask fixed-token --device "exec:python3 examples/external_engine/engine.py" --model tiny-llama
+    cargo xtask gate        --device "exec:python3 engine.py" --model tiny-llama --name my-engine
+    cargo xtask layer-diff  --device "exec:python3 engine.py" --model tiny-llama
+    cargo xtask fixed-token --device "exec:python3 engine.py" --model tiny-llama
 
-Touchstone passes the request in the environment: TOUCHSTONE_MODEL (GGUF path),
+To adapt it to your engine: keep `main()` and the writers; replace `forward()` with a call into
+your engine that fills `taps` with what it computed (name -> [positions, width] array; the names
+are in docs/DUMP_FORMAT.md: `inp_embd`, `blk.N.attn_norm`, ..., `blk.N.l_out`, `result_norm`),
+and say in ARITHMETIC how it computes (storage and accumulation formats, Q8 activation blocks):
+the budgets are derived from that declaration. Dump at least every `blk.N.l_out` and the logits
+(the default `--require-taps layers`); every tap lets a failure name its op.
+
+Touchstone passes the request in the environment: TOUCHSTONE_MODEL (model path),
 TOUCHSTONE_PROMPT_IDS (comma-separated ids), TOUCHSTONE_N_GENERATE (greedy tokens wanted, 0 for one
 prefill) and TOUCHSTONE_OUT (directory to write). With TOUCHSTONE_N_GENERATE > 0 it writes a
-token-only dump (`generated_ids`, no tensors); otherwise taps and logits of every position.
-The safetensors writer below is the whole format: 8-byte header length, JSON header, raw data.
+token-only dump (`generated_ids`, no tensors); otherwise taps and logits of every position. With
+TOUCHSTONE_TASK set, Touchstone asks for the op protocol (docs/OP_PROTOCOL.md), which this engine
+does not speak: it exits non-zero and its ops are reported unsupported.
 """
 import hashlib
 import json
@@ -21,13 +30,91 @@ import struct
 import sys
 
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "reference"))
-import llama_f64  # noqa: E402
+# How this engine computes, as the budgets see it: values stored as f32 in the dump.
+ARITHMETIC = {"storage": "f32", "accumulate": "f32", "activation_q8_block": None, "transcendental_ulps": 4.0, "fixed": None}
 
+
+# ----------------------------------------------------------------------------------------------
+# The engine: replace this part with yours.
+# ----------------------------------------------------------------------------------------------
+
+def load(path):
+    r = GGUFReader(path)
+    field = lambda key: r.fields[key].contents()
+    arch = field("general.architecture")
+    if arch != "llama":
+        sys.exit(f"{path}: architecture {arch} is not llama (this example runs Llama models)")
+    cfg = {
+        "n_layer": int(field("llama.block_count")),
+        "n_head": int(field("llama.attention.head_count")),
+        "n_head_kv": int(field("llama.attention.head_count_kv")),
+        "eps": float(field("llama.attention.layer_norm_rms_epsilon")),
+        "theta": float(field("llama.rope.freq_base")),
+    }
+    # gguf-py gives each tensor in numpy order ([rows, cols]).
+    w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64).reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
+    return cfg, w
+
+
+def rms_norm(x, weight, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope(x, theta):
+    """Llama's "normal" RoPE over [n, heads, head_dim]: adjacent pairs (2i, 2i+1) rotated."""
+    n, hd = x.shape[0], x.shape[-1]
+    ang = np.arange(n, dtype=np.float64)[:, None] * theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
+    out[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
+    return out
+
+
+def forward(cfg, w, ids, taps):
+    """Logits [n, vocab] of every position; every tap into `taps` ([n, width] each)."""
+    n, nh, nkv = len(ids), cfg["n_head"], cfg["n_head_kv"]
+    x = w["token_embd.weight"][ids]
+    hd = x.shape[1] // nh
+    taps["inp_embd"] = x
+    mask = np.triu(np.full((n, n), -np.inf), k=1)
+    for i in range(cfg["n_layer"]):
+        p = f"blk.{i}."
+        h = taps[p + "attn_norm"] = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+        q = taps[p + "attn_q"] = h @ w[p + "attn_q.weight"].T
+        k = taps[p + "attn_k"] = h @ w[p + "attn_k.weight"].T
+        v = taps[p + "attn_v"] = h @ w[p + "attn_v.weight"].T
+        q = rope(q.reshape(n, nh, hd), cfg["theta"])
+        k = rope(k.reshape(n, nkv, hd), cfg["theta"])
+        taps[p + "attn_q_rope"], taps[p + "attn_k_rope"] = q.reshape(n, -1), k.reshape(n, -1)
+        k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v.reshape(n, nkv, hd), nh // nkv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask[None]
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        kqv = taps[p + "attn_kqv"] = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
+        attn = taps[p + "attn_out"] = kqv @ w[p + "attn_output.weight"].T
+        x = taps[p + "ffn_inp"] = x + attn
+        h = taps[p + "ffn_norm"] = rms_norm(x, w[p + "ffn_norm.weight"], cfg["eps"])
+        g = taps[p + "ffn_gate"] = h @ w[p + "ffn_gate.weight"].T
+        u = taps[p + "ffn_up"] = h @ w[p + "ffn_up.weight"].T
+        act = taps[p + "ffn_act"] = g / (1.0 + np.exp(-g)) * u
+        ffn = taps[p + "ffn_out"] = act @ w[p + "ffn_down.weight"].T
+        x = x + ffn
+        taps[p + "l_out"] = x
+    x = taps["result_norm"] = rms_norm(x, w["output_norm.weight"], cfg["eps"])
+    return x @ w.get("output.weight", w["token_embd.weight"]).T
+
+
+# ----------------------------------------------------------------------------------------------
+# The dump protocol: keep this part as it is.
+# ----------------------------------------------------------------------------------------------
 
 def write_safetensors(path, tensors):
-    """tensors: list of (name, float32 array [rows, cols])."""
+    """tensors: list of (name, array [rows, cols]), written as f32. The whole format: 8-byte
+    header length, JSON header (padded to 8 bytes), raw little-endian data."""
     header, offset, blobs = {}, 0, []
     for name, arr in tensors:
         data = np.ascontiguousarray(arr, dtype="<f4").tobytes()
@@ -35,12 +122,9 @@ def write_safetensors(path, tensors):
         offset += len(data)
         blobs.append(data)
     head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the header is padded to 8 bytes
+    head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for b in blobs:
-            f.write(b)
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
 def sha256(path):
@@ -52,10 +136,12 @@ def sha256(path):
 
 
 def main():
+    if os.environ.get("TOUCHSTONE_TASK"):
+        sys.exit(f"TOUCHSTONE_TASK={os.environ['TOUCHSTONE_TASK']}: this engine speaks the dump protocol only, not the op protocol")
     model, out = os.environ["TOUCHSTONE_MODEL"], os.environ["TOUCHSTONE_OUT"]
     ids = [int(t) for t in os.environ["TOUCHSTONE_PROMPT_IDS"].split(",")]
     n_generate = int(os.environ.get("TOUCHSTONE_N_GENERATE", "0"))
-    cfg, w = llama_f64.load(model)
+    cfg, w = load(model)
     manifest = {
         "format": "touchstone-dump",
         "version": 1,
@@ -66,17 +152,16 @@ def main():
         "positions": list(range(len(ids))),
         "taps": [],
         "logits": None,
-        # What the budgets consume: values are stored as f32, so judge them as f32 arithmetic.
-        "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": None, "transcendental_ulps": 4.0, "fixed": None},
+        "arithmetic": ARITHMETIC,
     }
     if n_generate > 0:
         seq = list(ids)
         for _ in range(n_generate):
-            seq.append(int(np.argmax(llama_f64.forward(cfg, w, seq)[-1])))
+            seq.append(int(np.argmax(forward(cfg, w, seq, {})[-1])))
         manifest["generated_ids"] = seq[len(ids):]
     else:
         taps = {}
-        logits = llama_f64.forward(cfg, w, ids, taps)
+        logits = forward(cfg, w, ids, taps)
         write_safetensors(os.path.join(out, "taps.safetensors"), list(taps.items()))
         write_safetensors(os.path.join(out, "logits.safetensors"), [("logits", logits)])
         manifest["taps"] = [{"name": k, "shape": list(v.shape), "dtype": "f32", "file": "taps.safetensors"} for k, v in taps.items()]

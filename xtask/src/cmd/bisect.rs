@@ -1,8 +1,15 @@
-//! `cargo xtask bisect --good REV --bad REV -- <xtask command>`: drives `git bisect run` over
-//! this repository's history with the exit-code contract. Each step builds and runs
-//! `cargo xtask <command>` at that revision in a separate worktree (the caller's checkout is never
-//! touched): 0 = good, 1 = bad, 2/3 (could not run / inconclusive) and build failures = skip.
-//! Prints the first bad commit and where the gate's report for it is.
+//! `cargo xtask bisect --good REV --bad REV -- <xtask command>`: drives `git bisect run` with the
+//! exit-code contract, over one of two histories:
+//! - `--repo DIR --build CMD`: an engine's repository. Each step checks the engine out at the
+//!   revision in a worktree of its own, builds it with `sh -c CMD` there (a failed build is a
+//!   skip, its log kept and shown when every step skips), and judges it with this Touchstone
+//!   binary, the command running inside that worktree (so `exec:./run.sh` is the revision's own
+//!   engine).
+//! - without `--repo`: Touchstone's own history; each step builds and runs `cargo xtask
+//!   <command>` at that revision.
+//!
+//! 0 = good, 1 = bad, 2/3 (could not run / inconclusive) and build failures = skip. The caller's
+//! checkout is never touched. Prints the first bad commit and where the report for it is.
 
 use super::git;
 use crate::Exit;
@@ -17,9 +24,19 @@ pub struct BisectArgs {
     /// A revision where the command fails (exit 1).
     #[arg(long)]
     bad: String,
-    /// Where the worktree and each revision's report go (default target/touchstone/bisect/).
+    /// Where the worktree and each revision's report go (default target/touchstone/bisect/ under
+    /// the current directory).
     #[arg(long)]
     work_dir: Option<PathBuf>,
+    /// Bisect this engine repository (any git repository) instead of Touchstone's own history;
+    /// each revision is judged by this Touchstone binary, the command run inside the revision's
+    /// worktree.
+    #[arg(long)]
+    repo: Option<PathBuf>,
+    /// With `--repo`: how to build the engine at each revision (`sh -c CMD` in its worktree,
+    /// e.g. `make`); a failed build skips the revision. None: nothing to build.
+    #[arg(long, requires = "repo")]
+    build: Option<String>,
     /// The xtask command to judge each revision with, after `--`, e.g. `-- gate --suite kernels`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -30,6 +47,11 @@ pub struct BisectArgs {
 pub struct StepArgs {
     #[arg(long)]
     reports: PathBuf,
+    /// An engine's repository: build with `--build` (if given), then run this binary itself.
+    #[arg(long)]
+    engine: bool,
+    #[arg(long)]
+    build: Option<String>,
     #[arg(last = true)]
     command: Vec<String>,
 }
@@ -46,7 +68,11 @@ pub fn bisect_code(xtask_exit: Option<i32>) -> u8 {
 
 pub fn main(a: BisectArgs) -> Result<u8, Exit> {
     let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
-    let top = PathBuf::from(git(&here, &["rev-parse", "--show-toplevel"])?);
+    let repo = a.repo.clone().unwrap_or_else(|| here.clone());
+    if !repo.is_dir() {
+        return Err(Exit { code: 2, message: format!("--repo {}: not a directory", repo.display()) });
+    }
+    let top = PathBuf::from(git(&repo, &["rev-parse", "--show-toplevel"])?);
     let good = git(&top, &["rev-parse", "--verify", &format!("{}^{{commit}}", a.good)])?;
     let bad = git(&top, &["rev-parse", "--verify", &format!("{}^{{commit}}", a.bad)])?;
     // Refused before a worktree is made: git's own messages for these were empty or cryptic.
@@ -57,7 +83,12 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
     if !ancestor.success() {
         return Err(Exit { code: 2, message: format!("--good {} ({good:.10}) is not an ancestor of --bad {} ({bad:.10}): the good revision must come first (swapped?)", a.good, a.bad) });
     }
-    let work = a.work_dir.unwrap_or_else(|| top.join("target/touchstone/bisect"));
+    let work = match (&a.work_dir, &a.repo) {
+        (Some(w), _) => w.clone(),
+        (None, Some(_)) => here.join("target/touchstone/bisect"),
+        (None, None) => top.join("target/touchstone/bisect"),
+    };
+    let work = if work.is_absolute() { work } else { here.join(work) };
     let tree = work.join("worktree");
     let reports = work.join("reports");
     std::fs::create_dir_all(&reports).map_err(|e| super::io_exit(&reports, e))?;
@@ -73,9 +104,23 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
         git(&tree, &["bisect", "start", &bad, &good])?;
         let mut cmd = Command::new("git");
         // One target directory for every step: each revision's build is incremental.
-        cmd.current_dir(&tree).env("CARGO_TARGET_DIR", work.join("target")).args(["bisect", "run"]).arg(&runner).args(["bisect-step", "--reports"]).arg(&reports).arg("--").args(&a.command);
-        eprintln!("bisect: {good:.10} (good) .. {bad:.10} (bad), judging each revision with `cargo xtask {}`", a.command.join(" "));
-        let o = cmd.output().map_err(|e| Exit { code: 2, message: format!("git bisect run: {e}") })?;
+        cmd.current_dir(&tree).args(["bisect", "run"]).arg(&runner).args(["bisect-step", "--reports"]).arg(&reports);
+        if a.repo.is_some() {
+            cmd.arg("--engine");
+            if let Some(b) = &a.build {
+                cmd.args(["--build", b]);
+            }
+        } else {
+            // One target directory for every step: each revision's build is incremental.
+            cmd.env("CARGO_TARGET_DIR", work.join("target"));
+        }
+        cmd.arg("--").args(&a.command);
+        match &a.repo {
+            Some(_) => eprintln!("bisect: {} {good:.10} (good) .. {bad:.10} (bad), building each revision with `{}` and judging it with `{} {}` in its worktree", top.display(), a.build.as_deref().unwrap_or("(nothing)"), exe.display(), a.command.join(" ")),
+            None => eprintln!("bisect: {good:.10} (good) .. {bad:.10} (bad), judging each revision with `cargo xtask {}`", a.command.join(" ")),
+        }
+        // Each step's own lines (good, bad, skip and why) go to the user as they come.
+        let o = cmd.stderr(std::process::Stdio::inherit()).output().map_err(|e| Exit { code: 2, message: format!("git bisect run: {e}") })?;
         let out = String::from_utf8_lossy(&o.stdout).into_owned();
         let first_bad = out.lines().find(|l| l.contains("is the first bad commit")).and_then(|l| l.split_whitespace().next()).map(String::from);
         match first_bad {
@@ -87,7 +132,7 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
             }
             None => {
                 let tail: Vec<&str> = out.lines().rev().take(12).collect();
-                Err(Exit { code: 2, message: format!("git bisect found no first bad commit (every candidate skipped, or good/bad swapped?):\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n")) })
+                Err(Exit { code: 2, message: format!("git bisect found no first bad commit (every candidate skipped, or good/bad swapped?):\n{}{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"), skipped_builds(&reports)) })
             }
         }
     })();
@@ -96,19 +141,48 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
     result
 }
 
-/// One step inside the worktree: build and run the command, write its report under
-/// `reports/<rev>/`, exit with git bisect's code.
+/// The build logs of the revisions whose build failed, with the end of the last one, for the
+/// message when no first bad commit was found.
+fn skipped_builds(reports: &std::path::Path) -> String {
+    let mut logs: Vec<PathBuf> = std::fs::read_dir(reports).into_iter().flatten().flatten().map(|e| e.path().join("build-failed.log")).filter(|p| p.exists()).collect();
+    logs.sort();
+    let Some(last) = logs.last() else { return String::new() };
+    let text = String::from_utf8_lossy(&devices::external::file_tail(last, 4 << 10)).into_owned();
+    let lines: Vec<&str> = text.lines().collect();
+    format!(
+        "\n{} revision(s) failed to build: {}\nthe end of {}:\n  {}",
+        logs.len(),
+        logs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+        last.display(),
+        lines[lines.len().saturating_sub(10)..].join("\n  ")
+    )
+}
+
+/// One step inside the worktree: build (an engine: its `--build`; Touchstone: cargo) and run the
+/// command, write its report under `reports/<rev>/`, exit with git bisect's code.
 pub fn step(a: StepArgs) -> Result<u8, Exit> {
     let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let rev = git(&here, &["rev-parse", "HEAD"])?;
     let dir = a.reports.join(&rev);
-    let status = Command::new("cargo")
-        .args(["run", "--quiet", "--package", "xtask", "--"])
-        .args(&a.command)
-        .arg("--report-dir")
-        .arg(&dir)
-        .current_dir(&here)
-        .status();
+    std::fs::create_dir_all(&dir).map_err(|e| super::io_exit(&dir, e))?;
+    let status = if a.engine {
+        if let Some(build) = &a.build {
+            let log = dir.join("build.log");
+            let file = std::fs::File::create(&log).map_err(|e| super::io_exit(&log, e))?;
+            let err = file.try_clone().map_err(|e| super::io_exit(&log, e))?;
+            let built = Command::new("sh").arg("-c").arg(build).current_dir(&here).stdin(std::process::Stdio::null()).stdout(file).stderr(err).status();
+            if !built.as_ref().is_ok_and(|s| s.success()) {
+                let kept = dir.join("build-failed.log");
+                let _ = std::fs::rename(&log, &kept);
+                eprintln!("bisect step {rev:.10}: skip (`{build}` failed: {}; its log: {})", built.map_or_else(|e| e.to_string(), |s| s.to_string()), kept.display());
+                return Ok(125);
+            }
+        }
+        let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        Command::new(exe).args(&a.command).arg("--report-dir").arg(&dir).current_dir(&here).status()
+    } else {
+        Command::new("cargo").args(["run", "--quiet", "--package", "xtask", "--"]).args(&a.command).arg("--report-dir").arg(&dir).current_dir(&here).status()
+    };
     let code = bisect_code(status.ok().and_then(|s| s.code()));
     eprintln!("bisect step {rev:.10}: {}", match code {
         0 => "good",
