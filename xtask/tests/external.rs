@@ -620,3 +620,27 @@ fn bisect_finds_the_commit_that_broke_an_engine_in_its_own_repository() {
     let r = common::report(&work.join("reports").join(&revs[4]));
     assert_eq!(r["first_divergence"]["tap"], "blk.1.l_out", "{}", r["first_divergence"]);
 }
+
+/// The README's "Judge your engine" quickstart, run exactly as it prints it (its two `sh` blocks,
+/// `cargo xtask` standing for this binary): the copied template passes (exit 0, JUnit under the
+/// label), and the edited one goes red naming the first layer's output.
+#[test]
+fn the_readme_quickstart_runs_as_printed() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let readme = std::fs::read_to_string(workspace().join("README.md")).unwrap();
+    let section = readme.split("## Judge your engine").nth(1).unwrap().split("\n## ").next().unwrap();
+    let blocks: Vec<&str> = section.split("```sh\n").skip(1).map(|b| b.split("```").next().unwrap()).collect();
+    assert_eq!(blocks.len(), 2, "{section}");
+    let exe = env!("CARGO_BIN_EXE_xtask");
+    let script = format!("set -e\n{}\necho \"GREEN $ENGINE\"\n{}\n", blocks[0], blocks[1]).replace("cargo xtask", exe);
+    let o = std::process::Command::new("sh").arg("-c").arg(&script).current_dir(workspace()).output().unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    let engine = out.lines().find_map(|l| l.strip_prefix("GREEN ")).unwrap_or_else(|| panic!("the first block failed: {out}")).to_string();
+    let junit = std::fs::read_to_string(Path::new(&engine).join("report/junit.xml")).unwrap();
+    assert!(junit.contains("classname=\"touchstone.layers.my-engine\"") && !junit.contains("<failure"), "{junit}");
+    assert!(out.contains("layers on my-engine / tiny-llama: first divergence: blk.0.l_out (isolated): RMS error") && out.contains("exit 1"), "{out}");
+    let _ = std::fs::remove_dir_all(&engine);
+}
