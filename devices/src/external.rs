@@ -250,9 +250,18 @@ impl ExternalModel {
                 let work = tempfile::Builder::new().prefix("touchstone-exec-").tempdir().map_err(|e| self.failed(format!("cannot create a work directory: {e}")))?;
                 let out = work.path().join("dump");
                 std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
-                run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout, None).map_err(|r| self.failed(r))?;
+                let ran = run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout, None);
+                // TOUCHSTONE_KEEP_DUMPS=DIR: what the engine wrote stays there, to be inspected.
+                let kept = keep_dump(&out);
+                let note = kept.as_ref().map_or(String::new(), |k| format!(" (kept in {})", k.display()));
+                ran.map_err(|r| self.failed(format!("{r}{note}")))?;
                 if !out.join("manifest.json").exists() {
-                    return Err(self.failed(format!("`{cmd}` exited 0 but wrote no dump (no manifest.json in $TOUCHSTONE_OUT; docs/DUMP_FORMAT.md){}", log_tail(&out.join("engine.log")))));
+                    return Err(self.failed(format!("`{cmd}` exited 0 but wrote no dump (no manifest.json in $TOUCHSTONE_OUT; docs/DUMP_FORMAT.md){note}{}", log_tail(&out.join("engine.log")))));
+                }
+                if let Some(k) = kept {
+                    let dump = read_dump(&k, tokens, self.model_sha256.as_deref(), self.spec.n_vocab).map_err(|e| self.failed(format!("{e} (kept in {})", k.display())))?;
+                    self.workdir = Some(work);
+                    return self.with_arithmetic(dump, &k);
                 }
                 self.workdir = Some(work);
                 out
@@ -260,9 +269,14 @@ impl ExternalModel {
             Source::Ids(_) => return Err(self.failed("an `ids:` engine prints the ids it generated and nothing else; this suite needs its logits or taps (`fixed-token` judges its greedy ids; an engine that can write a dump runs as `exec:`)")),
         };
         let dump = read_dump(&dir, tokens, self.model_sha256.as_deref(), self.spec.n_vocab)?;
+        self.with_arithmetic(dump, &dir)
+    }
+
+    /// Takes the arithmetic a checked dump declares.
+    fn with_arithmetic(&mut self, dump: Dump, dir: &Path) -> Result<Dump, DeviceError> {
         if let Some(a) = &dump.manifest.arithmetic {
-            let arithmetic: Arithmetic = serde_json::from_value(a.clone()).map_err(|e| bad(&dir, format!("manifest.json: arithmetic: {e}")))?;
-            arithmetic.check().map_err(|e| bad(&dir, format!("manifest.json: arithmetic: {e}")))?;
+            let arithmetic: Arithmetic = serde_json::from_value(a.clone()).map_err(|e| bad(dir, format!("manifest.json: arithmetic: {e}")))?;
+            arithmetic.check().map_err(|e| bad(dir, format!("manifest.json: arithmetic: {e}")))?;
             self.arithmetic = arithmetic;
         }
         Ok(dump)
@@ -301,6 +315,20 @@ impl ExternalModel {
         ids.truncate(max_new);
         Ok(ids)
     }
+}
+
+/// With `TOUCHSTONE_KEEP_DUMPS=DIR`, copies what an `exec:` engine wrote in `out` (its dump and
+/// engine.log, links not followed) to `DIR/dump-N` (the first N free) and returns that path.
+fn keep_dump(out: &Path) -> Option<PathBuf> {
+    let root = PathBuf::from(std::env::var_os("TOUCHSTONE_KEEP_DUMPS")?);
+    std::fs::create_dir_all(&root).ok()?;
+    let dest = (1..=100_000).map(|n| root.join(format!("dump-{n}"))).find(|d| std::fs::create_dir(d).is_ok())?;
+    for e in std::fs::read_dir(out).ok()?.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_file()) {
+            std::fs::copy(e.path(), dest.join(e.file_name())).ok()?;
+        }
+    }
+    Some(dest)
 }
 
 /// Runs an `exec:` or `ids:` engine for one request; Err names the exit status or the timeout and

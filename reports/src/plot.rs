@@ -26,6 +26,17 @@ pub struct Chart {
     pub series: Vec<Series>,
     /// Optional shaded horizontal band (low, high), e.g. a confidence interval.
     pub band: Option<(f64, f64)>,
+    /// Points marked and labelled (a tap over its budget, named).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub markers: Vec<Marker>,
+}
+
+/// A point drawn as a red dot with its label beside it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Marker {
+    pub x: f64,
+    pub y: f64,
+    pub label: String,
 }
 
 fn register_font() {
@@ -118,7 +129,8 @@ where
         legend.draw(&PathElement::new(vec![(17, y + 6), (24, y + 6)], grey.stroke_width(1))).map_err(draw_err)?;
         legend.draw(&Text::new("dashed: budget (same colour)", (30, y - 1), ("sans-serif", 12))).map_err(draw_err)?;
     }
-    let pts = c.series.iter().flat_map(|s| s.points.iter()).filter(|p| plottable(c, p));
+    let marked: Vec<(f64, f64)> = c.markers.iter().map(|m| (m.x, m.y)).collect();
+    let pts = c.series.iter().flat_map(|s| s.points.iter()).chain(&marked).filter(|p| plottable(c, p));
     let band = c.band.filter(|(lo, hi)| plottable(c, &(0.0, *lo)) && plottable(c, &(0.0, *hi)));
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for (x, y) in pts {
@@ -175,6 +187,11 @@ where
                     chart.draw_series(LineSeries::new(points, style)).map_err(draw_err)?;
                 }
             }
+            let red = RGBColor(214, 39, 40);
+            let marks = c.markers.iter().filter(|m| plottable(c, &(m.x, m.y)));
+            chart
+                .draw_series(marks.map(|m| EmptyElement::at((m.x, m.y)) + Circle::new((0, 0), 5, red.filled()) + Text::new(m.label.clone(), (7, -16), ("sans-serif", 12))))
+                .map_err(draw_err)?;
         }};
     }
     if c.log_y {
@@ -221,6 +238,7 @@ mod tests {
                 Series { name: "l_out budget".into(), points: vec![(0.0, 1e-5), (2.0, 2e-5)], colour: 0, dashed: true },
             ],
             band: None,
+            markers: Vec::new(),
         };
         let files = write_chart(dir.path(), "layers", &chart).unwrap();
         let png = std::fs::read(&files[0]).unwrap();
@@ -237,10 +255,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let extreme = vec![(1e308, -1e308), (0.0, 1e308), (-1e308, 1e-308), (1.0, 2.0)];
         for log_y in [false, true] {
-            let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y, series: vec![Series { name: "s".into(), points: extreme.clone(), colour: 1 << 40, dashed: false }], band: Some((1e308, -1e308)) };
+            let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y, series: vec![Series { name: "s".into(), points: extreme.clone(), colour: 1 << 40, dashed: false }], band: Some((1e308, -1e308)), markers: Vec::new() };
             write_chart(dir.path(), "extreme", &chart).unwrap();
         }
-        let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y: false, series: vec![], band: None };
+        let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y: false, series: vec![], band: None, markers: Vec::new() };
         for stem in ["../x", "a/b", "", ".hidden", "..", "c:\\x"] {
             let e = write_chart(dir.path(), stem, &chart).unwrap_err().to_string();
             assert!(e.contains("is not a plain file name"), "{stem}: {e}");

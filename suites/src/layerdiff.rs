@@ -1325,7 +1325,40 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
     if mode == Mode::Propagated && !emulated.is_empty() {
         series.push(Series { name: "l_out, declared arithmetic emulated".into(), points: emulated, colour: kinds.len(), dashed: false });
     }
-    Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None }
+    Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None, markers: Vec::new() }
+}
+
+/// Error over budget by layer, read at a glance: per mode, the worst tap of each layer (the
+/// output head after the last layer), the budget as a dashed line at 1, and each layer's worst
+/// tap over it marked and named.
+pub fn budget_chart(taps: &[TapDiff], modes: &[Mode], title: &str) -> Chart {
+    let last = taps.iter().filter_map(|t| t.layer).max().map_or(0, |l| l + 1);
+    let x_of = |t: &TapDiff| t.layer.unwrap_or(if t.kind == "inp_embd" { 0 } else { last }) as f64;
+    let mut series = Vec::new();
+    let mut markers = Vec::new();
+    for (ci, mode) in modes.iter().enumerate() {
+        // Per layer, the worst tap and its use of its budget.
+        let mut worst: std::collections::BTreeMap<u64, (f64, &str)> = std::collections::BTreeMap::new();
+        for t in taps {
+            let Some(u) = t.budget_use(*mode).filter(|u| u.is_finite()) else { continue };
+            let e = worst.entry(x_of(t) as u64).or_insert((0.0, &t.name));
+            if u.max(1e-6) > e.0 {
+                *e = (u.max(1e-6), &t.name);
+            }
+        }
+        for (x, (u, name)) in &worst {
+            if *u > 1.0 {
+                markers.push(reports::plot::Marker { x: *x as f64, y: *u, label: format!("{name} ({})", if *mode == Mode::Isolated { "isolated" } else { "propagated" }) });
+            }
+        }
+        let worst: std::collections::BTreeMap<u64, f64> = worst.into_iter().map(|(x, (u, _))| (x, u)).collect();
+        if !worst.is_empty() {
+            let name = if *mode == Mode::Isolated { "isolated: each op's own error, worst tap of the layer" } else { "propagated: accumulated error, worst tap of the layer" };
+            series.push(Series { name: name.into(), points: worst.into_iter().map(|(x, u)| (x as f64, u)).collect(), colour: ci, dashed: false });
+        }
+    }
+    series.push(Series { name: "budget".into(), points: vec![(0.0, 1.0), (last as f64, 1.0)], colour: 3, dashed: true });
+    Chart { title: title.into(), x_label: "layer (after the last: the output head)".into(), y_label: "error / budget".into(), log_y: true, series, band: None, markers }
 }
 
 /// The device's taps the oracle has no tap of that name for (a dump's misspelt or foreign
@@ -1645,6 +1678,8 @@ fn report(taps: &[TapDiff], mode: Mode, model: &str, device: &str, ids: &[u32], 
     }
     report.sections.insert("first_divergence".into(), first_divergence_json(taps));
     report.add_table("layer_table", "Per layer", &LAYER_TABLE_COLUMNS, layer_table(taps));
+    let modes: &[Mode] = if against.is_none() { &[Mode::Isolated, Mode::Propagated] } else { &[Mode::Propagated] };
+    report.add_chart("budget_use_by_layer", budget_chart(taps, modes, &format!("{device} on {model}: error over budget by layer")));
     report.add_chart("error_by_layer_propagated", chart(taps, Mode::Propagated, &format!("{device} on {model}: propagated error by layer")));
     if against.is_none() {
         report.add_chart("error_by_layer_isolated", chart(taps, Mode::Isolated, &format!("{device} on {model}: each op's own error (isolated)")));

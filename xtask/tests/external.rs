@@ -73,7 +73,7 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ok/report.json")).unwrap()).unwrap();
     assert!(report["first_divergence"].is_null());
     assert!(report["summary"]["passed"].as_u64().unwrap() > 400, "every tap of 30 layers was compared");
-    for plot in ["error_by_layer_isolated.png", "error_by_layer_propagated.svg"] {
+    for plot in ["budget_use_by_layer.png", "error_by_layer_isolated.png", "error_by_layer_propagated.svg"] {
         assert!(tmp.path().join("ok").join(plot).exists(), "{plot} is written");
     }
 
@@ -97,6 +97,9 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("bad/report.json")).unwrap()).unwrap();
     assert_eq!(report["first_divergence"]["tap"], "blk.17.l_out", "{}", report["first_divergence"]);
     assert_eq!(report["first_divergence"]["worst_position"], 4);
+    // The budget chart marks and names the tap over its budget.
+    let chart = report["charts"].as_array().unwrap().iter().find(|c| c["stem"] == "budget_use_by_layer").unwrap();
+    assert!(chart["chart"]["markers"].as_array().unwrap().iter().any(|m| m["label"] == "blk.17.l_out (isolated)" && m["x"] == 17.0), "{}", chart["chart"]["markers"]);
     assert!(text(&o).contains("first divergence: blk.17.l_out (isolated): RMS error") && text(&o).contains("its budget of") && text(&o).contains("largest at position 4"), "{}", text(&o));
     // The two-build comparison names the first tap where the builds differ at all (the 2% change
     // of one position stays inside the sum of both builds' propagated budgets).

@@ -754,6 +754,7 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
                 Series { name: "±threshold (band: 95% CI)".into(), points: vec![(1.0, -100.0 * s.threshold), (n, -100.0 * s.threshold)], colour: 7, dashed: true },
             ],
             band: Some((100.0 * s.ci95.0, 100.0 * s.ci95.1)),
+            markers: Vec::new(),
         },
     );
     let quantiles = |arm: fn(&Pair) -> &RunSample| -> Vec<(f64, f64)> {
@@ -774,6 +775,7 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
             log_y: false,
             series: vec![Series { name: format!("A: {}", a.a), points: quantiles(|p| &p.a), colour: 0, dashed: false }, Series { name: format!("B: {}", a.b), points: quantiles(|p| &p.b), colour: 1, dashed: false }],
             band: None,
+            markers: Vec::new(),
         },
     );
     r

@@ -317,6 +317,7 @@ fn kld_chart(per_pos: &serde_json::Value, device: &str, model: &str) -> Chart {
             Series { name: "bound 0.5*delta^2".into(), points: pts("kld_bound"), colour: 0, dashed: true },
         ],
         band: None,
+        markers: Vec::new(),
     }
 }
 
