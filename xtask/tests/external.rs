@@ -647,3 +647,21 @@ fn the_readme_quickstart_runs_as_printed() {
     assert!(out.contains("layers on my-engine / tiny-llama: first divergence: blk.0.l_out (isolated): RMS error") && out.contains("exit 1"), "{out}");
     let _ = std::fs::remove_dir_all(&engine);
 }
+
+/// `TOUCHSTONE_KEEP_DUMPS=DIR`: what an `exec:` engine wrote stays in `DIR/dump-N`, and an
+/// engine that wrote no dump is reported at that kept copy, its log there to read.
+#[test]
+fn kept_dumps_stay_for_inspection() {
+    let tmp = tempfile::tempdir().unwrap();
+    let keep = tmp.path().join("kept");
+    let env = [("TOUCHSTONE_KEEP_DUMPS", keep.to_str().unwrap())];
+    let o = xtask(&["layer-diff", "--device", "exec:echo 'no dump today'", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--report-dir", tmp.path().join("r").to_str().unwrap()], &env);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains(&format!("(kept in {})", keep.join("dump-1").display())), "{}", text(&o));
+    assert!(std::fs::read_to_string(keep.join("dump-1/engine.log")).unwrap().contains("no dump today"));
+    let dump = tmp.path().join("cpu");
+    dump_cpu("tiny-llama", "1,2,3", &dump);
+    let o = xtask(&["layer-diff", "--device", &format!("exec:cp {}/* \"$TOUCHSTONE_OUT\"/", dump.display()), "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--report-dir", tmp.path().join("r2").to_str().unwrap()], &env);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(keep.join("dump-2/manifest.json").exists() && keep.join("dump-2/taps.safetensors").exists());
+}
