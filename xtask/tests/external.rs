@@ -665,3 +665,48 @@ fn kept_dumps_stay_for_inspection() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(keep.join("dump-2/manifest.json").exists() && keep.join("dump-2/taps.safetensors").exists());
 }
+
+/// The newcomer's day, as a new user lives it: the `touchstone` binary installed into a root of
+/// its own, the example engine copied out of the repository, gated from the engine's folder
+/// (exit 0, JUnit under the label); one layer's output scaled by 1.01 (exit 1, that layer named
+/// in the console and report.md); every tap but the logits dropped (the default coverage rule
+/// fails it).
+#[test]
+fn a_newcomer_gates_the_copied_engine_with_the_installed_binary() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("root/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::copy(env!("CARGO_BIN_EXE_touchstone"), bin.join("touchstone")).unwrap();
+    let engine_dir = tmp.path().join("my-engine");
+    std::fs::create_dir_all(&engine_dir).unwrap();
+    let source = std::fs::read_to_string(workspace().join("examples/external_engine/engine.py")).unwrap();
+    let gate = |src: &str, report: &str| {
+        std::fs::write(engine_dir.join("engine.py"), src).unwrap();
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+        let o = std::process::Command::new("touchstone")
+            .args(["gate", "--device", "exec:python3 engine.py", "--name", "my-engine", "--model", "tiny-llama", "--suite", "layers,tokens", "--report-dir", report])
+            .env("PATH", path)
+            .current_dir(&engine_dir)
+            .output()
+            .unwrap();
+        (o, engine_dir.join(report))
+    };
+    let (o, report) = gate(&source, "green");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let junit = std::fs::read_to_string(report.join("junit.xml")).unwrap();
+    assert!(junit.contains("classname=\"touchstone.layers.my-engine\"") && junit.contains("classname=\"touchstone.tokens.my-engine\""), "{junit}");
+    let scaled = source.replace("        taps[p + \"l_out\"] = x\n", "        if i == 1:\n            x = x * 1.01\n        taps[p + \"l_out\"] = x\n");
+    assert_ne!(scaled, source);
+    let (o, report) = gate(&scaled, "red");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("layers on my-engine / tiny-llama: first divergence: blk.1.l_out"), "{}", text(&o));
+    assert!(std::fs::read_to_string(report.join("report.md")).unwrap().contains("blk.1.l_out"));
+    let logits_only = source.replace("logits = forward(cfg, w, ids, taps)", "logits = forward(cfg, w, ids, {})");
+    assert_ne!(logits_only, source);
+    let (o, _) = gate(&logits_only, "logits-only");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("tap_coverage") && text(&o).contains("missing: 2 of 2 l_out"), "{}", text(&o));
+}
