@@ -77,9 +77,13 @@ fn failing_arms_and_different_outputs_exit_2() {
     assert!(text(&o).contains("arm A") && text(&o).contains("no JSON"), "{}", text(&o));
 
     let line = |toks: &str| format!("exec:echo '{{\"prefill_ms\":1,\"decode_ms\":5,\"n_prompt\":16,\"n_gen\":3,\"tokens\":[{toks}]}}'");
-    let o = xtask(&["ab", "--a", &line("1,2,3"), "--b", &line("1,2,4"), "--model", "tiny-llama", "--pairs", "2", "--max-pairs", "2"], &[]);
+    // Different outputs end the run at the first pair (of the ten asked for).
+    let differ = dir.path().join("differ");
+    let o = xtask(&["ab", "--a", &line("1,2,3"), "--b", &line("1,2,4"), "--model", "tiny-llama", "--pairs", "10", "--max-pairs", "10", "--report-dir", differ.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("outputs differ from generated token 2"), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(differ.join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["ab"]["pairs"].as_array().map(|p| p.len()), Some(1), "{}", r["ab"]);
     let o = xtask(&["ab", "--a", &line("1,2,3"), "--b", &line("1,2,4"), "--model", "tiny-llama", "--pairs", "2", "--max-pairs", "2", "--allow-different-outputs"], &[]);
     assert_ne!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("outputs differ from generated token 2"), "{}", text(&o));

@@ -511,6 +511,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     let mut failure: Option<Exit> = None;
     let mut target = a.pairs;
     let mut stats;
+    let mut outputs_differ = false;
     let lockstep = can_lockstep(&ra, &rb, timeout);
     super::print_timing_notes();
     eprintln!("ab: {}", if lockstep { "both arms step token by token: decode steps of A and B alternate (A,B / B,A) within each pair" } else { "whole runs per pair in ABBA order" });
@@ -541,6 +542,13 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
                 Ok((first, second)) => {
                     let (sa, sb) = if ab::a_first(i) { (first, second) } else { (second, first) };
                     pairs.push(Pair { a: sa, b: sb, a_first: ab::a_first(i) });
+                    // Outputs that differ (arm from arm unless allowed, or a run from the arm's
+                    // first) end the comparison at once: more pairs cannot make it valid.
+                    let (p, p0) = (&pairs[pairs.len() - 1], &pairs[0]);
+                    if (!a.allow_different_outputs && p.a.tokens != p.b.tokens) || p.a.tokens != p0.a.tokens || p.b.tokens != p0.b.tokens {
+                        outputs_differ = true;
+                        break;
+                    }
                 }
                 Err((name, e)) => {
                     let which = if name == "A" { &a.a } else { &a.b };
@@ -553,7 +561,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
         let ratios: Vec<f64> = pairs.iter().map(|p| p.change(a.metric) + 1.0).collect();
         stats = ab::analyze(&ratios, threshold, 0x5eed);
         match (stats.verdict, stats.pairs_needed, &failure) {
-            (AbVerdict::Inconclusive, Some(need), None) if pairs.len() < a.max_pairs => {
+            (AbVerdict::Inconclusive, Some(need), None) if pairs.len() < a.max_pairs && !outputs_differ => {
                 eprintln!("ab: inconclusive after {} pairs (CI {:+.2}%..{:+.2}%); about {need} pairs would decide, running more (max {})", pairs.len(), stats.ci95.0 * 100.0, stats.ci95.1 * 100.0, a.max_pairs);
                 target = need.min(a.max_pairs).max(pairs.len() + 1);
             }
