@@ -435,6 +435,12 @@ impl Report {
         self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows }));
     }
 
+    /// A table report.md shows before every other section (`"lead": true`): the summary a reader
+    /// pastes.
+    pub fn add_lead_table(&mut self, key: &str, title: &str, columns: &[&str], rows: Vec<Vec<String>>) {
+        self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows, "lead": true }));
+    }
+
     pub fn read(dir: &Path) -> std::io::Result<Report> {
         let path = dir.join("report.json");
         let text = std::fs::read_to_string(&path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
@@ -480,7 +486,9 @@ impl Report {
     /// image links, anything else as a JSON line.
     fn sections_markdown(&self) -> String {
         let mut out = String::new();
-        for (key, v) in &self.sections {
+        let lead = |v: &serde_json::Value| v.get("lead").and_then(|l| l.as_bool()).unwrap_or(false);
+        let ordered = self.sections.iter().filter(|(_, v)| lead(v)).chain(self.sections.iter().filter(|(_, v)| !lead(v)));
+        for (key, v) in ordered {
             if key == "charts" {
                 for (stem, c) in self.charts().unwrap_or_default() {
                     out += &format!("![{}]({stem}.svg)\n\n", c.title);

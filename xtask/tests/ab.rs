@@ -36,12 +36,15 @@ fn an_exec_arm_sleeping_3_percent_per_token_is_slower() {
     for f in ["report.md", "ab_changes.png", "ab_changes.svg", "ab_decode_latency.png", "cases.csv"] {
         assert!(dir.path().join(f).exists(), "{f}");
     }
-    assert!(std::fs::read_to_string(dir.path().join("report.md")).unwrap().contains("**summary**"));
-    // The pairs by restart group (4 each by default), each with its summed change.
-    let groups = r["ab_groups"]["rows"].as_array().unwrap();
-    assert_eq!(groups.len(), r["ab"]["pairs"].as_array().unwrap().len().div_ceil(4), "{groups:?}");
-    assert_eq!(groups[0][1], "1-4");
-    assert!(text(&o).contains("per restart group of 4 pairs"), "{}", text(&o));
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(md.contains("**summary**"));
+    // The summary table comes first: an arm per row, then B's change with the verdict marked.
+    let summary = md.find("## Summary: tiny-llama with a 16-token prompt and 40 generated tokens").expect("summary table");
+    assert!(md.find("## Per pair").is_some_and(|p| p > summary), "{md}");
+    assert_eq!(r["ab_summary"]["rows"][0][0], format!("A: {a}"));
+    assert!(r["ab_summary"]["rows"][2][2].as_str().unwrap().contains("**slower**"), "{}", r["ab_summary"]);
+    // An exec: arm runs a fresh process per run: no restart groups to report.
+    assert!(r["ab_groups"].is_null() && !text(&o).contains("per restart group"), "{}", text(&o));
 }
 
 #[test]

@@ -50,6 +50,12 @@ pub struct AbArgs {
     /// Tokens generated per run.
     #[arg(long, default_value_t = 32)]
     gen_len: usize,
+    /// A label for arm A in the tables, console and plots (default: its spec, `--a`).
+    #[arg(long)]
+    a_name: Option<String>,
+    /// A label for arm B (default: its spec, `--b`).
+    #[arg(long)]
+    b_name: Option<String>,
     /// Compare arms whose outputs differ (two different engines on purpose); the report says where
     /// their outputs first differ. Without it, different outputs are an error.
     #[arg(long)]
@@ -647,18 +653,28 @@ fn groups(pairs: &[Pair], m: Metric, every: usize) -> Vec<Group> {
 
 fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>) {
     let m = a.metric;
+    let (name_a, name_b) = names(a);
+    outln!("{}", summary_title(a, pairs));
+    let rows = summary_rows(a, pairs, &name_a, &name_b);
+    let widths: Vec<usize> = (0..SUMMARY_COLUMNS.len()).map(|i| rows.iter().map(|r| r[i].chars().count()).chain([SUMMARY_COLUMNS[i].chars().count()]).max().unwrap_or(0)).collect();
+    let line = |cells: &[String]| cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ");
+    outln!("{}", line(&SUMMARY_COLUMNS.map(String::from)));
+    for r in &rows {
+        outln!("{}", line(r));
+    }
+    outln!();
     outln!("pair  order   A {unit}   B {unit}   change", unit = m.unit());
     for (i, p) in pairs.iter().enumerate() {
         outln!("{:>4}  {}   {:>10.3}   {:>10.3}   {}", i + 1, if p.a_first { "A,B" } else { "B,A" }, m.of(&p.a), m.of(&p.b), pct(p.change(m)));
     }
     if pairs.is_empty() {
-        outln!("B ({}) vs A ({}): no pair completed, nothing to compare", a.b, a.a);
+        outln!("B ({name_b}) vs A ({name_a}): no pair completed, nothing to compare");
         return;
     }
     outln!(
         "B ({}) vs A ({}), {}: median {} (95% CI {} .. {}), Wilcoxon p = {:.3}, threshold ±{:.1}% -> {}{}",
-        a.b,
-        a.a,
+        name_b,
+        name_a,
         m.words(),
         pct(s.median_change),
         pct(s.ci95.0),
@@ -669,7 +685,7 @@ fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Op
         s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; --max-pairs {} reached)", a.max_pairs)).unwrap_or_default()
     );
     let g = groups(pairs, m, a.respawn_every);
-    if g.len() > 1 {
+    if g.len() > 1 && !(a.a.starts_with("exec:") && a.b.starts_with("exec:")) {
         let slower = g.iter().filter(|g| g.summed > 0.0).count();
         outln!("per restart group of {} pairs, B's summed {} over A's: {} ({slower} of {} groups slower)", a.respawn_every, m.unit(), g.iter().map(|g| pct(g.summed)).collect::<Vec<_>>().join(", "), g.len());
     }
@@ -678,6 +694,71 @@ fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Op
     } else if let Some(p) = pairs.first() {
         outln!("outputs identical in every run: hash {}", hash(&p.a.tokens));
     }
+}
+
+/// The arms' labels: `--a-name`/`--b-name`, else their specs.
+fn names(a: &AbArgs) -> (String, String) {
+    (a.a_name.clone().unwrap_or_else(|| a.a.clone()), a.b_name.clone().unwrap_or_else(|| a.b.clone()))
+}
+
+const SUMMARY_COLUMNS: [&str; 9] = ["arm", "decode tok/s (mean, stalls in)", "fastest step ms/token", "prefill tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "peak RSS MiB", "output hash", "runs"];
+
+/// What the summary table covers: model, lengths, the compared metric.
+fn summary_title(a: &AbArgs, pairs: &[Pair]) -> String {
+    let (n_prompt, n_gen) = pairs.first().map_or((a.prompt_len, a.gen_len), |p| (p.a.n_prompt, p.a.n_gen));
+    format!("Summary: {} with a {n_prompt}-token prompt and {n_gen} generated tokens; medians over runs (the verdict compares {})", a.model, a.metric.words())
+}
+
+/// One row per arm (medians over its runs), then B's change in each figure (median of the
+/// paired changes, with its bootstrap 95% CI) and the verdict's metric marked.
+fn summary_rows(a: &AbArgs, pairs: &[Pair], name_a: &str, name_b: &str) -> Vec<Vec<String>> {
+    let med = |v: Vec<f64>| suites::throughput::median(&v);
+    let arm_row = |name: &str, arm: fn(&Pair) -> &RunSample| -> Vec<String> {
+        if pairs.is_empty() {
+            return vec![name.to_string(), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), "0".into()];
+        }
+        let runs: Vec<&RunSample> = pairs.iter().map(arm).collect();
+        let mut steps: Vec<f64> = runs.iter().flat_map(|r| r.step_ms.iter().copied()).filter(|x| x.is_finite()).collect();
+        steps.sort_by(f64::total_cmp);
+        let q = |p: f64| steps.get(((steps.len() as f64 - 1.0) * p).round() as usize).copied();
+        let itl = match (q(0.5), q(0.9), q(0.99)) {
+            (Some(a), Some(b), Some(c)) => format!("{a:.2} / {b:.2} / {c:.2}"),
+            _ => "-".into(),
+        };
+        let rss = runs.iter().filter_map(|r| r.peak_rss_kb).max().map_or("-".into(), |k| format!("{:.0}", k as f64 / 1024.0));
+        vec![
+            name.to_string(),
+            format!("{:.1}", med(runs.iter().map(|r| 1000.0 / r.mean_ms_per_token()).collect())),
+            format!("{:.3}", med(runs.iter().map(|r| r.ms_per_token()).collect())),
+            format!("{:.0}", med(runs.iter().map(|r| r.n_prompt as f64 * 1000.0 / r.prefill_ms.max(1e-9)).collect())),
+            format!("{:.2}", med(runs.iter().map(|r| r.prefill_ms).collect())),
+            itl,
+            rss,
+            hash(&runs[0].tokens),
+            runs.len().to_string(),
+        ]
+    };
+    let mut rows = vec![arm_row(&format!("A: {name_a}"), |p| &p.a), arm_row(&format!("B: {name_b}"), |p| &p.b)];
+    if pairs.len() >= 2 {
+        let change = |m: Metric| {
+            let st = ab::analyze(&pairs.iter().map(|p| p.change(m) + 1.0).collect::<Vec<_>>(), a.threshold / 100.0, 0x5eed);
+            let mark = if m == a.metric { format!(" **{}**", st.verdict.words()) } else { String::new() };
+            format!("{} ({} .. {}){mark}", pct(st.median_change), pct(st.ci95.0), pct(st.ci95.1))
+        };
+        let prefill: Vec<f64> = pairs.iter().map(|p| p.b.prefill_ms / p.a.prefill_ms - 1.0).collect();
+        rows.push(vec![
+            "B's change (95% CI)".into(),
+            format!("time {}", change(Metric::Mean)),
+            change(Metric::FastestStep),
+            String::new(),
+            format!("{} (median)", pct(med(prefill))),
+            String::new(),
+            String::new(),
+            if pairs[0].a.tokens == pairs[0].b.tokens { "identical".into() } else { "differ".into() },
+            String::new(),
+        ]);
+    }
+    rows
 }
 
 fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>, problem: Option<String>) -> Report {
@@ -702,6 +783,8 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
         message: problem.or_else(|| Some(format!("{}: median {} (CI {} .. {}), p = {:.3}", s.verdict.words(), pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1), s.p_value))),
     };
     let mut r = Report::new("ab", Provenance::collect(rayon::current_num_threads()), vec![case]);
+    let (name_a, name_b) = names(a);
+    r.add_lead_table("ab_summary", &summary_title(a, pairs), &SUMMARY_COLUMNS, summary_rows(a, pairs, &name_a, &name_b));
     let samples: Vec<serde_json::Value> = pairs.iter().enumerate().map(|(i, p)| json!({ "pair": i + 1, "order": if p.a_first { "AB" } else { "BA" }, "a": p.a, "b": p.b, "change": p.change(a.metric) })).collect();
     r.sections.insert(
         "ab".into(),
@@ -734,18 +817,21 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
         format!("{} pairs", pairs.len()),
         String::new(),
         String::new(),
-        format!("median {} (95% CI {} .. {})", pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1)),
+        format!("median {} (95% CI {} .. {}), p = {:.3}: **{}**", pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1), s.p_value, s.verdict.words()),
         String::new(),
-        format!("p = {:.3}: **{}**", s.p_value, s.verdict.words()),
+        String::new(),
     ]);
     let (col_a, col_b) = (format!("A {}", a.metric.unit()), format!("B {}", a.metric.unit()));
-    r.add_table("ab_table", &format!("A = `{}`, B = `{}` on {} ({})", a.a, a.b, a.model, a.metric.words()), &["pair", "order", &col_a, &col_b, "change", "change of mean ms/token", "prefill ms A / B"], rows);
+    r.add_table("ab_table", &format!("Per pair: A = {name_a} (`{}`), B = {name_b} (`{}`), {}", a.a, a.b, a.metric.words()), &["pair", "order", &col_a, &col_b, "change", "change of mean ms/token", "prefill ms A / B"], rows);
     let group_rows: Vec<Vec<String>> = groups(pairs, a.metric, a.respawn_every)
         .iter()
         .enumerate()
         .map(|(i, g)| vec![(i + 1).to_string(), format!("{}-{}", g.first_pair, g.first_pair + g.pairs - 1), pct(g.median), pct(g.summed)])
         .collect();
-    r.add_table("ab_groups", &format!("Per restart group (`--respawn-every {}`: one lifetime of each arm's server process)", a.respawn_every), &["group", "pairs", "median change", "B's summed over A's"], group_rows);
+    // `exec:` arms run a fresh process per run: restart groups are a server arm's.
+    if !(a.a.starts_with("exec:") && a.b.starts_with("exec:")) && group_rows.len() > 1 {
+        r.add_table("ab_groups", &format!("Per restart group (`--respawn-every {}`: one lifetime of each arm's server process)", a.respawn_every), &["group", "pairs", "median change", "B's summed over A's"], group_rows);
+    }
     let changes: Vec<(f64, f64)> = pairs.iter().enumerate().map(|(i, p)| ((i + 1) as f64, 100.0 * p.change(a.metric))).collect();
     let n = pairs.len().max(1) as f64;
     r.add_chart(
