@@ -126,3 +126,18 @@ fn the_metric_option_chooses_what_is_compared() {
         assert!(r["cases"][0]["id"].as_str().unwrap().starts_with("ab(metric="), "{}", r["cases"][0]["id"]);
     }
 }
+
+/// Server arms (devices) are restarted every `--respawn-every` pairs: the report has a row per
+/// restart group, each with its summed change, and the console says how the groups went.
+#[test]
+fn server_arms_are_reported_by_restart_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["ab", "--a", "cpu", "--b", "cpu", "--a-name", "base", "--b-name", "head", "--model", "tiny-llama", "--pairs", "8", "--max-pairs", "8", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_ne!(o.status.code(), Some(2), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+    let groups = r["ab_groups"]["rows"].as_array().unwrap();
+    assert_eq!(groups.len(), 2, "{groups:?}");
+    assert_eq!(groups[0][1], "1-4");
+    assert!(text(&o).contains("per restart group of 4 pairs") && text(&o).contains("B (head) vs A (base)"), "{}", text(&o));
+    assert_eq!(r["ab_summary"]["rows"][1][0], "B: head");
+}
