@@ -108,6 +108,35 @@ pub struct Provenance {
     pub started_at: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
+    /// The machine and the build, as a reader of a published figure needs them: `cores`,
+    /// `memory_gib`, `kernel`, `os`, `rustc`, `build_profile` (keys the OS or build did not state
+    /// are absent).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub machine: std::collections::BTreeMap<String, String>,
+}
+
+/// The machine and build facts of [`Provenance::machine`].
+fn machine() -> std::collections::BTreeMap<String, String> {
+    let mut m = std::collections::BTreeMap::new();
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    if let Ok(n) = std::thread::available_parallelism() {
+        m.insert("cores".into(), n.to_string());
+    }
+    if let Some(kb) = read("/proc/meminfo").and_then(|s| s.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())) {
+        m.insert("memory_gib".into(), format!("{:.1}", kb / (1024.0 * 1024.0)));
+    }
+    if let Some(k) = read("/proc/sys/kernel/osrelease") {
+        m.insert("kernel".into(), k.trim().to_string());
+    }
+    if let Some(os) = read("/etc/os-release").and_then(|s| s.lines().find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_string()))) {
+        m.insert("os".into(), os);
+    }
+    for (k, v) in [("rustc", env!("TOUCHSTONE_RUSTC")), ("build_profile", env!("TOUCHSTONE_PROFILE"))] {
+        if !v.is_empty() {
+            m.insert(k.into(), v.to_string());
+        }
+    }
+    m
 }
 
 static START: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
@@ -146,6 +175,7 @@ impl Provenance {
             context: std::env::var("TOUCHSTONE_CONTEXT").ok(),
             started_at: Some(rfc3339(*START.get_or_init(std::time::SystemTime::now))),
             finished_at: Some(rfc3339(std::time::SystemTime::now())),
+            machine: machine(),
         }
     }
 }
@@ -255,6 +285,10 @@ impl Report {
             p.threads,
             p.touchstone_version
         );
+        if !p.machine.is_empty() {
+            let m = |k: &str| p.machine.get(k).map(String::as_str).unwrap_or("?");
+            out += &format!("machine: {} cores, {} GiB, {} (kernel {}); built by {} ({} profile)\n\n", m("cores"), m("memory_gib"), m("os"), m("kernel"), m("rustc"), m("build_profile"));
+        }
         if let (Some(t0), Some(t1)) = (&p.started_at, &p.finished_at) {
             out += &format!("run from {t0} to {t1}\n\n");
         }
