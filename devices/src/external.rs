@@ -451,7 +451,7 @@ pub fn file_tail(path: &Path, n: u64) -> Vec<u8> {
 
 /// `; end of its log:` and an engine log's last 8 lines, for an error message (empty when the
 /// log is empty or unreadable).
-fn log_tail(log_path: &Path) -> String {
+pub(crate) fn log_tail(log_path: &Path) -> String {
     let text = String::from_utf8_lossy(&file_tail(log_path, 64 << 10)).into_owned();
     let lines: Vec<&str> = text.lines().collect();
     let tail = lines[lines.len().saturating_sub(8)..].join("\n  ");

@@ -8,7 +8,7 @@
 //! breaks a limit fails its own cases and nothing else. Nothing here computes: the values are
 //! handed over and back as they are.
 
-use crate::external::{file_tail, run_bounded_watching};
+use crate::external::{log_tail, run_bounded_watching};
 use crate::Arithmetic;
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
@@ -126,12 +126,7 @@ fn run(cmd: &str, env: &[(&str, &Path)], task: &str, out: &Path, timeout: Durati
     for (k, v) in env {
         command.env(k, v);
     }
-    let tail = || {
-        let text = String::from_utf8_lossy(&file_tail(&log, 4 << 10)).into_owned();
-        let lines: Vec<&str> = text.lines().collect();
-        let t = lines[lines.len().saturating_sub(6)..].join("\n  ");
-        if t.is_empty() { String::new() } else { format!("; end of its log:\n  {t}") }
-    };
+    let tail = || log_tail(&log);
     match run_bounded_watching(&mut command, &log, &log, timeout, "set TOUCHSTONE_EXEC_TIMEOUT to allow more", Some((out, out_limit))) {
         Ok(status) if status.success() => Ok(()),
         Ok(status) => Err(format!("`{cmd}` exited with {status} (TOUCHSTONE_TASK={task}){}", tail())),

@@ -160,12 +160,12 @@ def op_matmul(g, p, i):
     return g.compute(g.mul_mat(w, xt))
 
 
-def op_add_bias(g, p, i):
-    return g.compute(g.add(g.tensor(i["a"]), g.tensor(i["b"])))
-
-
 def op_add(g, p, i):
     return g.compute(g.add(g.tensor(i["a"]), g.tensor(i["b"])))
+
+
+# A bias row broadcasts over the rows as the residual add's operand does.
+op_add_bias = op_add
 
 
 def op_rope(g, p, i):

@@ -129,12 +129,12 @@ def op_matmul(p, i):
     return [np.ascontiguousarray(x, dtype=F32) @ w.T]
 
 
-def op_add_bias(p, i):
-    return [i["a"] + i["b"]]
-
-
 def op_add(p, i):
     return [i["a"] + i["b"]]
+
+
+# A bias row broadcasts over the rows as the residual add's operand does.
+op_add_bias = op_add
 
 
 def rope_angles(p, pos):

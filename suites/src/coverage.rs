@@ -131,26 +131,7 @@ mod tests {
     use super::*;
 
     fn tap(name: &str, missing: bool) -> TapDiff {
-        let (layer, kind) = crate::layerdiff::split_tap(name);
-        TapDiff {
-            name: name.into(),
-            layer,
-            kind: kind.into(),
-            missing,
-            propagated: None,
-            budget_propagated: None,
-            isolated: None,
-            budget_isolated: None,
-            id_mismatches: None,
-            routing_followed: 0,
-            amplification: None,
-            magnified: 0.0,
-            emulated: None,
-            emulated_bulk: None,
-            terms: None,
-            terms_grant: 0.0,
-            attention_grant: 0.0,
-        }
+        TapDiff { missing, ..TapDiff::uncompared(name) }
     }
 
     /// Two layers' taps, of which `given` are given.

@@ -386,6 +386,30 @@ pub struct TapDiff {
 }
 
 impl TapDiff {
+    /// Tap `name` before anything is compared: no errors, budgets or grants.
+    pub fn uncompared(name: &str) -> TapDiff {
+        let (layer, kind) = split_tap(name);
+        TapDiff {
+            name: name.to_string(),
+            layer,
+            kind: kind.to_string(),
+            missing: false,
+            propagated: None,
+            budget_propagated: None,
+            isolated: None,
+            budget_isolated: None,
+            id_mismatches: None,
+            routing_followed: 0,
+            amplification: None,
+            magnified: 0.0,
+            emulated: None,
+            emulated_bulk: None,
+            terms: None,
+            terms_grant: 0.0,
+            attention_grant: 0.0,
+        }
+    }
+
     /// What the measured terms granted this tap: cancelling products' terms and attention's
     /// scores (absolute RMS; see the two fields).
     pub fn grant(&self) -> f64 {
@@ -868,25 +892,7 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
         let (width, rdata) = &reference.tensors[name];
         let (layer, kind) = split_tap(name);
         let local = local_budget(kind, arith, dims);
-        let mut t = TapDiff {
-            name: name.clone(),
-            layer,
-            kind: kind.to_string(),
-            missing: false,
-            propagated: None,
-            budget_propagated: propagated_budget(kind, layer, arith, dims),
-            isolated: None,
-            budget_isolated: local.map(|b| b.and_independent(since_given)),
-            id_mismatches: None,
-            routing_followed: 0,
-            amplification: None,
-            magnified: 0.0,
-            emulated: None,
-            emulated_bulk: None,
-            terms: None,
-            terms_grant: 0.0,
-            attention_grant: 0.0,
-        };
+        let mut t = TapDiff { budget_propagated: propagated_budget(kind, layer, arith, dims), budget_isolated: local.map(|b| b.and_independent(since_given)), ..TapDiff::uncompared(name) };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             if let Some(b) = local {
                 since_given = since_given.and_independent(b);
