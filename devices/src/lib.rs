@@ -28,6 +28,7 @@ pub mod ops_protocol;
 pub mod probe;
 #[cfg(feature = "faults")]
 pub mod faulty;
+pub mod slowed;
 pub mod reference;
 
 use oracle::registry::{OpCase, Output};
@@ -659,6 +660,14 @@ pub fn opened() -> std::collections::BTreeMap<String, String> {
 
 fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: &str| Err(DeviceError::Unavailable(name.to_string(), why.to_string()));
+    // Command lines of external engines may hold anything; only built-in devices take +slow=.
+    if !name.starts_with("exec:") && !name.starts_with("ids:") && !name.starts_with("external:") {
+        match slowed::parse(name) {
+            Some(Ok((base, fraction))) => return Ok(Box::new(slowed::SlowedDevice { inner: open_device(base)?, fraction })),
+            Some(Err(why)) => return unavailable(&why),
+            None => {}
+        }
+    }
     match name {
         "ref" => Ok(Box::new(reference::RefDevice)),
         "cpu" => Ok(Box::new(cpu::CpuDevice::default())),

@@ -109,8 +109,9 @@ pub struct Provenance {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
     /// The machine and the build, as a reader of a published figure needs them: `cores`,
-    /// `memory_gib`, `kernel`, `os`, `rustc`, `build_profile` (keys the OS or build did not state
-    /// are absent).
+    /// `memory_gib`, `kernel`, `os`, `governor` (cpu0's cpufreq scaling governor, or `not
+    /// exposed`: virtual machines usually hide it), `rustc`, `build_profile` (keys the OS or build
+    /// did not state are absent).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub machine: std::collections::BTreeMap<String, String>,
 }
@@ -131,6 +132,8 @@ fn machine() -> std::collections::BTreeMap<String, String> {
     if let Some(os) = read("/etc/os-release").and_then(|s| s.lines().find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_string()))) {
         m.insert("os".into(), os);
     }
+    let governor = read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor").map(|g| g.trim().to_string());
+    m.insert("governor".into(), governor.unwrap_or_else(|| "not exposed".into()));
     for (k, v) in [("rustc", env!("TOUCHSTONE_RUSTC")), ("build_profile", env!("TOUCHSTONE_PROFILE"))] {
         if !v.is_empty() {
             m.insert(k.into(), v.to_string());
@@ -271,10 +274,9 @@ impl Report {
 
     fn markdown(&self, with_cases: bool) -> String {
         let s = &self.summary;
-        let mut out = format!(
-            "# Touchstone `{}` report\n\n**{} executed, {} passed, {} failed, {} unsupported, {} errors**\n\n",
-            self.suite, s.executed, s.passed, s.failed, s.unsupported, s.errors
-        );
+        let mut out = format!("# Touchstone `{}` report\n\n", self.suite);
+        out += &self.sections_markdown(true);
+        out += &format!("**{} executed, {} passed, {} failed, {} unsupported, {} errors**\n\n", s.executed, s.passed, s.failed, s.unsupported, s.errors);
         let p = &self.provenance;
         out += &format!(
             "git {} (dirty: {}), host `{}`, CPU {}, {} threads, touchstone {}\n\n",
@@ -287,7 +289,7 @@ impl Report {
         );
         if !p.machine.is_empty() {
             let m = |k: &str| p.machine.get(k).map(String::as_str).unwrap_or("?");
-            out += &format!("machine: {} cores, {} GiB, {} (kernel {}); built by {} ({} profile)\n\n", m("cores"), m("memory_gib"), m("os"), m("kernel"), m("rustc"), m("build_profile"));
+            out += &format!("machine: {} cores, {} GiB, {} (kernel {}), CPU frequency governor {}; built by {} ({} profile)\n\n", m("cores"), m("memory_gib"), m("os"), m("kernel"), m("governor"), m("rustc"), m("build_profile"));
         }
         if let (Some(t0), Some(t1)) = (&p.started_at, &p.finished_at) {
             out += &format!("run from {t0} to {t1}\n\n");
@@ -335,7 +337,7 @@ impl Report {
             }
             out += "\n";
         }
-        out += &self.sections_markdown();
+        out += &self.sections_markdown(false);
         let failing: Vec<&Case> = self.cases.iter().filter(|c| matches!(c.verdict, Verdict::Fail | Verdict::Error)).collect();
         if !failing.is_empty() {
             out += "## Failures\n\n| case | device | verdict | message |\n|---|---|---|---|\n";
@@ -469,10 +471,11 @@ impl Report {
         self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows }));
     }
 
-    /// A table report.md shows before every other section (`"lead": true`): the summary a reader
-    /// pastes.
-    pub fn add_lead_table(&mut self, key: &str, title: &str, columns: &[&str], rows: Vec<Vec<String>>) {
-        self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows, "lead": true }));
+    /// A table report.md shows first, under the report's title and before its counts and
+    /// provenance (`"lead": true`): the summary a reader pastes, with `notes` as paragraphs under
+    /// it.
+    pub fn add_lead_table(&mut self, key: &str, title: &str, columns: &[&str], rows: Vec<Vec<String>>, notes: &[String]) {
+        self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows, "lead": true, "notes": notes }));
     }
 
     pub fn read(dir: &Path) -> std::io::Result<Report> {
@@ -518,11 +521,11 @@ struct NamedChart {
 impl Report {
     /// Suite-specific sections in Markdown: tables (`{title, columns, rows}`) as tables, charts as
     /// image links, anything else as a JSON line.
-    fn sections_markdown(&self) -> String {
+    /// The lead sections (`leads`) or the others, as Markdown.
+    fn sections_markdown(&self, leads: bool) -> String {
         let mut out = String::new();
         let lead = |v: &serde_json::Value| v.get("lead").and_then(|l| l.as_bool()).unwrap_or(false);
-        let ordered = self.sections.iter().filter(|(_, v)| lead(v)).chain(self.sections.iter().filter(|(_, v)| !lead(v)));
-        for (key, v) in ordered {
+        for (key, v) in self.sections.iter().filter(|(_, v)| lead(v) == leads) {
             if key == "charts" {
                 for (stem, c) in self.charts().unwrap_or_default() {
                     out += &format!("![{}]({stem}.svg)\n\n", c.title);
@@ -544,6 +547,9 @@ impl Report {
                     out += "\n";
                 }
                 out += "\n";
+                for note in v.get("notes").and_then(|n| n.as_array()).into_iter().flatten().filter_map(|n| n.as_str()) {
+                    out += &format!("{note}\n\n");
+                }
             } else {
                 let text = v.to_string();
                 if text.len() <= 400 {

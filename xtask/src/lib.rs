@@ -63,6 +63,8 @@ enum Command {
     Ab(cmd::ab::AbArgs),
     #[command(hide = true)]
     AbRun(cmd::ab::AbRunArgs),
+    /// How often `ab` is wrong on a real engine: many A/A and really-slower decisions, false-alarm rate and power with 95% intervals.
+    AbCalibrate(cmd::abcal::AbCalibrateArgs),
     /// Merge shard reports or re-render a report's Markdown/JUnit/CSV/plots from report.json.
     Report(cmd::report::ReportArgs),
     /// Greedy (or seeded sampled) generation; prints the text and the decode speed.
@@ -146,6 +148,7 @@ pub fn main() -> ExitCode {
         Command::BisectStep(a) => cmd::bisect::step(a),
         Command::Ab(a) => cmd::ab::main(a),
         Command::AbRun(a) => cmd::ab::run_main(a),
+        Command::AbCalibrate(a) => cmd::abcal::main(a),
         Command::Report(a) => cmd::report::main(a),
         Command::Run(a) => cmd::run::main(a),
         Command::Tokenize(a) => cmd::tokenize::main(a),

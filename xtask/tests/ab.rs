@@ -1,5 +1,6 @@
-//! The A/B command end to end: a real 3% per-token slowdown of an `exec:` arm is `slower` (exit 1),
-//! an arm that fails or prints no JSON is exit 2 naming the arm and the pair, and outputs that
+//! The A/B command end to end: a real 3% per-token slowdown of an `exec:` arm is `slower` (exit 1)
+//! and its identical twin `no change` (exit 0), server arms are judged by restart group, an arm
+//! that fails or prints no JSON is exit 2 naming the arm and the pair, and outputs that
 //! differ between arms are an error unless allowed.
 
 mod common;
@@ -45,6 +46,12 @@ fn an_exec_arm_sleeping_3_percent_per_token_is_slower() {
     assert!(r["ab_summary"]["rows"][2][2].as_str().unwrap().contains("**slower**"), "{}", r["ab_summary"]);
     // An exec: arm runs a fresh process per run: no restart groups to report.
     assert!(r["ab_groups"].is_null() && !text(&o).contains("per restart group"), "{}", text(&o));
+    assert!(text(&o).contains("every pair counts once (each run a fresh process)"), "{}", text(&o));
+
+    // Its identical twin: no change (exit 0), with the smallest detectable change stated.
+    let o = xtask(&["ab", "--a", &a, "--b", &a, "--model", "tiny-llama", "--gen-len", "40", "--report-dir", dir.path().join("twin").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("NO CHANGE") && text(&o).contains("with 80% power"), "{}", text(&o));
 }
 
 #[test]
@@ -118,7 +125,7 @@ fn the_metric_option_chooses_what_is_compared() {
     .enumerate()
     .map(|(i, (b, metric, code, median))| (b, metric, code, median, dir.path().join(format!("{i}-{metric}"))))
     {
-        let o = xtask(&["ab", "--a", &a, "--b", b, "--model", "tiny-llama", "--pairs", "6", "--max-pairs", "6", "--metric", metric, "--report-dir", out.to_str().unwrap()], &[]);
+        let o = xtask(&["ab", "--a", &a, "--b", b, "--model", "tiny-llama", "--pairs", "10", "--max-pairs", "10", "--metric", metric, "--report-dir", out.to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(code), "{metric}: {}", text(&o));
         let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
         let m = r["ab"]["stats"]["median_change"].as_f64().unwrap();
@@ -127,17 +134,58 @@ fn the_metric_option_chooses_what_is_compared() {
     }
 }
 
-/// Server arms (devices) are restarted every `--respawn-every` pairs: the report has a row per
-/// restart group, each with its summed change, and the console says how the groups went.
+/// Server arms (devices) are restarted every `--respawn-every` pairs and judged by restart
+/// group: the report has a row per group, the statistics count groups, and fewer than six groups
+/// give no verdict however the pairs look (exit 3).
 #[test]
-fn server_arms_are_reported_by_restart_group() {
+fn server_arms_are_judged_by_restart_group() {
     let dir = tempfile::tempdir().unwrap();
-    let o = xtask(&["ab", "--a", "cpu", "--b", "cpu", "--a-name", "base", "--b-name", "head", "--model", "tiny-llama", "--pairs", "8", "--max-pairs", "8", "--report-dir", dir.path().to_str().unwrap()], &[]);
-    assert_ne!(o.status.code(), Some(2), "{}", text(&o));
+    let o = xtask(&["ab", "--a", "cpu", "--b", "cpu", "--a-name", "base", "--b-name", "head", "--model", "tiny-llama", "--pairs", "8", "--max-pairs", "8", "--respawn-every", "4", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
     let groups = r["ab_groups"]["rows"].as_array().unwrap();
     assert_eq!(groups.len(), 2, "{groups:?}");
     assert_eq!(groups[0][1], "1-4");
-    assert!(text(&o).contains("per restart group of 4 pairs") && text(&o).contains("B (head) vs A (base)"), "{}", text(&o));
+    assert_eq!(r["ab"]["stats"]["groups"], 2);
+    assert!(text(&o).contains("per restart group of 4 pairs") && text(&o).contains("B (head) vs A (base)") && text(&o).contains("over 2 restart groups of 8 pairs"), "{}", text(&o));
     assert_eq!(r["ab_summary"]["rows"][1][0], "B: head");
+    // The pasted table comes first in report.md, its verdict and rule under it, before the counts.
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    let (summary, counts) = (md.find("## Summary: tiny-llama").unwrap(), md.find(" executed, ").unwrap());
+    assert!(summary < counts && md[summary..counts].contains("rule: a restart group (4 pairs"), "{md}");
+}
+
+/// A device made really slower by 30% (`cpu+slow=30`, busy-waiting 30% of each step's own time)
+/// is called slower against its twin (exit 1), with every restart group agreeing.
+#[test]
+fn a_really_slower_device_arm_is_slower() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["ab", "--a", "cpu", "--b", "cpu+slow=30", "--model", "tiny-llama", "--gen-len", "64", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+    let m = r["ab"]["stats"]["median_change"].as_f64().unwrap();
+    assert!((0.15..0.5).contains(&m), "median change {m}");
+}
+
+/// `ab-calibrate` runs whole `ab` decisions of an arm against itself and against the arm made
+/// really slower, and reports the rates with their intervals: a 50% slowdown is found in every
+/// decision; two A/A decisions cannot show a false-alarm rate under 10% (inconclusive, never a
+/// pass); a non-device arm is refused.
+#[test]
+fn ab_calibrate_reports_false_alarms_and_power() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["ab-calibrate", "--arm", "cpu", "--model", "tiny-llama", "--decisions", "2", "--slowdown", "50", "--report-dir", dir.path().to_str().unwrap(), "--", "--gen-len", "48"], &[]);
+    assert!(matches!(o.status.code(), Some(0 | 1)), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+    let cases = r["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    assert_eq!(cases[0]["metrics"]["decisions"], 2);
+    assert_eq!(cases[0]["verdict"], "inconclusive", "{}", cases[0]);
+    assert_eq!((cases[1]["metrics"]["events"].as_u64(), cases[1]["verdict"].as_str()), (Some(2), Some("pass")), "{}", cases[1]);
+    assert!(dir.path().join("decision-001-aa/report.json").exists() && dir.path().join("decision-002-slow/report.json").exists());
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(md.starts_with("# Touchstone `ab-calibrate` report\n\n## Calibration: `cpu` as ab server arms on tiny-llama, `ab --gen-len 48`, B really slower by 50%"), "{md}");
+
+    let o = xtask(&["ab-calibrate", "--arm", "exec:true", "--decisions", "1"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }

@@ -35,11 +35,12 @@ pub struct AbArgs {
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long, default_value = "smollm2")]
     model: String,
-    /// Pairs to run before the first verdict.
-    #[arg(long, default_value_t = 10)]
+    /// Pairs to run before the first verdict. A verdict needs at least 6 restart groups (see
+    /// --respawn-every); faster or slower, at 1% split over the looks, needs 10 or more.
+    #[arg(long, default_value_t = 16)]
     pairs: usize,
-    /// While inconclusive, keep adding pairs up to this many.
-    #[arg(long, default_value_t = 80)]
+    /// While inconclusive, keep adding pairs (at least doubling each time) up to this many.
+    #[arg(long, default_value_t = 100)]
     max_pairs: usize,
     /// The change (percent) that matters: "no change" means the 95% CI lies inside ±threshold.
     #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
@@ -60,11 +61,13 @@ pub struct AbArgs {
     /// their outputs first differ. Without it, different outputs are an error.
     #[arg(long)]
     allow_different_outputs: bool,
-    /// Restart both arms' server processes every N pairs, in alternating order (0 = never). A
-    /// process's luck with memory placement (huge pages, page colouring) lasts as long as the
-    /// process and showed up here as a steady 1-3% bias between two identical builds; restarting
-    /// turns that luck into noise the statistics can see.
-    #[arg(long, default_value_t = 4)]
+    /// Restart both arms' server processes every N pairs, in alternating order. A process's luck
+    /// with memory placement (huge pages, page colouring) lasts as long as the process: ±2% on
+    /// SmolLM2 and ±15% on tiny-llama between two lifetimes of the same build. The pairs of one
+    /// lifetime (a restart group) share that luck, so the statistics count each group once. 0:
+    /// never restart, and treat every pair as independent (the CI may then be too narrow).
+    /// `exec:` arms start a fresh process per run: each of their pairs is a group.
+    #[arg(long, default_value_t = 2)]
     respawn_every: usize,
     /// Seconds one run may take before it is killed (an error, exit 2).
     #[arg(long, default_value_t = 300)]
@@ -79,6 +82,26 @@ pub struct AbArgs {
     /// Where report.json (every pair's samples), report.md, junit.xml, cases.csv and the plots go (default target/touchstone/ab-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
     report_dir: Option<PathBuf>,
+}
+
+impl AbArgs {
+    /// Pairs per independent unit: 1 for two per-run (`exec:`) arms or without restarts, else
+    /// the restart interval.
+    fn group_size(&self) -> usize {
+        if (self.a.starts_with("exec:") && self.b.starts_with("exec:")) || self.respawn_every == 0 {
+            1
+        } else {
+            self.respawn_every
+        }
+    }
+    fn plan(&self) -> ab::Plan {
+        ab::Plan { threshold: self.threshold / 100.0, start: self.pairs, max_pairs: self.max_pairs }
+    }
+    /// The statistics of B's change in `metric` over `pairs`, by restart group.
+    fn stats(&self, pairs: &[Pair], metric: Metric) -> ab::AbStats {
+        let ratios: Vec<f64> = pairs.iter().map(|p| p.change(metric) + 1.0).collect();
+        ab::analyze(&ab::split_groups(&ratios, self.group_size()), &self.plan())
+    }
 }
 
 /// The per-run figure an A/B compares (see `AbArgs::metric`).
@@ -239,6 +262,8 @@ pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
                 }
                 None => json!({ "error": "step before begin" }).to_string(),
             },
+            // The server process's peak resident memory so far (outside any timed step).
+            ("rss", _) => json!({ "peak_rss_kb": suites::machine::peak_rss_kb() }).to_string(),
             (cmd, _) => json!({ "error": format!("`{cmd}` is not supported by this arm") }).to_string(),
         };
         say(reply)?;
@@ -435,6 +460,9 @@ fn lockstep_pair(first: &Runner, second: &Runner, gen_len: usize, n_prompt: usiz
             s.n_gen += 1;
         }
     }
+    for (s, r) in samples.iter_mut().zip([first, second]) {
+        s.peak_rss_kb = request(r, "rss", timeout).ok().and_then(|v| v.get("peak_rss_kb").and_then(|k| k.as_u64()));
+    }
     let second_sample = samples.pop().expect("two samples");
     Ok((samples.pop().expect("two samples"), second_sample))
 }
@@ -512,7 +540,6 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     let ra = prepare("A", Arm::parse(&a.a)?, &model, &a.model, &ids, a.gen_len)?;
     let rb = prepare("B", Arm::parse(&a.b)?, &model, &a.model, &ids, a.gen_len)?;
     let timeout = Duration::from_secs(a.timeout);
-    let threshold = a.threshold / 100.0;
     let mut pairs: Vec<Pair> = Vec::new();
     let mut failure: Option<Exit> = None;
     let mut target = a.pairs;
@@ -525,11 +552,12 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     loop {
         while pairs.len() < target && failure.is_none() {
             let i = pairs.len();
-            let order: [&Runner; 2] = if ab::a_first(i) { [&ra, &rb] } else { [&rb, &ra] };
+            let first = ab::a_first(i, a.group_size());
+            let order: [&Runner; 2] = if first { [&ra, &rb] } else { [&rb, &ra] };
             if a.respawn_every > 0 && i > 0 && i.is_multiple_of(a.respawn_every) {
-                // Start the arm that goes first in this pair last, so neither arm always gets the
-                // fresher machine state.
-                for r in [order[1], order[0]] {
+                // Which arm starts first alternates by group: a start order is a treatment.
+                let starts = if ab::a_started_first(i / a.respawn_every) { [&ra, &rb] } else { [&rb, &ra] };
+                for r in starts {
                     if let Err(e) = respawn(r) {
                         failure = Some(Exit { code: 2, message: format!("arm {} could not be restarted before pair {}: {e}", r.name, i + 1) });
                     }
@@ -545,9 +573,9 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
                 run(order[0]).and_then(|first| Ok((first, run(order[1])?)))
             };
             match ran {
-                Ok((first, second)) => {
-                    let (sa, sb) = if ab::a_first(i) { (first, second) } else { (second, first) };
-                    pairs.push(Pair { a: sa, b: sb, a_first: ab::a_first(i) });
+                Ok((x, y)) => {
+                    let (sa, sb) = if first { (x, y) } else { (y, x) };
+                    pairs.push(Pair { a: sa, b: sb, a_first: first });
                     // Outputs that differ (arm from arm unless allowed, or a run from the arm's
                     // first) end the comparison at once: more pairs cannot make it valid.
                     let (p, p0) = (&pairs[pairs.len() - 1], &pairs[0]);
@@ -564,12 +592,11 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
             pb.set_length(target as u64);
             pb.set_position(pairs.len() as u64);
         }
-        let ratios: Vec<f64> = pairs.iter().map(|p| p.change(a.metric) + 1.0).collect();
-        stats = ab::analyze(&ratios, threshold, 0x5eed);
+        stats = a.stats(&pairs, a.metric);
         match (stats.verdict, stats.pairs_needed, &failure) {
             (AbVerdict::Inconclusive, Some(need), None) if pairs.len() < a.max_pairs && !outputs_differ => {
-                eprintln!("ab: inconclusive after {} pairs (CI {:+.2}%..{:+.2}%); about {need} pairs would decide, running more (max {})", pairs.len(), stats.ci95.0 * 100.0, stats.ci95.1 * 100.0, a.max_pairs);
-                target = need.min(a.max_pairs).max(pairs.len() + 1);
+                target = a.plan().next(pairs.len(), need, a.group_size());
+                eprintln!("ab: inconclusive after {} pairs in {} groups (CI {:+.2}%..{:+.2}%); about {need} pairs would decide, running {target} (max {})", pairs.len(), stats.groups, stats.ci95.0 * 100.0, stats.ci95.1 * 100.0, a.max_pairs);
             }
             _ => break,
         }
@@ -626,6 +653,15 @@ fn pct(x: f64) -> String {
     format!("{:+.2}%", x * 100.0)
 }
 
+/// A 95% CI in words: unbounded below six groups.
+fn ci_words((lo, hi): (f64, f64)) -> String {
+    if lo.is_finite() && hi.is_finite() && lo > -1.0 {
+        format!("95% CI {} .. {}", pct(lo), pct(hi))
+    } else {
+        format!("95% CI unbounded: fewer than {} restart groups", ab::MIN_GROUPS)
+    }
+}
+
 /// One restart group (`--respawn-every` pairs: one lifetime of each arm's server process).
 struct Group {
     first_pair: usize,
@@ -671,23 +707,12 @@ fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Op
         outln!("B ({name_b}) vs A ({name_a}): no pair completed, nothing to compare");
         return;
     }
-    outln!(
-        "B ({}) vs A ({}), {}: median {} (95% CI {} .. {}), Wilcoxon p = {:.3}, threshold ±{:.1}% -> {}{}",
-        name_b,
-        name_a,
-        m.words(),
-        pct(s.median_change),
-        pct(s.ci95.0),
-        pct(s.ci95.1),
-        s.p_value,
-        a.threshold,
-        s.verdict.words().to_uppercase(),
-        s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; --max-pairs {} reached)", a.max_pairs)).unwrap_or_default()
-    );
-    let g = groups(pairs, m, a.respawn_every);
-    if g.len() > 1 && !(a.a.starts_with("exec:") && a.b.starts_with("exec:")) {
+    outln!("B ({name_b}) vs A ({name_a}), {}: {}", m.words(), verdict_words(a, s));
+    outln!("{}", rule_words(a, s));
+    let g = groups(pairs, m, a.group_size());
+    if g.len() > 1 && a.group_size() > 1 {
         let slower = g.iter().filter(|g| g.summed > 0.0).count();
-        outln!("per restart group of {} pairs, B's summed {} over A's: {} ({slower} of {} groups slower)", a.respawn_every, m.unit(), g.iter().map(|g| pct(g.summed)).collect::<Vec<_>>().join(", "), g.len());
+        outln!("per restart group of {} pairs, B's summed {} over A's: {} ({slower} of {} groups slower)", a.group_size(), m.unit(), g.iter().map(|g| pct(g.summed)).collect::<Vec<_>>().join(", "), g.len());
     }
     if let (Some(p), Some(at)) = (pairs.first(), first_difference) {
         outln!("outputs differ from generated token {at}: A hash {}, B hash {}", hash(&p.a.tokens), hash(&p.b.tokens));
@@ -696,12 +721,37 @@ fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Op
     }
 }
 
+/// The verdict in one line: the change, its CI and p over restart groups, the verdict.
+fn verdict_words(a: &AbArgs, s: &ab::AbStats) -> String {
+    format!(
+        "change {} ({}), signed-rank p = {:.4} over {} restart groups of {} pairs, threshold ±{}% -> {}{}",
+        pct(s.median_change),
+        ci_words(s.ci95),
+        s.p_value,
+        s.groups,
+        s.pairs,
+        a.threshold,
+        s.verdict.words().to_uppercase(),
+        s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; --max-pairs {} reached)", a.max_pairs)).unwrap_or_default()
+    )
+}
+
+/// How the verdict is reached and what this setup can resolve, in words.
+fn rule_words(a: &AbArgs, s: &ab::AbStats) -> String {
+    let unit = if a.group_size() > 1 { format!("a restart group ({} pairs sharing one lifetime of both arms' processes) counts once", a.group_size()) } else if a.respawn_every == 0 && !(a.a.starts_with("exec:") && a.b.starts_with("exec:")) { "every pair counts once (--respawn-every 0: the pairs share one process lifetime, so the CI may be too narrow)".to_string() } else { "every pair counts once (each run a fresh process)".to_string() };
+    let mde = match s.min_detectable {
+        Some(d) => format!("with this run's spread between groups, {} pairs would detect a change of about {} with 80% power", a.max_pairs.max(s.pairs), pct(d).trim_start_matches('+')),
+        None => "too few groups to estimate the smallest detectable change".to_string(),
+    };
+    format!("rule: {unit}; Hodges-Lehmann estimate and exact signed-rank 95% CI; faster/slower needs p < {:.4} (1% over {} looks) and a CI reaching past the threshold; no change needs the CI inside it; {mde}", s.alpha, a.plan().looks())
+}
+
 /// The arms' labels: `--a-name`/`--b-name`, else their specs.
 fn names(a: &AbArgs) -> (String, String) {
     (a.a_name.clone().unwrap_or_else(|| a.a.clone()), a.b_name.clone().unwrap_or_else(|| a.b.clone()))
 }
 
-const SUMMARY_COLUMNS: [&str; 9] = ["arm", "decode tok/s (mean, stalls in)", "fastest step ms/token", "prefill tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "peak RSS MiB", "output hash", "runs"];
+const SUMMARY_COLUMNS: [&str; 9] = ["arm", "decode tok/s (mean, stalls in)", "fastest step ms/token", "prefill tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "peak RSS MiB (arm process)", "output hash", "runs"];
 
 /// What the summary table covers: model, lengths, the compared metric.
 fn summary_title(a: &AbArgs, pairs: &[Pair]) -> String {
@@ -741,9 +791,9 @@ fn summary_rows(a: &AbArgs, pairs: &[Pair], name_a: &str, name_b: &str) -> Vec<V
     let mut rows = vec![arm_row(&format!("A: {name_a}"), |p| &p.a), arm_row(&format!("B: {name_b}"), |p| &p.b)];
     if pairs.len() >= 2 {
         let change = |m: Metric| {
-            let st = ab::analyze(&pairs.iter().map(|p| p.change(m) + 1.0).collect::<Vec<_>>(), a.threshold / 100.0, 0x5eed);
+            let st = a.stats(pairs, m);
             let mark = if m == a.metric { format!(" **{}**", st.verdict.words()) } else { String::new() };
-            format!("{} ({} .. {}){mark}", pct(st.median_change), pct(st.ci95.0), pct(st.ci95.1))
+            format!("{} ({}){mark}", pct(st.median_change), ci_words(st.ci95).trim_start_matches("95% CI "))
         };
         let prefill: Vec<f64> = pairs.iter().map(|p| p.b.prefill_ms / p.a.prefill_ms - 1.0).collect();
         rows.push(vec![
@@ -780,11 +830,15 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
         metrics,
         tolerance: Tolerance { rule: format!("no change if the 95% CI of the median change lies inside ±{}%", a.threshold), bound: s.threshold },
         margin: s.threshold - s.median_change,
-        message: problem.or_else(|| Some(format!("{}: median {} (CI {} .. {}), p = {:.3}", s.verdict.words(), pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1), s.p_value))),
+        message: problem.or_else(|| Some(verdict_words(a, s))),
     };
     let mut r = Report::new("ab", Provenance::collect(rayon::current_num_threads()), vec![case]);
     let (name_a, name_b) = names(a);
-    r.add_lead_table("ab_summary", &summary_title(a, pairs), &SUMMARY_COLUMNS, summary_rows(a, pairs, &name_a, &name_b));
+    let mut notes = vec![format!("**{}**: {}", a.metric.words(), verdict_words(a, s)), rule_words(a, s)];
+    if let (Some(p), Some(at)) = (pairs.first(), first_difference) {
+        notes.push(format!("Outputs differ from generated token {at}: A hash {}, B hash {}.", hash(&p.a.tokens), hash(&p.b.tokens)));
+    }
+    r.add_lead_table("ab_summary", &summary_title(a, pairs), &SUMMARY_COLUMNS, summary_rows(a, pairs, &name_a, &name_b), &notes);
     let samples: Vec<serde_json::Value> = pairs.iter().enumerate().map(|(i, p)| json!({ "pair": i + 1, "order": if p.a_first { "AB" } else { "BA" }, "a": p.a, "b": p.b, "change": p.change(a.metric) })).collect();
     r.sections.insert(
         "ab".into(),
@@ -817,20 +871,20 @@ fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: O
         format!("{} pairs", pairs.len()),
         String::new(),
         String::new(),
-        format!("median {} (95% CI {} .. {}), p = {:.3}: **{}**", pct(s.median_change), pct(s.ci95.0), pct(s.ci95.1), s.p_value, s.verdict.words()),
+        format!("{} groups: {} ({}), p = {:.4}: **{}**", s.groups, pct(s.median_change), ci_words(s.ci95), s.p_value, s.verdict.words()),
         String::new(),
         String::new(),
     ]);
     let (col_a, col_b) = (format!("A {}", a.metric.unit()), format!("B {}", a.metric.unit()));
     r.add_table("ab_table", &format!("Per pair: A = {name_a} (`{}`), B = {name_b} (`{}`), {}", a.a, a.b, a.metric.words()), &["pair", "order", &col_a, &col_b, "change", "change of mean ms/token", "prefill ms A / B"], rows);
-    let group_rows: Vec<Vec<String>> = groups(pairs, a.metric, a.respawn_every)
+    let group_rows: Vec<Vec<String>> = groups(pairs, a.metric, a.group_size())
         .iter()
         .enumerate()
         .map(|(i, g)| vec![(i + 1).to_string(), format!("{}-{}", g.first_pair, g.first_pair + g.pairs - 1), pct(g.median), pct(g.summed)])
         .collect();
     // `exec:` arms run a fresh process per run: restart groups are a server arm's.
-    if !(a.a.starts_with("exec:") && a.b.starts_with("exec:")) && group_rows.len() > 1 {
-        r.add_table("ab_groups", &format!("Per restart group (`--respawn-every {}`: one lifetime of each arm's server process)", a.respawn_every), &["group", "pairs", "median change", "B's summed over A's"], group_rows);
+    if a.group_size() > 1 && group_rows.len() > 1 {
+        r.add_table("ab_groups", &format!("Per restart group (`--respawn-every {}`: one lifetime of each arm's server process; the statistics' unit)", a.respawn_every), &["group", "pairs", "median change", "B's summed over A's"], group_rows);
     }
     let changes: Vec<(f64, f64)> = pairs.iter().enumerate().map(|(i, p)| ((i + 1) as f64, 100.0 * p.change(a.metric))).collect();
     let n = pairs.len().max(1) as f64;

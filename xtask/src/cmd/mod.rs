@@ -1,6 +1,7 @@
 //! One module per subcommand, plus the argument helpers they share.
 
 pub mod ab;
+pub mod abcal;
 pub mod bench;
 pub mod bisect;
 pub mod chat;
@@ -476,7 +477,7 @@ pub fn write_report(report: &mut reports::Report, given: Option<PathBuf>) -> Res
 
 /// Creates `target/touchstone/<suite>-<stamp>[-K]`, the first of those names not yet taken
 /// (created, not just tested, so two processes cannot both take one).
-fn new_report_dir(suite: &str, started_at: Option<&str>) -> Result<PathBuf, Exit> {
+pub fn new_report_dir(suite: &str, started_at: Option<&str>) -> Result<PathBuf, Exit> {
     let root = PathBuf::from("target/touchstone");
     std::fs::create_dir_all(&root).map_err(|e| io_exit(&root, e))?;
     // `2026-12-03T16:50:31Z` -> `20261203-165031`.
