@@ -144,20 +144,10 @@ impl KvFormat {
         };
         (self.0.block_size() as f64).sqrt() * step / 2.0
     }
-    /// A query (heads of `head_dim` values) as it enters its product with keys cached in this
-    /// format: for a block-quantized cache, rounded to Q8_0 blocks of 32 (the keys' product type
-    /// in ggml, llama.cpp's flash attention included); unchanged for a float cache (whose own
-    /// rounding of the query is `activation_half_rounding`'s). None when a head is not whole
-    /// blocks.
-    pub fn round_query(self, q: &mut [f32], head_dim: usize) -> Option<()> {
-        match self.block() {
-            Some(_) => KvFormat::Q8_0.round_rows(q, head_dim),
-            None => Some(()),
-        }
-    }
     /// `rows` (each `width` values, a whole number of blocks) as the cache gives them back:
-    /// encoded to the format and decoded, as ggml stores a row and reads it. None when `width`
-    /// is not a whole number of blocks.
+    /// encoded to the format and decoded, as ggml stores a row and reads it, with the oracle's
+    /// codec (this is the judge's emulation of a cache; the `cpu` device has its own,
+    /// `cpu::kvcodec`). None when `width` is not a whole number of blocks.
     pub fn round_rows(self, rows: &mut [f32], width: usize) -> Option<()> {
         if width == 0 || !width.is_multiple_of(self.0.block_size()) || !rows.len().is_multiple_of(width) {
             return None;
@@ -716,14 +706,6 @@ mod tests {
         }
         assert!(KvFormat::parse("q4_0").unwrap().round_rows(&mut x.clone(), 48).is_none(), "rows of part blocks");
         assert!(KvFormat::parse("q4_k").is_none() && KvFormat::parse("iq4_xs").is_none());
-        let mut q = x.clone();
-        KvFormat::parse("q4_1").unwrap().round_query(&mut q, 64).unwrap();
-        let mut q8 = x.clone();
-        KvFormat::parse("q8_0").unwrap().round_rows(&mut q8, 64).unwrap();
-        assert_eq!(q, q8, "a block cache's keys take the query as Q8_0 blocks");
-        let mut untouched = x.clone();
-        KvFormat::parse("f16").unwrap().round_query(&mut untouched, 64).unwrap();
-        assert_eq!(untouched, x);
     }
 
     /// A cache's formats as the `cpu:kv-*` devices and llama.cpp's `--cache-type-k/-v` say them:

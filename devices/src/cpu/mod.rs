@@ -3,8 +3,10 @@
 //! directly in their packed blocks against Q8_0-quantized activations (see `qdot`).
 
 pub mod kernels;
+pub mod kvcodec;
 pub mod model;
 pub mod qdot;
+pub mod unpack;
 
 use crate::{fail, Arithmetic, Device, DeviceError, KvTypes, Support};
 use oracle::quant::GgmlType;

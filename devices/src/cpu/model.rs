@@ -108,7 +108,7 @@ impl CacheRows {
             CacheRows::Encoded(f, c) => {
                 let ty = f.ty();
                 let row_bytes = ty.bytes_for(width as u64).ok_or_else(|| format!("{f} KV cache: rows of {width} values are not whole blocks"))? as usize;
-                let bytes = oracle::quant::encode(ty, x).map_err(|e| format!("{f} KV cache: {e}"))?;
+                let bytes = super::kvcodec::encode(ty, x).map_err(|e| format!("{f} KV cache: {e}"))?;
                 put(&mut c[li], start * row_bytes, bytes);
             }
         }
@@ -119,7 +119,12 @@ impl CacheRows {
         Ok(match self {
             CacheRows::F32(c) => Held::F32(std::borrow::Cow::Borrowed(&c[li])),
             CacheRows::F16(c) => Held::F16(&c[li]),
-            CacheRows::Encoded(f, c) => Held::F32(std::borrow::Cow::Owned(oracle::quant::decode(f.ty(), &c[li], n).map_err(|e| format!("{f} KV cache: {e}"))?)),
+            CacheRows::Encoded(f, c) => {
+                let row_bytes = f.ty().bytes_for(n as u64).filter(|b| *b as usize <= c[li].len()).ok_or_else(|| format!("{f} KV cache: {n} values are not whole blocks of what it holds"))?;
+                let mut out = vec![0.0f32; n];
+                super::kvcodec::decode(f.ty(), &c[li][..row_bytes as usize], &mut out);
+                Held::F32(std::borrow::Cow::Owned(out))
+            }
         })
     }
 }
@@ -147,8 +152,14 @@ impl KvCache {
         self.k.write(li, start, width, k)?;
         self.v.write(li, start, width, v)?;
         let mut q = std::borrow::Cow::Borrowed(q);
-        if let CacheRows::Encoded(f, _) = self.k {
-            f.round_query(q.to_mut(), cfg.head_dim).ok_or_else(|| format!("{f} KV cache: a query head of {} values is not whole blocks", cfg.head_dim))?;
+        // Keys in a block format meet the query as Q8_0 blocks (a bf16 cache leaves it as is).
+        if let CacheRows::Encoded(f, _) = &self.k {
+            if f.block().is_some() {
+                if !cfg.head_dim.is_multiple_of(32) {
+                    return Err(format!("{f} KV cache: a query head of {} values is not whole blocks", cfg.head_dim));
+                }
+                super::kvcodec::round_trip(GgmlType::Q8_0, q.to_mut())?;
+            }
         }
         let kv_len = start + pos.len();
         match (self.k.read(li, n)?, self.v.read(li, n)?) {

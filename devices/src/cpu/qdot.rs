@@ -4,7 +4,8 @@
 //! ever expanded to an f32 matrix.
 
 use half::f16;
-use oracle::quant::{k_scale_min, GgmlType, QK_K};
+use super::unpack::{self, k_scale_min};
+use oracle::quant::{GgmlType, QK_K};
 
 /// Activations of one row quantized to Q8_0 blocks.
 pub struct Q8Row {
@@ -609,8 +610,8 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             let two = ty == GgmlType::Q2_K;
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
                 let (d, dmin) = if two { (I::f16(blk, 80), I::f16(blk, 82)) } else { (I::f16(blk, 108), 0.0) };
-                let scales: [i32; 16] = if two { std::array::from_fn(|g| (blk[g] & 0xF) as i32) } else { oracle::quant::q3_k_scales(&blk[96..108]).map(|s| s as i32) };
-                let q = oracle::quant::q2_q3_k_quants(ty, blk);
+                let scales: [i32; 16] = if two { std::array::from_fn(|g| (blk[g] & 0xF) as i32) } else { unpack::q3_k_scales(&blk[96..108]).map(|s| s as i32) };
+                let q = unpack::q2_q3_k_quants(ty, blk);
                 for sub in 0..8 {
                     let b = kb * 8 + sub;
                     let w = I::i8s(&q[32 * sub..32 * sub + 32]);
@@ -634,7 +635,7 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             // 6-bit one on its super-block's d: Q8_0's block dot once the levels are looked up.
             let nl = ty == GgmlType::IQ4_NL;
             let mut block = |b: usize, qs: &[u8], dl: f32| {
-                let wv = I::i8s(&oracle::quant::iq4_levels(qs));
+                let wv = I::i8s(&unpack::iq4_levels(qs));
                 for t in 0..T {
                     acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), dl * xs[t].d[b]);
                 }
@@ -645,7 +646,7 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
                     block(kb, &blk[2..18], d);
                 } else {
                     for ib in 0..8 {
-                        block(8 * kb + ib, &blk[8 + 16 * ib..24 + 16 * ib], d * oracle::quant::iq4_xs_scale(blk, ib) as f32);
+                        block(8 * kb + ib, &blk[8 + 16 * ib..24 + 16 * ib], d * unpack::iq4_xs_scale(blk, ib) as f32);
                     }
                 }
             }
@@ -654,7 +655,7 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             // 256 ternary digits on one f16 d (at the block's end): Q8_0's block dot on each 32.
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
                 let d = I::f16(blk, ty.type_size() - 2);
-                let trits = oracle::quant::tq_trits(ty, blk);
+                let trits = unpack::tq_trits(ty, blk);
                 for (ib, w) in trits.chunks_exact(32).enumerate() {
                     let wv = I::i8s(w);
                     for t in 0..T {
@@ -666,8 +667,8 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
         GgmlType::MXFP4 => {
             // 32 doubled E2M1 levels on a power-of-two scale: Q8_0's block dot.
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
-                let wv = I::i8s(&oracle::quant::mxfp4_levels(&blk[1..17]));
-                let d = oracle::quant::mxfp4_scale(blk[0]);
+                let wv = I::i8s(&unpack::mxfp4_levels(&blk[1..17]));
+                let d = unpack::mxfp4_scale(blk[0]);
                 for t in 0..T {
                     acc[t] = I::fma(acc[t], I::dot(wv, xq(t, kb)), d * xs[t].d[kb]);
                 }
@@ -679,7 +680,7 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             let per = ty.block_size() / 32;
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
                 let d = I::f16(blk, 0);
-                for (ib, w) in oracle::quant::q1_q2_0_digits(ty, blk)[..ty.block_size()].chunks_exact(32).enumerate() {
+                for (ib, w) in unpack::q1_q2_0_digits(ty, blk)[..ty.block_size()].chunks_exact(32).enumerate() {
                     let (wv, b) = (I::i8s(w), per * kb + ib);
                     for t in 0..T {
                         acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), d * xs[t].d[b]);
@@ -692,9 +693,9 @@ fn dot_rows_impl<I: BlockDot, const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8
             // of each 32 taken once per sub-block, the other sub-block's levels zeroed.
             for (kb, blk) in row.chunks_exact(ty.type_size()).enumerate() {
                 for s in 0..4 {
-                    let (b, d, at) = (2 * kb + s / 2, oracle::quant::ue4m3_scale(blk[s]), 16 * (s % 2));
+                    let (b, d, at) = (2 * kb + s / 2, unpack::ue4m3_scale(blk[s]), 16 * (s % 2));
                     let mut w = [0i8; 32];
-                    w[at..at + 16].copy_from_slice(&oracle::quant::nvfp4_levels(blk, s));
+                    w[at..at + 16].copy_from_slice(&unpack::nvfp4_levels(blk, s));
                     let wv = I::i8s(&w);
                     for t in 0..T {
                         acc[t] = I::fma(acc[t], I::dot(wv, xq(t, b)), d * xs[t].d[b]);
@@ -747,8 +748,14 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgmlType::IQ4_NL => {
+            for (blk, o) in row.chunks_exact(ty.type_size()).zip(out.chunks_exact_mut(32)) {
+                let d = rd16(blk, 0);
+                o.iter_mut().zip(unpack::iq4_levels(&blk[2..18])).for_each(|(y, q)| *y = q as f32 * d);
+            }
+        }
         _ => {
-            // K-quants and the IQ4 types: run the block dot of each block against one-hot Q8
+            // K-quants and IQ4_XS: run the block dot of each block against one-hot Q8
             // blocks of exactly representable scale (d = 1), which returns each element's value.
             let (size, bs) = (ty.type_size(), ty.block_size());
             let mut x = Q8Row { q: vec![0; bs], d: vec![1.0; bs / 32], dsum: vec![0.0; bs / 32] };
