@@ -189,3 +189,22 @@ fn ab_calibrate_reports_false_alarms_and_power() {
     let o = xtask(&["ab-calibrate", "--arm", "exec:true", "--decisions", "1"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
+
+/// A matrix in one command: two models by two prompt lengths are four comparisons, each its
+/// own `ab` run and report, one table with a row per scenario first in report.md; the exit code
+/// is the worst scenario's (a slower B in every scenario: 1).
+#[test]
+fn a_matrix_of_models_and_prompt_lengths_is_one_table() {
+    let line = |step: f64| format!("exec:echo '{{\"prefill_ms\":10,\"decode_ms\":{},\"n_prompt\":16,\"n_gen\":5,\"tokens\":[1,2,3,4,5],\"step_ms\":[{step},{step},{step},{step}]}}'", 4.0 * step);
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["ab", "--a", &line(1.0), "--b", &line(1.1), "--a-name", "base", "--b-name", "head", "--model", "tiny-llama,tiny-qwen3", "--prompt-len", "8,16", "--pairs", "10", "--max-pairs", "10", "--gen-len", "5", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+    let rows = r["ab_matrix"]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    assert_eq!((rows[0][0].as_str(), rows[0][1].as_str(), rows[3][0].as_str(), rows[3][1].as_str()), (Some("tiny-llama"), Some("8"), Some("tiny-qwen3"), Some("16")));
+    assert!(rows.iter().all(|row| row[7] == "**slower**" && row[6].as_str().unwrap().starts_with("+10.00%")), "{rows:?}");
+    assert!(dir.path().join("scenario-04-tiny-qwen3-p16/report.json").exists());
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(md.starts_with("# Touchstone `ab` report\n\n## A/B matrix: A = base, B = head"), "{md}");
+}

@@ -28,39 +28,39 @@ use suites::ab::{self, AbVerdict};
 pub struct AbArgs {
     /// Baseline arm: a device (cpu, fixed, ref), git:REV or git:REV:DEVICE, or exec:CMD.
     #[arg(long)]
-    a: String,
+    pub(super) a: String,
     /// Candidate arm (same forms as --a).
     #[arg(long)]
-    b: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
+    pub(super) b: String,
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory. A comma list (`smollm2,tiny-llama`) runs a matrix: each model and prompt length its own comparison, one table.
     #[arg(long, default_value = "smollm2")]
-    model: String,
+    pub(super) model: String,
     /// Pairs to run before the first verdict. A verdict needs at least 6 restart groups (see
     /// --respawn-every); faster or slower, at 1% split over the looks, needs 10 or more.
     #[arg(long, default_value_t = 16)]
-    pairs: usize,
+    pub(super) pairs: usize,
     /// While inconclusive, keep adding pairs (at least doubling each time) up to this many.
     #[arg(long, default_value_t = 100)]
-    max_pairs: usize,
+    pub(super) max_pairs: usize,
     /// The change (percent) that matters: "no change" means the 95% CI lies inside ±threshold.
     #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
-    threshold: f64,
-    /// Prompt length in tokens.
-    #[arg(long, default_value_t = 16)]
-    prompt_len: usize,
+    pub(super) threshold: f64,
+    /// Prompt length in tokens; a comma list (`16,512`) runs a matrix (see --model).
+    #[arg(long, value_delimiter = ',', default_value = "16")]
+    pub(super) prompt_len: Vec<usize>,
     /// Tokens generated per run.
     #[arg(long, default_value_t = 32)]
-    gen_len: usize,
+    pub(super) gen_len: usize,
     /// A label for arm A in the tables, console and plots (default: its spec, `--a`).
     #[arg(long)]
-    a_name: Option<String>,
+    pub(super) a_name: Option<String>,
     /// A label for arm B (default: its spec, `--b`).
     #[arg(long)]
-    b_name: Option<String>,
+    pub(super) b_name: Option<String>,
     /// Compare arms whose outputs differ (two different engines on purpose); the report says where
     /// their outputs first differ. Without it, different outputs are an error.
     #[arg(long)]
-    allow_different_outputs: bool,
+    pub(super) allow_different_outputs: bool,
     /// Restart both arms' server processes every N pairs, in alternating order. A process's luck
     /// with memory placement (huge pages, page colouring) lasts as long as the process: ±2% on
     /// SmolLM2 and ±15% on tiny-llama between two lifetimes of the same build. The pairs of one
@@ -68,20 +68,20 @@ pub struct AbArgs {
     /// never restart, and treat every pair as independent (the CI may then be too narrow).
     /// `exec:` arms start a fresh process per run: each of their pairs is a group.
     #[arg(long, default_value_t = 2)]
-    respawn_every: usize,
+    pub(super) respawn_every: usize,
     /// Seconds one run may take before it is killed (an error, exit 2).
     #[arg(long, default_value_t = 300)]
-    timeout: u64,
+    pub(super) timeout: u64,
     /// What the verdict compares per run. `fastest-step`: the run's fastest decode step (the
     /// engine's own speed: noise on a shared machine only adds time; 1-2% pair-to-pair noise
     /// here). `mean`: decode time per token with every stall in it, as users wait through them
     /// (5-9% noise here: more pairs, or a wider --threshold). `request`: the whole request,
     /// prefill plus decode (time to the last token), for long prompts.
     #[arg(long, value_enum, default_value_t = Metric::FastestStep)]
-    metric: Metric,
+    pub(super) metric: Metric,
     /// Where report.json (every pair's samples), report.md, junit.xml, cases.csv and the plots go (default target/touchstone/ab-YYYYMMDD-HHMMSS/, the start time in UTC).
     #[arg(long)]
-    report_dir: Option<PathBuf>,
+    pub(super) report_dir: Option<PathBuf>,
 }
 
 impl AbArgs {
@@ -129,7 +129,7 @@ impl Metric {
         }
     }
     /// What is compared, in words.
-    fn words(self) -> &'static str {
+    pub(super) fn words(self) -> &'static str {
         match self {
             Metric::FastestStep => "decode ms per token (fastest step of each run; mean when steps are unknown)",
             Metric::Mean => "decode ms per token (mean of each run, stalls included)",
@@ -519,11 +519,14 @@ impl Pair {
 
 pub fn main(a: AbArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
+    if let Some(scenarios) = super::abmatrix::scenarios(&a) {
+        return super::abmatrix::run(&a, &scenarios);
+    }
     let broken: Vec<&str> = [
         (a.pairs < 2, "--pairs >= 2"),
         (a.max_pairs < a.pairs, "--max-pairs >= --pairs"),
         (a.gen_len < 2, "--gen-len >= 2"),
-        (a.prompt_len == 0, "--prompt-len >= 1"),
+        (a.prompt_len.contains(&0), "--prompt-len >= 1"),
         (!(a.threshold > 0.0 && a.threshold.is_finite()), "--threshold a positive percentage"),
         (a.timeout == 0, "--timeout >= 1 (seconds)"),
     ]
@@ -535,7 +538,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     }
     let model = super::resolve_model(&a.model)?;
     let n_vocab = oracle::loader::open_model(&model)?.1.n_vocab;
-    let ids: Vec<String> = super::bench_prompt(a.prompt_len, a.gen_len, n_vocab)?.iter().map(u32::to_string).collect();
+    let ids: Vec<String> = super::bench_prompt(a.prompt_len[0], a.gen_len, n_vocab)?.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
     let ra = prepare("A", Arm::parse(&a.a)?, &model, &a.model, &ids, a.gen_len)?;
     let rb = prepare("B", Arm::parse(&a.b)?, &model, &a.model, &ids, a.gen_len)?;
@@ -567,7 +570,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
                 }
             }
             let ran = if lockstep {
-                lockstep_pair(order[0], order[1], a.gen_len, a.prompt_len, timeout)
+                lockstep_pair(order[0], order[1], a.gen_len, a.prompt_len[0], timeout)
             } else {
                 let run = |r: &Runner| run_once(r, timeout, a.gen_len).map_err(|e| (r.name.clone(), e));
                 run(order[0]).and_then(|first| Ok((first, run(order[1])?)))
@@ -755,7 +758,7 @@ const SUMMARY_COLUMNS: [&str; 9] = ["arm", "decode tok/s (mean, stalls in)", "fa
 
 /// What the summary table covers: model, lengths, the compared metric.
 fn summary_title(a: &AbArgs, pairs: &[Pair]) -> String {
-    let (n_prompt, n_gen) = pairs.first().map_or((a.prompt_len, a.gen_len), |p| (p.a.n_prompt, p.a.n_gen));
+    let (n_prompt, n_gen) = pairs.first().map_or((a.prompt_len[0], a.gen_len), |p| (p.a.n_prompt, p.a.n_gen));
     format!("Summary: {} with a {n_prompt}-token prompt and {n_gen} generated tokens; medians over runs (the verdict compares {})", a.model, a.metric.words())
 }
 

@@ -2,6 +2,7 @@
 
 pub mod ab;
 pub mod abcal;
+pub mod abmatrix;
 pub mod bench;
 pub mod bisect;
 pub mod chat;
