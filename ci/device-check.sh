@@ -15,17 +15,17 @@
 # .cache/touchstone; TOUCHSTONE_CACHE points at a copy). A step that cannot run (no SmolLM2, no
 # driver) exits 2 and is listed as such; nothing is reported green that did not run.
 #
-# Staged use (a GPU sandbox with no network and at most 64 MiB per upload): ci/device-stage.sh
-# prepares $STAGE (default .device) here — binary, PTX, SmolLM2 in two halves for two uploads — and
+# Staged use (a GPU runner with no network that takes at most 64 MiB per transfer): ci/device-stage.sh
+# prepares $STAGE (default .device) here — binary, PTX, SmolLM2 in two halves for two transfers — and
 # `STAGE=.device ci/device-check.sh` there joins the halves into $STAGE/cache (the loader checks
 # its sha256) and takes TOUCHSTONE_BIN, TOUCHSTONE_PTX_CACHE and TOUCHSTONE_CACHE from the stage.
-# Such a sandbox replaced the ignored stage folder between the two uploads on an H200 machine
+# Such a runner replaced the ignored stage folder between the two transfers on an H200 machine
 # (2026-12-04): with STASH=DIR (outside the repository, e.g. /tmp/touchstone-stage) the first
-# upload's parts are also copied to DIR and the second run takes them from there.
+# transfer's parts are also copied to DIR and the second run takes them from there.
 #
 # SANITIZE=1 adds compute-sanitizer's memcheck and racecheck over one shard of eight of the
 # kernel suite (the GPU's own check of what gpu-emu approximates: out-of-bounds accesses and
-# shared-memory races). Off by default: it is slow, and some GPU sandboxes refuse it (then the
+# shared-memory races). Off by default: it is slow, and some GPU runners refuse it (then the
 # step says it could not run).
 #
 # STEPS picks among "kernels models bench roofline" (default all; the fixtures of the models and
@@ -35,7 +35,7 @@
 #
 # PACK=1 (the default when STAGE is set) leaves only two files in $OUT, summary.txt and
 # reports.tar.gz (every log and report, refreshed after each step, so a run cut short still
-# returns what it finished), for a sandbox that brings back at most 8 files from $OUT; the steps
+# returns what it finished), for a runner that brings back at most 8 files from $OUT; the steps
 # then write under a temporary folder.
 #
 # Exit status: 0 all steps passed, 1 a gate failed, 2 a step could not run (1 wins over 2).
@@ -108,8 +108,8 @@ note "== Touchstone device check on $DEVICE ($(date -u +%FT%TZ))"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi not available"; } | tee "$WORK/gpu.txt" | tee -a "$SUMMARY"
 
 if [ -n "${STAGE:-}" ]; then
-    # With STASH set: a sandbox that replaces the repository's ignored folders on every upload
-    # loses the first upload's parts before the second arrives, so they are kept outside it, in
+    # With STASH set: a runner that replaces the repository's ignored folders on every transfer
+    # loses the first transfer's parts before the second arrives, so they are kept outside it, in
     # $STASH, and put back for the second.
     if [ -n "${STASH:-}" ]; then
         for part in bin ptx smol-a; do
@@ -117,7 +117,7 @@ if [ -n "${STAGE:-}" ]; then
                 mkdir -p "$STASH" && rm -rf "${STASH:?}/$part" && cp -r "$STAGE/$part" "$STASH/"
             elif [ -e "$STASH/$part" ]; then
                 mkdir -p "$STAGE" && cp -r "$STASH/$part" "$STAGE/"
-                note "$STAGE/$part: restored from $STASH (brought by an earlier upload to this machine)"
+                note "$STAGE/$part: restored from $STASH (brought by an earlier transfer to this machine)"
             fi
         done
     fi
@@ -129,7 +129,7 @@ if [ -n "${STAGE:-}" ]; then
             cat "$STAGE/smol-a/part" "$STAGE/smol-b/part" > "$dest"
             note "joined SmolLM2 from $STAGE/smol-{a,b} ($(stat -c %s "$dest") bytes; its sha256 is checked when loaded)"
         else
-            note "$STAGE/smol-b/part is missing (the second upload): the SmolLM2 steps will not run"
+            note "$STAGE/smol-b/part is missing (the second transfer): the SmolLM2 steps will not run"
         fi
     fi
 fi
@@ -141,7 +141,7 @@ if [ -z "$BIN" ]; then
 fi
 if [ ! -x "$BIN" ]; then
     if [ -n "${STAGE:-}" ]; then
-        note "no xtask binary at $BIN: this machine does not hold the first upload (a fresh machine?); upload $STAGE/bin, $STAGE/ptx and $STAGE/smol-a again, then $STAGE/smol-b at once"
+        note "no xtask binary at $BIN: this machine does not hold the first transfer (a fresh machine?); send $STAGE/bin, $STAGE/ptx and $STAGE/smol-a again, then $STAGE/smol-b at once"
     else
         note "no xtask binary at $BIN"
     fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ci/device-stage.sh — prepares, on a machine with network and no GPU, what ci/device-check.sh
 # needs on a GPU machine that has a driver but no network, no Rust and no room for large
-# uploads (a sandbox that takes at most 64 MiB per trip, the working tree included):
+# transfers (a runner that takes at most 64 MiB per trip, the working tree included):
 #
 #   $STAGE/bin/xtask        release build with `cuda`, debug info stripped (~12 MB)
 #   $STAGE/ptx/             the kernels compiled to PTX for $ARCH with NVRTC (no GPU needed)
@@ -10,14 +10,14 @@
 #   $STAGE/smol-a/dest      where the joined file goes, relative to the fixture cache
 #
 # Trip 1 carries bin, ptx and smol-a and runs everything but SmolLM2 (so its figures exist even if
-# trip 2 fails); trip 2 carries smol-b and runs SmolLM2's steps. The sandbox drops trip 1's
+# trip 2 fails); trip 2 carries smol-b and runs SmolLM2's steps. The runner drops trip 1's
 # ignored folders from the repository when trip 2 arrives, so with STASH=/tmp/touchstone-stage
 # device-check.sh keeps a copy of them outside it on a machine kept warm between the two, and puts
 # them back. On the GPU machine, `STAGE=.device ci/device-check.sh` joins the halves into
 # $STAGE/cache, where the fixture loader checks the file's sha256 before any use (a wrong or
 # partial join is an error, not a model), and runs everything from the stage.
 # A staged run leaves two files in $OUT, summary.txt and reports.tar.gz (every log and report),
-# since such a sandbox brings back at most 8 files.
+# since such a runner brings back at most 8 files.
 #
 #   ci/device-stage.sh                      # STAGE=.device ARCH=sm_90 (H100/H200); sm_80 for A100
 #
@@ -32,7 +32,7 @@ grep -qxF "/$STAGE/" .git/info/exclude 2> /dev/null || echo "/$STAGE/" >> .git/i
 rm -rf "$STAGE"
 mkdir -p "$STAGE/bin" "$STAGE/ptx" "$STAGE/smol-a" "$STAGE/smol-b"
 
-command -v objcopy > /dev/null || { echo "objcopy (binutils) is needed to strip the binary (58 MB with debug info, too big for one upload)"; exit 2; }
+command -v objcopy > /dev/null || { echo "objcopy (binutils) is needed to strip the binary (58 MB with debug info, too big for one transfer)"; exit 2; }
 
 echo "== release build with cuda"
 cargo build --release -p xtask --features cuda

@@ -167,7 +167,7 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     }
     assert!(summary.lines().any(|l| l.starts_with("roofline") && l.contains("inconclusive")), "{summary}");
     assert!(!summary.lines().any(|l| l.starts_with("kernels") || l.starts_with("bench")), "steps not asked for ran:\n{summary}");
-    // A staged run packs (the sandbox brings back at most 8 files from $OUT): two files, the
+    // A staged run packs (the runner brings back at most 8 files from $OUT): two files, the
     // archive holding every step's log and report and the summary.
     let mut files: Vec<String> = std::fs::read_dir(out.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
@@ -177,8 +177,8 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     for f in ["./gpu.txt", "./summary.txt", "./layer-diff-tiny-llama.log", "./layer-diff-tiny-llama/report.json", "./fixed-token-tiny-llama/report.json", "./roofline/report.json"] {
         assert!(listing.lines().any(|l| l == f), "`{f}` not in the archive:\n{listing}");
     }
-    // A second upload that brings only the model's second part (the sandbox dropped the first
-    // upload's folders): with STASH the first upload's parts come back from outside the
+    // A second transfer that brings only the model's second part (the runner dropped the first
+    // transfer's folders): with STASH the first transfer's parts come back from outside the
     // repository, and the model is joined as before.
     let stage2 = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(stage2.path().join("smol-b")).unwrap();
@@ -190,7 +190,7 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
         assert!(summary.contains(&format!("/{part}: restored from {stash_dir}")), "{part}:\n{summary}");
     }
     assert_eq!(std::fs::read(stage2.path().join("cache/real/staged/model.gguf")).unwrap(), model);
-    // Without STASH nothing is kept or restored: the same upload finds no binary and says so.
+    // Without STASH nothing is kept or restored: the same transfer finds no binary and says so.
     let stage3 = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(stage3.path().join("smol-b")).unwrap();
     let o = device_check(&[("STAGE", stage3.path().to_str().unwrap()), ("OUT", out_dir), ("DEVICE", "gpu-emu"), ("STEPS", "models"), ("MODELS", "tiny-llama")]);
