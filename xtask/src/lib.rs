@@ -43,6 +43,10 @@ struct Cli {
     /// child process and `exec:` engine sees.
     #[arg(long, global = true, value_name = "POSITIONS", value_parser = clap::value_parser!(u64).range(1..))]
     context: Option<u64>,
+    /// Keep what each `exec:` engine writes (its dump and engine.log) in DIR/dump-N, to inspect
+    /// after the run; the same as TOUCHSTONE_KEEP_DUMPS=DIR.
+    #[arg(long, global = true, value_name = "DIR")]
+    keep_dumps: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -138,6 +142,9 @@ pub fn main() -> ExitCode {
     if let Some(n) = cli.context {
         // Before any thread starts.
         std::env::set_var(oracle::spec::CONTEXT_ENV, n.to_string());
+    }
+    if let Some(dir) = &cli.keep_dumps {
+        std::env::set_var("TOUCHSTONE_KEEP_DUMPS", dir);
     }
     let result = match cli.command {
         Command::Gate(a) => cmd::gate::main(a),

@@ -648,8 +648,9 @@ fn the_readme_quickstart_runs_as_printed() {
     let _ = std::fs::remove_dir_all(&engine);
 }
 
-/// `TOUCHSTONE_KEEP_DUMPS=DIR`: what an `exec:` engine wrote stays in `DIR/dump-N`, and an
-/// engine that wrote no dump is reported at that kept copy, its log there to read.
+/// `TOUCHSTONE_KEEP_DUMPS=DIR` (or `--keep-dumps DIR`): what an `exec:` engine wrote stays in
+/// `DIR/dump-N`, and an engine that wrote no dump is reported at that kept copy, its log there
+/// to read.
 #[test]
 fn kept_dumps_stay_for_inspection() {
     let tmp = tempfile::tempdir().unwrap();
@@ -664,6 +665,11 @@ fn kept_dumps_stay_for_inspection() {
     let o = xtask(&["layer-diff", "--device", &format!("exec:cp {}/* \"$TOUCHSTONE_OUT\"/", dump.display()), "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--report-dir", tmp.path().join("r2").to_str().unwrap()], &env);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(keep.join("dump-2/manifest.json").exists() && keep.join("dump-2/taps.safetensors").exists());
+    // The flag does what the variable does.
+    let flagged = tmp.path().join("flagged");
+    let o = xtask(&["layer-diff", "--keep-dumps", flagged.to_str().unwrap(), "--device", "exec:echo 'still no dump'", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--report-dir", tmp.path().join("r3").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(std::fs::read_to_string(flagged.join("dump-1/engine.log")).unwrap().contains("still no dump"), "{}", text(&o));
 }
 
 /// The newcomer's day, as a new user lives it: the `touchstone` binary installed into a root of
