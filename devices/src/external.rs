@@ -382,7 +382,7 @@ pub fn run_bounded_watching(command: &mut std::process::Command, stdout: &Path, 
                     return Err(format!("wrote more than {} MiB to {what} (killed: a command's output is for reading, not a disk to fill)", OUTPUT_LIMIT >> 20));
                 }
                 ticks += 1;
-                if let Some((dir, limit)) = watch.filter(|_| ticks % 10 == 0) {
+                if let Some((dir, limit)) = watch.filter(|_| ticks.is_multiple_of(10)) {
                     let size = dir_size(dir, limit);
                     if size > limit {
                         stop(&mut child);

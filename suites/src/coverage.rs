@@ -93,7 +93,7 @@ pub fn case(taps: &[TapDiff], rule: &RequiredTaps, model: &str, device: &str) ->
         RequiredTaps::Fraction(f) => (format!("at least {:.0}% of the taps given", f * 100.0), *f, if fraction + 1e-12 >= *f { Vec::new() } else { vec![format!("{} of {} taps given", given, taps.len())] }),
     };
     let required_present = match rule {
-        RequiredTaps::Kinds(kinds) => taps.iter().any(|t| kinds.iter().any(|k| *k == t.kind)),
+        RequiredTaps::Kinds(kinds) => taps.iter().any(|t| kinds.contains(&t.kind)),
         _ => true,
     };
     let pass = !taps.is_empty() && required_present && missing.is_empty();
