@@ -26,7 +26,7 @@ use suites::ab::{self, AbVerdict};
 
 #[derive(clap::Args)]
 pub struct AbArgs {
-    /// Baseline arm: a device (cpu, fixed, ref), git:REV or git:REV:DEVICE, or exec:CMD.
+    /// Baseline arm: a device (cpu, fixed, ref; DEVICE+slow=PCT for one really PCT% slower), git:REV or git:REV:DEVICE, or exec:CMD.
     #[arg(long)]
     pub(super) a: String,
     /// Candidate arm (same forms as --a).
@@ -36,7 +36,7 @@ pub struct AbArgs {
     #[arg(long, default_value = "smollm2")]
     pub(super) model: String,
     /// Pairs to run before the first verdict. A verdict needs at least 6 restart groups (see
-    /// --respawn-every); faster or slower, at 1% split over the looks, needs 10 or more.
+    /// --respawn-every); faster or slower, at 1% split over the looks, needs 10 or more groups.
     #[arg(long, default_value_t = 16)]
     pub(super) pairs: usize,
     /// While inconclusive, keep adding pairs (at least doubling each time) up to this many.
