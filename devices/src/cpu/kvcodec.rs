@@ -7,8 +7,7 @@
 use half::{bf16, f16};
 use oracle::quant::GgmlType;
 
-/// The IQ4_NL levels.
-const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+use super::unpack::IQ4_LEVELS;
 
 fn put_f16(out: &mut Vec<u8>, v: f32) {
     out.extend_from_slice(&f16::from_f32(v).to_le_bytes());

@@ -7,7 +7,7 @@
 use oracle::quant::{GgmlType, QK_K};
 
 /// The IQ4_NL / IQ4_XS non-linear levels.
-const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub(crate) const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// E2M1 magnitudes doubled (so they are integers), sign in the high bit: MXFP4 and NVFP4.
 const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];

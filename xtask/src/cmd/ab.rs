@@ -675,10 +675,10 @@ struct Group {
     summed: f64,
 }
 
-/// The pairs in consecutive groups of `every` (0: one group): whether a change holds in every
+/// The pairs in consecutive groups of `every` (at least 1): whether a change holds in every
 /// process lifetime, or one lifetime's luck with memory placement carries it.
 fn groups(pairs: &[Pair], m: Metric, every: usize) -> Vec<Group> {
-    let every = if every == 0 { pairs.len().max(1) } else { every };
+    let every = every.max(1);
     pairs
         .chunks(every)
         .enumerate()

@@ -89,7 +89,7 @@ pub fn main(a: AbCalibrateArgs) -> Result<u8, Exit> {
             device.to_string()
         }
     };
-    let (arm_a, arm_aa, arm_slow) = (spec(&a.arm), spec(&a.arm), spec(&slowed));
+    let (arm_a, arm_slow) = (spec(&a.arm), spec(&slowed));
     let dir = match &a.report_dir {
         Some(d) => d.clone(),
         None => super::new_report_dir("ab-calibrate", None)?,
@@ -102,7 +102,7 @@ pub fn main(a: AbCalibrateArgs) -> Result<u8, Exit> {
         // Alternate which scenario goes first, as ab alternates its arms.
         let order = if i % 2 == 0 { [Scenario::AA, Scenario::Slowed] } else { [Scenario::Slowed, Scenario::AA] };
         for sc in order {
-            let b = if sc == Scenario::AA { &arm_aa } else { &arm_slow };
+            let b = if sc == Scenario::AA { &arm_a } else { &arm_slow };
             let sub = dir.join(format!("decision-{:03}-{}", i + 1, if sc == Scenario::AA { "aa" } else { "slow" }));
             let t = Instant::now();
             let out = Command::new(&exe)
