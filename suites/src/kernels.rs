@@ -1,9 +1,11 @@
 //! The kernel-level gate: every registry case, run on the oracle and on a device, compared
 //! element by element against the bound derived from the device's declared arithmetic.
 //!
-//! Rules of the gate: discrete outputs must match exactly; a non-finite device value where the
-//! oracle is finite fails; shapes must match; an op the device does not support is reported as
-//! `unsupported` (never a pass); a panic or error inside the device is an `error` case.
+//! Rules of the gate: discrete outputs must match exactly (for a device that holds its tensors in
+//! a format coarser than f32, the oracle's on the inputs rounded to that format also counts); a
+//! non-finite device value where the oracle is finite fails; shapes must match; an op the device
+//! does not support is reported as `unsupported` (never a pass); a panic or error inside the
+//! device is an `error` case.
 
 use crate::tolerance::{bounds, Bounds};
 use devices::{Device, Support};
@@ -60,7 +62,10 @@ fn compare(reference: &[Output], device: &[Output], b: &Bounds) -> (bool, Map<St
         match (r, d, &b.per_output[oi]) {
             (Output::Ids(a), Output::Ids(bb), _) => {
                 n += a.len();
-                if a != bb {
+                // A device that holds its inputs in a coarser format may decide near-ties as
+                // the oracle does on the rounded inputs.
+                let stored = b.stored_inputs_reference.as_ref().and_then(|s| s.get(oi));
+                if a != bb && stored != Some(d) {
                     pass = false;
                     let first = a.iter().zip(bb).position(|(x, y)| x != y).unwrap_or(a.len().min(bb.len()));
                     message = Some(format!("output {oi}: ids differ at index {first}: expected {:?}, got {:?}", a.get(first), bb.get(first)));

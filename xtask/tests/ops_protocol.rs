@@ -241,6 +241,53 @@ fn ggml_cpu_kernels_are_judged_op_by_op() {
     }
 }
 
+/// PyTorch's CPU kernels through the op protocol (examples/ops_torch; skipped, saying so,
+/// without torch, unless TOUCHSTONE_REQUIRE_TORCH=1): every case it runs passes in f32 and as a
+/// bf16 engine declared as one (its inputs held in bf16 included); the same bf16 arithmetic
+/// declared as f32 fails, and each seeded bug fails exactly the cases it touches, in both modes.
+#[test]
+fn torch_cpu_kernels_pass_in_f32_and_bf16_and_their_seeded_bugs_go_red() {
+    let probe = std::process::Command::new("python3").args(["-c", "import torch, gguf, numpy"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        assert!(std::env::var("TOUCHSTONE_REQUIRE_TORCH").is_err(), "TOUCHSTONE_REQUIRE_TORCH is set but python3 cannot import torch, gguf and numpy");
+        eprintln!("SKIPPED: python3 with torch, gguf and numpy is not installed (pip install -r tools/peers/requirements-torch.txt)");
+        return;
+    }
+    const TORCH: &str = "exec:python3 examples/ops_torch/engine.py";
+    // One process per mode: torch takes seconds to import.
+    let one_batch = ("TOUCHSTONE_OPS_BATCH", "4000");
+    let tmp = tempfile::tempdir().unwrap();
+    for (mode, storage) in [("f32", "f32"), ("bf16", "bf16")] {
+        let (o, r) = kernels(TORCH, &[], &tmp.path().join(mode), &[one_batch, ("OPS_TORCH_DTYPE", mode)]);
+        assert_eq!(o.status.code(), Some(0), "{mode}: {}", text(&o));
+        let s = &r["summary"];
+        assert!(s["passed"].as_u64().unwrap() >= 2000 && s["failed"] == 0 && s["errors"] == 0, "{mode}: {s}");
+        let first = r["cases"].as_array().unwrap().iter().find(|c| c["verdict"] == "pass").unwrap();
+        assert_eq!(first["metrics"]["arithmetic"]["storage"], storage, "{first}");
+    }
+    let (o, r) = kernels(TORCH, &["--filter", "^(embed|rope|rms_norm|softmax|add|matmul\\(w=q8_0)"], &tmp.path().join("declared_f32"), &[("TOUCHSTONE_EXAMPLE_BUG", "bf16_declared_f32")]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let (failed, all) = failed_by_op(&r);
+    for op in ["embed", "rope", "rms_norm", "softmax", "add", "matmul/q8_0"] {
+        assert!(failed.get(op).copied().unwrap_or(0) * 2 > all[op], "bf16 declared f32, {op}: {failed:?} of {all:?}");
+    }
+    for mode in ["f32", "bf16"] {
+        for (bug, touched) in [("rms_eps_x10", &["rms_norm", "qk_norm"][..]), ("rope_pairs_swapped", &["rope"]), ("q4_0_nibbles_swapped", &["matmul/q4_0"])] {
+            let report = tmp.path().join(format!("{mode}-{bug}"));
+            let env = [("TOUCHSTONE_EXAMPLE_BUG", bug), ("OPS_TORCH_DTYPE", mode)];
+            let (o, r) = kernels(TORCH, &["--filter", "^(rms_norm|qk_norm|rope|add|matmul\\(w=q4_[01],k=(32|64))"], &report, &env);
+            assert_eq!(o.status.code(), Some(1), "{mode} {bug}: {}", text(&o));
+            let (failed, all) = failed_by_op(&r);
+            assert!(failed.keys().all(|k| touched.contains(&k.as_str())), "{mode} {bug}: {failed:?}");
+            // In bf16, eps x10 moves a QK-norm's short rows by less than bf16 resolves.
+            let shown = if mode == "bf16" && bug == "rms_eps_x10" { &["rms_norm"][..] } else { touched };
+            for t in shown {
+                assert!(failed.get(*t).copied().unwrap_or(0) * 2 > all[*t], "{mode} {bug}: most {t} cases fail: {failed:?} of {all:?}");
+            }
+        }
+    }
+}
+
 /// One command gates an engine on every rung it speaks: an `exec:` command that answers the op
 /// protocol (the numpy template) and the dump protocol (the example dump engine) gets ops,
 /// layers and tokens in one report from `gate` with no `--suite`.
