@@ -88,6 +88,10 @@ impl Device for ExternalDevice {
             Source::Ids(c) => format!("ids:{c}"),
         }
     }
+    fn declared_name(&self) -> Option<String> {
+        // Asked only of an engine that already answered the capabilities query.
+        self.capabilities.get().and_then(|c| c.as_ref().ok()).and_then(|c| c.name.clone())
+    }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
         self.capabilities().map_or(Arithmetic::F32, |c| c.arithmetic_of(case.op))
     }
@@ -133,6 +137,7 @@ impl Device for ExternalDevice {
             spec,
             cached: 0,
             arithmetic: Arithmetic::F32,
+            declared_name: None,
             workdir: None,
         }))
     }
@@ -147,6 +152,8 @@ pub struct ExternalModel {
     spec: oracle::ModelSpec,
     cached: usize,
     arithmetic: Arithmetic,
+    /// The manifest's `device`, once a dump was read.
+    declared_name: Option<String>,
     /// Where `exec:` dumps go (kept until the model is dropped, so they can be inspected).
     workdir: Option<tempfile::TempDir>,
 }
@@ -272,8 +279,9 @@ impl ExternalModel {
         self.with_arithmetic(dump, &dir)
     }
 
-    /// Takes the arithmetic a checked dump declares.
+    /// Takes the arithmetic a checked dump declares, and the name it gives its engine.
     fn with_arithmetic(&mut self, dump: Dump, dir: &Path) -> Result<Dump, DeviceError> {
+        self.declared_name = Some(dump.manifest.device.clone());
         if let Some(a) = &dump.manifest.arithmetic {
             let arithmetic: Arithmetic = serde_json::from_value(a.clone()).map_err(|e| bad(dir, format!("manifest.json: arithmetic: {e}")))?;
             arithmetic.check().map_err(|e| bad(dir, format!("manifest.json: arithmetic: {e}")))?;
@@ -479,6 +487,9 @@ impl DeviceModel for ExternalModel {
     }
     fn arithmetic(&self) -> Arithmetic {
         self.arithmetic
+    }
+    fn declared_name(&self) -> Option<String> {
+        self.declared_name.clone()
     }
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
         if self.cached > 0 {

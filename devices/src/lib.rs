@@ -432,6 +432,10 @@ pub enum Support {
 /// A backend under test.
 pub trait Device: Send + Sync {
     fn name(&self) -> String;
+    /// The name an external engine gives itself (its op-protocol capabilities' `name`).
+    fn declared_name(&self) -> Option<String> {
+        None
+    }
     /// The hardware and driver behind the name, for report provenance (a GPU's model,
     /// architecture and driver version); the name where there is nothing more to say.
     fn describe(&self) -> String {
@@ -546,6 +550,10 @@ pub trait DeviceModel: Send {
     fn spec(&self) -> &oracle::ModelSpec;
     /// The arithmetic of this model's ops (what the layer-diff and fixed-token budgets consume).
     fn arithmetic(&self) -> Arithmetic;
+    /// The name an external engine gives itself (its dump manifest's `device`), once it ran.
+    fn declared_name(&self) -> Option<String> {
+        None
+    }
     /// Runs `tokens` at positions `cached()..`, appends to the cache, returns logits `[tokens, n_vocab]`.
     fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError>;
     /// [`DeviceModel::forward`] returning the logits of the last token only (`[n_vocab]`): what

@@ -322,7 +322,7 @@ def write_safetensors(path, tensors):
 
 
 def capabilities(out):
-    caps = {"protocol": PROTOCOL, "version": VERSION, "name": "numpy-f32", "ops": sorted(OPS), "weight_types": weight_types(), "arithmetic": ARITHMETIC}
+    caps = {"protocol": PROTOCOL, "version": VERSION, "name": "numpy-bf16" if BF16 else "numpy-f32", "ops": sorted(OPS), "weight_types": weight_types(), "arithmetic": ARITHMETIC}
     with open(os.path.join(out, "capabilities.json"), "w") as f:
         json.dump(caps, f)
 

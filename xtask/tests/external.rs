@@ -81,7 +81,9 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     let o = xtask(&["layer-diff", "--device", "cpu", "--against", &device, "--model", "smollm2", "--prompt-ids", IDS, "--report-dir", tmp.path().join("vs").to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("vs/report.json")).unwrap()).unwrap();
-    assert_eq!(report["against"], device.as_str());
+    // The dump calls itself `cpu`: labelled so, apart from the real one.
+    assert_eq!(report["against"], "cpu (external)");
+    assert_eq!(report["engine_labels"]["cpu (external)"], device.as_str());
     assert!(report["first_difference"].is_null(), "a build against its own dump differs nowhere: {}", report["first_difference"]);
     assert!(report["cases"][0]["metrics"].as_object().unwrap().keys().any(|k| k.starts_with("oracle_vs_")), "the oracle stays as the reference column");
 
@@ -110,9 +112,9 @@ fn a_cpu_dump_passes_and_a_perturbed_l_out_is_the_first_divergence_at_that_layer
     assert_eq!(report["first_difference"]["worst_position"], 4);
     // Beside it, where each build leaves the oracle: the dump at that layer, the cpu nowhere.
     let vs_oracle = &report["first_divergence_vs_oracle"];
-    assert_eq!(vs_oracle[device.as_str()]["tap"], "blk.17.l_out", "{vs_oracle}");
+    assert_eq!(vs_oracle["cpu (external)"]["tap"], "blk.17.l_out", "{vs_oracle}");
     assert!(vs_oracle["cpu"].is_null(), "{vs_oracle}");
-    assert!(text(&o).contains(&format!("{device} against the oracle (not gated here): first divergence blk.17.l_out (isolated)")), "{}", text(&o));
+    assert!(text(&o).contains("cpu (external) against the oracle (not gated here): first divergence blk.17.l_out (isolated)"), "{}", text(&o));
 }
 
 /// An engine that dumps only its layer outputs (hidden states, as many engines can) and logits:
@@ -715,4 +717,47 @@ fn a_newcomer_gates_the_copied_engine_with_the_installed_binary() {
     let (o, _) = gate(&logits_only, "logits-only");
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("tap_coverage") && text(&o).contains("missing: 2 of 2 l_out"), "{}", text(&o));
+}
+
+/// Without `--name`, an engine goes by the name its dump gives it (the manifest's `device`):
+/// the example engine as `example-numpy-f64` in report.json and JUnit, the command
+/// kept in `engine_labels`; a dump that calls itself `cpu`, judged against the real `cpu`, as
+/// `cpu (external)`; `--name` still wins; an op-protocol engine by its capabilities' `name`.
+#[test]
+fn an_engine_goes_by_the_name_its_dump_gives_it() {
+    if !python_with_reference_peers() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = "exec:python3 examples/external_engine/engine.py";
+    let r1 = tmp.path().join("example");
+    let o = xtask(&["layer-diff", "--device", engine, "--model", "tiny-llama", "--report-dir", r1.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = common::report(&r1);
+    assert_eq!(r["engine_labels"]["example-numpy-f64"], engine, "{}", r["engine_labels"]);
+    assert!(r["cases"].as_array().unwrap().iter().all(|c| c["device"] == "example-numpy-f64"));
+    assert!(r.get("declared_names").is_none(), "a working note, not part of the report");
+    let junit = std::fs::read_to_string(r1.join("junit.xml")).unwrap();
+    assert!(junit.contains("classname=\"touchstone.layers.example-numpy-f64\""), "{junit}");
+    let dump = tmp.path().join("cpu");
+    dump_cpu("tiny-llama", "1,2,3", &dump);
+    let copy = format!("exec:cp {}/* \"$TOUCHSTONE_OUT\"/", dump.display());
+    let r2 = tmp.path().join("against");
+    let o = xtask(&["layer-diff", "--device", &copy, "--against", "cpu", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--report-dir", r2.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = common::report(&r2);
+    assert_eq!(r["engine_labels"]["cpu (external)"], copy.as_str(), "{}", r["engine_labels"]);
+    let devices: std::collections::BTreeSet<&str> = r["cases"].as_array().unwrap().iter().filter_map(|c| c["device"].as_str()).collect();
+    assert!(devices.contains("cpu (external)") && !devices.iter().any(|d| d.starts_with("exec:")), "{devices:?}");
+    let r3 = tmp.path().join("named");
+    let o = xtask(&["fixed-token", "--device", engine, "--name", "mine", "--model", "tiny-llama", "--report-dir", r3.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(common::report(&r3)["engine_labels"]["mine"], engine);
+    // An op-protocol engine by its capabilities' `name`.
+    let ops = "exec:python3 examples/ops_numpy/engine.py";
+    let r4 = tmp.path().join("ops");
+    let o = xtask(&["kernels", "--device", ops, "--filter", "^add\\(", "--report-dir", r4.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = common::report(&r4);
+    assert!(r["cases"].as_array().unwrap().iter().all(|c| c["device"] == "numpy-f32") && r["engine_labels"]["numpy-f32"] == ops, "{}", r["engine_labels"]);
 }

@@ -63,6 +63,8 @@ pub struct FixedTokenArgs {
     pub report_dir: Option<PathBuf>,
     /// A label for the device in the console, report.json, report.md and JUnit (an engine's
     /// command line is long); report.json's `engine_labels` keeps the command it stands for.
+    /// Without it an external engine goes by the name it gives itself (a dump manifest's
+    /// `device`, the op protocol's `name`), with " (external)" where that reads as another device.
     #[arg(long)]
     pub name: Option<String>,
 }
@@ -80,7 +82,7 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
     let t0 = std::time::Instant::now();
     let Some(mut report) = fixed_token(&a)? else { return Ok(0) };
     super::spread_time(&mut report.cases, t0.elapsed().as_secs_f64());
-    super::relabel(&mut report, &a.device, a.name.as_deref());
+    super::label_devices(&mut report, std::slice::from_ref(&a.device), a.name.as_deref());
     print_summary(&report);
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
@@ -189,6 +191,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     // Asked after the run: an external engine's arithmetic comes from its dump's manifest.
     let arith = engine.arithmetic();
     arith.check().map_err(|e| Exit { code: 2, message: format!("{}: declared arithmetic: {e}", a.device) })?;
+    let declared_name = engine.declared_name();
     drop(engine);
     let mut budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit { code: 2, message: "no logit budget rule".into() })?;
     // Where the output head's terms cancel, the logits' rounding errors are larger than their
@@ -251,6 +254,9 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("token_stats".into(), stats);
     report.sections.insert("emulated_arithmetic".into(), emulated);
+    if let Some(name) = declared_name {
+        report.sections.insert(super::DECLARED_NAMES.into(), json!({ a.device.clone(): name }));
+    }
     Ok(Some(report))
 }
 

@@ -40,7 +40,9 @@ pub struct GateArgs {
     shard: Option<String>,
     /// A label for the device (one `--device` only) in the console, report.json, report.md and
     /// JUnit (class names `touchstone.RUNG.LABEL`); report.json's `engine_labels` keeps the
-    /// command it stands for.
+    /// command it stands for. Without it an external engine goes by the name it gives itself (a
+    /// dump manifest's `device`, the op protocol's `name`), with " (external)" where that reads
+    /// as another device.
     #[arg(long)]
     name: Option<String>,
     /// Where the reports go (default: target/touchstone/gate-YYYYMMDD-HHMMSS/, the start time in UTC).
@@ -84,6 +86,8 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
     let devices = device_names.iter().map(|d| devices::open(d)).collect::<Result<Vec<_>, _>>().map_err(|e| Exit { code: 2, message: e.to_string() })?;
     let shard = a.shard.as_deref().map(super::parse_shard).transpose()?;
     let mut cases = Vec::new();
+    // The names external engines' dumps give themselves, for their labels.
+    let mut declared = serde_json::Map::new();
     let models: Vec<String> = if a.model.is_empty() { ::fixtures::SYNTHETIC.iter().map(|s| s.to_string()).collect() } else { a.model.clone() };
     if suites.iter().any(|s| s == "oracle") {
         // A short fixed sequence (the default ids of layer-diff): crosses the prefill/decode
@@ -111,15 +115,22 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                 let t0 = std::time::Instant::now();
                 let got = if suite == "layers" {
                     let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, baseline_factor: 4.0, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone(), name: None };
-                    super::layerdiff::layer_diff(&args).map(|o| {
+                    super::layerdiff::layer_diff(&args).map(|mut o| {
                         outln!("{}", super::layerdiff::story(&o, &label(d), m));
+                        declared.extend(o.report.sections.remove(super::DECLARED_NAMES).and_then(|v| v.as_object().cloned()).unwrap_or_default());
                         o.report.cases
                     })
                 } else if suite == "bench" {
                     super::bench::measure(d, m, oracle::Precision::F32, super::bench::PROMPT_LEN, super::bench::GEN_LEN, super::bench::REPS).map(|r| vec![super::bench::case(d, m, &r)])
                 } else {
                     let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None, name: None };
-                    super::fixedtoken::fixed_token(&args).map(|r| r.map(|r| r.cases).unwrap_or_default())
+                    super::fixedtoken::fixed_token(&args).map(|r| {
+                        r.map(|mut r| {
+                            declared.extend(r.sections.remove(super::DECLARED_NAMES).and_then(|v| v.as_object().cloned()).unwrap_or_default());
+                            r.cases
+                        })
+                        .unwrap_or_default()
+                    })
                 };
                 let mut got = got.unwrap_or_else(|e| vec![could_not_run(suite, d, m, e)]);
                 super::spread_time(&mut got, t0.elapsed().as_secs_f64());
@@ -129,10 +140,10 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
     }
     let bench_rows = bench_table(&cases);
     let mut report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
-    if let Some(d) = device_names.first() {
-        let opened = devices.first().map(|x| x.name()).unwrap_or_else(|| d.clone());
-        super::relabel(&mut report, &opened, a.name.as_deref());
-    }
+    report.sections.insert(super::DECLARED_NAMES.into(), serde_json::Value::Object(declared));
+    super::note_declared_names(&mut report, &devices.iter().map(|d| d.as_ref()).collect::<Vec<_>>());
+    let opened: Vec<String> = devices.iter().map(|x| x.name()).collect();
+    super::label_devices(&mut report, &opened, a.name.as_deref());
     super::kernels::print_summary(&report);
     if !bench_rows.is_empty() {
         let columns: Vec<&str> = std::iter::once("case").chain(super::bench::TABLE_COLUMNS).collect();

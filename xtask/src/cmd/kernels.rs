@@ -29,6 +29,8 @@ pub struct KernelsArgs {
     report_dir: Option<PathBuf>,
     /// A label for the device in the console, report.json, report.md and JUnit (an engine's
     /// command line is long); report.json's `engine_labels` keeps the command it stands for.
+    /// Without it an external engine goes by the name it gives itself (a dump manifest's
+    /// `device`, the op protocol's `name`), with " (external)" where that reads as another device.
     #[arg(long)]
     name: Option<String>,
 }
@@ -54,7 +56,8 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     let cases = suites::kernels::run(device.as_ref(), &selected, opts.perf, |done, _| pb.set_position(done as u64));
     pb.finish_and_clear();
     let mut report = Report::new("kernels", Provenance::collect(rayon::current_num_threads()), cases);
-    super::relabel(&mut report, &device.name(), a.name.as_deref());
+    super::note_declared_names(&mut report, &[device.as_ref()]);
+    super::label_devices(&mut report, &[device.name()], a.name.as_deref());
     print_summary(&report);
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());

@@ -64,6 +64,8 @@ pub struct LayerDiffArgs {
     pub require_taps: String,
     /// A label for the device in the console, report.json, report.md and JUnit (an engine's
     /// command line is long); report.json's `engine_labels` keeps the command it stands for.
+    /// Without it an external engine goes by the name it gives itself (a dump manifest's
+    /// `device`, the op protocol's `name`), with " (external)" where that reads as another device.
     #[arg(long)]
     pub name: Option<String>,
 }
@@ -89,7 +91,8 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     let t0 = std::time::Instant::now();
     let mut outcome = layer_diff(&a)?;
     super::spread_time(&mut outcome.report.cases, t0.elapsed().as_secs_f64());
-    super::relabel(&mut outcome.report, &a.device, a.name.as_deref());
+    let devices: Vec<String> = std::iter::once(a.device.clone()).chain(a.against.clone()).collect();
+    super::label_devices(&mut outcome.report, &devices, a.name.as_deref());
     print_table(&outcome);
     for f in &outcome.follows {
         outln!("routing: {f}");
@@ -155,10 +158,11 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     stages.next(&format!("{}: every tap", a.device));
     let taps_a = device_taps(&mut engine, &ids)?;
     let arith_a = engine.arithmetic();
+    let mut declared = vec![(a.device.clone(), engine.declared_name())];
     drop(engine);
     let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
     let shape_err = |e: String| Exit { code: 2, message: e };
-    Ok(match &a.against {
+    let mut outcome = match &a.against {
         None => {
             stages.next("the oracle: its own run, on the device's values, with the declared arithmetic emulated");
             layerdiff::run(&oracle_model, &path, &ids, &taps_a, &arith_a, mode, a.emulation_factor, &a.model, &a.device).map_err(shape_err)?
@@ -168,10 +172,16 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
             stages.next(&format!("{b}: every tap"));
             let taps_b = device_taps(&mut engine_b, &ids)?;
             let arith_b = engine_b.arithmetic();
+            declared.push((b.clone(), engine_b.declared_name()));
             stages.next("the oracle: its own run and on each device's values");
             layerdiff::run_against(&oracle_model, &path, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model, a.baseline_factor).map_err(shape_err)?
         }
-    })
+    };
+    let names: serde_json::Map<String, serde_json::Value> = declared.into_iter().filter_map(|(d, n)| Some((d, serde_json::json!(n?)))).collect();
+    if !names.is_empty() {
+        outcome.report.sections.insert(super::DECLARED_NAMES.into(), serde_json::Value::Object(names));
+    }
+    Ok(outcome)
 }
 
 /// `blk.3.ffn_out (isolated): RMS error 2.2e-4, 369x its budget of 6.1e-7, largest at position 0`

@@ -185,6 +185,14 @@ impl Engine {
         }
     }
 
+    /// The name an external engine gave itself in its dump (see [`label_of`]).
+    pub fn declared_name(&self) -> Option<String> {
+        match self {
+            Engine::Oracle(_) => None,
+            Engine::Device(m) => m.declared_name(),
+        }
+    }
+
     /// One prefill over `ids` from an empty cache, recording every tap (logits included).
     pub fn prefill(&mut self, ids: &[u32], taps: &mut dyn oracle::Tap) -> Result<(), Exit> {
         match self {
@@ -423,6 +431,44 @@ pub fn check_label(name: Option<&str>) -> Result<(), Exit> {
     match name {
         Some(n) if n.trim().is_empty() || n.chars().count() > 64 || n.chars().any(char::is_control) => Err(Exit { code: 2, message: format!("--name {n:?}: a label is 1 to 64 printable characters") }),
         _ => Ok(()),
+    }
+}
+
+/// Where a run notes the names its external engines gave themselves (taken out by [`label_of`]).
+pub const DECLARED_NAMES: &str = "declared_names";
+
+/// Notes the names the op-protocol engines among `devices` gave themselves (where a dump's name
+/// was not noted already).
+pub fn note_declared_names(report: &mut reports::Report, devices: &[&dyn devices::Device]) {
+    let names = report.sections.entry(DECLARED_NAMES).or_insert_with(|| serde_json::json!({}));
+    if let Some(m) = names.as_object_mut() {
+        for d in devices {
+            if let Some(n) = d.declared_name() {
+                m.entry(d.name()).or_insert(serde_json::json!(n));
+            }
+        }
+    }
+}
+
+/// Labels the devices of a run (in order; `--name` is the first one's): `--name` when given;
+/// else the name an external engine's dump gives itself (its manifest's `device`, noted under
+/// [`DECLARED_NAMES`]) when it is a valid label, with " (external)" added where it would read as
+/// a built-in device or as another device of the run; else the device as given.
+pub fn label_devices(report: &mut reports::Report, devices: &[String], given: Option<&str>) {
+    let declared = report.sections.remove(DECLARED_NAMES).unwrap_or_default();
+    let mut taken: Vec<String> = devices.to_vec();
+    for (i, device) in devices.iter().enumerate() {
+        let own = declared.get(device).and_then(|n| n.as_str()).map(|n| n.trim().to_string()).filter(|n| check_label(Some(n)).is_ok());
+        let label = match (given.filter(|_| i == 0), own) {
+            (Some(g), _) => g.to_string(),
+            (None, Some(name)) => {
+                let builtin = matches!(name.as_str(), "ref" | "cpu" | "fixed" | "fixed-int4") || ["cpu:", "gpu-emu", "cuda", "rocm", "exec:", "external:", "ids:"].iter().any(|p| name.starts_with(p));
+                if builtin || taken.contains(&name) { format!("{name} (external)") } else { name }
+            }
+            (None, None) => continue,
+        };
+        relabel(report, device, Some(&label));
+        taken.push(label);
     }
 }
 
