@@ -46,10 +46,10 @@ pub struct AbArgs {
     #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
     pub(super) threshold: f64,
     /// Prompt length in tokens; a comma list (`16,512`) runs a matrix (see --model).
-    #[arg(long, value_delimiter = ',', default_value = "16")]
+    #[arg(long, value_delimiter = ',', default_values_t = [super::bench::PROMPT_LEN])]
     pub(super) prompt_len: Vec<usize>,
-    /// Tokens generated per run.
-    #[arg(long, default_value_t = 32)]
+    /// Tokens generated per run (`bench` takes the same default lengths).
+    #[arg(long, default_value_t = super::bench::GEN_LEN)]
     pub(super) gen_len: usize,
     /// A label for arm A in the tables, console and plots (default: its spec, `--a`).
     #[arg(long)]
@@ -70,7 +70,7 @@ pub struct AbArgs {
     #[arg(long, default_value_t = 2)]
     pub(super) respawn_every: usize,
     /// Seconds one run may take before it is killed (an error, exit 2).
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_S)]
     pub(super) timeout: u64,
     /// What the verdict compares per run. `fastest-step`: the run's fastest decode step (the
     /// engine's own speed: noise on a shared machine only adds time; 1-2% pair-to-pair noise
@@ -465,6 +465,15 @@ fn lockstep_pair(first: &Runner, second: &Runner, gen_len: usize, n_prompt: usiz
     }
     let second_sample = samples.pop().expect("two samples");
     Ok((samples.pop().expect("two samples"), second_sample))
+}
+
+/// `--timeout`'s default: seconds one run of an arm may take.
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+
+/// One run of the `exec:` engine `cmd` (as an `ab` arm runs it): its checked JSON line.
+pub fn run_exec(cmd: &str, model: &Path, ids: &str, gen_len: usize, timeout: Duration) -> Result<RunSample, String> {
+    let runner = prepare("exec", Arm::Exec(cmd.to_string()), model, "", ids, gen_len).map_err(|e| e.message)?;
+    run_once(&runner, timeout, gen_len)
 }
 
 /// Runs one arm once: its JSON line, or why not.

@@ -2,7 +2,9 @@
 //! percentiles, peak resident memory and the machine's state per repetition (every raw sample kept
 //! in report.json); for the oracle also its weight bandwidth against a probe taken in the same run;
 //! for GPU devices the device memory peak, the kernel launches of a prefill and of a decode step,
-//! and a decode step's kernel time.
+//! and a decode step's kernel time. An `exec:CMD` engine is timed through the arm protocol of
+//! `ab` (one JSON line per run, a fresh process each): the same figures from its own timings,
+//! its peak RSS as its line states it.
 
 use super::{check_device, load_engine};
 use crate::Exit;
@@ -10,15 +12,17 @@ use oracle::Precision;
 use serde_json::json;
 use std::path::PathBuf;
 
-/// The defaults of a bench run (the `bench` command's and `gate --suite bench`'s).
-pub const PROMPT_LEN: usize = 32;
-pub const GEN_LEN: usize = 64;
+/// The defaults of a bench run (the `bench` command's and `gate --suite bench`'s; `ab` takes
+/// the same lengths, so a tok/s figure means the same in both).
+pub const PROMPT_LEN: usize = 16;
+pub const GEN_LEN: usize = 32;
 pub const REPS: usize = 3;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-TYPE` (its KV cache in f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 or iq4_nl; `cpu:kv-K-V` keys and values apart), `fixed`,
-    /// `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
+    /// `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`, or `exec:CMD`, an engine that answers
+    /// `ab`'s arm protocol (one JSON line per run; `cargo xtask ab --help`).
     #[arg(long, default_value = "ref")]
     device: String,
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, smollm2, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
@@ -122,6 +126,9 @@ fn check_sizes(prompt_len: usize, gen_len: usize, reps: usize) -> Result<(), Exi
 /// `gen_len` tokens after a `prompt_len`-token prompt, with a progress bar.
 pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
     check_sizes(prompt_len, gen_len, reps)?;
+    if let Some(cmd) = device.strip_prefix("exec:") {
+        return measure_exec(cmd, model, prompt_len, gen_len, reps);
+    }
     let (_, mut engine, _) = load_engine(model, device, precision)?;
     let prompt = super::bench_prompt(prompt_len, gen_len, engine.spec().n_vocab)?;
     super::check_kv_fits("bench", engine.spec(), prompt_len.saturating_add(gen_len))?;
@@ -144,6 +151,55 @@ pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usiz
         _ => None,
     };
     Ok(Measured { r, device_peak, kernels, oracle_weights })
+}
+
+/// An `exec:` engine timed through `ab`'s arm protocol: one fresh process per run (a warm-up of
+/// two tokens, then `reps` runs), each run's line checked as `ab` checks it. Its figures are its
+/// own timings; its peak RSS the largest its lines state (none when they state none).
+fn measure_exec(cmd: &str, model: &str, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
+    let path = super::resolve_model(model)?;
+    let (_, spec, _) = oracle::loader::open_model(&path)?;
+    let prompt = super::bench_prompt(prompt_len, gen_len, spec.n_vocab)?;
+    let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let timeout = std::time::Duration::from_secs(super::ab::DEFAULT_TIMEOUT_S);
+    let peak = std::cell::Cell::new(None::<u64>);
+    let pb = indicatif::ProgressBar::new(reps as u64);
+    pb.set_style(indicatif::ProgressStyle::with_template("bench {prefix} {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
+    pb.set_prefix(format!("exec:{cmd} / {model}"));
+    let run = |p: &[u32], n: usize| -> Result<oracle::generate::Generation, Exit> {
+        let s = super::ab::run_exec(cmd, &path, &ids, n, timeout).map_err(|e| Exit { code: 2, message: format!("exec:{cmd}: {e}") })?;
+        peak.set(peak.get().max(s.peak_rss_kb));
+        Ok(oracle::generate::Generation { prompt: p.to_vec(), decode_steps: s.n_gen - 1, prefill_s: s.prefill_ms / 1e3, decode_s: s.decode_ms / 1e3, step_s: s.step_ms.iter().map(|m| m / 1e3).collect(), tokens: s.tokens })
+    };
+    let mut r = suites::throughput::bench_with(run, 0, &prompt, gen_len, reps, |i| pb.set_position(i as u64))?;
+    pb.finish_and_clear();
+    // What this process held is not the engine's.
+    r.peak_rss_kb = peak.get();
+    r.machine.iter_mut().for_each(|m| m.peak_rss_kb = None);
+    Ok(Measured { r, device_peak: None, kernels: None, oracle_weights: None })
+}
+
+/// One bench case run by `bench` in a process of its own (`gate --suite bench`): its peak RSS is
+/// then the case's, whatever ran before it in the gate.
+pub fn case_in_own_process(device: &str, model: &str) -> Result<reports::Case, Exit> {
+    let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: format!("cannot find this program to run `bench`: {e}") })?;
+    let dir = tempfile::tempdir().map_err(|e| Exit { code: 2, message: format!("cannot create a report directory for `bench`: {e}") })?;
+    let o = std::process::Command::new(exe)
+        .args(["bench", "--device", device, "--model", model, "--reps", &REPS.to_string(), "--report-dir"])
+        .arg(dir.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| Exit { code: 2, message: format!("cannot run `bench`: {e}") })?;
+    let file = dir.path().join("report.json");
+    let report: Option<reports::Report> = std::fs::read_to_string(&file).ok().and_then(|t| serde_json::from_str(&t).ok());
+    match report.and_then(|r| r.cases.into_iter().next()) {
+        Some(c) => Ok(c),
+        None => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let tail: Vec<&str> = err.lines().rev().take(3).collect();
+            Err(Exit { code: 2, message: format!("bench on {device} / {model} ({}): {}", o.status, tail.into_iter().rev().collect::<Vec<_>>().join(" / ")) })
+        }
+    }
 }
 
 /// The report case of a measurement: its figures as metrics, and a verdict on what the figures

@@ -29,8 +29,8 @@ pub struct GateArgs {
     #[arg(long)]
     model: Vec<String>,
     /// Suites: oracle, kernels, layers, tokens (default: these four), bench (throughput on each
-    /// device and model, 32-token prompt, 64 generated tokens, 3 repetitions; it fails when the
-    /// repetitions' greedy outputs differ or stop short, and records the figures); repeat the
+    /// device and model with `bench`'s defaults, each case in a process of its own; it fails when
+    /// the repetitions' greedy outputs differ or stop short, and records the figures); repeat the
     /// flag or give a comma list (`layers,tokens`).
     #[arg(long, value_delimiter = ',')]
     suite: Vec<String>,
@@ -121,7 +121,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                         o.report.cases
                     })
                 } else if suite == "bench" {
-                    super::bench::measure(d, m, oracle::Precision::F32, super::bench::PROMPT_LEN, super::bench::GEN_LEN, super::bench::REPS).map(|r| vec![super::bench::case(d, m, &r)])
+                    super::bench::case_in_own_process(d, m).map(|c| vec![c])
                 } else {
                     let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None, name: None };
                     super::fixedtoken::fixed_token(&args).map(|r| {

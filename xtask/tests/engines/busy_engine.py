@@ -3,9 +3,10 @@
 (a timed wait: CPython's own speed varies by 15% between processes with the memory layout, which
 would test Python rather than the harness); with EXTRA_SLEEP_PCT=3 every decode step also waits 3%
 of that step's own time, a real 3% slowdown. Prints one JSON line: prefill_ms, decode_ms,
-n_prompt, n_gen, tokens, step_ms."""
+n_prompt, n_gen, tokens, step_ms, peak_rss_kb."""
 import json
 import os
+import resource
 import time
 
 extra = float(os.environ.get("EXTRA_SLEEP_PCT", "0")) / 100.0
@@ -34,4 +35,5 @@ for k in range(n_gen - 1):
     tokens.append((tokens[-1] * 31 + k) % 97)
     steps.append((time.perf_counter() - ts) * 1e3)
 decode_ms = (time.perf_counter() - t1) * 1e3
-print(json.dumps({"prefill_ms": prefill_ms, "decode_ms": decode_ms, "n_prompt": len(ids), "n_gen": n_gen, "tokens": tokens, "step_ms": steps}))
+print(json.dumps({"prefill_ms": prefill_ms, "decode_ms": decode_ms, "n_prompt": len(ids), "n_gen": n_gen, "tokens": tokens, "step_ms": steps,
+                  "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
