@@ -156,11 +156,15 @@ pub fn query_capabilities(cmd: &str, timeout: Duration) -> Result<Capabilities, 
     let out = work.path().join("out");
     std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
     run(cmd, &[], "capabilities", &out, timeout, JSON_LIMIT + (1 << 20)).map_err(|e| format!("{e}; an engine that speaks the op protocol answers it (docs/OP_PROTOCOL.md)"))?;
-    let path = out.join("capabilities.json");
-    let bytes = read_limited(&path, JSON_LIMIT)?.ok_or_else(|| format!("`{cmd}` wrote no capabilities.json: it does not speak the op protocol (docs/OP_PROTOCOL.md)"))?;
+    read_capabilities(&out.join("capabilities.json"))?.ok_or_else(|| format!("`{cmd}` wrote no capabilities.json: it does not speak the op protocol (docs/OP_PROTOCOL.md)"))
+}
+
+/// An engine's `capabilities.json`, parsed and checked (None when it is absent).
+pub fn read_capabilities(path: &Path) -> Result<Option<Capabilities>, String> {
+    let Some(bytes) = read_limited(path, JSON_LIMIT)? else { return Ok(None) };
     let caps: Capabilities = serde_json::from_slice(&bytes).map_err(|e| format!("capabilities.json: {e}"))?;
     caps.check(Path::new("capabilities.json"))?;
-    Ok(caps)
+    Ok(Some(caps))
 }
 
 /// The input tensors of a batch, named `{index}.{input}`, and each case's entry of `cases.json`.
@@ -254,8 +258,9 @@ struct CaseResult {
     message: Option<String>,
 }
 
-/// Reads `results.json` and `outputs.safetensors` of a finished batch.
-fn read_outcomes(out: &Path, batch: &[(&OpCase, Vec<OutputSpec>)], limit: u64) -> Result<Vec<CaseOutcome>, String> {
+/// Reads `results.json` and `outputs.safetensors` of a finished batch in `out` (at most `limit`
+/// bytes of outputs): each case's outcome, or why the batch as a whole is refused.
+pub fn read_outcomes(out: &Path, batch: &[(&OpCase, Vec<OutputSpec>)], limit: u64) -> Result<Vec<CaseOutcome>, String> {
     let rpath = out.join("results.json");
     let bytes = read_limited(&rpath, JSON_LIMIT)?.ok_or_else(|| format!("{}: not written (docs/OP_PROTOCOL.md)", rpath.display()))?;
     let results: Results = serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", rpath.display()))?;

@@ -25,7 +25,9 @@ weighted values in f16 instead of rounding the weights, which the declaration do
 comparison shows what that costs.
 
 Environment (besides the protocol's): TOUCHSTONE_LLAMA_FLASH_ATTN=1 runs llama.cpp's flash
-attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_KV=f32|bf16|q8_0|q5_1|
+attention (off by default, as in `llama-cpp-python`); TOUCHSTONE_LLAMA_EXTRA_BUFTS=0 loads the
+weights without llama.cpp's repacked/AMX buffers (its AMX matmul crashes on an AMX CPU whose
+kernel does not grant the process AMX state); TOUCHSTONE_LLAMA_KV=f32|bf16|q8_0|q5_1|
 q5_0|q4_1|q4_0|iq4_nl keeps both caches in that type, and TOUCHSTONE_LLAMA_KV=KEYS-VALUES (q8_0-f16)
 each in its own (`--cache-type-k`, `--cache-type-v`), and declares them (`kv_cache`, and
 `kv_cache_v` where the values' differs; a quantized value cache needs flash attention, as in
@@ -232,6 +234,9 @@ def main():
     quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
     llama_cpp.llama_log_set(quiet, None)
     mparams = llama_cpp.llama_model_default_params()
+    # TOUCHSTONE_LLAMA_EXTRA_BUFTS=0: no repacked or AMX weight buffers (llama.cpp's AMX matmul
+    # crashes where the kernel does not grant the process AMX state, as in some VMs).
+    mparams.use_extra_bufts = os.environ.get("TOUCHSTONE_LLAMA_EXTRA_BUFTS", "1") != "0"
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
         sys.exit(f"{model_path}: llama.cpp could not load it")
