@@ -344,6 +344,9 @@ pub struct FixedPoint {
     pub int4_group: Option<usize>,
 }
 
+/// The fewest fraction bits a fixed-point declaration may give any of its formats.
+pub const MIN_FRACTION_BITS: u32 = 8;
+
 impl Arithmetic {
     pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false };
     pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false };
@@ -409,6 +412,11 @@ impl Arithmetic {
             for (name, bits) in [("act_frac", fp.act_frac), ("weight_frac", fp.weight_frac), ("norm_frac", fp.norm_frac), ("table_frac", fp.table_frac)] {
                 if bits > 62 {
                     return Err(format!("fixed.{name} {bits}: at most 62 fraction bits"));
+                }
+                // A grid coarser than 1/256 makes every bound so wide that an engine returning
+                // zeros passes: no integer engine computes so coarsely and means it.
+                if bits < MIN_FRACTION_BITS {
+                    return Err(format!("fixed.{name} {bits}: at least {MIN_FRACTION_BITS} fraction bits (a coarser grid would let all-zero outputs pass)"));
                 }
             }
             if !(fp.exp_abs.is_finite() && (0.0..=1.0).contains(&fp.exp_abs)) {
@@ -802,5 +810,10 @@ mod tests {
         assert!(read(r#", "kv_cache_v": "q4_k""#).unwrap_err().to_string().contains("q4_k"));
         // Each block is checked.
         assert!(Arithmetic { activation_q8_block_kquant: Some(0), ..plain }.check().unwrap_err().contains("activation_q8_block_kquant 0"));
+        // A fixed-point declaration with no fraction bits is refused; the `fixed` devices' own pass.
+        let fixed = crate::fixed::FixedDevice { int4: false }.point();
+        assert!(Arithmetic { fixed: Some(fixed), ..plain }.check().is_ok());
+        let coarse = FixedPoint { act_frac: 0, ..fixed };
+        assert!(Arithmetic { fixed: Some(coarse), ..plain }.check().unwrap_err().contains("fixed.act_frac 0: at least 8 fraction bits"));
     }
 }

@@ -130,7 +130,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     if size > MANIFEST_LIMIT {
         return Err(OracleError::Safetensors { file: p.display().to_string(), reason: format!("{size} bytes, more than a manifest holds (at most {} MiB)", MANIFEST_LIMIT >> 20) });
     }
-    let text = std::fs::read_to_string(&p).map_err(|e| OracleError::io(&p, e))?;
+    let text = crate::files::read_to_string(&p)?;
     let m: Manifest = serde_json::from_str(&text).map_err(|e| OracleError::Safetensors { file: p.display().to_string(), reason: format!("invalid manifest: {e}") })?;
     if m.format != FORMAT_NAME || m.version != FORMAT_VERSION {
         return Err(OracleError::Safetensors {
@@ -166,7 +166,7 @@ pub fn read_tensors_where(dir: &Path, file: &str, keep: &dyn Fn(&str) -> bool) -
     if file.is_empty() || file.contains('/') || file.contains('\\') || file == ".." || file == "." {
         return Err(err("a dump's tensor file must be a plain file name inside the dump directory".into()));
     }
-    let f = std::fs::File::open(&p).map_err(|e| OracleError::io(&p, e))?;
+    let f = crate::files::open(&p)?;
     // SAFETY: read-only; a file truncated under us by another process is the one case a map
     // cannot defend against (as for the GGUF reader).
     let bytes = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| OracleError::io(&p, e))?;

@@ -43,6 +43,9 @@ pub enum OracleError {
     /// Loading would hold more memory than the machine has available (see `memory`).
     #[error("memory: {0}")]
     Memory(String),
+    /// A computation produced values no result can come from (NaN logits).
+    #[error("numeric: {0}")]
+    Numeric(String),
     /// Reading a file failed.
     #[error("{path}: {source}")]
     Io {

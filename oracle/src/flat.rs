@@ -101,7 +101,7 @@ fn fnv1a64_from(mut h: u64, bytes: &[u8]) -> u64 {
 pub fn is_flat(path: &Path) -> bool {
     use std::io::Read;
     let mut m = [0u8; 8];
-    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut m)).is_ok() && m == MAGIC
+    crate::files::not_regular(path).is_none() && std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut m)).is_ok() && m == MAGIC
 }
 
 /// One tensor of the table.
@@ -139,7 +139,7 @@ impl FlatFile {
     /// Opens and checks a flat model file; returns it with the model's spec.
     pub fn open(path: impl AsRef<Path>) -> Result<(FlatFile, ModelSpec)> {
         let path = path.as_ref();
-        let file = std::fs::File::open(path).map_err(|e| OracleError::io(path, e))?;
+        let file = crate::files::open(path)?;
         // SAFETY: read-only map; as for GGUF, a file truncated under us by another process is the
         // one case a memory map cannot defend against.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| OracleError::io(path, e))?;

@@ -77,7 +77,7 @@ pub fn generate_with<T: Real, E: From<OracleError>>(
     if max_new == 0 {
         return Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s: t0.elapsed().as_secs_f64(), decode_s: 0.0, decode_steps: 0, step_s: Vec::new() });
     }
-    let mut next = sample(&logits, sampler, &mut rng) as u32;
+    let mut next = pick(&logits, sampler, &mut rng, prompt.len() - 1)?;
     tokens.push(next);
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
@@ -85,11 +85,21 @@ pub fn generate_with<T: Real, E: From<OracleError>>(
     while tokens.len() < max_new && !stop.contains(&next) {
         let ts = Instant::now();
         let logits = forward_last(&[next])?;
-        next = sample(&logits, sampler, &mut rng) as u32;
+        next = pick(&logits, sampler, &mut rng, prompt.len() + tokens.len() - 1)?;
         tokens.push(next);
         step_s.push(ts.elapsed().as_secs_f64());
     }
     Ok(Generation { prompt: prompt.to_vec(), tokens, prefill_s, decode_s: t1.elapsed().as_secs_f64(), decode_steps: step_s.len(), step_s })
+}
+
+/// The next token from the logits at `position`: NaN logits are an error, never a token (every
+/// comparison with NaN is false, so a sampler would pick whatever it met first).
+fn pick<T: Real>(logits: &[T], sampler: &SamplerConfig, rng: &mut SplitMix64, position: usize) -> std::result::Result<u32, OracleError> {
+    if let Some(i) = logits.iter().position(|v| v.to_f64().is_nan()) {
+        let n = logits.iter().filter(|v| v.to_f64().is_nan()).count();
+        return Err(OracleError::Numeric(format!("the logits at position {position} hold NaN ({n} of {}, the first at token id {i}): no token can be chosen from them", logits.len())));
+    }
+    Ok(sample(logits, sampler, rng) as u32)
 }
 
 /// A model at either precision.
@@ -167,5 +177,25 @@ mod tests {
         assert_eq!(run(&[9, 6], 8), [4, 5, 6]);
         assert_eq!(run(&[4], 8), [4], "a stop id from the prefill ends it there");
         assert_eq!(run(&[12], 3), [4, 5, 6]);
+    }
+
+    /// NaN logits give no token (every comparison with NaN is false: a sampler would take the
+    /// first id): the generation loop every engine runs through stops with an error naming the
+    /// position, at the prefill and at a decode step.
+    #[test]
+    fn nan_logits_are_an_error_never_a_token() {
+        let greedy = SamplerConfig::GREEDY;
+        let all_nan = |_: &[u32]| -> Result<Vec<f32>> { Ok(vec![f32::NAN; 3]) };
+        let e = generate_with(all_nan, &[1, 2, 3], 4, &greedy, 0, &[]).unwrap_err().to_string();
+        assert!(e.contains("logits at position 2 hold NaN (3 of 3, the first at token id 0)"), "{e}");
+        let mut calls = 0;
+        let later = |_: &[u32]| -> Result<Vec<f32>> {
+            calls += 1;
+            Ok(if calls < 3 { vec![0.0, 1.0, 0.5] } else { vec![0.0, f32::NAN, 0.5] })
+        };
+        let e = generate_with(later, &[1, 2, 3], 8, &greedy, 0, &[]).unwrap_err().to_string();
+        assert!(e.contains("logits at position 4 hold NaN (1 of 3, the first at token id 1)"), "{e}");
+        let fine = |_: &[u32]| -> Result<Vec<f32>> { Ok(vec![0.0, 1.0, 0.5]) };
+        assert_eq!(generate_with(fine, &[1], 3, &greedy, 0, &[]).unwrap().tokens, [1, 1, 1]);
     }
 }

@@ -273,7 +273,7 @@ impl GgufFile {
     /// Opens and memory-maps a GGUF file, validating the whole header.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let file = std::fs::File::open(path).map_err(|e| OracleError::io(path, e))?;
+        let file = crate::files::open(path)?;
         // SAFETY: the map is read-only; a file truncated under us by another process is the one
         // case memory maps cannot defend against, as for every mmap-based loader.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| OracleError::io(path, e))?;

@@ -11,6 +11,7 @@
 
 pub mod dump;
 pub mod error;
+pub mod files;
 pub mod flat;
 pub mod generate;
 pub mod gguf;

@@ -230,7 +230,7 @@ impl SafetensorsDir {
                 reason: "a directory is read as a safetensors model, which needs config.json and *.safetensors files; this one has no config.json".into(),
             });
         }
-        let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| OracleError::io(&cfg_path, e))?;
+        let cfg_text = crate::files::read_to_string(&cfg_path)?;
         let cfg: serde_json::Value = serde_json::from_str(&cfg_text).map_err(|e| OracleError::Safetensors {
             file: cfg_path.display().to_string(),
             reason: format!("not valid JSON: {e}"),
@@ -250,8 +250,11 @@ impl SafetensorsDir {
         // Stacked GGUF name -> expert index -> its tensor.
         let mut experts: HashMap<String, std::collections::BTreeMap<usize, Part>> = HashMap::new();
         let mut unknown = Vec::new();
+        // Which file each tensor came from: a tensor in two shards would otherwise be taken from
+        // whichever sorts last.
+        let mut seen: HashMap<String, PathBuf> = HashMap::new();
         for (fi, path) in files.into_iter().enumerate() {
-            let f = std::fs::File::open(&path).map_err(|e| OracleError::io(&path, e))?;
+            let f = crate::files::open(&path)?;
             // SAFETY: read-only map of a file we do not modify.
             let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| OracleError::io(&path, e))?;
             let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| OracleError::Safetensors {
@@ -261,6 +264,12 @@ impl SafetensorsDir {
             })?;
             for (name, view) in st.tensors() {
                 let name = name.as_str();
+                if let Some(first) = seen.insert(name.to_string(), path.clone()) {
+                    return Err(OracleError::Safetensors {
+                        file: dir.display().to_string(),
+                        reason: format!("tensor `{name}` is in both {} and {}: which one is meant is not defined", first.display(), path.display()),
+                    });
+                }
                 let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 let data = start..start + view.data().len();
                 let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert };
@@ -594,7 +603,19 @@ pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Opti
         Ok((Box::new(flat), spec, None))
     } else if path.is_dir() {
         let (dir, spec) = SafetensorsDir::open(path)?;
-        Ok((unfused(Box::new(dir), &spec), spec, dir_tokenizer(path)?))
+        let tokenizer = dir_tokenizer(path)?;
+        // Checkpoints pad their embedding past the tokenizer (config `vocab_size` 151936 over
+        // Qwen2's 151665 tokens, for alignment): fewer tokens than rows is how real files are;
+        // an id past the rows is not.
+        if let Some(t) = tokenizer.as_ref().filter(|t| t.vocab_size() > spec.n_vocab) {
+            return Err(OracleError::Spec(format!(
+                "{}: tokenizer.json holds {} tokens but config.json's vocab_size is {}: ids past the embedding's rows",
+                path.display(),
+                t.vocab_size(),
+                spec.n_vocab
+            )));
+        }
+        Ok((unfused(Box::new(dir), &spec), spec, tokenizer))
     } else {
         let g = GgufFile::open(path)?;
         let spec = ModelSpec::from_gguf(&g)?;
@@ -649,13 +670,13 @@ pub fn chat_template(path: &Path) -> Result<Option<String>> {
     }
     let jinja = path.join("chat_template.jinja");
     if jinja.is_file() {
-        return std::fs::read_to_string(&jinja).map(Some).map_err(|e| OracleError::io(&jinja, e));
+        return crate::files::read_to_string(&jinja).map(Some);
     }
     let cfg = path.join("tokenizer_config.json");
     if !cfg.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&cfg).map_err(|e| OracleError::io(&cfg, e))?;
+    let text = crate::files::read_to_string(&cfg)?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| tok_err(&cfg, format!("not valid JSON: {e}")))?;
     match v.get("chat_template") {
         None | Some(serde_json::Value::Null) => Ok(None),
@@ -778,5 +799,13 @@ mod tests {
         assert!(e.contains("tensor `lm_head.weight`: shape [4611686018427387904, 4] of F32 overflows"), "{e}");
         let e = write(&ok.replace(r#""F32","shape":[4]"#, r#""F16","shape":[4]"#), 48);
         assert!(e.contains("tensor `model.norm.weight`: shape [4] of F16 needs 8 bytes, its data_offsets [0, 16] hold 16"), "{e}");
+        // One tensor in two shards: refused, naming both files (else the last one sorted won).
+        let mut bytes = (ok.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(ok.as_bytes());
+        bytes.resize(bytes.len() + 48, 0);
+        std::fs::write(dir.path().join("model.safetensors"), &bytes).unwrap();
+        std::fs::write(dir.path().join("model-2.safetensors"), &bytes).unwrap();
+        let e = SafetensorsDir::open(dir.path()).err().expect("refused").to_string();
+        assert!(e.contains("is in both") && e.contains("model-2.safetensors") && e.contains("model.safetensors"), "{e}");
     }
 }

@@ -259,6 +259,11 @@ impl Loader<'_> {
         if t.data.len() != len {
             return Err(OracleError::Spec(format!("{}: tensor `{name}` has {} values (dims {:?}), expected {len}", self.src.label(), t.data.len(), t.dims)));
         }
+        // A vector (a norm's scales, a bias) has one dimension besides any of size one: a matrix
+        // of the right element count is another tensor, not this one.
+        if t.dims.iter().filter(|d| **d != 1).count() > 1 {
+            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected a vector of {len}", self.src.label(), t.dims)));
+        }
         Ok(Some(t.data.into_iter().map(T::from_f32).collect()))
     }
 

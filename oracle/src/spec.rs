@@ -449,6 +449,25 @@ impl ModelSpec {
                 g.path, te.dims, self.n_embd, self.n_vocab
             )));
         }
+        // The tokenizer's ids index the embedding's and the output head's rows, so the two counts
+        // must agree (llama.cpp refuses a mismatch too; its converters pad a short vocabulary
+        // with `[PAD...]` tokens, so a real file agrees): more tokens would read past the rows,
+        // fewer leave rows that no id names and logits that no id decodes.
+        if let Some(tokens) = g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
+            if tokens.len() != self.n_vocab {
+                let output = match g.tensor("output.weight") {
+                    Some(o) => format!(", `output.weight` {} rows", o.dims.get(1).copied().unwrap_or(0)),
+                    None => String::new(),
+                };
+                return Err(spec_err(format!(
+                    "{}: the tokenizer holds {} tokens (tokenizer.ggml.tokens) but the model has {} (`token_embd.weight` {} rows{output}): ids and rows must agree",
+                    g.path,
+                    tokens.len(),
+                    self.n_vocab,
+                    self.n_vocab
+                )));
+            }
+        }
         let last = format!("blk.{}.attn_norm.weight", self.n_layer - 1);
         if g.tensor(&last).is_none() {
             return Err(spec_err(format!("{}: block_count is {} but the file has no `{last}`", g.path, self.n_layer)));

@@ -149,7 +149,7 @@ impl Tokenizer {
     /// non-negative integer, or lies outside the vocabulary, is an error naming file and key.
     pub fn from_checkpoint(dir: &std::path::Path) -> Result<Tokenizer> {
         let path = dir.join("tokenizer.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
+        let text = crate::files::read_to_string(&path).map_err(|e| tok_err(e.to_string()))?;
         // The tokenizers crate panics on a merge whose result is no token and longer than every
         // token (it copies into a buffer of the longest token's size before looking it up).
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
@@ -174,7 +174,7 @@ impl Tokenizer {
             if !file.exists() {
                 continue;
             }
-            let text = std::fs::read_to_string(&file).map_err(|e| tok_err(format!("{}: {e}", file.display())))?;
+            let text = crate::files::read_to_string(&file).map_err(|e| tok_err(e.to_string()))?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| tok_err(format!("{}: {e}", file.display())))?;
             let ids = |key: &str| -> Result<Option<Vec<u32>>> {
                 let bad = |what: &str| tok_err(format!("{}: `{key}` {what}", file.display()));

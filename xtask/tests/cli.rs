@@ -211,7 +211,7 @@ fn sizes_and_bounds_from_the_command_line_are_checked_not_trusted() {
         (vec!["layer-diff", "--device", "cpu", "--against", "fixed", "--model", "tiny-llama", "--prompt-ids", long.as_str()], "layer-diff over 200 positions would hold 6 recordings"),
         (vec!["dump", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str(), "--out", "/nonexistent/never-written"], "dump over 200 positions would hold 2 recordings"),
         (vec!["fixed-token", "--device", "cpu", "--model", "tiny-llama", "--prompt-ids", long.as_str(), "--n-generate", "2000"], "fixed-token over 2200 positions would hold 10 recordings of the logits at once"),
-        (vec!["bench", "--device", "cpu", "--model", "tiny-llama", "--prompt-len", "1000000"], "bench over 1000064 positions would hold a KV cache of every layer at once: about 1.9 GiB"),
+        (vec!["bench", "--device", "cpu", "--model", "tiny-llama", "--prompt-len", "1000000"], "bench over 1000032 positions would hold a KV cache of every layer at once: about 1.9 GiB"),
         (vec!["run", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max-new-tokens", "100000"], "run over 100002 positions would hold a KV cache"),
     ] {
         let o = xtask(&args, &[("TOUCHSTONE_MEMORY_LIMIT", "8M")]);
@@ -1173,6 +1173,61 @@ fn llama3_rope_factors_agree_with_llama_cpp_when_available() {
     assert!(same <= 2.0 * baseline && same * 10.0 < without, "baseline {baseline:.3e}, with {same:.3e}, without {without:.3e}");
 }
 
+/// A norm weight with the right element count but a matrix shape is another tensor: refused,
+/// naming it and its dims (exit 2).
+#[test]
+fn a_norm_with_a_matrix_shape_is_refused() {
+    let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &g.metadata {
+        w.meta(k, v.clone());
+    }
+    for t in &g.tensors {
+        let dims = if t.name == "output_norm.weight" { vec![t.dims[0] / 2, 2] } else { t.dims.clone() };
+        w.tensor(&t.name, &dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("matrix-norm.gguf");
+    w.write_to(&path).unwrap();
+    let o = xtask(&["run", "--model", path.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "1"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("tensor `output_norm.weight` has dims") && stderr(&o).contains("expected a vector"), "{}", stderr(&o));
+}
+
+/// A named pipe where a model or a dump is expected is refused at once, naming the path (opening
+/// it would wait for a writer forever); the run is bounded here so a regression fails, not hangs.
+#[test]
+fn a_named_pipe_for_a_model_or_a_dump_is_refused_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.gguf");
+    if !std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED: mkfifo is not available");
+        return;
+    }
+    let dump = dir.path().join("dump");
+    std::fs::create_dir_all(&dump).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(dump.join("manifest.json")).status().unwrap().success());
+    let external = format!("external:{}", dump.display());
+    for args in [vec!["run", "--model", fifo.to_str().unwrap(), "--prompt-ids", "1,2", "--max-new-tokens", "1"], vec!["layer-diff", "--device", &external, "--model", "tiny-llama", "--prompt-ids", "1,2"]] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).current_dir(workspace()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let started = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if started.elapsed().as_secs() > 60 {
+                let _ = child.kill();
+                panic!("{args:?}: still waiting on the named pipe after 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("named pipe"), "{args:?}: {err}");
+    }
+}
+
 /// A GGUF with a SentencePiece (`llama`) tokenizer runs on text, on the oracle and on a device:
 /// tiny-llama's weights with a 272-token SentencePiece vocabulary (3 specials, 256 byte tokens,
 /// 13 scored pieces). BOS first (llama.cpp's default for these), `▁hello` reached by its scores,
@@ -1227,6 +1282,34 @@ fn a_sentencepiece_gguf_runs_on_text() {
     let o = xtask(&["layer-diff", "--model", path.to_str().unwrap(), "--device", "cpu", "--prompt", "hello é", "--report-dir", dir.path().join("ld").to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stderr(&o).contains("over 5 tokens"), "{}", stderr(&o));
+}
+
+/// A GGUF whose tokenizer holds fewer tokens than its embedding and output head have rows
+/// (200 against tiny-llama's 272; llama.cpp refuses it too) is refused before anything runs,
+/// exit 2 naming both counts, by the oracle and by a device.
+#[test]
+fn a_gguf_whose_tokenizer_and_embedding_disagree_is_refused() {
+    use oracle::gguf::Value;
+    let g = oracle::gguf::GgufFile::open(fixtures::resolve("tiny-llama", true).unwrap()).unwrap();
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &g.metadata {
+        match (k.as_str(), v) {
+            ("tokenizer.ggml.tokens" | "tokenizer.ggml.token_type", Value::Array(a)) => w.meta(k, Value::Array(a[..200].to_vec())),
+            _ => w.meta(k, v.clone()),
+        };
+    }
+    for t in &g.tensors {
+        w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("short-vocab.gguf");
+    w.write_to(&path).unwrap();
+    for device in ["ref", "cpu"] {
+        let o = xtask(&["run", "--model", path.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--device", device], &[]);
+        assert_eq!(o.status.code(), Some(2), "{device}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains("short-vocab.gguf") && e.contains("200 tokens") && e.contains("272 rows"), "{device}: {e}");
+    }
 }
 
 /// A GGUF whose tokenizer is of a kind (`t5`'s Unigram) or has a pre-tokenizer (`tekken`) this
