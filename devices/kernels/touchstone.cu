@@ -674,6 +674,12 @@ extern "C" __global__ void ts_add(const float* a, const float* b, float* y, long
     if (i < n) y[i] = a[i] + b[i % bn];
 }
 
+// x *= s in place (Gemma's embedding scale).
+extern "C" __global__ void ts_scale(float* x, float s, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] * s;
+}
+
 __device__ __forceinline__ float ts_silu(float x) {
     return x / (1.0f + expf(-x));
 }

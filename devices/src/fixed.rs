@@ -109,6 +109,28 @@ pub fn silu_q16(x: i64) -> i64 {
     shr_round(x as i128 * sigmoid_q16(x) as i128, ACT)
 }
 
+/// GELU's tanh approximation as `x * sigmoid(2z)`, `z = sqrt(2/pi) (x + 0.044715 x^3)` (since
+/// `(1 + tanh z) / 2 = sigmoid(2z)`): the cube in 128 bits, the constants in Q30, the sigmoid
+/// the integer one above.
+pub fn gelu_q16(x: i64) -> i64 {
+    const C1: f64 = 2.0 * 0.797_884_560_802_865_4;
+    let (c1, c3) = (to_q(C1, TABLE) as i128, to_q(C1 * 0.044_715, TABLE) as i128);
+    let x = x as i128;
+    // x^3 in Q16; the product saturates far past where the sigmoid has reached 0 or 1.
+    let cube = (x * x).checked_mul(x).map_or(if x < 0 { i128::MIN / 4 } else { i128::MAX / 4 }, |c| c >> (2 * ACT));
+    let z = (c1 * x).saturating_add(c3.saturating_mul(cube)) >> TABLE;
+    let z = z.clamp(i64::MIN as i128 / 2, i64::MAX as i128 / 2) as i64;
+    shr_round(x * sigmoid_q16(z) as i128, ACT)
+}
+
+/// The gated activation of the model's FFN in Q16.
+fn act_q16(act: oracle::spec::Activation, x: i64) -> i64 {
+    match act {
+        oracle::spec::Activation::Silu => silu_q16(x),
+        oracle::spec::Activation::GeluTanh => gelu_q16(x),
+    }
+}
+
 /// Integer values (Q24 weights, the Q16 embedding table): 32-bit while every value fits (the
 /// declared I32 storage, and half the bytes to stream), 64-bit from the first that does not, so
 /// a weight of magnitude 128 or more (an embedding value of 32,768 or more) keeps its exact value.
@@ -585,6 +607,8 @@ struct FixedLayer {
     bo: Option<Vec<i64>>,
     qk_norm: Option<[Vec<i64>; 2]>,
     ffn_norm: Vec<i64>,
+    /// Gemma's norms of the attention and FFN outputs.
+    post_norms: Option<[Vec<i64>; 2]>,
     gate: FixedWeights,
     up: FixedWeights,
     down: FixedWeights,
@@ -641,6 +665,7 @@ impl FixedModel {
                 bo: if spec.out_bias { Some(vecq(&n("attn_output.bias"), d, ACT)?) } else { None },
                 qk_norm: if spec.qk_norm { Some([vecq(&n("attn_q_norm.weight"), hd, NORM)?, vecq(&n("attn_k_norm.weight"), hd, NORM)?]) } else { None },
                 ffn_norm: vecq(&n("ffn_norm.weight"), d, NORM)?,
+                post_norms: if spec.post_norms { Some([vecq(&n("post_attention_norm.weight"), d, NORM)?, vecq(&n("post_ffw_norm.weight"), d, NORM)?]) } else { None },
                 gate: mat(&n("ffn_gate.weight"), spec.n_ff, d)?,
                 up: mat(&n("ffn_up.weight"), spec.n_ff, d)?,
                 down: mat(&n("ffn_down.weight"), d, spec.n_ff)?,
@@ -721,6 +746,11 @@ impl FixedModel {
             }
             self.tok_embd.extend_into(t * d..(t + 1) * d, &mut x);
         }
+        if let Some(scale) = s.embd_scale {
+            // The scale in Q30, the product rounded back to Q16.
+            let c = to_q(scale, TABLE) as i128;
+            x.iter_mut().for_each(|v| *v = shr_round(*v as i128 * c, TABLE));
+        }
         tap_q(taps, "inp_embd", start, m, d, &x);
         let add = |a: &[i64], b: &[i64]| -> Vec<i64> { a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect() };
         for li in 0..s.n_layer {
@@ -741,29 +771,37 @@ impl FixedModel {
                 tap_q(taps, &name("attn_q_norm"), start, m, qd, &q);
                 tap_q(taps, &name("attn_k_norm"), start, m, kvd, &k);
             }
-            rope_q(&mut q, &pos, s.n_head, hd, &s.rope);
-            rope_q(&mut k, &pos, s.n_head_kv, hd, &s.rope);
+            rope_q(&mut q, &pos, s.n_head, hd, s.layer_rope(li));
+            rope_q(&mut k, &pos, s.n_head_kv, hd, s.layer_rope(li));
             tap_q(taps, &name("attn_q_rope"), start, m, qd, &q);
             tap_q(taps, &name("attn_k_rope"), start, m, kvd, &k);
             self.kv.write(li, start, kvd, &k, &v);
-            let attn = attention_q(&q, &pos, &self.kv.k[li], &self.kv.v[li], s.n_head, s.n_head_kv, hd, s.sliding_window.unwrap_or(0));
+            let attn = attention_q(&q, &pos, &self.kv.k[li], &self.kv.v[li], s.n_head, s.n_head_kv, hd, s.layer_window(li).unwrap_or(0));
             tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
             let mut attn = matmul_q(&attn, m, &l.wo);
             if let Some(bo) = &l.bo {
                 attn = add(&attn, bo);
             }
             tap_q(taps, &name("attn_out"), start, m, d, &attn);
+            if let Some([pa, _]) = &l.post_norms {
+                attn = rms_norm_q(&attn, d, pa, s.norm_eps);
+                tap_q(taps, &name("attn_post_norm"), start, m, d, &attn);
+            }
             x = add(&x, &attn);
             tap_q(taps, &name("ffn_inp"), start, m, d, &x);
             let h = rms_norm_q(&x, d, &l.ffn_norm, s.norm_eps);
             tap_q(taps, &name("ffn_norm"), start, m, d, &h);
             let (g, u) = (matmul_q(&h, m, &l.gate), matmul_q(&h, m, &l.up));
-            let act: Vec<i64> = g.iter().zip(&u).map(|(a, b)| shr_round(silu_q16(*a) as i128 * *b as i128, ACT)).collect();
+            let act: Vec<i64> = g.iter().zip(&u).map(|(a, b)| shr_round(act_q16(s.activation, *a) as i128 * *b as i128, ACT)).collect();
             tap_q(taps, &name("ffn_gate"), start, m, s.n_ff, &g);
             tap_q(taps, &name("ffn_up"), start, m, s.n_ff, &u);
             tap_q(taps, &name("ffn_act"), start, m, s.n_ff, &act);
-            let out = matmul_q(&act, m, &l.down);
+            let mut out = matmul_q(&act, m, &l.down);
             tap_q(taps, &name("ffn_out"), start, m, d, &out);
+            if let Some([_, pf]) = &l.post_norms {
+                out = rms_norm_q(&out, d, pf, s.norm_eps);
+                tap_q(taps, &name("ffn_post_norm"), start, m, d, &out);
+            }
             x = add(&x, &out);
             tap_q(taps, &name("l_out"), start, m, d, &x);
         }

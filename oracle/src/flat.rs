@@ -348,6 +348,10 @@ impl FlatFile {
             activation,
             moe,
             sliding_window: Some(u(off::SLIDING_WINDOW)).filter(|&n| n > 0),
+            swa_period: 0,
+            rope_swa: None,
+            embd_scale: None,
+            post_norms: false,
             fused: false,
             context_length: u(off::CONTEXT_LENGTH),
             attn_scale: f64_at(h, off::ATTN_SCALE),
@@ -471,6 +475,9 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
         return Err(unfit(&format!("architecture name `{}` (15 bytes at most)", spec.arch)));
     }
     h[off::ARCH..off::ARCH + spec.arch.len()].copy_from_slice(spec.arch.as_bytes());
+    if spec.post_norms || spec.embd_scale.is_some() || spec.swa_period != 0 || spec.rope_swa.is_some() {
+        return Err(unfit("Gemma's post-norms, embedding scale and per-layer windows and RoPE bases (version 1 has no fields for them)"));
+    }
     for (o, v, what) in [
         (off::VERSION, VERSION as usize, "version"),
         (off::HEADER_SIZE, HEADER_SIZE, "header size"),

@@ -153,6 +153,8 @@ pub struct Layer<T> {
     pub q_norm: Option<Vec<T>>,
     pub k_norm: Option<Vec<T>>,
     pub ffn_norm: Vec<T>,
+    /// Gemma's norms of the attention and FFN outputs (`post_attention_norm`, `post_ffw_norm`).
+    pub post_norms: Option<[Vec<T>; 2]>,
     pub ffn: Ffn<T>,
 }
 
@@ -398,6 +400,7 @@ impl<T: Real> Model<T> {
                     q_norm: if s.qk_norm { Some(l.vec(&n("attn_q_norm.weight"), hd)?) } else { None },
                     k_norm: if s.qk_norm { Some(l.vec(&n("attn_k_norm.weight"), hd)?) } else { None },
                     ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
+                    post_norms: if s.post_norms { Some([l.vec(&n("post_attention_norm.weight"), d)?, l.vec(&n("post_ffw_norm.weight"), d)?]) } else { None },
                     ffn,
                 })
             })
@@ -455,6 +458,9 @@ impl<T: Real> Model<T> {
 
         // x: [m, d]
         let mut x = ops::embed(&self.tok_embd, tokens)?;
+        if let Some(scale) = s.embd_scale {
+            x.iter_mut().for_each(|v| *v = T::from_f64(v.to_f64() * scale));
+        }
         tap(taps, "inp_embd", start, m, d, &mut x);
 
         for (li, layer) in self.layers.iter().enumerate() {
@@ -492,8 +498,8 @@ impl<T: Real> Model<T> {
                         tap(taps, &name("attn_k_norm"), start, m, kv_dim, &mut k);
                     }
                     Stage::Rope => {
-                        ops::rope(&mut q, &positions, s.n_head, hd, &s.rope)?;
-                        ops::rope(&mut k, &positions, s.n_head_kv, hd, &s.rope)?;
+                        ops::rope(&mut q, &positions, s.n_head, hd, s.layer_rope(li))?;
+                        ops::rope(&mut k, &positions, s.n_head_kv, hd, s.layer_rope(li))?;
                         tap(taps, &name("attn_q_rope"), start, m, q_dim, &mut q);
                         tap(taps, &name("attn_k_rope"), start, m, kv_dim, &mut k);
                     }
@@ -508,7 +514,7 @@ impl<T: Real> Model<T> {
                             n_head_kv: s.n_head_kv,
                             head_dim: hd,
                             scale: s.attn_scale,
-                            window: s.sliding_window,
+                            window: s.layer_window(li),
                         };
                         attn = ops::attention_with(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params, taps.attention_weights())?;
                         tap(taps, &name("attn_kqv"), start, m, q_dim, &mut attn);
@@ -519,6 +525,16 @@ impl<T: Real> Model<T> {
                             ops::add_bias(&mut attn, bo)?;
                         }
                         tap(taps, &name("attn_out"), start, m, d, &mut attn);
+                    }
+                    Stage::AttnPostNorm => {
+                        let w = layer.post_norms.as_ref().ok_or_else(|| OracleError::Spec("post-norm stage without post_attention_norm".into()))?;
+                        attn = ops::rms_norm(&attn, d, Some(&w[0]), s.norm_eps)?;
+                        tap(taps, &name("attn_post_norm"), start, m, d, &mut attn);
+                    }
+                    Stage::FfnPostNorm => {
+                        let w = layer.post_norms.as_ref().ok_or_else(|| OracleError::Spec("post-norm stage without post_ffw_norm".into()))?;
+                        ffn_out = ops::rms_norm(&ffn_out, d, Some(&w[1]), s.norm_eps)?;
+                        tap(taps, &name("ffn_post_norm"), start, m, d, &mut ffn_out);
                     }
                     Stage::AttnResidual => {
                         x = ops::add(&x, &attn)?;

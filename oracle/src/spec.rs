@@ -69,6 +69,11 @@ pub struct RopeSpec {
     pub longrope_factors: Option<(Vec<f32>, Vec<f32>)>,
 }
 
+/// Gemma 3's pattern of attention: five windowed layers, then one that sees every position.
+pub const GEMMA3_SWA_PERIOD: usize = 6;
+/// Gemma 3's RoPE base on its windowed ("local") layers.
+pub const GEMMA3_LOCAL_ROPE_BASE: f64 = 10_000.0;
+
 /// The environment variable that tells every model loader the context (positions) the engine
 /// under test is configured for (`cargo xtask --context N` sets it).
 pub const CONTEXT_ENV: &str = "TOUCHSTONE_CONTEXT";
@@ -148,10 +153,14 @@ pub enum Stage {
     Rope,
     Attention,
     AttnOutProj,
+    /// RMSNorm of the attention output before its residual add (Gemma 2/3: tap `attn_post_norm`).
+    AttnPostNorm,
     AttnResidual,
     FfnNorm,
     DenseFfn,
     MoeFfn,
+    /// RMSNorm of the FFN output before its residual add (Gemma 2/3: tap `ffn_post_norm`).
+    FfnPostNorm,
     FfnResidual,
 }
 
@@ -174,6 +183,21 @@ pub struct ModelSpec {
     pub activation: Activation,
     pub moe: Option<MoeSpec>,
     pub sliding_window: Option<usize>,
+    /// With a sliding window: 0 windows every layer; N windows every layer but each N-th (layers
+    /// N-1, 2N-1, ... attend to every position), as Gemma 3 does with N = 6.
+    #[serde(default)]
+    pub swa_period: usize,
+    /// The RoPE of the windowed layers where it differs from the other layers' (Gemma 3's local
+    /// base, 10,000, beside the global base its file stores).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_swa: Option<RopeSpec>,
+    /// The embeddings are multiplied by this before the first layer (Gemma: sqrt(n_embd), as f32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embd_scale: Option<f64>,
+    /// RMSNorm of the attention output and of the FFN output before each residual add (Gemma 2/3:
+    /// `post_attention_norm` and `post_ffw_norm`, stages `AttnPostNorm` and `FfnPostNorm`).
+    #[serde(default)]
+    pub post_norms: bool,
     /// Phi-3 stores Q, K and V as one `attn_qkv` tensor (rows: Q, then K, then V) and gate and up
     /// as one `ffn_up` tensor of twice the rows (gate first). The loaders hand them out split
     /// (`loader::Unfused`): the interpreter and every device read `attn_q`, `ffn_gate`, ... as
@@ -198,10 +222,46 @@ impl ModelSpec {
         if self.qk_norm {
             s.push(Stage::QkNorm);
         }
-        s.extend([Stage::Rope, Stage::Attention, Stage::AttnOutProj, Stage::AttnResidual, Stage::FfnNorm]);
+        s.extend([Stage::Rope, Stage::Attention, Stage::AttnOutProj]);
+        if self.post_norms {
+            s.push(Stage::AttnPostNorm);
+        }
+        s.extend([Stage::AttnResidual, Stage::FfnNorm]);
         s.push(if self.moe.is_some() { Stage::MoeFfn } else { Stage::DenseFfn });
+        if self.post_norms {
+            s.push(Stage::FfnPostNorm);
+        }
         s.push(Stage::FfnResidual);
         self.stages = s;
+    }
+
+    /// Whether layer `li` attends through the sliding window.
+    pub fn layer_windowed(&self, li: usize) -> bool {
+        self.sliding_window.is_some() && (self.swa_period == 0 || (li + 1) % self.swa_period != 0)
+    }
+
+    /// Layer `li`'s sliding window (None: it sees every earlier position).
+    pub fn layer_window(&self, li: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| self.layer_windowed(li))
+    }
+
+    /// Layer `li`'s RoPE: `rope_swa` on a windowed layer where the model has one, else `rope`.
+    pub fn layer_rope(&self, li: usize) -> &RopeSpec {
+        match &self.rope_swa {
+            Some(r) if self.layer_windowed(li) => r,
+            _ => &self.rope,
+        }
+    }
+
+    /// Every distinct RoPE the layers use (`rope`, then `rope_swa` if any layer uses it).
+    pub fn ropes(&self) -> Vec<&RopeSpec> {
+        let mut v = vec![&self.rope];
+        if let Some(r) = &self.rope_swa {
+            if (0..self.n_layer).any(|l| self.layer_windowed(l)) {
+                v.push(r);
+            }
+        }
+        v
     }
 
     /// Checks the dimensions fit together, so the interpreter can index without surprises.
@@ -258,6 +318,16 @@ impl ModelSpec {
                 return Err(spec_err(format!("rope frequency factor {i} is {v}, not a finite positive number")));
             }
         }
+        if let Some(r) = &self.rope_swa {
+            if !(r.theta.is_finite() && r.theta > 0.0) || r.n_rot != self.rope.n_rot || r.freq_factors.is_some() {
+                return Err(spec_err(format!("the windowed layers' RoPE (base {}, {} rotated) must have a positive base, the same rotated dimensions as the other layers ({}) and no frequency factors", r.theta, r.n_rot, self.rope.n_rot)));
+            }
+        }
+        if let Some(e) = self.embd_scale {
+            if !(e.is_finite() && e > 0.0) {
+                return Err(spec_err(format!("embedding scale {e} is not a finite positive number")));
+            }
+        }
         if self.sliding_window == Some(0) {
             return Err(spec_err("sliding window is zero"));
         }
@@ -288,9 +358,10 @@ impl ModelSpec {
 
         let style = match arch.as_str() {
             "llama" | "mistral" | "mixtral" => RopeStyle::Normal,
-            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "phi3" => RopeStyle::Neox,
-            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3)", g.path))),
+            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "phi3" | "gemma3" => RopeStyle::Neox,
+            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma3)", g.path))),
         };
+        let gemma = arch == "gemma3";
         let n_embd = req_u("embedding_length")?;
         let n_head = req_u("attention.head_count")?;
         let n_head_kv = opt_u("attention.head_count_kv")?.unwrap_or(n_head);
@@ -401,14 +472,27 @@ impl ModelSpec {
             qkv_bias: has("blk.0.attn_q.bias"),
             out_bias: has("blk.0.attn_output.bias"),
             tied_output: !has("output.weight"),
-            activation: Activation::Silu,
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
             moe,
             sliding_window: opt_u("attention.sliding_window")?.filter(|w| *w > 0),
+            swa_period: if gemma { GEMMA3_SWA_PERIOD } else { 0 },
+            rope_swa: None,
+            embd_scale: gemma.then(|| (n_embd as f32).sqrt() as f64),
+            post_norms: gemma,
             fused: arch == "phi3",
             context_length: ctx,
             attn_scale: 1.0 / (head_dim as f64).sqrt(),
             stages: Vec::new(),
         };
+        if gemma {
+            // What a `gemma3` GGUF does not store, as llama.cpp and Transformers take it: the
+            // local layers' RoPE (base 10,000, unscaled), and the query scale, 1/sqrt(head_dim)
+            // but for the 27B model (62 layers), whose query_pre_attn_scalar is n_embd / n_head.
+            spec.rope_swa = Some(RopeSpec { theta: GEMMA3_LOCAL_ROPE_BASE, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None, ..spec.rope.clone() });
+            if spec.n_layer == 62 {
+                spec.attn_scale = 1.0 / ((n_embd / n_head) as f64).sqrt();
+            }
+        }
         spec.derive_stages();
         spec.set_context(configured_context()?)?;
         spec.validate()?;
@@ -515,7 +599,13 @@ impl ModelSpec {
         if self.out_bias {
             tails.push("attn_output.bias");
         }
+        if self.post_norms {
+            tails.push("post_attention_norm.weight");
+        }
         tails.push("ffn_norm.weight");
+        if self.post_norms {
+            tails.push("post_ffw_norm.weight");
+        }
         match &self.moe {
             None if fused => tails.extend(["ffn_up.weight", "ffn_down.weight"]),
             None => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
@@ -767,6 +857,10 @@ impl ModelSpec {
             activation: act,
             moe,
             sliding_window,
+            swa_period: 0,
+            rope_swa: None,
+            embd_scale: None,
+            post_norms: false,
             fused: arch == "phi3",
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),

@@ -52,9 +52,9 @@ impl std::str::FromStr for RequiredTaps {
 }
 
 /// The tap kinds (design.md §4; `blk.{i}.` stripped).
-pub const KINDS: [&str; 22] = [
-    "inp_embd", "attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_q_rope", "attn_k_rope", "attn_kqv", "attn_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_act",
-    "ffn_out", "ffn_moe_probs", "ffn_moe_topk", "l_out", "result_norm", "result_output",
+pub const KINDS: [&str; 24] = [
+    "inp_embd", "attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_q_rope", "attn_k_rope", "attn_kqv", "attn_out", "attn_post_norm", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_act",
+    "ffn_out", "ffn_post_norm", "ffn_moe_probs", "ffn_moe_topk", "l_out", "result_norm", "result_output",
 ];
 
 /// Per kind, (taps given, taps the oracle has), in the oracle's order of first appearance.

@@ -84,14 +84,17 @@ pub struct Dims {
     pub n_ff: usize,
     pub n_pos: usize,
     pub n_layer: usize,
-    /// [`rope_angle_rms`] of the model's RoPE over these positions.
+    /// [`rope_angle_rms`] of the model's RoPE over these positions (the largest of its RoPEs').
     pub rope_angle_rms: f64,
+    /// The factor the embeddings are multiplied by before the first layer (1: none).
+    pub embd_scale: f64,
 }
 
 impl Dims {
     pub fn of(spec: &ModelSpec, n_pos: usize) -> Dims {
         let n_ff = spec.moe.as_ref().map_or(spec.n_ff, |m| m.expert_ffn.max(m.shared_ffn.unwrap_or(0)));
-        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms: rope_angle_rms(&spec.rope, n_pos) }
+        let rope_angle_rms = spec.ropes().into_iter().map(|r| rope_angle_rms(r, n_pos)).fold(0.0, f64::max);
+        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0) }
     }
 }
 
@@ -139,7 +142,7 @@ fn op_shape(kind: &str, d: &Dims) -> Option<OpShape> {
     let s = |k, matmul, transcendental| Some(OpShape { k, matmul, transcendental });
     match kind {
         "inp_embd" => s(1, false, false),
-        "attn_norm" | "ffn_norm" | "result_norm" => s(d.d, false, true),
+        "attn_norm" | "ffn_norm" | "result_norm" | "attn_post_norm" | "ffn_post_norm" => s(d.d, false, true),
         "attn_q_norm" | "attn_k_norm" => s(d.head_dim, false, true),
         "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" | "result_output" => s(d.d, true, false),
         "attn_out" => s(d.q_dim, true, false),
@@ -177,6 +180,11 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
         if op.transcendental {
             rel += C_STAT * fp.exp_abs * k.sqrt();
             abs += C_STAT * fp.exp_abs;
+        }
+        if kind == "inp_embd" {
+            // The table is held on the activation grid and scaled after the lookup (Gemma's
+            // sqrt(n_embd)): its rounding, half a step, grows by the scale.
+            abs += C_STAT * q * (d.embd_scale - 1.0).max(0.0) / 2.0;
         }
         return Some(Budget { rel: rel + cache, abs });
     }
@@ -983,12 +991,14 @@ fn tap_inputs(layer: Option<usize>, kind: &str, n_layer: usize, has: &dyn Fn(&st
         "attn_k_rope" => vec![first(&["attn_k_norm", "attn_k"])],
         "attn_kqv" => vec![first(&["attn_q_rope", "attn_q_norm", "attn_q"]), first(&["attn_k_rope", "attn_k_norm", "attn_k"]), first(&["attn_v"])],
         "attn_out" => vec![first(&["attn_kqv"])],
-        "ffn_inp" => vec![residual, first(&["attn_out"])],
+        "attn_post_norm" => vec![first(&["attn_out"])],
+        "ffn_inp" => vec![residual, first(&["attn_post_norm", "attn_out"])],
         "ffn_norm" => vec![first(&["ffn_inp"])],
         "ffn_gate" | "ffn_up" | "ffn_moe_probs" => vec![first(&["ffn_norm"])],
         "ffn_act" => vec![first(&["ffn_gate"]), first(&["ffn_up"])],
         "ffn_out" => vec![first(&["ffn_act", "ffn_norm"])],
-        "l_out" => vec![first(&["ffn_inp"]), first(&["ffn_out"])],
+        "ffn_post_norm" => vec![first(&["ffn_out"])],
+        "l_out" => vec![first(&["ffn_inp"]), first(&["ffn_post_norm", "ffn_out"])],
         _ => Vec::new(),
     };
     names.into_iter().flatten().filter(|n| has(n)).collect()
@@ -1802,7 +1812,7 @@ mod tests {
     }
 
     fn dims() -> Dims {
-        Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4, rope_angle_rms: 2.0 }
+        Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4, rope_angle_rms: 2.0, embd_scale: 1.0 }
     }
 
     #[test]

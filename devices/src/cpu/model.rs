@@ -38,6 +38,8 @@ pub(crate) struct Layer {
     pub(crate) bo: Option<Vec<f32>>,
     pub(crate) qk_norm: Option<[Vec<f32>; 2]>,
     pub(crate) ffn_norm: Vec<f32>,
+    /// Gemma's norms of the attention and FFN outputs.
+    pub(crate) post_norms: Option<[Vec<f32>; 2]>,
     pub(crate) dense: Option<Ffn>,
     pub(crate) router: Option<PackedMat>,
     pub(crate) experts: Vec<Ffn>,
@@ -286,6 +288,7 @@ impl CpuModel {
                 bo: if spec.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
                 qk_norm: if spec.qk_norm { Some([l.vec(&n("attn_q_norm.weight"), hd)?, l.vec(&n("attn_k_norm.weight"), hd)?]) } else { None },
                 ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
+                post_norms: if spec.post_norms { Some([l.vec(&n("post_attention_norm.weight"), d)?, l.vec(&n("post_ffw_norm.weight"), d)?]) } else { None },
                 dense,
                 router,
                 experts,
@@ -402,6 +405,10 @@ impl CpuModel {
         let (d, hd) = (s.n_embd, s.head_dim);
         let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
         let mut x = self.embed(tokens)?;
+        if let Some(scale) = s.embd_scale {
+            let scale = scale as f32;
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
         record(taps, "inp_embd", start, m, d, &x);
         for li in 0..s.n_layer {
             let name = |t: &str| format!("blk.{li}.{t}");
@@ -433,13 +440,13 @@ impl CpuModel {
                         record(taps, &name("attn_k_norm"), start, m, kvd, &k);
                     }
                     Stage::Rope => {
-                        kernels::rope(&mut q, &pos, s.n_head, hd, &s.rope);
-                        kernels::rope(&mut k, &pos, s.n_head_kv, hd, &s.rope);
+                        kernels::rope(&mut q, &pos, s.n_head, hd, s.layer_rope(li));
+                        kernels::rope(&mut k, &pos, s.n_head_kv, hd, s.layer_rope(li));
                         record(taps, &name("attn_q_rope"), start, m, qd, &q);
                         record(taps, &name("attn_k_rope"), start, m, kvd, &k);
                     }
                     Stage::Attention => {
-                        let cfg = kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.sliding_window.unwrap_or(0) };
+                        let cfg = kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0) };
                         attn = self.kv.write_and_attend(li, start, kvd, (&q, &k, &v), &pos, &cfg).map_err(|e| err("attention", e))?;
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
@@ -449,6 +456,12 @@ impl CpuModel {
                             attn = kernels::add_broadcast(&attn, bo);
                         }
                         record(taps, &name("attn_out"), start, m, d, &attn);
+                    }
+                    Stage::AttnPostNorm | Stage::FfnPostNorm => {
+                        let [pa, pf] = layer.post_norms.as_ref().ok_or_else(|| err("forward", "post-norm stage without its weights"))?;
+                        let (out, w, tap) = if *stage == Stage::AttnPostNorm { (&mut attn, pa, "attn_post_norm") } else { (&mut ffn_out, pf, "ffn_post_norm") };
+                        *out = rms_rows(out, d, w, s.norm_eps);
+                        record(taps, &name(tap), start, m, d, out);
                     }
                     Stage::AttnResidual => {
                         x = kernels::add_broadcast(&x, &attn);

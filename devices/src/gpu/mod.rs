@@ -577,6 +577,11 @@ impl Gpu {
         self.launch_flat("ts_add", n, &[Arg::Ptr(a), Arg::Ptr(b), Arg::Ptr(y), Arg::I64(n as i64), Arg::I64(bn as i64)])
     }
 
+    /// `x *= s` in place over `n` values.
+    pub fn scale(&self, x: u64, s: f32, n: usize) -> Result<(), String> {
+        self.launch_flat("ts_scale", n, &[Arg::Ptr(x), Arg::F32(s), Arg::I64(n as i64)])
+    }
+
     /// `y = act(gate) * up` (up = 0: no product). act: 0 SiLU, 1 GELU-tanh, 2 sigmoid.
     pub fn glu(&self, gate: u64, up: u64, y: u64, n: usize, act: i32) -> Result<(), String> {
         self.launch_flat("ts_glu", n, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(y), Arg::I64(n as i64), Arg::I32(act)])

@@ -26,6 +26,7 @@ struct GpuLayer {
     bo: Option<DevBuf>,
     qk_norm: Option<[DevBuf; 2]>,
     ffn_norm: DevBuf,
+    post_norms: Option<[DevBuf; 2]>,
     dense: Option<GpuFfn>,
     router: Option<GpuMat>,
     experts: Vec<GpuFfn>,
@@ -98,6 +99,10 @@ impl GpuModel {
                         None => None,
                     },
                     ffn_norm: vec(&l.ffn_norm)?,
+                    post_norms: match &l.post_norms {
+                        Some([a, b]) => Some([vec(a)?, vec(b)?]),
+                        None => None,
+                    },
                     dense: l.dense.as_ref().map(ffn).transpose()?,
                     router: l.router.as_ref().map(mat).transpose()?,
                     experts: l.experts.iter().map(ffn).collect::<Result<_, _>>()?,
@@ -238,14 +243,19 @@ impl GpuModel {
         let pos = g.upload_u32(&(start as u32..(start + m) as u32).collect::<Vec<_>>())?;
         let x = g.alloc(4 * m * d)?;
         g.get_rows(&self.tok_embd, ids.ptr, m, x.ptr)?;
+        if let Some(scale) = s.embd_scale {
+            g.scale(x.ptr, scale as f32, m * d)?;
+        }
         record(taps, "inp_embd", &x, start, m, d)?;
         // K and V are computed straight into the cache (its rows are the matmul's [m, kvd] output
         // at position `start`), so no copy launches; Q into its own buffer.
         let (h, q) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd)?);
         let at = start * kvd;
         let (attn, attn_out) = (g.alloc(4 * m * qd)?, g.alloc(4 * m * d)?);
-        let table = g.upload_f32(&super::rope_table(&s.rope, start..start + m))?;
+        // One table per distinct RoPE (Gemma 3's windowed layers have their own base).
+        let tables = s.ropes().into_iter().map(|r| Ok((r, g.upload_f32(&super::rope_table(r, start..start + m))?))).collect::<Result<Vec<_>, String>>()?;
         let neox = s.rope.style == RopeStyle::Neox;
+        let post = if s.post_norms { Some(g.alloc(4 * m * d)?) } else { None };
         // A residual add and the norm right after it are one launch (add_rms_norm): the attention
         // residual with the FFN norm, the FFN residual with the next layer's attention norm (or
         // the output norm). `normed` says the norm the next stage would run is already in h.
@@ -286,12 +296,14 @@ impl GpuModel {
                         record_at(taps, &name("attn_k_norm"), kc, at, start, m, kvd)?;
                     }
                     Stage::Rope => {
-                        g.rope_pair((q.ptr, s.n_head), (k, s.n_head_kv), &table, m, hd, s.rope.n_rot, neox)?;
+                        let rope = s.layer_rope(li);
+                        let table = &tables.iter().find(|(r, _)| *r == rope).ok_or("no RoPE table for this layer")?.1;
+                        g.rope_pair((q.ptr, s.n_head), (k, s.n_head_kv), table, m, hd, rope.n_rot, neox)?;
                         record(taps, &name("attn_q_rope"), &q, start, m, qd)?;
                         record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
                     }
                     Stage::Attention => {
-                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.sliding_window.unwrap_or(0) };
+                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0) };
                         g.attention(q.ptr, pos.ptr, kc.ptr, vc.ptr, attn.ptr, m, start + m, &cfg)?;
                         record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
                     }
@@ -301,6 +313,19 @@ impl GpuModel {
                             g.add(attn_out.ptr, bo.ptr, attn_out.ptr, m * d, d)?;
                         }
                         record(taps, &name("attn_out"), &attn_out, start, m, d)?;
+                    }
+                    Stage::AttnPostNorm => {
+                        let (Some([w, _]), Some(p)) = (&layer.post_norms, &post) else { return Err("post-norm stage without its weights".into()) };
+                        g.rms_norm(attn_out.ptr, w.ptr, p.ptr, m, d, eps)?;
+                        g.copy(p.ptr, attn_out.ptr, m * d)?;
+                        record(taps, &name("attn_post_norm"), &attn_out, start, m, d)?;
+                    }
+                    Stage::FfnPostNorm => {
+                        let (Some([_, w]), Some(o)) = (&layer.post_norms, &ffn_out) else { return Err("post-norm stage without its weights or an FFN output".into()) };
+                        let normed = g.alloc(4 * m * d)?;
+                        g.rms_norm(o.ptr, w.ptr, normed.ptr, m, d, eps)?;
+                        record(taps, &name("ffn_post_norm"), &normed, start, m, d)?;
+                        ffn_out = Some(normed);
                     }
                     Stage::AttnResidual => {
                         if s.stages.get(si + 1) == Some(&Stage::FfnNorm) {
