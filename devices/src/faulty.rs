@@ -4,7 +4,7 @@
 //! the correct cpu kernels are given (or, where that cannot express the bug, a small faulty kernel).
 
 use crate::cpu::CpuDevice;
-use crate::{fail, Arithmetic, Device, DeviceError, Support};
+use crate::{fail, Arithmetic, Device, DeviceError, DeviceModel, Support};
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
 
@@ -228,5 +228,70 @@ impl Device for FaultyDevice {
             return CpuDevice::default().run_op(case);
         }
         self.inject(case).map_err(|r| fail(&self.name(), case, r))
+    }
+}
+
+/// Bugs in a whole model's wiring rather than in one kernel (Gemma 3's): the `cpu` device's model
+/// with its spec changed after loading, while it reports the file's spec to the suites.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFault {
+    /// The windowed layers rotate with the global RoPE base instead of their own.
+    LocalRopeBaseGlobal,
+    /// The norms of the attention and FFN outputs skipped.
+    PostNormsDropped,
+    /// The embeddings not multiplied by sqrt(n_embd).
+    EmbeddingScaleDropped,
+}
+
+impl ModelFault {
+    pub const ALL: [ModelFault; 3] = [ModelFault::LocalRopeBaseGlobal, ModelFault::PostNormsDropped, ModelFault::EmbeddingScaleDropped];
+
+    /// The tap kind where the bug first shows (isolated comparison): an engine that skips the
+    /// post-norms records none, so the first tap off is the residual sum they feed.
+    pub fn first_tap(self) -> &'static str {
+        match self {
+            ModelFault::LocalRopeBaseGlobal => "attn_q_rope",
+            ModelFault::PostNormsDropped => "ffn_inp",
+            ModelFault::EmbeddingScaleDropped => "inp_embd",
+        }
+    }
+
+    /// The `cpu` device's model of `path` with this bug.
+    pub fn load(self, path: &std::path::Path) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+        let mut inner = crate::cpu::model::CpuModel::load(path, &crate::ModelOptions::default())?;
+        let spec = inner.spec.clone();
+        match self {
+            ModelFault::LocalRopeBaseGlobal => inner.spec.rope_swa = None,
+            ModelFault::PostNormsDropped => {
+                inner.spec.post_norms = false;
+                inner.spec.derive_stages();
+            }
+            ModelFault::EmbeddingScaleDropped => inner.spec.embd_scale = None,
+        }
+        Ok(Box::new(FaultyModel { inner, spec }))
+    }
+}
+
+struct FaultyModel {
+    inner: crate::cpu::model::CpuModel,
+    /// The file's spec, as a correct engine would report it.
+    spec: oracle::ModelSpec,
+}
+
+impl crate::DeviceModel for FaultyModel {
+    fn spec(&self) -> &oracle::ModelSpec {
+        &self.spec
+    }
+    fn arithmetic(&self) -> Arithmetic {
+        self.inner.arithmetic()
+    }
+    fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        self.inner.forward(tokens, taps)
+    }
+    fn cached(&self) -> usize {
+        self.inner.cached()
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
     }
 }

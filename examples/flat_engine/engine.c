@@ -14,7 +14,7 @@
  * N_GENERATE > 0 it writes a token-only dump (generated_ids) and prints the ids on stdout (so it
  * also runs as `ids:sh examples/flat_engine/run.sh`, as a serial-console engine would), else the output of every layer
  * (blk.N.l_out), the final norm and the logits of every position. It refuses what it does not
- * implement (other weight types, MoE, RoPE scaling, sliding windows) with a message and exit 2.
+ * implement (other weight types, MoE, RoPE scaling, sliding windows, Gemma's norms) with a message and exit 2.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <fcntl.h>
@@ -161,6 +161,7 @@ int main(void) {
     if (h->n_expert) die(model, "MoE models are not implemented here");
     if (h->rope_scaling != TS_ROPE_NONE || (h->flags & TS_FLAT_FREQ_FACTORS)) die(model, "RoPE scaling is not implemented here");
     if (h->sliding_window) die(model, "sliding-window attention is not implemented here");
+    if ((h->flags & TS_FLAT_POST_NORMS) || h->embd_scale != 0.0) die(model, "Gemma's post-norms and embedding scale are not implemented here");
     if (h->activation > 1) die(model, "unknown activation");
 
     int E = (int)h->n_embd, L = (int)h->n_layer, H = (int)h->n_head, HK = (int)h->n_head_kv, D = (int)h->head_dim, F = (int)h->n_ff, V = (int)h->n_vocab;

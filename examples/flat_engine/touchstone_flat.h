@@ -22,6 +22,7 @@ enum ts_flat_flags {
     TS_FLAT_OUT_BIAS = 4,
     TS_FLAT_TIED_OUTPUT = 8,
     TS_FLAT_FREQ_FACTORS = 16,
+    TS_FLAT_POST_NORMS = 32,
 };
 
 enum ts_flat_rope_scaling { TS_ROPE_NONE = 0, TS_ROPE_LINEAR = 1, TS_ROPE_YARN = 2, TS_ROPE_LONGROPE = 3 };
@@ -54,7 +55,11 @@ struct ts_flat_header {
     double norm_eps, rope_theta, attn_scale, rope_factor, yarn_beta_fast, yarn_beta_slow, yarn_ext_factor, rope_attn_factor;
     uint64_t rope_original_context;
     uint64_t rope_context;         /* LongRoPE: the context its factors serve (0: the original) */
-    uint8_t reserved[280];
+    uint32_t swa_period;           /* 0: every layer windowed; N: all but layers N-1, 2N-1, ... */
+    uint32_t pad0;
+    double rope_theta_swa;         /* the windowed layers' RoPE base (0: the global one) */
+    double embd_scale;             /* embeddings times this before the first layer (0: none) */
+    uint8_t reserved[256];
     uint64_t meta_checksum;        /* FNV-1a 64 of bytes 0..504, then the table */
 };
 

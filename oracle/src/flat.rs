@@ -33,7 +33,9 @@ pub const FLAG_QKV_BIAS: u32 = 2;
 pub const FLAG_OUT_BIAS: u32 = 4;
 pub const FLAG_TIED_OUTPUT: u32 = 8;
 pub const FLAG_FREQ_FACTORS: u32 = 16;
-const KNOWN_FLAGS: u32 = 31;
+/// Gemma's `post_attention_norm` and `post_ffw_norm` in every layer.
+pub const FLAG_POST_NORMS: u32 = 32;
+const KNOWN_FLAGS: u32 = 63;
 pub const MOE_NORMALIZE_TOPK: u32 = 1;
 pub const MOE_SHARED_GATE: u32 = 2;
 
@@ -77,8 +79,11 @@ mod off {
     pub const ROPE_ATTN_FACTOR: usize = 200;
     pub const ROPE_ORIGINAL_CONTEXT: usize = 208;
     pub const ROPE_CONTEXT: usize = 216;
-    /// Bytes 224..504 are reserved (zero).
-    pub const RESERVED: usize = 224;
+    pub const SWA_PERIOD: usize = 224;
+    pub const ROPE_THETA_SWA: usize = 232;
+    pub const EMBD_SCALE: usize = 240;
+    /// Bytes 248..504 are reserved (zero).
+    pub const RESERVED: usize = 248;
     pub const META_CHECKSUM: usize = 504;
 }
 
@@ -348,15 +353,20 @@ impl FlatFile {
             activation,
             moe,
             sliding_window: Some(u(off::SLIDING_WINDOW)).filter(|&n| n > 0),
-            swa_period: 0,
+            swa_period: u(off::SWA_PERIOD),
             rope_swa: None,
-            embd_scale: None,
-            post_norms: false,
+            embd_scale: Some(f64_at(h, off::EMBD_SCALE)).filter(|v| *v != 0.0),
+            post_norms: flags & FLAG_POST_NORMS != 0,
             fused: false,
             context_length: u(off::CONTEXT_LENGTH),
             attn_scale: f64_at(h, off::ATTN_SCALE),
             stages: vec![],
         };
+        let theta_swa = f64_at(h, off::ROPE_THETA_SWA);
+        if theta_swa != 0.0 {
+            // The windowed layers' RoPE: the same rotation, its own base, unscaled (Gemma 3's local layers).
+            spec.rope_swa = Some(RopeSpec { theta: theta_swa, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None, ..spec.rope.clone() });
+        }
         spec.derive_stages();
         spec.set_context(crate::spec::configured_context()?).map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
         spec.validate().map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
@@ -475,8 +485,10 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
         return Err(unfit(&format!("architecture name `{}` (15 bytes at most)", spec.arch)));
     }
     h[off::ARCH..off::ARCH + spec.arch.len()].copy_from_slice(spec.arch.as_bytes());
-    if spec.post_norms || spec.embd_scale.is_some() || spec.swa_period != 0 || spec.rope_swa.is_some() {
-        return Err(unfit("Gemma's post-norms, embedding scale and per-layer windows and RoPE bases (version 1 has no fields for them)"));
+    if let Some(r) = &spec.rope_swa {
+        if r.scaling != RopeScaling::None || r.freq_factors.is_some() || r.style != spec.rope.style || r.n_rot != spec.rope.n_rot {
+            return Err(unfit("a windowed layers' RoPE other than the global one with its own base"));
+        }
     }
     for (o, v, what) in [
         (off::VERSION, VERSION as usize, "version"),
@@ -494,10 +506,11 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
         (off::ROPE_STYLE, (spec.rope.style == RopeStyle::Neox) as usize, "rope style"),
         (off::ACTIVATION, (spec.activation == Activation::GeluTanh) as usize, "activation"),
         (off::SLIDING_WINDOW, spec.sliding_window.unwrap_or(0), "sliding window"),
+        (off::SWA_PERIOD, spec.swa_period, "sliding-window period"),
     ] {
         put32(&mut h, o, v, what)?;
     }
-    let flags = [(spec.qk_norm, FLAG_QK_NORM), (spec.qkv_bias, FLAG_QKV_BIAS), (spec.out_bias, FLAG_OUT_BIAS), (spec.tied_output, FLAG_TIED_OUTPUT), (spec.rope.freq_factors.is_some(), FLAG_FREQ_FACTORS)]
+    let flags = [(spec.qk_norm, FLAG_QK_NORM), (spec.qkv_bias, FLAG_QKV_BIAS), (spec.out_bias, FLAG_OUT_BIAS), (spec.tied_output, FLAG_TIED_OUTPUT), (spec.rope.freq_factors.is_some(), FLAG_FREQ_FACTORS), (spec.post_norms, FLAG_POST_NORMS)]
         .iter()
         .filter(|(on, _)| *on)
         .fold(0u32, |f, (_, bit)| f | bit);
@@ -515,6 +528,8 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
     f64s(&mut h, off::NORM_EPS, spec.norm_eps);
     f64s(&mut h, off::ROPE_THETA, spec.rope.theta);
     f64s(&mut h, off::ATTN_SCALE, spec.attn_scale);
+    f64s(&mut h, off::ROPE_THETA_SWA, spec.rope_swa.as_ref().map_or(0.0, |r| r.theta));
+    f64s(&mut h, off::EMBD_SCALE, spec.embd_scale.unwrap_or(0.0));
     let code = match spec.rope.scaling {
         RopeScaling::None => 0,
         RopeScaling::Linear { factor } => {

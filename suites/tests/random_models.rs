@@ -102,7 +102,8 @@ fn write_model(s: &Shape) -> Vec<u8> {
     u(&mut w, "rope.dimension_count", s.n_rot);
     u(&mut w, "vocab_size", s.vocab);
     w.meta(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
-    w.meta(&format!("{arch}.rope.freq_base"), Value::F32(10_000.0));
+    // Gemma 3's global base beside its windowed layers' 10,000 (the file stores the global one).
+    w.meta(&format!("{arch}.rope.freq_base"), Value::F32(if s.arch == "gemma3" { 1_000_000.0 } else { 10_000.0 }));
     if s.window > 0 {
         u(&mut w, "attention.sliding_window", s.window);
     }
@@ -216,9 +217,13 @@ fn write_model(s: &Shape) -> Vec<u8> {
         if s.out_bias {
             vec(&mut w, &mut r, &n("attn_output.bias"), d, 0.0);
         }
-        if s.arch == "qwen3" {
+        if s.arch == "qwen3" || s.arch == "gemma3" {
             vec(&mut w, &mut r, &n("attn_q_norm.weight"), s.head_dim, 1.0);
             vec(&mut w, &mut r, &n("attn_k_norm.weight"), s.head_dim, 1.0);
+        }
+        if s.arch == "gemma3" {
+            vec(&mut w, &mut r, &n("post_attention_norm.weight"), d, 1.0);
+            vec(&mut w, &mut r, &n("post_ffw_norm.weight"), d, 1.0);
         }
         vec(&mut w, &mut r, &n("ffn_norm.weight"), d, 1.0);
         match s.moe {
@@ -258,7 +263,7 @@ fn write_model(s: &Shape) -> Vec<u8> {
 
 fn shape() -> impl Strategy<Value = Shape> {
     (
-        (0usize..4, 1usize..9, 1usize..5, 1usize..4, 1usize..33, 0.0f64..1.0),
+        (0usize..5, 1usize..9, 1usize..5, 1usize..4, 1usize..33, 0.0f64..1.0),
         (1usize..3, 1usize..24, 0usize..4, any::<bool>(), any::<bool>(), 0usize..3, 20usize..600, any::<u64>()),
         (0usize..4, 1usize..9, 0.0f64..1.0, 0usize..3, any::<[bool; 3]>()),
     )
@@ -266,10 +271,10 @@ fn shape() -> impl Strategy<Value = Shape> {
             let head_dim = 8 * hd8; // 8..256
             // Half the models rotate whole heads (as every Hugging Face llama/qwen does), half part.
             let n_rot = if rot_frac >= 0.5 { head_dim } else { 2 * ((head_dim as f64 * rot_frac) as usize).clamp(1, head_dim / 2) };
-            // Phi-3 (fused Q/K/V and gate/up) is dense and unbiased.
-            let phi3 = arch == 3;
+            // Phi-3 (fused Q/K/V and gate/up) is dense and unbiased; so is Gemma 3.
+            let phi3 = arch == 3 || arch == 4;
             Shape {
-                arch: ["llama", "qwen2", "qwen3", "phi3"][arch],
+                arch: ["llama", "qwen2", "qwen3", "phi3", "gemma3"][arch],
                 // 16..112 (widths not a multiple of 32 take float weights only) or 256 (K-quants).
                 n_embd: if embd16 == 8 { 256 } else { 16 * embd16 },
                 n_head: n_kv * group,
@@ -277,7 +282,8 @@ fn shape() -> impl Strategy<Value = Shape> {
                 head_dim,
                 n_rot,
                 n_ff: 16 * ff16,
-                n_layer,
+                // Gemma 3 attends globally on every sixth layer: six hold both kinds.
+                n_layer: if arch == 4 { 6 } else { n_layer },
                 vocab,
                 scaling,
                 out_bias: out_bias && !phi3,
@@ -382,8 +388,9 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
 /// them); llama Q/K rows (and biases) are un-interleaved as llama.cpp's
 /// converter interleaves them.
 fn write_hf_dir(s: &Shape, gguf: &std::path::Path, dir: &std::path::Path) -> Option<()> {
-    // Phi-3 checkpoints are checked in xtask's phi3 test (gguf-py writes them).
-    if s.arch == "phi3" || s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
+    // Phi-3 checkpoints are checked in xtask's phi3 test (gguf-py writes them); Gemma 3's
+    // safetensors are not read.
+    if s.arch == "phi3" || s.arch == "gemma3" || s.n_rot != s.head_dim || (s.arch == "qwen2" && s.out_bias) || (s.arch == "llama" && s.window > 0 && s.out_bias) {
         return None;
     }
     if let Some((_, _, _, shared_ff, shared_gate, sigmoid, normalize)) = s.moe {
@@ -598,6 +605,7 @@ fn check(s: &Shape, n_ids: usize, judged: &Judged) -> Result<(), TestCaseError> 
     let (a, b) = (oracle_model.prefill_logits(&ids, &mut oracle::NoTap).unwrap(), flat_model.prefill_logits(&ids, &mut oracle::NoTap).unwrap());
     prop_assert!(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{s:?}: the flat file's logits differ from the GGUF's");
     *judged.lock().unwrap().entry("flat".to_string()).or_default() += 1;
+    *judged.lock().unwrap().entry(format!("arch {}", s.arch)).or_default() += 1;
     // The cpu device's taps written as a dump and read back as an external engine's.
     let dump = dir.path().join("dump");
     write_cpu_dump(&path, &ids, &dump);
@@ -645,7 +653,7 @@ fn random_models_pass_layer_diff_on_every_device() {
     }
     let judged = judged.into_inner().unwrap();
     eprintln!("models judged per device: {judged:?}");
-    for device in ["cpu", "cpu:kv-f16", "fixed", "fixed-int4", "external", "safetensors", "flat"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
+    for device in ["cpu", "cpu:kv-f16", "fixed", "fixed-int4", "external", "safetensors", "flat", "arch gemma3"].into_iter().chain(gpu_available().then_some(GPU_EMU)) {
         assert!(judged.get(device).copied().unwrap_or(0) > 0, "{device} judged no model: {judged:?}");
     }
 }
@@ -973,23 +981,25 @@ fn llama_cpp_declaration() -> devices::Arithmetic {
 /// Real-like models: wide GQA (up to 8 query heads per KV head), heads of 64 to 256, prompts of
 /// up to 100 tokens whose first is the massive-activation token, large Q/K/V biases and a sink.
 fn real_shape() -> impl Strategy<Value = Shape> {
-    (0usize..3, 1usize..3, 1usize..9, 0usize..3, any::<bool>(), 0usize..3, any::<u64>(), (0usize..3, 0usize..3, 0usize..3))
+    (0usize..4, 1usize..3, 1usize..9, 0usize..3, any::<bool>(), 0usize..3, any::<u64>(), (0usize..3, 0usize..3, 0usize..3))
         .prop_map(|(arch, n_kv, group, hd, neox_partial, window, seed, (massive, sink, bias))| {
             let head_dim = [64, 128, 256][hd];
+            // Gemma 3: six layers, so that one attends globally (base 10^6) beside five windowed.
+            let gemma = arch == 3;
             Shape {
-                arch: ["llama", "qwen2", "qwen3"][arch],
+                arch: ["llama", "qwen2", "qwen3", "gemma3"][arch],
                 n_embd: 256,
                 n_head: n_kv * group,
                 n_head_kv: n_kv,
                 head_dim,
                 n_rot: if neox_partial { head_dim / 2 } else { head_dim },
                 n_ff: 512,
-                n_layer: 2,
+                n_layer: if gemma { 6 } else { 2 },
                 vocab: 300,
                 scaling: 0,
                 out_bias: false,
                 tied: seed % 2 == 0,
-                window: [0, 0, 16][window],
+                window: if gemma { [0, 16, 16][window] } else { [0, 0, 16][window] },
                 moe: None,
                 smooth: false,
                 real: Some(RealLike { massive: [100.0, 1000.0, 10000.0][massive], sink: [2.0, 6.0, 12.0][sink], k_bias: [0.1, 10.0, 50.0][bias] }),
@@ -1042,6 +1052,7 @@ fn declared_arithmetic_passes_its_own_budgets_on_real_like_models() {
             }
             *judged.lock().unwrap().entry(format!("emulated {name}")).or_default() += 1;
         }
+        *judged.lock().unwrap().entry(format!("arch {}", s.arch)).or_default() += 1;
         let mut devices = vec!["cpu", "cpu:kv-f16", "fixed"];
         if gpu_available() {
             devices.push(GPU_EMU);
@@ -1057,7 +1068,7 @@ fn declared_arithmetic_passes_its_own_budgets_on_real_like_models() {
     }
     let judged = judged.into_inner().unwrap();
     eprintln!("real-like models judged: {judged:?}");
-    for name in ["emulated cpu", "emulated cpu:kv-f16", "emulated cpu:kv-q8_0", "emulated fixed", "emulated llama.cpp", "cpu", "cpu:kv-f16", "fixed"] {
+    for name in ["emulated cpu", "emulated cpu:kv-f16", "emulated cpu:kv-q8_0", "emulated fixed", "emulated llama.cpp", "cpu", "cpu:kv-f16", "fixed", "arch gemma3"] {
         assert!(judged.get(name).copied().unwrap_or(0) > 0, "{name} judged no model: {judged:?}");
     }
 }

@@ -137,3 +137,38 @@ fn the_emulated_departure_gate_catches_a_coarser_rounding_the_budgets_let_throug
         }
     }
 }
+
+/// Gemma 3's wiring bugs — the windowed layers rotated with the global RoPE base, the norms of
+/// the attention and FFN outputs skipped, the embeddings left unscaled — each turn layer-diff red
+/// on `tiny-gemma3` at the tap where they live, in both modes, while the correct `cpu` device
+/// passes the same prompt.
+#[test]
+fn gemma_wiring_bugs_fail_layer_diff_at_their_tap() {
+    use devices::faulty::ModelFault;
+    use suites::layerdiff::{self, Mode};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-gemma3.gguf");
+    std::fs::write(&path, fixtures::synthetic::build("tiny-gemma3").unwrap()).unwrap();
+    let (oracle_model, _) = oracle::generate::AnyModel::load(&path, oracle::Precision::F32).unwrap();
+    // Longer than the window of 4, so the windowed layers and the global one see different keys.
+    let ids = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5, 130];
+    let judge = |model: &mut dyn devices::DeviceModel, mode: Mode| {
+        let mut taps = oracle::RecordingTap::default();
+        model.forward(&ids, &mut taps).unwrap();
+        let out = layerdiff::run(&oracle_model, &path, &ids, &taps, &model.arithmetic(), mode, suites::emulate::EMULATION_FACTOR, "tiny-gemma3", "faulty").unwrap();
+        (out.report.exit_code(), layerdiff::first_divergence_json(&out.taps))
+    };
+    for mode in [Mode::Isolated, Mode::Propagated] {
+        let mut good = devices::open("cpu").unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap();
+        let (code, first) = judge(good.as_mut(), mode);
+        assert_eq!(code, 0, "cpu {mode:?}: {first}");
+        for fault in ModelFault::ALL {
+            let mut bad = fault.load(&path).unwrap();
+            let (code, first) = judge(bad.as_mut(), mode);
+            assert_ne!(code, 0, "{fault:?} {mode:?} passed");
+            if mode == Mode::Isolated {
+                assert_eq!(first["kind"], fault.first_tap(), "{fault:?}: first divergence {first}");
+            }
+        }
+    }
+}
