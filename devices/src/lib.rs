@@ -305,6 +305,12 @@ pub struct Arithmetic {
     /// type is quantized).
     #[serde(default, skip_serializing_if = "std::ops::Not::not", deserialize_with = "null_is_false")]
     pub kv_cache_rotation: bool,
+    /// GELU (the tanh form, Gemma's gated FFN) looked up in a table of f16 values at the input
+    /// rounded to f16 (ggml's CPU backend for |x| < 10; the identity above, zero below): the
+    /// activation errs by two f16 roundings, about 5e-4 relative, where f32 arithmetic errs by
+    /// 1e-7. SiLU is computed in f32 there and is not affected.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not", deserialize_with = "null_is_false")]
+    pub gelu_half_table: bool,
 }
 
 /// A flag a manifest may write as null (absent) as well as true or false.
@@ -348,8 +354,8 @@ pub struct FixedPoint {
 pub const MIN_FRACTION_BITS: u32 = 8;
 
 impl Arithmetic {
-    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false };
-    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false };
+    pub const F64: Arithmetic = Arithmetic { storage: NumFormat::F64, accumulate: NumFormat::F64, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 1.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false, gelu_half_table: false };
+    pub const F32: Arithmetic = Arithmetic { storage: NumFormat::F32, accumulate: NumFormat::F32, activation_q8_block: None, activation_q8_block_kquant: None, activation_half_rounding: false, transcendental_ulps: 4.0, fixed: None, kv_cache: None, kv_cache_v: None, kv_cache_rotation: false, gelu_half_table: false };
 
     /// The formats the cache holds keys and values in (`kv_cache`, and `kv_cache_v` where the
     /// values' differs).

@@ -66,6 +66,23 @@ pub struct EmulatedArithmetic {
     /// Each tap's value as the engine shows it (on its grid or in its storage format; before a
     /// cache's rounding), when [`EmulatedArithmetic::recording`] asked for it.
     pub recorded: Option<oracle::RecordingTap>,
+    /// GELU from an f16 table (`gelu_half_table`, on a GELU model): the last `ffn_gate` and
+    /// `ffn_up` values recorded, from which the `ffn_act` tap is recomputed as the table gives it.
+    gelu_table: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// GELU (tanh form) as an f16 table gives it: the input rounded to f16, GELU of that rounded to
+/// f16; at or past 10 in magnitude the identity or zero, as ggml's CPU backend does.
+pub fn gelu_f16_table(x: f32) -> f32 {
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let h = round_to(devices::NumFormat::F16, x) as f64;
+    let g = 0.5 * h * (1.0 + (0.797_884_560_802_865_4 * h * (1.0 + 0.044_715 * h * h)).tanh());
+    round_to(devices::NumFormat::F16, g as f32)
 }
 
 /// `x` on the grid of `frac` fractional bits, rounded to nearest with ties away from zero (as a
@@ -228,7 +245,7 @@ impl EmulatedArithmetic {
     /// rounded as the others are ([`oracle::Tap::product_input`]).
     pub fn new(arith: &devices::Arithmetic, path: &std::path::Path) -> Result<EmulatedArithmetic, String> {
         use devices::NumFormat::{BF16, F16};
-        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: Default::default(), storage: None, pending: None, weights: None, query: None, rotation: None, recorded: None };
+        let none = EmulatedArithmetic { fixed: None, path: path.to_path_buf(), inputs: Default::default(), kv: Default::default(), storage: None, pending: None, weights: None, query: None, rotation: None, recorded: None, gelu_table: None };
         if let Some(fp) = arith.fixed {
             return Ok(EmulatedArithmetic { fixed: Some(fp), weights: Some(SoftmaxRule::grid(fp.act_frac)), ..none });
         }
@@ -247,7 +264,13 @@ impl EmulatedArithmetic {
             let blocks = |f: Option<devices::KvFormat>| f.is_some_and(|f| f.block().is_some());
             rotation = devices::kv_rotation_widths(spec.head_dim).filter(|_| arith.kv_cache_rotation).map(|(k, v)| (if blocks(kv.k) { k } else { 0 }, if blocks(kv.v) { v } else { 0 }));
         }
-        if !arith.rounds_product_inputs() && kv.is_none() && storage.is_none() {
+        let gelu_table = if arith.gelu_half_table {
+            let (_, spec) = oracle::loader::open_weights(path).map_err(|e| format!("the model could not be read: {e}"))?;
+            (spec.activation == oracle::spec::Activation::GeluTanh).then(Default::default)
+        } else {
+            None
+        };
+        if !arith.rounds_product_inputs() && kv.is_none() && storage.is_none() && gelu_table.is_none() {
             return Err("nothing in the declared arithmetic rounds beyond f32".into());
         }
         let inputs: std::collections::BTreeMap<String, devices::InputRounding> = if arith.rounds_product_inputs() {
@@ -255,7 +278,7 @@ impl EmulatedArithmetic {
         } else {
             Default::default()
         };
-        if inputs.is_empty() && kv.is_none() && storage.is_none() {
+        if inputs.is_empty() && kv.is_none() && storage.is_none() && gelu_table.is_none() {
             return Err("nothing in the declared arithmetic rounds on this model: its Q8 activations meet no quantized matrix (nor its half-precision rounding an F16/BF16 one)".into());
         }
         // A float cache that rounds, multiplied in its own type: the query enters its product
@@ -269,7 +292,7 @@ impl EmulatedArithmetic {
             None => half(kv.k).map(devices::InputRounding::Half),
         };
         let weights = half(kv.v).map(SoftmaxRule::rounded_to);
-        Ok(EmulatedArithmetic { kv, storage, inputs, query, weights, rotation, ..none })
+        Ok(EmulatedArithmetic { kv, storage, inputs, query, weights, rotation, gelu_table, ..none })
     }
 
     /// The oracle this emulation runs, when it is not the caller's: for fixed-point arithmetic
@@ -295,7 +318,17 @@ impl Tap for EmulatedArithmetic {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
         // The value as the engine holds it (its storage format or fixed-point grid) is what it
         // shows as this tap; its cache may round it once more for the attention that reads it.
-        let held = self.held(data);
+        let mut held = self.held(data);
+        if let Some((gate, up)) = &mut self.gelu_table {
+            let v = held.as_deref().unwrap_or(data);
+            if name.ends_with(".ffn_gate") {
+                *gate = v.to_vec();
+            } else if name.ends_with(".ffn_up") {
+                *up = v.to_vec();
+            } else if name.ends_with(".ffn_act") && gate.len() == v.len() && up.len() == v.len() {
+                held = Some(gate.iter().zip(up.iter()).map(|(g, u)| gelu_f16_table(*g) * u).collect());
+            }
+        }
         if let Some(r) = &mut self.recorded {
             r.record(name, start_pos, n_tokens, width, held.as_deref().unwrap_or(data));
         }
@@ -429,6 +462,27 @@ mod tests {
 
     /// The Q8 rounding equals llama.cpp's Q8_0 as the oracle's codec (checked against gguf-py)
     /// encodes and decodes it, row by row.
+    /// The f16 GELU table: within two f16 roundings of GELU where GELU is not tiny, the identity
+    /// from 10 up and zero from -10 down, and an f16 value everywhere below 10.
+    #[test]
+    fn the_f16_gelu_table_rounds_its_input_and_its_result() {
+        let gelu = |x: f64| 0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh());
+        let u = devices::NumFormat::F16.unit_roundoff();
+        let mut off = 0usize;
+        for i in -2000..2000 {
+            let x = i as f32 * 0.0049;
+            let t = gelu_f16_table(x);
+            assert_eq!(t, round_to(devices::NumFormat::F16, t), "{x}: {t} is not an f16 value");
+            let exact = gelu(x as f64);
+            if exact.abs() > 0.05 {
+                assert!((t as f64 - exact).abs() <= 3.0 * u * exact.abs(), "{x}: {t} vs {exact}");
+            }
+            off += (t as f64 != exact) as usize;
+        }
+        assert!(off > 3000, "the table rounds: {off} of 4000 values differ from GELU");
+        assert_eq!((gelu_f16_table(10.0), gelu_f16_table(12.345), gelu_f16_table(-10.0)), (10.0, 12.345, 0.0));
+    }
+
     #[test]
     fn q8_rounding_is_q8_0() {
         let x: Vec<f32> = (0..128).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 + if i == 70 { 3.0 } else { 0.0 }).collect();
@@ -449,7 +503,7 @@ mod tests {
         let q8 = devices::Arithmetic { activation_q8_block: Some(32), ..devices::Arithmetic::F32 };
         assert!(EmulatedArithmetic::new(&q8, nowhere).unwrap_err().contains("matrix types could not be read"));
         let inputs = [("blk.0.attn_q.weight".to_string(), devices::InputRounding::Q8(32))].into_iter().collect();
-        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: Default::default(), rotation: None, storage: None, pending: None, weights: None, query: None, recorded: None };
+        let mut emu = EmulatedArithmetic { fixed: None, path: nowhere.into(), inputs, kv: Default::default(), rotation: None, storage: None, pending: None, weights: None, query: None, recorded: None, gelu_table: None };
         let sub = emu.product_input("blk.0.attn_q.weight", 64, &x).expect("a quantized matrix's input is rounded");
         assert!(sub != x && sub.iter().zip(&x).all(|(a, b)| (a - b).abs() <= 0.9 / 127.0 * 0.5 + 1e-6));
         assert!(emu.product_input("blk.0.ffn_gate_inp.weight", 64, &x).is_none(), "a float matrix's is not");
@@ -482,7 +536,7 @@ mod tests {
     #[test]
     fn a_block_quantized_cache_rounds_keys_values_and_query_in_its_basis() {
         let q4 = devices::KvFormat::parse("q4_0").unwrap();
-        let base = EmulatedArithmetic { fixed: None, path: "nowhere".into(), inputs: Default::default(), kv: devices::KvTypes::both(q4), rotation: None, storage: None, pending: None, weights: None, query: Some(devices::InputRounding::Q8(32)), recorded: None };
+        let base = EmulatedArithmetic { fixed: None, path: "nowhere".into(), inputs: Default::default(), kv: devices::KvTypes::both(q4), rotation: None, storage: None, pending: None, weights: None, query: Some(devices::InputRounding::Q8(32)), recorded: None, gelu_table: None };
         // Small values and one outlier in a head of 64.
         let x: Vec<f32> = (0..64).map(|i| if i == 5 { 100.0 } else { ((i * 29 % 17) as f32 - 8.0) / 8.0 }).collect();
         let through = |emu: &mut EmulatedArithmetic, tap: &str, v: &[f32]| {

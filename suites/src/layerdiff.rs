@@ -88,13 +88,15 @@ pub struct Dims {
     pub rope_angle_rms: f64,
     /// The factor the embeddings are multiplied by before the first layer (1: none).
     pub embd_scale: f64,
+    /// The gated FFN's activation is GELU (what `Arithmetic::gelu_half_table` applies to).
+    pub gelu: bool,
 }
 
 impl Dims {
     pub fn of(spec: &ModelSpec, n_pos: usize) -> Dims {
         let n_ff = spec.moe.as_ref().map_or(spec.n_ff, |m| m.expert_ffn.max(m.shared_ffn.unwrap_or(0)));
         let rope_angle_rms = spec.ropes().into_iter().map(|r| rope_angle_rms(r, n_pos)).fold(0.0, f64::max);
-        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0) }
+        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0), gelu: spec.activation == oracle::spec::Activation::GeluTanh }
     }
 }
 
@@ -196,6 +198,12 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
     if matches!(kind, "attn_q_rope" | "attn_k_rope") {
         // The angle held in the storage format: a rotation by an angle off by u times it.
         rel += C_STAT * us * d.rope_angle_rms;
+    }
+    if kind == "ffn_act" && d.gelu && a.gelu_half_table {
+        // GELU from an f16 table: the input rounded to f16, its relative error passed on by
+        // x·gelu'(x)/gelu(x) (1 to 1.6 where the values are large: above -1 the activation's
+        // magnitudes dominate the RMS), and the result rounded to f16.
+        rel += C_STAT * devices::NumFormat::F16.unit_roundoff() * (1.6 + 1.0);
     }
     if op.matmul {
         // Q8_0 activations: each element rounds to a step of max|block|/127, so the RMS error of
@@ -1812,7 +1820,7 @@ mod tests {
     }
 
     fn dims() -> Dims {
-        Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4, rope_angle_rms: 2.0, embd_scale: 1.0 }
+        Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4, rope_angle_rms: 2.0, embd_scale: 1.0, gelu: false }
     }
 
     #[test]
@@ -1886,6 +1894,12 @@ mod tests {
             assert_eq!(local_budget(kind, &f16, &d), local_budget(kind, &a, &d), "{kind} does not read the cache");
         }
         assert!(propagated_budget("l_out", Some(2), &f16, &d).unwrap().rel > propagated_budget("l_out", Some(2), &a, &d).unwrap().rel);
+        // An f16 GELU table widens the activation's budget on a GELU model only.
+        let table = Arithmetic { gelu_half_table: true, ..a };
+        let gelu = Dims { gelu: true, ..d };
+        assert!(local_budget("ffn_act", &table, &gelu).unwrap().rel > 50.0 * local_budget("ffn_act", &a, &gelu).unwrap().rel);
+        assert_eq!(local_budget("ffn_act", &table, &d), local_budget("ffn_act", &a, &d));
+        assert_eq!(local_budget("ffn_out", &table, &gelu), local_budget("ffn_out", &a, &gelu));
         // A cache no coarser than storage adds nothing; a bf16 one more than an f16 one.
         let same = Arithmetic { kv_cache: devices::KvFormat::parse("f32"), ..a };
         assert_eq!(local_budget("attn_kqv", &same, &d), Some(plain));

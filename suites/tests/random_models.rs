@@ -971,10 +971,11 @@ fn phi3_fused_quantized_tensors_pass_on_every_device() {
 
 /// llama.cpp's CPU arithmetic as `tools/peers/llama_cpp_dump.py` declares it for a file of
 /// quantized matrices with its default f16 cache: Q8_0 blocks before legacy-quantized matrices,
-/// Q8_K before K-quants, f16 inputs to half-precision matrices and to its cache.
+/// Q8_K before K-quants, f16 inputs to half-precision matrices and to its cache, GELU from its
+/// f16 table.
 fn llama_cpp_declaration() -> devices::Arithmetic {
     serde_json::from_value(serde_json::json!({"storage": "f32", "accumulate": "f32", "activation_q8_block": 32, "activation_q8_block_kquant": 256,
-        "activation_half_rounding": true, "transcendental_ulps": 4.0, "fixed": null, "kv_cache": "f16"}))
+        "activation_half_rounding": true, "gelu_half_table": true, "transcendental_ulps": 4.0, "fixed": null, "kv_cache": "f16"}))
     .unwrap()
 }
 

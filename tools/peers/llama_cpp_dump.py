@@ -93,9 +93,13 @@ LAYER_TAPS = {
     "attn_out": "attn_out", "ffn_inp": "ffn_inp", "ffn_norm": "ffn_norm", "ffn_gate": "ffn_gate",
     "ffn_up": "ffn_up", "ffn_swiglu": "ffn_act", "ffn_geglu": "ffn_act", "ffn_out": "ffn_out",
     "l_out": "l_out", "ffn_moe_probs": "ffn_moe_probs", "ffn_moe_topk": "ffn_moe_topk",
+    # Gemma 3: the norms of the attention and FFN outputs, and the attention residual's sum.
+    "attn_post_norm": "attn_post_norm", "ffn_post_norm": "ffn_post_norm", "sa_out": "ffn_inp",
 }
 ROPE_TAPS = {"Qcur": "attn_q_rope", "Kcur": "attn_k_rope"}
-GLOBAL_TAPS = {"inp_embd": "inp_embd", "embd": "inp_embd", "result_norm": "result_norm"}
+# Gemma scales the embeddings after the lookup (`inp_scaled`, computed after `inp_embd`, so the
+# last node of the name wins): what enters the first layer, as Touchstone's `inp_embd` holds.
+GLOBAL_TAPS = {"inp_embd": "inp_embd", "embd": "inp_embd", "inp_scaled": "inp_embd", "result_norm": "result_norm"}
 
 
 def tap_name(node_name, op, weight, second=""):
@@ -281,6 +285,7 @@ def main():
         "logits": None,
         "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
                        "activation_q8_block_kquant": q8_block_kquant, "activation_half_rounding": q8 != "none",
+                       "gelu_half_table": True,
                        "transcendental_ulps": 4.0, "fixed": None, "kv_cache": declared_k,
                        "kv_cache_rotation": rotated},
     }

@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""An independent f64 reference forward pass for Llama-architecture GGUF models.
+"""An independent f64 reference forward pass for Llama- and Gemma 3-architecture GGUF models.
 
 Weights are decoded by gguf-py (llama.cpp's own Python package: `gguf.quants.dequantize`), not by
 Touchstone's codecs; the forward pass is a plain numpy transcription of the Llama maths in float64
-(no KV cache: every step recomputes the whole sequence). Touchstone's tests compare the oracle with
-this script's output; it is a development/test peer, never a runtime dependency.
+(no KV cache: every step recomputes the whole sequence). Gemma 3 (`gemma3`) follows Google's
+published model: embeddings times sqrt(n_embd), per-head RMSNorm of queries and keys, RMSNorm of the
+attention and FFN outputs before each residual add (the GGUF stores the norm weights with Gemma's
++1 already added), GELU (tanh) gated FFN, rotate-half RoPE, and five sliding-window layers (RoPE
+base 10,000) to every global one (the file's base). Touchstone's tests compare the oracle with this
+script's output; it is a development/test peer, never a runtime dependency.
 
 Usage: llama_f64.py MODEL.gguf --prompt-ids 504,3575,282,4649,314 --greedy 32 --out ref.json
 """
@@ -25,15 +29,21 @@ def field(reader, key):
 def load(path):
     r = GGUFReader(path)
     arch = field(r, "general.architecture")
-    if arch != "llama":
-        sys.exit(f"{path}: architecture {arch} is not llama")
+    if arch not in ("llama", "gemma3"):
+        sys.exit(f"{path}: architecture {arch} is neither llama nor gemma3")
+
+    def get(key, default=None):
+        return field(r, f"{arch}.{key}") if f"{arch}.{key}" in r.fields else default
     cfg = {
-        "n_embd": int(field(r, "llama.embedding_length")),
-        "n_layer": int(field(r, "llama.block_count")),
-        "n_head": int(field(r, "llama.attention.head_count")),
-        "n_head_kv": int(field(r, "llama.attention.head_count_kv")),
-        "eps": float(field(r, "llama.attention.layer_norm_rms_epsilon")),
-        "theta": float(field(r, "llama.rope.freq_base")),
+        "arch": arch,
+        "n_embd": int(get("embedding_length")),
+        "n_layer": int(get("block_count")),
+        "n_head": int(get("attention.head_count")),
+        "n_head_kv": int(get("attention.head_count_kv")),
+        "eps": float(get("attention.layer_norm_rms_epsilon")),
+        "theta": float(get("rope.freq_base")),
+        "head_dim": int(get("attention.key_length", 0)) or None,
+        "window": int(get("attention.sliding_window", 0)),
     }
     w = {}
     for t in r.tensors:
@@ -59,44 +69,79 @@ def rope_normal(x, positions, theta):
     return out
 
 
-def forward(cfg, w, ids, taps=None):
-    """Logits [n, vocab] of every position; `taps`, when a dict, receives inp_embd,
-    blk.{i}.attn_norm, blk.{i}.ffn_inp, blk.{i}.l_out and result_norm ([n, width] each)."""
+def rope_neox(x, positions, theta):
+    # Rotate-half RoPE (Hugging Face's layout): pairs (i, i + hd/2).
+    hd = x.shape[-1]
+    inv_freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x0, x1 = x[..., : hd // 2], x[..., hd // 2:]
+    return np.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def forward(cfg, w, ids, taps=None, last_only=False):
+    """Logits [n, vocab] of every position (of the last only with `last_only`); `taps`, when a
+    dict, receives inp_embd, blk.{i}.attn_norm, blk.{i}.ffn_inp, blk.{i}.l_out and result_norm
+    ([n, width] each)."""
     taps = {} if taps is None else taps
     n = len(ids)
+    gemma = cfg["arch"] == "gemma3"
     d, nh, nkv = cfg["n_embd"], cfg["n_head"], cfg["n_head_kv"]
-    hd = d // nh
+    hd = cfg["head_dim"] or d // nh
     x = w["token_embd.weight"][ids]  # [n, d]
+    if gemma:
+        x = x * np.sqrt(d)
     taps["inp_embd"] = x
     pos = list(range(n))
-    mask = np.triu(np.full((n, n), -np.inf), k=1)
+    causal = np.triu(np.full((n, n), -np.inf), k=1)
+    # Gemma 3: keys more than `window` positions back are hidden on the local layers.
+    far = np.tril(np.full((n, n), -np.inf), k=-cfg["window"]) if cfg["window"] else np.zeros((n, n))
     for i in range(cfg["n_layer"]):
         p = f"blk.{i}."
+        local = gemma and cfg["window"] and (i + 1) % 6 != 0
         h = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
         taps[p + "attn_norm"] = h
         q = (h @ w[p + "attn_q.weight"].T).reshape(n, nh, hd)
         k = (h @ w[p + "attn_k.weight"].T).reshape(n, nkv, hd)
         v = (h @ w[p + "attn_v.weight"].T).reshape(n, nkv, hd)
-        q, k = rope_normal(q, pos, cfg["theta"]), rope_normal(k, pos, cfg["theta"])
+        if gemma:
+            q = rms_norm(q, w[p + "attn_q_norm.weight"], cfg["eps"])
+            k = rms_norm(k, w[p + "attn_k_norm.weight"], cfg["eps"])
+            theta = 10_000.0 if local else cfg["theta"]
+            q, k = rope_neox(q, pos, theta), rope_neox(k, pos, theta)
+        else:
+            q, k = rope_normal(q, pos, cfg["theta"]), rope_normal(k, pos, cfg["theta"])
         group = nh // nkv
         k = np.repeat(k, group, axis=1)
         v = np.repeat(v, group, axis=1)
+        mask = causal + far if local else causal
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask[None]
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
-        x = x + attn @ w[p + "attn_output.weight"].T
+        attn = attn @ w[p + "attn_output.weight"].T
+        if gemma:
+            attn = rms_norm(attn, w[p + "post_attention_norm.weight"], cfg["eps"])
+        x = x + attn
         taps[p + "ffn_inp"] = x
         h = rms_norm(x, w[p + "ffn_norm.weight"], cfg["eps"])
         g = h @ w[p + "ffn_gate.weight"].T
         u = h @ w[p + "ffn_up.weight"].T
-        x = x + ((g / (1.0 + np.exp(-g))) * u) @ w[p + "ffn_down.weight"].T
+        act = gelu_tanh(g) if gemma else g / (1.0 + np.exp(-g))
+        out = (act * u) @ w[p + "ffn_down.weight"].T
+        if gemma:
+            out = rms_norm(out, w[p + "post_ffw_norm.weight"], cfg["eps"])
+        x = x + out
         taps[p + "l_out"] = x
     x = rms_norm(x, w["output_norm.weight"], cfg["eps"])
     taps["result_norm"] = x
     head = w.get("output.weight", w["token_embd.weight"])
-    return x @ head.T  # [n, vocab]
+    return (x[-1:] if last_only else x) @ head.T  # [n, vocab]
 
 
 def main():
@@ -118,7 +163,7 @@ def main():
         nxt = int(np.argmax(step_logits))
         greedy.append(nxt)
         seq.append(nxt)
-        step_logits = forward(cfg, w, seq)[-1]
+        step_logits = forward(cfg, w, seq, last_only=True)[-1]
     json.dump({"prompt_ids": ids, "last_logits": [float(v) for v in last], "top5": top5, "greedy": greedy}, open(a.out, "w"))
 
 

