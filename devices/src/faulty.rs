@@ -4,7 +4,7 @@
 //! the correct cpu kernels are given (or, where that cannot express the bug, a small faulty kernel).
 
 use crate::cpu::CpuDevice;
-use crate::{fail, Arithmetic, Device, DeviceError, DeviceModel, Support};
+use crate::{fail, Arithmetic, Device, DeviceError, Support};
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};
 

@@ -25,6 +25,7 @@ pub mod external;
 pub mod fixed;
 pub mod gpu;
 pub mod ops_protocol;
+pub mod process;
 pub mod probe;
 #[cfg(feature = "faults")]
 pub mod faulty;

@@ -8,7 +8,7 @@
 //! breaks a limit fails its own cases and nothing else. Nothing here computes: the values are
 //! handed over and back as they are.
 
-use crate::external::{log_tail, run_bounded_watching};
+use crate::process::{log_tail, run_bounded_watching};
 use crate::Arithmetic;
 use oracle::quant::GgmlType;
 use oracle::registry::{Input, OpCase, Output, Tensor};

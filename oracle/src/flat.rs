@@ -9,7 +9,7 @@
 
 use crate::error::{OracleError, Result};
 use crate::gguf::Bytes;
-use crate::loader::{LoadedTensor, RawTensor, TensorSource};
+use crate::tensor::{LoadedTensor, RawTensor, TensorSource};
 use crate::quant::GgmlType;
 use crate::spec::{Activation, Gating, MoeSpec, ModelSpec, RopeScaling, RopeSpec, RopeStyle};
 use std::borrow::Cow;

@@ -24,6 +24,7 @@ pub mod real;
 pub mod registry;
 pub mod simd;
 pub mod spec;
+pub mod tensor;
 pub mod tokenizer;
 
 pub use error::{OracleError, Result};

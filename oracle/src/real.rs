@@ -3,10 +3,7 @@
 //! measures the oracle's own rounding error). Reductions always accumulate in f64 in one fixed
 //! order (see `dot`), so results are bit-identical for any thread count and any machine.
 
-/// Number of independent f64 partial sums in a dot product. Element `i` always goes to lane
-/// `i % DOT_LANES`; the lanes are then added in a fixed pairwise tree. Every implementation
-/// (AVX-512, AVX2, portable) follows this exact order, which is what makes the result reproducible.
-pub const DOT_LANES: usize = 32;
+pub use crate::simd::{reduce_lanes, DOT_LANES};
 
 /// A storage scalar: f32 or f64.
 pub trait Real: Copy + Send + Sync + Default + PartialOrd + std::fmt::Debug + 'static {
@@ -93,19 +90,6 @@ impl Real for f64 {
     fn dot_wide(x: &[f64], w: &[f64]) -> f64 {
         crate::simd::dot_lanes_portable(x, w, |v| v)
     }
-}
-
-/// Adds the lane partial sums in the fixed pairwise tree: lane j += lane j+16, then j+8, j+4, j+2, j+1.
-#[inline]
-pub fn reduce_lanes(mut lanes: [f64; DOT_LANES]) -> f64 {
-    let mut width = DOT_LANES / 2;
-    while width >= 1 {
-        for j in 0..width {
-            lanes[j] += lanes[j + width];
-        }
-        width /= 2;
-    }
-    lanes[0]
 }
 
 /// Sum of a sequence of f64 values in the same fixed lane order as `dot` (used for norms, means).

@@ -1,11 +1,28 @@
 //! Dot-product kernels of the oracle: f32 x f32 products accumulated in f64.
 //!
 //! The product of two f32 values is exact in f64, so fused or unfused multiply-add gives the same
-//! bits; only the summation order matters, and it is fixed (see `real::DOT_LANES`). The AVX-512 and
+//! bits; only the summation order matters, and it is fixed (see `DOT_LANES`). The AVX-512 and
 //! AVX2 paths are chosen at run time and must return exactly what `dot_lanes_portable` returns;
 //! a test checks that on random vectors of every length up to a few hundred.
 
-use crate::real::{reduce_lanes, DOT_LANES};
+/// Number of independent f64 partial sums in a dot product. Element `i` always goes to lane
+/// `i % DOT_LANES`; the lanes are then added in a fixed pairwise tree. Every implementation
+/// (AVX-512, AVX2, portable) follows this exact order, which is what makes the result reproducible.
+pub const DOT_LANES: usize = 32;
+
+/// Adds the lane partial sums in the fixed pairwise tree: lane j += lane j+16, then j+8, j+4, j+2, j+1.
+#[inline]
+pub fn reduce_lanes(mut lanes: [f64; DOT_LANES]) -> f64 {
+    let mut width = DOT_LANES / 2;
+    while width >= 1 {
+        for j in 0..width {
+            lanes[j] += lanes[j + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
+}
+
 
 /// Portable reference of the fixed-order dot: lane `i % 32` accumulates element `i`.
 #[inline]

@@ -393,32 +393,6 @@ pub fn emulated_taps(oracle_model: &oracle::generate::AnyModel, path: &std::path
     Ok(emu.recorded)
 }
 
-/// An emulated run that routes each MoE token as the device did where the two choices differ
-/// only at a near tie (as the oracle's own re-runs do, `routing`): the emulation and the device
-/// then take the same experts, and their errors measure the same computation.
-pub struct Following<'a> {
-    pub emu: EmulatedArithmetic,
-    pub routing: crate::layerdiff::RoutingFollower<'a>,
-}
-
-impl oracle::Tap for Following<'_> {
-    fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
-        self.emu.record(name, start_pos, n_tokens, width, data);
-    }
-    fn substitute(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize) -> Option<Vec<f32>> {
-        self.emu.substitute(name, start_pos, n_tokens, width)
-    }
-    fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
-        self.emu.product_input(weight, width, data)
-    }
-    fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        self.routing.route(name, pos, probs, chosen)
-    }
-    fn attention_weights(&self) -> Option<&oracle::ops::AttentionWeights> {
-        self.emu.attention_weights()
-    }
-}
-
 /// How an engine turns a query head's scaled scores into attention weights where it rounds
 /// them (through `oracle::Tap::attention_weights`).
 pub struct SoftmaxRule(Box<oracle::ops::AttentionWeights>, &'static str);

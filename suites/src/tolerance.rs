@@ -492,6 +492,32 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
 mod tests {
     use super::*;
 
+    /// Every op of the registry has its bound derived here, with the formula printed beside the
+    /// value it computes (the `rule` text comes from the same arm as the bound): none falls to
+    /// the default, an op the registry calls exact is held to zero, and the others are not.
+    #[test]
+    fn every_registry_op_has_its_own_derived_bound() {
+        for e in oracle::registry::registry() {
+            let taken = std::cell::Cell::new(0);
+            let cases = e.cases_where(0, &|_| {
+                taken.set(taken.get() + 1);
+                taken.get() <= 3
+            });
+            assert!(!cases.is_empty(), "{}: no cases", e.name);
+            for c in &cases {
+                let reference = (e.reference)(c).unwrap();
+                let b = bounds(c, &reference, &Arithmetic::F32);
+                assert!(!b.rule.is_empty() && !b.rule.starts_with("no rule for"), "{}: {}", c.id, b.rule);
+                let values: Vec<f64> = b.per_output.iter().flatten().flatten().copied().collect();
+                if e.rule == ToleranceRule::Exact {
+                    assert!(values.iter().all(|v| *v == 0.0), "{}: exact in the registry, bound {}", c.id, b.rule);
+                } else if !values.is_empty() {
+                    assert!(values.iter().any(|v| *v > 0.0), "{}: {:?} in the registry, a zero bound ({})", c.id, e.rule, b.rule);
+                }
+            }
+        }
+    }
+
     /// A device that feeds a K-quant matrix Q8 blocks of 256 (llama.cpp's Q8_K), its other
     /// quantized matrices blocks of 32 and an F16/BF16 matrix its input in that format is held
     /// to a bound that covers each: the bound rounds the case's input as its weight type takes

@@ -45,3 +45,98 @@ fn ci_runs_the_readme_test_command() {
         assert!(ci.contains(cmd), ".ci/run lacks `{cmd}`");
     }
 }
+
+/// A crate's non-test source files, with the top-level module each belongs to (`src/a.rs` and
+/// `src/a/...` are module `a`; `lib.rs` and `main.rs` the crate root, left out).
+fn modules_of(krate: &str) -> Vec<(String, PathBuf)> {
+    let src = root().join(krate).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    files
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n != "tests.rs"))
+        .filter_map(|p| {
+            let first = p.strip_prefix(&src).ok()?.components().next()?.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
+            (first != "lib" && first != "main" && first != "bin").then_some((first, p))
+        })
+        .collect()
+}
+
+/// A file's text before its unit tests (`#[cfg(test)]` to the end, where they live inline).
+fn non_test_text(p: &Path) -> String {
+    let text = std::fs::read_to_string(p).unwrap();
+    match text.find("\n#[cfg(test)]\nmod tests {") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
+}
+
+/// No source file over 900 lines (unit tests live beside their module, in `tests.rs`).
+#[test]
+fn no_source_file_is_over_900_lines() {
+    let mut long = Vec::new();
+    for c in ["oracle", "devices", "suites", "reports", "fixtures", "xtask"] {
+        for (_, p) in modules_of(c) {
+            let n = non_test_text(&p).lines().count();
+            if n > 900 {
+                long.push(format!("{} ({n} lines)", p.strip_prefix(root()).unwrap().display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "split these by job: {long:?}");
+}
+
+/// Within each crate, the top-level modules' `crate::` references form no cycle: each module can
+/// be understood (and changed) from those below it.
+#[test]
+fn no_module_import_cycle() {
+    for c in ["oracle", "devices", "suites", "reports", "fixtures", "xtask"] {
+        let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
+        let modules = modules_of(c);
+        let names: std::collections::BTreeSet<String> = modules.iter().map(|(m, _)| m.clone()).collect();
+        for (m, p) in &modules {
+            let text = non_test_text(p);
+            // Doc comments name other modules for the reader; only code depends on them.
+            let code: String = text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+            let mut deps = std::collections::BTreeSet::new();
+            for (i, _) in code.match_indices("crate::") {
+                let rest = &code[i + 7..];
+                if let Some(group) = rest.strip_prefix('{') {
+                    // `use crate::{a, b::c}`: each first segment.
+                    let group = &group[..group.find('}').unwrap_or(group.len())];
+                    deps.extend(group.split(',').map(|s| s.trim().split("::").next().unwrap_or("").to_string()));
+                } else {
+                    deps.insert(rest.split(|ch: char| !(ch.is_alphanumeric() || ch == '_')).next().unwrap_or("").to_string());
+                }
+            }
+            deps.retain(|d| d != m && names.contains(d));
+            edges.entry(m.clone()).or_default().extend(deps);
+        }
+        // Depth-first search for a back edge.
+        fn visit(m: &str, edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>, path: &mut Vec<String>, done: &mut std::collections::BTreeSet<String>) -> Option<Vec<String>> {
+            if let Some(i) = path.iter().position(|p| p == m) {
+                let mut cycle = path[i..].to_vec();
+                cycle.push(m.to_string());
+                return Some(cycle);
+            }
+            if done.contains(m) {
+                return None;
+            }
+            path.push(m.to_string());
+            for d in edges.get(m).into_iter().flatten() {
+                if let Some(c) = visit(d, edges, path, done) {
+                    return Some(c);
+                }
+            }
+            path.pop();
+            done.insert(m.to_string());
+            None
+        }
+        let mut done = Default::default();
+        for m in edges.keys() {
+            if let Some(cycle) = visit(m, &edges, &mut Vec::new(), &mut done) {
+                panic!("crate {c}: module import cycle {}", cycle.join(" -> "));
+            }
+        }
+    }
+}

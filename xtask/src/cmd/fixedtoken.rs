@@ -230,7 +230,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
                 None => super::load_oracle(&path, Precision::F32)?.0,
             };
             // Routed as the device did at near ties, and compared with the oracle that was.
-            let mut run = suites::emulate::Following { emu, routing: RoutingFollower::propagated(&device_routing.0, &arith, &dims, "emulated") };
+            let mut run = suites::layerdiff::Following { emu, routing: RoutingFollower::propagated(&device_routing.0, &arith, &dims, "emulated") };
             let logits: Vec<f32> = oracle.prefill_logits(&seq, &mut run)?.iter().map(|v| *v as f32).collect();
             drop(oracle);
             let reference = runs.followed_oracle.as_deref().unwrap_or(&oracle_logits);

@@ -1,0 +1,261 @@
+//! Specs from a Hugging Face `config.json` (safetensors checkpoints).
+
+use super::*;
+use crate::error::{OracleError, Result};
+
+impl ModelSpec {
+    /// Builds the spec of a safetensors model from its Hugging Face `config.json`.
+    pub fn from_hf_config(cfg: &serde_json::Value, file: &str) -> Result<ModelSpec> {
+        let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+        let top = Fields { obj: cfg, at: "", file };
+        let u = |k: &str| top.u(k);
+        let req = |k: &str| u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
+        let model_type = top.s("model_type")?.unwrap_or("").to_string();
+        // The GGUF architecture each model type converts to (Mixtral is a llama with experts).
+        let arch = match model_type.as_str() {
+            "llama" | "mistral" | "mixtral" => "llama",
+            "qwen2" => "qwen2",
+            "qwen3" => "qwen3",
+            "qwen2_moe" => "qwen2moe",
+            "qwen3_moe" => "qwen3moe",
+            "phi3" => "phi3",
+            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3)"))),
+        };
+        let qwen = arch.starts_with("qwen");
+        let n_embd = req("hidden_size")?;
+        let n_head = req("num_attention_heads")?;
+        let head_dim = u("head_dim")?.unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
+        let ctx = u("max_position_embeddings")?.unwrap_or(4096);
+        // RoPE: `rope_theta` and `rope_scaling` at the top level, or (newer transformers) both
+        // in `rope_parameters`.
+        let rope_params = match top.get("rope_parameters") {
+            Some(p) if p.is_object() => Some(Fields { obj: p, at: "rope_parameters.", file }),
+            Some(p) => return Err(err(format!("config.json: `rope_parameters` is {p}, expected an object"))),
+            None => None,
+        };
+        let theta = match &rope_params {
+            Some(p) if p.get("rope_theta").is_some() => p.f("rope_theta")?,
+            _ => top.f("rope_theta")?,
+        }
+        .unwrap_or(10_000.0);
+        // transformers rotates only this share of each head where a config sets it; the
+        // architectures read here rotate whole heads.
+        for fields in [Some(&top), rope_params.as_ref()].into_iter().flatten() {
+            if let Some(share) = fields.f("partial_rotary_factor")?.filter(|&x| x != 1.0) {
+                return Err(err(format!("config.json: {}partial_rotary_factor {share} is not supported (whole heads rotate)", fields.at)));
+            }
+        }
+        let scaling_fields = match (&rope_params, top.get("rope_scaling")) {
+            (Some(p), _) => Some(*p),
+            (None, Some(s)) if s.is_object() => Some(Fields { obj: s, at: "rope_scaling.", file }),
+            (None, Some(s)) => return Err(err(format!("config.json: `rope_scaling` is {s}, expected an object or null"))),
+            (None, None) => None,
+        };
+        let mut freq_factors = None;
+        let mut longrope_factors = None;
+        let scaling = match scaling_fields {
+            None => RopeScaling::None,
+            Some(s) => {
+                let ty = match s.get("rope_type") {
+                    Some(_) => s.s("rope_type")?,
+                    None => s.s("type")?,
+                }
+                .unwrap_or("");
+                let factor = s.f("factor")?.unwrap_or(1.0);
+                match ty {
+                    "default" => RopeScaling::None,
+                    "linear" => RopeScaling::Linear { factor },
+                    "yarn" => RopeScaling::Yarn {
+                        factor,
+                        original_context: s.u("original_max_position_embeddings")?.unwrap_or(ctx),
+                        beta_fast: s.f("beta_fast")?.unwrap_or(32.0),
+                        beta_slow: s.f("beta_slow")?.unwrap_or(1.0),
+                        ext_factor: 1.0,
+                        // Hugging Face scales cos/sin by `attention_factor` as given, defaulting
+                        // to 1 + 0.1 ln(factor); ours (llama.cpp's) multiplies `attn_factor` by
+                        // that default itself, so a given value is divided by it here.
+                        attn_factor: match s.f("attention_factor")? {
+                            Some(a) if factor > 0.0 => a / (1.0 + 0.1 * factor.ln()),
+                            _ => 1.0,
+                        },
+                    },
+                    "llama3" => {
+                        let low = s.f("low_freq_factor")?.unwrap_or(1.0);
+                        let high = s.f("high_freq_factor")?.unwrap_or(4.0);
+                        let original = s.u("original_max_position_embeddings")?.unwrap_or(8192);
+                        if !(factor.is_finite() && factor > 0.0 && low.is_finite() && high.is_finite() && high > low && low > 0.0 && original > 0) {
+                            return Err(err(format!("config.json: {}llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0 (factor {factor}, low {low}, high {high}, original {original})", s.at)));
+                        }
+                        freq_factors = Some(llama3_freq_factors(theta, head_dim, factor, low, high, original));
+                        RopeScaling::None
+                    }
+                    // Phi-3's LongRoPE ("su" in its first configs): the short factors (what an
+                    // engine at most at the original context uses), and cos/sin scaled by
+                    // `attention_factor`, by default sqrt(1 + ln(s) / ln(original)) for the
+                    // extension s = max_position_embeddings / original (1 when s <= 1).
+                    "longrope" | "su" => {
+                        let pairs = |k: &str| -> Result<Vec<f32>> {
+                            let xs = s.typed(k, |v| v.as_array(), "an array of numbers")?.ok_or_else(|| err(format!("config.json: {}longrope scaling needs `{k}`", s.at)))?;
+                            let f: Vec<f32> = xs.iter().map(|x| x.as_f64().map(|x| x as f32).filter(|x| x.is_finite() && *x > 0.0)).collect::<Option<_>>().ok_or_else(|| err(format!("config.json: `{}{k}` holds a value that is not a finite positive number", s.at)))?;
+                            if f.len() != head_dim / 2 {
+                                return Err(err(format!("config.json: `{}{k}` has {} values for {} rotated pairs", s.at, f.len(), head_dim / 2)));
+                            }
+                            Ok(f)
+                        };
+                        let (short, long) = (pairs("short_factor")?, pairs("long_factor")?);
+                        let original = match s.u("original_max_position_embeddings")? {
+                            Some(o) => o,
+                            None => top.u("original_max_position_embeddings")?.ok_or_else(|| err("config.json: longrope scaling needs `original_max_position_embeddings`".into()))?,
+                        };
+                        let extension = ctx as f64 / original.max(1) as f64;
+                        let attn_factor = match s.f("attention_factor")? {
+                            Some(a) => a,
+                            None if extension <= 1.0 || original <= 1 => 1.0,
+                            None => (1.0 + extension.ln() / (original as f64).ln()).sqrt(),
+                        };
+                        freq_factors = Some(short.clone());
+                        longrope_factors = Some((short, long));
+                        RopeScaling::LongRope { attn_factor, original_context: original, context: original }
+                    }
+                    other => return Err(err(format!("config.json: rope type `{other}` is not supported (default, linear, yarn, llama3, longrope)"))),
+                }
+            }
+        };
+        let attention_bias = top.b("attention_bias")?.unwrap_or(false);
+        let n_layer = req("num_hidden_layers")?;
+        // Mistral and Phi-3 window every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
+        // with `use_sliding_window`, and then only layers from `max_window_layers` on (their
+        // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
+        // the model; a split is not.
+        let sliding_window = match model_type.as_str() {
+            "mistral" | "mixtral" | "phi3" => u("sliding_window")?,
+            _ if qwen && top.b("use_sliding_window")?.unwrap_or(false) => match u("max_window_layers")?.unwrap_or(28) {
+                0 => u("sliding_window")?,
+                m if m >= n_layer => None,
+                m => return Err(err(format!("config.json: a sliding window on layers {m}..{n_layer} only (max_window_layers {m}) is not supported: one window for all layers or none"))),
+            },
+            _ => None,
+        };
+        let act = match top.s("hidden_act")?.unwrap_or("silu") {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
+            other => return Err(err(format!("config.json: hidden_act `{other}` is not supported"))),
+        };
+        // Experts: Mixtral routes every layer through `num_local_experts` experts of
+        // `intermediate_size` and renormalizes its top-k weights; Qwen-MoE has `num_experts` of
+        // `moe_intermediate_size`, renormalizes when `norm_topk_prob` (transformers' default:
+        // false) and (Qwen2-MoE) adds a shared expert scaled by sigmoid(shared_expert_gate . x).
+        let moe = match model_type.as_str() {
+            "mixtral" => Some(MoeSpec {
+                n_expert: req("num_local_experts")?,
+                n_expert_used: req("num_experts_per_tok")?,
+                expert_ffn: req("intermediate_size")?,
+                gating: Gating::Softmax,
+                normalize_topk: true,
+                shared_ffn: None,
+                shared_gate: false,
+            }),
+            "qwen2_moe" | "qwen3_moe" => {
+                // Dense layers among the MoE ones (`mlp_only_layers`, `decoder_sparse_step`) are
+                // not one stage list for every layer.
+                let dense_layers = top.typed("mlp_only_layers", |v| v.as_array().map(Vec::len), "an array of layer indices")?.unwrap_or(0) > 0;
+                if dense_layers || u("decoder_sparse_step")?.unwrap_or(1) != 1 {
+                    return Err(err("config.json: dense layers among the MoE layers (`mlp_only_layers`, `decoder_sparse_step` other than 1) are not supported".into()));
+                }
+                let shared = model_type == "qwen2_moe";
+                Some(MoeSpec {
+                    n_expert: req("num_experts")?,
+                    n_expert_used: req("num_experts_per_tok")?,
+                    expert_ffn: req("moe_intermediate_size")?,
+                    gating: Gating::Softmax,
+                    normalize_topk: top.b("norm_topk_prob")?.unwrap_or(false),
+                    shared_ffn: if shared { Some(req("shared_expert_intermediate_size")?) } else { None },
+                    shared_gate: shared,
+                })
+            }
+            _ => None,
+        };
+        let n_ff = match &moe {
+            Some(m) => u("intermediate_size")?.unwrap_or(m.expert_ffn),
+            None => req("intermediate_size")?,
+        };
+        let mut spec = ModelSpec {
+            arch: arch.to_string(),
+            n_vocab: req("vocab_size")?,
+            n_embd,
+            n_layer,
+            n_head,
+            n_head_kv: u("num_key_value_heads")?.unwrap_or(n_head),
+            head_dim,
+            n_ff,
+            norm_eps: top.f("rms_norm_eps")?.unwrap_or(1e-6),
+            rope: RopeSpec {
+                // Hugging Face checkpoints keep Q/K in rotate-half order for every architecture.
+                style: RopeStyle::Neox,
+                theta,
+                n_rot: head_dim,
+                scaling,
+                freq_factors,
+                longrope_factors,
+            },
+            qk_norm: arch == "qwen3" || arch == "qwen3moe",
+            // Qwen2 (and Qwen2-MoE) always biases Q/K/V (never O); llama, mistral and qwen3 bias
+            // all four of them when `attention_bias` is set (their attention layers build
+            // q/k/v/o_proj alike).
+            qkv_bias: arch == "qwen2" || arch == "qwen2moe" || attention_bias,
+            out_bias: arch != "qwen2" && arch != "qwen2moe" && attention_bias,
+            tied_output: top.b("tie_word_embeddings")?.unwrap_or(false),
+            activation: act,
+            moe,
+            sliding_window,
+            swa_period: 0,
+            rope_swa: None,
+            embd_scale: None,
+            post_norms: false,
+            fused: arch == "phi3",
+            context_length: ctx,
+            attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+            stages: Vec::new(),
+        };
+        spec.derive_stages();
+        spec.set_context(configured_context()?)?;
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+
+/// The fields of one JSON object of a config.json, read strictly: a field that is present with
+/// the wrong type is an error naming it, never its default (a quoted number or a misplaced value
+/// would otherwise load another model without a word). null reads as absent, as configs use it.
+#[derive(Clone, Copy)]
+struct Fields<'a> {
+    obj: &'a serde_json::Value,
+    /// Where the object sits (`rope_parameters.`), for messages.
+    at: &'a str,
+    file: &'a str,
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, k: &str) -> Option<&'a serde_json::Value> {
+        self.obj.get(k).filter(|v| !v.is_null())
+    }
+    fn typed<T>(&self, k: &str, read: impl Fn(&'a serde_json::Value) -> Option<T>, expected: &str) -> Result<Option<T>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => read(v).map(Some).ok_or_else(|| OracleError::Safetensors { file: self.file.to_string(), reason: format!("config.json: `{}{k}` is {v}, expected {expected}", self.at) }),
+        }
+    }
+    fn u(&self, k: &str) -> Result<Option<usize>> {
+        self.typed(k, |v| v.as_u64().and_then(|x| usize::try_from(x).ok()), "a non-negative integer")
+    }
+    fn f(&self, k: &str) -> Result<Option<f64>> {
+        self.typed(k, |v| v.as_f64(), "a number")
+    }
+    fn b(&self, k: &str) -> Result<Option<bool>> {
+        self.typed(k, |v| v.as_bool(), "true or false")
+    }
+    fn s(&self, k: &str) -> Result<Option<&'a str>> {
+        self.typed(k, |v| v.as_str(), "a string")
+    }
+}

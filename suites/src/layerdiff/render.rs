@@ -1,0 +1,319 @@
+//! What a layer-diff run reports: the first divergence, the cases, the gates on the emulation, the layer table and the charts.
+
+use super::*;
+use reports::plot::{Chart, Series};
+use reports::{Case, Tolerance, Verdict};
+use serde_json::{json, Map, Value};
+
+/// The first tap (execution order) whose isolated error exceeds its budget; taps without an
+/// isolated comparison fall back to the propagated one.
+pub fn first_divergence(taps: &[TapDiff]) -> Option<&TapDiff> {
+    taps.iter().find(|t| t.exceeds(Mode::Isolated).or_else(|| t.exceeds(Mode::Propagated)) == Some(true))
+}
+
+/// The `first_divergence` section of report.json.
+pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
+    match first_divergence(taps) {
+        None => Value::Null,
+        Some(t) => {
+            let mode = if t.isolated.is_some() { Mode::Isolated } else { Mode::Propagated };
+            let (stats, budget) = t.compared(mode);
+            json!({
+                "tap": t.name,
+                "layer": t.layer,
+                "kind": t.kind,
+                "compared": mode,
+                "rms_err": stats.map(|s| s.rms_err),
+                "bound": stats.zip(budget).map(|(s, b)| b.bound(s.rms_ref)),
+                "worst_position": stats.map(|s| s.worst_pos),
+                "id_mismatches": t.id_mismatches,
+            })
+        }
+    }
+}
+
+pub(crate) fn stats_json(prefix: &str, s: &Option<ErrStats>, b: &Option<Budget>, m: &mut Map<String, Value>) {
+    if let Some(s) = s {
+        m.insert(format!("{prefix}_rms_err"), json!(s.rms_err));
+        m.insert(format!("{prefix}_rel_rms"), json!(s.rel()));
+        m.insert(format!("{prefix}_max_abs"), json!(s.max_abs));
+        m.insert(format!("{prefix}_cosine"), json!(s.cosine));
+        m.insert(format!("{prefix}_nonfinite"), json!(s.nonfinite));
+        if let Some(b) = b {
+            m.insert(format!("{prefix}_bound"), json!(b.bound(s.rms_ref)));
+        }
+    }
+}
+
+/// One report case per tap; the verdict is the comparison of `mode`.
+pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Case> {
+    taps.iter()
+        .map(|t| {
+            let mut m = Map::new();
+            m.insert("tap".into(), json!(t.name));
+            m.insert("layer".into(), json!(t.layer));
+            m.insert("kind".into(), json!(t.kind));
+            stats_json("propagated", &t.propagated, &t.budget_propagated, &mut m);
+            stats_json("isolated", &t.isolated, &t.budget_isolated, &mut m);
+            if let Some(a) = t.amplification {
+                m.insert("propagated_amplification".into(), json!(a));
+                m.insert("propagated_magnified".into(), json!(t.magnified));
+            }
+            if let Some(e) = t.emulated {
+                m.insert("emulated_rel".into(), json!(e));
+                if let Some(b) = t.emulated_bulk {
+                    m.insert("bulk_propagated_rel".into(), json!(b.device_rel));
+                    m.insert("bulk_emulated_rel".into(), json!(b.emulated_rel));
+                    m.insert("massive_values".into(), json!(b.massive));
+                    m.insert("bulk_error_spread".into(), json!(b.spread));
+                }
+                if let Some(u) = t.emulated_budget_use() {
+                    m.insert("emulated_budget_use".into(), json!(u));
+                }
+                // No ratio where the emulation has no error yet (no rounding before this tap).
+                if let Some(p) = t.propagated.as_ref().filter(|_| e > 0.0) {
+                    m.insert("propagated_over_emulated".into(), json!(p.rel() / e));
+                }
+            }
+            if let Some(ts) = t.terms {
+                m.insert("term_rms".into(), json!(ts.term_rms));
+                m.insert("output_rms".into(), json!(ts.output_rms));
+                m.insert("terms_grant".into(), json!(t.terms_grant));
+            }
+            if t.attention_grant > 0.0 {
+                m.insert("attention_grant".into(), json!(t.attention_grant));
+            }
+            if let Some(n) = t.id_mismatches {
+                m.insert("id_mismatches".into(), json!(n));
+                m.insert("routing_followed_at_near_ties".into(), json!(t.routing_followed));
+            }
+            let (gated, budget) = t.compared(mode);
+            if let Some(s) = gated {
+                m.insert("max_abs".into(), json!(s.max_abs));
+            }
+            let id = format!("layer_diff(model={model},tap={},mode={})", t.name, serde_json::to_value(mode).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+            let (verdict, bound, margin, rule, message) = if t.missing {
+                (Verdict::Unsupported, 0.0, 0.0, "missing".to_string(), Some("the device did not produce this tap".to_string()))
+            } else if let Some(n) = t.id_mismatches {
+                (
+                    if n == 0 { Verdict::Pass } else { Verdict::Fail },
+                    0.0,
+                    -(n as f64),
+                    "expert ids identical at every position (the oracle following the device at near ties)".into(),
+                    if n > 0 {
+                        Some(format!("{n} positions chose other experts"))
+                    } else {
+                        (t.routing_followed > 0).then(|| format!("the oracle followed the device's choice at {} near tie(s)", t.routing_followed))
+                    },
+                )
+            } else {
+                match (gated, budget) {
+                    (Some(s), Some(b)) => {
+                        let bound = b.bound(s.rms_ref);
+                        let over = t.exceeds(mode) == Some(true);
+                        let msg = if s.nonfinite > 0 {
+                            Some(format!("{} values non-finite on one side only", s.nonfinite))
+                        } else if over {
+                            Some(format!("RMS error {:.3e} > bound {bound:.3e} (worst position {})", s.rms_err, s.worst_pos))
+                        } else {
+                            None
+                        };
+                        let rel = if mode == Mode::Propagated && t.magnified > 0.0 {
+                            // Say what part of the budget magnification upstream and here granted.
+                            format!("({:.3e} + {:.3e} magnified{})", b.rel - t.magnified, t.magnified, t.grant_source().map_or(String::new(), |w| format!(" or {w}")))
+                        } else {
+                            format!("{:.3e}", b.rel)
+                        };
+                        // The grant for cancelling terms sits in the absolute part, except in a
+                        // propagated budget that carried it on as a relative grant.
+                        let abs_holds_grant = (mode == Mode::Isolated || t.magnified == 0.0) && b.abs >= t.grant();
+                        let abs = if t.grant() > 0.0 && abs_holds_grant {
+                            // Say what part of the allowance the measured terms granted.
+                            format!("({:.3e} + {:.3e} {})", b.abs - t.grant(), t.grant(), t.grant_source().unwrap_or_default())
+                        } else {
+                            format!("{:.3e}", b.abs)
+                        };
+                        (if over { Verdict::Fail } else { Verdict::Pass }, bound, bound - s.rms_err, format!("rms_err <= {rel}*rms_ref + {abs}"), msg)
+                    }
+                    (None, _) => (Verdict::Unsupported, 0.0, 0.0, "not compared".into(), Some(format!("no {mode:?} comparison for this tap"))),
+                    (_, None) => (Verdict::Unsupported, 0.0, 0.0, "no budget".into(), Some(format!("no budget rule for tap kind `{}`", t.kind))),
+                }
+            };
+            Case { id, device: device.to_string(), verdict, metrics: m, tolerance: Tolerance { rule, bound }, margin, message }
+        })
+        .collect()
+}
+
+/// The `emulated_departure` gate: at every tap where the declared arithmetic emulated has a
+/// relative propagated error of at least [`crate::emulate::EMULATED_FLOOR`] over the tap's bulk
+/// (its massive values left out, [`bulk_errors`]: their errors are samples of a few roundings,
+/// and the worst-case budgets hold them), the device's error over the same bulk is at most
+/// `factor` times it. The verdict names the first tap (execution order) past the factor —
+/// where a change of numerics shows first — and the largest ratio. Taps whose bulk errors still
+/// sit in fewer than [`crate::emulate::EMULATED_MIN_SPREAD`] elements are named, not held. None
+/// when no tap qualifies (nothing to hold the device to). A tap with values non-finite on the
+/// device's side only is past any factor (its ratio is infinite).
+pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &str) -> Option<Case> {
+    use crate::emulate::{EMULATED_FLOOR as FLOOR, EMULATED_MIN_SPREAD as MIN_SPREAD};
+    let material: Vec<(&TapDiff, &ErrStats, BulkErrors)> = taps.iter().filter(|t| !t.missing).filter_map(|t| Some((t, t.propagated.as_ref()?, t.emulated_bulk.filter(|b| b.emulated_rel >= FLOOR)?))).collect();
+    let (held, concentrated): (Vec<_>, Vec<_>) = material.into_iter().partition(|(_, _, b)| b.spread >= MIN_SPREAD);
+    let ratios: Vec<(&TapDiff, f64)> = held.iter().map(|(t, p, b)| (*t, if p.nonfinite > 0 { f64::INFINITY } else { b.device_rel / b.emulated_rel })).collect();
+    let over = |r: f64| r.is_nan() || r > factor;
+    let (largest, largest_ratio) = *ratios.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let first = ratios.iter().find(|(_, r)| over(*r));
+    let mut m = Map::new();
+    m.insert("taps_compared".into(), json!(ratios.len()));
+    m.insert("largest_ratio".into(), json!(largest_ratio));
+    m.insert("largest_tap".into(), json!(largest.name));
+    m.insert("factor".into(), json!(factor));
+    m.insert("taps_concentrated".into(), json!(concentrated.iter().map(|(t, _, _)| &t.name).collect::<Vec<_>>()));
+    m.insert("massive_values".into(), json!(held.iter().map(|(_, _, b)| b.massive).sum::<usize>()));
+    if let Some((t, r)) = first {
+        m.insert("first_departure_tap".into(), json!(t.name));
+        m.insert("first_departure_ratio".into(), json!(r));
+    }
+    let not_held = match concentrated.len() {
+        0 => String::new(),
+        n => format!("; {n} taps not held, their errors in under {MIN_SPREAD} elements (first {})", concentrated[0].0.name),
+    };
+    let message = match first {
+        Some((t, r)) => format!(
+            "{}: propagated error {r:.2}x that of the declared arithmetic emulated (allowed {factor}x); {} of {} taps past it, the largest {largest_ratio:.2}x at {}{not_held}",
+            t.name,
+            ratios.iter().filter(|(_, r)| over(*r)).count(),
+            ratios.len(),
+            largest.name
+        ),
+        None => format!("largest {largest_ratio:.2}x the emulated arithmetic's error, at {} ({} taps compared{not_held})", largest.name, ratios.len()),
+    };
+    Some(Case {
+        id: format!("layer_diff(model={model},gate=emulated_departure)"),
+        device: device.to_string(),
+        verdict: if first.is_some() { Verdict::Fail } else { Verdict::Pass },
+        metrics: m,
+        tolerance: Tolerance { rule: format!("propagated rel. error <= {factor} x the declared arithmetic emulated's, over each tap's bulk (values under {MASSIVE} x its median magnitude), where that is >= {FLOOR:e} and the errors sit in >= {MIN_SPREAD} elements"), bound: factor },
+        margin: factor - largest_ratio,
+        message: Some(message),
+    })
+}
+
+/// Rows of the per-layer table: layer, l_out propagated error/bound, worst isolated op.
+pub fn layer_table(taps: &[TapDiff]) -> Vec<Vec<String>> {
+    let mut groups: Vec<(String, Vec<&TapDiff>)> = Vec::new();
+    for t in taps {
+        let key = t.layer.map_or_else(|| t.name.clone(), |i| i.to_string());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(t),
+            None => groups.push((key, vec![t])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(key, ts)| {
+            let out = ts.iter().rev().find(|t| t.propagated.is_some()).copied();
+            let worst = ts.iter().filter(|t| t.budget_use(Mode::Isolated).is_some()).max_by(|a, b| a.budget_use(Mode::Isolated).unwrap_or(0.0).total_cmp(&b.budget_use(Mode::Isolated).unwrap_or(0.0)));
+            let fmt_rel = |t: Option<&TapDiff>, mode: Mode| -> String {
+                let Some(t) = t else { return "-".into() };
+                match t.compared(mode) {
+                    (Some(s), Some(b)) => format!("{:.2e} / {:.2e}", s.rel(), b.bound(s.rms_ref) / s.rms_ref.max(f64::MIN_POSITIVE)),
+                    _ => "-".into(),
+                }
+            };
+            let missing = ts.iter().filter(|t| t.missing).count();
+            let failed_iso = ts.iter().filter(|t| t.exceeds(Mode::Isolated) == Some(true)).count();
+            let failed_prop = ts.iter().filter(|t| t.exceeds(Mode::Propagated) == Some(true)).count();
+            vec![
+                key,
+                out.map_or("-".into(), |t| t.kind.clone()),
+                fmt_rel(out, Mode::Propagated),
+                out.and_then(|t| t.emulated).map_or("-".into(), |e| format!("{e:.2e}")),
+                worst.map_or("-".into(), |t| t.kind.clone()),
+                fmt_rel(worst.copied(), Mode::Isolated),
+                format!("{failed_prop} / {failed_iso} / {missing}"),
+            ]
+        })
+        .collect()
+}
+
+pub const LAYER_TABLE_COLUMNS: [&str; 7] = [
+    "layer",
+    "output tap",
+    "its rel. RMS error / budget (propagated)",
+    "its rel. RMS error with the declared arithmetic emulated",
+    "worst op (isolated, by budget use)",
+    "its rel. RMS error / budget (isolated)",
+    "taps over budget propagated / isolated / missing",
+];
+
+/// Error by layer: relative RMS error of each tap kind (solid) and its budget (dashed), log scale.
+pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
+    let mut kinds: Vec<&str> = Vec::new();
+    for t in taps.iter().filter(|t| t.layer.is_some()) {
+        if !kinds.contains(&t.kind.as_str()) {
+            kinds.push(&t.kind);
+        }
+    }
+    let mut series = Vec::new();
+    for (ci, kind) in kinds.iter().enumerate() {
+        let mut measured = Vec::new();
+        let mut budget = Vec::new();
+        for t in taps.iter().filter(|t| t.kind == *kind) {
+            let (s, b) = t.compared(mode);
+            if let (Some(layer), Some(s)) = (t.layer, s) {
+                // A tap equal to the oracle to the last bit has no place on a log scale; it is
+                // drawn at the smallest f32 relative step instead of vanishing.
+                measured.push((layer as f64, s.rel().max(f32::EPSILON as f64 / 4.0)));
+                if let Some(b) = b {
+                    budget.push((layer as f64, b.bound(s.rms_ref) / s.rms_ref.max(f64::MIN_POSITIVE)));
+                }
+            }
+        }
+        if measured.is_empty() {
+            continue;
+        }
+        series.push(Series { name: kind.to_string(), points: measured, colour: ci, dashed: false });
+        if !budget.is_empty() {
+            series.push(Series { name: format!("{kind} budget"), points: budget, colour: ci, dashed: true });
+        }
+    }
+    // The residual stream's error with the declared arithmetic emulated: what an honest engine of
+    // it accumulates.
+    let emulated: Vec<(f64, f64)> = taps.iter().filter(|t| t.kind == "l_out").filter_map(|t| Some((t.layer? as f64, t.emulated?.max(f32::EPSILON as f64 / 4.0)))).collect();
+    if mode == Mode::Propagated && !emulated.is_empty() {
+        series.push(Series { name: "l_out, declared arithmetic emulated".into(), points: emulated, colour: kinds.len(), dashed: false });
+    }
+    Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None, markers: Vec::new() }
+}
+
+/// Error over budget by layer, read at a glance: per mode, the worst tap of each layer (the
+/// output head after the last layer), the budget as a dashed line at 1, and each layer's worst
+/// tap over it marked and named.
+pub fn budget_chart(taps: &[TapDiff], modes: &[Mode], title: &str) -> Chart {
+    let last = taps.iter().filter_map(|t| t.layer).max().map_or(0, |l| l + 1);
+    let x_of = |t: &TapDiff| t.layer.unwrap_or(if t.kind == "inp_embd" { 0 } else { last }) as f64;
+    let mut series = Vec::new();
+    let mut markers = Vec::new();
+    for (ci, mode) in modes.iter().enumerate() {
+        // Per layer, the worst tap and its use of its budget.
+        let mut worst: std::collections::BTreeMap<u64, (f64, &str)> = std::collections::BTreeMap::new();
+        for t in taps {
+            let Some(u) = t.budget_use(*mode).filter(|u| u.is_finite()) else { continue };
+            let e = worst.entry(x_of(t) as u64).or_insert((0.0, &t.name));
+            if u.max(1e-6) > e.0 {
+                *e = (u.max(1e-6), &t.name);
+            }
+        }
+        for (x, (u, name)) in &worst {
+            if *u > 1.0 {
+                markers.push(reports::plot::Marker { x: *x as f64, y: *u, label: format!("{name} ({})", if *mode == Mode::Isolated { "isolated" } else { "propagated" }) });
+            }
+        }
+        let worst: std::collections::BTreeMap<u64, f64> = worst.into_iter().map(|(x, (u, _))| (x, u)).collect();
+        if !worst.is_empty() {
+            let name = if *mode == Mode::Isolated { "isolated: each op's own error, worst tap of the layer" } else { "propagated: accumulated error, worst tap of the layer" };
+            series.push(Series { name: name.into(), points: worst.into_iter().map(|(x, u)| (x as f64, u)).collect(), colour: ci, dashed: false });
+        }
+    }
+    series.push(Series { name: "budget".into(), points: vec![(0.0, 1.0), (last as f64, 1.0)], colour: 3, dashed: true });
+    Chart { title: title.into(), x_label: "layer (after the last: the output head)".into(), y_label: "error / budget".into(), log_y: true, series, band: None, markers }
+}
