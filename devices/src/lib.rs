@@ -671,6 +671,17 @@ pub fn opened() -> std::collections::BTreeMap<String, String> {
     OPENED.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// The built-in devices named by one word, and the prefixes of the others (parameterised
+/// built-ins and external engines), as [`open`] reads them.
+pub const BUILTIN_NAMES: [&str; 4] = ["ref", "cpu", "fixed", "fixed-int4"];
+pub const DEVICE_PREFIXES: [&str; 7] = ["cpu:", "gpu-emu", "cuda", "rocm", "exec:", "external:", "ids:"];
+
+/// Whether `name` reads as one of [`open`]'s device names: a name an external engine gives
+/// itself that does is labelled apart from the device it would be taken for.
+pub fn is_device_name(name: &str) -> bool {
+    BUILTIN_NAMES.contains(&name) || DEVICE_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
 fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
     let unavailable = |why: &str| Err(DeviceError::Unavailable(name.to_string(), why.to_string()));
     // Command lines of external engines may hold anything; only built-in devices take +slow=.
@@ -710,6 +721,22 @@ mod tests {
 
     /// Each cache format gives back what its codec decodes, within its step; the budgets' size
     /// of a rounding orders the formats as their steps do; rows of part blocks are refused.
+    /// The one list of device names is the one `open` reads: every built-in name opens, and a
+    /// name outside the list and its prefixes is an unknown device.
+    #[test]
+    fn device_names_are_the_ones_open_reads() {
+        for n in BUILTIN_NAMES {
+            assert!(open(n).is_ok(), "{n}");
+            assert!(is_device_name(n));
+        }
+        for n in ["cpu:kv-f16", "gpu-emu", "exec:true", "external:/nowhere"] {
+            assert!(is_device_name(n), "{n}");
+            assert!(!matches!(open(n), Err(DeviceError::Unavailable(_, why)) if why.starts_with("unknown device")), "{n}");
+        }
+        assert!(!is_device_name("llama.cpp"));
+        assert!(matches!(open("llama.cpp"), Err(DeviceError::Unavailable(_, why)) if why.starts_with("unknown device")));
+    }
+
     #[test]
     fn cache_formats_round_rows_as_their_codec_does() {
         let x: Vec<f32> = (0..128).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();

@@ -462,8 +462,7 @@ pub fn label_devices(report: &mut reports::Report, devices: &[String], given: Op
         let label = match (given.filter(|_| i == 0), own) {
             (Some(g), _) => g.to_string(),
             (None, Some(name)) => {
-                let builtin = matches!(name.as_str(), "ref" | "cpu" | "fixed" | "fixed-int4") || ["cpu:", "gpu-emu", "cuda", "rocm", "exec:", "external:", "ids:"].iter().any(|p| name.starts_with(p));
-                if builtin || taken.contains(&name) { format!("{name} (external)") } else { name }
+                if devices::is_device_name(&name) || taken.contains(&name) { format!("{name} (external)") } else { name }
             }
             (None, None) => continue,
         };
