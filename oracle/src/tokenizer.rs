@@ -151,8 +151,11 @@ impl Tokenizer {
         let path = dir.join("tokenizer.json");
         let text = crate::files::read_to_string(&path).map_err(|e| tok_err(e.to_string()))?;
         // The tokenizers crate panics on a merge whose result is no token and longer than every
-        // token (it copies into a buffer of the longest token's size before looking it up).
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+        // token (it copies into a buffer of the longest token's size before looking it up), and
+        // on a `decoder` that is not JSON (it parses that field on its own, with `expect`): the
+        // file is read as JSON here first, and its merges checked.
+        let v = serde_json::from_str::<serde_json::Value>(&text).map_err(|e| tok_err(format!("{}: not JSON: {e}", path.display())))?;
+        {
             let model = &v["model"];
             if let (Some(vocab), Some(merges)) = (model["vocab"].as_object(), model["merges"].as_array()) {
                 let prefix = model["continuing_subword_prefix"].as_str().unwrap_or("");
@@ -639,6 +642,11 @@ mod tests {
         assert!(e.contains("model.merges[0] `a b`: `b` has no whole characters after its first 2 bytes, which the merge cuts as the continuing-subword prefix `##`"), "{e}");
         std::fs::write(dir.path().join("tokenizer.json"), with_prefix("a ##b")).unwrap();
         Tokenizer::from_checkpoint(dir.path()).unwrap();
+        // A decoder holding a control character inside a string (not JSON): the crate parsed
+        // that field on its own and panicked (found by the `checkpoint` fuzz target).
+        std::fs::write(dir.path().join("tokenizer.json"), "{\"decoder\": {\"type\": \"Byte\u{c}Level\"}, \"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}}").unwrap();
+        let e = Tokenizer::from_checkpoint(dir.path()).err().expect("accepted").to_string();
+        assert!(e.contains("tokenizer.json: not JSON: control character"), "{e}");
     }
 
     /// A SentencePiece vocabulary that names no unknown, BOS or EOS id gets llama.cpp's 0, 1
