@@ -53,6 +53,9 @@ pub struct SafetensorsDir {
     /// GGUF name -> its parts: one, or (a MoE layer's stacked expert tensor) one per expert, in
     /// expert order.
     index: HashMap<String, Vec<Part>>,
+    /// Gemma's checkpoints store each RMSNorm's weight less one (the model multiplies by
+    /// `1 + w`, computed in f32): handed out as `1 + w` in f32, as GGUF converters store them.
+    norm_plus_one: bool,
 }
 
 /// A stored tensor that is (part of) a GGUF tensor, located once when the directory is opened
@@ -95,6 +98,27 @@ const LAYER_NAMES: [(&str, &str); 15] = [
     ("mlp.up_proj.weight", "ffn_up.weight"),
     ("mlp.down_proj.weight", "ffn_down.weight"),
 ];
+
+/// Gemma 3's norms (`Gemma3ForCausalLM`): one before and one after each of attention and the
+/// FFN; its other per-layer weights are named as [`LAYER_NAMES`] names them.
+const GEMMA_NORM_NAMES: [(&str, &str); 4] = [
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+];
+
+/// Maps a Gemma 3 checkpoint's tensor name to its GGUF name.
+pub fn gemma_hf_to_gguf_name(hf: &str) -> Option<String> {
+    let others = LAYER_NAMES.into_iter().filter(|(h, _)| !h.ends_with("layernorm.weight"));
+    rename(hf, MODEL_NAMES.into_iter(), GEMMA_NORM_NAMES.into_iter().chain(others), "model.layers.", "blk.")
+}
+
+/// Maps a GGUF name to a Gemma 3 checkpoint's (the inverse of [`gemma_hf_to_gguf_name`]).
+pub fn gemma_gguf_to_hf_name(gguf: &str) -> Option<String> {
+    let others = LAYER_NAMES.into_iter().filter(|(h, _)| !h.ends_with("layernorm.weight"));
+    rename(gguf, MODEL_NAMES.into_iter().map(|(h, g)| (g, h)), GEMMA_NORM_NAMES.into_iter().chain(others).map(|(h, g)| (g, h)), "blk.", "model.layers.")
+}
 
 /// Phi-3's fused tensors: Q, K and V in one, gate and up in one (GGUF stores the latter as
 /// `ffn_up`, so a dense model's `mlp.up_proj` stays the name [`gguf_to_hf_name`] gives for it).
@@ -223,7 +247,8 @@ impl SafetensorsDir {
                 let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 let data = start..start + view.data().len();
                 let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert };
-                if let Some(g) = hf_to_gguf_name(name) {
+                let gguf = if spec.post_norms { gemma_hf_to_gguf_name(name) } else { hf_to_gguf_name(name) };
+                if let Some(g) = gguf {
                     index.insert(g, vec![part(None, false)]);
                 } else if let Some((g, e)) = hf_expert_part(name) {
                     experts.entry(g).or_default().insert(e, part(None, true));
@@ -295,7 +320,7 @@ impl SafetensorsDir {
             let stored = first.and_then(|g| index.get(g)?.first()).map(|p| format!(" (`{}` in the files)", p.hf)).unwrap_or_default();
             OracleError::Safetensors { file: dir.display().to_string(), reason: format!("{reason}{stored}") }
         })?;
-        Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index }, spec))
+        Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index, norm_plus_one: spec.post_norms }, spec))
     }
 
     /// (values, bytes) of the stored tensors the index reads, each counted once (a fused
@@ -330,6 +355,16 @@ impl SafetensorsDir {
     /// tensor), or its experts joined in expert order (each of the same dims and type) under GGML
     /// dims `[cols, rows, n_expert]`.
     fn stored(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        if self.norm_plus_one && name.ends_with("norm.weight") {
+            let Some(t) = self.stored_as_is(name)? else { return Ok(None) };
+            let w = t.decode()?;
+            let bytes: Vec<u8> = w.data.iter().flat_map(|v| (1.0 + v).to_le_bytes()).collect();
+            return Ok(Some(RawTensor { dims: t.dims, ty: GgmlType::F32, bytes: Cow::Owned(bytes) }));
+        }
+        self.stored_as_is(name)
+    }
+
+    fn stored_as_is(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
         let Some(parts) = self.index.get(name) else { return Ok(None) };
         let mut joined: Option<(Vec<usize>, GgmlType, Vec<u8>)> = None;
         for p in parts {

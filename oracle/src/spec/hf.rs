@@ -19,8 +19,10 @@ impl ModelSpec {
             "qwen2_moe" => "qwen2moe",
             "qwen3_moe" => "qwen3moe",
             "phi3" => "phi3",
-            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3)"))),
+            "gemma3_text" => "gemma3",
+            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, gemma3_text)"))),
         };
+        let gemma = arch == "gemma3";
         let qwen = arch.starts_with("qwen");
         let n_embd = req("hidden_size")?;
         let n_head = req("num_attention_heads")?;
@@ -28,7 +30,11 @@ impl ModelSpec {
         let ctx = u("max_position_embeddings")?.unwrap_or(4096);
         // RoPE: `rope_theta` and `rope_scaling` at the top level, or (newer transformers) both
         // in `rope_parameters`.
+        // Gemma 3 in transformers 5: one set of RoPE parameters per layer type; the global
+        // layers' are the model's RoPE, the windowed layers' base their own (below).
+        let per_type = |t: &str| top.get("rope_parameters").and_then(|p| p.get(t)).filter(|p| p.is_object());
         let rope_params = match top.get("rope_parameters") {
+            Some(_) if gemma && per_type("full_attention").is_some() => per_type("full_attention").map(|p| Fields { obj: p, at: "rope_parameters.full_attention.", file }),
             Some(p) if p.is_object() => Some(Fields { obj: p, at: "rope_parameters.", file }),
             Some(p) => return Err(err(format!("config.json: `rope_parameters` is {p}, expected an object"))),
             None => None,
@@ -128,7 +134,7 @@ impl ModelSpec {
         // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
         // the model; a split is not.
         let sliding_window = match model_type.as_str() {
-            "mistral" | "mixtral" | "phi3" => u("sliding_window")?,
+            "mistral" | "mixtral" | "phi3" | "gemma3_text" => u("sliding_window")?,
             _ if qwen && top.b("use_sliding_window")?.unwrap_or(false) => match u("max_window_layers")?.unwrap_or(28) {
                 0 => u("sliding_window")?,
                 m if m >= n_layer => None,
@@ -136,10 +142,11 @@ impl ModelSpec {
             },
             _ => None,
         };
-        let act = match top.s("hidden_act")?.unwrap_or("silu") {
+        let act_key = if gemma { "hidden_activation" } else { "hidden_act" };
+        let act = match top.s(act_key)?.unwrap_or(if gemma { "gelu_pytorch_tanh" } else { "silu" }) {
             "silu" | "swish" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
-            other => return Err(err(format!("config.json: hidden_act `{other}` is not supported"))),
+            other => return Err(err(format!("config.json: {act_key} `{other}` is not supported"))),
         };
         // Experts: Mixtral routes every layer through `num_local_experts` experts of
         // `intermediate_size` and renormalizes its top-k weights; Qwen-MoE has `num_experts` of
@@ -198,13 +205,13 @@ impl ModelSpec {
                 freq_factors,
                 longrope_factors,
             },
-            qk_norm: arch == "qwen3" || arch == "qwen3moe",
+            qk_norm: arch == "qwen3" || arch == "qwen3moe" || gemma,
             // Qwen2 (and Qwen2-MoE) always biases Q/K/V (never O); llama, mistral and qwen3 bias
             // all four of them when `attention_bias` is set (their attention layers build
             // q/k/v/o_proj alike).
             qkv_bias: arch == "qwen2" || arch == "qwen2moe" || attention_bias,
             out_bias: arch != "qwen2" && arch != "qwen2moe" && attention_bias,
-            tied_output: top.b("tie_word_embeddings")?.unwrap_or(false),
+            tied_output: top.b("tie_word_embeddings")?.unwrap_or(gemma),
             activation: act,
             moe,
             sliding_window,
@@ -217,10 +224,72 @@ impl ModelSpec {
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
             stages: Vec::new(),
         };
+        if gemma {
+            spec.gemma3_from_hf(&top, per_type("sliding_attention"), file)?;
+        }
         spec.derive_stages();
         spec.set_context(configured_context()?)?;
         spec.validate()?;
         Ok(spec)
+    }
+
+    /// What a `gemma3_text` config adds to the common fields: the windowed layers' pattern
+    /// (`layer_types`, or `sliding_window_pattern` in older configs: every N-th layer global) and
+    /// RoPE base (`rope_parameters.sliding_attention.rope_theta`, or `rope_local_base_freq`,
+    /// unscaled), the query scale from `query_pre_attn_scalar`, scaled embeddings and post-norms.
+    /// Soft-capping (Gemma 2's; null in Gemma 3's configs) is refused.
+    fn gemma3_from_hf(&mut self, top: &Fields<'_>, sliding: Option<&serde_json::Value>, file: &str) -> Result<()> {
+        let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+        for cap in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if let Some(v) = top.f(cap)? {
+                return Err(err(format!("config.json: {cap} {v}: soft-capping is not supported")));
+            }
+        }
+        let period = match top.typed("layer_types", |v| v.as_array(), "an array of layer types")? {
+            Some(types) => {
+                let full: Vec<bool> = types.iter().map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(true),
+                    Some("sliding_attention") => Ok(false),
+                    _ => Err(err(format!("config.json: layer_types holds {t}, expected \"full_attention\" or \"sliding_attention\""))),
+                }).collect::<Result<_>>()?;
+                if full.len() != self.n_layer {
+                    return Err(err(format!("config.json: layer_types lists {} layers, num_hidden_layers is {}", full.len(), self.n_layer)));
+                }
+                match full.iter().position(|f| *f) {
+                    None => 0,
+                    Some(first) => {
+                        let n = first + 1;
+                        if full.iter().enumerate().any(|(i, f)| *f != ((i + 1) % n == 0)) {
+                            return Err(err(format!("config.json: layer_types is not every {n}-th layer global and the others windowed, the one pattern supported")));
+                        }
+                        n
+                    }
+                }
+            }
+            None => top.u("sliding_window_pattern")?.unwrap_or(crate::spec::GEMMA3_SWA_PERIOD),
+        };
+        if period == 0 || self.sliding_window.is_none() {
+            // Every layer windowed with one RoPE: the common fields say it all.
+            self.swa_period = 0;
+        } else {
+            self.swa_period = period;
+        }
+        let local_theta = match sliding {
+            Some(p) => Fields { obj: p, at: "rope_parameters.sliding_attention.", file }.f("rope_theta")?,
+            None => top.f("rope_local_base_freq")?,
+        }
+        .unwrap_or(crate::spec::GEMMA3_LOCAL_ROPE_BASE);
+        if self.sliding_window.is_some() {
+            self.rope_swa = Some(RopeSpec { theta: local_theta, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None, ..self.rope.clone() });
+        }
+        let scalar = top.f("query_pre_attn_scalar")?.unwrap_or(self.head_dim as f64);
+        if !(scalar.is_finite() && scalar > 0.0) {
+            return Err(err(format!("config.json: query_pre_attn_scalar {scalar} is not a positive number")));
+        }
+        self.attn_scale = 1.0 / scalar.sqrt();
+        self.embd_scale = Some((self.n_embd as f32).sqrt() as f64);
+        self.post_norms = true;
+        Ok(())
     }
 }
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""An independent f64 reference from Hugging Face transformers: a checkpoint directory run by
+`AutoModelForCausalLM` (eager attention) with every weight and every op in float64.
+
+Some models force parts of the forward pass to float32 whatever the weights' dtype (Gemma 3's
+RMSNorm computes `x.float()`); those modules are patched here to compute in the input's dtype, and
+the script refuses to run if any floating tensor of the forward pass is not float64 (a forward
+hook on every module checks its inputs and outputs). A development/test peer: never a runtime
+dependency of Touchstone.
+
+Usage: hf_f64.py CHECKPOINT_DIR --prompt-ids 1,2,3 [--greedy N] --out ref.json
+Writes {"logits": [[...], ...] (every position), "greedy": [...]}.
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+
+def f64_norms():
+    """Patch RMSNorm modules that upcast to float32 so they compute in their input's dtype."""
+    patched = []
+    try:
+        from transformers.models.gemma3 import modeling_gemma3 as g3
+
+        def forward(self, x):
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return y * (1.0 + self.weight.to(x.dtype))
+        g3.Gemma3RMSNorm.forward = forward
+        patched.append("Gemma3RMSNorm")
+    except ImportError:
+        pass
+    return patched
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--prompt-ids", required=True)
+    ap.add_argument("--greedy", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+    f64_norms()
+    torch.set_default_dtype(torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(a.checkpoint, torch_dtype=torch.float64, attn_implementation="eager")
+    model.eval()
+    bad = []
+
+    def check(module, inputs, output):
+        for t in list(inputs) + (list(output) if isinstance(output, (tuple, list)) else [output]):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+                bad.append(f"{type(module).__name__}: {t.dtype}")
+    hooks = [m.register_forward_hook(check) for m in model.modules()]
+    ids = [int(t) for t in a.prompt_ids.split(",")]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+        for h in hooks:
+            h.remove()
+        if bad:
+            sys.exit(f"not every op ran in float64: {sorted(set(bad))[:5]}")
+        seq, greedy = list(ids), []
+        for _ in range(a.greedy):
+            nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            greedy.append(nxt)
+            seq.append(nxt)
+    json.dump({"logits": logits.tolist(), "greedy": greedy}, open(a.out, "w"))
+
+
+if __name__ == "__main__":
+    main()
