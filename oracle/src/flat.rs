@@ -365,7 +365,7 @@ impl FlatFile {
         let theta_swa = f64_at(h, off::ROPE_THETA_SWA);
         if theta_swa != 0.0 {
             // The windowed layers' RoPE: the same rotation, its own base, unscaled (Gemma 3's local layers).
-            spec.rope_swa = Some(RopeSpec { theta: theta_swa, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None, ..spec.rope.clone() });
+            spec.rope_swa = Some(spec.rope.with_base(theta_swa));
         }
         spec.derive_stages();
         spec.set_context(crate::spec::configured_context()?).map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;

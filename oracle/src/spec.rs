@@ -74,6 +74,20 @@ pub const GEMMA3_SWA_PERIOD: usize = 6;
 /// Gemma 3's RoPE base on its windowed ("local") layers.
 pub const GEMMA3_LOCAL_ROPE_BASE: f64 = 10_000.0;
 
+/// Gemma's embedding scale for a model `n_embd` wide: sqrt(n_embd) in f32, as llama.cpp and
+/// transformers compute it.
+pub fn gemma_embd_scale(n_embd: usize) -> f64 {
+    (n_embd as f32).sqrt() as f64
+}
+
+impl RopeSpec {
+    /// The same rotation with base `theta`, unscaled and without frequency factors: the RoPE of
+    /// Gemma 3's windowed layers beside its global one.
+    pub fn with_base(&self, theta: f64) -> RopeSpec {
+        RopeSpec { theta, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None, ..self.clone() }
+    }
+}
+
 /// The environment variable that tells every model loader the context (positions) the engine
 /// under test is configured for (`cargo xtask --context N` sets it).
 pub const CONTEXT_ENV: &str = "TOUCHSTONE_CONTEXT";
@@ -477,7 +491,7 @@ impl ModelSpec {
             sliding_window: opt_u("attention.sliding_window")?.filter(|w| *w > 0),
             swa_period: if gemma { GEMMA3_SWA_PERIOD } else { 0 },
             rope_swa: None,
-            embd_scale: gemma.then(|| (n_embd as f32).sqrt() as f64),
+            embd_scale: gemma.then(|| gemma_embd_scale(n_embd)),
             post_norms: gemma,
             fused: arch == "phi3",
             context_length: ctx,
@@ -488,7 +502,7 @@ impl ModelSpec {
             // What a `gemma3` GGUF does not store, as llama.cpp and Transformers take it: the
             // local layers' RoPE (base 10,000, unscaled), and the query scale, 1/sqrt(head_dim)
             // but for the 27B model (62 layers), whose query_pre_attn_scalar is n_embd / n_head.
-            spec.rope_swa = Some(RopeSpec { theta: GEMMA3_LOCAL_ROPE_BASE, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None, ..spec.rope.clone() });
+            spec.rope_swa = Some(spec.rope.with_base(GEMMA3_LOCAL_ROPE_BASE));
             if spec.n_layer == 62 {
                 spec.attn_scale = 1.0 / ((n_embd / n_head) as f64).sqrt();
             }

@@ -749,9 +749,21 @@ fn smollm2_tokenizer_matches_llama_cpp_when_available() {
     if !llama_cpp_installed() {
         return;
     }
+    let theirs = llama_cpp_token_ids(&model, &texts, false);
+    let tok = oracle::loader::open_tokenizer(&model).unwrap().unwrap();
+    for (text, theirs) in texts.iter().zip(&theirs) {
+        assert_eq!(&tok.encode(text).unwrap(), theirs, "{text:?}");
+    }
+    eprintln!("{} texts: the oracle's ids are llama.cpp's", texts.len());
+}
+
+/// llama.cpp's ids for each of `texts` (through the PyPI bindings; special tokens matched whole,
+/// BOS first when `bos`).
+fn llama_cpp_token_ids(model: &Path, texts: &[&str], bos: bool) -> Vec<Vec<u32>> {
     let script = format!(
-        "import json, sys\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, vocab_only=True, verbose=False)\nprint(json.dumps([m.tokenize(t.encode(), add_bos=False, special=True) for t in json.load(sys.stdin)]))",
-        model.display().to_string()
+        "import json, sys\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, vocab_only=True, verbose=False)\nprint(json.dumps([m.tokenize(t.encode(), add_bos={}, special=True) for t in json.load(sys.stdin)]))",
+        model.display().to_string(),
+        if bos { "True" } else { "False" }
     );
     let mut child = Command::new("python3")
         .args(["-c", &script])
@@ -760,15 +772,10 @@ fn smollm2_tokenizer_matches_llama_cpp_when_available() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), serde_json::to_string(&texts).unwrap().as_bytes()).unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), serde_json::to_string(texts).unwrap().as_bytes()).unwrap();
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let theirs: Vec<Vec<u32>> = serde_json::from_slice(&o.stdout).unwrap();
-    let tok = oracle::loader::open_tokenizer(&model).unwrap().unwrap();
-    for (text, theirs) in texts.iter().zip(&theirs) {
-        assert_eq!(&tok.encode(text).unwrap(), theirs, "{text:?}");
-    }
-    eprintln!("{} texts: the oracle's ids are llama.cpp's", texts.len());
+    serde_json::from_slice(&o.stdout).unwrap()
 }
 
 /// 48 token ids spread over a tiny model's vocabulary, as `--prompt-ids` takes them.
@@ -1510,16 +1517,8 @@ fn gemma3_tokenizer_matches_llama_cpp() {
     if !llama_cpp_installed() {
         return;
     }
-    let script = format!(
-        "import json, sys\nfrom llama_cpp import Llama\nm = Llama(model_path={:?}, vocab_only=True, verbose=False)\nprint(json.dumps([m.tokenize(t.encode(), add_bos=True, special=True) for t in json.load(sys.stdin)]))",
-        model.display().to_string()
-    );
-    let mut child = Command::new("python3").args(["-c", &script]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let texts: Vec<&str> = cases.iter().map(|(t, _)| *t).collect();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), serde_json::to_string(&texts).unwrap().as_bytes()).unwrap();
-    let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let theirs: Vec<Vec<u32>> = serde_json::from_slice(&o.stdout).unwrap();
+    let theirs = llama_cpp_token_ids(&model, &texts, true);
     for (text, theirs) in texts.iter().zip(&theirs) {
         assert_eq!(&tok.encode(text).unwrap(), theirs, "{text:?}");
     }

@@ -263,6 +263,8 @@ impl GpuModel {
         for li in 0..s.n_layer {
             let name = |t: &str| format!("blk.{li}.{t}");
             let mut ffn_out: Option<DevBuf> = None;
+            // What each residual adds: the sublayer's output, or its post-norm (held in `post`).
+            let (mut attn_res, mut ffn_res) = (attn_out.ptr, None);
             let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
             let (k, v) = (kc.at_f32(at), vc.at_f32(at));
             for (si, stage) in s.stages.iter().enumerate() {
@@ -314,27 +316,28 @@ impl GpuModel {
                         }
                         record(taps, &name("attn_out"), &attn_out, start, m, d)?;
                     }
+                    // The attention residual is added before the FFN runs, so one buffer serves
+                    // both post-norms.
                     Stage::AttnPostNorm => {
                         let (Some([w, _]), Some(p)) = (&layer.post_norms, &post) else { return Err("post-norm stage without its weights".into()) };
                         g.rms_norm(attn_out.ptr, w.ptr, p.ptr, m, d, eps)?;
-                        g.copy(p.ptr, attn_out.ptr, m * d)?;
-                        record(taps, &name("attn_post_norm"), &attn_out, start, m, d)?;
+                        record(taps, &name("attn_post_norm"), p, start, m, d)?;
+                        attn_res = p.ptr;
                     }
                     Stage::FfnPostNorm => {
-                        let (Some([_, w]), Some(o)) = (&layer.post_norms, &ffn_out) else { return Err("post-norm stage without its weights or an FFN output".into()) };
-                        let normed = g.alloc(4 * m * d)?;
-                        g.rms_norm(o.ptr, w.ptr, normed.ptr, m, d, eps)?;
-                        record(taps, &name("ffn_post_norm"), &normed, start, m, d)?;
-                        ffn_out = Some(normed);
+                        let (Some([_, w]), Some(o), Some(p)) = (&layer.post_norms, &ffn_out, &post) else { return Err("post-norm stage without its weights or an FFN output".into()) };
+                        g.rms_norm(o.ptr, w.ptr, p.ptr, m, d, eps)?;
+                        record(taps, &name("ffn_post_norm"), p, start, m, d)?;
+                        ffn_res = Some(p.ptr);
                     }
                     Stage::AttnResidual => {
                         if s.stages.get(si + 1) == Some(&Stage::FfnNorm) {
-                            g.add_rms_norm(x.ptr, attn_out.ptr, layer.ffn_norm.ptr, h.ptr, m, d, eps)?;
+                            g.add_rms_norm(x.ptr, attn_res, layer.ffn_norm.ptr, h.ptr, m, d, eps)?;
                             record(taps, &name("ffn_inp"), &x, start, m, d)?;
                             record(taps, &name("ffn_norm"), &h, start, m, d)?;
                             normed = true;
                         } else {
-                            g.add(x.ptr, attn_out.ptr, x.ptr, m * d, m * d)?;
+                            g.add(x.ptr, attn_res, x.ptr, m * d, m * d)?;
                             record(taps, &name("ffn_inp"), &x, start, m, d)?;
                         }
                     }
@@ -354,7 +357,7 @@ impl GpuModel {
                         ffn_out = Some(o);
                     }
                     Stage::FfnResidual => {
-                        let o = ffn_out.as_ref().ok_or("FFN residual before an FFN stage")?;
+                        let o = ffn_res.or(ffn_out.as_ref().map(|o| o.ptr)).ok_or("FFN residual before an FFN stage")?;
                         // The norm that comes next: the next layer's attention norm when its
                         // stages start with it, else (the last layer) the output norm.
                         let next = if si + 1 < s.stages.len() {
@@ -368,13 +371,13 @@ impl GpuModel {
                         };
                         match next {
                             Some((w, tap)) => {
-                                g.add_rms_norm(x.ptr, o.ptr, w, h.ptr, m, d, eps)?;
+                                g.add_rms_norm(x.ptr, o, w, h.ptr, m, d, eps)?;
                                 record(taps, &name("l_out"), &x, start, m, d)?;
                                 record(taps, &tap, &h, start, m, d)?;
                                 normed = true;
                             }
                             None => {
-                                g.add(x.ptr, o.ptr, x.ptr, m * d, m * d)?;
+                                g.add(x.ptr, o, x.ptr, m * d, m * d)?;
                                 record(taps, &name("l_out"), &x, start, m, d)?;
                             }
                         }

@@ -268,26 +268,22 @@ impl ModelSpec {
             }
             None => top.u("sliding_window_pattern")?.unwrap_or(crate::spec::GEMMA3_SWA_PERIOD),
         };
-        if period == 0 || self.sliding_window.is_none() {
-            // Every layer windowed with one RoPE: the common fields say it all.
-            self.swa_period = 0;
-        } else {
-            self.swa_period = period;
-        }
+        // Without a window, or with every layer windowed (period 0), no layer is told apart.
+        self.swa_period = if self.sliding_window.is_some() { period } else { 0 };
         let local_theta = match sliding {
             Some(p) => Fields { obj: p, at: "rope_parameters.sliding_attention.", file }.f("rope_theta")?,
             None => top.f("rope_local_base_freq")?,
         }
         .unwrap_or(crate::spec::GEMMA3_LOCAL_ROPE_BASE);
         if self.sliding_window.is_some() {
-            self.rope_swa = Some(RopeSpec { theta: local_theta, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None, ..self.rope.clone() });
+            self.rope_swa = Some(self.rope.with_base(local_theta));
         }
         let scalar = top.f("query_pre_attn_scalar")?.unwrap_or(self.head_dim as f64);
         if !(scalar.is_finite() && scalar > 0.0) {
             return Err(err(format!("config.json: query_pre_attn_scalar {scalar} is not a positive number")));
         }
         self.attn_scale = 1.0 / scalar.sqrt();
-        self.embd_scale = Some((self.n_embd as f32).sqrt() as f64);
+        self.embd_scale = Some(crate::spec::gemma_embd_scale(self.n_embd));
         self.post_norms = true;
         Ok(())
     }
