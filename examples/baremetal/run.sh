@@ -46,7 +46,7 @@ if [ "$n_generate" -eq 0 ]; then logits="logits=1"; fi
 mib=$(( $(wc -c < "$model") / 1048576 + 128 ))
 if [ "$mib" -gt 3072 ]; then echo "baremetal: $model is too large for a 32-bit kernel" >&2; exit 2; fi
 status=0
-qemu-system-x86_64 -accel tcg -m "$mib" -display none -no-reboot -monitor none \
+qemu-system-x86_64 -accel tcg -m "$mib" -display none -no-reboot -monitor none -nic none \
     -kernel "$kernel" -initrd "$model" -append "ids=$TOUCHSTONE_PROMPT_IDS gen=$n_generate $logits" \
     -serial "file:$work/console.txt" -serial "file:$work/frames.bin" \
     -device isa-debug-exit,iobase=0xf4,iosize=0x04 || status=$?

@@ -283,7 +283,12 @@ int main(int argc, char **argv) {
     if (!bpf_map__initial_value(rm, &rodata_size) || rodata_size != sizeof sizes) die(argv[1], ".rodata is not the maps' sizes");
     if (bpf_map__set_initial_value(rm, sizes, sizeof sizes) || bpf_map__set_value_size(wm, (uint32_t)(chunk_words * 4)) || bpf_map__set_max_entries(wm, (uint32_t)chunks) || bpf_map__set_value_size(am, (uint32_t)(act_words * 8)))
         die(argv[1], "cannot size the maps: %s", strerror(errno));
-    if (bpf_object__load(obj)) die(argv[1], "cannot load the programs (bpf() refused: root or CAP_BPF needed, or the verifier rejected one; libbpf's log above): %s", strerror(errno));
+    /* One small map first: a bpf() that is refused outright (no root, no CAP_BPF, a sandbox)
+     * is said as such, apart from a program the verifier rejects. */
+    int probe = bpf_map_create(BPF_MAP_TYPE_ARRAY, NULL, 4, 4, 1, NULL);
+    if (probe < 0) die("bpf()", "refused here: %s (root, or CAP_BPF and CAP_SYS_ADMIN, is needed)", strerror(-probe));
+    close(probe);
+    if (bpf_object__load(obj)) die(argv[1], "the kernel did not load the programs (the verifier's log above): %s", strerror(errno));
     for (int p = 0; p < N_PROGS; p++) {
         struct bpf_program *prog = bpf_object__find_program_by_name(obj, prog_names[p]);
         if (!prog) die(argv[1], "no program `%s`", prog_names[p]);
@@ -304,6 +309,11 @@ int main(int argc, char **argv) {
     float *all_logits = calloc((size_t)n_prompt * V, 4);
     if (!lw || !all_logits) die("memory", "out of memory");
 
+    /* TOUCHSTONE_EBPF_STATS=1: the kernel's run-time statistics of every program, printed at
+     * the end with each program's size and the instructions its verification processed. */
+    const int stats = getenv("TOUCHSTONE_EBPF_STATS") && !strcmp(getenv("TOUCHSTONE_EBPF_STATS"), "1");
+    const int stats_fd = stats ? bpf_enable_stats(BPF_STATS_RUN_TIME) : -1;
+    if (stats && stats_fd < 0) die("TOUCHSTONE_EBPF_STATS", "the kernel refused run-time statistics: %s", strerror(-stats_fd));
     double t0 = now();
     for (uint64_t pos = 0; pos < cap && pos < (uint64_t)n_ids; pos++) {
         const int tp = (int)pos;
@@ -372,6 +382,17 @@ int main(int argc, char **argv) {
     unsigned long long positions = (unsigned long long)(n_ids < (int)cap ? n_ids : (int)cap);
     fprintf(stderr, "ebpf_engine: %llu positions in %.3f s (%.1f tok/s): %llu BPF_PROG_TEST_RUN calls, %llu multiply-adds per position\n",
             positions, secs, (double)positions / secs, runs / positions, macs / positions);
+
+    if (stats) {
+        fprintf(stderr, "%-8s %8s %9s %9s %12s\n", "program", "insns", "verified", "runs", "run ms");
+        for (int p = 0; p < N_PROGS; p++) {
+            struct bpf_prog_info info = {0};
+            uint32_t len = sizeof info;
+            if (bpf_obj_get_info_by_fd(prog_fd[p], &info, &len)) die(prog_names[p], "no program information: %s", strerror(errno));
+            fprintf(stderr, "%-8s %8u %9u %9llu %12.3f\n", prog_names[p], info.xlated_prog_len / 8, info.verified_insns, (unsigned long long)info.run_cnt, (double)info.run_time_ns * 1e-6);
+        }
+        close(stats_fd);
+    }
 
     char path[4096];
     snprintf(path, sizeof path, "%s/manifest.json", out);
