@@ -98,14 +98,25 @@ pub const FEATURES: [(&str, bool); 3] = [("cuda", cfg!(feature = "cuda")), ("roc
 pub struct Exit {
     pub code: u8,
     pub message: String,
+    /// The error was a device saying it cannot serve this request at all
+    /// ([`devices::DeviceError::Unavailable`]: not built in, no such hardware, a model it has no
+    /// kernels for), which `gate` reports as unsupported rather than as an error.
+    pub unavailable: bool,
+}
+
+impl Exit {
+    pub fn new(code: u8, message: impl Into<String>) -> Exit {
+        Exit { code, message: message.into(), unavailable: false }
+    }
 }
 
 impl<E: Into<anyhow::Error>> From<E> for Exit {
     fn from(e: E) -> Self {
         let e: anyhow::Error = e.into();
+        let unavailable = e.chain().any(|c| matches!(c.downcast_ref::<devices::DeviceError>(), Some(devices::DeviceError::Unavailable(..))));
         // Our library errors already name file, field and cause in their own message; anyhow's
         // alternate form would repeat the cause.
-        Exit { code: 2, message: format!("{e}") }
+        Exit { unavailable, ..Exit::new(2, format!("{e}")) }
     }
 }
 
@@ -118,7 +129,7 @@ const MAX_THREADS: usize = 4096;
 /// for 0 and for what is not a number, as documented.
 fn check_thread_count() -> Result<(), Exit> {
     match std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.trim().parse::<usize>().ok()) {
-        Some(n) if n > MAX_THREADS => Err(Exit { code: 2, message: format!("RAYON_NUM_THREADS={n}: more than {MAX_THREADS} worker threads (0 or unset: one per core)") }),
+        Some(n) if n > MAX_THREADS => Err(Exit::new(2, format!("RAYON_NUM_THREADS={n}: more than {MAX_THREADS} worker threads (0 or unset: one per core)"))),
         _ => Ok(()),
     }
 }

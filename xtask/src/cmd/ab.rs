@@ -221,7 +221,7 @@ fn one_run(engine: &mut super::Engine, ids: &[u32], gen_len: usize, cpu: &str) -
 /// Runs `ids` on the device model and picks the greedy next token: (token, milliseconds).
 fn timed_next(m: &mut dyn devices::DeviceModel, ids: &[u32]) -> Result<(u32, f64), Exit> {
     let t = Instant::now();
-    let logits = m.forward_last(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let logits = m.forward_last(ids, &mut oracle::NoTap).map_err(|e| Exit::from(e))?;
     let tok = oracle::ops::argmax(&logits) as u32;
     Ok((tok, t.elapsed().as_secs_f64() * 1e3))
 }
@@ -237,7 +237,7 @@ pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
     let cpu = Provenance::collect(rayon::current_num_threads()).cpu;
     let say = |line: String| -> Result<(), Exit> {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "{line}").and_then(|_| out.flush()).map_err(|e| Exit { code: 2, message: format!("stdout: {e}") })
+        writeln!(out, "{line}").and_then(|_| out.flush()).map_err(|e| Exit::new(2, format!("stdout: {e}")))
     };
     if !a.serve {
         say(one_run(&mut engine, &ids, a.gen_len, &cpu)?)?;
@@ -247,7 +247,7 @@ pub fn run_main(a: AbRunArgs) -> Result<u8, Exit> {
     // harness can interleave two arms token by token (device models only).
     let mut last: Option<u32> = None;
     let mut line = String::new();
-    while std::io::stdin().read_line(&mut line).map_err(|e| Exit { code: 2, message: format!("stdin: {e}") })? > 0 {
+    while std::io::stdin().read_line(&mut line).map_err(|e| Exit::new(2, format!("stdin: {e}")))? > 0 {
         let reply = match (line.trim(), &mut engine) {
             ("run", e) => one_run(e, &ids, a.gen_len, &cpu)?,
             ("begin", super::Engine::Device(m)) => {
@@ -344,9 +344,9 @@ fn prepare(arm_name: &str, arm: Arm, model: &Path, model_name: &str, ids: &str, 
             c
         })
     };
-    let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let exe = std::env::current_exe().map_err(|e| Exit::from(e))?;
     let serve = |name: &str, cmd: Box<dyn Fn() -> Command>| -> Result<Runner, Exit> {
-        let server = start_server(cmd()).map_err(|e| Exit { code: 2, message: format!("arm {name}: {e}") })?;
+        let server = start_server(cmd()).map_err(|e| Exit::new(2, format!("arm {name}: {e}")))?;
         Ok(Runner { name: name.to_string(), cmd, server: Some(std::cell::RefCell::new(server)) })
     };
     match arm {
@@ -371,7 +371,7 @@ fn prepare(arm_name: &str, arm: Arm, model: &Path, model_name: &str, ids: &str, 
 /// has (so `git:REV:cuda:0` works from a `--features cuda` build), cached by commit and features.
 fn build_rev(rev: &str) -> Result<PathBuf, Exit> {
     use super::git;
-    let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let here = std::env::current_dir().map_err(|e| Exit::from(e))?;
     let top = PathBuf::from(git(&here, &["rev-parse", "--show-toplevel"])?);
     let sha = git(&top, &["rev-parse", "--verify", &format!("{rev}^{{commit}}")])?;
     let root = top.join("target/touchstone/ab");
@@ -391,9 +391,9 @@ fn build_rev(rev: &str) -> Result<PathBuf, Exit> {
         .current_dir(&tree)
         .env("CARGO_TARGET_DIR", root.join("target"))
         .status()
-        .map_err(|e| Exit { code: 2, message: format!("cargo build at {sha:.10}: {e}") })?;
+        .map_err(|e| Exit::new(2, format!("cargo build at {sha:.10}: {e}")))?;
     if !st.success() {
-        return Err(Exit { code: 2, message: format!("arm git:{rev}: the build at {sha:.10} failed ({st})") });
+        return Err(Exit::new(2, format!("arm git:{rev}: the build at {sha:.10} failed ({st})")));
     }
     std::fs::copy(root.join("target/release/xtask"), &bin).map_err(|e| super::io_exit(&bin, e))?;
     let _ = git(&top, &["worktree", "remove", "--force", tree.to_str().unwrap_or_default()]);
@@ -545,7 +545,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     .filter_map(|(bad, rule)| bad.then_some(rule))
     .collect();
     if !broken.is_empty() {
-        return Err(Exit { code: 2, message: format!("need {}", broken.join(", ")) });
+        return Err(Exit::new(2, format!("need {}", broken.join(", "))));
     }
     let model = super::resolve_model(&a.model)?;
     let n_vocab = oracle::loader::open_model(&model)?.1.n_vocab;
@@ -573,7 +573,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
                 let starts = if ab::a_started_first(i / a.respawn_every) { [&ra, &rb] } else { [&rb, &ra] };
                 for r in starts {
                     if let Err(e) = respawn(r) {
-                        failure = Some(Exit { code: 2, message: format!("arm {} could not be restarted before pair {}: {e}", r.name, i + 1) });
+                        failure = Some(Exit::new(2, format!("arm {} could not be restarted before pair {}: {e}", r.name, i + 1)));
                     }
                 }
                 if failure.is_some() {
@@ -600,7 +600,7 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
                 }
                 Err((name, e)) => {
                     let which = if name == "A" { &a.a } else { &a.b };
-                    failure = Some(Exit { code: 2, message: format!("arm {name} (`{which}`) failed in pair {}: {e}", i + 1) });
+                    failure = Some(Exit::new(2, format!("arm {name} (`{which}`) failed in pair {}: {e}", i + 1)));
                 }
             }
             pb.set_length(target as u64);
@@ -651,10 +651,10 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
     print_table(&a, &pairs, &stats, first_difference);
     outln!("report: {}", dir.join("report.json").display());
     if let Some(f) = failure {
-        return Err(Exit { code: 2, message: format!("{} ({} pairs kept in {})", f.message, pairs.len(), dir.display()) });
+        return Err(Exit::new(2, format!("{} ({} pairs kept in {})", f.message, pairs.len(), dir.display())));
     }
     if let Some(p) = problems.into_iter().next() {
-        return Err(Exit { code: 2, message: p });
+        return Err(Exit::new(2, p));
     }
     Ok(match stats.verdict {
         AbVerdict::Faster | AbVerdict::NoChange => 0,

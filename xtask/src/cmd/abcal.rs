@@ -73,14 +73,14 @@ impl Scenario {
 pub fn main(a: AbCalibrateArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     if a.decisions == 0 || !(a.slowdown > 0.0 && a.slowdown <= 1000.0) {
-        return Err(Exit { code: 2, message: "need --decisions >= 1 and --slowdown a percentage in (0, 1000]".into() });
+        return Err(Exit::new(2, "need --decisions >= 1 and --slowdown a percentage in (0, 1000]"));
     }
     super::check_device(&a.arm)?;
     if a.arm.starts_with("exec:") || a.arm.starts_with("external:") || a.arm.starts_with("ids:") {
-        return Err(Exit { code: 2, message: format!("--arm {}: give a device of this build; --exec runs it behind the exec: protocol", a.arm) });
+        return Err(Exit::new(2, format!("--arm {}: give a device of this build; --exec runs it behind the exec: protocol", a.arm)));
     }
     super::resolve_model(&a.model)?;
-    let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let exe = std::env::current_exe().map_err(|e| Exit::from(e))?;
     let slowed = format!("{}+slow={}", a.arm, a.slowdown);
     let spec = |device: &str| -> String {
         if a.exec {
@@ -110,7 +110,7 @@ pub fn main(a: AbCalibrateArgs) -> Result<u8, Exit> {
                 .args(&a.ab_args)
                 .stdin(std::process::Stdio::null())
                 .output()
-                .map_err(|e| Exit { code: 2, message: format!("cannot run ab: {e}") })?;
+                .map_err(|e| Exit::new(2, format!("cannot run ab: {e}")))?;
             let seconds = t.elapsed().as_secs_f64();
             match read_decision(&sub, seconds) {
                 Ok(d) if out.status.code() != Some(2) => {
@@ -131,7 +131,7 @@ pub fn main(a: AbCalibrateArgs) -> Result<u8, Exit> {
     print_table(&report);
     outln!("report: {}", dir.join("report.json").display());
     if let Some(f) = failure {
-        return Err(Exit { code: 2, message: f });
+        return Err(Exit::new(2, f));
     }
     Ok(if report.cases.iter().any(|c| c.verdict == Verdict::Fail) { 1 } else { 0 })
 }

@@ -58,7 +58,7 @@ fn cell(r: &serde_json::Value, row: usize, col: usize) -> String {
 }
 
 pub fn run(a: &AbArgs, scenarios: &[(String, usize)]) -> Result<u8, Exit> {
-    let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let exe = std::env::current_exe().map_err(|e| Exit::from(e))?;
     let dir = match &a.report_dir {
         Some(d) => d.clone(),
         None => super::new_report_dir("ab", None)?,
@@ -72,7 +72,7 @@ pub fn run(a: &AbArgs, scenarios: &[(String, usize)]) -> Result<u8, Exit> {
         let stem: String = model.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
         let sub = dir.join(format!("scenario-{:02}-{stem}-p{prompt_len}", k + 1));
         eprintln!("ab: scenario {}/{}: {model}, {prompt_len}-token prompt", k + 1, scenarios.len());
-        let out = std::process::Command::new(&exe).args(child_args(a, model, *prompt_len, &sub)).stdin(std::process::Stdio::null()).output().map_err(|e| Exit { code: 2, message: format!("cannot run ab: {e}") })?;
+        let out = std::process::Command::new(&exe).args(child_args(a, model, *prompt_len, &sub)).stdin(std::process::Stdio::null()).output().map_err(|e| Exit::new(2, format!("cannot run ab: {e}")))?;
         let code = out.status.code().unwrap_or(2);
         codes.push(code);
         let report: Option<serde_json::Value> = std::fs::read_to_string(sub.join("report.json")).ok().and_then(|t| serde_json::from_str(&t).ok());

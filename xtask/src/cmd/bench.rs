@@ -117,7 +117,7 @@ pub struct Measured {
 /// A bench needs a prompt, two generated tokens (a decode step to time) and one repetition.
 fn check_sizes(prompt_len: usize, gen_len: usize, reps: usize) -> Result<(), Exit> {
     if prompt_len == 0 || gen_len < 2 || reps == 0 {
-        return Err(Exit { code: 2, message: format!("--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required (given {prompt_len}, {gen_len}, {reps})") });
+        return Err(Exit::new(2, format!("--prompt-len >= 1, --gen-len >= 2 and --reps >= 1 are required (given {prompt_len}, {gen_len}, {reps})")));
     }
     Ok(())
 }
@@ -167,7 +167,7 @@ fn measure_exec(cmd: &str, model: &str, prompt_len: usize, gen_len: usize, reps:
     pb.set_style(indicatif::ProgressStyle::with_template("bench {prefix} {pos}/{len} [{bar:30}] {elapsed}").expect("template"));
     pb.set_prefix(format!("exec:{cmd} / {model}"));
     let run = |p: &[u32], n: usize| -> Result<oracle::generate::Generation, Exit> {
-        let s = super::ab::run_exec(cmd, &path, &ids, n, timeout).map_err(|e| Exit { code: 2, message: format!("exec:{cmd}: {e}") })?;
+        let s = super::ab::run_exec(cmd, &path, &ids, n, timeout).map_err(|e| Exit::new(2, format!("exec:{cmd}: {e}")))?;
         peak.set(peak.get().max(s.peak_rss_kb));
         Ok(oracle::generate::Generation { prompt: p.to_vec(), decode_steps: s.n_gen - 1, prefill_s: s.prefill_ms / 1e3, decode_s: s.decode_ms / 1e3, step_s: s.step_ms.iter().map(|m| m / 1e3).collect(), tokens: s.tokens })
     };
@@ -182,14 +182,14 @@ fn measure_exec(cmd: &str, model: &str, prompt_len: usize, gen_len: usize, reps:
 /// One bench case run by `bench` in a process of its own (`gate --suite bench`): its peak RSS is
 /// then the case's, whatever ran before it in the gate.
 pub fn case_in_own_process(device: &str, model: &str) -> Result<reports::Case, Exit> {
-    let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: format!("cannot find this program to run `bench`: {e}") })?;
-    let dir = tempfile::tempdir().map_err(|e| Exit { code: 2, message: format!("cannot create a report directory for `bench`: {e}") })?;
+    let exe = std::env::current_exe().map_err(|e| Exit::new(2, format!("cannot find this program to run `bench`: {e}")))?;
+    let dir = tempfile::tempdir().map_err(|e| Exit::new(2, format!("cannot create a report directory for `bench`: {e}")))?;
     let o = std::process::Command::new(exe)
         .args(["bench", "--device", device, "--model", model, "--reps", &REPS.to_string(), "--report-dir"])
         .arg(dir.path())
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| Exit { code: 2, message: format!("cannot run `bench`: {e}") })?;
+        .map_err(|e| Exit::new(2, format!("cannot run `bench`: {e}")))?;
     let file = dir.path().join("report.json");
     let report: Option<reports::Report> = std::fs::read_to_string(&file).ok().and_then(|t| serde_json::from_str(&t).ok());
     match report.and_then(|r| r.cases.into_iter().next()) {
@@ -197,7 +197,7 @@ pub fn case_in_own_process(device: &str, model: &str) -> Result<reports::Case, E
         None => {
             let err = String::from_utf8_lossy(&o.stderr);
             let tail: Vec<&str> = err.lines().rev().take(3).collect();
-            Err(Exit { code: 2, message: format!("bench on {device} / {model} ({}): {}", o.status, tail.into_iter().rev().collect::<Vec<_>>().join(" / ")) })
+            Err(Exit::new(2, format!("bench on {device} / {model} ({}): {}", o.status, tail.into_iter().rev().collect::<Vec<_>>().join(" / "))))
         }
     }
 }

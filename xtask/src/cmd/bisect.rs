@@ -67,21 +67,21 @@ pub fn bisect_code(xtask_exit: Option<i32>) -> u8 {
 
 
 pub fn main(a: BisectArgs) -> Result<u8, Exit> {
-    let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let here = std::env::current_dir().map_err(|e| Exit::from(e))?;
     let repo = a.repo.clone().unwrap_or_else(|| here.clone());
     if !repo.is_dir() {
-        return Err(Exit { code: 2, message: format!("--repo {}: not a directory", repo.display()) });
+        return Err(Exit::new(2, format!("--repo {}: not a directory", repo.display())));
     }
     let top = PathBuf::from(git(&repo, &["rev-parse", "--show-toplevel"])?);
     let good = git(&top, &["rev-parse", "--verify", &format!("{}^{{commit}}", a.good)])?;
     let bad = git(&top, &["rev-parse", "--verify", &format!("{}^{{commit}}", a.bad)])?;
     // Refused before a worktree is made: git's own messages for these were empty or cryptic.
     if good == bad {
-        return Err(Exit { code: 2, message: format!("--good {} and --bad {} are the same commit {good:.10}: nothing lies between them", a.good, a.bad) });
+        return Err(Exit::new(2, format!("--good {} and --bad {} are the same commit {good:.10}: nothing lies between them", a.good, a.bad)));
     }
-    let ancestor = Command::new("git").current_dir(&top).args(["merge-base", "--is-ancestor", &good, &bad]).status().map_err(|e| Exit { code: 2, message: format!("git: {e}") })?;
+    let ancestor = Command::new("git").current_dir(&top).args(["merge-base", "--is-ancestor", &good, &bad]).status().map_err(|e| Exit::new(2, format!("git: {e}")))?;
     if !ancestor.success() {
-        return Err(Exit { code: 2, message: format!("--good {} ({good:.10}) is not an ancestor of --bad {} ({bad:.10}): the good revision must come first (swapped?)", a.good, a.bad) });
+        return Err(Exit::new(2, format!("--good {} ({good:.10}) is not an ancestor of --bad {} ({bad:.10}): the good revision must come first (swapped?)", a.good, a.bad)));
     }
     let work = match (&a.work_dir, &a.repo) {
         (Some(w), _) => w.clone(),
@@ -97,7 +97,7 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
     }
     git(&top, &["worktree", "add", "--detach", tree.to_str().unwrap_or_default(), &bad])?;
     // The step runner is this very binary, copied so that nothing a step builds replaces it.
-    let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let exe = std::env::current_exe().map_err(|e| Exit::from(e))?;
     let runner = work.join("xtask-bisect-step");
     std::fs::copy(&exe, &runner).map_err(|e| super::io_exit(&runner, e))?;
     let result = (|| -> Result<u8, Exit> {
@@ -120,7 +120,7 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
             None => eprintln!("bisect: {good:.10} (good) .. {bad:.10} (bad), judging each revision with `cargo xtask {}`", a.command.join(" ")),
         }
         // Each step's own lines (good, bad, skip and why) go to the user as they come.
-        let o = cmd.stderr(std::process::Stdio::inherit()).output().map_err(|e| Exit { code: 2, message: format!("git bisect run: {e}") })?;
+        let o = cmd.stderr(std::process::Stdio::inherit()).output().map_err(|e| Exit::new(2, format!("git bisect run: {e}")))?;
         let out = String::from_utf8_lossy(&o.stdout).into_owned();
         let first_bad = out.lines().find(|l| l.contains("is the first bad commit")).and_then(|l| l.split_whitespace().next()).map(String::from);
         match first_bad {
@@ -132,7 +132,7 @@ pub fn main(a: BisectArgs) -> Result<u8, Exit> {
             }
             None => {
                 let tail: Vec<&str> = out.lines().rev().take(12).collect();
-                Err(Exit { code: 2, message: format!("git bisect found no first bad commit (every candidate skipped, or good/bad swapped?):\n{}{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"), skipped_builds(&reports)) })
+                Err(Exit::new(2, format!("git bisect found no first bad commit (every candidate skipped, or good/bad swapped?):\n{}{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"), skipped_builds(&reports))))
             }
         }
     })();
@@ -161,7 +161,7 @@ fn skipped_builds(reports: &std::path::Path) -> String {
 /// One step inside the worktree: build (an engine: its `--build`; Touchstone: cargo) and run the
 /// command, write its report under `reports/<rev>/`, exit with git bisect's code.
 pub fn step(a: StepArgs) -> Result<u8, Exit> {
-    let here = std::env::current_dir().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let here = std::env::current_dir().map_err(|e| Exit::from(e))?;
     let rev = git(&here, &["rev-parse", "HEAD"])?;
     let dir = a.reports.join(&rev);
     std::fs::create_dir_all(&dir).map_err(|e| super::io_exit(&dir, e))?;
@@ -178,7 +178,7 @@ pub fn step(a: StepArgs) -> Result<u8, Exit> {
                 return Ok(125);
             }
         }
-        let exe = std::env::current_exe().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        let exe = std::env::current_exe().map_err(|e| Exit::from(e))?;
         Command::new(exe).args(&a.command).arg("--report-dir").arg(&dir).current_dir(&here).status()
     } else {
         Command::new("cargo").args(["run", "--quiet", "--package", "xtask", "--"]).args(&a.command).arg("--report-dir").arg(&dir).current_dir(&here).status()

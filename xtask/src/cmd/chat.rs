@@ -13,7 +13,7 @@ pub const TEMPLATE_FUEL: u64 = 2_000_000;
 pub fn render(template: &str, messages: &[(&str, &str)], tok: &Tokenizer) -> Result<String, Exit> {
     let bad = |e: minijinja::Error| {
         let budget = if e.kind() == minijinja::ErrorKind::OutOfFuel { format!(" (its budget is {TEMPLATE_FUEL} steps: no chat prompt needs a loop or a string this large)") } else { String::new() };
-        Exit { code: 2, message: format!("chat template: {e:#}{budget}") }
+        Exit::new(2, format!("chat template: {e:#}{budget}"))
     };
     let mut env = minijinja::Environment::new();
     // A template is part of a model file, which may come from anywhere: its loops and strings

@@ -40,7 +40,7 @@ pub fn main(a: ExportArgs) -> Result<u8, Exit> {
     let path = resolve_model(&a.model)?;
     let (source, spec) = oracle::loader::open_weights(&path)?;
     if a.out.is_dir() {
-        return Err(Exit { code: 2, message: format!("--out {}: is a directory; give the file to write", a.out.display()) });
+        return Err(Exit::new(2, format!("--out {}: is a directory; give the file to write", a.out.display())));
     }
     let pb = super::progress(0, "export");
     let exported = flat::export(&a.out, &spec, source.as_ref(), a.target, &mut |done, total, name| {

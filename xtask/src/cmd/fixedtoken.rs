@@ -96,15 +96,15 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let baseline: Option<serde_json::Value> = match &a.baseline {
         Some(f) => {
             let text = std::fs::read_to_string(f).map_err(|e| super::io_exit(f, e))?;
-            let report: serde_json::Value = serde_json::from_str(&text).map_err(|e| Exit { code: 2, message: format!("--baseline {}: not a report.json: {e}", f.display()) })?;
-            reports::check_schema_version(report["schema_version"].as_u64().unwrap_or(0)).map_err(|why| Exit { code: 2, message: format!("--baseline {}: {why}", f.display()) })?;
+            let report: serde_json::Value = serde_json::from_str(&text).map_err(|e| Exit::new(2, format!("--baseline {}: not a report.json: {e}", f.display())))?;
+            reports::check_schema_version(report["schema_version"].as_u64().unwrap_or(0)).map_err(|why| Exit::new(2, format!("--baseline {}: {why}", f.display())))?;
             Some(report)
         }
         None => None,
     };
     let n_generate = a.n_generate.unwrap_or(24);
     if n_generate == 0 {
-        return Err(Exit { code: 2, message: "--n-generate must be at least 1: a golden with no continuation leaves the greedy gate nothing to compare".into() });
+        return Err(Exit::new(2, "--n-generate must be at least 1: a golden with no continuation leaves the greedy gate nothing to compare"));
     }
     if !a.write_golden {
         check_device(&a.device)?;
@@ -118,7 +118,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     };
     let given = super::given_prompt(a.prompt.as_deref().or(file_text.as_deref()), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?;
     if given.is_some() && a.golden.is_some() && !a.write_golden {
-        return Err(Exit { code: 2, message: "--golden FILE holds its own prompt; give a prompt (--prompt, --prompt-ids, --prompt-file) or a golden file, not both (or add --write-golden to write the prompt's golden to FILE)".into() });
+        return Err(Exit::new(2, "--golden FILE holds its own prompt; give a prompt (--prompt, --prompt-ids, --prompt-file) or a golden file, not both (or add --write-golden to write the prompt's golden to FILE)"));
     }
     // A given prompt has no golden file unless one is being written.
     let golden_file = if given.is_some() { a.golden.clone().filter(|_| a.write_golden) } else { a.golden.clone().or_else(|| ::fixtures::golden_path(&a.model)) };
@@ -132,7 +132,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         super::check_recordings_fit("fixed-token", oracle.spec(), false, prompt.len().saturating_add(n_generate), 10)?;
     }
     if a.write_golden {
-        let file = golden_file.ok_or_else(|| Exit { code: 2, message: format!("give --golden FILE to say where to write (model `{}` has no golden file of its own, or a prompt was given: a fixture's golden keeps its prompt)", a.model) })?;
+        let file = golden_file.ok_or_else(|| Exit::new(2, format!("give --golden FILE to say where to write (model `{}` has no golden file of its own, or a prompt was given: a fixture's golden keeps its prompt)", a.model)))?;
         let g = oracle_golden(&oracle, &a.model, sha256, prompt, n_generate)?;
         if let Some(dir) = file.parent() {
             std::fs::create_dir_all(dir).map_err(|e| super::io_exit(dir, e))?;
@@ -145,29 +145,26 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let (golden, origin) = match golden_file.filter(|f| f.exists() || a.golden.is_some()) {
         Some(f) => {
             let text = std::fs::read_to_string(&f).map_err(|e| super::io_exit(&f, e))?;
-            let g: Golden = serde_json::from_str(&text).map_err(|e| Exit { code: 2, message: format!("{}: {e}", f.display()) })?;
+            let g: Golden = serde_json::from_str(&text).map_err(|e| Exit::new(2, format!("{}: {e}", f.display())))?;
             if g.sha256 != sha256 {
-                return Err(Exit {
-                    code: 2,
-                    message: format!("{}: made for a model with sha256 {}, but {} has sha256 {sha256}; regenerate with `{}`", f.display(), g.sha256, path.display(), g.regenerate),
-                });
+                return Err(Exit::new(2, format!("{}: made for a model with sha256 {}, but {} has sha256 {sha256}; regenerate with `{}`", f.display(), g.sha256, path.display(), g.regenerate)));
             }
             if let Some(n) = a.n_generate {
-                return Err(Exit { code: 2, message: format!("--n-generate {n}: the golden file {} holds its own continuation ({} tokens); --n-generate sets the length of one generated in this run (give a prompt, or --write-golden)", f.display(), g.continuation_ids.len()) });
+                return Err(Exit::new(2, format!("--n-generate {n}: the golden file {} holds its own continuation ({} tokens); --n-generate sets the length of one generated in this run (give a prompt, or --write-golden)", f.display(), g.continuation_ids.len())));
             }
             if g.prompt_ids.is_empty() {
-                return Err(Exit { code: 2, message: format!("{}: the golden's prompt_ids are empty; regenerate with `{}`", f.display(), g.regenerate) });
+                return Err(Exit::new(2, format!("{}: the golden's prompt_ids are empty; regenerate with `{}`", f.display(), g.regenerate)));
             }
-            super::check_ids(&g.sequence(), oracle.spec().n_vocab).map_err(|e| Exit { code: 2, message: format!("{}: {}", f.display(), e.message) })?;
+            super::check_ids(&g.sequence(), oracle.spec().n_vocab).map_err(|e| Exit::new(2, format!("{}: {}", f.display(), e.message)))?;
             (g, f.display().to_string())
         }
         None => (oracle_golden(&oracle, &a.model, sha256, prompt, n_generate)?, "generated by the oracle in this run (no golden file for this model and prompt)".to_string()),
     };
     if golden.continuation_ids.is_empty() {
-        return Err(Exit { code: 2, message: format!("{origin}: the golden has no continuation tokens, so the greedy gate would compare nothing; regenerate with `{}`", golden.regenerate) });
+        return Err(Exit::new(2, format!("{origin}: the golden has no continuation tokens, so the greedy gate would compare nothing; regenerate with `{}`", golden.regenerate)));
     }
     let base_kld = match (&baseline, &a.baseline) {
-        (Some(base), Some(f)) => Some(fixedtoken::baseline_kld(&golden, base).map_err(|e| Exit { code: 2, message: format!("--baseline {}: {e}", f.display()) })?),
+        (Some(base), Some(f)) => Some(fixedtoken::baseline_kld(&golden, base).map_err(|e| Exit::new(2, format!("--baseline {}: {e}", f.display())))?),
         _ => None,
     };
     let seq = golden.sequence();
@@ -190,10 +187,10 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     runs.routing_differs = fixedtoken::routing_differs(&oracle_routing, &device_routing, seq.len());
     // Asked after the run: an external engine's arithmetic comes from its dump's manifest.
     let arith = engine.arithmetic();
-    arith.check().map_err(|e| Exit { code: 2, message: format!("{}: declared arithmetic: {e}", a.device) })?;
+    arith.check().map_err(|e| Exit::new(2, format!("{}: declared arithmetic: {e}", a.device)))?;
     let declared_name = engine.declared_name();
     drop(engine);
-    let mut budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit { code: 2, message: "no logit budget rule".into() })?;
+    let mut budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit::new(2, "no logit budget rule"))?;
     // Where the output head's terms cancel, the logits' rounding errors are larger than their
     // size suggests: the budget grants the difference (as layer-diff's does).
     let head_terms = oracle::loader::open_weights(&path).and_then(|(weights, _)| layerdiff::term_scales(&oracle_tap.head, weights.as_ref()))?.remove("result_output");
@@ -266,7 +263,7 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
     let mut routing = RoutingTap::default();
     let seq = golden.sequence();
     let (p0, n) = (golden.prompt_ids.len(), golden.continuation_ids.len());
-    let dev_err = |e: devices::DeviceError| Exit { code: 2, message: e.to_string() };
+    let dev_err = |e: devices::DeviceError| Exit::from(e);
     match engine {
         Engine::Oracle(m) => {
             let logits: Vec<f32> = m.prefill_logits(&seq, &mut routing)?.iter().map(|v| *v as f32).collect();

@@ -67,23 +67,23 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
     let suites: Vec<String> = if a.suite.is_empty() { DEFAULT_SUITES.iter().map(|s| s.to_string()).collect() } else { a.suite.clone() };
     for s in &suites {
         if !SUITES.contains(&s.as_str()) {
-            return Err(Exit { code: 2, message: format!("no suite `{s}` (suites: {})", SUITES.join(", ")) });
+            return Err(Exit::new(2, format!("no suite `{s}` (suites: {})", SUITES.join(", "))));
         }
     }
     if let Some(s) = a.shard.as_deref().filter(|_| suites.iter().any(|s| s != "kernels")) {
-        return Err(Exit { code: 2, message: format!("--shard {s} splits the kernel cases alone; the other suites would run whole in every shard (and the shards' reports not merge): give --suite kernels, and run the others unsharded") });
+        return Err(Exit::new(2, format!("--shard {s} splits the kernel cases alone; the other suites would run whole in every shard (and the shards' reports not merge): give --suite kernels, and run the others unsharded")));
     }
-    a.require_taps.parse::<suites::coverage::RequiredTaps>().map_err(|e| Exit { code: 2, message: e })?;
+    a.require_taps.parse::<suites::coverage::RequiredTaps>().map_err(|e| Exit::new(2, e))?;
     let device_names: Vec<String> = if a.device.is_empty() { vec!["cpu".into(), "fixed".into()] } else { a.device.clone() };
     super::check_label(a.name.as_deref())?;
     if a.name.is_some() && device_names.len() != 1 {
-        return Err(Exit { code: 2, message: format!("--name labels one device; {} are given", device_names.len()) });
+        return Err(Exit::new(2, format!("--name labels one device; {} are given", device_names.len())));
     }
     let label = |d: &str| a.name.clone().unwrap_or_else(|| d.to_string());
     if suites.iter().any(|s| s == "kernels") {
         device_names.iter().try_for_each(|d| super::check_runs_ops(d))?;
     }
-    let devices = device_names.iter().map(|d| devices::open(d)).collect::<Result<Vec<_>, _>>().map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let devices = device_names.iter().map(|d| devices::open(d)).collect::<Result<Vec<_>, _>>().map_err(|e| Exit::from(e))?;
     let shard = a.shard.as_deref().map(super::parse_shard).transpose()?;
     let mut cases = Vec::new();
     // The names external engines' dumps give themselves, for their labels.
@@ -161,7 +161,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
 /// A suite that could not run on a device/model pair: `unsupported` when the device says it cannot
 /// run that model (e.g. MoE on `fixed`), otherwise an `error` case (exit 2) with the reason.
 fn could_not_run(suite: &str, device: &str, model: &str, e: Exit) -> reports::Case {
-    let unsupported = e.message.contains("is unavailable") || e.message.contains("have no integer kernels");
+    let unsupported = e.unavailable;
     reports::Case {
         id: format!("{suite}(model={model})"),
         device: device.to_string(),

@@ -39,9 +39,9 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     super::check_runs_ops(&a.device)?;
     super::check_label(a.name.as_deref())?;
-    let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let device = devices::open(&a.device).map_err(|e| Exit::from(e))?;
     let filter = match &a.filter {
-        Some(f) => Some(regex::Regex::new(f).map_err(|e| Exit { code: 2, message: format!("--filter: {e}") })?),
+        Some(f) => Some(regex::Regex::new(f).map_err(|e| Exit::new(2, format!("--filter: {e}")))?),
         None => None,
     };
     let opts = suites::kernels::KernelOptions { filter, shard: a.shard.as_deref().map(parse_shard).transpose()?, perf: a.perf, seed: a.seed };
@@ -79,7 +79,7 @@ fn list(device: &dyn devices::Device, selected: &[oracle::registry::OpCase], nar
     }
     outln!("{} cases, {unsupported} of them unsupported on {}", selected.len(), device.name());
     if selected.is_empty() && narrowed {
-        return Err(Exit { code: 2, message: "the selection (--filter, --shard) holds no case".into() });
+        return Err(Exit::new(2, "the selection (--filter, --shard) holds no case"));
     }
     Ok(0)
 }

@@ -123,7 +123,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
 
 /// Runs the comparison the arguments describe (no printing, no files).
 pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
-    let required: suites::coverage::RequiredTaps = a.require_taps.parse().map_err(|e: String| Exit { code: 2, message: e })?;
+    let required: suites::coverage::RequiredTaps = a.require_taps.parse().map_err(|e: String| Exit::new(2, e))?;
     let mut outcome = layer_diff_taps(a)?;
     // Which taps the device gave, by kind, and the gate on the ones required.
     outcome.report.sections.insert("tap_coverage".into(), suites::coverage::section(&outcome.taps, &required));
@@ -135,9 +135,9 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
 
 /// The comparison of every tap, before the coverage gate.
 fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
-    let mode: Mode = a.mode.as_deref().unwrap_or("isolated").parse().map_err(|e| Exit { code: 2, message: format!("--mode: {e}") })?;
+    let mode: Mode = a.mode.as_deref().unwrap_or("isolated").parse().map_err(|e| Exit::new(2, format!("--mode: {e}")))?;
     if a.against.is_some() && a.mode.is_some() && mode != Mode::Propagated {
-        return Err(Exit { code: 2, message: "--mode isolated: --against compares the two devices' whole runs (propagated); each device's isolated comparison is `layer-diff --device D` against the oracle".into() });
+        return Err(Exit::new(2, "--mode isolated: --against compares the two devices' whole runs (propagated); each device's isolated comparison is `layer-diff --device D` against the oracle"));
     }
     super::check_factor("--emulation-factor", a.emulation_factor)?;
     check_device(&a.device)?;
@@ -161,7 +161,7 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let mut declared = vec![(a.device.clone(), engine.declared_name())];
     drop(engine);
     let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
-    let shape_err = |e: String| Exit { code: 2, message: e };
+    let shape_err = |e: String| Exit::new(2, e);
     let mut outcome = match &a.against {
         None => {
             stages.next("the oracle: its own run, on the device's values, with the declared arithmetic emulated");

@@ -33,7 +33,7 @@ pub fn check_factor(flag: &str, f: f64) -> Result<(), Exit> {
     if f.is_finite() && f >= 1.0 {
         Ok(())
     } else {
-        Err(Exit { code: 2, message: format!("{flag} {f} must be a finite number of at least 1") })
+        Err(Exit::new(2, format!("{flag} {f} must be a finite number of at least 1")))
     }
 }
 
@@ -43,7 +43,7 @@ pub fn check_factor(flag: &str, f: f64) -> Result<(), Exit> {
 /// `exec:`, `ids:`): it runs no single op, so every case would be `unsupported`.
 pub fn check_runs_ops(device: &str) -> Result<(), Exit> {
     if ["external:", "ids:"].iter().any(|p| device.starts_with(p)) {
-        return Err(Exit { code: 2, message: format!("`{device}` is an engine judged through a dump or its printed ids and runs no single op: the kernel suite cannot run on it (layer-diff and fixed-token judge it; an `exec:` engine that speaks the op protocol runs the kernel suite: docs/OP_PROTOCOL.md)") });
+        return Err(Exit::new(2, format!("`{device}` is an engine judged through a dump or its printed ids and runs no single op: the kernel suite cannot run on it (layer-diff and fixed-token judge it; an `exec:` engine that speaks the op protocol runs the kernel suite: docs/OP_PROTOCOL.md)")));
     }
     Ok(())
 }
@@ -52,7 +52,7 @@ pub fn check_device(device: &str) -> Result<(), Exit> {
     if device == "ref" {
         return Ok(());
     }
-    devices::open(device).map(|_| ()).map_err(|e| Exit { code: 2, message: e.to_string() })
+    devices::open(device).map(|_| ()).map_err(|e| Exit::from(e))
 }
 
 /// Greedy/sampled generation on a device model: the oracle's generation loop, fed by the
@@ -66,14 +66,14 @@ pub fn generate_on_device(
     stop: &[u32],
 ) -> Result<oracle::generate::Generation, Exit> {
     model.reset();
-    let forward_last = |ids: &[u32]| -> Result<Vec<f32>, Exit> { model.forward_last(ids, &mut oracle::NoTap).map_err(|e| Exit { code: 2, message: e.to_string() }) };
+    let forward_last = |ids: &[u32]| -> Result<Vec<f32>, Exit> { model.forward_last(ids, &mut oracle::NoTap).map_err(|e| Exit::from(e)) };
     oracle::generate::generate_with(forward_last, prompt, max_new, sampler, seed, stop)
 }
 
 /// Parses `504,3575,282`, `504, 3575` or `504 3575 282` given to `flag`; nothing between two
 /// commas (`1,,2`, a lost id) is refused rather than skipped.
 pub fn parse_ids(flag: &str, s: &str) -> Result<Vec<u32>, Exit> {
-    let bad = |why: String| Exit { code: 2, message: format!("{flag} `{s}`: {why} (expected comma-separated token ids)") };
+    let bad = |why: String| Exit::new(2, format!("{flag} `{s}`: {why} (expected comma-separated token ids)"));
     let mut ids = Vec::new();
     let pieces: Vec<&str> = s.split(',').collect();
     for (i, piece) in pieces.iter().enumerate() {
@@ -86,7 +86,7 @@ pub fn parse_ids(flag: &str, s: &str) -> Result<Vec<u32>, Exit> {
         }
     }
     if ids.is_empty() {
-        return Err(Exit { code: 2, message: format!("{flag} is empty") });
+        return Err(Exit::new(2, format!("{flag} is empty")));
     }
     Ok(ids)
 }
@@ -101,13 +101,13 @@ pub fn resolve_model(model: &str) -> Result<PathBuf, Exit> {
 /// `--prompt-ids`; None when neither was given.
 pub fn given_prompt(text: Option<&str>, ids: Option<&str>, tok: Option<&Tokenizer>, model: &str, path: &std::path::Path) -> Result<Option<Vec<u32>>, Exit> {
     match (text, ids) {
-        (Some(_), Some(_)) => Err(Exit { code: 2, message: "give --prompt or --prompt-ids, not both".into() }),
+        (Some(_), Some(_)) => Err(Exit::new(2, "give --prompt or --prompt-ids, not both")),
         (None, Some(ids)) => parse_ids("--prompt-ids", ids).map(Some),
         (Some(text), None) => {
-            let tok = tok.ok_or_else(|| Exit { code: 2, message: format!("{}; use --prompt-ids", no_tokenizer(model, path)) })?;
+            let tok = tok.ok_or_else(|| Exit::new(2, format!("{}; use --prompt-ids", no_tokenizer(model, path))))?;
             let ids = tok.encode(text)?;
             if ids.is_empty() {
-                return Err(Exit { code: 2, message: format!("--prompt {text:?} gives no tokens: nothing to run") });
+                return Err(Exit::new(2, format!("--prompt {text:?} gives no tokens: nothing to run")));
             }
             Ok(Some(ids))
         }
@@ -134,7 +134,7 @@ pub enum Engine {
 }
 
 fn device_exit(e: devices::DeviceError) -> Exit {
-    Exit { code: 2, message: e.to_string() }
+    Exit::from(e)
 }
 
 impl Engine {
@@ -242,7 +242,7 @@ pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(P
         return Ok((path, Engine::Oracle(m), tok));
     }
     if precision != Precision::F32 {
-        return Err(Exit { code: 2, message: format!("--precision {}: the oracle's storage precision (--device ref); `{device}` computes in its own declared arithmetic", format!("{precision:?}").to_lowercase()) });
+        return Err(Exit::new(2, format!("--precision {}: the oracle's storage precision (--device ref); `{device}` computes in its own declared arithmetic", format!("{precision:?}").to_lowercase())));
     }
     let dev = devices::open(device).map_err(device_exit)?;
     // External dumps must name the model under test by its hash.
@@ -256,7 +256,7 @@ pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(P
 /// Checks every id is inside the vocabulary (a clear error instead of a failure deep inside).
 pub fn check_ids(ids: &[u32], n_vocab: usize) -> Result<(), Exit> {
     if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= n_vocab) {
-        return Err(Exit { code: 2, message: format!("token id {id} at position {i} is outside the vocabulary of {n_vocab} tokens") });
+        return Err(Exit::new(2, format!("token id {id} at position {i} is outside the vocabulary of {n_vocab} tokens")));
     }
     Ok(())
 }
@@ -314,15 +314,12 @@ fn check_positions_fit(what: &str, held: &str, floats: u64, n_positions: usize) 
     if bytes <= avail {
         return Ok(());
     }
-    Err(Exit {
-        code: 2,
-        message: format!(
+    Err(Exit::new(2, format!(
             "{what} over {n_positions} positions would hold {held} at once: about {}, more than the {} this machine has available ({source}); nothing was run. Give fewer positions: a shorter prompt, fewer tokens to generate ({} overrides the estimate)",
             oracle::memory::human(bytes),
             oracle::memory::human(avail),
             oracle::memory::LIMIT_ENV
-        ),
-    })
+        )))
 }
 
 /// The synthetic prompt of `bench` and `ab`: `prompt_len` ids spread over the vocabulary (never
@@ -330,7 +327,7 @@ fn check_positions_fit(what: &str, held: &str, floats: u64, n_positions: usize) 
 /// positions a run may take.
 pub fn bench_prompt(prompt_len: usize, gen_len: usize, n_vocab: usize) -> Result<Vec<u32>, Exit> {
     if prompt_len.saturating_add(gen_len) > 1 << 20 {
-        return Err(Exit { code: 2, message: format!("--prompt-len {prompt_len} + --gen-len {gen_len} exceed 2^20 positions") });
+        return Err(Exit::new(2, format!("--prompt-len {prompt_len} + --gen-len {gen_len} exceed 2^20 positions")));
     }
     let spread = (n_vocab as u64).saturating_sub(1).max(1);
     // `% n_vocab`: a one-token vocabulary has only id 0.
@@ -339,7 +336,7 @@ pub fn bench_prompt(prompt_len: usize, gen_len: usize, n_vocab: usize) -> Result
 
 /// Parses `K/N` (1 <= K <= N).
 pub fn parse_shard(s: &str) -> Result<(usize, usize), Exit> {
-    let bad = || Exit { code: 2, message: format!("--shard `{s}`: expected K/N with 1 <= K <= N, e.g. 2/4") };
+    let bad = || Exit::new(2, format!("--shard `{s}`: expected K/N with 1 <= K <= N, e.g. 2/4"));
     let (k, n) = s.split_once('/').ok_or_else(bad)?;
     let (k, n): (usize, usize) = (k.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
     if k == 0 || n == 0 || k > n {
@@ -406,7 +403,7 @@ pub fn check_report_dir(given: Option<&Path>) -> Result<(), Exit> {
     let Some(dir) = given else { return Ok(()) };
     let blocker = dir.ancestors().find(|p| !p.as_os_str().is_empty() && p.exists());
     match blocker {
-        Some(p) if !p.is_dir() => Err(Exit { code: 2, message: format!("--report-dir {}: {} is a file, not a directory; nothing was run", dir.display(), p.display()) }),
+        Some(p) if !p.is_dir() => Err(Exit::new(2, format!("--report-dir {}: {} is a file, not a directory; nothing was run", dir.display(), p.display()))),
         _ => Ok(()),
     }
 }
@@ -429,7 +426,7 @@ pub fn spread_time(cases: &mut [reports::Case], seconds: f64) {
 /// `--name LABEL`: checked (1 to 64 printable characters).
 pub fn check_label(name: Option<&str>) -> Result<(), Exit> {
     match name {
-        Some(n) if n.trim().is_empty() || n.chars().count() > 64 || n.chars().any(char::is_control) => Err(Exit { code: 2, message: format!("--name {n:?}: a label is 1 to 64 printable characters") }),
+        Some(n) if n.trim().is_empty() || n.chars().count() > 64 || n.chars().any(char::is_control) => Err(Exit::new(2, format!("--name {n:?}: a label is 1 to 64 printable characters"))),
         _ => Ok(()),
     }
 }
@@ -536,19 +533,19 @@ pub fn new_report_dir(suite: &str, started_at: Option<&str>) -> Result<PathBuf, 
             Err(e) => return Err(io_exit(&dir, e)),
         }
     }
-    Err(Exit { code: 2, message: format!("{}: 1000 reports of `{suite}` started at {stamp} already; give --report-dir", root.display()) })
+    Err(Exit::new(2, format!("{}: 1000 reports of `{suite}` started at {stamp} already; give --report-dir", root.display())))
 }
 
 /// An I/O failure on `path` as a could-not-run exit that names the path.
 pub fn io_exit(path: &std::path::Path, e: std::io::Error) -> Exit {
-    Exit { code: 2, message: format!("{}: {e}", path.display()) }
+    Exit::new(2, format!("{}: {e}", path.display()))
 }
 
 /// Runs `git ARGS` in `dir`; its trimmed stdout, or an exit-2 error quoting git's stderr.
 pub fn git(dir: &Path, args: &[&str]) -> Result<String, Exit> {
-    let o = Command::new("git").args(args).current_dir(dir).output().map_err(|e| Exit { code: 2, message: format!("git: {e}") })?;
+    let o = Command::new("git").args(args).current_dir(dir).output().map_err(|e| Exit::new(2, format!("git: {e}")))?;
     if !o.status.success() {
-        return Err(Exit { code: 2, message: format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()) });
+        return Err(Exit::new(2, format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())));
     }
     Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
 }

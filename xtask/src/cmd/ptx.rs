@@ -21,9 +21,9 @@ pub fn main(a: PtxArgs) -> Result<u8, Exit> {
         // The process is single-threaded here (no device opened, no rayon work yet).
         std::env::set_var("TOUCHSTONE_PTX_CACHE", out);
     }
-    let kernels = devices::gpu::kernel_source().map_err(|e| Exit { code: 2, message: e })?;
+    let kernels = devices::gpu::kernel_source().map_err(|e| Exit::new(2, e))?;
     for arch in &a.arch {
-        let ptx = devices::gpu::cuda::cached_ptx(&kernels, arch).map_err(|e| Exit { code: 2, message: format!("{arch}: {e}") })?;
+        let ptx = devices::gpu::cuda::cached_ptx(&kernels, arch).map_err(|e| Exit::new(2, format!("{arch}: {e}")))?;
         outln!("{arch}: {} bytes of PTX in {}", ptx.len(), devices::gpu::cuda::ptx_cache_path(&kernels, arch).display());
     }
     Ok(0)

@@ -51,7 +51,7 @@ enum Action {
 /// Shards merge only if they are of one suite and one commit (where both say which) and no case (id and device) is in two of them:
 /// a shard given twice, or two runs of one shard, would count its cases twice.
 fn check_shards(dirs: &[PathBuf], parts: &[Report]) -> Result<(), Exit> {
-    let refuse = |message: String| Err(Exit { code: 2, message });
+    let refuse = |message: String| Err(Exit::new(2, message));
     let mut seen: std::collections::HashMap<(&str, &str), usize> = Default::default();
     for (i, r) in parts.iter().enumerate() {
         if r.suite != parts[0].suite {
@@ -81,7 +81,7 @@ pub fn main(a: ReportArgs) -> Result<u8, Exit> {
         Action::Merge { dirs, out } => {
             let parts = dirs.iter().map(|d| Report::read(d)).collect::<Result<Vec<_>, _>>()?;
             check_shards(&dirs, &parts)?;
-            let merged = Report::merge(parts).ok_or_else(|| Exit { code: 2, message: "nothing to merge".into() })?;
+            let merged = Report::merge(parts).ok_or_else(|| Exit::new(2, "nothing to merge"))?;
             merged.write(&out).map_err(|e| super::io_exit(&out, e))?; // provenance of the shards, unchanged
             super::kernels::print_summary(&merged);
             outln!("merged {} reports into {}", dirs.len(), out.join("report.json").display());
@@ -100,15 +100,15 @@ pub fn main(a: ReportArgs) -> Result<u8, Exit> {
 fn compare(base: &std::path::Path, new: &std::path::Path, factor: f64, floor: f64, show: usize) -> Result<u8, Exit> {
     use reports::compare::Change;
     if !(factor.is_finite() && factor > 1.0 && floor.is_finite() && (0.0..=1.0).contains(&floor)) {
-        return Err(Exit { code: 2, message: format!("--factor {factor} must be a finite number above 1 and --floor {floor} between 0 and 1") });
+        return Err(Exit::new(2, format!("--factor {factor} must be a finite number above 1 and --floor {floor} between 0 and 1")));
     }
     let (b, n) = (Report::read(base)?, Report::read(new)?);
     if b.suite != n.suite {
-        return Err(Exit { code: 2, message: format!("{} is a {} report, {} a {} one: compare runs of the same suites", base.display(), b.suite, new.display(), n.suite) });
+        return Err(Exit::new(2, format!("{} is a {} report, {} a {} one: compare runs of the same suites", base.display(), b.suite, new.display(), n.suite)));
     }
     let c = reports::compare::compare(&b, &n, factor, floor);
     if c.matched == 0 {
-        return Err(Exit { code: 2, message: format!("the two reports share no case (id and device): nothing was compared ({} and {} cases)", b.cases.len(), n.cases.len()) });
+        return Err(Exit::new(2, format!("the two reports share no case (id and device): nothing was compared ({} and {} cases)", b.cases.len(), n.cases.len())));
     }
     let kinds: [(&str, fn(&Change) -> bool); 7] = [
         ("no longer passes", |c| matches!(c, Change::NoLongerPasses { .. })),

@@ -33,19 +33,19 @@ pub struct RooflineArgs {
 pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     if a.mib == 0 || a.reps == 0 {
-        return Err(Exit { code: 2, message: "--mib and --reps must be at least 1".into() });
+        return Err(Exit::new(2, "--mib and --reps must be at least 1"));
     }
-    let bytes = a.mib.checked_mul(1 << 20).filter(|b| *b <= isize::MAX as usize / 4).ok_or_else(|| Exit { code: 2, message: format!("--mib {} is more memory than this machine can address", a.mib) })?;
+    let bytes = a.mib.checked_mul(1 << 20).filter(|b| *b <= isize::MAX as usize / 4).ok_or_else(|| Exit::new(2, format!("--mib {} is more memory than this machine can address", a.mib)))?;
     if !(a.min_ratio.is_finite() && a.min_ratio > 0.0) {
-        return Err(Exit { code: 2, message: format!("--min-ratio {} must be a positive number", a.min_ratio) });
+        return Err(Exit::new(2, format!("--min-ratio {} must be a positive number", a.min_ratio)));
     }
-    let device = devices::open(&a.device).map_err(|e| Exit { code: 2, message: e.to_string() })?;
+    let device = devices::open(&a.device).map_err(|e| Exit::from(e))?;
     let probe = device
         .bandwidth_probe(bytes, a.reps)
-        .ok_or_else(|| Exit { code: 2, message: format!("device `{}` has no bandwidth probe (cpu and the GPU devices have one)", a.device) })?
-        .map_err(|e| Exit { code: 2, message: e.to_string() })?;
+        .ok_or_else(|| Exit::new(2, format!("device `{}` has no bandwidth probe (cpu and the GPU devices have one)", a.device)))?
+        .map_err(|e| Exit::from(e))?;
     if !probe.gemv.iter().any(|g| g.ty == a.gate_type && !g.alternative) {
-        return Err(Exit { code: 2, message: format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.ty).collect::<Vec<_>>()) });
+        return Err(Exit::new(2, format!("--gate-type {}: measured types are {:?}", a.gate_type, probe.gemv.iter().map(|g| &g.ty).collect::<Vec<_>>())));
     }
     super::print_timing_notes();
     outln!("{} ({}): copy {:.1} GB/s (read + write, {} MiB, best of {})", a.device, device.describe(), probe.copy_gbps, a.mib, probe.reps);

@@ -56,20 +56,20 @@ pub struct RunArgs {
 pub fn main(a: RunArgs) -> Result<u8, Exit> {
     check_device(&a.device)?;
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
-        return Err(Exit { code: 2, message: format!("--temperature {} must be a finite number >= 0 (0: greedy)", a.temperature) });
+        return Err(Exit::new(2, format!("--temperature {} must be a finite number >= 0 (0: greedy)", a.temperature)));
     }
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
-        return Err(Exit { code: 2, message: format!("--top-p {} must be in (0, 1] (1: no nucleus cut)", a.top_p) });
+        return Err(Exit::new(2, format!("--top-p {} must be in (0, 1] (1: no nucleus cut)", a.top_p)));
     }
     // Greedy decoding takes the most likely token: the sampler's settings would change nothing.
     let sampling: Vec<String> = [(a.top_k != 0).then(|| format!("--top-k {}", a.top_k)), (a.top_p != 1.0).then(|| format!("--top-p {}", a.top_p)), (a.seed != 0).then(|| format!("--seed {}", a.seed))].into_iter().flatten().collect();
     if a.temperature == 0.0 && !sampling.is_empty() {
-        return Err(Exit { code: 2, message: format!("{}: sampling settings, but --temperature is 0 (greedy: the most likely token each step); give --temperature above 0 to sample", sampling.join(", ")) });
+        return Err(Exit::new(2, format!("{}: sampling settings, but --temperature is 0 (greedy: the most likely token each step); give --temperature above 0 to sample", sampling.join(", "))));
     }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
     let chat_prompt = match (&a.prompt, &tok) {
         (Some(text), Some(t)) if a.chat => {
-            let template = oracle::loader::chat_template(&path)?.ok_or_else(|| Exit { code: 2, message: format!("model `{}` has no chat template; run without --chat", a.model) })?;
+            let template = oracle::loader::chat_template(&path)?.ok_or_else(|| Exit::new(2, format!("model `{}` has no chat template; run without --chat", a.model)))?;
             let mut messages = Vec::new();
             if let Some(system) = &a.system {
                 messages.push(("system", system.as_str()));
@@ -77,7 +77,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
             messages.push(("user", text.as_str()));
             Some(super::chat::render(&template, &messages, t)?)
         }
-        (_, None) if a.chat => return Err(Exit { code: 2, message: super::no_tokenizer(&a.model, &path) }),
+        (_, None) if a.chat => return Err(Exit::new(2, super::no_tokenizer(&a.model, &path))),
         _ => None,
     };
     let prompt = match (&chat_prompt, &tok) {

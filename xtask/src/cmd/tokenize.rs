@@ -26,12 +26,12 @@ pub struct TokenizeArgs {
 
 pub fn main(a: TokenizeArgs) -> Result<u8, Exit> {
     let path = resolve_model(&a.model)?;
-    let tok = oracle::loader::open_tokenizer(&path)?.ok_or_else(|| Exit { code: 2, message: super::no_tokenizer(&a.model, &path) })?;
+    let tok = oracle::loader::open_tokenizer(&path)?.ok_or_else(|| Exit::new(2, super::no_tokenizer(&a.model, &path)))?;
     let (ids, text) = match (&a.text, &a.ids) {
         (Some(t), None) => {
             let text = if t == "-" {
                 let mut s = String::new();
-                std::io::stdin().read_to_string(&mut s).map_err(|e| Exit { code: 2, message: format!("reading the text from stdin: {e}") })?;
+                std::io::stdin().read_to_string(&mut s).map_err(|e| Exit::new(2, format!("reading the text from stdin: {e}")))?;
                 s
             } else {
                 t.clone()
