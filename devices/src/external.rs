@@ -95,7 +95,7 @@ impl Device for ExternalDevice {
         self.capabilities.get().and_then(|c| c.as_ref().ok()).and_then(|c| c.name.clone())
     }
     fn arithmetic(&self, case: &OpCase) -> Arithmetic {
-        self.capabilities().map_or(Arithmetic::F32, |c| c.arithmetic_of(case.op))
+        self.capabilities().map_or(Arithmetic::F32, |c| c.arithmetic_of(case.op.name()))
     }
     fn supports(&self, case: &OpCase) -> Support {
         match self.capabilities() {
@@ -104,7 +104,7 @@ impl Device for ExternalDevice {
         }
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
-        let reference = (oracle::registry::registry().into_iter().find(|e| e.name == case.op).ok_or_else(|| crate::fail(&self.name(), case, "not a registry op"))?.reference)(case)
+        let reference = (oracle::registry::registry().into_iter().find(|e| e.op == case.op).ok_or_else(|| crate::fail(&self.name(), case, "not a registry op"))?.reference)(case)
             .map_err(|e| crate::fail(&self.name(), case, format!("the case's output shapes: {e}")))?;
         let specs = reference.iter().map(OutputSpec::of).collect();
         self.run_ops(&[(case, specs)]).pop().expect("one case, one result")

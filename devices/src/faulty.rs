@@ -6,7 +6,7 @@
 use crate::cpu::CpuDevice;
 use crate::{fail, Arithmetic, Device, DeviceError, Support};
 use oracle::quant::GgmlType;
-use oracle::registry::{Input, OpCase, Output, Tensor};
+use oracle::registry::{Input, Op, OpCase, Output, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -53,14 +53,14 @@ impl Fault {
     ];
 
     /// The ops the fault lives in.
-    pub fn ops(self) -> &'static [&'static str] {
+    pub fn ops(self) -> &'static [Op] {
         match self {
-            Fault::RopeOffByOne | Fault::RopeWrongLayout => &["rope"],
-            Fault::NormEpsWrong => &["rms_norm", "layer_norm", "qk_norm"],
-            Fault::MissingBias => &["add_bias"],
-            Fault::MisstridedWeight | Fault::QuantScaleWrong | Fault::QuantMinIgnored | Fault::ViewStrideIgnored => &["matmul"],
-            Fault::SoftmaxNoMaxSub => &["softmax"],
-            Fault::CausalOffByOne | Fault::GqaMappingWrong | Fault::KvWrongPosition => &["attention"],
+            Fault::RopeOffByOne | Fault::RopeWrongLayout => &[Op::Rope],
+            Fault::NormEpsWrong => &[Op::RmsNorm, Op::LayerNorm, Op::QkNorm],
+            Fault::MissingBias => &[Op::AddBias],
+            Fault::MisstridedWeight | Fault::QuantScaleWrong | Fault::QuantMinIgnored | Fault::ViewStrideIgnored => &[Op::Matmul],
+            Fault::SoftmaxNoMaxSub => &[Op::Softmax],
+            Fault::CausalOffByOne | Fault::GqaMappingWrong | Fault::KvWrongPosition => &[Op::Attention],
         }
     }
 }

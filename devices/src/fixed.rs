@@ -11,7 +11,7 @@
 use crate::cpu::qdot;
 use crate::{fail, Arithmetic, Device, DeviceError, FixedPoint, NumFormat, Support};
 use oracle::quant::GgmlType;
-use oracle::registry::{Input, OpCase, Output, Tensor};
+use oracle::registry::{Op, Input, OpCase, Output, Tensor};
 use oracle::spec::{RopeSpec, RopeStyle};
 
 pub const ACT: u32 = 16;
@@ -460,7 +460,7 @@ impl FixedDevice {
     fn run(&self, case: &OpCase) -> Result<Vec<Output>, String> {
         let e = |r: oracle::OracleError| r.to_string();
         Ok(match case.op {
-            "embed" => {
+            Op::Embed => {
                 let t = case.f32("table").map_err(e)?;
                 let ids = case.ids("ids").map_err(e)?;
                 let d = t.shape[1];
@@ -471,14 +471,14 @@ impl FixedDevice {
                 }
                 vec![f_out(&[ids.len(), d], &v)]
             }
-            "rms_norm" | "qk_norm" => {
+            Op::RmsNorm | Op::QkNorm => {
                 let x = case.f32("x").map_err(e)?;
-                let n = if case.op == "qk_norm" { case.pu("head_dim").map_err(e)? } else { x.shape[1] };
+                let n = if case.op == Op::QkNorm { case.pu("head_dim").map_err(e)? } else { x.shape[1] };
                 let w: Vec<i64> = case.f32("weight").map_err(e)?.data.iter().map(|v| to_q(*v as f64, NORM)).collect();
                 let w_full: Vec<i64> = w.iter().cycle().take(n).copied().collect();
                 vec![f_out(&x.shape, &rms_norm_q(&q_in(x), n, &w_full, case.p("eps").map_err(e)?))]
             }
-            "matmul" => {
+            Op::Matmul => {
                 let x = case.f32("x").map_err(e)?;
                 let Some((_, Input::Quant { ty, rows, cols, bytes })) = case.inputs.iter().find(|(n, _)| *n == "w") else { return Err("no weight".into()) };
                 if self.int4 && cols % INT4_GROUP != 0 {
@@ -490,13 +490,13 @@ impl FixedDevice {
                 let xq: Vec<i64> = (0..m).flat_map(|r| x.data[r * stride..r * stride + k].iter().map(|v| to_q(*v as f64, ACT))).collect();
                 vec![f_out(&[m, *rows], &matmul_q(&xq, m, &w))]
             }
-            "add" | "add_bias" => {
+            Op::Add | Op::AddBias => {
                 let a = case.f32("a").map_err(e)?;
                 let b = q_in(case.f32("b").map_err(e)?);
                 let v: Vec<i64> = q_in(a).iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect();
                 vec![f_out(&a.shape, &v)]
             }
-            "rope" => {
+            Op::Rope => {
                 let x = case.f32("x").map_err(e)?;
                 let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
                 let p = |n: &str| case.p(n).map_err(e);
@@ -505,14 +505,14 @@ impl FixedDevice {
                 rope_q(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &spec);
                 vec![f_out(&x.shape, &y)]
             }
-            "attention" => {
+            Op::Attention => {
                 let (q, k, v) = (case.f32("q").map_err(e)?, case.f32("k").map_err(e)?, case.f32("v").map_err(e)?);
                 let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
                 let p = |n: &str| case.pu(n).map_err(e);
                 let y = attention_q(&q_in(q), &pos, &q_in(k), &q_in(v), p("n_head")?, p("n_head_kv")?, p("head_dim")?, p("window")?);
                 vec![f_out(&q.shape, &y)]
             }
-            "softmax" => {
+            Op::Softmax => {
                 let x = case.f32("x").map_err(e)?;
                 let n = x.shape[1];
                 let mut y = Vec::with_capacity(x.data.len());
@@ -524,17 +524,17 @@ impl FixedDevice {
                 }
                 vec![f_out(&x.shape, &y)]
             }
-            "silu" => {
+            Op::Silu => {
                 let g = case.f32("gate").map_err(e)?;
                 vec![f_out(&g.shape, &q_in(g).into_iter().map(silu_q16).collect::<Vec<_>>())]
             }
-            "swiglu" => {
+            Op::Swiglu => {
                 let g = case.f32("gate").map_err(e)?;
                 let u = q_in(case.f32("up").map_err(e)?);
                 let y: Vec<i64> = q_in(g).into_iter().zip(u).map(|(a, b)| shr_round(silu_q16(a) as i128 * b as i128, ACT)).collect();
                 vec![f_out(&g.shape, &y)]
             }
-            "argmax" => {
+            Op::Argmax => {
                 let x = case.f32("x").map_err(e)?;
                 let n = x.shape[1];
                 let ids = q_in(x)
@@ -543,7 +543,7 @@ impl FixedDevice {
                     .collect();
                 vec![Output::Ids(ids)]
             }
-            other => return Err(format!("no integer kernel for `{other}`")),
+            op @ (Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::MoeRoute | Op::TopK | Op::Sample) => return Err(format!("no integer kernel for `{op}`")),
         })
     }
 }
@@ -556,7 +556,7 @@ impl Device for FixedDevice {
         Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, transcendental_ulps: 0.0, fixed: Some(self.point()), ..Arithmetic::F32 }
     }
     fn supports(&self, case: &OpCase) -> Support {
-        if self.int4 && case.op == "matmul" {
+        if self.int4 && case.op == Op::Matmul {
             if let Some((_, Input::Quant { cols, .. })) = case.inputs.iter().find(|(n, _)| *n == "w") {
                 if cols % INT4_GROUP != 0 {
                     return Support::Unsupported(format!("k = {cols} is not a whole number of INT4 groups of {INT4_GROUP}"));
@@ -566,8 +566,8 @@ impl Device for FixedDevice {
         match case.op {
             // Argmax compares Q16 integers: two logits within 2^-17 of each other round to one
             // value and resolve to the lower index, which the exact rule would report as a failure.
-            "embed" | "rms_norm" | "qk_norm" | "matmul" | "add" | "add_bias" | "rope" | "attention" | "softmax" | "silu" | "swiglu" | "argmax" => Support::Yes,
-            other => Support::Unsupported(format!("no integer kernel for `{other}` on {}", self.name())),
+            Op::Embed | Op::RmsNorm | Op::QkNorm | Op::Matmul | Op::Add | Op::AddBias | Op::Rope | Op::Attention | Op::Softmax | Op::Silu | Op::Swiglu | Op::Argmax => Support::Yes,
+            op @ (Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::MoeRoute | Op::TopK | Op::Sample) => Support::Unsupported(format!("no integer kernel for `{op}` on {}", self.name())),
         }
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {

@@ -17,7 +17,7 @@ impl Device for RefDevice {
         Support::Yes
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
-        let entry = registry().into_iter().find(|e| e.name == case.op).ok_or_else(|| fail("ref", case, "op not in the registry"))?;
+        let entry = registry().into_iter().find(|e| e.op == case.op).ok_or_else(|| fail("ref", case, "op not in the registry"))?;
         (entry.reference)(case).map_err(|e| fail("ref", case, e))
     }
 }

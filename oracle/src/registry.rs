@@ -20,6 +20,72 @@ pub struct Tensor {
     pub data: Vec<f32>,
 }
 
+/// Every op the registry declares. Its name (`Op::name`, serde, Display) is the one case ids and
+/// the op protocol use; devices match on it exhaustively, so a new op is a compile error in each
+/// until it is supported there or said not to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Embed,
+    RmsNorm,
+    LayerNorm,
+    Matmul,
+    AddBias,
+    Add,
+    Rope,
+    QkNorm,
+    Attention,
+    Softmax,
+    Silu,
+    GeluTanh,
+    Swiglu,
+    Geglu,
+    MoeRoute,
+    Argmax,
+    TopK,
+    Sample,
+}
+
+impl Op {
+    /// Every op, in registry order.
+    pub const ALL: [Op; 18] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::Softmax, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample];
+
+    /// The op's name in case ids and the op protocol (`rms_norm`, `matmul`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Embed => "embed",
+            Op::RmsNorm => "rms_norm",
+            Op::LayerNorm => "layer_norm",
+            Op::Matmul => "matmul",
+            Op::AddBias => "add_bias",
+            Op::Add => "add",
+            Op::Rope => "rope",
+            Op::QkNorm => "qk_norm",
+            Op::Attention => "attention",
+            Op::Softmax => "softmax",
+            Op::Silu => "silu",
+            Op::GeluTanh => "gelu_tanh",
+            Op::Swiglu => "swiglu",
+            Op::Geglu => "geglu",
+            Op::MoeRoute => "moe_route",
+            Op::Argmax => "argmax",
+            Op::TopK => "top_k",
+            Op::Sample => "sample",
+        }
+    }
+
+    /// The op of a name, or None.
+    pub fn from_name(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// One input of a case.
 #[derive(Clone, Debug)]
 pub enum Input {
@@ -39,7 +105,7 @@ pub enum Output {
 
 #[derive(Clone, Debug)]
 pub struct OpCase {
-    pub op: &'static str,
+    pub op: Op,
     pub id: String,
     pub seed: u64,
     pub inputs: Vec<(&'static str, Input)>,
@@ -109,7 +175,7 @@ impl ToleranceRule {
 }
 
 pub struct OpEntry {
-    pub name: &'static str,
+    pub op: Op,
     pub summary: &'static str,
     pub rule: ToleranceRule,
     /// Case generator; `base_seed` (0 = the recorded default) perturbs every input stream.
@@ -124,7 +190,7 @@ impl OpEntry {
     /// those (its quantized weights are what takes the time: a filtered or sharded run of the
     /// kernel suite would otherwise encode all 923 cases' weights first).
     pub fn cases_where(&self, base_seed: u64, keep: &dyn Fn(&str) -> bool) -> Vec<OpCase> {
-        if self.name == "matmul" {
+        if self.op == Op::Matmul {
             return matmul_cases_where(base_seed, keep);
         }
         (self.cases)(base_seed).into_iter().filter(|c| keep(&c.id)).collect()
@@ -157,7 +223,7 @@ fn t(shape: &[usize], data: Vec<f32>) -> Input {
     Input::F32(Tensor { shape: shape.to_vec(), data })
 }
 
-fn case(op: &'static str, id: String, seed: u64, inputs: Vec<(&'static str, Input)>, params: &[(&'static str, f64)]) -> OpCase {
+fn case(op: Op, id: String, seed: u64, inputs: Vec<(&'static str, Input)>, params: &[(&'static str, f64)]) -> OpCase {
     OpCase { op, id, seed, inputs, params: params.iter().copied().collect() }
 }
 
@@ -186,7 +252,7 @@ fn embed_cases(base: u64) -> Vec<OpCase> {
             let mut r = SplitMix64(seed ^ 0xE3BE);
             let table = normals(&mut r, vocab * d, 1.0);
             let ids: Vec<u32> = (0..5).map(|_| (r.next_u64() % vocab as u64) as u32).collect();
-            v.push(case("embed", format!("embed(vocab={vocab},d={d},m=5,seed={seed})"), seed, vec![("table", t(&[vocab, d], table)), ("ids", Input::Ids(ids))], &[]));
+            v.push(case(Op::Embed, format!("embed(vocab={vocab},d={d},m=5,seed={seed})"), seed, vec![("table", t(&[vocab, d], table)), ("ids", Input::Ids(ids))], &[]));
         }
     }
     v
@@ -198,7 +264,7 @@ fn embed_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&[ids.len(), table.cols], ops::embed(&table, ids)?)])
 }
 
-fn norm_cases(op: &'static str, base: u64) -> Vec<OpCase> {
+fn norm_cases(op: Op, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in WIDTHS {
         for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
@@ -211,7 +277,7 @@ fn norm_cases(op: &'static str, base: u64) -> Vec<OpCase> {
                 let w: Vec<f32> = (0..n).map(|_| (1.0 + 0.1 * r.next_normal()) as f32).collect();
                 let b = normals(&mut r, n, 0.1);
                 let mut inputs = vec![("x", t(&[rows, n], x)), ("weight", t(&[n], w))];
-                if op == "layer_norm" {
+                if op == Op::LayerNorm {
                     inputs.push(("bias", t(&[n], b)));
                 }
                 v.push(case(op, format!("{op}(dtype=f32,shape=[{rows},{n}],eps={eps:e},seed={seed})"), seed, inputs, &[("eps", eps)]));
@@ -277,7 +343,7 @@ fn matmul_cases_where(base: u64, keep: &dyn Fn(&str) -> bool) -> Vec<OpCase> {
                         xv[row * stride..row * stride + k].copy_from_slice(&x[row * k..(row + 1) * k]);
                     }
                     v.push(case(
-                        "matmul",
+                        Op::Matmul,
                         view_id,
                         seed,
                         vec![("x", t(&[m, stride], xv)), ("w", Input::Quant { ty, rows: n, cols: k, bytes: bytes.clone() })],
@@ -285,7 +351,7 @@ fn matmul_cases_where(base: u64, keep: &dyn Fn(&str) -> bool) -> Vec<OpCase> {
                     ));
                 }
                 if keep_plain {
-                    v.push(case("matmul", id, seed, vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })], &[]));
+                    v.push(case(Op::Matmul, id, seed, vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })], &[]));
                 }
             }
         }
@@ -310,15 +376,15 @@ fn matmul_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&[m, w.rows], ops::matmul(&dense, m, &w)?)])
 }
 
-fn binary_cases(op: &'static str, base: u64) -> Vec<OpCase> {
+fn binary_cases(op: Op, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in WIDTHS {
         for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
             let mut r = SplitMix64(seed ^ (n as u64) << 8);
             let rows = 3;
             let a = activations(&mut r, rows, n);
-            let b = if op == "add_bias" { normals(&mut r, n, 0.5) } else { activations(&mut r, rows, n) };
-            let bshape = if op == "add_bias" { vec![n] } else { vec![rows, n] };
+            let b = if op == Op::AddBias { normals(&mut r, n, 0.5) } else { activations(&mut r, rows, n) };
+            let bshape = if op == Op::AddBias { vec![n] } else { vec![rows, n] };
             v.push(case(op, format!("{op}(dtype=f32,shape=[{rows},{n}],seed={seed})"), seed, vec![("a", t(&[rows, n], a)), ("b", t(&bshape, b))], &[]));
         }
     }
@@ -371,7 +437,7 @@ fn rope_cases(base: u64) -> Vec<OpCase> {
                     let style = if neox == 1 { "neox" } else { "normal" };
                     let sc = ["none", "linear", "yarn", "llama3", "longrope"][scaling];
                     v.push(case(
-                        "rope",
+                        Op::Rope,
                         format!("rope(style={style},scaling={sc},theta={theta:e},heads={n_head},head_dim={hd},n_rot={n_rot},seed={seed})"),
                         seed,
                         vec![("x", t(&[positions.len(), n_head * hd], x)), ("pos", Input::Ids(positions.iter().map(|&p| p as u32).collect()))],
@@ -400,7 +466,7 @@ fn qk_norm_cases(base: u64) -> Vec<OpCase> {
             let x = activations(&mut r, 3, n_head * hd);
             let w: Vec<f32> = (0..hd).map(|_| (1.0 + 0.2 * r.next_normal()) as f32).collect();
             v.push(case(
-                "qk_norm",
+                Op::QkNorm,
                 format!("qk_norm(dtype=f32,tokens=3,heads={n_head},head_dim={hd},eps=1e-6,seed={seed})"),
                 seed,
                 vec![("x", t(&[3, n_head * hd], x)), ("weight", t(&[hd], w))],
@@ -428,7 +494,7 @@ fn attention_cases(base: u64) -> Vec<OpCase> {
             let vv = normals(&mut r, kv_len * nkv * hd, 1.0);
             let pos: Vec<u32> = (kv_len - m..kv_len).map(|p| p as u32).collect();
             v.push(case(
-                "attention",
+                Op::Attention,
                 format!("attention(heads={nh},kv_heads={nkv},head_dim={hd},kv_len={kv_len},m={m},window={window},seed={seed})"),
                 seed,
                 vec![("q", t(&[m, nh * hd], q)), ("k", t(&[kv_len, nkv * hd], k)), ("v", t(&[kv_len, nkv * hd], vv)), ("pos", Input::Ids(pos))],
@@ -463,7 +529,7 @@ fn softmax_cases(base: u64) -> Vec<OpCase> {
             // Row 1 has large logits (overflows exp without max subtraction); row 2 is half masked.
             x[n..2 * n].iter_mut().for_each(|v| *v += 1000.0);
             x[2 * n + n / 2 + 1..3 * n].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-            v.push(case("softmax", format!("softmax(dtype=f32,shape=[4,{n}],seed={seed})"), seed, vec![("x", t(&[4, n], x))], &[]));
+            v.push(case(Op::Softmax, format!("softmax(dtype=f32,shape=[4,{n}],seed={seed})"), seed, vec![("x", t(&[4, n], x))], &[]));
         }
     }
     v
@@ -474,7 +540,7 @@ fn softmax_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![out(&x.shape, ops::softmax_rows(&x.data, x.shape[1])?)])
 }
 
-fn unary_cases(op: &'static str, base: u64) -> Vec<OpCase> {
+fn unary_cases(op: Op, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in [7usize, 64, 1536] {
         for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
@@ -514,7 +580,7 @@ fn moe_cases(base: u64) -> Vec<OpCase> {
                 let logits = normals(&mut r, 5 * n_expert, 2.0);
                 let g = if gating == 0 { "softmax" } else { "sigmoid" };
                 v.push(case(
-                    "moe_route",
+                    Op::MoeRoute,
                     format!("moe_route(experts={n_expert},k={k},gating={g},normalize={norm},seed={seed})"),
                     seed,
                     vec![("logits", t(&[5, n_expert], logits))],
@@ -541,7 +607,7 @@ fn moe_ref(c: &OpCase) -> Result<Vec<Output>> {
     Ok(vec![Output::Ids(ids), out(&[rows, k], weights)])
 }
 
-fn select_cases(op: &'static str, base: u64) -> Vec<OpCase> {
+fn select_cases(op: Op, base: u64) -> Vec<OpCase> {
     let mut v = Vec::new();
     for n in [5usize, 272, 1000, 49152] {
         for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
@@ -608,23 +674,23 @@ fn per_elem_flops(c: &OpCase) -> u64 {
 /// The registry: every op the oracle defines.
 pub fn registry() -> Vec<OpEntry> {
     vec![
-        OpEntry { name: "embed", summary: "token embedding lookup", rule: ToleranceRule::Exact, cases: embed_cases, reference: embed_ref, flops: |_| 0, bytes: n_f32 },
-        OpEntry { name: "rms_norm", summary: "x / sqrt(mean(x^2) + eps) * w", rule: ToleranceRule::RowReduction, cases: |b| norm_cases("rms_norm", b), reference: rms_norm_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "layer_norm", summary: "(x - mean) / sqrt(var + eps) * w + b", rule: ToleranceRule::RowReduction, cases: |b| norm_cases("layer_norm", b), reference: layer_norm_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "matmul", summary: "y = x W^T, W in any GGUF type", rule: ToleranceRule::Dot, cases: matmul_cases, reference: matmul_ref, flops: matmul_flops, bytes: n_f32 },
-        OpEntry { name: "add_bias", summary: "x + b per row", rule: ToleranceRule::Elementwise, cases: |b| binary_cases("add_bias", b), reference: add_bias_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "add", summary: "residual add", rule: ToleranceRule::Elementwise, cases: |b| binary_cases("add", b), reference: add_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "rope", summary: "rotary embedding, normal/neox, none/linear/yarn/llama3 factors/longrope", rule: ToleranceRule::Transcendental, cases: rope_cases, reference: rope_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "qk_norm", summary: "per-head RMSNorm over head_dim (Qwen3)", rule: ToleranceRule::RowReduction, cases: qk_norm_cases, reference: qk_norm_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "attention", summary: "causal GQA attention over a KV cache, optional window", rule: ToleranceRule::Dot, cases: attention_cases, reference: attention_ref, flops: attention_flops, bytes: n_f32 },
-        OpEntry { name: "softmax", summary: "row softmax, max-subtracted", rule: ToleranceRule::RowReduction, cases: softmax_cases, reference: softmax_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "silu", summary: "x * sigmoid(x)", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("silu", b), reference: silu_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "gelu_tanh", summary: "GELU, tanh approximation", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("gelu_tanh", b), reference: gelu_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "swiglu", summary: "silu(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("swiglu", b), reference: swiglu_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "geglu", summary: "gelu_tanh(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases("geglu", b), reference: geglu_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "moe_route", summary: "softmax/sigmoid scores, top-k experts (ids exact), optional renorm", rule: ToleranceRule::RowReduction, cases: moe_cases, reference: moe_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { name: "argmax", summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: |b| select_cases("argmax", b), reference: argmax_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "top_k", summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: |b| select_cases("top_k", b), reference: top_k_ref, flops: elems, bytes: n_f32 },
-        OpEntry { name: "sample", summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: |b| select_cases("sample", b), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Embed, summary: "token embedding lookup", rule: ToleranceRule::Exact, cases: embed_cases, reference: embed_ref, flops: |_| 0, bytes: n_f32 },
+        OpEntry { op: Op::RmsNorm, summary: "x / sqrt(mean(x^2) + eps) * w", rule: ToleranceRule::RowReduction, cases: |b| norm_cases(Op::RmsNorm, b), reference: rms_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::LayerNorm, summary: "(x - mean) / sqrt(var + eps) * w + b", rule: ToleranceRule::RowReduction, cases: |b| norm_cases(Op::LayerNorm, b), reference: layer_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Matmul, summary: "y = x W^T, W in any GGUF type", rule: ToleranceRule::Dot, cases: matmul_cases, reference: matmul_ref, flops: matmul_flops, bytes: n_f32 },
+        OpEntry { op: Op::AddBias, summary: "x + b per row", rule: ToleranceRule::Elementwise, cases: |b| binary_cases(Op::AddBias, b), reference: add_bias_ref, flops: elems, bytes: n_f32 },
+        OpEntry { op: Op::Add, summary: "residual add", rule: ToleranceRule::Elementwise, cases: |b| binary_cases(Op::Add, b), reference: add_ref, flops: elems, bytes: n_f32 },
+        OpEntry { op: Op::Rope, summary: "rotary embedding, normal/neox, none/linear/yarn/llama3 factors/longrope", rule: ToleranceRule::Transcendental, cases: rope_cases, reference: rope_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::QkNorm, summary: "per-head RMSNorm over head_dim (Qwen3)", rule: ToleranceRule::RowReduction, cases: qk_norm_cases, reference: qk_norm_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Attention, summary: "causal GQA attention over a KV cache, optional window", rule: ToleranceRule::Dot, cases: attention_cases, reference: attention_ref, flops: attention_flops, bytes: n_f32 },
+        OpEntry { op: Op::Softmax, summary: "row softmax, max-subtracted", rule: ToleranceRule::RowReduction, cases: softmax_cases, reference: softmax_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Silu, summary: "x * sigmoid(x)", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::Silu, b), reference: silu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::GeluTanh, summary: "GELU, tanh approximation", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::GeluTanh, b), reference: gelu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Swiglu, summary: "silu(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::Swiglu, b), reference: swiglu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Geglu, summary: "gelu_tanh(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::Geglu, b), reference: geglu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::MoeRoute, summary: "softmax/sigmoid scores, top-k experts (ids exact), optional renorm", rule: ToleranceRule::RowReduction, cases: moe_cases, reference: moe_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Argmax, summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Argmax, b), reference: argmax_ref, flops: elems, bytes: n_f32 },
+        OpEntry { op: Op::TopK, summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::TopK, b), reference: top_k_ref, flops: elems, bytes: n_f32 },
+        OpEntry { op: Op::Sample, summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Sample, b), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
     ]
 }

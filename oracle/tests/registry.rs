@@ -3,7 +3,7 @@
 
 use oracle::ops::SplitMix64;
 use oracle::quant::decode;
-use oracle::registry::{registry, Input, Output, ToleranceRule};
+use oracle::registry::{registry, Input, Op, Output, ToleranceRule};
 
 #[test]
 fn every_op_has_cases_a_rule_and_a_runnable_reference() {
@@ -11,11 +11,11 @@ fn every_op_has_cases_a_rule_and_a_runnable_reference() {
     let mut total = 0;
     for e in registry() {
         let cases = (e.cases)(0);
-        assert!(!cases.is_empty(), "{}: no cases", e.name);
-        assert!(!e.rule.describe().is_empty(), "{}: no tolerance rule", e.name);
+        assert!(!cases.is_empty(), "{}: no cases", e.op);
+        assert!(!e.rule.describe().is_empty(), "{}: no tolerance rule", e.op);
         for c in &cases {
-            assert_eq!(c.op, e.name);
-            assert!(c.id.starts_with(e.name), "{}", c.id);
+            assert_eq!(c.op, e.op);
+            assert!(c.id.starts_with(e.op.name()), "{}", c.id);
             assert!(ids.insert(c.id.clone()), "duplicate case id {}", c.id);
             let outs = (e.reference)(c).unwrap_or_else(|err| panic!("{}: {err}", c.id));
             assert!(!outs.is_empty());
@@ -30,7 +30,7 @@ fn every_op_has_cases_a_rule_and_a_runnable_reference() {
                 }
             }
             assert!((e.bytes)(c) > 0, "{}: zero bytes", c.id);
-            if e.rule != ToleranceRule::Exact && e.name != "embed" {
+            if e.rule != ToleranceRule::Exact && e.op != Op::Embed {
                 assert!((e.flops)(c) > 0, "{}: zero flops", c.id);
             }
         }
@@ -43,7 +43,7 @@ fn every_op_has_cases_a_rule_and_a_runnable_reference() {
 
 #[test]
 fn matmul_reference_equals_a_naive_f64_loop() {
-    let e = registry().into_iter().find(|e| e.name == "matmul").unwrap();
+    let e = registry().into_iter().find(|e| e.op == Op::Matmul).unwrap();
     let mut rng = SplitMix64(5);
     for c in (e.cases)(0).iter().filter(|_| rng.next_u64().is_multiple_of(8)) {
         let Some((_, Input::F32(x))) = c.inputs.iter().find(|(n, _)| *n == "x") else { panic!() };
@@ -67,7 +67,7 @@ fn matmul_reference_equals_a_naive_f64_loop() {
 
 #[test]
 fn exact_ops_resolve_ties_to_the_lower_index() {
-    let e = registry().into_iter().find(|e| e.name == "argmax").unwrap();
+    let e = registry().into_iter().find(|e| e.op == Op::Argmax).unwrap();
     for c in (e.cases)(0) {
         let Output::Ids(ids) = &(e.reference)(&c).unwrap()[0] else { panic!() };
         let n = match &c.inputs[0].1 {
@@ -83,7 +83,7 @@ fn exact_ops_resolve_ties_to_the_lower_index() {
 #[test]
 fn a_selection_builds_the_same_cases_as_the_full_list() {
     let inputs = |c: &oracle::registry::OpCase| format!("{:?}", c.inputs);
-    for e in registry().iter().filter(|e| ["matmul", "rms_norm"].contains(&e.name)) {
+    for e in registry().iter().filter(|e| [Op::Matmul, Op::RmsNorm].contains(&e.op)) {
         let full = (e.cases)(7);
         for keep in [
             Box::new(|id: &str| id.contains("m=8") && id.contains("w=q4_k")) as Box<dyn Fn(&str) -> bool>,
@@ -92,9 +92,9 @@ fn a_selection_builds_the_same_cases_as_the_full_list() {
         ] {
             let chosen = e.cases_where(7, &keep);
             let want: Vec<_> = full.iter().filter(|c| keep(&c.id)).collect();
-            assert!(!chosen.is_empty() || e.name != "matmul", "{}: the selection holds cases", e.name);
-            assert_eq!(chosen.iter().map(|c| &c.id).collect::<Vec<_>>(), want.iter().map(|c| &c.id).collect::<Vec<_>>(), "{}", e.name);
-            assert!(chosen.iter().zip(&want).all(|(a, b)| inputs(a) == inputs(b) && a.params == b.params), "{}: the inputs differ", e.name);
+            assert!(!chosen.is_empty() || e.op != Op::Matmul, "{}: the selection holds cases", e.op);
+            assert_eq!(chosen.iter().map(|c| &c.id).collect::<Vec<_>>(), want.iter().map(|c| &c.id).collect::<Vec<_>>(), "{}", e.op);
+            assert!(chosen.iter().zip(&want).all(|(a, b)| inputs(a) == inputs(b) && a.params == b.params), "{}: the inputs differ", e.op);
         }
     }
 }

@@ -183,6 +183,11 @@ impl Provenance {
     }
 }
 
+/// The kernel suite's op names (`oracle::registry::Op::name`, which this crate does not depend
+/// on; a test in `suites` holds the two lists equal): a case id that starts with one is on the
+/// `ops` rung.
+pub const KERNEL_OPS: [&str; 18] = ["embed", "rms_norm", "layer_norm", "matmul", "add_bias", "add", "rope", "qk_norm", "attention", "softmax", "silu", "gelu_tanh", "swiglu", "geglu", "moe_route", "argmax", "top_k", "sample"];
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
     pub schema_version: u32,
@@ -362,7 +367,7 @@ impl Report {
     /// `layers`, `tokens`, `oracle` (the self-check), `bench`, else the case's own op.
     pub fn rung(id: &str) -> String {
         let (op, _) = Self::op_and_dtype(id);
-        let is_op = ["embed", "rms_norm", "layer_norm", "matmul", "add_bias", "add", "rope", "qk_norm", "attention", "softmax", "silu", "gelu_tanh", "swiglu", "geglu", "moe_route", "argmax", "top_k", "sample"].contains(&op.as_str());
+        let is_op = KERNEL_OPS.contains(&op.as_str());
         match op.as_str() {
             _ if is_op => "ops".into(),
             "layer_diff" | "layers" => "layers".into(),

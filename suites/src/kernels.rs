@@ -140,7 +140,7 @@ fn prepare(device: &dyn Device, case: &OpCase) -> Result<Vec<Output>, Case> {
     if let Support::Unsupported(why) = device.supports(case) {
         return Err(verdict(device, case, Verdict::Unsupported, Some(why)));
     }
-    let entry = registry().into_iter().find(|e| e.name == case.op).expect("case from the registry");
+    let entry = registry().into_iter().find(|e| e.op == case.op).expect("case from the registry");
     (entry.reference)(case).map_err(|e| verdict(device, case, Verdict::Error, Some(format!("oracle: {e}"))))
 }
 
@@ -178,7 +178,7 @@ pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
     let mut judged = judge(device, case, &reference, result);
     judged.metrics.insert("wall_seconds".into(), seconds.into());
     if perf && judged.verdict != Verdict::Error {
-        let entry = registry().into_iter().find(|e| e.name == case.op).expect("case from the registry");
+        let entry = registry().into_iter().find(|e| e.op == case.op).expect("case from the registry");
         // GPU devices report their kernels' own time (device events, copies excluded).
         let events = device.last_kernel_seconds().is_some();
         if let Some(s) = device.last_kernel_seconds() {

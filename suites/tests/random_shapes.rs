@@ -8,7 +8,7 @@
 use devices::Device;
 use oracle::ops::SplitMix64;
 use oracle::quant::{encode, GgmlType};
-use oracle::registry::{activations, Input, OpCase, Tensor};
+use oracle::registry::{activations, Input, Op, OpCase, Tensor};
 use proptest::prelude::*;
 use reports::Verdict;
 use suites::kernels::run_case;
@@ -43,7 +43,7 @@ fn check(case: OpCase) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn mk(op: &'static str, seed: u64, inputs: Vec<(&'static str, Input)>, params: &[(&'static str, f64)]) -> OpCase {
+fn mk(op: Op, seed: u64, inputs: Vec<(&'static str, Input)>, params: &[(&'static str, f64)]) -> OpCase {
     OpCase { op, id: format!("{op}(random,seed={seed})"), seed, inputs, params: params.iter().copied().collect() }
 }
 
@@ -53,7 +53,7 @@ fn mk(op: &'static str, seed: u64, inputs: Vec<(&'static str, Input)>, params: &
 fn signed_zeros_tie_and_the_lower_index_ranks_first() {
     let x = vec![0.0f32, -0.0, 0.0, -1.0, -0.0, -0.0, 0.0];
     let params = [("k", 5.0), ("temperature", 0.8), ("top_p", 0.9)];
-    for op in ["argmax", "top_k", "sample"] {
+    for op in [Op::Argmax, Op::TopK, Op::Sample] {
         check(mk(op, 7, vec![("x", t(&[1, x.len()], x.clone()))], &params)).unwrap();
     }
     assert_eq!(oracle::ops::top_k(&x, 5), [0, 1, 2, 4, 5]);
@@ -76,7 +76,7 @@ proptest! {
         let w: Vec<f32> = (0..n * k).map(|_| (r.next_normal() / (k as f64).sqrt()) as f32).collect();
         let x = activations(&mut r, m, k);
         let bytes = encode(ty, &w).unwrap();
-        check(mk("matmul", seed, vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })], &[]))?;
+        check(mk(Op::Matmul, seed, vec![("x", t(&[m, k], x)), ("w", Input::Quant { ty, rows: n, cols: k, bytes })], &[]))?;
     }
 
     #[test]
@@ -84,14 +84,14 @@ proptest! {
         let mut r = SplitMix64(seed);
         let x = activations(&mut r, rows, n);
         let w: Vec<f32> = (0..n).map(|_| (1.0 + 0.1 * r.next_normal()) as f32).collect();
-        check(mk("rms_norm", seed, vec![("x", t(&[rows, n], x)), ("weight", t(&[n], w))], &[("eps", 1e-5)]))?;
+        check(mk(Op::RmsNorm, seed, vec![("x", t(&[rows, n], x)), ("weight", t(&[n], w))], &[("eps", 1e-5)]))?;
     }
 
     #[test]
     fn softmax_random_shapes(rows in 1usize..5, n in 1usize..500, seed in any::<u64>()) {
         let mut r = SplitMix64(seed);
         let x: Vec<f32> = (0..rows * n).map(|_| (r.next_normal() * 4.0) as f32).collect();
-        check(mk("softmax", seed, vec![("x", t(&[rows, n], x))], &[]))?;
+        check(mk(Op::Softmax, seed, vec![("x", t(&[rows, n], x))], &[]))?;
     }
 
     #[test]
@@ -104,7 +104,7 @@ proptest! {
         let v: Vec<f32> = (0..kv_len * nkv * hd).map(|_| r.next_normal() as f32).collect();
         let pos: Vec<u32> = (kv_len - m..kv_len).map(|p| p as u32).collect();
         check(mk(
-            "attention",
+            Op::Attention,
             seed,
             vec![("q", t(&[m, nh * hd], q)), ("k", t(&[kv_len, nkv * hd], k)), ("v", t(&[kv_len, nkv * hd], v)), ("pos", Input::Ids(pos))],
             &[("n_head", nh as f64), ("n_head_kv", nkv as f64), ("head_dim", hd as f64), ("window", 0.0)],
@@ -119,7 +119,7 @@ proptest! {
         let pos: Vec<u32> = (0..n_pos).map(|_| (r.next_u64() % 8192) as u32).collect();
         let x = activations(&mut r, n_pos, n_head * hd);
         check(mk(
-            "rope",
+            Op::Rope,
             seed,
             vec![("x", t(&[n_pos, n_head * hd], x)), ("pos", Input::Ids(pos))],
             &[("neox", neox as f64), ("scaling", scaling as f64), ("theta", 10_000.0), ("n_rot", n_rot as f64), ("n_head", n_head as f64), ("head_dim", hd as f64)],
@@ -131,14 +131,14 @@ proptest! {
         let mut r = SplitMix64(seed);
         let x = activations(&mut r, tokens, n_head * hd);
         let w: Vec<f32> = (0..hd).map(|_| (1.0 + 0.2 * r.next_normal()) as f32).collect();
-        check(mk("qk_norm", seed, vec![("x", t(&[tokens, n_head * hd], x)), ("weight", t(&[hd], w))], &[("eps", 1e-6), ("head_dim", hd as f64)]))?;
+        check(mk(Op::QkNorm, seed, vec![("x", t(&[tokens, n_head * hd], x)), ("weight", t(&[hd], w))], &[("eps", 1e-6), ("head_dim", hd as f64)]))?;
     }
 
     #[test]
     fn glu_random_shapes(rows in 1usize..4, n in 1usize..2000, geglu in any::<bool>(), seed in any::<u64>()) {
         let mut r = SplitMix64(seed);
         let (gate, up) = (activations(&mut r, rows, n), activations(&mut r, rows, n));
-        check(mk(if geglu { "geglu" } else { "swiglu" }, seed, vec![("gate", t(&[rows, n], gate)), ("up", t(&[rows, n], up))], &[]))?;
+        check(mk(if geglu { Op::Geglu } else { Op::Swiglu }, seed, vec![("gate", t(&[rows, n], gate)), ("up", t(&[rows, n], up))], &[]))?;
     }
 
     #[test]
@@ -146,7 +146,7 @@ proptest! {
         let k = ((n_expert.min(8) as f64 * k_frac) as usize).clamp(1, n_expert.min(8));
         let mut r = SplitMix64(seed);
         let logits: Vec<f32> = (0..rows * n_expert).map(|_| (r.next_normal() * 2.0) as f32).collect();
-        check(mk("moe_route", seed, vec![("logits", t(&[rows, n_expert], logits))], &[("k", k as f64), ("sigmoid", sigmoid as f64), ("normalize", normalize as f64)]))?;
+        check(mk(Op::MoeRoute, seed, vec![("logits", t(&[rows, n_expert], logits))], &[("k", k as f64), ("sigmoid", sigmoid as f64), ("normalize", normalize as f64)]))?;
     }
 
     #[test]
@@ -159,8 +159,8 @@ proptest! {
             x[b] = x[a];
         }
         let params = [("k", k.min(n) as f64), ("temperature", 0.8), ("top_p", 0.9)];
-        check(mk("argmax", seed, vec![("x", t(&[rows, n], x.clone()))], &params))?;
-        check(mk("top_k", seed, vec![("x", t(&[rows, n], x.clone()))], &params))?;
-        check(mk("sample", seed, vec![("x", t(&[rows, n], x))], &params))?;
+        check(mk(Op::Argmax, seed, vec![("x", t(&[rows, n], x.clone()))], &params))?;
+        check(mk(Op::TopK, seed, vec![("x", t(&[rows, n], x.clone()))], &params))?;
+        check(mk(Op::Sample, seed, vec![("x", t(&[rows, n], x))], &params))?;
     }
 }
