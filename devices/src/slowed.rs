@@ -101,4 +101,43 @@ mod tests {
             assert!(matches!(parse(bad), Some(Err(_))), "{bad}");
         }
     }
+
+    /// A model whose every pass takes at least `PASS` (it sleeps, then runs the cpu device's).
+    struct Sleepy(Box<dyn DeviceModel>);
+    const PASS: Duration = Duration::from_millis(20);
+
+    impl DeviceModel for Sleepy {
+        fn spec(&self) -> &oracle::ModelSpec {
+            self.0.spec()
+        }
+        fn arithmetic(&self) -> Arithmetic {
+            self.0.arithmetic()
+        }
+        fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+            std::thread::sleep(PASS);
+            self.0.forward(tokens, taps)
+        }
+        fn cached(&self) -> usize {
+            self.0.cached()
+        }
+        fn reset(&mut self) {
+            self.0.reset()
+        }
+    }
+
+    /// The wait follows the pass's own time: a pass of at least 20 ms slowed by 50% takes at
+    /// least 30 ms, whatever else the machine is doing (a lower bound that holds by construction,
+    /// not a timing that noise can break).
+    #[test]
+    fn a_slowed_pass_waits_its_fraction_of_the_pass_own_time() {
+        let path = ::fixtures::resolve("tiny-llama", true).unwrap();
+        let cpu = crate::open("cpu").unwrap();
+        let mut m = SlowedModel { inner: Box::new(Sleepy(cpu.load_model(&path, &ModelOptions::default()).unwrap())), fraction: 0.5 };
+        for _ in 0..3 {
+            m.reset();
+            let t = Instant::now();
+            m.forward(&[1, 2, 3], &mut oracle::NoTap).unwrap();
+            assert!(t.elapsed() >= PASS.mul_f64(1.5), "{:?}", t.elapsed());
+        }
+    }
 }
