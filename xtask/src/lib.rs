@@ -18,6 +18,16 @@ macro_rules! outln {
 
 mod cmd;
 
+/// The readers of hostile input that live in this crate, for the fuzz targets (`fuzz/bodies`).
+pub mod fuzzing {
+    pub use crate::cmd::chat::render as render_chat;
+
+    /// An `ab` arm's JSON line, checked as `ab` checks it for a request of `gen_len` tokens.
+    pub fn parse_ab_line(line: &str, gen_len: usize) -> Result<(), String> {
+        crate::cmd::ab::parse_sample(line, gen_len).map(|_| ())
+    }
+}
+
 /// Ends the process after a failed write to stdout: status 141 when the reader has gone (broken
 /// pipe), 2 for any other error.
 pub fn stdout_failed(e: std::io::Error) -> ! {

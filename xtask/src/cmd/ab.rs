@@ -498,7 +498,7 @@ fn run_once(r: &Runner, timeout: Duration, gen_len: usize) -> Result<RunSample, 
 
 /// An arm's JSON line, checked: at least 2 and at most `gen_len` (the request) tokens
 /// generated, as many as it lists, positive finite times.
-fn parse_sample(line: &str, gen_len: usize) -> Result<RunSample, String> {
+pub(crate) fn parse_sample(line: &str, gen_len: usize) -> Result<RunSample, String> {
     let s: RunSample = serde_json::from_str(line).map_err(|e| format!("its JSON line is not the arm protocol ({e}): {line}"))?;
     let finite = |x: f64| x.is_finite() && x >= 0.0;
     if s.n_gen < 2 || !(s.decode_ms > 0.0) || !finite(s.decode_ms) || !finite(s.prefill_ms) || !s.step_ms.iter().all(|x| finite(*x)) {
