@@ -50,7 +50,13 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     check_device(&a.device)?;
     check_sizes(a.prompt_len, a.gen_len, a.reps)?;
     super::print_timing_notes();
-    let m = measure(&a.device, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps)?;
+    let m = measure(&a.device, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps).inspect_err(|e| {
+        // A device that cannot serve this model says so in the report directory too, for the
+        // `gate` that runs this bench in a process of its own (`case_in_own_process`).
+        if let (true, Some(dir)) = (e.unavailable, a.report_dir.as_deref()) {
+            let _ = std::fs::write(dir.join(UNAVAILABLE), &e.message);
+        }
+    })?;
     let (r, device_peak, kernels) = (&m.r, m.device_peak, &m.kernels);
     let med = suites::throughput::median;
     let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
@@ -181,6 +187,10 @@ fn measure_exec(cmd: &str, model: &str, prompt_len: usize, gen_len: usize, reps:
 
 /// One bench case run by `bench` in a process of its own (`gate --suite bench`): its peak RSS is
 /// then the case's, whatever ran before it in the gate.
+/// The file a bench writes in its report directory when the device cannot serve the model at
+/// all (its message inside): `gate` reports that case unsupported, not as an error.
+const UNAVAILABLE: &str = "device-unavailable.txt";
+
 pub fn case_in_own_process(device: &str, model: &str) -> Result<reports::Case, Exit> {
     let exe = std::env::current_exe().map_err(|e| Exit::new(2, format!("cannot find this program to run `bench`: {e}")))?;
     let dir = tempfile::tempdir().map_err(|e| Exit::new(2, format!("cannot create a report directory for `bench`: {e}")))?;
@@ -197,7 +207,8 @@ pub fn case_in_own_process(device: &str, model: &str) -> Result<reports::Case, E
         None => {
             let err = String::from_utf8_lossy(&o.stderr);
             let tail: Vec<&str> = err.lines().rev().take(3).collect();
-            Err(Exit::new(2, format!("bench on {device} / {model} ({}): {}", o.status, tail.into_iter().rev().collect::<Vec<_>>().join(" / "))))
+            let e = Exit::new(2, format!("bench on {device} / {model} ({}): {}", o.status, tail.into_iter().rev().collect::<Vec<_>>().join(" / ")));
+            Err(Exit { unavailable: dir.path().join(UNAVAILABLE).is_file(), ..e })
         }
     }
 }
