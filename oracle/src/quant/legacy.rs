@@ -80,11 +80,9 @@ pub(crate) fn encode_q4_1(x: &[f32], out: &mut Vec<u8>) {
     }
 }
 
-pub(crate) fn encode_q5_0(x: &[f32], out: &mut Vec<u8>) {
-    let max = signed_absmax(x);
-    let d = push_f16(out, max / -16.0);
-    let id = inv(d);
-    let q = |v: f32| ((v * id + 16.5).floor().clamp(0.0, 31.0)) as u32;
+/// A block's 5-bit codes `q(x)` as Q5_0 and Q5_1 store them: the fifth bits of the 32 codes in
+/// one little-endian u32, then the low nibbles, value j with value j + 16 in one byte.
+fn push_5bit(x: &[f32], q: impl Fn(f32) -> u32, out: &mut Vec<u8>) {
     let mut qh = 0u32;
     let mut qs = [0u8; 16];
     for j in 0..16 {
@@ -97,6 +95,14 @@ pub(crate) fn encode_q5_0(x: &[f32], out: &mut Vec<u8>) {
     out.extend_from_slice(&qs);
 }
 
+pub(crate) fn encode_q5_0(x: &[f32], out: &mut Vec<u8>) {
+    let max = signed_absmax(x);
+    let d = push_f16(out, max / -16.0);
+    let id = inv(d);
+    let q = |v: f32| ((v * id + 16.5).floor().clamp(0.0, 31.0)) as u32;
+    push_5bit(x, q, out);
+}
+
 pub(crate) fn encode_q5_1(x: &[f32], out: &mut Vec<u8>) {
     let min = x.iter().copied().fold(f32::INFINITY, f32::min);
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -104,16 +110,7 @@ pub(crate) fn encode_q5_1(x: &[f32], out: &mut Vec<u8>) {
     let m = push_f16(out, min);
     let id = inv(d);
     let q = |v: f32| (((v - m) * id + 0.5).floor().clamp(0.0, 31.0)) as u32;
-    let mut qh = 0u32;
-    let mut qs = [0u8; 16];
-    for j in 0..16 {
-        let (a, b) = (q(x[j]), q(x[j + 16]));
-        qs[j] = (a & 0x0F) as u8 | (((b & 0x0F) as u8) << 4);
-        qh |= ((a >> 4) & 1) << j;
-        qh |= ((b >> 4) & 1) << (j + 16);
-    }
-    out.extend_from_slice(&qh.to_le_bytes());
-    out.extend_from_slice(&qs);
+    push_5bit(x, q, out);
 }
 
 pub(crate) fn encode_q8_0(x: &[f32], out: &mut Vec<u8>) {
