@@ -29,7 +29,8 @@
 # step says it could not run).
 #
 # STEPS picks among "kernels models bench roofline" (default all; the fixtures of the models and
-# bench model are checked first). DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
+# bench model are checked first) and "threads" (opt-in: the oracle's and the `cpu` device's
+# prefill and decode on the bench model at 1, 2, 4, 8 and 16 threads, about two minutes of CPU). DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
 # MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU; it then
 # ends with exit 3, the roofline being inconclusive on an emulator's timings).
 #
@@ -50,8 +51,8 @@ ROOFLINE_MIB=${ROOFLINE_MIB:-256}
 STEPS=${STEPS:-"kernels models bench roofline"}
 for s in $STEPS; do
     case $s in
-        kernels | models | bench | roofline) ;;
-        *) echo "STEPS: unknown step \`$s' (kernels, models, bench, roofline)" >&2; exit 2 ;;
+        kernels | models | bench | roofline | threads) ;;
+        *) echo "STEPS: unknown step \`$s' (kernels, models, bench, roofline, threads)" >&2; exit 2 ;;
     esac
 done
 [ -n "${STEPS// /}" ] || { echo "STEPS is empty: nothing would be checked" >&2; exit 2; }
@@ -151,7 +152,7 @@ fi
 wanted() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 needed=""
 wanted models && needed="$MODELS"
-wanted bench && case " $needed " in *" $BENCH_MODEL "*) ;; *) needed="$needed $BENCH_MODEL" ;; esac
+{ wanted bench || wanted threads; } && case " $needed " in *" $BENCH_MODEL "*) ;; *) needed="$needed $BENCH_MODEL" ;; esac
 for m in $needed; do
     step "fixtures-$m" 120 "$BIN" fixtures --model "$m"
 done
@@ -172,6 +173,13 @@ if wanted models; then
 fi
 if wanted bench; then
     step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MODEL" --prompt-len 32 --gen-len 128 --reps 5 --report-dir "$WORK/bench-$BENCH_MODEL"
+fi
+if wanted threads; then
+    for d in ref cpu; do
+        for t in 1 2 4 8 16; do
+            step "threads-$d-$t" 120 env RAYON_NUM_THREADS=$t "$BIN" bench --device "$d" --model "$BENCH_MODEL" --prompt-len 16 --gen-len 32 --reps 3 --report-dir "$WORK/threads-$d-$t"
+        done
+    done
 fi
 if wanted roofline; then
     step roofline 120 "$BIN" roofline --device "$DEVICE" --mib "$ROOFLINE_MIB" --report-dir "$WORK/roofline"
