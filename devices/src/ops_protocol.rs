@@ -91,7 +91,7 @@ impl Capabilities {
         if self.protocol != PROTOCOL || self.version != VERSION {
             return Err(at(format!("protocol {:?} version {} (Touchstone speaks {PROTOCOL} version {VERSION})", self.protocol, self.version)));
         }
-        let known: BTreeSet<&str> = oracle::registry::registry().iter().map(|e| e.op.name()).collect();
+        let known: BTreeSet<&str> = oracle::registry::Op::ALL.iter().map(|o| o.name()).collect();
         for op in self.ops.iter().chain(self.arithmetic_by_op.keys()) {
             if !known.contains(op.as_str()) {
                 return Err(at(format!("op `{op}` is not a registry op ({})", known.iter().copied().collect::<Vec<_>>().join(", "))));

@@ -2,7 +2,7 @@
 //! wrapped device (the wait itself: `slowed.rs`'s unit test, a lower bound that noise cannot
 //! break).
 
-use devices::{DeviceModel, ModelOptions};
+use devices::ModelOptions;
 
 #[test]
 fn a_slowed_model_computes_the_same() {

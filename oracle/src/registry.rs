@@ -73,11 +73,6 @@ impl Op {
             Op::Sample => "sample",
         }
     }
-
-    /// The op of a name, or None.
-    pub fn from_name(name: &str) -> Option<Op> {
-        Op::ALL.into_iter().find(|op| op.name() == name)
-    }
 }
 
 impl std::fmt::Display for Op {

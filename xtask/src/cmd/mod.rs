@@ -133,10 +133,6 @@ pub enum Engine {
     Device(Box<dyn devices::DeviceModel>),
 }
 
-fn device_exit(e: devices::DeviceError) -> Exit {
-    Exit::from(e)
-}
-
 impl Engine {
     pub fn spec(&self) -> &oracle::ModelSpec {
         match self {
@@ -199,7 +195,7 @@ impl Engine {
             Engine::Oracle(m) => m.prefill_logits(ids, taps).map(|_| ()).map_err(Exit::from),
             Engine::Device(m) => {
                 m.reset();
-                m.forward(ids, taps).map(|_| ()).map_err(device_exit)
+                m.forward(ids, taps).map(|_| ()).map_err(Exit::from)
             }
         }
     }
@@ -244,10 +240,10 @@ pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(P
     if precision != Precision::F32 {
         return Err(Exit::new(2, format!("--precision {}: the oracle's storage precision (--device ref); `{device}` computes in its own declared arithmetic", format!("{precision:?}").to_lowercase())));
     }
-    let dev = devices::open(device).map_err(device_exit)?;
+    let dev = devices::open(device).map_err(Exit::from)?;
     // External dumps must name the model under test by its hash.
     let model_sha256 = if device.starts_with("external:") || device.starts_with("exec:") { Some(::fixtures::sha256_model(&path)?) } else { None };
-    let dm = dev.load_model(&path, &devices::ModelOptions { model_sha256, ..Default::default() }).map_err(device_exit)?;
+    let dm = dev.load_model(&path, &devices::ModelOptions { model_sha256, ..Default::default() }).map_err(Exit::from)?;
     context_note(&path, dm.spec());
     let tok = oracle::loader::open_tokenizer(&path)?;
     Ok((path, Engine::Device(dm), tok))
