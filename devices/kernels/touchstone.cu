@@ -675,6 +675,12 @@ extern "C" __global__ void ts_add(const float* a, const float* b, float* y, long
 }
 
 // x *= s in place (Gemma's embedding scale).
+// Gemma 2's soft-capping in place: x = c * tanh(x / c).
+extern "C" __global__ void ts_softcap(float* x, float c, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = c * tanhf(x[i] / c);
+}
+
 extern "C" __global__ void ts_scale(float* x, float s, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = x[i] * s;
@@ -688,11 +694,18 @@ __device__ __forceinline__ float ts_gelu_tanh(float x) {
 }
 
 // Gated activations: y = act(gate) * up, or y = act(gate) when up is null.
-// act: 0 SiLU, 1 GELU (tanh approximation), 2 sigmoid (MoE scores).
+// act: 0 SiLU, 1 GELU (tanh approximation), 2 sigmoid (MoE scores), 3 GPT-OSS's clamped
+// SwiGLU: min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(up, -7, 7) + 1) (up required).
 extern "C" __global__ void ts_glu(const float* gate, const float* up, float* y, long long n, int act) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = gate[i];
+    if (act == 3) {
+        g = fminf(g, 7.0f);
+        float u = fminf(fmaxf(up[i], -7.0f), 7.0f);
+        y[i] = g / (1.0f + expf(-1.702f * g)) * (u + 1.0f);
+        return;
+    }
     float a = act == 0 ? ts_silu(g) : act == 1 ? ts_gelu_tanh(g) : 1.0f / (1.0f + expf(-g));
     y[i] = up ? a * up[i] : a;
 }
@@ -724,10 +737,13 @@ extern "C" __global__ void ts_rope(float* x, int n_head, float* x2, int n_head2,
 }
 
 // Causal GQA attention of query rows q: [m, n_head * hd] at positions pos[m] over a cache
-// k, v: [kv_len, n_kv * hd]; window > 0 keeps the last `window` positions. One block per
-// (head, query). Dynamic shared: (kv_len + blockDim) floats (scores, then probabilities).
+// k, v: [kv_len, n_kv * hd]; window > 0 keeps the last `window` positions; sinks (null: none)
+// holds one logit per query head that joins the softmax and takes its share to no value;
+// softcap > 0 turns each scaled score s into softcap * tanh(s / softcap) (Gemma 2).
+// One block per (head, query). Dynamic shared: (kv_len + blockDim) floats (scores, then
+// probabilities).
 extern "C" __global__ void ts_attention(const float* q, const u32* pos, const float* k, const float* v, float* out,
-                                        int n_head, int n_kv, int hd, int window, float scale) {
+                                        int n_head, int n_kv, int hd, int window, float scale, const float* sinks, float softcap) {
     DYNAMIC_SHARED(float, smem);
     int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, bd = blockDim.x;
     int kvh = h / (n_head / n_kv);
@@ -744,10 +760,12 @@ extern "C" __global__ void ts_attention(const float* q, const u32* pos, const fl
         float s = 0.0f;
         for (int d = 0; d < hd; ++d) s += qh[d] * kj[d];
         s *= scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         score[j] = s;
         local_max = fmaxf(local_max, s);
     }
     float mx = ts_block_max(local_max, red);
+    if (sinks) mx = fmaxf(mx, sinks[h]);
     float local_sum = 0.0f;
     for (int j = tid; j < len; j += bd) {
         float e = expf(score[j] - mx);
@@ -755,6 +773,7 @@ extern "C" __global__ void ts_attention(const float* q, const u32* pos, const fl
         local_sum += e;
     }
     float sum = ts_block_sum(local_sum, red);
+    if (sinks) sum += expf(sinks[h] - mx);
     for (int d = tid; d < hd; d += bd) {
         float o = 0.0f;
         for (int j = 0; j < len; ++j) o += score[j] * v[(first + j) * kv_stride + (long long)kvh * hd + d];

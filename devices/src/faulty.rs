@@ -231,8 +231,9 @@ impl Device for FaultyDevice {
     }
 }
 
-/// Bugs in a whole model's wiring rather than in one kernel (Gemma 3's): the `cpu` device's model
-/// with its spec changed after loading, while it reports the file's spec to the suites.
+/// Bugs in a whole model's wiring rather than in one kernel (Gemma 3's, GPT-OSS's): the `cpu`
+/// device's model with its spec or weights changed after loading, while it reports the file's
+/// spec to the suites.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ModelFault {
     /// The windowed layers rotate with the global RoPE base instead of their own.
@@ -241,10 +242,21 @@ pub enum ModelFault {
     PostNormsDropped,
     /// The embeddings not multiplied by sqrt(n_embd).
     EmbeddingScaleDropped,
+    /// GPT-OSS's attention sinks left out of the softmax.
+    SinksDropped,
+    /// GPT-OSS's experts run a plain SwiGLU (silu(gate) * up) instead of the clamped one.
+    PlainSwiglu,
+    /// YaRN's correction range rounded out to whole dimensions where GPT-OSS uses it as computed.
+    YarnTruncated,
+    /// Gemma 2's soft-capping of the attention scores and the logits left out.
+    SoftcapDropped,
 }
 
 impl ModelFault {
-    pub const ALL: [ModelFault; 3] = [ModelFault::LocalRopeBaseGlobal, ModelFault::PostNormsDropped, ModelFault::EmbeddingScaleDropped];
+    /// Gemma 3's wiring bugs.
+    pub const GEMMA: [ModelFault; 3] = [ModelFault::LocalRopeBaseGlobal, ModelFault::PostNormsDropped, ModelFault::EmbeddingScaleDropped];
+    /// GPT-OSS's.
+    pub const GPT_OSS: [ModelFault; 3] = [ModelFault::SinksDropped, ModelFault::PlainSwiglu, ModelFault::YarnTruncated];
 
     /// The tap kind where the bug first shows (isolated comparison): an engine that skips the
     /// post-norms records none, so the first tap off is the residual sum they feed.
@@ -253,6 +265,11 @@ impl ModelFault {
             ModelFault::LocalRopeBaseGlobal => "attn_q_rope",
             ModelFault::PostNormsDropped => "ffn_inp",
             ModelFault::EmbeddingScaleDropped => "inp_embd",
+            ModelFault::SinksDropped => "attn_kqv",
+            // The experts' activations have no taps: their sum is the first one off.
+            ModelFault::PlainSwiglu => "ffn_out",
+            ModelFault::YarnTruncated => "attn_q_rope",
+            ModelFault::SoftcapDropped => "attn_kqv",
         }
     }
 
@@ -267,6 +284,14 @@ impl ModelFault {
                 inner.spec.derive_stages();
             }
             ModelFault::EmbeddingScaleDropped => inner.spec.embd_scale = None,
+            ModelFault::SinksDropped => inner.layers.iter_mut().for_each(|l| l.sinks = None),
+            ModelFault::PlainSwiglu => inner.spec.activation = oracle::spec::Activation::Silu,
+            ModelFault::YarnTruncated => {
+                if let oracle::spec::RopeScaling::Yarn { truncate, .. } = &mut inner.spec.rope.scaling {
+                    *truncate = true;
+                }
+            }
+            ModelFault::SoftcapDropped => (inner.spec.attn_softcap, inner.spec.final_softcap) = (None, None),
         }
         Ok(Box::new(FaultyModel { inner, spec }))
     }

@@ -5,7 +5,7 @@
 //! argmax compares integers. Floats appear only at the boundary: inputs are converted to Q16
 //! and results back to f32 for the comparison.
 //!
-//! Ops without an integer kernel here (layer_norm, gelu, geglu, moe_route, top_k, sample) are
+//! Ops without an integer kernel here (layer_norm, gelu, geglu, swiglu_oai, moe_route, top_k, sample) are
 //! reported as unsupported.
 
 use crate::cpu::qdot;
@@ -123,11 +123,20 @@ pub fn gelu_q16(x: i64) -> i64 {
     shr_round(x * sigmoid_q16(z) as i128, ACT)
 }
 
-/// The gated activation of the model's FFN in Q16.
-fn act_q16(act: oracle::spec::Activation, x: i64) -> i64 {
+/// The gated unit of the model's FFN in Q16: act(gate) * up, or GPT-OSS's clamped SwiGLU
+/// (gate clamped above at 7, up to ±7, `g * sigmoid(1.702 g) * (u + 1)`, 1.702 in Q16).
+fn glu_q16(act: oracle::spec::Activation, g: i64, u: i64) -> i64 {
+    let gated = |a: i64, b: i64| shr_round(a as i128 * b as i128, ACT);
     match act {
-        oracle::spec::Activation::Silu => silu_q16(x),
-        oracle::spec::Activation::GeluTanh => gelu_q16(x),
+        oracle::spec::Activation::Silu => gated(silu_q16(g), u),
+        oracle::spec::Activation::GeluTanh => gated(gelu_q16(g), u),
+        oracle::spec::Activation::SwigluOai => {
+            let (one, limit) = (1i64 << ACT, 7i64 << ACT);
+            const ALPHA_Q16: i64 = 111_543; // round(1.702 * 2^16)
+            let g = g.min(limit);
+            let a = gated(g, sigmoid_q16(gated(g, ALPHA_Q16)));
+            gated(a, u.clamp(-limit, limit) + one)
+        }
     }
 }
 
@@ -543,7 +552,7 @@ impl FixedDevice {
                     .collect();
                 vec![Output::Ids(ids)]
             }
-            op @ (Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::MoeRoute | Op::TopK | Op::Sample) => return Err(format!("no integer kernel for `{op}`")),
+            op @ (Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::SwigluOai | Op::MoeRoute | Op::TopK | Op::Sample) => return Err(format!("no integer kernel for `{op}`")),
         })
     }
 }
@@ -567,7 +576,7 @@ impl Device for FixedDevice {
             // Argmax compares Q16 integers: two logits within 2^-17 of each other round to one
             // value and resolve to the lower index, which the exact rule would report as a failure.
             Op::Embed | Op::RmsNorm | Op::QkNorm | Op::Matmul | Op::Add | Op::AddBias | Op::Rope | Op::Attention | Op::Softmax | Op::Silu | Op::Swiglu | Op::Argmax => Support::Yes,
-            op @ (Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::MoeRoute | Op::TopK | Op::Sample) => Support::Unsupported(format!("no integer kernel for `{op}` on {}", self.name())),
+            op @ (Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::SwigluOai | Op::MoeRoute | Op::TopK | Op::Sample) => Support::Unsupported(format!("no integer kernel for `{op}` on {}", self.name())),
         }
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {
@@ -625,6 +634,12 @@ impl FixedModel {
         let label = src.label();
         if spec.moe.is_some() {
             return Err(DeviceError::Unavailable("fixed".into(), format!("{}: MoE models have no integer kernels here", path.display())));
+        }
+        if spec.attn_sinks {
+            return Err(DeviceError::Unavailable("fixed".into(), format!("{}: attention sinks have no integer kernel here", path.display())));
+        }
+        if spec.attn_softcap.is_some() || spec.final_softcap.is_some() {
+            return Err(DeviceError::Unavailable("fixed".into(), format!("{}: soft-capping (tanh) has no integer kernel here", path.display())));
         }
         // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4; the embedding's
         // own count stands for its 32-bit Q16 table), and the table once more where the output
@@ -792,7 +807,7 @@ impl FixedModel {
             let h = rms_norm_q(&x, d, &l.ffn_norm, s.norm_eps);
             tap_q(taps, &name("ffn_norm"), start, m, d, &h);
             let (g, u) = (matmul_q(&h, m, &l.gate), matmul_q(&h, m, &l.up));
-            let act: Vec<i64> = g.iter().zip(&u).map(|(a, b)| shr_round(act_q16(s.activation, *a) as i128 * *b as i128, ACT)).collect();
+            let act: Vec<i64> = g.iter().zip(&u).map(|(a, b)| glu_q16(s.activation, *a, *b)).collect();
             tap_q(taps, &name("ffn_gate"), start, m, s.n_ff, &g);
             tap_q(taps, &name("ffn_up"), start, m, s.n_ff, &u);
             tap_q(taps, &name("ffn_act"), start, m, s.n_ff, &act);

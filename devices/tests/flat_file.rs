@@ -171,7 +171,7 @@ fn hostile_headers_with_a_matching_checksum_are_refused_clearly() {
         ("overlap", Box::new(move |b| { let o = b[embd + 104..embd + 112].to_vec(); b[q + 104..q + 112].copy_from_slice(&o) }), "previous tensor's end"),
         ("name without NUL", Box::new(move |b| b[q..q + 64].fill(b'a')), "no NUL"),
         ("renamed tensor", Box::new(move |b| b[q + 6] = b'7'), "has no tensor `blk.0.attn_q.weight`"),
-        ("unknown flag", Box::new(|b| b[112] |= 0x80), "bits this reader does not know"),
+        ("unknown flag", Box::new(|b| b[113] |= 1), "bits this reader does not know"),
         ("tied output declared", Box::new(|b| b[112] |= 8), "tensor `output.weight` would not be read"),
         ("rope scaling 9", Box::new(|b| b[104] = 9), "expected 0 none"),
         ("zero heads", Box::new(|b| b[76..80].fill(0)), "n_head is zero"),

@@ -23,6 +23,8 @@ enum ts_flat_flags {
     TS_FLAT_TIED_OUTPUT = 8,
     TS_FLAT_FREQ_FACTORS = 16,
     TS_FLAT_POST_NORMS = 32,
+    TS_FLAT_ATTN_SINKS = 64,       /* GPT-OSS: blk.N.attn_sinks.weight, one logit per query head */
+    TS_FLAT_YARN_UNTRUNCATED = 128, /* YaRN's correction range as computed (GPT-OSS) */
 };
 
 enum ts_flat_rope_scaling { TS_ROPE_NONE = 0, TS_ROPE_LINEAR = 1, TS_ROPE_YARN = 2, TS_ROPE_LONGROPE = 3 };
@@ -59,7 +61,9 @@ struct ts_flat_header {
     uint32_t pad0;
     double rope_theta_swa;         /* the windowed layers' RoPE base (0: the global one) */
     double embd_scale;             /* embeddings times this before the first layer (0: none) */
-    uint8_t reserved[256];
+    double attn_softcap;           /* scores become c * tanh(s / c) (Gemma 2; 0: none) */
+    double final_softcap;          /* logits become c * tanh(l / c) (Gemma 2; 0: none) */
+    uint8_t reserved[240];
     uint64_t meta_checksum;        /* FNV-1a 64 of bytes 0..504, then the table */
 };
 

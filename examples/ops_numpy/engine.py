@@ -250,6 +250,12 @@ def op_geglu(p, i):
     return [gelu_tanh(i["gate"]) * i["up"]]
 
 
+def op_swiglu_oai(p, i):
+    g = np.minimum(i["gate"], np.float32(7.0))
+    u = np.clip(i["up"], np.float32(-7.0), np.float32(7.0))
+    return [g * sigmoid(np.float32(1.702) * g) * (u + np.float32(1.0))]
+
+
 def top_k(scores, k):
     """Indices of the k largest per row, best first, the lower index first on ties."""
     return np.argsort(-scores, axis=-1, kind="stable")[:, :k]

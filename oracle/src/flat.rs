@@ -35,9 +35,15 @@ pub const FLAG_TIED_OUTPUT: u32 = 8;
 pub const FLAG_FREQ_FACTORS: u32 = 16;
 /// Gemma's `post_attention_norm` and `post_ffw_norm` in every layer.
 pub const FLAG_POST_NORMS: u32 = 32;
-const KNOWN_FLAGS: u32 = 63;
+/// GPT-OSS's `attn_sinks` (one logit per query head) in every layer.
+pub const FLAG_ATTN_SINKS: u32 = 64;
+/// YaRN's correction range used as computed, not rounded out to whole dimensions (GPT-OSS).
+pub const FLAG_YARN_UNTRUNCATED: u32 = 128;
+const KNOWN_FLAGS: u32 = 255;
 pub const MOE_NORMALIZE_TOPK: u32 = 1;
 pub const MOE_SHARED_GATE: u32 = 2;
+/// The router and every expert's products add biases (GPT-OSS).
+pub const MOE_BIASES: u32 = 4;
 
 /// Byte offsets of the header fields (the C struct `ts_flat_header` has the same layout).
 mod off {
@@ -82,8 +88,10 @@ mod off {
     pub const SWA_PERIOD: usize = 224;
     pub const ROPE_THETA_SWA: usize = 232;
     pub const EMBD_SCALE: usize = 240;
-    /// Bytes 248..504 are reserved (zero).
-    pub const RESERVED: usize = 248;
+    pub const ATTN_SOFTCAP: usize = 248;
+    pub const FINAL_SOFTCAP: usize = 256;
+    /// Bytes 264..504 are reserved (zero).
+    pub const RESERVED: usize = 264;
     pub const META_CHECKSUM: usize = 504;
 }
 
@@ -284,6 +292,7 @@ impl FlatFile {
                 beta_slow: f64_at(h, off::YARN_BETA_SLOW),
                 ext_factor: f64_at(h, off::YARN_EXT_FACTOR),
                 attn_factor,
+                truncate: flags & FLAG_YARN_UNTRUNCATED == 0,
             },
             3 => {
                 let original_context = original_context()?;
@@ -300,13 +309,14 @@ impl FlatFile {
         let activation = match u32_at(h, off::ACTIVATION) {
             0 => Activation::Silu,
             1 => Activation::GeluTanh,
-            v => return Err(bad("activation", off::ACTIVATION, format!("{v}, expected 0 (SiLU) or 1 (GELU, tanh)"))),
+            2 => Activation::SwigluOai,
+            v => return Err(bad("activation", off::ACTIVATION, format!("{v}, expected 0 (SiLU), 1 (GELU, tanh) or 2 (GPT-OSS's clamped SwiGLU)"))),
         };
         let moe = match u(off::N_EXPERT) {
             0 => None,
             n_expert => {
                 let moe_flags = u32_at(h, off::MOE_FLAGS);
-                if moe_flags & !(MOE_NORMALIZE_TOPK | MOE_SHARED_GATE) != 0 {
+                if moe_flags & !(MOE_NORMALIZE_TOPK | MOE_SHARED_GATE | MOE_BIASES) != 0 {
                     return Err(bad("moe_flags", off::MOE_FLAGS, format!("{moe_flags:#x} has unknown bits")));
                 }
                 Some(MoeSpec {
@@ -321,6 +331,7 @@ impl FlatFile {
                     normalize_topk: moe_flags & MOE_NORMALIZE_TOPK != 0,
                     shared_ffn: Some(u(off::SHARED_FFN)).filter(|&n| n > 0),
                     shared_gate: moe_flags & MOE_SHARED_GATE != 0,
+                    biases: moe_flags & MOE_BIASES != 0,
                 })
             }
         };
@@ -356,7 +367,10 @@ impl FlatFile {
             swa_period: u(off::SWA_PERIOD),
             rope_swa: None,
             embd_scale: Some(f64_at(h, off::EMBD_SCALE)).filter(|v| *v != 0.0),
+            attn_softcap: Some(f64_at(h, off::ATTN_SOFTCAP)).filter(|v| *v != 0.0),
+            final_softcap: Some(f64_at(h, off::FINAL_SOFTCAP)).filter(|v| *v != 0.0),
             post_norms: flags & FLAG_POST_NORMS != 0,
+            attn_sinks: flags & FLAG_ATTN_SINKS != 0,
             fused: false,
             context_length: u(off::CONTEXT_LENGTH),
             attn_scale: f64_at(h, off::ATTN_SCALE),
@@ -504,23 +518,40 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
         (off::CONTEXT_LENGTH, spec.context_length, "context length"),
         (off::N_ROT, spec.rope.n_rot, "n_rot"),
         (off::ROPE_STYLE, (spec.rope.style == RopeStyle::Neox) as usize, "rope style"),
-        (off::ACTIVATION, (spec.activation == Activation::GeluTanh) as usize, "activation"),
+        (
+            off::ACTIVATION,
+            match spec.activation {
+                Activation::Silu => 0,
+                Activation::GeluTanh => 1,
+                Activation::SwigluOai => 2,
+            },
+            "activation",
+        ),
         (off::SLIDING_WINDOW, spec.sliding_window.unwrap_or(0), "sliding window"),
         (off::SWA_PERIOD, spec.swa_period, "sliding-window period"),
     ] {
         put32(&mut h, o, v, what)?;
     }
-    let flags = [(spec.qk_norm, FLAG_QK_NORM), (spec.qkv_bias, FLAG_QKV_BIAS), (spec.out_bias, FLAG_OUT_BIAS), (spec.tied_output, FLAG_TIED_OUTPUT), (spec.rope.freq_factors.is_some(), FLAG_FREQ_FACTORS), (spec.post_norms, FLAG_POST_NORMS)]
-        .iter()
-        .filter(|(on, _)| *on)
-        .fold(0u32, |f, (_, bit)| f | bit);
+    let flags = [
+        (spec.qk_norm, FLAG_QK_NORM),
+        (spec.qkv_bias, FLAG_QKV_BIAS),
+        (spec.out_bias, FLAG_OUT_BIAS),
+        (spec.tied_output, FLAG_TIED_OUTPUT),
+        (spec.rope.freq_factors.is_some(), FLAG_FREQ_FACTORS),
+        (spec.post_norms, FLAG_POST_NORMS),
+        (spec.attn_sinks, FLAG_ATTN_SINKS),
+        (matches!(spec.rope.scaling, RopeScaling::Yarn { truncate: false, .. }), FLAG_YARN_UNTRUNCATED),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .fold(0u32, |f, (_, bit)| f | bit);
     h[off::FLAGS..off::FLAGS + 4].copy_from_slice(&flags.to_le_bytes());
     if let Some(m) = &spec.moe {
         put32(&mut h, off::N_EXPERT, m.n_expert, "n_expert")?;
         put32(&mut h, off::N_EXPERT_USED, m.n_expert_used, "n_expert_used")?;
         put32(&mut h, off::EXPERT_FFN, m.expert_ffn, "expert_ffn")?;
         put32(&mut h, off::MOE_GATING, (m.gating == Gating::Sigmoid) as usize, "gating")?;
-        put32(&mut h, off::MOE_FLAGS, (m.normalize_topk as usize) | ((m.shared_gate as usize) << 1), "moe flags")?;
+        put32(&mut h, off::MOE_FLAGS, (m.normalize_topk as usize) | ((m.shared_gate as usize) << 1) | ((m.biases as usize) << 2), "moe flags")?;
         put32(&mut h, off::SHARED_FFN, m.shared_ffn.unwrap_or(0), "shared_ffn")?;
     }
     let f64s = |h: &mut [u8; HEADER_SIZE], o: usize, v: f64| h[o..o + 8].copy_from_slice(&v.to_le_bytes());
@@ -530,13 +561,15 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
     f64s(&mut h, off::ATTN_SCALE, spec.attn_scale);
     f64s(&mut h, off::ROPE_THETA_SWA, spec.rope_swa.as_ref().map_or(0.0, |r| r.theta));
     f64s(&mut h, off::EMBD_SCALE, spec.embd_scale.unwrap_or(0.0));
+    f64s(&mut h, off::ATTN_SOFTCAP, spec.attn_softcap.unwrap_or(0.0));
+    f64s(&mut h, off::FINAL_SOFTCAP, spec.final_softcap.unwrap_or(0.0));
     let code = match spec.rope.scaling {
         RopeScaling::None => 0,
         RopeScaling::Linear { factor } => {
             f64s(&mut h, off::ROPE_FACTOR, factor);
             1
         }
-        RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
+        RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor, .. } => {
             f64s(&mut h, off::ROPE_FACTOR, factor);
             f64s(&mut h, off::YARN_BETA_FAST, beta_fast);
             f64s(&mut h, off::YARN_BETA_SLOW, beta_slow);

@@ -75,6 +75,72 @@ struct Part {
     /// One expert's matrix of a stacked `[cols, rows, n_expert]` tensor (a stack of one expert
     /// is still 3-D).
     expert: bool,
+    /// GPT-OSS's expert tensors, rearranged to the GGUF tensor's layout when read.
+    oss: Option<OssPart>,
+}
+
+/// How a GPT-OSS checkpoint's expert tensor (Transformers `GptOssExperts`, torch order; its
+/// matrices multiply as `x @ W`, gate and up interleaved column by column) becomes a GGUF one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OssPart {
+    /// `gate_up_proj` `[n_expert, hidden, 2 * ffn]`: columns `h, h + 2, ...` (0 gate, 1 up), as
+    /// `[n_expert, ffn, hidden]`.
+    GateUp(usize),
+    /// `gate_up_proj_bias` `[n_expert, 2 * ffn]`: elements `h, h + 2, ...`, as `[n_expert, ffn]`.
+    GateUpBias(usize),
+    /// `down_proj` `[n_expert, ffn, hidden]` as `[n_expert, hidden, ffn]`.
+    Down,
+}
+
+impl OssPart {
+    /// The torch-order shape and values of `x` (torch-order `shape`) rearranged; None when
+    /// `shape` is not what this part expects.
+    fn apply(self, shape: &[usize], x: &[f32]) -> Option<(Vec<usize>, Vec<f32>)> {
+        match (self, shape) {
+            (OssPart::GateUp(h), &[e, rows, cols2]) if cols2 % 2 == 0 => {
+                let f = cols2 / 2;
+                let out = (0..e).flat_map(|ei| (0..f).flat_map(move |j| (0..rows).map(move |c| x[(ei * rows + c) * cols2 + 2 * j + h]))).collect();
+                Some((vec![e, f, rows], out))
+            }
+            (OssPart::GateUpBias(h), &[e, n2]) if n2 % 2 == 0 => Some((vec![e, n2 / 2], x.iter().skip(h).step_by(2).copied().collect())),
+            (OssPart::Down, &[e, rows, cols]) => {
+                let out = (0..e).flat_map(|ei| (0..cols).flat_map(move |c| (0..rows).map(move |j| x[(ei * rows + j) * cols + c]))).collect();
+                Some((vec![e, cols, rows], out))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// GPT-OSS's per-layer tensors (`GptOssForCausalLM`) other than the experts: its FFN norm is
+/// stored as llama.cpp's converter stores it ([`ModelSpec::stored_ffn_norm`]), its router and
+/// sinks under their GGUF names, the rest as [`LAYER_NAMES`] names them.
+const GPT_OSS_LAYER_NAMES: [(&str, &str); 5] = [
+    ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    ("self_attn.sinks", "attn_sinks.weight"),
+    ("mlp.router.weight", "ffn_gate_inp.weight"),
+    ("mlp.router.bias", "ffn_gate_inp.bias"),
+    // [n_expert, hidden] in torch order: the GGUF tensor as it is.
+    ("mlp.experts.down_proj_bias", "ffn_down_exps.bias"),
+];
+
+/// Maps a GPT-OSS checkpoint's tensor name (other than its experts') to its GGUF name.
+pub fn gpt_oss_hf_to_gguf_name(hf: &str) -> Option<String> {
+    let others = LAYER_NAMES.into_iter().filter(|(h, _)| *h != "post_attention_layernorm.weight");
+    rename(hf, MODEL_NAMES.into_iter(), GPT_OSS_LAYER_NAMES.into_iter().chain(others), "model.layers.", "blk.")
+}
+
+/// A GPT-OSS checkpoint's expert tensor: the GGUF tensors it holds, each with how to read it.
+fn gpt_oss_experts(hf: &str) -> Option<Vec<(String, OssPart)>> {
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let n = |t: &str| format!("blk.{layer}.{t}");
+    match rest {
+        "mlp.experts.gate_up_proj" => Some(vec![(n("ffn_gate_exps.weight"), OssPart::GateUp(0)), (n("ffn_up_exps.weight"), OssPart::GateUp(1))]),
+        "mlp.experts.gate_up_proj_bias" => Some(vec![(n("ffn_gate_exps.bias"), OssPart::GateUpBias(0)), (n("ffn_up_exps.bias"), OssPart::GateUpBias(1))]),
+        "mlp.experts.down_proj" => Some(vec![(n("ffn_down_exps.weight"), OssPart::Down)]),
+        _ => None,
+    }
 }
 
 /// Whole-model tensors: (Hugging Face name, GGUF name).
@@ -227,6 +293,7 @@ impl SafetensorsDir {
         // Which file each tensor came from: a tensor in two shards would otherwise be taken from
         // whichever sorts last.
         let mut seen: HashMap<String, PathBuf> = HashMap::new();
+        let oss = spec.arch == "gpt-oss";
         for (fi, path) in files.into_iter().enumerate() {
             let f = crate::files::open(&path)?;
             // SAFETY: read-only map of a file we do not modify.
@@ -246,10 +313,20 @@ impl SafetensorsDir {
                 }
                 let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 let data = start..start + view.data().len();
-                let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert };
-                let gguf = if spec.post_norms { gemma_hf_to_gguf_name(name) } else { hf_to_gguf_name(name) };
+                let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert, oss: None };
+                let gguf = if spec.post_norms {
+                    gemma_hf_to_gguf_name(name)
+                } else if oss {
+                    gpt_oss_hf_to_gguf_name(name)
+                } else {
+                    hf_to_gguf_name(name)
+                };
                 if let Some(g) = gguf {
                     index.insert(g, vec![part(None, false)]);
+                } else if let Some(parts) = gpt_oss_experts(name).filter(|_| oss) {
+                    for (g, how) in parts {
+                        index.insert(g, vec![Part { oss: Some(how), ..part(None, false) }]);
+                    }
                 } else if let Some((g, e)) = hf_expert_part(name) {
                     experts.entry(g).or_default().insert(e, part(None, true));
                 } else if let Some(fused) = hf_fused_experts(name) {
@@ -293,6 +370,12 @@ impl SafetensorsDir {
         // A weight the interpreter would not read is refused, never skipped: the model would
         // run without it and the judge would be wrong without saying so.
         unknown.sort();
+        if let Some(blocks) = unknown.iter().find(|n| n.contains("_blocks ") || n.contains("_scales ")) {
+            return Err(OracleError::Safetensors {
+                file: dir.display().to_string(),
+                reason: format!("`{blocks}`: MXFP4 blocks in a checkpoint are not read; convert it to GGUF (llama.cpp's converter keeps them MXFP4), or save it unquantized"),
+            });
+        }
         if let Some(first) = unknown.first() {
             return Err(OracleError::Safetensors {
                 file: dir.display().to_string(),
@@ -370,6 +453,15 @@ impl SafetensorsDir {
         for p in parts {
             let (dims, ty, bytes, path) = self.part(p)?;
             let bytes = crate::quant::finite_weight(&path.display().to_string(), &p.hf, ty, bytes, dims.first().copied().unwrap_or(1))?;
+            if let Some(how) = p.oss {
+                let x = RawTensor { dims: dims.clone(), ty, bytes: Cow::Borrowed(bytes) }.decode()?.data;
+                let (shape, y) = how.apply(&p.shape, &x).ok_or_else(|| OracleError::Safetensors {
+                    file: path.display().to_string(),
+                    reason: format!("GPT-OSS expert tensor `{}` has shape {:?}, not the [n_expert, ...] layout of its kind", p.hf, p.shape),
+                })?;
+                let bytes: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+                return Ok(Some(RawTensor { dims: shape.into_iter().rev().collect(), ty: GgmlType::F32, bytes: Cow::Owned(bytes) }));
+            }
             let (dims, bytes) = match p.half {
                 None => (dims, Cow::Borrowed(bytes)),
                 Some(h) => half_of_each_expert(dims, ty, bytes, h).ok_or_else(|| OracleError::Safetensors {
@@ -466,21 +558,42 @@ impl TensorSource for SafetensorsDir {
 /// and `attn_v` are row ranges of the stored `attn_qkv` (Q, K, V), `ffn_gate` and `ffn_up` the
 /// first and second half of the stored `ffn_up` (gate first, as llama.cpp and Transformers split
 /// it). Whole rows are whole blocks, so a slice of a quantized tensor is a quantized tensor.
-/// Every other name passes through.
+/// And each layer's FFN norm read from where the file stores it ([`ModelSpec::stored_ffn_norm`]:
+/// GPT-OSS's `post_attention_norm`). Every other name passes through.
 pub struct Unfused {
     inner: Box<dyn TensorSource>,
+    fused: bool,
     q_rows: usize,
     kv_rows: usize,
     ff_rows: usize,
+    /// The stored name (after `blk.N.`) of `ffn_norm.weight`.
+    ffn_norm: &'static str,
 }
 
 impl Unfused {
     pub fn new(inner: Box<dyn TensorSource>, spec: &ModelSpec) -> Unfused {
-        Unfused { inner, q_rows: spec.n_head * spec.head_dim, kv_rows: spec.n_head_kv * spec.head_dim, ff_rows: spec.n_ff }
+        let (q_rows, kv_rows, ff_rows) = (spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim, spec.n_ff);
+        Unfused { inner, fused: spec.fused, q_rows, kv_rows, ff_rows, ffn_norm: spec.stored_ffn_norm() }
+    }
+
+    /// Whether `spec`'s files store a tensor under another name or shape than the interpreter reads.
+    fn needed(spec: &ModelSpec) -> bool {
+        spec.fused || spec.stored_ffn_norm() != "ffn_norm.weight"
+    }
+
+    /// The stored name of a whole tensor the loaders hand out as `name`.
+    fn stored_name<'n>(&self, name: &'n str) -> Cow<'n, str> {
+        match name.strip_prefix("blk.").and_then(|r| r.strip_suffix(".ffn_norm.weight")) {
+            Some(layer) if self.ffn_norm != "ffn_norm.weight" => Cow::Owned(format!("blk.{layer}.{}", self.ffn_norm)),
+            _ => Cow::Borrowed(name),
+        }
     }
 
     /// (stored tensor, first row, rows, rows the stored tensor must have) of a split name.
     fn part_of(&self, name: &str) -> Option<(String, usize, usize, usize)> {
+        if !self.fused {
+            return None;
+        }
         let (layer, tail) = name.strip_prefix("blk.")?.split_once('.')?;
         let (q, kv, ff) = (self.q_rows, self.kv_rows, self.ff_rows);
         let (stored, first, rows, total) = match tail {
@@ -498,7 +611,7 @@ impl Unfused {
 impl TensorSource for Unfused {
     fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
         if self.part_of(name).is_none() {
-            return self.inner.load(name);
+            return self.inner.load(&self.stored_name(name));
         }
         self.raw(name)?.map(|t| t.decode()).transpose()
     }
@@ -516,7 +629,7 @@ impl TensorSource for Unfused {
     }
 
     fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
-        let Some((stored, first, rows, total)) = self.part_of(name) else { return self.inner.raw(name) };
+        let Some((stored, first, rows, total)) = self.part_of(name) else { return self.inner.raw(&self.stored_name(name)) };
         let Some(t) = self.inner.raw(&stored)? else { return Ok(None) };
         let (cols, block) = (t.dims.first().copied().unwrap_or(0), t.ty.block_size());
         if t.dims.len() != 2 || t.dims[1] != total || !cols.is_multiple_of(block) {
@@ -537,9 +650,10 @@ impl TensorSource for Unfused {
     }
 }
 
-/// `src` as the interpreter and the devices read it: Phi-3's fused tensors split.
+/// `src` (a GGUF file or a checkpoint) as the interpreter and the devices read it: Phi-3's
+/// fused tensors split, GPT-OSS's FFN norm under `ffn_norm.weight`.
 fn unfused(src: Box<dyn TensorSource>, spec: &ModelSpec) -> Box<dyn TensorSource> {
-    if spec.fused {
+    if Unfused::needed(spec) {
         Box::new(Unfused::new(src, spec))
     } else {
         src

@@ -128,12 +128,16 @@ pub struct DenseFfn<T> {
     pub gate: Mat<T>,
     pub up: Mat<T>,
     pub down: Mat<T>,
+    /// Biases of the gate, up and down products (GPT-OSS's experts).
+    pub bias: Option<[Vec<T>; 3]>,
 }
 
 pub enum Ffn<T> {
     Dense(DenseFfn<T>),
     Moe {
         router: Mat<T>,
+        /// The router's bias (GPT-OSS).
+        router_bias: Option<Vec<T>>,
         experts: Vec<DenseFfn<T>>,
         shared: Option<DenseFfn<T>>,
         shared_gate: Option<Mat<T>>,
@@ -155,6 +159,8 @@ pub struct Layer<T> {
     pub ffn_norm: Vec<T>,
     /// Gemma's norms of the attention and FFN outputs (`post_attention_norm`, `post_ffw_norm`).
     pub post_norms: Option<[Vec<T>; 2]>,
+    /// One sink logit per query head (GPT-OSS).
+    pub sinks: Option<Vec<T>>,
     pub ffn: Ffn<T>,
 }
 
@@ -310,6 +316,15 @@ impl Loader<'_> {
         t.data.chunks_exact(rows * cols).map(|c| Mat::new(rows, cols, c.iter().map(|v| T::from_f32(*v)).collect())).collect()
     }
 
+    /// Splits a per-expert bias (GGML dims [len, n_expert]) into one vector per expert.
+    fn expert_vecs<T: Real>(&self, name: &str, n_expert: usize, len: usize) -> Result<Vec<Vec<T>>> {
+        let t = self.get(name)?.ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))?;
+        if t.dims != [len, n_expert] {
+            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected [{len}, {n_expert}]", self.src.label(), t.dims)));
+        }
+        Ok(t.data.chunks_exact(len).map(|c| c.iter().map(|v| T::from_f32(*v)).collect()).collect())
+    }
+
     /// `e` (a size error of a packed matrix) as an error naming the file and tensor.
     fn in_tensor(&self, name: &str, e: OracleError) -> OracleError {
         OracleError::Spec(format!("{}: tensor `{name}`: {e}", self.src.label()))
@@ -364,27 +379,35 @@ impl<T: Real> Model<T> {
                         gate: l.mat(&n("ffn_gate.weight"), s.n_ff, d)?,
                         up: l.mat(&n("ffn_up.weight"), s.n_ff, d)?,
                         down: l.mat(&n("ffn_down.weight"), d, s.n_ff)?,
+                        bias: None,
                     }),
                     Some(m) => {
                         let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
                         let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
                         let downs = l.experts(&n("ffn_down_exps.weight"), m.n_expert, d, m.expert_ffn)?;
-                        let experts = gates
-                            .into_iter()
-                            .zip(ups)
-                            .zip(downs)
-                            .map(|((gate, up), down)| DenseFfn { gate, up, down })
-                            .collect();
+                        let mut biases: Vec<Option<[Vec<T>; 3]>> = match m.biases {
+                            true => {
+                                let g = l.expert_vecs(&n("ffn_gate_exps.bias"), m.n_expert, m.expert_ffn)?;
+                                let u = l.expert_vecs(&n("ffn_up_exps.bias"), m.n_expert, m.expert_ffn)?;
+                                let dn = l.expert_vecs(&n("ffn_down_exps.bias"), m.n_expert, d)?;
+                                g.into_iter().zip(u).zip(dn).map(|((g, u), dn)| Some([g, u, dn])).collect()
+                            }
+                            false => Vec::new(),
+                        };
+                        biases.resize_with(m.n_expert, || None);
+                        let experts = gates.into_iter().zip(ups).zip(downs).zip(biases).map(|(((gate, up), down), bias)| DenseFfn { gate, up, down, bias }).collect();
                         let shared = match m.shared_ffn {
                             Some(f) => Some(DenseFfn {
                                 gate: l.mat(&n("ffn_gate_shexp.weight"), f, d)?,
                                 up: l.mat(&n("ffn_up_shexp.weight"), f, d)?,
                                 down: l.mat(&n("ffn_down_shexp.weight"), d, f)?,
+                                bias: None,
                             }),
                             None => None,
                         };
                         let shared_gate = if m.shared_gate { Some(l.mat(&n("ffn_gate_inp_shexp.weight"), 1, d)?) } else { None };
-                        Ffn::Moe { router: l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?, experts, shared, shared_gate }
+                        let router_bias = if m.biases { Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?) } else { None };
+                        Ffn::Moe { router: l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?, router_bias, experts, shared, shared_gate }
                     }
                 };
                 Ok(Layer {
@@ -401,6 +424,7 @@ impl<T: Real> Model<T> {
                     k_norm: if s.qk_norm { Some(l.vec(&n("attn_k_norm.weight"), hd)?) } else { None },
                     ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
                     post_norms: if s.post_norms { Some([l.vec(&n("post_attention_norm.weight"), d)?, l.vec(&n("post_ffw_norm.weight"), d)?]) } else { None },
+                    sinks: if s.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), s.n_head)?) } else { None },
                     ffn,
                 })
             })
@@ -509,12 +533,15 @@ impl<T: Real> Model<T> {
                         cache.v[li].truncate(start * kv_dim);
                         cache.k[li].extend_from_slice(&k);
                         cache.v[li].extend_from_slice(&v);
+                        let sinks: Option<Vec<f64>> = layer.sinks.as_ref().map(|v| v.iter().map(|x| x.to_f64()).collect());
                         let params = AttentionParams {
                             n_head: s.n_head,
                             n_head_kv: s.n_head_kv,
                             head_dim: hd,
                             scale: s.attn_scale,
                             window: s.layer_window(li),
+                            sinks: sinks.as_deref(),
+                            softcap: s.attn_softcap,
                         };
                         attn = ops::attention_with(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params, taps.attention_weights())?;
                         tap(taps, &name("attn_kqv"), start, m, q_dim, &mut attn);
@@ -574,6 +601,9 @@ impl<T: Real> Model<T> {
             None => (&self.tok_embd, "token_embd.weight"),
         };
         let mut logits = ops::matmul(&product_input(taps, head_name, d, &normed), rows, head)?;
+        if let Some(c) = s.final_softcap {
+            logits.iter_mut().for_each(|l| *l = T::from_f64(c * (l.to_f64() / c).tanh()));
+        }
         tap(taps, "result_output", start + row0, rows, s.n_vocab, &mut logits);
         Ok(logits)
     }
@@ -587,6 +617,10 @@ impl<T: Real> Model<T> {
         let weight = |p: &str| format!("blk.{li}.ffn_{p}{suffix}.weight");
         let mut gate_up = products(taps, h, m, &[(&f.gate, &weight("gate")), (&f.up, &weight("up"))])?.into_iter();
         let (mut gate, mut up) = (gate_up.next().unwrap_or_default(), gate_up.next().unwrap_or_default());
+        if let Some([bg, bu, _]) = &f.bias {
+            ops::add_bias(&mut gate, bg)?;
+            ops::add_bias(&mut up, bu)?;
+        }
         let w = f.gate.rows;
         if let FfnKind::Layer { start } = kind {
             tap(taps, &format!("blk.{li}.ffn_gate"), start, m, w, &mut gate);
@@ -595,15 +629,20 @@ impl<T: Real> Model<T> {
         let mut act = match self.spec.activation {
             Activation::Silu => ops::swiglu(&gate, &up)?,
             Activation::GeluTanh => ops::geglu(&gate, &up)?,
+            Activation::SwigluOai => ops::swiglu_oai(&gate, &up)?,
         };
         if let FfnKind::Layer { start } = kind {
             tap(taps, &format!("blk.{li}.ffn_act"), start, m, w, &mut act);
         }
-        ops::matmul(&product_input(taps, &weight("down"), f.down.cols, &act), m, &f.down)
+        let mut down = ops::matmul(&product_input(taps, &weight("down"), f.down.cols, &act), m, &f.down)?;
+        if let Some([_, _, bd]) = &f.bias {
+            ops::add_bias(&mut down, bd)?;
+        }
+        Ok(down)
     }
 
     fn moe_ffn(&self, layer: &Layer<T>, h: &[T], m: usize, taps: &mut dyn Tap, li: usize, start: usize) -> Result<Vec<T>> {
-        let Ffn::Moe { router, experts, shared, shared_gate } = &layer.ffn else {
+        let Ffn::Moe { router, router_bias, experts, shared, shared_gate } = &layer.ffn else {
             return Err(OracleError::Spec(format!("layer {li}: MoE stage but dense weights")));
         };
         let ms = self.spec.moe.as_ref().ok_or_else(|| OracleError::Spec("MoE stage without MoE spec".into()))?;
@@ -618,7 +657,10 @@ impl<T: Real> Model<T> {
             // Router logits stay in f64: the expert choice is a discrete result and must not be
             // decided by a rounding of the oracle's own.
             let hr = product_input(taps, &format!("blk.{li}.ffn_gate_inp.weight"), d, ht);
-            let logits: Vec<f64> = (0..router.rows).map(|e| T::dot(&hr, router.row(e, &mut buf))).collect();
+            let mut logits: Vec<f64> = (0..router.rows).map(|e| T::dot(&hr, router.row(e, &mut buf))).collect();
+            if let Some(b) = router_bias {
+                logits.iter_mut().zip(b).for_each(|(l, b)| *l += b.to_f64());
+            }
             let mut r = ops::moe_route(&logits, ms.n_expert_used, ms.gating, ms.normalize_topk);
             if taps.enabled() {
                 if let Some(forced) = taps.route(&topk_name, start + t, &r.probs, &r.experts) {

@@ -40,6 +40,8 @@ pub enum Op {
     GeluTanh,
     Swiglu,
     Geglu,
+    /// GPT-OSS's clamped SwiGLU (`ops::swiglu_oai`).
+    SwigluOai,
     MoeRoute,
     Argmax,
     TopK,
@@ -48,7 +50,7 @@ pub enum Op {
 
 impl Op {
     /// Every op, in registry order.
-    pub const ALL: [Op; 18] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::Softmax, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample];
+    pub const ALL: [Op; 19] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::Softmax, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample];
 
     /// The op's name in case ids and the op protocol (`rms_norm`, `matmul`, ...).
     pub fn name(self) -> &'static str {
@@ -67,6 +69,7 @@ impl Op {
             Op::GeluTanh => "gelu_tanh",
             Op::Swiglu => "swiglu",
             Op::Geglu => "geglu",
+            Op::SwigluOai => "swiglu_oai",
             Op::MoeRoute => "moe_route",
             Op::Argmax => "argmax",
             Op::TopK => "top_k",
@@ -409,7 +412,7 @@ pub fn rope_spec_of(c: &OpCase) -> Result<RopeSpec> {
     let (scaling, freq_factors) = match c.pu("scaling")? {
         0 => (RopeScaling::None, None),
         1 => (RopeScaling::Linear { factor: 4.0 }, None),
-        2 => (RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 }, None),
+        2 => (RopeScaling::Yarn { factor: 4.0, original_context: 128, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0, truncate: true }, None),
         3 => (RopeScaling::None, Some(crate::spec::llama3_freq_factors(theta, n_rot, 8.0, 1.0, 4.0, 64))),
         _ => (RopeScaling::LongRope { attn_factor: LONGROPE_CASE_ATTN_FACTOR, original_context: 4096, context: 4096 }, Some((0..n_rot / 2).map(|i| (1.0 + 2.5 * i as f64 / (n_rot / 2) as f64) as f32).collect())),
     };
@@ -510,6 +513,8 @@ fn attention_ref(c: &OpCase) -> Result<Vec<Output>> {
         head_dim: hd,
         scale: 1.0 / (hd as f64).sqrt(),
         window: Some(c.pu("window")?).filter(|w| *w > 0),
+        sinks: None,
+        softcap: None,
     };
     let pos: Vec<usize> = c.ids("pos")?.iter().map(|&x| x as usize).collect();
     Ok(vec![out(&q.shape, ops::attention(&q.data, &pos, &k.data, &c.f32("v")?.data, k.shape[0], &p)?)])
@@ -560,6 +565,33 @@ fn swiglu_ref(c: &OpCase) -> Result<Vec<Output>> {
     let g = c.f32("gate")?;
     Ok(vec![out(&g.shape, ops::swiglu(&g.data, &c.f32("up")?.data)?)])
 }
+fn swiglu_oai_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let g = c.f32("gate")?;
+    Ok(vec![out(&g.shape, ops::swiglu_oai(&g.data, &c.f32("up")?.data)?)])
+}
+
+/// Gate and up values four times the activations' spread, so that a share of both lies past
+/// the clamp (|x| > 7), and every row's first eight pairs on and around its edges.
+fn swiglu_oai_cases(base: u64) -> Vec<OpCase> {
+    let edges = [7.0f32, -7.0, 7.0001, -7.0001, 6.9999, 50.0, -50.0, 0.0];
+    let mut v = Vec::new();
+    for n in [8usize, 64, 1536] {
+        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
+            let mut r = SplitMix64(seed ^ 0x0A1 ^ n as u64);
+            let mut gate: Vec<f32> = activations(&mut r, 2, n).iter().map(|x| 4.0 * x).collect();
+            let mut up: Vec<f32> = activations(&mut r, 2, n).iter().map(|x| 4.0 * x).collect();
+            for row in 0..2 {
+                for (i, e) in edges.iter().enumerate() {
+                    gate[row * n + i] = *e;
+                    up[row * n + (i + 3 + row) % 8] = *e;
+                }
+            }
+            v.push(case(Op::SwigluOai, format!("swiglu_oai(dtype=f32,shape=[2,{n}],seed={seed})"), seed, vec![("gate", t(&[2, n], gate)), ("up", t(&[2, n], up))], &[]));
+        }
+    }
+    v
+}
+
 fn geglu_ref(c: &OpCase) -> Result<Vec<Output>> {
     let g = c.f32("gate")?;
     Ok(vec![out(&g.shape, ops::geglu(&g.data, &c.f32("up")?.data)?)])
@@ -683,6 +715,7 @@ pub fn registry() -> Vec<OpEntry> {
         OpEntry { op: Op::GeluTanh, summary: "GELU, tanh approximation", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::GeluTanh, b), reference: gelu_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::Swiglu, summary: "silu(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::Swiglu, b), reference: swiglu_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::Geglu, summary: "gelu_tanh(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::Geglu, b), reference: geglu_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::SwigluOai, summary: "GPT-OSS: min(g,7) * sigmoid(1.702 min(g,7)) * (clamp(up,-7,7) + 1)", rule: ToleranceRule::Transcendental, cases: swiglu_oai_cases, reference: swiglu_oai_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::MoeRoute, summary: "softmax/sigmoid scores, top-k experts (ids exact), optional renorm", rule: ToleranceRule::RowReduction, cases: moe_cases, reference: moe_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::Argmax, summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Argmax, b), reference: argmax_ref, flops: elems, bytes: n_f32 },
         OpEntry { op: Op::TopK, summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::TopK, b), reference: top_k_ref, flops: elems, bytes: n_f32 },

@@ -34,6 +34,10 @@ pub enum RopeScaling {
         beta_slow: f64,
         ext_factor: f64,
         attn_factor: f64,
+        /// The correction range's ends rounded out to whole dimensions, as llama.cpp always
+        /// does and Hugging Face does unless a config says `truncate: false` (GPT-OSS).
+        #[serde(default = "yes")]
+        truncate: bool,
     },
     /// Phi-3's LongRoPE: per-pair factors (`RopeSpec::freq_factors`) divide the angles, and
     /// `attn_factor` scales every cos and sin. Which factors: as llama.cpp, by the context the
@@ -48,6 +52,10 @@ pub enum RopeScaling {
         #[serde(default)]
         context: usize,
     },
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -134,7 +142,19 @@ pub fn llama3_freq_factors(theta: f64, n_rot: usize, factor: f64, low_freq_facto
 pub enum Activation {
     Silu,
     GeluTanh,
+    /// GPT-OSS's clamped SwiGLU: `g = min(gate, L)`, `u = clamp(up, -L, L)`,
+    /// `g * sigmoid(A * g) * (u + 1)` with A = [`OAI_SWIGLU_ALPHA`], L = [`OAI_SWIGLU_LIMIT`].
+    SwigluOai,
 }
+
+/// GPT-OSS's SwiGLU slope (Hugging Face `swiglu_alpha`; llama.cpp's constant).
+pub const OAI_SWIGLU_ALPHA: f64 = 1.702;
+/// GPT-OSS's SwiGLU clamp (Hugging Face `swiglu_limit`; llama.cpp's constant).
+pub const OAI_SWIGLU_LIMIT: f64 = 7.0;
+/// Gemma 2's pattern of attention: windowed layers alternating with global ones.
+pub const GEMMA2_SWA_PERIOD: usize = 2;
+/// GPT-OSS's pattern of attention: windowed layers alternating with layers that see every position.
+pub const GPT_OSS_SWA_PERIOD: usize = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -155,6 +175,10 @@ pub struct MoeSpec {
     pub shared_ffn: Option<usize>,
     /// The shared expert's output is scaled by sigmoid(w . x) (Qwen-MoE).
     pub shared_gate: bool,
+    /// The router and every expert's gate, up and down products add a bias (GPT-OSS:
+    /// `ffn_gate_inp.bias`, `ffn_{gate,up,down}_exps.bias`).
+    #[serde(default)]
+    pub biases: bool,
 }
 
 /// One step of a transformer block, in execution order.
@@ -212,6 +236,16 @@ pub struct ModelSpec {
     /// `post_attention_norm` and `post_ffw_norm`, stages `AttnPostNorm` and `FfnPostNorm`).
     #[serde(default)]
     pub post_norms: bool,
+    /// Every query head has a learned logit (`blk.L.attn_sinks.weight`, one per head) that joins
+    /// its softmax over the scores and takes its share of the weight to no value (GPT-OSS).
+    #[serde(default)]
+    pub attn_sinks: bool,
+    /// Gemma 2's soft-capping of the attention scores (after the query scale): `c * tanh(s / c)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_softcap: Option<f64>,
+    /// Gemma 2's soft-capping of the output logits: `c * tanh(l / c)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_softcap: Option<f64>,
     /// Phi-3 stores Q, K and V as one `attn_qkv` tensor (rows: Q, then K, then V) and gate and up
     /// as one `ffn_up` tensor of twice the rows (gate first). The loaders hand them out split
     /// (`loader::Unfused`): the interpreter and every device read `attn_q`, `ffn_gate`, ... as
@@ -303,7 +337,7 @@ impl ModelSpec {
         match self.rope.scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => positive(factor, "factor")?,
-            RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
+            RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor, .. } => {
                 positive(factor, "factor")?;
                 positive(beta_fast, "yarn beta_fast")?;
                 positive(beta_slow, "yarn beta_slow")?;
@@ -345,6 +379,18 @@ impl ModelSpec {
         if self.sliding_window == Some(0) {
             return Err(spec_err("sliding window is zero"));
         }
+        for (what, cap) in [("attention soft-cap", self.attn_softcap), ("final logit soft-cap", self.final_softcap)] {
+            if let Some(c) = cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+                return Err(spec_err(format!("{what} {c} is not a finite positive number")));
+            }
+        }
+        if self.post_norms && self.stored_ffn_norm() != "ffn_norm.weight" {
+            return Err(spec_err(format!(
+                "a {} model stores its FFN norm as `{}`, which post-norms (Gemma) would read as the attention output's norm",
+                self.arch,
+                self.stored_ffn_norm()
+            )));
+        }
         if self.fused && (self.moe.is_some() || self.qkv_bias) {
             return Err(spec_err("fused Q/K/V and gate/up tensors (phi3) are read for dense models without Q/K/V biases only"));
         }
@@ -372,10 +418,12 @@ impl ModelSpec {
 
         let style = match arch.as_str() {
             "llama" | "mistral" | "mixtral" => RopeStyle::Normal,
-            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "phi3" | "gemma3" => RopeStyle::Neox,
-            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma3)", g.path))),
+            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "phi3" | "gemma2" | "gemma3" | "gpt-oss" => RopeStyle::Neox,
+            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3, gpt-oss)", g.path))),
         };
-        let gemma = arch == "gemma3";
+        let gemma2 = arch == "gemma2";
+        let gemma = arch == "gemma3" || gemma2;
+        let oss = arch == "gpt-oss";
         let n_embd = req_u("embedding_length")?;
         let n_head = req_u("attention.head_count")?;
         let n_head_kv = opt_u("attention.head_count_kv")?.unwrap_or(n_head);
@@ -408,17 +456,23 @@ impl ModelSpec {
                 beta_slow: opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
                 ext_factor: opt_f("rope.scaling.yarn_ext_factor")?.unwrap_or(1.0),
                 attn_factor: opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0),
+                // GPT-OSS is defined with the correction range as computed (its checkpoints'
+                // `truncate: false`); a GGUF does not say, and llama.cpp rounds it out.
+                truncate: !oss,
             },
             other => return Err(spec_err(format!("{}: rope scaling `{other}` is not supported (none, linear, yarn)", g.path))),
         };
         let moe = match opt_u("expert_count")? {
             Some(n_expert) if n_expert > 0 => {
+                // GPT-OSS's softmax over the chosen experts' logits (llama.cpp's gating 3) is
+                // the softmax over all of them renormalized over the chosen.
                 let gating = match opt_u("expert_gating_func")? {
                     None | Some(1) => Gating::Softmax,
                     Some(2) => Gating::Sigmoid,
+                    Some(3) if oss => Gating::Softmax,
                     Some(v) => return Err(spec_err(format!("{}: expert_gating_func {v} is not supported", g.path))),
                 };
-                let normalize_default = matches!(arch.as_str(), "llama" | "mixtral" | "qwen3moe");
+                let normalize_default = matches!(arch.as_str(), "llama" | "mixtral" | "qwen3moe" | "gpt-oss");
                 Some(MoeSpec {
                     n_expert,
                     n_expert_used: req_u("expert_used_count")?,
@@ -431,6 +485,7 @@ impl ModelSpec {
                         None
                     },
                     shared_gate: has("blk.0.ffn_gate_inp_shexp.weight"),
+                    biases: has("blk.0.ffn_gate_inp.bias"),
                 })
             }
             _ => None,
@@ -486,13 +541,30 @@ impl ModelSpec {
             qkv_bias: has("blk.0.attn_q.bias"),
             out_bias: has("blk.0.attn_output.bias"),
             tied_output: !has("output.weight"),
-            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            activation: if gemma {
+                Activation::GeluTanh
+            } else if oss {
+                Activation::SwigluOai
+            } else {
+                Activation::Silu
+            },
             moe,
             sliding_window: opt_u("attention.sliding_window")?.filter(|w| *w > 0),
-            swa_period: if gemma { GEMMA3_SWA_PERIOD } else { 0 },
+            swa_period: if gemma2 {
+                GEMMA2_SWA_PERIOD
+            } else if gemma {
+                GEMMA3_SWA_PERIOD
+            } else if oss {
+                GPT_OSS_SWA_PERIOD
+            } else {
+                0
+            },
             rope_swa: None,
             embd_scale: gemma.then(|| gemma_embd_scale(n_embd)),
             post_norms: gemma,
+            attn_sinks: has("blk.0.attn_sinks.weight"),
+            attn_softcap: opt_f("attn_logit_softcapping")?.filter(|_| gemma2),
+            final_softcap: opt_f("final_logit_softcapping")?.filter(|_| gemma2),
             fused: arch == "phi3",
             context_length: ctx,
             attn_scale: 1.0 / (head_dim as f64).sqrt(),
@@ -502,8 +574,11 @@ impl ModelSpec {
             // What a `gemma3` GGUF does not store, as llama.cpp and Transformers take it: the
             // local layers' RoPE (base 10,000, unscaled), and the query scale, 1/sqrt(head_dim)
             // but for the 27B model (62 layers), whose query_pre_attn_scalar is n_embd / n_head.
-            spec.rope_swa = Some(spec.rope.with_base(GEMMA3_LOCAL_ROPE_BASE));
-            if spec.n_layer == 62 {
+            // Gemma 2 rotates every layer with one base; its 27B model has 46 layers.
+            if !gemma2 {
+                spec.rope_swa = Some(spec.rope.with_base(GEMMA3_LOCAL_ROPE_BASE));
+            }
+            if spec.n_layer == if gemma2 { 46 } else { 62 } {
                 spec.attn_scale = 1.0 / ((n_embd / n_head) as f64).sqrt();
             }
         }
@@ -589,12 +664,26 @@ impl ModelSpec {
         if !layer.parse::<usize>().is_ok_and(|i| i < self.n_layer) {
             return false;
         }
-        self.layer_tails(self.fused).contains(&tail)
+        self.layer_tails(true).contains(&tail)
     }
 
-    /// The names (after `blk.N.`) of each layer's weights, in the order of a forward pass; with
-    /// `fused`, Phi-3's joined `attn_qkv` and gate/up `ffn_up` in place of the separate ones.
-    fn layer_tails(&self, fused: bool) -> Vec<&'static str> {
+    /// Where a layer's FFN norm is stored (after `blk.N.`): GPT-OSS files (llama.cpp's converter,
+    /// and the checkpoint loader after them) name it `post_attention_norm.weight`, after the
+    /// checkpoints' `post_attention_layernorm`; the loaders hand it out as `ffn_norm.weight`.
+    pub fn stored_ffn_norm(&self) -> &'static str {
+        if self.arch == "gpt-oss" {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        }
+    }
+
+    /// The names (after `blk.N.`) of each layer's weights, in the order of a forward pass: as
+    /// the loaders hand them out, or (`stored`) as the files store them: Phi-3's joined
+    /// `attn_qkv` and gate/up `ffn_up` in place of the separate ones, GPT-OSS's FFN norm under
+    /// [`ModelSpec::stored_ffn_norm`].
+    fn layer_tails(&self, stored: bool) -> Vec<&'static str> {
+        let fused = stored && self.fused;
         let mut tails = vec!["attn_norm.weight"];
         if fused {
             tails.push("attn_qkv.weight");
@@ -613,10 +702,13 @@ impl ModelSpec {
         if self.out_bias {
             tails.push("attn_output.bias");
         }
+        if self.attn_sinks {
+            tails.push("attn_sinks.weight");
+        }
         if self.post_norms {
             tails.push("post_attention_norm.weight");
         }
-        tails.push("ffn_norm.weight");
+        tails.push(if stored { self.stored_ffn_norm() } else { "ffn_norm.weight" });
         if self.post_norms {
             tails.push("post_ffw_norm.weight");
         }
@@ -625,6 +717,9 @@ impl ModelSpec {
             None => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
             Some(m) => {
                 tails.extend(["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]);
+                if m.biases {
+                    tails.extend(["ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"]);
+                }
                 if m.shared_ffn.is_some() {
                     tails.extend(["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]);
                 }

@@ -113,7 +113,7 @@ fn rope_yarn_matches_llama_cpp_formula() {
         style: RopeStyle::Normal,
         theta: 10_000.0,
         n_rot: 8,
-        scaling: RopeScaling::Yarn { factor: 4.0, original_context: 64, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0 },
+        scaling: RopeScaling::Yarn { factor: 4.0, original_context: 64, beta_fast: 32.0, beta_slow: 1.0, ext_factor: 1.0, attn_factor: 1.0, truncate: true },
         freq_factors: None,
         longrope_factors: None,
     };
@@ -146,7 +146,7 @@ fn llama3_frequency_factors_match_hugging_face_and_divide_the_angle() {
 
 #[test]
 fn attention_by_hand() {
-    let p = AttentionParams { n_head: 1, n_head_kv: 1, head_dim: 2, scale: 1.0, window: None };
+    let p = AttentionParams { n_head: 1, n_head_kv: 1, head_dim: 2, scale: 1.0, window: None, sinks: None, softcap: None };
     let k = [1.0f32, 0.0, 0.0, 1.0];
     let v = [1.0f32, 2.0, 3.0, 4.0];
     // Query at position 1 sees both keys: scores [1, 0] -> p = [e/(e+1), 1/(e+1)].
@@ -169,10 +169,39 @@ fn attention_by_hand() {
     assert!(ops::attention(&[1.0f32, 0.0], &[2], &k, &v, 2, &p).is_err());
 }
 
+/// A sink is one more logit in each head's softmax whose weight goes to no value (GPT-OSS):
+/// worked by hand, per head, and a sink of -inf is no sink.
+#[test]
+fn attention_sinks_by_hand() {
+    let sinks = [0.5f64, f64::NEG_INFINITY];
+    let p = AttentionParams { n_head: 2, n_head_kv: 1, head_dim: 2, scale: 1.0, window: None, sinks: Some(&sinks), softcap: None };
+    let k = [1.0f32, 0.0, 0.0, 1.0];
+    let v = [1.0f32, 2.0, 3.0, 4.0];
+    // Head 0 (query [1, 0]): scores [1, 0] and the sink 0.5; head 1 (query [0, 1]): [0, 1], no sink.
+    let (e1, e0, es) = (1f64.exp(), 1.0, 0.5f64.exp());
+    let z = e1 + e0 + es;
+    let (h1p0, h1p1) = (1.0 / (1.0 + e1), e1 / (1.0 + e1));
+    let y = ops::attention(&[1.0f32, 0.0, 0.0, 1.0], &[1], &k, &v, 2, &p).unwrap();
+    close(&y, &[(e1 * 1.0 + e0 * 3.0) / z, (e1 * 2.0 + e0 * 4.0) / z, h1p0 + 3.0 * h1p1, 2.0 * h1p0 + 4.0 * h1p1], 1e-7);
+    // One sink per query head, or an error.
+    let bad = AttentionParams { sinks: Some(&sinks[..1]), ..p };
+    assert!(ops::attention(&[1.0f32, 0.0, 0.0, 1.0], &[1], &k, &v, 2, &bad).unwrap_err().to_string().contains("sink"));
+}
+
+/// GPT-OSS's clamped SwiGLU: the gate clamped above only, up both ways, then `+ 1` on up.
+#[test]
+fn clamped_swiglu_by_hand() {
+    let f = |g: f64, u: f64| g / (1.0 + (-1.702 * g).exp()) * (u + 1.0);
+    for (g, u, want) in [(0.5, 0.25, f(0.5, 0.25)), (9.0, 1.0, f(7.0, 1.0)), (-9.0, 1.0, f(-9.0, 1.0)), (1.0, 12.0, f(1.0, 7.0)), (1.0, -12.0, f(1.0, -7.0))] {
+        assert_eq!(ops::swiglu_oai_f64(g, u), want, "g {g} u {u}");
+    }
+    assert_eq!(ops::swiglu_oai(&[9.0f32], &[1.0f32]).unwrap(), vec![f(7.0, 1.0) as f32]);
+}
+
 #[test]
 fn attention_scores_do_not_overflow() {
     // Scores of 1e4 would overflow exp() without the max subtraction.
-    let p = AttentionParams { n_head: 1, n_head_kv: 1, head_dim: 1, scale: 1.0, window: None };
+    let p = AttentionParams { n_head: 1, n_head_kv: 1, head_dim: 1, scale: 1.0, window: None, sinks: None, softcap: None };
     let y = ops::attention(&[100.0f32], &[1], &[100.0f32, 99.0], &[1.0f32, 2.0], 2, &p).unwrap();
     let e = (-100.0f64).exp();
     close(&y, &[(1.0 + 2.0 * e) / (1.0 + e)], 1e-7);
@@ -182,7 +211,7 @@ fn attention_scores_do_not_overflow() {
 /// weights average the values, and a rule that returns another number of weights is an error.
 #[test]
 fn attention_weights_rule_replaces_the_softmax() {
-    let p = AttentionParams { n_head: 1, n_head_kv: 1, head_dim: 2, scale: 0.7, window: None };
+    let p = AttentionParams { n_head: 1, n_head_kv: 1, head_dim: 2, scale: 0.7, window: None, sinks: None, softcap: None };
     let (q, k, v) = ([0.3f32, -1.2], [1.0f32, 0.5, -0.25, 2.0, 0.75, -1.0], [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]);
     let own = ops::attention(&q, &[2], &k, &v, 3, &p).unwrap();
     let softmax = |s: &[f64]| {

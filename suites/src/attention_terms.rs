@@ -171,8 +171,8 @@ pub fn sensitivity(q: &[f32], k: &[f32], v: &[f32], n: usize, p: &AttentionParam
 mod tests {
     use super::*;
 
-    fn params(n_head: usize, n_head_kv: usize, head_dim: usize) -> AttentionParams {
-        AttentionParams { n_head, n_head_kv, head_dim, scale: 1.0 / (head_dim as f64).sqrt(), window: None }
+    fn params(n_head: usize, n_head_kv: usize, head_dim: usize) -> AttentionParams<'static> {
+        AttentionParams { n_head, n_head_kv, head_dim, scale: 1.0 / (head_dim as f64).sqrt(), window: None, sinks: None, softcap: None }
     }
 
     /// The prediction matches what rounding the keys by a random relative error of the declared

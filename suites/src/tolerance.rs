@@ -190,6 +190,21 @@ fn derived(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
             }
             Bounds { per_output: vec![Some(b)], rule: format!("y*(gamma(n+3) + ulps*u + u*|x-max|), n={n}"), stored_inputs_reference: None }
         }
+        // The clamps are exact (comparisons); the sigmoid's argument 1.702 g is rounded, which
+        // moves it by up to 1.702 |g| u; then the exp (ulps), the add, divide and two multiplies.
+        Op::SwigluOai => {
+            let (lim, alpha) = (oracle::spec::OAI_SWIGLU_LIMIT, oracle::spec::OAI_SWIGLU_ALPHA);
+            let (g, up) = (&f32_in(case, "gate").data, &f32_in(case, "up").data);
+            let yy = y(0);
+            let b = (0..g.len())
+                .map(|i| {
+                    let gc = (g[i] as f64).min(lim);
+                    let uc = (up[i] as f64).clamp(-lim, lim) + 1.0;
+                    (ulps + 5.0 + alpha * gc.abs()) * u * gc.abs() * uc.abs() + 3.0 * u * yy[i].abs() + tiny
+                })
+                .collect();
+            Bounds { per_output: vec![Some(b)], rule: "clamped SwiGLU: (ulps+5+1.702|g'|)*u*|g'|*|u'+1| + 3u*|y|, g'=min(g,7), u'=clamp(up,-7,7)".into(), stored_inputs_reference: None }
+        }
         Op::Silu | Op::GeluTanh | Op::Swiglu | Op::Geglu => {
             let g = &f32_in(case, "gate").data;
             let up: Vec<f64> = if case.op == Op::Swiglu || case.op == Op::Geglu { f32_in(case, "up").data.iter().map(|v| *v as f64).collect() } else { vec![1.0; g.len()] };
@@ -485,7 +500,7 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
         }
         // Argmax compares integers: exact. The others have no integer kernel (the device says
         // unsupported); exact stands for "nothing to allow".
-        Op::Argmax | Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::MoeRoute | Op::TopK | Op::Sample => {
+        Op::Argmax | Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::SwigluOai | Op::MoeRoute | Op::TopK | Op::Sample => {
             Bounds { per_output: reference.iter().map(|o| matches!(o, Output::F32(_)).then(|| vec![0.0; y.len()])).collect(), rule: "exact".into(), stored_inputs_reference: None }
         }
     }

@@ -144,25 +144,57 @@ fn the_emulated_departure_gate_catches_a_coarser_rounding_the_budgets_let_throug
 /// passes the same prompt.
 #[test]
 fn gemma_wiring_bugs_fail_layer_diff_at_their_tap() {
-    use devices::faulty::ModelFault;
-    use suites::layerdiff::{self, Mode};
+    wiring_bugs_fail_layer_diff_at_their_tap("tiny-gemma3", &devices::faulty::ModelFault::GEMMA);
+}
+
+/// GPT-OSS's — the sinks dropped, a plain SwiGLU for the clamped one, YaRN's correction range
+/// rounded out (llama.cpp's rule) — likewise on `tiny-gpt-oss`.
+#[test]
+fn gpt_oss_wiring_bugs_fail_layer_diff_at_their_tap() {
+    wiring_bugs_fail_layer_diff_at_their_tap("tiny-gpt-oss", &devices::faulty::ModelFault::GPT_OSS);
+}
+
+/// Gemma 2's soft-capping left out is red at `attn_kqv`, in both modes, on a random Gemma 2
+/// checkpoint written by transformers (skipped where transformers is not installed).
+#[test]
+fn gemma2_softcap_dropped_fails_layer_diff() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/reference/make_checkpoint.py");
+    let has_transformers = std::process::Command::new("python3").args(["-c", "import transformers"]).status().is_ok_and(|s| s.success());
+    if !has_transformers {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny-gemma3.gguf");
-    std::fs::write(&path, fixtures::synthetic::build("tiny-gemma3").unwrap()).unwrap();
+    let ck = dir.path().join("gemma2");
+    assert!(std::process::Command::new("python3").arg(&script).arg("gemma2").arg(&ck).status().unwrap().success(), "make_checkpoint.py gemma2 failed");
+    wiring_bugs_fail_at(&ck, "gemma2", &[devices::faulty::ModelFault::SoftcapDropped]);
+}
+
+fn wiring_bugs_fail_layer_diff_at_their_tap(fixture: &str, faults: &[devices::faulty::ModelFault]) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{fixture}.gguf"));
+    std::fs::write(&path, fixtures::synthetic::build(fixture).unwrap()).unwrap();
+    wiring_bugs_fail_at(&path, fixture, faults);
+}
+
+/// Each of `faults` in the `cpu` device's model of `path` fails layer-diff in both modes, first
+/// at its tap in isolated mode, while the correct `cpu` device passes.
+fn wiring_bugs_fail_at(path: &std::path::Path, fixture: &str, faults: &[devices::faulty::ModelFault]) {
+    use suites::layerdiff::{self, Mode};
+    let path = path.to_path_buf();
     let (oracle_model, _) = oracle::generate::AnyModel::load(&path, oracle::Precision::F32).unwrap();
     // Longer than the window of 4, so the windowed layers and the global one see different keys.
     let ids = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5, 130];
     let judge = |model: &mut dyn devices::DeviceModel, mode: Mode| {
         let mut taps = oracle::RecordingTap::default();
         model.forward(&ids, &mut taps).unwrap();
-        let out = layerdiff::run(&oracle_model, &path, &ids, &taps, &model.arithmetic(), mode, suites::emulate::EMULATION_FACTOR, "tiny-gemma3", "faulty").unwrap();
+        let out = layerdiff::run(&oracle_model, &path, &ids, &taps, &model.arithmetic(), mode, suites::emulate::EMULATION_FACTOR, fixture, "faulty").unwrap();
         (out.report.exit_code(), layerdiff::first_divergence_json(&out.taps))
     };
     for mode in [Mode::Isolated, Mode::Propagated] {
         let mut good = devices::open("cpu").unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap();
         let (code, first) = judge(good.as_mut(), mode);
         assert_eq!(code, 0, "cpu {mode:?}: {first}");
-        for fault in ModelFault::ALL {
+        for &fault in faults {
             let mut bad = fault.load(&path).unwrap();
             let (code, first) = judge(bad.as_mut(), mode);
             assert_ne!(code, 0, "{fault:?} {mode:?} passed");

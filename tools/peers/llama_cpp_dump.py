@@ -244,6 +244,13 @@ def main():
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
         sys.exit(f"{model_path}: llama.cpp could not load it")
+    arch_buf = ctypes.create_string_buffer(64)
+    if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", arch_buf, len(arch_buf)) > 0 and arch_buf.value == b"gpt-oss":
+        # GPT-OSS's graph names its FFN norm `attn_post_norm` and its experts' sum `ffn_moe_out`;
+        # its `ffn_moe_probs` are the router's logits (it gates by a softmax over the chosen
+        # experts' logits), not the scores Touchstone's tap holds.
+        LAYER_TAPS.update({"attn_post_norm": "ffn_norm", "ffn_moe_out": "ffn_out"})
+        del LAYER_TAPS["ffn_moe_probs"]
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = n_ctx
     cparams.n_batch = cparams.n_ubatch = max(len(ids), 1)

@@ -2,8 +2,9 @@
 """An independent f64 reference from Hugging Face transformers: a checkpoint directory run by
 `AutoModelForCausalLM` (eager attention) with every weight and every op in float64.
 
-Some models force parts of the forward pass to float32 whatever the weights' dtype (Gemma 3's
-RMSNorm computes `x.float()`); those modules are patched here to compute in the input's dtype, and
+Some models force parts of the forward pass to float32 whatever the weights' dtype (Gemma 2's,
+Gemma 3's and GPT-OSS's RMSNorm compute `x.float()`, GPT-OSS's rotary embedding its angles); those modules
+are patched here to compute in the input's dtype, and
 the script refuses to run if any floating tensor of the forward pass is not float64 (a forward
 hook on every module checks its inputs and outputs). A development/test peer: never a runtime
 dependency of Touchstone.
@@ -21,14 +22,32 @@ import torch
 def f64_norms():
     """Patch RMSNorm modules that upcast to float32 so they compute in their input's dtype."""
     patched = []
-    try:
-        from transformers.models.gemma3 import modeling_gemma3 as g3
 
-        def forward(self, x):
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return y * (1.0 + self.weight.to(x.dtype))
-        g3.Gemma3RMSNorm.forward = forward
-        patched.append("Gemma3RMSNorm")
+    def gemma_norm(self, x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y * (1.0 + self.weight.to(x.dtype))
+    for module, cls in [("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm")]:
+        try:
+            mod = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=[cls])
+            getattr(mod, cls).forward = gemma_norm
+            patched.append(cls)
+        except (ImportError, AttributeError):
+            pass
+    try:
+        from transformers.models.gpt_oss import modeling_gpt_oss as oss
+
+        def forward_oss(self, x):
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight.to(x.dtype) * y
+        oss.GptOssRMSNorm.forward = forward_oss
+        patched.append("GptOssRMSNorm")
+
+        def rotary_oss(self, x, position_ids):
+            # The angles in float64 (transformers forms them in float32).
+            freqs = position_ids[..., None].to(torch.float64) * self.inv_freq.to(torch.float64)
+            return (freqs.cos() * self.attention_scaling).to(x.dtype), (freqs.sin() * self.attention_scaling).to(x.dtype)
+        oss.GptOssRotaryEmbedding.forward = rotary_oss
+        patched.append("GptOssRotaryEmbedding")
     except ImportError:
         pass
     return patched
@@ -44,7 +63,8 @@ def main():
     from transformers import AutoModelForCausalLM
     f64_norms()
     torch.set_default_dtype(torch.float64)
-    model = AutoModelForCausalLM.from_pretrained(a.checkpoint, torch_dtype=torch.float64, attn_implementation="eager")
+    # Eager attention and experts: the fused kernels do not take float64.
+    model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager")
     model.eval()
     bad = []
 

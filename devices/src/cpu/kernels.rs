@@ -97,9 +97,10 @@ pub fn rope_table_f64(spec: &RopeSpec, pos: usize) -> Vec<(f64, f64)> {
                 RopeScaling::None => (base, 1.0),
                 RopeScaling::Linear { factor } => (base / factor, 1.0),
                 RopeScaling::LongRope { attn_factor, .. } => (base, attn_factor),
-                RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
+                RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor, truncate } => {
                     let corr = |beta: f64| n_rot * (original_context as f64 / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * spec.theta.ln());
-                    let (lo, hi) = (corr(beta_fast).floor().max(0.0), corr(beta_slow).ceil().min(n_rot - 1.0));
+                    let (lo, hi) = if truncate { (corr(beta_fast).floor(), corr(beta_slow).ceil()) } else { (corr(beta_fast), corr(beta_slow)) };
+                    let (lo, hi) = (lo.max(0.0), hi.min(n_rot - 1.0));
                     if ext_factor == 0.0 {
                         (base / factor, attn_factor)
                     } else {
@@ -131,12 +132,17 @@ pub fn rope(x: &mut [f32], pos: &[usize], n_head: usize, hd: usize, spec: &RopeS
     }
 }
 
-pub struct AttnCfg {
+pub struct AttnCfg<'a> {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
     /// 0 = no sliding window.
     pub window: usize,
+    /// One sink logit per query head (GPT-OSS): a last score in the head's softmax whose weight
+    /// goes to no value.
+    pub sinks: Option<&'a [f32]>,
+    /// Gemma 2's soft-cap of the scaled scores, `c * tanh(s / c)` (0: none).
+    pub softcap: f32,
 }
 
 /// What a KV cache holds: f32, or f16 as an f16 cache holds it (half the memory), widened row by
@@ -201,6 +207,9 @@ pub fn attention<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: &[K], v: &
     if nkv == 0 || nh % nkv != 0 || pos.iter().any(|&p| p >= kv_len) {
         return Err("attention: bad head counts or a query past the cache".into());
     }
+    if let Some(s) = c.sinks.filter(|s| s.len() != nh) {
+        return Err(format!("attention: {} sink logits for {nh} query heads", s.len()));
+    }
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / nkv;
     let blocks = pos.len().div_ceil(POSITIONS_PER_TASK);
@@ -215,10 +224,10 @@ pub fn attention<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: &[K], v: &
                 .flat_map(|t| {
                     let p = pos[t];
                     let first = if c.window > 0 { (p + 1).saturating_sub(c.window) } else { 0 };
-                    (kvh * group..(kvh + 1) * group).map(move |h| Query { at: (t * nh + h) * hd, rows: first..=p })
+                    (kvh * group..(kvh + 1) * group).map(move |h| Query { at: (t * nh + h) * hd, rows: first..=p, sink: c.sinks.map(|s| s[h]) })
                 })
                 .collect();
-            attend(q, &queries, &KvHead { k, v, stride: nkv * hd, offset: kvh * hd, hd }, scale)
+            attend(q, &queries, &KvHead { k, v, stride: nkv * hd, offset: kvh * hd, hd }, scale, c.softcap)
         })
         .collect();
     let mut out = vec![0.0f32; pos.len() * nh * hd];
@@ -282,6 +291,8 @@ const PREFETCH_ROWS: usize = 16;
 struct Query {
     at: usize,
     rows: std::ops::RangeInclusive<usize>,
+    /// The head's sink logit, if the model has sinks.
+    sink: Option<f32>,
 }
 
 /// Key rows scored together against one query (independent sums, so the CPU overlaps them).
@@ -296,21 +307,21 @@ const VALUES_PER_STEP: usize = 8;
 /// their order are those of one query alone (scores in row order, each the lane sums of
 /// `dot_f32`, no fused multiply-add), and the body is compiled a second time with AVX2/FMA/F16C
 /// (chosen at run time), where four keys are scored at once with 8-lane vectors: the same bits.
-fn attend<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32) -> Vec<f32> {
+fn attend<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32, softcap: f32) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx2() {
             // SAFETY: the CPU reports avx2, fma and f16c.
-            return unsafe { attend_avx2(q, queries, kv, scale) };
+            return unsafe { attend_avx2(q, queries, kv, scale, softcap) };
         }
     }
-    attend_impl::<K, V, false>(q, queries, kv, scale)
+    attend_impl::<K, V, false>(q, queries, kv, scale, softcap)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32) -> Vec<f32> {
-    attend_impl::<K, V, true>(q, queries, kv, scale)
+unsafe fn attend_avx2<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32, softcap: f32) -> Vec<f32> {
+    attend_impl::<K, V, true>(q, queries, kv, scale, softcap)
 }
 
 /// `dot_f32(q, r)` for each of four rows, with its bits (four independent accumulators instead
@@ -379,7 +390,7 @@ unsafe fn dot4_avx2(q: &[f32], keys: &[&[f32]; KEYS_PER_STEP]) -> [f32; KEYS_PER
 }
 
 #[inline(always)]
-fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32) -> Vec<f32> {
+fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32, softcap: f32) -> Vec<f32> {
     // Plain loops, no closures: a closure would not inherit the AVX2 target features.
     let hd = kv.hd;
     let (mut lo, mut hi) = (usize::MAX, 0);
@@ -413,9 +424,23 @@ fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Qu
         }
         j += step;
     }
+    if softcap > 0.0 {
+        for s in scores.iter_mut().flatten() {
+            *s = softcap * (*s / softcap).tanh();
+        }
+    }
     let mut probs = Vec::with_capacity(queries.len());
-    for s in &scores {
-        probs.push(softmax(s));
+    for (qr, s) in queries.iter().zip(scores.iter_mut()) {
+        match qr.sink {
+            None => probs.push(softmax(s)),
+            // The sink joins the softmax as a last score; its weight is dropped.
+            Some(sink) => {
+                s.push(sink);
+                let mut p = softmax(s);
+                p.pop();
+                probs.push(p);
+            }
+        }
     }
     let mut out = vec![0.0f32; queries.len() * hd];
     let mut j = lo;
@@ -502,6 +527,16 @@ pub fn softmax(x: &[f32]) -> Vec<f32> {
 
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// GPT-OSS's clamped SwiGLU of one gate and up value, in f32: the gate clamped above at 7, up
+/// to ±7, `g * sigmoid(1.702 g) * (u + 1)`.
+pub fn swiglu_oai(g: f32, u: f32) -> f32 {
+    const ALPHA: f32 = 1.702;
+    const LIMIT: f32 = 7.0;
+    let g = g.min(LIMIT);
+    let u = u.clamp(-LIMIT, LIMIT);
+    g / (1.0 + (-ALPHA * g).exp()) * (u + 1.0)
 }
 
 pub fn gelu_tanh(x: f32) -> f32 {
@@ -611,7 +646,7 @@ mod tests {
         let (kr, vr): (Vec<f32>, Vec<f32>) = (kh.iter().map(|x| x.to_f32()).collect(), vh.iter().map(|x| x.to_f32()).collect());
         assert!(kr != k, "the inputs must need rounding for the test to mean anything");
         for window in [0, 4] {
-            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window };
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0 };
             let pos = [5, 11, 12];
             let want = attention(&q, &pos, &kr, &vr, len, &c).unwrap();
             let got = attention(&q, &pos, &kh, &vh, len, &c).unwrap();
@@ -632,7 +667,7 @@ mod tests {
         let q: Vec<f32> = (0..pos.len() * nh * hd).map(|i| val(i, 1)).collect();
         let (k, v) = cache(len * nkv * hd);
         for window in [0, 5] {
-            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window };
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0 };
             let together = attention(&q, &pos, &k, &v, len, &c).unwrap();
             let alone: Vec<f32> = pos.iter().enumerate().flat_map(|(t, p)| attention(&q[t * nh * hd..(t + 1) * nh * hd], &[*p], &k, &v, len, &c).unwrap()).collect();
             assert_eq!(bits(&together), bits(&alone), "window {window}");
@@ -656,7 +691,7 @@ mod tests {
             let (k, v) = cache(len * nkv * hd);
             let (kh, vh): (Vec<half::f16>, Vec<half::f16>) = (k.iter().map(|x| half::f16::from_f32(*x)).collect(), v.iter().map(|x| half::f16::from_f32(*x)).collect());
             let (kr, vr): (Vec<f32>, Vec<f32>) = (kh.iter().map(|x| x.to_f32()).collect(), vh.iter().map(|x| x.to_f32()).collect());
-            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window };
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0 };
             let plain = |k: &[f32], v: &[f32]| -> Vec<u32> {
                 let mut out = vec![0.0f32; pos.len() * nh * hd];
                 for (t, &p) in pos.iter().enumerate() {

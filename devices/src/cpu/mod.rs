@@ -197,7 +197,7 @@ impl CpuDevice {
                 let (q, k, v) = (case.f32("q").map_err(e)?, case.f32("k").map_err(e)?, case.f32("v").map_err(e)?);
                 let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
                 let p = |n: &str| case.pu(n).map_err(e);
-                let a = kernels::AttnCfg { n_head: p("n_head")?, n_head_kv: p("n_head_kv")?, head_dim: p("head_dim")?, window: p("window")? };
+                let a = kernels::AttnCfg { n_head: p("n_head")?, n_head_kv: p("n_head_kv")?, head_dim: p("head_dim")?, window: p("window")?, sinks: None, softcap: 0.0 };
                 vec![out(&q.shape, kernels::attention(&q.data, &pos, &k.data, &v.data, k.shape[0], &a)?)]
             }
             Op::Softmax => {
@@ -214,6 +214,11 @@ impl CpuDevice {
                 let u = &case.f32("up").map_err(e)?.data;
                 let f = if case.op == Op::Swiglu { kernels::silu } else { kernels::gelu_tanh };
                 vec![out(&g.shape, g.data.iter().zip(u).map(|(a, b)| f(*a) * b).collect())]
+            }
+            Op::SwigluOai => {
+                let g = case.f32("gate").map_err(e)?;
+                let u = &case.f32("up").map_err(e)?.data;
+                vec![out(&g.shape, g.data.iter().zip(u).map(|(a, b)| kernels::swiglu_oai(*a, *b)).collect())]
             }
             Op::MoeRoute => {
                 let l = case.f32("logits").map_err(e)?;

@@ -26,6 +26,8 @@ pub(crate) struct Ffn {
     pub(crate) gate: PackedMat,
     pub(crate) up: PackedMat,
     pub(crate) down: PackedMat,
+    /// Biases of the gate, up and down products (GPT-OSS's experts).
+    pub(crate) bias: Option<[Vec<f32>; 3]>,
 }
 
 pub(crate) struct Layer {
@@ -40,8 +42,11 @@ pub(crate) struct Layer {
     pub(crate) ffn_norm: Vec<f32>,
     /// Gemma's norms of the attention and FFN outputs.
     pub(crate) post_norms: Option<[Vec<f32>; 2]>,
+    /// One sink logit per query head (GPT-OSS).
+    pub(crate) sinks: Option<Vec<f32>>,
     pub(crate) dense: Option<Ffn>,
     pub(crate) router: Option<PackedMat>,
+    pub(crate) router_bias: Option<Vec<f32>>,
     pub(crate) experts: Vec<Ffn>,
     pub(crate) shared: Option<Ffn>,
     pub(crate) shared_gate: Option<Vec<f32>>,
@@ -206,6 +211,19 @@ impl Loader<'_> {
         let parts = t.parts(n_expert).map_err(|e| err(&self.label, format!("tensor `{name}`: {e} (one per expert)")))?;
         Ok(parts.map(|b| PackedMat { ty: t.ty, rows, cols, bytes: b.to_vec() }).collect())
     }
+    /// Every expert's vector out of a stacked [n, n_expert] float tensor.
+    fn expert_vecs(&self, name: &str, n_expert: usize, n: usize) -> Result<Vec<Vec<f32>>, DeviceError> {
+        let t = self.raw(name)?.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))?;
+        if t.dims != [n, n_expert] {
+            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}, expected [{n}, {n_expert}]", t.dims)));
+        }
+        if !qdot::is_float(t.ty) {
+            return Err(err(&self.label, format!("tensor `{name}`: expected float values, found {}", t.ty.name())));
+        }
+        let mut all = vec![0.0f32; n * n_expert];
+        qdot::float_row(t.ty, &t.bytes, &mut all);
+        Ok(all.chunks_exact(n).map(<[f32]>::to_vec).collect())
+    }
     fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, DeviceError> {
         let m = self.mat_like_vec(name, n)?;
         m.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))
@@ -258,6 +276,7 @@ impl CpuModel {
                 gate: l.mat(&format!("blk.{i}.ffn_gate{suffix}.weight"), f, d)?,
                 up: l.mat(&format!("blk.{i}.ffn_up{suffix}.weight"), f, d)?,
                 down: l.mat(&format!("blk.{i}.ffn_down{suffix}.weight"), d, f)?,
+                bias: None,
             })
         };
         let mut layers = Vec::new(); // not sized by the spec: a layer count the files do not back is an error below, not an allocation
@@ -269,7 +288,15 @@ impl CpuModel {
                     let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
                     let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
                     let downs = l.experts(&n("ffn_down_exps.weight"), m.n_expert, d, m.expert_ffn)?;
-                    let ex: Vec<Ffn> = gates.into_iter().zip(ups).zip(downs).map(|((gate, up), down)| Ffn { gate, up, down }).collect();
+                    let mut biases: Vec<Option<[Vec<f32>; 3]>> = Vec::new();
+                    if m.biases {
+                        let g = l.expert_vecs(&n("ffn_gate_exps.bias"), m.n_expert, m.expert_ffn)?;
+                        let u = l.expert_vecs(&n("ffn_up_exps.bias"), m.n_expert, m.expert_ffn)?;
+                        let dn = l.expert_vecs(&n("ffn_down_exps.bias"), m.n_expert, d)?;
+                        biases = g.into_iter().zip(u).zip(dn).map(|((g, u), dn)| Some([g, u, dn])).collect();
+                    }
+                    biases.resize_with(m.n_expert, || None);
+                    let ex: Vec<Ffn> = gates.into_iter().zip(ups).zip(downs).zip(biases).map(|(((gate, up), down), bias)| Ffn { gate, up, down, bias }).collect();
                     let shared = match m.shared_ffn {
                         Some(f) => Some(ffn(i, "_shexp", f)?),
                         None => None,
@@ -289,7 +316,12 @@ impl CpuModel {
                 qk_norm: if spec.qk_norm { Some([l.vec(&n("attn_q_norm.weight"), hd)?, l.vec(&n("attn_k_norm.weight"), hd)?]) } else { None },
                 ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
                 post_norms: if spec.post_norms { Some([l.vec(&n("post_attention_norm.weight"), d)?, l.vec(&n("post_ffw_norm.weight"), d)?]) } else { None },
+                sinks: if spec.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), spec.n_head)?) } else { None },
                 dense,
+                router_bias: match &spec.moe {
+                    Some(m) if m.biases => Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?),
+                    _ => None,
+                },
                 router,
                 experts,
                 shared,
@@ -304,12 +336,16 @@ impl CpuModel {
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
-        let [gate, up] = matmul_packed_group(h, m, f.gate.cols, &[f.gate.view(), f.up.view()]).try_into().expect("two outputs");
-        let act_fn = match self.spec.activation {
-            Activation::Silu => kernels::silu,
-            Activation::GeluTanh => kernels::gelu_tanh,
+        let [mut gate, mut up] = matmul_packed_group(h, m, f.gate.cols, &[f.gate.view(), f.up.view()]).try_into().expect("two outputs");
+        if let Some([bg, bu, _]) = &f.bias {
+            gate = kernels::add_broadcast(&gate, bg);
+            up = kernels::add_broadcast(&up, bu);
+        }
+        let act: Vec<f32> = match self.spec.activation {
+            Activation::Silu => gate.iter().zip(&up).map(|(g, u)| kernels::silu(*g) * u).collect(),
+            Activation::GeluTanh => gate.iter().zip(&up).map(|(g, u)| kernels::gelu_tanh(*g) * u).collect(),
+            Activation::SwigluOai => gate.iter().zip(&up).map(|(g, u)| kernels::swiglu_oai(*g, *u)).collect(),
         };
-        let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| act_fn(*g) * u).collect();
         if let Some((t, li, start)) = taps {
             if t.enabled() {
                 let w = f.gate.rows;
@@ -318,7 +354,11 @@ impl CpuModel {
                 t.record(&format!("blk.{li}.ffn_act"), start, m, w, &act);
             }
         }
-        matmul_packed(&act, m, f.down.view())
+        let down = matmul_packed(&act, m, f.down.view());
+        match &f.bias {
+            Some([_, _, bd]) => kernels::add_broadcast(&down, bd),
+            None => down,
+        }
     }
 
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, DeviceError> {
@@ -446,7 +486,8 @@ impl CpuModel {
                         record(taps, &name("attn_k_rope"), start, m, kvd, &k);
                     }
                     Stage::Attention => {
-                        let cfg = kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0) };
+                        let cfg =
+                            kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: layer.sinks.as_deref(), softcap: s.attn_softcap.unwrap_or(0.0) as f32 };
                         attn = self.kv.write_and_attend(li, start, kvd, (&q, &k, &v), &pos, &cfg).map_err(|e| err("attention", e))?;
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
@@ -492,7 +533,11 @@ impl CpuModel {
         let normed = rms_rows(&x[row0 * d..], d, &self.output_norm, s.norm_eps);
         record(taps, "result_norm", start + row0, rows, d, &normed);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let logits = matmul_packed(&normed, rows, head.view());
+        let mut logits = matmul_packed(&normed, rows, head.view());
+        if let Some(c) = s.final_softcap {
+            let c = c as f32;
+            logits.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+        }
         record(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
         Ok(logits)
     }
@@ -502,7 +547,10 @@ impl CpuModel {
         let ms = self.spec.moe.as_ref().ok_or_else(|| err("forward", "MoE stage without MoE spec"))?;
         let router = layer.router.as_ref().ok_or_else(|| err("forward", "MoE stage without router"))?;
         let d = self.spec.n_embd;
-        let logits = matmul_packed(h, m, router.view());
+        let mut logits = matmul_packed(h, m, router.view());
+        if let Some(b) = &layer.router_bias {
+            logits = kernels::add_broadcast(&logits, b);
+        }
         let (ids, weights) = kernels::moe_route(&logits, ms.n_expert, ms.n_expert_used, ms.gating == Gating::Sigmoid, ms.normalize_topk);
         let mut out = vec![0.0f32; m * d];
         for t in 0..m {

@@ -100,10 +100,17 @@ impl GpuDevice {
                 if pos.iter().any(|&p| p as usize >= kv_len) {
                     return Err("attention: a query past the cache".into());
                 }
-                let cfg = crate::cpu::kernels::AttnCfg { n_head: uparam("n_head")?, n_head_kv: uparam("n_head_kv")?, head_dim: uparam("head_dim")?, window: uparam("window")? };
+                let cfg = crate::cpu::kernels::AttnCfg {
+                    n_head: uparam("n_head")?,
+                    n_head_kv: uparam("n_head_kv")?,
+                    head_dim: uparam("head_dim")?,
+                    window: uparam("window")?,
+                    sinks: None,
+                    softcap: 0.0,
+                };
                 let (qb, pb, kb, vb) = (g.upload_f32(&q.data)?, g.upload_u32(pos)?, g.upload_f32(&k.data)?, g.upload_f32(&v.data)?);
                 let ob = g.alloc_guarded(4 * q.data.len())?;
-                self.timed(|| g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg))?;
+                self.timed(|| g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg, 0))?;
                 vec![out(&q.shape, ob.download_f32(q.data.len())?)]
             }
             Op::Softmax => {
@@ -112,11 +119,15 @@ impl GpuDevice {
                 self.timed(|| g.softmax(xb.ptr, yb.ptr, x.shape[0], x.shape[1]))?;
                 vec![out(&x.shape, yb.download_f32(x.data.len())?)]
             }
-            Op::Silu | Op::GeluTanh | Op::Swiglu | Op::Geglu => {
+            Op::Silu | Op::GeluTanh | Op::Swiglu | Op::Geglu | Op::SwigluOai => {
                 let gate = input("gate")?;
-                let act = if matches!(case.op, Op::Silu | Op::Swiglu) { 0 } else { 1 };
+                let act = match case.op {
+                    Op::Silu | Op::Swiglu => 0,
+                    Op::SwigluOai => 3,
+                    _ => 1,
+                };
                 let (gb, yb) = (g.upload_f32(&gate.data)?, g.alloc_guarded(4 * gate.data.len())?);
-                let ub = if matches!(case.op, Op::Swiglu | Op::Geglu) { Some(g.upload_f32(&input("up")?.data)?) } else { None };
+                let ub = if matches!(case.op, Op::Swiglu | Op::Geglu | Op::SwigluOai) { Some(g.upload_f32(&input("up")?.data)?) } else { None };
                 self.timed(|| g.glu(gb.ptr, ub.as_ref().map_or(0, |b| b.ptr), yb.ptr, gate.data.len(), act))?;
                 vec![out(&gate.shape, yb.download_f32(gate.data.len())?)]
             }

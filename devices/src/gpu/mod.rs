@@ -579,6 +579,11 @@ impl Gpu {
     }
 
     /// `x *= s` in place over `n` values.
+    /// `x = c * tanh(x / c)` in place over `n` values (Gemma 2's soft-capping).
+    pub fn softcap(&self, x: u64, c: f32, n: usize) -> Result<(), String> {
+        self.launch_flat("ts_softcap", n, &[Arg::Ptr(x), Arg::F32(c), Arg::I64(n as i64)])
+    }
+
     pub fn scale(&self, x: u64, s: f32, n: usize) -> Result<(), String> {
         self.launch_flat("ts_scale", n, &[Arg::Ptr(x), Arg::F32(s), Arg::I64(n as i64)])
     }
@@ -621,7 +626,8 @@ impl Gpu {
     /// Causal attention of `m` queries at positions `pos` (device u32s) over a cache of
     /// `kv_len` positions.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(&self, q: u64, pos: u64, k: u64, v: u64, out: u64, m: usize, kv_len: usize, cfg: &crate::cpu::kernels::AttnCfg) -> Result<(), String> {
+    /// `sinks`: a device buffer of one sink logit per query head, or 0 for none.
+    pub fn attention(&self, q: u64, pos: u64, k: u64, v: u64, out: u64, m: usize, kv_len: usize, cfg: &crate::cpu::kernels::AttnCfg, sinks: u64) -> Result<(), String> {
         let bs = self.bs() as usize;
         let shared = 4 * (kv_len + bs);
         if shared > MAX_SHARED_BYTES {
@@ -647,6 +653,8 @@ impl Gpu {
                 Arg::I32(cfg.head_dim as i32),
                 Arg::I32(cfg.window as i32),
                 Arg::F32(scale),
+                Arg::Ptr(sinks),
+                Arg::F32(cfg.softcap),
             ],
         )
     }

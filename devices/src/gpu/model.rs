@@ -14,6 +14,8 @@ struct GpuFfn {
     gate: GpuMat,
     up: GpuMat,
     down: GpuMat,
+    /// Biases of the gate, up and down products (GPT-OSS's experts).
+    bias: Option<[DevBuf; 3]>,
 }
 
 struct GpuLayer {
@@ -27,8 +29,11 @@ struct GpuLayer {
     qk_norm: Option<[DevBuf; 2]>,
     ffn_norm: DevBuf,
     post_norms: Option<[DevBuf; 2]>,
+    /// One sink logit per query head (GPT-OSS).
+    sinks: Option<DevBuf>,
     dense: Option<GpuFfn>,
     router: Option<GpuMat>,
+    router_bias: Option<DevBuf>,
     experts: Vec<GpuFfn>,
     shared: Option<GpuFfn>,
     shared_gate: Option<DevBuf>,
@@ -79,7 +84,13 @@ impl GpuModel {
         })?;
         let mat = |p: &PackedMat| gpu.upload_mat(p.ty, p.rows, p.cols, &p.bytes);
         let vec = |v: &Vec<f32>| gpu.upload_f32(v);
-        let ffn = |f: &Ffn| -> Result<GpuFfn, String> { Ok(GpuFfn { gate: mat(&f.gate)?, up: mat(&f.up)?, down: mat(&f.down)? }) };
+        let ffn = |f: &Ffn| -> Result<GpuFfn, String> {
+            let bias = match &f.bias {
+                Some([g, u, d]) => Some([vec(g)?, vec(u)?, vec(d)?]),
+                None => None,
+            };
+            Ok(GpuFfn { gate: mat(&f.gate)?, up: mat(&f.up)?, down: mat(&f.down)?, bias })
+        };
         let upload = || -> Result<GpuModel, String> {
             let mut layers = Vec::with_capacity(host.layers.len());
             for l in &host.layers {
@@ -103,8 +114,10 @@ impl GpuModel {
                         Some([a, b]) => Some([vec(a)?, vec(b)?]),
                         None => None,
                     },
+                    sinks: l.sinks.as_ref().map(vec).transpose()?,
                     dense: l.dense.as_ref().map(ffn).transpose()?,
                     router: l.router.as_ref().map(mat).transpose()?,
+                    router_bias: l.router_bias.as_ref().map(vec).transpose()?,
                     experts: l.experts.iter().map(ffn).collect::<Result<_, _>>()?,
                     shared: l.shared.as_ref().map(ffn).transpose()?,
                     shared_gate: l.shared_gate.as_ref().map(vec).transpose()?,
@@ -157,9 +170,14 @@ impl GpuModel {
         let width = f.gate.rows;
         let (gate, up, act) = (g.alloc(4 * m * width)?, g.alloc(4 * m * width)?, g.alloc(4 * m * width)?);
         g.matmul_group(&[(&f.gate, gate.ptr), (&f.up, up.ptr)], h, f.gate.cols, m)?;
+        if let Some([bg, bu, _]) = &f.bias {
+            g.add(gate.ptr, bg.ptr, gate.ptr, m * width, width)?;
+            g.add(up.ptr, bu.ptr, up.ptr, m * width, width)?;
+        }
         let kind = match self.spec.activation {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
+            Activation::SwigluOai => 3,
         };
         g.glu(gate.ptr, up.ptr, act.ptr, m * width, kind)?;
         if let Some((t, li, start)) = taps {
@@ -169,6 +187,9 @@ impl GpuModel {
         }
         let out = g.alloc(4 * m * f.down.rows)?;
         g.matmul(&f.down, act.ptr, width, m, out.ptr)?;
+        if let Some([_, _, bd]) = &f.bias {
+            g.add(out.ptr, bd.ptr, out.ptr, m * f.down.rows, f.down.rows)?;
+        }
         Ok(out)
     }
 
@@ -180,6 +201,9 @@ impl GpuModel {
         let (d, ne, k) = (self.spec.n_embd, ms.n_expert, ms.n_expert_used);
         let logits = g.alloc(4 * m * ne)?;
         g.matmul(router, h.ptr, d, m, logits.ptr)?;
+        if let Some(b) = &layer.router_bias {
+            g.add(logits.ptr, b.ptr, logits.ptr, m * ne, ne)?;
+        }
         let (ids_buf, weights) = (g.alloc(4 * m * k)?, g.alloc(4 * m * k)?);
         let sigmoid = ms.gating == Gating::Sigmoid;
         g.moe_route(logits.ptr, ids_buf.ptr, weights.ptr, m, ne, k, sigmoid, ms.normalize_topk)?;
@@ -305,8 +329,8 @@ impl GpuModel {
                         record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
                     }
                     Stage::Attention => {
-                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0) };
-                        g.attention(q.ptr, pos.ptr, kc.ptr, vc.ptr, attn.ptr, m, start + m, &cfg)?;
+                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: None, softcap: s.attn_softcap.unwrap_or(0.0) as f32 };
+                        g.attention(q.ptr, pos.ptr, kc.ptr, vc.ptr, attn.ptr, m, start + m, &cfg, layer.sinks.as_ref().map_or(0, |b| b.ptr))?;
                         record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
                     }
                     Stage::AttnOutProj => {
@@ -394,6 +418,9 @@ impl GpuModel {
         let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
         let logits = g.alloc(4 * rows * s.n_vocab)?;
         g.matmul(head, h.at_f32(row0 * d), d, rows, logits.ptr)?;
+        if let Some(c) = s.final_softcap {
+            g.softcap(logits.ptr, c as f32, rows * s.n_vocab)?;
+        }
         let out = logits.download_f32(rows * s.n_vocab)?;
         if taps.enabled() {
             taps.record("result_output", start + row0, rows, s.n_vocab, &out);

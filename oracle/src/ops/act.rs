@@ -34,6 +34,24 @@ pub fn geglu<T: Real>(gate: &[T], up: &[T]) -> Result<Vec<T>> {
     gated(gate, up, gelu_tanh)
 }
 
+/// GPT-OSS's clamped SwiGLU of one gate and up value ([`crate::spec::Activation::SwigluOai`]),
+/// in f64: `min(g, L) * sigmoid(A * min(g, L)) * (clamp(u, -L, L) + 1)`.
+#[inline]
+pub fn swiglu_oai_f64(g: f64, u: f64) -> f64 {
+    use crate::spec::{OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT};
+    let g = g.min(OAI_SWIGLU_LIMIT);
+    let u = u.clamp(-OAI_SWIGLU_LIMIT, OAI_SWIGLU_LIMIT);
+    g / (1.0 + (-OAI_SWIGLU_ALPHA * g).exp()) * (u + 1.0)
+}
+
+/// GPT-OSS's clamped SwiGLU ([`swiglu_oai_f64`]) of `gate` and `up`, rounded once.
+pub fn swiglu_oai<T: Real>(gate: &[T], up: &[T]) -> Result<Vec<T>> {
+    if gate.len() != up.len() {
+        return Err(OracleError::Shape(format!("clamped SwiGLU: gate has {} values, up has {}", gate.len(), up.len())));
+    }
+    Ok(gate.iter().zip(up).map(|(g, u)| T::from_f64(swiglu_oai_f64(g.to_f64(), u.to_f64()))).collect())
+}
+
 /// Adds `bias: [n]` to every row of `x: [rows, n]`.
 pub fn add_bias<T: Real>(x: &mut [T], bias: &[T]) -> Result<()> {
     let n = bias.len();

@@ -6,16 +6,22 @@ use crate::real::Real;
 use rayon::prelude::*;
 
 #[derive(Clone, Copy, Debug)]
-pub struct AttentionParams {
+pub struct AttentionParams<'a> {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
     pub scale: f64,
     /// Keys older than `window` positions are not seen (Mistral-style sliding window).
     pub window: Option<usize>,
+    /// One logit per query head (`[n_head]`, GPT-OSS's attention sinks) that joins the head's
+    /// softmax after the scaled scores and takes its share of the weight to no value.
+    pub sinks: Option<&'a [f64]>,
+    /// Gemma 2's soft-cap of the scaled scores: `c * tanh(s / c)`.
+    pub softcap: Option<f64>,
 }
 
-/// A rule that turns one query head's scaled scores (over the keys it sees, in order) into its
+/// A rule that turns one query head's scaled scores (over the keys it sees, in order, then its
+/// sink logit where the model has sinks) into its
 /// attention weights, one per score, in place of the softmax: the emulation of a fixed-point
 /// arithmetic computes them on its grid. Pure, and run on worker threads.
 pub type AttentionWeights = dyn Fn(&[f64]) -> Vec<f64> + Send + Sync;
@@ -43,6 +49,9 @@ pub fn attention_with<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], k
             v.len()
         )));
     }
+    if let Some(s) = p.sinks.filter(|s| s.len() != nh) {
+        return Err(OracleError::Shape(format!("attention: {} sink logits for {nh} query heads", s.len())));
+    }
     if let Some(&bad) = positions.iter().find(|&&pos| pos >= kv_len) {
         return Err(OracleError::Shape(format!("attention: query position {bad} has no key in a cache of {kv_len}")));
     }
@@ -60,9 +69,15 @@ pub fn attention_with<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], k
         };
         let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
         // scores over keys first..=pos
-        let scores: Vec<f64> = (first..=pos)
+        let mut scores: Vec<f64> = (first..=pos)
             .map(|j| T::dot(qh, &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]) * p.scale)
+            .map(|s| p.softcap.map_or(s, |c| c * (s / c).tanh()))
             .collect();
+        let n_keys = scores.len();
+        // A sink is one more logit in the softmax; its weight goes to no value.
+        if let Some(s) = p.sinks {
+            scores.push(s[h]);
+        }
         let probs = match weights {
             Some(rule) => rule(&scores),
             None => super::act::softmax_f64(&scores),
@@ -70,6 +85,7 @@ pub fn attention_with<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], k
         if probs.len() != scores.len() {
             bad_rule.store(true, std::sync::atomic::Ordering::Relaxed);
         }
+        let probs = &probs[..n_keys.min(probs.len())];
         let mut acc = vec![0.0f64; hd];
         for (pj, j) in probs.iter().zip(first..=pos) {
             let vj = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];

@@ -12,7 +12,7 @@ pub mod norm;
 pub mod rope;
 pub mod sample;
 
-pub use act::{add, add_bias, gelu_tanh, geglu, silu, softmax_rows, swiglu};
+pub use act::{add, add_bias, geglu, gelu_tanh, silu, softmax_rows, swiglu, swiglu_oai, swiglu_oai_f64};
 pub use attention::{attention, attention_with, AttentionParams, AttentionWeights};
 pub use embed::embed;
 pub use matmul::{matmul, matmul_many, Mat, RowBuf};

@@ -29,11 +29,12 @@ pub fn rope_cos_sin(spec: &RopeSpec, pos: usize, i: usize) -> (f64, f64) {
         RopeScaling::None => (theta_extrap, 1.0),
         RopeScaling::Linear { factor } => (theta_extrap / factor, 1.0),
         RopeScaling::LongRope { attn_factor, .. } => (theta_extrap, attn_factor),
-        RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor } => {
+        RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, ext_factor, attn_factor, truncate } => {
             let freq_scale = 1.0 / factor;
             let theta_interp = freq_scale * theta_extrap;
-            let low = yarn_corr_dim(spec.n_rot, original_context, beta_fast, spec.theta).floor().max(0.0);
-            let high = yarn_corr_dim(spec.n_rot, original_context, beta_slow, spec.theta).ceil().min(spec.n_rot as f64 - 1.0);
+            let (low, high) = (yarn_corr_dim(spec.n_rot, original_context, beta_fast, spec.theta), yarn_corr_dim(spec.n_rot, original_context, beta_slow, spec.theta));
+            let (low, high) = if truncate { (low.floor(), high.ceil()) } else { (low, high) };
+            let (low, high) = (low.max(0.0), high.min(spec.n_rot as f64 - 1.0));
             let mut mscale = attn_factor;
             let theta = if ext_factor != 0.0 {
                 let y = (i as f64 - low) / (high - low).max(0.001);

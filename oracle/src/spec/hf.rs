@@ -19,10 +19,17 @@ impl ModelSpec {
             "qwen2_moe" => "qwen2moe",
             "qwen3_moe" => "qwen3moe",
             "phi3" => "phi3",
+            "gemma2" => "gemma2",
             "gemma3_text" => "gemma3",
-            other => return Err(err(format!("config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, gemma3_text)"))),
+            "gpt_oss" => "gpt-oss",
+            other => {
+                return Err(err(format!(
+                    "config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, gemma2, gemma3_text, gpt_oss)"
+                )))
+            }
         };
-        let gemma = arch == "gemma3";
+        let gemma = arch == "gemma3" || arch == "gemma2";
+        let oss = arch == "gpt-oss";
         let qwen = arch.starts_with("qwen");
         let n_embd = req("hidden_size")?;
         let n_head = req("num_attention_heads")?;
@@ -84,6 +91,7 @@ impl ModelSpec {
                             Some(a) if factor > 0.0 => a / (1.0 + 0.1 * factor.ln()),
                             _ => 1.0,
                         },
+                        truncate: s.b("truncate")?.unwrap_or(true),
                     },
                     "llama3" => {
                         let low = s.f("low_freq_factor")?.unwrap_or(1.0);
@@ -134,7 +142,7 @@ impl ModelSpec {
         // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
         // the model; a split is not.
         let sliding_window = match model_type.as_str() {
-            "mistral" | "mixtral" | "phi3" | "gemma3_text" => u("sliding_window")?,
+            "mistral" | "mixtral" | "phi3" | "gemma2" | "gemma3_text" | "gpt_oss" => u("sliding_window")?,
             _ if qwen && top.b("use_sliding_window")?.unwrap_or(false) => match u("max_window_layers")?.unwrap_or(28) {
                 0 => u("sliding_window")?,
                 m if m >= n_layer => None,
@@ -144,16 +152,27 @@ impl ModelSpec {
         };
         let act_key = if gemma { "hidden_activation" } else { "hidden_act" };
         let act = match top.s(act_key)?.unwrap_or(if gemma { "gelu_pytorch_tanh" } else { "silu" }) {
+            // GPT-OSS's experts compute their own clamped SwiGLU whatever `hidden_act` says.
+            _ if oss => {
+                for (k, want) in [("swiglu_alpha", OAI_SWIGLU_ALPHA), ("swiglu_limit", OAI_SWIGLU_LIMIT)] {
+                    if let Some(v) = top.f(k)?.filter(|v| *v != want) {
+                        return Err(err(format!("config.json: {k} {v}: only GPT-OSS's {want} is supported")));
+                    }
+                }
+                Activation::SwigluOai
+            }
             "silu" | "swish" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
             other => return Err(err(format!("config.json: {act_key} `{other}` is not supported"))),
         };
         // Experts: Mixtral routes every layer through `num_local_experts` experts of
-        // `intermediate_size` and renormalizes its top-k weights; Qwen-MoE has `num_experts` of
-        // `moe_intermediate_size`, renormalizes when `norm_topk_prob` (transformers' default:
-        // false) and (Qwen2-MoE) adds a shared expert scaled by sigmoid(shared_expert_gate . x).
+        // `intermediate_size` and renormalizes its top-k weights, as GPT-OSS does (its softmax
+        // over the chosen experts' logits), whose router and experts have biases too; Qwen-MoE
+        // has `num_experts` of `moe_intermediate_size`, renormalizes when `norm_topk_prob`
+        // (transformers' default: false) and (Qwen2-MoE) adds a shared expert scaled by
+        // sigmoid(shared_expert_gate . x).
         let moe = match model_type.as_str() {
-            "mixtral" => Some(MoeSpec {
+            "mixtral" | "gpt_oss" => Some(MoeSpec {
                 n_expert: req("num_local_experts")?,
                 n_expert_used: req("num_experts_per_tok")?,
                 expert_ffn: req("intermediate_size")?,
@@ -161,6 +180,7 @@ impl ModelSpec {
                 normalize_topk: true,
                 shared_ffn: None,
                 shared_gate: false,
+                biases: oss,
             }),
             "qwen2_moe" | "qwen3_moe" => {
                 // Dense layers among the MoE ones (`mlp_only_layers`, `decoder_sparse_step`) are
@@ -178,6 +198,7 @@ impl ModelSpec {
                     normalize_topk: top.b("norm_topk_prob")?.unwrap_or(false),
                     shared_ffn: if shared { Some(req("shared_expert_intermediate_size")?) } else { None },
                     shared_gate: shared,
+                    biases: false,
                 })
             }
             _ => None,
@@ -205,7 +226,7 @@ impl ModelSpec {
                 freq_factors,
                 longrope_factors,
             },
-            qk_norm: arch == "qwen3" || arch == "qwen3moe" || gemma,
+            qk_norm: arch == "qwen3" || arch == "qwen3moe" || arch == "gemma3",
             // Qwen2 (and Qwen2-MoE) always biases Q/K/V (never O); llama, mistral and qwen3 bias
             // all four of them when `attention_bias` is set (their attention layers build
             // q/k/v/o_proj alike).
@@ -219,6 +240,9 @@ impl ModelSpec {
             rope_swa: None,
             embd_scale: None,
             post_norms: false,
+            attn_sinks: oss,
+            attn_softcap: None,
+            final_softcap: None,
             fused: arch == "phi3",
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
@@ -227,46 +251,33 @@ impl ModelSpec {
         if gemma {
             spec.gemma3_from_hf(&top, per_type("sliding_attention"), file)?;
         }
+        if oss {
+            // Alternating windowed and global layers; all global without a window.
+            let period = layer_types_period(&top, n_layer, file)?.unwrap_or(GPT_OSS_SWA_PERIOD);
+            spec.swa_period = if spec.sliding_window.is_some() { period } else { 0 };
+        }
         spec.derive_stages();
         spec.set_context(configured_context()?)?;
         spec.validate()?;
         Ok(spec)
     }
 
-    /// What a `gemma3_text` config adds to the common fields: the windowed layers' pattern
-    /// (`layer_types`, or `sliding_window_pattern` in older configs: every N-th layer global) and
-    /// RoPE base (`rope_parameters.sliding_attention.rope_theta`, or `rope_local_base_freq`,
-    /// unscaled), the query scale from `query_pre_attn_scalar`, scaled embeddings and post-norms.
-    /// Soft-capping (Gemma 2's; null in Gemma 3's configs) is refused.
+    /// What a `gemma3_text` or `gemma2` config adds to the common fields: the windowed layers'
+    /// pattern (`layer_types`, or `sliding_window_pattern` in older configs: every N-th layer
+    /// global; Gemma 2 every other) and, for Gemma 3, their RoPE base
+    /// (`rope_parameters.sliding_attention.rope_theta`, or `rope_local_base_freq`, unscaled), the
+    /// query scale from `query_pre_attn_scalar`, scaled embeddings and post-norms, and
+    /// soft-capping of the attention scores and the logits where the config sets it (Gemma 2;
+    /// null in Gemma 3's).
     fn gemma3_from_hf(&mut self, top: &Fields<'_>, sliding: Option<&serde_json::Value>, file: &str) -> Result<()> {
         let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
-        for cap in ["attn_logit_softcapping", "final_logit_softcapping"] {
-            if let Some(v) = top.f(cap)? {
-                return Err(err(format!("config.json: {cap} {v}: soft-capping is not supported")));
-            }
-        }
-        let period = match top.typed("layer_types", |v| v.as_array(), "an array of layer types")? {
-            Some(types) => {
-                let full: Vec<bool> = types.iter().map(|t| match t.as_str() {
-                    Some("full_attention") => Ok(true),
-                    Some("sliding_attention") => Ok(false),
-                    _ => Err(err(format!("config.json: layer_types holds {t}, expected \"full_attention\" or \"sliding_attention\""))),
-                }).collect::<Result<_>>()?;
-                if full.len() != self.n_layer {
-                    return Err(err(format!("config.json: layer_types lists {} layers, num_hidden_layers is {}", full.len(), self.n_layer)));
-                }
-                match full.iter().position(|f| *f) {
-                    None => 0,
-                    Some(first) => {
-                        let n = first + 1;
-                        if full.iter().enumerate().any(|(i, f)| *f != ((i + 1) % n == 0)) {
-                            return Err(err(format!("config.json: layer_types is not every {n}-th layer global and the others windowed, the one pattern supported")));
-                        }
-                        n
-                    }
-                }
-            }
-            None => top.u("sliding_window_pattern")?.unwrap_or(crate::spec::GEMMA3_SWA_PERIOD),
+        let gemma2 = self.arch == "gemma2";
+        self.attn_softcap = top.f("attn_logit_softcapping")?;
+        self.final_softcap = top.f("final_logit_softcapping")?;
+        let default_period = if gemma2 { crate::spec::GEMMA2_SWA_PERIOD } else { crate::spec::GEMMA3_SWA_PERIOD };
+        let period = match layer_types_period(top, self.n_layer, file)? {
+            Some(n) => n,
+            None => top.u("sliding_window_pattern")?.unwrap_or(default_period),
         };
         // Without a window, or with every layer windowed (period 0), no layer is told apart.
         self.swa_period = if self.sliding_window.is_some() { period } else { 0 };
@@ -275,7 +286,7 @@ impl ModelSpec {
             None => top.f("rope_local_base_freq")?,
         }
         .unwrap_or(crate::spec::GEMMA3_LOCAL_ROPE_BASE);
-        if self.sliding_window.is_some() {
+        if self.sliding_window.is_some() && !gemma2 {
             self.rope_swa = Some(self.rope.with_base(local_theta));
         }
         let scalar = top.f("query_pre_attn_scalar")?.unwrap_or(self.head_dim as f64);
@@ -289,6 +300,34 @@ impl ModelSpec {
     }
 }
 
+/// The period `config.json`'s `layer_types` describes (see [`ModelSpec::swa_period`]): N when
+/// every N-th layer attends to every position and the others through the window, 0 when none
+/// does; None without `layer_types`. Any other pattern is refused.
+fn layer_types_period(top: &Fields<'_>, n_layer: usize, file: &str) -> Result<Option<usize>> {
+    let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+    let Some(types) = top.typed("layer_types", |v| v.as_array(), "an array of layer types")? else {
+        return Ok(None);
+    };
+    let full: Vec<bool> = types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("full_attention") => Ok(true),
+            Some("sliding_attention") => Ok(false),
+            _ => Err(err(format!("config.json: layer_types holds {t}, expected \"full_attention\" or \"sliding_attention\""))),
+        })
+        .collect::<Result<_>>()?;
+    if full.len() != n_layer {
+        return Err(err(format!("config.json: layer_types lists {} layers, num_hidden_layers is {n_layer}", full.len())));
+    }
+    let Some(first) = full.iter().position(|f| *f) else {
+        return Ok(Some(0));
+    };
+    let n = first + 1;
+    if full.iter().enumerate().any(|(i, f)| *f != (i + 1).is_multiple_of(n)) {
+        return Err(err(format!("config.json: layer_types is not every {n}-th layer global and the others windowed, the one pattern supported")));
+    }
+    Ok(Some(n))
+}
 
 /// The fields of one JSON object of a config.json, read strictly: a field that is present with
 /// the wrong type is an error naming it, never its default (a quoted number or a misplaced value

@@ -96,3 +96,63 @@ fn phi3_configs_read_longrope() {
         assert!(e.contains(want), "{rope}: {e}");
     }
 }
+
+/// A GPT-OSS config: sinks, biased router and experts, the clamped SwiGLU, alternating windowed
+/// and global layers, YaRN untruncated as its config says; its FFN norm read from where the
+/// files store it (`post_attention_norm`) and handed out as `ffn_norm`; another SwiGLU limit or
+/// layer pattern refused.
+#[test]
+fn gpt_oss_config() {
+    let cfg = |extra: serde_json::Value| {
+        let mut c = serde_json::json!({
+            "model_type": "gpt_oss", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 4, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "attention_bias": true, "swiglu_limit": 7.0,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 32, "rope_theta": 150000.0}
+        });
+        c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        ModelSpec::from_hf_config(&c, "config.json")
+    };
+    let s = cfg(serde_json::json!({})).unwrap();
+    assert_eq!((s.arch.as_str(), s.activation, s.attn_sinks, s.swa_period, s.qkv_bias, s.out_bias), ("gpt-oss", Activation::SwigluOai, true, 2, true, true));
+    assert!(s.moe.as_ref().is_some_and(|m| m.biases && m.normalize_topk && m.gating == Gating::Softmax));
+    assert!(matches!(s.rope.scaling, RopeScaling::Yarn { truncate: false, .. }));
+    assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));
+    assert!(s.reads_tensor("blk.1.post_attention_norm.weight") && !s.reads_tensor("blk.1.ffn_norm.weight"));
+    let names = s.tensor_names();
+    for n in ["blk.1.ffn_norm.weight", "blk.1.attn_sinks.weight", "blk.1.ffn_gate_inp.bias", "blk.1.ffn_down_exps.bias"] {
+        assert!(names.contains(&n.to_string()), "{n}");
+    }
+    let e = cfg(serde_json::json!({"swiglu_limit": 6.0})).unwrap_err().to_string();
+    assert!(e.contains("swiglu_limit 6"), "{e}");
+    let e = cfg(serde_json::json!({"layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]})).unwrap_err().to_string();
+    assert!(e.contains("layer_types"), "{e}");
+}
+
+/// A `gemma2` GGUF: Gemma's norms, scaled embeddings and GELU, no QK-norm, every other layer
+/// windowed with one RoPE base, and the two soft-caps from its metadata; the 46-layer 27B
+/// model's query scale from n_embd / n_head.
+#[test]
+fn gemma2_gguf_metadata() {
+    use crate::gguf::{GgufFile, GgufWriter, Value};
+    use crate::quant::{encode, GgmlType};
+    let file = |n_layer: usize| {
+        let mut w = GgufWriter::new();
+        w.meta("general.architecture", Value::String("gemma2".into()));
+        for (k, v) in [("embedding_length", 64), ("block_count", n_layer), ("attention.head_count", 4), ("attention.head_count_kv", 2), ("attention.key_length", 32), ("attention.sliding_window", 4)] {
+            w.meta(&format!("gemma2.{k}"), Value::U32(v as u32));
+        }
+        w.meta("gemma2.attn_logit_softcapping", Value::F32(50.0));
+        w.meta("gemma2.final_logit_softcapping", Value::F32(30.0));
+        w.tensor("token_embd.weight", &[64, 8], GgmlType::F32, encode(GgmlType::F32, &[0.0; 512]).unwrap());
+        w.tensor(&format!("blk.{}.attn_norm.weight", n_layer - 1), &[64], GgmlType::F32, encode(GgmlType::F32, &[1.0; 64]).unwrap());
+        GgufFile::from_bytes("gemma2.gguf", w.to_bytes()).unwrap()
+    };
+    let s = ModelSpec::from_gguf(&file(4)).unwrap();
+    assert_eq!((s.attn_softcap, s.final_softcap, s.swa_period, s.qk_norm, s.post_norms, s.rope_swa.is_none()), (Some(50.0), Some(30.0), 2, false, true, true));
+    assert_eq!((s.activation, s.embd_scale), (Activation::GeluTanh, Some(8.0)));
+    assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));
+    assert_eq!(s.attn_scale, 1.0 / 32f64.sqrt());
+    assert_eq!(ModelSpec::from_gguf(&file(46)).unwrap().attn_scale, 1.0 / 16f64.sqrt());
+}

@@ -242,14 +242,29 @@ pub fn cancellation_grant(kind: &str, scale: &TermScale, arith: &Arithmetic, dim
 /// sinks, massive activations), and there the declared arithmetic errs beyond it.
 pub fn attention_allowances(spec: &ModelSpec, device: &RecordingTap, fallback: &RecordingTap, arith: &Arithmetic, n_pos: usize) -> std::collections::BTreeMap<String, f64> {
     let mut out = std::collections::BTreeMap::new();
-    let Some(roundings) = crate::attention_terms::Roundings::of(arith, spec.head_dim) else { return out };
-    let params = oracle::ops::AttentionParams { n_head: spec.n_head, n_head_kv: spec.n_head_kv, head_dim: spec.head_dim, scale: spec.attn_scale, window: spec.sliding_window };
+    let Some(roundings) = crate::attention_terms::Roundings::of(arith, spec.head_dim) else {
+        return out;
+    };
+    // Without the sinks (the model's weights, not at hand): a sink only takes weight from the
+    // keys, so the output it leaves, and the error the roundings make in it, are smaller.
+    let params = |layer: usize| oracle::ops::AttentionParams {
+        n_head: spec.n_head,
+        n_head_kv: spec.n_head_kv,
+        head_dim: spec.head_dim,
+        scale: spec.attn_scale,
+        window: spec.layer_window(layer),
+        sinks: None,
+        softcap: spec.attn_softcap,
+    };
     let get = |layer: usize, kinds: &[&str]| {
         kinds.iter().map(|k| format!("blk.{layer}.{k}")).find_map(|n| device.tensors.get(&n).or_else(|| fallback.tensors.get(&n))).map(|(_, v)| v.as_slice())
     };
     for layer in 0..spec.n_layer {
-        let (Some(q), Some(k), Some(v)) = (get(layer, &["attn_q_rope", "attn_q_norm", "attn_q"]), get(layer, &["attn_k_rope", "attn_k_norm", "attn_k"]), get(layer, &["attn_v"])) else { continue };
-        if let Some(s) = crate::attention_terms::sensitivity(q, k, v, n_pos, &params, &roundings) {
+        let (Some(q), Some(k), Some(v)) = (get(layer, &["attn_q_rope", "attn_q_norm", "attn_q"]), get(layer, &["attn_k_rope", "attn_k_norm", "attn_k"]), get(layer, &["attn_v"]))
+        else {
+            continue;
+        };
+        if let Some(s) = crate::attention_terms::sensitivity(q, k, v, n_pos, &params(layer), &roundings) {
             out.insert(format!("blk.{layer}.attn_kqv"), C_STAT * s);
         }
     }

@@ -25,7 +25,7 @@ pub struct BenchArgs {
     /// `ab`'s arm protocol (one JSON line per run; `cargo xtask ab --help`).
     #[arg(long, default_value = "ref")]
     device: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long, default_value = "smollm2")]
     model: String,
     /// Prompt length in tokens (token ids 1..=N cycled through the vocabulary).

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct ExportArgs {
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
+    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long)]
     model: String,
     /// The flat file to write (written beside it as FILE.part, renamed when whole and read back).

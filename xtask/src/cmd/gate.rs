@@ -23,9 +23,9 @@ pub struct GateArgs {
     /// engine command (`exec:`, `ids:`, `external:`) is taken whole, commas and all.
     #[arg(long)]
     device: Vec<String>,
-    /// Models for the oracle self-check, layer-diff and fixed-token (default: tiny-llama,
-    /// tiny-qwen3, tiny-moe); repeat the flag or give a comma list (a path that exists is taken
-    /// whole).
+    /// Models for the oracle self-check, layer-diff and fixed-token (default: the synthetic
+    /// fixtures tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss); repeat the flag or
+    /// give a comma list (a path that exists is taken whole).
     #[arg(long)]
     model: Vec<String>,
     /// Suites: oracle, kernels, layers, tokens (default: these four), bench (throughput on each
