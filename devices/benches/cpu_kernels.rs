@@ -43,7 +43,7 @@ fn gemm(c: &mut Criterion) {
 fn attention_decode(c: &mut Criterion) {
     use devices::cpu::kernels::{attention, AttnCfg, KvValue};
     fn run<T: KvValue>(g: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>, name: &str, conv: fn(f32) -> T) {
-        let (layers, len, cfg) = (30, 1000, AttnCfg { n_head: 9, n_head_kv: 3, head_dim: 64, window: 0, sinks: None, softcap: 0.0 });
+        let (layers, len, cfg) = (30, 1000, AttnCfg { n_head: 9, n_head_kv: 3, head_dim: 64, window: 0, sinks: None, softcap: 0.0, scale: 0.125 });
         let width = cfg.n_head_kv * cfg.head_dim;
         let caches: Vec<(Vec<T>, Vec<T>)> = (0..layers)
             .map(|l| (vals(len * width, 2 * l as u32).into_iter().map(conv).collect(), vals(len * width, 2 * l as u32 + 1).into_iter().map(conv).collect()))

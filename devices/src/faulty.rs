@@ -34,10 +34,14 @@ pub enum Fault {
     KvWrongPosition,
     /// A row-strided view of the activations read as if it were contiguous.
     ViewStrideIgnored,
+    /// GPT-OSS's attention sinks left out of the softmax.
+    SinkDropped,
+    /// Gemma 2's soft-cap not applied (scores or logits passed through).
+    SoftcapOff,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 12] = [
+    pub const ALL: [Fault; 14] = [
         Fault::RopeOffByOne,
         Fault::RopeWrongLayout,
         Fault::NormEpsWrong,
@@ -50,6 +54,8 @@ impl Fault {
         Fault::GqaMappingWrong,
         Fault::KvWrongPosition,
         Fault::ViewStrideIgnored,
+        Fault::SinkDropped,
+        Fault::SoftcapOff,
     ];
 
     /// The ops the fault lives in.
@@ -61,6 +67,8 @@ impl Fault {
             Fault::MisstridedWeight | Fault::QuantScaleWrong | Fault::QuantMinIgnored | Fault::ViewStrideIgnored => &[Op::Matmul],
             Fault::SoftmaxNoMaxSub => &[Op::Softmax],
             Fault::CausalOffByOne | Fault::GqaMappingWrong | Fault::KvWrongPosition => &[Op::Attention],
+            Fault::SinkDropped => &[Op::AttentionSinks],
+            Fault::SoftcapOff => &[Op::AttentionSoftcap, Op::Softcap],
         }
     }
 }
@@ -162,6 +170,14 @@ impl FaultyDevice {
                     })
                     .collect();
                 Ok(vec![Output::F32(Tensor { shape: x.shape.clone(), data })])
+            }
+            Fault::SinkDropped | Fault::SoftcapOff => {
+                if c.op == Op::Softcap {
+                    return Ok(vec![Output::F32(c.f32("x").map_err(|e| e.to_string())?.clone())]);
+                }
+                // Plain attention on the same inputs (the sinks input, the cap, left unread).
+                c.op = Op::Attention;
+                run(&c)
             }
             Fault::CausalOffByOne => {
                 // Each query sees keys up to its position - 1 (position 0 keeps its only key).

@@ -205,7 +205,9 @@ def softmax(x, axis=-1):
     return e / np.sum(e, axis=axis, keepdims=True, dtype=F32)
 
 
-def op_attention(p, i):
+def attention(p, i, sinks=None, cap=None):
+    """Causal GQA attention; `cap` soft-caps the scaled scores, `sinks` adds one logit per head
+    to its softmax (its weight goes to no value)."""
     q, k, v, pos = i["q"], i["k"], i["v"], i["pos"].astype(np.int64)
     nh, nkv, hd, window = int(p["n_head"]), int(p["n_head_kv"]), int(p["head_dim"]), int(p["window"])
     m, kv_len = q.shape[0], k.shape[0]
@@ -213,13 +215,41 @@ def op_attention(p, i):
     kh = np.repeat(k.reshape(kv_len, nkv, hd).transpose(1, 0, 2), nh // nkv, axis=0)
     vh = np.repeat(v.reshape(kv_len, nkv, hd).transpose(1, 0, 2), nh // nkv, axis=0)
     scores = (qh @ kh.transpose(0, 2, 1)) * F32(1.0 / math.sqrt(hd))
+    if cap is not None:
+        scores = softcap(scores, cap)
     j = np.arange(kv_len)[None, :]
     seen = j <= pos[:, None]
     if window > 0:
         seen &= j > pos[:, None] - window
     scores = np.where(seen[None], scores, F32(-np.inf))
-    out = softmax(scores) @ vh
+    if sinks is not None:
+        sink_col = np.broadcast_to(sinks.astype(F32)[:, None, None], (nh, m, 1))
+        probs = softmax(np.concatenate([scores, sink_col], axis=2))[:, :, :kv_len]
+    else:
+        probs = softmax(scores)
+    out = probs @ vh
     return [out.transpose(1, 0, 2).reshape(m, nh * hd)]
+
+
+def softcap(x, cap):
+    c = F32(cap)
+    return c * np.tanh(x / c)
+
+
+def op_attention(p, i):
+    return attention(p, i)
+
+
+def op_attention_sinks(p, i):
+    return attention(p, i, sinks=i["sinks"])
+
+
+def op_attention_softcap(p, i):
+    return attention(p, i, cap=p["cap"])
+
+
+def op_softcap(p, i):
+    return [softcap(i["x"], p["cap"])]
 
 
 def op_softmax(p, i):

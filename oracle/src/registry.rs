@@ -35,7 +35,13 @@ pub enum Op {
     Rope,
     QkNorm,
     Attention,
+    /// Attention with GPT-OSS's sinks: one more logit per head in the softmax, weighing no value.
+    AttentionSinks,
+    /// Attention with Gemma 2's soft-capped scores: `cap * tanh(s / cap)` before the softmax.
+    AttentionSoftcap,
     Softmax,
+    /// `cap * tanh(x / cap)` per element (Gemma 2's final logits).
+    Softcap,
     Silu,
     GeluTanh,
     Swiglu,
@@ -50,7 +56,7 @@ pub enum Op {
 
 impl Op {
     /// Every op, in registry order.
-    pub const ALL: [Op; 19] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::Softmax, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample];
+    pub const ALL: [Op; 22] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::AttentionSinks, Op::AttentionSoftcap, Op::Softmax, Op::Softcap, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample];
 
     /// The op's name in case ids and the op protocol (`rms_norm`, `matmul`, ...).
     pub fn name(self) -> &'static str {
@@ -64,7 +70,10 @@ impl Op {
             Op::Rope => "rope",
             Op::QkNorm => "qk_norm",
             Op::Attention => "attention",
+            Op::AttentionSinks => "attention_sinks",
+            Op::AttentionSoftcap => "attention_softcap",
             Op::Softmax => "softmax",
+            Op::Softcap => "softcap",
             Op::Silu => "silu",
             Op::GeluTanh => "gelu_tanh",
             Op::Swiglu => "swiglu",
@@ -481,43 +490,109 @@ fn qk_norm_ref(c: &OpCase) -> Result<Vec<Output>> {
 }
 
 fn attention_cases(base: u64) -> Vec<OpCase> {
-    let mut v = Vec::new();
     // (n_head, n_kv, head_dim, cache length, queries, window): MHA, GQA (SmolLM2 9/3), MQA, window.
     let shapes = [(4usize, 4usize, 8usize, 5usize, 1usize, 0usize), (9, 3, 64, 37, 1, 0), (9, 3, 64, 11, 11, 0), (4, 1, 64, 13, 4, 0), (4, 2, 64, 40, 3, 8), (2, 2, 7, 7, 7, 0), (8, 8, 32, 17, 2, 0), (6, 2, 128, 9, 9, 4)];
-    for (nh, nkv, hd, kv_len, m, window) in shapes {
-        for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
-            let mut r = SplitMix64(seed ^ (nh * 100 + kv_len) as u64);
-            let q = activations(&mut r, m, nh * hd);
-            let k = normals(&mut r, kv_len * nkv * hd, 1.0);
-            let vv = normals(&mut r, kv_len * nkv * hd, 1.0);
-            let pos: Vec<u32> = (kv_len - m..kv_len).map(|p| p as u32).collect();
-            v.push(case(
-                Op::Attention,
-                format!("attention(heads={nh},kv_heads={nkv},head_dim={hd},kv_len={kv_len},m={m},window={window},seed={seed})"),
-                seed,
-                vec![("q", t(&[m, nh * hd], q)), ("k", t(&[kv_len, nkv * hd], k)), ("v", t(&[kv_len, nkv * hd], vv)), ("pos", Input::Ids(pos))],
-                &[("n_head", nh as f64), ("n_head_kv", nkv as f64), ("head_dim", hd as f64), ("window", window as f64)],
-            ));
+    attention_variant_cases(Op::Attention, base, &shapes)
+}
+
+/// The shapes of the sink and soft-cap variants: MHA, GQA over a prompt, GQA with a window
+/// (GPT-OSS alternates windowed and full layers), a few queries over a longer cache.
+const ATTENTION_VARIANT_SHAPES: [(usize, usize, usize, usize, usize, usize); 4] = [(4, 4, 8, 5, 1, 0), (9, 3, 64, 11, 11, 0), (4, 2, 64, 40, 3, 8), (8, 8, 32, 17, 2, 0)];
+
+/// Soft-caps of the `attention_softcap` cases: small against the scores (the queries are scaled
+/// up) so that a share of them bends or saturates, where a missing cap is plain to see.
+const ATTENTION_SOFTCAPS: [f64; 2] = [2.0, 8.0];
+
+/// Cases of `op` (attention or one of its variants) over `shapes`. Sinks: a normal logit per
+/// head, head 0's raised to take most of the weight and head 1's lowered to take almost none.
+fn attention_variant_cases(op: Op, base: u64, shapes: &[(usize, usize, usize, usize, usize, usize)]) -> Vec<OpCase> {
+    let caps: &[f64] = if op == Op::AttentionSoftcap { &ATTENTION_SOFTCAPS } else { &[0.0] };
+    let mut v = Vec::new();
+    for &(nh, nkv, hd, kv_len, m, window) in shapes {
+        for &cap in caps {
+            for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
+                // Plain attention keeps its streams; a variant's differ from them.
+                let salt = if op == Op::Attention { 0 } else { (op as u64) << 40 ^ (cap as u64) << 48 };
+                let mut r = SplitMix64(seed ^ (nh * 100 + kv_len) as u64 ^ salt);
+                let mut q = activations(&mut r, m, nh * hd);
+                if op == Op::AttentionSoftcap {
+                    q.iter_mut().for_each(|x| *x *= 4.0);
+                }
+                let k = normals(&mut r, kv_len * nkv * hd, 1.0);
+                let vv = normals(&mut r, kv_len * nkv * hd, 1.0);
+                let pos: Vec<u32> = (kv_len - m..kv_len).map(|p| p as u32).collect();
+                let mut inputs = vec![("q", t(&[m, nh * hd], q)), ("k", t(&[kv_len, nkv * hd], k)), ("v", t(&[kv_len, nkv * hd], vv)), ("pos", Input::Ids(pos))];
+                let mut params = vec![("n_head", nh as f64), ("n_head_kv", nkv as f64), ("head_dim", hd as f64), ("window", window as f64)];
+                let mut extra = String::new();
+                match op {
+                    Op::AttentionSinks => {
+                        let mut sinks = normals(&mut r, nh, 2.0);
+                        sinks[0] += 6.0;
+                        if nh > 1 {
+                            sinks[1] -= 30.0;
+                        }
+                        inputs.push(("sinks", t(&[nh], sinks)));
+                    }
+                    Op::AttentionSoftcap => {
+                        params.push(("cap", cap));
+                        extra = format!(",cap={cap}");
+                    }
+                    _ => {}
+                }
+                v.push(case(op, format!("{op}(heads={nh},kv_heads={nkv},head_dim={hd},kv_len={kv_len},m={m},window={window}{extra},seed={seed})"), seed, inputs, &params));
+            }
         }
     }
     v
 }
 
+/// Attention and its variants: the sinks come from the `sinks` input and the soft-cap from the
+/// `cap` parameter where the case has them.
 fn attention_ref(c: &OpCase) -> Result<Vec<Output>> {
     let q = c.f32("q")?;
     let k = c.f32("k")?;
     let hd = c.pu("head_dim")?;
+    let sinks: Option<Vec<f64>> = match c.op {
+        Op::AttentionSinks => Some(c.f32("sinks")?.data.iter().map(|v| *v as f64).collect()),
+        _ => None,
+    };
     let p = AttentionParams {
         n_head: c.pu("n_head")?,
         n_head_kv: c.pu("n_head_kv")?,
         head_dim: hd,
         scale: 1.0 / (hd as f64).sqrt(),
         window: Some(c.pu("window")?).filter(|w| *w > 0),
-        sinks: None,
-        softcap: None,
+        sinks: sinks.as_deref(),
+        softcap: if c.op == Op::AttentionSoftcap { Some(c.p("cap")?) } else { None },
     };
     let pos: Vec<usize> = c.ids("pos")?.iter().map(|&x| x as usize).collect();
     Ok(vec![out(&q.shape, ops::attention(&q.data, &pos, &k.data, &c.f32("v")?.data, k.shape[0], &p)?)])
+}
+
+/// Soft-cap cases: values spread to twice the cap (a share saturates), and each row's first
+/// eight on the edges: zero, the cap itself, far past it, and tiny values.
+fn softcap_cases(base: u64) -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for cap in [30.0f64, 5.0] {
+        for n in [8usize, 64, 1536] {
+            for seed in (0..N_SEEDS).map(|i| seed_of(base, i)) {
+                let mut r = SplitMix64(seed ^ 0x5C4 ^ n as u64 ^ (cap as u64) << 32);
+                let mut x = normals(&mut r, 2 * n, 2.0 * cap);
+                let edges = [0.0f32, cap as f32, -(cap as f32), 1000.0, -1000.0, 1e-6, -3e-4, 0.5];
+                for row in 0..2 {
+                    x[row * n..row * n + 8].copy_from_slice(&edges);
+                }
+                v.push(case(Op::Softcap, format!("softcap(dtype=f32,shape=[2,{n}],cap={cap},seed={seed})"), seed, vec![("x", t(&[2, n], x))], &[("cap", cap)]));
+            }
+        }
+    }
+    v
+}
+
+fn softcap_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let x = c.f32("x")?;
+    let cap = c.p("cap")?;
+    Ok(vec![out(&x.shape, x.data.iter().map(|v| (cap * (*v as f64 / cap).tanh()) as f32).collect())])
 }
 
 fn softmax_cases(base: u64) -> Vec<OpCase> {
@@ -710,7 +785,10 @@ pub fn registry() -> Vec<OpEntry> {
         OpEntry { op: Op::Rope, summary: "rotary embedding, normal/neox, none/linear/yarn/llama3 factors/longrope", rule: ToleranceRule::Transcendental, cases: rope_cases, reference: rope_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::QkNorm, summary: "per-head RMSNorm over head_dim (Qwen3)", rule: ToleranceRule::RowReduction, cases: qk_norm_cases, reference: qk_norm_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::Attention, summary: "causal GQA attention over a KV cache, optional window", rule: ToleranceRule::Dot, cases: attention_cases, reference: attention_ref, flops: attention_flops, bytes: n_f32 },
+        OpEntry { op: Op::AttentionSinks, summary: "attention with a sink logit per head joining the softmax (GPT-OSS)", rule: ToleranceRule::Dot, cases: |b| attention_variant_cases(Op::AttentionSinks, b, &ATTENTION_VARIANT_SHAPES), reference: attention_ref, flops: attention_flops, bytes: n_f32 },
+        OpEntry { op: Op::AttentionSoftcap, summary: "attention with scores soft-capped, cap * tanh(s / cap) (Gemma 2)", rule: ToleranceRule::Dot, cases: |b| attention_variant_cases(Op::AttentionSoftcap, b, &ATTENTION_VARIANT_SHAPES), reference: attention_ref, flops: attention_flops, bytes: n_f32 },
         OpEntry { op: Op::Softmax, summary: "row softmax, max-subtracted", rule: ToleranceRule::RowReduction, cases: softmax_cases, reference: softmax_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::Softcap, summary: "cap * tanh(x / cap) (Gemma 2's final logits)", rule: ToleranceRule::Transcendental, cases: softcap_cases, reference: softcap_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::Silu, summary: "x * sigmoid(x)", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::Silu, b), reference: silu_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::GeluTanh, summary: "GELU, tanh approximation", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::GeluTanh, b), reference: gelu_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::Swiglu, summary: "silu(gate) * up", rule: ToleranceRule::Transcendental, cases: |b| unary_cases(Op::Swiglu, b), reference: swiglu_ref, flops: per_elem_flops, bytes: n_f32 },

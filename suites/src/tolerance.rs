@@ -260,7 +260,24 @@ fn derived(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
                 .collect();
             Bounds { per_output: vec![Some(b)], rule: "(4u + (pair+2)*u*angle)*mscale*(|x_a|+|x_b|) + u*|y|".into(), stored_inputs_reference: None }
         }
-        Op::Attention => attention_bounds(case, &y(0), u, ua, ulps),
+        Op::Attention | Op::AttentionSinks | Op::AttentionSoftcap => attention_bounds(case, &y(0), u, ua, ulps),
+        // cap * tanh(x / cap): the division (or a product with 1/cap, one rounding more) moves
+        // the tanh's argument by 2u|x/cap|, which the slope sech^2 carries to the output; then
+        // the tanh's own error (`ulps` ulps: up to 2*ulps*u relative at the foot of a binade)
+        // and the product's rounding, and the reference's own f32 rounding, relative to |y|.
+        Op::Softcap => {
+            let x = &f32_in(case, "x").data;
+            let cap = case.p("cap").unwrap_or(1.0);
+            let yy = y(0);
+            let b = (0..x.len())
+                .map(|i| {
+                    let xi = x[i] as f64;
+                    let sech2 = 1.0 - (xi / cap).tanh().powi(2);
+                    2.0 * u * xi.abs() * sech2 + (2.0 * ulps + 3.0) * u * yy[i].abs() + tiny
+                })
+                .collect();
+            Bounds { per_output: vec![Some(b)], rule: format!("2u*|x|*sech^2(x/c) + (2*ulps+3)*u*|y|, c={cap}"), stored_inputs_reference: None }
+        }
         Op::MoeRoute => {
             let n = f32_in(case, "logits").shape[1];
             Bounds {
@@ -299,11 +316,24 @@ impl AttnGeometry {
     }
 }
 
+/// The soft-cap of an `attention_softcap` case, and the sink logits of an `attention_sinks`
+/// case (as f64), where the case has them.
+fn attention_extras(case: &OpCase) -> (Option<f64>, Option<Vec<f64>>) {
+    let cap = (case.op == Op::AttentionSoftcap).then(|| case.p("cap").unwrap_or(0.0)).filter(|c| *c > 0.0);
+    let sinks = (case.op == Op::AttentionSinks).then(|| case.f32("sinks").map(|t| t.data.iter().map(|v| *v as f64).collect())).and_then(|r| r.ok());
+    (cap, sinks)
+}
+
+/// Attention and its variants. A score `s` off by `ds` from its dot product's roundings is, once
+/// soft-capped to `c tanh(s/c)`, off by `sech^2(s/c) (ds + 2u|s|)` (the division) plus the
+/// tanh's error and the product's rounding `(2 ulps + 2) u |s'|`; a sink is one more logit, exact, in
+/// every head's normaliser.
 fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bounds {
     let (q, k, v) = (f32_in(case, "q"), f32_in(case, "k"), f32_in(case, "v"));
     let g = AttnGeometry::of(case);
     let (nh, nkv, hd) = (g.nh, g.nkv, g.hd);
     let scale = 1.0 / (hd as f64).sqrt();
+    let (cap, sinks) = attention_extras(case);
     let mut b = vec![0.0; yy.len()];
     for &(t, h, kvh, first, p) in &g.rows {
         let qh = &q.data[(t * nh + h) * hd..(t * nh + h + 1) * hd];
@@ -311,8 +341,25 @@ fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bo
         let mut s_err = Vec::new();
         for j in first..=p {
             let kj = &k.data[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-            s.push(qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale);
-            s_err.push(gamma(hd + 2, ua) * scale * qh.iter().zip(kj).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>());
+            let raw = qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale;
+            let err = gamma(hd + 2, ua) * scale * qh.iter().zip(kj).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>();
+            match cap {
+                Some(c) => {
+                    let capped = c * (raw / c).tanh();
+                    let sech2 = 1.0 - (raw / c).tanh().powi(2);
+                    s.push(capped);
+                    s_err.push(sech2 * (err + 2.0 * u * raw.abs()) + (2.0 * ulps + 2.0) * u * capped.abs());
+                }
+                None => {
+                    s.push(raw);
+                    s_err.push(err);
+                }
+            }
+        }
+        let n_keys = s.len();
+        if let Some(sk) = &sinks {
+            s.push(sk.get(h).copied().unwrap_or(0.0));
+            s_err.push(0.0);
         }
         let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
@@ -321,7 +368,7 @@ fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bo
         let max_err = s_err.iter().copied().fold(0.0, f64::max);
         for d in 0..hd {
             let mut acc = 0.0;
-            for (jj, j) in (first..=p).enumerate() {
+            for (jj, j) in (first..=p).enumerate().take(n_keys) {
                 let pj = e[jj] / z;
                 let eta = 2.0 * max_err + u * (s[jj] - max).abs() + gamma(len + 4, ua) + ulps * u;
                 acc += pj * (v.data[(j * nkv + kvh) * hd + d] as f64).abs() * (eta + gamma(len + 1, ua));
@@ -330,12 +377,26 @@ fn attention_bounds(case: &OpCase, yy: &[f64], u: f64, ua: f64, ulps: f64) -> Bo
             b[i] = acc + u * yy[i].abs() + f32::MIN_POSITIVE as f64;
         }
     }
-    Bounds { per_output: vec![Some(b)], rule: "sum_j p_j|v_j|*(2*max|ds| + u|s-max| + gamma(L+4) + ulps*u + gamma(L+1)) + u|y|".into(), stored_inputs_reference: None }
+    let base = "sum_j p_j|v_j|*(2*max|ds| + u|s-max| + gamma(L+4) + ulps*u + gamma(L+1)) + u|y|";
+    let rule = match (cap, &sinks) {
+        (Some(c), _) => format!("{base}; s = c*tanh(s0/c), ds = sech^2(s0/c)*(ds0 + 2u|s0|) + (2*ulps+2)*u*|s|, c={c}"),
+        (None, Some(_)) => format!("{base}; L counts the sink logit"),
+        _ => base.into(),
+    };
+    Bounds { per_output: vec![Some(b)], rule, stored_inputs_reference: None }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Fixed-point devices.
 // ---------------------------------------------------------------------------------------------
+
+/// The error of `fixed`'s integer soft-cap of `x` (`devices::fixed::SoftcapQ`): `2/c` in Q30
+/// moves the sigmoid's argument by `|x| 2^-31`, its rounding by h; sigmoid's slope (at most 1/4)
+/// and its own error, times `2c`; the cap in Q16 and the product's rounding, h each.
+fn softcap_error(x: f64, c: f64, h: f64, eps_e: f64) -> f64 {
+    let dz = h + x.abs() * 2f64.powi(-31);
+    c * (dz / 2.0 + 2.0 * eps_e) + 2.0 * h
+}
 
 /// Bounds for an integer fixed-point device. Its arithmetic is fully declared (Q formats, round to
 /// nearest, exact integer sums), so the suite predicts in f64 what the device must compute from
@@ -468,39 +529,133 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
                 .collect();
             one(b, "fixed: |silu(q16(g))*q16(u) - y| + |g|*(eps_exp + q)*|u| + 2h")
         }
-        Op::Attention => {
+        Op::Attention | Op::AttentionSinks | Op::AttentionSoftcap => {
             let (qt, kt, vt) = (f32_in(case, "q"), f32_in(case, "k"), f32_in(case, "v"));
             let (qs, ks, vs) = (xq(qt), xq(kt), xq(vt));
             let g = AttnGeometry::of(case);
             let (nh, nkv, hd) = (g.nh, g.nkv, g.hd);
             let scale = on_grid(1.0 / (hd as f64).sqrt(), 30);
+            let (cap, _) = attention_extras(case);
+            let sinks = if case.op == Op::AttentionSinks { case.f32("sinks").ok().map(xq) } else { None };
             let mut b = vec![0.0; y.len()];
             for &(t, hh, kvh, first, p) in &g.rows {
                 let qh = &qs[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
-                let sc: Vec<f64> = (first..=p).map(|j| qh.iter().zip(&ks[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
+                let raw: Vec<f64> = (first..=p).map(|j| qh.iter().zip(&ks[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
+                // Each score's error: its Q16 rounding h, and with a soft-cap the integer
+                // soft-cap's own (`softcap_error`), the slope of tanh carrying the rest.
+                let delta = raw.iter().map(|r| cap.map_or(h, |c| h + softcap_error(*r, c, h, eps_e))).fold(h, f64::max);
+                let mut sc: Vec<f64> = raw.iter().map(|r| cap.map_or(*r, |c| c * (r / c).tanh())).collect();
+                let n_keys = sc.len();
+                if let Some(sk) = &sinks {
+                    sc.push(sk.get(hh).copied().unwrap_or(0.0));
+                }
                 let max = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = sc.iter().map(|v| (v - max).exp()).collect();
                 let z: f64 = e.iter().sum();
                 let len = sc.len() as f64;
                 for d in 0..hd {
                     let (mut pred, mut err) = (0.0, 0.0);
-                    for (jj, j) in (first..=p).enumerate() {
+                    for (jj, j) in (first..=p).enumerate().take(n_keys) {
                         let pj = e[jj] / z;
                         let vj = vs[(j * nkv + kvh) * hd + d];
                         pred += pj * vj;
-                        // score rounding (2h after the max subtraction) moves p by 2h*p;
-                        // the integer exp and the Q16 division add eps_exp*(1 + p*L) + h.
-                        err += vj.abs() * (pj * 4.0 * h + eps_e * (1.0 + pj * len) / (1.0 - eps_e) + h);
+                        // score errors of delta (2 delta after the max subtraction) move p by
+                        // 4 delta p; the integer exp and the Q16 division add eps_exp*(1 + p*L) + h.
+                        err += vj.abs() * (pj * 4.0 * delta + eps_e * (1.0 + pj * len) / (1.0 - eps_e) + h);
                     }
                     let i = (t * nh + hh) * hd + d;
                     b[i] = (pred - y[i]).abs() + err + h + tiny;
                 }
             }
-            one(b, "fixed: |attn(q16 inputs) - y| + sum_j |v_j|*(4h*p_j + eps_exp*(1+p_j*L) + h) + h")
+            let extra = match (cap, &sinks) {
+                (Some(c), _) => format!("; delta = h + softcap error, c={c}"),
+                (None, Some(_)) => "; L counts the sink logit".into(),
+                _ => String::new(),
+            };
+            one(b, &format!("fixed: |attn(q16 inputs) - y| + sum_j |v_j|*(4*delta*p_j + eps_exp*(1+p_j*L) + h) + h{extra}"))
+        }
+        Op::Softcap => {
+            let x = xq(f32_in(case, "x"));
+            let c = case.p("cap").unwrap_or(1.0);
+            let b = (0..x.len()).map(|i| (c * (x[i] / c).tanh() - y[i]).abs() + softcap_error(x[i], c, h, eps_e) + tiny).collect();
+            one(b, &format!("fixed: |c*tanh(q16(x)/c) - y| + c*(dz/2 + 2*eps_exp) + 2h, dz = h + |x|*2^-31, c={c}"))
+        }
+        // x * sigmoid(z), z = 2 sqrt(2/pi) (x + 0.044715 x^3) from Q30 constants (each off by
+        // 2^-31), the cube and z floored to Q16 (2^-16 each): dz, carried by sigmoid's slope
+        // (at most 1/4), the sigmoid's own error, the product's rounding.
+        Op::GeluTanh | Op::Geglu => {
+            let g = xq(f32_in(case, "gate"));
+            let up = if case.op == Op::Geglu { xq(f32_in(case, "up")) } else { vec![1.0; g.len()] };
+            let b = (0..g.len())
+                .map(|i| {
+                    let x = g[i];
+                    let gelu = 0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x.powi(3))).tanh());
+                    let dz = (x.abs() + x.abs().powi(3)) * 2f64.powi(-31) + 1.1 * 2f64.powi(-16);
+                    let gelu_err = x.abs() * (dz / 4.0 + eps_e) + h;
+                    let extra = if case.op == Op::Geglu { gelu_err * up[i].abs() + h } else { gelu_err };
+                    (gelu * up[i] - y[i]).abs() + extra + tiny
+                })
+                .collect();
+            one(b, "fixed: |gelu(q16(g))*q16(u) - y| + (|g|*(dz/4 + eps_exp) + h)*|u| + h, dz = (|g|+|g|^3)*2^-31 + 1.1*2^-16")
+        }
+        // min(g,7) * sigmoid(1.702 min(g,7)) * (clamp(u,-7,7) + 1): 1.702 in Q16 (off by at most
+        // 2^-17) and the product rounded (h) move the sigmoid's argument; then as GELU above.
+        Op::SwigluOai => {
+            let (lim, alpha) = (oracle::spec::OAI_SWIGLU_LIMIT, oracle::spec::OAI_SWIGLU_ALPHA);
+            let (g, up) = (xq(f32_in(case, "gate")), xq(f32_in(case, "up")));
+            let b = (0..g.len())
+                .map(|i| {
+                    let (gc, uc) = (g[i].min(lim), up[i].clamp(-lim, lim) + 1.0);
+                    let pred = gc / (1.0 + (-alpha * gc).exp()) * uc;
+                    let dz = gc.abs() * 2f64.powi(-17) + h;
+                    let a_err = gc.abs() * (dz / 4.0 + eps_e) + h;
+                    (pred - y[i]).abs() + a_err * uc.abs() + h + tiny
+                })
+                .collect();
+            one(b, "fixed: |swiglu_oai(q16 inputs) - y| + (|g'|*(dz/4 + eps_exp) + h)*|u'+1| + h, dz = |g'|*2^-17 + h")
         }
         // Argmax compares integers: exact. The others have no integer kernel (the device says
         // unsupported); exact stands for "nothing to allow".
-        Op::Argmax | Op::LayerNorm | Op::GeluTanh | Op::Geglu | Op::SwigluOai | Op::MoeRoute | Op::TopK | Op::Sample => {
+        // Expert ids exact; each weight: its score from the Q16 logits (the integer softmax's
+        // error as `softmax` above, the sigmoid's eps_exp), divided where normalised by the
+        // chosen scores' sum (each score's error, and the sum's, carried through the quotient).
+        Op::MoeRoute => {
+            let l = f32_in(case, "logits");
+            let n = l.shape[1];
+            let (k, sigmoid, normalize) = (case.pu("k").unwrap_or(1), case.pu("sigmoid").unwrap_or(0) == 1, case.pu("normalize").unwrap_or(0) == 1);
+            let ids: &[u32] = match reference.first() {
+                Some(Output::Ids(v)) => v,
+                _ => &[],
+            };
+            let wy: Vec<f64> = match reference.get(1) {
+                Some(Output::F32(t)) => t.data.iter().map(|v| *v as f64).collect(),
+                _ => Vec::new(),
+            };
+            let mut b = Vec::with_capacity(wy.len());
+            for (r, row) in xq(l).chunks(n).enumerate() {
+                let (p, err): (Vec<f64>, Vec<f64>) = if sigmoid {
+                    row.iter().map(|x| (1.0 / (1.0 + (-x).exp()), eps_e + h)).unzip()
+                } else {
+                    let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = row.iter().map(|x| (x - max).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    e.iter().map(|v| (v / z, eps_e * (1.0 + v / z * n as f64) / (1.0 - eps_e) + h)).unzip()
+                };
+                let chosen: Vec<usize> = (0..k).map(|j| ids.get(r * k + j).map_or(0, |e| (*e as usize).min(n - 1))).collect();
+                let sum: f64 = chosen.iter().map(|e| p[*e]).sum();
+                let sum_err: f64 = chosen.iter().map(|e| err[*e]).sum();
+                for (j, e) in chosen.iter().enumerate() {
+                    let (pred, e_err) = if normalize { (p[*e] / sum, (err[*e] + p[*e] / sum * sum_err) / (sum - sum_err).max(f64::MIN_POSITIVE) + h) } else { (p[*e], err[*e]) };
+                    b.push((pred - wy.get(r * k + j).copied().unwrap_or(0.0)).abs() + e_err + tiny + 2f64.powi(-23) * pred.abs());
+                }
+            }
+            Bounds {
+                per_output: vec![None, Some(b)],
+                rule: format!("fixed: expert ids exact; weights |w(q16 logits) - y| + eps (softmax: eps_exp*(1+p*n) + h; sigmoid: eps_exp + h), through the renormalisation, n={n}"),
+                stored_inputs_reference: None,
+            }
+        }
+        Op::Argmax | Op::LayerNorm | Op::TopK | Op::Sample => {
             Bounds { per_output: reference.iter().map(|o| matches!(o, Output::F32(_)).then(|| vec![0.0; y.len()])).collect(), rule: "exact".into(), stored_inputs_reference: None }
         }
     }

@@ -8,7 +8,8 @@ never a runtime dependency.
   embeddings, norm weights drawn around 0 as a trained Gemma's are (the model multiplies by 1 + w).
 - gemma2: four layers alternating windowed (window 4) and global, otherwise as gemma3, with the
   soft-caps of the attention scores and the logits lowered to 5 and 3 so that tanh bends a share
-  of them, as Gemma 2's 50 and 30 do on a trained model's large values.
+  of them, as Gemma 2's 50 and 30 do on a trained model's large values, and a query scale of
+  1/sqrt(24), not 1/sqrt(head_dim), as Gemma 2 27B's.
 - gpt-oss: four layers alternating windowed (window 4) and global, GQA 4:2 with query heads wider
   than the model (4 x 32 over 64), eight experts of 48 with two chosen per token, YaRN RoPE with
   its correction range untruncated (as GPT-OSS's configs say), attention sinks; gate/up biases of
@@ -23,12 +24,14 @@ import torch
 
 def gemma(t, two):
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=32, max_position_embeddings=256, sliding_window=4, query_pre_attn_scalar=32, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True)
+                  head_dim=32, max_position_embeddings=256, sliding_window=4, rms_norm_eps=1e-6, tie_word_embeddings=True)
     if two:
-        model = t.Gemma2ForCausalLM(t.Gemma2Config(num_hidden_layers=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **common))
+        # A query scale apart from 1/sqrt(head_dim), as Gemma 2 27B's (n_embd / n_head).
+        model = t.Gemma2ForCausalLM(t.Gemma2Config(num_hidden_layers=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                                   query_pre_attn_scalar=24, **common))
     else:
-        model = t.Gemma3ForCausalLM(t.Gemma3TextConfig(num_hidden_layers=6, rope_theta=1e6, rope_local_base_freq=10000.0, **common))
+        model = t.Gemma3ForCausalLM(t.Gemma3TextConfig(num_hidden_layers=6, rope_theta=1e6, rope_local_base_freq=10000.0,
+                                                       query_pre_attn_scalar=32, **common))
     model = model.to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -85,7 +85,7 @@ fn the_budgets_take_the_declared_expf_error_and_refuse_twice_as_much() {
     }
     for (device, code) in [("gpu-emu:ulp4", 0), ("gpu-emu:ulp8", 1)] {
         let dir = tempfile::tempdir().unwrap();
-        let o = xtask(&["kernels", "--device", device, "--filter", "softmax|moe_route|silu|gelu|glu|attention", "--report-dir", dir.path().to_str().unwrap()], &[]);
+        let o = xtask(&["kernels", "--device", device, "--filter", "softmax|moe_route|silu|gelu|glu|attention|softcap", "--report-dir", dir.path().to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(code), "{device}: {}", text(&o));
         let r = report(dir.path());
         assert!(r["summary"]["executed"].as_u64().unwrap() >= 400, "{}", r["summary"]);

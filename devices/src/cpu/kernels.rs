@@ -143,6 +143,8 @@ pub struct AttnCfg<'a> {
     pub sinks: Option<&'a [f32]>,
     /// Gemma 2's soft-cap of the scaled scores, `c * tanh(s / c)` (0: none).
     pub softcap: f32,
+    /// The scores' scale: 1/sqrt(head_dim), or the model's own (Gemma's `query_pre_attn_scalar`).
+    pub scale: f32,
 }
 
 /// What a KV cache holds: f32, or f16 as an f16 cache holds it (half the memory), widened row by
@@ -210,7 +212,7 @@ pub fn attention<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: &[K], v: &
     if let Some(s) = c.sinks.filter(|s| s.len() != nh) {
         return Err(format!("attention: {} sink logits for {nh} query heads", s.len()));
     }
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = c.scale;
     let group = nh / nkv;
     let blocks = pos.len().div_ceil(POSITIONS_PER_TASK);
     // One task per (block of positions, KV head); each returns its queries' outputs, position
@@ -426,7 +428,7 @@ fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Qu
     }
     if softcap > 0.0 {
         for s in scores.iter_mut().flatten() {
-            *s = softcap * (*s / softcap).tanh();
+            *s = self::softcap(*s, softcap);
         }
     }
     let mut probs = Vec::with_capacity(queries.len());
@@ -539,6 +541,11 @@ pub fn swiglu_oai(g: f32, u: f32) -> f32 {
     g / (1.0 + (-ALPHA * g).exp()) * (u + 1.0)
 }
 
+/// Gemma 2's soft-cap, `c * tanh(x / c)`, in f32.
+pub fn softcap(x: f32, c: f32) -> f32 {
+    c * (x / c).tanh()
+}
+
 pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (0.797_884_6f32 * (x + 0.044715 * x * x * x)).tanh())
 }
@@ -646,7 +653,7 @@ mod tests {
         let (kr, vr): (Vec<f32>, Vec<f32>) = (kh.iter().map(|x| x.to_f32()).collect(), vh.iter().map(|x| x.to_f32()).collect());
         assert!(kr != k, "the inputs must need rounding for the test to mean anything");
         for window in [0, 4] {
-            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0 };
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0, scale: 1.0 / (hd as f32).sqrt() };
             let pos = [5, 11, 12];
             let want = attention(&q, &pos, &kr, &vr, len, &c).unwrap();
             let got = attention(&q, &pos, &kh, &vh, len, &c).unwrap();
@@ -667,7 +674,7 @@ mod tests {
         let q: Vec<f32> = (0..pos.len() * nh * hd).map(|i| val(i, 1)).collect();
         let (k, v) = cache(len * nkv * hd);
         for window in [0, 5] {
-            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0 };
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0, scale: 1.0 / (hd as f32).sqrt() };
             let together = attention(&q, &pos, &k, &v, len, &c).unwrap();
             let alone: Vec<f32> = pos.iter().enumerate().flat_map(|(t, p)| attention(&q[t * nh * hd..(t + 1) * nh * hd], &[*p], &k, &v, len, &c).unwrap()).collect();
             assert_eq!(bits(&together), bits(&alone), "window {window}");
@@ -691,7 +698,7 @@ mod tests {
             let (k, v) = cache(len * nkv * hd);
             let (kh, vh): (Vec<half::f16>, Vec<half::f16>) = (k.iter().map(|x| half::f16::from_f32(*x)).collect(), v.iter().map(|x| half::f16::from_f32(*x)).collect());
             let (kr, vr): (Vec<f32>, Vec<f32>) = (kh.iter().map(|x| x.to_f32()).collect(), vh.iter().map(|x| x.to_f32()).collect());
-            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0 };
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0, scale: 1.0 / (hd as f32).sqrt() };
             let plain = |k: &[f32], v: &[f32]| -> Vec<u32> {
                 let mut out = vec![0.0f32; pos.len() * nh * hd];
                 for (t, &p) in pos.iter().enumerate() {

@@ -193,16 +193,24 @@ impl CpuDevice {
                 kernels::rope(&mut y, &pos, p("n_head")? as usize, p("head_dim")? as usize, &spec);
                 vec![out(&x.shape, y)]
             }
-            Op::Attention => {
+            Op::Attention | Op::AttentionSinks | Op::AttentionSoftcap => {
                 let (q, k, v) = (case.f32("q").map_err(e)?, case.f32("k").map_err(e)?, case.f32("v").map_err(e)?);
                 let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
                 let p = |n: &str| case.pu(n).map_err(e);
-                let a = kernels::AttnCfg { n_head: p("n_head")?, n_head_kv: p("n_head_kv")?, head_dim: p("head_dim")?, window: p("window")?, sinks: None, softcap: 0.0 };
+                let sinks = if case.op == Op::AttentionSinks { Some(&case.f32("sinks").map_err(e)?.data[..]) } else { None };
+                let softcap = if case.op == Op::AttentionSoftcap { case.p("cap").map_err(e)? as f32 } else { 0.0 };
+                let hd = p("head_dim")?;
+                let a = kernels::AttnCfg { n_head: p("n_head")?, n_head_kv: p("n_head_kv")?, head_dim: hd, window: p("window")?, sinks, softcap, scale: 1.0 / (hd as f32).sqrt() };
                 vec![out(&q.shape, kernels::attention(&q.data, &pos, &k.data, &v.data, k.shape[0], &a)?)]
             }
             Op::Softmax => {
                 let x = case.f32("x").map_err(e)?;
                 vec![out(&x.shape, x.data.chunks(x.shape[1]).flat_map(kernels::softmax).collect())]
+            }
+            Op::Softcap => {
+                let x = case.f32("x").map_err(e)?;
+                let c = case.p("cap").map_err(e)? as f32;
+                vec![out(&x.shape, x.data.iter().map(|v| kernels::softcap(*v, c)).collect())]
             }
             Op::Silu | Op::GeluTanh => {
                 let g = case.f32("gate").map_err(e)?;

@@ -487,7 +487,7 @@ impl CpuModel {
                     }
                     Stage::Attention => {
                         let cfg =
-                            kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: layer.sinks.as_deref(), softcap: s.attn_softcap.unwrap_or(0.0) as f32 };
+                            kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: layer.sinks.as_deref(), softcap: s.attn_softcap.unwrap_or(0.0) as f32, scale: s.attn_scale as f32 };
                         attn = self.kv.write_and_attend(li, start, kvd, (&q, &k, &v), &pos, &cfg).map_err(|e| err("attention", e))?;
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
@@ -536,7 +536,7 @@ impl CpuModel {
         let mut logits = matmul_packed(&normed, rows, head.view());
         if let Some(c) = s.final_softcap {
             let c = c as f32;
-            logits.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+            logits.iter_mut().for_each(|l| *l = kernels::softcap(*l, c));
         }
         record(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
         Ok(logits)

@@ -1,6 +1,8 @@
 //! Unit tests of the parent module.
 
+use super::kernels::{max_abs, wide_dot};
 use super::*;
+use oracle::quant::GgmlType;
 
 /// splitmix64: a seeded generator, so a failure reproduces.
 fn rng(seed: u64) -> impl FnMut() -> u64 {
@@ -148,7 +150,7 @@ fn attention_in_64_bits_equals_the_128_bit_form_and_takes_it_when_values_are_lar
         let mut val = |n: usize, b: u32| -> Vec<i64> { (0..n).map(|_| (next() >> (64 - b)) as i64 - (1i64 << (b - 1))).collect() };
         let q = val(pos.len() * nh * hd, bits[0]);
         let (k, v) = (val(len * nkv * hd, bits[1]), val(len * nkv * hd, bits[2]));
-        assert_eq!(attention_q(&q, &pos, &k, &v, nh, nkv, hd, window), attention_wide(&q, &pos, &k, &v, nh, nkv, hd, window), "{bits:?}-bit values, window {window}");
+        assert_eq!(attention_q(&q, &pos, &k, &v, nh, nkv, hd, window, &AttnExtras::default()), attention_wide(&q, &pos, &k, &v, nh, nkv, hd, window), "{bits:?}-bit values, window {window}");
     }
 }
 

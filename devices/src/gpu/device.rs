@@ -93,7 +93,7 @@ impl GpuDevice {
                 self.timed(|| g.rope(xb.ptr, &table, pos.len(), uparam("n_head")?, uparam("head_dim")?, spec.n_rot, spec.style == oracle::spec::RopeStyle::Neox))?;
                 vec![out(&x.shape, xb.download_f32(x.data.len())?)]
             }
-            Op::Attention => {
+            Op::Attention | Op::AttentionSinks | Op::AttentionSoftcap => {
                 let (q, k, v) = (input("q")?, input("k")?, input("v")?);
                 let pos = case.ids("pos").map_err(e)?;
                 let kv_len = k.shape[0];
@@ -106,12 +106,20 @@ impl GpuDevice {
                     head_dim: uparam("head_dim")?,
                     window: uparam("window")?,
                     sinks: None,
-                    softcap: 0.0,
+                    softcap: if case.op == Op::AttentionSoftcap { param("cap")? as f32 } else { 0.0 },
+                    scale: 1.0 / (uparam("head_dim")? as f32).sqrt(),
                 };
                 let (qb, pb, kb, vb) = (g.upload_f32(&q.data)?, g.upload_u32(pos)?, g.upload_f32(&k.data)?, g.upload_f32(&v.data)?);
+                let sb = if case.op == Op::AttentionSinks { Some(g.upload_f32(&input("sinks")?.data)?) } else { None };
                 let ob = g.alloc_guarded(4 * q.data.len())?;
-                self.timed(|| g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg, 0))?;
+                self.timed(|| g.attention(qb.ptr, pb.ptr, kb.ptr, vb.ptr, ob.ptr, pos.len(), kv_len, &cfg, sb.as_ref().map_or(0, |b| b.ptr)))?;
                 vec![out(&q.shape, ob.download_f32(q.data.len())?)]
+            }
+            Op::Softcap => {
+                let x = input("x")?;
+                let xb = g.upload_guarded(&x.data)?;
+                self.timed(|| g.softcap(xb.ptr, param("cap")? as f32, x.data.len()))?;
+                vec![out(&x.shape, xb.download_f32(x.data.len())?)]
             }
             Op::Softmax => {
                 let x = input("x")?;

@@ -636,7 +636,7 @@ impl Gpu {
         if cfg.n_head_kv == 0 || !cfg.n_head.is_multiple_of(cfg.n_head_kv) {
             return Err(format!("attention: {} heads over {} kv heads", cfg.n_head, cfg.n_head_kv));
         }
-        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        let scale = cfg.scale;
         self.launch(
             "ts_attention",
             [cfg.n_head as u32, m as u32, 1],

@@ -329,7 +329,7 @@ impl GpuModel {
                         record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
                     }
                     Stage::Attention => {
-                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: None, softcap: s.attn_softcap.unwrap_or(0.0) as f32 };
+                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: None, softcap: s.attn_softcap.unwrap_or(0.0) as f32, scale: s.attn_scale as f32 };
                         g.attention(q.ptr, pos.ptr, kc.ptr, vc.ptr, attn.ptr, m, start + m, &cfg, layer.sinks.as_ref().map_or(0, |b| b.ptr))?;
                         record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
                     }

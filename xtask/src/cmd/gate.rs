@@ -1,8 +1,8 @@
 //! `cargo xtask gate`: the main job. With no arguments it runs the oracle self-check suite over
 //! the synthetic models, the kernel suite on the `cpu` and `fixed` devices, and the layer-diff
 //! and fixed-token suites for those devices over the synthetic models; prints a summary, writes
-//! one report, and exits per the contract. A model a device cannot run (the `fixed` device has no
-//! MoE kernels) is an `unsupported` case, never a pass. The bench suite (`--suite bench`, not in
+//! one report, and exits per the contract. A model a device cannot run (one it has no kernels for)
+//! is an `unsupported` case, never a pass. The bench suite (`--suite bench`, not in
 //! the default set: timings on a shared CI machine are noise unless paired, which `ab` does) times
 //! greedy generation on each device and model and fails a run whose repetitions did not all
 //! generate the same, complete output.
@@ -159,7 +159,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
 }
 
 /// A suite that could not run on a device/model pair: `unsupported` when the device says it cannot
-/// run that model (e.g. MoE on `fixed`), otherwise an `error` case (exit 2) with the reason.
+/// run that model (one it has no kernels for), otherwise an `error` case (exit 2) with the reason.
 fn could_not_run(suite: &str, device: &str, model: &str, e: Exit) -> reports::Case {
     let unsupported = e.unavailable;
     reports::Case {

@@ -1,0 +1,346 @@
+//! `fixed`'s whole model: the weights converted to its integer formats once at load, and the
+//! forward pass in its kernels.
+
+use super::kernels::*;
+use super::FixedDevice;
+use crate::cpu::qdot;
+use crate::{Arithmetic, DeviceError, FixedPoint, NumFormat};
+
+/// A whole model in integer arithmetic, dense or MoE.
+pub struct FixedModel {
+    spec: oracle::ModelSpec,
+    /// The embedding table as Q16 values, `[n_vocab, n_embd]`.
+    tok_embd: IntValues,
+    output_norm: Vec<i64>,
+    head: FixedWeights,
+    layers: Vec<FixedLayer>,
+    kv: crate::KvStore<i64>,
+    /// The formats this model computes in (declared to the suites).
+    point: FixedPoint,
+}
+
+struct FixedLayer {
+    attn_norm: Vec<i64>,
+    wq: FixedWeights,
+    wk: FixedWeights,
+    wv: FixedWeights,
+    wo: FixedWeights,
+    bias: Option<[Vec<i64>; 3]>,
+    /// The attention output projection's bias (`attn_output.bias`), when the model has one.
+    bo: Option<Vec<i64>>,
+    /// GPT-OSS's sink logit per query head, in Q16.
+    sinks: Option<Vec<i64>>,
+    qk_norm: Option<[Vec<i64>; 2]>,
+    ffn_norm: Vec<i64>,
+    /// Gemma's norms of the attention and FFN outputs.
+    post_norms: Option<[Vec<i64>; 2]>,
+    ffn: Ffn,
+}
+
+/// One gated FFN (a dense layer's, an expert's or a shared expert's), with GPT-OSS's biases of
+/// its gate, up and down products where the model has them, in Q16.
+struct Expert {
+    gate: FixedWeights,
+    up: FixedWeights,
+    down: FixedWeights,
+    bias: Option<[Vec<i64>; 3]>,
+}
+
+/// A layer's FFN: dense, or a router over experts (with a shared expert and its sigmoid gate
+/// where the model has them).
+enum Ffn {
+    Dense(Expert),
+    Moe { router: FixedWeights, router_bias: Option<Vec<i64>>, experts: Vec<Expert>, shared: Option<Expert>, shared_gate: Option<Vec<i64>> },
+}
+
+fn model_err(what: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Failed { device: "fixed".into(), case: "model".into(), reason: what.to_string() }
+}
+
+impl FixedModel {
+    /// Loads a GGUF file or a safetensors directory (F32/F16/BF16 tensors).
+    pub fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, DeviceError> {
+        let (src, spec) = oracle::loader::open_weights(path).map_err(model_err)?;
+        let label = src.label();
+        // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4; the embedding's
+        // own count stands for its 32-bit Q16 table), and the table once more where the output
+        // is tied to it or INT4: refused up front when the machine cannot hold them.
+        let values = src.n_elements().map_err(model_err)?;
+        let table = (spec.n_vocab as u64).saturating_mul(spec.n_embd as u64);
+        let needed = values.saturating_mul(if int4 { 2 } else { 4 }).saturating_add(if int4 || spec.tied_output { table.saturating_mul(4) } else { 0 });
+        oracle::memory::check_fits(&label, "holding the weights as integers", needed).map_err(model_err)?;
+        let raw = |name: &str| -> Result<oracle::loader::RawTensor<'_>, DeviceError> { src.raw(name).map_err(model_err)?.ok_or_else(|| model_err(format!("{label}: missing tensor `{name}`"))) };
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<FixedWeights, DeviceError> {
+            let t = raw(name)?;
+            if Some(t.n_elements()) != rows.checked_mul(cols) || t.dims[0] != cols {
+                return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
+            }
+            Ok(convert_weights(t.ty, rows, cols, &t.bytes, int4 && cols.is_multiple_of(INT4_GROUP)))
+        };
+        let vecq = |name: &str, n: usize, frac: u32| -> Result<Vec<i64>, DeviceError> {
+            let t = raw(name)?;
+            if t.n_elements() != n || !qdot::is_float(t.ty) {
+                return Err(model_err(format!("{label}: tensor `{name}`: expected {n} float values")));
+            }
+            let mut f = vec![0.0f32; n];
+            qdot::float_row(t.ty, &t.bytes, &mut f);
+            Ok(f.iter().map(|v| to_q(*v as f64, frac)).collect())
+        };
+        let (d, hd) = (spec.n_embd, spec.head_dim);
+        let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
+        // Every expert's matrix out of a stacked [cols, rows, n_expert] tensor; every expert's
+        // bias out of a stacked [n, n_expert] one.
+        let experts = |name: &str, n_expert: usize, rows: usize, cols: usize| -> Result<Vec<FixedWeights>, DeviceError> {
+            let t = raw(name)?;
+            if t.dims != [cols, rows, n_expert] {
+                return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}, {n_expert}]", t.dims)));
+            }
+            let parts = t.parts(n_expert).map_err(|e| model_err(format!("{label}: tensor `{name}`: {e} (one per expert)")))?;
+            Ok(parts.map(|b| convert_weights(t.ty, rows, cols, b, int4 && cols.is_multiple_of(INT4_GROUP))).collect())
+        };
+        let expert_vecs = |name: &str, n_expert: usize, n: usize| -> Result<Vec<Vec<i64>>, DeviceError> {
+            Ok(vecq(name, n * n_expert, ACT)?.chunks_exact(n).map(<[i64]>::to_vec).collect())
+        };
+        let dense = |i: usize, suffix: &str, f: usize| -> Result<Expert, DeviceError> {
+            let n = |t: &str| format!("blk.{i}.ffn_{t}{suffix}.weight");
+            Ok(Expert { gate: mat(&n("gate"), f, d)?, up: mat(&n("up"), f, d)?, down: mat(&n("down"), d, f)?, bias: None })
+        };
+        let mut layers = Vec::new();
+        for i in 0..spec.n_layer {
+            let n = |t: &str| format!("blk.{i}.{t}");
+            let ffn = match &spec.moe {
+                None => Ffn::Dense(dense(i, "", spec.n_ff)?),
+                Some(m) => {
+                    let (ne, f) = (m.n_expert, m.expert_ffn);
+                    let (gates, ups, downs) = (experts(&n("ffn_gate_exps.weight"), ne, f, d)?, experts(&n("ffn_up_exps.weight"), ne, f, d)?, experts(&n("ffn_down_exps.weight"), ne, d, f)?);
+                    let mut biases: Vec<Option<[Vec<i64>; 3]>> = Vec::new();
+                    if m.biases {
+                        let (g, u, dn) = (expert_vecs(&n("ffn_gate_exps.bias"), ne, f)?, expert_vecs(&n("ffn_up_exps.bias"), ne, f)?, expert_vecs(&n("ffn_down_exps.bias"), ne, d)?);
+                        biases = g.into_iter().zip(u).zip(dn).map(|((g, u), dn)| Some([g, u, dn])).collect();
+                    }
+                    biases.resize_with(ne, || None);
+                    Ffn::Moe {
+                        router: mat(&n("ffn_gate_inp.weight"), ne, d)?,
+                        router_bias: if m.biases { Some(vecq(&n("ffn_gate_inp.bias"), ne, ACT)?) } else { None },
+                        experts: gates.into_iter().zip(ups).zip(downs).zip(biases).map(|(((gate, up), down), bias)| Expert { gate, up, down, bias }).collect(),
+                        shared: match m.shared_ffn {
+                            Some(f) => Some(dense(i, "_shexp", f)?),
+                            None => None,
+                        },
+                        shared_gate: if m.shared_gate { Some(vecq(&n("ffn_gate_inp_shexp.weight"), d, ACT)?) } else { None },
+                    }
+                }
+            };
+            layers.push(FixedLayer {
+                attn_norm: vecq(&n("attn_norm.weight"), d, NORM)?,
+                wq: mat(&n("attn_q.weight"), qd, d)?,
+                wk: mat(&n("attn_k.weight"), kvd, d)?,
+                wv: mat(&n("attn_v.weight"), kvd, d)?,
+                wo: mat(&n("attn_output.weight"), d, qd)?,
+                bias: if spec.qkv_bias { Some([vecq(&n("attn_q.bias"), qd, ACT)?, vecq(&n("attn_k.bias"), kvd, ACT)?, vecq(&n("attn_v.bias"), kvd, ACT)?]) } else { None },
+                bo: if spec.out_bias { Some(vecq(&n("attn_output.bias"), d, ACT)?) } else { None },
+                sinks: if spec.attn_sinks { Some(vecq(&n("attn_sinks.weight"), spec.n_head, ACT)?) } else { None },
+                qk_norm: if spec.qk_norm { Some([vecq(&n("attn_q_norm.weight"), hd, NORM)?, vecq(&n("attn_k_norm.weight"), hd, NORM)?]) } else { None },
+                ffn_norm: vecq(&n(spec.stored_ffn_norm()), d, NORM)?,
+                post_norms: if spec.post_norms { Some([vecq(&n("post_attention_norm.weight"), d, NORM)?, vecq(&n("post_ffw_norm.weight"), d, NORM)?]) } else { None },
+                ffn,
+            });
+        }
+        // The embedding table as Q16 activations (rows are looked up, never multiplied).
+        let te = raw("token_embd.weight")?;
+        if Some(te.n_elements()) != spec.n_vocab.checked_mul(d) || te.dims[0] != d {
+            return Err(model_err(format!("{label}: tensor `token_embd.weight` has dims {:?}, expected [{d}, {}]", te.dims, spec.n_vocab)));
+        }
+        let te_bytes = te.bytes;
+        let row_bytes = te_bytes.len() / spec.n_vocab;
+        let mut tok_embd = IntValues::with_capacity(spec.n_vocab * d);
+        let (mut row, mut row_q) = (vec![0.0f32; d], vec![0i64; d]);
+        for r in 0..spec.n_vocab {
+            let rb = &te_bytes[r * row_bytes..(r + 1) * row_bytes];
+            if qdot::is_float(te.ty) {
+                qdot::float_row(te.ty, rb, &mut row);
+            } else {
+                qdot::dequantize_row(te.ty, rb, &mut row);
+            }
+            row_q.iter_mut().zip(&row).for_each(|(q, v)| *q = to_q(*v as f64, ACT));
+            tok_embd.push_row(&row_q);
+        }
+        let head = if spec.tied_output { mat("token_embd.weight", spec.n_vocab, d)? } else { mat("output.weight", spec.n_vocab, d)? };
+        let output_norm = vecq("output_norm.weight", d, NORM)?;
+        let n_layer = spec.n_layer;
+        Ok(FixedModel { spec, tok_embd, output_norm, head, layers, kv: crate::KvStore::new(n_layer), point: FixedDevice { int4 }.point() })
+    }
+}
+
+fn tap_q(t: &mut dyn oracle::Tap, name: &str, start: usize, m: usize, w: usize, v: &[i64]) {
+    if t.enabled() {
+        let f: Vec<f32> = v.iter().map(|x| from_q(*x, ACT)).collect();
+        t.record(name, start, m, w, &f);
+    }
+}
+
+/// One gated FFN over `m` rows of `h`: gate and up products (with their biases), the model's
+/// gated activation, the down product (with its bias). Records `ffn_gate`, `ffn_up` and
+/// `ffn_act` where given a tap (a dense layer's; an expert's are not tapped).
+fn expert_q(act: oracle::spec::Activation, f: &Expert, h: &[i64], m: usize, taps: Option<(&mut dyn oracle::Tap, usize, usize)>) -> Vec<i64> {
+    let add = |a: Vec<i64>, b: &[i64]| -> Vec<i64> { a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect() };
+    let (mut g, mut u) = (matmul_q(h, m, &f.gate), matmul_q(h, m, &f.up));
+    if let Some([bg, bu, _]) = &f.bias {
+        (g, u) = (add(g, bg), add(u, bu));
+    }
+    let a: Vec<i64> = g.iter().zip(&u).map(|(x, y)| glu_q16(act, *x, *y)).collect();
+    if let Some((t, li, start)) = taps {
+        let w = g.len() / m.max(1);
+        tap_q(t, &format!("blk.{li}.ffn_gate"), start, m, w, &g);
+        tap_q(t, &format!("blk.{li}.ffn_up"), start, m, w, &u);
+        tap_q(t, &format!("blk.{li}.ffn_act"), start, m, w, &a);
+    }
+    let down = matmul_q(&a, m, &f.down);
+    match &f.bias {
+        Some([_, _, bd]) => add(down, bd),
+        None => down,
+    }
+}
+
+impl crate::DeviceModel for FixedModel {
+    fn spec(&self) -> &oracle::ModelSpec {
+        &self.spec
+    }
+    fn arithmetic(&self) -> Arithmetic {
+        Arithmetic { storage: NumFormat::I32, accumulate: NumFormat::I32, transcendental_ulps: 0.0, fixed: Some(self.point), ..Arithmetic::F32 }
+    }
+    fn cached(&self) -> usize {
+        self.kv.len
+    }
+    fn reset(&mut self) {
+        self.kv.reset();
+    }
+    fn forward(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps, true)
+    }
+    fn forward_last(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap) -> Result<Vec<f32>, DeviceError> {
+        self.run(tokens, taps, false)
+    }
+}
+
+impl FixedModel {
+    /// One step over `tokens`; logits of every token (`all_logits`) or of the last one only (the
+    /// output norm and head then run on that row alone; both are row by row).
+    fn run(&mut self, tokens: &[u32], taps: &mut dyn oracle::Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
+        let s = self.spec.clone();
+        let m = tokens.len();
+        if m == 0 {
+            return Err(model_err("no tokens"));
+        }
+        let start = self.kv.len;
+        let pos: Vec<usize> = (start..start + m).collect();
+        let (d, hd) = (s.n_embd, s.head_dim);
+        let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
+        let mut x = Vec::with_capacity(m * d);
+        for &t in tokens {
+            let t = t as usize;
+            if t >= s.n_vocab {
+                return Err(model_err(format!("token id {t} outside the vocabulary of {}", s.n_vocab)));
+            }
+            self.tok_embd.extend_into(t * d..(t + 1) * d, &mut x);
+        }
+        if let Some(scale) = s.embd_scale {
+            // The scale in Q30, the product rounded back to Q16.
+            let c = to_q(scale, TABLE) as i128;
+            x.iter_mut().for_each(|v| *v = shr_round(*v as i128 * c, TABLE));
+        }
+        tap_q(taps, "inp_embd", start, m, d, &x);
+        let add = |a: &[i64], b: &[i64]| -> Vec<i64> { a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect() };
+        for li in 0..s.n_layer {
+            let l = &self.layers[li];
+            let name = |t: &str| format!("blk.{li}.{t}");
+            let h = rms_norm_q(&x, d, &l.attn_norm, s.norm_eps);
+            tap_q(taps, &name("attn_norm"), start, m, d, &h);
+            let (mut q, mut k, mut v) = (matmul_q(&h, m, &l.wq), matmul_q(&h, m, &l.wk), matmul_q(&h, m, &l.wv));
+            if let Some([bq, bk, bv]) = &l.bias {
+                (q, k, v) = (add(&q, bq), add(&k, bk), add(&v, bv));
+            }
+            tap_q(taps, &name("attn_q"), start, m, qd, &q);
+            tap_q(taps, &name("attn_k"), start, m, kvd, &k);
+            tap_q(taps, &name("attn_v"), start, m, kvd, &v);
+            if let Some([qn, kn]) = &l.qk_norm {
+                q = rms_norm_q(&q, hd, qn, s.norm_eps);
+                k = rms_norm_q(&k, hd, kn, s.norm_eps);
+                tap_q(taps, &name("attn_q_norm"), start, m, qd, &q);
+                tap_q(taps, &name("attn_k_norm"), start, m, kvd, &k);
+            }
+            rope_q(&mut q, &pos, s.n_head, hd, s.layer_rope(li));
+            rope_q(&mut k, &pos, s.n_head_kv, hd, s.layer_rope(li));
+            tap_q(taps, &name("attn_q_rope"), start, m, qd, &q);
+            tap_q(taps, &name("attn_k_rope"), start, m, kvd, &k);
+            self.kv.write(li, start, kvd, &k, &v);
+            let extras = AttnExtras { scale: Some(s.attn_scale), sinks: l.sinks.as_deref(), softcap: s.attn_softcap.map(SoftcapQ::new) };
+            let attn = attention_q(&q, &pos, &self.kv.k[li], &self.kv.v[li], s.n_head, s.n_head_kv, hd, s.layer_window(li).unwrap_or(0), &extras);
+            tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
+            let mut attn = matmul_q(&attn, m, &l.wo);
+            if let Some(bo) = &l.bo {
+                attn = add(&attn, bo);
+            }
+            tap_q(taps, &name("attn_out"), start, m, d, &attn);
+            if let Some([pa, _]) = &l.post_norms {
+                attn = rms_norm_q(&attn, d, pa, s.norm_eps);
+                tap_q(taps, &name("attn_post_norm"), start, m, d, &attn);
+            }
+            x = add(&x, &attn);
+            tap_q(taps, &name("ffn_inp"), start, m, d, &x);
+            let h = rms_norm_q(&x, d, &l.ffn_norm, s.norm_eps);
+            tap_q(taps, &name("ffn_norm"), start, m, d, &h);
+            let mut out = match &l.ffn {
+                Ffn::Dense(f) => expert_q(s.activation, f, &h, m, Some((taps, li, start))),
+                Ffn::Moe { router, router_bias, experts, shared, shared_gate } => {
+                    let ms = s.moe.as_ref().ok_or_else(|| model_err("a MoE layer without the MoE spec"))?;
+                    let mut logits = matmul_q(&h, m, router);
+                    if let Some(b) = router_bias {
+                        logits = add(&logits, b);
+                    }
+                    let (ids, weights, probs) = moe_route_q(&logits, ms.n_expert, ms.n_expert_used, ms.gating == oracle::spec::Gating::Sigmoid, ms.normalize_topk);
+                    tap_q(taps, &name("ffn_moe_probs"), start, m, ms.n_expert, &probs);
+                    if taps.enabled() {
+                        let topk: Vec<f32> = ids.iter().map(|&e| e as f32).collect();
+                        taps.record(&name("ffn_moe_topk"), start, m, ms.n_expert_used, &topk);
+                    }
+                    let mut out = vec![0i64; m * d];
+                    for t in 0..m {
+                        let ht = &h[t * d..(t + 1) * d];
+                        let o = &mut out[t * d..(t + 1) * d];
+                        for j in 0..ms.n_expert_used {
+                            let e = experts.get(ids[t * ms.n_expert_used + j] as usize).ok_or_else(|| model_err("an expert id past the experts"))?;
+                            let w = weights[t * ms.n_expert_used + j] as i128;
+                            let y = expert_q(s.activation, e, ht, 1, None);
+                            o.iter_mut().zip(&y).for_each(|(a, b)| *a += shr_round(w * *b as i128, ACT));
+                        }
+                        if let Some(sf) = shared {
+                            let y = expert_q(s.activation, sf, ht, 1, None);
+                            // The shared expert's gate: sigmoid of a Q16 dot product, exact in 128 bits.
+                            let g = shared_gate.as_ref().map_or(1i64 << ACT, |gw| sigmoid_q16(shr_round(ht.iter().zip(gw).map(|(a, b)| *a as i128 * *b as i128).sum(), ACT)));
+                            o.iter_mut().zip(&y).for_each(|(a, b)| *a += shr_round(g as i128 * *b as i128, ACT));
+                        }
+                    }
+                    out
+                }
+            };
+            tap_q(taps, &name("ffn_out"), start, m, d, &out);
+            if let Some([_, pf]) = &l.post_norms {
+                out = rms_norm_q(&out, d, pf, s.norm_eps);
+                tap_q(taps, &name("ffn_post_norm"), start, m, d, &out);
+            }
+            x = add(&x, &out);
+            tap_q(taps, &name("l_out"), start, m, d, &x);
+        }
+        self.kv.len = start + m;
+        let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
+        let normed = rms_norm_q(&x[row0 * d..], d, &self.output_norm, s.norm_eps);
+        tap_q(taps, "result_norm", start + row0, rows, d, &normed);
+        let mut logits = matmul_q(&normed, rows, &self.head);
+        if let Some(c) = s.final_softcap.map(SoftcapQ::new) {
+            logits.iter_mut().for_each(|l| *l = c.apply(*l));
+        }
+        tap_q(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
+        Ok(logits.iter().map(|v| from_q(*v, ACT)).collect())
+    }
+}
