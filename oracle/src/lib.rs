@@ -15,6 +15,7 @@ pub mod files;
 pub mod flat;
 pub mod generate;
 pub mod gguf;
+pub mod hugebuf;
 pub mod loader;
 pub mod memory;
 pub mod model;

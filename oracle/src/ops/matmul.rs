@@ -2,6 +2,7 @@
 
 use super::check_len;
 use crate::error::{OracleError, Result};
+use crate::hugebuf::HugeBuf;
 use crate::quant::{self, GgmlType};
 use crate::real::Real;
 use rayon::prelude::*;
@@ -11,17 +12,28 @@ use rayon::prelude::*;
 /// a time when it is used). A packed row decodes to exactly the values the decoded copy holds, so
 /// every result is the same bits either way; packed weights trade decoding work for memory (a
 /// Q4 model packed takes about an eighth of its f32 copy).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Mat<T> {
     pub rows: usize,
     pub cols: usize,
     store: Store<T>,
 }
 
-#[derive(Clone, Debug)]
+/// Both kinds in `HugeBuf`s: a matrix of a megabyte or more on huge pages where the OS allows.
+#[derive(Debug)]
 enum Store<T> {
-    Values(Vec<T>),
-    Packed { ty: GgmlType, row_bytes: usize, bytes: Vec<u8> },
+    Values(HugeBuf<T>),
+    Packed { ty: GgmlType, row_bytes: usize, bytes: HugeBuf<u8> },
+}
+
+impl<T: Copy> Clone for Mat<T> {
+    fn clone(&self) -> Mat<T> {
+        let store = match &self.store {
+            Store::Values(v) => Store::Values(v.clone()),
+            Store::Packed { ty, row_bytes, bytes } => Store::Packed { ty: *ty, row_bytes: *row_bytes, bytes: bytes.clone() },
+        };
+        Mat { rows: self.rows, cols: self.cols, store }
+    }
 }
 
 /// Scratch for the rows of packed matrices, reused from row to row by one thread.
@@ -34,7 +46,7 @@ pub struct RowBuf<T> {
 impl<T: Real> Mat<T> {
     pub fn new(rows: usize, cols: usize, data: Vec<T>) -> Result<Mat<T>> {
         check_len("matrix", data.len(), rows, cols)?;
-        Ok(Mat { rows, cols, store: Store::Values(data) })
+        Ok(Mat { rows, cols, store: Store::Values(HugeBuf::from_vec(data)) })
     }
 
     /// A matrix kept as stored: `bytes` holds `rows` rows of `cols` values of type `ty`.
@@ -45,7 +57,7 @@ impl<T: Real> Mat<T> {
         if row_bytes.checked_mul(rows) != Some(bytes.len()) {
             return Err(OracleError::Shape(format!("matrix: {rows} rows of {cols} {} values take {row_bytes} bytes each, got {} bytes", ty.name(), bytes.len())));
         }
-        Ok(Mat { rows, cols, store: Store::Packed { ty, row_bytes, bytes } })
+        Ok(Mat { rows, cols, store: Store::Packed { ty, row_bytes, bytes: HugeBuf::from_vec(bytes) } })
     }
 
     /// Whether the weights are held as stored and decoded row by row.
