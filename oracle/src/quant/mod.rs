@@ -206,9 +206,13 @@ impl GgmlType {
     }
 }
 
+/// Every f16 bit pattern's f32 value (`half`'s conversion, once): block scales are read by lookup,
+/// as the conversion in software costs more than the nibbles it scales.
+static F16_TO_F32: std::sync::LazyLock<Box<[f32]>> = std::sync::LazyLock::new(|| (0..=u16::MAX).map(|b| f16::from_bits(b).to_f32()).collect());
+
 #[inline]
 fn rd_f16(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+    F16_TO_F32[u16::from_le_bytes([b[at], b[at + 1]]) as usize]
 }
 
 /// Decodes `n` elements of type `ty` from `bytes` into `out` (which must hold `n` values).
@@ -244,31 +248,37 @@ pub fn decode_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        _ => {
-            for (blk, y) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
-                match ty {
-                    GgmlType::Q4_0 => decode_q4_0(blk, y),
-                    GgmlType::Q4_1 => decode_q4_1(blk, y),
-                    GgmlType::Q5_0 => decode_q5_0(blk, y),
-                    GgmlType::Q5_1 => decode_q5_1(blk, y),
-                    GgmlType::Q8_0 => decode_q8_0(blk, y),
-                    GgmlType::Q2_K => decode_q2_k(blk, y),
-                    GgmlType::Q3_K => decode_q3_k(blk, y),
-                    GgmlType::Q4_K => decode_q4_k(blk, y),
-                    GgmlType::Q5_K => decode_q5_k(blk, y),
-                    GgmlType::Q6_K => decode_q6_k(blk, y),
-                    GgmlType::IQ4_NL => decode_iq4_nl(blk, y),
-                    GgmlType::IQ4_XS => decode_iq4_xs(blk, y),
-                    GgmlType::TQ1_0 | GgmlType::TQ2_0 => decode_tq(ty, blk, y),
-                    GgmlType::MXFP4 => decode_mxfp4(blk, y),
-                    GgmlType::NVFP4 => decode_nvfp4(blk, y),
-                    GgmlType::Q1_0 | GgmlType::Q2_0 => decode_q1_q2_0(ty, blk, y),
-                    _ => unreachable!("scalar types handled above"),
-                }
-            }
-        }
+        // One loop per type, its decoder inlined into it (not a dispatch per block).
+        _ => match ty {
+            GgmlType::Q4_0 => each_block(bytes, out, ts, bs, decode_q4_0),
+            GgmlType::Q4_1 => each_block(bytes, out, ts, bs, decode_q4_1),
+            GgmlType::Q5_0 => each_block(bytes, out, ts, bs, decode_q5_0),
+            GgmlType::Q5_1 => each_block(bytes, out, ts, bs, decode_q5_1),
+            GgmlType::Q8_0 => each_block(bytes, out, ts, bs, decode_q8_0),
+            GgmlType::Q2_K => each_block(bytes, out, ts, bs, decode_q2_k),
+            GgmlType::Q3_K => each_block(bytes, out, ts, bs, decode_q3_k),
+            GgmlType::Q4_K => each_block(bytes, out, ts, bs, decode_q4_k),
+            GgmlType::Q5_K => each_block(bytes, out, ts, bs, decode_q5_k),
+            GgmlType::Q6_K => each_block(bytes, out, ts, bs, decode_q6_k),
+            GgmlType::IQ4_NL => each_block(bytes, out, ts, bs, decode_iq4_nl),
+            GgmlType::IQ4_XS => each_block(bytes, out, ts, bs, decode_iq4_xs),
+            GgmlType::TQ1_0 | GgmlType::TQ2_0 => each_block(bytes, out, ts, bs, |b, y| decode_tq(ty, b, y)),
+            GgmlType::MXFP4 => each_block(bytes, out, ts, bs, decode_mxfp4),
+            GgmlType::NVFP4 => each_block(bytes, out, ts, bs, decode_nvfp4),
+            GgmlType::Q1_0 | GgmlType::Q2_0 => each_block(bytes, out, ts, bs, |b, y| decode_q1_q2_0(ty, b, y)),
+            _ => unreachable!("scalar types handled above"),
+        },
     }
     Ok(())
+}
+
+/// `f` over each block of `bytes` (`ts` bytes) and its `bs` values in `out`, monomorphised per
+/// decoder so that it inlines.
+#[inline]
+fn each_block(bytes: &[u8], out: &mut [f32], ts: usize, bs: usize, f: impl Fn(&[u8], &mut [f32])) {
+    for (blk, y) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
+        f(blk, y);
+    }
 }
 
 /// Decodes `n` elements into a new vector.
