@@ -386,6 +386,16 @@ pub fn softmax_q(x: &[i64]) -> Vec<i64> {
     e.iter().map(|v| ((*v << ACT) + sum / 2) / sum).collect()
 }
 
+/// `a + b` with `b` repeated along `a` (a bias per row, or a residual of the same length): exact.
+pub fn add_q(a: &[i64], b: &[i64]) -> Vec<i64> {
+    a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect()
+}
+
+/// `out += w * y` in Q16 (`w` a Q16 weight), each product rounded once.
+pub fn add_scaled_q(out: &mut [i64], y: &[i64], w: i64) {
+    out.iter_mut().zip(y).for_each(|(a, b)| *a += shr_round(w as i128 * *b as i128, ACT));
+}
+
 /// MoE routing over rows of `n_expert` Q16 logits: scores by the integer softmax (or sigmoid),
 /// the `k` experts of the largest logits (scores rise with the logits, and the logits hold no
 /// ties the scores' rounding would make; the lower index first on a tie), their scores as

@@ -183,10 +183,9 @@ fn tap_q(t: &mut dyn oracle::Tap, name: &str, start: usize, m: usize, w: usize, 
 /// gated activation, the down product (with its bias). Records `ffn_gate`, `ffn_up` and
 /// `ffn_act` where given a tap (a dense layer's; an expert's are not tapped).
 fn expert_q(act: oracle::spec::Activation, f: &Expert, h: &[i64], m: usize, taps: Option<(&mut dyn oracle::Tap, usize, usize)>) -> Vec<i64> {
-    let add = |a: Vec<i64>, b: &[i64]| -> Vec<i64> { a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect() };
     let (mut g, mut u) = (matmul_q(h, m, &f.gate), matmul_q(h, m, &f.up));
     if let Some([bg, bu, _]) = &f.bias {
-        (g, u) = (add(g, bg), add(u, bu));
+        (g, u) = (add_q(&g, bg), add_q(&u, bu));
     }
     let a: Vec<i64> = g.iter().zip(&u).map(|(x, y)| glu_q16(act, *x, *y)).collect();
     if let Some((t, li, start)) = taps {
@@ -197,7 +196,7 @@ fn expert_q(act: oracle::spec::Activation, f: &Expert, h: &[i64], m: usize, taps
     }
     let down = matmul_q(&a, m, &f.down);
     match &f.bias {
-        Some([_, _, bd]) => add(down, bd),
+        Some([_, _, bd]) => add_q(&down, bd),
         None => down,
     }
 }
@@ -250,7 +249,6 @@ impl FixedModel {
             x.iter_mut().for_each(|v| *v = shr_round(*v as i128 * c, TABLE));
         }
         tap_q(taps, "inp_embd", start, m, d, &x);
-        let add = |a: &[i64], b: &[i64]| -> Vec<i64> { a.iter().zip(b.iter().cycle()).map(|(x, y)| x + y).collect() };
         for li in 0..s.n_layer {
             let l = &self.layers[li];
             let name = |t: &str| format!("blk.{li}.{t}");
@@ -258,7 +256,7 @@ impl FixedModel {
             tap_q(taps, &name("attn_norm"), start, m, d, &h);
             let (mut q, mut k, mut v) = (matmul_q(&h, m, &l.wq), matmul_q(&h, m, &l.wk), matmul_q(&h, m, &l.wv));
             if let Some([bq, bk, bv]) = &l.bias {
-                (q, k, v) = (add(&q, bq), add(&k, bk), add(&v, bv));
+                (q, k, v) = (add_q(&q, bq), add_q(&k, bk), add_q(&v, bv));
             }
             tap_q(taps, &name("attn_q"), start, m, qd, &q);
             tap_q(taps, &name("attn_k"), start, m, kvd, &k);
@@ -279,14 +277,14 @@ impl FixedModel {
             tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
             let mut attn = matmul_q(&attn, m, &l.wo);
             if let Some(bo) = &l.bo {
-                attn = add(&attn, bo);
+                attn = add_q(&attn, bo);
             }
             tap_q(taps, &name("attn_out"), start, m, d, &attn);
             if let Some([pa, _]) = &l.post_norms {
                 attn = rms_norm_q(&attn, d, pa, s.norm_eps);
                 tap_q(taps, &name("attn_post_norm"), start, m, d, &attn);
             }
-            x = add(&x, &attn);
+            x = add_q(&x, &attn);
             tap_q(taps, &name("ffn_inp"), start, m, d, &x);
             let h = rms_norm_q(&x, d, &l.ffn_norm, s.norm_eps);
             tap_q(taps, &name("ffn_norm"), start, m, d, &h);
@@ -296,7 +294,7 @@ impl FixedModel {
                     let ms = s.moe.as_ref().ok_or_else(|| model_err("a MoE layer without the MoE spec"))?;
                     let mut logits = matmul_q(&h, m, router);
                     if let Some(b) = router_bias {
-                        logits = add(&logits, b);
+                        logits = add_q(&logits, b);
                     }
                     let (ids, weights, probs) = moe_route_q(&logits, ms.n_expert, ms.n_expert_used, ms.gating == oracle::spec::Gating::Sigmoid, ms.normalize_topk);
                     tap_q(taps, &name("ffn_moe_probs"), start, m, ms.n_expert, &probs);
@@ -310,15 +308,12 @@ impl FixedModel {
                         let o = &mut out[t * d..(t + 1) * d];
                         for j in 0..ms.n_expert_used {
                             let e = experts.get(ids[t * ms.n_expert_used + j] as usize).ok_or_else(|| model_err("an expert id past the experts"))?;
-                            let w = weights[t * ms.n_expert_used + j] as i128;
-                            let y = expert_q(s.activation, e, ht, 1, None);
-                            o.iter_mut().zip(&y).for_each(|(a, b)| *a += shr_round(w * *b as i128, ACT));
+                            add_scaled_q(o, &expert_q(s.activation, e, ht, 1, None), weights[t * ms.n_expert_used + j]);
                         }
                         if let Some(sf) = shared {
-                            let y = expert_q(s.activation, sf, ht, 1, None);
                             // The shared expert's gate: sigmoid of a Q16 dot product, exact in 128 bits.
                             let g = shared_gate.as_ref().map_or(1i64 << ACT, |gw| sigmoid_q16(shr_round(ht.iter().zip(gw).map(|(a, b)| *a as i128 * *b as i128).sum(), ACT)));
-                            o.iter_mut().zip(&y).for_each(|(a, b)| *a += shr_round(g as i128 * *b as i128, ACT));
+                            add_scaled_q(o, &expert_q(s.activation, sf, ht, 1, None), g);
                         }
                     }
                     out
@@ -329,7 +324,7 @@ impl FixedModel {
                 out = rms_norm_q(&out, d, pf, s.norm_eps);
                 tap_q(taps, &name("ffn_post_norm"), start, m, d, &out);
             }
-            x = add(&x, &out);
+            x = add_q(&x, &out);
             tap_q(taps, &name("l_out"), start, m, d, &x);
         }
         self.kv.len = start + m;
