@@ -34,6 +34,17 @@ const GPT2_PRES: [&str; 17] = [
     "gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo",
     "jais", "trillion", "granite-docling", "exaone4",
 ];
+/// GPT-4o's split (OpenAI's o200k pattern, GPT-OSS's and Llama 4's tokenizer.json): words by
+/// letter case, apostrophe endings joined to their word, digits in groups of up to three.
+/// llama.cpp runs an ASCII approximation of its letter classes (any letter but a-z counts as
+/// upper case, any but A-Z as lower), which splits differently where a lower-case letter meets
+/// a non-ASCII upper-case one ("aÉ"); this is the tokenizer.json's own pattern.
+const GPT4O_PATTERN: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+);
+const GPT4O_PRES: [&str; 4] = ["gpt-4o", "llama4", "kanana2", "talkie"];
 /// GPT-2's split after every digit is split off alone (StarCoder, SmolLM, Command R, ...).
 const DIGITS_PRES: [&str; 7] = ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"];
 
@@ -242,6 +253,7 @@ enum PreSplit {
     Qwen2,
     Qwen35,
     Llama3,
+    Gpt4o,
     DeepSeekLlm,
     DeepSeekCoder,
 }
@@ -254,14 +266,16 @@ fn pre_split(pre: &str) -> std::result::Result<PreSplit, String> {
         p if QWEN2_PRES.contains(&p) => Ok(PreSplit::Qwen2),
         "qwen35" => Ok(PreSplit::Qwen35),
         p if LLAMA3_PRES.contains(&p) => Ok(PreSplit::Llama3),
+        p if GPT4O_PRES.contains(&p) => Ok(PreSplit::Gpt4o),
         "deepseek-llm" => Ok(PreSplit::DeepSeekLlm),
         "deepseek-coder" => Ok(PreSplit::DeepSeekCoder),
         other => Err(format!(
-            "tokenizer.ggml.pre `{other}` is not supported (default, falcon, qwen35, deepseek-llm, deepseek-coder, {}, {}, {}, {})",
+            "tokenizer.ggml.pre `{other}` is not supported (default, falcon, qwen35, deepseek-llm, deepseek-coder, {}, {}, {}, {}, {})",
             GPT2_PRES.join(", "),
             DIGITS_PRES.join(", "),
             QWEN2_PRES.join(", "),
-            LLAMA3_PRES.join(", ")
+            LLAMA3_PRES.join(", "),
+            GPT4O_PRES.join(", ")
         )),
     }
 }
@@ -385,6 +399,7 @@ fn pre_tokenizer(pre: &str) -> std::result::Result<Sequence, String> {
         PreSplit::Qwen2 => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
         PreSplit::Qwen35 => Sequence::new(vec![split(QWEN35_PATTERN)?, byte_level(false)]),
         PreSplit::Llama3 => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]),
+        PreSplit::Gpt4o => Sequence::new(vec![split(GPT4O_PATTERN)?, byte_level(false)]),
         PreSplit::DeepSeekLlm | PreSplit::DeepSeekCoder | PreSplit::Falcon => {
             let patterns: &[&str] = match split_kind {
                 PreSplit::DeepSeekLlm => &DEEPSEEK_LLM_PATTERNS,
@@ -571,6 +586,11 @@ mod tests {
         // StarCoder, Command R, ...: every digit alone; MPT and OLMo: GPT-2's split.
         assert_eq!(pre_tokens("command-r", "x 123"), ["x", "Ġ", "1", "2", "3"]);
         assert_eq!(pre_tokens("mpt", "x 123"), ["x", "Ġ123"]);
+        // GPT-4o / GPT-OSS: words by case, "'t" kept, digits in threes, "/" before a word joins
+        // it; a non-ASCII capital starts a word ("aÉb" is "a" + "Éb"; llama.cpp's approximation
+        // would keep "aÉb" whole). Expected: what a tokenizer.json with this pattern splits.
+        assert_eq!(pre_tokens("gpt-4o", "HelloWorld don't 12345"), ["Hello", "World", "Ġdon't", "Ġ", "123", "45"]);
+        assert_eq!(pre_tokens("gpt-4o", "aÉb CAFÉs\n\n x/y"), ["a", "Ãīb", "ĠCAFÃīs", "ĊĊ", "Ġx", "/y"]);
         let e = pre_tokenizer("tekken").err().unwrap();
         assert!(e.contains("`tekken` is not supported") && e.contains("falcon"), "{e}");
     }
