@@ -10,7 +10,9 @@ hook on every module checks its inputs and outputs). A development/test peer: ne
 dependency of Touchstone.
 
 Usage: hf_f64.py CHECKPOINT_DIR --prompt-ids 1,2,3 [--greedy N] --out ref.json
-Writes {"logits": [[...], ...] (every position), "greedy": [...]}.
+Writes {"logits": [[...], ...] (every position), "greedy": [...], "hidden": [...]}: `hidden` is
+transformers' `hidden_states`, one [position][width] array per entry: the embedding as the first
+layer takes it, each layer's output, the last one after the final norm.
 """
 import argparse
 import json
@@ -75,7 +77,9 @@ def main():
     hooks = [m.register_forward_hook(check) for m in model.modules()]
     ids = [int(t) for t in a.prompt_ids.split(",")]
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        logits = out.logits[0]
+        hidden = [h[0].tolist() for h in out.hidden_states]
         for h in hooks:
             h.remove()
         if bad:
@@ -85,7 +89,7 @@ def main():
             nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
             greedy.append(nxt)
             seq.append(nxt)
-    json.dump({"logits": logits.tolist(), "greedy": greedy}, open(a.out, "w"))
+    json.dump({"logits": logits.tolist(), "greedy": greedy, "hidden": hidden}, open(a.out, "w"))
 
 
 if __name__ == "__main__":

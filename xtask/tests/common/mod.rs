@@ -42,3 +42,16 @@ pub fn python_with_reference_peers() -> bool {
     }
     ok
 }
+
+/// A dump's logits: shape (positions, vocabulary) and values.
+pub fn read_logits(dir: &Path) -> (Vec<usize>, Vec<f32>) {
+    oracle::dump::read_tensor(dir, oracle::dump::LOGITS_FILE, oracle::dump::LOGITS_TENSOR).unwrap()
+}
+
+/// Relative RMS difference of `a` from `b`.
+pub fn rel_rms(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let e: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
+    let r: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (e / r).sqrt()
+}

@@ -1,0 +1,169 @@
+//! Random checkpoints written by Hugging Face transformers (tools/reference/make_checkpoint.py)
+//! against transformers' own float64 forward (tools/reference/hf_f64.py): read as safetensors
+//! by the oracle, and converted to GGUF by llama.cpp's own converter (hf_to_gguf.py), then run
+//! on the devices. Each test skips, saying so, without transformers and torch, unless
+//! TOUCHSTONE_REQUIRE_TRANSFORMERS is set (CI).
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use std::process::Command;
+
+/// Whether Python has transformers and torch (the Hugging Face reference); when it does not,
+/// says so and the caller skips, unless TOUCHSTONE_REQUIRE_TRANSFORMERS is set (CI).
+fn transformers_installed() -> bool {
+    let probe = Command::new("python3").args(["-c", "import transformers, torch"]).output();
+    let ok = matches!(probe, Ok(ref o) if o.status.success());
+    if !ok {
+        assert!(std::env::var_os("TOUCHSTONE_REQUIRE_TRANSFORMERS").is_none(), "TOUCHSTONE_REQUIRE_TRANSFORMERS is set but Python cannot import transformers and torch");
+        eprintln!("SKIPPED: transformers and torch are not installed (pip install -r tools/peers/requirements-torch.txt)");
+    }
+    ok
+}
+
+/// Transformers' float64 logits at every position of `ids` (`r`, hf_f64.py's output) against
+/// the oracle's on `model` (a checkpoint directory or a GGUF): within 1e-5 relative RMS at every
+/// position; and the layer states tap by tap, each within 1e-5 relative RMS over the prompt:
+/// the scaled embedding (`inp_embd`), every layer's output but the last (`blk.N.l_out`), and
+/// the last after the final norm (`result_norm`), as transformers' `hidden_states` holds them.
+fn logits_agree(model: &Path, ids: &str, r: &serde_json::Value, dir: &Path, what: &str) {
+    let dump = dir.join(format!("dump-{what}"));
+    let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--prompt-ids", ids, "--out", dump.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{what}: {}", stderr(&o));
+    let (shape, logits) = read_logits(&dump);
+    let theirs = r["logits"].as_array().unwrap();
+    assert_eq!(theirs.len(), shape[0]);
+    let mut worst = (0.0f64, 0.0f64);
+    for (p, row) in theirs.iter().enumerate() {
+        let want: Vec<f32> = row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        let e = rel_rms(&logits[p * shape[1]..(p + 1) * shape[1]], &want);
+        assert!(e <= 1e-5, "{what}: position {p}: relative RMS {e:.3e} against transformers float64");
+        worst.0 = worst.0.max(e);
+    }
+    let hidden = r["hidden"].as_array().unwrap();
+    let layers = hidden.len() - 1;
+    let tap_names = std::iter::once("inp_embd".to_string()).chain((0..layers - 1).map(|i| format!("blk.{i}.l_out"))).chain(["result_norm".to_string()]);
+    for (name, want) in tap_names.zip(hidden) {
+        let want: Vec<f32> = want.as_array().unwrap().iter().flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+        let (_, ours) = oracle::dump::read_tensor(&dump, oracle::dump::TAPS_FILE, &name).unwrap();
+        let e = rel_rms(&ours, &want);
+        assert!(e <= 1e-5, "{what}: {name}: relative RMS {e:.3e} against transformers float64");
+        worst.1 = worst.1.max(e);
+    }
+    eprintln!("{what}: against transformers float64, largest relative RMS: logits {:.2e} ({} positions), layer states {:.2e} ({} taps)", worst.0, theirs.len(), worst.1, hidden.len());
+}
+
+/// A random checkpoint of `arch` written by tools/reference/make_checkpoint.py, read by the
+/// oracle, agrees with transformers' own float64 forward (`hf_f64.py`, every op checked float64)
+/// within 1e-5 relative RMS at every position of `ids`. With `gguf`, the checkpoint also gets a
+/// tokenizer and is converted by llama.cpp's converter (`hf_to_gguf.py`, `gguf` holding its
+/// `--pre` argument, empty for none) to `model.gguf`, which must agree as closely. Returns the
+/// temporary directory (the checkpoint as `ck`) and transformers' 32 greedy tokens.
+fn checkpoint_agrees_with_transformers(arch: &str, ids: &str, gguf: Option<&str>) -> (tempfile::TempDir, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let mut make = Command::new("python3");
+    make.arg(workspace().join("tools/reference/make_checkpoint.py")).arg(arch).arg(&ck);
+    if gguf.is_some() {
+        make.arg("--tokenizer");
+    }
+    assert!(make.status().unwrap().success(), "make_checkpoint.py {arch} failed");
+    let out = dir.path().join("ref.json");
+    let st = Command::new("python3").arg(workspace().join("tools/reference/hf_f64.py")).arg(&ck).args(["--prompt-ids", ids, "--greedy", "32", "--out"]).arg(&out).status().unwrap();
+    assert!(st.success(), "hf_f64.py failed");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    logits_agree(&ck, ids, &r, dir.path(), &format!("{arch} safetensors"));
+    if let Some(pre) = gguf {
+        let file = dir.path().join("model.gguf");
+        let mut conv = Command::new("python3");
+        conv.arg(workspace().join("tools/reference/hf_to_gguf.py")).arg(&ck).arg(&file).stdout(std::process::Stdio::null());
+        if !pre.is_empty() {
+            conv.args(["--pre", pre]);
+        }
+        assert!(conv.status().unwrap().success(), "hf_to_gguf.py {arch} failed (python3 tools/reference/llama_vocab.py fetches the converter)");
+        logits_agree(&file, ids, &r, dir.path(), &format!("{arch} gguf"));
+    }
+    (dir, r["greedy"].clone())
+}
+
+/// Greedy 32 tokens of `model` on each of `devices` equal `greedy`; layer-diff passes on each of
+/// `judged`.
+fn devices_follow(model: &str, ids: &str, greedy: &serde_json::Value, devices: &[&str], judged: &[&str], reports: &Path) {
+    for device in devices {
+        let o = xtask(&["run", "--model", model, "--prompt-ids", ids, "--max-new-tokens", "32", "--ignore-eos", "--json", "--device", device], &[]);
+        assert!(o.status.success(), "{device}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(&v["tokens"], greedy, "{device}: greedy sequences differ from transformers'");
+    }
+    for device in judged {
+        let o = xtask(&["layer-diff", "--device", device, "--model", model, "--prompt-ids", ids, "--report-dir", reports.join(device).to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", text(&o));
+    }
+}
+
+/// A random GPT-OSS checkpoint written by transformers (`GptOssForCausalLM`: sinks, biased
+/// router and experts with gate and up interleaved in one `x @ W` tensor, the clamped SwiGLU,
+/// YaRN untruncated, alternating windowed and global layers) agrees with transformers' float64
+/// forward, and so does its GGUF written by llama.cpp's converter (F32 experts); greedy
+/// identical on `ref`, `cpu` and `gpu-emu` (the GGUF: `ref`, `cpu`); layer-diff passes on `cpu`
+/// and `gpu-emu` (the GGUF: `cpu`); the GGUF's tokenizer gives transformers' ids. The prompt is
+/// longer than the window of 4.
+#[test]
+fn gpt_oss_checkpoints_agree_with_transformers_in_f64() {
+    if !transformers_installed() {
+        return;
+    }
+    let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16";
+    let (dir, greedy) = checkpoint_agrees_with_transformers("gpt-oss", ids, Some("gpt-4o"));
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
+    let gguf = dir.path().join("model.gguf");
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], &dir.path().join("gguf"));
+    // The converted tokenizer (byte-level BPE split by GPT-4o's pattern, `gpt-4o` in the GGUF)
+    // gives transformers' ids for the checkpoint's tokenizer.json.
+    // The second and third tell GPT-4o's split from Qwen2's, Llama 3's and GPT-2's on this vocabulary.
+    let texts = ["The capital of France is Paris.", "They didn't answer; It's late, we'll go.", "Numbers 12, 345 and 6789 and/or 100 degrees", "aÉb CAFÉs\n\n  tabs\tend", "naïve café — 東京 😀"];
+    let script = "import json,sys\nfrom transformers import AutoTokenizer\nt=AutoTokenizer.from_pretrained(sys.argv[1])\nprint(json.dumps([t.encode(s, add_special_tokens=False) for s in json.loads(sys.argv[2])]))";
+    let o = Command::new("python3").args(["-c", script]).arg(dir.path().join("ck")).arg(serde_json::to_string(&texts).unwrap()).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<Vec<u32>> = serde_json::from_slice(&o.stdout).unwrap();
+    for (text, theirs) in texts.iter().zip(&theirs) {
+        let o = xtask(&["tokenize", "--model", gguf.to_str().unwrap(), "--text", text], &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let ours: Vec<u32> = String::from_utf8_lossy(&o.stdout).trim().split(',').map(|v| v.parse().unwrap()).collect();
+        assert_eq!(&ours, theirs, "{text:?}");
+    }
+}
+
+/// A random Gemma 2 checkpoint written by transformers (`Gemma2ForCausalLM`: soft-capping of
+/// the attention scores and of the logits, set low so that tanh bends them; every other layer
+/// windowed) agrees with transformers' float64 forward; greedy identical on `ref`, `cpu` and
+/// `gpu-emu`; layer-diff passes on `cpu` and `gpu-emu`.
+#[test]
+fn gemma2_checkpoints_agree_with_transformers_in_f64() {
+    if !transformers_installed() {
+        return;
+    }
+    let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14";
+    let (dir, greedy) = checkpoint_agrees_with_transformers("gemma2", ids, None);
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
+}
+
+/// A random Gemma 3 checkpoint written by transformers (`Gemma3ForCausalLM`, norms stored less
+/// one, `layer_types` and per-type RoPE parameters in its config) agrees with transformers'
+/// float64 forward, and so does its GGUF written by llama.cpp's converter (norms stored with the
+/// one folded in, a SentencePiece vocabulary); greedy 32 tokens identical on `ref`, `cpu` and
+/// `fixed` (the GGUF: `ref`, `cpu`); and layer-diff passes on `cpu`, `fixed` and `gpu-emu` (the
+/// GGUF: `cpu`, `fixed`). The prompt is longer than the window of 4, so the windowed layers and
+/// the global one see different keys.
+#[test]
+fn gemma3_checkpoints_agree_with_transformers_in_f64() {
+    if !transformers_installed() {
+        return;
+    }
+    let ids = "5,17,99,3,250,42,7,8,9,10,11,12";
+    let (dir, greedy) = checkpoint_agrees_with_transformers("gemma3", ids, Some(""));
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "fixed"], &["cpu", "fixed", "gpu-emu"], dir.path());
+    let gguf = dir.path().join("model.gguf");
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu", "fixed"], &dir.path().join("gguf"));
+}
