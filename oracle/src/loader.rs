@@ -13,6 +13,10 @@ use std::path::{Path, PathBuf};
 
 pub use crate::tensor::{LoadedTensor, RawTensor, TensorSource};
 
+mod gpt_oss;
+use gpt_oss::{blocks_of_scales, gpt_oss_experts, mxfp4_rows, OssPart};
+pub use gpt_oss::gpt_oss_hf_to_gguf_name;
+
 impl TensorSource for GgufFile {
     fn load(&self, name: &str) -> Result<Option<LoadedTensor>> {
         let Some(info) = self.tensor(name) else { return Ok(None) };
@@ -77,70 +81,8 @@ struct Part {
     expert: bool,
     /// GPT-OSS's expert tensors, rearranged to the GGUF tensor's layout when read.
     oss: Option<OssPart>,
-}
-
-/// How a GPT-OSS checkpoint's expert tensor (Transformers `GptOssExperts`, torch order; its
-/// matrices multiply as `x @ W`, gate and up interleaved column by column) becomes a GGUF one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum OssPart {
-    /// `gate_up_proj` `[n_expert, hidden, 2 * ffn]`: columns `h, h + 2, ...` (0 gate, 1 up), as
-    /// `[n_expert, ffn, hidden]`.
-    GateUp(usize),
-    /// `gate_up_proj_bias` `[n_expert, 2 * ffn]`: elements `h, h + 2, ...`, as `[n_expert, ffn]`.
-    GateUpBias(usize),
-    /// `down_proj` `[n_expert, ffn, hidden]` as `[n_expert, hidden, ffn]`.
-    Down,
-}
-
-impl OssPart {
-    /// The torch-order shape and values of `x` (torch-order `shape`) rearranged; None when
-    /// `shape` is not what this part expects.
-    fn apply(self, shape: &[usize], x: &[f32]) -> Option<(Vec<usize>, Vec<f32>)> {
-        match (self, shape) {
-            (OssPart::GateUp(h), &[e, rows, cols2]) if cols2 % 2 == 0 => {
-                let f = cols2 / 2;
-                let out = (0..e).flat_map(|ei| (0..f).flat_map(move |j| (0..rows).map(move |c| x[(ei * rows + c) * cols2 + 2 * j + h]))).collect();
-                Some((vec![e, f, rows], out))
-            }
-            (OssPart::GateUpBias(h), &[e, n2]) if n2 % 2 == 0 => Some((vec![e, n2 / 2], x.iter().skip(h).step_by(2).copied().collect())),
-            (OssPart::Down, &[e, rows, cols]) => {
-                let out = (0..e).flat_map(|ei| (0..cols).flat_map(move |c| (0..rows).map(move |j| x[(ei * rows + j) * cols + c]))).collect();
-                Some((vec![e, cols, rows], out))
-            }
-            _ => None,
-        }
-    }
-}
-
-/// GPT-OSS's per-layer tensors (`GptOssForCausalLM`) other than the experts: its FFN norm is
-/// stored as llama.cpp's converter stores it ([`ModelSpec::stored_ffn_norm`]), its router and
-/// sinks under their GGUF names, the rest as [`LAYER_NAMES`] names them.
-const GPT_OSS_LAYER_NAMES: [(&str, &str); 5] = [
-    ("post_attention_layernorm.weight", "post_attention_norm.weight"),
-    ("self_attn.sinks", "attn_sinks.weight"),
-    ("mlp.router.weight", "ffn_gate_inp.weight"),
-    ("mlp.router.bias", "ffn_gate_inp.bias"),
-    // [n_expert, hidden] in torch order: the GGUF tensor as it is.
-    ("mlp.experts.down_proj_bias", "ffn_down_exps.bias"),
-];
-
-/// Maps a GPT-OSS checkpoint's tensor name (other than its experts') to its GGUF name.
-pub fn gpt_oss_hf_to_gguf_name(hf: &str) -> Option<String> {
-    let others = LAYER_NAMES.into_iter().filter(|(h, _)| *h != "post_attention_layernorm.weight");
-    rename(hf, MODEL_NAMES.into_iter(), GPT_OSS_LAYER_NAMES.into_iter().chain(others), "model.layers.", "blk.")
-}
-
-/// A GPT-OSS checkpoint's expert tensor: the GGUF tensors it holds, each with how to read it.
-fn gpt_oss_experts(hf: &str) -> Option<Vec<(String, OssPart)>> {
-    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let n = |t: &str| format!("blk.{layer}.{t}");
-    match rest {
-        "mlp.experts.gate_up_proj" => Some(vec![(n("ffn_gate_exps.weight"), OssPart::GateUp(0)), (n("ffn_up_exps.weight"), OssPart::GateUp(1))]),
-        "mlp.experts.gate_up_proj_bias" => Some(vec![(n("ffn_gate_exps.bias"), OssPart::GateUpBias(0)), (n("ffn_up_exps.bias"), OssPart::GateUpBias(1))]),
-        "mlp.experts.down_proj" => Some(vec![(n("ffn_down_exps.weight"), OssPart::Down)]),
-        _ => None,
-    }
+    /// The `_scales` tensor of GPT-OSS's MXFP4 expert blocks.
+    scales: Option<Box<Part>>,
 }
 
 /// Whole-model tensors: (Hugging Face name, GGUF name).
@@ -294,6 +236,8 @@ impl SafetensorsDir {
         // whichever sorts last.
         let mut seen: HashMap<String, PathBuf> = HashMap::new();
         let oss = spec.arch == "gpt-oss";
+        // GPT-OSS's MXFP4 expert scales, by the name of their blocks.
+        let mut mx_scales: HashMap<String, Part> = HashMap::new();
         for (fi, path) in files.into_iter().enumerate() {
             let f = crate::files::open(&path)?;
             // SAFETY: read-only map of a file we do not modify.
@@ -313,7 +257,7 @@ impl SafetensorsDir {
                 }
                 let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 let data = start..start + view.data().len();
-                let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert, oss: None };
+                let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert, oss: None, scales: None };
                 let gguf = if spec.post_norms {
                     gemma_hf_to_gguf_name(name)
                 } else if oss {
@@ -323,6 +267,8 @@ impl SafetensorsDir {
                 };
                 if let Some(g) = gguf {
                     index.insert(g, vec![part(None, false)]);
+                } else if let Some(blocks) = blocks_of_scales(name).filter(|_| oss) {
+                    mx_scales.insert(blocks, part(None, false));
                 } else if let Some(parts) = gpt_oss_experts(name).filter(|_| oss) {
                     for (g, how) in parts {
                         index.insert(g, vec![Part { oss: Some(how), ..part(None, false) }]);
@@ -340,6 +286,16 @@ impl SafetensorsDir {
             }
             maps.push((path, map));
         }
+        // Each MXFP4 blocks tensor takes its scales; scales without blocks are unknown.
+        for p in index.values_mut().flatten().filter(|p| p.oss.is_some_and(OssPart::is_blocks)) {
+            let scales = mx_scales.get(&p.hf).ok_or_else(|| OracleError::Safetensors {
+                file: dir.display().to_string(),
+                reason: format!("`{}` holds MXFP4 blocks, but its scales (`{}`) are not in the files", p.hf, p.hf.replace("_blocks", "_scales")),
+            })?;
+            p.scales = Some(Box::new(scales.clone()));
+        }
+        let used: std::collections::HashSet<&str> = index.values().flatten().filter_map(|p| p.scales.as_ref().map(|_| p.hf.as_str())).collect();
+        unknown.extend(mx_scales.iter().filter(|(b, _)| !used.contains(b.as_str())).map(|(_, s)| format!("{} in {}", s.hf, maps[s.file].0.display())));
         // Every stacked tensor needs experts 0..n_expert, no more and no fewer.
         let n_expert = spec.moe.as_ref().map_or(0, |m| m.n_expert);
         let mut stacked: Vec<_> = experts.into_iter().collect();
@@ -370,12 +326,6 @@ impl SafetensorsDir {
         // A weight the interpreter would not read is refused, never skipped: the model would
         // run without it and the judge would be wrong without saying so.
         unknown.sort();
-        if let Some(blocks) = unknown.iter().find(|n| n.contains("_blocks ") || n.contains("_scales ")) {
-            return Err(OracleError::Safetensors {
-                file: dir.display().to_string(),
-                reason: format!("`{blocks}`: MXFP4 blocks in a checkpoint are not read; convert it to GGUF (llama.cpp's converter keeps them MXFP4), or save it unquantized"),
-            });
-        }
         if let Some(first) = unknown.first() {
             return Err(OracleError::Safetensors {
                 file: dir.display().to_string(),
@@ -412,8 +362,10 @@ impl SafetensorsDir {
         let mut seen = std::collections::HashSet::new();
         let (mut n, mut b) = (0u64, 0u64);
         for p in self.index.values().flatten().filter(|p| seen.insert((p.file, p.hf.as_str()))) {
-            n = n.saturating_add(p.shape.iter().fold(1u64, |acc, d| acc.saturating_mul(*d as u64)));
-            b = b.saturating_add(p.data.len() as u64);
+            let stored = p.shape.iter().fold(1u64, |acc, d| acc.saturating_mul(*d as u64));
+            // MXFP4 blocks: two values a byte, and a scale byte a block of 32.
+            n = n.saturating_add(if p.scales.is_some() { stored.saturating_mul(2) } else { stored });
+            b = b.saturating_add(p.data.len() as u64).saturating_add(p.scales.as_ref().map_or(0, |s| s.data.len() as u64));
         }
         Ok((n, b))
     }
@@ -434,6 +386,23 @@ impl SafetensorsDir {
         Ok((dims, ty, &map[p.data.clone()], path))
     }
 
+    /// GPT-OSS MXFP4 expert blocks `p` with their `scales`, as a GGUF MXFP4 tensor.
+    fn mxfp4_experts(&self, p: &Part, how: OssPart, scales: &Part) -> Result<RawTensor<'_>> {
+        let (path, map) = &self.maps[p.file];
+        let file = path.display().to_string();
+        let bad = |reason: String| OracleError::Safetensors { file: file.clone(), reason };
+        for t in [p, scales] {
+            if t.dtype != safetensors::Dtype::U8 {
+                return Err(bad(format!("MXFP4 tensor `{}` has dtype {:?}, not U8", t.hf, t.dtype)));
+            }
+        }
+        let (dims, bytes) = mxfp4_rows(how, &p.shape, &map[p.data.clone()], &scales.shape, &self.maps[scales.file].1[scales.data.clone()]).ok_or_else(|| {
+            bad(format!("MXFP4 experts `{}` {:?} and `{}` {:?} are not [n_expert, rows, blocks, 16] and [n_expert, rows, blocks]", p.hf, p.shape, scales.hf, scales.shape))
+        })?;
+        crate::quant::finite_weight(&file, &p.hf, GgmlType::MXFP4, &bytes, dims[0])?;
+        Ok(RawTensor { dims, ty: GgmlType::MXFP4, bytes: Cow::Owned(bytes) })
+    }
+
     /// GGUF tensor `name` as stored: its one part (or that part's half of a fused gate_up
     /// tensor), or its experts joined in expert order (each of the same dims and type) under GGML
     /// dims `[cols, rows, n_expert]`.
@@ -451,6 +420,9 @@ impl SafetensorsDir {
         let Some(parts) = self.index.get(name) else { return Ok(None) };
         let mut joined: Option<(Vec<usize>, GgmlType, Vec<u8>)> = None;
         for p in parts {
+            if let (Some(how), Some(scales)) = (p.oss, &p.scales) {
+                return self.mxfp4_experts(p, how, scales).map(Some);
+            }
             let (dims, ty, bytes, path) = self.part(p)?;
             let bytes = crate::quant::finite_weight(&path.display().to_string(), &p.hf, ty, bytes, dims.first().copied().unwrap_or(1))?;
             if let Some(how) = p.oss {

@@ -66,7 +66,14 @@ def main():
     f64_norms()
     torch.set_default_dtype(torch.float64)
     # Eager attention and experts: the fused kernels do not take float64.
-    model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager")
+    kw = {}
+    quant = json.load(open(f"{a.checkpoint}/config.json")).get("quantization_config") or {}
+    if quant.get("quant_method") == "mxfp4":
+        # MXFP4 experts dequantized by transformers itself, into the float64 parameters (exact:
+        # every E2M1 code times a power of two is a float64).
+        from transformers import Mxfp4Config
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager", **kw)
     model.eval()
     bad = []
 

@@ -22,10 +22,17 @@ a few fixed sentences, in the form its family ships, so that llama.cpp's convert
 (byte fallback; pad 0, eos 1, bos 2, unk 3 as Gemma's), gpt-oss a byte-level BPE
 `tokenizer.json` split by GPT-OSS's own (o200k) pattern.
 
-Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss} OUT_DIR [--seed N] [--tokenizer]
+With `--mxfp4` (gpt-oss), the experts are stored as OpenAI publishes them: MXFP4 blocks
+(`*_blocks` `[experts, out, in / 32, 16]`, two E2M1 codes a byte, the low nibble first) and
+power-of-two scales (`*_scales`, E8M0), with `quantization_config` saying so in config.json;
+each block's scale is the smallest power of two that brings its largest magnitude within 6, each
+code the nearest E2M1 value; the experts are 64 wide instead of 48 (whole blocks).
+
+Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss} OUT_DIR [--seed N] [--tokenizer] [--mxfp4]
 """
 import argparse
 import io
+import json
 import pathlib
 
 import torch
@@ -51,10 +58,10 @@ def gemma(t, two, vocab):
     return model
 
 
-def gpt_oss(t, vocab):
+def gpt_oss(t, vocab, ffn):
     rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 32, "rope_theta": 150000.0}
-    cfg = t.GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+    cfg = t.GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=ffn, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=4, num_local_experts=8,
                          num_experts_per_tok=2, rope_parameters=rope, layer_types=["sliding_attention", "full_attention"] * 2,
                          rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -119,20 +126,58 @@ def byte_level_tokenizer(out, vocab):
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_token=special[2]).save_pretrained(out)
 
 
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def mxfp4(w):
+    """`w` `[experts, in, out]` (GPT-OSS's `x @ W`) as MXFP4 blocks and scales of its rows `[experts, out, in]`."""
+    rows = w.transpose(1, 2).contiguous()
+    e, r, n = rows.shape
+    x = rows.reshape(e, r, n // 32, 32).double()
+    amax = x.abs().amax(-1)
+    exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0 ** -126) / 6.0)).to(torch.int32)
+    y = x / torch.pow(2.0, exp.double()).unsqueeze(-1)
+    lut = torch.tensor(E2M1, dtype=torch.float64)
+    codes = (y.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def store_experts_mxfp4(out, n_layers):
+    """Rewrite the saved checkpoint's expert matrices as MXFP4 blocks and scales."""
+    from safetensors.torch import load_file, save_file
+    path = pathlib.Path(out) / "model.safetensors"
+    tensors = load_file(path)
+    for layer in range(n_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4(tensors.pop(name))
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg_path = pathlib.Path(out) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true", help="also write a tokenizer of the vocabulary")
+    ap.add_argument("--mxfp4", action="store_true", help="gpt-oss: store the experts as MXFP4 blocks")
     a = ap.parse_args()
     import transformers as t
     torch.manual_seed(a.seed)
     # A tokenizer needs its 256 bytes, the text's characters and enough merges that tokens span
     # what one split cuts and another does not.
     vocab = 512 if a.tokenizer else 300
-    model = gpt_oss(t, vocab) if a.arch == "gpt-oss" else gemma(t, a.arch == "gemma2", vocab)
+    # MXFP4 blocks are 32 wide: experts of 64 then, not 48.
+    model = gpt_oss(t, vocab, 64 if a.mxfp4 else 48) if a.arch == "gpt-oss" else gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)
+    if a.mxfp4:
+        store_experts_mxfp4(a.out, model.config.num_hidden_layers)
     if a.tokenizer:
         (byte_level_tokenizer if a.arch == "gpt-oss" else sentencepiece_tokenizer)(a.out, model.config.vocab_size)
 

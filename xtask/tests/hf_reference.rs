@@ -56,15 +56,16 @@ fn logits_agree(model: &Path, ids: &str, r: &serde_json::Value, dir: &Path, what
 
 /// A random checkpoint of `arch` written by tools/reference/make_checkpoint.py, read by the
 /// oracle, agrees with transformers' own float64 forward (`hf_f64.py`, every op checked float64)
-/// within 1e-5 relative RMS at every position of `ids`. With `gguf`, the checkpoint also gets a
+/// within 1e-5 relative RMS at every position of `ids` (`make_args` adds arguments to
+/// make_checkpoint.py). With `gguf`, the checkpoint also gets a
 /// tokenizer and is converted by llama.cpp's converter (`hf_to_gguf.py`, `gguf` holding its
 /// `--pre` argument, empty for none) to `model.gguf`, which must agree as closely. Returns the
 /// temporary directory (the checkpoint as `ck`) and transformers' 32 greedy tokens.
-fn checkpoint_agrees_with_transformers(arch: &str, ids: &str, gguf: Option<&str>) -> (tempfile::TempDir, serde_json::Value) {
+fn checkpoint_agrees_with_transformers(arch: &str, ids: &str, make_args: &[&str], gguf: Option<&str>) -> (tempfile::TempDir, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ck");
     let mut make = Command::new("python3");
-    make.arg(workspace().join("tools/reference/make_checkpoint.py")).arg(arch).arg(&ck);
+    make.arg(workspace().join("tools/reference/make_checkpoint.py")).arg(arch).arg(&ck).args(make_args);
     if gguf.is_some() {
         make.arg("--tokenizer");
     }
@@ -77,11 +78,12 @@ fn checkpoint_agrees_with_transformers(arch: &str, ids: &str, gguf: Option<&str>
     if let Some(pre) = gguf {
         let file = dir.path().join("model.gguf");
         let mut conv = Command::new("python3");
-        conv.arg(workspace().join("tools/reference/hf_to_gguf.py")).arg(&ck).arg(&file).stdout(std::process::Stdio::null());
+        conv.arg(workspace().join("tools/reference/hf_to_gguf.py")).arg(&ck).arg(&file);
         if !pre.is_empty() {
             conv.args(["--pre", pre]);
         }
-        assert!(conv.status().unwrap().success(), "hf_to_gguf.py {arch} failed (python3 tools/reference/llama_vocab.py fetches the converter)");
+        let o = conv.output().unwrap();
+        assert!(o.status.success(), "hf_to_gguf.py {arch} failed (python3 tools/reference/llama_vocab.py fetches the converter): {}", stderr(&o));
         logits_agree(&file, ids, &r, dir.path(), &format!("{arch} gguf"));
     }
     (dir, r["greedy"].clone())
@@ -115,7 +117,7 @@ fn gpt_oss_checkpoints_agree_with_transformers_in_f64() {
         return;
     }
     let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16";
-    let (dir, greedy) = checkpoint_agrees_with_transformers("gpt-oss", ids, Some("gpt-4o"));
+    let (dir, greedy) = checkpoint_agrees_with_transformers("gpt-oss", ids, &[], Some("gpt-4o"));
     devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
     devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], &dir.path().join("gguf"));
@@ -135,6 +137,23 @@ fn gpt_oss_checkpoints_agree_with_transformers_in_f64() {
     }
 }
 
+/// A random GPT-OSS checkpoint whose experts are stored as OpenAI publishes them (MXFP4
+/// `*_blocks` and `*_scales`, `quantization_config` in config.json; make_checkpoint.py --mxfp4)
+/// agrees with transformers' float64 forward over the experts transformers itself dequantizes;
+/// so does its GGUF, in which llama.cpp's converter repacks the blocks as GGUF MXFP4. Greedy
+/// identical on `ref`, `cpu` and `gpu-emu`; layer-diff passes on `cpu`.
+#[test]
+fn gpt_oss_mxfp4_checkpoints_agree_with_transformers_in_f64() {
+    if !transformers_installed() {
+        return;
+    }
+    let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16";
+    let (dir, greedy) = checkpoint_agrees_with_transformers("gpt-oss", ids, &["--mxfp4"], Some("gpt-4o"));
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu"], dir.path());
+    let gguf = dir.path().join("model.gguf");
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref"], &[], &dir.path().join("gguf"));
+}
+
 /// A random Gemma 2 checkpoint written by transformers (`Gemma2ForCausalLM`: soft-capping of
 /// the attention scores and of the logits, set low so that tanh bends them; every other layer
 /// windowed) agrees with transformers' float64 forward; greedy identical on `ref`, `cpu` and
@@ -145,7 +164,7 @@ fn gemma2_checkpoints_agree_with_transformers_in_f64() {
         return;
     }
     let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14";
-    let (dir, greedy) = checkpoint_agrees_with_transformers("gemma2", ids, None);
+    let (dir, greedy) = checkpoint_agrees_with_transformers("gemma2", ids, &[], None);
     devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
 }
 
@@ -162,7 +181,7 @@ fn gemma3_checkpoints_agree_with_transformers_in_f64() {
         return;
     }
     let ids = "5,17,99,3,250,42,7,8,9,10,11,12";
-    let (dir, greedy) = checkpoint_agrees_with_transformers("gemma3", ids, Some(""));
+    let (dir, greedy) = checkpoint_agrees_with_transformers("gemma3", ids, &[], Some(""));
     devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "fixed"], &["cpu", "fixed", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
     devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu", "fixed"], &dir.path().join("gguf"));
