@@ -996,22 +996,43 @@ fn phi3_fused_tensors_run_as_the_separate_ones_on_every_device() {
 /// methods, whitespace control, a namespace and a system message; the ids start with the chat
 /// tokens, matched whole. Jinja2 comes from tools/reference/requirements.txt; without it this
 /// compares nothing and says SKIPPED.
+/// `src` (a GGUF) written to `out` with `template` as its chat template.
+fn with_chat_template(src: &Path, template: &str, out: &Path) {
+    let g = oracle::gguf::GgufFile::open(src).unwrap();
+    let mut w = oracle::gguf::GgufWriter::new();
+    for (k, v) in &g.metadata {
+        if k != "tokenizer.chat_template" {
+            w.meta(k, v.clone());
+        }
+    }
+    w.meta("tokenizer.chat_template", oracle::gguf::Value::String(template.into()));
+    for t in &g.tensors {
+        w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    w.write_to(out).unwrap();
+}
+
+/// `template` rendered by Jinja2 as Transformers renders chat templates (a sandboxed
+/// environment, trimmed blocks, loop controls, `raise_exception`) for `messages`, with a
+/// generation prompt.
+fn jinja2_render(template: &str, messages: &[serde_json::Value], bos: &str, eos: &str) -> String {
+    let input = serde_json::json!({"t": template, "m": messages, "bos": bos, "eos": eos});
+    let script = "import json, sys, jinja2\nfrom jinja2.sandbox import ImmutableSandboxedEnvironment\nd = json.load(sys.stdin)\nenv = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=['jinja2.ext.loopcontrols'])\ndef raise_exception(m):\n    raise jinja2.exceptions.TemplateError(m)\nenv.globals['raise_exception'] = raise_exception\nsys.stdout.write(env.from_string(d['t']).render(messages=d['m'], add_generation_prompt=True, bos_token=d['bos'], eos_token=d['eos']))";
+    let mut child = Command::new("python3").args(["-c", script]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.to_string().as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success());
+    String::from_utf8(o.stdout).unwrap()
+}
+
 #[test]
 fn chat_prompts_render_as_jinja2_renders_them() {
     let smol = smollm2();
     let custom = "{{- bos_token -}}{%- set ns = namespace(sys='') -%}{%- for m in messages -%}{%- if m['role'] == 'system' -%}{%- set ns.sys = m['content'].strip() -%}{%- continue -%}{%- endif -%}\n<|im_start|>{{ m['role'] }}{% if ns.sys %} [{{ ns.sys.upper() }}]{% endif %}\n  {{ m['content'].replace('France', 'FRANCE') | trim }}<|im_end|>{%- if loop.last and m['role'] != 'user' %}{{ raise_exception('last message must be the user') }}{% endif -%}\n{%- endfor %}\n{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
     let dir = tempfile::tempdir().unwrap();
     // SmolLM2 with its template replaced by the custom one.
-    let g = oracle::gguf::GgufFile::open(&smol).unwrap();
-    let mut w = oracle::gguf::GgufWriter::new();
-    for (k, v) in &g.metadata {
-        w.meta(k, if k == "tokenizer.chat_template" { oracle::gguf::Value::String(custom.into()) } else { v.clone() });
-    }
-    for t in &g.tensors {
-        w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
-    }
     let custom_model = dir.path().join("custom-template.gguf");
-    w.write_to(&custom_model).unwrap();
+    with_chat_template(&smol, custom, &custom_model);
     let have_jinja2 = Command::new("python3").args(["-c", "import jinja2"]).output().is_ok_and(|o| o.status.success());
     for (model, system) in [(&smol, None), (&custom_model, Some("  be brief ")), (&custom_model, None)] {
         let mut args = vec!["run", "--model", model.to_str().unwrap(), "--chat", "--prompt", " What is the capital of France? ", "--max-new-tokens", "0", "--json"];
@@ -1034,13 +1055,7 @@ fn chat_prompts_render_as_jinja2_renders_them() {
             messages.push(serde_json::json!({"role": "system", "content": s}));
         }
         messages.push(serde_json::json!({"role": "user", "content": " What is the capital of France? "}));
-        let input = serde_json::json!({"t": template, "m": messages, "bos": "<|im_start|>", "eos": "<|im_end|>"});
-        let script = "import json, sys, jinja2\nfrom jinja2.sandbox import ImmutableSandboxedEnvironment\nd = json.load(sys.stdin)\nenv = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=['jinja2.ext.loopcontrols'])\ndef raise_exception(m):\n    raise jinja2.exceptions.TemplateError(m)\nenv.globals['raise_exception'] = raise_exception\nsys.stdout.write(env.from_string(d['t']).render(messages=d['m'], add_generation_prompt=True, bos_token=d['bos'], eos_token=d['eos']))";
-        let mut child = Command::new("python3").args(["-c", script]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
-        std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.to_string().as_bytes()).unwrap();
-        let o = child.wait_with_output().unwrap();
-        assert!(o.status.success());
-        assert_eq!(ours, String::from_utf8(o.stdout).unwrap(), "{}", model.display());
+        assert_eq!(ours, jinja2_render(&template, &messages, "<|im_start|>", "<|im_end|>"), "{}", model.display());
     }
     // A model without a chat template: exit 2 saying so.
     let o = xtask(&["run", "--model", "tiny-llama", "--chat", "--prompt", "hi", "--max-new-tokens", "0"], &[]);
@@ -1508,6 +1523,51 @@ fn gemma3_tokenizer_matches_llama_cpp() {
     let theirs = llama_cpp_token_ids(&model, &texts, true);
     for (text, theirs) in texts.iter().zip(&theirs) {
         assert_eq!(&tok.encode(text).unwrap(), theirs, "{text:?}");
+    }
+}
+
+/// A chat template in Gemma 3's form (the instruction-tuned models' own: `<start_of_turn>` and
+/// `<end_of_turn>` markers, the assistant's turns named `model`, the system prompt folded into
+/// the first user turn, contents as a string or a list of typed parts, roles checked to
+/// alternate): `run --chat` on Gemma 3 270M with it renders what Jinja2 renders, and the markers
+/// are matched whole (ids 105 and 106).
+#[test]
+fn gemma3_chat_template_renders_as_jinja2_renders_it() {
+    let template = concat!(
+        "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n{%- if messages[0]['content'] is string -%}\n",
+        "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n{%- else -%}\n",
+        "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n{%- endif -%}\n",
+        "{%- set loop_messages = messages[1:] -%}\n{%- else -%}\n{%- set first_user_prefix = \"\" -%}\n",
+        "{%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n",
+        "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n",
+        "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n{%- endif -%}\n",
+        "{%- if (message['role'] == 'assistant') -%}\n{%- set role = \"model\" -%}\n{%- else -%}\n",
+        "{%- set role = message['role'] -%}\n{%- endif -%}\n",
+        "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n",
+        "{%- if message['content'] is string -%}\n{{ message['content'] | trim }}\n",
+        "{%- elif message['content'] is iterable -%}\n{%- for item in message['content'] -%}\n",
+        "{%- if item['type'] == 'image' -%}\n{{ '<start_of_image>' }}\n{%- elif item['type'] == 'text' -%}\n",
+        "{{ item['text'] | trim }}\n{%- endif -%}\n{%- endfor -%}\n{%- else -%}\n",
+        "{{ raise_exception(\"Invalid content type\") }}\n{%- endif -%}\n{{ '<end_of_turn>\n' }}\n{%- endfor -%}\n",
+        "{%- if add_generation_prompt -%}\n{{'<start_of_turn>model\n'}}\n{%- endif -%}\n",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("gemma3-chat.gguf");
+    with_chat_template(&gemma3(), template, &model);
+    let o = xtask(&["run", "--model", model.to_str().unwrap(), "--chat", "--system", "Answer in one word.", "--prompt", " What is the capital of France? ", "--max-new-tokens", "0", "--json"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ours = v["chat_prompt"].as_str().unwrap();
+    assert!(ours.starts_with("<bos><start_of_turn>user\nAnswer in one word.\n\nWhat is the capital of France?<end_of_turn>\n"), "{ours:?}");
+    let ids: Vec<u64> = v["prompt_ids"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap()).collect();
+    assert_eq!(ids.iter().filter(|&&i| i == 105).count(), 2, "<start_of_turn> matched whole: {ids:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == 106).count(), 1, "<end_of_turn> matched whole: {ids:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 1, "one BOS (the template's, none added): {ids:?}");
+    if Command::new("python3").args(["-c", "import jinja2"]).output().is_ok_and(|o| o.status.success()) {
+        let messages = [serde_json::json!({"role": "system", "content": "Answer in one word."}), serde_json::json!({"role": "user", "content": " What is the capital of France? "})];
+        assert_eq!(ours, jinja2_render(template, &messages, "<bos>", "<eos>"));
+    } else {
+        eprintln!("SKIPPED (Jinja2 part): jinja2 is not installed (pip install -r tools/reference/requirements.txt)");
     }
 }
 
