@@ -140,3 +140,29 @@ fn no_module_import_cycle() {
         }
     }
 }
+
+/// The documents stay readable as reference: the README at most 250 lines, and no table cell in
+/// the README, CONTRIBUTING.md or docs/ over 200 characters (details belong in prose or in
+/// `--help`).
+#[test]
+fn documents_keep_short_readmes_and_table_cells() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    assert!(readme.lines().count() <= 250, "README.md has {} lines (at most 250)", readme.lines().count());
+    let mut docs = vec![root().join("README.md"), root().join("CONTRIBUTING.md")];
+    docs.extend(std::fs::read_dir(root().join("docs")).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "md")));
+    let mut long = Vec::new();
+    for doc in &docs {
+        for (i, line) in std::fs::read_to_string(doc).unwrap().lines().enumerate() {
+            if !line.starts_with('|') {
+                continue;
+            }
+            for cell in line.trim().trim_matches('|').split('|') {
+                let n = cell.trim().chars().count();
+                if n > 200 {
+                    long.push(format!("{}:{} ({n} characters)", doc.strip_prefix(root()).unwrap().display(), i + 1));
+                }
+            }
+        }
+    }
+    assert!(long.is_empty(), "table cells over 200 characters: {long:?}");
+}
