@@ -8,7 +8,7 @@
 //! PTX is cached per architecture and kernel-source hash under the system temp directory.
 //! Work goes to the legacy default stream; copies are synchronous; timing uses CUDA events.
 
-use super::{Arg, Backend};
+use super::{Arg, Backend, GpuError};
 use cudarc::driver::{result, sys};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -178,20 +178,20 @@ impl CudaBackend {
         Ok(CudaBackend { ordinal, faulted: Default::default(), ctx, functions, describe })
     }
 
-    fn current(&self) -> Result<(), String> {
+    fn current(&self) -> Result<(), GpuError> {
         // SAFETY: `ctx` is the retained primary context.
         self.check("cuCtxSetCurrent", unsafe { result::ctx::set_current(self.ctx) })
     }
 
-    /// `driver`, marking the first kernel fault as the kernel's (super::KERNEL_FAULT).
-    fn check<T>(&self, what: &str, r: Result<T, result::DriverError>) -> Result<T, String> {
+    /// `driver`, marking the first kernel fault as the kernel's ([`GpuError::KernelFault`]).
+    fn check<T>(&self, what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
         r.map_err(|e| {
             if !is_kernel_fault(&e) {
-                format!("{what}: {e}")
+                GpuError::Failed(format!("{what}: {e}"))
             } else if self.faulted.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                format!("{what}: {e} (the CUDA context is unusable after an earlier kernel fault)")
+                GpuError::Failed(format!("{what}: {e} (the CUDA context is unusable after an earlier kernel fault)"))
             } else {
-                format!("{}{what}: {e} (an earlier launch faulted; the CUDA context is now unusable)", super::KERNEL_FAULT)
+                GpuError::KernelFault(format!("{what}: {e} (an earlier launch faulted; the CUDA context is now unusable)"))
             }
         })
     }
@@ -207,7 +207,7 @@ impl Backend for CudaBackend {
     fn block_size(&self) -> u32 {
         256
     }
-    fn alloc(&self, bytes: usize) -> Result<u64, String> {
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
         self.current()?;
         // SAFETY: a plain device allocation, freed in `free`.
         self.check(&format!("cuMemAlloc({bytes} bytes)"), unsafe { result::malloc_sync(bytes) })
@@ -218,17 +218,17 @@ impl Backend for CudaBackend {
             let _ = unsafe { result::free_sync(ptr) };
         }
     }
-    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), String> {
+    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), GpuError> {
         self.current()?;
         // SAFETY: DevBuf sizes every copy to its allocation.
         self.check("cuMemcpyHtoD", unsafe { result::memcpy_htod_sync(ptr, data) })
     }
-    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), String> {
+    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), GpuError> {
         self.current()?;
         // SAFETY: as in `upload`.
         self.check("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(out, ptr) })
     }
-    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), GpuError> {
         self.current()?;
         let f = *self.functions.get(kernel).ok_or_else(|| format!("no kernel named `{kernel}`"))?;
         let mut values = Arg::pack(args);
@@ -239,11 +239,11 @@ impl Backend for CudaBackend {
         // The message is formatted only on failure: a decode step launches hundreds of kernels.
         r.or_else(|e| self.check(&format!("launch {kernel}"), Err(e)))
     }
-    fn synchronize(&self) -> Result<(), String> {
+    fn synchronize(&self) -> Result<(), GpuError> {
         self.current()?;
         self.check("cuCtxSynchronize", result::ctx::synchronize())
     }
-    fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String> {
+    fn time(&self, f: &mut dyn FnMut() -> Result<(), GpuError>) -> Result<f64, GpuError> {
         self.current()?;
         let start = self.check("cuEventCreate", result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
         let end = self.check("cuEventCreate", result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT))?;

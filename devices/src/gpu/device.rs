@@ -23,7 +23,7 @@ impl GpuDevice {
     }
 
     /// Runs a case's launches under device timing (uploads and downloads stay outside).
-    fn timed(&self, mut launches: impl FnMut() -> Result<(), String>) -> Result<(), String> {
+    fn timed(&self, mut launches: impl FnMut() -> Result<(), GpuError>) -> Result<(), GpuError> {
         let t = self.gpu.backend.time(&mut launches)?;
         *self.kernel_seconds.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
         Ok(())
@@ -220,10 +220,10 @@ impl GpuDevice {
     fn probe(&self, bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
         use crate::probe;
         let g = &self.gpu;
-        let events = |f: &mut dyn FnMut() -> Result<(), String>| g.backend.time(f);
+        let events = |f: &mut dyn FnMut() -> Result<(), String>| Ok(g.backend.time(&mut || Ok(f()?))?);
         let n = probe::copy_floats(bytes);
         let (src, dst) = (g.upload_f32(&probe::filled(1.0, n, "copy source")?)?, g.alloc(4 * n)?);
-        let t = probe::best_of(reps, &events, &mut || g.copy(src.ptr, dst.ptr, n))?;
+        let t = probe::best_of(reps, &events, &mut || Ok(g.copy(src.ptr, dst.ptr, n)?))?;
         let copy_gbps = 2.0 * (4 * n) as f64 / t / 1e9;
         drop((src, dst));
         let x = g.upload_f32(&probe::activations())?;
@@ -243,7 +243,7 @@ impl GpuDevice {
             let mut first: Option<Vec<f32>> = None;
             for plan in plans {
                 let y = g.alloc(4 * rows)?;
-                let t = probe::best_of(reps, &events, &mut || g.matmul_planned(&[(&w, y.ptr)], &[plan], x.ptr, probe::COLS, 1))?;
+                let t = probe::best_of(reps, &events, &mut || Ok(g.matmul_planned(&[(&w, y.ptr)], &[plan], x.ptr, probe::COLS, 1)?))?;
                 let out = y.download_f32(rows)?;
                 match &first {
                     None => first = Some(out),

@@ -27,7 +27,7 @@
 //! The shared library is built once per kernel-source hash under the system temp directory
 //! (`CXX` overrides the compiler, default `c++`).
 
-use super::{Arg, Backend};
+use super::{Arg, Backend, GpuError};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::path::PathBuf;
@@ -291,7 +291,7 @@ impl Backend for EmuBackend {
     fn block_size(&self) -> u32 {
         self.threads
     }
-    fn alloc(&self, bytes: usize) -> Result<u64, String> {
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
         // [ usable bytes, rounded up to 16, ending at a page boundary | one PROT_NONE page ]:
         // a read or write past the end faults, and the launch reports it. 16-byte alignment is
         // what the kernels' widest access needs (a GPU allocation is 256-byte aligned).
@@ -301,7 +301,7 @@ impl Backend for EmuBackend {
         // SAFETY: a fresh private anonymous mapping; checked for failure below.
         let base = unsafe { libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
         if base == libc::MAP_FAILED {
-            return Err(format!("out of host memory for {bytes} bytes"));
+            return Err(format!("out of host memory for {bytes} bytes").into());
         }
         // SAFETY: the last page of the mapping just made; `p` and the `usable` bytes after it lie
         // inside the mapping's accessible part.
@@ -331,19 +331,19 @@ impl Backend for EmuBackend {
             unsafe { libc::munmap(old.base, old.span) };
         }
     }
-    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), String> {
+    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), GpuError> {
         self.check(ptr, data.len())?;
         // SAFETY: `check` proved [ptr, ptr + len) lies inside one live allocation.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, data.len()) };
         Ok(())
     }
-    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), String> {
+    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), GpuError> {
         self.check(ptr, out.len())?;
         // SAFETY: as in `upload`.
         unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, out.as_mut_ptr(), out.len()) };
         Ok(())
     }
-    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), GpuError> {
         let name = CString::new(kernel).map_err(|e| e.to_string())?;
         let mut values = Arg::pack(args);
         let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
@@ -370,17 +370,17 @@ impl Backend for EmuBackend {
             // SAFETY: snprintf wrote a NUL-terminated string into `err`.
             let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
             return Err(match (rc, fault) {
-                (-2, 0) => format!("{}{msg}", super::KERNEL_FAULT),
-                (-2, addr) => format!("{}{msg} ({})", super::KERNEL_FAULT, self.whose(addr)),
-                _ => msg,
+                (-2, 0) => GpuError::KernelFault(msg),
+                (-2, addr) => GpuError::KernelFault(format!("{msg} ({})", self.whose(addr))),
+                _ => GpuError::Failed(msg),
             });
         }
         Ok(())
     }
-    fn synchronize(&self) -> Result<(), String> {
+    fn synchronize(&self) -> Result<(), GpuError> {
         Ok(())
     }
-    fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String> {
+    fn time(&self, f: &mut dyn FnMut() -> Result<(), GpuError>) -> Result<f64, GpuError> {
         let t = std::time::Instant::now();
         f()?;
         Ok(t.elapsed().as_secs_f64())
@@ -550,9 +550,9 @@ extern "C" __global__ void arith(const float* x, float* y) {
     fn a_thread_that_skips_a_barrier_is_reported() {
         let Some(b) = emulator() else { return };
         let xp = b.alloc(64).unwrap();
-        let e = b.launch("early_return", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp)]).unwrap_err();
+        let e = b.launch("early_return", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp)]).unwrap_err().to_string();
         assert!(e.contains("1 of 8 threads returned") && e.contains("__syncthreads"), "{e}");
-        assert!(b.launch("no_such_kernel", [1, 1, 1], [8, 1, 1], 0, &[]).unwrap_err().contains("no kernel named"));
+        assert!(b.launch("no_such_kernel", [1, 1, 1], [8, 1, 1], 0, &[]).unwrap_err().to_string().contains("no kernel named"));
     }
 
     #[test]
@@ -568,7 +568,7 @@ extern "C" __global__ void arith(const float* x, float* y) {
             ([1, 1, 1], [16, 1, 1], 48 * 1024 + 4, "49156 bytes of dynamic shared memory"),
         ] {
             let e = b.launch("block_sums", grid, block, shared, &args).unwrap_err();
-            assert!(e.contains(what) && !e.starts_with(super::super::KERNEL_FAULT), "{e}");
+            assert!(matches!(&e, GpuError::Failed(m) if m.contains(what)), "{e}");
         }
         b.launch("block_sums", [1, 1, 1], [16, 1, 1], 48 * 1024, &args).unwrap();
     }
@@ -603,10 +603,12 @@ extern "C" __global__ void arith(const float* x, float* y) {
         b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(0)]).unwrap();
         // Past the 16-byte rounding of the last row: faults, is reported, and the process lives on.
         let e = b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(4)]).unwrap_err();
+        assert!(matches!(e, GpuError::KernelFault(_)), "{e}");
+        let e = e.to_string();
         assert!(e.contains("read_past") && e.contains("memory fault") && e.contains("past the end of the 148-byte allocation"), "{e}");
         // A freed buffer is outside every allocation.
         b.free(xp);
-        let e = b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(0)]).unwrap_err();
+        let e = b.launch("read_past", [2, 1, 1], [32, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(n as i32), Arg::I32(0)]).unwrap_err().to_string();
         assert!(e.contains("in the freed 148-byte allocation"), "{e}");
         // And the emulator still runs kernels afterwards.
         let xp = b.alloc(4 * n).unwrap();
@@ -626,7 +628,7 @@ extern "C" __global__ void arith(const float* x, float* y) {
         assert_eq!(floats(&b, yp, 1), vec![36.0]);
         b.racecheck = true;
         let e = b.launch("racy_sum", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(yp)]).unwrap_err();
-        assert!(e.starts_with(super::super::KERNEL_FAULT) && e.contains("both wrote the word at byte") && e.contains("a static array in shared memory"), "{e}");
+        assert!(matches!(&e, GpuError::KernelFault(m) if m.contains("both wrote the word at byte") && m.contains("a static array in shared memory")), "{e}");
         // A correct tree reduction passes the check.
         let sp = b.alloc(4).unwrap();
         b.launch("block_sums", [1, 1, 1], [8, 1, 1], 0, &[Arg::Ptr(xp), Arg::Ptr(sp)]).unwrap();
@@ -639,7 +641,7 @@ extern "C" __global__ void arith(const float* x, float* y) {
         let (p, y) = (b.alloc(64).unwrap(), b.alloc(4).unwrap());
         b.upload(p, &[1u8; 64]).unwrap();
         b.launch("load16_at", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(p), Arg::I32(16), Arg::Ptr(y)]).unwrap();
-        let e = b.launch("load16_at", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(p), Arg::I32(8), Arg::Ptr(y)]).unwrap_err();
+        let e = b.launch("load16_at", [1, 1, 1], [1, 1, 1], 0, &[Arg::Ptr(p), Arg::I32(8), Arg::Ptr(y)]).unwrap_err().to_string();
         assert!(e.contains("misaligned 16-byte load") && e.contains("inside the 64-byte allocation") && e.contains("8 bytes in"), "{e}");
     }
 
@@ -647,7 +649,7 @@ extern "C" __global__ void arith(const float* x, float* y) {
     fn copies_outside_an_allocation_are_refused() {
         let Some(b) = emulator() else { return };
         let p = b.alloc(16).unwrap();
-        assert!(b.upload(p + 8, &[0u8; 16]).unwrap_err().contains("outside any allocation"));
+        assert!(b.upload(p + 8, &[0u8; 16]).unwrap_err().to_string().contains("outside any allocation"));
         b.free(p);
         assert!(b.download(p, &mut [0u8; 4]).is_err());
     }

@@ -9,7 +9,7 @@
 //! lives in libhiprtc (ROCm 6) or libamdhip64 itself (ROCm 5, e.g. Debian's libamdhip64-5),
 //! which is enough to compile the kernels without a GPU (see `compile_code_object`).
 
-use super::{Arg, Backend};
+use super::{Arg, Backend, GpuError};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
 type Ptr = *mut c_void;
@@ -114,7 +114,7 @@ fn hip() -> Result<&'static Hip, String> {
 }
 
 impl Hip {
-    fn check(&self, what: &str, rc: c_int) -> Result<(), String> {
+    fn check(&self, what: &str, rc: c_int) -> Result<(), GpuError> {
         if rc == 0 {
             return Ok(());
         }
@@ -122,8 +122,8 @@ impl Hip {
         let msg = unsafe { CStr::from_ptr((self.hipGetErrorString)(rc)) }.to_string_lossy().into_owned();
         // hipErrorIllegalAddress and hipErrorLaunchFailure (an exception in a kernel) are the
         // kernel's own doing: its case fails rather than "could not run".
-        let fault = if rc == 700 || rc == 719 { super::KERNEL_FAULT } else { "" };
-        Err(format!("{fault}{what}: HIP error {rc} ({msg})"))
+        let m = format!("{what}: HIP error {rc} ({msg})");
+        Err(if rc == 700 || rc == 719 { GpuError::KernelFault(m) } else { GpuError::Failed(m) })
     }
 }
 
@@ -215,7 +215,7 @@ impl HipBackend {
         }
     }
 
-    fn select(&self) -> Result<&'static Hip, String> {
+    fn select(&self) -> Result<&'static Hip, GpuError> {
         let h = hip()?;
         // SAFETY: selects a device index that existed at open.
         h.check("hipSetDevice", unsafe { (h.hipSetDevice)(self.ordinal as c_int) })?;
@@ -233,7 +233,7 @@ impl Backend for HipBackend {
     fn block_size(&self) -> u32 {
         256
     }
-    fn alloc(&self, bytes: usize) -> Result<u64, String> {
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError> {
         let h = self.select()?;
         let mut p: Ptr = std::ptr::null_mut();
         // SAFETY: a plain device allocation, freed in `free`.
@@ -246,17 +246,17 @@ impl Backend for HipBackend {
             unsafe { (h.hipFree)(ptr as Ptr) };
         }
     }
-    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), String> {
+    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), GpuError> {
         let h = self.select()?;
         // SAFETY: DevBuf sizes every copy to its allocation.
         h.check("hipMemcpy(HtoD)", unsafe { (h.hipMemcpy)(ptr as Ptr, data.as_ptr() as *const c_void, data.len(), HIP_MEMCPY_HOST_TO_DEVICE) })
     }
-    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), String> {
+    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), GpuError> {
         let h = self.select()?;
         // SAFETY: as in `upload`.
         h.check("hipMemcpy(DtoH)", unsafe { (h.hipMemcpy)(out.as_mut_ptr() as Ptr, ptr as *const c_void, out.len(), HIP_MEMCPY_DEVICE_TO_HOST) })
     }
-    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), GpuError> {
         let h = self.select()?;
         let f = *self.functions.get(kernel).ok_or_else(|| format!("no kernel named `{kernel}`"))?;
         let mut values = Arg::pack(args);
@@ -268,12 +268,12 @@ impl Backend for HipBackend {
         // The message is formatted only on failure: a decode step launches hundreds of kernels.
         if rc == 0 { Ok(()) } else { h.check(&format!("launch {kernel}"), rc) }
     }
-    fn synchronize(&self) -> Result<(), String> {
+    fn synchronize(&self) -> Result<(), GpuError> {
         let h = self.select()?;
         // SAFETY: no arguments.
         h.check("hipDeviceSynchronize", unsafe { (h.hipDeviceSynchronize)() })
     }
-    fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String> {
+    fn time(&self, f: &mut dyn FnMut() -> Result<(), GpuError>) -> Result<f64, GpuError> {
         let h = self.select()?;
         let (mut start, mut end): (Ptr, Ptr) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: events created, recorded on the null stream and destroyed here.

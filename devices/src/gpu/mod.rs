@@ -180,15 +180,15 @@ pub trait Backend: Send + Sync {
     fn describe(&self) -> String;
     /// Threads per block for the kernels (a power of two).
     fn block_size(&self) -> u32;
-    fn alloc(&self, bytes: usize) -> Result<u64, String>;
+    fn alloc(&self, bytes: usize) -> Result<u64, GpuError>;
     fn free(&self, ptr: u64);
-    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), String>;
-    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), String>;
-    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String>;
-    fn synchronize(&self) -> Result<(), String>;
+    fn upload(&self, ptr: u64, data: &[u8]) -> Result<(), GpuError>;
+    fn download(&self, ptr: u64, out: &mut [u8]) -> Result<(), GpuError>;
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), GpuError>;
+    fn synchronize(&self) -> Result<(), GpuError>;
     /// Device seconds taken by the work `f` queues: CUDA/HIP events around it on GPUs, the wall
     /// clock in the emulator.
-    fn time(&self, f: &mut dyn FnMut() -> Result<(), String>) -> Result<f64, String>;
+    fn time(&self, f: &mut dyn FnMut() -> Result<(), GpuError>) -> Result<f64, GpuError>;
     /// Why this backend's timings say nothing about a GPU's speed (the emulator); None on GPUs.
     fn timings_not_of_hardware(&self) -> Option<String> {
         None
@@ -246,18 +246,18 @@ impl DevBuf {
     pub fn at_f32(&self, floats: usize) -> u64 {
         self.ptr + 4 * floats as u64
     }
-    pub fn download_f32(&self, floats: usize) -> Result<Vec<f32>, String> {
+    pub fn download_f32(&self, floats: usize) -> Result<Vec<f32>, GpuError> {
         self.download_f32_at(0, floats)
     }
-    pub fn download_f32_at(&self, offset: usize, floats: usize) -> Result<Vec<f32>, String> {
+    pub fn download_f32_at(&self, offset: usize, floats: usize) -> Result<Vec<f32>, GpuError> {
         if 4 * (offset + floats) > self.bytes {
-            return Err(format!("download of {floats} floats at {offset} from a {}-byte buffer", self.bytes));
+            return Err(format!("download of {floats} floats at {offset} from a {}-byte buffer", self.bytes).into());
         }
         let mut raw = vec![0u8; 4 * floats];
         self.gpu.backend.download(self.at_f32(offset), &mut raw)?;
         Ok(raw.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect())
     }
-    pub fn download_u32(&self, n: usize) -> Result<Vec<u32>, String> {
+    pub fn download_u32(&self, n: usize) -> Result<Vec<u32>, GpuError> {
         Ok(self.download_f32(n)?.into_iter().map(f32::to_bits).collect())
     }
 }
@@ -266,27 +266,66 @@ impl DevBuf {
 const GUARD_BYTES: usize = 256;
 const GUARD_BYTE: u8 = 0xA5;
 
-/// Begins a launch error that is the kernel's own doing (an out-of-bounds or misaligned access,
-/// a shared-memory race found by gpu-emu:racecheck, threads that skip a barrier): a kernel case
-/// then fails as a wrong result instead of counting as "could not run".
-pub const KERNEL_FAULT: &str = "kernel fault: ";
+/// What a GPU call failed with: the kernel's own doing (an out-of-bounds or misaligned access,
+/// a shared-memory race found by gpu-emu:racecheck, threads that skip a barrier, a launch that
+/// faulted and left the context unusable), or anything else (the call could not be made). A
+/// kernel case ending in a [`GpuError::KernelFault`] fails as a wrong result instead of counting
+/// as "could not run".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuError {
+    KernelFault(String),
+    Failed(String),
+}
+
+impl std::fmt::Display for GpuError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuError::KernelFault(m) => write!(f, "kernel fault: {m}"),
+            GpuError::Failed(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<String> for GpuError {
+    fn from(s: String) -> Self {
+        GpuError::Failed(s)
+    }
+}
+
+impl From<&str> for GpuError {
+    fn from(s: &str) -> Self {
+        GpuError::Failed(s.to_string())
+    }
+}
+
+/// Where a GPU error meets code that reports errors as text (a model's forward pass).
+impl From<GpuError> for String {
+    fn from(e: GpuError) -> Self {
+        e.to_string()
+    }
+}
 
 /// Why a kernel case did not produce a result: it could not run, or the kernel is at fault — it
-/// wrote outside its output, or a launch ended in a [`KERNEL_FAULT`] (a wrong result, judged as a
-/// failure rather than an error).
+/// wrote outside its output, or a launch ended in a [`GpuError::KernelFault`] (a wrong result,
+/// judged as a failure rather than an error).
 #[derive(Debug)]
 pub enum CaseError {
     Failed(String),
     Wrong(String),
 }
 
+impl From<GpuError> for CaseError {
+    fn from(e: GpuError) -> Self {
+        match e {
+            GpuError::KernelFault(_) => CaseError::Wrong(e.to_string()),
+            GpuError::Failed(m) => CaseError::Failed(m),
+        }
+    }
+}
+
 impl From<String> for CaseError {
     fn from(s: String) -> Self {
-        if s.contains(KERNEL_FAULT) {
-            CaseError::Wrong(s)
-        } else {
-            CaseError::Failed(s)
-        }
+        CaseError::Failed(s)
     }
 }
 
@@ -355,7 +394,7 @@ impl Gpu {
     }
 
     /// Launches `kernel` on the backend, counted (and timed while a profile runs).
-    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), String> {
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<(), GpuError> {
         self.launches.fetch_add(1, Ordering::Relaxed);
         if !self.profiling.load(Ordering::Relaxed) {
             return self.backend.launch(kernel, grid, block, shared_bytes, args);
@@ -390,7 +429,7 @@ impl Gpu {
         self.peak.load(Ordering::Relaxed)
     }
 
-    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf, String> {
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf, GpuError> {
         if let Some(ptr) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&bytes).and_then(Vec::pop) {
             return Ok(DevBuf { ptr, bytes, gpu: self.clone() });
         }
@@ -400,43 +439,43 @@ impl Gpu {
         Ok(DevBuf { ptr, bytes, gpu: self.clone() })
     }
 
-    pub fn upload(self: &Arc<Self>, data: &[u8]) -> Result<DevBuf, String> {
+    pub fn upload(self: &Arc<Self>, data: &[u8]) -> Result<DevBuf, GpuError> {
         let b = self.alloc(data.len())?;
         self.backend.upload(b.ptr, data)?;
         Ok(b)
     }
 
     /// An output buffer of `bytes` between guard zones (see [`Guarded`]).
-    pub fn alloc_guarded(self: &Arc<Self>, bytes: usize) -> Result<Guarded, String> {
+    pub fn alloc_guarded(self: &Arc<Self>, bytes: usize) -> Result<Guarded, GpuError> {
         let mut init = vec![GUARD_BYTE; bytes + 2 * GUARD_BYTES];
         init[GUARD_BYTES..GUARD_BYTES + bytes].fill(0xFF);
         self.upload_guarded_bytes(&init, bytes)
     }
 
     /// `v` in a guarded buffer (an input the kernel updates in place).
-    pub fn upload_guarded(self: &Arc<Self>, v: &[f32]) -> Result<Guarded, String> {
+    pub fn upload_guarded(self: &Arc<Self>, v: &[f32]) -> Result<Guarded, GpuError> {
         let mut init = vec![GUARD_BYTE; 4 * v.len() + 2 * GUARD_BYTES];
         init[GUARD_BYTES..GUARD_BYTES + 4 * v.len()].copy_from_slice(&f32_bytes(v));
         self.upload_guarded_bytes(&init, 4 * v.len())
     }
 
-    fn upload_guarded_bytes(self: &Arc<Self>, init: &[u8], bytes: usize) -> Result<Guarded, String> {
+    fn upload_guarded_bytes(self: &Arc<Self>, init: &[u8], bytes: usize) -> Result<Guarded, GpuError> {
         let buf = self.upload(init)?;
         Ok(Guarded { ptr: buf.ptr + GUARD_BYTES as u64, buf, bytes })
     }
 
-    pub fn upload_f32(self: &Arc<Self>, v: &[f32]) -> Result<DevBuf, String> {
+    pub fn upload_f32(self: &Arc<Self>, v: &[f32]) -> Result<DevBuf, GpuError> {
         self.upload(&f32_bytes(v))
     }
 
-    pub fn upload_u32(self: &Arc<Self>, v: &[u32]) -> Result<DevBuf, String> {
+    pub fn upload_u32(self: &Arc<Self>, v: &[u32]) -> Result<DevBuf, GpuError> {
         self.upload(&v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>())
     }
 
     /// A packed matrix (checked: the bytes must be exactly `rows` rows of `cols` `ty` values).
-    pub fn upload_mat(self: &Arc<Self>, ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<GpuMat, String> {
+    pub fn upload_mat(self: &Arc<Self>, ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<GpuMat, GpuError> {
         if ty.bytes_for((rows * cols) as u64) != Some(bytes.len() as u64) || rows == 0 || !cols.is_multiple_of(ty.block_size()) {
-            return Err(format!("{} bytes are not a [{rows}, {cols}] {} matrix", bytes.len(), ty.name()));
+            return Err(format!("{} bytes are not a [{rows}, {cols}] {} matrix", bytes.len(), ty.name()).into());
         }
         Ok(GpuMat { ty, rows, cols, row_bytes: bytes.len() / rows, buf: self.upload(bytes)? })
     }
@@ -446,12 +485,12 @@ impl Gpu {
     }
 
     /// One block per row over `rows` rows.
-    fn launch_rows(&self, kernel: &str, rows: usize, args: &[Arg]) -> Result<(), String> {
+    fn launch_rows(&self, kernel: &str, rows: usize, args: &[Arg]) -> Result<(), GpuError> {
         self.launch(kernel, [rows as u32, 1, 1], [self.bs(), 1, 1], 0, args)
     }
 
     /// One thread per element over `n` elements.
-    fn launch_flat(&self, kernel: &str, n: usize, args: &[Arg]) -> Result<(), String> {
+    fn launch_flat(&self, kernel: &str, n: usize, args: &[Arg]) -> Result<(), GpuError> {
         let bs = self.bs() as usize;
         let blocks = n.div_ceil(bs).max(1);
         self.launch(kernel, [blocks as u32, 1, 1], [bs as u32, 1, 1], 0, args)
@@ -464,14 +503,14 @@ impl Gpu {
     }
 
     /// `y[t, :] = x[t, :] W^T` for `m` rows of `x` (`x_stride` floats apart) into `y: [m, rows]`.
-    pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), String> {
+    pub fn matmul(&self, w: &GpuMat, x: u64, x_stride: usize, m: usize, y: u64) -> Result<(), GpuError> {
         self.matmul_group(&[(w, y)], x, x_stride, m)
     }
 
     /// [`Gpu::matmul`] of the same `x` by up to three matrices (Q, K, V; gate, up), each into its
     /// own `y`, in one launch per 8 tokens when their plans share a kernel; otherwise one launch
     /// per matrix. Each output holds the same bits either way.
-    pub fn matmul_group(&self, group: &[(&GpuMat, u64)], x: u64, x_stride: usize, m: usize) -> Result<(), String> {
+    pub fn matmul_group(&self, group: &[(&GpuMat, u64)], x: u64, x_stride: usize, m: usize) -> Result<(), GpuError> {
         let plans: Vec<MatmulPlan> = group.iter().map(|(w, _)| self.matmul_plan(w, x, x_stride)).collect();
         self.matmul_planned(group, &plans, x, x_stride, m)
     }
@@ -479,15 +518,15 @@ impl Gpu {
     /// [`Gpu::matmul_group`] with the launch shapes given, one per matrix (the roofline times
     /// shapes other than [`Gpu::matmul_plan`]'s). Each plan's kernel must be the matrix's own
     /// plan's kernel, its block this backend's block and its lanes a power of two within it.
-    pub fn matmul_planned(&self, group: &[(&GpuMat, u64)], plans: &[MatmulPlan], x: u64, x_stride: usize, m: usize) -> Result<(), String> {
+    pub fn matmul_planned(&self, group: &[(&GpuMat, u64)], plans: &[MatmulPlan], x: u64, x_stride: usize, m: usize) -> Result<(), GpuError> {
         let Some(first) = plans.first() else { return Ok(()) };
         if group.len() > 3 || plans.len() != group.len() || group.iter().any(|(w, _)| w.cols != group[0].0.cols) {
-            return Err(format!("matmul_group: {} matrices with {:?} columns (at most 3, all as wide as x, one plan each)", group.len(), group.iter().map(|(w, _)| w.cols).collect::<Vec<_>>()));
+            return Err(format!("matmul_group: {} matrices with {:?} columns (at most 3, all as wide as x, one plan each)", group.len(), group.iter().map(|(w, _)| w.cols).collect::<Vec<_>>()).into());
         }
         for ((w, _), p) in group.iter().zip(plans) {
             let own = self.matmul_plan(w, x, x_stride);
             if variant_of(p.kernel) != variant_of(own.kernel) || p.block != own.block || !p.lanes.is_power_of_two() || p.lanes > p.block {
-                return Err(format!("matmul plan `{p}` does not fit a {} matrix here (its own plan is `{own}`)", w.ty.name()));
+                return Err(format!("matmul plan `{p}` does not fit a {} matrix here (its own plan is `{own}`)", w.ty.name()).into());
             }
         }
         if plans.iter().any(|p| p.kernel != first.kernel) {
@@ -525,7 +564,7 @@ impl Gpu {
             let kernel = first.for_tokens(mt).kernel;
             // Every variant (variant_of) is a one-token kernel.
             if variant_of(kernel) != kernel && mt != 1 {
-                return Err(format!("{kernel} multiplies one token, not {mt}"));
+                return Err(format!("{kernel} multiplies one token, not {mt}").into());
             }
             let staged = if variant_of(kernel) == "ts_matmul_q" { XTILE_FLOATS } else { 0 };
             self.launch(kernel, [grid as u32, 1, 1], [first.block, 1, 1], 4 * (first.block * mt as u32 + staged), &args)?;
@@ -534,7 +573,7 @@ impl Gpu {
     }
 
     /// Rows `ids` (device u32s, each checked by the caller to be < rows) of `w` into `out: [n, cols]`.
-    pub fn get_rows(&self, w: &GpuMat, ids: u64, n: usize, out: u64) -> Result<(), String> {
+    pub fn get_rows(&self, w: &GpuMat, ids: u64, n: usize, out: u64) -> Result<(), GpuError> {
         self.launch_rows(
             "ts_get_rows",
             n,
@@ -543,25 +582,25 @@ impl Gpu {
     }
 
     /// RMSNorm of `rows` rows of `n` (QK-norm: rows = tokens x heads, n = head_dim).
-    pub fn rms_norm(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
+    pub fn rms_norm(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), GpuError> {
         self.add_rms_norm(x, 0, w, y, rows, n, eps)
     }
 
     /// `x += r` (r = 0: nothing added), then `y = RMSNorm(x) * w`: a residual add and the norm
     /// after it in one launch, with the bits of [`Gpu::add`] then [`Gpu::rms_norm`].
     #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm(&self, x: u64, r: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
+    pub fn add_rms_norm(&self, x: u64, r: u64, w: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), GpuError> {
         self.rms_norm_launch((x, w, y, rows), r, (0, 0, 0, 0), n, eps)
     }
 
     /// [`Gpu::rms_norm`] of two tensors whose rows are `n` long (each `(x, w, y, rows)`: Q's and
     /// K's heads with their QK-norm weights) in one launch.
-    pub fn rms_norm_pair(&self, first: (u64, u64, u64, usize), second: (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), String> {
+    pub fn rms_norm_pair(&self, first: (u64, u64, u64, usize), second: (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), GpuError> {
         self.rms_norm_launch(first, 0, second, n, eps)
     }
 
     /// The one `ts_rms_norm` launch: `first` with residual `r` (0: none), then `second` (0 rows: none).
-    fn rms_norm_launch(&self, (x, w, y, rows): (u64, u64, u64, usize), r: u64, (x2, w2, y2, rows2): (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), String> {
+    fn rms_norm_launch(&self, (x, w, y, rows): (u64, u64, u64, usize), r: u64, (x2, w2, y2, rows2): (u64, u64, u64, usize), n: usize, eps: f32) -> Result<(), GpuError> {
         self.launch_rows(
             "ts_rms_norm",
             rows + rows2,
@@ -569,42 +608,42 @@ impl Gpu {
         )
     }
 
-    pub fn layer_norm(&self, x: u64, w: u64, b: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), String> {
+    pub fn layer_norm(&self, x: u64, w: u64, b: u64, y: u64, rows: usize, n: usize, eps: f32) -> Result<(), GpuError> {
         self.launch_rows("ts_layer_norm", rows, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(b), Arg::Ptr(y), Arg::I32(n as i32), Arg::F32(eps)])
     }
 
     /// `y = a + b` with `b` (of `bn` values) repeated over `a`'s `n` values.
-    pub fn add(&self, a: u64, b: u64, y: u64, n: usize, bn: usize) -> Result<(), String> {
+    pub fn add(&self, a: u64, b: u64, y: u64, n: usize, bn: usize) -> Result<(), GpuError> {
         self.launch_flat("ts_add", n, &[Arg::Ptr(a), Arg::Ptr(b), Arg::Ptr(y), Arg::I64(n as i64), Arg::I64(bn as i64)])
     }
 
     /// `x *= s` in place over `n` values.
     /// `x = c * tanh(x / c)` in place over `n` values (Gemma 2's soft-capping).
-    pub fn softcap(&self, x: u64, c: f32, n: usize) -> Result<(), String> {
+    pub fn softcap(&self, x: u64, c: f32, n: usize) -> Result<(), GpuError> {
         self.launch_flat("ts_softcap", n, &[Arg::Ptr(x), Arg::F32(c), Arg::I64(n as i64)])
     }
 
-    pub fn scale(&self, x: u64, s: f32, n: usize) -> Result<(), String> {
+    pub fn scale(&self, x: u64, s: f32, n: usize) -> Result<(), GpuError> {
         self.launch_flat("ts_scale", n, &[Arg::Ptr(x), Arg::F32(s), Arg::I64(n as i64)])
     }
 
     /// `y = act(gate) * up` (up = 0: no product). act: 0 SiLU, 1 GELU-tanh, 2 sigmoid.
-    pub fn glu(&self, gate: u64, up: u64, y: u64, n: usize, act: i32) -> Result<(), String> {
+    pub fn glu(&self, gate: u64, up: u64, y: u64, n: usize, act: i32) -> Result<(), GpuError> {
         self.launch_flat("ts_glu", n, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(y), Arg::I64(n as i64), Arg::I32(act)])
     }
 
     /// RoPE in place over `x: [tokens, n_head * hd]` with a host-computed table uploaded to
     /// `table` (see [`rope_table`]; `tokens * n_rot` floats).
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&self, x: u64, table: &DevBuf, tokens: usize, n_head: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
+    pub fn rope(&self, x: u64, table: &DevBuf, tokens: usize, n_head: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), GpuError> {
         self.rope_pair((x, n_head), (0, 0), table, tokens, hd, n_rot, neox)
     }
 
     /// [`Gpu::rope`] of Q and K (each `(pointer, heads per token)`; K's heads may be 0) in one launch.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope_pair(&self, (x, n_head): (u64, usize), (x2, n_head2): (u64, usize), table: &DevBuf, tokens: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), String> {
+    pub fn rope_pair(&self, (x, n_head): (u64, usize), (x2, n_head2): (u64, usize), table: &DevBuf, tokens: usize, hd: usize, n_rot: usize, neox: bool) -> Result<(), GpuError> {
         if n_rot > hd || !n_rot.is_multiple_of(2) || table.bytes != 4 * tokens * n_rot {
-            return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} bytes for {tokens} tokens)", table.bytes));
+            return Err(format!("rope: n_rot {n_rot} does not fit head_dim {hd} (table of {} bytes for {tokens} tokens)", table.bytes).into());
         }
         self.launch_flat(
             "ts_rope",
@@ -627,14 +666,14 @@ impl Gpu {
     /// `kv_len` positions.
     #[allow(clippy::too_many_arguments)]
     /// `sinks`: a device buffer of one sink logit per query head, or 0 for none.
-    pub fn attention(&self, q: u64, pos: u64, k: u64, v: u64, out: u64, m: usize, kv_len: usize, cfg: &crate::cpu::kernels::AttnCfg, sinks: u64) -> Result<(), String> {
+    pub fn attention(&self, q: u64, pos: u64, k: u64, v: u64, out: u64, m: usize, kv_len: usize, cfg: &crate::cpu::kernels::AttnCfg, sinks: u64) -> Result<(), GpuError> {
         let bs = self.bs() as usize;
         let shared = 4 * (kv_len + bs);
         if shared > MAX_SHARED_BYTES {
-            return Err(format!("attention over {kv_len} cached positions needs {shared} bytes of shared memory (at most {MAX_SHARED_BYTES})"));
+            return Err(format!("attention over {kv_len} cached positions needs {shared} bytes of shared memory (at most {MAX_SHARED_BYTES})").into());
         }
         if cfg.n_head_kv == 0 || !cfg.n_head.is_multiple_of(cfg.n_head_kv) {
-            return Err(format!("attention: {} heads over {} kv heads", cfg.n_head, cfg.n_head_kv));
+            return Err(format!("attention: {} heads over {} kv heads", cfg.n_head, cfg.n_head_kv).into());
         }
         let scale = cfg.scale;
         self.launch(
@@ -659,22 +698,22 @@ impl Gpu {
         )
     }
 
-    pub fn softmax(&self, x: u64, y: u64, rows: usize, n: usize) -> Result<(), String> {
+    pub fn softmax(&self, x: u64, y: u64, rows: usize, n: usize) -> Result<(), GpuError> {
         self.launch_rows("ts_softmax", rows, &[Arg::Ptr(x), Arg::Ptr(y), Arg::I32(n as i32)])
     }
 
     /// The `k` (<= 64) best indices of each of `rows` rows of `n`.
-    pub fn top_k(&self, x: u64, ids: u64, rows: usize, n: usize, k: usize) -> Result<(), String> {
+    pub fn top_k(&self, x: u64, ids: u64, rows: usize, n: usize, k: usize) -> Result<(), GpuError> {
         if k == 0 || k > 64 {
-            return Err(format!("top_k: k = {k} (the kernel ranks 1..=64)"));
+            return Err(format!("top_k: k = {k} (the kernel ranks 1..=64)").into());
         }
         self.launch_rows("ts_top_k", rows, &[Arg::Ptr(x), Arg::Ptr(ids), Arg::I32(n as i32), Arg::I32(k as i32)])
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_route(&self, logits: u64, ids: u64, weights: u64, rows: usize, n_expert: usize, k: usize, sigmoid: bool, normalize: bool) -> Result<(), String> {
+    pub fn moe_route(&self, logits: u64, ids: u64, weights: u64, rows: usize, n_expert: usize, k: usize, sigmoid: bool, normalize: bool) -> Result<(), GpuError> {
         if n_expert > 256 || k == 0 || k > n_expert {
-            return Err(format!("moe_route: {k} of {n_expert} experts (the kernel routes up to 256)"));
+            return Err(format!("moe_route: {k} of {n_expert} experts (the kernel routes up to 256)").into());
         }
         self.launch_flat(
             "ts_moe_route",
@@ -684,16 +723,16 @@ impl Gpu {
     }
 
     /// `out[t, :] += alpha[t * alpha_stride] * y[t, :]` over `tokens` rows of `d`.
-    pub fn axpy_rows(&self, out: u64, y: u64, alpha: u64, alpha_stride: usize, tokens: usize, d: usize) -> Result<(), String> {
+    pub fn axpy_rows(&self, out: u64, y: u64, alpha: u64, alpha_stride: usize, tokens: usize, d: usize) -> Result<(), GpuError> {
         self.launch_flat("ts_axpy_rows", tokens * d, &[Arg::Ptr(out), Arg::Ptr(y), Arg::Ptr(alpha), Arg::I32(alpha_stride as i32), Arg::I64((tokens * d) as i64), Arg::I32(d as i32)])
     }
 
-    pub fn sigmoid_dot(&self, x: u64, w: u64, s: u64, tokens: usize, d: usize) -> Result<(), String> {
+    pub fn sigmoid_dot(&self, x: u64, w: u64, s: u64, tokens: usize, d: usize) -> Result<(), GpuError> {
         self.launch_rows("ts_sigmoid_dot", tokens, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(s), Arg::I32(d as i32)])
     }
 
     /// Copies `n` floats from `src` to `dst` (16 bytes per thread when aligned).
-    pub fn copy(&self, src: u64, dst: u64, n: usize) -> Result<(), String> {
+    pub fn copy(&self, src: u64, dst: u64, n: usize) -> Result<(), GpuError> {
         let vec4 = n.is_multiple_of(4) && src.is_multiple_of(16) && dst.is_multiple_of(16);
         let threads = if vec4 { n / 4 } else { n };
         self.launch_flat("ts_copy", threads, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n as i64), Arg::I32(vec4 as i32)])
