@@ -484,3 +484,23 @@ fn first_non_finite_finds_a_planted_scale() {
         }
     }
 }
+
+/// The traits table is the one place a weight type is described: each row sits at its variant's
+/// index, ids and names are unique and round-trip, `ALL` lists every row in GGUF id order, and
+/// each row's encoder writes whole blocks of `type_size` bytes (the round trip within the bound
+/// is `encoders_round_trip_within_their_bounds`).
+#[test]
+fn the_traits_table_describes_every_type_once() {
+    use oracle::quant::TRAITS;
+    for (i, t) in TRAITS.iter().enumerate() {
+        assert_eq!(t.ty as usize, i, "{} is not at its variant's index", t.name);
+        assert_eq!(GgmlType::from_id(t.id), Some(t.ty));
+        assert_eq!(GgmlType::from_name(t.name), Some(t.ty));
+        assert_eq!(TRAITS.iter().filter(|u| u.id == t.id || u.name == t.name).count(), 1, "{}", t.name);
+        let x: Vec<f32> = (0..2 * t.block_size).map(|k| ((k * 37 % 23) as f32 - 11.0) / 7.0).collect();
+        assert_eq!(encode(t.ty, &x).unwrap().len(), 2 * t.type_size, "{}", t.name);
+    }
+    let mut by_id: Vec<GgmlType> = TRAITS.iter().map(|t| t.ty).collect();
+    by_id.sort_by_key(|t| t.id());
+    assert_eq!(GgmlType::ALL.to_vec(), by_id);
+}

@@ -46,6 +46,52 @@ pub enum GgmlType {
 
 pub const QK_K: usize = 256;
 
+/// What a weight type is, in one row: its GGUF id and name, its block (elements and bytes), the
+/// byte offsets of its f16 scale fields ([`scale_fields`]) and its reference encoder (one block
+/// of `block_size` values appended to the output). The decoders stay a `match` in
+/// [`decode_into`], each inlined into a loop of its own: a call through a table per block costs
+/// the packed store's decode its speed.
+pub struct TypeTraits {
+    pub ty: GgmlType,
+    pub id: u32,
+    pub name: &'static str,
+    pub block_size: usize,
+    pub type_size: usize,
+    pub scale_fields: &'static [usize],
+    encode_block: fn(&[f32], &mut Vec<u8>),
+}
+
+macro_rules! row {
+    ($ty:ident, $id:expr, $name:expr, $bs:expr, $ts:expr, $scales:expr, $enc:expr) => {
+        TypeTraits { ty: GgmlType::$ty, id: $id, name: $name, block_size: $bs, type_size: $ts, scale_fields: $scales, encode_block: $enc }
+    };
+}
+
+/// Every type's traits, in the order of [`GgmlType`]'s variants (`ty as usize` indexes it).
+pub static TRAITS: [TypeTraits; 21] = [
+    row!(F32, 0, "f32", 1, 4, &[], |x, o| x.iter().for_each(|v| o.extend_from_slice(&v.to_le_bytes()))),
+    row!(F16, 1, "f16", 1, 2, &[], |x, o| x.iter().for_each(|v| o.extend_from_slice(&f16::from_f32(*v).to_le_bytes()))),
+    row!(Q4_0, 2, "q4_0", 32, 18, &[0], encode_q4_0),
+    row!(Q4_1, 3, "q4_1", 32, 20, &[0, 2], encode_q4_1),
+    row!(Q5_0, 6, "q5_0", 32, 22, &[0], encode_q5_0),
+    row!(Q5_1, 7, "q5_1", 32, 24, &[0, 2], encode_q5_1),
+    row!(Q8_0, 8, "q8_0", 32, 34, &[0], encode_q8_0),
+    row!(Q2_K, 10, "q2_k", QK_K, 84, &[80, 82], encode_q2_k),
+    row!(Q3_K, 11, "q3_k", QK_K, 110, &[108], encode_q3_k),
+    row!(Q4_K, 12, "q4_k", QK_K, 144, &[0, 2], |x, o| encode_qk_asym(x, false, o)),
+    row!(Q5_K, 13, "q5_k", QK_K, 176, &[0, 2], |x, o| encode_qk_asym(x, true, o)),
+    row!(Q6_K, 14, "q6_k", QK_K, 210, &[208], encode_q6_k),
+    row!(BF16, 30, "bf16", 1, 2, &[], |x, o| x.iter().for_each(|v| o.extend_from_slice(&bf16::from_f32(*v).to_le_bytes()))),
+    row!(IQ4_NL, 20, "iq4_nl", 32, 18, &[0], encode_iq4_nl),
+    row!(IQ4_XS, 23, "iq4_xs", QK_K, 136, &[0], encode_iq4_xs),
+    row!(TQ1_0, 34, "tq1_0", QK_K, 54, &[52], |x, o| encode_tq(GgmlType::TQ1_0, x, o)),
+    row!(TQ2_0, 35, "tq2_0", QK_K, 66, &[64], |x, o| encode_tq(GgmlType::TQ2_0, x, o)),
+    row!(MXFP4, 39, "mxfp4", 32, 17, &[], encode_mxfp4),
+    row!(NVFP4, 40, "nvfp4", 64, 36, &[], encode_nvfp4),
+    row!(Q1_0, 41, "q1_0", 128, 18, &[0], |x, o| encode_q1_q2_0(GgmlType::Q1_0, x, o)),
+    row!(Q2_0, 42, "q2_0", 64, 18, &[0], |x, o| encode_q1_q2_0(GgmlType::Q2_0, x, o)),
+];
+
 impl GgmlType {
     /// Every supported type, in GGML id order.
     pub const ALL: [GgmlType; 21] = [
@@ -72,31 +118,14 @@ impl GgmlType {
         GgmlType::Q2_0,
     ];
 
+    /// What this type is: one row of [`TRAITS`].
+    pub fn traits(self) -> &'static TypeTraits {
+        &TRAITS[self as usize]
+    }
+
     /// The GGML type id stored in GGUF tensor infos.
     pub fn id(self) -> u32 {
-        match self {
-            GgmlType::F32 => 0,
-            GgmlType::F16 => 1,
-            GgmlType::Q4_0 => 2,
-            GgmlType::Q4_1 => 3,
-            GgmlType::Q5_0 => 6,
-            GgmlType::Q5_1 => 7,
-            GgmlType::Q8_0 => 8,
-            GgmlType::Q2_K => 10,
-            GgmlType::Q3_K => 11,
-            GgmlType::Q4_K => 12,
-            GgmlType::Q5_K => 13,
-            GgmlType::Q6_K => 14,
-            GgmlType::IQ4_NL => 20,
-            GgmlType::IQ4_XS => 23,
-            GgmlType::BF16 => 30,
-            GgmlType::TQ1_0 => 34,
-            GgmlType::TQ2_0 => 35,
-            GgmlType::MXFP4 => 39,
-            GgmlType::NVFP4 => 40,
-            GgmlType::Q1_0 => 41,
-            GgmlType::Q2_0 => 42,
-        }
+        self.traits().id
     }
 
     pub fn from_id(id: u32) -> Option<GgmlType> {
@@ -129,29 +158,7 @@ impl GgmlType {
 
     /// Lower-case name as used in case ids and reports (`q4_1`, `bf16`).
     pub fn name(self) -> &'static str {
-        match self {
-            GgmlType::F32 => "f32",
-            GgmlType::F16 => "f16",
-            GgmlType::Q4_0 => "q4_0",
-            GgmlType::Q4_1 => "q4_1",
-            GgmlType::Q5_0 => "q5_0",
-            GgmlType::Q5_1 => "q5_1",
-            GgmlType::Q8_0 => "q8_0",
-            GgmlType::Q2_K => "q2_k",
-            GgmlType::Q3_K => "q3_k",
-            GgmlType::Q4_K => "q4_k",
-            GgmlType::Q5_K => "q5_k",
-            GgmlType::Q6_K => "q6_k",
-            GgmlType::IQ4_NL => "iq4_nl",
-            GgmlType::IQ4_XS => "iq4_xs",
-            GgmlType::BF16 => "bf16",
-            GgmlType::TQ1_0 => "tq1_0",
-            GgmlType::TQ2_0 => "tq2_0",
-            GgmlType::MXFP4 => "mxfp4",
-            GgmlType::NVFP4 => "nvfp4",
-            GgmlType::Q1_0 => "q1_0",
-            GgmlType::Q2_0 => "q2_0",
-        }
+        self.traits().name
     }
 
     pub fn from_name(name: &str) -> Option<GgmlType> {
@@ -161,38 +168,12 @@ impl GgmlType {
 
     /// Elements per block.
     pub fn block_size(self) -> usize {
-        match self {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::MXFP4 => 32,
-            GgmlType::NVFP4 | GgmlType::Q2_0 => 64,
-            GgmlType::Q1_0 => 128,
-            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS | GgmlType::TQ1_0 | GgmlType::TQ2_0 => QK_K,
-        }
+        self.traits().block_size
     }
 
     /// Bytes per block.
     pub fn type_size(self) -> usize {
-        match self {
-            GgmlType::F32 => 4,
-            GgmlType::F16 | GgmlType::BF16 => 2,
-            GgmlType::Q4_0 => 18,
-            GgmlType::Q4_1 => 20,
-            GgmlType::Q5_0 => 22,
-            GgmlType::Q5_1 => 24,
-            GgmlType::Q8_0 => 34,
-            GgmlType::Q2_K => 84,
-            GgmlType::Q3_K => 110,
-            GgmlType::Q4_K => 144,
-            GgmlType::Q5_K => 176,
-            GgmlType::Q6_K => 210,
-            GgmlType::IQ4_NL => 18,
-            GgmlType::IQ4_XS => 136,
-            GgmlType::TQ1_0 => 54,
-            GgmlType::TQ2_0 => 66,
-            GgmlType::MXFP4 => 17,
-            GgmlType::NVFP4 => 36,
-            GgmlType::Q1_0 | GgmlType::Q2_0 => 18,
-        }
+        self.traits().type_size
     }
 
     /// Bytes needed for `n_elements`, or None when `n_elements` is not a whole number of blocks
@@ -297,18 +278,7 @@ pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
 /// ([`may_not_be_finite`]); NVFP4's are UE4M3 values, each at most 240 (times a level of at
 /// most 6: always finite).
 pub fn scale_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::MXFP4 | GgmlType::NVFP4 => &[],
-        GgmlType::Q1_0 | GgmlType::Q2_0 => &[0],
-        GgmlType::TQ1_0 => &[52],
-        GgmlType::TQ2_0 => &[64],
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q6_K => &[208],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
-    }
+    ty.traits().scale_fields
 }
 
 /// `bytes` (a tensor `name` of `label`, rows of `row_len` values) when every value is finite;
@@ -361,33 +331,9 @@ pub fn encode(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
         OracleError::Codec(format!("{} elements is not a whole number of {} blocks ({} per block)", x.len(), ty.name(), ty.block_size()))
     })?;
     let mut out = Vec::with_capacity(need as usize);
-    match ty {
-        GgmlType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        GgmlType::F16 => x.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
-        GgmlType::BF16 => x.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
-        _ => {
-            for blk in x.chunks_exact(ty.block_size()) {
-                match ty {
-                    GgmlType::Q4_0 => encode_q4_0(blk, &mut out),
-                    GgmlType::Q4_1 => encode_q4_1(blk, &mut out),
-                    GgmlType::Q5_0 => encode_q5_0(blk, &mut out),
-                    GgmlType::Q5_1 => encode_q5_1(blk, &mut out),
-                    GgmlType::Q8_0 => encode_q8_0(blk, &mut out),
-                    GgmlType::Q2_K => encode_q2_k(blk, &mut out),
-                    GgmlType::Q3_K => encode_q3_k(blk, &mut out),
-                    GgmlType::Q4_K => encode_qk_asym(blk, false, &mut out),
-                    GgmlType::Q5_K => encode_qk_asym(blk, true, &mut out),
-                    GgmlType::Q6_K => encode_q6_k(blk, &mut out),
-                    GgmlType::IQ4_NL => encode_iq4_nl(blk, &mut out),
-                    GgmlType::IQ4_XS => encode_iq4_xs(blk, &mut out),
-                    GgmlType::TQ1_0 | GgmlType::TQ2_0 => encode_tq(ty, blk, &mut out),
-                    GgmlType::MXFP4 => encode_mxfp4(blk, &mut out),
-                    GgmlType::NVFP4 => encode_nvfp4(blk, &mut out),
-                    GgmlType::Q1_0 | GgmlType::Q2_0 => encode_q1_q2_0(ty, blk, &mut out),
-                    _ => unreachable!(),
-                }
-            }
-        }
+    let t = ty.traits();
+    for blk in x.chunks_exact(t.block_size) {
+        (t.encode_block)(blk, &mut out);
     }
     debug_assert_eq!(out.len() as u64, need);
     Ok(out)
