@@ -6,7 +6,6 @@ use crate::error::{OracleError, Result};
 use crate::gguf::GgufFile;
 use crate::quant::GgmlType;
 use crate::spec::ModelSpec;
-use crate::tokenizer::Tokenizer;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,6 +13,8 @@ use std::path::{Path, PathBuf};
 pub use crate::tensor::{LoadedTensor, RawTensor, TensorSource};
 
 mod gpt_oss;
+mod model_file;
+pub use model_file::{check_layers_backed, chat_template, open_model, open_tokenizer, open_weights, tokenizer_gap, ModelFile};
 use gpt_oss::{blocks_of_scales, gpt_oss_experts, mxfp4_rows, OssPart};
 pub use gpt_oss::gpt_oss_hf_to_gguf_name;
 
@@ -629,146 +630,6 @@ fn unfused(src: Box<dyn TensorSource>, spec: &ModelSpec) -> Box<dyn TensorSource
         Box::new(Unfused::new(src, spec))
     } else {
         src
-    }
-}
-
-/// The tokenizer a GGUF file carries in its metadata, if any. One of a kind or with a
-/// pre-tokenizer this reader does not build (`tokenizer::gguf_gap` says which) is no tokenizer
-/// here: the model still runs on token ids, and a command given text says why it needs ids. A
-/// malformed tokenizer of a built kind, or a model name that is not a string, is an error.
-fn gguf_tokenizer(g: &GgufFile) -> Result<Option<Tokenizer>> {
-    match crate::tokenizer::gguf_gap(g)? {
-        Some(_) => Ok(None),
-        None => Ok(Some(Tokenizer::from_gguf(g)?)),
-    }
-}
-
-/// Why a model has no tokenizer this tool builds (for a command given text), or None when it has one.
-pub fn tokenizer_gap(path: &Path) -> Result<Option<String>> {
-    if crate::flat::is_flat(path) {
-        Ok(Some(FLAT_NO_TOKENIZER.to_string()))
-    } else if path.is_dir() {
-        Ok((!path.join("tokenizer.json").exists()).then(|| "its directory has no tokenizer.json".to_string()))
-    } else {
-        crate::tokenizer::gguf_gap(&GgufFile::open(path)?)
-    }
-}
-
-/// The `tokenizer.json` beside a safetensors model, if any.
-fn dir_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
-    if dir.join("tokenizer.json").exists() {
-        Ok(Some(Tokenizer::from_checkpoint(dir)?))
-    } else {
-        Ok(None)
-    }
-}
-
-/// Why a flat model file has no tokenizer.
-const FLAT_NO_TOKENIZER: &str = "a flat model file carries no tokenizer (`cargo xtask tokenize` on the model it was exported from gives the ids)";
-
-/// Opens a model: a `.gguf` file, a flat model file (`flat`) or a safetensors directory, with its
-/// tokenizer when it has one.
-pub fn open_model(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec, Option<Tokenizer>)> {
-    if crate::flat::is_flat(path) {
-        let (flat, spec) = crate::flat::FlatFile::open(path)?;
-        Ok((Box::new(flat), spec, None))
-    } else if path.is_dir() {
-        let (dir, spec) = SafetensorsDir::open(path)?;
-        let tokenizer = dir_tokenizer(path)?;
-        // Checkpoints pad their embedding past the tokenizer (config `vocab_size` 151936 over
-        // Qwen2's 151665 tokens, for alignment): fewer tokens than rows is how real files are;
-        // an id past the rows is not.
-        if let Some(t) = tokenizer.as_ref().filter(|t| t.vocab_size() > spec.n_vocab) {
-            return Err(OracleError::Spec(format!(
-                "{}: tokenizer.json holds {} tokens but config.json's vocab_size is {}: ids past the embedding's rows",
-                path.display(),
-                t.vocab_size(),
-                spec.n_vocab
-            )));
-        }
-        Ok((unfused(Box::new(dir), &spec), spec, tokenizer))
-    } else {
-        let g = GgufFile::open(path)?;
-        let spec = ModelSpec::from_gguf(&g)?;
-        let tokenizer = gguf_tokenizer(&g)?;
-        Ok((unfused(Box::new(g), &spec), spec, tokenizer))
-    }
-}
-
-/// The layer count every loader sizes its layers by must be backed by the files: a config
-/// claiming 10^9 layers over one is this error, naming the layer it lacks, not a huge allocation
-/// (and, where layers load in parallel, not an error about whichever layer failed first).
-pub fn check_layers_backed(src: &dyn TensorSource, n_layer: usize) -> Result<()> {
-    let last = format!("blk.{}.attn_norm.weight", n_layer.saturating_sub(1));
-    if src.raw(&last)?.is_none() {
-        return Err(OracleError::Spec(format!("{}: the model has {n_layer} layers but no tensor `{last}`", src.label())));
-    }
-    Ok(())
-}
-
-/// Opens a model's weights and spec without its tokenizer (for device loaders).
-pub fn open_weights(path: &Path) -> Result<(Box<dyn TensorSource>, ModelSpec)> {
-    // A GGUF's layer count is checked with its other metadata in `ModelSpec::from_gguf`.
-    let backed = |src: Box<dyn TensorSource>, spec: ModelSpec| -> Result<(Box<dyn TensorSource>, ModelSpec)> {
-        check_layers_backed(src.as_ref(), spec.n_layer)?;
-        Ok((src, spec))
-    };
-    if crate::flat::is_flat(path) {
-        let (flat, spec) = crate::flat::FlatFile::open(path)?;
-        backed(Box::new(flat), spec)
-    } else if path.is_dir() {
-        let (dir, spec) = SafetensorsDir::open(path)?;
-        let src = unfused(Box::new(dir), &spec);
-        backed(src, spec)
-    } else {
-        let g = GgufFile::open(path)?;
-        let spec = ModelSpec::from_gguf(&g)?;
-        Ok((unfused(Box::new(g), &spec), spec))
-    }
-}
-
-/// A model's chat template (Jinja source), if it has one: a GGUF's `tokenizer.chat_template`; a
-/// checkpoint's `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string,
-/// or a list of named templates, of which `default`).
-pub fn chat_template(path: &Path) -> Result<Option<String>> {
-    let tok_err = |file: &Path, why: String| OracleError::Tokenizer(format!("{}: {why}", file.display()));
-    if crate::flat::is_flat(path) {
-        return Ok(None);
-    }
-    if !path.is_dir() {
-        let g = GgufFile::open(path)?;
-        return Ok(g.field("tokenizer.chat_template", |v| v.as_str(), "a string").map_err(|e| OracleError::Tokenizer(e.to_string()))?.map(str::to_string));
-    }
-    let jinja = path.join("chat_template.jinja");
-    if jinja.is_file() {
-        return crate::files::read_to_string(&jinja).map(Some);
-    }
-    let cfg = path.join("tokenizer_config.json");
-    if !cfg.is_file() {
-        return Ok(None);
-    }
-    let text = crate::files::read_to_string(&cfg)?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| tok_err(&cfg, format!("not valid JSON: {e}")))?;
-    match v.get("chat_template") {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(serde_json::Value::String(t)) => Ok(Some(t.clone())),
-        Some(serde_json::Value::Array(named)) => Ok(named
-            .iter()
-            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-            .and_then(|t| t.get("template").and_then(|t| t.as_str()))
-            .map(str::to_string)),
-        Some(other) => Err(tok_err(&cfg, format!("`chat_template` is {other}, expected a string or a list of named templates"))),
-    }
-}
-
-/// Only the tokenizer of a model (for device runs, which load their own weights).
-pub fn open_tokenizer(path: &Path) -> Result<Option<Tokenizer>> {
-    if crate::flat::is_flat(path) {
-        Ok(None)
-    } else if path.is_dir() {
-        dir_tokenizer(path)
-    } else {
-        gguf_tokenizer(&GgufFile::open(path)?)
     }
 }
 
