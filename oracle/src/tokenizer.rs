@@ -17,7 +17,10 @@ use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::normalizers::{NormalizerWrapper, Prepend, Replace, Sequence as NormalizerSequence};
-use tokenizers::{AddedToken, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, ModelWrapper, PostProcessorWrapper, PreTokenizedString, PreTokenizer, SplitDelimiterBehavior, TokenizerImpl};
+use serde::{Serialize, Serializer};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 fn tok_err(e: impl std::fmt::Display) -> OracleError {
     OracleError::Tokenizer(e.to_string())
@@ -77,7 +80,7 @@ const DEEPSEEK_CODER_PATTERNS: [&str; 5] = [
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Inner,
     pub bos: Option<u32>,
     /// The ids that end a generation: a GGUF's end-of-sequence, end-of-turn and end-of-message
     /// ids (as llama.cpp stops at each); a checkpoint's `eos_token_id`, one id or a list, from
@@ -138,7 +141,7 @@ impl Tokenizer {
         inner.add_special_tokens(of_type(3, true)).map_err(tok_err)?;
         inner.add_tokens(of_type(4, false)).map_err(tok_err)?;
         Ok(Tokenizer {
-            inner,
+            inner: Inner::Gguf(inner),
             bos: id_or("tokenizer.ggml.bos_token_id", 1)?,
             eos: {
                 let mut eos: Vec<u32> = id_or("tokenizer.ggml.eos_token_id", 2)?.into_iter().collect();
@@ -181,6 +184,13 @@ impl Tokenizer {
         let inner = std::panic::catch_unwind(|| <tokenizers::Tokenizer as std::str::FromStr>::from_str(&text))
             .map_err(|_| tok_err(format!("{}: the tokenizers crate panicked reading it (a malformed tokenizer.json)", path.display())))?
             .map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
+        let mut inner = inner;
+        // The tokenizers crate's BPE keeps each model's cached words in a map per thread that it
+        // never frees, not even when the model is dropped: with the cache off, a process that
+        // builds many tokenizers (a fuzzing campaign, a long test run) does not grow with each.
+        let mut model = inner.get_model().clone();
+        model.resize_cache(0);
+        inner.with_model(model);
         let n_vocab = inner.get_vocab_size(true) as u64;
         let (mut bos, mut eos) = (None, None);
         for name in ["generation_config.json", "config.json"] {
@@ -211,13 +221,17 @@ impl Tokenizer {
                 eos = ids("eos_token_id")?;
             }
         }
-        Ok(Tokenizer { inner, bos, eos: eos.unwrap_or_default(), add_bos: false })
+        Ok(Tokenizer { inner: Inner::Json(inner), bos, eos: eos.unwrap_or_default(), add_bos: false })
     }
 
     /// Token ids of `text` (with BOS first when the model asks for it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         // With the special tokens a tokenizer.json's post-processor adds (none for a GGUF's).
-        let enc = self.inner.encode(text, true).map_err(tok_err)?;
+        let enc = match &self.inner {
+            Inner::Gguf(t) => t.encode(text, true),
+            Inner::Json(t) => t.encode(text, true),
+        }
+        .map_err(tok_err)?;
         let mut ids = Vec::new();
         if self.add_bos {
             ids.extend(self.bos);
@@ -227,26 +241,84 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(tok_err)
+        match &self.inner {
+            Inner::Gguf(t) => t.decode(ids, false),
+            Inner::Json(t) => t.decode(ids, false),
+        }
+        .map_err(tok_err)
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
     pub fn save(&self, path: &std::path::Path) -> Result<()> {
-        self.inner.save(path, false).map_err(|e| tok_err(format!("{}: {e}", path.display())))
+        match &self.inner {
+            Inner::Gguf(t) => t.save(path, false),
+            Inner::Json(t) => t.save(path, false),
+        }
+        .map_err(|e| tok_err(format!("{}: {e}", path.display())))
     }
 
     /// The vocabulary's string for an id (`Ġ`/`▁` for spaces, `<0x0A>` for a byte token).
     pub fn piece(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        match &self.inner {
+            Inner::Gguf(t) => t.id_to_token(id),
+            Inner::Json(t) => t.id_to_token(id),
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Inner::Gguf(t) => t.get_vocab_size(true),
+            Inner::Json(t) => t.get_vocab_size(true),
+        }
     }
 }
 
-/// The split a byte-level BPE pre-tokenizer name stands for.
+/// A tokenizer as built: from a GGUF's metadata, with its pre-tokenizer shared
+/// ([`SharedPre`]), or as a `tokenizer.json` describes it.
+enum Inner {
+    Gguf(GgufTokenizer),
+    Json(tokenizers::Tokenizer),
+}
+
+type GgufTokenizer = TokenizerImpl<ModelWrapper, NormalizerWrapper, SharedPre, PostProcessorWrapper, DecoderWrapper>;
+
+/// A GGUF tokenizer's pre-tokenizer, built once per process and shared by every tokenizer that
+/// splits the same way: the splits are regular expressions of a fixed set (one per
+/// `tokenizer.ggml.pre` family), and compiling one takes longer than building the rest of a
+/// small vocabulary's tokenizer. It splits as the pre-tokenizer it holds and is written out as it.
+#[derive(Clone)]
+struct SharedPre(Arc<Sequence>);
+
+impl PreTokenizer for SharedPre {
+    fn pre_tokenize(&self, pretokenized: &mut PreTokenizedString) -> tokenizers::Result<()> {
+        self.0.pre_tokenize(pretokenized)
+    }
+}
+
+impl Serialize for SharedPre {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
+/// The shared pre-tokenizer of `split`, built the first time it is asked for.
+fn shared_pre(split: PreSplit) -> std::result::Result<SharedPre, String> {
+    static BUILT: OnceLock<Mutex<HashMap<PreSplit, Arc<Sequence>>>> = OnceLock::new();
+    // A panic elsewhere while the lock was held leaves the map as it was: whole entries only.
+    let mut built = BUILT.get_or_init(Default::default).lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(pre) = built.get(&split) {
+        return Ok(SharedPre(Arc::clone(pre)));
+    }
+    let pre = Arc::new(split_sequence(split)?);
+    built.insert(split, Arc::clone(&pre));
+    Ok(SharedPre(pre))
+}
+
+/// The split a byte-level BPE pre-tokenizer name stands for (and Gemma 4's, into lines).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 enum PreSplit {
+    /// Gemma 4's: lines and runs of newlines (`tokenizer.ggml.model = gemma4`, no name).
+    Lines,
     Gpt2,
     Digits,
     Falcon,
@@ -296,14 +368,14 @@ pub fn gguf_gap(g: &GgufFile) -> Result<Option<String>> {
 
 /// Byte-level BPE (`gpt2`) from a GGUF's vocabulary and merges, split as `pre` (its
 /// `tokenizer.ggml.pre`) names.
-fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<tokenizers::Tokenizer> {
+fn byte_level_bpe(g: &GgufFile, tokens: &[&str], pre: &str) -> Result<GgufTokenizer> {
     let vocab = vocab_of(tokens);
     let merges = gguf_merges(g, &vocab)?;
     // Llama 3 takes a pre-token that is a whole token as is, before any merge (as llama.cpp and
     // its tokenizer.json do): "Việt" is one token there, not the three its merges reach.
     let whole_words = LLAMA3_PRES.contains(&pre);
-    let bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(whole_words).build().map_err(tok_err)?;
-    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(whole_words).cache_capacity(0).build().map_err(tok_err)?;
+    let mut inner = GgufTokenizer::new(bpe.into());
     let pre_tok = pre_tokenizer(pre).map_err(|e| tok_err(format!("{}: {e}", g.path)))?;
     inner.with_pre_tokenizer(Some(pre_tok));
     inner.with_decoder(Some(ByteLevelDecoder::default()));
@@ -371,28 +443,31 @@ fn unescape_spaces() -> Result<Vec<DecoderWrapper>> {
 /// pieces (spaces become `▁`, no space prefix) merged by the GGUF's merges over raw UTF-8, the
 /// text split only into lines and runs of newlines (a run that is itself a token taken whole);
 /// a piece no token covers becomes its bytes' `<0xXX>` tokens.
-fn gemma4_bpe(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+fn gemma4_bpe(g: &GgufFile, tokens: &[&str]) -> Result<GgufTokenizer> {
     let vocab = vocab_of(tokens);
     let merges = gguf_merges(g, &vocab)?;
-    let bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).build().map_err(tok_err)?;
-    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).cache_capacity(0).build().map_err(tok_err)?;
+    let mut inner = GgufTokenizer::new(bpe.into());
     inner.with_normalizer(Some(escape_spaces()?)).map_err(tok_err)?;
-    let lines = Split::new(SplitPattern::Regex("[^\n]+|[\n]+".into()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?;
-    inner.with_pre_tokenizer(Some(Sequence::new(vec![PreTokenizerWrapper::Split(lines)])));
+    inner.with_pre_tokenizer(Some(shared_pre(PreSplit::Lines).map_err(tok_err)?));
     inner.with_decoder(Some(DecoderSequence::new(unescape_spaces()?)));
     Ok(inner)
 }
 
 /// The pre-tokenizer a byte-level BPE pre-tokenizer name (`tokenizer.ggml.pre`) stands for:
 /// the split into pre-tokens, then the byte-to-character map.
-fn pre_tokenizer(pre: &str) -> std::result::Result<Sequence, String> {
+fn pre_tokenizer(pre: &str) -> std::result::Result<SharedPre, String> {
+    shared_pre(pre_split(pre)?)
+}
+
+/// The pre-tokenizer of a split, compiled.
+fn split_sequence(split_kind: PreSplit) -> std::result::Result<Sequence, String> {
     let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     let split = |pat: &str| -> std::result::Result<PreTokenizerWrapper, String> {
         Ok(PreTokenizerWrapper::Split(
             Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(|e| e.to_string())?,
         ))
     };
-    let split_kind = pre_split(pre)?;
     Ok(match split_kind {
         PreSplit::Gpt2 => Sequence::new(vec![byte_level(true)]),
         PreSplit::Digits => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
@@ -410,6 +485,7 @@ fn pre_tokenizer(pre: &str) -> std::result::Result<Sequence, String> {
             steps.push(byte_level(false));
             Sequence::new(steps)
         }
+        PreSplit::Lines => Sequence::new(vec![split("[^\n]+|[\n]+")?]),
     })
 }
 
@@ -418,7 +494,7 @@ fn pre_tokenizer(pre: &str) -> std::result::Result<Sequence, String> {
 /// adjacent pair whose joined piece is a token with the highest score is merged, again and
 /// again; a character no token covers becomes its UTF-8 bytes' `<0xXX>` tokens. As BPE merges:
 /// every way to split each token into two tokens, ranked by the whole token's score.
-fn sentencepiece_bpe(g: &GgufFile, tokens: &[&str], types: &[crate::gguf::Value], unk: Option<u32>) -> Result<tokenizers::Tokenizer> {
+fn sentencepiece_bpe(g: &GgufFile, tokens: &[&str], types: &[crate::gguf::Value], unk: Option<u32>) -> Result<GgufTokenizer> {
     let scores = g.field("tokenizer.ggml.scores", |v| v.as_array(), "an array").map_err(tok_err)?.unwrap_or(&[]);
     if !scores.is_empty() && scores.len() != tokens.len() {
         return Err(tok_err(format!("{}: tokenizer.ggml.scores has {} entries for {} tokens", g.path, scores.len(), tokens.len())));
@@ -449,11 +525,11 @@ fn sentencepiece_bpe(g: &GgufFile, tokens: &[&str], types: &[crate::gguf::Value]
     // Highest score first; ties in token and then split order, so the ranks are deterministic.
     ranked.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
     let merges = ranked.into_iter().map(|(_, _, _, a, b)| (a.to_string(), b.to_string())).collect();
-    let mut bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
+    let mut bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true).cache_capacity(0);
     if let Some(u) = unk {
         bpe = bpe.unk_token(tokens[u as usize].to_string());
     }
-    let mut inner = tokenizers::Tokenizer::new(bpe.build().map_err(tok_err)?);
+    let mut inner = GgufTokenizer::new(bpe.build().map_err(tok_err)?.into());
     let space_prefix = g.field("tokenizer.ggml.add_space_prefix", |v| v.as_bool(), "true or false").map_err(tok_err)?.unwrap_or(true);
     let escape = escape_spaces()?;
     let mut decoders = unescape_spaces()?;
@@ -500,7 +576,8 @@ mod tests {
     const PIECES: [(&str, f32); 8] = [("\u{2581}", -1.0), ("a", -2.0), ("b", -2.0), ("c", -2.0), ("ab", -3.0), ("bc", -4.0), ("\u{2581}a", -5.0), ("\u{2581}bc", -6.0)];
 
     fn id(tok: &Tokenizer, piece: &str) -> u32 {
-        tok.inner.token_to_id(piece).unwrap()
+        let Inner::Gguf(t) = &tok.inner else { panic!("a GGUF tokenizer") };
+        t.token_to_id(piece).unwrap()
     }
 
     #[test]
@@ -593,6 +670,24 @@ mod tests {
         assert_eq!(pre_tokens("gpt-4o", "aÉb CAFÉs\n\n x/y"), ["a", "Ãīb", "ĠCAFÃīs", "ĊĊ", "Ġx", "/y"]);
         let e = pre_tokenizer("tekken").err().unwrap();
         assert!(e.contains("`tekken` is not supported") && e.contains("falcon"), "{e}");
+    }
+
+    #[test]
+    fn a_split_is_compiled_once_and_written_out_as_itself() {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        // Two names of one family share one compiled pre-tokenizer; another family has its own.
+        let (qwen2, r1, llama3) = (pre_tokenizer("qwen2").unwrap(), pre_tokenizer("deepseek-r1-qwen").unwrap(), pre_tokenizer("llama3").unwrap());
+        assert!(Arc::ptr_eq(&qwen2.0, &r1.0) && !Arc::ptr_eq(&qwen2.0, &llama3.0));
+        // Written out (`save`), it is the pre-tokenizer it holds, and read back it splits alike.
+        let json = serde_json::to_value(&llama3).unwrap();
+        assert_eq!(json, serde_json::to_value(&*llama3.0).unwrap());
+        let back: PreTokenizerWrapper = serde_json::from_value(json).unwrap();
+        let text = "Hello world's 12345\n\n  x";
+        let mut s = PreTokenizedString::from(text);
+        back.pre_tokenize(&mut s).unwrap();
+        let splits: Vec<String> = s.get_splits(OffsetReferential::Original, OffsetType::Char).into_iter().map(|(t, _, _)| t.to_string()).collect();
+        assert_eq!(splits, pre_tokens("llama3", text));
+        assert_eq!(splits[..4], ["Hello", "Ġworld", "'s", "Ġ"]);
     }
 
     #[test]
