@@ -20,6 +20,20 @@ macro_rules! gpu_emu_syntax {
     };
 }
 
+/// Every device name [`open`] reads, as help texts and errors list them: the one list
+/// (`device_names_are_the_ones_open_reads` holds it to `open`, the command-line tests each
+/// command's `--device` help to it).
+#[macro_export]
+macro_rules! device_names {
+    () => {
+        concat!(
+            "ref (the oracle), cpu, cpu:kv-TYPE (its KV cache in f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 or iq4_nl; cpu:kv-K-V: keys and values apart, e.g. cpu:kv-q8_0-f16), fixed, fixed-int4, ",
+            $crate::gpu_emu_syntax!(),
+            ", cuda[:N], rocm[:N], external:DIR (an engine's dump), exec:CMD (an engine command: dumps, op-protocol answers or ab lines), ids:CMD (an engine that prints only the ids it generates)"
+        )
+    };
+}
+
 pub mod cpu;
 pub mod external;
 pub mod fixed;
@@ -707,7 +721,7 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
             Ok(d) => Ok(Box::new(d)),
             Err(why) => unavailable(&why),
         },
-        _ => unavailable(concat!("unknown device (ref, cpu, cpu:kv-TYPE[-TYPE], fixed, fixed-int4, cuda[:N], rocm[:N], ", gpu_emu_syntax!(), ", external:DIR, exec:CMD, ids:CMD)")),
+        _ => unavailable(concat!("unknown device (", device_names!(), ")")),
     }
 }
 
@@ -719,12 +733,21 @@ pub(crate) fn fail(device: &str, case: &OpCase, reason: impl std::fmt::Display) 
 mod tests {
     use super::*;
 
-    /// Each cache format gives back what its codec decodes, within its step; the budgets' size
-    /// of a rounding orders the formats as their steps do; rows of part blocks are refused.
     /// The one list of device names is the one `open` reads: every built-in name opens, and a
-    /// name outside the list and its prefixes is an unknown device.
+    /// name outside the list and its prefixes is an unknown device; the list help texts give
+    /// names every name and prefix, and every KV cache format.
     #[test]
     fn device_names_are_the_ones_open_reads() {
+        let listed: Vec<&str> = device_names!().split([',', ' ', '(', ')', ';']).collect();
+        for n in BUILTIN_NAMES.iter().chain(&["cuda[:N]", "rocm[:N]", "cpu:kv-TYPE", "external:DIR", "exec:CMD", "ids:CMD", gpu_emu_syntax!()]) {
+            assert!(listed.contains(n), "{n} is not in device_names!()");
+        }
+        for p in DEVICE_PREFIXES {
+            assert!(listed.iter().any(|l| l.starts_with(p)), "no name in device_names!() starts with {p}");
+        }
+        for f in KvFormat::names().split(", ") {
+            assert!(listed.contains(&f), "KV cache format {f} is not in device_names!()");
+        }
         for n in BUILTIN_NAMES {
             assert!(open(n).is_ok(), "{n}");
             assert!(is_device_name(n));
@@ -737,6 +760,8 @@ mod tests {
         assert!(matches!(open("llama.cpp"), Err(DeviceError::Unavailable(_, why)) if why.starts_with("unknown device")));
     }
 
+    /// Each cache format gives back what its codec decodes, within its step; the budgets' size
+    /// of a rounding orders the formats as their steps do; rows of part blocks are refused.
     #[test]
     fn cache_formats_round_rows_as_their_codec_does() {
         let x: Vec<f32> = (0..128).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();

@@ -196,3 +196,28 @@ pub fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every command's `--device` help gives the one list of devices (`devices::device_names!`),
+    /// so a new device reaches every help text at once. `roofline` times kernels on a device that
+    /// has a clock of its own and says which those are; hidden commands are internal.
+    #[test]
+    fn every_device_flag_gives_the_one_list_of_devices() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let mut checked = Vec::new();
+        for sub in cli.get_subcommands().filter(|s| s.get_name() != "roofline" && !s.is_hide_set()) {
+            for arg in sub.get_arguments().filter(|a| a.get_id() == "device") {
+                let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+                assert!(help.contains(devices::device_names!()), "{} --device: {help}", sub.get_name());
+                checked.push(sub.get_name().to_string());
+            }
+        }
+        for cmd in ["run", "dump", "layer-diff", "fixed-token", "kernels", "bench"] {
+            assert!(checked.iter().any(|c| c == cmd), "{cmd} has no --device flag checked: {checked:?}");
+        }
+    }
+}

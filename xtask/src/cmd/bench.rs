@@ -20,10 +20,7 @@ pub const REPS: usize = 3;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Device to time: `ref` (the oracle), `cpu`, `cpu:kv-TYPE` (its KV cache in f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 or iq4_nl; `cpu:kv-K-V` keys and values apart), `fixed`,
-    /// `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`, or `exec:CMD`, an engine that answers
-    /// `ab`'s arm protocol (one JSON line per run; `cargo xtask ab --help`).
-    #[arg(long, default_value = "ref")]
+    #[arg(long, default_value = "ref", help = concat!("Device to time: ", devices::device_names!(), "; exec:CMD here answers `ab`'s arm protocol (one JSON line per run; `cargo xtask ab --help`)."))]
     device: String,
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long, default_value = "smollm2")]

@@ -20,9 +20,7 @@ pub struct DumpArgs {
     /// Output directory (created; existing dump files are replaced).
     #[arg(long)]
     out: PathBuf,
-    /// Device whose taps to write: `ref` (the oracle), `cpu`, `cpu:kv-TYPE[-TYPE]`, `fixed`, `fixed-int4`,
-    /// `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
-    #[arg(long, default_value = "ref")]
+    #[arg(long, default_value = "ref", help = concat!("Device whose taps to write: ", devices::device_names!(), "."))]
     device: String,
     /// Oracle storage precision (`--device ref`): f32 (f64 accumulation) or f64 throughout.
     #[arg(long, default_value = "f32")]

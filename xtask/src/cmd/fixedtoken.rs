@@ -16,7 +16,7 @@ use suites::layerdiff::{self, propagated_budget, Dims, RoutingFollower};
 
 #[derive(clap::Args)]
 pub struct FixedTokenArgs {
-    #[arg(long, default_value = "cpu", help = concat!("Device under test: cpu, cpu:kv-TYPE (its KV cache in f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 or iq4_nl; cpu:kv-K-V: keys and values apart, e.g. cpu:kv-q8_0-f16), fixed, fixed-int4, ref, ", devices::gpu_emu_syntax!(), ", cuda[:N], rocm[:N], external:DIR, exec:CMD, ids:CMD (an engine that only prints the ids it generated)."))]
+    #[arg(long, default_value = "cpu", help = concat!("Device under test: ", devices::device_names!(), "."))]
     pub device: String,
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long)]

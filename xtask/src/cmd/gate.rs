@@ -19,9 +19,7 @@ const SUITES: [&str; 5] = ["oracle", "kernels", "layers", "tokens", "bench"];
 
 #[derive(clap::Args)]
 pub struct GateArgs {
-    /// Devices (default: cpu and fixed); repeat the flag or give a comma list (`cpu,fixed`). An
-    /// engine command (`exec:`, `ids:`, `external:`) is taken whole, commas and all.
-    #[arg(long)]
+    #[arg(long, help = concat!("Devices (default: cpu and fixed): ", devices::device_names!(), "; repeat the flag or give a comma list (`cpu,fixed`). An engine command (`exec:`, `ids:`, `external:`) is taken whole, commas and all."))]
     device: Vec<String>,
     /// Models for the oracle self-check, layer-diff and fixed-token (default: the synthetic
     /// fixtures tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss); repeat the flag or

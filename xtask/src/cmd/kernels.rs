@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct KernelsArgs {
-    #[arg(long, help = concat!("Device under test: ref, cpu, fixed, fixed-int4, ", devices::gpu_emu_syntax!(), " (thread order, threads per block, shared-memory race check, the GPU's fused multiply-adds and 2-ulp expf/tanhf), cuda[:N], rocm[:N] (a GPU device not compiled in, or without a driver, exits 2 saying why)."))]
+    #[arg(long, help = concat!("Device under test: ", devices::device_names!(), ". gpu-emu's options: thread order, threads per block, shared-memory race check, the GPU's fused multiply-adds and 2-ulp expf/tanhf; a GPU device not compiled in, or without a driver, exits 2 saying why; exec:CMD answers the op protocol (docs/OP_PROTOCOL.md)."))]
     device: String,
     /// Only cases whose id matches this regular expression, e.g. 'matmul\(w=q4_1'.
     #[arg(long)]

@@ -14,7 +14,7 @@ pub const DEFAULT_IDS: [u32; 11] = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
 
 #[derive(clap::Args)]
 pub struct LayerDiffArgs {
-    #[arg(long, help = concat!("Device under test: cpu, cpu:kv-TYPE (its KV cache in f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 or iq4_nl; cpu:kv-K-V: keys and values apart, e.g. cpu:kv-q8_0-f16), fixed, fixed-int4, ref, ", devices::gpu_emu_syntax!(), ", cuda[:N], rocm[:N], external:DIR (a dump), exec:CMD (an engine command)."))]
+    #[arg(long, help = concat!("Device under test: ", devices::device_names!(), "."))]
     pub device: String,
     /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
     #[arg(long)]

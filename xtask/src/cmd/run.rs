@@ -19,8 +19,7 @@ pub struct RunArgs {
     /// Number of tokens to generate.
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
-    /// Device to run on: `ref` (the oracle), `cpu`, `cpu:kv-TYPE[-TYPE]`, `fixed`, `fixed-int4`, `gpu-emu`, `cuda[:N]`, `rocm[:N]`.
-    #[arg(long, default_value = "ref")]
+    #[arg(long, default_value = "ref", help = concat!("Device to run on: ", devices::device_names!(), "."))]
     device: String,
     /// Print one JSON object: {"tokens", "text", "decode_tok_per_s", ...}.
     #[arg(long)]
