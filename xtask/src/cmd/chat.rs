@@ -8,6 +8,11 @@ use oracle::tokenizer::Tokenizer;
 /// The fuel a chat template may burn in one render ([`render`]).
 pub const TEMPLATE_FUEL: u64 = 100_000;
 
+/// The longest chat prompt a template may render, in bytes: 1 MiB holds a 128k-token context
+/// of English text twice over. What the fuel allows is several times more, and tokenizing it
+/// takes about 100 bytes per byte of text.
+pub const MAX_RENDERED_BYTES: usize = 1 << 20;
+
 /// `messages` as (role, content) rendered with `template`, ending with the assistant's turn
 /// opened (`add_generation_prompt`); `bos_token` and `eos_token` are the tokenizer's pieces.
 pub fn render(template: &str, messages: &[(&str, &str)], tok: &Tokenizer) -> Result<String, Exit> {
@@ -33,7 +38,11 @@ pub fn render(template: &str, messages: &[(&str, &str)], tok: &Tokenizer) -> Res
         bos_token => piece(tok.bos),
         eos_token => piece(tok.eos.first().copied()),
     };
-    env.get_template("chat").and_then(|t| t.render(ctx)).map_err(bad)
+    let text = env.get_template("chat").and_then(|t| t.render(ctx)).map_err(bad)?;
+    if text.len() > MAX_RENDERED_BYTES {
+        return Err(Exit::new(2, format!("chat template: it rendered {} bytes, more than the {MAX_RENDERED_BYTES} a chat prompt may hold (no model's context takes that much text)", text.len())));
+    }
+    Ok(text)
 }
 
 /// The ids of a rendered chat prompt: the BOS a tokenizer puts first (a GGUF's `add_bos_token`,
@@ -70,6 +79,23 @@ mod tests {
         // The budget is far above what a real conversation takes: 1,000 turns render.
         let turns: Vec<(&str, &str)> = (0..1000).map(|i| (if i % 2 == 0 { "user" } else { "assistant" }, "Tell me more about Paris.")).collect();
         assert!(render(&own, &turns, &tok).is_ok());
+    }
+
+    /// A template that writes more than a prompt can hold is an error before anything tokenizes
+    /// it (tokenizing takes about 100 bytes per byte of text); the fuel bounds what it can build.
+    #[test]
+    fn a_render_larger_than_any_prompt_is_refused() {
+        let tok = oracle::loader::open_tokenizer(&::fixtures::resolve("smollm2", true).unwrap()).unwrap().unwrap();
+        let doubling = "{% set ns = namespace(x='0123456789abcdef' * 4) %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x }}";
+        let long = "{{ 'x' * 2000000 }}";
+        for t in [doubling, long] {
+            let start = std::time::Instant::now();
+            let e = render(t, &[("user", "hi")], &tok).err().unwrap_or_else(|| panic!("{t}: rendered"));
+            assert!(e.code == 2 && (e.message.contains("bytes, more than the") || e.message.contains("its budget is")), "{t}: {}", e.message);
+            assert!(start.elapsed() < std::time::Duration::from_secs(10), "{t}: {:?}", start.elapsed());
+        }
+        let e = render(long, &[("user", "hi")], &tok).err().unwrap();
+        assert!(e.message.contains("rendered 2000000 bytes"), "{}", e.message);
     }
 
     /// A namespace that holds itself is a reference cycle minijinja never frees (found by the
