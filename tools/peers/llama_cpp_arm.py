@@ -6,17 +6,34 @@ A development peer, never a runtime dependency: it needs the PyPI sdist `llama-c
 It speaks the arm protocol: reads TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS and
 TOUCHSTONE_N_GENERATE, runs one warm-up and one measured greedy generation on 2 threads, and prints
 one JSON line: prefill_ms (to the first token), decode_ms, n_prompt, n_gen, tokens, step_ms.
+TOUCHSTONE_LLAMA_EXTRA_BUFTS=0 loads the weights without llama.cpp's repacked/AMX buffers (its
+AMX matmul crashes on an AMX CPU whose kernel does not grant the process AMX state), as the dump
+peer does.
 """
 import json
 import os
 import time
 
+import llama_cpp.llama_cpp as low
 from llama_cpp import Llama
+
+if os.environ.get("TOUCHSTONE_LLAMA_EXTRA_BUFTS", "1") == "0":
+    # `Llama` takes its model parameters from this function when it loads the model.
+    default_params = low.llama_model_default_params
+
+    def no_extra_bufts():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = no_extra_bufts
 
 ids = [int(t) for t in os.environ["TOUCHSTONE_PROMPT_IDS"].split(",")]
 n_gen = int(os.environ["TOUCHSTONE_N_GENERATE"])
 threads = int(os.environ.get("RAYON_NUM_THREADS", "2"))
-llm = Llama(model_path=os.environ["TOUCHSTONE_MODEL"], n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+# The context holds the prompt and what it generates (a 1,000-token prompt needs more than 512).
+n_ctx = max(512, len(ids) + n_gen + 16)
+llm = Llama(model_path=os.environ["TOUCHSTONE_MODEL"], n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
 
 
 def run():
