@@ -415,6 +415,11 @@ pub fn dot_rows<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f
 pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
     #[cfg(target_arch = "x86_64")]
     {
+        if T == 4 && ty == GgmlType::Q4_1 && pairs::available() {
+            let xs4: [&Q8Row; 4] = std::array::from_fn(|i| xs[i]);
+            // SAFETY: the CPU reports what `pairs::available` checks.
+            return unsafe { pairs::q4_1_rows_x4(rows, row_bytes, xs4, out, stride) };
+        }
         if has_avx_vnni() {
             // SAFETY: the CPU reports avx2, fma, f16c and avxvnni.
             return unsafe { dot_rows_block_vnni(ty, rows, row_bytes, xs, out, stride) };
@@ -773,6 +778,8 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
 }
 
 mod float;
+#[cfg(target_arch = "x86_64")]
+mod pairs;
 pub use float::*;
 
 #[cfg(test)]
