@@ -79,6 +79,16 @@ const DEEPSEEK_CODER_PATTERNS: [&str; 5] = [
 /// Llama-3 split (digits in groups of up to three).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The same call on either kind of [`Inner`] (two types with the same methods).
+macro_rules! on_inner {
+    ($inner:expr, $t:ident => $call:expr) => {
+        match $inner {
+            Inner::Gguf($t) => $call,
+            Inner::Json($t) => $call,
+        }
+    };
+}
+
 pub struct Tokenizer {
     inner: Inner,
     pub bos: Option<u32>,
@@ -181,10 +191,9 @@ impl Tokenizer {
                 check_merges(pairs, |t| vocab.contains_key(t), prefix).map_err(|e| tok_err(format!("{}: model.{e}", path.display())))?;
             }
         }
-        let inner = std::panic::catch_unwind(|| <tokenizers::Tokenizer as std::str::FromStr>::from_str(&text))
+        let mut inner = std::panic::catch_unwind(|| <tokenizers::Tokenizer as std::str::FromStr>::from_str(&text))
             .map_err(|_| tok_err(format!("{}: the tokenizers crate panicked reading it (a malformed tokenizer.json)", path.display())))?
             .map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
-        let mut inner = inner;
         // The tokenizers crate's BPE keeps each model's cached words in a map per thread that it
         // never frees, not even when the model is dropped: with the cache off, a process that
         // builds many tokenizers (a fuzzing campaign, a long test run) does not grow with each.
@@ -227,11 +236,7 @@ impl Tokenizer {
     /// Token ids of `text` (with BOS first when the model asks for it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         // With the special tokens a tokenizer.json's post-processor adds (none for a GGUF's).
-        let enc = match &self.inner {
-            Inner::Gguf(t) => t.encode(text, true),
-            Inner::Json(t) => t.encode(text, true),
-        }
-        .map_err(tok_err)?;
+        let enc = on_inner!(&self.inner, t => t.encode(text, true)).map_err(tok_err)?;
         let mut ids = Vec::new();
         if self.add_bos {
             ids.extend(self.bos);
@@ -241,35 +246,21 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        match &self.inner {
-            Inner::Gguf(t) => t.decode(ids, false),
-            Inner::Json(t) => t.decode(ids, false),
-        }
-        .map_err(tok_err)
+        on_inner!(&self.inner, t => t.decode(ids, false)).map_err(tok_err)
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
     pub fn save(&self, path: &std::path::Path) -> Result<()> {
-        match &self.inner {
-            Inner::Gguf(t) => t.save(path, false),
-            Inner::Json(t) => t.save(path, false),
-        }
-        .map_err(|e| tok_err(format!("{}: {e}", path.display())))
+        on_inner!(&self.inner, t => t.save(path, false)).map_err(|e| tok_err(format!("{}: {e}", path.display())))
     }
 
     /// The vocabulary's string for an id (`Ġ`/`▁` for spaces, `<0x0A>` for a byte token).
     pub fn piece(&self, id: u32) -> Option<String> {
-        match &self.inner {
-            Inner::Gguf(t) => t.id_to_token(id),
-            Inner::Json(t) => t.id_to_token(id),
-        }
+        on_inner!(&self.inner, t => t.id_to_token(id))
     }
 
     pub fn vocab_size(&self) -> usize {
-        match &self.inner {
-            Inner::Gguf(t) => t.get_vocab_size(true),
-            Inner::Json(t) => t.get_vocab_size(true),
-        }
+        on_inner!(&self.inner, t => t.get_vocab_size(true))
     }
 }
 

@@ -5,7 +5,7 @@
 //! token's result has the bits of its own [`super::dot_row`]. Half the instructions per token of
 //! the 256-bit path, where a prefill spends most of its time.
 
-use super::{Avx2, BlockDot, Q8Row, AVX512_VNNI};
+use super::{has_avx512_vnni, Avx2, BlockDot, Q8Row, AVX512_VNNI};
 use std::sync::OnceLock;
 
 /// Q4_1's block: f16 d, f16 m, 16 bytes of nibbles.
@@ -14,15 +14,8 @@ const Q4_1_BYTES: usize = 20;
 /// Whether this CPU runs [`q4_1_rows_x4`].
 pub(super) fn available() -> bool {
     static F: OnceLock<bool> = OnceLock::new();
-    *F.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    })
+    // The 256-bit EVEX path's features (avx2, fma, f16c, avx512vnni, avx512vl) and 512-bit registers.
+    *F.get_or_init(|| has_avx512_vnni() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
 }
 
 /// `super::dot_rows_block` of Q4_1 rows with four tokens: row `r`, token `t` into
@@ -57,13 +50,11 @@ pub(super) unsafe fn q4_1_rows_x4(rows: &[u8], row_bytes: usize, xs: [&Q8Row; 4]
         for (b, blk) in row.chunks_exact(Q4_1_BYTES).enumerate() {
             let d = <Avx2<AVX512_VNNI> as BlockDot>::f16(blk, 0);
             let m = <Avx2<AVX512_VNNI> as BlockDot>::f16(blk, 2);
-            // SAFETY (loads): each reads inside a slice whose length is checked above or by
-            // `chunks_exact` (16 nibble bytes at 4..20 of a 20-byte block; 64 activations at
-            // 128b and 128b + 64; 16 scales at 32b and 32b + 16; 4 sums at 4b; b < nb).
-            let raw = unsafe { _mm_loadu_si128(blk[4..20].as_ptr() as *const __m128i) };
-            let mask = _mm_set1_epi8(0x0F);
-            let w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-            let w = _mm512_broadcast_i64x4(w);
+            // The 256-bit path's own unpacking (Q4_1: no fifth bit, no offset), to both halves.
+            let w = _mm512_broadcast_i64x4(<Avx2<AVX512_VNNI> as BlockDot>::nibbles(&blk[4..20], 0, 0).mag);
+            // SAFETY (loads): each reads inside a slice whose length is checked above (64
+            // activations at 128b and 128b + 64; 16 scales at 32b and 32b + 16; 4 sums at 4b;
+            // b < nb).
             let (x01, x23) = unsafe {
                 (_mm512_loadu_si512(acts[128 * b..128 * b + 64].as_ptr() as *const __m512i), _mm512_loadu_si512(acts[128 * b + 64..128 * b + 128].as_ptr() as *const __m512i))
             };
