@@ -27,6 +27,10 @@ const ROWS_PER_TASK: usize = 32;
 /// Tokens a packed weight row is dotted with at once in a multi-token matmul.
 const TOKENS_PER_DOT: usize = 4;
 
+/// Tokens from which a quantized matmul splits its work by tokens ([`quantized_by_tokens`])
+/// rather than by weight rows: enough groups of [`TOKENS_PER_DOT`] to keep every thread busy.
+const TOKEN_TASKS_FROM: usize = 64;
+
 fn out(shape: &[usize], data: Vec<f32>) -> Output {
     Output::F32(Tensor { shape: shape.to_vec(), data })
 }
@@ -110,12 +114,46 @@ fn quantized_task(w: &Packed, xq: &[qdot::Q8Row], c: usize, o: &mut [f32]) {
     let mut t = 0;
     while t + TOKENS_PER_DOT <= m {
         let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t + i]);
-        qdot::dot_rows_block(w.ty, rows, row_bytes, xs, &mut o[t..], m);
+        qdot::dot_rows_block(w.ty, rows, row_bytes, xs, &mut o[t..], qdot::Strides { row: m, token: 1 });
         t += TOKENS_PER_DOT;
     }
     for t in t..m {
-        qdot::dot_rows_block(w.ty, rows, row_bytes, [&xq[t]], &mut o[t..], m);
+        qdot::dot_rows_block(w.ty, rows, row_bytes, [&xq[t]], &mut o[t..], qdot::Strides { row: m, token: 1 });
     }
+}
+
+/// The quantized matmuls of a long prompt, one task per group of [`TOKENS_PER_DOT`] tokens
+/// over every row of every matrix: each output is written `[m][rows]` as it is computed (no
+/// transpose), and a kernel lays out its tokens' activations once for all the rows. The
+/// weights (a layer's matrices are hundreds of kilobytes) stream from each core's L2.
+/// Every dot is the call [`quantized_task`] makes for it: the same bits.
+fn quantized_by_tokens(ws: &[Packed], xq: &[qdot::Q8Row]) -> Vec<Vec<f32>> {
+    use rayon::prelude::*;
+    let m = xq.len();
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; w.rows * m]).collect();
+    // Per group, its slice of every output (`[tokens][rows]`), in the order of `ws`.
+    let mut groups: Vec<Vec<&mut [f32]>> = (0..m.div_ceil(TOKENS_PER_DOT)).map(|_| Vec::with_capacity(ws.len())).collect();
+    for (y, w) in ys.iter_mut().zip(ws) {
+        for (g, o) in y.chunks_mut(TOKENS_PER_DOT * w.rows).enumerate() {
+            groups[g].push(o);
+        }
+    }
+    groups.into_par_iter().enumerate().for_each(|(g, outs)| {
+        let t0 = g * TOKENS_PER_DOT;
+        for (w, o) in ws.iter().zip(outs) {
+            let row_bytes = w.bytes.len() / w.rows;
+            let at = qdot::Strides { row: 1, token: w.rows };
+            if t0 + TOKENS_PER_DOT <= m {
+                let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t0 + i]);
+                qdot::dot_rows_block(w.ty, w.bytes, row_bytes, xs, o, at);
+            } else {
+                for (i, x) in xq[t0..].iter().enumerate() {
+                    qdot::dot_rows_block(w.ty, w.bytes, row_bytes, [x], &mut o[i * w.rows..], at);
+                }
+            }
+        }
+    });
+    ys
 }
 
 /// [`matmul_packed`] of the same `x` by several matrices (Q, K, V; gate, up): when all are
@@ -131,6 +169,9 @@ pub fn matmul_packed_group(x: &[f32], m: usize, x_stride: usize, ws: &[Packed]) 
         return ws.iter().map(|w| matmul_packed_strided(x, m, x_stride, *w)).collect();
     }
     let xq = quantize_rows(x, m, x_stride, ws[0].cols);
+    if m >= TOKEN_TASKS_FROM && ws.iter().all(|w| w.rows > 0) {
+        return quantized_by_tokens(ws, &xq);
+    }
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; w.rows * m]).collect();
     let tasks: Vec<(usize, usize, &mut [f32])> =
         ys.iter_mut().enumerate().flat_map(|(i, y)| y.chunks_mut(ROWS_PER_TASK * m).enumerate().map(move |(c, o)| (i, c, o))).collect();
@@ -352,6 +393,32 @@ mod tests {
             for (w, y) in group.iter().zip(&together) {
                 assert_eq!(bits(y), bits(&matmul_packed(&x, m, *w)), "{:?} in a group of {}", w.ty, group.len());
                 assert!(y.iter().any(|v| *v != 0.0));
+            }
+        }
+    }
+
+    /// A long prompt's quantized matmul (split by tokens, written token by token) gives every
+    /// token and row the bits of that row's one-token dot, with a last group short of four
+    /// tokens and in a group of matrices.
+    #[test]
+    fn a_long_prompt_gives_every_dot_the_bits_of_its_own() {
+        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 2.0;
+        let m = TOKEN_TASKS_FROM + 3;
+        for (ty, k, rows) in [(GgmlType::Q4_1, 256, 37), (GgmlType::Q8_0, 64, 9), (GgmlType::Q4_K, 256, 5)] {
+            let x: Vec<f32> = (0..m * k).map(|i| val(i, 1)).collect();
+            let w = oracle::quant::encode(ty, &(0..rows * k).map(|i| val(i, 3)).collect::<Vec<_>>()).expect("encodes");
+            let packed = Packed { ty, rows, cols: k, bytes: &w };
+            let alone = matmul_packed(&x, m, packed);
+            let grouped = matmul_packed_group(&x, m, k, &[packed, packed]);
+            let row_bytes = w.len() / rows;
+            for t in 0..m {
+                let xq = qdot::quantize_q8(&x[t * k..(t + 1) * k]);
+                for r in 0..rows {
+                    let want = qdot::dot_row(ty, &w[r * row_bytes..(r + 1) * row_bytes], &xq).to_bits();
+                    for (how, y) in [("alone", &alone), ("first of a group", &grouped[0]), ("second of a group", &grouped[1])] {
+                        assert_eq!(y[t * rows + r].to_bits(), want, "{ty:?} {how}: token {t} row {r}");
+                    }
+                }
             }
         }
     }

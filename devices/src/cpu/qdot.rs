@@ -405,63 +405,83 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &Q8Row) -> f32 {
 /// copy compiled with AVX2/FMA/F16C is chosen at run time (the build itself stays generic).
 pub fn dot_rows<const T: usize>(ty: GgmlType, row: &[u8], xs: [&Q8Row; T]) -> [f32; T] {
     let mut out = [0.0f32; T];
-    dot_rows_block(ty, row, row.len(), xs, &mut out, T);
+    dot_rows_block(ty, row, row.len(), xs, &mut out, Strides { row: T, token: 1 });
     out
 }
 
+/// Where [`dot_rows_block`] writes the dot of row `r` and token `t`: `out[r * row + t * token]`
+/// (`row: T, token: 1` for results row by row; `row: 1, token: n` for an `[m][n]` output).
+#[derive(Clone, Copy, Debug)]
+pub struct Strides {
+    pub row: usize,
+    pub token: usize,
+}
+
+impl Strides {
+    /// The length `out` needs for `rows` rows and `tokens` tokens (0 when either is 0).
+    pub fn needs(self, rows: usize, tokens: usize) -> usize {
+        if rows == 0 || tokens == 0 {
+            return 0;
+        }
+        (rows - 1) * self.row + (tokens - 1) * self.token + 1
+    }
+}
+
 /// [`dot_rows`] of `n` consecutive packed rows (`rows`, `row_bytes` each) with the same `T`
-/// tokens: row `r`, token `i` into `out[r * stride + i]`. One run-time path choice for all of
-/// them (a one-token GEMV calls this once per task of rows, not once per row).
-pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
+/// tokens: row `r`, token `i` into `out[r * at.row + i * at.token]`. One run-time path choice
+/// for all of them (a one-token GEMV calls this once per task of rows, not once per row).
+pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], at: Strides) {
     #[cfg(target_arch = "x86_64")]
     {
         if T == 4 && ty == GgmlType::Q4_1 && pairs::available() {
             let xs4: [&Q8Row; 4] = std::array::from_fn(|i| xs[i]);
             // SAFETY: the CPU reports what `pairs::available` checks.
-            return unsafe { pairs::q4_1_rows_x4(rows, row_bytes, xs4, out, stride) };
+            return unsafe { pairs::q4_1_rows_x4(rows, row_bytes, xs4, out, at) };
         }
         if has_avx_vnni() {
             // SAFETY: the CPU reports avx2, fma, f16c and avxvnni.
-            return unsafe { dot_rows_block_vnni(ty, rows, row_bytes, xs, out, stride) };
+            return unsafe { dot_rows_block_vnni(ty, rows, row_bytes, xs, out, at) };
         }
         if has_avx512_vnni() {
             // SAFETY: the CPU reports avx2, fma, f16c, avx512vnni and avx512vl.
-            return unsafe { dot_rows_block_vnni512(ty, rows, row_bytes, xs, out, stride) };
+            return unsafe { dot_rows_block_vnni512(ty, rows, row_bytes, xs, out, at) };
         }
         if has_avx2() {
             // SAFETY: the CPU reports avx2, fma and f16c.
-            return unsafe { dot_rows_block_avx2(ty, rows, row_bytes, xs, out, stride) };
+            return unsafe { dot_rows_block_avx2(ty, rows, row_bytes, xs, out, at) };
         }
     }
-    dot_rows_block_impl::<Portable, T>(ty, rows, row_bytes, xs, out, stride)
+    dot_rows_block_impl::<Portable, T>(ty, rows, row_bytes, xs, out, at)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_rows_block_avx2<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
-    dot_rows_block_impl::<Avx2<NO_VNNI>, T>(ty, rows, row_bytes, xs, out, stride)
+unsafe fn dot_rows_block_avx2<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], at: Strides) {
+    dot_rows_block_impl::<Avx2<NO_VNNI>, T>(ty, rows, row_bytes, xs, out, at)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn dot_rows_block_vnni<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
-    dot_rows_block_impl::<Avx2<AVX_VNNI>, T>(ty, rows, row_bytes, xs, out, stride)
+unsafe fn dot_rows_block_vnni<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], at: Strides) {
+    dot_rows_block_impl::<Avx2<AVX_VNNI>, T>(ty, rows, row_bytes, xs, out, at)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-unsafe fn dot_rows_block_vnni512<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
-    dot_rows_block_impl::<Avx2<AVX512_VNNI>, T>(ty, rows, row_bytes, xs, out, stride)
+unsafe fn dot_rows_block_vnni512<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], at: Strides) {
+    dot_rows_block_impl::<Avx2<AVX512_VNNI>, T>(ty, rows, row_bytes, xs, out, at)
 }
 
 #[inline(always)]
-fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], stride: usize) {
+fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], at: Strides) {
     if row_bytes == 0 {
         return; // empty rows: their dots are the zeros `out` holds
     }
+    assert!(out.len() >= at.needs(rows.len() / row_bytes, T), "dot_rows_block: output shorter than its rows and tokens");
     for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
-        let v = dot_rows_impl::<I, T>(ty, row, xs);
-        out[r * stride..r * stride + T].copy_from_slice(&v);
+        for (t, v) in dot_rows_impl::<I, T>(ty, row, xs).into_iter().enumerate() {
+            out[r * at.row + t * at.token] = v;
+        }
     }
 }
 

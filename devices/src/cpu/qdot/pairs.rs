@@ -5,7 +5,7 @@
 //! token's result has the bits of its own [`super::dot_row`]. Half the instructions per token of
 //! the 256-bit path, where a prefill spends most of its time.
 
-use super::{has_avx512_vnni, Avx2, BlockDot, Q8Row, AVX512_VNNI};
+use super::{has_avx512_vnni, Avx2, BlockDot, Q8Row, Strides, AVX512_VNNI};
 use std::sync::OnceLock;
 
 /// Q4_1's block: f16 d, f16 m, 16 bytes of nibbles.
@@ -19,19 +19,19 @@ pub(super) fn available() -> bool {
 }
 
 /// `super::dot_rows_block` of Q4_1 rows with four tokens: row `r`, token `t` into
-/// `out[r * stride + t]`.
+/// `out[r * at.row + t * at.token]`.
 ///
 /// # Safety
 /// The CPU must have what [`available`] checks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn q4_1_rows_x4(rows: &[u8], row_bytes: usize, xs: [&Q8Row; 4], out: &mut [f32], stride: usize) {
+pub(super) unsafe fn q4_1_rows_x4(rows: &[u8], row_bytes: usize, xs: [&Q8Row; 4], out: &mut [f32], at: Strides) {
     use std::arch::x86_64::*;
     if row_bytes == 0 {
         return; // empty rows: their dots are the zeros `out` holds
     }
     let nb = row_bytes / Q4_1_BYTES;
     assert!(row_bytes == nb * Q4_1_BYTES && xs.iter().all(|x| x.q.len() >= 32 * nb && x.d.len() >= nb && x.dsum.len() >= nb));
-    assert!(out.len() >= (rows.len() / row_bytes).saturating_sub(1) * stride + 4);
+    assert!(out.len() >= at.needs(rows.len() / row_bytes, 4));
     // Per block, the four tokens' activations side by side (tokens 0 and 1 fill one register,
     // 2 and 3 the next), their scales as the halves want them ([d_x of token 0] x 8, [token 1]
     // x 8, ...), and their scaled block sums.
@@ -75,9 +75,8 @@ pub(super) unsafe fn q4_1_rows_x4(rows: &[u8], row_bytes: usize, xs: [&Q8Row; 4]
         let mut m4 = [0.0f32; 4];
         // SAFETY: a 16-byte store into a 4-float array.
         unsafe { _mm_storeu_ps(m4.as_mut_ptr(), mins) };
-        let o = &mut out[r * stride..r * stride + 4];
         for t in 0..4 {
-            o[t] = <Avx2<AVX512_VNNI> as BlockDot>::hsum(halves[t]) + m4[t];
+            out[r * at.row + t * at.token] = <Avx2<AVX512_VNNI> as BlockDot>::hsum(halves[t]) + m4[t];
         }
     }
 }

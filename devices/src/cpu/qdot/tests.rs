@@ -127,16 +127,16 @@ fn avx2_rows_equal_the_portable_rows_for_every_quantized_type() {
         {
             let mut got = [0.0f32];
             // SAFETY: the CPU reports AVX2, FMA and F16C (checked above); one row of `row_bytes`.
-            unsafe { dot_rows_block_avx2(ty, row, row.len(), [&x], &mut got, 1) };
+            unsafe { dot_rows_block_avx2(ty, row, row.len(), [&x], &mut got, Strides { row: 1, token: 1 }) };
             same(got[0], "AVX2");
             if has_avx_vnni() {
                 // SAFETY: the CPU reports AVX-VNNI too.
-                unsafe { dot_rows_block_vnni(ty, row, row.len(), [&x], &mut got, 1) };
+                unsafe { dot_rows_block_vnni(ty, row, row.len(), [&x], &mut got, Strides { row: 1, token: 1 }) };
                 same(got[0], "AVX-VNNI");
             }
             if has_avx512_vnni() {
                 // SAFETY: the CPU reports AVX-512 VNNI and VL too.
-                unsafe { dot_rows_block_vnni512(ty, row, row.len(), [&x], &mut got, 1) };
+                unsafe { dot_rows_block_vnni512(ty, row, row.len(), [&x], &mut got, Strides { row: 1, token: 1 }) };
                 same(got[0], "AVX-512 VNNI");
             }
         }
