@@ -27,8 +27,12 @@ const ROWS_PER_TASK: usize = 32;
 /// Tokens a packed weight row is dotted with at once in a multi-token matmul.
 const TOKENS_PER_DOT: usize = 4;
 
+/// Tokens per task of a long prompt's quantized matmul ([`quantized_by_tokens`]): with AVX-512
+/// Q4_1 rows are dotted with all eight at once, four registers of two tokens.
+const TOKENS_PER_TASK: usize = 8;
+
 /// Tokens from which a quantized matmul splits its work by tokens ([`quantized_by_tokens`])
-/// rather than by weight rows: enough groups of [`TOKENS_PER_DOT`] to keep every thread busy.
+/// rather than by weight rows: enough tasks of [`TOKENS_PER_TASK`] to keep every thread busy.
 const TOKEN_TASKS_FROM: usize = 64;
 
 fn out(shape: &[usize], data: Vec<f32>) -> Output {
@@ -122,34 +126,40 @@ fn quantized_task(w: &Packed, xq: &[qdot::Q8Row], c: usize, o: &mut [f32]) {
     }
 }
 
-/// The quantized matmuls of a long prompt, one task per group of [`TOKENS_PER_DOT`] tokens
+/// The quantized matmuls of a long prompt, one task per group of [`TOKENS_PER_TASK`] tokens
 /// over every row of every matrix: each output is written `[m][rows]` as it is computed (no
 /// transpose), and a kernel lays out its tokens' activations once for all the rows. The
 /// weights (a layer's matrices are hundreds of kilobytes) stream from each core's L2.
-/// Every dot is the call [`quantized_task`] makes for it: the same bits.
+/// Every dot has the bits of the row's one-token dot, as [`quantized_task`]'s do.
 fn quantized_by_tokens(ws: &[Packed], xq: &[qdot::Q8Row]) -> Vec<Vec<f32>> {
     use rayon::prelude::*;
     let m = xq.len();
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; w.rows * m]).collect();
     // Per group, its slice of every output (`[tokens][rows]`), in the order of `ws`.
-    let mut groups: Vec<Vec<&mut [f32]>> = (0..m.div_ceil(TOKENS_PER_DOT)).map(|_| Vec::with_capacity(ws.len())).collect();
+    let mut groups: Vec<Vec<&mut [f32]>> = (0..m.div_ceil(TOKENS_PER_TASK)).map(|_| Vec::with_capacity(ws.len())).collect();
     for (y, w) in ys.iter_mut().zip(ws) {
-        for (g, o) in y.chunks_mut(TOKENS_PER_DOT * w.rows).enumerate() {
+        for (g, o) in y.chunks_mut(TOKENS_PER_TASK * w.rows).enumerate() {
             groups[g].push(o);
         }
     }
     groups.into_par_iter().enumerate().for_each(|(g, outs)| {
-        let t0 = g * TOKENS_PER_DOT;
+        let xs = &xq[g * TOKENS_PER_TASK..m.min((g + 1) * TOKENS_PER_TASK)];
         for (w, o) in ws.iter().zip(outs) {
             let row_bytes = w.bytes.len() / w.rows;
             let at = qdot::Strides { row: 1, token: w.rows };
-            if t0 + TOKENS_PER_DOT <= m {
-                let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t0 + i]);
-                qdot::dot_rows_block(w.ty, w.bytes, row_bytes, xs, o, at);
-            } else {
-                for (i, x) in xq[t0..].iter().enumerate() {
-                    qdot::dot_rows_block(w.ty, w.bytes, row_bytes, [x], &mut o[i * w.rows..], at);
-                }
+            if let Ok(x8) = <&[qdot::Q8Row; TOKENS_PER_TASK]>::try_from(xs) {
+                qdot::dot_rows_block(w.ty, w.bytes, row_bytes, x8.each_ref(), o, at);
+                continue;
+            }
+            // The last group, short: four together, then one by one.
+            let mut t = 0;
+            while t + TOKENS_PER_DOT <= xs.len() {
+                let x4: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xs[t + i]);
+                qdot::dot_rows_block(w.ty, w.bytes, row_bytes, x4, &mut o[t * w.rows..], at);
+                t += TOKENS_PER_DOT;
+            }
+            for (t, x) in xs.iter().enumerate().skip(t) {
+                qdot::dot_rows_block(w.ty, w.bytes, row_bytes, [x], &mut o[t * w.rows..], at);
             }
         }
     });
@@ -398,12 +408,12 @@ mod tests {
     }
 
     /// A long prompt's quantized matmul (split by tokens, written token by token) gives every
-    /// token and row the bits of that row's one-token dot, with a last group short of four
-    /// tokens and in a group of matrices.
+    /// token and row the bits of that row's one-token dot, with a short last group and in a
+    /// group of matrices.
     #[test]
     fn a_long_prompt_gives_every_dot_the_bits_of_its_own() {
         let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 40503) % 10007) as f32 / 10007.0 - 0.5) * 2.0;
-        let m = TOKEN_TASKS_FROM + 3;
+        let m = TOKEN_TASKS_FROM + 7; // a last group of seven: four together, then three alone
         for (ty, k, rows) in [(GgmlType::Q4_1, 256, 37), (GgmlType::Q8_0, 64, 9), (GgmlType::Q4_K, 256, 5)] {
             let x: Vec<f32> = (0..m * k).map(|i| val(i, 1)).collect();
             let w = oracle::quant::encode(ty, &(0..rows * k).map(|i| val(i, 3)).collect::<Vec<_>>()).expect("encodes");

@@ -431,12 +431,25 @@ impl Strides {
 /// tokens: row `r`, token `i` into `out[r * at.row + i * at.token]`. One run-time path choice
 /// for all of them (a one-token GEMV calls this once per task of rows, not once per row).
 pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], at: Strides) {
+    if T == 8 && !(ty == GgmlType::Q4_1 && pairs_available()) {
+        // Eight tokens take a register pair each only on the two-token path; elsewhere they
+        // are two calls of four (eight sums of eight lanes would not stay in registers).
+        let first: [&Q8Row; 4] = std::array::from_fn(|i| xs[i]);
+        let last: [&Q8Row; 4] = std::array::from_fn(|i| xs[4 + i]);
+        assert!(out.len() >= at.needs(rows.len() / row_bytes.max(1), T), "dot_rows_block: output shorter than its rows and tokens");
+        dot_rows_block(ty, rows, row_bytes, first, out, at);
+        return dot_rows_block(ty, rows, row_bytes, last, &mut out[4 * at.token..], at);
+    }
     #[cfg(target_arch = "x86_64")]
     {
-        if T == 4 && ty == GgmlType::Q4_1 && pairs::available() {
-            let xs4: [&Q8Row; 4] = std::array::from_fn(|i| xs[i]);
+        if ty == GgmlType::Q4_1 && (T == 4 || T == 8) && pairs_available() {
             // SAFETY: the CPU reports what `pairs::available` checks.
-            return unsafe { pairs::q4_1_rows_x4(rows, row_bytes, xs4, out, at) };
+            return unsafe {
+                match T {
+                    4 => pairs::q4_1_rows::<4, 2>(rows, row_bytes, std::array::from_fn(|i| xs[i]), out, at),
+                    _ => pairs::q4_1_rows::<8, 4>(rows, row_bytes, std::array::from_fn(|i| xs[i]), out, at),
+                }
+            };
         }
         if has_avx_vnni() {
             // SAFETY: the CPU reports avx2, fma, f16c and avxvnni.
@@ -483,6 +496,14 @@ fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], r
             out[r * at.row + t * at.token] = v;
         }
     }
+}
+
+/// Whether this machine has the two-token Q4_1 kernel ([`pairs`]).
+fn pairs_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return pairs::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// The block-dot path this machine runs (for report provenance).

@@ -207,14 +207,18 @@ fn quantized_activations_equal_the_plain_quantizer() {
 #[test]
 fn multi_token_dots_equal_one_token_dots() {
     let checked = for_random_rows(11, 50, |ty, row, next| {
-        let xs: Vec<Q8Row> = (0..4).map(|_| random_q8(next)).collect();
+        let xs: Vec<Q8Row> = (0..8).map(|_| random_q8(next)).collect();
         let one: Vec<u32> = xs.iter().map(|x| dot_row(ty, row, x).to_bits()).collect();
+        let eight = dot_rows(ty, row, std::array::from_fn::<_, 8, _>(|i| &xs[i])).map(f32::to_bits);
         let four = dot_rows(ty, row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
         let three = dot_rows(ty, row, [&xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
         let portable = dot_rows_impl::<Portable, 4>(ty, row, [&xs[0], &xs[1], &xs[2], &xs[3]]).map(f32::to_bits);
         // Random scales can decode to NaN; NaN payloads aside, every result must match.
         let same = |a: &[u32], b: &[u32]| a.iter().zip(b).all(|(p, q)| p == q || (f32::from_bits(*p).is_nan() && f32::from_bits(*q).is_nan()));
-        assert!(same(&four, &one) && same(&three, &one[1..]) && same(&portable, &one), "{ty:?}: {four:?} / {three:?} / {portable:?} vs {one:?}");
+        assert!(
+            same(&eight, &one) && same(&four, &one) && same(&three, &one[1..]) && same(&portable, &one),
+            "{ty:?}: {eight:?} / {four:?} / {three:?} / {portable:?} vs {one:?}"
+        );
     });
     assert_eq!(checked, QUANTIZED_TYPES * 50);
 }
