@@ -492,8 +492,13 @@ fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], r
     }
     assert!(out.len() >= at.needs(rows.len() / row_bytes, T), "dot_rows_block: output shorter than its rows and tokens");
     for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
-        for (t, v) in dot_rows_impl::<I, T>(ty, row, xs).into_iter().enumerate() {
-            out[r * at.row + t * at.token] = v;
+        let v = dot_rows_impl::<I, T>(ty, row, xs);
+        if at.token == 1 {
+            out[r * at.row..r * at.row + T].copy_from_slice(&v);
+        } else {
+            for (t, v) in v.into_iter().enumerate() {
+                out[r * at.row + t * at.token] = v;
+            }
         }
     }
 }
