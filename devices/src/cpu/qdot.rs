@@ -369,10 +369,16 @@ impl<const VNNI: u8> BlockDot for Avx2<VNNI> {
     }
     #[inline(always)]
     fn f16(b: &[u8], at: usize) -> f32 {
-        use std::arch::x86_64::*;
         let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-        // One F16C conversion (exact, as `half`'s) without `half`'s per-call feature check.
-        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+        // One F16C conversion (exact, as `half`'s) without `half`'s per-call feature check. In
+        // assembly because from intrinsics LLVM moves the bits into lane 0 with `vpinsrw`, which
+        // merges into whatever register it picks: it picked the block dot's accumulator,
+        // chaining each block's scale to the previous block's sum. `vmovd` depends on nothing.
+        let v: f32;
+        // SAFETY: register-only instructions; the CPU has F16C (this impl runs after the
+        // AVX2/FMA/F16C check).
+        unsafe { std::arch::asm!("vmovd {t}, {b:e}", "vcvtph2ps {t}, {t}", b = in(reg) bits as u32, t = out(xmm_reg) v, options(pure, nomem, nostack, preserves_flags)) };
+        v
     }
     #[cfg(test)]
     fn lanes(l: Self::I) -> [i32; 8] {
