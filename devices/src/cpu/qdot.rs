@@ -437,12 +437,15 @@ impl Strides {
 /// tokens: row `r`, token `i` into `out[r * at.row + i * at.token]`. One run-time path choice
 /// for all of them (a one-token GEMV calls this once per task of rows, not once per row).
 pub fn dot_rows_block<const T: usize>(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: [&Q8Row; T], out: &mut [f32], at: Strides) {
+    if rows.is_empty() || row_bytes == 0 {
+        return; // no rows, or empty ones: their dots are the zeros `out` holds
+    }
     if T == 8 && !(ty == GgmlType::Q4_1 && pairs_available()) {
         // Eight tokens take a register pair each only on the two-token path; elsewhere they
         // are two calls of four (eight sums of eight lanes would not stay in registers).
         let first: [&Q8Row; 4] = std::array::from_fn(|i| xs[i]);
         let last: [&Q8Row; 4] = std::array::from_fn(|i| xs[4 + i]);
-        assert!(out.len() >= at.needs(rows.len() / row_bytes.max(1), T), "dot_rows_block: output shorter than its rows and tokens");
+        assert!(out.len() >= at.needs(rows.len() / row_bytes, T), "dot_rows_block: output shorter than its rows and tokens");
         dot_rows_block(ty, rows, row_bytes, first, out, at);
         return dot_rows_block(ty, rows, row_bytes, last, &mut out[4 * at.token..], at);
     }

@@ -271,3 +271,16 @@ fn fused_float_row_dot_equals_widen_then_dot() {
     }
     assert_eq!(checked, 3 * 43 * 20);
 }
+
+/// No rows (or rows of no bytes) with eight tokens and an output too short for any: nothing
+/// to compute and nothing written, on every type's path (eight tokens split in fours included).
+#[test]
+fn no_rows_write_nothing() {
+    let mut next = lcg(9);
+    let xs: Vec<Q8Row> = (0..8).map(|_| random_q8(&mut next)).collect();
+    for ty in [GgmlType::Q4_1, GgmlType::Q4_K, GgmlType::Q8_0] {
+        let mut out: [f32; 0] = [];
+        dot_rows_block(ty, &[], ty.type_size(), std::array::from_fn::<_, 8, _>(|i| &xs[i]), &mut out, Strides { row: 1, token: 5 });
+        dot_rows_block(ty, &[], 0, std::array::from_fn::<_, 8, _>(|i| &xs[i]), &mut out, Strides { row: 1, token: 5 });
+    }
+}
