@@ -112,17 +112,22 @@ fn quantized_task(w: &Packed, xq: &[qdot::Q8Row], c: usize, o: &mut [f32]) {
     let row_bytes = w.bytes.len() / w.rows.max(1);
     let r0 = c * ROWS_PER_TASK;
     let rows = &w.bytes[r0 * row_bytes..(r0 + o.len() / m) * row_bytes];
-    // Tokens in groups of TOKENS_PER_DOT (each weight block unpacked once per group), the
-    // group's activations staying in L1 while the task's rows pass; then the rest one by one.
-    // Either way a token's result has the bits of its own `dot_row`.
+    // The group's activations stay in L1 while the task's rows pass.
+    dot_tokens(w.ty, rows, row_bytes, xq, o, qdot::Strides { row: m, token: 1 });
+}
+
+/// The dots of `rows` with every token of `xs`, token `t`'s at `out[t * at.token..]` as `at`
+/// says: in groups of [`TOKENS_PER_DOT`] (each weight block unpacked once per group), then the
+/// rest one by one. Either way a token's result has the bits of its own `dot_row`.
+fn dot_tokens(ty: GgmlType, rows: &[u8], row_bytes: usize, xs: &[qdot::Q8Row], out: &mut [f32], at: qdot::Strides) {
     let mut t = 0;
-    while t + TOKENS_PER_DOT <= m {
-        let xs: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xq[t + i]);
-        qdot::dot_rows_block(w.ty, rows, row_bytes, xs, &mut o[t..], qdot::Strides { row: m, token: 1 });
+    while t + TOKENS_PER_DOT <= xs.len() {
+        let x4: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xs[t + i]);
+        qdot::dot_rows_block(ty, rows, row_bytes, x4, &mut out[t * at.token..], at);
         t += TOKENS_PER_DOT;
     }
-    for t in t..m {
-        qdot::dot_rows_block(w.ty, rows, row_bytes, [&xq[t]], &mut o[t..], qdot::Strides { row: m, token: 1 });
+    for (t, x) in xs.iter().enumerate().skip(t) {
+        qdot::dot_rows_block(ty, rows, row_bytes, [x], &mut out[t * at.token..], at);
     }
 }
 
@@ -149,17 +154,8 @@ fn quantized_by_tokens(ws: &[Packed], xq: &[qdot::Q8Row]) -> Vec<Vec<f32>> {
             let at = qdot::Strides { row: 1, token: w.rows };
             if let Ok(x8) = <&[qdot::Q8Row; TOKENS_PER_TASK]>::try_from(xs) {
                 qdot::dot_rows_block(w.ty, w.bytes, row_bytes, x8.each_ref(), o, at);
-                continue;
-            }
-            // The last group, short: four together, then one by one.
-            let mut t = 0;
-            while t + TOKENS_PER_DOT <= xs.len() {
-                let x4: [&qdot::Q8Row; TOKENS_PER_DOT] = std::array::from_fn(|i| &xs[t + i]);
-                qdot::dot_rows_block(w.ty, w.bytes, row_bytes, x4, &mut o[t * w.rows..], at);
-                t += TOKENS_PER_DOT;
-            }
-            for (t, x) in xs.iter().enumerate().skip(t) {
-                qdot::dot_rows_block(w.ty, w.bytes, row_bytes, [x], &mut o[t * w.rows..], at);
+            } else {
+                dot_tokens(w.ty, w.bytes, row_bytes, xs, o, at); // the last group, short
             }
         }
     });
