@@ -126,28 +126,28 @@ pub fn matmul_many<T: Real>(x: &[T], m: usize, ws: &[&Mat<T>]) -> Result<Vec<Vec
     // The activations are widened to f64 once (exact), so the per-row kernels only widen weights.
     let xw: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
     let xrow = |t: usize| &xw[t * k..(t + 1) * k];
-    let mut tasks: Vec<(&Mat<T>, usize, &mut [T])> = Vec::new();
-    for (w, out) in ws.iter().zip(outs.iter_mut()) {
-        for (chunk, o) in out.chunks_mut(ROWS_PER_TASK * m).enumerate() {
-            tasks.push((w, chunk * ROWS_PER_TASK, o));
-        }
-    }
-    tasks.into_par_iter().for_each_init(RowBuf::default, |buf, (w, r0, out)| {
-        for (dr, out_row) in out.chunks_mut(m).enumerate() {
-            let wr = w.row(r0 + dr, buf);
-            // Four tokens per pass over the row; each result is bit-identical to a single dot.
-            let mut t = 0;
-            while t + 4 <= m {
-                let d = T::dot4_wide([xrow(t), xrow(t + 1), xrow(t + 2), xrow(t + 3)], wr);
-                for j in 0..4 {
-                    out_row[t + j] = T::from_f64(d[j]);
+    // Nested parallel iterators (one fork-join tree over every matrix's row groups): a flat Vec
+    // of (matrix, first row, output) tasks fed to `into_par_iter` measured ~9% slower on a
+    // SmolLM2-sized GEMV (22.2 against 24.4 GB/s, 2-thread Intel Xeon VM).
+    ws.par_iter().zip(outs.par_iter_mut()).for_each(|(w, out)| {
+        out.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each_init(RowBuf::default, |buf, (chunk, out)| {
+            let r0 = chunk * ROWS_PER_TASK;
+            for (dr, out_row) in out.chunks_mut(m).enumerate() {
+                let wr = w.row(r0 + dr, buf);
+                // Four tokens per pass over the row; each result is bit-identical to a single dot.
+                let mut t = 0;
+                while t + 4 <= m {
+                    let d = T::dot4_wide([xrow(t), xrow(t + 1), xrow(t + 2), xrow(t + 3)], wr);
+                    for j in 0..4 {
+                        out_row[t + j] = T::from_f64(d[j]);
+                    }
+                    t += 4;
                 }
-                t += 4;
+                for t in t..m {
+                    out_row[t] = T::from_f64(T::dot_wide(xrow(t), wr));
+                }
             }
-            for t in t..m {
-                out_row[t] = T::from_f64(T::dot_wide(xrow(t), wr));
-            }
-        }
+        });
     });
     if m == 1 {
         return Ok(outs);
