@@ -23,6 +23,7 @@ pub fn q2_q3_k_quants(ty: GgmlType, b: &[u8]) -> [i8; QK_K] {
 
 // block_q2_K: scales[16] (low nibble scale, high nibble min of each 16-value group), qs[64],
 // d: f16, dmin: f16; value = d * scale * q - dmin * min, q in 0..4.
+#[inline(always)]
 pub(crate) fn decode_q2_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (rd_f16(b, 80), rd_f16(b, 82));
     for (i, (v, q)) in y.iter_mut().zip(q2_q3_k_quants(GgmlType::Q2_K, b)).enumerate() {
@@ -43,6 +44,7 @@ pub fn q3_k_scales(sc: &[u8]) -> [i8; 16] {
 }
 
 // block_q3_K: hmask[32], qs[64], scales[12], d: f16; value = d * scale * q, q in -4..4.
+#[inline(always)]
 pub(crate) fn decode_q3_k(b: &[u8], y: &mut [f32]) {
     let (d, scales) = (rd_f16(b, 108), q3_k_scales(&b[96..108]));
     for (i, (v, q)) in y.iter_mut().zip(q2_q3_k_quants(GgmlType::Q3_K, b)).enumerate() {
@@ -62,6 +64,7 @@ pub fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
 
 // block_q4_K: d: f16, dmin: f16, scales[12] (8 x (6-bit scale, 6-bit min)), qs[128].
 // Each 64-element chunk uses one byte row of 32 qs: low nibbles = first 32 elements, high = next 32.
+#[inline(always)]
 pub(crate) fn decode_q4_k(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     let dmin = rd_f16(b, 2);
@@ -83,6 +86,7 @@ pub(crate) fn decode_q4_k(b: &[u8], y: &mut [f32]) {
 
 // block_q5_K: d, dmin, scales[12], qh[32], qs[128]. Like Q4_K plus a 5th bit from qh:
 // chunk c takes bit 2c of qh[l] for its first 32 elements and bit 2c+1 for the next 32.
+#[inline(always)]
 pub(crate) fn decode_q5_k(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     let dmin = rd_f16(b, 2);
@@ -108,6 +112,7 @@ pub(crate) fn decode_q5_k(b: &[u8], y: &mut [f32]) {
 
 // block_q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales: i8[16], d: f16 (last).
 // Each 128-element half uses 64 ql, 32 qh and 8 scales; value = d * scale * (q - 32).
+#[inline(always)]
 pub(crate) fn decode_q6_k(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 208);
     for half in 0..2 {

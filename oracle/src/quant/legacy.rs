@@ -2,59 +2,73 @@
 
 use super::*;
 
+// Each decoder writes a block's two halves through fixed-length slices and zipped iterators, so
+// that the compiler sees every length and vectorizes without bounds checks.
+
+/// A block's 32 outputs as its two halves (elements 0..16 and 16..32).
+#[inline(always)]
+fn halves(y: &mut [f32]) -> (&mut [f32], &mut [f32]) {
+    y[..32].split_at_mut(16)
+}
+
 // block_q4_0: d: f16, qs[16]. Low nibbles are elements 0..16, high nibbles 16..32; value = (q - 8) * d.
+#[inline(always)]
 pub(crate) fn decode_q4_0(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
-    let qs = &b[2..18];
-    for j in 0..16 {
-        y[j] = ((qs[j] & 0x0F) as i32 - 8) as f32 * d;
-        y[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+    let (lo, hi) = halves(y);
+    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..18]) {
+        *l = ((q & 0x0F) as i32 - 8) as f32 * d;
+        *h = ((q >> 4) as i32 - 8) as f32 * d;
     }
 }
 
 // block_q4_1: d: f16, m: f16, qs[16]; value = q * d + m.
+#[inline(always)]
 pub(crate) fn decode_q4_1(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     let m = rd_f16(b, 2);
-    let qs = &b[4..20];
-    for j in 0..16 {
-        y[j] = (qs[j] & 0x0F) as f32 * d + m;
-        y[j + 16] = (qs[j] >> 4) as f32 * d + m;
+    let (lo, hi) = halves(y);
+    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[4..20]) {
+        *l = (q & 0x0F) as f32 * d + m;
+        *h = (q >> 4) as f32 * d + m;
     }
 }
 
 // block_q5_0: d: f16, qh: u32 (bit j = 5th bit of element j), qs[16]; value = (q - 16) * d.
+#[inline(always)]
 pub(crate) fn decode_q5_0(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    let qs = &b[6..22];
-    for j in 0..16 {
+    let (lo, hi) = halves(y);
+    for (j, ((l, h), &q)) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[6..22]).enumerate() {
         let h0 = ((qh >> j) & 1) << 4;
         let h1 = ((qh >> (j + 16)) & 1) << 4;
-        y[j] = (((qs[j] & 0x0F) as u32 | h0) as i32 - 16) as f32 * d;
-        y[j + 16] = (((qs[j] >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+        *l = (((q & 0x0F) as u32 | h0) as i32 - 16) as f32 * d;
+        *h = (((q >> 4) as u32 | h1) as i32 - 16) as f32 * d;
     }
 }
 
 // block_q5_1: d: f16, m: f16, qh: u32, qs[16]; value = q * d + m.
+#[inline(always)]
 pub(crate) fn decode_q5_1(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     let m = rd_f16(b, 2);
     let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-    let qs = &b[8..24];
-    for j in 0..16 {
+    let (lo, hi) = halves(y);
+    for (j, ((l, h), &q)) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[8..24]).enumerate() {
         let h0 = ((qh >> j) & 1) << 4;
         let h1 = ((qh >> (j + 16)) & 1) << 4;
-        y[j] = ((qs[j] & 0x0F) as u32 | h0) as f32 * d + m;
-        y[j + 16] = ((qs[j] >> 4) as u32 | h1) as f32 * d + m;
+        *l = ((q & 0x0F) as u32 | h0) as f32 * d + m;
+        *h = ((q >> 4) as u32 | h1) as f32 * d + m;
     }
 }
 
 // block_q8_0: d: f16, qs: i8[32]; value = q * d.
+#[inline(always)]
 pub(crate) fn decode_q8_0(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
-    for j in 0..32 {
-        y[j] = (b[2 + j] as i8) as f32 * d;
+    for (v, &q) in y[..32].iter_mut().zip(&b[2..34]) {
+        *v = (q as i8) as f32 * d;
     }
 }
 

@@ -229,36 +229,60 @@ pub fn decode_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        // One loop per type, its decoder inlined into it (not a dispatch per block).
-        _ => match ty {
-            GgmlType::Q4_0 => each_block(bytes, out, ts, bs, decode_q4_0),
-            GgmlType::Q4_1 => each_block(bytes, out, ts, bs, decode_q4_1),
-            GgmlType::Q5_0 => each_block(bytes, out, ts, bs, decode_q5_0),
-            GgmlType::Q5_1 => each_block(bytes, out, ts, bs, decode_q5_1),
-            GgmlType::Q8_0 => each_block(bytes, out, ts, bs, decode_q8_0),
-            GgmlType::Q2_K => each_block(bytes, out, ts, bs, decode_q2_k),
-            GgmlType::Q3_K => each_block(bytes, out, ts, bs, decode_q3_k),
-            GgmlType::Q4_K => each_block(bytes, out, ts, bs, decode_q4_k),
-            GgmlType::Q5_K => each_block(bytes, out, ts, bs, decode_q5_k),
-            GgmlType::Q6_K => each_block(bytes, out, ts, bs, decode_q6_k),
-            GgmlType::IQ4_NL => each_block(bytes, out, ts, bs, decode_iq4_nl),
-            GgmlType::IQ4_XS => each_block(bytes, out, ts, bs, decode_iq4_xs),
-            GgmlType::TQ1_0 | GgmlType::TQ2_0 => each_block(bytes, out, ts, bs, |b, y| decode_tq(ty, b, y)),
-            GgmlType::MXFP4 => each_block(bytes, out, ts, bs, decode_mxfp4),
-            GgmlType::NVFP4 => each_block(bytes, out, ts, bs, decode_nvfp4),
-            GgmlType::Q1_0 | GgmlType::Q2_0 => each_block(bytes, out, ts, bs, |b, y| decode_q1_q2_0(ty, b, y)),
-            _ => unreachable!("scalar types handled above"),
-        },
+        _ => decode_blocks_dispatch(ty, bytes, out, ts, bs),
     }
     Ok(())
 }
 
-/// `f` over each block of `bytes` (`ts` bytes) and its `bs` values in `out`, monomorphised per
-/// decoder so that it inlines.
-#[inline]
-fn each_block(bytes: &[u8], out: &mut [f32], ts: usize, bs: usize, f: impl Fn(&[u8], &mut [f32])) {
-    for (blk, y) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
-        f(blk, y);
+/// The block loops compiled for the widest vector unit the CPU has. The decoders are integer
+/// and single f32 operations, which Rust never contracts or reorders, so every target gives the
+/// same bits; wider registers only let the compiler vectorize more of each block.
+fn decode_blocks_dispatch(ty: GgmlType, bytes: &[u8], out: &mut [f32], ts: usize, bs: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::has_avx2_fma() {
+            // SAFETY: the CPU reports avx2.
+            return unsafe { decode_blocks_avx2(ty, bytes, out, ts, bs) };
+        }
+    }
+    decode_blocks(ty, bytes, out, ts, bs)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn decode_blocks_avx2(ty: GgmlType, bytes: &[u8], out: &mut [f32], ts: usize, bs: usize) {
+    decode_blocks(ty, bytes, out, ts, bs)
+}
+
+/// The quantized types' loops: one per type, its decoder inlined into it (not a dispatch per
+/// block, and compiled with the caller's target features).
+#[inline(always)]
+fn decode_blocks(ty: GgmlType, bytes: &[u8], out: &mut [f32], ts: usize, bs: usize) {
+    macro_rules! each_block {
+        ($decode:expr) => {
+            for (b, y) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
+                $decode(b, y)
+            }
+        };
+    }
+    match ty {
+        GgmlType::Q4_0 => each_block!(decode_q4_0),
+        GgmlType::Q4_1 => each_block!(decode_q4_1),
+        GgmlType::Q5_0 => each_block!(decode_q5_0),
+        GgmlType::Q5_1 => each_block!(decode_q5_1),
+        GgmlType::Q8_0 => each_block!(decode_q8_0),
+        GgmlType::Q2_K => each_block!(decode_q2_k),
+        GgmlType::Q3_K => each_block!(decode_q3_k),
+        GgmlType::Q4_K => each_block!(decode_q4_k),
+        GgmlType::Q5_K => each_block!(decode_q5_k),
+        GgmlType::Q6_K => each_block!(decode_q6_k),
+        GgmlType::IQ4_NL => each_block!(decode_iq4_nl),
+        GgmlType::IQ4_XS => each_block!(decode_iq4_xs),
+        GgmlType::TQ1_0 | GgmlType::TQ2_0 => each_block!(|b, y| decode_tq(ty, b, y)),
+        GgmlType::MXFP4 => each_block!(decode_mxfp4),
+        GgmlType::NVFP4 => each_block!(decode_nvfp4),
+        GgmlType::Q1_0 | GgmlType::Q2_0 => each_block!(|b, y| decode_q1_q2_0(ty, b, y)),
+        _ => unreachable!("scalar types handled above"),
     }
 }
 

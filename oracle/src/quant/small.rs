@@ -19,6 +19,7 @@ pub fn iq4_levels(qs: &[u8]) -> [i8; 32] {
 }
 
 // 32 values of IQ4_NL/IQ4_XS; value = dl * level.
+#[inline(always)]
 pub(crate) fn decode_iq4_32(qs: &[u8], dl: f32, y: &mut [f32]) {
     for (v, level) in y.iter_mut().zip(iq4_levels(qs)) {
         *v = dl * level as f32;
@@ -26,6 +27,7 @@ pub(crate) fn decode_iq4_32(qs: &[u8], dl: f32, y: &mut [f32]) {
 }
 
 // block_iq4_nl: d: f16, qs[16].
+#[inline(always)]
 pub(crate) fn decode_iq4_nl(b: &[u8], y: &mut [f32]) {
     decode_iq4_32(&b[2..18], rd_f16(b, 0), y);
 }
@@ -39,6 +41,7 @@ pub fn iq4_xs_scale(b: &[u8], ib: usize) -> i32 {
 
 // block_iq4_xs: d: f16, scales_h: u16, scales_l[4], qs[128]; sub-block ib's value =
 // (d * scale) * level.
+#[inline(always)]
 pub(crate) fn decode_iq4_xs(b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     for (ib, y) in y.chunks_exact_mut(32).enumerate().take(8) {
@@ -116,6 +119,7 @@ pub fn tq_trits(ty: GgmlType, b: &[u8]) -> [i8; QK_K] {
 }
 
 // TQ1_0 / TQ2_0: value = d * digit, d the f16 at the block's end.
+#[inline(always)]
 pub(crate) fn decode_tq(ty: GgmlType, b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, ty.type_size() - 2);
     for (o, t) in y.iter_mut().zip(tq_trits(ty, b)) {
@@ -180,6 +184,7 @@ pub fn nvfp4_levels(b: &[u8], s: usize) -> [i8; 16] {
 }
 
 // block_mxfp4: e: u8 (E8M0), qs[16]; value = scale * level.
+#[inline(always)]
 pub(crate) fn decode_mxfp4(b: &[u8], y: &mut [f32]) {
     let d = mxfp4_scale(b[0]);
     for (o, l) in y.iter_mut().zip(mxfp4_levels(&b[1..17])) {
@@ -210,6 +215,7 @@ pub fn q1_q2_0_digits(ty: GgmlType, b: &[u8]) -> [i8; 128] {
 }
 
 // Q1_0 / Q2_0: d: f16, qs[16]; value = digit * d.
+#[inline(always)]
 pub(crate) fn decode_q1_q2_0(ty: GgmlType, b: &[u8], y: &mut [f32]) {
     let d = rd_f16(b, 0);
     for (o, q) in y.iter_mut().zip(q1_q2_0_digits(ty, b)) {
@@ -279,6 +285,7 @@ pub(crate) fn to_ue4m3(x: f32) -> u8 {
 
 // block_nvfp4: d[4] (UE4M3, one per 16 values), qs[32]; sub-block s's 16 values are the low
 // nibbles of qs[8s..8s + 8], then their high nibbles; value = level * scale.
+#[inline(always)]
 pub(crate) fn decode_nvfp4(b: &[u8], y: &mut [f32]) {
     for (s, y) in y.chunks_exact_mut(16).enumerate() {
         let d = ue4m3_scale(b[s]);
