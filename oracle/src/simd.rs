@@ -152,9 +152,9 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// How far ahead of their loads the weight-row kernels prefetch. On a SmolLM2-sized f32 GEMV
-    /// (540 MB on huge pages, 2-thread Intel Xeon VM, medians of 15 interleaved passes) the
-    /// hardware prefetchers alone gave 21.3 GB/s; 768 to 2,048 bytes ahead 24.2-24.7 GB/s,
-    /// 4 KiB ahead 20 GB/s; an L2-only hint 22.9 and a non-temporal one 8.4 GB/s.
+    /// (540 MB on huge pages, 2-thread Intel Xeon VM; `cargo run --release -p oracle --example
+    /// gemv_variants`) the hardware prefetchers alone gave 21.6 GB/s; 768 to 2,048 bytes ahead
+    /// 24.2-24.9, 4 KiB ahead 21.8; an L2-only hint 23.7 and a non-temporal one 9.0.
     const PREFETCH_BYTES: usize = 1536;
 
     /// Four 8-lane f64 accumulators = lanes 0..32 in order.
@@ -202,7 +202,8 @@ mod x86 {
 
     /// One dot of an f64 activation with an f32 weight row (decode): four 8-lane accumulators =
     /// lanes 0..32 in order, the weights prefetched `PREFETCH_BYTES` ahead. Its own loop, not
-    /// `dot4_f64_f32_avx512::<1>`: the generic one ran the same GEMV at 22.5 against 24.7 GB/s.
+    /// `dot4_f64_f32_avx512::<1>`: with the generic one the oracle's GEMV (`gemv_variants`) ran
+    /// at 22.9 / 23.4 GB/s, with this one 24.1 / 24.2.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot_f64_f32_avx512(x: &[f64], w: &[f32]) -> f64 {
         let n = w.len();

@@ -127,8 +127,8 @@ pub fn matmul_many<T: Real>(x: &[T], m: usize, ws: &[&Mat<T>]) -> Result<Vec<Vec
     let xw: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
     let xrow = |t: usize| &xw[t * k..(t + 1) * k];
     // Nested parallel iterators (one fork-join tree over every matrix's row groups): a flat Vec
-    // of (matrix, first row, output) tasks fed to `into_par_iter` measured ~9% slower on a
-    // SmolLM2-sized GEMV (22.2 against 24.4 GB/s, 2-thread Intel Xeon VM).
+    // of (matrix, first row, output) tasks fed to `into_par_iter` streamed a SmolLM2-sized GEMV
+    // at 22.8 against 24.8 GB/s (2-thread Intel Xeon VM; `--example gemv_variants`).
     ws.par_iter().zip(outs.par_iter_mut()).for_each(|(w, out)| {
         out.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each_init(RowBuf::default, |buf, (chunk, out)| {
             let r0 = chunk * ROWS_PER_TASK;
