@@ -501,6 +501,7 @@ fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], r
     }
     assert!(out.len() >= at.needs(rows.len() / row_bytes, T), "dot_rows_block: output shorter than its rows and tokens");
     for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+        prefetch_ahead(rows, r * row_bytes, row_bytes);
         let v = dot_rows_impl::<I, T>(ty, row, xs);
         if at.token == 1 {
             out[r * at.row..r * at.row + T].copy_from_slice(&v);
@@ -510,6 +511,24 @@ fn dot_rows_block_impl<I: BlockDot, const T: usize>(ty: GgmlType, rows: &[u8], r
             }
         }
     }
+}
+
+/// Bytes ahead of the row being read that a block's loop asks the CPU to load.
+const PREFETCH_BYTES: usize = 1536;
+
+/// Asks the CPU to load the row's worth of bytes `PREFETCH_BYTES` past `at` in `rows` (those that
+/// exist) into L1. No effect on any value.
+#[inline(always)]
+fn prefetch_ahead(rows: &[u8], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(ahead) = rows.get(at + PREFETCH_BYTES..(at + PREFETCH_BYTES + len).min(rows.len())) {
+        for line in (0..ahead.len()).step_by(64) {
+            // SAFETY: `line` is within `ahead`; a prefetch reads nothing into the program.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(ahead.as_ptr().add(line).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (rows, at, len);
 }
 
 /// Whether this machine has the two-token Q4_1 kernel ([`pairs`]).
