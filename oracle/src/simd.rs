@@ -212,15 +212,32 @@ mod x86 {
         let mut acc = [_mm512_setzero_pd(); 4];
         let mut i = 0;
         while i < full {
-            let ahead = pw.wrapping_add(i).cast::<i8>().wrapping_add(PREFETCH_BYTES);
-            _mm_prefetch::<_MM_HINT_T0>(ahead);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            prefetch_step(pw.wrapping_add(i));
             for (q, a) in acc.iter_mut().enumerate() {
                 let wv = _mm512_cvtps_pd(_mm256_loadu_ps(pw.add(i + 8 * q)));
                 *a = _mm512_fmadd_pd(_mm512_loadu_pd(px.add(i + 8 * q)), wv, *a);
             }
             i += DOT_LANES;
         }
+        finish(acc, px, pw, full, n)
+    }
+
+    /// Asks for both cache lines of the 128-byte weight step at `w`, `PREFETCH_BYTES` ahead (past
+    /// a row's end this reaches into the next row; a prefetch never faults).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn prefetch_step(w: *const f32) {
+        let ahead = w.cast::<i8>().wrapping_add(PREFETCH_BYTES);
+        _mm_prefetch::<_MM_HINT_T0>(ahead);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+    }
+
+    /// One token's dot from its four accumulators (lanes 0..32, elements `..full`): with no tail
+    /// the tree in registers, else the lanes stored, elements `full..n` of `x` and `w` added to
+    /// lanes `0..n - full`, and `reduce_lanes`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn finish(acc: [__m512d; 4], x: *const f64, w: *const f32, full: usize, n: usize) -> f64 {
         if full == n {
             return reduce_in_registers(acc);
         }
@@ -229,7 +246,7 @@ mod x86 {
             _mm512_storeu_pd(lanes.as_mut_ptr().add(8 * q), *a);
         }
         for k in full..n {
-            lanes[k - full] += *px.add(k) * (*pw.add(k) as f64);
+            lanes[k - full] += *x.add(k) * (*w.add(k) as f64);
         }
         reduce_lanes(lanes)
     }
@@ -247,8 +264,8 @@ mod x86 {
         _mm_cvtsd_f64(e) + _mm_cvtsd_f64(_mm_unpackhi_pd(e, e)) // 0 += 1
     }
 
-    /// `N` (1 or 4) dots of f64 activations with one f32 weight row; per token, four 8-lane
-    /// accumulators = lanes 0..32 in order.
+    /// `N` dots of f64 activations with one f32 weight row (prefill calls it with four); per
+    /// token, four 8-lane accumulators = lanes 0..32 in order.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot4_f64_f32_avx512<const N: usize>(xs: [&[f64]; 4], w: &[f32]) -> [f64; 4] {
         let n = w.len();
@@ -258,11 +275,7 @@ mod x86 {
         let mut acc = [[_mm512_setzero_pd(); 4]; N];
         let mut i = 0;
         while i < full {
-            // Both cache lines of this step's weights, `PREFETCH_BYTES` ahead (past the row's
-            // end this reaches into the next row; a prefetch never faults).
-            let ahead = pw.wrapping_add(i).cast::<i8>().wrapping_add(PREFETCH_BYTES);
-            _mm_prefetch::<_MM_HINT_T0>(ahead);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            prefetch_step(pw.wrapping_add(i));
             let w01 = _mm512_loadu_ps(pw.add(i));
             let w23 = _mm512_loadu_ps(pw.add(i + 16));
             let wv = [
@@ -279,21 +292,8 @@ mod x86 {
             i += DOT_LANES;
         }
         let mut res = [0.0f64; 4];
-        if full == n {
-            for t in 0..N {
-                res[t] = reduce_in_registers(acc[t]);
-            }
-            return res;
-        }
         for t in 0..N {
-            let mut lanes = [0.0f64; DOT_LANES];
-            for q in 0..4 {
-                _mm512_storeu_pd(lanes.as_mut_ptr().add(8 * q), acc[t][q]);
-            }
-            for k in full..n {
-                lanes[k - full] += *px[t].add(k) * (*pw.add(k) as f64);
-            }
-            res[t] = reduce_lanes(lanes);
+            res[t] = finish(acc[t], px[t], pw, full, n);
         }
         res
     }
