@@ -5,6 +5,8 @@
 //! atomic (temp file + rename). Reports from shards merge into one (`Report::merge`).
 
 pub mod compare;
+mod markdown;
+pub use markdown::{verdict_word, MARKDOWN_LIMIT};
 #[cfg(feature = "parquet")]
 pub mod parquet;
 pub mod plot;
@@ -87,6 +89,12 @@ pub struct Provenance {
     pub cpu: String,
     pub threads: usize,
     pub touchstone_version: String,
+    /// The revision of Touchstone that made the report (`abc123def456`, `-dirty` with
+    /// uncommitted changes; "unknown" from a source archive), recorded when the binary was built;
+    /// absent from reports made by a library caller that did not set it. `git_rev` is the
+    /// revision of the directory it ran in (the engine's repository, for an installed binary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub touchstone_revision: Option<String>,
     /// Devices the run opened: name -> hardware and driver (`cuda:0` -> `NVIDIA H200, sm_90,
     /// CUDA driver 12.8`).
     #[serde(default)]
@@ -142,6 +150,14 @@ fn machine() -> std::collections::BTreeMap<String, String> {
     m
 }
 
+static BUILD_REVISION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+/// The revision of Touchstone the running binary was built from, for [`Provenance::collect`]
+/// (the binary's build script knows it; this crate is built before it).
+pub fn set_build_revision(revision: &'static str) {
+    let _ = BUILD_REVISION.set(revision);
+}
+
 static START: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
 
 /// Marks now as the start of this run (the first call counts); [`Provenance::collect`] records it
@@ -172,6 +188,7 @@ impl Provenance {
             cpu,
             threads,
             touchstone_version: env!("CARGO_PKG_VERSION").to_string(),
+            touchstone_revision: BUILD_REVISION.get().map(|r| r.to_string()),
             devices: Default::default(),
             features: Vec::new(),
             machine_settings: settings::collect(),
@@ -272,95 +289,10 @@ impl Report {
         self.markdown(true)
     }
 
-    /// Summary, coverage and failures, without the per-case table (for CI step summaries).
+    /// The same without the folded table of every case and the coverage by op (for CI step
+    /// summaries).
     pub fn to_markdown_summary(&self) -> String {
         self.markdown(false)
-    }
-
-    fn markdown(&self, with_cases: bool) -> String {
-        let s = &self.summary;
-        let mut out = format!("# Touchstone `{}` report\n\n", self.suite);
-        out += &self.sections_markdown(true);
-        out += &format!("**{} executed, {} passed, {} failed, {} unsupported, {} errors**\n\n", s.executed, s.passed, s.failed, s.unsupported, s.errors);
-        let p = &self.provenance;
-        out += &format!(
-            "git {} (dirty: {}), host `{}`, CPU {}, {} threads, touchstone {}\n\n",
-            p.git_rev.as_deref().unwrap_or("?"),
-            p.dirty.map_or("?".into(), |d| d.to_string()),
-            p.host,
-            p.cpu,
-            p.threads,
-            p.touchstone_version
-        );
-        if !p.machine.is_empty() {
-            let m = |k: &str| p.machine.get(k).map(String::as_str).unwrap_or("?");
-            out += &format!("machine: {} cores, {} GiB, {} (kernel {}), CPU frequency governor {}; built by {} ({} profile)\n\n", m("cores"), m("memory_gib"), m("os"), m("kernel"), m("governor"), m("rustc"), m("build_profile"));
-        }
-        if let (Some(t0), Some(t1)) = (&p.started_at, &p.finished_at) {
-            out += &format!("run from {t0} to {t1}\n\n");
-        }
-        if let Some(c) = &p.context {
-            out += &format!("models configured for a context of {c} positions (`--context`)\n\n");
-        }
-        for (name, what) in &p.devices {
-            out += &format!("- device `{name}`: {what}\n");
-        }
-        if !p.devices.is_empty() {
-            out += "\n";
-        }
-        if !p.machine_settings.is_empty() {
-            let kv: Vec<String> = p.machine_settings.iter().map(|(k, v)| format!("`{k}={v}`")).collect();
-            out += &format!("machine settings: {}\n\n", kv.join(", "));
-        }
-        let notes = if matches!(self.suite.as_str(), "bench" | "ab" | "roofline") { settings::timing_notes(&p.machine_settings) } else { Vec::new() };
-        for n in &notes {
-            out += &format!("- timing note: {n}\n");
-        }
-        if !notes.is_empty() {
-            out += "\n";
-        }
-        let cov = self.coverage();
-        if cov.len() > 1 {
-            let devices: std::collections::BTreeSet<String> = cov.values().flat_map(|d| d.keys().cloned()).collect();
-            out += "## Coverage (pass / fail / unsupported / error)\n\n| op | dtype |";
-            for d in &devices {
-                out += &format!(" {d} |");
-            }
-            out += "\n|---|---|";
-            out += &"---|".repeat(devices.len());
-            out += "\n";
-            for ((op, dt), per) in &cov {
-                out += &format!("| {op} | {dt} |");
-                for d in &devices {
-                    out += &match per.get(d) {
-                        Some([p, f, u, e]) if *u > 0 && p + f + e == 0 => " unsupported |".to_string(),
-                        Some([p, f, u, e]) => format!(" {p} / {f} / {u} / {e} |"),
-                        None => " - |".to_string(),
-                    };
-                }
-                out += "\n";
-            }
-            out += "\n";
-        }
-        out += &self.sections_markdown(false);
-        let failing: Vec<&Case> = self.cases.iter().filter(|c| matches!(c.verdict, Verdict::Fail | Verdict::Error)).collect();
-        if !failing.is_empty() {
-            out += "## Failures\n\n| case | device | verdict | message |\n|---|---|---|---|\n";
-            for c in failing.iter().take(200) {
-                out += &format!("| `{}` | {} | {:?} | {} |\n", c.id, c.device, c.verdict, c.message.as_deref().unwrap_or("").replace('|', "\\|"));
-            }
-            out += "\n";
-        }
-        if !with_cases {
-            return out;
-        }
-        out += "## Cases\n\n| case | device | verdict | measured max abs | bound | margin | rule |\n|---|---|---|---|---|---|---|\n";
-        for c in &self.cases {
-            // A gate that measures no absolute error (KLD ratios, ids) shows a dash, not NaN.
-            let measured = c.metrics.get("max_abs").and_then(|v| v.as_f64()).map_or("—".to_string(), |v| format!("{v:.3e}"));
-            out += &format!("| `{}` | {} | {:?} | {measured} | {:.3e} | {:.3e} | {} |\n", c.id, c.device, c.verdict, c.tolerance.bound, c.margin, c.tolerance.rule.replace('|', "\\|"));
-        }
-        out
     }
 
     /// The rung of the ladder a case belongs to, for JUnit class names: `ops` (kernel cases),
@@ -476,6 +408,12 @@ impl Report {
         self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows }));
     }
 
+    /// A table report.md folds under the summary (`"detail": true`): per-pair or per-layer
+    /// detail a reader opens when the summary asks for it.
+    pub fn add_detail_table(&mut self, key: &str, title: &str, columns: &[&str], rows: Vec<Vec<String>>) {
+        self.sections.insert(key.into(), serde_json::json!({ "title": title, "columns": columns, "rows": rows, "detail": true }));
+    }
+
     /// A table report.md shows first, under the report's title and before its counts and
     /// provenance (`"lead": true`): the summary a reader pastes, with `notes` as paragraphs under
     /// it.
@@ -521,51 +459,6 @@ impl Report {
 struct NamedChart {
     stem: String,
     chart: plot::Chart,
-}
-
-impl Report {
-    /// Suite-specific sections in Markdown: tables (`{title, columns, rows}`) as tables, charts as
-    /// image links, anything else as a JSON line.
-    /// The lead sections (`leads`) or the others, as Markdown.
-    fn sections_markdown(&self, leads: bool) -> String {
-        let mut out = String::new();
-        let lead = |v: &serde_json::Value| v.get("lead").and_then(|l| l.as_bool()).unwrap_or(false);
-        for (key, v) in self.sections.iter().filter(|(_, v)| lead(v) == leads) {
-            if key == "charts" {
-                for (stem, c) in self.charts().unwrap_or_default() {
-                    out += &format!("![{}]({stem}.svg)\n\n", c.title);
-                }
-                continue;
-            }
-            if let (Some(cols), Some(rows)) = (v.get("columns").and_then(|c| c.as_array()), v.get("rows").and_then(|r| r.as_array())) {
-                let title = v.get("title").and_then(|t| t.as_str()).unwrap_or(key);
-                out += &format!("## {title}\n\n|");
-                for c in cols {
-                    out += &format!(" {} |", c.as_str().unwrap_or(""));
-                }
-                out += &format!("\n|{}\n", "---|".repeat(cols.len()));
-                for r in rows {
-                    out += "|";
-                    for cell in r.as_array().into_iter().flatten() {
-                        out += &format!(" {} |", cell.as_str().map(|s| s.replace('|', "\\|")).unwrap_or_else(|| cell.to_string()));
-                    }
-                    out += "\n";
-                }
-                out += "\n";
-                for note in v.get("notes").and_then(|n| n.as_array()).into_iter().flatten().filter_map(|n| n.as_str()) {
-                    out += &format!("{note}\n\n");
-                }
-            } else {
-                let text = v.to_string();
-                if text.len() <= 400 {
-                    out += &format!("**{key}**: `{text}`\n\n");
-                } else {
-                    out += &format!("**{key}**: {} bytes of raw data in report.json\n\n", text.len());
-                }
-            }
-        }
-        out
-    }
 }
 
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {

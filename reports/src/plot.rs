@@ -29,6 +29,10 @@ pub struct Chart {
     /// Points marked and labelled (a tap over its budget, named).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub markers: Vec<Marker>,
+    /// Small multiples: the series sharing a colour (a measurement, its budget) get a panel of
+    /// their own, titled by the first solid one, all panels on one scale.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub panels: bool,
 }
 
 /// A point drawn as a red dot with its label beside it.
@@ -89,6 +93,37 @@ fn plottable(c: &Chart, (x, y): &(f64, f64)) -> bool {
     x.abs() <= PLOT_LIMIT && y.abs() <= PLOT_LIMIT && (!c.log_y || *y > 0.0)
 }
 
+/// The axes' ranges (x0, x1, y0, y1) over every plottable point, the markers and the band, with
+/// room around them (a factor of two on a log axis, 8% on a linear one).
+fn axis_ranges(c: &Chart, marked: &[(f64, f64)], band: Option<(f64, f64)>) -> (f64, f64, f64, f64) {
+    let pts = c.series.iter().flat_map(|s| s.points.iter()).chain(marked).filter(|p| plottable(c, p));
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for (x, y) in pts {
+        x0 = x0.min(*x);
+        x1 = x1.max(*x);
+        y0 = y0.min(*y);
+        y1 = y1.max(*y);
+    }
+    if let Some((lo, hi)) = band {
+        y0 = y0.min(lo);
+        y1 = y1.max(hi);
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 1e-9, 1.0);
+    }
+    if x1 - x0 < 1e-12 {
+        x1 = x0 + 1.0;
+    }
+    if c.log_y {
+        y0 = y0.max(1e-30) / 2.0;
+        y1 = (y1 * 2.0).max(y0 * 10.0);
+    } else {
+        let pad = ((y1 - y0) * 0.08).max(1e-12);
+        (y0, y1) = (y0 - pad, y1 + pad);
+    }
+    (x0, x1, y0, y1)
+}
+
 fn draw<DB: DrawingBackend>(root: DrawingArea<DB, plotters::coord::Shift>, c: &Chart) -> std::io::Result<()>
 where
     DB::ErrorType: 'static,
@@ -130,32 +165,8 @@ where
         legend.draw(&Text::new("dashed: budget (same colour)", (30, y - 1), ("sans-serif", 12))).map_err(draw_err)?;
     }
     let marked: Vec<(f64, f64)> = c.markers.iter().map(|m| (m.x, m.y)).collect();
-    let pts = c.series.iter().flat_map(|s| s.points.iter()).chain(&marked).filter(|p| plottable(c, p));
     let band = c.band.filter(|(lo, hi)| plottable(c, &(0.0, *lo)) && plottable(c, &(0.0, *hi)));
-    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for (x, y) in pts {
-        x0 = x0.min(*x);
-        x1 = x1.max(*x);
-        y0 = y0.min(*y);
-        y1 = y1.max(*y);
-    }
-    if let Some((lo, hi)) = band {
-        y0 = y0.min(lo);
-        y1 = y1.max(hi);
-    }
-    if x0 > x1 {
-        (x0, x1, y0, y1) = (0.0, 1.0, 1e-9, 1.0);
-    }
-    if x1 - x0 < 1e-12 {
-        x1 = x0 + 1.0;
-    }
-    if c.log_y {
-        y0 = y0.max(1e-30) / 2.0;
-        y1 = (y1 * 2.0).max(y0 * 10.0);
-    } else {
-        let pad = ((y1 - y0) * 0.08).max(1e-12);
-        (y0, y1) = (y0 - pad, y1 + pad);
-    }
+    let (x0, x1, y0, y1) = axis_ranges(c, &marked, band);
     // Layers, positions and pairs are whole numbers: label whole numbers only, at most 12.
     let whole_x = c.series.iter().flat_map(|s| s.points.iter()).filter(|p| plottable(c, p)).all(|(x, _)| x.fract() == 0.0);
     let x_labels = if whole_x { ((x1 - x0) as usize + 1).min(12) } else { 10 };
@@ -203,6 +214,78 @@ where
     Ok(())
 }
 
+/// The series of each panel: grouped by colour, in the order their colours first appear, each
+/// group titled by its first solid series (groups with no solid series are not drawn).
+fn panel_groups(c: &Chart) -> Vec<(String, Vec<&Series>)> {
+    let mut groups: Vec<(usize, Vec<&Series>)> = Vec::new();
+    for s in &c.series {
+        match groups.iter_mut().find(|(colour, _)| *colour == s.colour) {
+            Some((_, g)) => g.push(s),
+            None => groups.push((s.colour, vec![s])),
+        }
+    }
+    groups.into_iter().filter_map(|(_, g)| Some((g.iter().find(|s| !s.dashed)?.name.clone(), g))).collect()
+}
+
+/// Small multiples: a panel per group of [`panel_groups`], a shared log or linear y range, the
+/// first solid line of each panel blue, a second (a reference run) green, dashed lines (budgets)
+/// red; one legend line under the title says so.
+fn draw_panels<DB: DrawingBackend>(root: DrawingArea<DB, plotters::coord::Shift>, c: &Chart, cols: u32, rows: u32) -> std::io::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(draw_err)?;
+    let groups = panel_groups(c);
+    let (title_area, body) = root.split_vertically(80);
+    title_area.draw(&Text::new(c.title.clone(), (20, 10), ("sans-serif", 22))).map_err(draw_err)?;
+    let second: Vec<&str> = groups.iter().flat_map(|(_, g)| g.iter().filter(|s| !s.dashed).skip(1).map(|s| s.name.as_str())).collect();
+    let mut legend = format!("x: {}; y: {}{}. Blue: measured; red dashed: its budget", c.x_label, c.y_label, if c.log_y { " (log scale, shared)" } else { " (shared)" });
+    if let Some(name) = second.first() {
+        legend += &format!("; green: {name}");
+    }
+    title_area.draw(&Text::new(legend, (20, 45), ("sans-serif", 15))).map_err(draw_err)?;
+    let (x0, x1, y0, y1) = axis_ranges(c, &[], None);
+    let cells = body.split_evenly((rows as usize, cols as usize));
+    let (blue, green, red) = (RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(214, 39, 40));
+    for ((title, group), area) in groups.iter().zip(cells) {
+        let mut builder = ChartBuilder::on(&area);
+        builder.caption(title, ("sans-serif", 15)).margin(8).x_label_area_size(22).y_label_area_size(52);
+        macro_rules! body {
+            ($chart:expr) => {{
+                let mut chart = $chart;
+                chart
+                    .configure_mesh()
+                    .label_style(("sans-serif", 11))
+                    .x_labels(((x1 - x0) as usize + 1).min(8))
+                    .y_labels(4)
+                    .x_label_formatter(&|v: &f64| if v.fract() == 0.0 { format!("{v:.0}") } else { String::new() })
+                    .y_label_formatter(&|v: &f64| if c.log_y { format!("{v:.0e}") } else { format!("{v:.2}") })
+                    .draw()
+                    .map_err(draw_err)?;
+                let mut solid = 0;
+                for s in group {
+                    let points: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| plottable(c, p)).collect();
+                    if s.dashed {
+                        chart.draw_series(DashedLineSeries::new(points, 5, 3, ShapeStyle { color: red.to_rgba(), filled: false, stroke_width: 1 })).map_err(draw_err)?;
+                    } else {
+                        // A reference run is drawn thinner, over the measurement, so both show.
+                        let (col, width) = if solid == 0 { (blue, 3) } else { (green, 1) };
+                        solid += 1;
+                        chart.draw_series(LineSeries::new(points, col.stroke_width(width))).map_err(draw_err)?;
+                    }
+                }
+            }};
+        }
+        if c.log_y {
+            body!(builder.build_cartesian_2d(x0..x1, (y0..y1).log_scale()).map_err(draw_err)?);
+        } else {
+            body!(builder.build_cartesian_2d(x0..x1, y0..y1).map_err(draw_err)?);
+        }
+    }
+    root.present().map_err(draw_err)?;
+    Ok(())
+}
+
 /// Writes `<stem>.png` and `<stem>.svg` into `dir`; returns both paths. A stem that is not a
 /// plain file name (a report.json from elsewhere naming `../../x`) is refused: charts are
 /// written inside `dir` only.
@@ -215,9 +298,18 @@ pub fn write_chart(dir: &Path, stem: &str, chart: &Chart) -> std::io::Result<Vec
     std::fs::create_dir_all(dir)?;
     let png = dir.join(format!("{stem}.png"));
     let svg = dir.join(format!("{stem}.svg"));
-    let size = (1200, 650);
-    draw(BitMapBackend::new(&png, size).into_drawing_area(), chart)?;
-    draw(SVGBackend::new(&svg, size).into_drawing_area(), chart)?;
+    if chart.panels {
+        let n = panel_groups(chart).len().max(1);
+        let cols = (n as f64).sqrt().ceil() as u32;
+        let rows = (n as u32).div_ceil(cols);
+        let size = (1400, 90 + rows * 250);
+        draw_panels(BitMapBackend::new(&png, size).into_drawing_area(), chart, cols, rows)?;
+        draw_panels(SVGBackend::new(&svg, size).into_drawing_area(), chart, cols, rows)?;
+    } else {
+        let size = (1200, 650);
+        draw(BitMapBackend::new(&png, size).into_drawing_area(), chart)?;
+        draw(SVGBackend::new(&svg, size).into_drawing_area(), chart)?;
+    }
     Ok(vec![png, svg])
 }
 
@@ -239,12 +331,20 @@ mod tests {
             ],
             band: None,
             markers: Vec::new(),
+            panels: false,
         };
         let files = write_chart(dir.path(), "layers", &chart).unwrap();
         let png = std::fs::read(&files[0]).unwrap();
         assert_eq!(&png[1..4], b"PNG");
         let svg = std::fs::read_to_string(&files[1]).unwrap();
         assert!(svg.contains("<svg") && svg.contains("l_out") && svg.contains("dashed: budget"), "the SVG carries the legend text");
+        // Small multiples: a panel per colour, titled by its measurement.
+        let mut panels = chart.clone();
+        panels.panels = true;
+        panels.series.push(Series { name: "attn_out".into(), points: vec![(0.0, 2e-7), (2.0, 4e-7)], colour: 1, dashed: false });
+        let files = write_chart(dir.path(), "panels", &panels).unwrap();
+        let svg = std::fs::read_to_string(&files[1]).unwrap();
+        assert!(svg.lines().any(|l| l.trim() == "l_out") && svg.lines().any(|l| l.trim() == "attn_out") && svg.contains("red dashed: its budget"), "{svg}");
     }
 
     /// A chart from a report.json written elsewhere: values at the ends of f64 are left out of
@@ -254,11 +354,11 @@ mod tests {
     fn hostile_charts_are_drawn_or_refused_never_hang_or_escape() {
         let dir = tempfile::tempdir().unwrap();
         let extreme = vec![(1e308, -1e308), (0.0, 1e308), (-1e308, 1e-308), (1.0, 2.0)];
-        for log_y in [false, true] {
-            let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y, series: vec![Series { name: "s".into(), points: extreme.clone(), colour: 1 << 40, dashed: false }], band: Some((1e308, -1e308)), markers: Vec::new() };
+        for (log_y, panels) in [(false, false), (true, false), (true, true)] {
+            let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y, series: vec![Series { name: "s".into(), points: extreme.clone(), colour: 1 << 40, dashed: false }], band: Some((1e308, -1e308)), markers: Vec::new(), panels };
             write_chart(dir.path(), "extreme", &chart).unwrap();
         }
-        let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y: false, series: vec![], band: None, markers: Vec::new() };
+        let chart = Chart { title: "t".into(), x_label: "x".into(), y_label: "y".into(), log_y: false, series: vec![], band: None, markers: Vec::new(), panels: false };
         for stem in ["../x", "a/b", "", ".hidden", "..", "c:\\x"] {
             let e = write_chart(dir.path(), stem, &chart).unwrap_err().to_string();
             assert!(e.contains("is not a plain file name"), "{stem}: {e}");

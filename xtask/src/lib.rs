@@ -41,8 +41,11 @@ pub fn stdout_failed(e: std::io::Error) -> ! {
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+/// `--version`: the crate's version and the revision it was built from (xtask/build.rs).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (revision ", env!("TOUCHSTONE_REVISION"), ")");
+
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "Touchstone: a correctness oracle and benchmarking toolkit for LLM inference engines", version)]
+#[command(name = "cargo xtask", about = "Touchstone: a correctness oracle and benchmarking toolkit for LLM inference engines", version = VERSION)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -147,6 +150,7 @@ fn check_thread_count() -> Result<(), Exit> {
 /// The command line: parses the arguments, runs the subcommand, returns its exit code.
 pub fn main() -> ExitCode {
     reports::mark_start();
+    reports::set_build_revision(env!("TOUCHSTONE_REVISION"));
     // Named as it was called: `touchstone` where installed under that name, else `cargo xtask`.
     let called = std::env::args_os().next().and_then(|a| std::path::Path::new(&a).file_stem().map(|s| s.to_string_lossy().into_owned()));
     let cli = if called.as_deref() == Some("touchstone") {

@@ -41,7 +41,7 @@ fn an_exec_arm_sleeping_3_percent_per_token_is_slower() {
     assert!(md.contains("**summary**"));
     // The summary table comes first: an arm per row, then B's change with the verdict marked.
     let summary = md.find("## Summary: tiny-llama with a 16-token prompt and 40 generated tokens").expect("summary table");
-    assert!(md.find("## Per pair").is_some_and(|p| p > summary), "{md}");
+    assert!(md.find("<details><summary>Per pair").is_some_and(|p| p > summary), "{md}");
     assert_eq!(r["ab_summary"]["rows"][0][0], format!("A: {a}"));
     assert!(r["ab_summary"]["rows"][2][2].as_str().unwrap().contains("**slower**"), "{}", r["ab_summary"]);
     // An exec: arm runs a fresh process per run: no restart groups to report.
@@ -207,4 +207,38 @@ fn a_matrix_of_models_and_prompt_lengths_is_one_table() {
     assert!(dir.path().join("scenario-04-tiny-qwen3-p16/report.json").exists());
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(md.starts_with("# Touchstone `ab` report\n\n## A/B matrix: A = base, B = head"), "{md}");
+}
+
+/// `ab` on two built-in devices writes a report.md to paste: the summary table, the verdict with
+/// its CI and the smallest change the run could detect, one chart as PNG, all in under 80 lines
+/// before the folded detail; a debug build's timings are marked as such.
+#[test]
+fn ab_report_md_is_short_and_pasteable() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["ab", "--a", "cpu", "--b", "cpu:kv-f16", "--model", "tiny-llama", "--pairs", "8", "--max-pairs", "8", "--gen-len", "16", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert!(matches!(o.status.code(), Some(0 | 1 | 3)), "{}", text(&o));
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    let summary = md.split("<details>").next().unwrap();
+    assert!(summary.lines().count() < 80, "{} lines before the folded detail:\n{summary}", summary.lines().count());
+    for want in ["## Summary: tiny-llama", "95% CI", "80% power", "![B vs A per pair", "ab_changes.png)", "Warning: measured with a debug build"] {
+        assert!(summary.contains(want), "no `{want}` in the summary:\n{summary}");
+    }
+    assert!(!md.contains(".svg)"), "charts are linked as PNG: {md}");
+    assert!(md.contains("<details><summary>Per pair"), "{md}");
+    assert!(text(&o).contains("WARNING: this is a debug build"), "{}", text(&o));
+}
+
+/// Arms whose outputs differ stop the comparison at once, and every message says so: none claims
+/// that `--max-pairs` ran out.
+#[test]
+fn ab_stopped_by_different_outputs_says_so() {
+    let line = |tokens: &str| format!("exec:echo '{{\"prefill_ms\":10,\"decode_ms\":4,\"n_prompt\":16,\"n_gen\":5,\"tokens\":[{tokens}],\"step_ms\":[1,1,1,1]}}'");
+    let dir = tempfile::tempdir().unwrap();
+    let o = xtask(&["ab", "--a", &line("1,2,3,4,5"), "--b", &line("1,2,9,4,5"), "--model", "tiny-llama", "--pairs", "6", "--max-pairs", "100", "--gen-len", "5", "--report-dir", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    for t in [text(&o), md] {
+        assert!(!t.contains("--max-pairs 100 reached"), "{t}");
+        assert!(t.contains("outputs differ from generated token 2"), "{t}");
+    }
 }

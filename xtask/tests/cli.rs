@@ -468,6 +468,21 @@ fn gate_passes_and_writes_reports() {
     }
     let junit = std::fs::read_to_string(dir.path().join("junit.xml")).unwrap();
     assert_eq!(junit.matches("<testcase ").count() as u64, executed);
+    // report.md fits a CI job summary (1 MiB), summary first, unsupported counted not listed;
+    // every chart the layers and tokens rungs draw is written, per device and model.
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(md.len() < reports::MARKDOWN_LIMIT, "report.md is {} bytes", md.len());
+    assert!(md.starts_with("# Touchstone `gate` report\n\n## Layers: first divergence by device and model"), "{}", &md[..2000.min(md.len())]);
+    assert!(md.contains("**PASS** (exit 0)") && md.contains("| ops | fixed |"), "{}", &md[..4000.min(md.len())]);
+    assert!(!md.lines().any(|l| l.contains("| Unsupported |")), "unsupported cases are counted, not listed");
+    for device in ["cpu", "fixed"] {
+        for model in ::fixtures::SYNTHETIC {
+            for chart in ["layers-{d}-{m}-budget_use_by_layer", "layers-{d}-{m}-error_by_layer_propagated", "layers-{d}-{m}-error_by_layer_isolated", "tokens-{d}-{m}-kld_by_position"] {
+                let png = dir.path().join(chart.replace("{d}", device).replace("{m}", model) + ".png");
+                assert!(png.exists(), "{}", png.display());
+            }
+        }
+    }
 }
 
 #[test]

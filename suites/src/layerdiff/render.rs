@@ -27,9 +27,63 @@ pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
                 "bound": stats.zip(budget).map(|(s, b)| b.bound(s.rms_ref)),
                 "worst_position": stats.map(|s| s.worst_pos),
                 "id_mismatches": t.id_mismatches,
+                "op": op_behind(t),
+                "inputs": inputs_of(taps, t),
+                "kernel_filter": kernel_filter(&t.kind),
             })
         }
     }
+}
+
+/// The op that makes a tap, in words: what sits between the last tap within its budget and the
+/// first one over it.
+pub fn op_behind(t: &TapDiff) -> String {
+    let w = |name: &str| match t.layer {
+        Some(i) => format!("blk.{i}.{name}.weight"),
+        None => format!("{name}.weight"),
+    };
+    match t.kind.as_str() {
+        "inp_embd" => "the embedding row lookup (token_embd.weight)".into(),
+        "attn_norm" | "ffn_norm" | "attn_post_norm" | "ffn_post_norm" | "result_norm" => format!("the normalization (RMSNorm or LayerNorm) times {}", w(if t.kind == "result_norm" { "output_norm" } else { &t.kind })),
+        "attn_q_norm" | "attn_k_norm" => format!("the per-head QK-norm times {}", w(&t.kind)),
+        "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" => format!("the matrix product with {}", w(&t.kind)),
+        "attn_out" => format!("the matrix product with {}", w("attn_output")),
+        "ffn_out" => format!("the matrix product with {} (a MoE layer: the chosen experts' products, weighted)", w("ffn_down")),
+        "result_output" => "the matrix product with output.weight (or the tied token_embd.weight)".into(),
+        "attn_q_rope" | "attn_k_rope" => "RoPE (the rotation of each head's pairs by position)".into(),
+        "attn_kqv" => "attention: scores, causal mask, softmax, the weighted sum of values".into(),
+        "ffn_inp" => "the residual add after attention".into(),
+        "l_out" => "the residual add after the FFN".into(),
+        "ffn_act" => "the gated activation (SwiGLU or GeGLU: act(gate) x up)".into(),
+        "ffn_moe_probs" => format!("the router: the matrix product with {} and its softmax", w("ffn_gate_inp")),
+        "ffn_moe_topk" => "the router's choice of experts".into(),
+        other => format!("the op that makes `{other}`"),
+    }
+}
+
+/// The taps a tap's op reads, among those compared: where a red op's inputs were still within
+/// their budgets.
+fn inputs_of(taps: &[TapDiff], t: &TapDiff) -> Vec<String> {
+    let n_layer = taps.iter().filter_map(|t| t.layer).max().map_or(0, |l| l + 1);
+    let has = |n: &str| taps.iter().any(|x| x.name == n && !x.missing);
+    super::tap_inputs(t.layer, &t.kind, n_layer, &has)
+}
+
+/// The kernel suite's filter for the op that makes a tap kind (`kernels --filter`), where the
+/// kernel suite has that op.
+pub fn kernel_filter(kind: &str) -> Option<&'static str> {
+    Some(match kind {
+        "inp_embd" => "^embed\\(",
+        "attn_norm" | "ffn_norm" | "attn_post_norm" | "ffn_post_norm" | "result_norm" => "^(rms_norm|layer_norm)\\(",
+        "attn_q_norm" | "attn_k_norm" => "^qk_norm\\(",
+        "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" | "attn_out" | "ffn_out" | "result_output" => "^matmul\\(",
+        "attn_q_rope" | "attn_k_rope" => "^rope\\(",
+        "attn_kqv" => "^attention",
+        "ffn_inp" | "l_out" => "^add\\(",
+        "ffn_act" => "^(swiglu|geglu|swiglu_oai)\\(",
+        "ffn_moe_probs" | "ffn_moe_topk" => "^moe_route\\(",
+        _ => return None,
+    })
 }
 
 pub(crate) fn stats_json(prefix: &str, s: &Option<ErrStats>, b: &Option<Budget>, m: &mut Map<String, Value>) {
@@ -245,7 +299,8 @@ pub const LAYER_TABLE_COLUMNS: [&str; 7] = [
     "taps over budget propagated / isolated / missing",
 ];
 
-/// Error by layer: relative RMS error of each tap kind (solid) and its budget (dashed), log scale.
+/// Error by layer: relative RMS error of each tap kind (solid) and its budget (dashed), log scale,
+/// a panel per tap kind on one shared scale (fifteen kinds on one plot are unreadable).
 pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
     let mut kinds: Vec<&str> = Vec::new();
     for t in taps.iter().filter(|t| t.layer.is_some()) {
@@ -280,9 +335,11 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
     // it accumulates.
     let emulated: Vec<(f64, f64)> = taps.iter().filter(|t| t.kind == "l_out").filter_map(|t| Some((t.layer? as f64, t.emulated?.max(f32::EPSILON as f64 / 4.0)))).collect();
     if mode == Mode::Propagated && !emulated.is_empty() {
-        series.push(Series { name: "l_out, declared arithmetic emulated".into(), points: emulated, colour: kinds.len(), dashed: false });
+        // Drawn in l_out's panel (panels group series by colour).
+        let colour = kinds.iter().position(|k| *k == "l_out").unwrap_or(kinds.len());
+        series.push(Series { name: "l_out, declared arithmetic emulated".into(), points: emulated, colour, dashed: false });
     }
-    Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None, markers: Vec::new() }
+    Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None, markers: Vec::new(), panels: true }
 }
 
 /// Error over budget by layer, read at a glance: per mode, the worst tap of each layer (the
@@ -315,5 +372,5 @@ pub fn budget_chart(taps: &[TapDiff], modes: &[Mode], title: &str) -> Chart {
         }
     }
     series.push(Series { name: "budget".into(), points: vec![(0.0, 1.0), (last as f64, 1.0)], colour: 3, dashed: true });
-    Chart { title: title.into(), x_label: "layer (after the last: the output head)".into(), y_label: "error / budget".into(), log_y: true, series, band: None, markers }
+    Chart { title: title.into(), x_label: "layer (after the last: the output head)".into(), y_label: "error / budget".into(), log_y: true, series, band: None, markers, panels: false }
 }

@@ -646,9 +646,18 @@ pub fn main(a: AbArgs) -> Result<u8, Exit> {
         }
     }
 
-    let mut report = build_report(&a, &pairs, &stats, first_difference, failure.as_ref().map(|f| f.message.clone()).or_else(|| problems.first().cloned()));
+    let stop = if failure.is_some() {
+        Stop::ArmFailed
+    } else if outputs_differ {
+        Stop::OutputsDiffer
+    } else if pairs.len() >= a.max_pairs && matches!(stats.verdict, AbVerdict::Inconclusive) {
+        Stop::MaxPairs
+    } else {
+        Stop::Decided
+    };
+    let mut report = build_report(&a, &pairs, &stats, first_difference, failure.as_ref().map(|f| f.message.clone()).or_else(|| problems.first().cloned()), stop);
     let dir = super::write_report(&mut report, a.report_dir.clone())?;
-    print_table(&a, &pairs, &stats, first_difference);
+    print_table(&a, &pairs, &stats, first_difference, stop);
     outln!("report: {}", dir.join("report.json").display());
     if let Some(f) = failure {
         return Err(Exit::new(2, format!("{} ({} pairs kept in {})", f.message, pairs.len(), dir.display())));

@@ -330,7 +330,7 @@ fn write_report(a: &BenchArgs, m: Measured) -> Result<u8, Exit> {
             Series { name: format!("rep {}", i + 1), points: v.iter().enumerate().map(|(k, x)| (100.0 * (k as f64 + 0.5) / n, *x)).collect(), colour: i, dashed: false }
         })
         .collect();
-    report.add_chart("itl_distribution", Chart { title: format!("{} on {}: inter-token latency by percentile", a.device, a.model), x_label: "percentile".into(), y_label: "ms".into(), log_y: false, series, band: None, markers: Vec::new() });
+    report.add_chart("itl_distribution", Chart { title: format!("{} on {}: inter-token latency by percentile", a.device, a.model), x_label: "percentile".into(), y_label: "ms".into(), log_y: false, series, band: None, markers: Vec::new(), panels: false });
     if let Some(k) = &kernels {
         let rows = k
             .top(usize::MAX)

@@ -321,6 +321,7 @@ fn kld_chart(per_pos: &serde_json::Value, device: &str, model: &str) -> Chart {
         ],
         band: None,
         markers: Vec::new(),
+        panels: false,
     }
 }
 

@@ -86,6 +86,10 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
     let mut cases = Vec::new();
     // The names external engines' dumps give themselves, for their labels.
     let mut declared = serde_json::Map::new();
+    // Every chart the rungs draw, named by rung, device and model; and the layers rung's first
+    // divergence per device and model.
+    let mut charts: Vec<(String, reports::plot::Chart)> = Vec::new();
+    let mut divergences: Vec<Vec<String>> = Vec::new();
     let models: Vec<String> = if a.model.is_empty() { ::fixtures::SYNTHETIC.iter().map(|s| s.to_string()).collect() } else { a.model.clone() };
     if suites.iter().any(|s| s == "oracle") {
         // A short fixed sequence (the default ids of layer-diff): crosses the prefill/decode
@@ -115,6 +119,11 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                     let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, baseline_factor: 4.0, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone(), name: None };
                     super::layerdiff::layer_diff(&args).map(|mut o| {
                         outln!("{}", super::layerdiff::story(&o, &label(d), m));
+                        if let Some(div) = o.report.sections.get("first_divergence").filter(|v| !v.is_null()) {
+                            outln!("  more: {}", super::layerdiff::next_steps(d, m, div));
+                        }
+                        divergences.push(super::layerdiff::divergence_row(&o, &label(d), d, m));
+                        charts.extend(o.report.charts().unwrap_or_default().into_iter().map(|(stem, c)| (chart_stem("layers", &label(d), m, &stem), c)));
                         declared.extend(o.report.sections.remove(super::DECLARED_NAMES).and_then(|v| v.as_object().cloned()).unwrap_or_default());
                         o.report.cases
                     })
@@ -124,6 +133,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                     let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None, name: None };
                     super::fixedtoken::fixed_token(&args).map(|r| {
                         r.map(|mut r| {
+                            charts.extend(r.charts().unwrap_or_default().into_iter().map(|(stem, c)| (chart_stem("tokens", &label(d), m, &stem), c)));
                             declared.extend(r.sections.remove(super::DECLARED_NAMES).and_then(|v| v.as_object().cloned()).unwrap_or_default());
                             r.cases
                         })
@@ -139,6 +149,12 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
     let bench_rows = bench_table(&cases);
     let mut report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert(super::DECLARED_NAMES.into(), serde_json::Value::Object(declared));
+    if !divergences.is_empty() {
+        report.add_lead_table("layers_first_divergence", "Layers: first divergence by device and model", &super::layerdiff::DIVERGENCE_COLUMNS, divergences, &[]);
+    }
+    for (stem, chart) in charts {
+        report.add_chart(&stem, chart);
+    }
     super::note_declared_names(&mut report, &devices.iter().map(|d| d.as_ref()).collect::<Vec<_>>());
     let opened: Vec<String> = devices.iter().map(|x| x.name()).collect();
     super::label_devices(&mut report, &opened, a.name.as_deref());
@@ -154,6 +170,17 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
+}
+
+/// A chart's file name in the gate's folder: rung, device, model and the rung's own name, each
+/// reduced to letters, digits, `-`, `_` and `.` (a device may be a command line, a model a path).
+fn chart_stem(rung: &str, device: &str, model: &str, stem: &str) -> String {
+    let model = std::path::Path::new(model).file_stem().map_or(model.to_string(), |s| s.to_string_lossy().into_owned());
+    let slug = |s: &str| -> String {
+        let s: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+        s.trim_matches(|c| c == '_' || c == '.').chars().take(48).collect()
+    };
+    format!("{rung}-{}-{}-{stem}", slug(device), slug(&model))
 }
 
 /// A suite that could not run on a device/model pair: `unsupported` when the device says it cannot

@@ -115,6 +115,9 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
         outln!("tap_coverage gate ({}): {:?} — {} of {} taps given{}", c.tolerance.rule, c.verdict, c.metrics["taps_given"], c.metrics["taps_expected"], c.message.as_deref().map(|m| format!("; {m}")).unwrap_or_default());
     }
     let dir = super::write_report(&mut outcome.report, a.report_dir)?;
+    if let Some(d) = outcome.report.sections.get("first_divergence").filter(|d| !d.is_null()) {
+        outln!("more: {}", next_steps(&a.device, &a.model, d));
+    }
     let s = &outcome.report.summary;
     outln!("{} cases (a tap each, and the emulated_departure gate where it applies): {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
     outln!("report: {} (plots: error_by_layer_*.png/.svg)", dir.join("report.json").display());
@@ -196,6 +199,24 @@ fn describe_divergence(tap: &str, d: &serde_json::Value) -> String {
     if let Some(n) = d["id_mismatches"].as_u64().filter(|n| *n > 0) {
         s += &format!("; {n} expert ids differ");
     }
+    if let Some(op) = d["op"].as_str() {
+        let inputs: Vec<&str> = d["inputs"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
+        s += &format!("; made by {op}");
+        if !inputs.is_empty() {
+            s += &format!(" from {} (within their budgets)", inputs.join(", "));
+        }
+    }
+    s
+}
+
+/// The commands that show more about a divergence: the per-layer table and charts of this
+/// device and model, and the kernel suite on the op that made the tap.
+pub fn next_steps(device: &str, model: &str, d: &serde_json::Value) -> String {
+    let quote = |s: &str| if s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:/=,".contains(c)) { s.to_string() } else { format!("'{}'", s.replace('\'', "'\\''")) };
+    let mut s = format!("`cargo xtask layer-diff --device {} --model {}` (every tap, the per-layer table, charts)", quote(device), quote(model));
+    if let Some(f) = d["kernel_filter"].as_str() {
+        s += &format!("; `cargo xtask kernels --device {} --filter '{f}'` (that op alone, on the kernel suite's cases)", quote(device));
+    }
     s
 }
 
@@ -269,3 +290,16 @@ fn print_table(o: &layerdiff::Outcome) {
         None => outln!("first divergence: none (every tap within its budget)"),
     }
 }
+
+/// The first divergence as a report.md lead table (one row): what went red, the op that made it,
+/// and the command that shows that op alone.
+pub fn divergence_row(o: &layerdiff::Outcome, device_label: &str, device: &str, model: &str) -> Vec<String> {
+    let verdict = reports::verdict_word(o.report.exit_code()).to_string();
+    match (layerdiff::first_divergence(&o.taps), o.report.sections.get("first_divergence")) {
+        (Some(t), Some(d)) => vec![device_label.to_string(), model.to_string(), verdict, describe_divergence(&t.name, d), next_steps(device, model, d)],
+        _ => vec![device_label.to_string(), model.to_string(), verdict, "none: every tap within its budget".into(), "-".into()],
+    }
+}
+
+/// The columns of [`divergence_row`].
+pub const DIVERGENCE_COLUMNS: [&str; 5] = ["device", "model", "layers", "first divergence (the op that made it, its inputs)", "to see more"];

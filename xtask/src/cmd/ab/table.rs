@@ -44,7 +44,7 @@ pub(super) fn groups(pairs: &[Pair], m: Metric, every: usize) -> Vec<Group> {
         .collect()
 }
 
-pub(super) fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>) {
+pub(super) fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>, stop: Stop) {
     let m = a.metric;
     let (name_a, name_b) = names(a);
     outln!("{}", summary_title(a, pairs));
@@ -64,7 +64,7 @@ pub(super) fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_dif
         outln!("B ({name_b}) vs A ({name_a}): no pair completed, nothing to compare");
         return;
     }
-    outln!("B ({name_b}) vs A ({name_a}), {}: {}", m.words(), verdict_words(a, s));
+    outln!("B ({name_b}) vs A ({name_a}), {}: {}", m.words(), verdict_words(a, s, stop));
     outln!("{}", rule_words(a, s));
     let g = groups(pairs, m, a.group_size());
     if g.len() > 1 && a.group_size() > 1 {
@@ -78,8 +78,35 @@ pub(super) fn print_table(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_dif
     }
 }
 
-/// The verdict in one line: the change, its CI and p over restart groups, the verdict.
-pub(super) fn verdict_words(a: &AbArgs, s: &ab::AbStats) -> String {
+/// Why the pairs ended where they did.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stop {
+    /// The statistics decided (or the planned pairs ran).
+    Decided,
+    /// `--max-pairs` ran without a decision.
+    MaxPairs,
+    /// Outputs differed (arm from arm, or a run from its arm's first): more pairs cannot make
+    /// the comparison valid.
+    OutputsDiffer,
+    /// An arm failed or could not be restarted.
+    ArmFailed,
+}
+
+impl Stop {
+    fn words(self, a: &AbArgs, pairs: usize) -> String {
+        let pairs = if pairs == 1 { "1 pair".to_string() } else { format!("{pairs} pairs") };
+        match self {
+            Stop::Decided => format!("stopped after {pairs}"),
+            Stop::MaxPairs => format!("--max-pairs {} reached", a.max_pairs),
+            Stop::OutputsDiffer => format!("stopped after {pairs} because the outputs differ"),
+            Stop::ArmFailed => format!("stopped after {pairs} because an arm failed"),
+        }
+    }
+}
+
+/// The verdict in one line: the change, its CI and p over restart groups, the verdict, and why
+/// the pairs ended where they did when more would have decided.
+pub(super) fn verdict_words(a: &AbArgs, s: &ab::AbStats, stop: Stop) -> String {
     format!(
         "change {} ({}), signed-rank p = {:.4} over {} restart groups of {} pairs, threshold ±{}% -> {}{}",
         pct(s.median_change),
@@ -89,7 +116,7 @@ pub(super) fn verdict_words(a: &AbArgs, s: &ab::AbStats) -> String {
         s.pairs,
         a.threshold,
         s.verdict.words().to_uppercase(),
-        s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; --max-pairs {} reached)", a.max_pairs)).unwrap_or_default()
+        s.pairs_needed.map(|n| format!(" (about {n} pairs would decide; {})", stop.words(a, s.pairs))).unwrap_or_default()
     )
 }
 
@@ -152,10 +179,19 @@ pub(super) fn summary_rows(a: &AbArgs, pairs: &[Pair], name_a: &str, name_b: &st
             let mark = if m == a.metric { format!(" **{}**", st.verdict.words()) } else { String::new() };
             format!("{} ({}){mark}", pct(st.median_change), ci_words(st.ci95).trim_start_matches("95% CI "))
         };
+        // The decode column is in tok/s: B's change in time per token, turned into tok/s (a
+        // time 10% longer is a rate 9.09% lower; the CI's ends swap).
+        let tok_per_s_change = |m: Metric| {
+            let st = a.stats(pairs, m);
+            let rate = |t: f64| 1.0 / (1.0 + t) - 1.0;
+            let mark = if m == a.metric { format!(" **{}**", st.verdict.words()) } else { String::new() };
+            let ci = ci_words((rate(st.ci95.1), rate(st.ci95.0)));
+            format!("{} ({}){mark}", pct(rate(st.median_change)), ci.trim_start_matches("95% CI "))
+        };
         let prefill: Vec<f64> = pairs.iter().map(|p| p.b.prefill_ms / p.a.prefill_ms - 1.0).collect();
         rows.push(vec![
             "B's change (95% CI)".into(),
-            format!("time {}", change(Metric::Mean)),
+            tok_per_s_change(Metric::Mean),
             change(Metric::FastestStep),
             String::new(),
             format!("{} (median)", pct(med(prefill))),
@@ -168,7 +204,7 @@ pub(super) fn summary_rows(a: &AbArgs, pairs: &[Pair], name_a: &str, name_b: &st
     rows
 }
 
-pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>, problem: Option<String>) -> Report {
+pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_difference: Option<usize>, problem: Option<String>, stop: Stop) -> Report {
     let verdict = match (&problem, s.verdict) {
         (Some(_), _) => Verdict::Error,
         (None, AbVerdict::Slower) => Verdict::Fail,
@@ -187,11 +223,14 @@ pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_di
         metrics,
         tolerance: Tolerance { rule: format!("no change if the 95% CI of the median change lies inside ±{}%", a.threshold), bound: s.threshold },
         margin: s.threshold - s.median_change,
-        message: problem.or_else(|| Some(verdict_words(a, s))),
+        message: problem.clone().or_else(|| Some(verdict_words(a, s, stop))),
     };
     let mut r = Report::new("ab", Provenance::collect(rayon::current_num_threads()), vec![case]);
     let (name_a, name_b) = names(a);
-    let mut notes = vec![format!("**{}**: {}", a.metric.words(), verdict_words(a, s)), rule_words(a, s)];
+    let mut notes = vec![format!("**{}**: {}", a.metric.words(), verdict_words(a, s, stop)), rule_words(a, s)];
+    if let Some(p) = &problem {
+        notes.insert(0, format!("**Could not compare**: {p}"));
+    }
     if let (Some(p), Some(at)) = (pairs.first(), first_difference) {
         notes.push(format!("Outputs differ from generated token {at}: A hash {}, B hash {}.", hash(&p.a.tokens), hash(&p.b.tokens)));
     }
@@ -233,7 +272,7 @@ pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_di
         String::new(),
     ]);
     let (col_a, col_b) = (format!("A {}", a.metric.unit()), format!("B {}", a.metric.unit()));
-    r.add_table("ab_table", &format!("Per pair: A = {name_a} (`{}`), B = {name_b} (`{}`), {}", a.a, a.b, a.metric.words()), &["pair", "order", &col_a, &col_b, "change", "change of mean ms/token", "prefill ms A / B"], rows);
+    r.add_detail_table("ab_table", &format!("Per pair: A = {name_a} (`{}`), B = {name_b} (`{}`), {}", a.a, a.b, a.metric.words()), &["pair", "order", &col_a, &col_b, "change", "change of mean ms/token", "prefill ms A / B"], rows);
     let group_rows: Vec<Vec<String>> = groups(pairs, a.metric, a.group_size())
         .iter()
         .enumerate()
@@ -241,7 +280,7 @@ pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_di
         .collect();
     // `exec:` arms run a fresh process per run: restart groups are a server arm's.
     if a.group_size() > 1 && group_rows.len() > 1 {
-        r.add_table("ab_groups", &format!("Per restart group (`--respawn-every {}`: one lifetime of each arm's server process; the statistics' unit)", a.respawn_every), &["group", "pairs", "median change", "B's summed over A's"], group_rows);
+        r.add_detail_table("ab_groups", &format!("Per restart group (`--respawn-every {}`: one lifetime of each arm's server process; the statistics' unit)", a.respawn_every), &["group", "pairs", "median change", "B's summed over A's"], group_rows);
     }
     let changes: Vec<(f64, f64)> = pairs.iter().enumerate().map(|(i, p)| ((i + 1) as f64, 100.0 * p.change(a.metric))).collect();
     let n = pairs.len().max(1) as f64;
@@ -260,6 +299,7 @@ pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_di
             ],
             band: Some((100.0 * s.ci95.0, 100.0 * s.ci95.1)),
             markers: Vec::new(),
+            panels: false,
         },
     );
     let quantiles = |arm: fn(&Pair) -> &RunSample| -> Vec<(f64, f64)> {
@@ -281,6 +321,7 @@ pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_di
             series: vec![Series { name: format!("A: {}", a.a), points: quantiles(|p| &p.a), colour: 0, dashed: false }, Series { name: format!("B: {}", a.b), points: quantiles(|p| &p.b), colour: 1, dashed: false }],
             band: None,
             markers: Vec::new(),
+            panels: false,
         },
     );
     r
