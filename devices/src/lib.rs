@@ -52,6 +52,9 @@ use oracle::registry::{OpCase, Output};
 pub enum DeviceError {
     #[error("device `{0}` is unavailable: {1}")]
     Unavailable(String, String),
+    /// A name that is no device: misspelt, or from a newer version of this tool.
+    #[error("unknown device `{name}`{}; the devices: {}", suggestion.as_ref().map(|s| format!(": did you mean `{s}`?")).unwrap_or_default(), device_names!())]
+    Unknown { name: String, suggestion: Option<String> },
     #[error("{device}: {case}: {reason}")]
     Failed { device: String, case: String, reason: String },
     /// The device ran and its result is known to be wrong (e.g. a kernel wrote outside its
@@ -721,8 +724,23 @@ fn open_device(name: &str) -> Result<Box<dyn Device>, DeviceError> {
             Ok(d) => Ok(Box::new(d)),
             Err(why) => unavailable(&why),
         },
-        _ => unavailable(concat!("unknown device (", device_names!(), ")")),
+        _ => Err(DeviceError::Unknown { name: name.to_string(), suggestion: suggest_device(name) }),
     }
+}
+
+/// The device name nearest a misspelt one (`cpuu`, `fxied`, `exec python3 e.py`, `cpu:kv-f61`),
+/// when one is near enough to be what was meant.
+fn suggest_device(name: &str) -> Option<String> {
+    let kv = KvFormat::names().split(", ").map(|f| format!("cpu:kv-{f}")).collect::<Vec<_>>();
+    let candidates = BUILTIN_NAMES.iter().map(|s| s.to_string()).chain(kv).chain(["gpu-emu", "cuda:0", "rocm:0"].map(String::from));
+    // An engine command without its colon (`exec python3 engine.py`).
+    for p in ["exec", "ids", "external"] {
+        if let Some(rest) = name.strip_prefix(p).filter(|r| r.starts_with([' ', '='])) {
+            return Some(format!("{p}:{}", rest[1..].trim_start()));
+        }
+    }
+    let lower = name.to_lowercase();
+    candidates.map(|c| (strsim::damerau_levenshtein(&lower, &c), c)).filter(|(d, c)| *d <= 2.max(c.len() / 4) && *d < c.len()).min_by_key(|(d, _)| *d).map(|(_, c)| c)
 }
 
 pub(crate) fn fail(device: &str, case: &OpCase, reason: impl std::fmt::Display) -> DeviceError {
@@ -732,6 +750,19 @@ pub(crate) fn fail(device: &str, case: &OpCase, reason: impl std::fmt::Display) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A misspelt device is unknown, with the name that was meant where one is near.
+    #[test]
+    fn a_misspelt_device_gets_a_suggestion() {
+        for (typo, meant) in [("cpuu", Some("cpu")), ("CPU", Some("cpu")), ("fxied", Some("fixed")), ("fixed_int4", Some("fixed-int4")), ("exec python3 engine.py", Some("exec:python3 engine.py")), ("llama.cpp", None), ("x", None)] {
+            let e = open(typo).err().unwrap_or_else(|| panic!("{typo} opened"));
+            let text = e.to_string();
+            match meant {
+                Some(m) => assert!(text.starts_with(&format!("unknown device `{typo}`: did you mean `{m}`?")), "{typo}: {text}"),
+                None => assert!(text.starts_with(&format!("unknown device `{typo}`; the devices: ")), "{typo}: {text}"),
+            }
+        }
+    }
 
     /// The one list of device names is the one `open` reads: every built-in name opens, and a
     /// name outside the list and its prefixes is an unknown device; the list help texts give
@@ -754,10 +785,10 @@ mod tests {
         }
         for n in ["cpu:kv-f16", "gpu-emu", "exec:true", "external:/nowhere"] {
             assert!(is_device_name(n), "{n}");
-            assert!(!matches!(open(n), Err(DeviceError::Unavailable(_, why)) if why.starts_with("unknown device")), "{n}");
+            assert!(!matches!(open(n), Err(DeviceError::Unknown { .. })), "{n}");
         }
         assert!(!is_device_name("llama.cpp"));
-        assert!(matches!(open("llama.cpp"), Err(DeviceError::Unavailable(_, why)) if why.starts_with("unknown device")));
+        assert!(matches!(open("llama.cpp"), Err(DeviceError::Unknown { suggestion: None, .. })));
     }
 
     /// Each cache format gives back what its codec decodes, within its step; the budgets' size

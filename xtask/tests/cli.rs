@@ -66,6 +66,16 @@ fn exit_codes_follow_the_contract() {
     let o = xtask(&["run", "--model", "no-such-model", "--prompt-ids", "1"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("unknown model"));
+    let o = xtask(&["layer-diff", "--model", "models/missing.gguf", "--device", "cpu"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("models/missing.gguf: no such file or directory"), "{}", stderr(&o));
+    // The binary knows its version and the revision it was built from.
+    let o = xtask(&["--version"], &[]);
+    let v = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(v.starts_with(&format!("cargo xtask {} (revision ", env!("CARGO_PKG_VERSION"))) && !v.contains("revision unknown"), "{v}");
+    let o = xtask(&["gate", "--device", "cpuu", "--model", "tiny-llama", "--suite", "layers"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown device `cpuu`: did you mean `cpu`?"), "{}", stderr(&o));
 
     let o = xtask(&["run", "--model", "tiny-llama", "--prompt-ids", "1,x"], &[]);
     assert_eq!(o.status.code(), Some(2));
