@@ -5,7 +5,8 @@
 //!   reads the dump it wrote:
 //!   `TOUCHSTONE_MODEL` (model file), `TOUCHSTONE_PROMPT_IDS` (comma-separated ids),
 //!   `TOUCHSTONE_N_GENERATE` (greedy tokens wanted; 0 = one prefill), `TOUCHSTONE_OUT` (the
-//!   directory to write). Its stdout and stderr go to `engine.log` in that directory.
+//!   directory to write), `TOUCHSTONE_MODEL_SHA256` (what the manifest's `model.sha256` must
+//!   say). Its stdout and stderr go to `engine.log` in that directory.
 //! - `ids:CMD` runs a token-only engine that writes no dump at all (a bare-metal kernel whose only
 //!   output is a serial console): the same environment, and the greedy ids it generated read from
 //!   the last line of its stdout that holds nothing but ids (comma- or space-separated; boot
@@ -259,7 +260,7 @@ impl ExternalModel {
                 let work = tempfile::Builder::new().prefix("touchstone-exec-").tempdir().map_err(|e| self.failed(format!("cannot create a work directory: {e}")))?;
                 let out = work.path().join("dump");
                 std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
-                let ran = run_engine(cmd, &self.model_path, tokens, n_generate, &out, self.timeout, None);
+                let ran = run_engine(cmd, &self.model_path, self.model_sha256.as_deref(), tokens, n_generate, &out, self.timeout, None);
                 // TOUCHSTONE_KEEP_DUMPS=DIR: what the engine wrote stays there, to be inspected.
                 let kept = keep_dump(&out);
                 let note = kept.as_ref().map_or(String::new(), |k| format!(" (kept in {})", k.display()));
@@ -303,7 +304,7 @@ impl ExternalModel {
         let out = work.path().join("out");
         std::fs::create_dir_all(&out).map_err(|e| self.failed(format!("{}: {e}", out.display())))?;
         let stdout_path = work.path().join("stdout.txt");
-        let result = run_engine(cmd, &self.model_path, prompt, max_new, &out, self.timeout, Some(&stdout_path));
+        let result = run_engine(cmd, &self.model_path, self.model_sha256.as_deref(), prompt, max_new, &out, self.timeout, Some(&stdout_path));
         self.workdir = Some(work);
         result.map_err(|r| self.failed(r))?;
         // The ids are on its last lines: 16 MiB holds 2^20 ids of 7 digits and their separators.
@@ -343,11 +344,15 @@ fn keep_dump(out: &Path) -> Option<PathBuf> {
 
 /// Runs an `exec:` or `ids:` engine for one request; Err names the exit status or the timeout and
 /// shows the end of its log. Its stdout goes to `stdout` when given, else with stderr to the log.
-fn run_engine(cmd: &str, model: &Path, tokens: &[u32], n_generate: usize, out: &Path, timeout: Duration, stdout: Option<&Path>) -> Result<(), String> {
+fn run_engine(cmd: &str, model: &Path, model_sha256: Option<&str>, tokens: &[u32], n_generate: usize, out: &Path, timeout: Duration, stdout: Option<&Path>) -> Result<(), String> {
     let log_path = out.join("engine.log");
     let ids: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
     let mut command = std::process::Command::new("sh");
     command.arg("-c").arg(cmd).env("TOUCHSTONE_MODEL", model).env("TOUCHSTONE_PROMPT_IDS", ids.join(",")).env("TOUCHSTONE_N_GENERATE", n_generate.to_string()).env("TOUCHSTONE_OUT", out);
+    // What the manifest's `model.sha256` must say: the engine need not hash the model itself.
+    if let Some(sha) = model_sha256 {
+        command.env("TOUCHSTONE_MODEL_SHA256", sha);
+    }
     match run_bounded(&mut command, stdout.unwrap_or(&log_path), &log_path, timeout, "set TOUCHSTONE_EXEC_TIMEOUT to allow more") {
         Ok(status) if status.success() => Ok(()),
         Ok(status) => Err(format!("`{cmd}` exited with {status}{}", log_tail(&log_path))),

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """An engine that speaks Touchstone's dump protocol (docs/DUMP_FORMAT.md): a template.
 
+It needs numpy and gguf: `pip install -r requirements.txt` (the file beside this one).
+
 It stands for "your engine": a numpy float64 Llama forward pass over a GGUF file (weights decoded
-by gguf-py) that writes every tap Touchstone knows and the logits. One standalone file: copy it
-anywhere (it needs numpy and gguf: `pip install numpy gguf`) and gate it from there:
+by gguf-py) that writes every tap Touchstone knows and the logits. Copy this folder (engine.py,
+touchstone_dump.py, requirements.txt) anywhere and gate it from there:
 
     cargo xtask gate        --device "exec:python3 engine.py" --model tiny-llama --name my-engine
     cargo xtask layer-diff  --device "exec:python3 engine.py" --model tiny-llama
     cargo xtask fixed-token --device "exec:python3 engine.py" --model tiny-llama
 
-To adapt it to your engine: keep `main()` and the writers; replace `forward()` with a call into
+To adapt it to your engine: keep `main()` and touchstone_dump.py; replace `forward()` with a call into
 your engine that fills `taps` with what it computed (name -> [positions, width] array; the names
 are in docs/DUMP_FORMAT.md: `inp_embd`, `blk.N.attn_norm`, ..., `blk.N.l_out`, `result_norm`),
 and say in ARITHMETIC how it computes (storage and accumulation formats, Q8 activation blocks):
@@ -18,20 +20,22 @@ the budgets are derived from that declaration. Dump at least every `blk.N.l_out`
 
 Touchstone passes the request in the environment: TOUCHSTONE_MODEL (model path),
 TOUCHSTONE_PROMPT_IDS (comma-separated ids), TOUCHSTONE_N_GENERATE (greedy tokens wanted, 0 for one
-prefill) and TOUCHSTONE_OUT (directory to write). With TOUCHSTONE_N_GENERATE > 0 it writes a
+prefill), TOUCHSTONE_OUT (directory to write) and TOUCHSTONE_MODEL_SHA256; touchstone_dump.py reads
+them and writes the dump. With TOUCHSTONE_N_GENERATE > 0 it writes a
 token-only dump (`generated_ids`, no tensors); otherwise taps and logits of every position. With
 TOUCHSTONE_TASK set, Touchstone asks for the op protocol (docs/OP_PROTOCOL.md), which this engine
 does not speak: it exits non-zero and its ops are reported unsupported.
 """
-import hashlib
-import json
-import os
-import struct
 import sys
 
-import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize
+import touchstone_dump
+
+try:
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+except ImportError as e:
+    sys.exit(f"engine.py needs numpy and gguf ({e}): pip install -r requirements.txt, the file beside engine.py")
 
 # How this engine computes, as the budgets see it: values stored as f32 in the dump.
 ARITHMETIC = {"storage": "f32", "accumulate": "f32", "activation_q8_block": None, "transcendental_ulps": 4.0, "fixed": None}
@@ -109,65 +113,27 @@ def forward(cfg, w, ids, taps):
 
 
 # ----------------------------------------------------------------------------------------------
-# The dump protocol: keep this part as it is.
+# The request and the dump: touchstone_dump.py (beside this file) reads one and writes the other.
 # ----------------------------------------------------------------------------------------------
 
-def write_safetensors(path, tensors):
-    """tensors: list of (name, array [rows, cols]), written as f32. The whole format: 8-byte
-    header length, JSON header (padded to 8 bytes), raw little-endian data."""
-    header, offset, blobs = {}, 0, []
-    for name, arr in tensors:
-        data = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def main():
-    if os.environ.get("TOUCHSTONE_TASK"):
-        sys.exit(f"TOUCHSTONE_TASK={os.environ['TOUCHSTONE_TASK']}: this engine speaks the dump protocol only, not the op protocol")
-    model, out = os.environ["TOUCHSTONE_MODEL"], os.environ["TOUCHSTONE_OUT"]
-    ids = [int(t) for t in os.environ["TOUCHSTONE_PROMPT_IDS"].split(",")]
-    n_generate = int(os.environ.get("TOUCHSTONE_N_GENERATE", "0"))
-    cfg, w = load(model)
-    manifest = {
-        "format": "touchstone-dump",
-        "version": 1,
-        "model": {"name": os.path.basename(model), "sha256": sha256(model), "arch": "llama"},
-        "device": "example-numpy-f64",
-        "precision": "f64",
-        "token_ids": ids,
-        "positions": list(range(len(ids))),
-        "taps": [],
-        "logits": None,
-        "arithmetic": ARITHMETIC,
-    }
-    if n_generate > 0:
-        seq = list(ids)
-        for _ in range(n_generate):
+    req = touchstone_dump.request()
+    if req.task:
+        sys.exit(f"TOUCHSTONE_TASK={req.task}: this engine speaks the dump protocol only, not the op protocol")
+    cfg, w = load(req.model)
+    dump = touchstone_dump.Dump(device="example-numpy-f64", arithmetic=ARITHMETIC, precision="f64")
+    if req.n_generate > 0:
+        seq = list(req.ids)
+        for _ in range(req.n_generate):
             seq.append(int(np.argmax(forward(cfg, w, seq, {})[-1])))
-        manifest["generated_ids"] = seq[len(ids):]
+        dump.generated(seq[len(req.ids):])
     else:
         taps = {}
-        logits = forward(cfg, w, ids, taps)
-        write_safetensors(os.path.join(out, "taps.safetensors"), list(taps.items()))
-        write_safetensors(os.path.join(out, "logits.safetensors"), [("logits", logits)])
-        manifest["taps"] = [{"name": k, "shape": list(v.shape), "dtype": "f32", "file": "taps.safetensors"} for k, v in taps.items()]
-        manifest["logits"] = {"name": "logits", "shape": list(logits.shape), "dtype": "f32", "file": "logits.safetensors"}
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+        logits = forward(cfg, w, req.ids, taps)
+        for name, rows in taps.items():
+            dump.tap(name, rows)
+        dump.logits(logits)
+    dump.write()
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@
  *   cargo xtask export --model smollm2 --type q4_0 --out smollm2.flat
  *   cargo xtask fixed-token --device "exec:sh examples/flat_engine/run.sh" --model smollm2.flat
  *
- * run.sh builds it once and passes the model's sha256 (TOUCHSTONE_MODEL_SHA256). Touchstone gives
- * TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS, TOUCHSTONE_N_GENERATE and TOUCHSTONE_OUT. With
+ * run.sh builds it once. Touchstone gives TOUCHSTONE_MODEL, TOUCHSTONE_PROMPT_IDS,
+ * TOUCHSTONE_N_GENERATE, TOUCHSTONE_OUT and TOUCHSTONE_MODEL_SHA256; touchstone_dump.h writes the
+ * dump. With
  * N_GENERATE > 0 it writes a token-only dump (generated_ids) and prints the ids on stdout (so it
  * also runs as `ids:sh examples/flat_engine/run.sh`, as a serial-console engine would), else the output of every layer
  * (blk.N.l_out), the final norm and the logits of every position. It refuses what it does not
@@ -26,6 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "touchstone_dump.h"
 #include "touchstone_flat.h"
 
 static void die(const char *what, const char *why) {
@@ -128,20 +130,6 @@ static void rope(float *v, int n_heads, int pos) {
             x[b] = (float)(x0 * s + x1 * c);
         }
     }
-}
-
-static void write_safetensors(const char *path, const char *name, const float *data, int rows, int cols) {
-    char head[256];
-    size_t bytes = (size_t)rows * cols * 4;
-    int n = snprintf(head, sizeof head, "{\"%s\":{\"dtype\":\"F32\",\"shape\":[%d,%d],\"data_offsets\":[0,%zu]}}", name, rows, cols, bytes);
-    while (n % 8) head[n++] = ' ';
-    FILE *f = fopen(path, "wb");
-    if (!f) die(path, "cannot write");
-    uint64_t len = (uint64_t)n;
-    fwrite(&len, 8, 1, f);
-    fwrite(head, 1, (size_t)n, f);
-    fwrite(data, 4, (size_t)rows * cols, f);
-    if (fclose(f)) die(path, "write failed");
 }
 
 int main(void) {
@@ -251,38 +239,23 @@ int main(void) {
         }
     }
 
-    char path[4096];
-    snprintf(path, sizeof path, "%s/manifest.json", out);
-    FILE *m = fopen(path, "w");
-    if (!m) die(path, "cannot write");
-    fprintf(m, "{\"format\":\"touchstone-dump\",\"version\":1,\"model\":{\"name\":\"flat\",\"sha256\":\"%s\",\"arch\":\"%.16s\"},", sha, h->arch);
-    fprintf(m, "\"device\":\"example-c-flat\",\"precision\":\"f32\",\"token_ids\":[");
-    for (int i = 0; i < n_prompt; i++) fprintf(m, "%s%d", i ? "," : "", ids[i]);
-    fprintf(m, "],\"positions\":[");
-    for (int i = 0; i < n_prompt; i++) fprintf(m, "%s%d", i ? "," : "", i);
-    fprintf(m, "],\"arithmetic\":{\"storage\":\"f32\",\"accumulate\":\"f32\",\"activation_q8_block\":null,\"transcendental_ulps\":4.0,\"fixed\":null},");
+    char arch[17] = {0};
+    memcpy(arch, h->arch, 16);
+    ts_dump d;
+    ts_dump_begin(&d, out, "example-c-flat", "flat", sha, arch, ids, n_prompt,
+                  "{\"storage\":\"f32\",\"accumulate\":\"f32\",\"activation_q8_block\":null,\"transcendental_ulps\":4.0,\"fixed\":null}");
     if (n_generate > 0) {
-        fprintf(m, "\"taps\":[],\"logits\":null,\"generated_ids\":[");
-        for (int i = n_prompt; i < n_ids; i++) fprintf(m, "%s%d", i > n_prompt ? "," : "", ids[i]);
-        fprintf(m, "]}\n");
+        ts_dump_generated(&d, ids + n_prompt, n_ids - n_prompt);
     } else {
-        fprintf(m, "\"taps\":[");
         for (int l = 0; l < L; l++) {
-            char name[64], file_name[64];
+            char name[64];
             snprintf(name, sizeof name, "blk.%d.l_out", l);
-            snprintf(file_name, sizeof file_name, "l_out_%d.safetensors", l);
-            snprintf(path, sizeof path, "%s/%s", out, file_name);
-            write_safetensors(path, name, l_out + (size_t)l * n_prompt * E, n_prompt, E);
-            fprintf(m, "{\"name\":\"%s\",\"shape\":[%d,%d],\"dtype\":\"f32\",\"file\":\"%s\"},", name, n_prompt, E, file_name);
+            ts_dump_tap(&d, name, l_out + (size_t)l * n_prompt * E, n_prompt, E);
         }
-        snprintf(path, sizeof path, "%s/result_norm.safetensors", out);
-        write_safetensors(path, "result_norm", result_norm, n_prompt, E);
-        fprintf(m, "{\"name\":\"result_norm\",\"shape\":[%d,%d],\"dtype\":\"f32\",\"file\":\"result_norm.safetensors\"}],", n_prompt, E);
-        snprintf(path, sizeof path, "%s/logits.safetensors", out);
-        write_safetensors(path, "logits", logits, n_prompt, V);
-        fprintf(m, "\"logits\":{\"name\":\"logits\",\"shape\":[%d,%d],\"dtype\":\"f32\",\"file\":\"logits.safetensors\"}}\n", n_prompt, V);
+        ts_dump_tap(&d, "result_norm", result_norm, n_prompt, E);
+        ts_dump_logits(&d, logits, n_prompt, V);
     }
-    if (fclose(m)) die(path, "write failed");
+    if (ts_dump_finish(&d)) die(out, d.error);
     /* The generated ids on stdout too, one line, as an engine whose only output is a serial
      * console prints them (`ids:` device). */
     if (n_generate > 0) {

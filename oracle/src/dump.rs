@@ -119,6 +119,123 @@ pub fn write_dump(dir: &Path, model: ModelInfo, device: &str, precision: &str, t
     Ok(manifest)
 }
 
+/// Writes a dump from an engine written in Rust, as `touchstone_dump.py` and `touchstone_dump.h`
+/// do from Python and C (examples/): the request from the environment Touchstone sets for an
+/// `exec:` engine, the taps as the engine gives them, the manifest last.
+///
+/// ```no_run
+/// # fn forward(_: &[u32]) -> (Vec<(String, usize, Vec<f32>)>, usize, Vec<f32>) { unimplemented!() }
+/// let mut dump = oracle::dump::DumpWriter::from_env("my-engine", "llama")?;
+/// let (taps, n_vocab, logits) = forward(dump.token_ids());
+/// for (name, width, rows) in &taps {
+///     dump.tap(name, *width, rows)?; // [n_positions, width], row-major
+/// }
+/// dump.logits(n_vocab, &logits)?;
+/// dump.finish()?;
+/// # Ok::<(), oracle::OracleError>(())
+/// ```
+pub struct DumpWriter {
+    dir: std::path::PathBuf,
+    model: ModelInfo,
+    device: String,
+    precision: String,
+    token_ids: Vec<u32>,
+    taps: RecordingTap,
+    generated: Option<Vec<u32>>,
+    arithmetic: Option<serde_json::Value>,
+}
+
+impl DumpWriter {
+    /// A dump of `token_ids` into `dir` (created if missing), of the model `model` names.
+    pub fn new(dir: &Path, model: ModelInfo, device: &str, token_ids: &[u32]) -> DumpWriter {
+        DumpWriter { dir: dir.to_path_buf(), model, device: device.into(), precision: "f32".into(), token_ids: token_ids.to_vec(), taps: RecordingTap::default(), generated: None, arithmetic: None }
+    }
+
+    /// The request Touchstone passes an `exec:` engine: `TOUCHSTONE_OUT`, `TOUCHSTONE_MODEL`,
+    /// `TOUCHSTONE_MODEL_SHA256`, `TOUCHSTONE_PROMPT_IDS` (`TOUCHSTONE_N_GENERATE` is the
+    /// engine's to read: [`DumpWriter::n_generate`]).
+    pub fn from_env(device: &str, arch: &str) -> Result<DumpWriter> {
+        let var = |k: &str| std::env::var(k).map_err(|_| OracleError::Safetensors { file: k.into(), reason: "not set: run this engine through Touchstone (--device \"exec:CMD\")".into() });
+        let model = var("TOUCHSTONE_MODEL")?;
+        let name = Path::new(&model).file_name().map_or(model.clone(), |n| n.to_string_lossy().into_owned());
+        let ids = var("TOUCHSTONE_PROMPT_IDS")?;
+        let token_ids = ids
+            .split(',')
+            .filter(|t| !t.trim().is_empty())
+            .map(|t| t.trim().parse::<u32>().map_err(|e| OracleError::Safetensors { file: "TOUCHSTONE_PROMPT_IDS".into(), reason: format!("`{t}`: {e}") }))
+            .collect::<Result<Vec<u32>>>()?;
+        let info = ModelInfo { name, sha256: var("TOUCHSTONE_MODEL_SHA256")?, arch: arch.into() };
+        Ok(DumpWriter::new(Path::new(&var("TOUCHSTONE_OUT")?), info, device, &token_ids))
+    }
+
+    /// The ids of the request, one position each.
+    pub fn token_ids(&self) -> &[u32] {
+        &self.token_ids
+    }
+
+    /// `TOUCHSTONE_N_GENERATE`: greedy ids wanted after the request's (0: taps and logits).
+    pub fn n_generate() -> usize {
+        std::env::var("TOUCHSTONE_N_GENERATE").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// The declared arithmetic, as docs/DUMP_FORMAT.md gives it (absent: f32 storage and
+    /// accumulation); the precision field (default `f32`).
+    pub fn arithmetic(&mut self, arithmetic: serde_json::Value, precision: &str) -> &mut Self {
+        self.arithmetic = Some(arithmetic);
+        self.precision = precision.into();
+        self
+    }
+
+    fn check_rows(&self, name: &str, width: usize, rows: &[f32]) -> Result<()> {
+        let n = self.token_ids.len();
+        if width == 0 || rows.len() != n * width {
+            return Err(OracleError::Safetensors { file: self.dir.display().to_string(), reason: format!("{name}: {} values for {n} positions of width {width}", rows.len()) });
+        }
+        if self.taps.tensors.contains_key(name) {
+            return Err(OracleError::Safetensors { file: self.dir.display().to_string(), reason: format!("{name} given twice") });
+        }
+        Ok(())
+    }
+
+    /// One tap: `[n_positions, width]` row-major, a row per position of the request.
+    pub fn tap(&mut self, name: &str, width: usize, rows: &[f32]) -> Result<()> {
+        if name == "result_output" {
+            return self.logits(width, rows);
+        }
+        self.check_rows(name, width, rows)?;
+        crate::model::Tap::record(&mut self.taps, name, 0, self.token_ids.len(), width, rows);
+        Ok(())
+    }
+
+    /// The logits of every position: `[n_positions, n_vocab]` row-major.
+    pub fn logits(&mut self, n_vocab: usize, rows: &[f32]) -> Result<()> {
+        self.check_rows("result_output", n_vocab, rows)?;
+        crate::model::Tap::record(&mut self.taps, "result_output", 0, self.token_ids.len(), n_vocab, rows);
+        Ok(())
+    }
+
+    /// A token-only dump: the ids generated greedily after the request's.
+    pub fn generated(&mut self, ids: &[u32]) {
+        self.generated = Some(ids.to_vec());
+    }
+
+    /// Writes the tensors and, last, manifest.json.
+    pub fn finish(self) -> Result<Manifest> {
+        let Some(generated) = self.generated else {
+            if !self.taps.tensors.contains_key("result_output") {
+                return Err(OracleError::Safetensors { file: self.dir.display().to_string(), reason: "nothing to write: give the logits (or, asked to generate, the generated ids)".into() });
+            }
+            return write_dump(&self.dir, self.model, &self.device, &self.precision, &self.token_ids, &self.taps, self.arithmetic);
+        };
+        std::fs::create_dir_all(&self.dir).map_err(|e| OracleError::io(&self.dir, e))?;
+        let n = self.token_ids.len();
+        let manifest = Manifest { format: FORMAT_NAME.into(), version: FORMAT_VERSION, model: self.model, device: self.device, precision: self.precision, token_ids: self.token_ids, positions: (0..n).collect(), taps: Vec::new(), logits: None, generated_ids: Some(generated), arithmetic: self.arithmetic };
+        let mpath = self.dir.join("manifest.json");
+        std::fs::write(&mpath, serde_json::to_string_pretty(&manifest).expect("manifest serializes") + "\n").map_err(|e| OracleError::io(&mpath, e))?;
+        Ok(manifest)
+    }
+}
+
 /// The largest manifest.json read: a manifest of a million positions' ids and a thousand taps
 /// is under 16 MiB; a larger file is an engine's mistake, not something to load.
 pub const MANIFEST_LIMIT: u64 = 64 << 20;

@@ -259,7 +259,7 @@ impl Report {
             if !is_table {
                 let text = v.to_string();
                 if text.len() <= 400 {
-                    let _ = write!(raw, "- **{key}**: `{}`\n", text.replace('`', "'"));
+                    let _ = writeln!(raw, "- **{key}**: `{}`", text.replace('`', "'"));
                 } else {
                     let _ = writeln!(raw, "- **{key}**: {} bytes of data in report.json", text.len());
                 }

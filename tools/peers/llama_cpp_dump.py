@@ -48,7 +48,7 @@ import llama_cpp
 from llama_cpp import _ggml
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "external_engine"))
-from engine import sha256, write_safetensors  # noqa: E402
+from touchstone_dump import sha256_of_model as sha256, write_safetensors  # noqa: E402
 
 
 class GgmlTensor(ctypes.Structure):

@@ -596,6 +596,7 @@ fn bisect_finds_the_commit_that_broke_an_engine_in_its_own_repository() {
     };
     git(&["init", "-q"]);
     std::fs::write(repo.join("build.sh"), "python3 -m py_compile engine.py && test ! -e BROKEN\n").unwrap();
+    std::fs::copy(workspace().join("examples/external_engine/touchstone_dump.py"), repo.join("touchstone_dump.py")).unwrap();
     let mut revs = Vec::new();
     for i in 1..=8 {
         let mut src = engine.clone();
@@ -627,8 +628,10 @@ fn bisect_finds_the_commit_that_broke_an_engine_in_its_own_repository() {
 }
 
 /// The README's "Judge your engine" quickstart, run exactly as it prints it (its two `sh` blocks,
-/// `cargo xtask` standing for this binary): the copied template passes (exit 0, JUnit under the
-/// label), and the edited one goes red naming the first layer's output.
+/// `cargo xtask` standing for this binary) by `sh`, the template's needs installed by its own
+/// lines into a virtual environment of plain Python 3: the copied template passes (exit 0, JUnit
+/// under the label, the charts in the report folder), and the edited one goes red naming the
+/// first layer's output and the op that made it.
 #[test]
 fn the_readme_quickstart_runs_as_printed() {
     if !python_with_reference_peers() {
@@ -644,9 +647,16 @@ fn the_readme_quickstart_runs_as_printed() {
     let out = text(&o);
     assert!(o.status.success(), "{out}");
     let engine = out.lines().find_map(|l| l.strip_prefix("GREEN ")).unwrap_or_else(|| panic!("the first block failed: {out}")).to_string();
-    let junit = std::fs::read_to_string(Path::new(&engine).join("report/junit.xml")).unwrap();
+    let report = Path::new(&engine).join("report");
+    let junit = std::fs::read_to_string(report.join("junit.xml")).unwrap();
     assert!(junit.contains("classname=\"touchstone.layers.my-engine\"") && !junit.contains("<failure"), "{junit}");
-    assert!(out.contains("layers on my-engine / tiny-llama: first divergence: blk.0.l_out (isolated): RMS error") && out.contains("exit 1"), "{out}");
+    for chart in ["layers-my-engine-tiny-llama-budget_use_by_layer.png", "layers-my-engine-tiny-llama-error_by_layer_propagated.png", "tokens-my-engine-tiny-llama-kld_by_position.png"] {
+        assert!(report.join(chart).exists(), "{chart} in {}", report.display());
+    }
+    assert!(out.contains("layers on my-engine / tiny-llama: first divergence: blk.0.l_out (isolated): RMS error") && out.contains("made by the residual add after the FFN from blk.0.ffn_inp, blk.0.ffn_out (within their budgets)") && out.contains("exit 1"), "{out}");
+    assert!(out.contains("more: `cargo xtask layer-diff --device"), "{out}");
+    let red = std::fs::read_to_string(Path::new(&engine).join("red/report.md")).unwrap();
+    assert!(red.contains("| my-engine | tiny-llama | FAIL | blk.0.l_out (isolated)"), "{red}");
     let _ = std::fs::remove_dir_all(&engine);
 }
 
@@ -691,6 +701,7 @@ fn a_newcomer_gates_the_copied_engine_with_the_installed_binary() {
     let engine_dir = tmp.path().join("my-engine");
     std::fs::create_dir_all(&engine_dir).unwrap();
     let source = std::fs::read_to_string(workspace().join("examples/external_engine/engine.py")).unwrap();
+    std::fs::copy(workspace().join("examples/external_engine/touchstone_dump.py"), engine_dir.join("touchstone_dump.py")).unwrap();
     let gate = |src: &str, report: &str| {
         std::fs::write(engine_dir.join("engine.py"), src).unwrap();
         let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
@@ -712,7 +723,7 @@ fn a_newcomer_gates_the_copied_engine_with_the_installed_binary() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("layers on my-engine / tiny-llama: first divergence: blk.1.l_out"), "{}", text(&o));
     assert!(std::fs::read_to_string(report.join("report.md")).unwrap().contains("blk.1.l_out"));
-    let logits_only = source.replace("logits = forward(cfg, w, ids, taps)", "logits = forward(cfg, w, ids, {})");
+    let logits_only = source.replace("logits = forward(cfg, w, req.ids, taps)", "logits = forward(cfg, w, req.ids, {})");
     assert_ne!(logits_only, source);
     let (o, _) = gate(&logits_only, "logits-only");
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
