@@ -90,10 +90,10 @@ impl Report {
     pub(crate) fn markdown(&self, with_cases: bool) -> String {
         let mut out = format!("# Touchstone `{}` report\n\n", self.suite);
         let p = &self.provenance;
-        let speed = matches!(self.suite.as_str(), "bench" | "ab" | "ab-calibrate" | "roofline");
+        let speed = matches!(self.suite.as_str(), "bench" | "ab" | "ab-calibrate" | "roofline") || self.sections.contains_key("bench_table");
         out += &self.sections_markdown(Placement::Lead, SUMMARY_BUDGET);
         if speed && p.machine.get("build_profile").is_some_and(|b| b != "release") {
-            out += "> **Warning: measured with a debug build** (`cargo xtask` builds the dev profile). Publish figures from `cargo run --release -p xtask -- …` or an installed `touchstone`.\n\n";
+            out += "> **Warning: measured with a debug build** (`cargo xtask` builds the dev profile). Publish figures from `cargo xtask-release …` or an installed `touchstone`.\n\n";
         }
         let s = &self.summary;
         let code = self.exit_code();

@@ -345,7 +345,7 @@ pub fn parse_shard(s: &str) -> Result<(usize, usize), Exit> {
 /// time things; the same settings are in every report's provenance.
 pub fn print_timing_notes() {
     if cfg!(debug_assertions) {
-        eprintln!("WARNING: this is a debug build (`cargo xtask` builds the dev profile, with overflow checks and debug assertions): its timings are not the engine's. Publish figures from `cargo run --release -p xtask -- ...` or an installed `touchstone`; report.md says the same.");
+        eprintln!("WARNING: this is a debug build (`cargo xtask` builds the dev profile, with overflow checks and debug assertions): its timings are not the engine's. Publish figures from `cargo xtask-release ...` (the same commands, optimized) or an installed `touchstone`; report.md says the same.");
     }
     for n in reports::settings::timing_notes(&reports::settings::collect()) {
         eprintln!("note: {n}");
