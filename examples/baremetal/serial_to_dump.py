@@ -8,12 +8,15 @@ A frame is "TSLG" | u32 position | u32 n_vocab | n_vocab f32 | u32 FNV-1a of the
 checksum; anything else is an error naming the frame, and no dump is written.
 
 Usage: serial_to_dump.py FRAMES CONSOLE OUT_DIR SHA256 PROMPT_IDS N_GENERATE ARCH
-Only the standard library is used.
+Only the standard library is used; the dump is written by examples/external_engine/touchstone_dump.py.
 """
-import json
 import os
 import struct
 import sys
+from array import array
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "external_engine"))
+import touchstone_dump  # noqa: E402
 
 # What the kernel declares: f32 values; its sums run in the x87's 64-bit mantissa, exp, sqrt,
 # sin and cos are the FPU's own (within 4 f32 ulps).
@@ -62,42 +65,30 @@ def read_frames(path, n_prompt):
     return rows, n_vocab
 
 
-def write_safetensors(path, name, rows, width):
-    header = json.dumps({name: {"dtype": "F32", "shape": [len(rows), width], "data_offsets": [0, 4 * width * len(rows)]}}).encode()
-    header += b" " * (-len(header) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for r in rows:
-            f.write(r)
+def f32_row(data):
+    """A frame's little-endian f32 values."""
+    a = array("f", data)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a
 
 
 def main():
     if len(sys.argv) != 8:
         fail("usage: serial_to_dump.py FRAMES CONSOLE OUT_DIR SHA256 PROMPT_IDS N_GENERATE ARCH")
     frames, console, out, sha, prompt, n_generate, arch = sys.argv[1:]
-    ids = [int(t) for t in prompt.split(",") if t]
-    manifest = {
-        "format": "touchstone-dump", "version": 1,
-        "model": {"name": "flat", "sha256": sha, "arch": arch},
-        "device": "baremetal", "precision": "f32",
-        "token_ids": ids, "positions": list(range(len(ids))),
-        "arithmetic": ARITHMETIC, "taps": [],
-    }
-    if int(n_generate) > 0:
+    req = touchstone_dump.request({"TOUCHSTONE_MODEL": "flat", "TOUCHSTONE_PROMPT_IDS": prompt, "TOUCHSTONE_N_GENERATE": n_generate, "TOUCHSTONE_OUT": out, "TOUCHSTONE_MODEL_SHA256": sha})
+    dump = touchstone_dump.Dump(device="baremetal", arithmetic=ARITHMETIC, request=req, arch=arch)
+    if req.n_generate > 0:
         lines = [l.strip() for l in open(console, encoding="utf-8", errors="replace").read().splitlines()]
         after = lines[lines.index("generated:") + 1:] if "generated:" in lines else []
         if not after:
             fail(f"{console}: no `generated:` line followed by the ids")
-        manifest["logits"] = None
-        manifest["generated_ids"] = [int(t) for t in after[0].split(",") if t]
+        dump.generated(int(t) for t in after[0].split(",") if t)
     else:
-        rows, n_vocab = read_frames(frames, len(ids))
-        write_safetensors(os.path.join(out, "logits.safetensors"), "logits", rows, n_vocab)
-        manifest["logits"] = {"name": "logits", "shape": [len(ids), n_vocab], "dtype": "f32", "file": "logits.safetensors"}
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
-
+        rows, _ = read_frames(frames, len(req.ids))
+        dump.logits([f32_row(r) for r in rows])
+    dump.write()
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "forward.h"
+#include "../flat_engine/touchstone_dump.h"
 #include "../flat_engine/touchstone_flat.h"
 
 static void die(const char *what, const char *fmt, ...) {
@@ -178,20 +179,6 @@ static void tap(const char *name, int pos, uint64_t at, uint64_t width) {
         n_taps++;
     }
     for (uint64_t j = 0; j < width; j++) taps[i].rows[(size_t)pos * width + j] = (float)ldexp((double)act[at + j], -Q_ACT);
-}
-
-static void write_safetensors(const char *path, const char *name, const float *data, uint64_t rows, uint64_t cols) {
-    char head[256];
-    size_t bytes = (size_t)(rows * cols * 4);
-    int n = snprintf(head, sizeof head, "{\"%s\":{\"dtype\":\"F32\",\"shape\":[%llu,%llu],\"data_offsets\":[0,%zu]}}", name, (unsigned long long)rows, (unsigned long long)cols, bytes);
-    while (n % 8) head[n++] = ' ';
-    FILE *f = fopen(path, "wb");
-    if (!f) die(path, "cannot write");
-    uint64_t len = (uint64_t)n;
-    fwrite(&len, 8, 1, f);
-    fwrite(head, 1, (size_t)n, f);
-    fwrite(data, 4, (size_t)(rows * cols), f);
-    if (fclose(f)) die(path, "write failed");
 }
 
 static double now(void) {
@@ -394,36 +381,22 @@ int main(int argc, char **argv) {
         close(stats_fd);
     }
 
-    char path[4096];
-    snprintf(path, sizeof path, "%s/manifest.json", out);
-    FILE *m = fopen(path, "w");
-    if (!m) die(path, "cannot write");
-    fprintf(m, "{\"format\":\"touchstone-dump\",\"version\":1,\"model\":{\"name\":\"flat\",\"sha256\":\"%s\",\"arch\":\"%.16s\"},", sha, h->arch);
-    fprintf(m, "\"device\":\"ebpf\",\"precision\":\"q16\",\"token_ids\":[");
-    for (int i = 0; i < n_prompt; i++) fprintf(m, "%s%d", i ? "," : "", ids[i]);
-    fprintf(m, "],\"positions\":[");
-    for (int i = 0; i < n_prompt; i++) fprintf(m, "%s%d", i ? "," : "", i);
-    fprintf(m, "],\"arithmetic\":{\"storage\":\"i32\",\"accumulate\":\"i32\",\"activation_q8_block\":null,\"transcendental_ulps\":0.0,"
-               "\"fixed\":{\"act_frac\":%d,\"weight_frac\":%d,\"norm_frac\":%d,\"table_frac\":%d,\"exp_abs\":%.17g,\"int4_group\":null}},",
-            Q_ACT, Q_WGT, Q_NORM, Q_TABLE, 2.0 / 65536.0);
+    char arch[17] = {0}, arithmetic[512];
+    memcpy(arch, h->arch, 16);
+    snprintf(arithmetic, sizeof arithmetic,
+             "{\"storage\":\"i32\",\"accumulate\":\"i32\",\"activation_q8_block\":null,\"transcendental_ulps\":0.0,"
+             "\"fixed\":{\"act_frac\":%d,\"weight_frac\":%d,\"norm_frac\":%d,\"table_frac\":%d,\"exp_abs\":%.17g,\"int4_group\":null}}",
+             Q_ACT, Q_WGT, Q_NORM, Q_TABLE, 2.0 / 65536.0);
+    ts_dump d;
+    ts_dump_begin(&d, out, "ebpf", "flat", sha, arch, ids, n_prompt, arithmetic);
+    ts_dump_set_precision(&d, "q16");
     if (n_generate > 0) {
-        fprintf(m, "\"taps\":[],\"logits\":null,\"generated_ids\":[");
-        for (int i = n_prompt; i < n_ids; i++) fprintf(m, "%s%d", i > n_prompt ? "," : "", ids[i]);
-        fprintf(m, "]}\n");
+        ts_dump_generated(&d, ids + n_prompt, n_ids - n_prompt);
     } else {
-        fprintf(m, "\"taps\":[");
-        for (int i = 0; i < n_taps; i++) {
-            char file_name[96];
-            snprintf(file_name, sizeof file_name, "tap_%03d.safetensors", i);
-            snprintf(path, sizeof path, "%s/%s", out, file_name);
-            write_safetensors(path, taps[i].name, taps[i].rows, (uint64_t)n_prompt, taps[i].width);
-            fprintf(m, "%s{\"name\":\"%s\",\"shape\":[%d,%llu],\"dtype\":\"f32\",\"file\":\"%s\"}", i ? "," : "", taps[i].name, n_prompt, (unsigned long long)taps[i].width, file_name);
-        }
-        snprintf(path, sizeof path, "%s/logits.safetensors", out);
-        write_safetensors(path, "logits", all_logits, (uint64_t)n_prompt, V);
-        fprintf(m, "],\"logits\":{\"name\":\"logits\",\"shape\":[%d,%llu],\"dtype\":\"f32\",\"file\":\"logits.safetensors\"}}\n", n_prompt, (unsigned long long)V);
+        for (int i = 0; i < n_taps; i++) ts_dump_tap(&d, taps[i].name, taps[i].rows, n_prompt, (int)taps[i].width);
+        ts_dump_logits(&d, all_logits, n_prompt, (int)V);
     }
-    if (fclose(m)) die(path, "write failed");
+    if (ts_dump_finish(&d)) die(out, "%s", d.error);
     if (n_generate > 0) {
         for (int i = n_prompt; i < n_ids; i++) printf("%s%d", i > n_prompt ? "," : "", ids[i]);
         printf("\n");

@@ -20,12 +20,15 @@ if [ ! -f "$obj" ] || [ "$here/forward.bpf.c" -nt "$obj" ] || [ "$here/forward.h
     clang -O2 -g -target bpf -I"$arch_inc" -Wall -Werror $defs -c "$here/forward.bpf.c" -o "$obj.tmp.$$"
     mv "$obj.tmp.$$" "$obj"
 fi
-if [ ! -x "$bin" ] || [ "$here/loader.c" -nt "$bin" ] || [ "$here/forward.h" -nt "$bin" ]; then
+if [ ! -x "$bin" ] || [ "$here/loader.c" -nt "$bin" ] || [ "$here/forward.h" -nt "$bin" ] || [ "$here/../flat_engine/touchstone_dump.h" -nt "$bin" ]; then
     ${CC:-cc} -O2 -std=c11 -Wall -Wextra -Werror -o "$bin.tmp.$$" "$here/loader.c" -lbpf -lm
     mv "$bin.tmp.$$" "$bin"
 fi
-TOUCHSTONE_MODEL_SHA256=$(sha256sum "$TOUCHSTONE_MODEL" | cut -d' ' -f1)
-export TOUCHSTONE_MODEL_SHA256
+# Touchstone passes the model's sha256; computed here when run by hand.
+if [ -z "${TOUCHSTONE_MODEL_SHA256:-}" ]; then
+    TOUCHSTONE_MODEL_SHA256=$(sha256sum "$TOUCHSTONE_MODEL" | cut -d' ' -f1)
+    export TOUCHSTONE_MODEL_SHA256
+fi
 # A flat file is read as it is; any other model is exported to f32 once.
 if [ "$(head -c 6 "$TOUCHSTONE_MODEL")" != TSFLAT ]; then
     flat=$build/$TOUCHSTONE_MODEL_SHA256.flat

@@ -34,6 +34,7 @@ typedef struct ts_dump {
     int n_positions;
     int n_taps;
     int failed;
+    char precision[32]; /* the manifest's `precision` (default "f32"): ts_dump_set_precision */
     /* The manifest's `taps` and the fields after them, grown as taps are given. */
     char *taps_json;
     size_t taps_len, taps_cap;
@@ -121,19 +122,28 @@ static inline int ts_dump_begin(ts_dump *d, const char *dir, const char *device,
     if (!model_sha256 || !*model_sha256) return ts__fail(d, "no model sha256 (TOUCHSTONE_MODEL_SHA256)");
     if (strlen(dir) >= sizeof d->dir) return ts__fail(d, "output directory path too long");
     strcpy(d->dir, dir);
+    strcpy(d->precision, "f32");
     d->n_positions = n_ids;
     size_t len = 0, cap = 0;
     char **h = &d->head_json;
     int bad = ts__append(h, &len, &cap, "{\"format\":\"touchstone-dump\",\"version\":1,\"model\":{\"name\":") || ts__append_string(h, &len, &cap, model_name ? model_name : "model") ||
               ts__append(h, &len, &cap, ",\"sha256\":") || ts__append_string(h, &len, &cap, model_sha256) || ts__append(h, &len, &cap, ",\"arch\":") ||
               ts__append_string(h, &len, &cap, arch ? arch : "llama") || ts__append(h, &len, &cap, "},\"device\":") || ts__append_string(h, &len, &cap, device ? device : "engine") ||
-              ts__append(h, &len, &cap, ",\"precision\":\"f32\",\"token_ids\":[");
+              ts__append(h, &len, &cap, ",\"token_ids\":[");
     for (int i = 0; !bad && i < n_ids; i++) bad = ts__append(h, &len, &cap, "%s%d", i ? "," : "", ids[i]);
     bad = bad || ts__append(h, &len, &cap, "],\"positions\":[");
     for (int i = 0; !bad && i < n_ids; i++) bad = ts__append(h, &len, &cap, "%s%d", i ? "," : "", i);
     bad = bad || ts__append(h, &len, &cap, "],");
     if (!bad && arithmetic_json) bad = ts__append(h, &len, &cap, "\"arithmetic\":%s,", arithmetic_json);
     if (bad) return ts__fail(d, "out of memory");
+    return 0;
+}
+
+/* The manifest's `precision`, a word for how the engine computes (`q16`, `bf16`); "f32" unless set. */
+static inline int ts_dump_set_precision(ts_dump *d, const char *precision) {
+    if (d->failed) return -1;
+    if (strlen(precision) >= sizeof d->precision || strpbrk(precision, "\"\\")) return ts__fail(d, "precision `%s`: at most 31 characters, no quotes", precision);
+    strcpy(d->precision, precision);
     return 0;
 }
 
@@ -191,7 +201,7 @@ static inline int ts_dump_finish(ts_dump *d) {
         if (!f) {
             rc = ts__fail(d, "%s: cannot create", tmp);
         } else {
-            int ok = fprintf(f, "%s\"taps\":[%s],%s}\n", d->head_json, d->taps_json ? d->taps_json : "", d->tail_json) > 0;
+            int ok = fprintf(f, "%s\"precision\":\"%s\",\"taps\":[%s],%s}\n", d->head_json, d->precision, d->taps_json ? d->taps_json : "", d->tail_json) > 0;
             if (fclose(f) || !ok || rename(tmp, path)) rc = ts__fail(d, "%s: write failed", path);
         }
     }
