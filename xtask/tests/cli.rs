@@ -378,6 +378,11 @@ fn gate_bench_suite_times_each_device_and_model() {
         assert!((decode - case["metrics"]["decode_tok_per_s"].as_f64().unwrap()).abs() <= 0.005 + 1e-9, "{row} vs {case}");
         assert_eq!(row[4].as_str().unwrap().split(" / ").filter_map(|v| v.parse::<f64>().ok()).count(), 3, "ITL p50 / p90 / p99: {row}");
     }
+    // Each case's latency chart, drawn in its own process, is kept; a debug build says so.
+    for (device, model) in [("cpu", "tiny-llama"), ("fixed", "tiny-moe")] {
+        assert!(dir.path().join(format!("bench-{device}-{model}-itl_distribution.png")).exists(), "{device} {model}");
+    }
+    assert!(std::fs::read_to_string(dir.path().join("report.md")).unwrap().contains("Warning: measured with a debug build"));
 }
 
 /// Honest engines measure what the oracle run with their declared arithmetic emulated measures.

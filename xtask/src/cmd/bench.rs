@@ -182,13 +182,13 @@ fn measure_exec(cmd: &str, model: &str, prompt_len: usize, gen_len: usize, reps:
     Ok(Measured { r, device_peak: None, kernels: None, oracle_weights: None })
 }
 
-/// One bench case run by `bench` in a process of its own (`gate --suite bench`): its peak RSS is
-/// then the case's, whatever ran before it in the gate.
 /// The file a bench writes in its report directory when the device cannot serve the model at
 /// all (its message inside): `gate` reports that case unsupported, not as an error.
 const UNAVAILABLE: &str = "device-unavailable.txt";
 
-pub fn case_in_own_process(device: &str, model: &str) -> Result<reports::Case, Exit> {
+/// One bench case run by `bench` in a process of its own (`gate --suite bench`): its peak RSS is
+/// then the case's, whatever ran before it in the gate. Returns the case and the charts it drew.
+pub fn case_in_own_process(device: &str, model: &str) -> Result<(reports::Case, Vec<(String, reports::plot::Chart)>), Exit> {
     let exe = std::env::current_exe().map_err(|e| Exit::new(2, format!("cannot find this program to run `bench`: {e}")))?;
     let dir = tempfile::tempdir().map_err(|e| Exit::new(2, format!("cannot create a report directory for `bench`: {e}")))?;
     let o = std::process::Command::new(exe)
@@ -199,8 +199,11 @@ pub fn case_in_own_process(device: &str, model: &str) -> Result<reports::Case, E
         .map_err(|e| Exit::new(2, format!("cannot run `bench`: {e}")))?;
     let file = dir.path().join("report.json");
     let report: Option<reports::Report> = std::fs::read_to_string(&file).ok().and_then(|t| serde_json::from_str(&t).ok());
-    match report.and_then(|r| r.cases.into_iter().next()) {
-        Some(c) => Ok(c),
+    match report.and_then(|r| {
+        let charts = r.charts().unwrap_or_default();
+        r.cases.into_iter().next().map(|c| (c, charts))
+    }) {
+        Some(found) => Ok(found),
         None => {
             let err = String::from_utf8_lossy(&o.stderr);
             let tail: Vec<&str> = err.lines().rev().take(3).collect();

@@ -128,7 +128,10 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                         o.report.cases
                     })
                 } else if suite == "bench" {
-                    super::bench::case_in_own_process(d, m).map(|c| vec![c])
+                    super::bench::case_in_own_process(d, m).map(|(c, drawn)| {
+                        charts.extend(drawn.into_iter().map(|(stem, c)| (chart_stem("bench", &label(d), m, &stem), c)));
+                        vec![c]
+                    })
                 } else {
                     let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None, name: None };
                     super::fixedtoken::fixed_token(&args).map(|r| {
