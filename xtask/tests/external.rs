@@ -657,6 +657,8 @@ fn the_readme_quickstart_runs_as_printed() {
     assert!(out.contains("more: `cargo xtask layer-diff --device"), "{out}");
     let red = std::fs::read_to_string(Path::new(&engine).join("red/report.md")).unwrap();
     assert!(red.contains("| my-engine | tiny-llama | FAIL | blk.0.l_out (isolated)"), "{red}");
+    // The command that shows more names the engine as it is run, not by its label.
+    assert!(red.contains("`cargo xtask kernels --device 'exec:") && red.contains("--filter '^add\\('`"), "{red}");
     let _ = std::fs::remove_dir_all(&engine);
 }
 

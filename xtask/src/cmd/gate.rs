@@ -122,7 +122,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                         if let Some(div) = o.report.sections.get("first_divergence").filter(|v| !v.is_null()) {
                             outln!("  more: {}", super::layerdiff::next_steps(d, m, div));
                         }
-                        divergences.push(super::layerdiff::divergence_row(&o, &label(d), d, m));
+                        divergences.push(super::layerdiff::divergence_row(&o, d, d, m));
                         charts.extend(o.report.charts().unwrap_or_default().into_iter().map(|(stem, c)| (chart_stem("layers", &label(d), m, &stem), c)));
                         declared.extend(o.report.sections.remove(super::DECLARED_NAMES).and_then(|v| v.as_object().cloned()).unwrap_or_default());
                         o.report.cases
@@ -152,15 +152,23 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
     let bench_rows = bench_table(&cases);
     let mut report = Report::new("gate", Provenance::collect(rayon::current_num_threads()), cases);
     report.sections.insert(super::DECLARED_NAMES.into(), serde_json::Value::Object(declared));
-    if !divergences.is_empty() {
-        report.add_lead_table("layers_first_divergence", "Layers: first divergence by device and model", &super::layerdiff::DIVERGENCE_COLUMNS, divergences, &[]);
-    }
     for (stem, chart) in charts {
         report.add_chart(&stem, chart);
     }
     super::note_declared_names(&mut report, &devices.iter().map(|d| d.as_ref()).collect::<Vec<_>>());
     let opened: Vec<String> = devices.iter().map(|x| x.name()).collect();
     super::label_devices(&mut report, &opened, a.name.as_deref());
+    // After the labels: its commands name the device as it is given, not by its label; its first
+    // column is the label the rest of the report uses.
+    if !divergences.is_empty() {
+        let labels = report.sections.get("engine_labels").and_then(|v| v.as_object()).cloned().unwrap_or_default();
+        for row in &mut divergences {
+            if let Some((label, _)) = labels.iter().find(|(_, spec)| spec.as_str() == Some(row[0].as_str())) {
+                row[0] = label.clone();
+            }
+        }
+        report.add_lead_table("layers_first_divergence", "Layers: first divergence by device and model", &super::layerdiff::DIVERGENCE_COLUMNS, divergences, &[]);
+    }
     super::kernels::print_summary(&report);
     if !bench_rows.is_empty() {
         let columns: Vec<&str> = std::iter::once("case").chain(super::bench::TABLE_COLUMNS).collect();
