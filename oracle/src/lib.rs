@@ -26,6 +26,7 @@ pub mod registry;
 pub mod simd;
 pub mod spec;
 pub mod tensor;
+pub mod taps;
 pub mod tokenizer;
 
 pub use error::{OracleError, Result};

@@ -7,6 +7,7 @@ use crate::loader::TensorSource;
 use crate::ops::{self, AttentionParams, Mat, RowBuf};
 use crate::real::Real;
 use crate::spec::{Activation, ModelSpec, Stage};
+use crate::taps::{TapKind, TapName};
 use rayon::prelude::*;
 
 /// Receives named intermediates. `data` is `[n_tokens, width]` for tokens at `start_pos..`.
@@ -496,10 +497,11 @@ impl<T: Real> Model<T> {
         if let Some(scale) = s.embd_scale {
             x.iter_mut().for_each(|v| *v = T::from_f64(v.to_f64() * scale));
         }
-        tap(taps, "inp_embd", start, m, d, &mut x);
+        tap(taps, &TapName::model(TapKind::InpEmbd).to_string(), start, m, d, &mut x);
 
         for (li, layer) in self.layers.iter().enumerate() {
             let name = |t: &str| format!("blk.{li}.{t}");
+            let tap_name = |k: TapKind| TapName::layer(li, k).to_string();
             let mut h = Vec::new(); // normed input of the current sub-block
             let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
             let mut attn = Vec::new();
@@ -508,7 +510,7 @@ impl<T: Real> Model<T> {
                 match stage {
                     Stage::AttnNorm => {
                         h = ops::rms_norm(&x, d, Some(&layer.attn_norm), s.norm_eps)?;
-                        tap(taps, &name("attn_norm"), start, m, d, &mut h);
+                        tap(taps, &tap_name(TapKind::AttnNorm), start, m, d, &mut h);
                     }
                     Stage::QkvProj => {
                         // q: [m, n_head*hd], k, v: [m, n_head_kv*hd]
@@ -519,9 +521,9 @@ impl<T: Real> Model<T> {
                             ops::add_bias(&mut k, bk)?;
                             ops::add_bias(&mut v, bv)?;
                         }
-                        tap(taps, &name("attn_q"), start, m, q_dim, &mut q);
-                        tap(taps, &name("attn_k"), start, m, kv_dim, &mut k);
-                        tap(taps, &name("attn_v"), start, m, kv_dim, &mut v);
+                        tap(taps, &tap_name(TapKind::AttnQ), start, m, q_dim, &mut q);
+                        tap(taps, &tap_name(TapKind::AttnK), start, m, kv_dim, &mut k);
+                        tap(taps, &tap_name(TapKind::AttnV), start, m, kv_dim, &mut v);
                     }
                     Stage::QkNorm => {
                         // Per-head RMSNorm over head_dim (Qwen3).
@@ -529,14 +531,14 @@ impl<T: Real> Model<T> {
                         let kn = layer.k_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_k_norm".into()))?;
                         q = ops::rms_norm(&q, hd, Some(qn), s.norm_eps)?;
                         k = ops::rms_norm(&k, hd, Some(kn), s.norm_eps)?;
-                        tap(taps, &name("attn_q_norm"), start, m, q_dim, &mut q);
-                        tap(taps, &name("attn_k_norm"), start, m, kv_dim, &mut k);
+                        tap(taps, &tap_name(TapKind::AttnQNorm), start, m, q_dim, &mut q);
+                        tap(taps, &tap_name(TapKind::AttnKNorm), start, m, kv_dim, &mut k);
                     }
                     Stage::Rope => {
                         ops::rope(&mut q, &positions, s.n_head, hd, s.layer_rope(li))?;
                         ops::rope(&mut k, &positions, s.n_head_kv, hd, s.layer_rope(li))?;
-                        tap(taps, &name("attn_q_rope"), start, m, q_dim, &mut q);
-                        tap(taps, &name("attn_k_rope"), start, m, kv_dim, &mut k);
+                        tap(taps, &tap_name(TapKind::AttnQRope), start, m, q_dim, &mut q);
+                        tap(taps, &tap_name(TapKind::AttnKRope), start, m, kv_dim, &mut k);
                     }
                     Stage::Attention => {
                         // Append this call's keys/values at positions start.. (cache: [len, kv_dim]).
@@ -555,47 +557,47 @@ impl<T: Real> Model<T> {
                             softcap: s.attn_softcap,
                         };
                         attn = ops::attention_with(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params, taps.attention_weights())?;
-                        tap(taps, &name("attn_kqv"), start, m, q_dim, &mut attn);
+                        tap(taps, &tap_name(TapKind::AttnKqv), start, m, q_dim, &mut attn);
                     }
                     Stage::AttnOutProj => {
                         attn = ops::matmul(&product_input(taps, &name("attn_output.weight"), layer.wo.cols, &attn), m, &layer.wo)?;
                         if let Some(bo) = &layer.bo {
                             ops::add_bias(&mut attn, bo)?;
                         }
-                        tap(taps, &name("attn_out"), start, m, d, &mut attn);
+                        tap(taps, &tap_name(TapKind::AttnOut), start, m, d, &mut attn);
                     }
                     Stage::AttnPostNorm => {
                         let w = layer.post_norms.as_ref().ok_or_else(|| OracleError::Spec("post-norm stage without post_attention_norm".into()))?;
                         attn = ops::rms_norm(&attn, d, Some(&w[0]), s.norm_eps)?;
-                        tap(taps, &name("attn_post_norm"), start, m, d, &mut attn);
+                        tap(taps, &tap_name(TapKind::AttnPostNorm), start, m, d, &mut attn);
                     }
                     Stage::FfnPostNorm => {
                         let w = layer.post_norms.as_ref().ok_or_else(|| OracleError::Spec("post-norm stage without post_ffw_norm".into()))?;
                         ffn_out = ops::rms_norm(&ffn_out, d, Some(&w[1]), s.norm_eps)?;
-                        tap(taps, &name("ffn_post_norm"), start, m, d, &mut ffn_out);
+                        tap(taps, &tap_name(TapKind::FfnPostNorm), start, m, d, &mut ffn_out);
                     }
                     Stage::AttnResidual => {
                         x = ops::add(&x, &attn)?;
-                        tap(taps, &name("ffn_inp"), start, m, d, &mut x);
+                        tap(taps, &tap_name(TapKind::FfnInp), start, m, d, &mut x);
                     }
                     Stage::FfnNorm => {
                         h = ops::rms_norm(&x, d, Some(&layer.ffn_norm), s.norm_eps)?;
-                        tap(taps, &name("ffn_norm"), start, m, d, &mut h);
+                        tap(taps, &tap_name(TapKind::FfnNorm), start, m, d, &mut h);
                     }
                     Stage::DenseFfn => {
                         let Ffn::Dense(f) = &layer.ffn else {
                             return Err(OracleError::Spec(format!("layer {li}: dense FFN stage but MoE weights")));
                         };
                         ffn_out = self.dense_ffn(f, &h, m, taps, li, FfnKind::Layer { start })?;
-                        tap(taps, &name("ffn_out"), start, m, d, &mut ffn_out);
+                        tap(taps, &tap_name(TapKind::FfnOut), start, m, d, &mut ffn_out);
                     }
                     Stage::MoeFfn => {
                         ffn_out = self.moe_ffn(layer, &h, m, taps, li, start)?;
-                        tap(taps, &name("ffn_out"), start, m, d, &mut ffn_out);
+                        tap(taps, &tap_name(TapKind::FfnOut), start, m, d, &mut ffn_out);
                     }
                     Stage::FfnResidual => {
                         x = ops::add(&x, &ffn_out)?;
-                        tap(taps, &name("l_out"), start, m, d, &mut x);
+                        tap(taps, &tap_name(TapKind::LOut), start, m, d, &mut x);
                     }
                 }
             }
@@ -606,7 +608,7 @@ impl<T: Real> Model<T> {
         let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
         let xs = &x[row0 * d..];
         let mut normed = ops::rms_norm(xs, d, Some(&self.output_norm), s.norm_eps)?;
-        tap(taps, "result_norm", start + row0, rows, d, &mut normed);
+        tap(taps, &TapName::model(TapKind::ResultNorm).to_string(), start + row0, rows, d, &mut normed);
         let (head, head_name) = match &self.output {
             Some(o) => (o, "output.weight"),
             None => (&self.tok_embd, "token_embd.weight"),
@@ -615,7 +617,7 @@ impl<T: Real> Model<T> {
         if let Some(c) = s.final_softcap {
             logits.iter_mut().for_each(|l| *l = T::from_f64(c * (l.to_f64() / c).tanh()));
         }
-        tap(taps, "result_output", start + row0, rows, s.n_vocab, &mut logits);
+        tap(taps, &TapName::model(TapKind::ResultOutput).to_string(), start + row0, rows, s.n_vocab, &mut logits);
         Ok(logits)
     }
 
@@ -634,8 +636,8 @@ impl<T: Real> Model<T> {
         }
         let w = f.gate.rows;
         if let FfnKind::Layer { start } = kind {
-            tap(taps, &format!("blk.{li}.ffn_gate"), start, m, w, &mut gate);
-            tap(taps, &format!("blk.{li}.ffn_up"), start, m, w, &mut up);
+            tap(taps, &TapName::layer(li, TapKind::FfnGate).to_string(), start, m, w, &mut gate);
+            tap(taps, &TapName::layer(li, TapKind::FfnUp).to_string(), start, m, w, &mut up);
         }
         let mut act = match self.spec.activation {
             Activation::Silu => ops::swiglu(&gate, &up)?,
@@ -643,7 +645,7 @@ impl<T: Real> Model<T> {
             Activation::SwigluOai => ops::swiglu_oai(&gate, &up)?,
         };
         if let FfnKind::Layer { start } = kind {
-            tap(taps, &format!("blk.{li}.ffn_act"), start, m, w, &mut act);
+            tap(taps, &TapName::layer(li, TapKind::FfnAct).to_string(), start, m, w, &mut act);
         }
         let mut down = ops::matmul(&product_input(taps, &weight("down"), f.down.cols, &act), m, &f.down)?;
         if let Some([_, _, bd]) = &f.bias {
@@ -661,7 +663,7 @@ impl<T: Real> Model<T> {
         let mut out = vec![T::default(); m * d];
         let mut probs_tap = Vec::with_capacity(m * ms.n_expert);
         let mut topk_tap = Vec::with_capacity(m * ms.n_expert_used);
-        let topk_name = format!("blk.{li}.ffn_moe_topk");
+        let topk_name = TapName::layer(li, TapKind::FfnMoeTopk).to_string();
         let mut buf = RowBuf::default();
         for t in 0..m {
             let ht = &h[t * d..(t + 1) * d];
@@ -702,7 +704,7 @@ impl<T: Real> Model<T> {
             }
         }
         if taps.enabled() {
-            taps.record(&format!("blk.{li}.ffn_moe_probs"), start, m, ms.n_expert, &probs_tap);
+            taps.record(&TapName::layer(li, TapKind::FfnMoeProbs).to_string(), start, m, ms.n_expert, &probs_tap);
             taps.record(&topk_name, start, m, ms.n_expert_used, &topk_tap);
         }
         Ok(out)

@@ -5,6 +5,7 @@
 //! required tap is missing.
 
 use crate::layerdiff::TapDiff;
+use oracle::taps::TapKind;
 use reports::{Case, Tolerance, Verdict};
 use serde_json::{json, Value};
 
@@ -23,7 +24,7 @@ pub enum RequiredTaps {
     /// Every tap the oracle records.
     All,
     /// Every tap of these kinds (`l_out`, `attn_out`, ...; `result_output` for the logits).
-    Kinds(Vec<String>),
+    Kinds(Vec<TapKind>),
     /// At least this fraction of the oracle's taps, in (0, 1].
     Fraction(f64),
     /// Nothing required (`none`): coverage is reported, not gated.
@@ -43,28 +44,26 @@ impl std::str::FromStr for RequiredTaps {
         if let Ok(f) = s.parse::<f64>() {
             return if f > 0.0 && f <= 1.0 { Ok(RequiredTaps::Fraction(f)) } else { Err(format!("--require-taps {s}: a fraction must be in (0, 1]")) };
         }
-        let kinds: Vec<String> = s.split(',').map(|k| k.trim().to_string()).collect();
-        if let Some(bad) = kinds.iter().find(|k| !KINDS.contains(&k.as_str())) {
-            return Err(format!("--require-taps: no tap kind `{bad}` (all, layers, none, a fraction such as 0.9, or a comma list of: {})", KINDS.join(", ")));
-        }
-        Ok(RequiredTaps::Kinds(kinds))
+        s.split(',')
+            .map(|k| {
+                TapKind::parse(k.trim()).ok_or_else(|| {
+                    let all: Vec<&str> = TapKind::ALL.iter().map(|k| k.name()).collect();
+                    format!("--require-taps: no tap kind `{}` (all, layers, none, a fraction such as 0.9, or a comma list of: {})", k.trim(), all.join(", "))
+                })
+            })
+            .collect::<Result<Vec<TapKind>, String>>()
+            .map(RequiredTaps::Kinds)
     }
 }
 
-/// The tap kinds (design.md §4; `blk.{i}.` stripped).
-pub const KINDS: [&str; 24] = [
-    "inp_embd", "attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_q_rope", "attn_k_rope", "attn_kqv", "attn_out", "attn_post_norm", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_act",
-    "ffn_out", "ffn_post_norm", "ffn_moe_probs", "ffn_moe_topk", "l_out", "result_norm", "result_output",
-];
-
 /// Per kind, (taps given, taps the oracle has), in the oracle's order of first appearance.
-pub fn by_kind(taps: &[TapDiff]) -> Vec<(String, usize, usize)> {
-    let mut out: Vec<(String, usize, usize)> = Vec::new();
+pub fn by_kind(taps: &[TapDiff]) -> Vec<(TapKind, usize, usize)> {
+    let mut out: Vec<(TapKind, usize, usize)> = Vec::new();
     for t in taps {
         let i = match out.iter().position(|(k, _, _)| *k == t.kind) {
             Some(i) => i,
             None => {
-                out.push((t.kind.clone(), 0, 0));
+                out.push((t.kind, 0, 0));
                 out.len() - 1
             }
         };
@@ -76,7 +75,7 @@ pub fn by_kind(taps: &[TapDiff]) -> Vec<(String, usize, usize)> {
 
 /// The `tap_coverage` report section: per kind, given and expected, and the totals.
 pub fn section(taps: &[TapDiff], rule: &RequiredTaps) -> Value {
-    let kinds: serde_json::Map<String, Value> = by_kind(taps).into_iter().map(|(k, given, of)| (k, json!({ "given": given, "expected": of }))).collect();
+    let kinds: serde_json::Map<String, Value> = by_kind(taps).into_iter().map(|(k, given, of)| (k.name().to_string(), json!({ "given": given, "expected": of }))).collect();
     let given = taps.iter().filter(|t| !t.missing).count();
     json!({ "given": given, "expected": taps.len(), "by_kind": kinds, "required": format!("{rule:?}") })
 }
@@ -89,7 +88,7 @@ pub fn case(taps: &[TapDiff], rule: &RequiredTaps, model: &str, device: &str) ->
     let (rule_text, bound, missing): (String, f64, Vec<String>) = match rule {
         RequiredTaps::Nothing => return None,
         RequiredTaps::All => ("every tap given".into(), 1.0, missing_kinds(taps, |_| true)),
-        RequiredTaps::Kinds(kinds) => (format!("every tap of kinds {} given", kinds.join(", ")), 1.0, missing_kinds(taps, |k| kinds.iter().any(|x| x == k))),
+        RequiredTaps::Kinds(kinds) => (format!("every tap of kinds {} given", kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")), 1.0, missing_kinds(taps, |k| kinds.contains(&k))),
         RequiredTaps::Fraction(f) => (format!("at least {:.0}% of the taps given", f * 100.0), *f, if fraction + 1e-12 >= *f { Vec::new() } else { vec![format!("{} of {} taps given", given, taps.len())] }),
     };
     let required_present = match rule {
@@ -122,16 +121,17 @@ pub fn case(taps: &[TapDiff], rule: &RequiredTaps, model: &str, device: &str) ->
 }
 
 /// `N of M kind` for every kind that `required` selects and that has a missing tap.
-fn missing_kinds(taps: &[TapDiff], required: impl Fn(&str) -> bool) -> Vec<String> {
-    by_kind(taps).into_iter().filter(|(k, given, of)| required(k) && given < of).map(|(k, given, of)| format!("{} of {of} {k}", of - given)).collect()
+fn missing_kinds(taps: &[TapDiff], required: impl Fn(TapKind) -> bool) -> Vec<String> {
+    by_kind(taps).into_iter().filter(|(k, given, of)| required(*k) && given < of).map(|(k, given, of)| format!("{} of {of} {k}", of - given)).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use oracle::taps::TapName;
 
     fn tap(name: &str, missing: bool) -> TapDiff {
-        TapDiff { missing, ..TapDiff::uncompared(name) }
+        TapDiff { missing, ..TapDiff::uncompared(TapName::parse(name).unwrap()) }
     }
 
     /// Two layers' taps, of which `given` are given.
@@ -161,15 +161,15 @@ mod tests {
         // No tap to require is not a pass.
         assert_eq!(case(&[], &RequiredTaps::All, "m", "d").unwrap().verdict, Verdict::Fail);
         let by = by_kind(&layers);
-        assert_eq!(by.iter().find(|(k, _, _)| k == "l_out"), Some(&("l_out".to_string(), 2, 2)));
-        assert_eq!(by.iter().find(|(k, _, _)| k == "attn_out"), Some(&("attn_out".to_string(), 0, 2)));
+        assert_eq!(by.iter().find(|(k, _, _)| *k == TapKind::LOut), Some(&(TapKind::LOut, 2, 2)));
+        assert_eq!(by.iter().find(|(k, _, _)| *k == TapKind::AttnOut), Some(&(TapKind::AttnOut, 0, 2)));
     }
 
     #[test]
     fn parses_rules_and_refuses_unknown_kinds_and_bad_fractions() {
         assert_eq!("all".parse::<RequiredTaps>(), Ok(RequiredTaps::All));
         assert_eq!("0.5".parse::<RequiredTaps>(), Ok(RequiredTaps::Fraction(0.5)));
-        assert_eq!("layers".parse::<RequiredTaps>(), Ok(RequiredTaps::Kinds(vec!["l_out".into(), "result_output".into()])));
+        assert_eq!("layers".parse::<RequiredTaps>(), Ok(RequiredTaps::Kinds(vec![TapKind::LOut, TapKind::ResultOutput])));
         assert_eq!(DEFAULT.parse::<RequiredTaps>(), "layers".parse::<RequiredTaps>());
         assert_eq!("none".parse::<RequiredTaps>(), Ok(RequiredTaps::Nothing));
         assert!("1.5".parse::<RequiredTaps>().unwrap_err().contains("(0, 1]"));

@@ -211,7 +211,8 @@ pub struct RoutingTap(pub oracle::RecordingTap);
 
 impl oracle::Tap for RoutingTap {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
-        if name.ends_with(".ffn_moe_topk") || name.ends_with(".ffn_moe_probs") {
+        let kind = oracle::taps::TapName::parse(name).map(|t| t.kind);
+        if matches!(kind, Some(oracle::taps::TapKind::FfnMoeTopk | oracle::taps::TapKind::FfnMoeProbs)) {
             self.0.record(name, start_pos, n_tokens, width, data);
         }
     }
@@ -230,7 +231,7 @@ impl oracle::Tap for OracleTap {
         self.routing.record(name, start_pos, n_tokens, width, data);
     }
     fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
-        if crate::layerdiff::product_tap(weight).as_deref() == Some("result_output") {
+        if crate::layerdiff::product_tap(weight).map(|t| t.kind) == Some(oracle::taps::TapKind::ResultOutput) {
             self.head.add(weight, width, data);
         }
         None
@@ -256,7 +257,7 @@ impl oracle::Tap for FollowRouting<'_> {
 /// Positions (of `n`) where two runs' expert sets differ in any layer.
 pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
     let mut out = vec![false; n];
-    for (name, (w, av)) in a.0.tensors.iter().filter(|(name, _)| name.ends_with(".ffn_moe_topk")) {
+    for (name, (w, av)) in a.0.tensors.iter().filter(|(name, _)| oracle::taps::TapName::parse(name).is_some_and(|t| t.kind == oracle::taps::TapKind::FfnMoeTopk)) {
         let Some((_, bv)) = b.0.tensors.get(name) else { continue };
         for (p, (x, y)) in av.chunks(*w).zip(bv.chunks(*w)).enumerate().take(n) {
             let (mut x, mut y) = (x.to_vec(), y.to_vec());

@@ -887,7 +887,7 @@ fn moe_routing_near_ties_do_not_fail_fixed_token() {
         let logits = m.forward(&seq, &mut dev).unwrap();
         let arith = m.arithmetic();
         let dims = Dims::of(oracle_model.spec(), seq.len());
-        let budget = propagated_budget("result_output", None, &arith, &dims).unwrap();
+        let budget = propagated_budget(oracle::taps::TapKind::ResultOutput, None, &arith, &dims).unwrap();
         let mut runs = DeviceRuns { greedy: None, cache_paths: None, routing_differs: routing_differs(&own, &dev, seq.len()), followed_oracle: None };
         if !runs.routing_differs.contains(&true) {
             continue;

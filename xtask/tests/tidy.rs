@@ -168,3 +168,37 @@ fn documents_keep_short_readmes_and_table_cells() {
     }
     assert!(long.is_empty(), "table cells over 200 characters: {long:?}");
 }
+
+/// Tap kinds are `oracle::taps::TapKind`, matched exhaustively: no code in the oracle's
+/// interpreter, the suites or the commands compares or builds a tap-kind name as a string
+/// (`"l_out"`), outside the parsing edge (`oracle/src/taps.rs`) and the two places GGUF matrix
+/// names, some of which are spelt like taps (`attn_q`, `ffn_gate`), are read. Unit tests may
+/// name taps as text.
+#[test]
+fn tap_kinds_are_matched_as_an_enum_not_as_strings() {
+    // The kinds as text, from the one list.
+    let taps = std::fs::read_to_string(root().join("oracle/src/taps.rs")).unwrap();
+    let kinds: Vec<String> = taps.lines().filter_map(|l| l.trim().strip_prefix("TapKind::")?.split_once(" => \"")?.1.strip_suffix("\",").map(String::from)).collect();
+    assert_eq!(kinds.len(), 24, "{kinds:?}");
+    // Where GGUF matrix names (not taps) are read: `product_tap`'s weight names, the emulated
+    // products' weight list.
+    let matrix_names = ["suites/src/layerdiff/terms.rs", "suites/src/emulate.rs"];
+    let mut files = Vec::new();
+    rust_files(&root().join("suites/src"), &mut files);
+    files.extend(["oracle/src/model.rs", "xtask/src/cmd/layerdiff.rs", "xtask/src/cmd/gate.rs", "xtask/src/cmd/fixedtoken.rs"].map(|f| root().join(f)));
+    let mut found = Vec::new();
+    for f in files.iter().filter(|f| f.file_name().is_some_and(|n| n != "tests.rs")) {
+        let rel = f.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+        if matrix_names.contains(&rel.as_str()) {
+            continue;
+        }
+        for (i, line) in non_test_text(f).lines().enumerate() {
+            for k in &kinds {
+                if line.contains(&format!("\"{k}\"")) || line.contains(&format!(".{k}\"")) {
+                    found.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "tap kinds written as strings (use oracle::taps::TapKind):\n{}", found.join("\n"));
+}

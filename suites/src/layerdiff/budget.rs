@@ -1,6 +1,7 @@
 //! The budget model: what each tap's error may be, from the declared arithmetic, the op's reduction length and the depth.
 
 use devices::Arithmetic;
+use oracle::taps::TapKind;
 use oracle::ModelSpec;
 
 /// Safety factor on the statistical √K rounding-error rule (Higham, "Accuracy and Stability",
@@ -74,18 +75,6 @@ pub fn rope_angle_rms(rope: &oracle::spec::RopeSpec, n_pos: usize) -> f64 {
     if rms.is_finite() { rms } else { 0.0 }
 }
 
-/// `blk.{i}.{kind}` -> (Some(i), kind); other names -> (None, name).
-pub fn split_tap(name: &str) -> (Option<usize>, &str) {
-    if let Some(rest) = name.strip_prefix("blk.") {
-        if let Some((i, kind)) = rest.split_once('.') {
-            if let Ok(i) = i.parse() {
-                return (Some(i), kind);
-            }
-        }
-    }
-    (None, name)
-}
-
 /// What produces a tap, for its budget: a reduction of length `k`, whether its input was a
 /// matrix product's (quantized on Q8-activation devices), whether it uses exp/sin/sqrt.
 pub(crate) struct OpShape {
@@ -94,26 +83,27 @@ pub(crate) struct OpShape {
     transcendental: bool,
 }
 
-pub(crate) fn op_shape(kind: &str, d: &Dims) -> Option<OpShape> {
+/// The op behind each kind of tap; None for the discrete ones (expert ids, compared exactly).
+pub(crate) fn op_shape(kind: TapKind, d: &Dims) -> Option<OpShape> {
     let s = |k, matmul, transcendental| Some(OpShape { k, matmul, transcendental });
     match kind {
-        "inp_embd" => s(1, false, false),
-        "attn_norm" | "ffn_norm" | "result_norm" | "attn_post_norm" | "ffn_post_norm" => s(d.d, false, true),
-        "attn_q_norm" | "attn_k_norm" => s(d.head_dim, false, true),
-        "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" | "result_output" => s(d.d, true, false),
-        "attn_out" => s(d.q_dim, true, false),
-        "ffn_out" => s(d.n_ff, true, false),
-        "attn_q_rope" | "attn_k_rope" => s(2, false, true),
-        "attn_kqv" => s(d.n_pos.max(d.head_dim), false, true),
-        "ffn_inp" | "l_out" => s(2, false, false),
-        "ffn_act" => s(2, false, true),
-        "ffn_moe_probs" => s(d.d, true, true),
-        _ => None,
+        TapKind::InpEmbd => s(1, false, false),
+        TapKind::AttnNorm | TapKind::FfnNorm | TapKind::ResultNorm | TapKind::AttnPostNorm | TapKind::FfnPostNorm => s(d.d, false, true),
+        TapKind::AttnQNorm | TapKind::AttnKNorm => s(d.head_dim, false, true),
+        TapKind::AttnQ | TapKind::AttnK | TapKind::AttnV | TapKind::FfnGate | TapKind::FfnUp | TapKind::ResultOutput => s(d.d, true, false),
+        TapKind::AttnOut => s(d.q_dim, true, false),
+        TapKind::FfnOut => s(d.n_ff, true, false),
+        TapKind::AttnQRope | TapKind::AttnKRope => s(2, false, true),
+        TapKind::AttnKqv => s(d.n_pos.max(d.head_dim), false, true),
+        TapKind::FfnInp | TapKind::LOut => s(2, false, false),
+        TapKind::FfnAct => s(2, false, true),
+        TapKind::FfnMoeProbs => s(d.d, true, true),
+        TapKind::FfnMoeTopk => None,
     }
 }
 
 /// The budget of one op's own error (isolated comparison), from the device's arithmetic.
-pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
+pub fn local_budget(kind: TapKind, a: &Arithmetic, d: &Dims) -> Option<Budget> {
     let op = op_shape(kind, d)?;
     let k = op.k as f64;
     let cache = kv_cache_rel(kind, a, d);
@@ -137,7 +127,7 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
             rel += C_STAT * fp.exp_abs * k.sqrt();
             abs += C_STAT * fp.exp_abs;
         }
-        if kind == "inp_embd" {
+        if kind == TapKind::InpEmbd {
             // The table is held on the activation grid and scaled after the lookup (Gemma's
             // sqrt(n_embd)): its rounding, half a step, grows by the scale.
             abs += C_STAT * q * (d.embd_scale - 1.0).max(0.0) / 2.0;
@@ -149,11 +139,11 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
     if op.transcendental {
         rel += C_STAT * a.transcendental_ulps * us;
     }
-    if matches!(kind, "attn_q_rope" | "attn_k_rope") {
+    if matches!(kind, TapKind::AttnQRope | TapKind::AttnKRope) {
         // The angle held in the storage format: a rotation by an angle off by u times it.
         rel += C_STAT * us * d.rope_angle_rms;
     }
-    if kind == "ffn_act" && d.gelu && a.gelu_half_table {
+    if kind == TapKind::FfnAct && d.gelu && a.gelu_half_table {
         // GELU from an f16 table: the input rounded to f16, its relative error passed on by
         // x·gelu'(x)/gelu(x) (1 to 1.6 where the values are large: above -1 the activation's
         // magnitudes dominate the RMS), and the result rounded to f16.
@@ -184,8 +174,8 @@ pub fn local_budget(kind: &str, a: &Arithmetic, d: &Dims) -> Option<Budget> {
 /// cost, far above what a Q8_0 cache costs a model's typical values: there the emulated
 /// arithmetic's error (`emulated_departure`) holds the engine to what an honest one of its cache
 /// gets.
-pub(crate) fn kv_cache_rel(kind: &str, a: &Arithmetic, d: &Dims) -> f64 {
-    if kind != "attn_kqv" {
+pub(crate) fn kv_cache_rel(kind: TapKind, a: &Arithmetic, d: &Dims) -> f64 {
+    if kind != TapKind::AttnKqv {
         return 0.0;
     }
     let coarser = |f: Option<devices::KvFormat>| f.filter(|f| f.rel_rounding() > a.storage.unit_roundoff());
@@ -202,15 +192,15 @@ pub(crate) fn kv_cache_rel(kind: &str, a: &Arithmetic, d: &Dims) -> f64 {
 /// The propagated budget at `layer` (None before the first layer, `n_layer` after the last):
 /// the op's own budget plus one layer's worth of independent error per layer passed, added in
 /// quadrature (independent roundings).
-pub fn propagated_budget(kind: &str, layer: Option<usize>, a: &Arithmetic, d: &Dims) -> Option<Budget> {
+pub fn propagated_budget(kind: TapKind, layer: Option<usize>, a: &Arithmetic, d: &Dims) -> Option<Budget> {
     let local = local_budget(kind, a, d)?;
     let depth = match (kind, layer) {
         (_, Some(i)) => i + 1,
-        ("inp_embd", None) => 0,
+        (TapKind::InpEmbd, None) => 0,
         (_, None) => d.n_layer,
     } as f64;
-    let per_layer = ["attn_q", "attn_out", "ffn_gate", "ffn_out", "attn_kqv", "ffn_act"]
-        .iter()
+    let per_layer = [TapKind::AttnQ, TapKind::AttnOut, TapKind::FfnGate, TapKind::FfnOut, TapKind::AttnKqv, TapKind::FfnAct]
+        .into_iter()
         .filter_map(|k| local_budget(k, a, d))
         .fold(Budget::default(), |m, b| Budget { rel: m.rel.max(b.rel), abs: m.abs.max(b.abs) });
     Some(Budget { rel: (local.rel.powi(2) + depth * per_layer.rel.powi(2)).sqrt(), abs: (local.abs.powi(2) + depth * per_layer.abs.powi(2)).sqrt() })

@@ -27,6 +27,7 @@ use devices::Arithmetic;
 use oracle::generate::AnyModel;
 use oracle::RecordingTap;
 use reports::{Provenance, Report};
+use oracle::taps::{TapKind, TapName};
 use reports::{Case, Tolerance, Verdict};
 use serde_json::{json, Map, Value};
 
@@ -65,7 +66,7 @@ impl std::str::FromStr for Mode {
 pub struct TapDiff {
     pub name: String,
     pub layer: Option<usize>,
-    pub kind: String,
+    pub kind: TapKind,
     /// The device did not produce this tap (reported as missing, never as a pass).
     pub missing: bool,
     /// Against the oracle's own forward pass.
@@ -109,13 +110,12 @@ pub struct TapDiff {
 }
 
 impl TapDiff {
-    /// Tap `name` before anything is compared: no errors, budgets or grants.
-    pub fn uncompared(name: &str) -> TapDiff {
-        let (layer, kind) = split_tap(name);
+    /// Tap `tap` before anything is compared: no errors, budgets or grants.
+    pub fn uncompared(tap: TapName) -> TapDiff {
         TapDiff {
-            name: name.to_string(),
-            layer,
-            kind: kind.to_string(),
+            name: tap.to_string(),
+            layer: tap.layer,
+            kind: tap.kind,
             missing: false,
             propagated: None,
             budget_propagated: None,
@@ -221,9 +221,11 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
     let mut since_given = Budget::default();
     for name in &reference.order {
         let (width, rdata) = &reference.tensors[name];
-        let (layer, kind) = split_tap(name);
+        // The oracle records taps of known kinds only; a name of none is its own defect, said so.
+        let tap = TapName::parse(name).ok_or_else(|| ShapeError(format!("tap `{name}`: the oracle recorded a tap of no known kind")))?;
+        let (layer, kind) = (tap.layer, tap.kind);
         let local = local_budget(kind, arith, dims);
-        let mut t = TapDiff { budget_propagated: propagated_budget(kind, layer, arith, dims), budget_isolated: local.map(|b| b.and_independent(since_given)), ..TapDiff::uncompared(name) };
+        let mut t = TapDiff { budget_propagated: propagated_budget(kind, layer, arith, dims), budget_isolated: local.map(|b| b.and_independent(since_given)), ..TapDiff::uncompared(tap) };
         let Some((dw, ddata)) = device.tensors.get(name) else {
             if let Some(b) = local {
                 since_given = since_given.and_independent(b);
@@ -242,7 +244,7 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
                 rdata.len() / width.max(&1)
             )));
         }
-        if kind == "ffn_moe_topk" {
+        if kind == TapKind::FfnMoeTopk {
             // Expert ids are discrete: a position passes only if its chosen set is the same.
             // Compared against the isolated run (same router inputs) when there is one.
             let against = isolated.and_then(|i| i.tensors.get(name)).map(|(_, v)| v).unwrap_or(rdata);
@@ -295,34 +297,38 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
 
 /// The taps the op behind tap `kind` of `layer` reads, by name (the stage order of
 /// `oracle::model`), each the nearest one the oracle recorded (`has`).
-fn tap_inputs(layer: Option<usize>, kind: &str, n_layer: usize, has: &dyn Fn(&str) -> bool) -> Vec<String> {
+fn tap_inputs(layer: Option<usize>, kind: TapKind, n_layer: usize, has: &dyn Fn(&str) -> bool) -> Vec<String> {
+    use TapKind::*;
     let Some(i) = layer else {
         return match kind {
-            "result_norm" if n_layer > 0 => vec![format!("blk.{}.l_out", n_layer - 1)],
-            "result_output" => vec!["result_norm".to_string()],
+            ResultNorm if n_layer > 0 => vec![TapName::layer(n_layer - 1, LOut).to_string()],
+            ResultOutput => vec![TapName::model(ResultNorm).to_string()],
             _ => Vec::new(),
         };
     };
-    let first = |kinds: &[&str]| kinds.iter().map(|k| format!("blk.{i}.{k}")).find(|n| has(n));
-    let residual = Some(if i == 0 { "inp_embd".to_string() } else { format!("blk.{}.l_out", i - 1) });
+    let first = |kinds: &[TapKind]| kinds.iter().map(|k| TapName::layer(i, *k).to_string()).find(|n| has(n));
+    let residual = Some(if i == 0 { TapName::model(InpEmbd) } else { TapName::layer(i - 1, LOut) }.to_string());
     let names = match kind {
-        "attn_norm" => vec![residual],
-        "attn_q" | "attn_k" | "attn_v" => vec![first(&["attn_norm"])],
-        "attn_q_norm" => vec![first(&["attn_q"])],
-        "attn_k_norm" => vec![first(&["attn_k"])],
-        "attn_q_rope" => vec![first(&["attn_q_norm", "attn_q"])],
-        "attn_k_rope" => vec![first(&["attn_k_norm", "attn_k"])],
-        "attn_kqv" => vec![first(&["attn_q_rope", "attn_q_norm", "attn_q"]), first(&["attn_k_rope", "attn_k_norm", "attn_k"]), first(&["attn_v"])],
-        "attn_out" => vec![first(&["attn_kqv"])],
-        "attn_post_norm" => vec![first(&["attn_out"])],
-        "ffn_inp" => vec![residual, first(&["attn_post_norm", "attn_out"])],
-        "ffn_norm" => vec![first(&["ffn_inp"])],
-        "ffn_gate" | "ffn_up" | "ffn_moe_probs" => vec![first(&["ffn_norm"])],
-        "ffn_act" => vec![first(&["ffn_gate"]), first(&["ffn_up"])],
-        "ffn_out" => vec![first(&["ffn_act", "ffn_norm"])],
-        "ffn_post_norm" => vec![first(&["ffn_out"])],
-        "l_out" => vec![first(&["ffn_inp"]), first(&["ffn_post_norm", "ffn_out"])],
-        _ => Vec::new(),
+        AttnNorm => vec![residual],
+        AttnQ | AttnK | AttnV => vec![first(&[AttnNorm])],
+        AttnQNorm => vec![first(&[AttnQ])],
+        AttnKNorm => vec![first(&[AttnK])],
+        AttnQRope => vec![first(&[AttnQNorm, AttnQ])],
+        AttnKRope => vec![first(&[AttnKNorm, AttnK])],
+        AttnKqv => vec![first(&[AttnQRope, AttnQNorm, AttnQ]), first(&[AttnKRope, AttnKNorm, AttnK]), first(&[AttnV])],
+        AttnOut => vec![first(&[AttnKqv])],
+        AttnPostNorm => vec![first(&[AttnOut])],
+        FfnInp => vec![residual, first(&[AttnPostNorm, AttnOut])],
+        FfnNorm => vec![first(&[FfnInp])],
+        FfnGate | FfnUp | FfnMoeProbs => vec![first(&[FfnNorm])],
+        FfnAct => vec![first(&[FfnGate]), first(&[FfnUp])],
+        FfnOut => vec![first(&[FfnAct, FfnNorm])],
+        FfnPostNorm => vec![first(&[FfnOut])],
+        LOut => vec![first(&[FfnInp]), first(&[FfnPostNorm, FfnOut])],
+        // Chosen from the router's scores, compared exactly: no op error to carry.
+        FfnMoeTopk => Vec::new(),
+        // Kinds that stand alone have no layer.
+        InpEmbd | ResultNorm | ResultOutput => Vec::new(),
     };
     names.into_iter().flatten().filter(|n| has(n)).collect()
 }
@@ -360,7 +366,7 @@ fn carry_through_ops(taps: &mut [TapDiff], reference: &RecordingTap, isolated: &
             t.magnified = own;
             t.budget_propagated = Some(Budget { rel: depth.rel + own, abs: depth.abs });
         };
-        let inputs = tap_inputs(t.layer, &t.kind, dims.n_layer, &has);
+        let inputs = tap_inputs(t.layer, t.kind, dims.n_layer, &has);
         // (largest relative error, largest grant) over the inputs, all compared.
         let worst = inputs.iter().try_fold((0.0f64, 0.0f64), |(e, g), n| {
             let input = &taps[*index.get(n)?];
@@ -414,7 +420,7 @@ struct Judged<'a> {
 fn judge<'a>(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_taps: &'a RecordingTap, arith: &'a Arithmetic, dims: &'a Dims) -> Result<Judged<'a>, String> {
     let rerun = |substitute_values: bool, run: &'static str| {
         let routing = if substitute_values {
-            RoutingFollower::new(device_taps, Box::new(move |_| local_budget("ffn_moe_probs", arith, dims)), run)
+            RoutingFollower::new(device_taps, Box::new(move |_| local_budget(TapKind::FfnMoeProbs, arith, dims)), run)
         } else {
             RoutingFollower::propagated(device_taps, arith, dims, run)
         };
@@ -664,7 +670,7 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
 fn routing_split(taps: &mut [TapDiff], a: (&RecordingTap, &RecordingTap), b: (&RecordingTap, &RecordingTap)) -> Option<(usize, usize, (Vec<usize>, Vec<usize>))> {
     let mut first = None;
     for (i, t) in taps.iter_mut().enumerate() {
-        if t.kind != "ffn_moe_topk" || t.id_mismatches.is_none_or(|n| n == 0) {
+        if t.kind != TapKind::FfnMoeTopk || t.id_mismatches.is_none_or(|n| n == 0) {
             continue;
         }
         let rows = |r: &RecordingTap| r.tensors.get(&t.name).map(|(w, v)| v.chunks((*w).max(1)).map(|row| {

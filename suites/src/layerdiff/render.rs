@@ -21,7 +21,7 @@ pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
             json!({
                 "tap": t.name,
                 "layer": t.layer,
-                "kind": t.kind,
+                "kind": t.kind.name(),
                 "compared": mode,
                 "rms_err": stats.map(|s| s.rms_err),
                 "bound": stats.zip(budget).map(|(s, b)| b.bound(s.rms_ref)),
@@ -29,7 +29,7 @@ pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
                 "id_mismatches": t.id_mismatches,
                 "op": op_behind(t),
                 "inputs": inputs_of(taps, t),
-                "kernel_filter": kernel_filter(&t.kind),
+                "kernel_filter": kernel_filter(t.kind),
             })
         }
     }
@@ -38,26 +38,27 @@ pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
 /// The op that makes a tap, in words: what sits between the last tap within its budget and the
 /// first one over it.
 pub fn op_behind(t: &TapDiff) -> String {
-    let w = |name: &str| match t.layer {
-        Some(i) => format!("blk.{i}.{name}.weight"),
-        None => format!("{name}.weight"),
+    use TapKind::*;
+    let w = |matrix: &str| match t.layer {
+        Some(i) => format!("blk.{i}.{matrix}.weight"),
+        None => format!("{matrix}.weight"),
     };
-    match t.kind.as_str() {
-        "inp_embd" => "the embedding row lookup (token_embd.weight)".into(),
-        "attn_norm" | "ffn_norm" | "attn_post_norm" | "ffn_post_norm" | "result_norm" => format!("the normalization (RMSNorm or LayerNorm) times {}", w(if t.kind == "result_norm" { "output_norm" } else { &t.kind })),
-        "attn_q_norm" | "attn_k_norm" => format!("the per-head QK-norm times {}", w(&t.kind)),
-        "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" => format!("the matrix product with {}", w(&t.kind)),
-        "attn_out" => format!("the matrix product with {}", w("attn_output")),
-        "ffn_out" => format!("the matrix product with {} (a MoE layer: the chosen experts' products, weighted)", w("ffn_down")),
-        "result_output" => "the matrix product with output.weight (or the tied token_embd.weight)".into(),
-        "attn_q_rope" | "attn_k_rope" => "RoPE (the rotation of each head's pairs by position)".into(),
-        "attn_kqv" => "attention: scores, causal mask, softmax, the weighted sum of values".into(),
-        "ffn_inp" => "the residual add after attention".into(),
-        "l_out" => "the residual add after the FFN".into(),
-        "ffn_act" => "the gated activation (SwiGLU or GeGLU: act(gate) x up)".into(),
-        "ffn_moe_probs" => format!("the router: the matrix product with {} and its softmax", w("ffn_gate_inp")),
-        "ffn_moe_topk" => "the router's choice of experts".into(),
-        other => format!("the op that makes `{other}`"),
+    match t.kind {
+        InpEmbd => "the embedding row lookup (token_embd.weight)".into(),
+        AttnNorm | FfnNorm | AttnPostNorm | FfnPostNorm => format!("the normalization (RMSNorm or LayerNorm) times {}", w(t.kind.name())),
+        ResultNorm => format!("the normalization (RMSNorm or LayerNorm) times {}", w("output_norm")),
+        AttnQNorm | AttnKNorm => format!("the per-head QK-norm times {}", w(t.kind.name())),
+        AttnQ | AttnK | AttnV | FfnGate | FfnUp => format!("the matrix product with {}", w(t.kind.name())),
+        AttnOut => format!("the matrix product with {}", w("attn_output")),
+        FfnOut => format!("the matrix product with {} (a MoE layer: the chosen experts' products, weighted)", w("ffn_down")),
+        ResultOutput => "the matrix product with output.weight (or the tied token_embd.weight)".into(),
+        AttnQRope | AttnKRope => "RoPE (the rotation of each head's pairs by position)".into(),
+        AttnKqv => "attention: scores, causal mask, softmax, the weighted sum of values".into(),
+        FfnInp => "the residual add after attention".into(),
+        LOut => "the residual add after the FFN".into(),
+        FfnAct => "the gated activation (SwiGLU or GeGLU: act(gate) x up)".into(),
+        FfnMoeProbs => format!("the router: the matrix product with {} and its softmax", w("ffn_gate_inp")),
+        FfnMoeTopk => "the router's choice of experts".into(),
     }
 }
 
@@ -66,23 +67,23 @@ pub fn op_behind(t: &TapDiff) -> String {
 fn inputs_of(taps: &[TapDiff], t: &TapDiff) -> Vec<String> {
     let n_layer = taps.iter().filter_map(|t| t.layer).max().map_or(0, |l| l + 1);
     let has = |n: &str| taps.iter().any(|x| x.name == n && !x.missing);
-    super::tap_inputs(t.layer, &t.kind, n_layer, &has)
+    super::tap_inputs(t.layer, t.kind, n_layer, &has)
 }
 
 /// The kernel suite's filter for the op that makes a tap kind (`kernels --filter`), where the
 /// kernel suite has that op.
-pub fn kernel_filter(kind: &str) -> Option<&'static str> {
+pub fn kernel_filter(kind: TapKind) -> Option<&'static str> {
+    use TapKind::*;
     Some(match kind {
-        "inp_embd" => "^embed\\(",
-        "attn_norm" | "ffn_norm" | "attn_post_norm" | "ffn_post_norm" | "result_norm" => "^(rms_norm|layer_norm)\\(",
-        "attn_q_norm" | "attn_k_norm" => "^qk_norm\\(",
-        "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" | "attn_out" | "ffn_out" | "result_output" => "^matmul\\(",
-        "attn_q_rope" | "attn_k_rope" => "^rope\\(",
-        "attn_kqv" => "^attention",
-        "ffn_inp" | "l_out" => "^add\\(",
-        "ffn_act" => "^(swiglu|geglu|swiglu_oai)\\(",
-        "ffn_moe_probs" | "ffn_moe_topk" => "^moe_route\\(",
-        _ => return None,
+        InpEmbd => "^embed\\(",
+        AttnNorm | FfnNorm | AttnPostNorm | FfnPostNorm | ResultNorm => "^(rms_norm|layer_norm)\\(",
+        AttnQNorm | AttnKNorm => "^qk_norm\\(",
+        AttnQ | AttnK | AttnV | FfnGate | FfnUp | AttnOut | FfnOut | ResultOutput => "^matmul\\(",
+        AttnQRope | AttnKRope => "^rope\\(",
+        AttnKqv => "^attention",
+        FfnInp | LOut => "^add\\(",
+        FfnAct => "^(swiglu|geglu|swiglu_oai)\\(",
+        FfnMoeProbs | FfnMoeTopk => "^moe_route\\(",
     })
 }
 
@@ -106,7 +107,7 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
             let mut m = Map::new();
             m.insert("tap".into(), json!(t.name));
             m.insert("layer".into(), json!(t.layer));
-            m.insert("kind".into(), json!(t.kind));
+            m.insert("kind".into(), json!(t.kind.name()));
             stats_json("propagated", &t.propagated, &t.budget_propagated, &mut m);
             stats_json("isolated", &t.isolated, &t.budget_isolated, &mut m);
             if let Some(a) = t.amplification {
@@ -278,10 +279,10 @@ pub fn layer_table(taps: &[TapDiff]) -> Vec<Vec<String>> {
             let failed_prop = ts.iter().filter(|t| t.exceeds(Mode::Propagated) == Some(true)).count();
             vec![
                 key,
-                out.map_or("-".into(), |t| t.kind.clone()),
+                out.map_or("-".into(), |t| t.kind.name().to_string()),
                 fmt_rel(out, Mode::Propagated),
                 out.and_then(|t| t.emulated).map_or("-".into(), |e| format!("{e:.2e}")),
-                worst.map_or("-".into(), |t| t.kind.clone()),
+                worst.map_or("-".into(), |t| t.kind.name().to_string()),
                 fmt_rel(worst.copied(), Mode::Isolated),
                 format!("{failed_prop} / {failed_iso} / {missing}"),
             ]
@@ -302,10 +303,10 @@ pub const LAYER_TABLE_COLUMNS: [&str; 7] = [
 /// Error by layer: relative RMS error of each tap kind (solid) and its budget (dashed), log scale,
 /// a panel per tap kind on one shared scale (fifteen kinds on one plot are unreadable).
 pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
-    let mut kinds: Vec<&str> = Vec::new();
+    let mut kinds: Vec<TapKind> = Vec::new();
     for t in taps.iter().filter(|t| t.layer.is_some()) {
-        if !kinds.contains(&t.kind.as_str()) {
-            kinds.push(&t.kind);
+        if !kinds.contains(&t.kind) {
+            kinds.push(t.kind);
         }
     }
     let mut series = Vec::new();
@@ -333,10 +334,10 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
     }
     // The residual stream's error with the declared arithmetic emulated: what an honest engine of
     // it accumulates.
-    let emulated: Vec<(f64, f64)> = taps.iter().filter(|t| t.kind == "l_out").filter_map(|t| Some((t.layer? as f64, t.emulated?.max(f32::EPSILON as f64 / 4.0)))).collect();
+    let emulated: Vec<(f64, f64)> = taps.iter().filter(|t| t.kind == TapKind::LOut).filter_map(|t| Some((t.layer? as f64, t.emulated?.max(f32::EPSILON as f64 / 4.0)))).collect();
     if mode == Mode::Propagated && !emulated.is_empty() {
         // Drawn in l_out's panel (panels group series by colour).
-        let colour = kinds.iter().position(|k| *k == "l_out").unwrap_or(kinds.len());
+        let colour = kinds.iter().position(|k| *k == TapKind::LOut).unwrap_or(kinds.len());
         series.push(Series { name: "l_out, declared arithmetic emulated".into(), points: emulated, colour, dashed: false });
     }
     Chart { title: title.into(), x_label: "layer".into(), y_label: "relative RMS error".into(), log_y: true, series, band: None, markers: Vec::new(), panels: true }
@@ -347,7 +348,7 @@ pub fn chart(taps: &[TapDiff], mode: Mode, title: &str) -> Chart {
 /// tap over it marked and named.
 pub fn budget_chart(taps: &[TapDiff], modes: &[Mode], title: &str) -> Chart {
     let last = taps.iter().filter_map(|t| t.layer).max().map_or(0, |l| l + 1);
-    let x_of = |t: &TapDiff| t.layer.unwrap_or(if t.kind == "inp_embd" { 0 } else { last }) as f64;
+    let x_of = |t: &TapDiff| t.layer.unwrap_or(if t.kind == TapKind::InpEmbd { 0 } else { last }) as f64;
     let mut series = Vec::new();
     let mut markers = Vec::new();
     for (ci, mode) in modes.iter().enumerate() {

@@ -89,7 +89,7 @@ impl<'a> RoutingFollower<'a> {
     /// A follower for a propagated run (the oracle's own, or the emulated arithmetic's): a near
     /// tie is judged by the propagated budget of the expert scores.
     pub fn propagated(device: &'a RecordingTap, arith: &'a Arithmetic, dims: &'a Dims, run: &'static str) -> Self {
-        Self::new(device, Box::new(move |layer| propagated_budget("ffn_moe_probs", layer, arith, dims)), run)
+        Self::new(device, Box::new(move |layer| propagated_budget(TapKind::FfnMoeProbs, layer, arith, dims)), run)
     }
 
     /// `Tap::route` for the run this follower serves.
@@ -98,9 +98,10 @@ impl<'a> RoutingFollower<'a> {
         let row = data.get(pos * w..(pos + 1) * w).filter(|_| *w == chosen.len())?;
         // The device's ids, if they are a valid choice (else the mismatch is reported as such).
         let ids: Vec<usize> = row.iter().map(|&v| (v >= 0.0 && v.fract() == 0.0 && (v as usize) < probs.len()).then_some(v as usize)).collect::<Option<_>>()?;
-        let scores = name.strip_suffix("ffn_moe_topk").map(|l| format!("{l}ffn_moe_probs"));
+        let tap = TapName::parse(name);
+        let scores = tap.filter(|t| t.kind == TapKind::FfnMoeTopk).map(|t| TapName { kind: TapKind::FfnMoeProbs, ..t }.to_string());
         let device_probs = scores.and_then(|n| self.device.tensors.get(&n)).and_then(|(w, v)| v.get(pos * w..(pos + 1) * w));
-        let (margin, tolerance) = follow_at_near_tie(probs, chosen, &ids, device_probs, (self.budget_of)(split_tap(name).0))?;
+        let (margin, tolerance) = follow_at_near_tie(probs, chosen, &ids, device_probs, (self.budget_of)(tap.and_then(|t| t.layer)))?;
         self.follows.push(RoutingFollow { tap: name.to_string(), position: pos, oracle: chosen.to_vec(), device: ids.clone(), margin, tolerance, run: self.run });
         Some(ids)
     }

@@ -35,7 +35,7 @@ impl ProductRows {
     /// The experts a token is routed to at MoE layer tap `name` (`blk.L.ffn_moe_topk`): its
     /// expert products that follow are theirs, in this order.
     pub fn routed(&mut self, name: &str, experts: &[usize]) {
-        if let (Some(layer), "ffn_moe_topk") = split_tap(name) {
+        if let Some(TapName { layer: Some(layer), kind: TapKind::FfnMoeTopk }) = TapName::parse(name) {
             self.routing.insert(layer, (experts.to_vec(), [0; 3]));
         }
     }
@@ -85,19 +85,24 @@ pub(crate) fn expert_product(weight: &str) -> Option<(usize, usize)> {
 /// The tap a matrix product's output is recorded as, for the products whose every output is
 /// one dot product with one matrix (not a MoE's experts, whose outputs are mixed, or its router,
 /// whose scores pass through a softmax before the tap).
-pub fn product_tap(weight: &str) -> Option<String> {
+pub fn product_tap(weight: &str) -> Option<TapName> {
     let stem = weight.strip_suffix(".weight")?;
     if stem == "output" || stem == "token_embd" {
-        return Some("result_output".into());
+        return Some(TapName::model(TapKind::ResultOutput));
     }
-    let (layer, kind) = stem.strip_prefix("blk.")?.split_once('.')?;
-    let tap = match kind {
-        "attn_q" | "attn_k" | "attn_v" | "ffn_gate" | "ffn_up" => kind,
-        "attn_output" => "attn_out",
-        "ffn_down" => "ffn_out",
+    // GGUF's names of the matrices (the parsing edge of weight names), to the taps they make.
+    let (layer, matrix) = stem.strip_prefix("blk.")?.split_once('.')?;
+    let kind = match matrix {
+        "attn_q" => TapKind::AttnQ,
+        "attn_k" => TapKind::AttnK,
+        "attn_v" => TapKind::AttnV,
+        "ffn_gate" => TapKind::FfnGate,
+        "ffn_up" => TapKind::FfnUp,
+        "attn_output" => TapKind::AttnOut,
+        "ffn_down" => TapKind::FfnOut,
         _ => return None,
     };
-    Some(format!("blk.{layer}.{tap}"))
+    Some(TapName::layer(layer.parse().ok()?, kind))
 }
 
 /// The scale of a matrix product's terms beside that of its outputs, over a sample of input
@@ -122,7 +127,7 @@ pub fn term_scales(products: &ProductRows, weights: &dyn oracle::loader::TensorS
     for (weight, (width, rows)) in &products.rows {
         let Some(tap) = product_tap(weight) else { continue };
         let Some((t, o, n)) = product_sums(weights, weight, *width, rows)? else { continue };
-        out.insert(tap, TermScale { term_rms: (t / n).sqrt(), output_rms: (o / n).sqrt() });
+        out.insert(tap.to_string(), TermScale { term_rms: (t / n).sqrt(), output_rms: (o / n).sqrt() });
     }
     Ok(out)
 }
@@ -224,13 +229,13 @@ pub fn moe_term_ratios(products: &ProductRows, weights: &dyn oracle::loader::Ten
         }
     }
     let block = |r: [f64; 3]| r[0].max(r[1]) + r[2];
-    Ok(per_layer.into_iter().map(|(layer, (experts, shared))| (format!("blk.{layer}.ffn_out"), 1.0 + block(experts).max(block(shared)))).collect())
+    Ok(per_layer.into_iter().map(|(layer, (experts, shared))| (TapName::layer(layer, TapKind::FfnOut).to_string(), 1.0 + block(experts).max(block(shared)))).collect())
 }
 
 /// The absolute RMS allowance for the cancelling terms of the product behind tap `kind`: its
 /// op's relative budget over the excess of the terms' RMS over the outputs' (0 where they do not
 /// cancel); None for a kind without a budget rule.
-pub fn cancellation_grant(kind: &str, scale: &TermScale, arith: &Arithmetic, dims: &Dims) -> Option<f64> {
+pub fn cancellation_grant(kind: TapKind, scale: &TermScale, arith: &Arithmetic, dims: &Dims) -> Option<f64> {
     Some(local_budget(kind, arith, dims)?.rel * (scale.term_rms - scale.output_rms).max(0.0))
 }
 
@@ -256,16 +261,16 @@ pub fn attention_allowances(spec: &ModelSpec, device: &RecordingTap, fallback: &
         sinks: None,
         softcap: spec.attn_softcap,
     };
-    let get = |layer: usize, kinds: &[&str]| {
-        kinds.iter().map(|k| format!("blk.{layer}.{k}")).find_map(|n| device.tensors.get(&n).or_else(|| fallback.tensors.get(&n))).map(|(_, v)| v.as_slice())
+    let get = |layer: usize, kinds: &[TapKind]| {
+        kinds.iter().map(|k| TapName::layer(layer, *k).to_string()).find_map(|n| device.tensors.get(&n).or_else(|| fallback.tensors.get(&n))).map(|(_, v)| v.as_slice())
     };
     for layer in 0..spec.n_layer {
-        let (Some(q), Some(k), Some(v)) = (get(layer, &["attn_q_rope", "attn_q_norm", "attn_q"]), get(layer, &["attn_k_rope", "attn_k_norm", "attn_k"]), get(layer, &["attn_v"]))
+        let (Some(q), Some(k), Some(v)) = (get(layer, &[TapKind::AttnQRope, TapKind::AttnQNorm, TapKind::AttnQ]), get(layer, &[TapKind::AttnKRope, TapKind::AttnKNorm, TapKind::AttnK]), get(layer, &[TapKind::AttnV]))
         else {
             continue;
         };
         if let Some(s) = crate::attention_terms::sensitivity(q, k, v, n_pos, &params(layer), &roundings) {
-            out.insert(format!("blk.{layer}.attn_kqv"), C_STAT * s);
+            out.insert(TapName::layer(layer, TapKind::AttnKqv).to_string(), C_STAT * s);
         }
     }
     out

@@ -3,6 +3,11 @@
 use super::*;
 use oracle::Tap;
 
+/// The kind named `name`, for tables written as names.
+fn kind(name: &str) -> TapKind {
+    TapKind::parse(name).unwrap_or_else(|| panic!("no tap kind {name}"))
+}
+
 /// Matrices by GGUF name, for [`term_scales`].
 struct Matrices(Vec<(&'static str, Vec<usize>, Vec<f32>)>);
 impl oracle::loader::TensorSource for Matrices {
@@ -102,8 +107,8 @@ fn term_scales_by_hand() {
     many.add("output.weight", 1, &[7.0]);
     assert_eq!(many.rows["output.weight"].1.len(), TERM_SAMPLE_ROWS);
     assert_eq!(many.rows["output.weight"].1[..4], [0.0, 3.0, 6.0, 9.0]);
-    assert_eq!(product_tap("token_embd.weight").as_deref(), Some("result_output"));
-    assert_eq!(product_tap("blk.3.ffn_down.weight").as_deref(), Some("blk.3.ffn_out"));
+    assert_eq!(product_tap("token_embd.weight").map(|t| t.to_string()).as_deref(), Some("result_output"));
+    assert_eq!(product_tap("blk.3.ffn_down.weight").map(|t| t.to_string()).as_deref(), Some("blk.3.ffn_out"));
     assert_eq!(product_tap("blk.3.ffn_gate_inp.weight"), None);
 }
 
@@ -115,21 +120,21 @@ fn dims() -> Dims {
 fn budgets_grow_with_depth_and_q8_activations() {
     let d = dims();
     let a = Arithmetic::F32;
-    let early = propagated_budget("l_out", Some(0), &a, &d).unwrap();
-    let late = propagated_budget("l_out", Some(3), &a, &d).unwrap();
+    let early = propagated_budget(kind("l_out"), Some(0), &a, &d).unwrap();
+    let late = propagated_budget(kind("l_out"), Some(3), &a, &d).unwrap();
     assert!(late.rel > early.rel);
     let q8 = Arithmetic { activation_q8_block: Some(32), ..a };
-    assert!(local_budget("attn_q", &q8, &d).unwrap().rel > 10.0 * local_budget("attn_q", &a, &d).unwrap().rel);
-    assert_eq!(local_budget("attn_norm", &q8, &d), local_budget("attn_norm", &a, &d), "Q8 applies to products only");
+    assert!(local_budget(kind("attn_q"), &q8, &d).unwrap().rel > 10.0 * local_budget(kind("attn_q"), &a, &d).unwrap().rel);
+    assert_eq!(local_budget(kind("attn_norm"), &q8, &d), local_budget(kind("attn_norm"), &a, &d), "Q8 applies to products only");
     // The widest rounding declared: K-quants' blocks of 256 over 32, half-precision inputs
     // (below a block of 32's, so they add nothing beside it).
     let kquant = Arithmetic { activation_q8_block_kquant: Some(256), ..q8 };
-    assert!(local_budget("attn_q", &kquant, &d).unwrap().rel > 2.0 * local_budget("attn_q", &q8, &d).unwrap().rel);
+    assert!(local_budget(kind("attn_q"), &kquant, &d).unwrap().rel > 2.0 * local_budget(kind("attn_q"), &q8, &d).unwrap().rel);
     let half = Arithmetic { activation_half_rounding: true, ..a };
-    assert!(local_budget("attn_q", &half, &d).unwrap().rel > 10.0 * local_budget("attn_q", &a, &d).unwrap().rel);
-    assert_eq!(local_budget("attn_q", &Arithmetic { activation_half_rounding: true, ..q8 }, &d), local_budget("attn_q", &q8, &d));
-    assert_eq!(local_budget("attn_norm", &half, &d), local_budget("attn_norm", &a, &d));
-    assert!(local_budget("no_such_tap", &a, &d).is_none());
+    assert!(local_budget(kind("attn_q"), &half, &d).unwrap().rel > 10.0 * local_budget(kind("attn_q"), &a, &d).unwrap().rel);
+    assert_eq!(local_budget(kind("attn_q"), &Arithmetic { activation_half_rounding: true, ..q8 }, &d), local_budget(kind("attn_q"), &q8, &d));
+    assert_eq!(local_budget(kind("attn_norm"), &half, &d), local_budget(kind("attn_norm"), &a, &d));
+    assert!(oracle::taps::TapKind::parse("no_such_tap").is_none(), "a kind without a budget rule does not compile");
 }
 
 /// An engine that forms RoPE angles in f32 as ggml does (theta_scale = base^(-2/n_rot) in
@@ -160,9 +165,9 @@ fn rope_budgets_allow_angles_held_in_f32_at_long_positions() {
     }
     let measured = (err2 / ref2).sqrt();
     let d = Dims { head_dim: 64, n_pos, rope_angle_rms: rope_angle_rms(&rope, n_pos), ..dims() };
-    let budget = local_budget("attn_q_rope", &Arithmetic::F32, &d).unwrap().rel;
+    let budget = local_budget(kind("attn_q_rope"), &Arithmetic::F32, &d).unwrap().rel;
     assert!(measured < budget, "measured {measured:e}, budget {budget:e}");
-    let without = local_budget("attn_q_rope", &Arithmetic::F32, &Dims { rope_angle_rms: 0.0, ..d }).unwrap().rel;
+    let without = local_budget(kind("attn_q_rope"), &Arithmetic::F32, &Dims { rope_angle_rms: 0.0, ..d }).unwrap().rel;
     assert!(measured > 3.0 * without, "the angle's error is most of it: measured {measured:e}, budget without the angle {without:e}");
     assert!(budget < 20.0 * measured, "and the budget stays near it: {budget:e}");
     // A short prompt's angles are small: the term vanishes with the positions.
@@ -175,27 +180,27 @@ fn an_f16_kv_cache_grows_only_attention_and_what_follows_it() {
     let d = dims();
     let a = Arithmetic::F32;
     let f16 = Arithmetic { kv_cache: devices::KvFormat::parse("f16"), ..a };
-    let (plain, cached) = (local_budget("attn_kqv", &a, &d).unwrap(), local_budget("attn_kqv", &f16, &d).unwrap());
+    let (plain, cached) = (local_budget(kind("attn_kqv"), &a, &d).unwrap(), local_budget(kind("attn_kqv"), &f16, &d).unwrap());
     // One f16 rounding per cached value: u = 2^-11, times (1 + sqrt(head_dim)) = 5 for head_dim 16.
     assert_eq!(cached.rel - plain.rel, C_STAT * (-11f64).exp2() * 5.0);
-    for kind in ["attn_q", "attn_k_rope", "attn_out", "ffn_out", "result_norm"] {
-        assert_eq!(local_budget(kind, &f16, &d), local_budget(kind, &a, &d), "{kind} does not read the cache");
+    for k in [TapKind::AttnQ, TapKind::AttnKRope, TapKind::AttnOut, TapKind::FfnOut, TapKind::ResultNorm] {
+        assert_eq!(local_budget(k, &f16, &d), local_budget(k, &a, &d), "{k} does not read the cache");
     }
-    assert!(propagated_budget("l_out", Some(2), &f16, &d).unwrap().rel > propagated_budget("l_out", Some(2), &a, &d).unwrap().rel);
+    assert!(propagated_budget(kind("l_out"), Some(2), &f16, &d).unwrap().rel > propagated_budget(kind("l_out"), Some(2), &a, &d).unwrap().rel);
     // An f16 GELU table widens the activation's budget on a GELU model only.
     let table = Arithmetic { gelu_half_table: true, ..a };
     let gelu = Dims { gelu: true, ..d };
-    assert!(local_budget("ffn_act", &table, &gelu).unwrap().rel > 50.0 * local_budget("ffn_act", &a, &gelu).unwrap().rel);
-    assert_eq!(local_budget("ffn_act", &table, &d), local_budget("ffn_act", &a, &d));
-    assert_eq!(local_budget("ffn_out", &table, &gelu), local_budget("ffn_out", &a, &gelu));
+    assert!(local_budget(kind("ffn_act"), &table, &gelu).unwrap().rel > 50.0 * local_budget(kind("ffn_act"), &a, &gelu).unwrap().rel);
+    assert_eq!(local_budget(kind("ffn_act"), &table, &d), local_budget(kind("ffn_act"), &a, &d));
+    assert_eq!(local_budget(kind("ffn_out"), &table, &gelu), local_budget(kind("ffn_out"), &a, &gelu));
     // A cache no coarser than storage adds nothing; a bf16 one more than an f16 one.
     let same = Arithmetic { kv_cache: devices::KvFormat::parse("f32"), ..a };
-    assert_eq!(local_budget("attn_kqv", &same, &d), Some(plain));
+    assert_eq!(local_budget(kind("attn_kqv"), &same, &d), Some(plain));
     let bf16 = Arithmetic { kv_cache: devices::KvFormat::parse("bf16"), ..a };
-    assert!(local_budget("attn_kqv", &bf16, &d).unwrap().rel > cached.rel);
+    assert!(local_budget(kind("attn_kqv"), &bf16, &d).unwrap().rel > cached.rel);
     // Keys and values apart: the keys' rounding counts sqrt(head_dim) times (with the
     // query's Q8_0 blocks before block keys), the values' once.
-    let rel = |k: &str, v: &str| local_budget("attn_kqv", &a.with_kv(devices::KvTypes::parse(&format!("{k}-{v}")).unwrap()), &d).unwrap().rel - plain.rel;
+    let rel = |k: &str, v: &str| local_budget(kind("attn_kqv"), &a.with_kv(devices::KvTypes::parse(&format!("{k}-{v}")).unwrap()), &d).unwrap().rel - plain.rel;
     let (u16, u8) = ((-11f64).exp2(), devices::KvFormat::Q8_0.rel_rounding());
     for (k, v, want) in [("f16", "f32", u16 * 4.0), ("f32", "f16", u16), ("q8_0", "f16", 2.0 * u8 * 4.0 + u16), ("f16", "q8_0", u16 * 4.0 + u8)] {
         let got = rel(k, v);
@@ -368,7 +373,7 @@ fn magnified_error_is_granted_and_unexplained_growth_is_not() {
     let taps = diff(&r, Some(&iso), &dev, &q8, &d).unwrap();
     let get = |n: &str| taps.iter().find(|t| t.name == n).unwrap();
     let act = get("blk.0.ffn_act");
-    let depth = propagated_budget("ffn_act", Some(0), &q8, &d).unwrap().rel;
+    let depth = propagated_budget(kind("ffn_act"), Some(0), &q8, &d).unwrap().rel;
     assert!(act.propagated.unwrap().rel() > depth, "the depth model alone would fail this tap");
     assert!((act.amplification.unwrap() - 5.0).abs() < 1e-3 && (act.magnified - 0.04).abs() < 1e-4, "{:?} {}", act.amplification, act.magnified);
     assert_eq!(act.exceeds(Mode::Propagated), Some(false));

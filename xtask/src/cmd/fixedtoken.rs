@@ -190,11 +190,11 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     arith.check().map_err(|e| Exit::new(2, format!("{}: declared arithmetic: {e}", a.device)))?;
     let declared_name = engine.declared_name();
     drop(engine);
-    let mut budget = propagated_budget("result_output", None, &arith, &dims).ok_or_else(|| Exit::new(2, "no logit budget rule"))?;
+    let mut budget = propagated_budget(oracle::taps::TapKind::ResultOutput, None, &arith, &dims).ok_or_else(|| Exit::new(2, "no logit budget rule"))?;
     // Where the output head's terms cancel, the logits' rounding errors are larger than their
     // size suggests: the budget grants the difference (as layer-diff's does).
-    let head_terms = oracle::loader::open_weights(&path).and_then(|(weights, _)| layerdiff::term_scales(&oracle_tap.head, weights.as_ref()))?.remove("result_output");
-    let terms_grant = head_terms.as_ref().and_then(|s| layerdiff::cancellation_grant("result_output", s, &arith, &dims)).unwrap_or(0.0);
+    let head_terms = oracle::loader::open_weights(&path).and_then(|(weights, _)| layerdiff::term_scales(&oracle_tap.head, weights.as_ref()))?.remove(&oracle::taps::TapName::model(oracle::taps::TapKind::ResultOutput).to_string());
+    let terms_grant = head_terms.as_ref().and_then(|s| layerdiff::cancellation_grant(oracle::taps::TapKind::ResultOutput, s, &arith, &dims)).unwrap_or(0.0);
     budget.abs += terms_grant;
     // A MoE device that routed some token otherwise: the oracle again (loaded anew, so the two
     // models were never held at once), routing as the device did where the choices differ only

@@ -1,0 +1,185 @@
+//! The kinds of tap — the intermediate tensors an interpreter records, named as llama.cpp/GGUF
+//! name them (docs/DUMP_FORMAT.md) — as one enum. A tap's name is parsed into a [`TapName`] once,
+//! where it enters (an interpreter's recording, a dump), and everything after matches on the
+//! kind: a new kind is a list of compile errors (its budget rule, its inputs, the op that makes
+//! it), not a string some fallback arm lets through.
+
+/// A kind of tap. The per-layer kinds are named `blk.{layer}.{name}`; the others stand alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TapKind {
+    /// Token embeddings (before the first layer).
+    InpEmbd,
+    AttnNorm,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnQNorm,
+    AttnKNorm,
+    AttnQRope,
+    AttnKRope,
+    /// Attention's output before its output projection.
+    AttnKqv,
+    AttnOut,
+    AttnPostNorm,
+    /// The residual after attention.
+    FfnInp,
+    FfnNorm,
+    FfnGate,
+    FfnUp,
+    /// The gated activation, act(gate) * up.
+    FfnAct,
+    /// A MoE layer's router scores.
+    FfnMoeProbs,
+    /// A MoE layer's chosen expert ids (discrete: compared exactly).
+    FfnMoeTopk,
+    FfnOut,
+    FfnPostNorm,
+    /// The residual after the FFN: the layer's output.
+    LOut,
+    /// The final norm (after the last layer).
+    ResultNorm,
+    /// The logits.
+    ResultOutput,
+}
+
+impl TapKind {
+    /// Every kind, in the order an attention layer computes them.
+    pub const ALL: [TapKind; 24] = [
+        TapKind::InpEmbd,
+        TapKind::AttnNorm,
+        TapKind::AttnQ,
+        TapKind::AttnK,
+        TapKind::AttnV,
+        TapKind::AttnQNorm,
+        TapKind::AttnKNorm,
+        TapKind::AttnQRope,
+        TapKind::AttnKRope,
+        TapKind::AttnKqv,
+        TapKind::AttnOut,
+        TapKind::AttnPostNorm,
+        TapKind::FfnInp,
+        TapKind::FfnNorm,
+        TapKind::FfnGate,
+        TapKind::FfnUp,
+        TapKind::FfnAct,
+        TapKind::FfnMoeProbs,
+        TapKind::FfnMoeTopk,
+        TapKind::FfnOut,
+        TapKind::FfnPostNorm,
+        TapKind::LOut,
+        TapKind::ResultNorm,
+        TapKind::ResultOutput,
+    ];
+
+    /// The name: `attn_norm`, `l_out`, ... (a per-layer kind's name after `blk.{layer}.`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            TapKind::InpEmbd => "inp_embd",
+            TapKind::AttnNorm => "attn_norm",
+            TapKind::AttnQ => "attn_q",
+            TapKind::AttnK => "attn_k",
+            TapKind::AttnV => "attn_v",
+            TapKind::AttnQNorm => "attn_q_norm",
+            TapKind::AttnKNorm => "attn_k_norm",
+            TapKind::AttnQRope => "attn_q_rope",
+            TapKind::AttnKRope => "attn_k_rope",
+            TapKind::AttnKqv => "attn_kqv",
+            TapKind::AttnOut => "attn_out",
+            TapKind::AttnPostNorm => "attn_post_norm",
+            TapKind::FfnInp => "ffn_inp",
+            TapKind::FfnNorm => "ffn_norm",
+            TapKind::FfnGate => "ffn_gate",
+            TapKind::FfnUp => "ffn_up",
+            TapKind::FfnAct => "ffn_act",
+            TapKind::FfnMoeProbs => "ffn_moe_probs",
+            TapKind::FfnMoeTopk => "ffn_moe_topk",
+            TapKind::FfnOut => "ffn_out",
+            TapKind::FfnPostNorm => "ffn_post_norm",
+            TapKind::LOut => "l_out",
+            TapKind::ResultNorm => "result_norm",
+            TapKind::ResultOutput => "result_output",
+        }
+    }
+
+    /// Whether the kind is one per layer (`blk.{layer}.{name}`).
+    pub const fn per_layer(self) -> bool {
+        !matches!(self, TapKind::InpEmbd | TapKind::ResultNorm | TapKind::ResultOutput)
+    }
+
+    /// The kind named `name` (`attn_norm`), if any.
+    pub fn parse(name: &str) -> Option<TapKind> {
+        TapKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+/// As its name (`"attn_norm"`), as report.json has always had it.
+impl serde::Serialize for TapKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl std::fmt::Display for TapKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A tap's name, parsed: its layer (None for the kinds that stand alone) and its kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TapName {
+    pub layer: Option<usize>,
+    pub kind: TapKind,
+}
+
+impl TapName {
+    /// Layer `layer`'s tap of a per-layer kind.
+    pub const fn layer(layer: usize, kind: TapKind) -> TapName {
+        TapName { layer: Some(layer), kind }
+    }
+
+    /// A kind that stands alone (`inp_embd`, `result_norm`, `result_output`).
+    pub const fn model(kind: TapKind) -> TapName {
+        TapName { layer: None, kind }
+    }
+
+    /// `blk.3.attn_norm` -> layer 3's `AttnNorm`, `result_norm` -> `ResultNorm`; None for a name
+    /// that is not a tap of a known kind, or a per-layer kind without its layer (or the other way).
+    pub fn parse(name: &str) -> Option<TapName> {
+        match name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')) {
+            Some((layer, kind)) => {
+                let kind = TapKind::parse(kind).filter(|k| k.per_layer())?;
+                Some(TapName::layer(layer.parse().ok()?, kind))
+            }
+            None => TapKind::parse(name).filter(|k| !k.per_layer()).map(TapName::model),
+        }
+    }
+}
+
+impl std::fmt::Display for TapName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.layer {
+            Some(i) => write!(f, "blk.{i}.{}", self.kind.name()),
+            None => f.write_str(self.kind.name()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kind's name parses back to it, in and out of a layer as the kind is; other names do
+    /// not parse.
+    #[test]
+    fn tap_names_round_trip() {
+        for k in TapKind::ALL {
+            let name = if k.per_layer() { TapName::layer(7, k) } else { TapName::model(k) };
+            assert_eq!(TapName::parse(&name.to_string()), Some(name), "{name}");
+            assert_eq!(TapKind::parse(k.name()), Some(k));
+        }
+        for bad in ["blk.x.attn_norm", "blk.1.result_norm", "attn_norm", "blk.1.attn_nrom", "blk.1", "", "l_out-3"] {
+            assert_eq!(TapName::parse(bad), None, "{bad}");
+        }
+    }
+}
