@@ -224,4 +224,23 @@ mod tests {
             assert!(checked.iter().any(|c| c == cmd), "{cmd} has no --device flag checked: {checked:?}");
         }
     }
+
+    /// Every command's `--model` help gives the one list of model names (`fixtures::model_names!`),
+    /// so a new fixture reaches every help text at once.
+    #[test]
+    fn every_model_flag_gives_the_one_list_of_models() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let mut checked = Vec::new();
+        for sub in cli.get_subcommands().filter(|s| !s.is_hide_set()) {
+            for arg in sub.get_arguments().filter(|a| a.get_id() == "model") {
+                let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+                assert!(help.contains(fixtures::model_names!()), "{} --model: {help}", sub.get_name());
+                checked.push(sub.get_name().to_string());
+            }
+        }
+        for cmd in ["run", "dump", "layer-diff", "fixed-token", "bench", "ab", "gate", "tokenize", "export"] {
+            assert!(checked.iter().any(|c| c == cmd), "{cmd} has no --model flag checked: {checked:?}");
+        }
+    }
 }

@@ -34,8 +34,7 @@ pub struct AbArgs {
     /// Candidate arm (same forms as --a).
     #[arg(long)]
     pub(super) b: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory. A comma list (`smollm2,tiny-llama`) runs a matrix: each model and prompt length its own comparison, one table.
-    #[arg(long, default_value = "smollm2")]
+    #[arg(long, default_value = "smollm2", help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory. A comma list (`smollm2,tiny-llama`) runs a matrix: each model and prompt length its own comparison, one table."))]
     pub(super) model: String,
     /// Pairs to run before the first verdict. A verdict needs at least 6 restart groups (see
     /// --respawn-every); faster or slower, at 1% split over the looks, needs 10 or more groups.

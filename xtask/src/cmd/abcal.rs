@@ -25,8 +25,7 @@ pub struct AbCalibrateArgs {
     /// The engine compared with itself: a device of this build (cpu, cpu:kv-f16, fixed, cuda:0, ...).
     #[arg(long, default_value = "cpu")]
     arm: String,
-    /// Model: tiny-llama, smollm2, ... or a path (as `ab --model`).
-    #[arg(long, default_value = "tiny-llama")]
+    #[arg(long, default_value = "tiny-llama", help = concat!("Model: ", fixtures::model_names!(), ", or a path (as `ab --model`)."))]
     model: String,
     /// Real decisions per scenario (A/A and slowdown): 40 gives a false-alarm interval of
     /// 0-8.8% when none alarm.

@@ -22,8 +22,7 @@ pub const REPS: usize = 3;
 pub struct BenchArgs {
     #[arg(long, default_value = "ref", help = concat!("Device to time: ", devices::device_names!(), "; exec:CMD here answers `ab`'s arm protocol (one JSON line per run; `cargo xtask ab --help`)."))]
     device: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
-    #[arg(long, default_value = "smollm2")]
+    #[arg(long, default_value = "smollm2", help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     model: String,
     /// Prompt length in tokens (token ids 1..=N cycled through the vocabulary).
     #[arg(long, default_value_t = PROMPT_LEN)]

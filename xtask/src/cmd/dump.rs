@@ -8,8 +8,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct DumpArgs {
-    /// Model name or path (see `run --help`).
-    #[arg(long)]
+    #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     model: String,
     /// Token ids to run, comma-separated.
     #[arg(long, conflicts_with = "prompt", required_unless_present = "prompt")]

@@ -12,8 +12,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct ExportArgs {
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
-    #[arg(long)]
+    #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     model: String,
     /// The flat file to write (written beside it as FILE.part, renamed when whole and read back).
     #[arg(long)]

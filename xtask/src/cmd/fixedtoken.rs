@@ -18,8 +18,7 @@ use suites::layerdiff::{self, propagated_budget, Dims, RoutingFollower};
 pub struct FixedTokenArgs {
     #[arg(long, default_value = "cpu", help = concat!("Device under test: ", devices::device_names!(), "."))]
     pub device: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
-    #[arg(long)]
+    #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     pub model: String,
     /// Golden file (default: fixtures/golden/MODEL.json for fixture models; for other models
     /// the oracle's greedy continuation is computed in this run and the report says so).

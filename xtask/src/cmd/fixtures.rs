@@ -4,8 +4,7 @@ use crate::Exit;
 
 #[derive(clap::Args)]
 pub struct FixturesArgs {
-    /// Only this model (default: all synthetic and real models).
-    #[arg(long)]
+    #[arg(long, help = concat!("Only this model (default: all of them): ", fixtures::model_names!(), "."))]
     model: Option<String>,
 }
 

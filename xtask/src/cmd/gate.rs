@@ -21,10 +21,7 @@ const SUITES: [&str; 5] = ["oracle", "kernels", "layers", "tokens", "bench"];
 pub struct GateArgs {
     #[arg(long, help = concat!("Devices (default: cpu and fixed): ", devices::device_names!(), "; repeat the flag or give a comma list (`cpu,fixed`). An engine command (`exec:`, `ids:`, `external:`) is taken whole, commas and all."))]
     device: Vec<String>,
-    /// Models for the oracle self-check, layer-diff and fixed-token (default: the synthetic
-    /// fixtures tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss); repeat the flag or
-    /// give a comma list (a path that exists is taken whole).
-    #[arg(long)]
+    #[arg(long, help = concat!("Models for the oracle self-check, layer-diff and fixed-token (default: the synthetic fixtures ", fixtures::synthetic_model_names!(), "): ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory; repeat the flag or give a comma list (a path that exists is taken whole)."))]
     model: Vec<String>,
     /// Suites: oracle, kernels, layers, tokens (default: these four), bench (throughput on each
     /// device and model with `bench`'s defaults, each case in a process of its own; it fails when

@@ -16,8 +16,7 @@ pub const DEFAULT_IDS: [u32; 11] = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
 pub struct LayerDiffArgs {
     #[arg(long, help = concat!("Device under test: ", devices::device_names!(), "."))]
     pub device: String,
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
-    #[arg(long)]
+    #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     pub model: String,
     /// Which comparison gates: `isolated` (each op fed the device's own inputs: the op's own
     /// error) or `propagated` (the device's whole run against the oracle's: accumulated error).

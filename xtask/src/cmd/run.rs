@@ -7,8 +7,7 @@ use oracle::Precision;
 
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file, a flat file (`export`) or a safetensors directory.
-    #[arg(long)]
+    #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     model: String,
     /// Prompt text (tokenized with the model's own tokenizer).
     #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]

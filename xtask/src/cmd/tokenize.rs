@@ -7,8 +7,7 @@ use std::io::Read;
 
 #[derive(clap::Args)]
 pub struct TokenizeArgs {
-    /// Model: tiny-llama, tiny-qwen3, tiny-moe, tiny-gemma3, tiny-gpt-oss, smollm2, gemma3, or a path to a .gguf file or a safetensors directory (a flat file carries no tokenizer).
-    #[arg(long)]
+    #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file or a safetensors directory (a flat file carries no tokenizer)."))]
     model: String,
     /// Text to tokenize; `-` reads it from stdin (all of it, newlines kept).
     #[arg(long, conflicts_with = "ids", required_unless_present = "ids")]
