@@ -268,7 +268,8 @@ impl FlatFile {
         let bad = |field: &str, o: usize, why: String| self.err(field, o as u64, why);
         let arch_raw = &h[off::ARCH..off::ARCH + 16];
         let arch_len = arch_raw.iter().position(|&c| c == 0).unwrap_or(16);
-        let arch = std::str::from_utf8(&arch_raw[..arch_len]).map_err(|e| bad("arch", off::ARCH, format!("not UTF-8: {e}")))?.to_string();
+        let arch_name = std::str::from_utf8(&arch_raw[..arch_len]).map_err(|e| bad("arch", off::ARCH, format!("not UTF-8: {e}")))?;
+        let arch = crate::spec::Arch::from_gguf(arch_name).ok_or_else(|| bad("arch", off::ARCH, format!("architecture `{arch_name}` is not one of {}", crate::spec::Arch::gguf_names())))?;
         let flags = u32_at(h, off::FLAGS);
         if flags & !KNOWN_FLAGS != 0 {
             return Err(bad("flags", off::FLAGS, format!("{flags:#x} has bits this reader does not know (known: {KNOWN_FLAGS:#x})")));
@@ -495,10 +496,11 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
         Ok(())
     };
     h[..8].copy_from_slice(&MAGIC);
-    if spec.arch.len() > 15 {
-        return Err(unfit(&format!("architecture name `{}` (15 bytes at most)", spec.arch)));
+    let arch = spec.arch.gguf_name();
+    if arch.len() > 15 {
+        return Err(unfit(&format!("architecture name `{arch}` (15 bytes at most)")));
     }
-    h[off::ARCH..off::ARCH + spec.arch.len()].copy_from_slice(spec.arch.as_bytes());
+    h[off::ARCH..off::ARCH + arch.len()].copy_from_slice(arch.as_bytes());
     if let Some(r) = &spec.rope_swa {
         if r.scaling != RopeScaling::None || r.freq_factors.is_some() || r.style != spec.rope.style || r.n_rot != spec.rope.n_rot {
             return Err(unfit("a windowed layers' RoPE other than the global one with its own base"));

@@ -236,7 +236,7 @@ impl SafetensorsDir {
         // Which file each tensor came from: a tensor in two shards would otherwise be taken from
         // whichever sorts last.
         let mut seen: HashMap<String, PathBuf> = HashMap::new();
-        let oss = spec.arch == "gpt-oss";
+        let oss = spec.arch == crate::spec::Arch::GptOss;
         // GPT-OSS's MXFP4 expert scales, by the name of their blocks.
         let mut mx_scales: HashMap<String, Part> = HashMap::new();
         for (fi, path) in files.into_iter().enumerate() {

@@ -204,7 +204,7 @@ pub enum Stage {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
-    pub arch: String,
+    pub arch: Arch,
     pub n_vocab: usize,
     pub n_embd: usize,
     pub n_layer: usize,
@@ -404,11 +404,9 @@ impl ModelSpec {
 
     /// Builds the spec of a GGUF model from its metadata and the tensors it holds.
     pub fn from_gguf(g: &GgufFile) -> Result<ModelSpec> {
-        let arch = g
-            .get("general.architecture")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| spec_err(format!("{}: no general.architecture", g.path)))?
-            .to_string();
+        let arch_name = g.get("general.architecture").and_then(|v| v.as_str()).ok_or_else(|| spec_err(format!("{}: no general.architecture", g.path)))?;
+        let arch = Arch::from_gguf(arch_name).ok_or_else(|| spec_err(format!("{}: architecture `{arch_name}` is not supported ({})", g.path, Arch::gguf_names())))?;
+        let row = arch.row();
         let key = |k: &str| format!("{arch}.{k}");
         // Present with another type is an error, not the default (`GgufFile::field`).
         let opt_u = |k: &str| g.field(&key(k), |v| v.as_u64().and_then(|x| usize::try_from(x).ok()), "a non-negative integer").map_err(spec_err);
@@ -416,14 +414,10 @@ impl ModelSpec {
         let opt_f = |k: &str| g.field(&key(k), |v| v.as_f64(), "a number").map_err(spec_err);
         let has = |name: &str| g.tensor(name).is_some();
 
-        let style = match arch.as_str() {
-            "llama" | "mistral" | "mixtral" => RopeStyle::Normal,
-            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "phi3" | "gemma2" | "gemma3" | "gpt-oss" => RopeStyle::Neox,
-            other => return Err(spec_err(format!("{}: architecture `{other}` is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3, gpt-oss)", g.path))),
-        };
-        let gemma2 = arch == "gemma2";
-        let gemma = arch == "gemma3" || gemma2;
-        let oss = arch == "gpt-oss";
+        let style = row.rope;
+        let gemma2 = row.gemma == Some(GemmaKind::Gemma2);
+        let gemma = row.gemma.is_some();
+        let oss = arch == Arch::GptOss;
         let n_embd = req_u("embedding_length")?;
         let n_head = req_u("attention.head_count")?;
         let n_head_kv = opt_u("attention.head_count_kv")?.unwrap_or(n_head);
@@ -472,7 +466,7 @@ impl ModelSpec {
                     Some(3) if oss => Gating::Softmax,
                     Some(v) => return Err(spec_err(format!("{}: expert_gating_func {v} is not supported", g.path))),
                 };
-                let normalize_default = matches!(arch.as_str(), "llama" | "mixtral" | "qwen3moe" | "gpt-oss");
+                let normalize_default = row.moe_normalize_default;
                 Some(MoeSpec {
                     n_expert,
                     n_expert_used: req_u("expert_used_count")?,
@@ -520,7 +514,7 @@ impl ModelSpec {
             _ => return Err(spec_err(format!("{}: LongRoPE needs both `rope_factors_short.weight` and `rope_factors_long.weight`, without `rope_freqs.weight` or another rope scaling", g.path))),
         };
         let mut spec = ModelSpec {
-            arch: arch.clone(),
+            arch,
             n_vocab,
             n_embd,
             n_layer: req_u("block_count")?,
@@ -565,7 +559,7 @@ impl ModelSpec {
             attn_sinks: has("blk.0.attn_sinks.weight"),
             attn_softcap: opt_f("attn_logit_softcapping")?.filter(|_| gemma2),
             final_softcap: opt_f("final_logit_softcapping")?.filter(|_| gemma2),
-            fused: arch == "phi3",
+            fused: row.fused,
             context_length: ctx,
             attn_scale: 1.0 / (head_dim as f64).sqrt(),
             stages: Vec::new(),
@@ -671,7 +665,7 @@ impl ModelSpec {
     /// and the checkpoint loader after them) name it `post_attention_norm.weight`, after the
     /// checkpoints' `post_attention_layernorm`; the loaders hand it out as `ffn_norm.weight`.
     pub fn stored_ffn_norm(&self) -> &'static str {
-        if self.arch == "gpt-oss" {
+        if self.arch == Arch::GptOss {
             "post_attention_norm.weight"
         } else {
             "ffn_norm.weight"
@@ -763,6 +757,8 @@ impl ModelSpec {
     }
 }
 
+mod arch;
+pub use arch::{Arch, ArchRow, GemmaKind, ARCHES};
 mod hf;
 #[cfg(test)]
 mod tests;

@@ -530,7 +530,7 @@ fn write_cpu_dump(path: &std::path::Path, ids: &[u32], dir: &std::path::Path) {
     let mut m = devices::open("cpu").unwrap().load_model(path, &ModelOptions::default()).unwrap();
     let mut taps = RecordingTap::default();
     m.forward(ids, &mut taps).unwrap();
-    let info = oracle::dump::ModelInfo { name: "random".into(), sha256: String::new(), arch: m.spec().arch.clone() };
+    let info = oracle::dump::ModelInfo { name: "random".into(), sha256: String::new(), arch: m.spec().arch.to_string() };
     oracle::dump::write_dump(dir, info, "cpu", "f32", ids, &taps, serde_json::to_value(m.arithmetic()).ok()).unwrap();
 }
 

@@ -202,3 +202,25 @@ fn tap_kinds_are_matched_as_an_enum_not_as_strings() {
     }
     assert!(found.is_empty(), "tap kinds written as strings (use oracle::taps::TapKind):\n{}", found.join("\n"));
 }
+
+/// Architectures are `oracle::spec::Arch`, one row each in `ARCHES`: no code compares an
+/// architecture's name as a string (`arch == "gpt-oss"`, `match arch.as_str()`); its names are
+/// parsed in oracle/src/spec/arch.rs alone.
+#[test]
+fn architectures_are_matched_as_an_enum_not_as_strings() {
+    let mut files = Vec::new();
+    for c in ["oracle", "devices", "suites", "xtask", "fixtures", "reports"] {
+        rust_files(&root().join(c).join("src"), &mut files);
+    }
+    let compared = regex::Regex::new(r#"\barch(_name)?\s*[!=]=\s*""#).unwrap();
+    let mut found = Vec::new();
+    for f in files.iter().filter(|f| f.file_name().is_some_and(|n| n != "tests.rs")) {
+        let rel = f.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+        for (i, line) in non_test_text(f).lines().enumerate() {
+            if compared.is_match(line) || line.contains("arch.as_str()") {
+                found.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "architecture names compared as strings (use oracle::spec::Arch and its row):\n{}", found.join("\n"));
+}

@@ -12,25 +12,11 @@ impl ModelSpec {
         let req = |k: &str| u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
         let model_type = top.s("model_type")?.unwrap_or("").to_string();
         // The GGUF architecture each model type converts to (Mixtral is a llama with experts).
-        let arch = match model_type.as_str() {
-            "llama" | "mistral" | "mixtral" => "llama",
-            "qwen2" => "qwen2",
-            "qwen3" => "qwen3",
-            "qwen2_moe" => "qwen2moe",
-            "qwen3_moe" => "qwen3moe",
-            "phi3" => "phi3",
-            "gemma2" => "gemma2",
-            "gemma3_text" => "gemma3",
-            "gpt_oss" => "gpt-oss",
-            other => {
-                return Err(err(format!(
-                    "config.json: model_type `{other}` is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, gemma2, gemma3_text, gpt_oss)"
-                )))
-            }
-        };
-        let gemma = arch == "gemma3" || arch == "gemma2";
-        let oss = arch == "gpt-oss";
-        let qwen = arch.starts_with("qwen");
+        let arch = Arch::from_model_type(&model_type).ok_or_else(|| err(format!("config.json: model_type `{model_type}` is not supported ({})", Arch::model_type_names())))?;
+        let row = arch.row();
+        let gemma = row.gemma.is_some();
+        let oss = arch == Arch::GptOss;
+        let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe);
         let n_embd = req("hidden_size")?;
         let n_head = req("num_attention_heads")?;
         let head_dim = u("head_dim")?.unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
@@ -208,7 +194,7 @@ impl ModelSpec {
             None => req("intermediate_size")?,
         };
         let mut spec = ModelSpec {
-            arch: arch.to_string(),
+            arch,
             n_vocab: req("vocab_size")?,
             n_embd,
             n_layer,
@@ -226,12 +212,12 @@ impl ModelSpec {
                 freq_factors,
                 longrope_factors,
             },
-            qk_norm: arch == "qwen3" || arch == "qwen3moe" || arch == "gemma3",
+            qk_norm: row.qk_norm,
             // Qwen2 (and Qwen2-MoE) always biases Q/K/V (never O); llama, mistral and qwen3 bias
             // all four of them when `attention_bias` is set (their attention layers build
             // q/k/v/o_proj alike).
-            qkv_bias: arch == "qwen2" || arch == "qwen2moe" || attention_bias,
-            out_bias: arch != "qwen2" && arch != "qwen2moe" && attention_bias,
+            qkv_bias: row.qkv_bias || attention_bias,
+            out_bias: !row.qkv_bias && attention_bias,
             tied_output: top.b("tie_word_embeddings")?.unwrap_or(gemma),
             activation: act,
             moe,
@@ -243,7 +229,7 @@ impl ModelSpec {
             attn_sinks: oss,
             attn_softcap: None,
             final_softcap: None,
-            fused: arch == "phi3",
+            fused: row.fused,
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
             stages: Vec::new(),
@@ -271,7 +257,7 @@ impl ModelSpec {
     /// null in Gemma 3's).
     fn gemma3_from_hf(&mut self, top: &Fields<'_>, sliding: Option<&serde_json::Value>, file: &str) -> Result<()> {
         let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
-        let gemma2 = self.arch == "gemma2";
+        let gemma2 = self.arch == Arch::Gemma2;
         self.attn_softcap = top.f("attn_logit_softcapping")?;
         self.final_softcap = top.f("final_logit_softcapping")?;
         let default_period = if gemma2 { crate::spec::GEMMA2_SWA_PERIOD } else { crate::spec::GEMMA3_SWA_PERIOD };

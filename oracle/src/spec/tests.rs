@@ -15,7 +15,7 @@ fn qwen3_moe(extra: serde_json::Value) -> Result<ModelSpec> {
 fn moe_configs_read_their_fields_and_refuse_what_they_cannot_express() {
     let s = qwen3_moe(serde_json::json!({"norm_topk_prob": true})).unwrap();
     let m = s.moe.as_ref().unwrap();
-    assert_eq!((s.arch.as_str(), m.n_expert, m.n_expert_used, m.expert_ffn, m.normalize_topk, m.shared_ffn, s.qk_norm), ("qwen3moe", 8, 2, 32, true, None, true));
+    assert_eq!((s.arch.gguf_name(), m.n_expert, m.n_expert_used, m.expert_ffn, m.normalize_topk, m.shared_ffn, s.qk_norm), ("qwen3moe", 8, 2, 32, true, None, true));
     assert!(!qwen3_moe(serde_json::json!({})).unwrap().moe.unwrap().normalize_topk, "transformers' default");
     for (extra, want) in [
         (serde_json::json!({"mlp_only_layers": [1]}), "dense layers among the MoE layers"),
@@ -115,7 +115,7 @@ fn gpt_oss_config() {
         ModelSpec::from_hf_config(&c, "config.json")
     };
     let s = cfg(serde_json::json!({})).unwrap();
-    assert_eq!((s.arch.as_str(), s.activation, s.attn_sinks, s.swa_period, s.qkv_bias, s.out_bias), ("gpt-oss", Activation::SwigluOai, true, 2, true, true));
+    assert_eq!((s.arch.gguf_name(), s.activation, s.attn_sinks, s.swa_period, s.qkv_bias, s.out_bias), ("gpt-oss", Activation::SwigluOai, true, 2, true, true));
     assert!(s.moe.as_ref().is_some_and(|m| m.biases && m.normalize_topk && m.gating == Gating::Softmax));
     assert!(matches!(s.rope.scaling, RopeScaling::Yarn { truncate: false, .. }));
     assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));

@@ -35,7 +35,7 @@ pub fn main(a: DumpArgs) -> Result<u8, Exit> {
     super::check_recordings_fit("dump", engine.spec(), true, ids.len(), 2)?;
     let mut taps = RecordingTap::default();
     engine.prefill(&ids, &mut taps)?;
-    let info = ModelInfo { name: a.model.clone(), sha256: ::fixtures::sha256_model(&path)?, arch: engine.spec().arch.clone() };
+    let info = ModelInfo { name: a.model.clone(), sha256: ::fixtures::sha256_model(&path)?, arch: engine.spec().arch.to_string() };
     let precision = format!("{:?}", a.precision).to_lowercase();
     let arithmetic = serde_json::to_value(engine.arithmetic()).ok();
     let m = write_dump(&a.out, info, &a.device, &precision, &ids, &taps, arithmetic)?;
