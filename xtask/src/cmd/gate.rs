@@ -40,7 +40,10 @@ pub struct GateArgs {
     /// as another device.
     #[arg(long)]
     name: Option<String>,
-    /// Where the reports go (default: target/touchstone/gate-YYYYMMDD-HHMMSS/, the start time in UTC).
+    /// Where the reports go (default: target/touchstone/gate-YYYYMMDD-HHMMSS/, the start time in
+    /// UTC): report.json, report.md (summary first, under 1 MiB, for a CI job summary), junit.xml,
+    /// cases.csv, and every chart the rungs draw (`layers-DEVICE-MODEL-*.png`, `tokens-…`,
+    /// `bench-…`).
     #[arg(long)]
     report_dir: Option<PathBuf>,
     /// Which taps each device must give in the layers suite (`layer-diff --require-taps`): `all`,
