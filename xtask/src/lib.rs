@@ -178,7 +178,7 @@ pub fn main() -> ExitCode {
         Command::FixedToken(a) => cmd::fixedtoken::main(a),
         Command::Bisect(a) => cmd::bisect::main(a),
         Command::BisectStep(a) => cmd::bisect::step(a),
-        Command::Ab(a) => cmd::ab::main(a),
+        Command::Ab(a) => cmd::abmatrix::main(a),
         Command::AbRun(a) => cmd::ab::run_main(a),
         Command::AbCalibrate(a) => cmd::abcal::main(a),
         Command::Report(a) => cmd::report::main(a),

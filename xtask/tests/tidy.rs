@@ -140,6 +140,39 @@ fn no_module_import_cycle() {
                 panic!("crate {c}: module import cycle {}", cycle.join(" -> "));
             }
         }
+        // At every depth: the modules of a directory with a `mod.rs` (`xtask/src/cmd/`) and
+        // their `super::sibling` references.
+        let mut dirs = Vec::new();
+        let mut files = Vec::new();
+        rust_files(&root().join(c).join("src"), &mut files);
+        dirs.extend(files.iter().filter(|f| f.file_name().is_some_and(|n| n == "mod.rs")).filter_map(|f| f.parent().map(Path::to_path_buf)));
+        for dir in dirs {
+            let siblings: Vec<(String, PathBuf)> = std::fs::read_dir(&dir)
+                .unwrap()
+                .filter_map(|e| {
+                    let p = e.ok()?.path();
+                    let name = p.file_name()?.to_string_lossy().into_owned();
+                    match name.strip_suffix(".rs") {
+                        Some(stem) if stem != "mod" && stem != "tests" => Some((stem.to_string(), p)),
+                        None if p.join("mod.rs").is_file() => Some((name, p.join("mod.rs"))),
+                        _ => None,
+                    }
+                })
+                .collect();
+            let names: std::collections::BTreeSet<String> = siblings.iter().map(|(m, _)| m.clone()).collect();
+            let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
+            for (m, p) in &siblings {
+                let code: String = non_test_text(p).lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+                let deps = code.match_indices("super::").map(|(i, _)| code[i + 7..].split(|ch: char| !(ch.is_alphanumeric() || ch == '_')).next().unwrap_or("").to_string()).filter(|d| d != m && names.contains(d));
+                edges.entry(m.clone()).or_default().extend(deps);
+            }
+            let mut done = Default::default();
+            for m in edges.keys() {
+                if let Some(cycle) = visit(m, &edges, &mut Vec::new(), &mut done) {
+                    panic!("{}: module import cycle {}", dir.strip_prefix(root()).unwrap().display(), cycle.join(" -> "));
+                }
+            }
+        }
     }
 }
 

@@ -47,10 +47,10 @@ pub struct AbArgs {
     #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
     pub(super) threshold: f64,
     /// Prompt length in tokens; a comma list (`16,512`) runs a matrix (see --model).
-    #[arg(long, value_delimiter = ',', default_values_t = [super::bench::PROMPT_LEN])]
+    #[arg(long, value_delimiter = ',', default_values_t = [PROMPT_LEN])]
     pub(super) prompt_len: Vec<usize>,
     /// Tokens generated per run (`bench` takes the same default lengths).
-    #[arg(long, default_value_t = super::bench::GEN_LEN)]
+    #[arg(long, default_value_t = GEN_LEN)]
     pub(super) gen_len: usize,
     /// A label for arm A in the tables, console and plots (default: its spec, `--a`).
     #[arg(long)]
@@ -471,6 +471,11 @@ fn lockstep_pair(first: &Runner, second: &Runner, gen_len: usize, n_prompt: usiz
 /// `--timeout`'s default: seconds one run of an arm may take.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
+/// A measured request's prompt and generated tokens unless given (`ab` and `bench` alike, so a
+/// tok/s figure means the same in both).
+pub const PROMPT_LEN: usize = 16;
+pub const GEN_LEN: usize = 32;
+
 /// One run of the `exec:` engine `cmd` (as an `ab` arm runs it): its checked JSON line.
 pub fn run_exec(cmd: &str, model: &Path, ids: &str, gen_len: usize, timeout: Duration) -> Result<RunSample, String> {
     let runner = prepare("exec", Arm::Exec(cmd.to_string()), model, "", ids, gen_len).map_err(|e| e.message)?;
@@ -527,11 +532,9 @@ impl Pair {
     }
 }
 
+/// One comparison (`abmatrix::main` runs a matrix of them).
 pub fn main(a: AbArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
-    if let Some(scenarios) = super::abmatrix::scenarios(&a) {
-        return super::abmatrix::run(&a, &scenarios);
-    }
     let broken: Vec<&str> = [
         (a.pairs < 2, "--pairs >= 2"),
         (a.max_pairs < a.pairs, "--max-pairs >= --pairs"),

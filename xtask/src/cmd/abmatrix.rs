@@ -12,6 +12,15 @@ use reports::{Case, Provenance, Report, Tolerance, Verdict};
 use serde_json::json;
 use std::path::Path;
 
+/// `ab`: a matrix when `--model` or `--prompt-len` lists more than one, else one comparison.
+pub fn main(a: AbArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
+    match scenarios(&a) {
+        Some(s) => run(&a, &s),
+        None => super::ab::main(a),
+    }
+}
+
 /// The scenarios (model, prompt length) when `--model` or `--prompt-len` lists more than one;
 /// None for a single comparison. A `--model` that names an existing path is taken whole.
 pub fn scenarios(a: &AbArgs) -> Option<Vec<(String, usize)>> {

@@ -12,10 +12,9 @@ use oracle::Precision;
 use serde_json::json;
 use std::path::PathBuf;
 
-/// The defaults of a bench run (the `bench` command's and `gate --suite bench`'s; `ab` takes
-/// the same lengths, so a tok/s figure means the same in both).
-pub const PROMPT_LEN: usize = 16;
-pub const GEN_LEN: usize = 32;
+/// The defaults of a bench run (the `bench` command's and `gate --suite bench`'s): `ab`'s
+/// lengths, so a tok/s figure means the same in both.
+use super::ab::{GEN_LEN, PROMPT_LEN};
 pub const REPS: usize = 3;
 
 #[derive(clap::Args)]
