@@ -1,5 +1,6 @@
-//! The layer-diff gate: every tap (design.md §4) of a device's forward pass compared with the
-//! oracle's, per tap, against a budget derived from the device's declared arithmetic and depth.
+//! The layer-diff gate: every tap (`oracle::taps::TapKind`, docs/DUMP_FORMAT.md's table) of a
+//! device's forward pass compared with the oracle's, per tap, against a budget derived from the
+//! device's declared arithmetic and depth.
 //!
 //! Two comparisons are made from one device run:
 //! - **propagated**: the device's taps against the oracle's own forward pass. Error accumulates

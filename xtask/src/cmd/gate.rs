@@ -122,7 +122,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                         if let Some(div) = o.report.sections.get("first_divergence").filter(|v| !v.is_null()) {
                             outln!("  more: {}", super::layerdiff::next_steps(d, m, div));
                         }
-                        divergences.push(super::layerdiff::divergence_row(&o, d, d, m));
+                        divergences.push(super::layerdiff::divergence_row(&o, d, m));
                         charts.extend(o.report.charts().unwrap_or_default().into_iter().map(|(stem, c)| (chart_stem("layers", &label(d), m, &stem), c)));
                         declared.extend(o.report.sections.remove(super::DECLARED_NAMES).and_then(|v| v.as_object().cloned()).unwrap_or_default());
                         o.report.cases

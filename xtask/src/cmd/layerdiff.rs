@@ -291,12 +291,13 @@ fn print_table(o: &layerdiff::Outcome) {
 }
 
 /// The first divergence as a report.md lead table (one row): what went red, the op that made it,
-/// and the command that shows that op alone.
-pub fn divergence_row(o: &layerdiff::Outcome, device_label: &str, device: &str, model: &str) -> Vec<String> {
+/// and the command that shows that op alone; `device` as it is run (the gate maps it to its label
+/// after labelling, so the commands stay runnable).
+pub fn divergence_row(o: &layerdiff::Outcome, device: &str, model: &str) -> Vec<String> {
     let verdict = reports::verdict_word(o.report.exit_code()).to_string();
     match (layerdiff::first_divergence(&o.taps), o.report.sections.get("first_divergence")) {
-        (Some(t), Some(d)) => vec![device_label.to_string(), model.to_string(), verdict, describe_divergence(&t.name, d), next_steps(device, model, d)],
-        _ => vec![device_label.to_string(), model.to_string(), verdict, "none: every tap within its budget".into(), "-".into()],
+        (Some(t), Some(d)) => vec![device.to_string(), model.to_string(), verdict, describe_divergence(&t.name, d), next_steps(device, model, d)],
+        _ => vec![device.to_string(), model.to_string(), verdict, "none: every tap within its budget".into(), "-".into()],
     }
 }
 

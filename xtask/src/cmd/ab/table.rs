@@ -174,25 +174,20 @@ pub(super) fn summary_rows(a: &AbArgs, pairs: &[Pair], name_a: &str, name_b: &st
     };
     let mut rows = vec![arm_row(&format!("A: {name_a}"), |p| &p.a), arm_row(&format!("B: {name_b}"), |p| &p.b)];
     if pairs.len() >= 2 {
-        let change = |m: Metric| {
-            let st = a.stats(pairs, m);
-            let mark = if m == a.metric { format!(" **{}**", st.verdict.words()) } else { String::new() };
-            format!("{} ({}){mark}", pct(st.median_change), ci_words(st.ci95).trim_start_matches("95% CI "))
-        };
-        // The decode column is in tok/s: B's change in time per token, turned into tok/s (a
+        // B's change in `m`; `as_rate`: a change of time per token turned into one of tok/s (a
         // time 10% longer is a rate 9.09% lower; the CI's ends swap).
-        let tok_per_s_change = |m: Metric| {
+        let change = |m: Metric, as_rate: bool| {
             let st = a.stats(pairs, m);
-            let rate = |t: f64| 1.0 / (1.0 + t) - 1.0;
+            let f = |t: f64| if as_rate { 1.0 / (1.0 + t) - 1.0 } else { t };
+            let ci = if as_rate { (f(st.ci95.1), f(st.ci95.0)) } else { st.ci95 };
             let mark = if m == a.metric { format!(" **{}**", st.verdict.words()) } else { String::new() };
-            let ci = ci_words((rate(st.ci95.1), rate(st.ci95.0)));
-            format!("{} ({}){mark}", pct(rate(st.median_change)), ci.trim_start_matches("95% CI "))
+            format!("{} ({}){mark}", pct(f(st.median_change)), ci_words(ci).trim_start_matches("95% CI "))
         };
         let prefill: Vec<f64> = pairs.iter().map(|p| p.b.prefill_ms / p.a.prefill_ms - 1.0).collect();
         rows.push(vec![
             "B's change (95% CI)".into(),
-            tok_per_s_change(Metric::Mean),
-            change(Metric::FastestStep),
+            change(Metric::Mean, true),
+            change(Metric::FastestStep, false),
             String::new(),
             format!("{} (median)", pct(med(prefill))),
             String::new(),
