@@ -297,7 +297,14 @@ impl ModelFault {
             ModelFault::LocalRopeBaseGlobal => inner.spec.rope_swa = None,
             ModelFault::PostNormsDropped => {
                 inner.spec.post_norms = false;
-                inner.spec.derive_stages();
+                inner
+                    .spec
+                    .derive_layers(None)
+                    .map_err(|e| DeviceError::Failed {
+                        device: "cpu".into(),
+                        case: "model".into(),
+                        reason: e.to_string(),
+                    })?;
             }
             ModelFault::EmbeddingScaleDropped => inner.spec.embd_scale = None,
             ModelFault::SinksDropped => inner.layers.iter_mut().for_each(|l| l.sinks = None),

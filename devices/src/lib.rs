@@ -537,36 +537,6 @@ pub struct BandwidthProbe {
     pub not_hardware: Option<String>,
 }
 
-/// A device model's key/value cache: per layer, `[len, width]` keys and values of one element
-/// type (Q16 integers on `fixed`).
-pub struct KvStore<T> {
-    pub k: Vec<Vec<T>>,
-    pub v: Vec<Vec<T>>,
-    /// Positions held.
-    pub len: usize,
-}
-
-impl<T: Clone> KvStore<T> {
-    pub fn new(n_layer: usize) -> Self {
-        KvStore { k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], len: 0 }
-    }
-
-    pub fn reset(&mut self) {
-        self.k.iter_mut().for_each(|c| c.clear());
-        self.v.iter_mut().for_each(|c| c.clear());
-        self.len = 0;
-    }
-
-    /// Writes one layer's keys and values for positions `start..` (rows of `width`), dropping
-    /// anything the cache held from `start` on.
-    pub fn write(&mut self, layer: usize, start: usize, width: usize, k: &[T], v: &[T]) {
-        for (cache, new) in [(&mut self.k[layer], k), (&mut self.v[layer], v)] {
-            cache.truncate(start * width);
-            cache.extend_from_slice(new);
-        }
-    }
-}
-
 /// Options of a device model run.
 #[derive(Clone, Debug, Default)]
 pub struct ModelOptions {

@@ -311,7 +311,15 @@ impl FlatFile {
             0 => Activation::Silu,
             1 => Activation::GeluTanh,
             2 => Activation::SwigluOai,
-            v => return Err(bad("activation", off::ACTIVATION, format!("{v}, expected 0 (SiLU), 1 (GELU, tanh) or 2 (GPT-OSS's clamped SwiGLU)"))),
+            v => {
+                return Err(bad(
+                    "activation",
+                    off::ACTIVATION,
+                    format!(
+                        "{v}, expected 0 (SiLU), 1 (GELU, tanh) or 2 (GPT-OSS's clamped SwiGLU)"
+                    ),
+                ))
+            }
         };
         let moe = match u(off::N_EXPERT) {
             0 => None,
@@ -375,24 +383,39 @@ impl FlatFile {
             fused: false,
             context_length: u(off::CONTEXT_LENGTH),
             attn_scale: f64_at(h, off::ATTN_SCALE),
-            stages: vec![],
+            layers: Vec::new(),
         };
         let theta_swa = f64_at(h, off::ROPE_THETA_SWA);
         if theta_swa != 0.0 {
             // The windowed layers' RoPE: the same rotation, its own base, unscaled (Gemma 3's local layers).
             spec.rope_swa = Some(spec.rope.with_base(theta_swa));
         }
-        spec.derive_stages();
-        spec.set_context(crate::spec::configured_context()?).map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
-        spec.validate().map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
-        if !(spec.attn_scale.is_finite() && spec.attn_scale > 0.0) {
-            return Err(bad("attn_scale", off::ATTN_SCALE, format!("{} is not a finite positive number", spec.attn_scale)));
-        }
         // The table holds exactly the weights this spec reads (and the factors it declared). Every
         // layer has several tensors, so a layer count beyond the table's length is refused before
-        // the names are listed (a hostile count would otherwise size that list).
+        // the layers are described or their names listed (a hostile count would size both).
         if spec.n_layer > self.tensors.len() {
-            return Err(bad("n_layer", off::N_LAYER, format!("{} layers, but the table holds {} tensors", spec.n_layer, self.tensors.len())));
+            return Err(bad(
+                "n_layer",
+                off::N_LAYER,
+                format!(
+                    "{} layers, but the table holds {} tensors",
+                    spec.n_layer,
+                    self.tensors.len()
+                ),
+            ));
+        }
+        spec.derive_layers(None)
+            .map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
+        spec.set_context(crate::spec::configured_context()?)
+            .map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
+        spec.validate()
+            .map_err(|e| OracleError::Spec(format!("{}: {e}", self.path)))?;
+        if !(spec.attn_scale.is_finite() && spec.attn_scale > 0.0) {
+            return Err(bad(
+                "attn_scale",
+                off::ATTN_SCALE,
+                format!("{} is not a finite positive number", spec.attn_scale),
+            ));
         }
         let names = spec.tensor_names();
         if let Some(missing) = names.iter().find(|n| !self.index.contains_key(n.as_str())) {
@@ -496,6 +519,9 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
         Ok(())
     };
     h[..8].copy_from_slice(&MAGIC);
+    if !spec.layers_follow_scalars() {
+        return Err(unfit("per-layer head counts or window pattern (the header holds one head count pair and a window period)"));
+    }
     let arch = spec.arch.gguf_name();
     if arch.len() > 15 {
         return Err(unfit(&format!("architecture name `{arch}` (15 bytes at most)")));

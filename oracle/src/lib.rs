@@ -30,7 +30,7 @@ pub mod taps;
 pub mod tokenizer;
 
 pub use error::{OracleError, Result};
-pub use model::{KvCache, Model, NoTap, RecordingTap, Tap, WeightStore, WEIGHTS_ENV};
+pub use model::{Cache, LayerState, Model, NoTap, RecordingTap, Tap, WeightStore, WEIGHTS_ENV};
 pub use real::Real;
 pub use spec::ModelSpec;
 

@@ -545,8 +545,20 @@ pub struct Unfused {
 
 impl Unfused {
     pub fn new(inner: Box<dyn TensorSource>, spec: &ModelSpec) -> Unfused {
-        let (q_rows, kv_rows, ff_rows) = (spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim, spec.n_ff);
-        Unfused { inner, fused: spec.fused, q_rows, kv_rows, ff_rows, ffn_norm: spec.stored_ffn_norm() }
+        // Fused tensors are read for models with one head count (`ModelSpec::validate`).
+        let (q_rows, kv_rows, ff_rows) = (
+            spec.n_head * spec.head_dim,
+            spec.n_head_kv * spec.head_dim,
+            spec.n_ff,
+        );
+        Unfused {
+            inner,
+            fused: spec.fused,
+            q_rows,
+            kv_rows,
+            ff_rows,
+            ffn_norm: spec.stored_ffn_norm(),
+        }
     }
 
     /// Whether `spec`'s files store a tensor under another name or shape than the interpreter reads.

@@ -6,7 +6,7 @@ use crate::error::{OracleError, Result};
 use crate::loader::TensorSource;
 use crate::ops::{self, AttentionParams, Mat, RowBuf};
 use crate::real::Real;
-use crate::spec::{Activation, ModelSpec, Stage};
+use crate::spec::{Activation, BlockKind, ModelSpec, Stage};
 use crate::taps::{TapKind, TapName};
 use rayon::prelude::*;
 
@@ -178,16 +178,23 @@ pub struct Model<T> {
     pub layers: Vec<Layer<T>>,
 }
 
-/// Per-layer key/value cache: `[len, n_head_kv * head_dim]` each.
-pub struct KvCache<T> {
-    pub k: Vec<Vec<T>>,
-    pub v: Vec<Vec<T>>,
+/// What one layer keeps from one call to the next, by the kind of its block.
+pub enum LayerState<T> {
+    /// An attention layer's keys and values: `[len, kv_dim]` each.
+    Kv { k: Vec<T>, v: Vec<T> },
+}
+
+/// Every layer's state and the positions it holds.
+pub struct Cache<T> {
+    pub layers: Vec<LayerState<T>>,
     pub len: usize,
 }
 
-impl<T: Real> KvCache<T> {
-    pub fn new(n_layer: usize) -> Self {
-        KvCache { k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], len: 0 }
+impl<T: Real> Cache<T> {
+    /// An empty state for each layer of `spec`.
+    pub fn new(spec: &ModelSpec) -> Self {
+        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
+        Cache { layers, len: 0 }
     }
 }
 
@@ -366,7 +373,6 @@ impl<T: Real> Model<T> {
         let l = Loader { src, packed: store == WeightStore::Packed };
         let s = &spec;
         let (d, hd) = (s.n_embd, s.head_dim);
-        let (q_dim, kv_dim) = (s.n_head * hd, s.n_head_kv * hd);
         let tok_embd = l.mat("token_embd.weight", s.n_vocab, d)?;
         let output_norm = l.vec("output_norm.weight", d)?;
         let output = if s.tied_output { None } else { Some(l.mat("output.weight", s.n_vocab, d)?) };
@@ -375,6 +381,8 @@ impl<T: Real> Model<T> {
             .into_par_iter()
             .map(|i| -> Result<Layer<T>> {
                 let n = |t: &str| format!("blk.{i}.{t}");
+                let BlockKind::Attention(a) = s.layers[i].block;
+                let (q_dim, kv_dim) = (a.q_dim(), a.kv_dim());
                 let ffn = match &s.moe {
                     None => Ffn::Dense(DenseFfn {
                         gate: l.mat(&n("ffn_gate.weight"), s.n_ff, d)?,
@@ -424,8 +432,19 @@ impl<T: Real> Model<T> {
                     q_norm: if s.qk_norm { Some(l.vec(&n("attn_q_norm.weight"), hd)?) } else { None },
                     k_norm: if s.qk_norm { Some(l.vec(&n("attn_k_norm.weight"), hd)?) } else { None },
                     ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
-                    post_norms: if s.post_norms { Some([l.vec(&n("post_attention_norm.weight"), d)?, l.vec(&n("post_ffw_norm.weight"), d)?]) } else { None },
-                    sinks: if s.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), s.n_head)?) } else { None },
+                    post_norms: if s.post_norms {
+                        Some([
+                            l.vec(&n("post_attention_norm.weight"), d)?,
+                            l.vec(&n("post_ffw_norm.weight"), d)?,
+                        ])
+                    } else {
+                        None
+                    },
+                    sinks: if s.attn_sinks {
+                        Some(l.vec(&n("attn_sinks.weight"), a.n_head)?)
+                    } else {
+                        None
+                    },
                     ffn,
                 })
             })
@@ -455,22 +474,22 @@ impl<T: Real> Model<T> {
         b
     }
 
-    pub fn new_cache(&self) -> KvCache<T> {
-        KvCache::new(self.spec.n_layer)
+    pub fn new_cache(&self) -> Cache<T> {
+        Cache::new(&self.spec)
     }
 
     /// Runs `tokens` at positions `cache.len ..`, appends their keys/values to the cache, and
     /// returns the logits of every token: `[tokens.len(), n_vocab]`.
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache<T>, taps: &mut dyn Tap) -> Result<Vec<T>> {
+    pub fn forward(&self, tokens: &[u32], cache: &mut Cache<T>, taps: &mut dyn Tap) -> Result<Vec<T>> {
         self.forward_impl(tokens, cache, taps, true)
     }
 
     /// Like `forward` but computes logits only for the last token: `[n_vocab]`.
-    pub fn forward_last(&self, tokens: &[u32], cache: &mut KvCache<T>, taps: &mut dyn Tap) -> Result<Vec<T>> {
+    pub fn forward_last(&self, tokens: &[u32], cache: &mut Cache<T>, taps: &mut dyn Tap) -> Result<Vec<T>> {
         self.forward_impl(tokens, cache, taps, false)
     }
 
-    fn forward_impl(&self, tokens: &[u32], cache: &mut KvCache<T>, taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<T>> {
+    fn forward_impl(&self, tokens: &[u32], cache: &mut Cache<T>, taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<T>> {
         // Called from outside the thread pool, every parallel op of the step would hand its work
         // to the pool and wait to be woken (two wake-ups per op, some 150 per decode step on
         // SmolLM2). Untapped, the whole step runs on one of the pool's threads instead, which
@@ -481,7 +500,7 @@ impl<T: Real> Model<T> {
         self.forward_steps(tokens, cache, taps, all_logits)
     }
 
-    fn forward_steps(&self, tokens: &[u32], cache: &mut KvCache<T>, taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<T>> {
+    fn forward_steps(&self, tokens: &[u32], cache: &mut Cache<T>, taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<T>> {
         let s = &self.spec;
         let m = tokens.len();
         if m == 0 {
@@ -489,8 +508,7 @@ impl<T: Real> Model<T> {
         }
         let start = cache.len;
         let positions: Vec<usize> = (start..start + m).collect();
-        let (d, hd) = (s.n_embd, s.head_dim);
-        let (q_dim, kv_dim) = (s.n_head * hd, s.n_head_kv * hd);
+        let d = s.n_embd;
 
         // x: [m, d]
         let mut x = ops::embed(&self.tok_embd, tokens)?;
@@ -506,7 +524,9 @@ impl<T: Real> Model<T> {
             let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
             let mut attn = Vec::new();
             let mut ffn_out = Vec::new();
-            for stage in &s.stages {
+            let BlockKind::Attention(a) = s.layers[li].block;
+            let (hd, q_dim, kv_dim) = (a.head_dim, a.q_dim(), a.kv_dim());
+            for stage in &s.layers[li].stages {
                 match stage {
                     Stage::AttnNorm => {
                         h = ops::rms_norm(&x, d, Some(&layer.attn_norm), s.norm_eps)?;
@@ -535,29 +555,48 @@ impl<T: Real> Model<T> {
                         tap(taps, &tap_name(TapKind::AttnKNorm), start, m, kv_dim, &mut k);
                     }
                     Stage::Rope => {
-                        ops::rope(&mut q, &positions, s.n_head, hd, s.layer_rope(li))?;
-                        ops::rope(&mut k, &positions, s.n_head_kv, hd, s.layer_rope(li))?;
+                        ops::rope(&mut q, &positions, a.n_head, hd, s.rope_of(&a))?;
+                        ops::rope(&mut k, &positions, a.n_head_kv, hd, s.rope_of(&a))?;
                         tap(taps, &tap_name(TapKind::AttnQRope), start, m, q_dim, &mut q);
                         tap(taps, &tap_name(TapKind::AttnKRope), start, m, kv_dim, &mut k);
                     }
                     Stage::Attention => {
                         // Append this call's keys/values at positions start.. (cache: [len, kv_dim]).
-                        cache.k[li].truncate(start * kv_dim);
-                        cache.v[li].truncate(start * kv_dim);
-                        cache.k[li].extend_from_slice(&k);
-                        cache.v[li].extend_from_slice(&v);
-                        let sinks: Option<Vec<f64>> = layer.sinks.as_ref().map(|v| v.iter().map(|x| x.to_f64()).collect());
+                        let LayerState::Kv { k: kc, v: vc } = &mut cache.layers[li];
+                        kc.truncate(start * kv_dim);
+                        vc.truncate(start * kv_dim);
+                        kc.extend_from_slice(&k);
+                        vc.extend_from_slice(&v);
+                        let sinks: Option<Vec<f64>> = layer
+                            .sinks
+                            .as_ref()
+                            .map(|v| v.iter().map(|x| x.to_f64()).collect());
                         let params = AttentionParams {
-                            n_head: s.n_head,
-                            n_head_kv: s.n_head_kv,
+                            n_head: a.n_head,
+                            n_head_kv: a.n_head_kv,
                             head_dim: hd,
                             scale: s.attn_scale,
-                            window: s.layer_window(li),
+                            window: a.window,
                             sinks: sinks.as_deref(),
                             softcap: s.attn_softcap,
                         };
-                        attn = ops::attention_with(&q, &positions, &cache.k[li], &cache.v[li], start + m, &params, taps.attention_weights())?;
-                        tap(taps, &tap_name(TapKind::AttnKqv), start, m, q_dim, &mut attn);
+                        attn = ops::attention_with(
+                            &q,
+                            &positions,
+                            kc,
+                            vc,
+                            start + m,
+                            &params,
+                            taps.attention_weights(),
+                        )?;
+                        tap(
+                            taps,
+                            &tap_name(TapKind::AttnKqv),
+                            start,
+                            m,
+                            q_dim,
+                            &mut attn,
+                        );
                     }
                     Stage::AttnOutProj => {
                         attn = ops::matmul(&product_input(taps, &name("attn_output.weight"), layer.wo.cols, &attn), m, &layer.wo)?;

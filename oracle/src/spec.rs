@@ -255,8 +255,9 @@ pub struct ModelSpec {
     pub context_length: usize,
     /// Attention score scale; 1/sqrt(head_dim) unless the model says otherwise.
     pub attn_scale: f64,
-    /// The stages of every block, in order.
-    pub stages: Vec<Stage>,
+    /// Every layer: its block kind and dimensions, and the stages it runs in order
+    /// ([`ModelSpec::derive_layers`]). `n_head` and `n_head_kv` above are the widest layer's.
+    pub layers: Vec<LayerSpec>,
 }
 
 fn spec_err(msg: impl Into<String>) -> OracleError {
@@ -264,48 +265,15 @@ fn spec_err(msg: impl Into<String>) -> OracleError {
 }
 
 impl ModelSpec {
-    /// Derives the stage list from the feature flags.
-    pub fn derive_stages(&mut self) {
-        let mut s = vec![Stage::AttnNorm, Stage::QkvProj];
-        if self.qk_norm {
-            s.push(Stage::QkNorm);
-        }
-        s.extend([Stage::Rope, Stage::Attention, Stage::AttnOutProj]);
-        if self.post_norms {
-            s.push(Stage::AttnPostNorm);
-        }
-        s.extend([Stage::AttnResidual, Stage::FfnNorm]);
-        s.push(if self.moe.is_some() { Stage::MoeFfn } else { Stage::DenseFfn });
-        if self.post_norms {
-            s.push(Stage::FfnPostNorm);
-        }
-        s.push(Stage::FfnResidual);
-        self.stages = s;
-    }
-
-    /// Whether layer `li` attends through the sliding window.
-    pub fn layer_windowed(&self, li: usize) -> bool {
-        self.sliding_window.is_some() && (self.swa_period == 0 || !(li + 1).is_multiple_of(self.swa_period))
-    }
-
-    /// Layer `li`'s sliding window (None: it sees every earlier position).
-    pub fn layer_window(&self, li: usize) -> Option<usize> {
-        self.sliding_window.filter(|_| self.layer_windowed(li))
-    }
-
-    /// Layer `li`'s RoPE: `rope_swa` on a windowed layer where the model has one, else `rope`.
-    pub fn layer_rope(&self, li: usize) -> &RopeSpec {
-        match &self.rope_swa {
-            Some(r) if self.layer_windowed(li) => r,
-            _ => &self.rope,
-        }
-    }
-
     /// Every distinct RoPE the layers use (`rope`, then `rope_swa` if any layer uses it).
     pub fn ropes(&self) -> Vec<&RopeSpec> {
         let mut v = vec![&self.rope];
         if let Some(r) = &self.rope_swa {
-            if (0..self.n_layer).any(|l| self.layer_windowed(l)) {
+            if self
+                .layers
+                .iter()
+                .any(|l| matches!(l.block, BlockKind::Attention(a) if a.local_rope))
+            {
                 v.push(r);
             }
         }
@@ -321,9 +289,7 @@ impl ModelSpec {
         pos(self.n_head, "n_head")?;
         pos(self.n_head_kv, "n_head_kv")?;
         pos(self.head_dim, "head_dim")?;
-        if !self.n_head.is_multiple_of(self.n_head_kv) {
-            return Err(spec_err(format!("n_head {} is not a multiple of n_head_kv {}", self.n_head, self.n_head_kv)));
-        }
+        self.validate_layers()?;
         if self.rope.n_rot > self.head_dim || !self.rope.n_rot.is_multiple_of(2) {
             return Err(spec_err(format!("rope n_rot {} must be even and at most head_dim {}", self.rope.n_rot, self.head_dim)));
         }
@@ -391,8 +357,8 @@ impl ModelSpec {
                 self.stored_ffn_norm()
             )));
         }
-        if self.fused && (self.moe.is_some() || self.qkv_bias) {
-            return Err(spec_err("fused Q/K/V and gate/up tensors (phi3) are read for dense models without Q/K/V biases only"));
+        if self.fused && (self.moe.is_some() || self.qkv_bias || !self.uniform_heads()) {
+            return Err(spec_err("fused Q/K/V and gate/up tensors (phi3) are read for dense models without Q/K/V biases and with one head count for every layer only"));
         }
         if let Some(m) = &self.moe {
             if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
@@ -419,8 +385,65 @@ impl ModelSpec {
         let gemma = row.gemma.is_some();
         let oss = arch == Arch::GptOss;
         let n_embd = req_u("embedding_length")?;
-        let n_head = req_u("attention.head_count")?;
-        let n_head_kv = opt_u("attention.head_count_kv")?.unwrap_or(n_head);
+        // A head count is one value, or one per layer (llama.cpp's per-layer arrays); the model's
+        // own is the widest layer's.
+        let n_layer = req_u("block_count")?;
+        let per_layer = |k: &str| -> Result<Option<Vec<usize>>> {
+            let Some(v) = g.get(&key(k)) else {
+                return Ok(None);
+            };
+            let bad = || {
+                spec_err(format!(
+                    "{}: metadata `{}` is not a non-negative integer or one per layer ({n_layer})",
+                    g.path,
+                    key(k)
+                ))
+            };
+            let vals = match v.as_array() {
+                Some(items) if items.len() == n_layer => items
+                    .iter()
+                    .map(|x| {
+                        x.as_u64()
+                            .and_then(|x| usize::try_from(x).ok())
+                            .ok_or_else(bad)
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+                Some(_) => return Err(bad()),
+                None => vec![
+                    v.as_u64()
+                        .and_then(|x| usize::try_from(x).ok())
+                        .ok_or_else(bad)?;
+                    n_layer.min(MAX_LAYERS)
+                ],
+            };
+            Ok(Some(vals))
+        };
+        let layer_heads = per_layer("attention.head_count")?.ok_or_else(|| {
+            spec_err(format!(
+                "{}: missing metadata `{}`",
+                g.path,
+                key("attention.head_count")
+            ))
+        })?;
+        let layer_heads_kv =
+            per_layer("attention.head_count_kv")?.unwrap_or_else(|| layer_heads.clone());
+        let n_head = layer_heads.iter().copied().max().unwrap_or(0);
+        let n_head_kv = layer_heads_kv.iter().copied().max().unwrap_or(0);
+        let heads: Vec<(usize, usize)> = layer_heads.into_iter().zip(layer_heads_kv).collect();
+        // Which layers attend through the window: every layer but each N-th (a period), or one
+        // flag per layer (llama.cpp's `sliding_window_pattern`); else the architecture's rule.
+        let pattern_key = key("attention.sliding_window_pattern");
+        let (pattern_period, pattern_flags) = match g.get(&pattern_key) {
+            None => (None, None),
+            Some(v) => match (v.as_u64(), v.as_array()) {
+                (Some(p), _) => (Some(usize::try_from(p).unwrap_or(usize::MAX)), None),
+                (None, Some(items)) if items.len() == n_layer => {
+                    let flags = items.iter().map(|x| x.as_bool()).collect::<Option<Vec<bool>>>();
+                    (None, Some(flags.ok_or_else(|| spec_err(format!("{}: metadata `{pattern_key}` holds a value that is not true or false", g.path)))?))
+                }
+                _ => return Err(spec_err(format!("{}: metadata `{pattern_key}` is neither a period nor one flag per layer ({n_layer})", g.path))),
+            },
+        };
         let head_dim = match opt_u("attention.key_length")? {
             Some(v) => v,
             None if n_head > 0 && n_embd % n_head == 0 => n_embd / n_head,
@@ -517,7 +540,7 @@ impl ModelSpec {
             arch,
             n_vocab,
             n_embd,
-            n_layer: req_u("block_count")?,
+            n_layer,
             n_head,
             n_head_kv,
             head_dim,
@@ -544,7 +567,9 @@ impl ModelSpec {
             },
             moe,
             sliding_window: opt_u("attention.sliding_window")?.filter(|w| *w > 0),
-            swa_period: if gemma2 {
+            swa_period: if let Some(p) = pattern_period {
+                p
+            } else if gemma2 {
                 GEMMA2_SWA_PERIOD
             } else if gemma {
                 GEMMA3_SWA_PERIOD
@@ -562,7 +587,7 @@ impl ModelSpec {
             fused: row.fused,
             context_length: ctx,
             attn_scale: 1.0 / (head_dim as f64).sqrt(),
-            stages: Vec::new(),
+            layers: Vec::new(),
         };
         if gemma {
             // What a `gemma3` GGUF does not store, as llama.cpp and Transformers take it: the
@@ -576,7 +601,22 @@ impl ModelSpec {
                 spec.attn_scale = 1.0 / ((n_embd / n_head) as f64).sqrt();
             }
         }
-        spec.derive_stages();
+        let shapes: Vec<LayerShape> = heads
+            .iter()
+            .enumerate()
+            .map(|(li, &(n_head, n_head_kv))| {
+                let windowed = match &pattern_flags {
+                    Some(f) => f[li],
+                    None => spec.scalar_shape(li).windowed,
+                };
+                LayerShape {
+                    n_head,
+                    n_head_kv,
+                    windowed,
+                }
+            })
+            .collect();
+        spec.derive_layers(Some(&shapes))?;
         spec.set_context(configured_context()?)?;
         spec.validate()?;
         spec.check_against_tensors(g)?;
@@ -759,6 +799,8 @@ impl ModelSpec {
 
 mod arch;
 pub use arch::{Arch, ArchRow, GemmaKind, ARCHES};
+mod layers;
+pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, MAX_LAYERS};
 mod hf;
 #[cfg(test)]
 mod tests;

@@ -39,8 +39,39 @@ fn an_exported_model_is_judged_like_its_source() {
     // Bad arguments and a damaged file exit 2 with the reason.
     let o = xtask(&["export", "--model", "tiny-llama", "--type", "q9_9", "--out", path], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(stderr(&o).contains("expected keep or one of f32"), "{}", text(&o));
-    let o = xtask(&["export", "--model", "tiny-llama", "--out", tmp.path().to_str().unwrap()], &[]);
+    assert!(
+        stderr(&o).contains("expected keep or one of f32"),
+        "{}",
+        text(&o)
+    );
+    // Per-layer head counts and a window pattern do not fit the header: refused, saying so.
+    let o = xtask(
+        &[
+            "export",
+            "--model",
+            "tiny-mixed",
+            "--out",
+            tmp.path().join("mixed.flat").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        stderr(&o).contains("per-layer head counts or window pattern")
+            && stderr(&o).contains("does not fit the flat format"),
+        "{}",
+        text(&o)
+    );
+    let o = xtask(
+        &[
+            "export",
+            "--model",
+            "tiny-llama",
+            "--out",
+            tmp.path().to_str().unwrap(),
+        ],
+        &[],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("is a directory"), "{}", text(&o));
     let mut bytes = std::fs::read(&flat).unwrap();

@@ -5,7 +5,7 @@ use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
 use crate::{DeviceError, DeviceModel, ModelOptions};
 use oracle::loader::{RawTensor, TensorSource};
 use oracle::quant::GgmlType;
-use oracle::spec::{Activation, Gating, ModelSpec, Stage};
+use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, Stage};
 use oracle::Tap;
 use std::path::Path;
 
@@ -63,21 +63,26 @@ pub struct CpuModel {
     pub(crate) kv: KvCache,
 }
 
-/// Keys and values in the formats the device declares, each its own: f32, f16 (`cpu:kv-f16`),
-/// which holds the same rounded numbers in half the memory, or any other cache format
-/// (`cpu:kv-q8_0`, `cpu:kv-q8_0-f16`, ...) as encoded rows, decoded as attention reads them.
+/// Every layer's state, in the formats the device declares, and the positions it holds.
 pub(crate) struct KvCache {
-    k: CacheRows,
-    v: CacheRows,
+    layers: Vec<LayerState>,
     /// Positions held.
     len: usize,
 }
 
-/// One side of the cache (keys or values): per layer, `[len, width]` rows in its format.
+/// What one layer keeps between calls, by the kind of its block.
+enum LayerState {
+    /// Keys and values, each in its own format: f32, f16 (`cpu:kv-f16`), which holds the same
+    /// rounded numbers in half the memory, or any other cache format (`cpu:kv-q8_0`,
+    /// `cpu:kv-q8_0-f16`, ...) as encoded rows, decoded as attention reads them.
+    Kv { k: CacheRows, v: CacheRows },
+}
+
+/// One side of a layer's cache (keys or values): `[len, width]` rows in its format.
 enum CacheRows {
-    F32(Vec<Vec<f32>>),
-    F16(Vec<Vec<half::f16>>),
-    Encoded(crate::KvFormat, Vec<Vec<u8>>),
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+    Encoded(crate::KvFormat, Vec<u8>),
 }
 
 /// A side's rows as attention reads them: f32 (held so, or decoded from blocks) or f16, widened
@@ -88,48 +93,54 @@ enum Held<'a> {
 }
 
 impl CacheRows {
-    fn new(format: Option<crate::KvFormat>, n_layer: usize) -> CacheRows {
+    fn new(format: Option<crate::KvFormat>) -> CacheRows {
         match format.map(|f| (f, f.ty())) {
-            None | Some((_, GgmlType::F32)) => CacheRows::F32(vec![Vec::new(); n_layer]),
-            Some((_, GgmlType::F16)) => CacheRows::F16(vec![Vec::new(); n_layer]),
-            Some((f, _)) => CacheRows::Encoded(f, vec![Vec::new(); n_layer]),
+            None | Some((_, GgmlType::F32)) => CacheRows::F32(Vec::new()),
+            Some((_, GgmlType::F16)) => CacheRows::F16(Vec::new()),
+            Some((f, _)) => CacheRows::Encoded(f, Vec::new()),
         }
     }
     fn clear(&mut self) {
         match self {
-            CacheRows::F32(c) => c.iter_mut().for_each(Vec::clear),
-            CacheRows::F16(c) => c.iter_mut().for_each(Vec::clear),
-            CacheRows::Encoded(_, c) => c.iter_mut().for_each(Vec::clear),
+            CacheRows::F32(c) => c.clear(),
+            CacheRows::F16(c) => c.clear(),
+            CacheRows::Encoded(_, c) => c.clear(),
         }
     }
-    /// Replaces layer `li`'s rows from position `start` on with `x` (rows of `width` values),
-    /// rounded as this side's format holds them.
-    fn write(&mut self, li: usize, start: usize, width: usize, x: &[f32]) -> Result<(), String> {
+    /// Replaces the rows from position `start` on with `x` (rows of `width` values), rounded as
+    /// this side's format holds them.
+    fn write(&mut self, start: usize, width: usize, x: &[f32]) -> Result<(), String> {
         fn put<T: Copy>(c: &mut Vec<T>, at: usize, new: impl IntoIterator<Item = T>) {
             c.truncate(at);
             c.extend(new);
         }
         match self {
-            CacheRows::F32(c) => put(&mut c[li], start * width, x.iter().copied()),
-            CacheRows::F16(c) => put(&mut c[li], start * width, x.iter().map(|v| half::f16::from_f32(*v))),
+            CacheRows::F32(c) => put(c, start * width, x.iter().copied()),
+            CacheRows::F16(c) => put(c, start * width, x.iter().map(|v| half::f16::from_f32(*v))),
             CacheRows::Encoded(f, c) => {
                 let ty = f.ty();
                 let row_bytes = ty.bytes_for(width as u64).ok_or_else(|| format!("{f} KV cache: rows of {width} values are not whole blocks"))? as usize;
                 let bytes = super::kvcodec::encode(ty, x).map_err(|e| format!("{f} KV cache: {e}"))?;
-                put(&mut c[li], start * row_bytes, bytes);
+                put(c, start * row_bytes, bytes);
             }
         }
         Ok(())
     }
-    /// Layer `li`'s `n` values as attention reads them.
-    fn read(&self, li: usize, n: usize) -> Result<Held<'_>, String> {
+    /// The first `n` values as attention reads them.
+    fn read(&self, n: usize) -> Result<Held<'_>, String> {
         Ok(match self {
-            CacheRows::F32(c) => Held::F32(std::borrow::Cow::Borrowed(&c[li])),
-            CacheRows::F16(c) => Held::F16(&c[li]),
+            CacheRows::F32(c) => Held::F32(std::borrow::Cow::Borrowed(c)),
+            CacheRows::F16(c) => Held::F16(c),
             CacheRows::Encoded(f, c) => {
-                let row_bytes = f.ty().bytes_for(n as u64).filter(|b| *b as usize <= c[li].len()).ok_or_else(|| format!("{f} KV cache: {n} values are not whole blocks of what it holds"))?;
+                let row_bytes = f
+                    .ty()
+                    .bytes_for(n as u64)
+                    .filter(|b| *b as usize <= c.len())
+                    .ok_or_else(|| {
+                        format!("{f} KV cache: {n} values are not whole blocks of what it holds")
+                    })?;
                 let mut out = vec![0.0f32; n];
-                super::kvcodec::decode(f.ty(), &c[li][..row_bytes as usize], &mut out);
+                super::kvcodec::decode(f.ty(), &c[..row_bytes as usize], &mut out);
                 Held::F32(std::borrow::Cow::Owned(out))
             }
         })
@@ -137,8 +148,9 @@ impl CacheRows {
 }
 
 impl KvCache {
-    fn new(format: crate::KvTypes, n_layer: usize) -> KvCache {
-        KvCache { k: CacheRows::new(format.k, n_layer), v: CacheRows::new(format.v, n_layer), len: 0 }
+    fn new(format: crate::KvTypes, spec: &ModelSpec) -> KvCache {
+        let layers = spec.layer_states(|_| LayerState::Kv { k: CacheRows::new(format.k), v: CacheRows::new(format.v) });
+        KvCache { layers, len: 0 }
     }
     fn len(&self) -> usize {
         self.len
@@ -147,20 +159,27 @@ impl KvCache {
         self.len = n;
     }
     fn reset(&mut self) {
-        self.k.clear();
-        self.v.clear();
+        for l in &mut self.layers {
+            match l {
+                LayerState::Kv { k, v } => {
+                    k.clear();
+                    v.clear();
+                }
+            }
+        }
         self.len = 0;
     }
     /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, rounded as
     /// the cache's formats hold them) and runs attention over the cache. Keys in a block format
     /// meet the query as Q8_0 blocks of 32, as ggml multiplies them.
     fn write_and_attend(&mut self, li: usize, start: usize, width: usize, (q, k, v): (&[f32], &[f32], &[f32]), pos: &[usize], cfg: &kernels::AttnCfg) -> Result<Vec<f32>, String> {
+        let LayerState::Kv { k: keys, v: values } = &mut self.layers[li];
         let n = (start + pos.len()) * width;
-        self.k.write(li, start, width, k)?;
-        self.v.write(li, start, width, v)?;
+        keys.write(start, width, k)?;
+        values.write(start, width, v)?;
         let mut q = std::borrow::Cow::Borrowed(q);
         // Keys in a block format meet the query as Q8_0 blocks (a bf16 cache leaves it as is).
-        if let CacheRows::Encoded(f, _) = &self.k {
+        if let CacheRows::Encoded(f, _) = keys {
             if f.block().is_some() {
                 if !cfg.head_dim.is_multiple_of(32) {
                     return Err(format!("{f} KV cache: a query head of {} values is not whole blocks", cfg.head_dim));
@@ -169,7 +188,7 @@ impl KvCache {
             }
         }
         let kv_len = start + pos.len();
-        match (self.k.read(li, n)?, self.v.read(li, n)?) {
+        match (keys.read(n)?, values.read(n)?) {
             (Held::F32(k), Held::F32(v)) => kernels::attention(&q, pos, &k, &v, kv_len, cfg),
             (Held::F32(k), Held::F16(v)) => kernels::attention(&q, pos, &k, v, kv_len, cfg),
             (Held::F16(k), Held::F32(v)) => kernels::attention(&q, pos, k, &v, kv_len, cfg),
@@ -270,7 +289,6 @@ impl CpuModel {
             }
         }
         let l = Loader { src: src.as_ref(), label };
-        let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
         let ffn = |i: usize, suffix: &str, f: usize| -> Result<Ffn, DeviceError> {
             Ok(Ffn {
                 gate: l.mat(&format!("blk.{i}.ffn_gate{suffix}.weight"), f, d)?,
@@ -282,6 +300,8 @@ impl CpuModel {
         let mut layers = Vec::new(); // not sized by the spec: a layer count the files do not back is an error below, not an allocation
         for i in 0..spec.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}");
+            let BlockKind::Attention(a) = spec.layers[i].block;
+            let (qd, kvd) = (a.q_dim(), a.kv_dim());
             let (dense, router, experts, shared, shared_gate) = match &spec.moe {
                 None => (Some(ffn(i, "", spec.n_ff)?), None, Vec::new(), None, None),
                 Some(m) => {
@@ -315,8 +335,19 @@ impl CpuModel {
                 bo: if spec.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
                 qk_norm: if spec.qk_norm { Some([l.vec(&n("attn_q_norm.weight"), hd)?, l.vec(&n("attn_k_norm.weight"), hd)?]) } else { None },
                 ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
-                post_norms: if spec.post_norms { Some([l.vec(&n("post_attention_norm.weight"), d)?, l.vec(&n("post_ffw_norm.weight"), d)?]) } else { None },
-                sinks: if spec.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), spec.n_head)?) } else { None },
+                post_norms: if spec.post_norms {
+                    Some([
+                        l.vec(&n("post_attention_norm.weight"), d)?,
+                        l.vec(&n("post_ffw_norm.weight"), d)?,
+                    ])
+                } else {
+                    None
+                },
+                sinks: if spec.attn_sinks {
+                    Some(l.vec(&n("attn_sinks.weight"), a.n_head)?)
+                } else {
+                    None
+                },
                 dense,
                 router_bias: match &spec.moe {
                     Some(m) if m.biases => Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?),
@@ -331,8 +362,16 @@ impl CpuModel {
         let tok_embd = l.mat("token_embd.weight", spec.n_vocab, d)?;
         let output = if spec.tied_output { None } else { Some(l.mat("output.weight", spec.n_vocab, d)?) };
         let output_norm = l.vec("output_norm.weight", d)?;
-        let n_layer = spec.n_layer;
-        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv: KvCache::new(opts.kv_cache, n_layer) })
+        let kv = KvCache::new(opts.kv_cache, &spec);
+        Ok(CpuModel {
+            spec,
+            tok_embd,
+            output_norm,
+            output,
+            layers,
+            kv_cache: opts.kv_cache,
+            kv,
+        })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
@@ -442,8 +481,7 @@ impl CpuModel {
         }
         let start = self.kv.len();
         let pos: Vec<usize> = (start..start + m).collect();
-        let (d, hd) = (s.n_embd, s.head_dim);
-        let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
+        let d = s.n_embd;
         let mut x = self.embed(tokens)?;
         if let Some(scale) = s.embd_scale {
             let scale = scale as f32;
@@ -453,7 +491,9 @@ impl CpuModel {
         for li in 0..s.n_layer {
             let name = |t: &str| format!("blk.{li}.{t}");
             let (mut h, mut q, mut k, mut v, mut attn, mut ffn_out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for stage in &s.stages {
+            let BlockKind::Attention(a) = s.layers[li].block;
+            let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
+            for stage in &s.layers[li].stages {
                 let layer = &self.layers[li];
                 match stage {
                     Stage::AttnNorm => {
@@ -480,15 +520,25 @@ impl CpuModel {
                         record(taps, &name("attn_k_norm"), start, m, kvd, &k);
                     }
                     Stage::Rope => {
-                        kernels::rope(&mut q, &pos, s.n_head, hd, s.layer_rope(li));
-                        kernels::rope(&mut k, &pos, s.n_head_kv, hd, s.layer_rope(li));
+                        kernels::rope(&mut q, &pos, a.n_head, hd, s.rope_of(&a));
+                        kernels::rope(&mut k, &pos, a.n_head_kv, hd, s.rope_of(&a));
                         record(taps, &name("attn_q_rope"), start, m, qd, &q);
                         record(taps, &name("attn_k_rope"), start, m, kvd, &k);
                     }
                     Stage::Attention => {
-                        let cfg =
-                            kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: layer.sinks.as_deref(), softcap: s.attn_softcap.unwrap_or(0.0) as f32, scale: s.attn_scale as f32 };
-                        attn = self.kv.write_and_attend(li, start, kvd, (&q, &k, &v), &pos, &cfg).map_err(|e| err("attention", e))?;
+                        let cfg = kernels::AttnCfg {
+                            n_head: a.n_head,
+                            n_head_kv: a.n_head_kv,
+                            head_dim: hd,
+                            window: a.window.unwrap_or(0),
+                            sinks: layer.sinks.as_deref(),
+                            softcap: s.attn_softcap.unwrap_or(0.0) as f32,
+                            scale: s.attn_scale as f32,
+                        };
+                        attn = self
+                            .kv
+                            .write_and_attend(li, start, kvd, (&q, &k, &v), &pos, &cfg)
+                            .map_err(|e| err("attention", e))?;
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
                     Stage::AttnOutProj => {

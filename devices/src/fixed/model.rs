@@ -5,6 +5,7 @@ use super::kernels::*;
 use super::FixedDevice;
 use crate::cpu::qdot;
 use crate::{Arithmetic, DeviceError, FixedPoint, NumFormat};
+use oracle::spec::{BlockKind, ModelSpec, Stage};
 
 /// A whole model in integer arithmetic, dense or MoE.
 pub struct FixedModel {
@@ -14,9 +15,58 @@ pub struct FixedModel {
     output_norm: Vec<i64>,
     head: FixedWeights,
     layers: Vec<FixedLayer>,
-    kv: crate::KvStore<i64>,
+    kv: LayerStates,
     /// The formats this model computes in (declared to the suites).
     point: FixedPoint,
+}
+
+/// What one layer keeps between calls, by the kind of its block.
+enum LayerState {
+    /// An attention layer's keys and values, Q16, `[len, kv_dim]` each.
+    Kv { k: Vec<i64>, v: Vec<i64> },
+}
+
+/// Every layer's state and the positions it holds.
+struct LayerStates {
+    layers: Vec<LayerState>,
+    len: usize,
+}
+
+impl LayerStates {
+    fn new(spec: &ModelSpec) -> LayerStates {
+        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
+        LayerStates { layers, len: 0 }
+    }
+
+    fn reset(&mut self) {
+        for l in &mut self.layers {
+            match l {
+                LayerState::Kv { k, v } => {
+                    k.clear();
+                    v.clear();
+                }
+            }
+        }
+        self.len = 0;
+    }
+
+    /// Writes attention layer `li`'s keys and values for positions `start..` (rows of `width`),
+    /// dropping anything it held from `start` on; returns everything it now holds.
+    fn write(
+        &mut self,
+        li: usize,
+        start: usize,
+        width: usize,
+        k: &[i64],
+        v: &[i64],
+    ) -> (&[i64], &[i64]) {
+        let LayerState::Kv { k: kc, v: vc } = &mut self.layers[li];
+        for (cache, new) in [(&mut *kc, k), (&mut *vc, v)] {
+            cache.truncate(start * width);
+            cache.extend_from_slice(new);
+        }
+        (kc, vc)
+    }
 }
 
 struct FixedLayer {
@@ -87,7 +137,6 @@ impl FixedModel {
             Ok(f.iter().map(|v| to_q(*v as f64, frac)).collect())
         };
         let (d, hd) = (spec.n_embd, spec.head_dim);
-        let (qd, kvd) = (spec.n_head * hd, spec.n_head_kv * hd);
         // Every expert's matrix out of a stacked [cols, rows, n_expert] tensor; every expert's
         // bias out of a stacked [n, n_expert] one.
         let experts = |name: &str, n_expert: usize, rows: usize, cols: usize| -> Result<Vec<FixedWeights>, DeviceError> {
@@ -108,6 +157,8 @@ impl FixedModel {
         let mut layers = Vec::new();
         for i in 0..spec.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}");
+            let BlockKind::Attention(a) = spec.layers[i].block;
+            let (qd, kvd) = (a.q_dim(), a.kv_dim());
             let ffn = match &spec.moe {
                 None => Ffn::Dense(dense(i, "", spec.n_ff)?),
                 Some(m) => {
@@ -137,10 +188,33 @@ impl FixedModel {
                 wk: mat(&n("attn_k.weight"), kvd, d)?,
                 wv: mat(&n("attn_v.weight"), kvd, d)?,
                 wo: mat(&n("attn_output.weight"), d, qd)?,
-                bias: if spec.qkv_bias { Some([vecq(&n("attn_q.bias"), qd, ACT)?, vecq(&n("attn_k.bias"), kvd, ACT)?, vecq(&n("attn_v.bias"), kvd, ACT)?]) } else { None },
-                bo: if spec.out_bias { Some(vecq(&n("attn_output.bias"), d, ACT)?) } else { None },
-                sinks: if spec.attn_sinks { Some(vecq(&n("attn_sinks.weight"), spec.n_head, ACT)?) } else { None },
-                qk_norm: if spec.qk_norm { Some([vecq(&n("attn_q_norm.weight"), hd, NORM)?, vecq(&n("attn_k_norm.weight"), hd, NORM)?]) } else { None },
+                bias: if spec.qkv_bias {
+                    Some([
+                        vecq(&n("attn_q.bias"), qd, ACT)?,
+                        vecq(&n("attn_k.bias"), kvd, ACT)?,
+                        vecq(&n("attn_v.bias"), kvd, ACT)?,
+                    ])
+                } else {
+                    None
+                },
+                bo: if spec.out_bias {
+                    Some(vecq(&n("attn_output.bias"), d, ACT)?)
+                } else {
+                    None
+                },
+                sinks: if spec.attn_sinks {
+                    Some(vecq(&n("attn_sinks.weight"), a.n_head, ACT)?)
+                } else {
+                    None
+                },
+                qk_norm: if spec.qk_norm {
+                    Some([
+                        vecq(&n("attn_q_norm.weight"), hd, NORM)?,
+                        vecq(&n("attn_k_norm.weight"), hd, NORM)?,
+                    ])
+                } else {
+                    None
+                },
                 ffn_norm: vecq(&n(spec.stored_ffn_norm()), d, NORM)?,
                 post_norms: if spec.post_norms { Some([vecq(&n("post_attention_norm.weight"), d, NORM)?, vecq(&n("post_ffw_norm.weight"), d, NORM)?]) } else { None },
                 ffn,
@@ -167,8 +241,16 @@ impl FixedModel {
         }
         let head = if spec.tied_output { mat("token_embd.weight", spec.n_vocab, d)? } else { mat("output.weight", spec.n_vocab, d)? };
         let output_norm = vecq("output_norm.weight", d, NORM)?;
-        let n_layer = spec.n_layer;
-        Ok(FixedModel { spec, tok_embd, output_norm, head, layers, kv: crate::KvStore::new(n_layer), point: FixedDevice { int4 }.point() })
+        let kv = LayerStates::new(&spec);
+        Ok(FixedModel {
+            spec,
+            tok_embd,
+            output_norm,
+            head,
+            layers,
+            kv,
+            point: FixedDevice { int4 }.point(),
+        })
     }
 }
 
@@ -233,8 +315,7 @@ impl FixedModel {
         }
         let start = self.kv.len;
         let pos: Vec<usize> = (start..start + m).collect();
-        let (d, hd) = (s.n_embd, s.head_dim);
-        let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
+        let d = s.n_embd;
         let mut x = Vec::with_capacity(m * d);
         for &t in tokens {
             let t = t as usize;
@@ -252,80 +333,102 @@ impl FixedModel {
         for li in 0..s.n_layer {
             let l = &self.layers[li];
             let name = |t: &str| format!("blk.{li}.{t}");
-            let h = rms_norm_q(&x, d, &l.attn_norm, s.norm_eps);
-            tap_q(taps, &name("attn_norm"), start, m, d, &h);
-            let (mut q, mut k, mut v) = (matmul_q(&h, m, &l.wq), matmul_q(&h, m, &l.wk), matmul_q(&h, m, &l.wv));
-            if let Some([bq, bk, bv]) = &l.bias {
-                (q, k, v) = (add_q(&q, bq), add_q(&k, bk), add_q(&v, bv));
-            }
-            tap_q(taps, &name("attn_q"), start, m, qd, &q);
-            tap_q(taps, &name("attn_k"), start, m, kvd, &k);
-            tap_q(taps, &name("attn_v"), start, m, kvd, &v);
-            if let Some([qn, kn]) = &l.qk_norm {
-                q = rms_norm_q(&q, hd, qn, s.norm_eps);
-                k = rms_norm_q(&k, hd, kn, s.norm_eps);
-                tap_q(taps, &name("attn_q_norm"), start, m, qd, &q);
-                tap_q(taps, &name("attn_k_norm"), start, m, kvd, &k);
-            }
-            rope_q(&mut q, &pos, s.n_head, hd, s.layer_rope(li));
-            rope_q(&mut k, &pos, s.n_head_kv, hd, s.layer_rope(li));
-            tap_q(taps, &name("attn_q_rope"), start, m, qd, &q);
-            tap_q(taps, &name("attn_k_rope"), start, m, kvd, &k);
-            self.kv.write(li, start, kvd, &k, &v);
-            let extras = AttnExtras { scale: Some(s.attn_scale), sinks: l.sinks.as_deref(), softcap: s.attn_softcap.map(SoftcapQ::new) };
-            let attn = attention_q(&q, &pos, &self.kv.k[li], &self.kv.v[li], s.n_head, s.n_head_kv, hd, s.layer_window(li).unwrap_or(0), &extras);
-            tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
-            let mut attn = matmul_q(&attn, m, &l.wo);
-            if let Some(bo) = &l.bo {
-                attn = add_q(&attn, bo);
-            }
-            tap_q(taps, &name("attn_out"), start, m, d, &attn);
-            if let Some([pa, _]) = &l.post_norms {
-                attn = rms_norm_q(&attn, d, pa, s.norm_eps);
-                tap_q(taps, &name("attn_post_norm"), start, m, d, &attn);
-            }
-            x = add_q(&x, &attn);
-            tap_q(taps, &name("ffn_inp"), start, m, d, &x);
-            let h = rms_norm_q(&x, d, &l.ffn_norm, s.norm_eps);
-            tap_q(taps, &name("ffn_norm"), start, m, d, &h);
-            let mut out = match &l.ffn {
-                Ffn::Dense(f) => expert_q(s.activation, f, &h, m, Some((taps, li, start))),
-                Ffn::Moe { router, router_bias, experts, shared, shared_gate } => {
-                    let ms = s.moe.as_ref().ok_or_else(|| model_err("a MoE layer without the MoE spec"))?;
-                    let mut logits = matmul_q(&h, m, router);
-                    if let Some(b) = router_bias {
-                        logits = add_q(&logits, b);
+            let BlockKind::Attention(a) = s.layers[li].block;
+            let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
+            let (mut h, mut q, mut k, mut v, mut attn, mut out) = (
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            );
+            for stage in &s.layers[li].stages {
+                match stage {
+                    Stage::AttnNorm => {
+                        h = rms_norm_q(&x, d, &l.attn_norm, s.norm_eps);
+                        tap_q(taps, &name("attn_norm"), start, m, d, &h);
                     }
-                    let (ids, weights, probs) = moe_route_q(&logits, ms.n_expert, ms.n_expert_used, ms.gating == oracle::spec::Gating::Sigmoid, ms.normalize_topk);
-                    tap_q(taps, &name("ffn_moe_probs"), start, m, ms.n_expert, &probs);
-                    if taps.enabled() {
-                        let topk: Vec<f32> = ids.iter().map(|&e| e as f32).collect();
-                        taps.record(&name("ffn_moe_topk"), start, m, ms.n_expert_used, &topk);
-                    }
-                    let mut out = vec![0i64; m * d];
-                    for t in 0..m {
-                        let ht = &h[t * d..(t + 1) * d];
-                        let o = &mut out[t * d..(t + 1) * d];
-                        for j in 0..ms.n_expert_used {
-                            let e = experts.get(ids[t * ms.n_expert_used + j] as usize).ok_or_else(|| model_err("an expert id past the experts"))?;
-                            add_scaled_q(o, &expert_q(s.activation, e, ht, 1, None), weights[t * ms.n_expert_used + j]);
+                    Stage::QkvProj => {
+                        (q, k, v) = (
+                            matmul_q(&h, m, &l.wq),
+                            matmul_q(&h, m, &l.wk),
+                            matmul_q(&h, m, &l.wv),
+                        );
+                        if let Some([bq, bk, bv]) = &l.bias {
+                            (q, k, v) = (add_q(&q, bq), add_q(&k, bk), add_q(&v, bv));
                         }
-                        if let Some(sf) = shared {
-                            // The shared expert's gate: sigmoid of a Q16 dot product, exact in 128 bits.
-                            let g = shared_gate.as_ref().map_or(1i64 << ACT, |gw| sigmoid_q16(shr_round(ht.iter().zip(gw).map(|(a, b)| *a as i128 * *b as i128).sum(), ACT)));
-                            add_scaled_q(o, &expert_q(s.activation, sf, ht, 1, None), g);
-                        }
+                        tap_q(taps, &name("attn_q"), start, m, qd, &q);
+                        tap_q(taps, &name("attn_k"), start, m, kvd, &k);
+                        tap_q(taps, &name("attn_v"), start, m, kvd, &v);
                     }
-                    out
+                    Stage::QkNorm => {
+                        let [qn, kn] = l
+                            .qk_norm
+                            .as_ref()
+                            .ok_or_else(|| model_err("a q/k-norm stage without its weights"))?;
+                        q = rms_norm_q(&q, hd, qn, s.norm_eps);
+                        k = rms_norm_q(&k, hd, kn, s.norm_eps);
+                        tap_q(taps, &name("attn_q_norm"), start, m, qd, &q);
+                        tap_q(taps, &name("attn_k_norm"), start, m, kvd, &k);
+                    }
+                    Stage::Rope => {
+                        rope_q(&mut q, &pos, a.n_head, hd, s.rope_of(&a));
+                        rope_q(&mut k, &pos, a.n_head_kv, hd, s.rope_of(&a));
+                        tap_q(taps, &name("attn_q_rope"), start, m, qd, &q);
+                        tap_q(taps, &name("attn_k_rope"), start, m, kvd, &k);
+                    }
+                    Stage::Attention => {
+                        let (kc, vc) = self.kv.write(li, start, kvd, &k, &v);
+                        let extras = AttnExtras {
+                            scale: Some(s.attn_scale),
+                            sinks: l.sinks.as_deref(),
+                            softcap: s.attn_softcap.map(SoftcapQ::new),
+                        };
+                        attn = attention_q(
+                            &q,
+                            &pos,
+                            kc,
+                            vc,
+                            a.n_head,
+                            a.n_head_kv,
+                            hd,
+                            a.window.unwrap_or(0),
+                            &extras,
+                        );
+                        tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
+                    }
+                    Stage::AttnOutProj => {
+                        attn = matmul_q(&attn, m, &l.wo);
+                        if let Some(bo) = &l.bo {
+                            attn = add_q(&attn, bo);
+                        }
+                        tap_q(taps, &name("attn_out"), start, m, d, &attn);
+                    }
+                    Stage::AttnPostNorm | Stage::FfnPostNorm => {
+                        let [pa, pf] = l.post_norms.as_ref().ok_or_else(|| model_err("a post-norm stage without its weights"))?;
+                        let (v, w, tap) = if *stage == Stage::AttnPostNorm { (&mut attn, pa, "attn_post_norm") } else { (&mut out, pf, "ffn_post_norm") };
+                        *v = rms_norm_q(v, d, w, s.norm_eps);
+                        tap_q(taps, &name(tap), start, m, d, v);
+                    }
+                    Stage::AttnResidual => {
+                        x = add_q(&x, &attn);
+                        tap_q(taps, &name("ffn_inp"), start, m, d, &x);
+                    }
+                    Stage::FfnNorm => {
+                        h = rms_norm_q(&x, d, &l.ffn_norm, s.norm_eps);
+                        tap_q(taps, &name("ffn_norm"), start, m, d, &h);
+                    }
+                    Stage::DenseFfn | Stage::MoeFfn => {
+                        out = self.ffn(l, &h, m, taps, li, start)?;
+                        tap_q(taps, &name("ffn_out"), start, m, d, &out);
+                    }
+                    Stage::FfnResidual => {
+                        x = add_q(&x, &out);
+                        tap_q(taps, &name("l_out"), start, m, d, &x);
+                    }
                 }
-            };
-            tap_q(taps, &name("ffn_out"), start, m, d, &out);
-            if let Some([_, pf]) = &l.post_norms {
-                out = rms_norm_q(&out, d, pf, s.norm_eps);
-                tap_q(taps, &name("ffn_post_norm"), start, m, d, &out);
             }
-            x = add_q(&x, &out);
-            tap_q(taps, &name("l_out"), start, m, d, &x);
         }
         self.kv.len = start + m;
         let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
@@ -337,5 +440,82 @@ impl FixedModel {
         }
         tap_q(taps, "result_output", start + row0, rows, s.n_vocab, &logits);
         Ok(logits.iter().map(|v| from_q(*v, ACT)).collect())
+    }
+}
+
+impl FixedModel {
+    /// Layer `li`'s FFN (dense or MoE) on its normed input `h` (`m` rows).
+    fn ffn(
+        &self,
+        l: &FixedLayer,
+        h: &[i64],
+        m: usize,
+        taps: &mut dyn oracle::Tap,
+        li: usize,
+        start: usize,
+    ) -> Result<Vec<i64>, DeviceError> {
+        let s = &self.spec;
+        let d = s.n_embd;
+        let name = |t: &str| format!("blk.{li}.{t}");
+        Ok(match &l.ffn {
+            Ffn::Dense(f) => expert_q(s.activation, f, h, m, Some((taps, li, start))),
+            Ffn::Moe {
+                router,
+                router_bias,
+                experts,
+                shared,
+                shared_gate,
+            } => {
+                let ms = s
+                    .moe
+                    .as_ref()
+                    .ok_or_else(|| model_err("a MoE layer without the MoE spec"))?;
+                let mut logits = matmul_q(h, m, router);
+                if let Some(b) = router_bias {
+                    logits = add_q(&logits, b);
+                }
+                let (ids, weights, probs) = moe_route_q(
+                    &logits,
+                    ms.n_expert,
+                    ms.n_expert_used,
+                    ms.gating == oracle::spec::Gating::Sigmoid,
+                    ms.normalize_topk,
+                );
+                tap_q(taps, &name("ffn_moe_probs"), start, m, ms.n_expert, &probs);
+                if taps.enabled() {
+                    let topk: Vec<f32> = ids.iter().map(|&e| e as f32).collect();
+                    taps.record(&name("ffn_moe_topk"), start, m, ms.n_expert_used, &topk);
+                }
+                let mut out = vec![0i64; m * d];
+                for t in 0..m {
+                    let ht = &h[t * d..(t + 1) * d];
+                    let o = &mut out[t * d..(t + 1) * d];
+                    for j in 0..ms.n_expert_used {
+                        let e = experts
+                            .get(ids[t * ms.n_expert_used + j] as usize)
+                            .ok_or_else(|| model_err("an expert id past the experts"))?;
+                        add_scaled_q(
+                            o,
+                            &expert_q(s.activation, e, ht, 1, None),
+                            weights[t * ms.n_expert_used + j],
+                        );
+                    }
+                    if let Some(sf) = shared {
+                        // The shared expert's gate: sigmoid of a Q16 dot product, exact in 128 bits.
+                        let g = shared_gate.as_ref().map_or(1i64 << ACT, |gw| {
+                            sigmoid_q16(shr_round(
+                                ht.iter()
+                                    .zip(gw)
+                                    .map(|(a, b)| *a as i128 * *b as i128)
+                                    .sum(),
+                                ACT,
+                            ))
+                        });
+                        add_scaled_q(o, &expert_q(s.activation, sf, ht, 1, None), g);
+                    }
+                }
+                out
+            }
+        })
     }
 }

@@ -6,7 +6,7 @@
 use super::{DevBuf, Gpu, GpuMat};
 use crate::cpu::model::{CpuModel, Ffn, PackedMat};
 use crate::{Arithmetic, DeviceError, DeviceModel, ModelOptions};
-use oracle::spec::{Activation, Gating, ModelSpec, RopeStyle, Stage};
+use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, RopeStyle, Stage};
 use oracle::Tap;
 use std::sync::Arc;
 
@@ -39,10 +39,15 @@ struct GpuLayer {
     shared_gate: Option<DevBuf>,
 }
 
-/// The KV cache: per layer `[capacity, n_head_kv * head_dim]` keys and values on the device.
+/// What one layer keeps between calls on the device, by the kind of its block.
+enum LayerState {
+    /// An attention layer's keys and values, `[capacity, kv_dim]` each.
+    Kv { k: DevBuf, v: DevBuf },
+}
+
+/// Every layer's state, the positions each can hold and the positions it holds.
 struct KvCache {
-    k: Vec<DevBuf>,
-    v: Vec<DevBuf>,
+    layers: Vec<LayerState>,
     capacity: usize,
     len: usize,
 }
@@ -130,7 +135,11 @@ impl GpuModel {
                 output_norm: vec(&host.output_norm)?,
                 output: host.output.as_ref().map(mat).transpose()?,
                 layers,
-                kv: KvCache { k: Vec::new(), v: Vec::new(), capacity: 0, len: 0 },
+                kv: KvCache {
+                    layers: Vec::new(),
+                    capacity: 0,
+                    len: 0,
+                },
             })
         };
         upload().map_err(fail)
@@ -145,22 +154,31 @@ impl GpuModel {
         if need <= self.kv.capacity {
             return Ok(());
         }
-        let kvd = self.spec.n_head_kv * self.spec.head_dim;
         let capacity = need.next_power_of_two().max(64);
         let g = self.gpu.clone();
         // Each layer's new buffer receives the positions the old one holds (none on first use).
-        let grow = |old: Option<&DevBuf>| -> Result<DevBuf, String> {
-            let new = g.alloc(4 * capacity * kvd)?;
+        let grow = |old: Option<&DevBuf>, width: usize| -> Result<DevBuf, String> {
+            let new = g.alloc(4 * capacity * width)?;
             if let Some(old) = old.filter(|_| self.kv.len > 0) {
-                g.copy(old.ptr, new.ptr, self.kv.len * kvd)?;
+                g.copy(old.ptr, new.ptr, self.kv.len * width)?;
             }
             Ok(new)
         };
-        let n_layer = self.spec.n_layer;
-        let k = (0..n_layer).map(|l| grow(self.kv.k.get(l))).collect::<Result<Vec<_>, _>>()?;
-        let v = (0..n_layer).map(|l| grow(self.kv.v.get(l))).collect::<Result<Vec<_>, _>>()?;
-        self.kv.k = k;
-        self.kv.v = v;
+        let mut layers = Vec::with_capacity(self.spec.layers.len());
+        for (li, l) in self.spec.layers.iter().enumerate() {
+            layers.push(match l.block {
+                BlockKind::Attention(a) => {
+                    let old = self.kv.layers.get(li).map(|s| match s {
+                        LayerState::Kv { k, v } => (k, v),
+                    });
+                    LayerState::Kv {
+                        k: grow(old.map(|o| o.0), a.kv_dim())?,
+                        v: grow(old.map(|o| o.1), a.kv_dim())?,
+                    }
+                }
+            });
+        }
+        self.kv.layers = layers;
         self.kv.capacity = capacity;
         Ok(())
     }
@@ -260,8 +278,9 @@ impl GpuModel {
         let start = self.kv.len;
         self.reserve(start + m)?;
         let g = self.gpu.clone();
-        let (d, hd) = (s.n_embd, s.head_dim);
-        let (qd, kvd) = (s.n_head * hd, s.n_head_kv * hd);
+        let d = s.n_embd;
+        // Query-sized buffers hold the widest layer's.
+        let qd_max = s.n_head * s.head_dim;
         let eps = s.norm_eps as f32;
         let ids = g.upload_u32(tokens)?;
         let pos = g.upload_u32(&(start as u32..(start + m) as u32).collect::<Vec<_>>())?;
@@ -273,9 +292,8 @@ impl GpuModel {
         record(taps, "inp_embd", &x, start, m, d)?;
         // K and V are computed straight into the cache (its rows are the matmul's [m, kvd] output
         // at position `start`), so no copy launches; Q into its own buffer.
-        let (h, q) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd)?);
-        let at = start * kvd;
-        let (attn, attn_out) = (g.alloc(4 * m * qd)?, g.alloc(4 * m * d)?);
+        let (h, q) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd_max)?);
+        let (attn, attn_out) = (g.alloc(4 * m * qd_max)?, g.alloc(4 * m * d)?);
         // One table per distinct RoPE (Gemma 3's windowed layers have their own base).
         let tables = s.ropes().into_iter().map(|r| Ok((r, g.upload_f32(&super::rope_table(r, start..start + m))?))).collect::<Result<Vec<_>, String>>()?;
         let neox = s.rope.style == RopeStyle::Neox;
@@ -289,9 +307,13 @@ impl GpuModel {
             let mut ffn_out: Option<DevBuf> = None;
             // What each residual adds: the sublayer's output, or its post-norm (held in `post`).
             let (mut attn_res, mut ffn_res) = (attn_out.ptr, None);
-            let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
+            let BlockKind::Attention(a) = s.layers[li].block;
+            let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
+            let LayerState::Kv { k: kc, v: vc } = &self.kv.layers[li];
+            let at = start * kvd;
             let (k, v) = (kc.at_f32(at), vc.at_f32(at));
-            for (si, stage) in s.stages.iter().enumerate() {
+            let stages = &s.layers[li].stages;
+            for (si, stage) in stages.iter().enumerate() {
                 let layer = &self.layers[li];
                 if std::mem::take(&mut normed) {
                     // Its tap was recorded where the launch ran.
@@ -316,21 +338,56 @@ impl GpuModel {
                     }
                     Stage::QkNorm => {
                         if let Some([qn, kn]) = &layer.qk_norm {
-                            g.rms_norm_pair((q.ptr, qn.ptr, q.ptr, m * s.n_head), (k, kn.ptr, k, m * s.n_head_kv), hd, eps)?;
+                            g.rms_norm_pair(
+                                (q.ptr, qn.ptr, q.ptr, m * a.n_head),
+                                (k, kn.ptr, k, m * a.n_head_kv),
+                                hd,
+                                eps,
+                            )?;
                         }
                         record(taps, &name("attn_q_norm"), &q, start, m, qd)?;
                         record_at(taps, &name("attn_k_norm"), kc, at, start, m, kvd)?;
                     }
                     Stage::Rope => {
-                        let rope = s.layer_rope(li);
-                        let table = &tables.iter().find(|(r, _)| *r == rope).ok_or("no RoPE table for this layer")?.1;
-                        g.rope_pair((q.ptr, s.n_head), (k, s.n_head_kv), table, m, hd, rope.n_rot, neox)?;
+                        let rope = s.rope_of(&a);
+                        let table = &tables
+                            .iter()
+                            .find(|(r, _)| *r == rope)
+                            .ok_or("no RoPE table for this layer")?
+                            .1;
+                        g.rope_pair(
+                            (q.ptr, a.n_head),
+                            (k, a.n_head_kv),
+                            table,
+                            m,
+                            hd,
+                            rope.n_rot,
+                            neox,
+                        )?;
                         record(taps, &name("attn_q_rope"), &q, start, m, qd)?;
                         record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
                     }
                     Stage::Attention => {
-                        let cfg = crate::cpu::kernels::AttnCfg { n_head: s.n_head, n_head_kv: s.n_head_kv, head_dim: hd, window: s.layer_window(li).unwrap_or(0), sinks: None, softcap: s.attn_softcap.unwrap_or(0.0) as f32, scale: s.attn_scale as f32 };
-                        g.attention(q.ptr, pos.ptr, kc.ptr, vc.ptr, attn.ptr, m, start + m, &cfg, layer.sinks.as_ref().map_or(0, |b| b.ptr))?;
+                        let cfg = crate::cpu::kernels::AttnCfg {
+                            n_head: a.n_head,
+                            n_head_kv: a.n_head_kv,
+                            head_dim: hd,
+                            window: a.window.unwrap_or(0),
+                            sinks: None,
+                            softcap: s.attn_softcap.unwrap_or(0.0) as f32,
+                            scale: s.attn_scale as f32,
+                        };
+                        g.attention(
+                            q.ptr,
+                            pos.ptr,
+                            kc.ptr,
+                            vc.ptr,
+                            attn.ptr,
+                            m,
+                            start + m,
+                            &cfg,
+                            layer.sinks.as_ref().map_or(0, |b| b.ptr),
+                        )?;
                         record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
                     }
                     Stage::AttnOutProj => {
@@ -355,7 +412,7 @@ impl GpuModel {
                         ffn_res = Some(p.ptr);
                     }
                     Stage::AttnResidual => {
-                        if s.stages.get(si + 1) == Some(&Stage::FfnNorm) {
+                        if stages.get(si + 1) == Some(&Stage::FfnNorm) {
                             g.add_rms_norm(x.ptr, attn_res, layer.ffn_norm.ptr, h.ptr, m, d, eps)?;
                             record(taps, &name("ffn_inp"), &x, start, m, d)?;
                             record(taps, &name("ffn_norm"), &h, start, m, d)?;
@@ -384,12 +441,15 @@ impl GpuModel {
                         let o = ffn_res.or(ffn_out.as_ref().map(|o| o.ptr)).ok_or("FFN residual before an FFN stage")?;
                         // The norm that comes next: the next layer's attention norm when its
                         // stages start with it, else (the last layer) the output norm.
-                        let next = if si + 1 < s.stages.len() {
+                        let next = if si + 1 < stages.len() {
                             None
                         } else if li + 1 == s.n_layer {
                             Some((self.output_norm.ptr, "result_norm".to_string()))
-                        } else if s.stages.first() == Some(&Stage::AttnNorm) {
-                            Some((self.layers[li + 1].attn_norm.ptr, format!("blk.{}.attn_norm", li + 1)))
+                        } else if s.layers[li + 1].stages.first() == Some(&Stage::AttnNorm) {
+                            Some((
+                                self.layers[li + 1].attn_norm.ptr,
+                                format!("blk.{}.attn_norm", li + 1),
+                            ))
                         } else {
                             None
                         };

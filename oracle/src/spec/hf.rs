@@ -232,7 +232,7 @@ impl ModelSpec {
             fused: row.fused,
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
-            stages: Vec::new(),
+            layers: Vec::new(),
         };
         if gemma {
             spec.gemma3_from_hf(&top, per_type("sliding_attention"), file)?;
@@ -242,7 +242,7 @@ impl ModelSpec {
             let period = layer_types_period(&top, n_layer, file)?.unwrap_or(GPT_OSS_SWA_PERIOD);
             spec.swa_period = if spec.sliding_window.is_some() { period } else { 0 };
         }
-        spec.derive_stages();
+        spec.derive_layers(None)?;
         spec.set_context(configured_context()?)?;
         spec.validate()?;
         Ok(spec)

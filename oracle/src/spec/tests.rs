@@ -118,8 +118,14 @@ fn gpt_oss_config() {
     assert_eq!((s.arch.gguf_name(), s.activation, s.attn_sinks, s.swa_period, s.qkv_bias, s.out_bias), ("gpt-oss", Activation::SwigluOai, true, 2, true, true));
     assert!(s.moe.as_ref().is_some_and(|m| m.biases && m.normalize_topk && m.gating == Gating::Softmax));
     assert!(matches!(s.rope.scaling, RopeScaling::Yarn { truncate: false, .. }));
-    assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));
-    assert!(s.reads_tensor("blk.1.post_attention_norm.weight") && !s.reads_tensor("blk.1.ffn_norm.weight"));
+    assert_eq!(
+        (s.attention(0).window, s.attention(1).window),
+        (Some(4), None)
+    );
+    assert!(
+        s.reads_tensor("blk.1.post_attention_norm.weight")
+            && !s.reads_tensor("blk.1.ffn_norm.weight")
+    );
     let names = s.tensor_names();
     for n in ["blk.1.ffn_norm.weight", "blk.1.attn_sinks.weight", "blk.1.ffn_gate_inp.bias", "blk.1.ffn_down_exps.bias"] {
         assert!(names.contains(&n.to_string()), "{n}");
@@ -152,7 +158,10 @@ fn gemma2_gguf_metadata() {
     let s = ModelSpec::from_gguf(&file(4)).unwrap();
     assert_eq!((s.attn_softcap, s.final_softcap, s.swa_period, s.qk_norm, s.post_norms, s.rope_swa.is_none()), (Some(50.0), Some(30.0), 2, false, true, true));
     assert_eq!((s.activation, s.embd_scale), (Activation::GeluTanh, Some(8.0)));
-    assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));
+    assert_eq!(
+        (s.attention(0).window, s.attention(1).window),
+        (Some(4), None)
+    );
     assert_eq!(s.attn_scale, 1.0 / 32f64.sqrt());
     assert_eq!(ModelSpec::from_gguf(&file(46)).unwrap().attn_scale, 1.0 / 16f64.sqrt());
 }

@@ -35,6 +35,7 @@ impl Budget {
 pub struct Dims {
     pub d: usize,
     pub head_dim: usize,
+    /// The widest layer's query width (the attention output projection's dot length).
     pub q_dim: usize,
     pub n_ff: usize,
     pub n_pos: usize,

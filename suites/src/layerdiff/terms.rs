@@ -252,14 +252,17 @@ pub fn attention_allowances(spec: &ModelSpec, device: &RecordingTap, fallback: &
     };
     // Without the sinks (the model's weights, not at hand): a sink only takes weight from the
     // keys, so the output it leaves, and the error the roundings make in it, are smaller.
-    let params = |layer: usize| oracle::ops::AttentionParams {
-        n_head: spec.n_head,
-        n_head_kv: spec.n_head_kv,
-        head_dim: spec.head_dim,
-        scale: spec.attn_scale,
-        window: spec.layer_window(layer),
-        sinks: None,
-        softcap: spec.attn_softcap,
+    let params = |layer: usize| {
+        let a = spec.attention(layer);
+        oracle::ops::AttentionParams {
+            n_head: a.n_head,
+            n_head_kv: a.n_head_kv,
+            head_dim: a.head_dim,
+            scale: spec.attn_scale,
+            window: a.window,
+            sinks: None,
+            softcap: spec.attn_softcap,
+        }
     };
     let get = |layer: usize, kinds: &[TapKind]| {
         kinds.iter().map(|k| TapName::layer(layer, *k).to_string()).find_map(|n| device.tensors.get(&n).or_else(|| fallback.tensors.get(&n))).map(|(_, v)| v.as_slice())
