@@ -388,6 +388,13 @@ impl ModelSpec {
         // A head count is one value, or one per layer (llama.cpp's per-layer arrays); the model's
         // own is the widest layer's.
         let n_layer = req_u("block_count")?;
+        // The layer count is a claim until the tensors back it: checked before anything is sized
+        // by it.
+        if let Some(last) = n_layer.checked_sub(1).map(|l| format!("blk.{l}.attn_norm.weight")) {
+            if g.tensor(&last).is_none() {
+                return Err(spec_err(format!("{}: block_count is {n_layer} but the file has no `{last}`", g.path)));
+            }
+        }
         let per_layer = |k: &str| -> Result<Option<Vec<usize>>> {
             let Some(v) = g.get(&key(k)) else {
                 return Ok(None);
@@ -674,10 +681,6 @@ impl ModelSpec {
                     self.n_vocab
                 )));
             }
-        }
-        let last = format!("blk.{}.attn_norm.weight", self.n_layer - 1);
-        if g.tensor(&last).is_none() {
-            return Err(spec_err(format!("{}: block_count is {} but the file has no `{last}`", g.path, self.n_layer)));
         }
         self.check_no_unread(g.tensors.iter().map(|t| t.name.as_str()), "block_count").map_err(|e| spec_err(format!("{}: {e}", g.path)))
     }

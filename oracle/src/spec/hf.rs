@@ -123,6 +123,9 @@ impl ModelSpec {
         };
         let attention_bias = top.b("attention_bias")?.unwrap_or(false);
         let n_layer = req("num_hidden_layers")?;
+        if n_layer > super::MAX_LAYERS {
+            return Err(err(format!("config.json: num_hidden_layers {n_layer} is more than the {} layers a model may have", super::MAX_LAYERS)));
+        }
         // Mistral and Phi-3 window every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
         // with `use_sliding_window`, and then only layers from `max_window_layers` on (their
         // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
