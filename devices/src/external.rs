@@ -24,6 +24,7 @@ pub use crate::process::{file_tail, kill_process_group, run_bounded, run_bounded
 use crate::process::log_tail;
 use crate::{Arithmetic, Device, DeviceError, DeviceModel, ModelOptions, Support};
 use oracle::dump::{canonical_tap_name, read_manifest, read_tensors_where, Manifest};
+use oracle::taps::EngineTap;
 use oracle::registry::{OpCase, Output};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -164,7 +165,8 @@ pub struct ExternalModel {
 /// A checked dump: manifest + taps under our names + logits.
 pub struct Dump {
     pub manifest: Manifest,
-    pub taps: Vec<(String, usize, Vec<f32>)>,
+    /// Taps of known kinds, and (`EngineTap::Other`) of none, each as the dump gave it.
+    pub taps: Vec<(EngineTap, usize, Vec<f32>)>,
     pub logits: Option<Vec<f32>>,
 }
 
@@ -238,7 +240,7 @@ pub fn read_dump(dir: &Path, tokens: &[u32], model_sha256: Option<&str>, n_vocab
     let mut taps = Vec::new();
     for t in &manifest.taps {
         let (w, v) = take(t, None)?;
-        taps.push((canonical_tap_name(&t.name), w, v));
+        taps.push((EngineTap::parse(&canonical_tap_name(&t.name)), w, v));
     }
     let logits = match &manifest.logits {
         Some(l) => Some(take(l, Some(n_vocab))?.1),
@@ -376,8 +378,11 @@ impl DeviceModel for ExternalModel {
         }
         let dump = self.obtain(tokens, 0)?;
         let logits = dump.logits.ok_or_else(|| self.failed("the dump is token-only (no logits); this suite needs logits"))?;
-        for (name, width, vals) in &dump.taps {
-            taps.record(name, 0, tokens.len(), *width, vals);
+        for (tap, width, vals) in &dump.taps {
+            match tap {
+                EngineTap::Known(t) => taps.record(&t.to_string(), 0, tokens.len(), *width, vals),
+                EngineTap::Other(name) => taps.other(name),
+            }
         }
         taps.record("result_output", 0, tokens.len(), self.spec.n_vocab, &logits);
         self.cached = tokens.len();

@@ -17,6 +17,9 @@ pub trait Tap {
         true
     }
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]);
+    /// An engine gave a tap of no kind this tool knows (`EngineTap::Other`): its name, kept so
+    /// that it is reported as not judged.
+    fn other(&mut self, _name: &str) {}
     /// Isolated layer-diff: after recording `name`, the interpreter continues from the value this
     /// returns instead of its own (`[n_tokens, width]`, e.g. a device's value of the same tap), so
     /// the next op is judged on the device's inputs and its error is its own. None keeps the
@@ -63,6 +66,8 @@ pub struct RecordingTap {
     pub tensors: std::collections::BTreeMap<String, (usize, Vec<f32>)>,
     /// Names in first-recorded order (execution order).
     pub order: Vec<String>,
+    /// The names of taps of no kind this tool knows, as an engine's dump gave them.
+    pub others: Vec<String>,
 }
 
 impl Tap for RecordingTap {
@@ -76,6 +81,11 @@ impl Tap for RecordingTap {
         entry.1.truncate(start);
         entry.1.resize(start, f32::NAN);
         entry.1.extend_from_slice(&data[..n_tokens * width]);
+    }
+    fn other(&mut self, name: &str) {
+        if !self.others.iter().any(|n| n == name) {
+            self.others.push(name.to_string());
+        }
     }
 }
 

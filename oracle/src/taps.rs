@@ -165,6 +165,33 @@ impl std::fmt::Display for TapName {
     }
 }
 
+/// A tap name as an engine's dump gives it (after the dump format's llama.cpp aliases), parsed
+/// once where the dump is read: a tap of a kind this tool knows, or a name of no such kind, kept
+/// as given, recorded apart ([`crate::Tap::other`]) and reported as not judged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineTap {
+    Known(TapName),
+    Other(String),
+}
+
+impl EngineTap {
+    pub fn parse(name: &str) -> EngineTap {
+        match TapName::parse(name) {
+            Some(t) => EngineTap::Known(t),
+            None => EngineTap::Other(name.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineTap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EngineTap::Known(t) => t.fmt(f),
+            EngineTap::Other(n) => f.write_str(n),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +207,8 @@ mod tests {
         }
         for bad in ["blk.x.attn_norm", "blk.1.result_norm", "attn_norm", "blk.1.attn_nrom", "blk.1", "", "l_out-3"] {
             assert_eq!(TapName::parse(bad), None, "{bad}");
+            assert_eq!(EngineTap::parse(bad), EngineTap::Other(bad.to_string()), "{bad}");
         }
+        assert_eq!(EngineTap::parse("blk.2.l_out"), EngineTap::Known(TapName::layer(2, TapKind::LOut)));
     }
 }

@@ -93,6 +93,7 @@ fn exit_codes_follow_the_contract() {
     assert!(stderr(&o).contains("no suite `benchmark` (suites: oracle, kernels, layers, tokens, bench)"), "{}", stderr(&o));
     let o = xtask(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--mode", "sideways"], &[]);
     assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("invalid value 'sideways' for '--mode <MODE>'") && stderr(&o).contains("[possible values: isolated, propagated]"), "{}", stderr(&o));
     let o = xtask(&["fixed-token", "--device", "cuda", "--model", "tiny-llama"], &[]);
     assert_eq!(o.status.code(), Some(2));
     let o = xtask(&["kernels", "--device", "cpu", "--filter", "no_such_op"], &[]);

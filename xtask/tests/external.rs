@@ -242,9 +242,10 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     edit_taps(&d, |t| t.iter_mut().filter(|t| t.name == "blk.1.ffn_out").for_each(|t| t.name = "blk.1.ffn_output".into()));
     edit_manifest(&d, |j| j["taps"].as_array_mut().unwrap().iter_mut().filter(|t| t["name"] == "blk.1.ffn_out").for_each(|t| t["name"] = "blk.1.ffn_output".into()));
     let o = run(&d, ids);
-    assert!(text(&o).contains("note: 1 of the device's taps have no tap of that name in the oracle, so were not judged: `blk.1.ffn_output`"), "{}", text(&o));
+    assert!(text(&o).contains("note: 1 of the device's taps are of no kind this tool knows, so were not judged: `blk.1.ffn_output`"), "{}", text(&o));
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("r/report.json")).unwrap()).unwrap();
     assert_eq!(r["unjudged_taps"], serde_json::json!(["blk.1.ffn_output"]));
+    assert_eq!(r["unknown_tap_kinds"], serde_json::json!(["blk.1.ffn_output"]), "parsed once where the dump is read, as a name of no known kind");
     assert!(r["cases"].as_array().unwrap().iter().any(|c| c["metrics"]["tap"] == "blk.1.ffn_out" && c["verdict"] == "unsupported"), "the tap it should have been is missing");
 
     // Tensors a file holds but the manifest does not list are not read at all (an engine may

@@ -363,7 +363,7 @@ pub fn rope_q(x: &mut [i64], pos: &[usize], n_head: usize, hd: usize, spec: &Rop
     let half = spec.n_rot / 2;
     let neox = spec.style == RopeStyle::Neox;
     for (t, &p) in pos.iter().enumerate() {
-        let table: Vec<(i64, i64)> = crate::cpu::kernels::rope_table_f64(spec, p).into_iter().map(|(c, s)| (to_q(c, TABLE), to_q(s, TABLE))).collect();
+        let table: Vec<(i64, i64)> = crate::shared::rope_table_f64(spec, p).into_iter().map(|(c, s)| (to_q(c, TABLE), to_q(s, TABLE))).collect();
         for h in 0..n_head {
             let head = &mut x[(t * n_head + h) * hd..(t * n_head + h + 1) * hd];
             for (i, &(c, s)) in table.iter().enumerate() {

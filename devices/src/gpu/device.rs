@@ -100,7 +100,7 @@ impl GpuDevice {
                 if pos.iter().any(|&p| p as usize >= kv_len) {
                     return Err("attention: a query past the cache".into());
                 }
-                let cfg = crate::cpu::kernels::AttnCfg {
+                let cfg = crate::shared::AttnCfg {
                     n_head: uparam("n_head")?,
                     n_head_kv: uparam("n_head_kv")?,
                     head_dim: uparam("head_dim")?,
@@ -163,7 +163,7 @@ impl GpuDevice {
                     // as in engines that sample on the CPU.
                     let mut rng = oracle::ops::SplitMix64(case.seed);
                     let (t, p) = (param("temperature")?, param("top_p")?);
-                    let picks = x.data.chunks(n).zip(ranked.chunks(k)).map(|(row, order)| crate::cpu::kernels::sample_ranked(row, order, t, p, &mut rng)).collect();
+                    let picks = x.data.chunks(n).zip(ranked.chunks(k)).map(|(row, order)| crate::shared::sample_ranked(row, order, t, p, &mut rng)).collect();
                     vec![Output::Ids(picks)]
                 } else {
                     vec![Output::Ids(ranked)]

@@ -666,7 +666,7 @@ impl Gpu {
     /// `kv_len` positions.
     #[allow(clippy::too_many_arguments)]
     /// `sinks`: a device buffer of one sink logit per query head, or 0 for none.
-    pub fn attention(&self, q: u64, pos: u64, k: u64, v: u64, out: u64, m: usize, kv_len: usize, cfg: &crate::cpu::kernels::AttnCfg, sinks: u64) -> Result<(), GpuError> {
+    pub fn attention(&self, q: u64, pos: u64, k: u64, v: u64, out: u64, m: usize, kv_len: usize, cfg: &crate::shared::AttnCfg, sinks: u64) -> Result<(), GpuError> {
         let bs = self.bs() as usize;
         let shared = 4 * (kv_len + bs);
         if shared > MAX_SHARED_BYTES {
@@ -742,7 +742,7 @@ impl Gpu {
 /// RoPE cos/sin for `positions`, flattened `[t][i] = (cos, sin)`: computed on the host in f64
 /// and rounded to f32, as engines that precompute tables do (the cpu device does the same).
 pub fn rope_table(spec: &oracle::spec::RopeSpec, positions: impl Iterator<Item = usize>) -> Vec<f32> {
-    positions.flat_map(|p| crate::cpu::kernels::rope_table(spec, p)).flat_map(|(c, s)| [c, s]).collect()
+    positions.flat_map(|p| crate::shared::rope_table(spec, p)).flat_map(|(c, s)| [c, s]).collect()
 }
 
 /// Opens `cuda[:N]`, `rocm[:N]` or `gpu-emu` with its options ([`crate::gpu_emu_syntax`]), or

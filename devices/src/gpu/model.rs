@@ -368,7 +368,7 @@ impl GpuModel {
                         record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
                     }
                     Stage::Attention => {
-                        let cfg = crate::cpu::kernels::AttnCfg {
+                        let cfg = crate::shared::AttnCfg {
                             n_head: a.n_head,
                             n_head_kv: a.n_head_kv,
                             head_dim: hd,

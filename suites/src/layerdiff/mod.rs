@@ -51,17 +51,6 @@ pub enum Mode {
     Isolated,
 }
 
-impl std::str::FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "propagated" => Ok(Mode::Propagated),
-            "isolated" => Ok(Mode::Isolated),
-            o => Err(format!("mode `{o}`: expected propagated or isolated")),
-        }
-    }
-}
-
 /// One tap's comparison.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TapDiff {
@@ -395,9 +384,10 @@ fn carry_through_ops(taps: &mut [TapDiff], reference: &RecordingTap, isolated: &
 }
 
 /// The device's taps the oracle has no tap of that name for (a dump's misspelt or foreign
-/// names, a layer past the model's): compared with nothing, so listed, never counted as passes.
+/// names, of no kind this tool knows: `RecordingTap::others`; a layer past the model's):
+/// compared with nothing, so listed, never counted as passes.
 pub fn unjudged(reference: &RecordingTap, device: &RecordingTap) -> Vec<String> {
-    device.order.iter().filter(|n| !reference.tensors.contains_key(*n)).cloned().collect()
+    device.others.iter().chain(device.order.iter().filter(|n| !reference.tensors.contains_key(*n))).cloned().collect()
 }
 
 /// Everything one layer-diff run produced.
@@ -515,6 +505,7 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
     }
     let mut report = report(&taps, mode, model, device, ids, None, departure_case);
     report.sections.insert("unjudged_taps".into(), json!(unjudged(&reference.recorded, device_taps)));
+    report.sections.insert("unknown_tap_kinds".into(), json!(device_taps.others));
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("arithmetic".into(), json!(arith));
     report.sections.insert("emulated_arithmetic".into(), emulation);
@@ -644,8 +635,10 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     }
     let reference = &vs_oracle_a.reference.recorded;
     let mut names = unjudged(reference, a.1);
-    names.extend(unjudged(reference, b.1).into_iter().filter(|n| !a.1.tensors.contains_key(n)));
+    names.extend(unjudged(reference, b.1).into_iter().filter(|n| !a.1.tensors.contains_key(n) && !a.1.others.contains(n)));
     report.sections.insert("unjudged_taps".into(), json!(names));
+    let others: Vec<&String> = a.1.others.iter().chain(b.1.others.iter().filter(|n| !a.1.others.contains(n))).collect();
+    report.sections.insert("unknown_tap_kinds".into(), json!(others));
     report.sections.insert("arithmetic".into(), Value::Object(Map::from_iter([(a.0.to_string(), json!(a.2)), (b.0.to_string(), json!(b.2))])));
     // Two builds of one engine often agree bit for bit up to a change: the first tap where they
     // differ at all is worth knowing even when the difference is inside the budget.

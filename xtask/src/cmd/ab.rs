@@ -14,6 +14,7 @@
 //! faster / no change, 1 for slower, 3 for inconclusive (after --max-pairs), 2 when an arm fails
 //! (the samples gathered so far are kept in the report).
 
+use devices::DeviceSpec;
 use crate::Exit;
 use reports::Provenance;
 use serde::{Deserialize, Serialize};
@@ -150,8 +151,8 @@ impl Metric {
 /// Internal: one measured run on a device of this build, printed as one JSON line.
 #[derive(clap::Args)]
 pub struct AbRunArgs {
-    #[arg(long)]
-    device: String,
+    #[arg(long, value_parser = super::device_arg)]
+    device: DeviceSpec,
     #[arg(long)]
     model: String,
     #[arg(long)]
@@ -288,7 +289,7 @@ impl Arm {
             let (rev, device) = rest.split_once(':').unwrap_or((rest, "cpu"));
             return Ok(Arm::Git { rev: rev.to_string(), device: device.to_string() });
         }
-        super::check_device(s)?;
+        super::check_device(&super::device_arg(s).map_err(|e| Exit::new(2, e))?)?;
         Ok(Arm::Device(s.to_string()))
     }
 }

@@ -74,7 +74,7 @@ pub fn main(a: AbCalibrateArgs) -> Result<u8, Exit> {
     if a.decisions == 0 || !(a.slowdown > 0.0 && a.slowdown <= 1000.0) {
         return Err(Exit::new(2, "need --decisions >= 1 and --slowdown a percentage in (0, 1000]"));
     }
-    super::check_device(&a.arm)?;
+    super::check_device(&super::device_arg(&a.arm).map_err(|e| Exit::new(2, format!("--arm: {e}")))?)?;
     if a.arm.starts_with("exec:") || a.arm.starts_with("external:") || a.arm.starts_with("ids:") {
         return Err(Exit::new(2, format!("--arm {}: give a device of this build; --exec runs it behind the exec: protocol", a.arm)));
     }

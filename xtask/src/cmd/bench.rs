@@ -6,6 +6,7 @@
 //! `ab` (one JSON line per run, a fresh process each): the same figures from its own timings,
 //! its peak RSS as its line states it.
 
+use devices::DeviceSpec;
 use super::{check_device, load_engine};
 use crate::Exit;
 use oracle::Precision;
@@ -19,8 +20,8 @@ pub const REPS: usize = 3;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    #[arg(long, default_value = "ref", help = concat!("Device to time: ", devices::device_names!(), "; exec:CMD here answers `ab`'s arm protocol (one JSON line per run; `cargo xtask ab --help`)."))]
-    device: String,
+    #[arg(long, default_value = "ref", value_parser = super::device_arg, help = concat!("Device to time: ", devices::device_names!(), "; exec:CMD here answers `ab`'s arm protocol (one JSON line per run; `cargo xtask ab --help`)."))]
+    device: DeviceSpec,
     #[arg(long, default_value = "smollm2", help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     model: String,
     /// Prompt length in tokens (token ids 1..=N cycled through the vocabulary).
@@ -54,8 +55,8 @@ pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     })?;
     let (r, device_peak, kernels) = (&m.r, m.device_peak, &m.kernels);
     let med = suites::throughput::median;
-    let path_note = if a.device == "ref" { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
-    let precision = if a.device == "ref" { format!(" precision {:?}", a.precision).to_lowercase() } else { String::new() };
+    let path_note = if a.device.is_ref() { format!(", oracle dot path {}", r.dot_path) } else { String::new() };
+    let precision = if a.device.is_ref() { format!(" precision {:?}", a.precision).to_lowercase() } else { String::new() };
     outln!("device {} model {}{precision}, {} threads{path_note}", a.device, a.model, r.threads);
     outln!("prefill ({} tokens): median {:.1} tok/s   samples {}", r.prompt_len, med(&r.prefill_tok_per_s), fmt(&r.prefill_tok_per_s));
     outln!("decode  ({} tokens): median {:.2} tok/s   samples {}", r.gen_len, med(&r.decode_tok_per_s), fmt(&r.decode_tok_per_s));
@@ -125,9 +126,9 @@ fn check_sizes(prompt_len: usize, gen_len: usize, reps: usize) -> Result<(), Exi
 
 /// Loads `model` on `device` (checked by the caller) and times `reps` greedy generations of
 /// `gen_len` tokens after a `prompt_len`-token prompt, with a progress bar.
-pub fn measure(device: &str, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
+pub fn measure(device: &DeviceSpec, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
     check_sizes(prompt_len, gen_len, reps)?;
-    if let Some(cmd) = device.strip_prefix("exec:") {
+    if let Some(cmd) = device.name().strip_prefix("exec:") {
         return measure_exec(cmd, model, prompt_len, gen_len, reps);
     }
     let (_, mut engine, _) = load_engine(model, device, precision)?;
@@ -310,7 +311,7 @@ fn profile_decode(engine: &mut super::Engine, prompt: &[u32], gen_len: usize) ->
 /// the inter-token latency distribution plot.
 fn write_report(a: &BenchArgs, m: Measured) -> Result<u8, Exit> {
     use reports::plot::{Chart, Series};
-    let case = case(&a.device, &a.model, &m);
+    let case = case(a.device.name(), &a.model, &m);
     if let Some(why) = &case.message {
         outln!("FAIL: {why}");
     }

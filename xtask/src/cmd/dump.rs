@@ -1,5 +1,6 @@
 //! `cargo xtask dump`: every tap and the logits of every position, in the dump format.
 
+use devices::DeviceSpec;
 use super::{check_device, check_ids, load_engine};
 use crate::Exit;
 use oracle::dump::{write_dump, ModelInfo};
@@ -19,8 +20,8 @@ pub struct DumpArgs {
     /// Output directory (created; existing dump files are replaced).
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, default_value = "ref", help = concat!("Device whose taps to write: ", devices::device_names!(), "."))]
-    device: String,
+    #[arg(long, default_value = "ref", value_parser = super::device_arg, help = concat!("Device whose taps to write: ", devices::device_names!(), "."))]
+    device: DeviceSpec,
     /// Oracle storage precision (`--device ref`): f32 (f64 accumulation) or f64 throughout.
     #[arg(long, default_value = "f32")]
     precision: Precision,
@@ -38,7 +39,7 @@ pub fn main(a: DumpArgs) -> Result<u8, Exit> {
     let info = ModelInfo { name: a.model.clone(), sha256: ::fixtures::sha256_model(&path)?, arch: engine.spec().arch.to_string() };
     let precision = format!("{:?}", a.precision).to_lowercase();
     let arithmetic = serde_json::to_value(engine.arithmetic()).ok();
-    let m = write_dump(&a.out, info, &a.device, &precision, &ids, &taps, arithmetic)?;
+    let m = write_dump(&a.out, info, a.device.name(), &precision, &ids, &taps, arithmetic)?;
     eprintln!("wrote {} taps and logits [{} x {}] to {}", m.taps.len(), ids.len(), engine.spec().n_vocab, a.out.display());
     Ok(0)
 }

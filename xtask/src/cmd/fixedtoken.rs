@@ -1,6 +1,7 @@
 //! `cargo xtask fixed-token`: teacher-forced logit statistics, greedy-vs-golden and cache
 //! consistency on a device (suites::fixedtoken), or `--write-golden` to regenerate a golden file.
 
+use devices::DeviceSpec;
 use super::layerdiff::default_prompt;
 use super::{check_device, load_engine, resolve_model, Engine};
 use crate::Exit;
@@ -16,8 +17,8 @@ use suites::layerdiff::{self, propagated_budget, Dims, RoutingFollower};
 
 #[derive(clap::Args)]
 pub struct FixedTokenArgs {
-    #[arg(long, default_value = "cpu", help = concat!("Device under test: ", devices::device_names!(), "."))]
-    pub device: String,
+    #[arg(long, default_value = "cpu", value_parser = super::device_arg, help = concat!("Device under test: ", devices::device_names!(), "."))]
+    pub device: DeviceSpec,
     #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     pub model: String,
     /// Golden file (default: fixtures/golden/MODEL.json for fixture models; for other models
@@ -81,7 +82,7 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
     let t0 = std::time::Instant::now();
     let Some(mut report) = fixed_token(&a)? else { return Ok(0) };
     super::spread_time(&mut report.cases, t0.elapsed().as_secs_f64());
-    super::label_devices(&mut report, std::slice::from_ref(&a.device), a.name.as_deref());
+    super::label_devices(&mut report, &[a.device.name().to_string()], a.name.as_deref());
     print_summary(&report);
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
@@ -210,11 +211,11 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         }
     }
     let (mut cases, mut stats) = match device_logits {
-        Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, &a.device),
-        None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), &a.device),
+        Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, a.device.name()),
+        None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), a.device.name()),
     };
     if let (Some(base), Some(kld)) = (&baseline, base_kld) {
-        cases.push(fixedtoken::against_baseline(&golden, &stats, kld, base, a.baseline_factor, &a.device));
+        cases.push(fixedtoken::against_baseline(&golden, &stats, kld, base, a.baseline_factor, a.device.name()));
     }
     // The oracle once more (loaded anew), with the device's declared arithmetic emulated: what an
     // honest engine of that arithmetic gets on this sequence.
@@ -231,7 +232,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
             drop(oracle);
             let reference = runs.followed_oracle.as_deref().unwrap_or(&oracle_logits);
             let emu_stats = fixedtoken::token_stats(&fixedtoken::position_stats(reference, &logits, n_vocab, &budget));
-            cases.push(fixedtoken::against_emulation(&golden, &stats, &emu_stats, a.emulation_factor, &a.device));
+            cases.push(fixedtoken::against_emulation(&golden, &stats, &emu_stats, a.emulation_factor, a.device.name()));
             json!({ "kld": emu_stats["kld"], "same_top1": emu_stats["same_top1"], "factor": a.emulation_factor })
         }
         Ok(_) => json!({ "not_applicable": "token-only engine: no KLD" }),
@@ -244,14 +245,14 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output (abs: with terms_grant for the head's cancelling terms)", "arithmetic": arith, "head_terms": head_terms, "terms_grant": terms_grant }),
     );
     if let Some(per_pos) = stats.get("per_position").cloned() {
-        report.add_chart("kld_by_position", kld_chart(&per_pos, &a.device, &a.model));
+        report.add_chart("kld_by_position", kld_chart(&per_pos, a.device.name(), &a.model));
     }
     stats["routing_followed"] = json!(follows.len());
     report.sections.insert("routing_followed".into(), json!(follows));
     report.sections.insert("token_stats".into(), stats);
     report.sections.insert("emulated_arithmetic".into(), emulated);
     if let Some(name) = declared_name {
-        report.sections.insert(super::DECLARED_NAMES.into(), json!({ a.device.clone(): name }));
+        report.sections.insert(super::DECLARED_NAMES.into(), json!({ a.device.name(): name }));
     }
     Ok(Some(report))
 }

@@ -78,10 +78,12 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
         return Err(Exit::new(2, format!("--name labels one device; {} are given", device_names.len())));
     }
     let label = |d: &str| a.name.clone().unwrap_or_else(|| d.to_string());
+    // Each name parsed once (a comma list is split before clap could), then opened once.
+    let specs = device_names.iter().map(|d| super::device_arg(d).map_err(|e| Exit::new(2, format!("--device: {e}")))).collect::<Result<Vec<devices::DeviceSpec>, _>>()?;
     if suites.iter().any(|s| s == "kernels") {
         device_names.iter().try_for_each(|d| super::check_runs_ops(d))?;
     }
-    let devices = device_names.iter().map(|d| devices::open(d)).collect::<Result<Vec<_>, _>>().map_err(|e| Exit::from(e))?;
+    let devices = specs.iter().map(devices::open_spec).collect::<Result<Vec<_>, _>>().map_err(Exit::from)?;
     let shard = a.shard.as_deref().map(super::parse_shard).transpose()?;
     let mut cases = Vec::new();
     // The names external engines' dumps give themselves, for their labels.
@@ -111,12 +113,13 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
         }
     }
     for suite in ["layers", "tokens", "bench"].into_iter().filter(|s| suites.iter().any(|x| x == s)) {
-        for d in &device_names {
+        for spec in &specs {
+            let d = spec.name();
             for m in &models {
                 eprintln!("gate: {suite} on {} / {m} ...", label(d));
                 let t0 = std::time::Instant::now();
                 let got = if suite == "layers" {
-                    let args = super::layerdiff::LayerDiffArgs { device: d.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, baseline_factor: 4.0, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone(), name: None };
+                    let args = super::layerdiff::LayerDiffArgs { device: spec.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, baseline_factor: 4.0, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone(), name: None };
                     super::layerdiff::layer_diff(&args).map(|mut o| {
                         outln!("{}", super::layerdiff::story(&o, &label(d), m));
                         if let Some(div) = o.report.sections.get("first_divergence").filter(|v| !v.is_null()) {
@@ -133,7 +136,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                         vec![c]
                     })
                 } else {
-                    let args = super::fixedtoken::FixedTokenArgs { device: d.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None, name: None };
+                    let args = super::fixedtoken::FixedTokenArgs { device: spec.clone(), model: m.clone(), golden: None, write_golden: false, n_generate: None, prompt: None, prompt_ids: None, prompt_file: None, baseline: None, baseline_factor: 1.5, emulation_factor: suites::fixedtoken::EMULATION_FACTOR, report_dir: None, name: None };
                     super::fixedtoken::fixed_token(&args).map(|r| {
                         r.map(|mut r| {
                             charts.extend(r.charts().unwrap_or_default().into_iter().map(|(stem, c)| (chart_stem("tokens", &label(d), m, &stem), c)));

@@ -1,5 +1,6 @@
 //! `cargo xtask kernels`: the kernel-level gate (every registry case, op vs oracle).
 
+use devices::DeviceSpec;
 use super::parse_shard;
 use crate::Exit;
 use reports::{Provenance, Report};
@@ -7,8 +8,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct KernelsArgs {
-    #[arg(long, help = concat!("Device under test: ", devices::device_names!(), ". gpu-emu's options: thread order, threads per block, shared-memory race check, the GPU's fused multiply-adds and 2-ulp expf/tanhf; a GPU device not compiled in, or without a driver, exits 2 saying why; exec:CMD answers the op protocol (docs/OP_PROTOCOL.md)."))]
-    device: String,
+    #[arg(long, value_parser = super::device_arg, help = concat!("Device under test: ", devices::device_names!(), ". gpu-emu's options: thread order, threads per block, shared-memory race check, the GPU's fused multiply-adds and 2-ulp expf/tanhf; a GPU device not compiled in, or without a driver, exits 2 saying why; exec:CMD answers the op protocol (docs/OP_PROTOCOL.md)."))]
+    device: DeviceSpec,
     /// Only cases whose id matches this regular expression, e.g. 'matmul\(w=q4_1'.
     #[arg(long)]
     filter: Option<String>,
@@ -37,9 +38,9 @@ pub struct KernelsArgs {
 
 pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
-    super::check_runs_ops(&a.device)?;
+    super::check_runs_ops(a.device.name())?;
     super::check_label(a.name.as_deref())?;
-    let device = devices::open(&a.device).map_err(|e| Exit::from(e))?;
+    let device = devices::open_spec(&a.device).map_err(Exit::from)?;
     let filter = match &a.filter {
         Some(f) => Some(regex::Regex::new(f).map_err(|e| Exit::new(2, format!("--filter: {e}")))?),
         None => None,

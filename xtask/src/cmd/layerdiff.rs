@@ -1,6 +1,7 @@
 //! `cargo xtask layer-diff`: every tap of a device's forward pass against the oracle's, with the
 //! first divergence, a per-layer table and error-by-layer plots (suites::layerdiff).
 
+use devices::DeviceSpec;
 use super::{check_device, check_ids, load_engine, Engine};
 use crate::Exit;
 use oracle::{Precision, RecordingTap};
@@ -12,18 +13,25 @@ pub const DEFAULT_PROMPT: &str = "The quick brown fox jumps over the lazy dog. T
 /// The default ids for models without a tokenizer (the synthetic fixtures have 272 tokens).
 pub const DEFAULT_IDS: [u32; 11] = [17, 101, 44, 3, 250, 99, 7, 61, 200, 11, 5];
 
+/// `--mode`, as clap parses it (and lists it in `--help` and in its refusal of another word).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModeArg {
+    Isolated,
+    Propagated,
+}
+
 #[derive(clap::Args)]
 pub struct LayerDiffArgs {
-    #[arg(long, help = concat!("Device under test: ", devices::device_names!(), "."))]
-    pub device: String,
+    #[arg(long, value_parser = super::device_arg, help = concat!("Device under test: ", devices::device_names!(), "."))]
+    pub device: DeviceSpec,
     #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory."))]
     pub model: String,
     /// Which comparison gates: `isolated` (each op fed the device's own inputs: the op's own
     /// error) or `propagated` (the device's whole run against the oracle's: accumulated error).
     /// Both are always measured and reported; the first divergence is always the isolated one.
     /// Default `isolated`; with `--against`, `propagated` (the only comparison of two devices).
-    #[arg(long)]
-    pub mode: Option<String>,
+    #[arg(long, value_enum)]
+    pub mode: Option<ModeArg>,
     /// Token ids to run, comma-separated (default: a fixed English prompt, or fixed ids when the
     /// model has no tokenizer).
     #[arg(long, conflicts_with = "prompt")]
@@ -35,8 +43,8 @@ pub struct LayerDiffArgs {
     /// against the oracle: each tap within the sum of what each device's own comparison with the
     /// oracle allows it (past a MoE token the two route otherwise at a near tie, each device
     /// against the oracle routed as it was); the oracle's distance to each stays in the report.
-    #[arg(long)]
-    pub against: Option<String>,
+    #[arg(long, value_parser = super::device_arg)]
+    pub against: Option<DeviceSpec>,
     /// With `--against` (the baseline; `--device` is the candidate): gate `baseline_departure`
     /// holds the candidate's propagated error against the oracle at each tap to this many times
     /// the baseline's (floor 1e-6 relative), naming the first tap past it.
@@ -90,7 +98,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     let t0 = std::time::Instant::now();
     let mut outcome = layer_diff(&a)?;
     super::spread_time(&mut outcome.report.cases, t0.elapsed().as_secs_f64());
-    let devices: Vec<String> = std::iter::once(a.device.clone()).chain(a.against.clone()).collect();
+    let devices: Vec<String> = std::iter::once(&a.device).chain(&a.against).map(|d| d.name().to_string()).collect();
     super::label_devices(&mut outcome.report, &devices, a.name.as_deref());
     print_table(&outcome);
     for f in &outcome.follows {
@@ -102,20 +110,22 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
             outln!("routing: the oracle followed {device}'s experts at {n} near tie(s) (report.json's routing_followed)");
         }
     }
-    if let Some(names) = outcome.report.sections.get("unjudged_taps").and_then(|v| v.as_array()).filter(|v| !v.is_empty()) {
-        let names: Vec<&str> = names.iter().filter_map(|v| v.as_str()).collect();
-        eprintln!(
-            "note: {} of the device's taps have no tap of that name in the oracle, so were not judged: {} (the names it knows: docs/DUMP_FORMAT.md)",
-            names.len(),
-            names.iter().take(12).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ") + if names.len() > 12 { ", ..." } else { "" }
-        );
+    let listed = |key: &str| -> Vec<String> { outcome.report.sections.get(key).and_then(|v| v.as_array()).map(|v| v.iter().filter_map(|n| n.as_str().map(String::from)).collect()).unwrap_or_default() };
+    let (others, unjudged) = (listed("unknown_tap_kinds"), listed("unjudged_taps"));
+    let names = |n: &[&String]| n.iter().take(12).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ") + if n.len() > 12 { ", ..." } else { "" };
+    if !others.is_empty() {
+        eprintln!("note: {} of the device's taps are of no kind this tool knows, so were not judged: {} (the kinds it knows: docs/DUMP_FORMAT.md)", others.len(), names(&others.iter().collect::<Vec<_>>()));
+    }
+    let rest: Vec<&String> = unjudged.iter().filter(|n| !others.contains(n)).collect();
+    if !rest.is_empty() {
+        eprintln!("note: {} of the device's taps have no tap of that name in the oracle (a layer the model does not have), so were not judged: {}", rest.len(), names(&rest));
     }
     if let Some(c) = outcome.report.cases.iter().find(|c| c.id.ends_with(",gate=tap_coverage)")) {
         outln!("tap_coverage gate ({}): {:?} — {} of {} taps given{}", c.tolerance.rule, c.verdict, c.metrics["taps_given"], c.metrics["taps_expected"], c.message.as_deref().map(|m| format!("; {m}")).unwrap_or_default());
     }
     let dir = super::write_report(&mut outcome.report, a.report_dir)?;
     if let Some(d) = outcome.report.sections.get("first_divergence").filter(|d| !d.is_null()) {
-        outln!("more: {}", next_steps(&a.device, &a.model, d));
+        outln!("more: {}", next_steps(a.device.name(), &a.model, d));
     }
     let s = &outcome.report.summary;
     outln!("{} cases (a tap each, and the emulated_departure gate where it applies): {} passed, {} failed, {} missing/unsupported", s.executed, s.passed, s.failed, s.unsupported);
@@ -129,7 +139,7 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let mut outcome = layer_diff_taps(a)?;
     // Which taps the device gave, by kind, and the gate on the ones required.
     outcome.report.sections.insert("tap_coverage".into(), suites::coverage::section(&outcome.taps, &required));
-    if let Some(c) = suites::coverage::case(&outcome.taps, &required, &a.model, &a.device) {
+    if let Some(c) = suites::coverage::case(&outcome.taps, &required, &a.model, a.device.name()) {
         outcome.report.push_case(c);
     }
     Ok(outcome)
@@ -137,12 +147,16 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
 
 /// The comparison of every tap, before the coverage gate.
 fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
-    let mode: Mode = a.mode.as_deref().unwrap_or("isolated").parse().map_err(|e| Exit::new(2, format!("--mode: {e}")))?;
+    let mode = match a.mode.unwrap_or(ModeArg::Isolated) {
+        ModeArg::Isolated => Mode::Isolated,
+        ModeArg::Propagated => Mode::Propagated,
+    };
     if a.against.is_some() && a.mode.is_some() && mode != Mode::Propagated {
         return Err(Exit::new(2, "--mode isolated: --against compares the two devices' whole runs (propagated); each device's isolated comparison is `layer-diff --device D` against the oracle"));
     }
     super::check_factor("--emulation-factor", a.emulation_factor)?;
-    check_device(&a.device)?;
+    // The candidate opens with its model below; the baseline is opened first so that one not
+    // available here is said before the candidate's run.
     if let Some(b) = &a.against {
         check_device(b)?;
     }
@@ -160,23 +174,23 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     stages.next(&format!("{}: every tap", a.device));
     let taps_a = device_taps(&mut engine, &ids)?;
     let arith_a = engine.arithmetic();
-    let mut declared = vec![(a.device.clone(), engine.declared_name())];
+    let mut declared = vec![(a.device.name().to_string(), engine.declared_name())];
     drop(engine);
     let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
     let shape_err = |e: String| Exit::new(2, e);
     let mut outcome = match &a.against {
         None => {
             stages.next("the oracle: its own run, on the device's values, with the declared arithmetic emulated");
-            layerdiff::run(&oracle_model, &path, &ids, &taps_a, &arith_a, mode, a.emulation_factor, &a.model, &a.device).map_err(shape_err)?
+            layerdiff::run(&oracle_model, &path, &ids, &taps_a, &arith_a, mode, a.emulation_factor, &a.model, a.device.name()).map_err(shape_err)?
         }
         Some(b) => {
             let (_, mut engine_b, _) = load_engine(&a.model, b, Precision::F32)?;
             stages.next(&format!("{b}: every tap"));
             let taps_b = device_taps(&mut engine_b, &ids)?;
             let arith_b = engine_b.arithmetic();
-            declared.push((b.clone(), engine_b.declared_name()));
+            declared.push((b.name().to_string(), engine_b.declared_name()));
             stages.next("the oracle: its own run and on each device's values");
-            layerdiff::run_against(&oracle_model, &path, &ids, (&a.device, &taps_a, &arith_a), (b, &taps_b, &arith_b), &a.model, a.baseline_factor).map_err(shape_err)?
+            layerdiff::run_against(&oracle_model, &path, &ids, (a.device.name(), &taps_a, &arith_a), (b.name(), &taps_b, &arith_b), &a.model, a.baseline_factor).map_err(shape_err)?
         }
     };
     let names: serde_json::Map<String, serde_json::Value> = declared.into_iter().filter_map(|(d, n)| Some((d, serde_json::json!(n?)))).collect();

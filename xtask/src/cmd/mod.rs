@@ -48,11 +48,18 @@ pub fn check_runs_ops(device: &str) -> Result<(), Exit> {
     Ok(())
 }
 
-pub fn check_device(device: &str) -> Result<(), Exit> {
-    if device == "ref" {
+/// clap's parser for every `--device`: the name parsed once, where it enters; an unknown or
+/// malformed one is refused with the other arguments (exit 2), with the name that was meant.
+pub fn device_arg(s: &str) -> Result<devices::DeviceSpec, String> {
+    s.parse().map_err(|e: devices::DeviceError| e.to_string())
+}
+
+/// Opens `device` to learn early, before long work, whether it is available here.
+pub fn check_device(device: &devices::DeviceSpec) -> Result<(), Exit> {
+    if device.is_ref() {
         return Ok(());
     }
-    devices::open(device).map(|_| ()).map_err(|e| Exit::from(e))
+    devices::open_spec(device).map(|_| ()).map_err(Exit::from)
 }
 
 /// Greedy/sampled generation on a device model: the oracle's generation loop, fed by the
@@ -231,18 +238,18 @@ fn context_note(path: &Path, spec: &oracle::spec::ModelSpec) {
 
 /// Resolves `model` and loads it on `device` (`ref` = the oracle at `precision`), with the
 /// model's tokenizer when it has one.
-pub fn load_engine(model: &str, device: &str, precision: Precision) -> Result<(PathBuf, Engine, Option<Tokenizer>), Exit> {
+pub fn load_engine(model: &str, device: &devices::DeviceSpec, precision: Precision) -> Result<(PathBuf, Engine, Option<Tokenizer>), Exit> {
     let path = resolve_model(model)?;
-    if device == "ref" {
+    if device.is_ref() {
         let (m, tok) = load_oracle(&path, precision)?;
         return Ok((path, Engine::Oracle(m), tok));
     }
     if precision != Precision::F32 {
         return Err(Exit::new(2, format!("--precision {}: the oracle's storage precision (--device ref); `{device}` computes in its own declared arithmetic", format!("{precision:?}").to_lowercase())));
     }
-    let dev = devices::open(device).map_err(Exit::from)?;
+    let dev = devices::open_spec(device).map_err(Exit::from)?;
     // External dumps must name the model under test by its hash.
-    let model_sha256 = if device.starts_with("external:") || device.starts_with("exec:") { Some(::fixtures::sha256_model(&path)?) } else { None };
+    let model_sha256 = if *device.kind() == devices::DeviceKind::External && !device.name().starts_with("ids:") { Some(::fixtures::sha256_model(&path)?) } else { None };
     let dm = dev.load_model(&path, &devices::ModelOptions { model_sha256, ..Default::default() }).map_err(Exit::from)?;
     context_note(&path, dm.spec());
     let tok = oracle::loader::open_tokenizer(&path)?;

@@ -3,6 +3,7 @@
 //! events (wall clock on `cpu`); the gate is the GEMV of the chosen type reaching `--min-ratio`
 //! of the copy bandwidth.
 
+use devices::DeviceSpec;
 use crate::Exit;
 use reports::{Case, Provenance, Report, Tolerance, Verdict};
 use serde_json::json;
@@ -11,8 +12,8 @@ use std::path::PathBuf;
 #[derive(clap::Args)]
 pub struct RooflineArgs {
     /// cuda or cuda:N, rocm or rocm:N (device events), cpu (wall clock), gpu-emu (its figures say nothing about a GPU, so its gate is inconclusive: exit 3).
-    #[arg(long)]
-    device: String,
+    #[arg(long, value_parser = super::device_arg)]
+    device: DeviceSpec,
     /// Size of the copy buffer and of each GEMV weight matrix, in MiB (large enough to defeat caches).
     #[arg(long, default_value_t = 256)]
     mib: usize,
@@ -39,7 +40,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
     if !(a.min_ratio.is_finite() && a.min_ratio > 0.0) {
         return Err(Exit::new(2, format!("--min-ratio {} must be a positive number", a.min_ratio)));
     }
-    let device = devices::open(&a.device).map_err(|e| Exit::from(e))?;
+    let device = devices::open_spec(&a.device).map_err(Exit::from)?;
     let probe = device
         .bandwidth_probe(bytes, a.reps)
         .ok_or_else(|| Exit::new(2, format!("device `{}` has no bandwidth probe (cpu and the GPU devices have one)", a.device)))?
@@ -75,7 +76,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
         metrics.insert("weight_bytes".into(), json!(bytes));
         cases.push(Case {
             id: if *alternative { format!("roofline(gemv,w={ty},k=8192,m=1,shape={kernel})") } else { format!("roofline(gemv,w={ty},k=8192,m=1)") },
-            device: a.device.clone(),
+            device: a.device.name().to_string(),
             verdict,
             metrics,
             tolerance: Tolerance {

@@ -1,5 +1,6 @@
 //! `cargo xtask run`: generation on the oracle.
 
+use devices::DeviceSpec;
 use super::{check_device, check_ids, load_engine};
 use crate::Exit;
 use oracle::ops::SamplerConfig;
@@ -18,8 +19,8 @@ pub struct RunArgs {
     /// Number of tokens to generate.
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
-    #[arg(long, default_value = "ref", help = concat!("Device to run on: ", devices::device_names!(), "."))]
-    device: String,
+    #[arg(long, default_value = "ref", value_parser = super::device_arg, help = concat!("Device to run on: ", devices::device_names!(), "."))]
+    device: DeviceSpec,
     /// Print one JSON object: {"tokens", "text", "decode_tok_per_s", ...}.
     #[arg(long)]
     json: bool,
@@ -104,7 +105,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
             "decode_tok_per_s": (g.decode_steps > 0).then(|| g.decode_tok_per_s()),
             "prefill_s": g.prefill_s,
             "decode_steps": g.decode_steps,
-            "device": a.device,
+            "device": a.device.name(),
             "precision": format!("{:?}", a.precision).to_lowercase(),
             "threads": rayon::current_num_threads(),
         });
