@@ -60,6 +60,10 @@ pub enum DeviceError {
     /// A name that is no device: misspelt, or from a newer version of this tool.
     #[error("unknown device `{name}`{}; the devices: {}", suggestion.as_ref().map(|s| format!(": did you mean `{s}`?")).unwrap_or_default(), device_names!())]
     Unknown { name: String, suggestion: Option<String> },
+    /// A device's name read as one but not well formed (an unknown KV cache format, a bad
+    /// `+slow=`, an engine prefix with nothing after it): an error in the arguments.
+    #[error("device `{name}`: {why}")]
+    Malformed { name: String, why: String },
     #[error("{device}: {case}: {reason}")]
     Failed { device: String, case: String, reason: String },
     /// The device ran and its result is known to be wrong (e.g. a kernel wrote outside its
@@ -284,6 +288,21 @@ mod tests {
                 None => assert!(text.starts_with(&format!("unknown device `{typo}`; the devices: ")), "{typo}: {text}"),
             }
         }
+    }
+
+    /// A name read as a device but not well formed is an error in the arguments (never taken
+    /// for a device that is merely unavailable here), saying what is wrong.
+    #[test]
+    fn a_malformed_device_name_says_what_is_wrong() {
+        for (name, why) in [("cpu:kv-q9", "unknown KV cache format"), ("cpu+slow=x", "a percentage from 0 to 1000"), ("exec:", "give a dump directory"), ("fixed+slow=2000", "a percentage")] {
+            match name.parse::<DeviceSpec>() {
+                Err(DeviceError::Malformed { name: n, why: w }) => assert!(n == name && w.contains(why), "{name}: {w}"),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let spec: DeviceSpec = "cpu:kv-q8_0+slow=5".parse().unwrap();
+        assert!(matches!(spec.kind(), DeviceKind::Slowed { base, .. } if *base.kind() == DeviceKind::Cpu(KvTypes::parse("q8_0").unwrap())));
+        assert_eq!(spec.to_string(), "cpu:kv-q8_0+slow=5");
     }
 
     /// The one list of device names is the one `open` reads: every built-in name opens, and a

@@ -68,7 +68,7 @@ impl std::fmt::Display for DeviceSpec {
 impl std::str::FromStr for DeviceSpec {
     type Err = DeviceError;
     fn from_str(name: &str) -> Result<DeviceSpec, DeviceError> {
-        let malformed = |why: String| DeviceError::Unavailable(name.to_string(), why);
+        let malformed = |why: String| DeviceError::Malformed { name: name.to_string(), why };
         let spec = |kind| Ok(DeviceSpec { name: name.to_string(), kind });
         // Command lines of external engines may hold anything; only built-in devices take +slow=.
         let external = ["external:", "exec:", "ids:"].iter().any(|p| name.starts_with(p));
