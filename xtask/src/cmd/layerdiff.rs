@@ -112,11 +112,11 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     }
     let listed = |key: &str| -> Vec<String> { outcome.report.sections.get(key).and_then(|v| v.as_array()).map(|v| v.iter().filter_map(|n| n.as_str().map(String::from)).collect()).unwrap_or_default() };
     let (others, unjudged) = (listed("unknown_tap_kinds"), listed("unjudged_taps"));
-    let names = |n: &[&String]| n.iter().take(12).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ") + if n.len() > 12 { ", ..." } else { "" };
+    let names = |n: &[String]| n.iter().take(12).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ") + if n.len() > 12 { ", ..." } else { "" };
     if !others.is_empty() {
-        eprintln!("note: {} of the device's taps are of no kind this tool knows, so were not judged: {} (the kinds it knows: docs/DUMP_FORMAT.md)", others.len(), names(&others.iter().collect::<Vec<_>>()));
+        eprintln!("note: {} of the device's taps are of no kind this tool knows, so were not judged: {} (the kinds it knows: docs/DUMP_FORMAT.md)", others.len(), names(&others));
     }
-    let rest: Vec<&String> = unjudged.iter().filter(|n| !others.contains(n)).collect();
+    let rest: Vec<String> = unjudged.into_iter().filter(|n| !others.contains(n)).collect();
     if !rest.is_empty() {
         eprintln!("note: {} of the device's taps have no tap of that name in the oracle (a layer the model does not have), so were not judged: {}", rest.len(), names(&rest));
     }
