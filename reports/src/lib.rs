@@ -5,6 +5,8 @@
 //! atomic (temp file + rename). Reports from shards merge into one (`Report::merge`).
 
 pub mod compare;
+pub mod findings;
+pub use findings::Metrics;
 mod markdown;
 pub use markdown::{verdict_word, MARKDOWN_LIMIT};
 #[cfg(feature = "parquet")]
@@ -50,7 +52,7 @@ pub struct Case {
     pub id: String,
     pub device: String,
     pub verdict: Verdict,
-    pub metrics: serde_json::Map<String, serde_json::Value>,
+    pub metrics: Metrics,
     pub tolerance: Tolerance,
     /// bound - measured error (negative = over budget).
     pub margin: f64,
@@ -225,6 +227,19 @@ impl Report {
             report.push_case(c);
         }
         report
+    }
+
+    /// Sets the section `key` of report.json to `value`, turned into JSON here (a value with no
+    /// JSON form is recorded as null).
+    pub fn set_section(&mut self, key: &str, value: &impl Serialize) {
+        self.sections.insert(key.to_string(), serde_json::to_value(value).unwrap_or(serde_json::Value::Null));
+    }
+
+    /// The section `key` read as `T`: None where the report has none (or null), Err naming the
+    /// section where it does not read as one.
+    pub fn section<T: serde::de::DeserializeOwned>(&self, key: &str) -> Option<Result<T, String>> {
+        let v = self.sections.get(key).filter(|v| !v.is_null())?;
+        Some(T::deserialize(v).map_err(|e| format!("report section `{key}`: {e}")))
     }
 
     /// Adds a case, counting it in the summary.

@@ -327,8 +327,7 @@ mod tests {
     use crate::{Case, Provenance, Report, Tolerance, Verdict, MARKDOWN_LIMIT};
 
     fn case(i: usize, verdict: Verdict, message: &str) -> Case {
-        let mut metrics = serde_json::Map::new();
-        metrics.insert("max_abs".into(), serde_json::json!(1e-3));
+        let metrics = crate::Metrics::new().with("max_abs", 1e-3);
         Case { id: format!("matmul(w=q4_0,k={i},n=7,m=1)"), device: "cpu".into(), verdict, metrics, tolerance: Tolerance { rule: "rms_err <= 1e-3*rms_ref + 1e-6".into(), bound: 2e-3 }, margin: 2e-3 - (i % 100) as f64 * 1e-5, message: Some(message.into()) }
     }
 

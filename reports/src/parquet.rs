@@ -25,7 +25,7 @@ pub fn write_all(r: &Report, dir: &Path) -> std::io::Result<()> {
     let rules: Vec<&str> = r.cases.iter().map(|c| c.tolerance.rule.as_str()).collect();
     let bounds: Vec<f64> = r.cases.iter().map(|c| c.tolerance.bound).collect();
     let margins: Vec<f64> = r.cases.iter().map(|c| c.margin).collect();
-    let metrics: Vec<String> = r.cases.iter().map(|c| serde_json::Value::Object(c.metrics.clone()).to_string()).collect();
+    let metrics: Vec<String> = r.cases.iter().map(|c| serde_json::to_string(&c.metrics).unwrap_or_default()).collect();
     let mut df = df!("id" => ids, "device" => devices, "verdict" => verdicts, "rule" => rules, "bound" => bounds, "margin" => margins, "metrics_json" => metrics).map_err(io)?;
     write(&mut df, &dir.join("cases.parquet"))?;
     for (key, v) in &r.sections {

@@ -7,7 +7,8 @@
 use crate::layerdiff::TapDiff;
 use oracle::taps::TapKind;
 use reports::{Case, Tolerance, Verdict};
-use serde_json::{json, Value};
+use reports::findings::{Given, TapCoverage};
+use reports::Metrics;
 
 /// The rule `--require-taps layers` names: every layer's output and the logits. An engine that
 /// dumps them is judged layer by layer (the first divergence names a layer, if not the op); one
@@ -74,10 +75,9 @@ pub fn by_kind(taps: &[TapDiff]) -> Vec<(TapKind, usize, usize)> {
 }
 
 /// The `tap_coverage` report section: per kind, given and expected, and the totals.
-pub fn section(taps: &[TapDiff], rule: &RequiredTaps) -> Value {
-    let kinds: serde_json::Map<String, Value> = by_kind(taps).into_iter().map(|(k, given, of)| (k.name().to_string(), json!({ "given": given, "expected": of }))).collect();
-    let given = taps.iter().filter(|t| !t.missing).count();
-    json!({ "given": given, "expected": taps.len(), "by_kind": kinds, "required": format!("{rule:?}") })
+pub fn section(taps: &[TapDiff], rule: &RequiredTaps) -> TapCoverage {
+    let by_kind = by_kind(taps).into_iter().map(|(k, given, expected)| (k.name().to_string(), Given { given, expected })).collect();
+    TapCoverage { given: taps.iter().filter(|t| !t.missing).count(), expected: taps.len(), by_kind, required: format!("{rule:?}") }
 }
 
 /// The coverage gate: fails when a required tap is missing (naming how many of each kind), and
@@ -105,10 +105,7 @@ pub fn case(taps: &[TapDiff], rule: &RequiredTaps, model: &str, device: &str) ->
     } else {
         None
     };
-    let mut metrics = serde_json::Map::new();
-    metrics.insert("taps_given".into(), json!(given));
-    metrics.insert("taps_expected".into(), json!(taps.len()));
-    metrics.insert("fraction_given".into(), json!(fraction));
+    let metrics = Metrics::new().with("taps_given", given).with("taps_expected", taps.len()).with("fraction_given", fraction);
     Some(Case {
         id: format!("layer_diff(model={model},gate=tap_coverage)"),
         device: device.to_string(),

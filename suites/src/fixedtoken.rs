@@ -32,7 +32,8 @@ use crate::layerdiff::Budget;
 use crate::throughput::percentile;
 use reports::{Case, Tolerance, Verdict};
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Map, Value};
+use reports::findings::{KldSummary, PositionFigures, Quantiles, SameTop1, TokenFindings, TokenStats};
+use reports::{Metrics, Report};
 
 /// A golden sequence for one model (`fixtures/golden/<model>.json`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -151,7 +152,7 @@ pub fn wilson95(successes: usize, n: usize) -> (f64, f64) {
 
 
 /// The `token_stats` section: the statistics llama.cpp's `--kl-divergence` prints.
-pub fn token_stats(stats: &[PositionStats]) -> Value {
+pub fn token_stats(stats: &[PositionStats]) -> TokenStats {
     let mut kld: Vec<f64> = stats.iter().map(|s| s.kld).collect();
     kld.sort_by(f64::total_cmp);
     let mut dp: Vec<f64> = stats.iter().map(|s| s.dp).collect();
@@ -159,27 +160,25 @@ pub fn token_stats(stats: &[PositionStats]) -> Value {
     let same = stats.iter().filter(|s| s.top1_oracle == s.top1_device).count();
     let (lo, hi) = wilson95(same, stats.len());
     let n = stats.len().max(1) as f64;
-    json!({
-        "positions": stats.len(),
-        "kld": { "mean": kld.iter().sum::<f64>() / n, "median": percentile(&kld, 0.5), "p99": percentile(&kld, 0.99), "max": kld.last() },
-        "kld_bound_mean": stats.iter().map(|s| s.kld_bound).sum::<f64>() / n,
-        "same_top1": { "count": same, "rate": same as f64 / n, "ci95": [lo, hi] },
-        "top5_overlap_mean": stats.iter().map(|s| s.top5_overlap).sum::<f64>() / n,
-        "dp": { "p1": percentile(&dp, 0.01), "p5": percentile(&dp, 0.05), "median": percentile(&dp, 0.5), "p95": percentile(&dp, 0.95), "p99": percentile(&dp, 0.99) },
-        "near_ties": stats.iter().filter(|s| s.near_tie).count(),
-        "max_abs_logit": stats.iter().map(|s| s.max_abs).fold(0.0, f64::max),
-        "mean_abs_logit": stats.iter().map(|s| s.mean_abs).sum::<f64>() / n,
-        "same_top5": stats.iter().filter(|s| s.top5_equal).count(),
-        "per_position": stats.iter().map(|s| json!({ "pos": s.pos, "kld": s.kld, "kld_bound": s.kld_bound, "top1_oracle": s.top1_oracle, "top1_device": s.top1_device, "margin": s.margin, "near_tie": s.near_tie, "dp": s.dp })).collect::<Vec<_>>(),
-    })
+    TokenStats {
+        positions: stats.len(),
+        kld: KldSummary { mean: kld.iter().sum::<f64>() / n, median: percentile(&kld, 0.5), p99: percentile(&kld, 0.99), max: kld.last().copied() },
+        kld_bound_mean: stats.iter().map(|s| s.kld_bound).sum::<f64>() / n,
+        same_top1: SameTop1 { count: same, rate: same as f64 / n, ci95: [lo, hi] },
+        top5_overlap_mean: stats.iter().map(|s| s.top5_overlap).sum::<f64>() / n,
+        dp: Quantiles { p1: percentile(&dp, 0.01), p5: percentile(&dp, 0.05), median: percentile(&dp, 0.5), p95: percentile(&dp, 0.95), p99: percentile(&dp, 0.99) },
+        near_ties: stats.iter().filter(|s| s.near_tie).count(),
+        max_abs_logit: stats.iter().map(|s| s.max_abs).fold(0.0, f64::max),
+        mean_abs_logit: stats.iter().map(|s| s.mean_abs).sum::<f64>() / n,
+        same_top5: stats.iter().filter(|s| s.top5_equal).count(),
+        per_position: stats.iter().map(|s| PositionFigures { pos: s.pos, kld: s.kld, kld_bound: s.kld_bound, top1_oracle: s.top1_oracle, top1_device: s.top1_device, margin: s.margin, near_tie: s.near_tie, dp: s.dp }).collect(),
+        routing_flips: 0,
+        routing_followed: 0,
+    }
 }
 
-fn case(id: String, device: &str, pass: bool, rule: &str, bound: f64, measured: f64, metrics: Map<String, Value>, message: Option<String>) -> Case {
+fn case(id: String, device: &str, pass: bool, rule: &str, bound: f64, measured: f64, metrics: Metrics, message: Option<String>) -> Case {
     Case { id, device: device.to_string(), verdict: if pass { Verdict::Pass } else { Verdict::Fail }, metrics, tolerance: Tolerance { rule: rule.into(), bound }, margin: bound - measured, message }
-}
-
-fn m(pairs: &[(&str, Value)]) -> Map<String, Value> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
 }
 
 /// What the device produced, besides its teacher-forced logits.
@@ -274,19 +273,17 @@ pub fn routing_differs(a: &RoutingTap, b: &RoutingTap, n: usize) -> Vec<bool> {
 /// `token_stats` of those logits against the oracle's). Where the worst-case bound of `kld_mean`
 /// is loose (quantized activations), this is what an engine of that arithmetic gets, on this
 /// model and sequence, with no earlier run needed.
-pub fn against_emulation(golden: &Golden, stats: &Value, emulated: &Value, factor: f64, device: &str) -> Case {
+pub fn against_emulation(golden: &Golden, stats: &TokenFindings, emulated: &TokenStats, factor: f64, device: &str) -> Case {
     let id = format!("fixed_token(model={},gate=kld_vs_emulation)", golden.model);
-    let extra = [("emulated_kld_mean", emulated["kld"]["mean"].clone()), ("emulated_same_top1", emulated["same_top1"]["count"].clone())];
-    let mut case = kld_ratio_case(id, device, stats, emulated, factor, "that of the oracle run with the declared arithmetic emulated", &extra);
+    let extra = Metrics::new().with("emulated_kld_mean", emulated.kld.mean).with("emulated_same_top1", emulated.same_top1.count);
+    let (mut case, ratio) = kld_ratio_case(id, device, stats.stats(), emulated, factor, "that of the oracle run with the declared arithmetic emulated", extra);
     // An engine well under its emulation is not wrong, but its declaration rounds more than it
     // does, and the gate allows that much more than the engine's own error (llama.cpp declaring
     // Q8_K blocks for every product of a file of mostly Q5_0 matrices measured 0.32x).
-    let ratio_ci = case.metrics.get("ratio_ci95").and_then(|v| Some((v.get(0)?.as_f64()?, v.get(1)?.as_f64()?)));
-    if let (Verdict::Pass, Some((lo, hi))) = (case.verdict, ratio_ci) {
+    if let (Verdict::Pass, Some((ratio, Some((lo, hi))))) = (case.verdict, ratio) {
         let overstated = hi < OVERSTATED_RATIO;
-        case.metrics.insert("declaration_overstates".into(), json!(overstated));
+        case.metrics.set("declaration_overstates", overstated);
         if overstated {
-            let ratio = case.metrics.get("ratio").and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
             case.message = Some(format!(
                 "mean KLD {ratio:.3}x the emulated arithmetic's, 95% CI {lo:.3}-{hi:.3}x: the declared arithmetic rounds more than this engine does, so this gate allows over {:.0}x its own KLD; declare what it computes (docs/DUMP_FORMAT.md, `arithmetic`)",
                 factor / hi
@@ -306,71 +303,94 @@ pub const OVERSTATED_RATIO: f64 = 0.5;
 /// metrics about it); unsupported for a token-only run. Where both sections list per-position
 /// KLDs, `ratio_ci95` is the paired bootstrap 95% CI of the ratio (how much of it a short
 /// sequence's luck can move).
-fn kld_ratio_case(id: String, device: &str, stats: &Value, reference_stats: &Value, factor: f64, what: &str, extra: &[(&str, Value)]) -> Case {
-    let (Some(now), Some(reference)) = (stats["kld"]["mean"].as_f64(), reference_stats["kld"]["mean"].as_f64()) else {
-        return Case { id, device: device.into(), verdict: Verdict::Unsupported, metrics: Map::new(), tolerance: Tolerance { rule: "no logits".into(), bound: 0.0 }, margin: 0.0, message: Some(format!("token-only engine: no KLD to compare with {what}")) };
-    };
-    let bound = (reference * factor).max(BASELINE_KLD_FLOOR);
-    let mut metrics = m(&[("kld_mean", json!(now)), ("ratio", json!(now / reference)), ("same_top1", stats["same_top1"]["count"].clone())]);
-    let per_position = |s: &Value| -> Option<Vec<f64>> { s["per_position"].as_array()?.iter().map(|p| p["kld"].as_f64()).collect() };
-    let ci = per_position(stats).zip(per_position(reference_stats)).and_then(|(a, b)| crate::ab::bootstrap_ratio_ci(&a, &b, 2000, 0x6b6c_6472));
-    if let Some((lo, hi)) = ci {
-        metrics.insert("ratio_ci95".into(), json!([lo, hi]));
+/// The case, and the ratio of the two mean KLDs with its CI where there are both.
+fn kld_ratio_case(id: String, device: &str, stats: Option<&TokenStats>, reference_stats: &TokenStats, factor: f64, what: &str, extra: Metrics) -> (Case, Option<(f64, Option<(f64, f64)>)>) {
+    let unsupported = |rule: &str, message: String| Case { id: id.clone(), device: device.into(), verdict: Verdict::Unsupported, metrics: Metrics::new(), tolerance: Tolerance { rule: rule.into(), bound: 0.0 }, margin: 0.0, message: Some(message) };
+    let Some(stats) = stats else { return (unsupported("no logits", format!("token-only engine: no KLD to compare with {what}")), None) };
+    let reference = reference_stats.kld.mean;
+    if !reference.is_finite() {
+        return (unsupported("no reference", format!("{what} mean KLD is not finite: nothing to compare with")), None);
     }
-    metrics.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+    let now = stats.kld.mean;
+    let bound = (reference * factor).max(BASELINE_KLD_FLOOR);
+    let mut metrics = Metrics::new().with("kld_mean", now).with("ratio", now / reference).with("same_top1", stats.same_top1.count);
+    let per_position = |s: &TokenStats| -> Vec<f64> { s.per_position.iter().map(|p| p.kld).collect() };
+    let ci = Some((per_position(stats), per_position(reference_stats))).filter(|(a, b)| !a.is_empty() && !b.is_empty()).and_then(|(a, b)| crate::ab::bootstrap_ratio_ci(&a, &b, 2000, 0x6b6c_6472));
+    if let Some((lo, hi)) = ci {
+        metrics.set("ratio_ci95", [lo, hi]);
+    }
+    metrics.extend(extra);
     let pass = now <= bound;
     let ci_text = ci.map_or(String::new(), |(lo, hi)| format!(", 95% CI {lo:.2}-{hi:.2}x"));
     let message = (!pass).then(|| format!("mean KLD {now:.3e} is {:.2}x {what} ({reference:.3e}; allowed {factor}x{ci_text})", now / reference));
-    case(id, device, pass, &format!("mean KLD <= {factor} x {what} (floor {BASELINE_KLD_FLOOR:e})"), bound, now, metrics, message)
+    (case(id, device, pass, &format!("mean KLD <= {factor} x {what} (floor {BASELINE_KLD_FLOOR:e})"), bound, now, metrics, message), Some((now / reference, ci)))
 }
 
 /// KLD below which two runs are taken as equal (a deterministic f32 engine measures ~1e-12).
 pub const BASELINE_KLD_FLOOR: f64 = 1e-12;
 
-/// The mean KLD of `baseline` (an earlier fixed-token report.json), checked to be a run over
-/// `golden` (the same model and token sequence); Err says why not (checked before a run, so a
-/// wrong baseline costs none).
-pub fn baseline_kld(golden: &Golden, baseline: &Value) -> Result<f64, String> {
-    if baseline["suite"] != "fixed-token" {
-        return Err(format!("the baseline is a {} report, not a fixed-token one", baseline["suite"]));
+/// The golden sequence a fixed-token report was run over (its `golden` section).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GoldenUsed {
+    /// Where the golden came from: its file, or the oracle in that run.
+    pub source: String,
+    pub model: String,
+    pub sha256: String,
+    pub prompt_ids: Vec<u32>,
+    pub continuation_ids: Vec<u32>,
+}
+
+/// An earlier fixed-token run, as the `kld_vs_baseline` gate reads it.
+pub struct Baseline {
+    pub stats: TokenStats,
+    /// The device of its first case.
+    pub device: Option<String>,
+}
+
+/// The earlier run `baseline` (a fixed-token report.json), checked to be a run over `golden`
+/// (the same model and token sequence) with logits; Err says why not (checked before a run, so
+/// a wrong baseline costs none).
+pub fn baseline(golden: &Golden, baseline: &Report) -> Result<Baseline, String> {
+    if baseline.suite != "fixed-token" {
+        return Err(format!("the baseline is a {} report, not a fixed-token one", baseline.suite));
     }
-    let bg = &baseline["golden"];
-    if bg["sha256"] != golden.sha256.as_str() {
-        return Err(format!("the baseline was run on a model with sha256 {}, this one has {}", bg["sha256"], golden.sha256));
+    let bg: GoldenUsed = baseline.section("golden").ok_or("the baseline has no `golden` section")??;
+    if bg.sha256 != golden.sha256 {
+        return Err(format!("the baseline was run on a model with sha256 {}, this one has {}", bg.sha256, golden.sha256));
     }
-    if bg["prompt_ids"] != json!(golden.prompt_ids) || bg["continuation_ids"] != json!(golden.continuation_ids) {
+    if bg.prompt_ids != golden.prompt_ids || bg.continuation_ids != golden.continuation_ids {
         return Err("the baseline was run over another token sequence (its golden prompt or continuation differs): the two mean KLDs would not measure the same thing".into());
     }
-    baseline["token_stats"]["kld"]["mean"].as_f64().ok_or_else(|| "the baseline holds no mean KLD (a token-only run?)".to_string())
+    let no_kld = || "the baseline holds no mean KLD (a token-only run?)".to_string();
+    let stats = match baseline.section::<TokenFindings>("token_stats").ok_or_else(no_kld)?? {
+        TokenFindings::Logits(s) if s.kld.mean.is_finite() => s,
+        _ => return Err(no_kld()),
+    };
+    Ok(Baseline { stats, device: baseline.cases.first().map(|c| c.device.clone()) })
 }
 
 /// The `kld_vs_baseline` gate: this run's mean KLD (`stats`, a `token_stats` section) against
-/// `factor` times `base` (the mean KLD of `baseline`, from [`baseline_kld`]); a token-only run
-/// (no KLD) is unsupported.
-pub fn against_baseline(golden: &Golden, stats: &Value, base: f64, baseline: &Value, factor: f64, device: &str) -> Case {
+/// `factor` times the baseline's (from [`baseline`]); a token-only run (no KLD) is unsupported.
+pub fn against_baseline(golden: &Golden, stats: &TokenFindings, baseline: &Baseline, factor: f64, device: &str) -> Case {
     let id = format!("fixed_token(model={},gate=kld_vs_baseline)", golden.model);
-    let extra = [
-        ("baseline_kld_mean", json!(base)),
-        ("baseline_device", baseline["cases"][0]["device"].clone()),
-        ("baseline_same_top1", baseline["token_stats"]["same_top1"]["count"].clone()),
-    ];
-    kld_ratio_case(id, device, stats, &baseline["token_stats"], factor, "the baseline's", &extra)
+    let extra = Metrics::new().with("baseline_kld_mean", baseline.stats.kld.mean).with("baseline_device", &baseline.device).with("baseline_same_top1", baseline.stats.same_top1.count);
+    kld_ratio_case(id, device, stats.stats(), &baseline.stats, factor, "the baseline's", extra).0
 }
 
 /// Judges one device run: the gate cases (see the module header) and the `token_stats` section.
-pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab: usize, budget: &Budget, runs: &DeviceRuns, device: &str) -> (Vec<Case>, Value) {
+pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab: usize, budget: &Budget, runs: &DeviceRuns, device: &str) -> (Vec<Case>, TokenFindings) {
     let mut stats = position_stats(runs.followed_oracle.as_deref().unwrap_or(oracle), device_logits, n_vocab, budget);
     for (s, &flip) in stats.iter_mut().zip(&runs.routing_differs) {
         s.near_tie |= flip;
     }
     let mut ts = token_stats(&stats);
-    ts["routing_flips"] = json!(runs.routing_differs.iter().filter(|f| **f).count());
+    ts.routing_flips = runs.routing_differs.iter().filter(|f| **f).count();
     let model = &golden.model;
     let id = |g: &str| format!("fixed_token(model={model},gate={g})");
     let mut cases = Vec::new();
 
-    let mean_kld = ts["kld"]["mean"].as_f64().unwrap_or(f64::INFINITY);
-    let kld_bound = ts["kld_bound_mean"].as_f64().unwrap_or(0.0);
+    let mean_kld = if ts.kld.mean.is_nan() { f64::INFINITY } else { ts.kld.mean };
+    let kld_bound = if ts.kld_bound_mean.is_nan() { 0.0 } else { ts.kld_bound_mean };
     cases.push(case(
         id("kld_mean"),
         device,
@@ -378,7 +398,7 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
         "mean KLD <= mean over positions of 0.5*delta^2 (delta: logit RMS error budget)",
         kld_bound,
         mean_kld,
-        m(&[("kld_mean", json!(mean_kld)), ("max_abs", json!(ts["max_abs_logit"]))]),
+        Metrics::new().with("kld_mean", mean_kld).with("max_abs", ts.max_abs_logit),
         (!(mean_kld <= kld_bound)).then(|| format!("mean KLD {mean_kld:.3e} > {kld_bound:.3e}")),
     ));
 
@@ -391,7 +411,7 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
         "top-1 equal at every position whose oracle margin >= 2*delta",
         0.0,
         flips.len() as f64,
-        m(&[("flips", json!(flips.len())), ("near_tie_flips", json!(near)), ("positions", json!(stats.len()))]),
+        Metrics::new().with("flips", flips.len()).with("near_tie_flips", near).with("positions", stats.len()),
         flips.first().map(|s| format!("position {}: oracle top-1 {} (margin {:.3}), device {}; {} such positions", s.pos, s.top1_oracle, s.margin, s.top1_device, flips.len())),
     ));
 
@@ -408,7 +428,7 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
         "the oracle's greedy argmax reproduces the golden continuation",
         0.0,
         oracle_mismatch.map_or(0.0, |_| 1.0),
-        m(&[("golden_tokens", json!(golden.continuation_ids.len()))]),
+        Metrics::new().with("golden_tokens", golden.continuation_ids.len()),
         oracle_mismatch.map(|t| format!("the oracle predicts {} at position {t}, the golden has {} — the golden is stale or the oracle changed; regenerate with `{}`", own_top1(t - 1), seq[t], golden.regenerate)),
     ));
 
@@ -438,7 +458,7 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
         "greedy ids equal the golden continuation (a first mismatch at a near tie is not counted)",
         0.0,
         if pass { 0.0 } else { 1.0 },
-        m(&[("first_mismatch", json!(first)), ("generated", json!(device_greedy)), ("golden", json!(golden.continuation_ids))]),
+        Metrics::new().with("first_mismatch", first).with("generated", &device_greedy).with("golden", &golden.continuation_ids),
         message,
     ));
 
@@ -447,7 +467,7 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
             id: id("cache_consistency"),
             device: device.to_string(),
             verdict: Verdict::Unsupported,
-            metrics: Map::new(),
+            metrics: Metrics::new(),
             tolerance: Tolerance { rule: "one-shot engine".into(), bound: 0.0 },
             margin: 0.0,
             message: Some("this engine runs one prefill per request; prefill/decode/append consistency cannot be checked".into()),
@@ -477,18 +497,18 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
                     "RMS difference to the one-prefill logits <= 2*delta per position, same argmax off near ties",
                     1.0,
                     worst_ratio,
-                    m(&[("max_abs", json!(worst)), ("worst_rms_over_bound", json!(worst_ratio)), ("argmax_differences", json!(argmax_diff)), ("from_position", json!(start))]),
+                    Metrics::new().with("max_abs", worst).with("worst_rms_over_bound", worst_ratio).with("argmax_differences", argmax_diff).with("from_position", start),
                     (!pass).then(|| format!("{how}: RMS difference up to {worst_ratio:.2}x its bound, {argmax_diff} argmax differences off near ties")),
                 ));
             }
         }
     }
-    (cases, ts)
+    (cases, TokenFindings::Logits(ts))
 }
 
 /// A token-only engine (it printed generated ids, no logits): only the greedy gate can run; the
 /// logit gates are reported as unsupported. Near ties come from the oracle's margins.
-pub fn evaluate_tokens_only(golden: &Golden, oracle: &[f64], n_vocab: usize, budget: &Budget, generated: &[u32], device: &str) -> (Vec<Case>, Value) {
+pub fn evaluate_tokens_only(golden: &Golden, oracle: &[f64], n_vocab: usize, budget: &Budget, generated: &[u32], device: &str) -> (Vec<Case>, TokenFindings) {
     // The oracle against itself gives its margins and top-1s with zero error.
     let own: Vec<f32> = oracle.iter().map(|v| *v as f32).collect();
     let runs = DeviceRuns { greedy: Some(generated.to_vec()), cache_paths: None, routing_differs: Vec::new(), followed_oracle: None };
@@ -504,7 +524,7 @@ pub fn evaluate_tokens_only(golden: &Golden, oracle: &[f64], n_vocab: usize, bud
             c
         })
         .collect();
-    (cases, json!({ "token_only": true, "generated": generated }))
+    (cases, TokenFindings::TokenOnly { token_only: true, generated: generated.to_vec() })
 }
 
 #[cfg(test)]
@@ -531,7 +551,7 @@ mod tests {
         let runs = DeviceRuns { greedy: None, cache_paths: Some(vec![("decode".into(), 2, d[2 * v..].to_vec())]), routing_differs: Vec::new(), followed_oracle: None };
         let (cases, ts) = evaluate(&g, &o, &d, v, &b, &runs, "dev");
         assert!(cases.iter().all(|c| c.verdict == Verdict::Pass), "{cases:?}");
-        assert_eq!(ts["same_top1"]["count"], 4);
+        assert_eq!(ts.stats().unwrap().same_top1.count, 4);
         // The device prefers token 5 at position 2 by a wide margin: top-1 and greedy fail.
         let mut bad = d.clone();
         bad[2 * v + 5] = 9.0;
@@ -550,7 +570,7 @@ mod tests {
         d[2 * v + 6] = 5.0 + 1e-4;
         let b = Budget { rel: 1e-3, abs: 1e-6 };
         let (cases, ts) = evaluate(&g, &o, &d, v, &b, &DeviceRuns { greedy: None, cache_paths: None, routing_differs: Vec::new(), followed_oracle: None }, "dev");
-        assert_eq!(ts["near_ties"], 1);
+        assert_eq!(ts.stats().unwrap().near_ties, 1);
         let greedy = cases.iter().find(|c| c.id.contains("gate=greedy")).unwrap();
         assert_eq!(greedy.verdict, Verdict::Pass);
         assert!(greedy.message.as_deref().unwrap().contains("near tie"));
@@ -570,8 +590,8 @@ mod tests {
         assert!((s[0].mean_abs - 0.25).abs() < 1e-6, "{}", s[0].mean_abs);
         assert!(s[0].top5_equal && !s[1].top5_equal && s[2].top5_equal);
         let ts = token_stats(&s);
-        assert_eq!(ts["same_top5"], 3);
-        assert!(ts["mean_abs_logit"].as_f64().unwrap() > 0.25);
+        assert_eq!(ts.same_top5, 3);
+        assert!(ts.mean_abs_logit > 0.25);
     }
 
     #[test]
@@ -597,16 +617,19 @@ mod tests {
     /// near its emulation gets no such note, and one past the factor fails as before.
     #[test]
     fn an_engine_far_under_its_emulation_is_told_its_declaration_overstates_it() {
-        let stats = |klds: &[f64]| json!({ "kld": { "mean": klds.iter().sum::<f64>() / klds.len() as f64 }, "same_top1": { "count": klds.len() }, "per_position": klds.iter().map(|k| json!({ "kld": k })).collect::<Vec<_>>() });
+        let stats = |klds: &[f64]| {
+            let at = |pos: usize, kld: f64| PositionStats { pos, kld, top1_oracle: 0, top1_device: 0, top5_overlap: 1.0, dp: 0.0, max_abs: 0.0, mean_abs: 0.0, top5_equal: true, margin: 1.0, delta: 0.1, near_tie: false, kld_bound: 0.005 };
+            token_stats(&klds.iter().enumerate().map(|(p, k)| at(p, *k)).collect::<Vec<_>>())
+        };
         let emulated: Vec<f64> = (0..40).map(|i| 1e-3 * (1.0 + (i % 7) as f64 * 0.1)).collect();
         let scaled = |f: f64| stats(&emulated.iter().enumerate().map(|(i, k)| k * f * (1.0 + (i % 3) as f64 * 0.05)).collect::<Vec<_>>());
-        let under = against_emulation(&golden(), &scaled(0.3), &stats(&emulated), 4.0, "d");
+        let under = against_emulation(&golden(), &TokenFindings::Logits(scaled(0.3)), &stats(&emulated), 4.0, "d");
         assert_eq!(under.verdict, Verdict::Pass);
-        assert_eq!(under.metrics["declaration_overstates"], json!(true));
+        assert_eq!(under.metrics["declaration_overstates"], true);
         assert!(under.message.as_deref().unwrap().contains("the declared arithmetic rounds more than this engine does, so this gate allows over 1"), "{:?}", under.message);
-        let near = against_emulation(&golden(), &scaled(0.9), &stats(&emulated), 4.0, "d");
-        assert_eq!((near.verdict, near.metrics["declaration_overstates"].clone(), near.message.clone()), (Verdict::Pass, json!(false), None));
-        let over = against_emulation(&golden(), &scaled(5.0), &stats(&emulated), 4.0, "d");
+        let near = against_emulation(&golden(), &TokenFindings::Logits(scaled(0.9)), &stats(&emulated), 4.0, "d");
+        assert_eq!((near.verdict, near.metrics["declaration_overstates"].clone(), near.message.clone()), (Verdict::Pass, serde_json::Value::Bool(false), None));
+        let over = against_emulation(&golden(), &TokenFindings::Logits(scaled(5.0)), &stats(&emulated), 4.0, "d");
         assert_eq!(over.verdict, Verdict::Fail);
         assert!(over.metrics.get("declaration_overstates").is_none() && over.message.as_deref().unwrap().contains("allowed 4x"));
     }

@@ -11,7 +11,7 @@ use crate::tolerance::{bounds, Bounds};
 use devices::{Device, Support};
 use oracle::registry::{registry, OpCase, Output};
 use reports::{Case, Tolerance, Verdict};
-use serde_json::{Map, Value};
+use reports::Metrics;
 use std::time::Instant;
 
 #[derive(Default, Clone)]
@@ -47,8 +47,8 @@ fn ulp_distance(a: f32, b: f32) -> u64 {
 }
 
 /// Compares device outputs with the reference under `b`; returns (pass, metrics, worst bound, margin, message).
-fn compare(reference: &[Output], device: &[Output], b: &Bounds) -> (bool, Map<String, Value>, f64, f64, Option<String>) {
-    let mut m = Map::new();
+fn compare(reference: &[Output], device: &[Output], b: &Bounds) -> (bool, Metrics, f64, f64, Option<String>) {
+    let mut m = Metrics::new();
     if reference.len() != device.len() {
         return (false, m, 0.0, f64::NEG_INFINITY, Some(format!("device returned {} outputs, expected {}", device.len(), reference.len())));
     }
@@ -121,13 +121,13 @@ fn compare(reference: &[Output], device: &[Output], b: &Bounds) -> (bool, Map<St
             _ => return (false, m, 0.0, f64::NEG_INFINITY, Some(format!("output {oi}: kind differs from the reference"))),
         }
     }
-    m.insert("max_abs".into(), max_abs.into());
-    m.insert("max_rel".into(), max_rel.into());
-    m.insert("max_ulp".into(), max_ulp.into());
-    m.insert("nmse".into(), (if ref2 > 0.0 { err2 / ref2 } else { err2 }).into());
-    m.insert("cosine".into(), (if ref2 > 0.0 && dev2 > 0.0 { dot / (ref2 * dev2).sqrt() } else { 1.0 }).into());
-    m.insert("worst_error_over_bound".into(), if worst_ratio.is_finite() { worst_ratio.into() } else { Value::Null });
-    m.insert("values".into(), n.into());
+    m.set("max_abs", max_abs);
+    m.set("max_rel", max_rel);
+    m.set("max_ulp", max_ulp);
+    m.set("nmse", if ref2 > 0.0 { err2 / ref2 } else { err2 });
+    m.set("cosine", if ref2 > 0.0 && dev2 > 0.0 { dot / (ref2 * dev2).sqrt() } else { 1.0 });
+    m.set("worst_error_over_bound", worst_ratio.is_finite().then_some(worst_ratio));
+    m.set("values", n);
     if n == 0 {
         return (false, m, 0.0, f64::NEG_INFINITY, Some("no values compared".into()));
     }
@@ -146,7 +146,7 @@ fn prepare(device: &dyn Device, case: &OpCase) -> Result<Vec<Output>, Case> {
 
 /// A case decided without a comparison.
 fn verdict(device: &dyn Device, case: &OpCase, verdict: Verdict, message: Option<String>) -> Case {
-    Case { id: case.id.clone(), device: device.name(), verdict, metrics: Map::new(), tolerance: Tolerance { rule: "-".into(), bound: 0.0 }, margin: 0.0, message }
+    Case { id: case.id.clone(), device: device.name(), verdict, metrics: Metrics::new(), tolerance: Tolerance { rule: "-".into(), bound: 0.0 }, margin: 0.0, message }
 }
 
 /// The case judged: the device's result against the reference, under the bounds of the
@@ -162,7 +162,7 @@ fn judge(device: &dyn Device, case: &OpCase, reference: &[Output], result: std::
     let arith = device.arithmetic(case);
     let b = bounds(case, reference, &arith);
     let (pass, mut metrics, bound, margin, message) = compare(reference, &dev_out, &b);
-    metrics.insert("arithmetic".into(), serde_json::to_value(arith).unwrap_or(Value::Null));
+    metrics.set("arithmetic", arith);
     Case { id: case.id.clone(), device: device.name(), verdict: if pass { Verdict::Pass } else { Verdict::Fail }, metrics, tolerance: Tolerance { rule: b.rule, bound }, margin, message }
 }
 
@@ -176,7 +176,7 @@ pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| device.run_op(case)));
     let mut seconds = t.elapsed().as_secs_f64();
     let mut judged = judge(device, case, &reference, result);
-    judged.metrics.insert("wall_seconds".into(), seconds.into());
+    judged.metrics.set("wall_seconds", seconds);
     if perf && judged.verdict != Verdict::Error {
         let entry = registry().into_iter().find(|e| e.op == case.op).expect("case from the registry");
         // GPU devices report their kernels' own time (device events, copies excluded).
@@ -191,10 +191,10 @@ pub fn run_case(device: &dyn Device, case: &OpCase, perf: bool) -> Case {
             seconds = seconds.min(device.last_kernel_seconds().unwrap_or_else(|| t.elapsed().as_secs_f64()));
         }
         let metrics = &mut judged.metrics;
-        metrics.insert("seconds".into(), seconds.into());
-        metrics.insert("timing".into(), if events { "device events (kernels only)" } else { "wall clock" }.into());
-        metrics.insert("gbps".into(), ((entry.bytes)(case) as f64 / seconds / 1e9).into());
-        metrics.insert("gflops".into(), ((entry.flops)(case) as f64 / seconds / 1e9).into());
+        metrics.set("seconds", seconds);
+        metrics.set("timing", if events { "device events (kernels only)" } else { "wall clock" });
+        metrics.set("gbps", (entry.bytes)(case) as f64 / seconds / 1e9);
+        metrics.set("gflops", (entry.flops)(case) as f64 / seconds / 1e9);
     }
     judged
 }
@@ -230,7 +230,7 @@ pub fn run(device: &dyn Device, cases: &[OpCase], perf: bool, mut progress: impl
                 Ok(reference) => {
                     let result = results.next().unwrap_or_else(|| Err(devices::DeviceError::WrongResult { device: device.name(), case: c.id.clone(), reason: "the device returned fewer results than cases".into() }));
                     let mut judged = judge(device, c, &reference, Ok(result));
-                    judged.metrics.insert("wall_seconds".into(), each.into());
+                    judged.metrics.set("wall_seconds", each);
                     judged
                 }
             });

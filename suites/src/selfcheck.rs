@@ -24,9 +24,7 @@ fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
 fn exact_case(id: String, a: &[f64], b: &[f64]) -> Case {
     let d = max_abs_diff(a, b);
     let bit_identical = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-    let mut metrics = serde_json::Map::new();
-    metrics.insert("max_abs".into(), d.into());
-    metrics.insert("values".into(), a.len().into());
+    let metrics = reports::Metrics::new().with("max_abs", d).with("values", a.len());
     Case {
         id,
         device: "ref".into(),
@@ -91,7 +89,7 @@ pub fn run(name: &str, path: &Path, tokens: &[u32]) -> oracle::Result<Vec<Case>>
                     id: id(p),
                     device: "ref".into(),
                     verdict: Verdict::Unsupported,
-                    metrics: serde_json::Map::new(),
+                    metrics: reports::Metrics::new(),
                     tolerance: Tolerance { rule: "exact (bit-identical)".into(), bound: 0.0 },
                     margin: 0.0,
                     message: Some(format!("the {} store could not be loaded: {why}", other.name())),
@@ -111,9 +109,7 @@ pub fn run(name: &str, path: &Path, tokens: &[u32]) -> oracle::Result<Vec<Case>>
     let u = f32::EPSILON as f64 / 2.0;
     let bound = u * (s.n_embd as f64).sqrt() * (10.0 * s.n_layer as f64 + 1.0) * max_logit.max(1.0);
     let d = max_abs_diff(&prefill, &shadow);
-    let mut metrics = serde_json::Map::new();
-    metrics.insert("max_abs".into(), d.into());
-    metrics.insert("max_abs_logit".into(), max_logit.into());
+    let metrics = reports::Metrics::new().with("max_abs", d).with("max_abs_logit", max_logit);
     cases.push(Case {
         id: format!("f64_shadow(model={name},n={n})"),
         device: "ref".into(),

@@ -370,7 +370,7 @@ fn judge(oracle_model: &AnyModel, path: &std::path::Path, device: &str, ids: &[u
             }
         }
         if out.report.exit_code() != 0 {
-            let first = layerdiff::first_divergence_json(&out.taps);
+            let first = layerdiff::first_divergence_finding(&out.taps).map_or("none".into(), |f| f.describe());
             let failed: Vec<String> = out.report.cases.iter().filter(|c| c.verdict == reports::Verdict::Fail).take(3).map(|c| format!("{}: {}", c.id, c.message.as_deref().unwrap_or(""))).collect();
             return Err(format!("{device} ({mode:?}): exit {}, first divergence {first}, failed: {failed:?}", out.report.exit_code()));
         }
@@ -1046,7 +1046,7 @@ fn declared_arithmetic_passes_its_own_budgets_on_real_like_models() {
             for mode in [Mode::Isolated, Mode::Propagated] {
                 let out = layerdiff::run(&oracle_model, &path, &ids, &taps, &arith, mode, suites::emulate::EMULATION_FACTOR, "real-like", name).map_err(TestCaseError::fail)?;
                 if out.report.exit_code() != 0 {
-                    let first = layerdiff::first_divergence_json(&out.taps);
+                    let first = layerdiff::first_divergence_finding(&out.taps).map_or("none".into(), |f| f.describe());
                     let keep = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-like-{}.gguf", s.seed));
                     let _ = std::fs::copy(&path, &keep);
                     return Err(TestCaseError::fail(format!("{s:?}, {} ids: {name}'s declared arithmetic, emulated, fails its own budgets ({mode:?}): {first}; model kept at {}", ids.len(), keep.display())));

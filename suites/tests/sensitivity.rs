@@ -190,20 +190,20 @@ fn wiring_bugs_fail_at(path: &std::path::Path, fixture: &str, good: &[&str], fau
         let mut taps = oracle::RecordingTap::default();
         model.forward(&ids, &mut taps).unwrap();
         let out = layerdiff::run(&oracle_model, &path, &ids, &taps, &model.arithmetic(), mode, suites::emulate::EMULATION_FACTOR, fixture, "faulty").unwrap();
-        (out.report.exit_code(), layerdiff::first_divergence_json(&out.taps))
+        (out.report.exit_code(), layerdiff::first_divergence_finding(&out.taps))
     };
     for mode in [Mode::Isolated, Mode::Propagated] {
         for name in good {
             let mut model = devices::open(name).unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap();
             let (code, first) = judge(model.as_mut(), mode);
-            assert_eq!(code, 0, "{name} {mode:?}: {first}");
+            assert_eq!(code, 0, "{name} {mode:?}: {first:?}");
         }
         for &fault in faults {
             let mut bad = fault.load(&path).unwrap();
             let (code, first) = judge(bad.as_mut(), mode);
             assert_ne!(code, 0, "{fault:?} {mode:?} passed");
             if mode == Mode::Isolated {
-                assert_eq!(first["kind"], fault.first_tap(), "{fault:?}: first divergence {first}");
+                assert_eq!(first.as_ref().map(|f| f.kind.as_str()), Some(fault.first_tap()), "{fault:?}: first divergence {first:?}");
             }
         }
     }

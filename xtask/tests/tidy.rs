@@ -292,3 +292,38 @@ fn architectures_are_matched_as_an_enum_not_as_strings() {
     }
     assert!(found.is_empty(), "architecture names compared as strings (use oracle::spec::Arch and its row):\n{}", found.join("\n"));
 }
+
+/// Suites return typed results (`reports::findings`, `reports::Metrics`, their own outcome
+/// types): no code in suites/src builds JSON (`serde_json`, `json!`) — only `reports` turns what
+/// they found into report.json — and no command reads a suite's section back out of the JSON by
+/// key: it reads the typed outcome (or, for a report from disk, `Report::section` as a type).
+#[test]
+fn suites_build_no_json_and_commands_read_their_findings_typed() {
+    let mut files = Vec::new();
+    rust_files(&root().join("suites/src"), &mut files);
+    let mut found = Vec::new();
+    for f in files.iter().filter(|f| f.file_name().is_some_and(|n| n != "tests.rs")) {
+        let rel = f.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+        for (i, line) in non_test_text(f).lines().enumerate() {
+            if line.contains("serde_json") || line.contains("json!") {
+                found.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "JSON built in a suite (return a typed value; reports makes the JSON):\n{}", found.join("\n"));
+    // The sections the suites fill, read back by key.
+    let suite_sections = ["first_divergence", "emulated_arithmetic", "routing_split", "first_difference", "first_divergence_vs_oracle", "baseline_departure", "unjudged_taps", "unknown_tap_kinds", "routing_followed", "token_stats", "tap_coverage", "golden"];
+    let mut files = Vec::new();
+    rust_files(&root().join("xtask/src"), &mut files);
+    for f in &files {
+        let rel = f.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+        for (i, line) in non_test_text(f).lines().enumerate() {
+            for s in suite_sections {
+                if [format!("sections.get(\"{s}\")"), format!("sections[\"{s}\"]"), format!("sections.remove(\"{s}\")")].iter().any(|p| line.contains(p.as_str())) {
+                    found.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "a suite's section read back from the JSON by key (read the typed outcome):\n{}", found.join("\n"));
+}

@@ -30,7 +30,8 @@ use oracle::RecordingTap;
 use reports::{Provenance, Report};
 use oracle::taps::{TapKind, TapName};
 use reports::{Case, Tolerance, Verdict};
-use serde_json::{json, Map, Value};
+use reports::findings::{Departure, Emulation, FirstDifference, FirstDivergence, Gate, RoutingSplit, TightestBudget};
+use reports::Metrics;
 
 mod budget;
 mod stats;
@@ -44,12 +45,7 @@ pub use terms::*;
 pub use render::*;
 #[cfg(test)]
 mod tests;
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    Propagated,
-    Isolated,
-}
+pub use reports::findings::Mode;
 
 /// One tap's comparison.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -396,6 +392,76 @@ pub struct Outcome {
     pub report: Report,
     /// MoE tokens where the oracle followed the device's expert choice at a near tie.
     pub follows: Vec<RoutingFollow>,
+    /// What the run found beyond its cases (written into `report`'s sections).
+    pub findings: Findings,
+}
+
+/// What a layer-diff run found beyond its cases, typed: a command reads these, and
+/// [`Findings::record`] hands them to the report, which makes its JSON of them.
+#[derive(Clone, Debug, Default)]
+pub struct Findings {
+    /// The first tap over its budget, and the op behind it.
+    pub first_divergence: Option<FirstDivergence>,
+    /// The device's declared arithmetic run on the oracle (a run against the oracle only).
+    pub emulation: Option<Emulation>,
+    /// The device's taps compared with nothing ([`unjudged`]).
+    pub unjudged_taps: Vec<String>,
+    /// Those of no kind this tool knows.
+    pub unknown_tap_kinds: Vec<String>,
+    /// `--against`: what the comparison of two devices adds.
+    pub against: Option<Against>,
+}
+
+/// What `--against` finds besides its taps' cases.
+#[derive(Clone, Debug)]
+pub struct Against {
+    /// The `baseline_departure` gate (held only between two declarations of one arithmetic).
+    pub baseline_departure: Gate,
+    /// MoE: the first position where the two took other experts, each explained.
+    pub routing_split: Option<RoutingSplit>,
+    /// The first tap where the two differ at all (None: bit for bit equal at every tap).
+    pub first_difference: Option<FirstDifference>,
+    /// Each device's own first divergence from the oracle, by device.
+    pub first_divergence_vs_oracle: Vec<(String, Option<FirstDivergence>)>,
+    /// Where each device's comparison with the oracle followed its routing at a near tie.
+    pub routing_followed: Vec<(String, Vec<RoutingFollow>)>,
+}
+
+impl Findings {
+    /// Names device `from` as `to` (its label) wherever the findings name a device.
+    pub fn relabel(&mut self, from: &str, to: &str) {
+        let Some(a) = &mut self.against else { return };
+        let rename = |d: &mut String| {
+            if d == from {
+                *d = to.to_string();
+            }
+        };
+        a.first_divergence_vs_oracle.iter_mut().for_each(|(d, _)| rename(d));
+        a.routing_followed.iter_mut().for_each(|(d, _)| rename(d));
+        if let Some(split) = &mut a.routing_split {
+            if let Some(ids) = split.choices.remove(from) {
+                split.choices.insert(to.to_string(), ids);
+            }
+        }
+    }
+
+    /// Writes the findings into `report`'s sections (docs/REPORT_SCHEMA.md, layer-diff).
+    pub fn record(&self, report: &mut Report) {
+        report.set_section("first_divergence", &self.first_divergence);
+        if let Some(e) = &self.emulation {
+            report.set_section("emulated_arithmetic", e);
+        }
+        report.set_section("unjudged_taps", &self.unjudged_taps);
+        report.set_section("unknown_tap_kinds", &self.unknown_tap_kinds);
+        let Some(a) = &self.against else { return };
+        if let Gate::NotApplicable(why) = &a.baseline_departure {
+            report.set_section("baseline_departure", why);
+        }
+        report.set_section("routing_split", &a.routing_split);
+        report.set_section("first_difference", &a.first_difference);
+        report.set_section("first_divergence_vs_oracle", &a.first_divergence_vs_oracle.iter().map(|(d, f)| (d, f)).collect::<std::collections::BTreeMap<_, _>>());
+        report.set_section("routing_followed", &a.routing_followed.iter().map(|(d, f)| (d, f)).collect::<std::collections::BTreeMap<_, _>>());
+    }
 }
 
 /// One device's taps judged against the oracle: the oracle's own run and its re-run on the
@@ -478,38 +544,40 @@ pub fn run(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32], device_
             // Where the device leaves the emulated line most: where to look when it leaves it at
             // all. Among the taps the gate compares; where it compares none, among those the
             // emulation has rounded anything before.
-            departure_case = emulated_departure(&taps, emulation_factor, model, device);
-            let largest = match &departure_case {
-                Some(c) => Some((c.metrics["largest_tap"].clone(), c.metrics["largest_ratio"].clone())),
-                None => taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, r)| (json!(t.name), json!(r))),
+            let gate = emulated_departure_gate(&taps, emulation_factor, model, device);
+            let largest = match &gate {
+                Some((_, d)) => Some(d.clone()),
+                None => taps.iter().filter_map(|t| Some((t, t.propagated.as_ref()?.rel() / t.emulated.filter(|e| *e > 0.0)?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, r)| Departure { tap: t.name.clone(), propagated_over_emulated: r }),
             };
             // The tap where the emulated arithmetic comes closest to its own propagated budget:
             // how much room an honest engine of this arithmetic has (a use near or above 1 is a
             // budget too tight for the declaration, before any engine meets it).
-            let tightest = taps.iter().filter_map(|t| Some((t, t.emulated_budget_use()?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, u)| json!({ "tap": t.name, "budget_use": u }));
-            let mut section = json!({ "applied": true, "largest_departure": largest.map(|(t, r)| json!({ "tap": t, "propagated_over_emulated": r })), "tightest_budget": tightest, "factor": emulation_factor, "floor": crate::emulate::EMULATED_FLOOR, "min_spread": crate::emulate::EMULATED_MIN_SPREAD });
-            if departure_case.is_none() {
-                section["gate"] = json!(format!(
+            let tightest = taps.iter().filter_map(|t| Some((t, t.emulated_budget_use()?))).max_by(|a, b| a.1.total_cmp(&b.1)).map(|(t, u)| TightestBudget { tap: t.name.clone(), budget_use: u });
+            let held = match gate {
+                Some((case, _)) => {
+                    departure_case = Some(case);
+                    Gate::Held
+                }
+                None => Gate::NotApplicable(format!(
                     "not applicable: the emulated error over a tap's bulk reaches {:e} at no tap whose errors are spread over {} elements (the declared roundings barely touch this model)",
                     crate::emulate::EMULATED_FLOOR,
                     crate::emulate::EMULATED_MIN_SPREAD
-                ));
-            }
-            section
+                )),
+            };
+            Emulation::Applied { largest_departure: largest, tightest_budget: tightest, factor: emulation_factor, floor: crate::emulate::EMULATED_FLOOR, min_spread: crate::emulate::EMULATED_MIN_SPREAD, gate: held }
         }
-        Err(why) => json!({ "not_applicable": why }),
+        Err(why) => Emulation::NotApplicable(why),
     };
     let follows: Vec<RoutingFollow> = reference.routing.follows.into_iter().chain(sub.routing.follows).collect();
     for t in &mut taps {
         t.routing_followed = follows.iter().filter(|f| f.tap == t.name).count();
     }
     let mut report = report(&taps, mode, model, device, ids, None, departure_case);
-    report.sections.insert("unjudged_taps".into(), json!(unjudged(&reference.recorded, device_taps)));
-    report.sections.insert("unknown_tap_kinds".into(), json!(device_taps.others));
-    report.sections.insert("routing_followed".into(), json!(follows));
-    report.sections.insert("arithmetic".into(), json!(arith));
-    report.sections.insert("emulated_arithmetic".into(), emulation);
-    Ok(Outcome { taps, report, follows })
+    let findings = Findings { first_divergence: first_divergence_finding(&taps), emulation: Some(emulation), unjudged_taps: unjudged(&reference.recorded, device_taps), unknown_tap_kinds: device_taps.others.clone(), against: None };
+    findings.record(&mut report);
+    report.set_section("routing_followed", &follows);
+    report.set_section("arithmetic", arith);
+    Ok(Outcome { taps, report, follows, findings })
 }
 
 /// `--against`: device A compared with device B tap by tap. Each may be its own propagated
@@ -545,13 +613,9 @@ pub fn baseline_departure(candidate: &[TapDiff], baseline: &[TapDiff], factor: f
         }
     }
     let (worst_tap, worst_ratio) = worst?;
-    let mut m = Map::new();
-    m.insert("taps_compared".into(), json!(compared));
-    m.insert("worst_tap".into(), json!(worst_tap));
-    m.insert("worst_error_over_bound".into(), json!(worst_ratio / factor));
-    m.insert("candidate_over_baseline".into(), json!(worst_ratio));
+    let mut m = Metrics::new().with("taps_compared", compared).with("worst_tap", worst_tap).with("worst_error_over_bound", worst_ratio / factor).with("candidate_over_baseline", worst_ratio);
     let message = first.map(|(tap, r, cr, br)| {
-        m.insert("first_departure".into(), json!(tap));
+        m.set("first_departure", tap);
         format!("{tap}: the candidate's propagated error {cr:.3e} is {r:.1}x the baseline's {br:.3e}")
     });
     Some(Case {
@@ -616,43 +680,42 @@ pub fn run_against(oracle_model: &AnyModel, path: &std::path::Path, ids: &[u32],
     let same_arithmetic = a.2 == b.2;
     let departure = if same_arithmetic { baseline_departure(&vs_oracle_a.taps, &vs_oracle_b.taps, factor, model, &format!("{} vs {}", a.0, b.0)) } else { None };
     let mut report = report(&taps, Mode::Propagated, model, &format!("{} vs {}", a.0, b.0), ids, Some(b.0), departure);
-    if !same_arithmetic {
-        report.sections.insert("baseline_departure".into(), json!("not applied: the two declare different arithmetic (each is held to its own emulation by `layer-diff --device D`)"));
-    }
-    report.sections.insert("routing_split".into(), split.as_ref().map_or(Value::Null, |(at, position, choices)| json!({ "tap": taps[*at].name, "position": position, a.0: choices.0, b.0: choices.1 })));
     for c in &mut report.cases {
-        let name = c.metrics.get("tap").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let name = c.metrics.str("tap").unwrap_or("").to_string();
         for (device, t) in [a.0, b.0].into_iter().zip(own(&name)) {
-            c.metrics.insert(format!("oracle_vs_{device}_rel_rms"), json!(t.and_then(|t| t.propagated).map(|s| s.rel())));
+            c.metrics.set(format!("oracle_vs_{device}_rel_rms"), t.and_then(|t| t.propagated).map(|s| s.rel()));
         }
-        if let Some(n) = c.metrics.get("routing_followed_at_near_ties").and_then(|v| v.as_u64()).filter(|n| *n > 0) {
+        if let Some(n) = taps.iter().find(|t| t.name == name).map(|t| t.routing_followed).filter(|n| *n > 0 && c.metrics.contains_key("routing_followed_at_near_ties")) {
             c.message = Some(format!("the two chose other experts at {n} position(s), each as the oracle routed as it was at a near tie"));
         }
         if let Some(device) = judged_alone.get(&name) {
-            c.metrics.insert("judged_against_the_oracle_routed_as".into(), json!(device));
+            c.metrics.set("judged_against_the_oracle_routed_as", device);
             c.tolerance.rule = format!("{} (past the routing split: {device} against the oracle routed as it was, the worse of the two)", c.tolerance.rule);
         }
     }
     let reference = &vs_oracle_a.reference.recorded;
     let mut names = unjudged(reference, a.1);
     names.extend(unjudged(reference, b.1).into_iter().filter(|n| !a.1.tensors.contains_key(n) && !a.1.others.contains(n)));
-    report.sections.insert("unjudged_taps".into(), json!(names));
-    let others: Vec<&String> = a.1.others.iter().chain(b.1.others.iter().filter(|n| !a.1.others.contains(n))).collect();
-    report.sections.insert("unknown_tap_kinds".into(), json!(others));
-    report.sections.insert("arithmetic".into(), Value::Object(Map::from_iter([(a.0.to_string(), json!(a.2)), (b.0.to_string(), json!(b.2))])));
+    let others: Vec<String> = a.1.others.iter().chain(b.1.others.iter().filter(|n| !a.1.others.contains(n))).cloned().collect();
     // Two builds of one engine often agree bit for bit up to a change: the first tap where they
     // differ at all is worth knowing even when the difference is inside the budget.
     let first_difference = taps.iter().find(|t| t.propagated.is_some_and(|s| s.rms_err > 0.0 || s.nonfinite > 0) || t.id_mismatches.is_some_and(|n| n > 0) || t.routing_followed > 0);
-    report.sections.insert("first_difference".into(), first_difference.map_or(serde_json::Value::Null, |t| json!({ "tap": t.name, "rms_err": t.propagated.map(|s| s.rms_err), "worst_position": t.propagated.map(|s| s.worst_pos) })));
-    // Each device's own first divergence from the oracle (isolated where it can be), for the
-    // reader: the pair's gate holds their difference to the sum of two propagated budgets, which
-    // a tap that one device computes wrong can stay inside.
-    report.sections.insert("first_divergence_vs_oracle".into(), json!({ a.0: first_divergence_json(&vs_oracle_a.taps), b.0: first_divergence_json(&vs_oracle_b.taps) }));
-    // Where each comparison with the oracle followed its device's MoE routing at a near tie, by
-    // device (the budgets above rest on those runs).
-    let followed = [(a.0, vs_oracle_a), (b.0, vs_oracle_b)].map(|(device, j)| (device.to_string(), json!(j.reference.routing.follows.into_iter().chain(j.isolated.routing.follows).collect::<Vec<_>>())));
-    report.sections.insert("routing_followed".into(), Value::Object(Map::from_iter(followed)));
-    Ok(Outcome { taps, report, follows: Vec::new() })
+    let against = Against {
+        baseline_departure: if same_arithmetic { Gate::Held } else { Gate::NotApplicable("not applied: the two declare different arithmetic (each is held to its own emulation by `layer-diff --device D`)".into()) },
+        routing_split: split.map(|(at, position, choices)| RoutingSplit { tap: taps[at].name.clone(), position, choices: [(a.0.to_string(), choices.0), (b.0.to_string(), choices.1)].into_iter().collect() }),
+        first_difference: first_difference.map(|t| FirstDifference { tap: t.name.clone(), rms_err: t.propagated.map(|s| s.rms_err), worst_position: t.propagated.map(|s| s.worst_pos) }),
+        // Each device's own first divergence from the oracle (isolated where it can be), for the
+        // reader: the pair's gate holds their difference to the sum of two propagated budgets,
+        // which a tap that one device computes wrong can stay inside.
+        first_divergence_vs_oracle: vec![(a.0.to_string(), first_divergence_finding(&vs_oracle_a.taps)), (b.0.to_string(), first_divergence_finding(&vs_oracle_b.taps))],
+        // Where each comparison with the oracle followed its device's MoE routing at a near tie,
+        // by device (the budgets above rest on those runs).
+        routing_followed: [(a.0, vs_oracle_a), (b.0, vs_oracle_b)].into_iter().map(|(device, j)| (device.to_string(), j.reference.routing.follows.into_iter().chain(j.isolated.routing.follows).collect())).collect(),
+    };
+    let findings = Findings { first_divergence: first_divergence_finding(&taps), emulation: None, unjudged_taps: names, unknown_tap_kinds: others, against: Some(against) };
+    findings.record(&mut report);
+    report.set_section("arithmetic", &std::collections::BTreeMap::from([(a.0, a.2), (b.0, b.2)]));
+    Ok(Outcome { taps, report, follows: Vec::new(), findings })
 }
 
 /// `--against`'s expert choices: at each `ffn_moe_topk` tap, the positions where device A (`a`:
@@ -696,13 +759,12 @@ fn report(taps: &[TapDiff], mode: Mode, model: &str, device: &str, ids: &[u32], 
     let mut cases = cases(taps, device, model, mode);
     cases.extend(departure);
     let mut report = Report::new("layer-diff", Provenance::collect(rayon::current_num_threads()), cases);
-    report.sections.insert("mode".into(), json!(mode));
-    report.sections.insert("model".into(), json!(model));
-    report.sections.insert("prompt_ids".into(), json!(ids));
+    report.set_section("mode", &mode);
+    report.set_section("model", &model);
+    report.set_section("prompt_ids", &ids);
     if let Some(b) = against {
-        report.sections.insert("against".into(), json!(b));
+        report.set_section("against", &b);
     }
-    report.sections.insert("first_divergence".into(), first_divergence_json(taps));
     report.add_table("layer_table", "Per layer", &LAYER_TABLE_COLUMNS, layer_table(taps));
     let modes: &[Mode] = if against.is_none() { &[Mode::Isolated, Mode::Propagated] } else { &[Mode::Propagated] };
     report.add_chart("budget_use_by_layer", budget_chart(taps, modes, &format!("{device} on {model}: error over budget by layer")));

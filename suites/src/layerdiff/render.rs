@@ -3,7 +3,8 @@
 use super::*;
 use reports::plot::{Chart, Series};
 use reports::{Case, Tolerance, Verdict};
-use serde_json::{json, Map, Value};
+use reports::findings::{Departure, FirstDivergence};
+use reports::Metrics;
 
 /// The first tap (execution order) whose isolated error exceeds its budget; taps without an
 /// isolated comparison fall back to the propagated one.
@@ -11,28 +12,25 @@ pub fn first_divergence(taps: &[TapDiff]) -> Option<&TapDiff> {
     taps.iter().find(|t| t.exceeds(Mode::Isolated).or_else(|| t.exceeds(Mode::Propagated)) == Some(true))
 }
 
-/// The `first_divergence` section of report.json.
-pub fn first_divergence_json(taps: &[TapDiff]) -> Value {
-    match first_divergence(taps) {
-        None => Value::Null,
-        Some(t) => {
-            let mode = if t.isolated.is_some() { Mode::Isolated } else { Mode::Propagated };
-            let (stats, budget) = t.compared(mode);
-            json!({
-                "tap": t.name,
-                "layer": t.layer,
-                "kind": t.kind.name(),
-                "compared": mode,
-                "rms_err": stats.map(|s| s.rms_err),
-                "bound": stats.zip(budget).map(|(s, b)| b.bound(s.rms_ref)),
-                "worst_position": stats.map(|s| s.worst_pos),
-                "id_mismatches": t.id_mismatches,
-                "op": op_behind(t),
-                "inputs": inputs_of(taps, t),
-                "kernel_filter": kernel_filter(t.kind),
-            })
-        }
-    }
+/// The `first_divergence` section of report.json: the first tap over its budget, the op behind
+/// it and that op's inputs.
+pub fn first_divergence_finding(taps: &[TapDiff]) -> Option<FirstDivergence> {
+    let t = first_divergence(taps)?;
+    let mode = if t.isolated.is_some() { Mode::Isolated } else { Mode::Propagated };
+    let (stats, budget) = t.compared(mode);
+    Some(FirstDivergence {
+        tap: t.name.clone(),
+        layer: t.layer,
+        kind: t.kind.name().to_string(),
+        compared: mode,
+        rms_err: stats.map(|s| s.rms_err),
+        bound: stats.zip(budget).map(|(s, b)| b.bound(s.rms_ref)),
+        worst_position: stats.map(|s| s.worst_pos),
+        id_mismatches: t.id_mismatches,
+        op: op_behind(t),
+        inputs: inputs_of(taps, t),
+        kernel_filter: kernel_filter(t.kind).map(String::from),
+    })
 }
 
 /// The op that makes a tap, in words: what sits between the last tap within its budget and the
@@ -87,15 +85,15 @@ pub fn kernel_filter(kind: TapKind) -> Option<&'static str> {
     })
 }
 
-pub(crate) fn stats_json(prefix: &str, s: &Option<ErrStats>, b: &Option<Budget>, m: &mut Map<String, Value>) {
+pub(crate) fn stats_metrics(prefix: &str, s: &Option<ErrStats>, b: &Option<Budget>, m: &mut Metrics) {
     if let Some(s) = s {
-        m.insert(format!("{prefix}_rms_err"), json!(s.rms_err));
-        m.insert(format!("{prefix}_rel_rms"), json!(s.rel()));
-        m.insert(format!("{prefix}_max_abs"), json!(s.max_abs));
-        m.insert(format!("{prefix}_cosine"), json!(s.cosine));
-        m.insert(format!("{prefix}_nonfinite"), json!(s.nonfinite));
+        m.set(format!("{prefix}_rms_err"), s.rms_err);
+        m.set(format!("{prefix}_rel_rms"), s.rel());
+        m.set(format!("{prefix}_max_abs"), s.max_abs);
+        m.set(format!("{prefix}_cosine"), s.cosine);
+        m.set(format!("{prefix}_nonfinite"), s.nonfinite);
         if let Some(b) = b {
-            m.insert(format!("{prefix}_bound"), json!(b.bound(s.rms_ref)));
+            m.set(format!("{prefix}_bound"), b.bound(s.rms_ref));
         }
     }
 }
@@ -104,49 +102,49 @@ pub(crate) fn stats_json(prefix: &str, s: &Option<ErrStats>, b: &Option<Budget>,
 pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Case> {
     taps.iter()
         .map(|t| {
-            let mut m = Map::new();
-            m.insert("tap".into(), json!(t.name));
-            m.insert("layer".into(), json!(t.layer));
-            m.insert("kind".into(), json!(t.kind.name()));
-            stats_json("propagated", &t.propagated, &t.budget_propagated, &mut m);
-            stats_json("isolated", &t.isolated, &t.budget_isolated, &mut m);
+            let mut m = Metrics::new();
+            m.set("tap", &t.name);
+            m.set("layer", t.layer);
+            m.set("kind", t.kind.name());
+            stats_metrics("propagated", &t.propagated, &t.budget_propagated, &mut m);
+            stats_metrics("isolated", &t.isolated, &t.budget_isolated, &mut m);
             if let Some(a) = t.amplification {
-                m.insert("propagated_amplification".into(), json!(a));
-                m.insert("propagated_magnified".into(), json!(t.magnified));
+                m.set("propagated_amplification", a);
+                m.set("propagated_magnified", t.magnified);
             }
             if let Some(e) = t.emulated {
-                m.insert("emulated_rel".into(), json!(e));
+                m.set("emulated_rel", e);
                 if let Some(b) = t.emulated_bulk {
-                    m.insert("bulk_propagated_rel".into(), json!(b.device_rel));
-                    m.insert("bulk_emulated_rel".into(), json!(b.emulated_rel));
-                    m.insert("massive_values".into(), json!(b.massive));
-                    m.insert("bulk_error_spread".into(), json!(b.spread));
+                    m.set("bulk_propagated_rel", b.device_rel);
+                    m.set("bulk_emulated_rel", b.emulated_rel);
+                    m.set("massive_values", b.massive);
+                    m.set("bulk_error_spread", b.spread);
                 }
                 if let Some(u) = t.emulated_budget_use() {
-                    m.insert("emulated_budget_use".into(), json!(u));
+                    m.set("emulated_budget_use", u);
                 }
                 // No ratio where the emulation has no error yet (no rounding before this tap).
                 if let Some(p) = t.propagated.as_ref().filter(|_| e > 0.0) {
-                    m.insert("propagated_over_emulated".into(), json!(p.rel() / e));
+                    m.set("propagated_over_emulated", p.rel() / e);
                 }
             }
             if let Some(ts) = t.terms {
-                m.insert("term_rms".into(), json!(ts.term_rms));
-                m.insert("output_rms".into(), json!(ts.output_rms));
-                m.insert("terms_grant".into(), json!(t.terms_grant));
+                m.set("term_rms", ts.term_rms);
+                m.set("output_rms", ts.output_rms);
+                m.set("terms_grant", t.terms_grant);
             }
             if t.attention_grant > 0.0 {
-                m.insert("attention_grant".into(), json!(t.attention_grant));
+                m.set("attention_grant", t.attention_grant);
             }
             if let Some(n) = t.id_mismatches {
-                m.insert("id_mismatches".into(), json!(n));
-                m.insert("routing_followed_at_near_ties".into(), json!(t.routing_followed));
+                m.set("id_mismatches", n);
+                m.set("routing_followed_at_near_ties", t.routing_followed);
             }
             let (gated, budget) = t.compared(mode);
             if let Some(s) = gated {
-                m.insert("max_abs".into(), json!(s.max_abs));
+                m.set("max_abs", s.max_abs);
             }
-            let id = format!("layer_diff(model={model},tap={},mode={})", t.name, serde_json::to_value(mode).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+            let id = format!("layer_diff(model={model},tap={},mode={})", t.name, mode.name());
             let (verdict, bound, margin, rule, message) = if t.missing {
                 (Verdict::Unsupported, 0.0, 0.0, "missing".to_string(), Some("the device did not produce this tap".to_string()))
             } else if let Some(n) = t.id_mismatches {
@@ -209,6 +207,11 @@ pub fn cases(taps: &[TapDiff], device: &str, model: &str, mode: Mode) -> Vec<Cas
 /// when no tap qualifies (nothing to hold the device to). A tap with values non-finite on the
 /// device's side only is past any factor (its ratio is infinite).
 pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &str) -> Option<Case> {
+    emulated_departure_gate(taps, factor, model, device).map(|(case, _)| case)
+}
+
+/// [`emulated_departure`], with the tap it found the largest ratio at.
+pub(crate) fn emulated_departure_gate(taps: &[TapDiff], factor: f64, model: &str, device: &str) -> Option<(Case, Departure)> {
     use crate::emulate::{EMULATED_FLOOR as FLOOR, EMULATED_MIN_SPREAD as MIN_SPREAD};
     let material: Vec<(&TapDiff, &ErrStats, BulkErrors)> = taps.iter().filter(|t| !t.missing).filter_map(|t| Some((t, t.propagated.as_ref()?, t.emulated_bulk.filter(|b| b.emulated_rel >= FLOOR)?))).collect();
     let (held, concentrated): (Vec<_>, Vec<_>) = material.into_iter().partition(|(_, _, b)| b.spread >= MIN_SPREAD);
@@ -216,16 +219,16 @@ pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &s
     let over = |r: f64| r.is_nan() || r > factor;
     let (largest, largest_ratio) = *ratios.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
     let first = ratios.iter().find(|(_, r)| over(*r));
-    let mut m = Map::new();
-    m.insert("taps_compared".into(), json!(ratios.len()));
-    m.insert("largest_ratio".into(), json!(largest_ratio));
-    m.insert("largest_tap".into(), json!(largest.name));
-    m.insert("factor".into(), json!(factor));
-    m.insert("taps_concentrated".into(), json!(concentrated.iter().map(|(t, _, _)| &t.name).collect::<Vec<_>>()));
-    m.insert("massive_values".into(), json!(held.iter().map(|(_, _, b)| b.massive).sum::<usize>()));
+    let mut m = Metrics::new();
+    m.set("taps_compared", ratios.len());
+    m.set("largest_ratio", largest_ratio);
+    m.set("largest_tap", &largest.name);
+    m.set("factor", factor);
+    m.set("taps_concentrated", concentrated.iter().map(|(t, _, _)| &t.name).collect::<Vec<_>>());
+    m.set("massive_values", held.iter().map(|(_, _, b)| b.massive).sum::<usize>());
     if let Some((t, r)) = first {
-        m.insert("first_departure_tap".into(), json!(t.name));
-        m.insert("first_departure_ratio".into(), json!(r));
+        m.set("first_departure_tap", &t.name);
+        m.set("first_departure_ratio", r);
     }
     let not_held = match concentrated.len() {
         0 => String::new(),
@@ -241,7 +244,7 @@ pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &s
         ),
         None => format!("largest {largest_ratio:.2}x the emulated arithmetic's error, at {} ({} taps compared{not_held})", largest.name, ratios.len()),
     };
-    Some(Case {
+    let case = Case {
         id: format!("layer_diff(model={model},gate=emulated_departure)"),
         device: device.to_string(),
         verdict: if first.is_some() { Verdict::Fail } else { Verdict::Pass },
@@ -249,7 +252,8 @@ pub fn emulated_departure(taps: &[TapDiff], factor: f64, model: &str, device: &s
         tolerance: Tolerance { rule: format!("propagated rel. error <= {factor} x the declared arithmetic emulated's, over each tap's bulk (values under {MASSIVE} x its median magnitude), where that is >= {FLOOR:e} and the errors sit in >= {MIN_SPREAD} elements"), bound: factor },
         margin: factor - largest_ratio,
         message: Some(message),
-    })
+    };
+    Some((case, Departure { tap: largest.name.clone(), propagated_over_emulated: largest_ratio }))
 }
 
 /// Rows of the per-layer table: layer, l_out propagated error/bound, worst isolated op.

@@ -2,6 +2,7 @@
 
 use super::*;
 use oracle::Tap;
+use serde_json::json;
 
 /// The kind named `name`, for tables written as names.
 fn kind(name: &str) -> TapKind {

@@ -14,7 +14,6 @@
 
 use crate::Exit;
 use reports::{Case, Provenance, Report, Tolerance, Verdict};
-use serde_json::json;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
@@ -203,11 +202,11 @@ fn write(a: &AbCalibrateArgs, dir: &std::path::Path, done: &[(Scenario, Decision
                 format!("{k} of {n} decisions called the {}% slowdown slower: {} (95% CI {} .. {}); the runs' smallest detectable change (median) {}", a.slowdown, pct(rate), pct(lo), pct(hi), if mde.is_finite() { pct(mde) } else { "unknown".into() }),
             ),
         };
-        let mut metrics = serde_json::Map::new();
-        metrics.insert("decisions".into(), json!(n));
-        metrics.insert("events".into(), json!(k));
-        metrics.insert("rate".into(), json!(rate));
-        metrics.insert("ci95".into(), json!([lo, hi]));
+        let mut metrics = reports::Metrics::new();
+        metrics.set("decisions", n);
+        metrics.set("events", k);
+        metrics.set("rate", rate);
+        metrics.set("ci95", [lo, hi]);
         let bound = if sc == Scenario::AA { 0.05 } else { 0.9 };
         cases.push(Case {
             id: format!("ab_calibration(scenario={},arm={},model={},exec={})", if sc == Scenario::AA { "a_a" } else { "slowdown" }, a.arm, a.model, a.exec),

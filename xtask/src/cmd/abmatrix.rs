@@ -9,7 +9,6 @@
 use super::ab::AbArgs;
 use crate::Exit;
 use reports::{Case, Provenance, Report, Tolerance, Verdict};
-use serde_json::json;
 use std::path::Path;
 
 /// `ab`: a matrix when `--model` or `--prompt-len` lists more than one, else one comparison.
@@ -145,7 +144,7 @@ fn scenario_case(a: &AbArgs, model: &str, prompt_len: usize, verdict: Verdict, m
         id: format!("ab(a={},b={},model={model},prompt_len={prompt_len})", a.a, a.b),
         device: format!("{} vs {}", a.b, a.a),
         verdict,
-        metrics: serde_json::Map::from_iter([("prompt_len".to_string(), json!(prompt_len))]),
+        metrics: reports::Metrics::new().with("prompt_len", prompt_len),
         tolerance: Tolerance { rule: format!("no change if the 95% CI of the change lies inside ±{}%", a.threshold), bound: a.threshold / 100.0 },
         margin: 0.0,
         message: Some(message),

@@ -219,21 +219,21 @@ pub fn case_in_own_process(device: &str, model: &str) -> Result<(reports::Case, 
 pub fn case(device: &str, model: &str, m: &Measured) -> reports::Case {
     let (r, kernels) = (&m.r, &m.kernels);
     let med = suites::throughput::median;
-    let mut metrics = serde_json::Map::new();
-    metrics.insert("prefill_tok_per_s".into(), json!(med(&r.prefill_tok_per_s)));
-    metrics.insert("decode_tok_per_s".into(), json!(med(&r.decode_tok_per_s)));
-    metrics.insert("ttft_ms".into(), json!(med(&r.ttft_ms)));
-    metrics.insert("itl_p50_p90_p99_ms".into(), json!(r.itl_p50_p90_p99_ms));
-    metrics.insert("peak_rss_kb".into(), json!(r.peak_rss_kb));
-    metrics.insert("device_memory_peak_bytes".into(), json!(m.device_peak));
-    metrics.insert("kernel_launches_prefill".into(), json!(kernels.as_ref().map(|k| k.prefill_launches)));
-    metrics.insert("kernel_launches_per_decode_token".into(), json!(kernels.as_ref().map(|k| k.launches_per_token())));
+    let mut metrics = reports::Metrics::new();
+    metrics.set("prefill_tok_per_s", med(&r.prefill_tok_per_s));
+    metrics.set("decode_tok_per_s", med(&r.decode_tok_per_s));
+    metrics.set("ttft_ms", med(&r.ttft_ms));
+    metrics.set("itl_p50_p90_p99_ms", r.itl_p50_p90_p99_ms);
+    metrics.set("peak_rss_kb", r.peak_rss_kb);
+    metrics.set("device_memory_peak_bytes", m.device_peak);
+    metrics.set("kernel_launches_prefill", kernels.as_ref().map(|k| k.prefill_launches));
+    metrics.set("kernel_launches_per_decode_token", kernels.as_ref().map(|k| k.launches_per_token()));
     let kernel_us = kernels.as_ref().map(|k| 1e6 * k.seconds() / k.tokens as f64);
-    metrics.insert("decode_kernel_us_per_token".into(), json!(kernel_us));
-    metrics.insert("decode_kernel_busy_fraction".into(), json!(kernel_us.map(|us| us * med(&r.decode_tok_per_s) / 1e6)));
-    metrics.insert("output_hash".into(), json!(r.output_hashes.first()));
+    metrics.set("decode_kernel_us_per_token", kernel_us);
+    metrics.set("decode_kernel_busy_fraction", kernel_us.map(|us| us * med(&r.decode_tok_per_s) / 1e6));
+    metrics.set("output_hash", r.output_hashes.first());
     if let Some(store) = m.oracle_weights {
-        metrics.insert("oracle_weights".into(), json!(store));
+        metrics.set("oracle_weights", store);
     }
     let problems = r.problems();
     reports::Case {
@@ -343,7 +343,7 @@ fn write_report(a: &BenchArgs, m: Measured) -> Result<u8, Exit> {
         report.add_table("decode_kernels", &title, &["kernel", "launches per token", "us per token", "of kernel time"], rows);
         report.sections.insert("decode_kernel_profile".into(), json!({"tokens": k.tokens, "profile": k.profile}));
     }
-    report.sections.insert("bench".into(), serde_json::to_value(&r).unwrap_or_default());
+    report.set_section("bench", &r);
     let dir = super::write_report(&mut report, a.report_dir.clone())?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())

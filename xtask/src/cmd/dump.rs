@@ -1,7 +1,7 @@
 //! `cargo xtask dump`: every tap and the logits of every position, in the dump format.
 
 use devices::DeviceSpec;
-use super::{check_device, check_ids, load_engine};
+use super::{check_ids, load_engine_on, open_device};
 use crate::Exit;
 use oracle::dump::{write_dump, ModelInfo};
 use oracle::{Precision, RecordingTap};
@@ -28,8 +28,7 @@ pub struct DumpArgs {
 }
 
 pub fn main(a: DumpArgs) -> Result<u8, Exit> {
-    check_device(&a.device)?;
-    let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
+    let (path, mut engine, tok) = load_engine_on(&a.model, open_device(&a.device)?, a.precision)?;
     let ids = super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?.expect("clap requires one");
     check_ids(&ids, engine.spec().n_vocab)?;
     // The recording, and its copy as written.

@@ -3,14 +3,14 @@
 
 use devices::DeviceSpec;
 use super::layerdiff::default_prompt;
-use super::{check_device, load_engine, resolve_model, Engine};
+use super::{resolve_model, Engine};
 use crate::Exit;
 use oracle::generate::AnyModel;
 use oracle::ops::SamplerConfig;
 use oracle::{NoTap, Precision};
 use reports::plot::{Chart, Series};
 use reports::{Provenance, Report};
-use serde_json::json;
+use reports::findings::{PositionFigures, TokenFindings};
 use std::path::PathBuf;
 use suites::fixedtoken::{self, DeviceRuns, Golden, RoutingTap};
 use suites::layerdiff::{self, propagated_budget, Dims, RoutingFollower};
@@ -93,12 +93,13 @@ pub fn main(a: FixedTokenArgs) -> Result<u8, Exit> {
 pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     super::check_factor("--baseline-factor", a.baseline_factor)?;
     super::check_factor("--emulation-factor", a.emulation_factor)?;
-    let baseline: Option<serde_json::Value> = match &a.baseline {
+    let baseline: Option<Report> = match &a.baseline {
         Some(f) => {
             let text = std::fs::read_to_string(f).map_err(|e| super::io_exit(f, e))?;
-            let report: serde_json::Value = serde_json::from_str(&text).map_err(|e| Exit::new(2, format!("--baseline {}: not a report.json: {e}", f.display())))?;
+            let not_a_report = |e: serde_json::Error| Exit::new(2, format!("--baseline {}: not a report.json: {e}", f.display()));
+            let report: serde_json::Value = serde_json::from_str(&text).map_err(not_a_report)?;
             reports::check_schema_version(report["schema_version"].as_u64().unwrap_or(0)).map_err(|why| Exit::new(2, format!("--baseline {}: {why}", f.display())))?;
-            Some(report)
+            Some(serde_json::from_value(report).map_err(not_a_report)?)
         }
         None => None,
     };
@@ -106,9 +107,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     if n_generate == 0 {
         return Err(Exit::new(2, "--n-generate must be at least 1: a golden with no continuation leaves the greedy gate nothing to compare"));
     }
-    if !a.write_golden {
-        check_device(&a.device)?;
-    }
+    let opened = if a.write_golden { None } else { Some(super::open_device(&a.device)?) };
     let path = resolve_model(&a.model)?;
     let sha256 = ::fixtures::sha256_model(&path)?;
     let (oracle, tok) = super::load_oracle(&path, Precision::F32)?;
@@ -164,7 +163,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         return Err(Exit::new(2, format!("{origin}: the golden has no continuation tokens, so the greedy gate would compare nothing; regenerate with `{}`", golden.regenerate)));
     }
     let base_kld = match (&baseline, &a.baseline) {
-        (Some(base), Some(f)) => Some(fixedtoken::baseline_kld(&golden, base).map_err(|e| Exit::new(2, format!("--baseline {}: {e}", f.display())))?),
+        (Some(base), Some(f)) => Some(fixedtoken::baseline(&golden, base).map_err(|e| Exit::new(2, format!("--baseline {}: {e}", f.display())))?),
         _ => None,
     };
     let seq = golden.sequence();
@@ -181,7 +180,11 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     let dims = Dims::of(oracle.spec(), seq.len());
     drop(oracle);
 
-    let (_, mut engine, _) = load_engine(&a.model, &a.device, Precision::F32)?;
+    let opened = match opened {
+        Some(o) => o,
+        None => super::open_device(&a.device)?,
+    };
+    let (_, mut engine, _) = super::load_engine_on(&a.model, opened, Precision::F32)?;
     stages.next(&format!("{}: teacher-forced, greedy, decode and append runs", a.device));
     let (device_logits, mut runs, device_routing) = device_runs(&mut engine, &golden)?;
     runs.routing_differs = fixedtoken::routing_differs(&oracle_routing, &device_routing, seq.len());
@@ -214,13 +217,13 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         Some(logits) => fixedtoken::evaluate(&golden, &oracle_logits, &logits, n_vocab, &budget, &runs, a.device.name()),
         None => fixedtoken::evaluate_tokens_only(&golden, &oracle_logits, n_vocab, &budget, runs.greedy.as_deref().unwrap_or(&[]), a.device.name()),
     };
-    if let (Some(base), Some(kld)) = (&baseline, base_kld) {
-        cases.push(fixedtoken::against_baseline(&golden, &stats, kld, base, a.baseline_factor, a.device.name()));
+    if let Some(base) = &base_kld {
+        cases.push(fixedtoken::against_baseline(&golden, &stats, base, a.baseline_factor, a.device.name()));
     }
     // The oracle once more (loaded anew), with the device's declared arithmetic emulated: what an
     // honest engine of that arithmetic gets on this sequence.
     let emulated = match suites::emulate::EmulatedArithmetic::new(&arith, &path) {
-        Ok(emu) if stats["kld"]["mean"].is_f64() => {
+        Ok(emu) if stats.stats().is_some_and(|s| s.kld.mean.is_finite()) => {
             stages.next("the oracle with the declared arithmetic emulated");
             let oracle = match emu.load_model()? {
                 Some(m) => m,
@@ -233,26 +236,24 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
             let reference = runs.followed_oracle.as_deref().unwrap_or(&oracle_logits);
             let emu_stats = fixedtoken::token_stats(&fixedtoken::position_stats(reference, &logits, n_vocab, &budget));
             cases.push(fixedtoken::against_emulation(&golden, &stats, &emu_stats, a.emulation_factor, a.device.name()));
-            json!({ "kld": emu_stats["kld"], "same_top1": emu_stats["same_top1"], "factor": a.emulation_factor })
+            EmulatedKld::Applied { kld: emu_stats.kld, same_top1: emu_stats.same_top1, factor: a.emulation_factor }
         }
-        Ok(_) => json!({ "not_applicable": "token-only engine: no KLD" }),
-        Err(why) => json!({ "not_applicable": why }),
+        Ok(_) => EmulatedKld::NotApplicable { not_applicable: "token-only engine: no KLD".into() },
+        Err(why) => EmulatedKld::NotApplicable { not_applicable: why },
     };
     let mut report = Report::new("fixed-token", Provenance::collect(rayon::current_num_threads()), cases);
-    report.sections.insert("golden".into(), json!({ "source": origin, "model": golden.model, "sha256": golden.sha256, "prompt_ids": golden.prompt_ids, "continuation_ids": golden.continuation_ids }));
-    report.sections.insert(
-        "logit_budget".into(),
-        json!({ "rel": budget.rel, "abs": budget.abs, "rule": "layer-diff propagated budget of result_output (abs: with terms_grant for the head's cancelling terms)", "arithmetic": arith, "head_terms": head_terms, "terms_grant": terms_grant }),
-    );
-    if let Some(per_pos) = stats.get("per_position").cloned() {
-        report.add_chart("kld_by_position", kld_chart(&per_pos, a.device.name(), &a.model));
+    report.set_section("golden", &fixedtoken::GoldenUsed { source: origin, model: golden.model.clone(), sha256: golden.sha256.clone(), prompt_ids: golden.prompt_ids.clone(), continuation_ids: golden.continuation_ids.clone() });
+    let rule = "layer-diff propagated budget of result_output (abs: with terms_grant for the head's cancelling terms)";
+    report.set_section("logit_budget", &LogitBudget { rel: budget.rel, abs: budget.abs, rule, arithmetic: &arith, head_terms, terms_grant });
+    if let TokenFindings::Logits(ts) = &mut stats {
+        report.add_chart("kld_by_position", kld_chart(&ts.per_position, a.device.name(), &a.model));
+        ts.routing_followed = follows.len();
     }
-    stats["routing_followed"] = json!(follows.len());
-    report.sections.insert("routing_followed".into(), json!(follows));
-    report.sections.insert("token_stats".into(), stats);
-    report.sections.insert("emulated_arithmetic".into(), emulated);
+    report.set_section("routing_followed", &follows);
+    report.set_section("token_stats", &stats);
+    report.set_section("emulated_arithmetic", &emulated);
     if let Some(name) = declared_name {
-        report.sections.insert(super::DECLARED_NAMES.into(), json!({ a.device.name(): name }));
+        report.set_section(super::DECLARED_NAMES, &std::collections::BTreeMap::from([(a.device.name(), name)]));
     }
     Ok(Some(report))
 }
@@ -306,18 +307,36 @@ fn device_runs(engine: &mut Engine, golden: &Golden) -> Result<(Option<Vec<f32>>
     }
 }
 
-fn kld_chart(per_pos: &serde_json::Value, device: &str, model: &str) -> Chart {
-    let pts = |key: &str| -> Vec<(f64, f64)> {
-        per_pos.as_array().into_iter().flatten().filter_map(|p| Some((p.get("pos")?.as_f64()?, p.get(key)?.as_f64()?.max(1e-12)))).collect()
-    };
+/// fixed-token's `emulated_arithmetic` section: the KLD of the oracle run with the declared
+/// arithmetic emulated, or why there is none.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum EmulatedKld {
+    Applied { kld: reports::findings::KldSummary, same_top1: reports::findings::SameTop1, factor: f64 },
+    NotApplicable { not_applicable: String },
+}
+
+/// fixed-token's `logit_budget` section.
+#[derive(serde::Serialize)]
+struct LogitBudget<'a> {
+    rel: f64,
+    abs: f64,
+    rule: &'a str,
+    arithmetic: &'a devices::Arithmetic,
+    head_terms: Option<suites::layerdiff::TermScale>,
+    terms_grant: f64,
+}
+
+fn kld_chart(per_pos: &[PositionFigures], device: &str, model: &str) -> Chart {
+    let pts = |of: fn(&PositionFigures) -> f64| -> Vec<(f64, f64)> { per_pos.iter().filter(|p| of(p).is_finite()).map(|p| (p.pos as f64, of(p).max(1e-12))).collect() };
     Chart {
         title: format!("{device} on {model}: KL divergence by position"),
         x_label: "position".into(),
         y_label: "KLD (nats)".into(),
         log_y: true,
         series: vec![
-            Series { name: "KLD oracle -> device".into(), points: pts("kld"), colour: 0, dashed: false },
-            Series { name: "bound 0.5*delta^2".into(), points: pts("kld_bound"), colour: 0, dashed: true },
+            Series { name: "KLD oracle -> device".into(), points: pts(|p| p.kld), colour: 0, dashed: false },
+            Series { name: "bound 0.5*delta^2".into(), points: pts(|p| p.kld_bound), colour: 0, dashed: true },
         ],
         band: None,
         markers: Vec::new(),
@@ -326,22 +345,22 @@ fn kld_chart(per_pos: &serde_json::Value, device: &str, model: &str) -> Chart {
 }
 
 fn print_summary(r: &Report) {
-    if let Some(ts) = r.sections.get("token_stats") {
-        let f = |p: &[&str]| p.iter().try_fold(ts, |v, k| v.get(k)).and_then(|v| v.as_f64()).map_or("-".into(), |x| format!("{x:.4e}"));
+    if let Some(Ok(TokenFindings::Logits(ts))) = r.section::<TokenFindings>("token_stats") {
+        let f = |x: f64| if x.is_finite() { format!("{x:.4e}") } else { "-".into() };
+        let pct = |x: f64| if x.is_finite() { format!("{:.1}", 100.0 * x) } else { "-".into() };
         outln!(
-            "KLD mean {} median {} p99 {} max {} (bound on mean {}); same top-1 {} of positions (95% CI {}); near ties {}",
-            f(&["kld", "mean"]),
-            f(&["kld", "median"]),
-            f(&["kld", "p99"]),
-            f(&["kld", "max"]),
-            f(&["kld_bound_mean"]),
-            ts.get("same_top1").and_then(|s| s.get("rate")).and_then(|v| v.as_f64()).map_or("-".into(), |x| format!("{:.1}%", 100.0 * x)),
-            ts.get("same_top1").and_then(|s| s.get("ci95")).and_then(|v| Some(format!("{:.1}-{:.1}%", 100.0 * v.get(0)?.as_f64()?, 100.0 * v.get(1)?.as_f64()?))).unwrap_or("-".into()),
-            ts.get("near_ties").map_or("-".into(), |v| v.to_string()),
+            "KLD mean {} median {} p99 {} max {} (bound on mean {}); same top-1 {}% of positions (95% CI {}-{}%); near ties {}",
+            f(ts.kld.mean),
+            f(ts.kld.median),
+            f(ts.kld.p99),
+            f(ts.kld.max.unwrap_or(f64::NAN)),
+            f(ts.kld_bound_mean),
+            pct(ts.same_top1.rate),
+            pct(ts.same_top1.ci95[0]),
+            pct(ts.same_top1.ci95[1]),
+            ts.near_ties,
         );
-        if let (Some(mean_abs), Some(top5), Some(n)) = (ts.get("mean_abs_logit").and_then(|v| v.as_f64()), ts.get("same_top5"), ts.get("positions")) {
-            outln!("mean |logit error| {mean_abs:.4e} (max {}); same top-5 ids at {top5} of {n} positions", f(&["max_abs_logit"]));
-        }
+        outln!("mean |logit error| {} (max {}); same top-5 ids at {} of {} positions", f(ts.mean_abs_logit), f(ts.max_abs_logit), ts.same_top5, ts.positions);
     }
     for c in &r.cases {
         // A KLD-ratio gate that passed says by how much (a failed one's message does).

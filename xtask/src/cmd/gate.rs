@@ -122,7 +122,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                     let args = super::layerdiff::LayerDiffArgs { device: spec.clone(), model: m.clone(), mode: None, prompt_ids: None, prompt: None, against: None, baseline_factor: 4.0, emulation_factor: suites::emulate::EMULATION_FACTOR, report_dir: None, require_taps: a.require_taps.clone(), name: None };
                     super::layerdiff::layer_diff(&args).map(|mut o| {
                         outln!("{}", super::layerdiff::story(&o, &label(d), m));
-                        if let Some(div) = o.report.sections.get("first_divergence").filter(|v| !v.is_null()) {
+                        if let Some(div) = &o.findings.first_divergence {
                             outln!("  more: {}", super::layerdiff::next_steps(d, m, div));
                         }
                         divergences.push(super::layerdiff::divergence_row(&o, d, m));

@@ -2,9 +2,10 @@
 //! first divergence, a per-layer table and error-by-layer plots (suites::layerdiff).
 
 use devices::DeviceSpec;
-use super::{check_device, check_ids, load_engine, Engine};
+use super::{check_ids, load_engine, Engine};
 use crate::Exit;
 use oracle::{Precision, RecordingTap};
+use reports::findings::{Emulation, FirstDivergence, Gate};
 use std::path::PathBuf;
 use suites::layerdiff::{self, Mode};
 
@@ -99,24 +100,23 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
     let mut outcome = layer_diff(&a)?;
     super::spread_time(&mut outcome.report.cases, t0.elapsed().as_secs_f64());
     let devices: Vec<String> = std::iter::once(&a.device).chain(&a.against).map(|d| d.name().to_string()).collect();
-    super::label_devices(&mut outcome.report, &devices, a.name.as_deref());
+    for (device, label) in super::label_devices(&mut outcome.report, &devices, a.name.as_deref()) {
+        outcome.findings.relabel(&device, &label);
+    }
     print_table(&outcome);
     for f in &outcome.follows {
         outln!("routing: {f}");
     }
     // `--against`: each device's comparison with the oracle, by device.
-    for (device, follows) in outcome.report.sections.get("routing_followed").and_then(|v| v.as_object()).into_iter().flatten() {
-        if let Some(n) = follows.as_array().map(Vec::len).filter(|n| *n > 0) {
-            outln!("routing: the oracle followed {device}'s experts at {n} near tie(s) (report.json's routing_followed)");
-        }
+    for (device, follows) in outcome.findings.against.iter().flat_map(|a| &a.routing_followed).filter(|(_, f)| !f.is_empty()) {
+        outln!("routing: the oracle followed {device}'s experts at {} near tie(s) (report.json's routing_followed)", follows.len());
     }
-    let listed = |key: &str| -> Vec<String> { outcome.report.sections.get(key).and_then(|v| v.as_array()).map(|v| v.iter().filter_map(|n| n.as_str().map(String::from)).collect()).unwrap_or_default() };
-    let (others, unjudged) = (listed("unknown_tap_kinds"), listed("unjudged_taps"));
+    let (others, unjudged) = (&outcome.findings.unknown_tap_kinds, &outcome.findings.unjudged_taps);
     let names = |n: &[String]| n.iter().take(12).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ") + if n.len() > 12 { ", ..." } else { "" };
     if !others.is_empty() {
         eprintln!("note: {} of the device's taps are of no kind this tool knows, so were not judged: {} (the kinds it knows: docs/DUMP_FORMAT.md)", others.len(), names(&others));
     }
-    let rest: Vec<String> = unjudged.into_iter().filter(|n| !others.contains(n)).collect();
+    let rest: Vec<String> = unjudged.iter().filter(|n| !others.contains(n)).cloned().collect();
     if !rest.is_empty() {
         eprintln!("note: {} of the device's taps have no tap of that name in the oracle (a layer the model does not have), so were not judged: {}", rest.len(), names(&rest));
     }
@@ -124,7 +124,7 @@ pub fn main(a: LayerDiffArgs) -> Result<u8, Exit> {
         outln!("tap_coverage gate ({}): {:?} — {} of {} taps given{}", c.tolerance.rule, c.verdict, c.metrics["taps_given"], c.metrics["taps_expected"], c.message.as_deref().map(|m| format!("; {m}")).unwrap_or_default());
     }
     let dir = super::write_report(&mut outcome.report, a.report_dir)?;
-    if let Some(d) = outcome.report.sections.get("first_divergence").filter(|d| !d.is_null()) {
+    if let Some(d) = &outcome.findings.first_divergence {
         outln!("more: {}", next_steps(a.device.name(), &a.model, d));
     }
     let s = &outcome.report.summary;
@@ -138,7 +138,7 @@ pub fn layer_diff(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     let required: suites::coverage::RequiredTaps = a.require_taps.parse().map_err(|e: String| Exit::new(2, e))?;
     let mut outcome = layer_diff_taps(a)?;
     // Which taps the device gave, by kind, and the gate on the ones required.
-    outcome.report.sections.insert("tap_coverage".into(), suites::coverage::section(&outcome.taps, &required));
+    outcome.report.set_section("tap_coverage", &suites::coverage::section(&outcome.taps, &required));
     if let Some(c) = suites::coverage::case(&outcome.taps, &required, &a.model, a.device.name()) {
         outcome.report.push_case(c);
     }
@@ -157,9 +157,7 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
     super::check_factor("--emulation-factor", a.emulation_factor)?;
     // The candidate opens with its model below; the baseline is opened first so that one not
     // available here is said before the candidate's run.
-    if let Some(b) = &a.against {
-        check_device(b)?;
-    }
+    let mut opened_b = a.against.as_ref().map(super::open_device).transpose()?;
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, Precision::F32)?;
     let ids = match super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)? {
         Some(ids) => ids,
@@ -184,7 +182,11 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
             layerdiff::run(&oracle_model, &path, &ids, &taps_a, &arith_a, mode, a.emulation_factor, &a.model, a.device.name()).map_err(shape_err)?
         }
         Some(b) => {
-            let (_, mut engine_b, _) = load_engine(&a.model, b, Precision::F32)?;
+            let opened = match opened_b.take() {
+                Some(o) => o,
+                None => super::open_device(b)?,
+            };
+            let (_, mut engine_b, _) = super::load_engine_on(&a.model, opened, Precision::F32)?;
             stages.next(&format!("{b}: every tap"));
             let taps_b = device_taps(&mut engine_b, &ids)?;
             let arith_b = engine_b.arithmetic();
@@ -193,41 +195,19 @@ fn layer_diff_taps(a: &LayerDiffArgs) -> Result<layerdiff::Outcome, Exit> {
             layerdiff::run_against(&oracle_model, &path, &ids, (a.device.name(), &taps_a, &arith_a), (b.name(), &taps_b, &arith_b), &a.model, a.baseline_factor).map_err(shape_err)?
         }
     };
-    let names: serde_json::Map<String, serde_json::Value> = declared.into_iter().filter_map(|(d, n)| Some((d, serde_json::json!(n?)))).collect();
+    let names: std::collections::BTreeMap<String, String> = declared.into_iter().filter_map(|(d, n)| Some((d, n?))).collect();
     if !names.is_empty() {
-        outcome.report.sections.insert(super::DECLARED_NAMES.into(), serde_json::Value::Object(names));
+        outcome.report.set_section(super::DECLARED_NAMES, &names);
     }
     Ok(outcome)
 }
 
-/// `blk.3.ffn_out (isolated): RMS error 2.2e-4, 369x its budget of 6.1e-7, largest at position 0`
-/// from the report's `first_divergence` section (and the expert ids that differ, for MoE).
-fn describe_divergence(tap: &str, d: &serde_json::Value) -> String {
-    let (err, bound) = (d["rms_err"].as_f64(), d["bound"].as_f64());
-    let mut s = format!("{tap} ({})", d["compared"].as_str().unwrap_or("?"));
-    if let (Some(e), Some(b)) = (err, bound) {
-        let times = match e / b { _ if b <= 0.0 => "above".to_string(), r if r >= 100.0 => format!("{r:.0}x"), r => format!("{r:.2}x") };
-        s += &format!(": RMS error {e:.3e}, {times} its budget of {b:.3e}, largest at position {}", d["worst_position"]);
-    }
-    if let Some(n) = d["id_mismatches"].as_u64().filter(|n| *n > 0) {
-        s += &format!("; {n} expert ids differ");
-    }
-    if let Some(op) = d["op"].as_str() {
-        let inputs: Vec<&str> = d["inputs"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
-        s += &format!("; made by {op}");
-        if !inputs.is_empty() {
-            s += &format!(" from {} (within their budgets)", inputs.join(", "));
-        }
-    }
-    s
-}
-
 /// The commands that show more about a divergence: the per-layer table and charts of this
 /// device and model, and the kernel suite on the op that made the tap.
-pub fn next_steps(device: &str, model: &str, d: &serde_json::Value) -> String {
+pub fn next_steps(device: &str, model: &str, d: &FirstDivergence) -> String {
     let quote = |s: &str| if s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:/=,".contains(c)) { s.to_string() } else { format!("'{}'", s.replace('\'', "'\\''")) };
     let mut s = format!("`cargo xtask layer-diff --device {} --model {}` (every tap, the per-layer table, charts)", quote(device), quote(model));
-    if let Some(f) = d["kernel_filter"].as_str() {
+    if let Some(f) = &d.kernel_filter {
         s += &format!("; `cargo xtask kernels --device {} --filter '{f}'` (that op alone, on the kernel suite's cases)", quote(device));
     }
     s
@@ -235,14 +215,11 @@ pub fn next_steps(device: &str, model: &str, d: &serde_json::Value) -> String {
 
 /// One line for `gate`: where the device first leaves its budgets and its worst tap.
 pub fn story(o: &layerdiff::Outcome, device: &str, model: &str) -> String {
-    let first = match layerdiff::first_divergence(&o.taps) {
-        Some(t) => describe_divergence(&t.name, o.report.sections.get("first_divergence").unwrap_or(&serde_json::Value::Null)),
-        None => "none".into(),
-    };
+    let first = o.findings.first_divergence.as_ref().map_or("none".into(), FirstDivergence::describe);
     let worst = o.report.cases.iter().filter(|c| c.id.contains(",tap=")).filter_map(|c| Some((c, c.error_over_bound()?))).max_by(|a, b| a.1.total_cmp(&b.1));
     let worst = worst.map_or("none compared".into(), |(c, r)| {
         let mode = if c.id.contains("mode=isolated") { "isolated" } else { "propagated" };
-        format!("{} ({mode}) at {r:.3} of its budget", c.metrics.get("tap").and_then(|t| t.as_str()).unwrap_or(&c.id))
+        format!("{} ({mode}) at {r:.3} of its budget", c.metrics.str("tap").unwrap_or(&c.id))
     });
     format!("layers on {device} / {model}: first divergence: {first}; worst tap: {worst}")
 }
@@ -253,53 +230,55 @@ fn print_table(o: &layerdiff::Outcome) {
     for r in rows {
         outln!("{:<14} {:<10} {:>24} {:>9} {:<14} {:>24} {:>10}", r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
     }
-    if let Some(d) = o.report.sections.get("first_difference") {
-        match d.get("tap") {
-            Some(t) => outln!("detail: the first tap where the two differ at all: {} (RMS difference {:.3e}, largest at position {})", t.as_str().unwrap_or("?"), d["rms_err"].as_f64().unwrap_or(f64::NAN), d["worst_position"]),
+    let against = o.findings.against.as_ref();
+    if let Some(a) = against {
+        match &a.first_difference {
+            Some(d) => outln!("detail: the first tap where the two differ at all: {} (RMS difference {:.3e}, largest at position {})", d.tap, d.rms_err.unwrap_or(f64::NAN), d.worst_position.map_or("-".into(), |p| p.to_string())),
             None => outln!("the two agree bit for bit at every tap"),
         }
     }
     if let Some(c) = o.report.cases.iter().find(|c| c.id.ends_with(",gate=baseline_departure)")) {
-        outln!("baseline_departure gate ({}x): {:?} — {}", c.tolerance.bound, c.verdict, c.message.clone().unwrap_or_else(|| format!("worst {} at {:.2}x the baseline's error", c.metrics.get("worst_tap").and_then(|v| v.as_str()).unwrap_or("?"), c.metrics.get("candidate_over_baseline").and_then(|v| v.as_f64()).unwrap_or(f64::NAN))));
+        outln!("baseline_departure gate ({}x): {:?} — {}", c.tolerance.bound, c.verdict, c.message.clone().unwrap_or_else(|| format!("worst {} at {:.2}x the baseline's error", c.metrics.str("worst_tap").unwrap_or("?"), c.metrics.f64("candidate_over_baseline").unwrap_or(f64::NAN))));
     }
-    if let Some(why) = o.report.sections.get("baseline_departure").and_then(|v| v.as_str()) {
+    if let Some(Gate::NotApplicable(why)) = against.map(|a| &a.baseline_departure) {
         outln!("baseline_departure gate: {why}");
     }
     // Against the declared arithmetic emulated: the gate's line, naming the tap that leaves
     // the emulated line most; where the gate does not apply, that tap and why.
+    let emulation = match &o.findings.emulation {
+        Some(Emulation::Applied { largest_departure, tightest_budget, gate, .. }) => Some((largest_departure, tightest_budget, gate)),
+        _ => None,
+    };
     if let Some(c) = o.report.cases.iter().find(|c| c.id.ends_with(",gate=emulated_departure)")) {
         outln!("emulated_departure gate ({}x): {:?} — {}", c.tolerance.bound, c.verdict, c.message.as_deref().unwrap_or(""));
-    } else if let Some(e) = o.report.sections.get("emulated_arithmetic") {
-        if let Some(d) = e.get("largest_departure").filter(|d| !d.is_null()) {
-            outln!("largest departure from the declared arithmetic emulated: {} (propagated error {:.2}x the emulation's)", d["tap"].as_str().unwrap_or("?"), d["propagated_over_emulated"].as_f64().unwrap_or(f64::NAN));
+    } else if let Some((largest, _, gate)) = emulation {
+        if let Some(d) = largest {
+            outln!("largest departure from the declared arithmetic emulated: {} (propagated error {:.2}x the emulation's)", d.tap, d.propagated_over_emulated);
         }
-        if let Some(why) = e.get("gate").and_then(|g| g.as_str()) {
+        if let Gate::NotApplicable(why) = gate {
             outln!("emulated_departure gate: {why}");
         }
     }
-    if let Some(t) = o.report.sections.get("emulated_arithmetic").and_then(|e| e.get("tightest_budget")).filter(|t| !t.is_null()) {
-        outln!(
-            "headroom of the declared arithmetic emulated: at {} it uses {:.0}% of its propagated budget",
-            t["tap"].as_str().unwrap_or("?"),
-            100.0 * t["budget_use"].as_f64().unwrap_or(f64::NAN)
-        );
+    if let Some((_, Some(t), _)) = emulation {
+        outln!("headroom of the declared arithmetic emulated: at {} it uses {:.0}% of its propagated budget", t.tap, 100.0 * t.budget_use);
     }
     // `--against` on MoE: where the two took other experts at a near tie each one's comparison
     // explains, and what the taps after it are held to.
-    if let Some(s) = o.report.sections.get("routing_split").filter(|s| !s.is_null()) {
-        let choices: Vec<String> = s.as_object().into_iter().flatten().filter(|(k, _)| *k != "tap" && *k != "position").map(|(k, v)| format!("{k} {v}")).collect();
-        outln!("routing split: {} position {}: {} (each as the oracle routed as it was, at a near tie); every tap after it is held to each device's own comparison with the oracle", s["tap"].as_str().unwrap_or("?"), s["position"], choices.join(", "));
+    if let Some(s) = against.and_then(|a| a.routing_split.as_ref()) {
+        let ids = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        let choices: Vec<String> = s.choices.iter().map(|(k, v)| format!("{k} [{}]", ids(v))).collect();
+        outln!("routing split: {} position {}: {} (each as the oracle routed as it was, at a near tie); every tap after it is held to each device's own comparison with the oracle", s.tap, s.position, choices.join(", "));
     }
     // `--against`: where each device leaves the oracle (not gated here; `layer-diff --device D`
     // gates it).
-    for (device, d) in o.report.sections.get("first_divergence_vs_oracle").and_then(|v| v.as_object()).into_iter().flatten() {
-        match d.get("tap").and_then(|t| t.as_str()) {
-            Some(tap) => outln!("{device} against the oracle (not gated here): first divergence {}", describe_divergence(tap, d)),
+    for (device, d) in against.iter().flat_map(|a| &a.first_divergence_vs_oracle) {
+        match d {
+            Some(d) => outln!("{device} against the oracle (not gated here): first divergence {}", d.describe()),
             None => outln!("{device} against the oracle (not gated here): every tap within its budget"),
         }
     }
-    match layerdiff::first_divergence(&o.taps) {
-        Some(t) => outln!("first divergence: {}", describe_divergence(&t.name, o.report.sections.get("first_divergence").unwrap_or(&serde_json::Value::Null))),
+    match &o.findings.first_divergence {
+        Some(d) => outln!("first divergence: {}", d.describe()),
         None => outln!("first divergence: none (every tap within its budget)"),
     }
 }
@@ -309,9 +288,9 @@ fn print_table(o: &layerdiff::Outcome) {
 /// after labelling, so the commands stay runnable).
 pub fn divergence_row(o: &layerdiff::Outcome, device: &str, model: &str) -> Vec<String> {
     let verdict = reports::verdict_word(o.report.exit_code()).to_string();
-    match (layerdiff::first_divergence(&o.taps), o.report.sections.get("first_divergence")) {
-        (Some(t), Some(d)) => vec![device.to_string(), model.to_string(), verdict, describe_divergence(&t.name, d), next_steps(device, model, d)],
-        _ => vec![device.to_string(), model.to_string(), verdict, "none: every tap within its budget".into(), "-".into()],
+    match &o.findings.first_divergence {
+        Some(d) => vec![device.to_string(), model.to_string(), verdict, d.describe(), next_steps(device, model, d)],
+        None => vec![device.to_string(), model.to_string(), verdict, "none: every tap within its budget".into(), "-".into()],
     }
 }
 

@@ -56,10 +56,20 @@ pub fn device_arg(s: &str) -> Result<devices::DeviceSpec, String> {
 
 /// Opens `device` to learn early, before long work, whether it is available here.
 pub fn check_device(device: &devices::DeviceSpec) -> Result<(), Exit> {
-    if device.is_ref() {
-        return Ok(());
-    }
-    devices::open_spec(device).map(|_| ()).map_err(Exit::from)
+    open_device(device).map(|_| ())
+}
+
+/// A device opened once, before long work, and kept to load the model on
+/// ([`load_engine_on`]): `ref` (the oracle) needs no opening.
+pub struct OpenedDevice {
+    spec: devices::DeviceSpec,
+    device: Option<Box<dyn devices::Device>>,
+}
+
+/// Opens `device` (an error here says it is not available on this machine).
+pub fn open_device(device: &devices::DeviceSpec) -> Result<OpenedDevice, Exit> {
+    let opened = if device.is_ref() { None } else { Some(devices::open_spec(device).map_err(Exit::from)?) };
+    Ok(OpenedDevice { spec: device.clone(), device: opened })
 }
 
 /// Greedy/sampled generation on a device model: the oracle's generation loop, fed by the
@@ -239,15 +249,27 @@ fn context_note(path: &Path, spec: &oracle::spec::ModelSpec) {
 /// Resolves `model` and loads it on `device` (`ref` = the oracle at `precision`), with the
 /// model's tokenizer when it has one.
 pub fn load_engine(model: &str, device: &devices::DeviceSpec, precision: Precision) -> Result<(PathBuf, Engine, Option<Tokenizer>), Exit> {
+    if !device.is_ref() && precision != Precision::F32 {
+        return Err(precision_refused(device, precision));
+    }
+    load_engine_on(model, open_device(device)?, precision)
+}
+
+fn precision_refused(device: &devices::DeviceSpec, precision: Precision) -> Exit {
+    Exit::new(2, format!("--precision {}: the oracle's storage precision (--device ref); `{device}` computes in its own declared arithmetic", format!("{precision:?}").to_lowercase()))
+}
+
+/// [`load_engine`] on a device opened before ([`open_device`]), so it is opened once per run.
+pub fn load_engine_on(model: &str, opened: OpenedDevice, precision: Precision) -> Result<(PathBuf, Engine, Option<Tokenizer>), Exit> {
     let path = resolve_model(model)?;
-    if device.is_ref() {
+    let device = &opened.spec;
+    let Some(dev) = opened.device else {
         let (m, tok) = load_oracle(&path, precision)?;
         return Ok((path, Engine::Oracle(m), tok));
-    }
+    };
     if precision != Precision::F32 {
-        return Err(Exit::new(2, format!("--precision {}: the oracle's storage precision (--device ref); `{device}` computes in its own declared arithmetic", format!("{precision:?}").to_lowercase())));
+        return Err(precision_refused(device, precision));
     }
-    let dev = devices::open_spec(device).map_err(Exit::from)?;
     // External dumps must name the model under test by its hash.
     let model_sha256 = if *device.kind() == devices::DeviceKind::External && !device.name().starts_with("ids:") { Some(::fixtures::sha256_model(&path)?) } else { None };
     let dm = dev.load_model(&path, &devices::ModelOptions { model_sha256, ..Default::default() }).map_err(Exit::from)?;
@@ -425,7 +447,7 @@ pub fn check_report_dir(given: Option<&Path>) -> Result<(), Exit> {
 pub fn spread_time(cases: &mut [reports::Case], seconds: f64) {
     let n = cases.len().max(1) as f64;
     for c in cases {
-        c.metrics.entry("wall_seconds").or_insert_with(|| serde_json::json!(seconds / n));
+        c.metrics.set_default("wall_seconds", seconds / n);
     }
 }
 
@@ -457,9 +479,11 @@ pub fn note_declared_names(report: &mut reports::Report, devices: &[&dyn devices
 /// else the name an external engine's dump gives itself (its manifest's `device`, noted under
 /// [`DECLARED_NAMES`]) when it is a valid label, with " (external)" added where it would read as
 /// a built-in device or as another device of the run; else the device as given.
-pub fn label_devices(report: &mut reports::Report, devices: &[String], given: Option<&str>) {
+/// Returns the labels given, (device, label) each.
+pub fn label_devices(report: &mut reports::Report, devices: &[String], given: Option<&str>) -> Vec<(String, String)> {
     let declared = report.sections.remove(DECLARED_NAMES).unwrap_or_default();
     let mut taken: Vec<String> = devices.to_vec();
+    let mut given_labels = Vec::new();
     for (i, device) in devices.iter().enumerate() {
         let own = declared.get(device).and_then(|n| n.as_str()).map(|n| n.trim().to_string()).filter(|n| check_label(Some(n)).is_ok());
         let label = match (given.filter(|_| i == 0), own) {
@@ -470,8 +494,10 @@ pub fn label_devices(report: &mut reports::Report, devices: &[String], given: Op
             (None, None) => continue,
         };
         relabel(report, device, Some(&label));
+        given_labels.push((device.clone(), label.clone()));
         taken.push(label);
     }
+    given_labels
 }
 
 /// Labels device `from` as `to` throughout a report (`--name`): every case's device, message

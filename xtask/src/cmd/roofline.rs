@@ -6,7 +6,6 @@
 use devices::DeviceSpec;
 use crate::Exit;
 use reports::{Case, Provenance, Report, Tolerance, Verdict};
-use serde_json::json;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -69,11 +68,11 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
         let label = if *alternative { format!("  {ty}*") } else { ty.clone() };
         outln!("  gemv {label:<7} {:>8.1} GB/s of weights = {:>5.1}% of copy{}  [{kernel}]", gbps, 100.0 * ratio, if gated { format!("  (gate >= {:.0}%: {verdict:?})", 100.0 * a.min_ratio) } else { String::new() });
         rows.push(vec![label, format!("{:.1}", *bytes as f64 / (1 << 20) as f64), format!("{gbps:.1}"), format!("{:.1}%", 100.0 * ratio), if gated { format!("{verdict:?}") } else { "-".into() }, kernel.clone()]);
-        let mut metrics = serde_json::Map::new();
-        metrics.insert("gbps".into(), json!(gbps));
-        metrics.insert("copy_gbps".into(), json!(probe.copy_gbps));
-        metrics.insert("ratio_to_copy".into(), json!(ratio));
-        metrics.insert("weight_bytes".into(), json!(bytes));
+        let mut metrics = reports::Metrics::new();
+        metrics.set("gbps", gbps);
+        metrics.set("copy_gbps", probe.copy_gbps);
+        metrics.set("ratio_to_copy", ratio);
+        metrics.set("weight_bytes", bytes);
         cases.push(Case {
             id: if *alternative { format!("roofline(gemv,w={ty},k=8192,m=1,shape={kernel})") } else { format!("roofline(gemv,w={ty},k=8192,m=1)") },
             device: a.device.name().to_string(),
@@ -104,7 +103,7 @@ pub fn main(a: RooflineArgs) -> Result<u8, Exit> {
             probe.copy_gbps,
             if probe.gemv.iter().any(|g| g.alternative) { " (* another launch shape of the same kernel, timed for comparison, not gated)" } else { "" }
         ), &["weights", "MiB", "GB/s", "of copy", "gate", "kernel"], rows);
-    report.sections.insert("bandwidth_probe".into(), serde_json::to_value(&probe).unwrap_or_default());
+    report.set_section("bandwidth_probe", &probe);
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())

@@ -1,7 +1,7 @@
 //! `cargo xtask run`: generation on the oracle.
 
 use devices::DeviceSpec;
-use super::{check_device, check_ids, load_engine};
+use super::{check_ids, load_engine_on, open_device};
 use crate::Exit;
 use oracle::ops::SamplerConfig;
 use oracle::Precision;
@@ -53,7 +53,7 @@ pub struct RunArgs {
 }
 
 pub fn main(a: RunArgs) -> Result<u8, Exit> {
-    check_device(&a.device)?;
+    let opened = open_device(&a.device)?;
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         return Err(Exit::new(2, format!("--temperature {} must be a finite number >= 0 (0: greedy)", a.temperature)));
     }
@@ -65,7 +65,7 @@ pub fn main(a: RunArgs) -> Result<u8, Exit> {
     if a.temperature == 0.0 && !sampling.is_empty() {
         return Err(Exit::new(2, format!("{}: sampling settings, but --temperature is 0 (greedy: the most likely token each step); give --temperature above 0 to sample", sampling.join(", "))));
     }
-    let (path, mut engine, tok) = load_engine(&a.model, &a.device, a.precision)?;
+    let (path, mut engine, tok) = load_engine_on(&a.model, opened, a.precision)?;
     let chat_prompt = match (&a.prompt, &tok) {
         (Some(text), Some(t)) if a.chat => {
             let template = oracle::loader::chat_template(&path)?.ok_or_else(|| Exit::new(2, format!("model `{}` has no chat template; run without --chat", a.model)))?;

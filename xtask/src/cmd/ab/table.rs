@@ -206,11 +206,11 @@ pub(super) fn build_report(a: &AbArgs, pairs: &[Pair], s: &ab::AbStats, first_di
         (None, AbVerdict::Inconclusive) => Verdict::Inconclusive,
         (None, _) => Verdict::Pass,
     };
-    let mut metrics = serde_json::Map::new();
-    metrics.insert("median_change".into(), json!(s.median_change));
-    metrics.insert("ci95".into(), json!([s.ci95.0, s.ci95.1]));
-    metrics.insert("p_value".into(), json!(s.p_value));
-    metrics.insert("pairs".into(), json!(s.pairs));
+    let mut metrics = reports::Metrics::new();
+    metrics.set("median_change", s.median_change);
+    metrics.set("ci95", [s.ci95.0, s.ci95.1]);
+    metrics.set("p_value", s.p_value);
+    metrics.set("pairs", s.pairs);
     let case = Case {
         id: format!("ab(metric={},a={},b={},model={})", a.metric.id(), a.a, a.b, a.model),
         device: format!("{} vs {}", a.b, a.a),
