@@ -1,6 +1,13 @@
 //! What the devices share: the pieces `cpu`, `fixed` and the GPU devices each use the same way —
-//! the host-side RoPE tables, the attention configuration and the sampling draw — so that a line
-//! in `cpu/` is the `cpu` device's alone. None of it is the oracle's: the judge stays apart.
+//! the weights as the file stores them (`host`), the reading of GGML block formats and the block
+//! dots (`unpack`, `qdot`: the `cpu` device's products, `fixed`'s and the embedding's row
+//! decoding), the host-side RoPE tables, the attention configuration and the sampling draw — so
+//! that a line in `cpu/` is the `cpu` device's alone. None of it is the oracle's: the judge stays
+//! apart (devices/tests/independence.rs).
+
+pub mod host;
+pub mod qdot;
+pub mod unpack;
 
 use oracle::spec::{RopeScaling, RopeSpec};
 

@@ -613,7 +613,7 @@ mod tests {
     #[test]
     fn attention_has_the_bits_of_the_plain_loops() {
         #[cfg(target_arch = "x86_64")]
-        eprintln!("AVX2 body {}", if crate::cpu::qdot::has_avx2() { "checked" } else { "absent: portable body checked" });
+        eprintln!("AVX2 body {}", if crate::shared::qdot::has_avx2() { "checked" } else { "absent: portable body checked" });
         for (hd, window) in [(64, 0), (20, 0), (40, 7), (3, 0)] {
             let (nh, nkv, len) = (4, 2, 29);
             let pos: Vec<usize> = vec![0, 1, 2, 13, 14, 28, 27, 26, 25, 9];

@@ -7,7 +7,7 @@
 use half::{bf16, f16};
 use oracle::quant::GgmlType;
 
-use super::unpack::IQ4_LEVELS;
+use crate::shared::unpack::IQ4_LEVELS;
 
 fn put_f16(out: &mut Vec<u8>, v: f32) {
     out.extend_from_slice(&f16::from_f32(v).to_le_bytes());

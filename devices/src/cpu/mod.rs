@@ -5,8 +5,7 @@
 pub mod kernels;
 pub mod kvcodec;
 pub mod model;
-pub mod qdot;
-pub mod unpack;
+pub(crate) use crate::shared::qdot;
 
 use crate::{fail, Arithmetic, Device, DeviceError, KvTypes, Support};
 use oracle::quant::GgmlType;

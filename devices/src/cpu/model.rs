@@ -3,53 +3,16 @@
 
 use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
 use crate::{DeviceError, DeviceModel, ModelOptions};
-use oracle::loader::{RawTensor, TensorSource};
+use crate::shared::host::{Ffn, HostWeights, Layer, PackedMat};
 use oracle::quant::GgmlType;
 use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, Stage};
 use oracle::Tap;
 use std::path::Path;
 
-pub struct PackedMat {
-    pub ty: GgmlType,
-    pub rows: usize,
-    pub cols: usize,
-    pub bytes: Vec<u8>,
-}
-
 impl PackedMat {
     fn view(&self) -> Packed<'_> {
         Packed { ty: self.ty, rows: self.rows, cols: self.cols, bytes: &self.bytes }
     }
-}
-
-pub(crate) struct Ffn {
-    pub(crate) gate: PackedMat,
-    pub(crate) up: PackedMat,
-    pub(crate) down: PackedMat,
-    /// Biases of the gate, up and down products (GPT-OSS's experts).
-    pub(crate) bias: Option<[Vec<f32>; 3]>,
-}
-
-pub(crate) struct Layer {
-    pub(crate) attn_norm: Vec<f32>,
-    pub(crate) wq: PackedMat,
-    pub(crate) wk: PackedMat,
-    pub(crate) wv: PackedMat,
-    pub(crate) wo: PackedMat,
-    pub(crate) bias: Option<[Vec<f32>; 3]>,
-    pub(crate) bo: Option<Vec<f32>>,
-    pub(crate) qk_norm: Option<[Vec<f32>; 2]>,
-    pub(crate) ffn_norm: Vec<f32>,
-    /// Gemma's norms of the attention and FFN outputs.
-    pub(crate) post_norms: Option<[Vec<f32>; 2]>,
-    /// One sink logit per query head (GPT-OSS).
-    pub(crate) sinks: Option<Vec<f32>>,
-    pub(crate) dense: Option<Ffn>,
-    pub(crate) router: Option<PackedMat>,
-    pub(crate) router_bias: Option<Vec<f32>>,
-    pub(crate) experts: Vec<Ffn>,
-    pub(crate) shared: Option<Ffn>,
-    pub(crate) shared_gate: Option<Vec<f32>>,
 }
 
 pub struct CpuModel {
@@ -201,63 +164,6 @@ fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {
     DeviceError::Failed { device: "cpu".into(), case: path.to_string(), reason: reason.to_string() }
 }
 
-struct Loader<'a> {
-    src: &'a dyn TensorSource,
-    /// The file or directory, for error messages.
-    label: String,
-}
-
-impl Loader<'_> {
-    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>, DeviceError> {
-        self.src.raw(name).map_err(|e| err("model", e))
-    }
-    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<PackedMat, DeviceError> {
-        self.opt_mat(name, rows, cols)?.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))
-    }
-    fn opt_mat(&self, name: &str, rows: usize, cols: usize) -> Result<Option<PackedMat>, DeviceError> {
-        let Some(t) = self.raw(name)? else { return Ok(None) };
-        if t.dims.len() < 2 || t.dims[0] != cols || Some(t.n_elements()) != rows.checked_mul(cols) {
-            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
-        }
-        Ok(Some(PackedMat { ty: t.ty, rows, cols, bytes: t.bytes.to_vec() }))
-    }
-    /// Every expert's matrix out of a stacked [cols, rows, n_expert] tensor.
-    fn experts(&self, name: &str, n_expert: usize, rows: usize, cols: usize) -> Result<Vec<PackedMat>, DeviceError> {
-        let t = self.raw(name)?.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))?;
-        if t.dims != [cols, rows, n_expert] {
-            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}, expected [{cols}, {rows}, {n_expert}]", t.dims)));
-        }
-        let parts = t.parts(n_expert).map_err(|e| err(&self.label, format!("tensor `{name}`: {e} (one per expert)")))?;
-        Ok(parts.map(|b| PackedMat { ty: t.ty, rows, cols, bytes: b.to_vec() }).collect())
-    }
-    /// Every expert's vector out of a stacked [n, n_expert] float tensor.
-    fn expert_vecs(&self, name: &str, n_expert: usize, n: usize) -> Result<Vec<Vec<f32>>, DeviceError> {
-        let t = self.raw(name)?.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))?;
-        if t.dims != [n, n_expert] {
-            return Err(err(&self.label, format!("tensor `{name}` has dims {:?}, expected [{n}, {n_expert}]", t.dims)));
-        }
-        if !qdot::is_float(t.ty) {
-            return Err(err(&self.label, format!("tensor `{name}`: expected float values, found {}", t.ty.name())));
-        }
-        let mut all = vec![0.0f32; n * n_expert];
-        qdot::float_row(t.ty, &t.bytes, &mut all);
-        Ok(all.chunks_exact(n).map(<[f32]>::to_vec).collect())
-    }
-    fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, DeviceError> {
-        let m = self.mat_like_vec(name, n)?;
-        m.ok_or_else(|| err(&self.label, format!("missing tensor `{name}`")))
-    }
-    fn mat_like_vec(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>, DeviceError> {
-        let Some(t) = self.raw(name)? else { return Ok(None) };
-        if t.n_elements() != n || !qdot::is_float(t.ty) {
-            return Err(err(&self.label, format!("tensor `{name}`: expected {n} float values, found {:?} {}", t.dims, t.ty.name())));
-        }
-        let mut out = vec![0.0f32; n];
-        qdot::float_row(t.ty, &t.bytes, &mut out);
-        Ok(Some(out))
-    }
-}
-
 impl CpuModel {
     /// Every matrix the forward pass multiplies by (the embedding table only when the output is
     /// tied to it: its rows are otherwise looked up, not multiplied).
@@ -276,102 +182,18 @@ impl CpuModel {
 
     /// Loads a GGUF file or a safetensors directory (F32/F16/BF16 tensors, held as stored).
     pub fn load(path: &Path, opts: &ModelOptions) -> Result<CpuModel, DeviceError> {
-        // These errors name the file themselves.
-        let (src, spec) = oracle::loader::open_weights(path).map_err(|e| err("model", e))?;
-        let label = src.label();
-        // A copy of every stored tensor: refused up front when the machine cannot hold them.
-        let packed = src.n_bytes().map_err(|e| err("model", e))?;
-        oracle::memory::check_fits(&label, "holding the packed weights", packed).map_err(|e| err("model", e))?;
-        let (d, hd) = (spec.n_embd, spec.head_dim);
-        for f in opts.kv_cache.formats() {
-            if let Some(b) = f.block().filter(|b| !hd.is_multiple_of(*b)) {
-                return Err(err(&label, format!("a {f} KV cache quantizes each head's cached rows in blocks of {b}; this model's heads are {hd} wide")));
-            }
-        }
-        let l = Loader { src: src.as_ref(), label };
-        let ffn = |i: usize, suffix: &str, f: usize| -> Result<Ffn, DeviceError> {
-            Ok(Ffn {
-                gate: l.mat(&format!("blk.{i}.ffn_gate{suffix}.weight"), f, d)?,
-                up: l.mat(&format!("blk.{i}.ffn_up{suffix}.weight"), f, d)?,
-                down: l.mat(&format!("blk.{i}.ffn_down{suffix}.weight"), d, f)?,
-                bias: None,
-            })
-        };
-        let mut layers = Vec::new(); // not sized by the spec: a layer count the files do not back is an error below, not an allocation
-        for i in 0..spec.n_layer {
-            let n = |t: &str| format!("blk.{i}.{t}");
-            let BlockKind::Attention(a) = spec.layers[i].block;
-            let (qd, kvd) = (a.q_dim(), a.kv_dim());
-            let (dense, router, experts, shared, shared_gate) = match &spec.moe {
-                None => (Some(ffn(i, "", spec.n_ff)?), None, Vec::new(), None, None),
-                Some(m) => {
-                    let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
-                    let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
-                    let downs = l.experts(&n("ffn_down_exps.weight"), m.n_expert, d, m.expert_ffn)?;
-                    let mut biases: Vec<Option<[Vec<f32>; 3]>> = Vec::new();
-                    if m.biases {
-                        let g = l.expert_vecs(&n("ffn_gate_exps.bias"), m.n_expert, m.expert_ffn)?;
-                        let u = l.expert_vecs(&n("ffn_up_exps.bias"), m.n_expert, m.expert_ffn)?;
-                        let dn = l.expert_vecs(&n("ffn_down_exps.bias"), m.n_expert, d)?;
-                        biases = g.into_iter().zip(u).zip(dn).map(|((g, u), dn)| Some([g, u, dn])).collect();
-                    }
-                    biases.resize_with(m.n_expert, || None);
-                    let ex: Vec<Ffn> = gates.into_iter().zip(ups).zip(downs).zip(biases).map(|(((gate, up), down), bias)| Ffn { gate, up, down, bias }).collect();
-                    let shared = match m.shared_ffn {
-                        Some(f) => Some(ffn(i, "_shexp", f)?),
-                        None => None,
-                    };
-                    let sg = if m.shared_gate { Some(l.vec(&n("ffn_gate_inp_shexp.weight"), d)?) } else { None };
-                    (None, Some(l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?), ex, shared, sg)
+        let check = |_: &str, spec: &ModelSpec| -> Result<(), String> {
+            let hd = spec.head_dim;
+            for f in opts.kv_cache.formats() {
+                if let Some(b) = f.block().filter(|b| !hd.is_multiple_of(*b)) {
+                    return Err(format!("a {f} KV cache quantizes each head's cached rows in blocks of {b}; this model's heads are {hd} wide"));
                 }
-            };
-            layers.push(Layer {
-                attn_norm: l.vec(&n("attn_norm.weight"), d)?,
-                wq: l.mat(&n("attn_q.weight"), qd, d)?,
-                wk: l.mat(&n("attn_k.weight"), kvd, d)?,
-                wv: l.mat(&n("attn_v.weight"), kvd, d)?,
-                wo: l.mat(&n("attn_output.weight"), d, qd)?,
-                bias: if spec.qkv_bias { Some([l.vec(&n("attn_q.bias"), qd)?, l.vec(&n("attn_k.bias"), kvd)?, l.vec(&n("attn_v.bias"), kvd)?]) } else { None },
-                bo: if spec.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
-                qk_norm: if spec.qk_norm { Some([l.vec(&n("attn_q_norm.weight"), hd)?, l.vec(&n("attn_k_norm.weight"), hd)?]) } else { None },
-                ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
-                post_norms: if spec.post_norms {
-                    Some([
-                        l.vec(&n("post_attention_norm.weight"), d)?,
-                        l.vec(&n("post_ffw_norm.weight"), d)?,
-                    ])
-                } else {
-                    None
-                },
-                sinks: if spec.attn_sinks {
-                    Some(l.vec(&n("attn_sinks.weight"), a.n_head)?)
-                } else {
-                    None
-                },
-                dense,
-                router_bias: match &spec.moe {
-                    Some(m) if m.biases => Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?),
-                    _ => None,
-                },
-                router,
-                experts,
-                shared,
-                shared_gate,
-            });
-        }
-        let tok_embd = l.mat("token_embd.weight", spec.n_vocab, d)?;
-        let output = if spec.tied_output { None } else { Some(l.mat("output.weight", spec.n_vocab, d)?) };
-        let output_norm = l.vec("output_norm.weight", d)?;
+            }
+            Ok(())
+        };
+        let HostWeights { spec, tok_embd, output_norm, output, layers } = HostWeights::load(path, "cpu", &check)?;
         let kv = KvCache::new(opts.kv_cache, &spec);
-        Ok(CpuModel {
-            spec,
-            tok_embd,
-            output_norm,
-            output,
-            layers,
-            kv_cache: opts.kv_cache,
-            kv,
-        })
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {

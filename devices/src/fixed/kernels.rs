@@ -1,7 +1,7 @@
 //! The integer kernels of `fixed`: Q formats, exp and sigmoid, the matrix product, RMSNorm,
 //! RoPE, softmax and attention, each in exact integer arithmetic with one rounding where it says.
 
-use crate::cpu::qdot;
+use crate::shared::qdot;
 use oracle::quant::GgmlType;
 use oracle::spec::{RopeSpec, RopeStyle};
 

@@ -3,7 +3,7 @@
 
 use super::kernels::*;
 use super::FixedDevice;
-use crate::cpu::qdot;
+use crate::shared::qdot;
 use crate::{Arithmetic, DeviceError, FixedPoint, NumFormat};
 use oracle::spec::{BlockKind, ModelSpec, Stage};
 

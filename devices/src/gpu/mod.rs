@@ -99,7 +99,7 @@ impl std::fmt::Display for MatmulPlan {
 /// capped at the block: a long row keeps the whole block (each thread then loads several units
 /// at once), a short one shares it with other rows.
 pub fn matmul_plan(ty: GgmlType, cols: usize, row_bytes: usize, aligned: bool, block: u32) -> MatmulPlan {
-    let (kernel, units) = if !crate::cpu::qdot::is_float(ty) {
+    let (kernel, units) = if !crate::shared::qdot::is_float(ty) {
         ("ts_matmul_q", cols / 32)
     } else if aligned && row_bytes.is_multiple_of(16) {
         ("ts_matmul_v", row_bytes / 16)

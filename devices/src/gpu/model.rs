@@ -4,7 +4,7 @@
 //! a model file the same way; nothing of the cpu device's arithmetic is reused.
 
 use super::{DevBuf, Gpu, GpuMat};
-use crate::cpu::model::{CpuModel, Ffn, PackedMat};
+use crate::shared::host::{Ffn, HostWeights, PackedMat};
 use crate::{Arithmetic, DeviceError, DeviceModel, ModelOptions};
 use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, RopeStyle, Stage};
 use oracle::Tap;
@@ -82,11 +82,7 @@ impl GpuModel {
         if kv != crate::KvTypes::default() {
             return Err(fail(format!("a {kv} KV cache is not implemented on GPU devices (the cache is f32)")));
         }
-        // The file is read by the cpu device's loader; its errors are reported under this device.
-        let host = CpuModel::load(path, opts).map_err(|e| match e {
-            DeviceError::Failed { case, reason, .. } => DeviceError::Failed { device: name.clone(), case, reason },
-            other => other,
-        })?;
+        let host = HostWeights::load(path, &name, &|_, _| Ok(()))?;
         let mat = |p: &PackedMat| gpu.upload_mat(p.ty, p.rows, p.cols, &p.bytes);
         let vec = |v: &Vec<f32>| gpu.upload_f32(v);
         let ffn = |f: &Ffn| -> Result<GpuFfn, String> {

@@ -1,5 +1,5 @@
-//! The `cpu` device's own unpacking of GGML block formats: scales, mins and quant digits as
-//! its integer block dots consume them. Written from the formats (ggml's block layouts), apart
+//! The devices' own unpacking of GGML block formats: scales, mins and quant digits as the
+//! integer block dots (`qdot`) consume them. Written from the formats (ggml's block layouts), apart
 //! from the oracle's decoders, so that a misreading of a format in either is a difference the
 //! kernel gate sees rather than a bug the judge and the judged share (`xtask/tests/tidy.rs`,
 //! `devices_do_their_own_unpacking`, keeps it so).

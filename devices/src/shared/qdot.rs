@@ -1,7 +1,8 @@
 //! Quantized matrix-vector products the way fast CPU engines do them: activations quantized to
 //! Q8_0 blocks (32 values, symmetric, f16 scale, as llama.cpp's `quantize_row_q8_0`), integer dot
 //! products against the packed weight blocks, one f32 multiply-add per (sub-)block. No weight is
-//! ever expanded to an f32 matrix.
+//! ever expanded to an f32 matrix. The `cpu` device's products; the row decoding here
+//! (`dequantize_row`, `float_row`) is how `cpu`, `fixed` and the GPU hosts read a stored row.
 
 use half::f16;
 use super::unpack::{self, k_scale_min};
