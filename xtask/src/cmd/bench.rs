@@ -7,7 +7,6 @@
 //! its peak RSS as its line states it.
 
 use devices::DeviceSpec;
-use super::{check_device, load_engine};
 use crate::Exit;
 use oracle::Precision;
 use serde_json::json;
@@ -43,10 +42,10 @@ pub struct BenchArgs {
 
 pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
-    check_device(&a.device)?;
+    let opened = super::open_device(&a.device)?;
     check_sizes(a.prompt_len, a.gen_len, a.reps)?;
     super::print_timing_notes();
-    let m = measure(&a.device, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps).inspect_err(|e| {
+    let m = measure(opened, &a.model, a.precision, a.prompt_len, a.gen_len, a.reps).inspect_err(|e| {
         // A device that cannot serve this model says so in the report directory too, for the
         // `gate` that runs this bench in a process of its own (`case_in_own_process`).
         if let (true, Some(dir)) = (e.unavailable, a.report_dir.as_deref()) {
@@ -124,14 +123,15 @@ fn check_sizes(prompt_len: usize, gen_len: usize, reps: usize) -> Result<(), Exi
     Ok(())
 }
 
-/// Loads `model` on `device` (checked by the caller) and times `reps` greedy generations of
+/// Loads `model` on `device` (opened by the caller) and times `reps` greedy generations of
 /// `gen_len` tokens after a `prompt_len`-token prompt, with a progress bar.
-pub fn measure(device: &DeviceSpec, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
+pub fn measure(opened: super::OpenedDevice, model: &str, precision: Precision, prompt_len: usize, gen_len: usize, reps: usize) -> Result<Measured, Exit> {
     check_sizes(prompt_len, gen_len, reps)?;
+    let device = opened.spec().clone();
     if let Some(cmd) = device.name().strip_prefix("exec:") {
         return measure_exec(cmd, model, prompt_len, gen_len, reps);
     }
-    let (_, mut engine, _) = load_engine(model, device, precision)?;
+    let (_, mut engine, _) = super::load_engine_on(model, opened, precision)?;
     let prompt = super::bench_prompt(prompt_len, gen_len, engine.spec().n_vocab)?;
     super::check_kv_fits("bench", engine.spec(), prompt_len.saturating_add(gen_len))?;
     let pb = indicatif::ProgressBar::new(reps as u64);

@@ -66,6 +66,13 @@ pub struct OpenedDevice {
     device: Option<Box<dyn devices::Device>>,
 }
 
+impl OpenedDevice {
+    /// The device as named.
+    pub fn spec(&self) -> &devices::DeviceSpec {
+        &self.spec
+    }
+}
+
 /// Opens `device` (an error here says it is not available on this machine).
 pub fn open_device(device: &devices::DeviceSpec) -> Result<OpenedDevice, Exit> {
     let opened = if device.is_ref() { None } else { Some(devices::open_spec(device).map_err(Exit::from)?) };
