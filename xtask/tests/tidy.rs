@@ -175,12 +175,17 @@ fn no_module_import_cycle() {
                 panic!("crate {c}: module import cycle {}", cycle.join(" -> "));
             }
         }
-        // At every depth: the modules of a directory with a `mod.rs` (`xtask/src/cmd/`) and
-        // their `super::sibling` references.
+        // At every depth: the modules of a directory that is a module (`xtask/src/cmd/` with its
+        // `mod.rs`, `devices/src/shared/` beside `shared.rs`) and their references to each other,
+        // as `super::sibling` or by the whole path (`crate::shared::sibling`).
         let mut dirs = Vec::new();
         let mut files = Vec::new();
-        rust_files(&root().join(c).join("src"), &mut files);
+        let src = root().join(c).join("src");
+        rust_files(&src, &mut files);
         dirs.extend(files.iter().filter(|f| f.file_name().is_some_and(|n| n == "mod.rs")).filter_map(|f| f.parent().map(Path::to_path_buf)));
+        dirs.extend(files.iter().filter(|f| f.file_name().is_some_and(|n| n != "mod.rs" && n != "lib.rs" && n != "main.rs")).map(|f| f.with_extension("")).filter(|d| d.is_dir()));
+        dirs.sort();
+        dirs.dedup();
         for dir in dirs {
             let siblings: Vec<(String, PathBuf)> = std::fs::read_dir(&dir)
                 .unwrap()
@@ -196,9 +201,11 @@ fn no_module_import_cycle() {
                 .collect();
             let names: std::collections::BTreeSet<String> = siblings.iter().map(|(m, _)| m.clone()).collect();
             let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
+            let whole = format!("crate::{}::", dir.strip_prefix(&src).unwrap().to_string_lossy().replace('/', "::"));
             for (m, p) in &siblings {
                 let code: String = non_test_text(p).lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
-                let deps = code.match_indices("super::").map(|(i, _)| code[i + 7..].split(|ch: char| !(ch.is_alphanumeric() || ch == '_')).next().unwrap_or("").to_string()).filter(|d| d != m && names.contains(d));
+                let after = |prefix: &str| code.match_indices(prefix).map(|(i, _)| code[i + prefix.len()..].split(|ch: char| !(ch.is_alphanumeric() || ch == '_')).next().unwrap_or("").to_string()).collect::<Vec<_>>();
+                let deps = after("super::").into_iter().chain(after(&whole)).filter(|d| d != m && names.contains(d));
                 edges.entry(m.clone()).or_default().extend(deps);
             }
             let mut done = Default::default();
