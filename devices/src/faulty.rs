@@ -343,3 +343,13 @@ impl crate::DeviceModel for FaultyModel {
         self.inner.reset()
     }
 }
+
+pub use crate::cpu::serve::ServeFault;
+
+/// The `cpu` device's model of `path` with serving bug `fault` in its schedule executor (its
+/// one-request runs unchanged).
+pub fn serving_model(fault: ServeFault, path: &std::path::Path) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+    let mut m = crate::cpu::model::CpuModel::load(path, &crate::ModelOptions::default())?;
+    m.serve_fault = Some(fault);
+    Ok(Box::new(m))
+}

@@ -201,6 +201,19 @@ pub trait DeviceModel: Send {
     fn generate_ids(&mut self, _prompt: &[u32], _max_new: usize) -> Option<Result<Vec<u32>, DeviceError>> {
         None
     }
+    /// Runs a serving schedule (`oracle::schedule`): its requests batched step by step, with
+    /// their prompts in chunks, reused prefixes and recycled cache slots, as the engine serves;
+    /// the logits of every position each request computed. None: the engine does not serve
+    /// schedules (the serving rung reports it unsupported).
+    fn serve(&mut self, _schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        None
+    }
+    /// Whether the engine declares its numbers independent of the batch: a request's logits the
+    /// same bits whatever it is batched with, however its prompt is chunked, cached prefix or
+    /// not. The serving rung then holds it bit for bit; otherwise within twice its logit budget.
+    fn batch_invariant(&self) -> bool {
+        false
+    }
     /// True when the engine runs one prefill per request and cannot be stepped token by token
     /// (external dumps): cache-consistency checks are then unsupported.
     fn one_shot(&self) -> bool {

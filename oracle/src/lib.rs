@@ -23,6 +23,7 @@ pub mod ops;
 pub mod quant;
 pub mod real;
 pub mod registry;
+pub mod schedule;
 pub mod simd;
 pub mod spec;
 pub mod tensor;

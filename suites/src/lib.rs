@@ -14,5 +14,6 @@ pub mod layerdiff;
 pub mod machine;
 pub mod membw;
 pub mod selfcheck;
+pub mod serving;
 pub mod throughput;
 pub mod tolerance;

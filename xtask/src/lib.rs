@@ -72,6 +72,8 @@ enum Command {
     LayerDiff(cmd::layerdiff::LayerDiffArgs),
     /// Fixed-token gate: teacher-forced KLD/top-1/Δp vs the oracle, greedy vs the golden sequence, cache consistency.
     FixedToken(cmd::fixedtoken::FixedTokenArgs),
+    /// Serving gate: one request batched, beside other requests, reusing a cached prefix, chunked, decoded and in a recycled slot, vs its own run alone and the oracle.
+    Serving(cmd::serving::ServingArgs),
     /// Finds the first bad commit with `git bisect run`, judging each revision by an xtask command (0 good, 1 bad, 2/3 skip).
     Bisect(cmd::bisect::BisectArgs),
     #[command(hide = true)]
@@ -176,6 +178,7 @@ pub fn main() -> ExitCode {
         Command::Kernels(a) => cmd::kernels::main(a),
         Command::LayerDiff(a) => cmd::layerdiff::main(a),
         Command::FixedToken(a) => cmd::fixedtoken::main(a),
+        Command::Serving(a) => cmd::serving::main(a),
         Command::Bisect(a) => cmd::bisect::main(a),
         Command::BisectStep(a) => cmd::bisect::step(a),
         Command::Ab(a) => cmd::abmatrix::main(a),

@@ -5,6 +5,8 @@
 pub mod kernels;
 pub mod kvcodec;
 pub mod model;
+pub mod serve;
+mod serve_faults;
 pub(crate) use crate::shared::qdot;
 
 use crate::{fail, Arithmetic, Device, DeviceError, KvTypes, Support};

@@ -24,9 +24,13 @@ pub struct CpuModel {
     pub(crate) kv_cache: crate::KvTypes,
     /// Keys and values `[len, n_head_kv * head_dim]` per layer (each in `kv_cache`'s format).
     pub(crate) kv: KvCache,
+    /// A serving bug seeded into this model's schedule executor (the `faults` feature's
+    /// `devices::faulty::ServeFault`); None in every device a user opens.
+    pub(crate) serve_fault: Option<super::serve_faults::ServeFault>,
 }
 
 /// Every layer's state, in the formats the device declares, and the positions it holds.
+#[derive(Clone)]
 pub(crate) struct KvCache {
     layers: Vec<LayerState>,
     /// Positions held.
@@ -34,6 +38,7 @@ pub(crate) struct KvCache {
 }
 
 /// What one layer keeps between calls, by the kind of its block.
+#[derive(Clone)]
 enum LayerState {
     /// Keys and values, each in its own format: f32, f16 (`cpu:kv-f16`), which holds the same
     /// rounded numbers in half the memory, or any other cache format (`cpu:kv-q8_0`,
@@ -42,6 +47,7 @@ enum LayerState {
 }
 
 /// One side of a layer's cache (keys or values): `[len, width]` rows in its format.
+#[derive(Clone)]
 enum CacheRows {
     F32(Vec<f32>),
     F16(Vec<half::f16>),
@@ -69,6 +75,15 @@ impl CacheRows {
             CacheRows::F16(c) => c.clear(),
             CacheRows::Encoded(_, c) => c.clear(),
         }
+    }
+    /// The first `n` rows of `width` values (a reused prefix), or None when it holds fewer.
+    fn first_rows(&self, n: usize, width: usize) -> Option<CacheRows> {
+        let values = n.checked_mul(width)?;
+        Some(match self {
+            CacheRows::F32(c) => CacheRows::F32(c.get(..values)?.to_vec()),
+            CacheRows::F16(c) => CacheRows::F16(c.get(..values)?.to_vec()),
+            CacheRows::Encoded(f, c) => CacheRows::Encoded(*f, c.get(..f.ty().bytes_for(values as u64)? as usize)?.to_vec()),
+        })
     }
     /// Replaces the rows from position `start` on with `x` (rows of `width` values), rounded as
     /// this side's format holds them.
@@ -111,12 +126,26 @@ impl CacheRows {
 }
 
 impl KvCache {
-    fn new(format: crate::KvTypes, spec: &ModelSpec) -> KvCache {
+    pub(crate) fn new(format: crate::KvTypes, spec: &ModelSpec) -> KvCache {
         let layers = spec.layer_states(|_| LayerState::Kv { k: CacheRows::new(format.k), v: CacheRows::new(format.v) });
         KvCache { layers, len: 0 }
     }
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
+    }
+    /// A cache holding this one's first `n` positions (a prefix another request reuses), or None
+    /// when it holds fewer.
+    pub(crate) fn prefix(&self, n: usize, spec: &ModelSpec) -> Option<KvCache> {
+        if n > self.len {
+            return None;
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (li, l) in self.layers.iter().enumerate() {
+            let BlockKind::Attention(a) = spec.layers.get(li)?.block;
+            let LayerState::Kv { k, v } = l;
+            layers.push(LayerState::Kv { k: k.first_rows(n, a.kv_dim())?, v: v.first_rows(n, a.kv_dim())? });
+        }
+        Some(KvCache { layers, len: n })
     }
     fn set_len(&mut self, n: usize) {
         self.len = n;
@@ -160,7 +189,16 @@ impl KvCache {
     }
 }
 
-fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {
+/// One sequence's part of a batch: its tokens, the position of the first, and its cache.
+pub(crate) struct Seg<'a> {
+    pub(crate) cache: usize,
+    pub(crate) start: usize,
+    pub(crate) tokens: &'a [u32],
+    /// A seeded serving bug that applies to this segment (a chunk after a request's first).
+    pub(crate) fault: Option<super::serve_faults::ServeFault>,
+}
+
+pub(crate) fn err(path: &str, reason: impl std::fmt::Display) -> DeviceError {
     DeviceError::Failed { device: "cpu".into(), case: path.to_string(), reason: reason.to_string() }
 }
 
@@ -193,7 +231,7 @@ impl CpuModel {
         };
         let HostWeights { spec, tok_embd, output_norm, output, layers } = HostWeights::load(path, "cpu", &check)?;
         let kv = KvCache::new(opts.kv_cache, &spec);
-        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv })
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv, serve_fault: None })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
@@ -278,6 +316,14 @@ impl DeviceModel for CpuModel {
     fn forward_last(&mut self, tokens: &[u32], taps: &mut dyn Tap) -> Result<Vec<f32>, DeviceError> {
         self.run_on_pool(tokens, taps, false)
     }
+    fn batch_invariant(&self) -> bool {
+        // Every row runs through the same products and each row's bits do not depend on the
+        // others (the block dots, the f32 products and attention are per row and per head).
+        true
+    }
+    fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        Some(rayon::scope(|_| self.serve_schedule(schedule)))
+    }
 }
 
 impl CpuModel {
@@ -293,18 +339,34 @@ impl CpuModel {
         rayon::scope(|_| self.run(tokens, &mut oracle::NoTap, all_logits))
     }
 
-    /// One step over `tokens`; logits of every token (`all_logits`) or of the last one only (the
-    /// output norm and head then run on that row alone; each row's bits do not depend on `m`).
+    /// One step over `tokens` with the model's own cache.
     fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
-        let s = self.spec.clone();
+        let mut kv = std::mem::replace(&mut self.kv, KvCache { layers: Vec::new(), len: 0 });
+        let seg = Seg { cache: 0, start: kv.len(), tokens, fault: None };
+        let out = self.run_batch(std::slice::from_mut(&mut kv), &[seg], taps, all_logits);
+        self.kv = kv;
+        out
+    }
+
+    /// One step over a batch: each segment's tokens at its positions, attending to its own cache
+    /// (`caches[seg.cache]`); every row runs through the same products, each row's bits not
+    /// depending on the others. Logits of every row (`all_logits`) or of the last one only (the
+    /// output norm and head then run on that row alone). Taps record a batch of one segment.
+    pub(crate) fn run_batch(&self, caches: &mut [KvCache], segs: &[Seg], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
+        let s = &self.spec;
+        let tokens: Vec<u32> = segs.iter().flat_map(|g| g.tokens.iter().copied()).collect();
         let m = tokens.len();
-        if m == 0 {
+        if m == 0 || segs.iter().any(|g| g.tokens.is_empty() || g.cache >= caches.len()) {
             return Err(err("forward", "no tokens"));
         }
-        let start = self.kv.len();
-        let pos: Vec<usize> = (start..start + m).collect();
+        if segs.len() > 1 && taps.enabled() {
+            return Err(err("forward", "taps record one sequence at a time"));
+        }
+        let start = segs[0].start;
+        let views: Vec<super::serve_faults::SegView> = segs.iter().map(|g| (g.start, g.tokens.len(), g.fault)).collect();
+        let pos: Vec<usize> = segs.iter().flat_map(|g| g.start..g.start + g.tokens.len()).collect();
         let d = s.n_embd;
-        let mut x = self.embed(tokens)?;
+        let mut x = self.embed(&tokens)?;
         if let Some(scale) = s.embd_scale {
             let scale = scale as f32;
             x.iter_mut().for_each(|v| *v *= scale);
@@ -342,6 +404,7 @@ impl CpuModel {
                         record(taps, &name("attn_k_norm"), start, m, kvd, &k);
                     }
                     Stage::Rope => {
+                        let pos = super::serve_faults::rope_positions(&views, &pos);
                         kernels::rope(&mut q, &pos, a.n_head, hd, s.rope_of(&a));
                         kernels::rope(&mut k, &pos, a.n_head_kv, hd, s.rope_of(&a));
                         record(taps, &name("attn_q_rope"), start, m, qd, &q);
@@ -357,10 +420,17 @@ impl CpuModel {
                             softcap: s.attn_softcap.unwrap_or(0.0) as f32,
                             scale: s.attn_scale as f32,
                         };
-                        attn = self
-                            .kv
-                            .write_and_attend(li, start, kvd, (&q, &k, &v), &pos, &cfg)
-                            .map_err(|e| err("attention", e))?;
+                        attn = Vec::with_capacity(m * qd);
+                        let mut r0 = 0;
+                        for g in segs {
+                            let rows = r0..r0 + g.tokens.len();
+                            let (qs, ks, vs) = (&q[rows.start * qd..rows.end * qd], &k[rows.start * kvd..rows.end * kvd], &v[rows.start * kvd..rows.end * kvd]);
+                            let (seg_pos, seg_cfg) = super::serve_faults::attention_view(g.fault, &pos[rows.clone()], &cfg);
+                            let out = caches[g.cache].write_and_attend(li, g.start, kvd, (qs, ks, vs), &seg_pos, &seg_cfg).map_err(|e| err("attention", e))?;
+                            attn.extend_from_slice(&out);
+                            r0 = rows.end;
+                        }
+                        super::serve_faults::batch_faults(self.serve_fault, &views, &mut attn, qd);
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
                     Stage::AttnOutProj => {
@@ -400,7 +470,9 @@ impl CpuModel {
                 }
             }
         }
-        self.kv.set_len(start + m);
+        for g in segs {
+            caches[g.cache].set_len(g.start + g.tokens.len());
+        }
         let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
         let normed = rms_rows(&x[row0 * d..], d, &self.output_norm, s.norm_eps);
         record(taps, "result_norm", start + row0, rows, d, &normed);

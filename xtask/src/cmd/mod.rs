@@ -18,6 +18,7 @@ pub mod ptx;
 pub mod report;
 pub mod roofline;
 pub mod run;
+pub mod serving;
 pub mod tokenize;
 
 use crate::Exit;

@@ -1,0 +1,75 @@
+//! The `cpu` device serving a schedule (`oracle::schedule`): every step one batch of the active
+//! requests' chunks through the same products, each request attending to its own cache slot; a
+//! slot emptied when a new request takes it; a reused prefix copied from the cache of the
+//! request that computed it (kept after that request ends for as long as a later one reuses it).
+
+use super::model::{err, CpuModel, KvCache, Seg};
+pub use super::serve_faults::ServeFault;
+use crate::DeviceError;
+use oracle::schedule::{Schedule, Served};
+use std::collections::BTreeMap;
+
+impl CpuModel {
+    pub(crate) fn serve_schedule(&self, schedule: &Schedule) -> Result<Served, DeviceError> {
+        schedule.validate().map_err(|e| err("schedule", e))?;
+        let n_vocab = self.spec.n_vocab;
+        let fresh = || KvCache::new(self.kv_cache, &self.spec);
+        let mut slots: Vec<KvCache> = (0..schedule.slots).map(|_| fresh()).collect();
+        let reused = schedule.prefix_sources();
+        let mut kept: BTreeMap<usize, KvCache> = BTreeMap::new();
+        let mut out: Served = BTreeMap::new();
+        let fault = self.serve_fault;
+        // Where a seeded fault moves a request's positions: by how much.
+        let mut shift: BTreeMap<usize, isize> = BTreeMap::new();
+        for step in schedule.steps() {
+            for &i in &step.arrivals {
+                let r = &schedule.requests[i];
+                if fault == Some(ServeFault::SlotNotCleared) && r.prefix.is_none() && slots[r.slot].len() > 0 {
+                    shift.insert(i, slots[r.slot].len() as isize);
+                    continue;
+                }
+                if fault == Some(ServeFault::PrefixOffByOne) && r.prefix.is_some() {
+                    shift.insert(i, -1);
+                }
+                slots[r.slot] = match &r.prefix {
+                    None => fresh(),
+                    Some(p) => {
+                        let si = schedule.requests.iter().position(|s| s.id == p.from).ok_or_else(|| err("schedule", format!("request `{}`: no request `{}`", r.id, p.from)))?;
+                        let source = kept.get(&si).unwrap_or(&slots[schedule.requests[si].slot]);
+                        source.prefix(p.tokens, &self.spec).ok_or_else(|| err("schedule", format!("request `{}`: `{}` holds fewer than {} positions", r.id, p.from, p.tokens)))?
+                    }
+                };
+            }
+            let segs: Vec<Seg> = step
+                .segments
+                .iter()
+                .map(|g| {
+                    let later_chunk = g.start > schedule.requests[g.request].first_computed();
+                    let start = g.start.checked_add_signed(shift.get(&g.request).copied().unwrap_or(0)).unwrap_or(g.start);
+                    Seg { cache: g.slot, start, tokens: g.tokens, fault: fault.filter(|_| later_chunk) }
+                })
+                .collect();
+            let mut logits = self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?;
+            if fault == Some(ServeFault::LogitsSwapped) && segs.len() >= 2 {
+                let (a, b) = ((segs[0].tokens.len() - 1) * n_vocab, (segs[0].tokens.len() + segs[1].tokens.len() - 1) * n_vocab);
+                for c in 0..n_vocab {
+                    logits.swap(a + c, b + c);
+                }
+            }
+            let mut row = 0;
+            for g in &step.segments {
+                let n = g.tokens.len() * n_vocab;
+                out.entry(schedule.requests[g.request].id.clone()).or_default().extend_from_slice(&logits[row..row + n]);
+                row += n;
+            }
+            // A request that ends here and whose prefix a later one reuses: its cache is kept.
+            for g in step.segments.iter().filter(|g| schedule.requests[g.request].last_step() == step.index) {
+                if reused.get(&g.request).is_some_and(|last| *last > step.index) {
+                    kept.insert(g.request, slots[g.slot].clone());
+                }
+            }
+            kept.retain(|i, _| reused.get(i).is_some_and(|last| *last > step.index));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,89 @@
+//! The serving rung (suites::serving) on the `cpu` device's schedule executor: green on every
+//! synthetic model with the cache formats it offers, and red on each seeded serving bug
+//! (`devices::faulty::ServeFault`), naming the axis that shows it, the request and a position.
+
+use devices::faulty::ServeFault;
+use devices::DeviceModel;
+use reports::{Case, Verdict};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use suites::layerdiff::{propagated_budget, Dims};
+use suites::serving::{self, OracleRun};
+
+/// The fixture written to a temporary file.
+fn fixture(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{name}.gguf"));
+    std::fs::write(&path, fixtures::synthetic::build(name).unwrap()).unwrap();
+    (dir, path)
+}
+
+/// The serving suite's cases on `model` (a device model of the fixture at `path`).
+fn judge(path: &std::path::Path, name: &str, model: &mut dyn DeviceModel) -> Vec<Case> {
+    let (oracle, _) = oracle::generate::AnyModel::load(path, oracle::Precision::F32).unwrap();
+    let spec = oracle.spec().clone();
+    let seq: Vec<u32> = (0..30).map(|i| (i * 7919 + 13) as u32 % spec.n_vocab as u32).collect();
+    let window = spec.layers.iter().find_map(|l| match l.block {
+        oracle::spec::BlockKind::Attention(a) => a.window,
+    });
+    let cases = serving::cases(&seq, 20, spec.n_vocab, window, 3);
+    let mut runs: BTreeMap<Vec<u32>, OracleRun> = BTreeMap::new();
+    for c in &cases {
+        let other = match &c.counterpart {
+            serving::Counterpart::Other { schedule, .. } => schedule.requests.clone(),
+            serving::Counterpart::Alone => Vec::new(),
+        };
+        for r in c.schedule.requests.iter().chain(&other) {
+            if !runs.contains_key(&r.tokens) {
+                let logits = oracle.prefill_logits(&r.tokens, &mut oracle::NoTap).unwrap();
+                runs.insert(r.tokens.clone(), OracleRun { logits: Arc::new(logits), routing_differs: vec![false; r.tokens.len()] });
+            }
+        }
+    }
+    let longest = runs.keys().map(Vec::len).max().unwrap();
+    let budget = propagated_budget(oracle::taps::TapKind::ResultOutput, None, &model.arithmetic(), &Dims::of(&spec, longest)).unwrap();
+    let invariant = model.batch_invariant();
+    let mut serve = |s: &oracle::schedule::Schedule| model.serve(s).map(|r| r.map_err(|e| e.to_string()));
+    let answers = serving::serve_all(&cases, &mut serve, spec.n_vocab).expect("cpu serves schedules");
+    serving::judge(&cases, &answers, &|ids: &[u32]| runs.get(ids).cloned(), spec.n_vocab, &budget, invariant, name, "cpu")
+}
+
+#[test]
+fn the_cpu_executor_serves_every_synthetic_model_green() {
+    for name in ["tiny-llama", "tiny-qwen3", "tiny-gemma3", "tiny-mixed"] {
+        let (_dir, path) = fixture(name);
+        for device in ["cpu", "cpu:kv-f16", "cpu:kv-q8_0"] {
+            let mut m = devices::open(device).unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap();
+            let cases = judge(&path, name, m.as_mut());
+            assert!(cases.len() >= 28, "{name} {device}: {} cases", cases.len());
+            let bad: Vec<String> = cases.iter().filter(|c| c.verdict != Verdict::Pass).map(|c| format!("{}: {:?}", c.id, c.message)).collect();
+            assert!(bad.is_empty(), "{name} on {device}:\n{}", bad.join("\n"));
+        }
+    }
+}
+
+#[test]
+fn every_seeded_serving_bug_is_red_on_its_axis_naming_request_and_position() {
+    // The axis that must show each bug (others may too), and the model it shows on.
+    let expected = [
+        (ServeFault::MaskLeak, "neighbours", "tiny-llama"),
+        (ServeFault::SlotNotCleared, "slot_reuse", "tiny-llama"),
+        (ServeFault::PrefixOffByOne, "prefix_cache", "tiny-llama"),
+        (ServeFault::RopeRestartsAtChunk, "chunks", "tiny-llama"),
+        (ServeFault::NoCausalMaskInChunk, "chunks", "tiny-llama"),
+        (ServeFault::WindowEdgeAtChunk, "chunks", "tiny-mixed"),
+        (ServeFault::LogitsSwapped, "batch", "tiny-llama"),
+        (ServeFault::BatchPathRounds, "batch", "tiny-llama"),
+    ];
+    assert_eq!(expected.len(), ServeFault::ALL.len());
+    for (fault, axis, name) in expected {
+        let (_dir, path) = fixture(name);
+        let mut m = devices::faulty::serving_model(fault, &path).unwrap();
+        let cases = judge(&path, name, m.as_mut());
+        let red: Vec<&Case> = cases.iter().filter(|c| c.verdict == Verdict::Fail).collect();
+        let on_axis = red.iter().find(|c| c.id.contains(&format!("axis={axis},")));
+        let Some(c) = on_axis else { panic!("{fault:?} not red on axis {axis}; red: {:?}", red.iter().map(|c| &c.id).collect::<Vec<_>>()) };
+        let msg = c.message.as_deref().unwrap_or("");
+        assert!(msg.contains(&format!("axis {axis}")) && msg.contains("request `") && msg.contains("position"), "{fault:?}: {msg}");
+    }
+}
