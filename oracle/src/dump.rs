@@ -243,11 +243,13 @@ pub const MANIFEST_LIMIT: u64 = 64 << 20;
 /// Reads a dump's manifest, checking its format and version.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let p = dir.join("manifest.json");
-    let size = std::fs::metadata(&p).map_err(|e| OracleError::io(&p, e))?.len();
+    let mut f = crate::files::open_written(dir, "manifest.json")?;
+    let size = f.metadata().map_err(|e| OracleError::io(&p, e))?.len();
     if size > MANIFEST_LIMIT {
         return Err(OracleError::Safetensors { file: p.display().to_string(), reason: format!("{size} bytes, more than a manifest holds (at most {} MiB)", MANIFEST_LIMIT >> 20) });
     }
-    let text = crate::files::read_to_string(&p)?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut f, &mut text).map_err(|e| OracleError::io(&p, e))?;
     let m: Manifest = serde_json::from_str(&text).map_err(|e| OracleError::Safetensors { file: p.display().to_string(), reason: format!("invalid manifest: {e}") })?;
     if m.format != FORMAT_NAME || m.version != FORMAT_VERSION {
         return Err(OracleError::Safetensors {
@@ -283,7 +285,7 @@ pub fn read_tensors_where(dir: &Path, file: &str, keep: &dyn Fn(&str) -> bool) -
     if file.is_empty() || file.contains('/') || file.contains('\\') || file == ".." || file == "." {
         return Err(err("a dump's tensor file must be a plain file name inside the dump directory".into()));
     }
-    let f = crate::files::open(&p)?;
+    let f = crate::files::open_written(dir, file)?;
     // SAFETY: read-only; a file truncated under us by another process is the one case a map
     // cannot defend against (as for the GGUF reader).
     let bytes = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| OracleError::io(&p, e))?;

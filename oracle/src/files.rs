@@ -33,6 +33,34 @@ pub fn read_to_string(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| OracleError::io(path, e))
 }
 
+/// Opens `name`, a file an engine wrote in its output directory `dir`: a plain name (no
+/// separator, not `.` or `..`) of a regular file that is not a symbolic link. A link is refused
+/// by name, never followed: an engine's output could otherwise make this tool read any file on
+/// the machine.
+pub fn open_written(dir: &Path, name: &str) -> Result<std::fs::File> {
+    let path = dir.join(name);
+    let refuse = |why: &str| OracleError::io(&path, std::io::Error::new(std::io::ErrorKind::InvalidInput, why.to_string()));
+    if name.is_empty() || name.contains('/') || name.contains('\\') || name == "." || name == ".." {
+        return Err(refuse("not a plain file name inside the output directory"));
+    }
+    let meta = std::fs::symlink_metadata(&path).map_err(|e| OracleError::io(&path, e))?;
+    if meta.file_type().is_symlink() {
+        return Err(refuse("a symbolic link, which is never followed in an engine's output (it could lead anywhere on the machine)"));
+    }
+    if let Some(e) = not_regular(&path) {
+        return Err(OracleError::io(&path, e));
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        // A link put in its place after the check is refused by the open itself.
+        options.custom_flags(libc::O_NOFOLLOW);
+    }
+    options.open(&path).map_err(|e| OracleError::io(&path, e))
+}
+
 #[cfg(test)]
 mod tests {
     /// A named pipe is refused at once (opening it would wait for a writer forever), a directory
@@ -51,5 +79,23 @@ mod tests {
         let file = dir.path().join("f.txt");
         std::fs::write(&file, "x").unwrap();
         assert_eq!(super::read_to_string(&file).unwrap(), "x");
+    }
+
+    /// In an engine's output, a link is refused by name wherever it points, as is a name that
+    /// leaves the directory; a regular file opens.
+    #[cfg(unix)]
+    #[test]
+    fn an_engines_output_is_read_without_following_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = dir.path().join("secret.txt");
+        std::fs::write(&elsewhere, "{}").unwrap();
+        let out = dir.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, out.join("manifest.json")).unwrap();
+        let e = super::open_written(&out, "manifest.json").unwrap_err().to_string();
+        assert!(e.contains("manifest.json") && e.contains("symbolic link"), "{e}");
+        assert!(super::open_written(&out, "../secret.txt").unwrap_err().to_string().contains("not a plain file name"));
+        std::fs::write(out.join("taps.safetensors"), "x").unwrap();
+        assert!(super::open_written(&out, "taps.safetensors").is_ok());
     }
 }

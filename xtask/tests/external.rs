@@ -199,6 +199,18 @@ fn bad_dumps_exit_2_naming_the_file_and_tap() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("manifest.json") && text(&o).contains("token_ids"), "{}", text(&o));
 
+    // A manifest or tensor file that is a symbolic link is refused by name, never followed (it
+    // could lead to any file on the machine); here both point at a valid dump's files.
+    let good = fresh("linked-to");
+    for file in ["manifest.json", "taps.safetensors"] {
+        let d = fresh(&format!("link-{file}"));
+        std::fs::remove_file(d.join(file)).unwrap();
+        std::os::unix::fs::symlink(good.join(file), d.join(file)).unwrap();
+        let o = run(&d, ids);
+        assert_eq!(o.status.code(), Some(2), "{file}: {}", text(&o));
+        assert!(text(&o).contains(file) && text(&o).contains("symbolic link"), "{file}: {}", text(&o));
+    }
+
     // A manifest past 64 MiB is refused before it is read (JSON padded with spaces here).
     let d = fresh("huge-manifest");
     let m = d.join("manifest.json");
