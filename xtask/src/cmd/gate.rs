@@ -13,8 +13,8 @@ use reports::{Provenance, Report};
 use std::path::PathBuf;
 
 /// The suites `gate` runs when none is named.
-const DEFAULT_SUITES: [&str; 4] = ["oracle", "kernels", "layers", "tokens"];
-const SUITES: [&str; 5] = ["oracle", "kernels", "layers", "tokens", "bench"];
+const DEFAULT_SUITES: [&str; 5] = ["oracle", "kernels", "layers", "tokens", "serving"];
+const SUITES: [&str; 6] = ["oracle", "kernels", "layers", "tokens", "serving", "bench"];
 
 
 #[derive(clap::Args)]
@@ -23,7 +23,8 @@ pub struct GateArgs {
     device: Vec<String>,
     #[arg(long, help = concat!("Models for the oracle self-check, layer-diff and fixed-token (default: the synthetic fixtures ", fixtures::synthetic_model_names!(), "): ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file (`export`) or a safetensors directory; repeat the flag or give a comma list (a path that exists is taken whole)."))]
     model: Vec<String>,
-    /// Suites: oracle, kernels, layers, tokens (default: these four), bench (throughput on each
+    /// Suites: oracle, kernels, layers, tokens, serving (default: these five; serving is
+    /// unsupported, never green, on a device that serves no schedules), bench (throughput on each
     /// device and model with `bench`'s defaults, each case in a process of its own; it fails when
     /// the repetitions' greedy outputs differ or stop short, and records the figures); repeat the
     /// flag or give a comma list (`layers,tokens`).
@@ -112,7 +113,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
             pb.finish_and_clear();
         }
     }
-    for suite in ["layers", "tokens", "bench"].into_iter().filter(|s| suites.iter().any(|x| x == s)) {
+    for suite in ["layers", "tokens", "serving", "bench"].into_iter().filter(|s| suites.iter().any(|x| x == s)) {
         for spec in &specs {
             let d = spec.name();
             for m in &models {
@@ -130,6 +131,9 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                         declared.extend(o.report.sections.remove(super::DECLARED_NAMES).and_then(|v| v.as_object().cloned()).unwrap_or_default());
                         o.report.cases
                     })
+                } else if suite == "serving" {
+                    let args = super::serving::ServingArgs { device: spec.clone(), model: m.clone(), prompt_ids: None, prompt_len: None, seed: 1, report_dir: None, name: None };
+                    super::serving::serving(&args).map(|r| r.cases)
                 } else if suite == "bench" {
                     super::bench::case_in_own_process(d, m).map(|(c, drawn)| {
                         charts.extend(drawn.into_iter().map(|(stem, c)| (chart_stem("bench", &label(d), m, &stem), c)));
