@@ -143,6 +143,7 @@ impl Device for ExternalDevice {
             arithmetic: Arithmetic::F32,
             declared_name: None,
             workdir: None,
+            batch_invariant: false,
         }))
     }
 }
@@ -160,6 +161,9 @@ pub struct ExternalModel {
     declared_name: Option<String>,
     /// Where `exec:` dumps go (kept until the model is dropped, so they can be inspected).
     workdir: Option<tempfile::TempDir>,
+    /// Whether the engine's answers to schedules declare it batch-invariant (the last answer's
+    /// `__metadata__`).
+    batch_invariant: bool,
 }
 
 /// A checked dump: manifest + taps under our names + logits.
@@ -295,6 +299,34 @@ impl ExternalModel {
         Ok(dump)
     }
 
+    /// Runs the schedule task (docs/SERVING_PROTOCOL.md): `TOUCHSTONE_TASK=schedule`,
+    /// `TOUCHSTONE_SCHEDULE` (schedule.json), `TOUCHSTONE_MODEL`, `TOUCHSTONE_OUT`; the answer is
+    /// `served.safetensors` there, one f32 tensor `[positions, n_vocab]` per request, named by its
+    /// id. An engine that exits non-zero and writes no answer does not serve schedules (None).
+    fn served(&mut self, cmd: &str, schedule: &oracle::schedule::Schedule) -> Result<Option<oracle::schedule::Served>, String> {
+        schedule.validate().map_err(|e| format!("schedule: {e}"))?;
+        let work = tempfile::Builder::new().prefix("touchstone-serve-").tempdir().map_err(|e| format!("cannot create a work directory: {e}"))?;
+        let out = work.path().join("out");
+        std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+        let task = work.path().join("schedule.json");
+        std::fs::write(&task, serde_json::to_vec(schedule).map_err(|e| e.to_string())?).map_err(|e| format!("{}: {e}", task.display()))?;
+        let n_vocab = self.spec.n_vocab;
+        let values: u64 = schedule.requests.iter().map(|r| ((r.tokens.len() - r.first_computed()) * n_vocab) as u64).sum();
+        let limit = values.saturating_mul(4).saturating_add(16 << 20);
+        let ran = ops_protocol::run(cmd, &[("TOUCHSTONE_SCHEDULE", task.as_path()), ("TOUCHSTONE_MODEL", self.model_path.as_path())], "schedule", &out, self.timeout, limit);
+        let answered = std::fs::symlink_metadata(out.join(SERVED_FILE)).is_ok();
+        self.workdir = Some(work);
+        match (ran, answered) {
+            (Err(_), false) => return Ok(None),
+            (Err(e), true) => return Err(e),
+            (Ok(()), false) => return Err(format!("`{cmd}` exited 0 for TOUCHSTONE_TASK=schedule but wrote no {SERVED_FILE} (docs/SERVING_PROTOCOL.md)")),
+            (Ok(()), true) => {}
+        }
+        let (served, invariant) = read_served(&out, n_vocab)?;
+        self.batch_invariant = invariant;
+        Ok(Some(served))
+    }
+
     fn failed(&self, reason: impl std::fmt::Display) -> DeviceError {
         DeviceError::Failed { device: self.name.clone(), case: "run".into(), reason: reason.to_string() }
     }
@@ -328,6 +360,33 @@ impl ExternalModel {
         ids.truncate(max_new);
         Ok(ids)
     }
+}
+
+/// The answer file of the schedule task.
+pub const SERVED_FILE: &str = "served.safetensors";
+
+/// An engine's answer to a schedule in `dir`: each request's logits (f32 `[positions, n_vocab]`,
+/// named by its id) and whether its `__metadata__` declares `"batch_invariant": "true"`. A link,
+/// another dtype or shape is an error naming the request; the counts against the schedule are
+/// the suite's check.
+pub fn read_served(dir: &Path, n_vocab: usize) -> Result<(oracle::schedule::Served, bool), String> {
+    let path = dir.join(SERVED_FILE);
+    let mut file = oracle::files::open_written(dir, SERVED_FILE).map_err(|e| e.to_string())?;
+    // Its size is bounded by what the engine was allowed to write (the schedule's logits).
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut file, &mut bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let bad = |why: String| format!("{}: {why}", path.display());
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(e.to_string()))?;
+    let invariant = meta.metadata().as_ref().and_then(|m| m.get("batch_invariant")).is_some_and(|v| v == "true");
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+    let mut served = oracle::schedule::Served::new();
+    for (name, t) in st.tensors() {
+        if t.dtype() != safetensors::Dtype::F32 || t.shape().len() != 2 || t.shape()[1] != n_vocab {
+            return Err(bad(format!("request `{name}`: {:?} {:?}, expected F32 [positions, {n_vocab}]", t.dtype(), t.shape())));
+        }
+        served.insert(name, t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
+    }
+    Ok((served, invariant))
 }
 
 /// With `TOUCHSTONE_KEEP_DUMPS=DIR`, copies what an `exec:` engine wrote in `out` (its dump and
@@ -409,6 +468,18 @@ impl DeviceModel for ExternalModel {
     }
     fn one_shot(&self) -> bool {
         true
+    }
+    fn batch_invariant(&self) -> bool {
+        self.batch_invariant
+    }
+    fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        let Source::Exec(cmd) = &self.source else { return None };
+        let cmd = cmd.clone();
+        match self.served(&cmd, schedule) {
+            Ok(None) => None,
+            Ok(Some(s)) => Some(Ok(s)),
+            Err(e) => Some(Err(self.failed(e))),
+        }
     }
     fn cached(&self) -> usize {
         self.cached

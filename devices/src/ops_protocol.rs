@@ -119,7 +119,7 @@ pub enum CaseOutcome {
 }
 
 /// `sh -c cmd` with `env`, in a process group, bounded in time and in what it writes to `out`.
-fn run(cmd: &str, env: &[(&str, &Path)], task: &str, out: &Path, timeout: Duration, out_limit: u64) -> Result<(), String> {
+pub(crate) fn run(cmd: &str, env: &[(&str, &Path)], task: &str, out: &Path, timeout: Duration, out_limit: u64) -> Result<(), String> {
     let log = out.parent().unwrap_or(out).join("engine.log");
     let mut command = std::process::Command::new("sh");
     command.arg("-c").arg(cmd).env("TOUCHSTONE_TASK", task).env("TOUCHSTONE_OUT", out);

@@ -23,9 +23,12 @@ TOUCHSTONE_PROMPT_IDS (comma-separated ids), TOUCHSTONE_N_GENERATE (greedy token
 prefill), TOUCHSTONE_OUT (directory to write) and TOUCHSTONE_MODEL_SHA256; touchstone_dump.py reads
 them and writes the dump. With TOUCHSTONE_N_GENERATE > 0 it writes a
 token-only dump (`generated_ids`, no tensors); otherwise taps and logits of every position. With
-TOUCHSTONE_TASK set, Touchstone asks for the op protocol (docs/OP_PROTOCOL.md), which this engine
-does not speak: it exits non-zero and its ops are reported unsupported.
+TOUCHSTONE_TASK=schedule it serves a schedule of many requests (docs/SERVING_PROTOCOL.md, through
+touchstone_serving.py: `cargo xtask serving --device "exec:python3 engine.py" --model tiny-llama`).
+With any other TOUCHSTONE_TASK, Touchstone asks for the op protocol (docs/OP_PROTOCOL.md), which
+this engine does not speak: it exits non-zero and its ops are reported unsupported.
 """
+import os
 import sys
 
 import touchstone_dump
@@ -116,10 +119,29 @@ def forward(cfg, w, ids, taps):
 # The request and the dump: touchstone_dump.py (beside this file) reads one and writes the other.
 # ----------------------------------------------------------------------------------------------
 
+def serve_schedule(model):
+    """The schedule task (touchstone_serving.py): this engine's cache is the list of token ids it
+    holds, and each chunk's logits are the last rows of a forward pass over the whole list."""
+    import touchstone_serving
+    cfg, w = load(model)
+
+    def step(batch):
+        out = []
+        for cache, ids in batch:
+            cache.extend(ids)
+            out.append(forward(cfg, w, cache, {})[-len(ids):])
+        return out
+
+    # Each request is computed alone, the same way whatever is beside it: batch-invariant.
+    touchstone_serving.serve(empty=list, prefix=lambda cache, n: list(cache[:n]), step=step, batch_invariant=True)
+
+
 def main():
+    if os.environ.get("TOUCHSTONE_TASK") == "schedule":
+        return serve_schedule(os.environ["TOUCHSTONE_MODEL"])
     req = touchstone_dump.request()
     if req.task:
-        sys.exit(f"TOUCHSTONE_TASK={req.task}: this engine speaks the dump protocol only, not the op protocol")
+        sys.exit(f"TOUCHSTONE_TASK={req.task}: this engine speaks the dump protocol and the schedule task, not the op protocol")
     cfg, w = load(req.model)
     dump = touchstone_dump.Dump(device="example-numpy-f64", arithmetic=ARITHMETIC, precision="f64")
     if req.n_generate > 0:

@@ -88,15 +88,16 @@ def _f32_rows(x, what):
     return len(rows), cols, a.tobytes()
 
 
-def write_safetensors(path, tensors):
-    """Writes [(name, 2-D array)] (numpy arrays or lists of rows) as one safetensors file of f32."""
-    _write_f32(path, [(name, *_f32_rows(rows, name)) for name, rows in tensors])
+def write_safetensors(path, tensors, metadata=None):
+    """Writes [(name, 2-D array)] (numpy arrays or lists of rows) as one safetensors file of f32,
+    with `metadata` (a dict of strings) as its `__metadata__`."""
+    _write_f32(path, [(name, *_f32_rows(rows, name)) for name, rows in tensors], metadata)
 
 
-def _write_f32(path, tensors):
+def _write_f32(path, tensors, metadata=None):
     """Writes [(name, rows, cols, f32 bytes)] as one safetensors file: an 8-byte header length, the
     JSON header padded to 8 bytes, the raw data."""
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for name, rows, cols, data in tensors:
         header[name] = {"dtype": "F32", "shape": [rows, cols], "data_offsets": [offset, offset + len(data)]}
         offset += len(data)

@@ -142,7 +142,6 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
     // size suggests: the budget grants the difference (as fixed-token's does).
     let head_terms = oracle::loader::open_weights(&path).and_then(|(weights, _)| layerdiff::term_scales(&head.head, weights.as_ref()))?.remove(&oracle::taps::TapName::model(oracle::taps::TapKind::ResultOutput).to_string());
     budget.abs += head_terms.as_ref().and_then(|s| layerdiff::cancellation_grant(oracle::taps::TapKind::ResultOutput, s, &arith, &dims)).unwrap_or(0.0);
-    let invariant = m.batch_invariant();
     // MoE: the device's own run of each request, for the experts it chose.
     let mut device_routing: BTreeMap<Vec<u32>, RoutingTap> = BTreeMap::new();
     if spec.moe.is_some() {
@@ -154,8 +153,13 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
         }
         m.reset();
     }
-    let mut serve = |s: &oracle::schedule::Schedule| m.serve(s).map(|r| r.map_err(|e| e.to_string()));
-    let Some(answers) = serving::serve_all(&cases, &mut serve, spec.n_vocab) else {
+    let answers = {
+        let mut serve = |s: &oracle::schedule::Schedule| m.serve(s).map(|r| r.map_err(|e| e.to_string()));
+        serving::serve_all(&cases, &mut serve, spec.n_vocab)
+    };
+    // Asked after the answers: an external engine declares it with them.
+    let invariant = m.batch_invariant();
+    let Some(answers) = answers else {
         let case = serving::unsupported(&a.model, a.device.name(), "this engine does not serve schedules (docs/SERVING_PROTOCOL.md)");
         return Ok(Report::new("serving", Provenance::collect(rayon::current_num_threads()), vec![case]));
     };
