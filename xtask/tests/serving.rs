@@ -32,11 +32,11 @@ fn serving_judges_every_axis_on_cpu_and_is_unsupported_where_no_schedule_is_serv
     assert!(stderr(&o).contains("a request of 3 tokens with a prompt of 3"), "{}", stderr(&o));
 }
 
-/// The example engine serves schedules through touchstone_serving.py and passes every axis; a
-/// copy whose reused prefix holds a wrong token at its last position is red on `prefix_cache`,
-/// naming the request and a position.
+/// The example engine serves schedules through touchstone_serving.py and passes every axis; each
+/// seeded serving bug in a copy of it (engine.py or touchstone_serving.py) is red on the axis that
+/// shows it, naming the request and a position.
 #[test]
-fn the_example_engine_serves_schedules_and_a_seeded_prefix_bug_is_red() {
+fn the_example_engine_serves_schedules_and_each_seeded_serving_bug_is_red() {
     if !python_with_reference_peers() {
         eprintln!("skipped: python3 with numpy and gguf is not installed");
         return;
@@ -54,20 +54,31 @@ fn the_example_engine_serves_schedules_and_a_seeded_prefix_bug_is_red() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert_eq!(report(&dir)["batch_invariant"], true);
 
-    let copy = tmp.path().join("engine-copy");
-    std::fs::create_dir(&copy).unwrap();
-    for f in ["engine.py", "touchstone_dump.py", "touchstone_serving.py"] {
-        std::fs::copy(src.join(f), copy.join(f)).unwrap();
+    // (name, file, the line as written, the line seeded, the axis that must show it)
+    let bugs = [
+        ("prefix holds a wrong token", "engine.py", "prefix=lambda cache, n: list(cache[:n])", "prefix=lambda cache, n: list(cache[:n - 1]) + [0]", "prefix_cache"),
+        ("recycled slot not cleared", "touchstone_serving.py", "                slots[r[\"slot\"]] = empty()", "                slots[r[\"slot\"]] = slots[r[\"slot\"]] if slots[r[\"slot\"]] is not None else empty()", "slot_reuse"),
+        ("logits of two rows swapped", "touchstone_serving.py", "        for i, rows in zip(active, step(batch)):", "        answers = step(batch)\n        if len(answers) > 1:\n            last = answers[0][-1].copy()\n            answers[0][-1] = answers[1][-1]\n            answers[1][-1] = last\n        for i, rows in zip(active, answers):", "batch"),
+        ("a neighbour's last token leaks into the context", "engine.py", "        for cache, ids in batch:\n            cache.extend(ids)\n            out.append(forward(cfg, w, cache, {})[-len(ids):])", "        for j, (cache, ids) in enumerate(batch):\n            cache.extend(ids)\n            leak = batch[j - 1][0][-1:] if j > 0 else []\n            out.append(forward(cfg, w, leak + cache, {})[-len(ids):])", "neighbours"),
+        ("the cache dropped at a chunk boundary", "engine.py", "            out.append(forward(cfg, w, cache, {})[-len(ids):])", "            out.append(forward(cfg, w, cache[-len(ids) - 1:] if len(cache) > len(ids) else cache, {})[-len(ids):])", "chunks"),
+    ];
+    for (name, file, line, seeded_line, axis) in bugs {
+        let copy = tmp.path().join(axis);
+        std::fs::create_dir(&copy).unwrap();
+        for f in ["engine.py", "touchstone_dump.py", "touchstone_serving.py"] {
+            std::fs::copy(src.join(f), copy.join(f)).unwrap();
+        }
+        let text_of = std::fs::read_to_string(copy.join(file)).unwrap();
+        let seeded = text_of.replace(line, seeded_line);
+        assert_ne!(text_of, seeded, "{name}: the seeded line is in {file}");
+        std::fs::write(copy.join(file), seeded).unwrap();
+        let (o, dir) = run(&copy, &format!("seeded-{axis}"));
+        assert_eq!(o.status.code(), Some(1), "{name}: {}", text(&o));
+        let r = report(&dir);
+        let red: Vec<&serde_json::Value> = r["cases"].as_array().unwrap().iter().filter(|c| c["verdict"] == "fail").collect();
+        let on_axis = red.iter().find(|c| c["id"].as_str().unwrap().contains(&format!("axis={axis},")));
+        let Some(c) = on_axis else { panic!("{name}: not red on {axis}: {:?}", red.iter().map(|c| &c["id"]).collect::<Vec<_>>()) };
+        let msg = c["message"].as_str().unwrap();
+        assert!(msg.contains(&format!("axis {axis}")) && msg.contains("request `") && msg.contains("position"), "{name}: {msg}");
     }
-    let engine = std::fs::read_to_string(copy.join("engine.py")).unwrap();
-    let seeded = engine.replace("prefix=lambda cache, n: list(cache[:n])", "prefix=lambda cache, n: list(cache[:n - 1]) + [0]");
-    assert_ne!(engine, seeded, "the seeded line is in engine.py");
-    std::fs::write(copy.join("engine.py"), seeded).unwrap();
-    let (o, dir) = run(&copy, "seeded");
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    let r = report(&dir);
-    let red: Vec<&serde_json::Value> = r["cases"].as_array().unwrap().iter().filter(|c| c["verdict"] == "fail").collect();
-    assert!(!red.is_empty() && red.iter().all(|c| c["id"].as_str().unwrap().contains("axis=prefix_cache,")), "{red:?}");
-    let msg = red[0]["message"].as_str().unwrap();
-    assert!(msg.contains("axis prefix_cache") && msg.contains("request `target`") && msg.contains("position"), "{msg}");
 }
