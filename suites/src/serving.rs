@@ -33,6 +33,8 @@ pub enum Axis {
     Decode,
     SlotReuse,
     MixedLengths,
+    /// Random schedules ([`random_cases`]): everything at once.
+    Random,
 }
 
 impl Axis {
@@ -47,6 +49,7 @@ impl Axis {
             Axis::Decode => "decode",
             Axis::SlotReuse => "slot_reuse",
             Axis::MixedLengths => "mixed_lengths",
+            Axis::Random => "random",
         }
     }
 
@@ -191,6 +194,54 @@ pub fn cases(seq: &[u32], p0: usize, n_vocab: usize, window: Option<usize>, seed
     out
 }
 
+/// `n` random schedules (seeded): up to six requests each, drawn from `pool` (so some share a
+/// prefix), arriving at steps 0-5 in chunks of random sizes, in slots taken as they free, a third
+/// of the later ones reusing a prefix an earlier one has computed. The judged request is the last
+/// to arrive, against its own run alone (axis `random`, an isolation of nothing: a shape axis).
+pub fn random_cases(pool: &[Vec<u32>], n: usize, seed: u64) -> Vec<ServingCase> {
+    let mut ids = Ids { state: seed ^ 0x5eed, n_vocab: u32::MAX };
+    let mut draw = |below: usize| (ids.take(1)[0] as usize) % below.max(1);
+    let mut out = Vec::with_capacity(n);
+    for k in 0..n {
+        let n_req = 1 + draw(6);
+        let mut requests: Vec<Request> = Vec::new();
+        let mut free_at: Vec<usize> = Vec::new();
+        for j in 0..n_req {
+            let tokens = pool[draw(pool.len())].clone();
+            let mut arrive = draw(6);
+            // A prefix of an earlier request with the same tokens, computed by the arrival.
+            let mut prefix = None;
+            if j > 0 && draw(3) == 0 {
+                if let Some(src) = requests.iter().filter(|r| r.tokens == tokens).last() {
+                    arrive = arrive.max(src.arrive + 1);
+                    let done = (arrive - src.arrive).min(src.chunks.len());
+                    let computed = src.first_computed() + src.chunks[..done].iter().sum::<usize>();
+                    let share = computed.min(tokens.len() - 1);
+                    if share > 0 {
+                        prefix = Some(Prefix { from: src.id.clone(), tokens: 1 + draw(share) });
+                    }
+                }
+            }
+            let first = prefix.as_ref().map_or(0, |p| p.tokens);
+            let size = [1, 2, 3, 5, 8, tokens.len()][draw(6)];
+            let chunks = chunked(tokens.len() - first, size);
+            let slot = match free_at.iter().position(|f| *f <= arrive) {
+                Some(s) => s,
+                None => {
+                    free_at.push(0);
+                    free_at.len() - 1
+                }
+            };
+            free_at[slot] = arrive + chunks.len();
+            requests.push(Request { id: format!("r{j}"), tokens, arrive, chunks, slot, prefix });
+        }
+        let target = requests.iter().max_by_key(|r| r.arrive).map(|r| r.id.clone()).unwrap_or_default();
+        let variant = format!("schedule={k},requests={n_req}");
+        out.push(ServingCase { axis: Axis::Random, variant, schedule: Schedule { slots: free_at.len(), requests }, target, counterpart: Counterpart::Alone });
+    }
+    out
+}
+
 /// A request's logits at the positions it computed, as `[positions, n_vocab]`, with the first.
 fn computed<'a>(served: &'a Served, schedule: &Schedule, id: &str) -> Option<(usize, &'a [f32])> {
     let r = schedule.requests.iter().find(|r| r.id == id)?;
@@ -321,6 +372,9 @@ pub struct OracleRun {
 /// What a serving run needs from the engine: its answer to a schedule (None: it serves none).
 pub type Serve<'a> = dyn FnMut(&Schedule) -> Option<Result<Served, String>> + 'a;
 
+/// The id of a request run alone (the counterpart [`Counterpart::Alone`]).
+const ALONE: &str = "alone";
+
 /// An engine's answers for one case: to its schedule and to its counterpart (Err: why there is
 /// none, an engine error or an answer that does not fit the schedule).
 pub struct Answer {
@@ -345,7 +399,7 @@ pub fn serve_all(cases: &[ServingCase], serve: &mut Serve, n_vocab: usize) -> Op
             Counterpart::Alone => match alone.get(&target.tokens) {
                 Some(s) => s.clone(),
                 None => {
-                    let solo = Schedule { slots: 1, requests: vec![request(&c.target, target.tokens.clone(), 0, vec![target.tokens.len()], 0)] };
+                    let solo = Schedule { slots: 1, requests: vec![request(ALONE, target.tokens.clone(), 0, vec![target.tokens.len()], 0)] };
                     let s = answer(&solo)?;
                     alone.insert(target.tokens.clone(), s.clone());
                     s
@@ -387,7 +441,7 @@ pub fn judge(cases: &[ServingCase], answers: &[Answer], oracle_of: &dyn Fn(&[u32
         let first = target.first_computed();
         let got = &served[&c.target];
         let want: &[f32] = match &c.counterpart {
-            Counterpart::Alone => &reference[&c.target][first * n_vocab..],
+            Counterpart::Alone => &reference[ALONE][first * n_vocab..],
             Counterpart::Other { schedule, id } => {
                 let other_first = schedule.requests.iter().find(|r| &r.id == id).map_or(0, |r| r.first_computed());
                 &reference[id][(first - other_first.min(first)) * n_vocab..]
@@ -424,6 +478,18 @@ mod tests {
             }
         }
         assert!(cases.iter().any(|c| c.variant == "chunk=4"), "a chunk boundary on the window's edge");
+    }
+
+    #[test]
+    fn random_schedules_are_valid_and_reuse_slots_and_prefixes() {
+        let pool: Vec<Vec<u32>> = (0..3).map(|p| (0..12 + p).map(|i| (i * 13 + p) as u32 % 40).collect()).collect();
+        let cases = random_cases(&pool, 200, 9);
+        for c in &cases {
+            c.schedule.validate().unwrap_or_else(|e| panic!("{}: {e}", c.variant));
+            assert!(c.schedule.requests.iter().any(|r| r.id == c.target));
+        }
+        assert!(cases.iter().any(|c| c.schedule.requests.iter().any(|r| r.prefix.is_some())), "some reuse a prefix");
+        assert!(cases.iter().any(|c| c.schedule.slots < c.schedule.requests.len()), "some recycle a slot");
     }
 
     #[test]

@@ -26,7 +26,10 @@ fn judge(path: &std::path::Path, name: &str, model: &mut dyn DeviceModel) -> Vec
     let window = spec.layers.iter().find_map(|l| match l.block {
         oracle::spec::BlockKind::Attention(a) => a.window,
     });
-    let cases = serving::cases(&seq, 20, spec.n_vocab, window, 3);
+    let mut cases = serving::cases(&seq, 20, spec.n_vocab, window, 3);
+    let mut shared = seq[..20].to_vec();
+    shared.extend([5, 6, 7]);
+    cases.extend(serving::random_cases(&[seq.clone(), shared, seq[10..].to_vec()], 20, 5));
     let mut runs: BTreeMap<Vec<u32>, OracleRun> = BTreeMap::new();
     for c in &cases {
         let other = match &c.counterpart {
@@ -55,7 +58,7 @@ fn the_cpu_executor_serves_every_synthetic_model_green() {
         for device in ["cpu", "cpu:kv-f16", "cpu:kv-q8_0"] {
             let mut m = devices::open(device).unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap();
             let cases = judge(&path, name, m.as_mut());
-            assert!(cases.len() >= 28, "{name} {device}: {} cases", cases.len());
+            assert!(cases.len() >= 68, "{name} {device}: {} cases", cases.len());
             let bad: Vec<String> = cases.iter().filter(|c| c.verdict != Verdict::Pass).map(|c| format!("{}: {:?}", c.id, c.message)).collect();
             assert!(bad.is_empty(), "{name} on {device}:\n{}", bad.join("\n"));
         }

@@ -49,6 +49,10 @@ impl CpuModel {
                     Seg { cache: g.slot, start, tokens: g.tokens, fault: fault.filter(|_| later_chunk) }
                 })
                 .collect();
+            if segs.is_empty() {
+                // A step no request is active at (they arrive later).
+                continue;
+            }
             let mut logits = self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?;
             if fault == Some(ServeFault::LogitsSwapped) && segs.len() >= 2 {
                 let (a, b) = ((segs[0].tokens.len() - 1) * n_vocab, (segs[0].tokens.len() + segs[1].tokens.len() - 1) * n_vocab);

@@ -27,9 +27,15 @@ pub struct ServingArgs {
     /// thirds of the ids).
     #[arg(long)]
     pub prompt_len: Option<usize>,
-    /// Seed of the neighbours' token ids.
+    /// Seed of the neighbours' token ids and of the random schedules.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Random schedules to add (axis `random`): up to six requests each, drawn from the judged
+    /// request, one sharing its prompt and two others, at random arrivals, chunk sizes, slots
+    /// (recycled as they free) and reused prefixes; the last to arrive judged against its own
+    /// run alone, every request against the oracle.
+    #[arg(long, default_value_t = 0)]
+    pub random: usize,
     /// Where report.json, report.md, junit.xml and cases.csv go (default target/touchstone/serving-YYYYMMDD-HHMMSS/).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
@@ -94,7 +100,18 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
     let window = spec.layers.iter().find_map(|l| match l.block {
         oracle::spec::BlockKind::Attention(at) => at.window,
     });
-    let cases = serving::cases(&seq, p0, spec.n_vocab, window, a.seed);
+    let mut cases = serving::cases(&seq, p0, spec.n_vocab, window, a.seed);
+    if a.random > 0 {
+        if a.random > 100_000 {
+            return Err(Exit::new(2, format!("--random {}: at most 100000 schedules", a.random)));
+        }
+        // The judged request, one sharing its prompt, and two of other content.
+        let mut shared = seq[..p0].to_vec();
+        shared.extend(seq[p0..].iter().rev());
+        let other = |k: u32| -> Vec<u32> { seq.iter().map(|t| (t.wrapping_mul(31).wrapping_add(k * 7919)) % spec.n_vocab as u32).collect() };
+        let pool = vec![seq.clone(), shared, other(1), other(2)[..seq.len() / 2 + 1].to_vec()];
+        cases.extend(serving::random_cases(&pool, a.random, a.seed));
+    }
     // The oracle on every distinct request alone, before the device is loaded (the two models
     // are never held at once).
     let mut distinct: Vec<Vec<u32>> = Vec::new();
