@@ -13,9 +13,13 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("registry", &["*"]),
     // Model descriptions (hyperparameters, RoPE and activation kinds).
     ("spec", &["*"]),
-    // File readers (GGUF, safetensors, dumps) and the memory check before a load.
+    // Serving schedules: what a serving case asks of an engine, and the shape of its answer.
+    ("schedule", &["*"]),
+    // File readers (GGUF, safetensors, dumps, an engine's output read without following links)
+    // and the memory check before a load.
     ("loader", &["*"]),
     ("dump", &["*"]),
+    ("files", &["open_written"]),
     // Tap names and kinds (what a dump's tap is, parsed where the dump is read).
     ("taps", &["*"]),
     ("memory", &["check_fits"]),
