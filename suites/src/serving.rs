@@ -212,7 +212,7 @@ pub fn random_cases(pool: &[Vec<u32>], n: usize, seed: u64) -> Vec<ServingCase> 
             // A prefix of an earlier request with the same tokens, computed by the arrival.
             let mut prefix = None;
             if j > 0 && draw(3) == 0 {
-                if let Some(src) = requests.iter().filter(|r| r.tokens == tokens).last() {
+                if let Some(src) = requests.iter().rev().find(|r| r.tokens == tokens) {
                     arrive = arrive.max(src.arrive + 1);
                     let done = (arrive - src.arrive).min(src.chunks.len());
                     let computed = src.first_computed() + src.chunks[..done].iter().sum::<usize>();
