@@ -90,7 +90,7 @@ fn exit_codes_follow_the_contract() {
 
     let o = xtask(&["gate", "--suite", "benchmark"], &[]);
     assert_eq!(o.status.code(), Some(2), "a suite that does not exist is could-not-run, never a pass");
-    assert!(stderr(&o).contains("no suite `benchmark` (suites: oracle, kernels, layers, tokens, bench)"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no suite `benchmark` (suites: oracle, kernels, layers, tokens, serving, bench)"), "{}", stderr(&o));
     let o = xtask(&["layer-diff", "--device", "cpu", "--model", "tiny-llama", "--mode", "sideways"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("invalid value 'sideways' for '--mode <MODE>'") && stderr(&o).contains("[possible values: isolated, propagated]"), "{}", stderr(&o));
