@@ -474,21 +474,8 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
         }),
         Some(paths) => {
             for (how, start, logits) in paths {
-                let reference = &device_logits[start * n_vocab..];
-                let mut worst = 0.0f64;
-                let mut worst_ratio = 0.0f64;
-                let mut argmax_diff = 0;
-                for (k, (a, b)) in logits.chunks(n_vocab).zip(reference.chunks(n_vocab)).enumerate() {
-                    let s = &stats[start + k];
-                    let rms = (a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / n_vocab as f64).sqrt();
-                    let ratio = if rms.is_finite() { rms / (2.0 * s.delta) } else { f64::INFINITY };
-                    worst = worst.max(a.iter().zip(b).map(|(x, y)| ((x - y) as f64).abs()).fold(0.0, f64::max));
-                    worst_ratio = worst_ratio.max(ratio);
-                    let am = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best });
-                    if am(a) != am(b) && !s.near_tie {
-                        argmax_diff += 1;
-                    }
-                }
+                let agreed = agreement(logits, &device_logits[start * n_vocab..], &stats[*start..], n_vocab);
+                let (worst, worst_ratio, argmax_diff) = (agreed.max_abs, agreed.worst_ratio, agreed.argmax_differences.len());
                 let pass = worst_ratio <= 1.0 && argmax_diff == 0;
                 cases.push(case(
                     id(&format!("cache_consistency:{how}")),
@@ -504,6 +491,39 @@ pub fn evaluate(golden: &Golden, oracle: &[f64], device_logits: &[f32], n_vocab:
         }
     }
     (cases, TokenFindings::Logits(ts))
+}
+
+/// How closely two runs' logits over the same positions agree (`a` and `b`, `[positions,
+/// n_vocab]`; `stats`: those positions' budgets and near ties, in order).
+pub struct Agreement {
+    /// The largest RMS difference of a position over twice its logit budget (delta), and the
+    /// index of that position.
+    pub worst_ratio: f64,
+    pub worst_at: usize,
+    /// The largest absolute difference of one logit.
+    pub max_abs: f64,
+    /// The positions (indices) whose top-1 differs off a near tie.
+    pub argmax_differences: Vec<usize>,
+}
+
+/// [`Agreement`] of `a` and `b`: what cache consistency and the serving rung hold a run to
+/// against another run of the same positions.
+pub fn agreement(a: &[f32], b: &[f32], stats: &[PositionStats], n_vocab: usize) -> Agreement {
+    let mut out = Agreement { worst_ratio: 0.0, worst_at: 0, max_abs: 0.0, argmax_differences: Vec::new() };
+    let top1 = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best });
+    for (k, (x, y)) in a.chunks(n_vocab).zip(b.chunks(n_vocab)).enumerate() {
+        let s = &stats[k];
+        let rms = (x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum::<f64>() / n_vocab as f64).sqrt();
+        let ratio = if rms.is_finite() { rms / (2.0 * s.delta) } else { f64::INFINITY };
+        if ratio > out.worst_ratio {
+            (out.worst_ratio, out.worst_at) = (ratio, k);
+        }
+        out.max_abs = out.max_abs.max(x.iter().zip(y).map(|(p, q)| ((p - q) as f64).abs()).fold(0.0, f64::max));
+        if top1(x) != top1(y) && !s.near_tie {
+            out.argmax_differences.push(k);
+        }
+    }
+    out
 }
 
 /// A token-only engine (it printed generated ids, no logits): only the greedy gate can run; the

@@ -17,7 +17,7 @@
 //! within the mean of its per-position bounds, no top-1 change off near ties (the fixed-token
 //! rule). A red names the axis, the schedule, the request and the position.
 
-use crate::fixedtoken::position_stats;
+use crate::fixedtoken::{agreement, position_stats};
 use crate::layerdiff::Budget;
 use oracle::schedule::{Prefix, Request, Schedule, Served};
 use reports::{Case, Metrics, Tolerance, Verdict};
@@ -87,23 +87,15 @@ impl ServingCase {
     }
 }
 
-/// A deterministic stream of token ids below `n_vocab` (SplitMix64).
+/// A deterministic stream of token ids below `n_vocab` (the sampling op's SplitMix64).
 struct Ids {
-    state: u64,
+    rng: oracle::ops::SplitMix64,
     n_vocab: u32,
 }
 
 impl Ids {
     fn take(&mut self, n: usize) -> Vec<u32> {
-        (0..n)
-            .map(|_| {
-                self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = self.state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                ((z ^ (z >> 31)) % self.n_vocab as u64) as u32
-            })
-            .collect()
+        (0..n).map(|_| (self.rng.next_u64() % self.n_vocab as u64) as u32).collect()
     }
 }
 
@@ -127,7 +119,7 @@ fn chunked(len: usize, size: usize) -> Vec<usize> {
 pub fn cases(seq: &[u32], p0: usize, n_vocab: usize, window: Option<usize>, seed: u64) -> Vec<ServingCase> {
     let n = seq.len();
     let p0 = p0.clamp(1, n);
-    let mut ids = Ids { state: seed, n_vocab: n_vocab.clamp(1, u32::MAX as usize) as u32 };
+    let mut ids = Ids { rng: oracle::ops::SplitMix64(seed), n_vocab: n_vocab.clamp(1, u32::MAX as usize) as u32 };
     // Neighbours of several lengths, and a second set of the same lengths and other content.
     let lens = [n / 2 + 1, n + 3, 3, 2 * n, n];
     let pool: Vec<Vec<u32>> = lens.iter().map(|l| ids.take(*l)).collect();
@@ -199,7 +191,7 @@ pub fn cases(seq: &[u32], p0: usize, n_vocab: usize, window: Option<usize>, seed
 /// of the later ones reusing a prefix an earlier one has computed. The judged request is the last
 /// to arrive, against its own run alone (axis `random`, an isolation of nothing: a shape axis).
 pub fn random_cases(pool: &[Vec<u32>], n: usize, seed: u64) -> Vec<ServingCase> {
-    let mut ids = Ids { state: seed ^ 0x5eed, n_vocab: u32::MAX };
+    let mut ids = Ids { rng: oracle::ops::SplitMix64(seed ^ 0x5eed), n_vocab: u32::MAX };
     let mut draw = |below: usize| (ids.take(1)[0] as usize) % below.max(1);
     let mut out = Vec::with_capacity(n);
     for k in 0..n {
@@ -287,20 +279,9 @@ fn against_counterpart(id: String, device: &str, c: &ServingCase, got: &[f32], r
         return Case { id, device: device.into(), verdict: if diff.is_none() { Verdict::Pass } else { Verdict::Fail }, metrics: metrics.with("first_difference", diff.map(|i| first + i / n_vocab)), tolerance: Tolerance { rule: rule.into(), bound: 0.0 }, margin: if diff.is_none() { 0.0 } else { -1.0 }, message };
     }
     let stats = position_stats(&oracle[first * n_vocab..], reference, n_vocab, budget);
-    let mut worst = (0.0f64, 0usize);
-    let mut flips = Vec::new();
-    for (k, (a, b)) in got.chunks(n_vocab).zip(reference.chunks(n_vocab)).enumerate() {
-        let s = &stats[k];
-        let rms = (a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / n_vocab as f64).sqrt();
-        let ratio = if rms.is_finite() { rms / (2.0 * s.delta) } else { f64::INFINITY };
-        if ratio > worst.0 || ratio.is_nan() {
-            worst = (ratio, first + k);
-        }
-        let am = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best });
-        if am(a) != am(b) && !s.near_tie {
-            flips.push(first + k);
-        }
-    }
+    let agreed = agreement(got, reference, &stats, n_vocab);
+    let worst = (agreed.worst_ratio, first + agreed.worst_at);
+    let flips: Vec<usize> = agreed.argmax_differences.iter().map(|k| first + k).collect();
     let pass = worst.0 <= 1.0 && flips.is_empty();
     let message = (!pass).then(|| match flips.first() {
         Some(p) => format!("axis {}: request `{}` position {p}: another top-1 than {what}, off a near tie ({})", c.axis.name(), c.target, c.variant),
