@@ -79,6 +79,16 @@ pub struct Step<'a> {
 }
 
 impl Schedule {
+    /// The position of request `id` in `requests`.
+    pub fn index_of(&self, id: &str) -> Option<usize> {
+        self.requests.iter().position(|r| r.id == id)
+    }
+
+    /// Request `id`.
+    pub fn request(&self, id: &str) -> Option<&Request> {
+        self.index_of(id).map(|i| &self.requests[i])
+    }
+
     /// Checks the schedule can be run: ids unique, chunks that cover the tokens, slots in range
     /// and never held by two live requests, prefixes of an earlier request that has computed
     /// them by the arrival and shares those tokens. Err names the request and field.
@@ -164,7 +174,7 @@ impl Schedule {
         let mut out = BTreeMap::new();
         for r in &self.requests {
             if let Some(p) = &r.prefix {
-                if let Some(si) = self.requests.iter().position(|s| s.id == p.from) {
+                if let Some(si) = self.index_of(&p.from) {
                     let e = out.entry(si).or_insert(r.arrive);
                     *e = (*e).max(r.arrive);
                 }

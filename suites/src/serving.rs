@@ -236,7 +236,7 @@ pub fn random_cases(pool: &[Vec<u32>], n: usize, seed: u64) -> Vec<ServingCase> 
 
 /// A request's logits at the positions it computed, as `[positions, n_vocab]`, with the first.
 fn computed<'a>(served: &'a Served, schedule: &Schedule, id: &str) -> Option<(usize, &'a [f32])> {
-    let r = schedule.requests.iter().find(|r| r.id == id)?;
+    let r = schedule.request(id)?;
     Some((r.first_computed(), served.get(id)?.as_slice()))
 }
 
@@ -375,7 +375,7 @@ pub fn serve_all(cases: &[ServingCase], serve: &mut Serve, n_vocab: usize) -> Op
     let mut out = Vec::with_capacity(cases.len());
     for c in cases {
         let served = answer(&c.schedule)?;
-        let target = c.schedule.requests.iter().find(|r| r.id == c.target).expect("the target is in its schedule");
+        let target = c.schedule.request(&c.target).expect("the target is in its schedule");
         let reference = match &c.counterpart {
             Counterpart::Alone => match alone.get(&target.tokens) {
                 Some(s) => s.clone(),
@@ -418,13 +418,13 @@ pub fn judge(cases: &[ServingCase], answers: &[Answer], oracle_of: &dyn Fn(&[u32
                 continue;
             }
         };
-        let target = c.schedule.requests.iter().find(|r| r.id == c.target).expect("the target is in its schedule");
+        let target = c.schedule.request(&c.target).expect("the target is in its schedule");
         let first = target.first_computed();
         let got = &served[&c.target];
         let want: &[f32] = match &c.counterpart {
             Counterpart::Alone => &reference[ALONE][first * n_vocab..],
             Counterpart::Other { schedule, id } => {
-                let other_first = schedule.requests.iter().find(|r| &r.id == id).map_or(0, |r| r.first_computed());
+                let other_first = schedule.request(id).map_or(0, |r| r.first_computed());
                 &reference[id][(first - other_first.min(first)) * n_vocab..]
             }
         };
@@ -451,7 +451,7 @@ mod tests {
         }
         for c in &cases {
             c.schedule.validate().unwrap_or_else(|e| panic!("{}: {e}", c.variant));
-            let t = c.schedule.requests.iter().find(|r| r.id == c.target).unwrap();
+            let t = c.schedule.request(&c.target).unwrap();
             assert_eq!(t.tokens, seq, "{}", c.variant);
             if let Counterpart::Other { schedule, id } = &c.counterpart {
                 schedule.validate().unwrap();

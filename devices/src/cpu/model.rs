@@ -354,7 +354,11 @@ impl CpuModel {
     /// output norm and head then run on that row alone). Taps record a batch of one segment.
     pub(crate) fn run_batch(&self, caches: &mut [KvCache], segs: &[Seg], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
         let s = &self.spec;
-        let tokens: Vec<u32> = segs.iter().flat_map(|g| g.tokens.iter().copied()).collect();
+        // One segment (the one-sequence path) is used in place; a batch is joined once.
+        let tokens: std::borrow::Cow<[u32]> = match segs {
+            [g] => g.tokens.into(),
+            _ => segs.iter().flat_map(|g| g.tokens.iter().copied()).collect::<Vec<u32>>().into(),
+        };
         let m = tokens.len();
         if m == 0 || segs.iter().any(|g| g.tokens.is_empty() || g.cache >= caches.len()) {
             return Err(err("forward", "no tokens"));
@@ -420,14 +424,18 @@ impl CpuModel {
                             softcap: s.attn_softcap.unwrap_or(0.0) as f32,
                             scale: s.attn_scale as f32,
                         };
-                        attn = Vec::with_capacity(m * qd);
+                        attn = if segs.len() == 1 { Vec::new() } else { Vec::with_capacity(m * qd) };
                         let mut r0 = 0;
                         for g in segs {
                             let rows = r0..r0 + g.tokens.len();
                             let (qs, ks, vs) = (&q[rows.start * qd..rows.end * qd], &k[rows.start * kvd..rows.end * kvd], &v[rows.start * kvd..rows.end * kvd]);
                             let (seg_pos, seg_cfg) = super::serve_faults::attention_view(g.fault, &pos[rows.clone()], &cfg);
                             let out = caches[g.cache].write_and_attend(li, g.start, kvd, (qs, ks, vs), &seg_pos, &seg_cfg).map_err(|e| err("attention", e))?;
-                            attn.extend_from_slice(&out);
+                            if segs.len() == 1 {
+                                attn = out;
+                            } else {
+                                attn.extend_from_slice(&out);
+                            }
                             r0 = rows.end;
                         }
                         super::serve_faults::batch_faults(self.serve_fault, &views, &mut attn, qd);

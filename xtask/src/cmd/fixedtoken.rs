@@ -193,12 +193,7 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     arith.check().map_err(|e| Exit::new(2, format!("{}: declared arithmetic: {e}", a.device)))?;
     let declared_name = engine.declared_name();
     drop(engine);
-    let mut budget = propagated_budget(oracle::taps::TapKind::ResultOutput, None, &arith, &dims).ok_or_else(|| Exit::new(2, "no logit budget rule"))?;
-    // Where the output head's terms cancel, the logits' rounding errors are larger than their
-    // size suggests: the budget grants the difference (as layer-diff's does).
-    let head_terms = oracle::loader::open_weights(&path).and_then(|(weights, _)| layerdiff::term_scales(&oracle_tap.head, weights.as_ref()))?.remove(&oracle::taps::TapName::model(oracle::taps::TapKind::ResultOutput).to_string());
-    let terms_grant = head_terms.as_ref().and_then(|s| layerdiff::cancellation_grant(oracle::taps::TapKind::ResultOutput, s, &arith, &dims)).unwrap_or(0.0);
-    budget.abs += terms_grant;
+    let (budget, head_terms, terms_grant) = logit_budget(&path, &oracle_tap.head, &arith, &dims)?;
     // A MoE device that routed some token otherwise: the oracle again (loaded anew, so the two
     // models were never held at once), routing as the device did where the choices differ only
     // at a near tie.
@@ -206,9 +201,9 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
     if runs.routing_differs.contains(&true) {
         stages.next(&format!("the oracle routed as {} at near ties", a.device));
         let (oracle, _) = super::load_oracle(&path, Precision::F32)?;
-        let mut tap = fixedtoken::FollowRouting { routing: RoutingFollower::propagated(&device_routing.0, &arith, &dims, "teacher-forced"), recorded: RoutingTap::default() };
-        runs.followed_oracle = Some(oracle.prefill_logits(&seq, &mut tap)?);
-        follows = tap.routing.follows;
+        let (logits, followed) = followed_oracle(&oracle, &seq, &device_routing, &arith, &dims)?;
+        runs.followed_oracle = Some(logits);
+        follows = followed;
         for f in &follows {
             stages.note(&format!("routing: {f}"));
         }
@@ -256,6 +251,27 @@ pub fn fixed_token(a: &FixedTokenArgs) -> Result<Option<Report>, Exit> {
         report.set_section(super::DECLARED_NAMES, &std::collections::BTreeMap::from([(a.device.name(), name)]));
     }
     Ok(Some(report))
+}
+
+/// The budget of a device's logits (the propagated budget of `result_output` for its declared
+/// arithmetic), with the grant for the output head's cancelling terms already in `abs`: where
+/// the head's terms cancel, the logits' rounding errors are larger than their size suggests
+/// (as layer-diff grants). Returns the budget, the head's term scale and the grant. Used by
+/// fixed-token and the serving rung.
+pub(super) fn logit_budget(path: &std::path::Path, head: &layerdiff::ProductRows, arith: &devices::Arithmetic, dims: &Dims) -> Result<(suites::layerdiff::Budget, Option<layerdiff::TermScale>, f64), Exit> {
+    let mut budget = propagated_budget(oracle::taps::TapKind::ResultOutput, None, arith, dims).ok_or_else(|| Exit::new(2, "no logit budget rule"))?;
+    let head_terms = oracle::loader::open_weights(path).and_then(|(weights, _)| layerdiff::term_scales(head, weights.as_ref()))?.remove(&oracle::taps::TapName::model(oracle::taps::TapKind::ResultOutput).to_string());
+    let terms_grant = head_terms.as_ref().and_then(|s| layerdiff::cancellation_grant(oracle::taps::TapKind::ResultOutput, s, arith, dims)).unwrap_or(0.0);
+    budget.abs += terms_grant;
+    Ok((budget, head_terms, terms_grant))
+}
+
+/// A MoE oracle's teacher-forced logits of `ids`, routed as the device did where the two chose
+/// differently only at a near tie; with the choices it followed.
+pub(super) fn followed_oracle(oracle: &AnyModel, ids: &[u32], device_routing: &RoutingTap, arith: &devices::Arithmetic, dims: &Dims) -> Result<(Vec<f64>, Vec<layerdiff::RoutingFollow>), Exit> {
+    let mut tap = fixedtoken::FollowRouting { routing: RoutingFollower::propagated(&device_routing.0, arith, dims, "teacher-forced"), recorded: RoutingTap::default() };
+    let logits = oracle.prefill_logits(ids, &mut tap)?;
+    Ok((logits, tap.routing.follows))
 }
 
 /// The device's teacher-forced logits (None for a token-only engine), its other runs, and the MoE

@@ -9,7 +9,7 @@ use reports::{Provenance, Report};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use suites::layerdiff::{self, propagated_budget, Dims};
+use suites::layerdiff::Dims;
 use suites::fixedtoken::RoutingTap;
 use suites::serving;
 
@@ -154,11 +154,7 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
     let arith = m.arithmetic();
     arith.check().map_err(|e| Exit::new(2, format!("{}: declared arithmetic: {e}", a.device)))?;
     let dims = Dims::of(&spec, longest);
-    let mut budget = propagated_budget(oracle::taps::TapKind::ResultOutput, None, &arith, &dims).ok_or_else(|| Exit::new(2, "no logit budget rule"))?;
-    // Where the output head's terms cancel, the logits' rounding errors are larger than their
-    // size suggests: the budget grants the difference (as fixed-token's does).
-    let head_terms = oracle::loader::open_weights(&path).and_then(|(weights, _)| layerdiff::term_scales(&head.head, weights.as_ref()))?.remove(&oracle::taps::TapName::model(oracle::taps::TapKind::ResultOutput).to_string());
-    budget.abs += head_terms.as_ref().and_then(|s| layerdiff::cancellation_grant(oracle::taps::TapKind::ResultOutput, s, &arith, &dims)).unwrap_or(0.0);
+    let (budget, _, _) = super::fixedtoken::logit_budget(&path, &head.head, &arith, &dims)?;
     // MoE: the device's own run of each request, for the experts it chose.
     let mut device_routing: BTreeMap<Vec<u32>, RoutingTap> = BTreeMap::new();
     if spec.moe.is_some() {
@@ -195,8 +191,7 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
                     follow = Some(super::load_oracle(&path, Precision::F32)?.0);
                 }
                 let oracle = follow.as_ref().expect("loaded above");
-                let mut tap = suites::fixedtoken::FollowRouting { routing: layerdiff::RoutingFollower::propagated(&device.0, &arith, &dims, "teacher-forced"), recorded: RoutingTap::default() };
-                logits = Arc::new(oracle.prefill_logits(&ids, &mut tap)?);
+                logits = Arc::new(super::fixedtoken::followed_oracle(oracle, &ids, device, &arith, &dims)?.0);
             }
         }
         judged_by.insert(ids, serving::OracleRun { logits, routing_differs });
