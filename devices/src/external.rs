@@ -144,6 +144,7 @@ impl Device for ExternalDevice {
             declared_name: None,
             workdir: None,
             batch_invariant: false,
+            has_served: false,
         }))
     }
 }
@@ -164,6 +165,9 @@ pub struct ExternalModel {
     /// Whether the engine's answers to schedules declare it batch-invariant (the last answer's
     /// `__metadata__`).
     batch_invariant: bool,
+    /// Whether it has answered a schedule: a later failure without an answer is then an error,
+    /// not a sign that it serves none.
+    has_served: bool,
 }
 
 /// A checked dump: manifest + taps under our names + logits.
@@ -317,14 +321,19 @@ impl ExternalModel {
         let answered = std::fs::symlink_metadata(out.join(SERVED_FILE)).is_ok();
         self.workdir = Some(work);
         match (ran, answered) {
-            (Err(_), false) => return Ok(None),
+            (Err(_), false) if !self.has_served => return Ok(None),
+            (Err(e), false) => return Err(format!("{e} (it answered earlier schedules; this one: {})", schedule_summary(schedule))),
             (Err(e), true) => return Err(e),
             (Ok(()), false) => return Err(format!("`{cmd}` exited 0 for TOUCHSTONE_TASK=schedule but wrote no {SERVED_FILE} (docs/SERVING_PROTOCOL.md)")),
             (Ok(()), true) => {}
         }
-        let (served, invariant) = read_served(&out, n_vocab)?;
-        self.batch_invariant = invariant;
-        Ok(Some(served))
+        let answer = read_served(&out, n_vocab)?;
+        self.has_served = true;
+        self.batch_invariant = answer.batch_invariant;
+        if let Some(a) = answer.arithmetic {
+            self.arithmetic = a;
+        }
+        Ok(Some(answer.served))
     }
 
     fn failed(&self, reason: impl std::fmt::Display) -> DeviceError {
@@ -369,7 +378,26 @@ pub const SERVED_FILE: &str = "served.safetensors";
 /// named by its id) and whether its `__metadata__` declares `"batch_invariant": "true"`. A link,
 /// another dtype or shape is an error naming the request; the counts against the schedule are
 /// the suite's check.
-pub fn read_served(dir: &Path, n_vocab: usize) -> Result<(oracle::schedule::Served, bool), String> {
+/// A schedule in a few words for an error: its requests with their slots and arrivals.
+fn schedule_summary(s: &oracle::schedule::Schedule) -> String {
+    let mut parts: Vec<String> = s.requests.iter().take(8).map(|r| format!("`{}` slot {} at step {}", r.id, r.slot, r.arrive)).collect();
+    if s.requests.len() > 8 {
+        parts.push(format!("{} more", s.requests.len() - 8));
+    }
+    format!("{} slots, {}", s.slots, parts.join(", "))
+}
+
+/// An engine's answer to a schedule: the logits, and what its `__metadata__` declares.
+pub struct ServedAnswer {
+    pub served: oracle::schedule::Served,
+    /// `batch_invariant`: "true".
+    pub batch_invariant: bool,
+    /// `arithmetic`: the engine's declared arithmetic, as a dump manifest's `arithmetic` (JSON),
+    /// checked; None when not given (the arithmetic of the engine's dumps, or f32, stands).
+    pub arithmetic: Option<Arithmetic>,
+}
+
+pub fn read_served(dir: &Path, n_vocab: usize) -> Result<ServedAnswer, String> {
     let path = dir.join(SERVED_FILE);
     let mut file = oracle::files::open_written(dir, SERVED_FILE).map_err(|e| e.to_string())?;
     // Its size is bounded by what the engine was allowed to write (the schedule's logits).
@@ -378,6 +406,14 @@ pub fn read_served(dir: &Path, n_vocab: usize) -> Result<(oracle::schedule::Serv
     let bad = |why: String| format!("{}: {why}", path.display());
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(e.to_string()))?;
     let invariant = meta.metadata().as_ref().and_then(|m| m.get("batch_invariant")).is_some_and(|v| v == "true");
+    let arithmetic = match meta.metadata().as_ref().and_then(|m| m.get("arithmetic")) {
+        None => None,
+        Some(text) => {
+            let a: Arithmetic = serde_json::from_str(text).map_err(|e| bad(format!("__metadata__ arithmetic: {e}")))?;
+            a.check().map_err(|e| bad(format!("__metadata__ arithmetic: {e}")))?;
+            Some(a)
+        }
+    };
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
     let mut served = oracle::schedule::Served::new();
     for (name, t) in st.tensors() {
@@ -386,7 +422,7 @@ pub fn read_served(dir: &Path, n_vocab: usize) -> Result<(oracle::schedule::Serv
         }
         served.insert(name, t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
     }
-    Ok((served, invariant))
+    Ok(ServedAnswer { served, batch_invariant: invariant, arithmetic })
 }
 
 /// With `TOUCHSTONE_KEEP_DUMPS=DIR`, copies what an `exec:` engine wrote in `out` (its dump and

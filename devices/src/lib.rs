@@ -208,6 +208,12 @@ pub trait DeviceModel: Send {
     fn serve(&mut self, _schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
         None
     }
+    /// [`DeviceModel::serve`], with the wall-clock seconds of each step of the schedule pushed to
+    /// `step_seconds` (index = step; 0 for a step no request runs at): what `bench --batch`
+    /// times. The default serves and times nothing (`step_seconds` stays empty).
+    fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, _step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        self.serve(schedule)
+    }
     /// Whether the engine declares its numbers independent of the batch: a request's logits the
     /// same bits whatever it is batched with, however its prompt is chunked, cached prefix or
     /// not. The serving rung then holds it bit for bit; otherwise within twice its logit budget.

@@ -52,6 +52,11 @@ impl Metrics {
         self.0.get(key).and_then(|v| v.as_f64())
     }
 
+    /// A metric as a boolean (None where absent or not a boolean).
+    pub fn bool(&self, key: &str) -> Option<bool> {
+        self.0.get(key).and_then(|v| v.as_bool())
+    }
+
     /// A metric as a string (None where absent or not a string).
     pub fn str(&self, key: &str) -> Option<&str> {
         self.0.get(key).and_then(|v| v.as_str())

@@ -278,6 +278,7 @@ fn against_counterpart(id: String, device: &str, c: &ServingCase, got: &[f32], r
         let rule = if c.axis.isolation() { "bit-identical: other requests' content never changes a request's numbers" } else { "bit-identical: the engine declares itself batch-invariant" };
         return Case { id, device: device.into(), verdict: if diff.is_none() { Verdict::Pass } else { Verdict::Fail }, metrics: metrics.with("first_difference", diff.map(|i| first + i / n_vocab)), tolerance: Tolerance { rule: rule.into(), bound: 0.0 }, margin: if diff.is_none() { 0.0 } else { -1.0 }, message };
     }
+    let identical = got.len() == reference.len() && got.iter().zip(reference).all(|(a, b)| a.to_bits() == b.to_bits());
     let stats = position_stats(&oracle[first * n_vocab..], reference, n_vocab, budget);
     let agreed = agreement(got, reference, &stats, n_vocab);
     let worst = (agreed.worst_ratio, first + agreed.worst_at);
@@ -291,7 +292,7 @@ fn against_counterpart(id: String, device: &str, c: &ServingCase, got: &[f32], r
         id,
         device: device.into(),
         verdict: if pass { Verdict::Pass } else { Verdict::Fail },
-        metrics: metrics.with("worst_rms_over_bound", worst.0).with("worst_position", worst.1).with("argmax_differences", flips.len()),
+        metrics: metrics.with("bit_identical", identical).with("worst_rms_over_bound", worst.0).with("worst_position", worst.1).with("argmax_differences", flips.len()),
         tolerance: Tolerance { rule: format!("RMS difference to {what} <= 2*delta per position, same top-1 off near ties"), bound: 1.0 },
         margin: 1.0 - worst.0,
         message,
@@ -368,8 +369,15 @@ pub struct Answer {
 /// per token sequence. None when the engine serves no schedule.
 pub fn serve_all(cases: &[ServingCase], serve: &mut Serve, n_vocab: usize) -> Option<Vec<Answer>> {
     let mut alone: BTreeMap<Vec<u32>, Result<Served, String>> = BTreeMap::new();
+    // None only before the engine has answered any schedule: after that, no answer is an error.
+    let mut answered = false;
     let mut answer = |schedule: &Schedule| -> Option<Result<Served, String>> {
-        let served = serve(schedule)?;
+        let served = match serve(schedule) {
+            Some(s) => s,
+            None if answered => Err("the engine answered earlier schedules but not this one".into()),
+            None => return None,
+        };
+        answered = true;
         Some(served.and_then(|s| check_served(schedule, &s, n_vocab).map(|_| s)))
     };
     let mut out = Vec::with_capacity(cases.len());
@@ -436,6 +444,42 @@ pub fn judge(cases: &[ServingCase], answers: &[Answer], oracle_of: &dyn Fn(&[u32
         out.push(against_oracle(format!("{id}:vs_oracle"), device, c, served, oracle_of, n_vocab, budget));
     }
     out
+}
+
+/// The columns of [`axis_rows`].
+pub const AXIS_COLUMNS: [&str; 6] = ["axis", "schedules", "against its counterpart", "closest approach", "against the oracle", "closest approach to the oracle's bound"];
+
+/// Per axis, what the judged cases (from [`judge`]) show: how many schedules gave the target
+/// bit-identical numbers to its counterpart, how many differed within the bound (an engine not
+/// declared batch-invariant on a shape axis) and how many failed; the worst RMS difference over
+/// its bound; then the requests against the oracle alone, and the worst KLD over its bound.
+pub fn axis_rows(judged: &[Case]) -> Vec<Vec<String>> {
+    let mut axes: Vec<&str> = Vec::new();
+    for c in judged {
+        if let Some(a) = c.metrics.str("axis").filter(|a| !axes.contains(a)) {
+            axes.push(a);
+        }
+    }
+    let show = |w: f64| if w == 0.0 { "0".to_string() } else if w.abs() < 0.01 { format!("{w:.1e}") } else { format!("{w:.3}") };
+    let worst = |v: &mut dyn Iterator<Item = f64>| v.fold(None, |w: Option<f64>, x| Some(w.map_or(x, |w| if x > w || x.is_nan() { x } else { w }))).map_or("-".to_string(), show);
+    axes.iter()
+        .map(|axis| {
+            let of: Vec<&Case> = judged.iter().filter(|c| c.metrics.str("axis") == Some(axis)).collect();
+            let (oracle, counterpart): (Vec<&Case>, Vec<&Case>) = of.iter().partition(|c| c.id.ends_with(":vs_oracle"));
+            let identical = counterpart.iter().filter(|c| c.verdict == Verdict::Pass && (c.tolerance.bound == 0.0 || c.metrics.bool("bit_identical") == Some(true))).count();
+            let within = counterpart.iter().filter(|c| c.verdict == Verdict::Pass).count() - identical;
+            let outside = counterpart.len() - identical - within;
+            let oracle_pass = oracle.iter().filter(|c| c.verdict == Verdict::Pass).count();
+            vec![
+                axis.to_string(),
+                counterpart.len().max(oracle.len()).to_string(),
+                format!("{identical} bit-identical, {within} within the bound, {outside} outside"),
+                worst(&mut counterpart.iter().filter_map(|c| c.metrics.f64("worst_rms_over_bound"))),
+                format!("{oracle_pass} of {} pass", oracle.len()),
+                worst(&mut oracle.iter().filter_map(|c| c.metrics.f64("worst_kld_over_bound"))),
+            ]
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -61,6 +61,10 @@ fn the_cpu_executor_serves_every_synthetic_model_green() {
             assert!(cases.len() >= 68, "{name} {device}: {} cases", cases.len());
             let bad: Vec<String> = cases.iter().filter(|c| c.verdict != Verdict::Pass).map(|c| format!("{}: {:?}", c.id, c.message)).collect();
             assert!(bad.is_empty(), "{name} on {device}:\n{}", bad.join("\n"));
+            // cpu declares itself batch-invariant: every axis bit-identical, every request passes.
+            for row in serving::axis_rows(&cases) {
+                assert!(row[2].ends_with(" bit-identical, 0 within the bound, 0 outside") && !row[2].starts_with("0 ") && row[4].starts_with(&format!("{} of {} pass", row[1], row[1])), "{name} {device}: {row:?}");
+            }
         }
     }
 }
@@ -88,5 +92,8 @@ fn every_seeded_serving_bug_is_red_on_its_axis_naming_request_and_position() {
         let Some(c) = on_axis else { panic!("{fault:?} not red on axis {axis}; red: {:?}", red.iter().map(|c| &c.id).collect::<Vec<_>>()) };
         let msg = c.message.as_deref().unwrap_or("");
         assert!(msg.contains(&format!("axis {axis}")) && msg.contains("request `") && msg.contains("position"), "{fault:?}: {msg}");
+        // The per-axis table counts it: a schedule outside its bound, or a request failing the oracle.
+        let row = serving::axis_rows(&cases).into_iter().find(|r| r[0] == axis).unwrap();
+        assert!(!row[2].ends_with(" 0 outside") || !row[4].starts_with(&format!("{} of", row[1])), "{fault:?}: {row:?}");
     }
 }

@@ -13,6 +13,21 @@ graph gives them (`attn_norm-3`, `Qcur-3`, `l_out-3`, ...; docs/DUMP_FORMAT.md).
 gives twice are told apart by the node's op: the `Qcur`/`Kcur` that ROPE computes is the rotated
 one. With TOUCHSTONE_N_GENERATE > 0 it generates greedily and writes a token-only dump.
 
+It also serves the schedule task (TOUCHSTONE_TASK=schedule, docs/SERVING_PROTOCOL.md), as
+llama.cpp's server does, through its multi-sequence batch API:
+
+    cargo xtask serving --device "exec:python3 tools/peers/llama_cpp_dump.py" --model smollm2
+
+Each cache slot is one llama.cpp sequence (`seq_id` = slot) in one context; every step is one
+`llama_decode` of a batch holding every active request's chunk, each token tagged with its
+request's sequence and position. A request taking a slot first removes the slot's cells
+(`llama_memory_seq_rm`); a reused prefix is copied from its source's sequence
+(`llama_memory_seq_cp`, which shares the cells); a finished request whose prefix a later one
+reuses is copied to a spare sequence first, so its slot can be recycled. The cache is unified
+(all sequences in one buffer, llama.cpp's `kv_unified`) unless TOUCHSTONE_LLAMA_KV_UNIFIED=0.
+llama.cpp is not declared batch-invariant: its products take another kernel path for other batch
+shapes, so the rung holds it to the derived bound there and to the bit elsewhere.
+
 The dump declares llama.cpp's CPU arithmetic as far as the declaration can say it: f32
 activations, Q8 blocks into every product with a quantized matrix (32 wide, the Q8_0/Q8_1 that
 Q4_0..Q8_0 weights meet; 256 for K-quant, IQ4_XS and TQ matrices, whose products take Q8_K blocks:
@@ -185,9 +200,90 @@ def kquant_file(path):
     return any(t in q8_k for t in tensor_types(path))
 
 
+def serve(schedule, model, cparams, out, arithmetic):
+    """Runs a schedule (docs/SERVING_PROTOCOL.md) through llama.cpp's multi-sequence batches and
+    writes served.safetensors: the logits of every position each request computed."""
+    reqs = schedule["requests"]
+    index = {r["id"]: i for i, r in enumerate(reqs)}
+    reused_until = {}
+    for r in reqs:
+        if r.get("prefix"):
+            src = index[r["prefix"]["from"]]
+            reused_until[src] = max(reused_until.get(src, 0), r["arrive"])
+    n_slots = schedule["slots"]
+    # One sequence per slot, and a spare one per request whose cache outlives it.
+    n_seq = n_slots + len(reused_until)
+    if n_seq > llama_cpp.llama_max_parallel_sequences():
+        sys.exit(f"schedule: {n_slots} slots and {len(reused_until)} kept prefixes need {n_seq} sequences; llama.cpp holds at most {llama_cpp.llama_max_parallel_sequences()}")
+    longest = max(len(r["tokens"]) for r in reqs)
+    most = max(sum(r["chunks"][t - r["arrive"]] for r in reqs if r["arrive"] <= t < r["arrive"] + len(r["chunks"])) for t in range(max(r["arrive"] + len(r["chunks"]) for r in reqs)))
+    cparams.n_seq_max = n_seq
+    cparams.kv_unified = os.environ.get("TOUCHSTONE_LLAMA_KV_UNIFIED", "1") != "0"
+    # Room for every sequence's longest (split evenly between them when not unified).
+    cparams.n_ctx = max(256, (longest + 8) * n_seq)
+    cparams.n_batch = cparams.n_ubatch = max(most, 1)
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        sys.exit("llama.cpp could not create a context")
+    mem = llama_cpp.llama_get_memory(ctx)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    kept, spare = {}, list(range(n_slots, n_seq))
+    computed = [0] * len(reqs)
+    logits = {r["id"]: [] for r in reqs}
+    for t in range(max(r["arrive"] + len(r["chunks"]) for r in reqs)):
+        for i, r in enumerate(reqs):
+            if r["arrive"] != t:
+                continue
+            seq = r["slot"]
+            p = r.get("prefix")
+            if p:
+                src = index[p["from"]]
+                source = kept[src] if src in kept else reqs[src]["slot"]
+                if source != seq:
+                    llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+                    llama_cpp.llama_memory_seq_cp(mem, source, seq, 0, p["tokens"])
+                else:
+                    llama_cpp.llama_memory_seq_rm(mem, seq, p["tokens"], -1)
+                computed[i] = p["tokens"]
+            else:
+                llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+        active = [i for i, r in enumerate(reqs) if r["arrive"] <= t < r["arrive"] + len(r["chunks"])]
+        if active:
+            entries = []
+            for i in active:
+                n = reqs[i]["chunks"][t - reqs[i]["arrive"]]
+                entries += [(i, reqs[i]["tokens"][k], k, reqs[i]["slot"]) for k in range(computed[i], computed[i] + n)]
+                computed[i] += n
+            batch = llama_cpp.llama_batch_init(len(entries), 0, 1)
+            for j, (_, tok, pos, seq) in enumerate(entries):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = tok, pos, 1, 1
+                batch.seq_id[j][0] = seq
+            batch.n_tokens = len(entries)
+            rc = llama_cpp.llama_decode(ctx, batch)
+            llama_cpp.llama_batch_free(batch)
+            if rc != 0:
+                sys.exit(f"step {t}: llama_decode returned {rc}")
+            for j, (i, _, _, _) in enumerate(entries):
+                logits[reqs[i]["id"]].append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, j), shape=(n_vocab,)).copy())
+        for i in active:
+            if t == reqs[i]["arrive"] + len(reqs[i]["chunks"]) - 1 and reused_until.get(i, -1) > t:
+                kept[i] = spare.pop()
+                llama_cpp.llama_memory_seq_rm(mem, kept[i], -1, -1)
+                llama_cpp.llama_memory_seq_cp(mem, reqs[i]["slot"], kept[i], -1, -1)
+        for i in [i for i in kept if reused_until[i] <= t]:
+            llama_cpp.llama_memory_seq_rm(mem, kept[i], -1, -1)
+            spare.append(kept.pop(i))
+    llama_cpp.llama_free(ctx)
+    tensors = [(r["id"], np.array(logits[r["id"]], dtype=np.float32).reshape(-1, n_vocab)) for r in reqs]
+    write_safetensors(os.path.join(out, "served.safetensors"), tensors, {"batch_invariant": "false", "arithmetic": json.dumps(arithmetic)})
+
+
 def main():
     model_path, out = os.environ["TOUCHSTONE_MODEL"], os.environ["TOUCHSTONE_OUT"]
-    ids = [int(t) for t in os.environ["TOUCHSTONE_PROMPT_IDS"].split(",")]
+    task = os.environ.get("TOUCHSTONE_TASK", "dump")
+    if task not in ("dump", "schedule"):
+        sys.exit(f"TOUCHSTONE_TASK={task}: this peer runs `dump` and `schedule`")
+    ids = [int(t) for t in os.environ.get("TOUCHSTONE_PROMPT_IDS", "0").split(",")] if task == "dump" else [0]
     n_generate = int(os.environ.get("TOUCHSTONE_N_GENERATE", "0"))
     threads = int(os.environ.get("RAYON_NUM_THREADS", "2"))
     flash = os.environ.get("TOUCHSTONE_LLAMA_FLASH_ATTN", "0") == "1"
@@ -257,6 +353,18 @@ def main():
     cparams.n_threads = cparams.n_threads_batch = threads
     cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     cparams.type_k, cparams.type_v = CACHE_TYPES[kv_k], CACHE_TYPES[kv_v]
+    arithmetic = {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
+                  "activation_q8_block_kquant": q8_block_kquant, "activation_half_rounding": q8 != "none",
+                  "gelu_half_table": True,
+                  "transcendental_ulps": 4.0, "fixed": None, "kv_cache": declared_k,
+                  "kv_cache_rotation": rotated}
+    if declared_v != declared_k:
+        arithmetic["kv_cache_v"] = declared_v
+    if task == "schedule":
+        with open(os.environ["TOUCHSTONE_SCHEDULE"]) as f:
+            serve(json.load(f), model, cparams, out, arithmetic)
+        llama_cpp.llama_model_free(model)
+        return
     if n_generate == 0:
         cparams.cb_eval = callback
     ctx = llama_cpp.llama_init_from_model(model, cparams)
@@ -290,14 +398,8 @@ def main():
         "positions": list(range(len(ids))),
         "taps": [],
         "logits": None,
-        "arithmetic": {"storage": "f32", "accumulate": "f32", "activation_q8_block": q8_block,
-                       "activation_q8_block_kquant": q8_block_kquant, "activation_half_rounding": q8 != "none",
-                       "gelu_half_table": True,
-                       "transcendental_ulps": 4.0, "fixed": None, "kv_cache": declared_k,
-                       "kv_cache_rotation": rotated},
+        "arithmetic": arithmetic,
     }
-    if declared_v != declared_k:
-        manifest["arithmetic"]["kv_cache_v"] = declared_v
     if n_generate > 0:
         logits, seq = decode(ids, 0, False), []
         while True:

@@ -82,3 +82,59 @@ fn the_example_engine_serves_schedules_and_each_seeded_serving_bug_is_red() {
         assert!(msg.contains(&format!("axis {axis}")) && msg.contains("request `") && msg.contains("position"), "{name}: {msg}");
     }
 }
+
+/// llama.cpp serving schedules through its multi-sequence batch API (tools/peers/llama_cpp_dump.py,
+/// TOUCHSTONE_TASK=schedule): every axis and random schedules green against its declared
+/// arithmetic's bound, the isolation axes bit for bit; a copy of the peer that does not clear a
+/// recycled sequence is red on `slot_reuse`. A development peer: skipped, saying so, without
+/// `pip install llama-cpp-python`.
+#[test]
+fn llama_cpp_serves_schedules_within_its_bound_and_a_seeded_bug_is_red() {
+    let probe = std::process::Command::new("python3").args(["-c", "import llama_cpp, gguf, numpy"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED: llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let peer = workspace().join("tools/peers/llama_cpp_dump.py");
+    let run = |script: &std::path::Path, report: &str| {
+        let dir = tmp.path().join(report);
+        let device = format!("exec:python3 {}", script.display());
+        let o = xtask(&["serving", "--device", &device, "--model", "tiny-llama", "--random", "10", "--report-dir", dir.to_str().unwrap()], &[]);
+        (o, dir)
+    };
+    let (o, dir) = run(&peer, "llama");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report(&dir);
+    assert_eq!(r["batch_invariant"], false);
+    // Its declared arithmetic came with its answer (Q8 activations, an f16 cache).
+    assert_eq!(r["arithmetic"]["kv_cache"], "f16", "{}", r["arithmetic"]);
+    let cases = r["cases"].as_array().unwrap();
+    for axis in ["neighbours", "slot_reuse"] {
+        let c = cases.iter().find(|c| c["id"].as_str().unwrap().contains(&format!("axis={axis},")) && !c["id"].as_str().unwrap().ends_with(":vs_oracle")).unwrap();
+        assert_eq!((c["verdict"].as_str(), c["tolerance"]["bound"].as_f64()), (Some("pass"), Some(0.0)), "{c}");
+    }
+    assert!(text(&o).contains("slot_reuse ") && text(&o).contains("bit-identical"), "the per-axis summary is printed: {}", text(&o));
+
+    // Seeded copies (beside a link to the example engine they import from): a recycled sequence
+    // not cleared (llama.cpp refuses the positions: the schedule that shows it is an error named
+    // on its axis, never green); each row given another row's logits (red on the batch axis,
+    // naming request and position).
+    let copy_dir = tmp.path().join("peer/tools/peers");
+    std::fs::create_dir_all(&copy_dir).unwrap();
+    std::os::unix::fs::symlink(workspace().join("examples"), tmp.path().join("peer/examples")).unwrap();
+    let text_of = std::fs::read_to_string(&peer).unwrap();
+    let bugs = [
+        ("            else:\n                llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)\n", "            else:\n                pass\n", "slot_reuse", "error", "step 34", 2),
+        ("llama_cpp.llama_get_logits_ith(ctx, j)", "llama_cpp.llama_get_logits_ith(ctx, len(entries) - 1 - j)", "batch", "fail", "position", 1),
+    ];
+    for (line, seeded_line, axis, verdict, names, code) in bugs {
+        assert_eq!(text_of.matches(line).count(), 1, "the line the bug is seeded in: {line}");
+        let seeded = copy_dir.join("llama_cpp_dump.py");
+        std::fs::write(&seeded, text_of.replace(line, seeded_line)).unwrap();
+        let (o, dir) = run(&seeded, axis);
+        assert_eq!(o.status.code(), Some(code), "{axis}: {}", text(&o));
+        let red: Vec<serde_json::Value> = report(&dir)["cases"].as_array().unwrap().iter().filter(|c| c["verdict"] == verdict).cloned().collect();
+        assert!(red.iter().any(|c| c["id"].as_str().unwrap().contains(&format!("axis={axis},")) && c["message"].as_str().unwrap().contains(names)), "{axis}: {red:?}");
+    }
+}

@@ -322,7 +322,10 @@ impl DeviceModel for CpuModel {
         true
     }
     fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
-        Some(rayon::scope(|_| self.serve_schedule(schedule)))
+        Some(rayon::scope(|_| self.serve_schedule(schedule, &mut Vec::new())))
+    }
+    fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        Some(rayon::scope(|_| self.serve_schedule(schedule, step_seconds)))
     }
 }
 

@@ -10,7 +10,8 @@ use oracle::schedule::{Schedule, Served};
 use std::collections::BTreeMap;
 
 impl CpuModel {
-    pub(crate) fn serve_schedule(&self, schedule: &Schedule) -> Result<Served, DeviceError> {
+    /// Serves `schedule`, pushing each step's wall-clock seconds to `step_seconds`.
+    pub(crate) fn serve_schedule(&self, schedule: &Schedule, step_seconds: &mut Vec<f64>) -> Result<Served, DeviceError> {
         schedule.validate().map_err(|e| err("schedule", e))?;
         let n_vocab = self.spec.n_vocab;
         let fresh = || KvCache::new(self.kv_cache, &self.spec);
@@ -22,6 +23,7 @@ impl CpuModel {
         // Where a seeded fault moves a request's positions: by how much.
         let mut shift: BTreeMap<usize, isize> = BTreeMap::new();
         for step in schedule.steps() {
+            let t0 = std::time::Instant::now();
             for &i in &step.arrivals {
                 let r = &schedule.requests[i];
                 if fault == Some(ServeFault::SlotNotCleared) && r.prefix.is_none() && slots[r.slot].len() > 0 {
@@ -34,7 +36,7 @@ impl CpuModel {
                 slots[r.slot] = match &r.prefix {
                     None => fresh(),
                     Some(p) => {
-                        let si = schedule.requests.iter().position(|s| s.id == p.from).ok_or_else(|| err("schedule", format!("request `{}`: no request `{}`", r.id, p.from)))?;
+                        let si = schedule.index_of(&p.from).ok_or_else(|| err("schedule", format!("request `{}`: no request `{}`", r.id, p.from)))?;
                         let source = kept.get(&si).unwrap_or(&slots[schedule.requests[si].slot]);
                         source.prefix(p.tokens, &self.spec).ok_or_else(|| err("schedule", format!("request `{}`: `{}` holds fewer than {} positions", r.id, p.from, p.tokens)))?
                     }
@@ -51,6 +53,7 @@ impl CpuModel {
                 .collect();
             if segs.is_empty() {
                 // A step no request is active at (they arrive later).
+                step_seconds.push(0.0);
                 continue;
             }
             let mut logits = self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?;
@@ -73,6 +76,7 @@ impl CpuModel {
                 }
             }
             kept.retain(|i, _| reused.get(i).is_some_and(|last| *last > step.index));
+            step_seconds.push(t0.elapsed().as_secs_f64());
         }
         Ok(out)
     }

@@ -38,10 +38,22 @@ pub struct BenchArgs {
     /// Oracle storage precision (`--device ref`): f32 (f64 accumulation) or f64 throughout.
     #[arg(long, default_value = "f32")]
     precision: Precision,
+    /// Batched decode instead (a device that serves schedules: cpu): batch sizes, comma-separated,
+    /// one of them 1 (e.g. `1,4,16`). Every repetition serves each size once, in an order rotated
+    /// per repetition: N requests prefilled together, then decoded together one token per step.
+    /// Reports decode tok/s over all requests per size and its paired ratio against batch 1
+    /// (Hodges-Lehmann estimate, 95% CI: take --reps 8 or more).
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
 }
+
+mod batch;
 
 pub fn main(a: BenchArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
+    if !a.batch.is_empty() {
+        return batch::main(&a);
+    }
     let opened = super::open_device(&a.device)?;
     check_sizes(a.prompt_len, a.gen_len, a.reps)?;
     super::print_timing_notes();

@@ -133,7 +133,7 @@ pub fn main(mut a: GateArgs) -> Result<u8, Exit> {
                     })
                 } else if suite == "serving" {
                     let args = super::serving::ServingArgs { device: spec.clone(), model: m.clone(), prompt_ids: None, prompt_len: None, seed: 1, random: 0, report_dir: None, name: None };
-                    super::serving::serving(&args).map(|r| r.cases)
+                    super::serving::serving(&args).map(|(r, _)| r.cases)
                 } else if suite == "bench" {
                     super::bench::case_in_own_process(d, m).map(|(c, drawn)| {
                         charts.extend(drawn.into_iter().map(|(stem, c)| (chart_stem("bench", &label(d), m, &stem), c)));

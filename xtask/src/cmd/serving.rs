@@ -48,11 +48,14 @@ pub fn main(a: ServingArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     super::check_label(a.name.as_deref())?;
     let t0 = std::time::Instant::now();
-    let mut report = serving(&a)?;
+    let (mut report, axes) = serving(&a)?;
     super::spread_time(&mut report.cases, t0.elapsed().as_secs_f64());
     super::label_devices(&mut report, &[a.device.name().to_string()], a.name.as_deref());
     for c in report.cases.iter().filter(|c| c.verdict != reports::Verdict::Pass) {
         outln!("  {:<12} {}{}", format!("{:?}", c.verdict), c.id, c.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default());
+    }
+    for row in &axes {
+        outln!("  {:<14} {:>3} schedules; against its counterpart: {} (closest {}); against the oracle: {} (closest {})", row[0], row[1], row[2], row[3], row[4], row[5]);
     }
     let s = &report.summary;
     outln!("{} cases (each schedule against its counterpart and against the oracle): {} passed, {} failed, {} unsupported, {} errors", s.executed, s.passed, s.failed, s.unsupported, s.errors);
@@ -90,8 +93,9 @@ fn target(a: &ServingArgs, path: &std::path::Path, tok: Option<&oracle::tokenize
     Ok((ids, p0))
 }
 
-/// Runs the serving suite the arguments describe.
-pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
+/// Runs the serving suite the arguments describe: its report, and its per-axis rows
+/// (`serving::AXIS_COLUMNS`).
+pub fn serving(a: &ServingArgs) -> Result<(Report, Vec<Vec<String>>), Exit> {
     let opened = super::open_device(&a.device)?;
     let path = resolve_model(&a.model)?;
     let (oracle, tok) = super::load_oracle(&path, Precision::F32)?;
@@ -149,12 +153,8 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
     stages.next(&format!("{}: {} schedules", a.device, cases.len()));
     let Engine::Device(mut m) = engine else {
         let case = serving::unsupported(&a.model, a.device.name(), "the oracle runs one request at a time; the serving rung judges devices");
-        return Ok(Report::new("serving", Provenance::collect(rayon::current_num_threads()), vec![case]));
+        return Ok((Report::new("serving", Provenance::collect(rayon::current_num_threads()), vec![case]), Vec::new()));
     };
-    let arith = m.arithmetic();
-    arith.check().map_err(|e| Exit::new(2, format!("{}: declared arithmetic: {e}", a.device)))?;
-    let dims = Dims::of(&spec, longest);
-    let (budget, _, _) = super::fixedtoken::logit_budget(&path, &head.head, &arith, &dims)?;
     // MoE: the device's own run of each request, for the experts it chose.
     let mut device_routing: BTreeMap<Vec<u32>, RoutingTap> = BTreeMap::new();
     if spec.moe.is_some() {
@@ -170,11 +170,15 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
         let mut serve = |s: &oracle::schedule::Schedule| m.serve(s).map(|r| r.map_err(|e| e.to_string()));
         serving::serve_all(&cases, &mut serve, spec.n_vocab)
     };
-    // Asked after the answers: an external engine declares it with them.
+    // Asked after the answers: an external engine declares them with its answer.
     let invariant = m.batch_invariant();
+    let arith = m.arithmetic();
+    arith.check().map_err(|e| Exit::new(2, format!("{}: declared arithmetic: {e}", a.device)))?;
+    let dims = Dims::of(&spec, longest);
+    let (budget, _, _) = super::fixedtoken::logit_budget(&path, &head.head, &arith, &dims)?;
     let Some(answers) = answers else {
         let case = serving::unsupported(&a.model, a.device.name(), "this engine does not serve schedules (docs/SERVING_PROTOCOL.md)");
-        return Ok(Report::new("serving", Provenance::collect(rayon::current_num_threads()), vec![case]));
+        return Ok((Report::new("serving", Provenance::collect(rayon::current_num_threads()), vec![case]), Vec::new()));
     };
     drop(m);
     // Where a device routed a request otherwise than the oracle only at near ties, the oracle
@@ -198,11 +202,14 @@ pub fn serving(a: &ServingArgs) -> Result<Report, Exit> {
     }
     let oracle_of = |ids: &[u32]| judged_by.get(ids).cloned();
     let cases = serving::judge(&cases, &answers, &oracle_of, spec.n_vocab, &budget, invariant, &a.model, a.device.name());
+    let rows = serving::axis_rows(&cases);
     let mut report = Report::new("serving", Provenance::collect(rayon::current_num_threads()), cases);
+    let kind = if invariant { "declared batch-invariant: shape axes held bit for bit" } else { "not declared batch-invariant: shape axes within twice the logit budget" };
+    report.add_table("serving_axes", &format!("{} on {}, per axis ({kind})", a.device, a.model), &serving::AXIS_COLUMNS, rows.clone());
     report.set_section("model", &a.model);
     report.set_section("request_ids", &seq);
     report.set_section("prompt_len", &p0);
     report.set_section("batch_invariant", &invariant);
     report.set_section("arithmetic", &arith);
-    Ok(report)
+    Ok((report, rows))
 }
