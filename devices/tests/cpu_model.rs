@@ -123,3 +123,38 @@ fn fixed_model_tracks_the_oracle_and_int4_drifts_further() {
     let e = devices::fixed::FixedDevice { int4: false }.load_model(&path, &ModelOptions { kv_cache: devices::KvTypes::parse("f16").unwrap(), ..Default::default() }).err().unwrap().to_string();
     assert!(e.contains("f16 KV cache is not implemented"), "{e}");
 }
+
+/// The schedule executor's paged caches (16-position pages, a reused prefix sharing its source's
+/// full pages) give a request the bits of the one-sequence cache: a long request in uneven
+/// chunks, and a second one reusing 37 of its positions (two shared pages and a copied partial
+/// one) beside a third, each against `forward` on the same tokens alone.
+#[test]
+fn paged_schedule_caches_give_the_bits_of_the_one_sequence_cache() {
+    use oracle::schedule::{Prefix, Request, Schedule};
+    for (name, kv) in [("tiny-llama", "f32"), ("tiny-gemma3", "f16"), ("tiny-qwen3", "q8_0")] {
+        let path = fixtures::resolve(name, true).unwrap();
+        let opts = ModelOptions { kv_cache: devices::KvTypes::parse(kv).unwrap(), ..Default::default() };
+        let mut m = devices::cpu::CpuDevice::default().load_model(&path, &opts).unwrap();
+        let n_vocab = m.spec().n_vocab as u32;
+        let long: Vec<u32> = (0..70u32).map(|i| (i * 7919 + 11) % n_vocab).collect();
+        let mut reuse = long[..37].to_vec();
+        reuse.extend([3, 9, 27, 81]);
+        let other: Vec<u32> = (0..20u32).map(|i| (i * 31 + 5) % n_vocab).collect();
+        let schedule = Schedule {
+            slots: 3,
+            requests: vec![
+                Request { id: "long".into(), tokens: long.clone(), arrive: 0, chunks: vec![5, 17, 16, 1, 31], slot: 0, prefix: None },
+                Request { id: "reuse".into(), tokens: reuse.clone(), arrive: 3, chunks: vec![2, 1, 1], slot: 1, prefix: Some(Prefix { from: "long".into(), tokens: 37 }) },
+                Request { id: "other".into(), tokens: other.clone(), arrive: 1, chunks: vec![20], slot: 2, prefix: None },
+            ],
+        };
+        let served = m.serve(&schedule).expect("cpu serves").unwrap();
+        for (id, tokens, first) in [("long", &long, 0), ("reuse", &reuse, 37), ("other", &other, 0)] {
+            m.reset();
+            let alone = m.forward(tokens, &mut NoTap).unwrap();
+            let want: Vec<u32> = alone[first * n_vocab as usize..].iter().map(|v| v.to_bits()).collect();
+            let got: Vec<u32> = served[id].iter().map(|v| v.to_bits()).collect();
+            assert!(got == want, "{name} kv {kv}: request {id} differs from its run alone");
+        }
+    }
+}

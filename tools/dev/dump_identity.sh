@@ -19,7 +19,7 @@ models=("$@")
 if [ ${#models[@]} -eq 0 ]; then
     models=(tiny-llama tiny-qwen3 tiny-moe tiny-gemma3 tiny-gpt-oss smollm2 gemma3)
 fi
-devices=(ref cpu fixed gpu-emu)
+devices=(${DEVICES:-ref cpu fixed gpu-emu})
 ids=1,2,3,4,5,6,7,8,9,10,11,12
 mkdir -p "$out"
 differ=0 compared=0

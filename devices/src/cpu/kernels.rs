@@ -156,12 +156,62 @@ impl KvValue for half::f16 {
 const POSITIONS_PER_TASK: usize = 4;
 
 pub fn attention<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: &[K], v: &[V], kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
+    attention_paged(q, pos, Pages::whole(&[k]), Pages::whole(&[v]), kv_len, c)
+}
+
+/// A cache side's rows in pages of `1 << shift` rows each, `[rows, width]` within a page; one
+/// page of every row for a contiguous cache (`Pages::whole`).
+#[derive(Clone, Copy)]
+pub struct Pages<'a, T> {
+    pages: &'a [&'a [T]],
+    shift: u32,
+}
+
+impl<'a, T> Pages<'a, T> {
+    /// One page holding every row.
+    pub fn whole(page: &'a [&'a [T]]) -> Pages<'a, T> {
+        Pages { pages: page, shift: usize::BITS - 1 }
+    }
+    /// Pages of `1 << shift` rows (the last may hold fewer).
+    pub fn paged(pages: &'a [&'a [T]], shift: u32) -> Pages<'a, T> {
+        Pages { pages, shift: shift.min(usize::BITS - 1) }
+    }
+    /// Rows of `width` values held from row 0 on without a gap (a page short of `1 << shift`
+    /// rows ends them).
+    fn rows_held(&self, width: usize) -> usize {
+        let per_page = 1usize << self.shift;
+        let mut n = 0usize;
+        for p in self.pages {
+            let rows = if width == 0 { 0 } else { (p.len() / width).min(per_page) };
+            n = n.saturating_add(rows);
+            if rows < per_page {
+                break;
+            }
+        }
+        n
+    }
+    /// Values `at..at + len` of row `j`'s `[row_width]` (None past what the pages hold).
+    #[inline(always)]
+    fn get(&self, j: usize, row_width: usize, at: usize, len: usize) -> Option<&'a [T]> {
+        let (page, r) = (j >> self.shift, j & ((1usize << self.shift) - 1));
+        let start = r * row_width + at;
+        self.pages.get(page)?.get(start..start + len)
+    }
+}
+
+/// [`attention`] over a paged cache: row `j` of the keys (values) is in page `j >> shift`.
+/// Which page a row sits in changes no value: the same bits as over the same rows contiguous.
+pub fn attention_paged<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: Pages<'_, K>, v: Pages<'_, V>, kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
     let (nh, nkv, hd) = (c.n_head, c.n_head_kv, c.head_dim);
     if nkv == 0 || nh % nkv != 0 || pos.iter().any(|&p| p >= kv_len) {
         return Err("attention: bad head counts or a query past the cache".into());
     }
     if let Some(s) = c.sinks.filter(|s| s.len() != nh) {
         return Err(format!("attention: {} sink logits for {nh} query heads", s.len()));
+    }
+    let (k_rows, v_rows) = (k.rows_held(nkv * hd), v.rows_held(nkv * hd));
+    if k_rows < kv_len || v_rows < kv_len {
+        return Err(format!("attention: the cache holds {k_rows} key and {v_rows} value rows, {kv_len} are attended to"));
     }
     let scale = c.scale;
     let group = nh / nkv;
@@ -194,10 +244,10 @@ pub fn attention<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: &[K], v: &
     Ok(out)
 }
 
-/// One KV head's rows in the cache: row `j` is `[j * stride + offset ..][..hd]`.
+/// One KV head's rows in the cache: row `j` is `[j * stride + offset ..][..hd]` (within its page).
 struct KvHead<'a, K, V> {
-    k: &'a [K],
-    v: &'a [V],
+    k: Pages<'a, K>,
+    v: Pages<'a, V>,
     stride: usize,
     offset: usize,
     hd: usize,
@@ -207,13 +257,13 @@ impl<K: KvValue, V: KvValue> KvHead<'_, K, V> {
     /// Rows `rows` (at most `N`) of `src` (its keys or values) as f32, widened into `buf` when
     /// they are f16; the rest of the array empty.
     #[inline(always)]
-    fn rows<'b, T: KvValue, const N: usize, const AVX: bool>(&self, src: &'b [T], rows: std::ops::Range<usize>, buf: &'b mut [f32]) -> [&'b [f32]; N] {
+    fn rows<'b, T: KvValue, const N: usize, const AVX: bool>(&self, src: Pages<'b, T>, rows: std::ops::Range<usize>, buf: &'b mut [f32]) -> [&'b [f32]; N] {
         let mut out: [&[f32]; N] = [&[]; N];
         let mut widened = buf.chunks_exact_mut(self.hd.max(1));
         for (o, j) in out.iter_mut().zip(rows) {
-            let at = j * self.stride + self.offset;
             let into: &mut [f32] = if T::WIDENS { widened.next().unwrap_or_default() } else { &mut [] };
-            *o = T::as_f32_in::<AVX>(&src[at..at + self.hd], into);
+            let row = src.get(j, self.stride, self.offset, self.hd).expect("attention reads rows its cache holds");
+            *o = T::as_f32_in::<AVX>(row, into);
         }
         out
     }
@@ -222,11 +272,10 @@ impl<K: KvValue, V: KvValue> KvHead<'_, K, V> {
     /// long cache comes from memory, and one KV head's rows are `stride` apart, a pattern the
     /// hardware prefetchers follow too late. No effect on any value.
     #[inline(always)]
-    fn prefetch<T>(&self, src: &[T], rows: std::ops::Range<usize>) {
+    fn prefetch<T>(&self, src: Pages<'_, T>, rows: std::ops::Range<usize>) {
         #[cfg(target_arch = "x86_64")]
         for j in rows {
-            let at = j * self.stride + self.offset;
-            let Some(row) = src.get(at..at + self.hd) else { return };
+            let Some(row) = src.get(j, self.stride, self.offset, self.hd) else { return };
             for line in (0..std::mem::size_of_val(row)).step_by(64) {
                 // SAFETY: `line` is within `row`; a prefetch reads nothing into the program.
                 unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((row.as_ptr() as *const i8).add(line)) };
@@ -586,6 +635,28 @@ mod tests {
             assert_eq!(bits(&attention(&q, &pos, &k, &vh, len, &c).unwrap()), bits(&attention(&q, &pos, &k, &vr, len, &c).unwrap()), "f16 values, window {window}");
         }
         assert_eq!(std::mem::size_of_val(kh.as_slice()) * 2, std::mem::size_of_val(k.as_slice()));
+    }
+
+    /// A cache held in pages of 1, 2, 4, 8 or 16 rows (the last partial) gives the bits of the
+    /// same rows held contiguous; pages that hold fewer rows than attended to are an error.
+    #[test]
+    fn attention_over_pages_equals_attention_over_contiguous_rows() {
+        let (nh, nkv, hd, len) = (4, 2, 24, 21);
+        let pos = [0, 7, 16, 20];
+        let q: Vec<f32> = (0..pos.len() * nh * hd).map(|i| val(i, 1)).collect();
+        let (k, v) = cache(len * nkv * hd);
+        let row = nkv * hd;
+        for window in [0, 6] {
+            let c = AttnCfg { n_head: nh, n_head_kv: nkv, head_dim: hd, window, sinks: None, softcap: 0.0, scale: 1.0 / (hd as f32).sqrt() };
+            let want = attention(&q, &pos, &k, &v, len, &c).unwrap();
+            for shift in 0..5u32 {
+                let (kp, vp): (Vec<&[f32]>, Vec<&[f32]>) = (k.chunks(row << shift).collect(), v.chunks(row << shift).collect());
+                let got = attention_paged(&q, &pos, Pages::paged(&kp, shift), Pages::paged(&vp, shift), len, &c).unwrap();
+                assert_eq!(bits(&got), bits(&want), "pages of {} rows, window {window}", 1 << shift);
+                let short = &kp[..kp.len() - 1];
+                assert!(attention_paged(&q, &pos, Pages::paged(short, shift), Pages::paged(&vp, shift), len, &c).unwrap_err().contains("the cache holds"));
+            }
+        }
     }
 
     /// Queries attended together (blocks of positions sharing each key and value row, a partial

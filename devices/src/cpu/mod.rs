@@ -3,6 +3,7 @@
 //! directly in their packed blocks against Q8_0-quantized activations (see `qdot`).
 
 pub mod kernels;
+pub mod kvcache;
 pub mod kvcodec;
 pub mod model;
 pub mod serve;

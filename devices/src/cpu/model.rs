@@ -2,9 +2,9 @@
 //! kernels, an f32 (or f16) KV cache, and taps under the same names as the oracle's.
 
 use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
+pub(crate) use super::kvcache::KvCache;
 use crate::{DeviceError, DeviceModel, ModelOptions};
 use crate::shared::host::{Ffn, HostWeights, Layer, PackedMat};
-use oracle::quant::GgmlType;
 use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, Stage};
 use oracle::Tap;
 use std::path::Path;
@@ -27,166 +27,6 @@ pub struct CpuModel {
     /// A serving bug seeded into this model's schedule executor (the `faults` feature's
     /// `devices::faulty::ServeFault`); None in every device a user opens.
     pub(crate) serve_fault: Option<super::serve_faults::ServeFault>,
-}
-
-/// Every layer's state, in the formats the device declares, and the positions it holds.
-#[derive(Clone)]
-pub(crate) struct KvCache {
-    layers: Vec<LayerState>,
-    /// Positions held.
-    len: usize,
-}
-
-/// What one layer keeps between calls, by the kind of its block.
-#[derive(Clone)]
-enum LayerState {
-    /// Keys and values, each in its own format: f32, f16 (`cpu:kv-f16`), which holds the same
-    /// rounded numbers in half the memory, or any other cache format (`cpu:kv-q8_0`,
-    /// `cpu:kv-q8_0-f16`, ...) as encoded rows, decoded as attention reads them.
-    Kv { k: CacheRows, v: CacheRows },
-}
-
-/// One side of a layer's cache (keys or values): `[len, width]` rows in its format.
-#[derive(Clone)]
-enum CacheRows {
-    F32(Vec<f32>),
-    F16(Vec<half::f16>),
-    Encoded(crate::KvFormat, Vec<u8>),
-}
-
-/// A side's rows as attention reads them: f32 (held so, or decoded from blocks) or f16, widened
-/// by attention itself.
-enum Held<'a> {
-    F32(std::borrow::Cow<'a, [f32]>),
-    F16(&'a [half::f16]),
-}
-
-impl CacheRows {
-    fn new(format: Option<crate::KvFormat>) -> CacheRows {
-        match format.map(|f| (f, f.ty())) {
-            None | Some((_, GgmlType::F32)) => CacheRows::F32(Vec::new()),
-            Some((_, GgmlType::F16)) => CacheRows::F16(Vec::new()),
-            Some((f, _)) => CacheRows::Encoded(f, Vec::new()),
-        }
-    }
-    fn clear(&mut self) {
-        match self {
-            CacheRows::F32(c) => c.clear(),
-            CacheRows::F16(c) => c.clear(),
-            CacheRows::Encoded(_, c) => c.clear(),
-        }
-    }
-    /// The first `n` rows of `width` values (a reused prefix), or None when it holds fewer.
-    fn first_rows(&self, n: usize, width: usize) -> Option<CacheRows> {
-        let values = n.checked_mul(width)?;
-        Some(match self {
-            CacheRows::F32(c) => CacheRows::F32(c.get(..values)?.to_vec()),
-            CacheRows::F16(c) => CacheRows::F16(c.get(..values)?.to_vec()),
-            CacheRows::Encoded(f, c) => CacheRows::Encoded(*f, c.get(..f.ty().bytes_for(values as u64)? as usize)?.to_vec()),
-        })
-    }
-    /// Replaces the rows from position `start` on with `x` (rows of `width` values), rounded as
-    /// this side's format holds them.
-    fn write(&mut self, start: usize, width: usize, x: &[f32]) -> Result<(), String> {
-        fn put<T: Copy>(c: &mut Vec<T>, at: usize, new: impl IntoIterator<Item = T>) {
-            c.truncate(at);
-            c.extend(new);
-        }
-        match self {
-            CacheRows::F32(c) => put(c, start * width, x.iter().copied()),
-            CacheRows::F16(c) => put(c, start * width, x.iter().map(|v| half::f16::from_f32(*v))),
-            CacheRows::Encoded(f, c) => {
-                let ty = f.ty();
-                let row_bytes = ty.bytes_for(width as u64).ok_or_else(|| format!("{f} KV cache: rows of {width} values are not whole blocks"))? as usize;
-                let bytes = super::kvcodec::encode(ty, x).map_err(|e| format!("{f} KV cache: {e}"))?;
-                put(c, start * row_bytes, bytes);
-            }
-        }
-        Ok(())
-    }
-    /// The first `n` values as attention reads them.
-    fn read(&self, n: usize) -> Result<Held<'_>, String> {
-        Ok(match self {
-            CacheRows::F32(c) => Held::F32(std::borrow::Cow::Borrowed(c)),
-            CacheRows::F16(c) => Held::F16(c),
-            CacheRows::Encoded(f, c) => {
-                let row_bytes = f
-                    .ty()
-                    .bytes_for(n as u64)
-                    .filter(|b| *b as usize <= c.len())
-                    .ok_or_else(|| {
-                        format!("{f} KV cache: {n} values are not whole blocks of what it holds")
-                    })?;
-                let mut out = vec![0.0f32; n];
-                super::kvcodec::decode(f.ty(), &c[..row_bytes as usize], &mut out);
-                Held::F32(std::borrow::Cow::Owned(out))
-            }
-        })
-    }
-}
-
-impl KvCache {
-    pub(crate) fn new(format: crate::KvTypes, spec: &ModelSpec) -> KvCache {
-        let layers = spec.layer_states(|_| LayerState::Kv { k: CacheRows::new(format.k), v: CacheRows::new(format.v) });
-        KvCache { layers, len: 0 }
-    }
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-    /// A cache holding this one's first `n` positions (a prefix another request reuses), or None
-    /// when it holds fewer.
-    pub(crate) fn prefix(&self, n: usize, spec: &ModelSpec) -> Option<KvCache> {
-        if n > self.len {
-            return None;
-        }
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (li, l) in self.layers.iter().enumerate() {
-            let BlockKind::Attention(a) = spec.layers.get(li)?.block;
-            let LayerState::Kv { k, v } = l;
-            layers.push(LayerState::Kv { k: k.first_rows(n, a.kv_dim())?, v: v.first_rows(n, a.kv_dim())? });
-        }
-        Some(KvCache { layers, len: n })
-    }
-    fn set_len(&mut self, n: usize) {
-        self.len = n;
-    }
-    fn reset(&mut self) {
-        for l in &mut self.layers {
-            match l {
-                LayerState::Kv { k, v } => {
-                    k.clear();
-                    v.clear();
-                }
-            }
-        }
-        self.len = 0;
-    }
-    /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, rounded as
-    /// the cache's formats hold them) and runs attention over the cache. Keys in a block format
-    /// meet the query as Q8_0 blocks of 32, as ggml multiplies them.
-    fn write_and_attend(&mut self, li: usize, start: usize, width: usize, (q, k, v): (&[f32], &[f32], &[f32]), pos: &[usize], cfg: &kernels::AttnCfg) -> Result<Vec<f32>, String> {
-        let LayerState::Kv { k: keys, v: values } = &mut self.layers[li];
-        let n = (start + pos.len()) * width;
-        keys.write(start, width, k)?;
-        values.write(start, width, v)?;
-        let mut q = std::borrow::Cow::Borrowed(q);
-        // Keys in a block format meet the query as Q8_0 blocks (a bf16 cache leaves it as is).
-        if let CacheRows::Encoded(f, _) = keys {
-            if f.block().is_some() {
-                if !cfg.head_dim.is_multiple_of(32) {
-                    return Err(format!("{f} KV cache: a query head of {} values is not whole blocks", cfg.head_dim));
-                }
-                super::kvcodec::round_trip(GgmlType::Q8_0, q.to_mut())?;
-            }
-        }
-        let kv_len = start + pos.len();
-        match (keys.read(n)?, values.read(n)?) {
-            (Held::F32(k), Held::F32(v)) => kernels::attention(&q, pos, &k, &v, kv_len, cfg),
-            (Held::F32(k), Held::F16(v)) => kernels::attention(&q, pos, &k, v, kv_len, cfg),
-            (Held::F16(k), Held::F32(v)) => kernels::attention(&q, pos, k, &v, kv_len, cfg),
-            (Held::F16(k), Held::F16(v)) => kernels::attention(&q, pos, k, v, kv_len, cfg),
-        }
-    }
 }
 
 /// One sequence's part of a batch: its tokens, the position of the first, and its cache.
@@ -344,7 +184,7 @@ impl CpuModel {
 
     /// One step over `tokens` with the model's own cache.
     fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, DeviceError> {
-        let mut kv = std::mem::replace(&mut self.kv, KvCache { layers: Vec::new(), len: 0 });
+        let mut kv = std::mem::replace(&mut self.kv, KvCache::none());
         let seg = Seg { cache: 0, start: kv.len(), tokens, fault: None };
         let out = self.run_batch(std::slice::from_mut(&mut kv), &[seg], taps, all_logits);
         self.kv = kv;

@@ -14,7 +14,7 @@ impl CpuModel {
     pub(crate) fn serve_schedule(&self, schedule: &Schedule, step_seconds: &mut Vec<f64>) -> Result<Served, DeviceError> {
         schedule.validate().map_err(|e| err("schedule", e))?;
         let n_vocab = self.spec.n_vocab;
-        let fresh = || KvCache::new(self.kv_cache, &self.spec);
+        let fresh = || KvCache::paged(self.kv_cache, &self.spec);
         let mut slots: Vec<KvCache> = (0..schedule.slots).map(|_| fresh()).collect();
         let reused = schedule.prefix_sources();
         let mut kept: BTreeMap<usize, KvCache> = BTreeMap::new();
