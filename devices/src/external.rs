@@ -321,7 +321,11 @@ impl ExternalModel {
         let answered = std::fs::symlink_metadata(out.join(SERVED_FILE)).is_ok();
         self.workdir = Some(work);
         match (ran, answered) {
-            (Err(_), false) if !self.has_served => return Ok(None),
+            (Err(e), false) if !self.has_served => {
+                // Unsupported, not an error: but why it did not answer is said.
+                eprintln!("note: `{cmd}` answered no schedule, so it is taken not to serve them: {e}");
+                return Ok(None);
+            }
             (Err(e), false) => return Err(format!("{e} (it answered earlier schedules; this one: {})", schedule_summary(schedule))),
             (Err(e), true) => return Err(e),
             (Ok(()), false) => return Err(format!("`{cmd}` exited 0 for TOUCHSTONE_TASK=schedule but wrote no {SERVED_FILE} (docs/SERVING_PROTOCOL.md)")),

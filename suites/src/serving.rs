@@ -418,7 +418,9 @@ pub fn judge(cases: &[ServingCase], answers: &[Answer], oracle_of: &dyn Fn(&[u32
         let (served, reference) = match (&a.served, &a.reference) {
             (Ok(s), Ok(r)) => (s, r),
             (Err(why), _) => {
-                out.push(error(id, why.clone()));
+                let mut e = error(id, why.clone());
+                e.metrics.set("schedule", &c.schedule);
+                out.push(e);
                 continue;
             }
             (_, Err(why)) => {
@@ -440,8 +442,15 @@ pub fn judge(cases: &[ServingCase], answers: &[Answer], oracle_of: &dyn Fn(&[u32
             out.push(error(id, format!("no oracle logits for request `{}`", c.target)));
             continue;
         };
-        out.push(against_counterpart(id.clone(), device, c, got, want, first, &o.logits, n_vocab, budget, batch_invariant));
-        out.push(against_oracle(format!("{id}:vs_oracle"), device, c, served, oracle_of, n_vocab, budget));
+        let mut pair = [against_counterpart(id.clone(), device, c, got, want, first, &o.logits, n_vocab, budget, batch_invariant), against_oracle(format!("{id}:vs_oracle"), device, c, served, oracle_of, n_vocab, budget)];
+        // A red case carries the schedule that shows it (and its counterpart's), to rerun.
+        for case in pair.iter_mut().filter(|k| k.verdict != Verdict::Pass) {
+            case.metrics.set("schedule", &c.schedule);
+            if let Counterpart::Other { schedule, .. } = &c.counterpart {
+                case.metrics.set("counterpart_schedule", schedule);
+            }
+        }
+        out.extend(pair);
     }
     out
 }

@@ -99,20 +99,6 @@ impl BatchRep {
     }
 }
 
-/// A batch size's decode throughput against batch 1's, paired by repetition: the Hodges-Lehmann
-/// estimate of the per-repetition ratio (batch N's tokens/s over batch 1's, on a log scale) with
-/// its 95% distribution-free interval, as `(estimate, lo, hi)`; None without pairs. An interval
-/// is infinite when there are too few repetitions for the level (fewer than 6).
-pub fn paired_speedup(reps: &[BatchRep], batch: usize) -> Option<(f64, f64, f64)> {
-    let rate = |b: usize, r: usize| reps.iter().find(|x| x.batch == b && x.rep == r).map(BatchRep::decode_tok_per_s);
-    let logs: Vec<f64> = reps.iter().filter(|x| x.batch == batch).filter_map(|x| Some((x.decode_tok_per_s() / rate(1, x.rep)?).ln())).filter(|v| v.is_finite()).collect();
-    if logs.is_empty() {
-        return None;
-    }
-    let (est, lo, hi) = crate::ab::hodges_lehmann(&logs, 0.05);
-    Some((est.exp(), lo.exp(), hi.exp()))
-}
-
 /// FNV-1a 64 of the ids' little-endian bytes, as 16 hex digits.
 fn hash_ids(ids: &[u32]) -> String {
     let h = ids.iter().flat_map(|t| t.to_le_bytes()).fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
@@ -254,24 +240,5 @@ mod tests {
         assert!(p.iter().any(|m| m.contains("repetition 3 generated 5 tokens, not 8")), "{p:?}");
         let p = bench_fake(|_, n| (0..n as u32).collect(), 0.0).problems();
         assert!(p.iter().any(|m| m.contains("a timing is")), "{p:?}");
-    }
-
-    #[test]
-    fn paired_speedup_is_the_ratio_of_rates_within_each_repetition() {
-        // Batch 4 decodes 4 tokens per step in twice batch 1's step time: 2x, whatever each
-        // repetition's machine speed (the pairing removes it).
-        let reps: Vec<BatchRep> = (0..8)
-            .flat_map(|r| {
-                let slow = 1.0 + 0.3 * r as f64;
-                [BatchRep { batch: 1, rep: r, prefill_s: 1.0, step_s: vec![0.010 * slow; 5] }, BatchRep { batch: 4, rep: r, prefill_s: 1.0, step_s: vec![0.020 * slow; 5] }]
-            })
-            .collect();
-        let (est, lo, hi) = paired_speedup(&reps, 4).unwrap();
-        assert!((est - 2.0).abs() < 1e-9 && (lo - 2.0).abs() < 1e-9 && (hi - 2.0).abs() < 1e-9, "{est} {lo} {hi}");
-        assert!((reps[1].decode_tok_per_s() - 4.0 * 5.0 / 0.1).abs() < 1e-6);
-        assert_eq!(paired_speedup(&reps, 16), None);
-        // Two repetitions: an estimate, but no finite interval at 95%.
-        let (_, lo, hi) = paired_speedup(&reps[..4], 4).unwrap();
-        assert!(lo == 0.0 && hi.is_infinite(), "{lo} {hi}");
     }
 }

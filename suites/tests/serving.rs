@@ -92,6 +92,9 @@ fn every_seeded_serving_bug_is_red_on_its_axis_naming_request_and_position() {
         let Some(c) = on_axis else { panic!("{fault:?} not red on axis {axis}; red: {:?}", red.iter().map(|c| &c.id).collect::<Vec<_>>()) };
         let msg = c.message.as_deref().unwrap_or("");
         assert!(msg.contains(&format!("axis {axis}")) && msg.contains("request `") && msg.contains("position"), "{fault:?}: {msg}");
+        // It carries the schedule that shows it, to rerun.
+        let schedule: oracle::schedule::Schedule = serde_json::from_value(c.metrics.get("schedule").cloned().expect("a red case holds its schedule")).unwrap();
+        assert!(schedule.validate().is_ok() && schedule.requests.iter().any(|r| msg.contains(&format!("request `{}`", r.id))), "{fault:?}");
         // The per-axis table counts it: a schedule outside its bound, or a request failing the oracle.
         let row = serving::axis_rows(&cases).into_iter().find(|r| r[0] == axis).unwrap();
         assert!(!row[2].ends_with(" 0 outside") || !row[4].starts_with(&format!("{} of", row[1])), "{fault:?}: {row:?}");

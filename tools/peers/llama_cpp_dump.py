@@ -24,7 +24,8 @@ request's sequence and position. A request taking a slot first removes the slot'
 (`llama_memory_seq_rm`); a reused prefix is copied from its source's sequence
 (`llama_memory_seq_cp`, which shares the cells); a finished request whose prefix a later one
 reuses is copied to a spare sequence first, so its slot can be recycled. The cache is unified
-(all sequences in one buffer, llama.cpp's `kv_unified`) unless TOUCHSTONE_LLAMA_KV_UNIFIED=0.
+(all sequences in one buffer, llama.cpp's `kv_unified`), sliding-window layers' caches full
+(`swa_full`).
 llama.cpp is not declared batch-invariant: its products take another kernel path for other batch
 shapes, so the rung holds it to the derived bound there and to the bit elsewhere.
 
@@ -218,10 +219,14 @@ def serve(schedule, model, cparams, out, arithmetic):
     longest = max(len(r["tokens"]) for r in reqs)
     most = max(sum(r["chunks"][t - r["arrive"]] for r in reqs if r["arrive"] <= t < r["arrive"] + len(r["chunks"])) for t in range(max(r["arrive"] + len(r["chunks"]) for r in reqs)))
     cparams.n_seq_max = n_seq
-    cparams.kv_unified = os.environ.get("TOUCHSTONE_LLAMA_KV_UNIFIED", "1") != "0"
-    # Room for every sequence's longest (split evenly between them when not unified).
+    # One buffer for every sequence (a prefix copied between sequences shares its cells); a
+    # sliding-window layer's cache keeps every position (`swa_full`, which llama.cpp's server
+    # needs to reuse a prefix on such models).
+    cparams.kv_unified = True
+    cparams.swa_full = True
     cparams.n_ctx = max(256, (longest + 8) * n_seq)
-    cparams.n_batch = cparams.n_ubatch = max(most, 1)
+    # Every step one batch, every position's logits out.
+    cparams.n_batch = cparams.n_ubatch = cparams.n_outputs_max = max(most, n_seq)
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         sys.exit("llama.cpp could not create a context")

@@ -156,33 +156,62 @@ impl KvValue for half::f16 {
 const POSITIONS_PER_TASK: usize = 4;
 
 pub fn attention<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: &[K], v: &[V], kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
-    attention_paged(q, pos, Pages::whole(&[k]), Pages::whole(&[v]), kv_len, c)
+    attend_rows(q, pos, k, v, kv_len, c)
 }
 
-/// A cache side's rows in pages of `1 << shift` rows each, `[rows, width]` within a page; one
-/// page of every row for a contiguous cache (`Pages::whole`).
-#[derive(Clone, Copy)]
+/// A cache side's rows in pages of `1 << shift` rows each, `[rows, width]` within a page.
 pub struct Pages<'a, T> {
     pages: &'a [&'a [T]],
     shift: u32,
 }
 
-impl<'a, T> Pages<'a, T> {
-    /// One page holding every row.
-    pub fn whole(page: &'a [&'a [T]]) -> Pages<'a, T> {
-        Pages { pages: page, shift: usize::BITS - 1 }
+impl<T> Clone for Pages<'_, T> {
+    fn clone(&self) -> Self {
+        *self
     }
+}
+impl<T> Copy for Pages<'_, T> {}
+
+impl<'a, T> Pages<'a, T> {
     /// Pages of `1 << shift` rows (the last may hold fewer).
     pub fn paged(pages: &'a [&'a [T]], shift: u32) -> Pages<'a, T> {
         Pages { pages, shift: shift.min(usize::BITS - 1) }
     }
-    /// Rows of `width` values held from row 0 on without a gap (a page short of `1 << shift`
-    /// rows ends them).
-    fn rows_held(&self, width: usize) -> usize {
+}
+
+/// Where attention reads a cache side's rows from: one contiguous slice, or [`Pages`]. Each is
+/// compiled into attention of its own, so the contiguous cache reads its rows as it always has.
+pub trait RowSource<'a, T>: Copy + Send + Sync {
+    /// Values `at..at + len` of row `j`, rows `width` apart (None past what it holds).
+    fn row(self, j: usize, width: usize, at: usize, len: usize) -> Option<&'a [T]>;
+    /// Rows of `width` values held from row 0 on without a gap.
+    fn rows_held(self, width: usize) -> usize;
+}
+
+impl<'a, T: Sync> RowSource<'a, T> for &'a [T] {
+    #[inline(always)]
+    fn row(self, j: usize, width: usize, at: usize, len: usize) -> Option<&'a [T]> {
+        let start = j * width + at;
+        self.get(start..start + len)
+    }
+    fn rows_held(self, width: usize) -> usize {
+        self.len().checked_div(width).unwrap_or(0)
+    }
+}
+
+impl<'a, T: Sync> RowSource<'a, T> for Pages<'a, T> {
+    #[inline(always)]
+    fn row(self, j: usize, width: usize, at: usize, len: usize) -> Option<&'a [T]> {
+        let (page, r) = (j >> self.shift, j & ((1usize << self.shift) - 1));
+        let start = r * width + at;
+        self.pages.get(page)?.get(start..start + len)
+    }
+    /// A page short of `1 << shift` rows ends the rows held.
+    fn rows_held(self, width: usize) -> usize {
         let per_page = 1usize << self.shift;
         let mut n = 0usize;
         for p in self.pages {
-            let rows = if width == 0 { 0 } else { (p.len() / width).min(per_page) };
+            let rows = p.len().checked_div(width).unwrap_or(0).min(per_page);
             n = n.saturating_add(rows);
             if rows < per_page {
                 break;
@@ -190,18 +219,15 @@ impl<'a, T> Pages<'a, T> {
         }
         n
     }
-    /// Values `at..at + len` of row `j`'s `[row_width]` (None past what the pages hold).
-    #[inline(always)]
-    fn get(&self, j: usize, row_width: usize, at: usize, len: usize) -> Option<&'a [T]> {
-        let (page, r) = (j >> self.shift, j & ((1usize << self.shift) - 1));
-        let start = r * row_width + at;
-        self.pages.get(page)?.get(start..start + len)
-    }
 }
 
 /// [`attention`] over a paged cache: row `j` of the keys (values) is in page `j >> shift`.
 /// Which page a row sits in changes no value: the same bits as over the same rows contiguous.
 pub fn attention_paged<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: Pages<'_, K>, v: Pages<'_, V>, kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
+    attend_rows(q, pos, k, v, kv_len, c)
+}
+
+fn attend_rows<'s, K: KvValue + 's, V: KvValue + 's, KS: RowSource<'s, K>, VS: RowSource<'s, V>>(q: &[f32], pos: &[usize], k: KS, v: VS, kv_len: usize, c: &AttnCfg) -> Result<Vec<f32>, String> {
     let (nh, nkv, hd) = (c.n_head, c.n_head_kv, c.head_dim);
     if nkv == 0 || nh % nkv != 0 || pos.iter().any(|&p| p >= kv_len) {
         return Err("attention: bad head counts or a query past the cache".into());
@@ -245,24 +271,24 @@ pub fn attention_paged<K: KvValue, V: KvValue>(q: &[f32], pos: &[usize], k: Page
 }
 
 /// One KV head's rows in the cache: row `j` is `[j * stride + offset ..][..hd]` (within its page).
-struct KvHead<'a, K, V> {
-    k: Pages<'a, K>,
-    v: Pages<'a, V>,
+struct KvHead<KS, VS> {
+    k: KS,
+    v: VS,
     stride: usize,
     offset: usize,
     hd: usize,
 }
 
-impl<K: KvValue, V: KvValue> KvHead<'_, K, V> {
+impl<KS, VS> KvHead<KS, VS> {
     /// Rows `rows` (at most `N`) of `src` (its keys or values) as f32, widened into `buf` when
     /// they are f16; the rest of the array empty.
     #[inline(always)]
-    fn rows<'b, T: KvValue, const N: usize, const AVX: bool>(&self, src: Pages<'b, T>, rows: std::ops::Range<usize>, buf: &'b mut [f32]) -> [&'b [f32]; N] {
+    fn rows<'b, 's: 'b, T: KvValue + 's, S: RowSource<'s, T>, const N: usize, const AVX: bool>(&self, src: S, rows: std::ops::Range<usize>, buf: &'b mut [f32]) -> [&'b [f32]; N] {
         let mut out: [&[f32]; N] = [&[]; N];
         let mut widened = buf.chunks_exact_mut(self.hd.max(1));
         for (o, j) in out.iter_mut().zip(rows) {
             let into: &mut [f32] = if T::WIDENS { widened.next().unwrap_or_default() } else { &mut [] };
-            let row = src.get(j, self.stride, self.offset, self.hd).expect("attention reads rows its cache holds");
+            let row = src.row(j, self.stride, self.offset, self.hd).expect("attention reads rows its cache holds");
             *o = T::as_f32_in::<AVX>(row, into);
         }
         out
@@ -272,10 +298,10 @@ impl<K: KvValue, V: KvValue> KvHead<'_, K, V> {
     /// long cache comes from memory, and one KV head's rows are `stride` apart, a pattern the
     /// hardware prefetchers follow too late. No effect on any value.
     #[inline(always)]
-    fn prefetch<T>(&self, src: Pages<'_, T>, rows: std::ops::Range<usize>) {
+    fn prefetch<'s, T: 's, S: RowSource<'s, T>>(&self, src: S, rows: std::ops::Range<usize>) {
         #[cfg(target_arch = "x86_64")]
         for j in rows {
-            let Some(row) = src.get(j, self.stride, self.offset, self.hd) else { return };
+            let Some(row) = src.row(j, self.stride, self.offset, self.hd) else { return };
             for line in (0..std::mem::size_of_val(row)).step_by(64) {
                 // SAFETY: `line` is within `row`; a prefetch reads nothing into the program.
                 unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((row.as_ptr() as *const i8).add(line)) };
@@ -309,7 +335,7 @@ const VALUES_PER_STEP: usize = 8;
 /// their order are those of one query alone (scores in row order, each the lane sums of
 /// `dot_f32`, no fused multiply-add), and the body is compiled a second time with AVX2/FMA/F16C
 /// (chosen at run time), where four keys are scored at once with 8-lane vectors: the same bits.
-fn attend<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32, softcap: f32) -> Vec<f32> {
+fn attend<'s, K: KvValue + 's, V: KvValue + 's, KS: RowSource<'s, K>, VS: RowSource<'s, V>>(q: &[f32], queries: &[Query], kv: &KvHead<KS, VS>, scale: f32, softcap: f32) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx2() {
@@ -317,13 +343,13 @@ fn attend<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V
             return unsafe { attend_avx2(q, queries, kv, scale, softcap) };
         }
     }
-    attend_impl::<K, V, false>(q, queries, kv, scale, softcap)
+    attend_impl::<K, V, KS, VS, false>(q, queries, kv, scale, softcap)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2<K: KvValue, V: KvValue>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32, softcap: f32) -> Vec<f32> {
-    attend_impl::<K, V, true>(q, queries, kv, scale, softcap)
+unsafe fn attend_avx2<'s, K: KvValue + 's, V: KvValue + 's, KS: RowSource<'s, K>, VS: RowSource<'s, V>>(q: &[f32], queries: &[Query], kv: &KvHead<KS, VS>, scale: f32, softcap: f32) -> Vec<f32> {
+    attend_impl::<K, V, KS, VS, true>(q, queries, kv, scale, softcap)
 }
 
 /// `dot_f32(q, r)` for each of four rows, with its bits (four independent accumulators instead
@@ -392,7 +418,7 @@ unsafe fn dot4_avx2(q: &[f32], keys: &[&[f32]; KEYS_PER_STEP]) -> [f32; KEYS_PER
 }
 
 #[inline(always)]
-fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Query], kv: &KvHead<K, V>, scale: f32, softcap: f32) -> Vec<f32> {
+fn attend_impl<'s, K: KvValue + 's, V: KvValue + 's, KS: RowSource<'s, K>, VS: RowSource<'s, V>, const AVX: bool>(q: &[f32], queries: &[Query], kv: &KvHead<KS, VS>, scale: f32, softcap: f32) -> Vec<f32> {
     // Plain loops, no closures: a closure would not inherit the AVX2 target features.
     let hd = kv.hd;
     let (mut lo, mut hi) = (usize::MAX, 0);
@@ -409,7 +435,7 @@ fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Qu
     while j <= hi {
         let step = KEYS_PER_STEP.min(hi + 1 - j);
         kv.prefetch(kv.k, j + PREFETCH_ROWS..(j + PREFETCH_ROWS + step).min(hi + 1));
-        let keys: [&[f32]; KEYS_PER_STEP] = kv.rows::<K, KEYS_PER_STEP, AVX>(kv.k, j..j + step, &mut buf);
+        let keys: [&[f32]; KEYS_PER_STEP] = kv.rows::<K, KS, KEYS_PER_STEP, AVX>(kv.k, j..j + step, &mut buf);
         for (qr, s) in queries.iter().zip(scores.iter_mut()) {
             let qv = &q[qr.at..qr.at + hd];
             if step == KEYS_PER_STEP && qr.rows.contains(&j) && qr.rows.contains(&(j + KEYS_PER_STEP - 1)) {
@@ -449,7 +475,7 @@ fn attend_impl<K: KvValue, V: KvValue, const AVX: bool>(q: &[f32], queries: &[Qu
     while j <= hi {
         let step = VALUES_PER_STEP.min(hi + 1 - j);
         kv.prefetch(kv.v, j + PREFETCH_ROWS..(j + PREFETCH_ROWS + step).min(hi + 1));
-        let values: [&[f32]; VALUES_PER_STEP] = kv.rows::<V, VALUES_PER_STEP, AVX>(kv.v, j..j + step, &mut buf);
+        let values: [&[f32]; VALUES_PER_STEP] = kv.rows::<V, VS, VALUES_PER_STEP, AVX>(kv.v, j..j + step, &mut buf);
         for (i, qr) in queries.iter().enumerate() {
             // The query's rows among j..j + step: one run.
             let (a, b) = ((*qr.rows.start()).max(j), (*qr.rows.end() + 1).min(j + step));

@@ -7,11 +7,12 @@
 //! one token, teacher-forced on the greedy continuation of the first request (the cost of a step
 //! does not depend on which ids it feeds). The device times each step. A batch size's decode
 //! throughput is N x steps / their seconds; its speedup over batch 1 is the Hodges-Lehmann
-//! estimate of the per-repetition ratios with its 95% interval (suites::throughput).
+//! estimate of the per-repetition ratios with its 95% interval (`suites::ab::paired_speedup`).
 
 use crate::Exit;
 use oracle::schedule::{Request, Schedule};
-use suites::throughput::{median, paired_speedup, BatchRep};
+use suites::ab::paired_speedup;
+use suites::throughput::{median, BatchRep};
 
 /// The largest batch `--batch` takes.
 const MAX_BATCH: usize = 1024;
