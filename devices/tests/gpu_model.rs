@@ -291,3 +291,37 @@ fn embedding_rows_of_every_weight_type_are_the_codecs_rows() {
         }
     }
 }
+
+/// The GPU schedule executor (batches of segments, each attending to its own slot's device cache,
+/// a reused prefix copied on the device, a finished request's cache kept for a later reuse) gives
+/// every request the bits of `forward` on the same tokens alone; the threads' order changes none.
+#[test]
+fn served_requests_get_the_bits_of_their_run_alone() {
+    use oracle::schedule::{Prefix, Request, Schedule};
+    for (device, name) in [("gpu-emu", "tiny-gpt-oss"), ("gpu-emu:shuffle:racecheck", "tiny-llama")] {
+        let Some(mut m) = emu_model_on(device, name) else { return };
+        let n_vocab = m.spec().n_vocab as u32;
+        let long: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 11) % n_vocab).collect();
+        let mut reuse = long[..23].to_vec();
+        reuse.extend([3, 9, 27]);
+        let other: Vec<u32> = (0..12u32).map(|i| (i * 31 + 5) % n_vocab).collect();
+        let schedule = Schedule {
+            slots: 2,
+            requests: vec![
+                Request { id: "long".into(), tokens: long.clone(), arrive: 0, chunks: vec![5, 17, 1, 17], slot: 0, prefix: None },
+                Request { id: "other".into(), tokens: other.clone(), arrive: 1, chunks: vec![4, 8], slot: 1, prefix: None },
+                // Arrives after `long` ended, in its slot: its prefix comes from the kept cache.
+                Request { id: "reuse".into(), tokens: reuse.clone(), arrive: 5, chunks: vec![2, 1], slot: 0, prefix: Some(Prefix { from: "long".into(), tokens: 23 }) },
+            ],
+        };
+        let served = m.serve(&schedule).expect("GPU devices serve").unwrap();
+        assert!(m.batch_invariant());
+        for (id, tokens, first) in [("long", &long, 0), ("reuse", &reuse, 23), ("other", &other, 0)] {
+            m.reset();
+            let alone = m.forward(tokens, &mut NoTap).unwrap();
+            let want: Vec<u32> = alone[first * n_vocab as usize..].iter().map(|v| v.to_bits()).collect();
+            let got: Vec<u32> = served[id].iter().map(|v| v.to_bits()).collect();
+            assert!(got == want, "{device} {name}: request {id} differs from its run alone");
+        }
+    }
+}

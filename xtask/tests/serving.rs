@@ -1,5 +1,6 @@
 //! `cargo xtask serving`: green on `cpu`, every axis present in report.json; a device that serves
-//! no schedules is unsupported and the run is not green; a bad request is refused naming it.
+//! no schedules (`fixed`) is unsupported and the run is not green; a bad request is refused
+//! naming it; the example engine and llama.cpp serve through the schedule task.
 
 mod common;
 
@@ -21,8 +22,8 @@ fn serving_judges_every_axis_on_cpu_and_is_unsupported_where_no_schedule_is_serv
     // The window of tiny-mixed puts a chunk boundary on its edge.
     assert!(cases.iter().any(|c| c["id"].as_str().unwrap().contains("axis=chunks,chunk=4)")), "{cases:?}");
 
-    let dir = tmp.path().join("gpu-emu");
-    let o = xtask(&["serving", "--device", "gpu-emu", "--model", "tiny-llama", "--report-dir", dir.to_str().unwrap()], &[]);
+    let dir = tmp.path().join("fixed");
+    let o = xtask(&["serving", "--device", "fixed", "--model", "tiny-llama", "--report-dir", dir.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(1), "unsupported is never green: {}", text(&o));
     let r = report(&dir);
     assert_eq!((r["summary"]["unsupported"].as_u64(), r["summary"]["executed"].as_u64()), (Some(1), Some(1)), "{r}");

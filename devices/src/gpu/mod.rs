@@ -12,6 +12,7 @@
 
 pub mod emu;
 pub mod model;
+mod serve;
 mod device;
 pub use device::GpuDevice;
 #[cfg(feature = "cuda")]

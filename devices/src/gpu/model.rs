@@ -46,15 +46,82 @@ enum LayerState {
 }
 
 /// Every layer's state, the positions each can hold and the positions it holds.
-struct KvCache {
+pub(super) struct KvCache {
     layers: Vec<LayerState>,
     capacity: usize,
     len: usize,
 }
 
+impl KvCache {
+    pub(super) fn empty() -> KvCache {
+        KvCache { layers: Vec::new(), capacity: 0, len: 0 }
+    }
+
+    /// Grows the cache to hold `need` positions, keeping what it holds.
+    fn reserve(&mut self, g: &Arc<Gpu>, spec: &ModelSpec, need: usize) -> Result<(), String> {
+        if need <= self.capacity {
+            return Ok(());
+        }
+        let capacity = need.next_power_of_two().max(64);
+        let held = self.len;
+        // Each layer's new buffer receives the positions the old one holds (none on first use).
+        let grow = |old: Option<&DevBuf>, width: usize| -> Result<DevBuf, String> {
+            let new = g.alloc(4 * capacity * width)?;
+            if let Some(old) = old.filter(|_| held > 0) {
+                g.copy(old.ptr, new.ptr, held * width)?;
+            }
+            Ok(new)
+        };
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for (li, l) in spec.layers.iter().enumerate() {
+            layers.push(match l.block {
+                BlockKind::Attention(a) => {
+                    let old = self.layers.get(li).map(|s| match s {
+                        LayerState::Kv { k, v } => (k, v),
+                    });
+                    LayerState::Kv {
+                        k: grow(old.map(|o| o.0), a.kv_dim())?,
+                        v: grow(old.map(|o| o.1), a.kv_dim())?,
+                    }
+                }
+            });
+        }
+        self.layers = layers;
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    /// A new cache holding this one's first `n` positions (a prefix another request reuses),
+    /// copied on the device.
+    pub(super) fn prefix(&self, g: &Arc<Gpu>, spec: &ModelSpec, n: usize) -> Result<KvCache, String> {
+        if n > self.len {
+            return Err(format!("a prefix of {n} positions from a cache of {}", self.len));
+        }
+        let mut out = KvCache::empty();
+        out.reserve(g, spec, n.max(1))?;
+        for (li, (mine, theirs)) in self.layers.iter().zip(&out.layers).enumerate() {
+            let BlockKind::Attention(a) = spec.layers[li].block;
+            let (LayerState::Kv { k, v }, LayerState::Kv { k: k2, v: v2 }) = (mine, theirs);
+            if n > 0 {
+                g.copy(k.ptr, k2.ptr, n * a.kv_dim())?;
+                g.copy(v.ptr, v2.ptr, n * a.kv_dim())?;
+            }
+        }
+        out.len = n;
+        Ok(out)
+    }
+}
+
+/// One sequence's part of a batch: its tokens from position `start`, attending to `caches[cache]`.
+pub(super) struct Seg<'a> {
+    pub cache: usize,
+    pub start: usize,
+    pub tokens: &'a [u32],
+}
+
 pub struct GpuModel {
-    gpu: Arc<Gpu>,
-    spec: ModelSpec,
+    pub(super) gpu: Arc<Gpu>,
+    pub(super) spec: ModelSpec,
     tok_embd: GpuMat,
     output_norm: DevBuf,
     output: Option<GpuMat>,
@@ -131,11 +198,7 @@ impl GpuModel {
                 output_norm: vec(&host.output_norm)?,
                 output: host.output.as_ref().map(mat).transpose()?,
                 layers,
-                kv: KvCache {
-                    layers: Vec::new(),
-                    capacity: 0,
-                    len: 0,
-                },
+                kv: KvCache::empty(),
             })
         };
         upload().map_err(fail)
@@ -143,40 +206,6 @@ impl GpuModel {
 
     fn fail(&self, reason: String) -> DeviceError {
         DeviceError::Failed { device: self.gpu.backend.name(), case: "forward".into(), reason }
-    }
-
-    /// Grows the cache to hold `need` positions, keeping what it holds.
-    fn reserve(&mut self, need: usize) -> Result<(), String> {
-        if need <= self.kv.capacity {
-            return Ok(());
-        }
-        let capacity = need.next_power_of_two().max(64);
-        let g = self.gpu.clone();
-        // Each layer's new buffer receives the positions the old one holds (none on first use).
-        let grow = |old: Option<&DevBuf>, width: usize| -> Result<DevBuf, String> {
-            let new = g.alloc(4 * capacity * width)?;
-            if let Some(old) = old.filter(|_| self.kv.len > 0) {
-                g.copy(old.ptr, new.ptr, self.kv.len * width)?;
-            }
-            Ok(new)
-        };
-        let mut layers = Vec::with_capacity(self.spec.layers.len());
-        for (li, l) in self.spec.layers.iter().enumerate() {
-            layers.push(match l.block {
-                BlockKind::Attention(a) => {
-                    let old = self.kv.layers.get(li).map(|s| match s {
-                        LayerState::Kv { k, v } => (k, v),
-                    });
-                    LayerState::Kv {
-                        k: grow(old.map(|o| o.0), a.kv_dim())?,
-                        v: grow(old.map(|o| o.1), a.kv_dim())?,
-                    }
-                }
-            });
-        }
-        self.kv.layers = layers;
-        self.kv.capacity = capacity;
-        Ok(())
     }
 
     fn ffn(&self, f: &GpuFfn, h: u64, m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Result<DevBuf, String> {
@@ -263,23 +292,48 @@ impl GpuModel {
     /// output head then multiplies that row alone: no other row's logits are computed or
     /// downloaded; each row's bits do not depend on how many rows the matmul ran).
     fn run(&mut self, tokens: &[u32], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, String> {
-        let s = self.spec.clone();
+        let mut kv = std::mem::replace(&mut self.kv, KvCache::empty());
+        let seg = Seg { cache: 0, start: kv.len, tokens };
+        let out = self.run_batch(std::slice::from_mut(&mut kv), &[seg], taps, all_logits);
+        self.kv = kv;
+        out
+    }
+
+    /// One step over a batch: each segment's tokens at its positions, attending to its own cache;
+    /// the products run over every row at once, attention segment by segment. One segment's keys
+    /// and values are computed straight into its cache; a batch's into batch buffers, copied
+    /// into each segment's cache before its attention. Logits of every row (`all_logits`) or of
+    /// the last one only. Taps record one sequence at a time.
+    pub(super) fn run_batch(&self, caches: &mut [KvCache], segs: &[Seg], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, String> {
+        let s = &self.spec;
+        let tokens: Vec<u32> = segs.iter().flat_map(|g| g.tokens.iter().copied()).collect();
         let m = tokens.len();
-        if m == 0 {
+        if m == 0 || segs.iter().any(|g| g.tokens.is_empty() || g.cache >= caches.len()) {
             return Err("no tokens".into());
+        }
+        if segs.len() > 1 && taps.enabled() {
+            return Err("taps record one sequence at a time".into());
         }
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= s.n_vocab) {
             return Err(format!("token id {bad} outside the vocabulary of {}", s.n_vocab));
         }
-        let start = self.kv.len;
-        self.reserve(start + m)?;
         let g = self.gpu.clone();
+        for seg in segs {
+            caches[seg.cache].reserve(&g, s, seg.start + seg.tokens.len())?;
+        }
+        let start = segs[0].start;
+        let positions: Vec<usize> = segs.iter().flat_map(|g| g.start..g.start + g.tokens.len()).collect();
         let d = s.n_embd;
         // Query-sized buffers hold the widest layer's.
         let qd_max = s.n_head * s.head_dim;
+        let kvd_max = s.layers.iter().map(|l| match l.block {
+            BlockKind::Attention(a) => a.kv_dim(),
+        }).max().unwrap_or(0);
         let eps = s.norm_eps as f32;
-        let ids = g.upload_u32(tokens)?;
-        let pos = g.upload_u32(&(start as u32..(start + m) as u32).collect::<Vec<_>>())?;
+        let ids = g.upload_u32(&tokens)?;
+        let pos = g.upload_u32(&positions.iter().map(|p| *p as u32).collect::<Vec<_>>())?;
+        // A batch's keys and values, before they go to each segment's cache.
+        let batch_kv = if segs.len() > 1 { Some((g.alloc(4 * m * kvd_max)?, g.alloc(4 * m * kvd_max)?)) } else { None };
         let x = g.alloc(4 * m * d)?;
         g.get_rows(&self.tok_embd, ids.ptr, m, x.ptr)?;
         if let Some(scale) = s.embd_scale {
@@ -291,7 +345,7 @@ impl GpuModel {
         let (h, q) = (g.alloc(4 * m * d)?, g.alloc(4 * m * qd_max)?);
         let (attn, attn_out) = (g.alloc(4 * m * qd_max)?, g.alloc(4 * m * d)?);
         // One table per distinct RoPE (Gemma 3's windowed layers have their own base).
-        let tables = s.ropes().into_iter().map(|r| Ok((r, g.upload_f32(&super::rope_table(r, start..start + m))?))).collect::<Result<Vec<_>, String>>()?;
+        let tables = s.ropes().into_iter().map(|r| Ok((r, g.upload_f32(&super::rope_table(r, positions.iter().copied()))?))).collect::<Result<Vec<_>, String>>()?;
         let neox = s.rope.style == RopeStyle::Neox;
         let post = if s.post_norms { Some(g.alloc(4 * m * d)?) } else { None };
         // A residual add and the norm right after it are one launch (add_rms_norm): the attention
@@ -305,9 +359,12 @@ impl GpuModel {
             let (mut attn_res, mut ffn_res) = (attn_out.ptr, None);
             let BlockKind::Attention(a) = s.layers[li].block;
             let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
-            let LayerState::Kv { k: kc, v: vc } = &self.kv.layers[li];
+            let LayerState::Kv { k: kc, v: vc } = &caches[segs[0].cache].layers[li];
             let at = start * kvd;
-            let (k, v) = (kc.at_f32(at), vc.at_f32(at));
+            let (k, v) = match &batch_kv {
+                Some((kb, vb)) => (kb.ptr, vb.ptr),
+                None => (kc.at_f32(at), vc.at_f32(at)),
+            };
             let stages = &s.layers[li].stages;
             for (si, stage) in stages.iter().enumerate() {
                 let layer = &self.layers[li];
@@ -373,17 +430,18 @@ impl GpuModel {
                             softcap: s.attn_softcap.unwrap_or(0.0) as f32,
                             scale: s.attn_scale as f32,
                         };
-                        g.attention(
-                            q.ptr,
-                            pos.ptr,
-                            kc.ptr,
-                            vc.ptr,
-                            attn.ptr,
-                            m,
-                            start + m,
-                            &cfg,
-                            layer.sinks.as_ref().map_or(0, |b| b.ptr),
-                        )?;
+                        let sinks = layer.sinks.as_ref().map_or(0, |b| b.ptr);
+                        let mut r0 = 0;
+                        for seg in segs {
+                            let n = seg.tokens.len();
+                            let LayerState::Kv { k: kc, v: vc } = &caches[seg.cache].layers[li];
+                            if batch_kv.is_some() {
+                                g.copy(k + 4 * (r0 * kvd) as u64, kc.at_f32(seg.start * kvd), n * kvd)?;
+                                g.copy(v + 4 * (r0 * kvd) as u64, vc.at_f32(seg.start * kvd), n * kvd)?;
+                            }
+                            g.attention(q.at_f32(r0 * qd), pos.at_f32(r0) /* 4-byte entries */, kc.ptr, vc.ptr, attn.at_f32(r0 * qd), n, seg.start + n, &cfg, sinks)?;
+                            r0 += n;
+                        }
                         record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
                     }
                     Stage::AttnOutProj => {
@@ -465,7 +523,9 @@ impl GpuModel {
                 }
             }
         }
-        self.kv.len = start + m;
+        for seg in segs {
+            caches[seg.cache].len = seg.start + seg.tokens.len();
+        }
         if !std::mem::take(&mut normed) {
             g.rms_norm(x.ptr, self.output_norm.ptr, h.ptr, m, d, eps)?;
             record(taps, "result_norm", &h, start, m, d)?;
@@ -516,5 +576,16 @@ impl DeviceModel for GpuModel {
     }
     fn kernel_launches(&self) -> Option<u64> {
         Some(self.gpu.launches())
+    }
+    fn batch_invariant(&self) -> bool {
+        // Every product computes each row on its own (a row's bits do not depend on how many
+        // rows the launch ran), attention runs segment by segment, experts token by token.
+        true
+    }
+    fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        Some(self.serve_schedule(schedule, &mut Vec::new()).map_err(|r| self.fail(r)))
+    }
+    fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        Some(self.serve_schedule(schedule, step_seconds).map_err(|r| self.fail(r)))
     }
 }

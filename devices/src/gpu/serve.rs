@@ -1,0 +1,58 @@
+//! A GPU device (or the emulator) serving a schedule (`oracle::schedule`): every step one batch
+//! of the active requests' chunks through the device's products, each request attending to its
+//! own slot's device-resident cache; a slot emptied when a new request takes it; a reused prefix
+//! copied on the device from the cache of the request that computed it (kept, moved out of its
+//! slot, after that request ends for as long as a later one reuses it).
+
+use super::model::{GpuModel, KvCache, Seg};
+use oracle::schedule::{Schedule, Served};
+use std::collections::BTreeMap;
+
+impl GpuModel {
+    /// Serves `schedule`, pushing each step's wall-clock seconds (to the logits on the host) to
+    /// `step_seconds`.
+    pub(super) fn serve_schedule(&self, schedule: &Schedule, step_seconds: &mut Vec<f64>) -> Result<Served, String> {
+        schedule.validate().map_err(|e| format!("schedule: {e}"))?;
+        let n_vocab = self.spec.n_vocab;
+        let mut slots: Vec<KvCache> = (0..schedule.slots).map(|_| KvCache::empty()).collect();
+        let reused = schedule.prefix_sources();
+        let mut kept: BTreeMap<usize, KvCache> = BTreeMap::new();
+        let mut out = Served::new();
+        for step in schedule.steps() {
+            let t0 = std::time::Instant::now();
+            for &i in &step.arrivals {
+                let r = &schedule.requests[i];
+                slots[r.slot] = match &r.prefix {
+                    None => KvCache::empty(),
+                    Some(p) => {
+                        let si = schedule.index_of(&p.from).ok_or_else(|| format!("schedule: request `{}`: no request `{}`", r.id, p.from))?;
+                        let source = kept.get(&si).unwrap_or(&slots[schedule.requests[si].slot]);
+                        source.prefix(&self.gpu, &self.spec, p.tokens).map_err(|e| format!("request `{}`: {e}", r.id))?
+                    }
+                };
+            }
+            let segs: Vec<Seg> = step.segments.iter().map(|g| Seg { cache: g.slot, start: g.start, tokens: g.tokens }).collect();
+            if segs.is_empty() {
+                // A step no request is active at (they arrive later).
+                step_seconds.push(0.0);
+                continue;
+            }
+            let logits = self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?;
+            let mut row = 0;
+            for g in &step.segments {
+                let n = g.tokens.len() * n_vocab;
+                out.entry(schedule.requests[g.request].id.clone()).or_default().extend_from_slice(&logits[row..row + n]);
+                row += n;
+            }
+            // A request that ends here and whose prefix a later one reuses: its cache is kept.
+            for g in step.segments.iter().filter(|g| schedule.requests[g.request].last_step() == step.index) {
+                if reused.get(&g.request).is_some_and(|last| *last > step.index) {
+                    kept.insert(g.request, std::mem::replace(&mut slots[g.slot], KvCache::empty()));
+                }
+            }
+            kept.retain(|i, _| reused.get(i).is_some_and(|last| *last > step.index));
+            step_seconds.push(t0.elapsed().as_secs_f64());
+        }
+        Ok(out)
+    }
+}
