@@ -214,6 +214,12 @@ pub trait DeviceModel: Send {
     fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, _step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
         self.serve(schedule)
     }
+    /// [`DeviceModel::serve`], recording request `request`'s taps as it is served (its rows of
+    /// each step's batch, at its positions): where a red serving case's request first departs
+    /// from its run alone. None: the engine does not record taps while it serves.
+    fn serve_tapped(&mut self, _schedule: &oracle::schedule::Schedule, _request: &str, _taps: &mut dyn oracle::Tap) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        None
+    }
     /// Whether the engine declares its numbers independent of the batch: a request's logits the
     /// same bits whatever it is batched with, however its prompt is chunked, cached prefix or
     /// not. The serving rung then holds it bit for bit; otherwise within twice its logit budget.

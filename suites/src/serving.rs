@@ -429,15 +429,7 @@ pub fn judge(cases: &[ServingCase], answers: &[Answer], oracle_of: &dyn Fn(&[u32
             }
         };
         let target = c.schedule.request(&c.target).expect("the target is in its schedule");
-        let first = target.first_computed();
-        let got = &served[&c.target];
-        let want: &[f32] = match &c.counterpart {
-            Counterpart::Alone => &reference[ALONE][first * n_vocab..],
-            Counterpart::Other { schedule, id } => {
-                let other_first = schedule.request(id).map_or(0, |r| r.first_computed());
-                &reference[id][(first - other_first.min(first)) * n_vocab..]
-            }
-        };
+        let (got, want, first) = target_logits(c, served, reference, n_vocab);
         let Some(o) = oracle_of(&target.tokens) else {
             out.push(error(id, format!("no oracle logits for request `{}`", c.target)));
             continue;
@@ -453,6 +445,50 @@ pub fn judge(cases: &[ServingCase], answers: &[Answer], oracle_of: &dyn Fn(&[u32
         out.extend(pair);
     }
     out
+}
+
+/// A case's judged request: its served logits, its counterpart's over the same positions, and
+/// the first position they cover (answers checked by [`serve_all`]).
+fn target_logits<'a>(c: &ServingCase, served: &'a Served, reference: &'a Served, n_vocab: usize) -> (&'a [f32], &'a [f32], usize) {
+    let first = c.schedule.request(&c.target).map_or(0, |r| r.first_computed());
+    let got = served.get(&c.target).map_or(&[][..], |v| v.as_slice());
+    let want: &[f32] = match &c.counterpart {
+        Counterpart::Alone => reference.get(ALONE).and_then(|v| v.get(first * n_vocab..)).unwrap_or_default(),
+        Counterpart::Other { schedule, id } => {
+            let other_first = schedule.request(id).map_or(0, |r| r.first_computed());
+            reference.get(id).and_then(|v| v.get((first - other_first.min(first)) * n_vocab..)).unwrap_or_default()
+        }
+    };
+    (got, want, first)
+}
+
+/// Whether a case's judged request got other bits than its counterpart where the rule is bit for
+/// bit (an isolation axis, or an engine declared batch-invariant): a case whose taps say where.
+pub fn differs_bitwise(c: &ServingCase, a: &Answer, n_vocab: usize, batch_invariant: bool) -> bool {
+    let (Ok(served), Ok(reference)) = (&a.served, &a.reference) else { return false };
+    if !(batch_invariant || c.axis.isolation()) {
+        return false;
+    }
+    let (got, want, _) = target_logits(c, served, reference, n_vocab);
+    got.len() != want.len() || got.iter().zip(want).any(|(x, y)| x.to_bits() != y.to_bits())
+}
+
+/// The first tap, in execution order, whose values differ in their bits between a request's
+/// served run (`served`, its positions from `first` on) and its counterpart's run (`reference`,
+/// the same positions): its name and that position. None when every tap agrees (the difference
+/// arises after the last tap).
+pub fn first_differing_tap(served: &oracle::RecordingTap, reference: &oracle::RecordingTap, first: usize) -> Option<(String, usize)> {
+    for name in &served.order {
+        let ((w, a), Some((w2, b))) = (&served.tensors[name], reference.tensors.get(name)) else { continue };
+        if w != w2 || *w == 0 {
+            continue;
+        }
+        let rows = (a.len() / w).min(b.len() / w);
+        if let Some(p) = (first..rows).find(|p| a[p * w..(p + 1) * w].iter().zip(&b[p * w..(p + 1) * w]).any(|(x, y)| x.to_bits() != y.to_bits())) {
+            return Some((name.clone(), p));
+        }
+    }
+    None
 }
 
 /// The columns of [`axis_rows`].

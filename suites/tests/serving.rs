@@ -19,7 +19,7 @@ fn fixture(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
 }
 
 /// The serving suite's cases on `model` (a device model of the fixture at `path`).
-fn judge(path: &std::path::Path, name: &str, model: &mut dyn DeviceModel) -> Vec<Case> {
+fn judge(path: &std::path::Path, name: &str, model: &mut dyn DeviceModel) -> (Vec<Case>, Vec<serving::ServingCase>) {
     let (oracle, _) = oracle::generate::AnyModel::load(path, oracle::Precision::F32).unwrap();
     let spec = oracle.spec().clone();
     let seq: Vec<u32> = (0..30).map(|i| (i * 7919 + 13) as u32 % spec.n_vocab as u32).collect();
@@ -48,7 +48,7 @@ fn judge(path: &std::path::Path, name: &str, model: &mut dyn DeviceModel) -> Vec
     let invariant = model.batch_invariant();
     let mut serve = |s: &oracle::schedule::Schedule| model.serve(s).map(|r| r.map_err(|e| e.to_string()));
     let answers = serving::serve_all(&cases, &mut serve, spec.n_vocab).expect("cpu serves schedules");
-    serving::judge(&cases, &answers, &|ids: &[u32]| runs.get(ids).cloned(), spec.n_vocab, &budget, invariant, name, "cpu")
+    (serving::judge(&cases, &answers, &|ids: &[u32]| runs.get(ids).cloned(), spec.n_vocab, &budget, invariant, name, "cpu"), cases)
 }
 
 #[test]
@@ -57,7 +57,7 @@ fn the_cpu_executor_serves_every_synthetic_model_green() {
         let (_dir, path) = fixture(name);
         for device in ["cpu", "cpu:kv-f16", "cpu:kv-q8_0"] {
             let mut m = devices::open(device).unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap();
-            let cases = judge(&path, name, m.as_mut());
+            let (cases, _) = judge(&path, name, m.as_mut());
             assert!(cases.len() >= 68, "{name} {device}: {} cases", cases.len());
             let bad: Vec<String> = cases.iter().filter(|c| c.verdict != Verdict::Pass).map(|c| format!("{}: {:?}", c.id, c.message)).collect();
             assert!(bad.is_empty(), "{name} on {device}:\n{}", bad.join("\n"));
@@ -72,21 +72,23 @@ fn the_cpu_executor_serves_every_synthetic_model_green() {
 #[test]
 fn every_seeded_serving_bug_is_red_on_its_axis_naming_request_and_position() {
     // The axis that must show each bug (others may too), and the model it shows on.
+    // ... and the first tap at which the served request departs from its counterpart's run (None:
+    // every tap agrees, the bug is in how the logits are delivered).
     let expected = [
-        (ServeFault::MaskLeak, "neighbours", "tiny-llama"),
-        (ServeFault::SlotNotCleared, "slot_reuse", "tiny-llama"),
-        (ServeFault::PrefixOffByOne, "prefix_cache", "tiny-llama"),
-        (ServeFault::RopeRestartsAtChunk, "chunks", "tiny-llama"),
-        (ServeFault::NoCausalMaskInChunk, "chunks", "tiny-llama"),
-        (ServeFault::WindowEdgeAtChunk, "chunks", "tiny-mixed"),
-        (ServeFault::LogitsSwapped, "batch", "tiny-llama"),
-        (ServeFault::BatchPathRounds, "batch", "tiny-llama"),
+        (ServeFault::MaskLeak, "neighbours", "tiny-llama", Some("blk.0.attn_kqv")),
+        (ServeFault::SlotNotCleared, "slot_reuse", "tiny-llama", Some("blk.0.attn_q_rope")),
+        (ServeFault::PrefixOffByOne, "prefix_cache", "tiny-llama", Some("blk.0.attn_q_rope")),
+        (ServeFault::RopeRestartsAtChunk, "chunks", "tiny-llama", Some("blk.0.attn_q_rope")),
+        (ServeFault::NoCausalMaskInChunk, "chunks", "tiny-llama", Some("blk.0.attn_kqv")),
+        (ServeFault::WindowEdgeAtChunk, "chunks", "tiny-mixed", Some("blk.0.attn_kqv")),
+        (ServeFault::LogitsSwapped, "batch", "tiny-llama", None),
+        (ServeFault::BatchPathRounds, "batch", "tiny-llama", Some("blk.0.attn_kqv")),
     ];
     assert_eq!(expected.len(), ServeFault::ALL.len());
-    for (fault, axis, name) in expected {
+    for (fault, axis, name, tap) in expected {
         let (_dir, path) = fixture(name);
         let mut m = devices::faulty::serving_model(fault, &path).unwrap();
-        let cases = judge(&path, name, m.as_mut());
+        let (cases, schedules) = judge(&path, name, m.as_mut());
         let red: Vec<&Case> = cases.iter().filter(|c| c.verdict == Verdict::Fail).collect();
         let on_axis = red.iter().find(|c| c.id.contains(&format!("axis={axis},")));
         let Some(c) = on_axis else { panic!("{fault:?} not red on axis {axis}; red: {:?}", red.iter().map(|c| &c.id).collect::<Vec<_>>()) };
@@ -95,6 +97,24 @@ fn every_seeded_serving_bug_is_red_on_its_axis_naming_request_and_position() {
         // It carries the schedule that shows it, to rerun.
         let schedule: oracle::schedule::Schedule = serde_json::from_value(c.metrics.get("schedule").cloned().expect("a red case holds its schedule")).unwrap();
         assert!(schedule.validate().is_ok() && schedule.requests.iter().any(|r| msg.contains(&format!("request `{}`", r.id))), "{fault:?}");
+        // Where the served request departs from its counterpart's run: the first tap that differs.
+        let case = schedules.iter().find(|k| k.id(name) == c.id.trim_end_matches(":vs_oracle")).expect("the red case's schedule");
+        let mut served = oracle::RecordingTap::default();
+        m.serve_tapped(&case.schedule, &case.target, &mut served).expect("cpu records taps while it serves").unwrap();
+        let mut reference = oracle::RecordingTap::default();
+        match &case.counterpart {
+            serving::Counterpart::Alone => {
+                m.reset();
+                m.forward(&case.schedule.request(&case.target).unwrap().tokens, &mut reference).unwrap();
+            }
+            serving::Counterpart::Other { schedule, id } => {
+                m.serve_tapped(schedule, id, &mut reference).unwrap().unwrap();
+            }
+        }
+        let first = case.schedule.request(&case.target).unwrap().first_computed();
+        let found = serving::first_differing_tap(&served, &reference, first);
+        eprintln!("{fault:?}: {} -> {found:?}", c.id);
+        assert_eq!(found.map(|(t, _)| t), tap.map(String::from), "{fault:?}: the first tap that differs");
         // The per-axis table counts it: a schedule outside its bound, or a request failing the oracle.
         let row = serving::axis_rows(&cases).into_iter().find(|r| r[0] == axis).unwrap();
         assert!(!row[2].ends_with(" 0 outside") || !row[4].starts_with(&format!("{} of", row[1])), "{fault:?}: {row:?}");

@@ -167,6 +167,10 @@ impl DeviceModel for CpuModel {
     fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
         Some(rayon::scope(|_| self.serve_schedule(schedule, step_seconds)))
     }
+    fn serve_tapped(&mut self, schedule: &oracle::schedule::Schedule, request: &str, taps: &mut dyn Tap) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        // Taps are not `Send`: served on this thread.
+        Some(self.serve_schedule_tapped(schedule, &mut Vec::new(), Some((request, taps))))
+    }
 }
 
 impl CpuModel {
@@ -205,9 +209,6 @@ impl CpuModel {
         let m = tokens.len();
         if m == 0 || segs.iter().any(|g| g.tokens.is_empty() || g.cache >= caches.len()) {
             return Err(err("forward", "no tokens"));
-        }
-        if segs.len() > 1 && taps.enabled() {
-            return Err(err("forward", "taps record one sequence at a time"));
         }
         let start = segs[0].start;
         let views: Vec<super::serve_faults::SegView> = segs.iter().map(|g| (g.start, g.tokens.len(), g.fault)).collect();

@@ -7,11 +7,22 @@ use super::model::{err, CpuModel, KvCache, Seg};
 pub use super::serve_faults::ServeFault;
 use crate::DeviceError;
 use oracle::schedule::{Schedule, Served};
+use oracle::Tap;
 use std::collections::BTreeMap;
 
 impl CpuModel {
     /// Serves `schedule`, pushing each step's wall-clock seconds to `step_seconds`.
     pub(crate) fn serve_schedule(&self, schedule: &Schedule, step_seconds: &mut Vec<f64>) -> Result<Served, DeviceError> {
+        self.serve_schedule_tapped(schedule, step_seconds, None)
+    }
+
+    /// [`CpuModel::serve_schedule`], recording one request's taps (`tapped`: its id and the tap):
+    /// its rows of each step's batch, at its positions.
+    pub(crate) fn serve_schedule_tapped(&self, schedule: &Schedule, step_seconds: &mut Vec<f64>, mut tapped: Option<(&str, &mut dyn Tap)>) -> Result<Served, DeviceError> {
+        let tapped_index = match &tapped {
+            Some((id, _)) => Some(schedule.index_of(id).ok_or_else(|| err("schedule", format!("no request `{id}` to record the taps of")))?),
+            None => None,
+        };
         schedule.validate().map_err(|e| err("schedule", e))?;
         let n_vocab = self.spec.n_vocab;
         let fresh = || KvCache::paged(self.kv_cache, &self.spec);
@@ -56,7 +67,19 @@ impl CpuModel {
                 step_seconds.push(0.0);
                 continue;
             }
-            let mut logits = self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?;
+            // The tapped request's rows of this step's batch, if it runs in it.
+            let mut rows = 0;
+            let mut its_rows = None;
+            for g in &step.segments {
+                if Some(g.request) == tapped_index {
+                    its_rows = Some((rows..rows + g.tokens.len(), g.start));
+                }
+                rows += g.tokens.len();
+            }
+            let mut logits = match (&mut tapped, its_rows) {
+                (Some((_, taps)), Some((rows, start))) => self.run_batch(&mut slots, &segs, &mut SegmentTap { inner: &mut **taps, rows, start }, true)?,
+                _ => self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?,
+            };
             if fault == Some(ServeFault::LogitsSwapped) && segs.len() >= 2 {
                 let (a, b) = ((segs[0].tokens.len() - 1) * n_vocab, (segs[0].tokens.len() + segs[1].tokens.len() - 1) * n_vocab);
                 for c in 0..n_vocab {
@@ -79,5 +102,26 @@ impl CpuModel {
             step_seconds.push(t0.elapsed().as_secs_f64());
         }
         Ok(out)
+    }
+}
+
+/// Of a batch's taps (every row of the step), the rows of one segment, recorded at its positions.
+struct SegmentTap<'a> {
+    inner: &'a mut dyn Tap,
+    rows: std::ops::Range<usize>,
+    start: usize,
+}
+
+impl Tap for SegmentTap<'_> {
+    fn enabled(&self) -> bool {
+        self.inner.enabled()
+    }
+    fn record(&mut self, name: &str, _start: usize, n_tokens: usize, width: usize, data: &[f32]) {
+        // A tap of fewer rows than the batch (the last row's logits alone) is not the segment's.
+        if n_tokens >= self.rows.end {
+            if let Some(mine) = data.get(self.rows.start * width..self.rows.end * width) {
+                self.inner.record(name, self.start, self.rows.len(), width, mine);
+            }
+        }
     }
 }

@@ -180,6 +180,35 @@ pub fn serving(a: &ServingArgs) -> Result<(Report, Vec<Vec<String>>), Exit> {
         let case = serving::unsupported(&a.model, a.device.name(), "this engine does not serve schedules (docs/SERVING_PROTOCOL.md)");
         return Ok((Report::new("serving", Provenance::collect(rayon::current_num_threads()), vec![case]), Vec::new()));
     };
+    // Where a request got other bits than its counterpart under a bit-for-bit rule: the first tap
+    // that differs, on a device that records taps while it serves.
+    let mut first_taps: BTreeMap<String, (String, usize)> = BTreeMap::new();
+    for (c, answer) in cases.iter().zip(&answers) {
+        if !serving::differs_bitwise(c, answer, spec.n_vocab, invariant) {
+            continue;
+        }
+        let mut served = oracle::RecordingTap::default();
+        let Some(ran) = m.serve_tapped(&c.schedule, &c.target, &mut served) else { break };
+        ran.map_err(Exit::from)?;
+        let mut reference = oracle::RecordingTap::default();
+        match &c.counterpart {
+            serving::Counterpart::Alone => {
+                let tokens = &c.schedule.request(&c.target).expect("the target is in its schedule").tokens;
+                m.reset();
+                m.forward(tokens, &mut reference).map_err(Exit::from)?;
+                m.reset();
+            }
+            serving::Counterpart::Other { schedule, id } => {
+                if let Some(r) = m.serve_tapped(schedule, id, &mut reference) {
+                    r.map_err(Exit::from)?;
+                }
+            }
+        }
+        let first = c.schedule.request(&c.target).map_or(0, |r| r.first_computed());
+        if let Some(found) = serving::first_differing_tap(&served, &reference, first) {
+            first_taps.insert(c.id(&a.model), found);
+        }
+    }
     drop(m);
     // Where a device routed a request otherwise than the oracle only at near ties, the oracle
     // again (loaded anew: the two models are never held at once), routing as the device did.
@@ -201,7 +230,16 @@ pub fn serving(a: &ServingArgs) -> Result<(Report, Vec<Vec<String>>), Exit> {
         judged_by.insert(ids, serving::OracleRun { logits, routing_differs });
     }
     let oracle_of = |ids: &[u32]| judged_by.get(ids).cloned();
-    let cases = serving::judge(&cases, &answers, &oracle_of, spec.n_vocab, &budget, invariant, &a.model, a.device.name());
+    let mut cases = serving::judge(&cases, &answers, &oracle_of, spec.n_vocab, &budget, invariant, &a.model, a.device.name());
+    for case in cases.iter_mut().filter(|c| c.verdict == reports::Verdict::Fail) {
+        if let Some((tap, pos)) = first_taps.get(&case.id) {
+            case.metrics.set("first_tap", tap);
+            case.metrics.set("first_tap_position", pos);
+            if let Some(m) = &mut case.message {
+                m.push_str(&format!("; first tap that differs: {tap} at position {pos}"));
+            }
+        }
+    }
     let rows = serving::axis_rows(&cases);
     let mut report = Report::new("serving", Provenance::collect(rayon::current_num_threads()), cases);
     let kind = if invariant { "declared batch-invariant: shape axes held bit for bit" } else { "not declared batch-invariant: shape axes within twice the logit budget" };
