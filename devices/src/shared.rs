@@ -7,6 +7,7 @@
 
 pub mod host;
 pub mod qdot;
+pub mod segment_tap;
 pub mod unpack;
 
 use oracle::spec::{RopeScaling, RopeSpec};

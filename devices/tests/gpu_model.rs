@@ -322,6 +322,18 @@ fn served_requests_get_the_bits_of_their_run_alone() {
             let want: Vec<u32> = alone[first * n_vocab as usize..].iter().map(|v| v.to_bits()).collect();
             let got: Vec<u32> = served[id].iter().map(|v| v.to_bits()).collect();
             assert!(got == want, "{device} {name}: request {id} differs from its run alone");
+            // Its taps, recorded as it is served in its batches, are those of its run alone.
+            let mut served_taps = oracle::RecordingTap::default();
+            m.serve_tapped(&schedule, id, &mut served_taps).expect("GPU devices record taps while serving").unwrap();
+            let mut alone_taps = oracle::RecordingTap::default();
+            m.reset();
+            m.forward(tokens, &mut alone_taps).unwrap();
+            assert!(served_taps.order.len() >= 10, "{device} {name} {id}: {} taps", served_taps.order.len());
+            for tap in &served_taps.order {
+                let ((w, a), (_, b)) = (&served_taps.tensors[tap], &alone_taps.tensors[tap]);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&a[first * w..]) == bits(&b[first * w..]), "{device} {name}: request {id}'s tap {tap} served differs from alone");
+            }
         }
     }
 }

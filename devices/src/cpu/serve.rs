@@ -7,6 +7,7 @@ use super::model::{err, CpuModel, KvCache, Seg};
 pub use super::serve_faults::ServeFault;
 use crate::DeviceError;
 use oracle::schedule::{Schedule, Served};
+use crate::shared::segment_tap::SegmentTap;
 use oracle::Tap;
 use std::collections::BTreeMap;
 
@@ -102,26 +103,5 @@ impl CpuModel {
             step_seconds.push(t0.elapsed().as_secs_f64());
         }
         Ok(out)
-    }
-}
-
-/// Of a batch's taps (every row of the step), the rows of one segment, recorded at its positions.
-struct SegmentTap<'a> {
-    inner: &'a mut dyn Tap,
-    rows: std::ops::Range<usize>,
-    start: usize,
-}
-
-impl Tap for SegmentTap<'_> {
-    fn enabled(&self) -> bool {
-        self.inner.enabled()
-    }
-    fn record(&mut self, name: &str, _start: usize, n_tokens: usize, width: usize, data: &[f32]) {
-        // A tap of fewer rows than the batch (the last row's logits alone) is not the segment's.
-        if n_tokens >= self.rows.end {
-            if let Some(mine) = data.get(self.rows.start * width..self.rows.end * width) {
-                self.inner.record(name, self.start, self.rows.len(), width, mine);
-            }
-        }
     }
 }

@@ -303,16 +303,14 @@ impl GpuModel {
     /// the products run over every row at once, attention segment by segment. One segment's keys
     /// and values are computed straight into its cache; a batch's into batch buffers, copied
     /// into each segment's cache before its attention. Logits of every row (`all_logits`) or of
-    /// the last one only. Taps record one sequence at a time.
+    /// the last one only. Taps record every row of the batch (a `SegmentTap` keeps one
+    /// segment's); the keys' and values' taps of a batch are its batch buffers' rows.
     pub(super) fn run_batch(&self, caches: &mut [KvCache], segs: &[Seg], taps: &mut dyn Tap, all_logits: bool) -> Result<Vec<f32>, String> {
         let s = &self.spec;
         let tokens: Vec<u32> = segs.iter().flat_map(|g| g.tokens.iter().copied()).collect();
         let m = tokens.len();
         if m == 0 || segs.iter().any(|g| g.tokens.is_empty() || g.cache >= caches.len()) {
             return Err("no tokens".into());
-        }
-        if segs.len() > 1 && taps.enabled() {
-            return Err("taps record one sequence at a time".into());
         }
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= s.n_vocab) {
             return Err(format!("token id {bad} outside the vocabulary of {}", s.n_vocab));
@@ -365,6 +363,11 @@ impl GpuModel {
                 Some((kb, vb)) => (kb.ptr, vb.ptr),
                 None => (kc.at_f32(at), vc.at_f32(at)),
             };
+            // Where this step's keys and values are until attention: the batch buffers, or the cache.
+            let ((kbuf, vbuf), kv_at) = match &batch_kv {
+                Some((kb, vb)) => ((kb, vb), 0),
+                None => ((kc, vc), at),
+            };
             let stages = &s.layers[li].stages;
             for (si, stage) in stages.iter().enumerate() {
                 let layer = &self.layers[li];
@@ -386,8 +389,8 @@ impl GpuModel {
                             g.add(v, bv.ptr, v, m * kvd, kvd)?;
                         }
                         record(taps, &name("attn_q"), &q, start, m, qd)?;
-                        record_at(taps, &name("attn_k"), kc, at, start, m, kvd)?;
-                        record_at(taps, &name("attn_v"), vc, at, start, m, kvd)?;
+                        record_at(taps, &name("attn_k"), kbuf, kv_at, start, m, kvd)?;
+                        record_at(taps, &name("attn_v"), vbuf, kv_at, start, m, kvd)?;
                     }
                     Stage::QkNorm => {
                         if let Some([qn, kn]) = &layer.qk_norm {
@@ -399,7 +402,7 @@ impl GpuModel {
                             )?;
                         }
                         record(taps, &name("attn_q_norm"), &q, start, m, qd)?;
-                        record_at(taps, &name("attn_k_norm"), kc, at, start, m, kvd)?;
+                        record_at(taps, &name("attn_k_norm"), kbuf, kv_at, start, m, kvd)?;
                     }
                     Stage::Rope => {
                         let rope = s.rope_of(&a);
@@ -418,7 +421,7 @@ impl GpuModel {
                             neox,
                         )?;
                         record(taps, &name("attn_q_rope"), &q, start, m, qd)?;
-                        record_at(taps, &name("attn_k_rope"), kc, at, start, m, kvd)?;
+                        record_at(taps, &name("attn_k_rope"), kbuf, kv_at, start, m, kvd)?;
                     }
                     Stage::Attention => {
                         let cfg = crate::shared::AttnCfg {
@@ -583,9 +586,12 @@ impl DeviceModel for GpuModel {
         true
     }
     fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
-        Some(self.serve_schedule(schedule, &mut Vec::new()).map_err(|r| self.fail(r)))
+        Some(self.serve_schedule(schedule, &mut Vec::new(), None).map_err(|r| self.fail(r)))
     }
     fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
-        Some(self.serve_schedule(schedule, step_seconds).map_err(|r| self.fail(r)))
+        Some(self.serve_schedule(schedule, step_seconds, None).map_err(|r| self.fail(r)))
+    }
+    fn serve_tapped(&mut self, schedule: &oracle::schedule::Schedule, request: &str, taps: &mut dyn Tap) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        Some(self.serve_schedule(schedule, &mut Vec::new(), Some((request, taps))).map_err(|r| self.fail(r)))
     }
 }

@@ -5,14 +5,22 @@
 //! slot, after that request ends for as long as a later one reuses it).
 
 use super::model::{GpuModel, KvCache, Seg};
+use crate::shared::segment_tap::SegmentTap;
 use oracle::schedule::{Schedule, Served};
+use oracle::Tap;
 use std::collections::BTreeMap;
 
 impl GpuModel {
     /// Serves `schedule`, pushing each step's wall-clock seconds (to the logits on the host) to
     /// `step_seconds`.
-    pub(super) fn serve_schedule(&self, schedule: &Schedule, step_seconds: &mut Vec<f64>) -> Result<Served, String> {
+    /// With `tapped` (a request's id and a tap), that request's taps are recorded as it runs:
+    /// its rows of each step's batch, at its positions.
+    pub(super) fn serve_schedule(&self, schedule: &Schedule, step_seconds: &mut Vec<f64>, mut tapped: Option<(&str, &mut dyn Tap)>) -> Result<Served, String> {
         schedule.validate().map_err(|e| format!("schedule: {e}"))?;
+        let tapped_index = match &tapped {
+            Some((id, _)) => Some(schedule.index_of(id).ok_or_else(|| format!("schedule: no request `{id}` to record the taps of"))?),
+            None => None,
+        };
         let n_vocab = self.spec.n_vocab;
         let mut slots: Vec<KvCache> = (0..schedule.slots).map(|_| KvCache::empty()).collect();
         let reused = schedule.prefix_sources();
@@ -37,7 +45,18 @@ impl GpuModel {
                 step_seconds.push(0.0);
                 continue;
             }
-            let logits = self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?;
+            let mut rows = 0;
+            let mut its_rows = None;
+            for g in &step.segments {
+                if Some(g.request) == tapped_index {
+                    its_rows = Some((rows..rows + g.tokens.len(), g.start));
+                }
+                rows += g.tokens.len();
+            }
+            let logits = match (&mut tapped, its_rows) {
+                (Some((_, taps)), Some((rows, start))) => self.run_batch(&mut slots, &segs, &mut SegmentTap { inner: &mut **taps, rows, start }, true)?,
+                _ => self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?,
+            };
             let mut row = 0;
             for g in &step.segments {
                 let n = g.tokens.len() * n_vocab;
