@@ -26,6 +26,7 @@ use crate::{Arithmetic, Device, DeviceError, DeviceModel, ModelOptions, Support}
 use oracle::dump::{canonical_tap_name, read_manifest, read_tensors_where, Manifest};
 use oracle::taps::EngineTap;
 use oracle::registry::{OpCase, Output};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -307,7 +308,7 @@ impl ExternalModel {
     /// `TOUCHSTONE_SCHEDULE` (schedule.json), `TOUCHSTONE_MODEL`, `TOUCHSTONE_OUT`; the answer is
     /// `served.safetensors` there, one f32 tensor `[positions, n_vocab]` per request, named by its
     /// id. An engine that exits non-zero and writes no answer does not serve schedules (None).
-    fn served(&mut self, cmd: &str, schedule: &oracle::schedule::Schedule) -> Result<Option<oracle::schedule::Served>, String> {
+    fn served(&mut self, cmd: &str, schedule: &oracle::schedule::Schedule, tapped: Option<(&str, &mut dyn oracle::Tap)>) -> Result<Option<oracle::schedule::Served>, String> {
         schedule.validate().map_err(|e| format!("schedule: {e}"))?;
         let work = tempfile::Builder::new().prefix("touchstone-serve-").tempdir().map_err(|e| format!("cannot create a work directory: {e}"))?;
         let out = work.path().join("out");
@@ -316,8 +317,18 @@ impl ExternalModel {
         std::fs::write(&task, serde_json::to_vec(schedule).map_err(|e| e.to_string())?).map_err(|e| format!("{}: {e}", task.display()))?;
         let n_vocab = self.spec.n_vocab;
         let values: u64 = schedule.requests.iter().map(|r| ((r.tokens.len() - r.first_computed()) * n_vocab) as u64).sum();
-        let limit = values.saturating_mul(4).saturating_add(16 << 20);
-        let ran = ops_protocol::run(cmd, &[("TOUCHSTONE_SCHEDULE", task.as_path()), ("TOUCHSTONE_MODEL", self.model_path.as_path())], "schedule", &out, self.timeout, limit);
+        let mut limit = values.saturating_mul(4).saturating_add(16 << 20);
+        let mut env: Vec<(&str, &Path)> = vec![("TOUCHSTONE_SCHEDULE", task.as_path()), ("TOUCHSTONE_MODEL", self.model_path.as_path())];
+        let tapped_id = tapped.as_ref().map(|(id, _)| id.to_string());
+        if let Some(id) = &tapped_id {
+            // A request's taps: every position, up to 32 taps a layer of the widest activation.
+            let r = schedule.request(id).ok_or_else(|| format!("no request `{id}` to record the taps of"))?;
+            let s = &self.spec;
+            let per_position = (s.n_layer as u64 * 32 + 8) * s.n_embd.max(s.n_ff).max(s.n_head * s.head_dim) as u64;
+            limit = limit.saturating_add((r.tokens.len() as u64).saturating_mul(per_position).saturating_mul(4));
+            env.push(("TOUCHSTONE_SERVE_TAPS", Path::new(id.as_str())));
+        }
+        let ran = ops_protocol::run(cmd, &env, "schedule", &out, self.timeout, limit);
         let answered = std::fs::symlink_metadata(out.join(SERVED_FILE)).is_ok();
         self.workdir = Some(work);
         match (ran, answered) {
@@ -333,6 +344,19 @@ impl ExternalModel {
         }
         let answer = read_served(&out, n_vocab)?;
         self.has_served = true;
+        if let Some(id) = answer.taps.keys().find(|id| schedule.request(id).is_none()) {
+            return Err(format!("taps of request `{id}`, which is not in the schedule"));
+        }
+        if let (Some((id, taps)), Some(r)) = (tapped, tapped_id.as_deref().and_then(|id| schedule.request(id))) {
+            let first = r.first_computed();
+            let n = r.tokens.len() - first;
+            for (name, width, values) in answer.taps.get(id).map(Vec::as_slice).unwrap_or_default() {
+                if values.len() != n * width {
+                    return Err(format!("request `{id}` tap `{name}`: {} values, expected {n} positions x {width}", values.len()));
+                }
+                taps.record(&canonical_tap_name(name), first, n, *width, values);
+            }
+        }
         self.batch_invariant = answer.batch_invariant;
         if let Some(a) = answer.arithmetic {
             self.arithmetic = a;
@@ -399,6 +423,9 @@ pub struct ServedAnswer {
     /// `arithmetic`: the engine's declared arithmetic, as a dump manifest's `arithmetic` (JSON),
     /// checked; None when not given (the arithmetic of the engine's dumps, or f32, stands).
     pub arithmetic: Option<Arithmetic>,
+    /// Taps of a request, by its id: tensors named `ID/TAP` (`[positions, width]`, the positions
+    /// it computed), as the engine wrote them when asked (`TOUCHSTONE_SERVE_TAPS=ID`).
+    pub taps: BTreeMap<String, Vec<(String, usize, Vec<f32>)>>,
 }
 
 pub fn read_served(dir: &Path, n_vocab: usize) -> Result<ServedAnswer, String> {
@@ -420,13 +447,22 @@ pub fn read_served(dir: &Path, n_vocab: usize) -> Result<ServedAnswer, String> {
     };
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
     let mut served = oracle::schedule::Served::new();
+    let mut taps: BTreeMap<String, Vec<(String, usize, Vec<f32>)>> = BTreeMap::new();
     for (name, t) in st.tensors() {
+        if let Some((id, tap)) = name.split_once('/') {
+            if t.dtype() != safetensors::Dtype::F32 || t.shape().len() != 2 || t.shape()[1] == 0 {
+                return Err(bad(format!("tap `{name}`: {:?} {:?}, expected F32 [positions, width]", t.dtype(), t.shape())));
+            }
+            let values = t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            taps.entry(id.to_string()).or_default().push((tap.to_string(), t.shape()[1], values));
+            continue;
+        }
         if t.dtype() != safetensors::Dtype::F32 || t.shape().len() != 2 || t.shape()[1] != n_vocab {
             return Err(bad(format!("request `{name}`: {:?} {:?}, expected F32 [positions, {n_vocab}]", t.dtype(), t.shape())));
         }
         served.insert(name, t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
     }
-    Ok(ServedAnswer { served, batch_invariant: invariant, arithmetic })
+    Ok(ServedAnswer { served, batch_invariant: invariant, arithmetic, taps })
 }
 
 /// With `TOUCHSTONE_KEEP_DUMPS=DIR`, copies what an `exec:` engine wrote in `out` (its dump and
@@ -512,10 +548,19 @@ impl DeviceModel for ExternalModel {
     fn batch_invariant(&self) -> bool {
         self.batch_invariant
     }
+    fn serve_tapped(&mut self, schedule: &oracle::schedule::Schedule, request: &str, taps: &mut dyn oracle::Tap) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        let Source::Exec(cmd) = &self.source else { return None };
+        let cmd = cmd.clone();
+        match self.served(&cmd, schedule, Some((request, taps))) {
+            Ok(None) => None,
+            Ok(Some(s)) => Some(Ok(s)),
+            Err(e) => Some(Err(self.failed(e))),
+        }
+    }
     fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
         let Source::Exec(cmd) = &self.source else { return None };
         let cmd = cmd.clone();
-        match self.served(&cmd, schedule) {
+        match self.served(&cmd, schedule, None) {
             Ok(None) => None,
             Ok(Some(s)) => Some(Ok(s)),
             Err(e) => Some(Err(self.failed(e))),

@@ -125,15 +125,29 @@ def serve_schedule(model):
     import touchstone_serving
     cfg, w = load(model)
 
+    # Per cache, the taps of the positions each step computed (its last rows), for the request
+    # Touchstone asks the taps of.
+    computed_taps = {}
+
+    def keep(cache, taps, n):
+        held = computed_taps.setdefault(id(cache), {})
+        for name, rows in taps.items():
+            held.setdefault(name, []).extend(rows[-n:])
+
     def step(batch):
         out = []
         for cache, ids in batch:
             cache.extend(ids)
-            out.append(forward(cfg, w, cache, {})[-len(ids):])
+            taps = {}
+            out.append(forward(cfg, w, cache, taps)[-len(ids):])
+            keep(cache, taps, len(ids))
         return out
 
+    def taps_of(cache):
+        return {name: np.array(rows) for name, rows in computed_taps.get(id(cache), {}).items()}
+
     # Each request is computed alone, the same way whatever is beside it: batch-invariant.
-    touchstone_serving.serve(empty=list, prefix=lambda cache, n: list(cache[:n]), step=step, batch_invariant=True)
+    touchstone_serving.serve(empty=list, prefix=lambda cache, n: list(cache[:n]), step=step, batch_invariant=True, taps_of=taps_of)
 
 
 def main():

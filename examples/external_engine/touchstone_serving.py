@@ -15,6 +15,12 @@ Your engine gives `serve()` three functions over its own cache type:
                             logits ([len(ids), n_vocab] rows), in order.
 `batch_invariant` declares whether a request's numbers are the same bits whatever it is batched
 with and however it is chunked: Touchstone then holds it to that bit for bit.
+
+With TOUCHSTONE_SERVE_TAPS=ID, Touchstone asks for request ID's taps as it was served (to name
+the first tap where a red request departs); an engine that can gives `taps_of(cache)`: the taps
+(name -> [rows, width]) of the positions computed into that cache, chunk after chunk, and
+`serve()` writes, after the request's last chunk, those of the positions it computed (the last
+rows) as tensors `ID/NAME`.
 """
 import json
 import os
@@ -24,7 +30,7 @@ import touchstone_dump
 SERVED_FILE = "served.safetensors"
 
 
-def serve(empty, prefix, step, batch_invariant, env=None):
+def serve(empty, prefix, step, batch_invariant, env=None, taps_of=None):
     env = os.environ if env is None else env
     with open(env["TOUCHSTONE_SCHEDULE"]) as f:
         schedule = json.load(f)
@@ -41,6 +47,7 @@ def serve(empty, prefix, step, batch_invariant, env=None):
     kept = {}
     computed = [0] * len(reqs)
     logits = {r["id"]: [] for r in reqs}
+    tapped = []
     for t in range(last_step + 1):
         for i, r in enumerate(reqs):
             if r["arrive"] != t:
@@ -62,8 +69,13 @@ def serve(empty, prefix, step, batch_invariant, env=None):
         for i, rows in zip(active, step(batch)):
             logits[reqs[i]["id"]].extend(list(rows))
         for i in active:
-            if t == reqs[i]["arrive"] + len(reqs[i]["chunks"]) - 1 and reused_until.get(i, -1) > t:
+            last = t == reqs[i]["arrive"] + len(reqs[i]["chunks"]) - 1
+            if last and reused_until.get(i, -1) > t:
                 kept[i] = slots[reqs[i]["slot"]]
+            if last and taps_of is not None and reqs[i]["id"] == env.get("TOUCHSTONE_SERVE_TAPS"):
+                # The rows of the positions it computed: the last ones its cache holds.
+                n = len(reqs[i]["tokens"]) - (reqs[i].get("prefix") or {}).get("tokens", 0)
+                tapped = [(f"{reqs[i]['id']}/{name}", rows[len(rows) - n:]) for name, rows in taps_of(slots[reqs[i]["slot"]]).items() if len(rows) >= n]
         kept = {i: c for i, c in kept.items() if reused_until[i] > t}
     out = os.path.join(env["TOUCHSTONE_OUT"], SERVED_FILE)
-    touchstone_dump.write_safetensors(out, list(logits.items()), {"batch_invariant": "true" if batch_invariant else "false"})
+    touchstone_dump.write_safetensors(out, list(logits.items()) + tapped, {"batch_invariant": "true" if batch_invariant else "false"})

@@ -475,11 +475,22 @@ pub fn differs_bitwise(c: &ServingCase, a: &Answer, n_vocab: usize, batch_invari
 
 /// The first tap, in execution order, whose values differ in their bits between a request's
 /// served run (`served`, its positions from `first` on) and its counterpart's run (`reference`,
-/// the same positions): its name and that position. None when every tap agrees (the difference
-/// arises after the last tap).
+/// the same positions): its name and that position. Taps are taken in the model's execution
+/// order (the embedding, layer by layer in stage order, the final norm and logits), whatever
+/// order an engine wrote them in; names of no known kind last. None when every tap agrees (the
+/// difference arises after the last tap).
 pub fn first_differing_tap(served: &oracle::RecordingTap, reference: &oracle::RecordingTap, first: usize) -> Option<(String, usize)> {
-    for name in &served.order {
-        let ((w, a), Some((w2, b))) = (&served.tensors[name], reference.tensors.get(name)) else { continue };
+    use oracle::taps::{TapKind, TapName};
+    let order = |n: &str| match TapName::parse(n) {
+        Some(TapName { layer: Some(l), kind }) => (1, l, kind),
+        Some(TapName { layer: None, kind: TapKind::InpEmbd }) => (0, 0, TapKind::InpEmbd),
+        Some(TapName { layer: None, kind }) => (2, 0, kind),
+        None => (3, 0, TapKind::InpEmbd),
+    };
+    let mut names: Vec<&String> = served.order.iter().filter(|n| reference.tensors.contains_key(*n)).collect();
+    names.sort_by_key(|n| order(n));
+    for name in names {
+        let ((w, a), (w2, b)) = (&served.tensors[name], &reference.tensors[name]);
         if w != w2 || *w == 0 {
             continue;
         }

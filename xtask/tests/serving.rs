@@ -60,8 +60,8 @@ fn the_example_engine_serves_schedules_and_each_seeded_serving_bug_is_red() {
         ("prefix holds a wrong token", "engine.py", "prefix=lambda cache, n: list(cache[:n])", "prefix=lambda cache, n: list(cache[:n - 1]) + [0]", "prefix_cache"),
         ("recycled slot not cleared", "touchstone_serving.py", "                slots[r[\"slot\"]] = empty()", "                slots[r[\"slot\"]] = slots[r[\"slot\"]] if slots[r[\"slot\"]] is not None else empty()", "slot_reuse"),
         ("logits of two rows swapped", "touchstone_serving.py", "        for i, rows in zip(active, step(batch)):", "        answers = step(batch)\n        if len(answers) > 1:\n            last = answers[0][-1].copy()\n            answers[0][-1] = answers[1][-1]\n            answers[1][-1] = last\n        for i, rows in zip(active, answers):", "batch"),
-        ("a neighbour's last token leaks into the context", "engine.py", "        for cache, ids in batch:\n            cache.extend(ids)\n            out.append(forward(cfg, w, cache, {})[-len(ids):])", "        for j, (cache, ids) in enumerate(batch):\n            cache.extend(ids)\n            leak = batch[j - 1][0][-1:] if j > 0 else []\n            out.append(forward(cfg, w, leak + cache, {})[-len(ids):])", "neighbours"),
-        ("the cache dropped at a chunk boundary", "engine.py", "            out.append(forward(cfg, w, cache, {})[-len(ids):])", "            out.append(forward(cfg, w, cache[-len(ids) - 1:] if len(cache) > len(ids) else cache, {})[-len(ids):])", "chunks"),
+        ("a neighbour's last token leaks into the context", "engine.py", "        for cache, ids in batch:\n            cache.extend(ids)\n            taps = {}\n            out.append(forward(cfg, w, cache, taps)[-len(ids):])", "        for j, (cache, ids) in enumerate(batch):\n            cache.extend(ids)\n            taps = {}\n            leak = batch[j - 1][0][-1:] if j > 0 else []\n            out.append(forward(cfg, w, leak + cache, taps)[-len(ids):])", "neighbours"),
+        ("the cache dropped at a chunk boundary", "engine.py", "            out.append(forward(cfg, w, cache, taps)[-len(ids):])", "            out.append(forward(cfg, w, cache[-len(ids) - 1:] if len(cache) > len(ids) else cache, taps)[-len(ids):])", "chunks"),
     ];
     for (name, file, line, seeded_line, axis) in bugs {
         let copy = tmp.path().join(axis);
@@ -81,6 +81,11 @@ fn the_example_engine_serves_schedules_and_each_seeded_serving_bug_is_red() {
         let Some(c) = on_axis else { panic!("{name}: not red on {axis}: {:?}", red.iter().map(|c| &c["id"]).collect::<Vec<_>>()) };
         let msg = c["message"].as_str().unwrap();
         assert!(msg.contains(&format!("axis {axis}")) && msg.contains("request `") && msg.contains("position"), "{name}: {msg}");
+        // The engine wrote the request's taps as it served it: the first that differs is named.
+        if let Some(tap) = [("prefix_cache", "blk.0.attn_kqv"), ("neighbours", "blk.0.attn_kqv")].iter().find(|(a, _)| *a == axis).map(|(_, t)| t) {
+            assert!(msg.contains(&format!("first tap that differs: {tap}")), "{name}: {msg}");
+            assert_eq!(c["metrics"]["first_tap"], *tap, "{name}");
+        }
     }
 }
 
