@@ -307,7 +307,9 @@ impl ExternalModel {
     /// Runs the schedule task (docs/SERVING_PROTOCOL.md): `TOUCHSTONE_TASK=schedule`,
     /// `TOUCHSTONE_SCHEDULE` (schedule.json), `TOUCHSTONE_MODEL`, `TOUCHSTONE_OUT`; the answer is
     /// `served.safetensors` there, one f32 tensor `[positions, n_vocab]` per request, named by its
-    /// id. An engine that exits non-zero and writes no answer does not serve schedules (None).
+    /// id. An engine that exits non-zero and writes no answer to its first schedule does not
+    /// serve schedules (None). With `tapped` (a request's id and a tap), the engine is asked for
+    /// that request's taps (`TOUCHSTONE_SERVE_TAPS`), recorded at its computed positions.
     fn served(&mut self, cmd: &str, schedule: &oracle::schedule::Schedule, tapped: Option<(&str, &mut dyn oracle::Tap)>) -> Result<Option<oracle::schedule::Served>, String> {
         schedule.validate().map_err(|e| format!("schedule: {e}"))?;
         let work = tempfile::Builder::new().prefix("touchstone-serve-").tempdir().map_err(|e| format!("cannot create a work directory: {e}"))?;
@@ -402,10 +404,6 @@ impl ExternalModel {
 /// The answer file of the schedule task.
 pub const SERVED_FILE: &str = "served.safetensors";
 
-/// An engine's answer to a schedule in `dir`: each request's logits (f32 `[positions, n_vocab]`,
-/// named by its id) and whether its `__metadata__` declares `"batch_invariant": "true"`. A link,
-/// another dtype or shape is an error naming the request; the counts against the schedule are
-/// the suite's check.
 /// A schedule in a few words for an error: its requests with their slots and arrivals.
 fn schedule_summary(s: &oracle::schedule::Schedule) -> String {
     let mut parts: Vec<String> = s.requests.iter().take(8).map(|r| format!("`{}` slot {} at step {}", r.id, r.slot, r.arrive)).collect();
@@ -428,6 +426,10 @@ pub struct ServedAnswer {
     pub taps: BTreeMap<String, Vec<(String, usize, Vec<f32>)>>,
 }
 
+/// An engine's answer to a schedule in `dir`: each request's logits (f32 `[positions, n_vocab]`,
+/// named by its id), what its `__metadata__` declares (`batch_invariant`, `arithmetic`) and the
+/// taps it wrote (`ID/TAP`). A link, another dtype or shape is an error naming the request or
+/// tap; the counts against the schedule are the caller's check.
 pub fn read_served(dir: &Path, n_vocab: usize) -> Result<ServedAnswer, String> {
     let path = dir.join(SERVED_FILE);
     let mut file = oracle::files::open_written(dir, SERVED_FILE).map_err(|e| e.to_string())?;
