@@ -78,6 +78,32 @@ pub struct Step<'a> {
     pub segments: Vec<Segment<'a>>,
 }
 
+impl Step<'_> {
+    /// Request `request`'s rows of this step's batch (segments in order) and the position of
+    /// its first, if it runs in this step.
+    pub fn rows_of(&self, request: usize) -> Option<(std::ops::Range<usize>, usize)> {
+        let mut row = 0;
+        for g in &self.segments {
+            if g.request == request {
+                return Some((row..row + g.tokens.len(), g.start));
+            }
+            row += g.tokens.len();
+        }
+        None
+    }
+
+    /// Appends each segment's rows of `logits` (the step's batch, `n_vocab` per row) to its
+    /// request's answer in `out`.
+    pub fn deliver(&self, schedule: &Schedule, logits: &[f32], n_vocab: usize, out: &mut Served) {
+        let mut row = 0;
+        for g in &self.segments {
+            let n = g.tokens.len() * n_vocab;
+            out.entry(schedule.requests[g.request].id.clone()).or_default().extend_from_slice(&logits[row..row + n]);
+            row += n;
+        }
+    }
+}
+
 impl Schedule {
     /// The position of request `id` in `requests`.
     pub fn index_of(&self, id: &str) -> Option<usize> {

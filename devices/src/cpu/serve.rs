@@ -69,14 +69,7 @@ impl CpuModel {
                 continue;
             }
             // The tapped request's rows of this step's batch, if it runs in it.
-            let mut rows = 0;
-            let mut its_rows = None;
-            for g in &step.segments {
-                if Some(g.request) == tapped_index {
-                    its_rows = Some((rows..rows + g.tokens.len(), g.start));
-                }
-                rows += g.tokens.len();
-            }
+            let its_rows = tapped_index.and_then(|i| step.rows_of(i));
             let mut logits = match (&mut tapped, its_rows) {
                 (Some((_, taps)), Some((rows, start))) => self.run_batch(&mut slots, &segs, &mut SegmentTap { inner: &mut **taps, rows, start }, true)?,
                 _ => self.run_batch(&mut slots, &segs, &mut oracle::NoTap, true)?,
@@ -87,12 +80,7 @@ impl CpuModel {
                     logits.swap(a + c, b + c);
                 }
             }
-            let mut row = 0;
-            for g in &step.segments {
-                let n = g.tokens.len() * n_vocab;
-                out.entry(schedule.requests[g.request].id.clone()).or_default().extend_from_slice(&logits[row..row + n]);
-                row += n;
-            }
+            step.deliver(schedule, &logits, n_vocab, &mut out);
             // A request that ends here and whose prefix a later one reuses: its cache is kept.
             for g in step.segments.iter().filter(|g| schedule.requests[g.request].last_step() == step.index) {
                 if reused.get(&g.request).is_some_and(|last| *last > step.index) {

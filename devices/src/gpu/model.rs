@@ -359,15 +359,12 @@ impl GpuModel {
             let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
             let LayerState::Kv { k: kc, v: vc } = &caches[segs[0].cache].layers[li];
             let at = start * kvd;
-            let (k, v) = match &batch_kv {
-                Some((kb, vb)) => (kb.ptr, vb.ptr),
-                None => (kc.at_f32(at), vc.at_f32(at)),
-            };
             // Where this step's keys and values are until attention: the batch buffers, or the cache.
             let ((kbuf, vbuf), kv_at) = match &batch_kv {
                 Some((kb, vb)) => ((kb, vb), 0),
                 None => ((kc, vc), at),
             };
+            let (k, v) = (kbuf.at_f32(kv_at), vbuf.at_f32(kv_at));
             let stages = &s.layers[li].stages;
             for (si, stage) in stages.iter().enumerate() {
                 let layer = &self.layers[li];
