@@ -266,6 +266,15 @@ pub enum ModelFault {
     YarnTruncated,
     /// Gemma 2's soft-capping of the attention scores and the logits left out.
     SoftcapDropped,
+    /// A state-space layer's recurrent state kept in bf16 between positions (f32 asked).
+    SsmStateBf16,
+    /// The state-space convolution's window one position off (each kernel tap reads the input
+    /// one position later: the newest input is read by the second-to-last tap, not the last).
+    SsmConvShifted,
+    /// The decay gate's sign flipped: `exp(-dt A)` for `exp(dt A)` (the state grows).
+    SsmDecaySign,
+    /// Granite's residual branches added unscaled (`residual_multiplier` ignored).
+    ResidualScaleDropped,
 }
 
 impl ModelFault {
@@ -273,6 +282,8 @@ impl ModelFault {
     pub const GEMMA: [ModelFault; 3] = [ModelFault::LocalRopeBaseGlobal, ModelFault::PostNormsDropped, ModelFault::EmbeddingScaleDropped];
     /// GPT-OSS's.
     pub const GPT_OSS: [ModelFault; 3] = [ModelFault::SinksDropped, ModelFault::PlainSwiglu, ModelFault::YarnTruncated];
+    /// Mamba-2's.
+    pub const MAMBA2: [ModelFault; 3] = [ModelFault::SsmStateBf16, ModelFault::SsmConvShifted, ModelFault::SsmDecaySign];
 
     /// The tap kind where the bug first shows (isolated comparison): an engine that skips the
     /// post-norms records none, so the first tap off is the residual sum they feed.
@@ -286,6 +297,9 @@ impl ModelFault {
             ModelFault::PlainSwiglu => "ffn_out",
             ModelFault::YarnTruncated => "attn_q_rope",
             ModelFault::SoftcapDropped => "attn_kqv",
+            ModelFault::SsmStateBf16 | ModelFault::SsmDecaySign => "ssm_state",
+            ModelFault::SsmConvShifted => "ssm_conv",
+            ModelFault::ResidualScaleDropped => "ffn_inp",
         }
     }
 
@@ -307,7 +321,11 @@ impl ModelFault {
                     })?;
             }
             ModelFault::EmbeddingScaleDropped => inner.spec.embd_scale = None,
-            ModelFault::SinksDropped => inner.layers.iter_mut().for_each(|l| l.sinks = None),
+            ModelFault::SinksDropped => inner.layers.iter_mut().for_each(|l| {
+                if let crate::shared::host::Mixer::Attention(a) = &mut l.mixer {
+                    a.sinks = None;
+                }
+            }),
             ModelFault::PlainSwiglu => inner.spec.activation = oracle::spec::Activation::Silu,
             ModelFault::YarnTruncated => {
                 if let oracle::spec::RopeScaling::Yarn { truncate, .. } = &mut inner.spec.rope.scaling {
@@ -315,6 +333,25 @@ impl ModelFault {
                 }
             }
             ModelFault::SoftcapDropped => (inner.spec.attn_softcap, inner.spec.final_softcap) = (None, None),
+            ModelFault::ResidualScaleDropped => inner.spec.residual_scale = None,
+            ModelFault::SsmStateBf16 => inner.ssm_state_rounding = Some(|v| half::bf16::from_f32(v).to_f32()),
+            ModelFault::SsmConvShifted | ModelFault::SsmDecaySign => {
+                let k = spec.ssm.map_or(1, |b| b.d_conv);
+                for l in &mut inner.layers {
+                    let crate::shared::host::Mixer::Ssm(w) = &mut l.mixer else { continue };
+                    if self == ModelFault::SsmDecaySign {
+                        w.a.iter_mut().for_each(|a| *a = -*a);
+                    } else {
+                        // Each channel's taps moved one place: tap k takes tap k + 1's weight,
+                        // the last none, so each weight meets the input one position older
+                        // than it should and the newest input is not read.
+                        for taps in w.conv.chunks_exact_mut(k) {
+                            taps.rotate_left(1);
+                            taps[k - 1] = 0.0;
+                        }
+                    }
+                }
+            }
         }
         Ok(Box::new(FaultyModel { inner, spec }))
     }

@@ -10,7 +10,28 @@ pub mod qdot;
 pub mod segment_tap;
 pub mod unpack;
 
-use oracle::spec::{RopeScaling, RopeSpec};
+use oracle::spec::{AttentionBlock, BlockKind, ModelSpec, RopeScaling, RopeSpec};
+
+/// Why a device that runs attention layers only, without Granite's residual and logit scales,
+/// refuses `spec`, if it does: the first state-space layer, or a scale it would ignore.
+pub fn attention_model(spec: &ModelSpec, device: &str) -> Result<(), String> {
+    (0..spec.layers.len()).try_for_each(|li| attention_block(spec, li, device).map(|_| ()))?;
+    if spec.residual_scale.is_some() || spec.logit_scale.is_some() {
+        return Err(format!("the model scales its residual branches or its logits (Granite); {device} does not"));
+    }
+    Ok(())
+}
+
+/// Layer `li`'s attention block, or why a device that runs attention layers only refuses the
+/// model (a state-space layer). Every loader asks before reading a layer's weights, so a walk
+/// over the layers of a loaded model meets no other kind.
+pub fn attention_block(spec: &ModelSpec, li: usize, device: &str) -> Result<AttentionBlock, String> {
+    match spec.layers.get(li).map(|l| l.block) {
+        Some(BlockKind::Attention(a)) => Ok(a),
+        Some(BlockKind::Ssm(_)) => Err(format!("layer {li} is a state-space (Mamba-2) layer; {device} runs attention layers only")),
+        None => Err(format!("no layer {li} in a model of {}", spec.layers.len())),
+    }
+}
 
 /// cos/sin tables are built in f64 on the host and stored as f32, as engines that precompute
 /// RoPE tables do; the rotation itself is f32. Scaling follows llama.cpp's definitions.

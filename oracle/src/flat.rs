@@ -383,6 +383,10 @@ impl FlatFile {
             fused: false,
             context_length: u(off::CONTEXT_LENGTH),
             attn_scale: f64_at(h, off::ATTN_SCALE),
+            residual_scale: None,
+            logit_scale: None,
+            no_rope: false,
+            ssm: None,
             layers: Vec::new(),
         };
         let theta_swa = f64_at(h, off::ROPE_THETA_SWA);
@@ -521,6 +525,12 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
     h[..8].copy_from_slice(&MAGIC);
     if !spec.layers_follow_scalars() {
         return Err(unfit("per-layer head counts or window pattern (the header holds one head count pair and a window period)"));
+    }
+    if spec.ssm.is_some() {
+        return Err(unfit("a state-space (Mamba-2) layer"));
+    }
+    if spec.residual_scale.is_some() || spec.logit_scale.is_some() || spec.no_rope {
+        return Err(unfit("Granite's residual or logit scale, or attention without RoPE"));
     }
     let arch = spec.arch.gguf_name();
     if arch.len() > 15 {

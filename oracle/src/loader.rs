@@ -61,6 +61,9 @@ pub struct SafetensorsDir {
     /// Gemma's checkpoints store each RMSNorm's weight less one (the model multiplies by
     /// `1 + w`, computed in f32): handed out as `1 + w` in f32, as GGUF converters store them.
     norm_plus_one: bool,
+    /// A Mamba-2 checkpoint's dimensions: its `A_log`, convolution kernels and gated norms are
+    /// handed out in their GGUF form.
+    ssm: Option<crate::spec::SsmBlock>,
 }
 
 /// A stored tensor that is (part of) a GGUF tensor, located once when the directory is opened
@@ -194,6 +197,64 @@ fn rename(name: &str, whole: impl Iterator<Item = (&'static str, &'static str)>,
     Some(format!("{to_layer}{layer}.{to}"))
 }
 
+/// Mamba-2's whole-model tensors (`Mamba2ForCausalLM`, under `backbone.`).
+const MAMBA_MODEL_NAMES: [(&str, &str); 3] = [("backbone.embeddings.weight", "token_embd.weight"), ("backbone.norm_f.weight", "output_norm.weight"), ("lm_head.weight", "output.weight")];
+
+/// Mamba-2's per-layer tensors (after `backbone.layers.N.`). `A_log` is handed out as GGUF's
+/// `ssm_a`, `-exp(A_log)`; the convolution's `[conv_dim, 1, d_conv]` kernel as `[d_conv,
+/// conv_dim]` (GGML order) and the gated norm's scales as `[d_inner / n_group, n_group]`, as
+/// llama.cpp's converter stores them.
+const MAMBA_LAYER_NAMES: [(&str, &str); 9] = [
+    ("norm.weight", "attn_norm.weight"),
+    ("mixer.in_proj.weight", "ssm_in.weight"),
+    ("mixer.conv1d.weight", "ssm_conv1d.weight"),
+    ("mixer.conv1d.bias", "ssm_conv1d.bias"),
+    ("mixer.dt_bias", "ssm_dt.bias"),
+    ("mixer.A_log", "ssm_a"),
+    ("mixer.D", "ssm_d"),
+    ("mixer.norm.weight", "ssm_norm.weight"),
+    ("mixer.out_proj.weight", "ssm_out.weight"),
+];
+
+/// Maps a Mamba-2 checkpoint's tensor name to its GGUF name.
+pub fn mamba_hf_to_gguf_name(hf: &str) -> Option<String> {
+    rename(hf, MAMBA_MODEL_NAMES.into_iter(), MAMBA_LAYER_NAMES.into_iter(), "backbone.layers.", "blk.")
+}
+
+/// Granite 4.0-H's per-layer tensors (`GraniteMoeHybridForCausalLM`, dense: after
+/// `model.layers.N.`): each GGUF tensor and the half of the stored one it is (the shared MLP's
+/// `input_linear` holds the gate's rows, then the up projection's).
+const GRANITE_HYBRID_LAYER_NAMES: [(&str, &str, Option<usize>); 17] = [
+    ("input_layernorm.weight", "attn_norm.weight", None),
+    ("post_attention_layernorm.weight", "ffn_norm.weight", None),
+    ("self_attn.q_proj.weight", "attn_q.weight", None),
+    ("self_attn.k_proj.weight", "attn_k.weight", None),
+    ("self_attn.v_proj.weight", "attn_v.weight", None),
+    ("self_attn.o_proj.weight", "attn_output.weight", None),
+    ("mamba.in_proj.weight", "ssm_in.weight", None),
+    ("mamba.conv1d.weight", "ssm_conv1d.weight", None),
+    ("mamba.conv1d.bias", "ssm_conv1d.bias", None),
+    ("mamba.dt_bias", "ssm_dt.bias", None),
+    ("mamba.A_log", "ssm_a", None),
+    ("mamba.D", "ssm_d", None),
+    ("mamba.norm.weight", "ssm_norm.weight", None),
+    ("mamba.out_proj.weight", "ssm_out.weight", None),
+    ("shared_mlp.input_linear.weight", "ffn_gate.weight", Some(0)),
+    ("shared_mlp.input_linear.weight", "ffn_up.weight", Some(1)),
+    ("shared_mlp.output_linear.weight", "ffn_down.weight", None),
+];
+
+/// A Granite 4.0-H checkpoint's tensor as GGUF tensors, each with the half of it it holds.
+pub fn granite_hybrid_hf_to_gguf(hf: &str) -> Option<Vec<(String, Option<usize>)>> {
+    if let Some((_, g)) = MODEL_NAMES.into_iter().find(|(h, _)| *h == hf) {
+        return Some(vec![(g.to_string(), None)]);
+    }
+    let (layer, tail) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let parts: Vec<(String, Option<usize>)> = GRANITE_HYBRID_LAYER_NAMES.iter().filter(|(h, _, _)| *h == tail).map(|(_, g, half)| (format!("blk.{layer}.{g}"), *half)).collect();
+    (!parts.is_empty()).then_some(parts)
+}
+
 /// Maps a Hugging Face tensor name to its GGUF name (None: not a weight this loader reads).
 pub fn hf_to_gguf_name(hf: &str) -> Option<String> {
     rename(hf, MODEL_NAMES.into_iter(), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).chain(FUSED_LAYER_NAMES), "model.layers.", "blk.")
@@ -259,7 +320,12 @@ impl SafetensorsDir {
                 let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 let data = start..start + view.data().len();
                 let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert, oss: None, scales: None };
-                let gguf = if spec.post_norms {
+                let granite = spec.arch == crate::spec::Arch::GraniteHybrid;
+                let gguf = if granite {
+                    None
+                } else if spec.ssm.is_some() {
+                    mamba_hf_to_gguf_name(name)
+                } else if spec.post_norms {
                     gemma_hf_to_gguf_name(name)
                 } else if oss {
                     gpt_oss_hf_to_gguf_name(name)
@@ -268,6 +334,10 @@ impl SafetensorsDir {
                 };
                 if let Some(g) = gguf {
                     index.insert(g, vec![part(None, false)]);
+                } else if let Some(parts) = granite_hybrid_hf_to_gguf(name).filter(|_| granite) {
+                    for (g, half) in parts {
+                        index.insert(g, vec![part(half, false)]);
+                    }
                 } else if let Some(blocks) = blocks_of_scales(name).filter(|_| oss) {
                     mx_scales.insert(blocks, part(None, false));
                 } else if let Some(parts) = gpt_oss_experts(name).filter(|_| oss) {
@@ -354,7 +424,7 @@ impl SafetensorsDir {
             let stored = first.and_then(|g| index.get(g)?.first()).map(|p| format!(" (`{}` in the files)", p.hf)).unwrap_or_default();
             OracleError::Safetensors { file: dir.display().to_string(), reason: format!("{reason}{stored}") }
         })?;
-        Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index, norm_plus_one: spec.post_norms }, spec))
+        Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index, norm_plus_one: spec.post_norms, ssm: spec.ssm }, spec))
     }
 
     /// (values, bytes) of the stored tensors the index reads, each counted once (a fused
@@ -408,6 +478,21 @@ impl SafetensorsDir {
     /// tensor), or its experts joined in expert order (each of the same dims and type) under GGML
     /// dims `[cols, rows, n_expert]`.
     fn stored(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        if let Some(b) = self.ssm {
+            let tail = name.split_once('.').map_or("", |(_, r)| r.split_once('.').map_or("", |(_, t)| t));
+            let Some(t) = self.stored_as_is(name)? else { return Ok(None) };
+            let f32_bytes = |v: Vec<f32>| -> Cow<'_, [u8]> { Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()) };
+            return Ok(Some(match tail {
+                // -exp(A_log), formed in f64 and rounded once.
+                "ssm_a" => {
+                    let w = t.decode()?;
+                    RawTensor { dims: t.dims, ty: GgmlType::F32, bytes: f32_bytes(w.data.iter().map(|a| -(*a as f64).exp() as f32).collect()) }
+                }
+                "ssm_conv1d.weight" if t.dims.len() == 3 && t.dims[1] == 1 => RawTensor { dims: vec![t.dims[0], t.dims[2]], ..t },
+                "ssm_norm.weight" if t.dims == [b.d_inner] => RawTensor { dims: vec![b.d_inner / b.n_group.max(1), b.n_group], ..t },
+                _ => t,
+            }));
+        }
         if self.norm_plus_one && name.ends_with("norm.weight") {
             let Some(t) = self.stored_as_is(name)? else { return Ok(None) };
             let w = t.decode()?;
@@ -492,7 +577,12 @@ fn invalid_tensor_entry(file: &[u8]) -> Option<String> {
 /// tensor, GGML dims `[cols, 2 * rows, n_expert]`: dims `[cols, rows, n_expert]` and its bytes.
 /// None when the tensor is not 3-D with an even row count.
 fn half_of_each_expert(dims: Vec<usize>, ty: GgmlType, bytes: &[u8], h: usize) -> Option<(Vec<usize>, Cow<'static, [u8]>)> {
-    let [cols, rows2, n_expert] = dims[..] else { return None };
+    // A 2-D tensor is one expert's (a dense FFN's gate and up, fused).
+    let (cols, rows2, n_expert) = match dims[..] {
+        [c, r, e] => (c, r, e),
+        [c, r] => (c, r, 1),
+        _ => return None,
+    };
     if rows2 % 2 != 0 {
         return None;
     }
@@ -502,7 +592,8 @@ fn half_of_each_expert(dims: Vec<usize>, ty: GgmlType, bytes: &[u8], h: usize) -
         return None;
     }
     let out: Vec<u8> = bytes.chunks_exact(2 * half).flat_map(|e| &e[h * half..(h + 1) * half]).copied().collect();
-    Some((vec![cols, rows2 / 2, n_expert], Cow::Owned(out)))
+    let dims = if dims.len() == 2 { vec![cols, rows2 / 2] } else { vec![cols, rows2 / 2, n_expert] };
+    Some((dims, Cow::Owned(out)))
 }
 
 impl TensorSource for SafetensorsDir {
@@ -702,7 +793,11 @@ mod tests {
         let (_, up) = half_of_each_expert(vec![3, 4, 2], GgmlType::F32, &bytes, 1).unwrap();
         assert_eq!(f32s(&up), [20., 21., 22., 30., 31., 32., 120., 121., 122., 130., 131., 132.]);
         assert!(half_of_each_expert(vec![3, 3, 2], GgmlType::F32, &bytes[..72], 0).is_none(), "odd row count");
-        assert!(half_of_each_expert(vec![12, 2], GgmlType::F32, &bytes, 0).is_none(), "2-D");
+        // A 2-D tensor is one dense FFN's gate and up (Granite 4.0-H's shared MLP).
+        let (dims, up) = half_of_each_expert(vec![3, 4], GgmlType::F32, &bytes[..48], 1).unwrap();
+        assert_eq!((dims, f32s(&up)), (vec![3, 2], vec![20., 21., 22., 30., 31., 32.]));
+        assert!(half_of_each_expert(vec![3, 3], GgmlType::F32, &bytes[..36], 0).is_none(), "odd row count, 2-D");
+        assert!(half_of_each_expert(vec![3, 2, 2, 1], GgmlType::F32, &bytes, 0).is_none(), "4-D");
     }
 
     #[test]

@@ -103,6 +103,22 @@ fn tap<T: Real>(t: &mut dyn Tap, name: &str, start: usize, n: usize, width: usiz
     }
 }
 
+/// Columns `from..from + width` of every row of `x` (rows of `row` values).
+fn columns<T: Copy>(x: &[T], row: usize, from: usize, width: usize) -> Vec<T> {
+    x.chunks_exact(row).flat_map(|r| r[from..from + width].iter().copied()).collect()
+}
+
+/// A state-space layer's state is as of position `at`; a call must continue from there (it
+/// cannot be cut back as keys and values can).
+fn check_ssm_position(li: usize, at: usize, start: usize) -> Result<()> {
+    if at != start {
+        return Err(OracleError::Shape(format!(
+            "layer {li}: a state-space layer's state is as of position {at}; it cannot continue from position {start} (a recurrent state is not cut back to an earlier position: start again from an empty cache)"
+        )));
+    }
+    Ok(())
+}
+
 /// Which feed-forward block `dense_ffn` computes: a dense layer's (its intermediates recorded as
 /// taps `blk.L.ffn_gate|up|act`, tokens from `start`), a MoE expert's or the shared expert's (no
 /// taps); the suffix of its matrices' names.
@@ -155,8 +171,8 @@ pub enum Ffn<T> {
     },
 }
 
-pub struct Layer<T> {
-    pub attn_norm: Vec<T>,
+/// An attention block's weights.
+pub struct AttnWeights<T> {
     pub wq: Mat<T>,
     pub wk: Mat<T>,
     pub wv: Mat<T>,
@@ -167,12 +183,43 @@ pub struct Layer<T> {
     pub bo: Option<Vec<T>>,
     pub q_norm: Option<Vec<T>>,
     pub k_norm: Option<Vec<T>>,
+    /// One sink logit per query head (GPT-OSS).
+    pub sinks: Option<Vec<T>>,
+}
+
+/// A Mamba-2 block's weights (GGUF `blk.N.ssm_*`).
+pub struct SsmWeights<T> {
+    /// `[in_dim, n_embd]`: z, x/B/C, dt.
+    pub in_proj: Mat<T>,
+    /// The convolution's kernel, `[conv_dim, d_conv]`, and bias, `[conv_dim]`.
+    pub conv: Vec<T>,
+    pub conv_bias: Vec<T>,
+    /// Per head: the time steps' bias, A (`-exp(A_log)`) and D.
+    pub dt_bias: Vec<T>,
+    pub a: Vec<T>,
+    pub d: Vec<T>,
+    /// The gated norm's scales, `[d_inner]` (group after group).
+    pub norm: Vec<T>,
+    /// `[n_embd, d_inner]`.
+    pub out: Mat<T>,
+}
+
+/// A layer's mixing block's weights, by the kind of its block.
+pub enum Mixer<T> {
+    Attention(AttnWeights<T>),
+    Ssm(SsmWeights<T>),
+}
+
+pub struct Layer<T> {
+    /// The norm before the mixing block (`attn_norm`, whatever the block's kind).
+    pub attn_norm: Vec<T>,
+    pub mixer: Mixer<T>,
+    /// Empty when the model has no feed-forward blocks (Mamba-2).
     pub ffn_norm: Vec<T>,
     /// Gemma's norms of the attention and FFN outputs (`post_attention_norm`, `post_ffw_norm`).
     pub post_norms: Option<[Vec<T>; 2]>,
-    /// One sink logit per query head (GPT-OSS).
-    pub sinks: Option<Vec<T>>,
-    pub ffn: Ffn<T>,
+    /// None when the model has no feed-forward blocks.
+    pub ffn: Option<Ffn<T>>,
 }
 
 /// A loaded model: spec + weights, vectors decoded to the storage scalar `T`, matrices decoded
@@ -192,6 +239,11 @@ pub struct Model<T> {
 pub enum LayerState<T> {
     /// An attention layer's keys and values: `[len, kv_dim]` each.
     Kv { k: Vec<T>, v: Vec<T> },
+    /// A state-space layer's convolution inputs of the last `d_conv - 1` positions
+    /// (`[d_conv - 1, conv_dim]`, zeros before the first) and its recurrent state
+    /// (`[n_head, head_dim, d_state]`), both as of position `at`: unlike keys and values they
+    /// cannot be cut back to an earlier position.
+    Ssm { conv: Vec<T>, state: Vec<T>, at: usize },
 }
 
 /// Every layer's state and the positions it holds.
@@ -203,7 +255,10 @@ pub struct Cache<T> {
 impl<T: Real> Cache<T> {
     /// An empty state for each layer of `spec`.
     pub fn new(spec: &ModelSpec) -> Self {
-        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
+        let layers = spec.layer_states(
+            |_| LayerState::Kv { k: Vec::new(), v: Vec::new() },
+            |b| LayerState::Ssm { conv: vec![T::default(); (b.d_conv - 1) * b.conv_dim()], state: vec![T::default(); b.state_len()], at: 0 },
+        );
         Cache { layers, len: 0 }
     }
 }
@@ -250,104 +305,8 @@ impl WeightStore {
     }
 }
 
-struct Loader<'a> {
-    src: &'a dyn TensorSource,
-    packed: bool,
-}
-
-/// A stored tensor's GGML dims as a matrix's (rows, cols): [cols, rows], or [cols] for a single
-/// row (GGUF writers drop trailing dimensions of one: llama.cpp writes Qwen2-MoE's shared-expert
-/// gate, a [1, n_embd] matrix, as [n_embd]), with any further dimensions of one.
-fn matrix_dims(dims: &[usize]) -> Option<(usize, usize)> {
-    let (&cols, rest) = dims.split_first()?;
-    let rows = rest.first().copied().unwrap_or(1);
-    rest.iter().skip(1).all(|d| *d == 1).then_some((rows, cols))
-}
-
-impl Loader<'_> {
-    /// Tensor `name`, refused when it holds NaN or an infinity: a weight that is not a number is a
-    /// broken file, and a judge that loaded it would pass on NaN to every device it judges.
-    fn get(&self, name: &str) -> Result<Option<crate::loader::LoadedTensor>> {
-        let Some(t) = self.src.load(name)? else { return Ok(None) };
-        if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
-            return Err(OracleError::non_finite_weight(&self.src.label(), name, i, t.data[i], t.dims.first().copied().unwrap_or(1)));
-        }
-        Ok(Some(t))
-    }
-
-    fn vec<T: Real>(&self, name: &str, len: usize) -> Result<Vec<T>> {
-        self.opt_vec(name, len)?
-            .ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))
-    }
-
-    fn opt_vec<T: Real>(&self, name: &str, len: usize) -> Result<Option<Vec<T>>> {
-        let Some(t) = self.get(name)? else { return Ok(None) };
-        if t.data.len() != len {
-            return Err(OracleError::Spec(format!("{}: tensor `{name}` has {} values (dims {:?}), expected {len}", self.src.label(), t.data.len(), t.dims)));
-        }
-        // A vector (a norm's scales, a bias) has one dimension besides any of size one: a matrix
-        // of the right element count is another tensor, not this one.
-        if t.dims.iter().filter(|d| **d != 1).count() > 1 {
-            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected a vector of {len}", self.src.label(), t.dims)));
-        }
-        Ok(Some(t.data.into_iter().map(T::from_f32).collect()))
-    }
-
-    /// A matrix with `rows` outputs of `cols` inputs (GGML dims [cols, rows]).
-    fn mat<T: Real>(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<T>> {
-        self.opt_mat(name, rows, cols)?
-            .ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))
-    }
-
-    fn opt_mat<T: Real>(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Mat<T>>> {
-        let wrong = |dims: &[usize]| OracleError::Spec(format!("{}: tensor `{name}` has dims {dims:?}, expected [{cols}, {rows}]", self.src.label()));
-        if self.packed {
-            let Some(t) = self.src.raw(name)? else { return Ok(None) };
-            if matrix_dims(&t.dims) != Some((rows, cols)) || t.n_elements() != rows * cols {
-                return Err(wrong(&t.dims));
-            }
-            return Mat::packed(rows, cols, t.ty, t.bytes.to_vec()).map(Some).map_err(|e| self.in_tensor(name, e));
-        }
-        let Some(t) = self.get(name)? else { return Ok(None) };
-        if matrix_dims(&t.dims) != Some((rows, cols)) || t.data.len() != rows * cols {
-            return Err(wrong(&t.dims));
-        }
-        Ok(Some(Mat::new(rows, cols, t.data.into_iter().map(T::from_f32).collect())?))
-    }
-
-    /// Splits a 3-D expert tensor (GGML dims [cols, rows, n_expert]) into one matrix per expert.
-    fn experts<T: Real>(&self, name: &str, n_expert: usize, rows: usize, cols: usize) -> Result<Vec<Mat<T>>> {
-        let missing = || OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label()));
-        let wrong = |dims: &[usize]| OracleError::Spec(format!("{}: tensor `{name}` has dims {dims:?}, expected [{cols}, {rows}, {n_expert}]", self.src.label()));
-        if self.packed {
-            let t = self.src.raw(name)?.ok_or_else(missing)?;
-            if t.dims != [cols, rows, n_expert] {
-                return Err(wrong(&t.dims));
-            }
-            let parts = t.parts(n_expert).map_err(|e| self.in_tensor(name, OracleError::Spec(e)))?;
-            return parts.map(|c| Mat::packed(rows, cols, t.ty, c.to_vec()).map_err(|e| self.in_tensor(name, e))).collect();
-        }
-        let t = self.get(name)?.ok_or_else(missing)?;
-        if t.dims != [cols, rows, n_expert] {
-            return Err(wrong(&t.dims));
-        }
-        t.data.chunks_exact(rows * cols).map(|c| Mat::new(rows, cols, c.iter().map(|v| T::from_f32(*v)).collect())).collect()
-    }
-
-    /// Splits a per-expert bias (GGML dims [len, n_expert]) into one vector per expert.
-    fn expert_vecs<T: Real>(&self, name: &str, n_expert: usize, len: usize) -> Result<Vec<Vec<T>>> {
-        let t = self.get(name)?.ok_or_else(|| OracleError::Spec(format!("{}: missing tensor `{name}`", self.src.label())))?;
-        if t.dims != [len, n_expert] {
-            return Err(OracleError::Spec(format!("{}: tensor `{name}` has dims {:?}, expected [{len}, {n_expert}]", self.src.label(), t.dims)));
-        }
-        Ok(t.data.chunks_exact(len).map(|c| c.iter().map(|v| T::from_f32(*v)).collect()).collect())
-    }
-
-    /// `e` (a size error of a packed matrix) as an error naming the file and tensor.
-    fn in_tensor(&self, name: &str, e: OracleError) -> OracleError {
-        OracleError::Spec(format!("{}: tensor `{name}`: {e}", self.src.label()))
-    }
-}
+mod loader;
+use loader::Loader;
 
 impl<T: Real> Model<T> {
     /// Loads every weight of `spec` from `src` into storage type `T`, held as
@@ -391,15 +350,15 @@ impl<T: Real> Model<T> {
             .into_par_iter()
             .map(|i| -> Result<Layer<T>> {
                 let n = |t: &str| format!("blk.{i}.{t}");
-                let BlockKind::Attention(a) = s.layers[i].block;
-                let (q_dim, kv_dim) = (a.q_dim(), a.kv_dim());
+                let has_ffn = s.layers[i].stages.iter().any(|st| matches!(st, Stage::DenseFfn | Stage::MoeFfn));
                 let ffn = match &s.moe {
-                    None => Ffn::Dense(DenseFfn {
+                    _ if !has_ffn => None,
+                    None => Some(Ffn::Dense(DenseFfn {
                         gate: l.mat(&n("ffn_gate.weight"), s.n_ff, d)?,
                         up: l.mat(&n("ffn_up.weight"), s.n_ff, d)?,
                         down: l.mat(&n("ffn_down.weight"), d, s.n_ff)?,
                         bias: None,
-                    }),
+                    })),
                     Some(m) => {
                         let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
                         let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
@@ -426,32 +385,46 @@ impl<T: Real> Model<T> {
                         };
                         let shared_gate = if m.shared_gate { Some(l.mat(&n("ffn_gate_inp_shexp.weight"), 1, d)?) } else { None };
                         let router_bias = if m.biases { Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?) } else { None };
-                        Ffn::Moe { router: l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?, router_bias, experts, shared, shared_gate }
+                        Some(Ffn::Moe { router: l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?, router_bias, experts, shared, shared_gate })
                     }
+                };
+                let mixer = match s.layers[i].block {
+                    BlockKind::Attention(a) => {
+                        let (q_dim, kv_dim) = (a.q_dim(), a.kv_dim());
+                        Mixer::Attention(AttnWeights {
+                            wq: l.mat(&n("attn_q.weight"), q_dim, d)?,
+                            wk: l.mat(&n("attn_k.weight"), kv_dim, d)?,
+                            wv: l.mat(&n("attn_v.weight"), kv_dim, d)?,
+                            wo: l.mat(&n("attn_output.weight"), d, q_dim)?,
+                            bq: if s.qkv_bias { Some(l.vec(&n("attn_q.bias"), q_dim)?) } else { None },
+                            bk: if s.qkv_bias { Some(l.vec(&n("attn_k.bias"), kv_dim)?) } else { None },
+                            bv: if s.qkv_bias { Some(l.vec(&n("attn_v.bias"), kv_dim)?) } else { None },
+                            bo: if s.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
+                            q_norm: if s.qk_norm { Some(l.vec(&n("attn_q_norm.weight"), hd)?) } else { None },
+                            k_norm: if s.qk_norm { Some(l.vec(&n("attn_k_norm.weight"), hd)?) } else { None },
+                            sinks: if s.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), a.n_head)?) } else { None },
+                        })
+                    }
+                    BlockKind::Ssm(b) => Mixer::Ssm(SsmWeights {
+                        in_proj: l.mat(&n("ssm_in.weight"), b.in_dim(), d)?,
+                        conv: l.shaped(&n("ssm_conv1d.weight"), &[b.d_conv, b.conv_dim()])?,
+                        conv_bias: l.vec(&n("ssm_conv1d.bias"), b.conv_dim())?,
+                        dt_bias: l.vec(&n("ssm_dt.bias"), b.n_head)?,
+                        a: l.vec(&n("ssm_a"), b.n_head)?,
+                        d: l.vec(&n("ssm_d"), b.n_head)?,
+                        norm: l.shaped(&n("ssm_norm.weight"), &[b.d_inner / b.n_group, b.n_group])?,
+                        out: l.mat(&n("ssm_out.weight"), d, b.d_inner)?,
+                    }),
                 };
                 Ok(Layer {
                     attn_norm: l.vec(&n("attn_norm.weight"), d)?,
-                    wq: l.mat(&n("attn_q.weight"), q_dim, d)?,
-                    wk: l.mat(&n("attn_k.weight"), kv_dim, d)?,
-                    wv: l.mat(&n("attn_v.weight"), kv_dim, d)?,
-                    wo: l.mat(&n("attn_output.weight"), d, q_dim)?,
-                    bq: if s.qkv_bias { Some(l.vec(&n("attn_q.bias"), q_dim)?) } else { None },
-                    bk: if s.qkv_bias { Some(l.vec(&n("attn_k.bias"), kv_dim)?) } else { None },
-                    bv: if s.qkv_bias { Some(l.vec(&n("attn_v.bias"), kv_dim)?) } else { None },
-                    bo: if s.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
-                    q_norm: if s.qk_norm { Some(l.vec(&n("attn_q_norm.weight"), hd)?) } else { None },
-                    k_norm: if s.qk_norm { Some(l.vec(&n("attn_k_norm.weight"), hd)?) } else { None },
-                    ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
+                    mixer,
+                    ffn_norm: if has_ffn { l.vec(&n("ffn_norm.weight"), d)? } else { Vec::new() },
                     post_norms: if s.post_norms {
                         Some([
                             l.vec(&n("post_attention_norm.weight"), d)?,
                             l.vec(&n("post_ffw_norm.weight"), d)?,
                         ])
-                    } else {
-                        None
-                    },
-                    sinks: if s.attn_sinks {
-                        Some(l.vec(&n("attn_sinks.weight"), a.n_head)?)
                     } else {
                         None
                     },
@@ -471,10 +444,14 @@ impl<T: Real> Model<T> {
         let sz = std::mem::size_of::<T>();
         let mut b = self.output.as_ref().unwrap_or(&self.tok_embd).n_bytes() + self.spec.n_embd * sz * 2;
         for l in &self.layers {
-            b += l.wq.n_bytes() + l.wk.n_bytes() + l.wv.n_bytes() + l.wo.n_bytes();
+            b += match &l.mixer {
+                Mixer::Attention(w) => w.wq.n_bytes() + w.wk.n_bytes() + w.wv.n_bytes() + w.wo.n_bytes(),
+                Mixer::Ssm(w) => w.in_proj.n_bytes() + w.out.n_bytes() + (w.conv.len() + w.conv_bias.len()) * sz,
+            };
             b += match &l.ffn {
-                Ffn::Dense(f) => f.gate.n_bytes() + f.up.n_bytes() + f.down.n_bytes(),
-                Ffn::Moe { router, experts, shared, .. } => {
+                None => 0,
+                Some(Ffn::Dense(f)) => f.gate.n_bytes() + f.up.n_bytes() + f.down.n_bytes(),
+                Some(Ffn::Moe { router, experts, shared, .. }) => {
                     let k = self.spec.moe.as_ref().map_or(0, |m| m.n_expert_used);
                     let e = experts.first().map_or(0, |f| f.gate.n_bytes() + f.up.n_bytes() + f.down.n_bytes());
                     router.n_bytes() + k * e + shared.as_ref().map_or(0, |f| f.gate.n_bytes() + f.up.n_bytes() + f.down.n_bytes())
@@ -534,8 +511,18 @@ impl<T: Real> Model<T> {
             let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
             let mut attn = Vec::new();
             let mut ffn_out = Vec::new();
-            let BlockKind::Attention(a) = s.layers[li].block;
-            let (hd, q_dim, kv_dim) = (a.head_dim, a.q_dim(), a.kv_dim());
+            // The layer's block and weights, by kind: a stage of the other kind is an error.
+            let attn_parts = match (&s.layers[li].block, &layer.mixer) {
+                (BlockKind::Attention(a), Mixer::Attention(w)) => Some((*a, w)),
+                _ => None,
+            };
+            let ssm_parts = match (&s.layers[li].block, &layer.mixer) {
+                (BlockKind::Ssm(b), Mixer::Ssm(w)) => Some((*b, w)),
+                _ => None,
+            };
+            let wrong_kind = |what: &str| OracleError::Spec(format!("layer {li}: {what} stage in a layer of another kind"));
+            let (hd, q_dim, kv_dim) = attn_parts.map_or((0, 0, 0), |(a, _)| (a.head_dim, a.q_dim(), a.kv_dim()));
+            let (mut zx, mut xbc, mut y) = (Vec::new(), Vec::new(), Vec::new());
             for stage in &s.layers[li].stages {
                 match stage {
                     Stage::AttnNorm => {
@@ -543,10 +530,11 @@ impl<T: Real> Model<T> {
                         tap(taps, &tap_name(TapKind::AttnNorm), start, m, d, &mut h);
                     }
                     Stage::QkvProj => {
+                        let (_, w) = attn_parts.ok_or_else(|| wrong_kind("an attention"))?;
                         // q: [m, n_head*hd], k, v: [m, n_head_kv*hd]
-                        let mut qkv = products(taps, &h, m, &[(&layer.wq, &name("attn_q.weight")), (&layer.wk, &name("attn_k.weight")), (&layer.wv, &name("attn_v.weight"))])?.into_iter();
+                        let mut qkv = products(taps, &h, m, &[(&w.wq, &name("attn_q.weight")), (&w.wk, &name("attn_k.weight")), (&w.wv, &name("attn_v.weight"))])?.into_iter();
                         (q, k, v) = (qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default());
-                        if let (Some(bq), Some(bk), Some(bv)) = (&layer.bq, &layer.bk, &layer.bv) {
+                        if let (Some(bq), Some(bk), Some(bv)) = (&w.bq, &w.bk, &w.bv) {
                             ops::add_bias(&mut q, bq)?;
                             ops::add_bias(&mut k, bk)?;
                             ops::add_bias(&mut v, bv)?;
@@ -557,27 +545,32 @@ impl<T: Real> Model<T> {
                     }
                     Stage::QkNorm => {
                         // Per-head RMSNorm over head_dim (Qwen3).
-                        let qn = layer.q_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_q_norm".into()))?;
-                        let kn = layer.k_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_k_norm".into()))?;
+                        let (_, w) = attn_parts.ok_or_else(|| wrong_kind("an attention"))?;
+                        let qn = w.q_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_q_norm".into()))?;
+                        let kn = w.k_norm.as_deref().ok_or_else(|| OracleError::Spec("qk_norm without attn_k_norm".into()))?;
                         q = ops::rms_norm(&q, hd, Some(qn), s.norm_eps)?;
                         k = ops::rms_norm(&k, hd, Some(kn), s.norm_eps)?;
                         tap(taps, &tap_name(TapKind::AttnQNorm), start, m, q_dim, &mut q);
                         tap(taps, &tap_name(TapKind::AttnKNorm), start, m, kv_dim, &mut k);
                     }
                     Stage::Rope => {
+                        let (a, _) = attn_parts.ok_or_else(|| wrong_kind("an attention"))?;
                         ops::rope(&mut q, &positions, a.n_head, hd, s.rope_of(&a))?;
                         ops::rope(&mut k, &positions, a.n_head_kv, hd, s.rope_of(&a))?;
                         tap(taps, &tap_name(TapKind::AttnQRope), start, m, q_dim, &mut q);
                         tap(taps, &tap_name(TapKind::AttnKRope), start, m, kv_dim, &mut k);
                     }
                     Stage::Attention => {
+                        let (a, w) = attn_parts.ok_or_else(|| wrong_kind("an attention"))?;
                         // Append this call's keys/values at positions start.. (cache: [len, kv_dim]).
-                        let LayerState::Kv { k: kc, v: vc } = &mut cache.layers[li];
+                        let LayerState::Kv { k: kc, v: vc } = &mut cache.layers[li] else {
+                            return Err(wrong_kind("an attention"));
+                        };
                         kc.truncate(start * kv_dim);
                         vc.truncate(start * kv_dim);
                         kc.extend_from_slice(&k);
                         vc.extend_from_slice(&v);
-                        let sinks: Option<Vec<f64>> = layer
+                        let sinks: Option<Vec<f64>> = w
                             .sinks
                             .as_ref()
                             .map(|v| v.iter().map(|x| x.to_f64()).collect());
@@ -609,8 +602,9 @@ impl<T: Real> Model<T> {
                         );
                     }
                     Stage::AttnOutProj => {
-                        attn = ops::matmul(&product_input(taps, &name("attn_output.weight"), layer.wo.cols, &attn), m, &layer.wo)?;
-                        if let Some(bo) = &layer.bo {
+                        let (_, w) = attn_parts.ok_or_else(|| wrong_kind("an attention"))?;
+                        attn = ops::matmul(&product_input(taps, &name("attn_output.weight"), w.wo.cols, &attn), m, &w.wo)?;
+                        if let Some(bo) = &w.bo {
                             ops::add_bias(&mut attn, bo)?;
                         }
                         tap(taps, &tap_name(TapKind::AttnOut), start, m, d, &mut attn);
@@ -626,7 +620,7 @@ impl<T: Real> Model<T> {
                         tap(taps, &tap_name(TapKind::FfnPostNorm), start, m, d, &mut ffn_out);
                     }
                     Stage::AttnResidual => {
-                        x = ops::add(&x, &attn)?;
+                        x = ops::add_scaled(&x, &attn, s.residual_scale.unwrap_or(1.0))?;
                         tap(taps, &tap_name(TapKind::FfnInp), start, m, d, &mut x);
                     }
                     Stage::FfnNorm => {
@@ -634,7 +628,7 @@ impl<T: Real> Model<T> {
                         tap(taps, &tap_name(TapKind::FfnNorm), start, m, d, &mut h);
                     }
                     Stage::DenseFfn => {
-                        let Ffn::Dense(f) = &layer.ffn else {
+                        let Some(Ffn::Dense(f)) = &layer.ffn else {
                             return Err(OracleError::Spec(format!("layer {li}: dense FFN stage but MoE weights")));
                         };
                         ffn_out = self.dense_ffn(f, &h, m, taps, li, FfnKind::Layer { start })?;
@@ -645,8 +639,63 @@ impl<T: Real> Model<T> {
                         tap(taps, &tap_name(TapKind::FfnOut), start, m, d, &mut ffn_out);
                     }
                     Stage::FfnResidual => {
-                        x = ops::add(&x, &ffn_out)?;
+                        x = ops::add_scaled(&x, &ffn_out, s.residual_scale.unwrap_or(1.0))?;
                         tap(taps, &tap_name(TapKind::LOut), start, m, d, &mut x);
+                    }
+                    Stage::MixerResidual => {
+                        x = ops::add_scaled(&x, &attn, s.residual_scale.unwrap_or(1.0))?;
+                        tap(taps, &tap_name(TapKind::LOut), start, m, d, &mut x);
+                    }
+                    Stage::SsmInProj => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong_kind("a state-space"))?;
+                        zx = ops::matmul(&product_input(taps, &name("ssm_in.weight"), w.in_proj.cols, &h), m, &w.in_proj)?;
+                        tap(taps, &tap_name(TapKind::SsmIn), start, m, b.in_dim(), &mut zx);
+                    }
+                    Stage::SsmConv => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong_kind("a state-space"))?;
+                        let LayerState::Ssm { conv, at, .. } = &mut cache.layers[li] else {
+                            return Err(wrong_kind("a state-space"));
+                        };
+                        check_ssm_position(li, *at, start)?;
+                        let cd = b.conv_dim();
+                        let xin = columns(&zx, b.in_dim(), b.d_inner, cd);
+                        xbc = ops::ssm_conv(conv, &xin, m, cd, &w.conv, &w.conv_bias, b.d_conv)?;
+                        // The history: the last d_conv - 1 inputs, this call's after the earlier ones.
+                        let keep = conv.len();
+                        let mut all = std::mem::take(conv);
+                        all.extend_from_slice(&xin);
+                        *conv = all.split_off(all.len() - keep);
+                        tap(taps, &tap_name(TapKind::SsmConv), start, m, cd, &mut xbc);
+                    }
+                    Stage::SsmScan => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong_kind("a state-space"))?;
+                        let LayerState::Ssm { state, at, .. } = &mut cache.layers[li] else {
+                            return Err(wrong_kind("a state-space"));
+                        };
+                        check_ssm_position(li, *at, start)?;
+                        let dt = columns(&zx, b.in_dim(), b.d_inner + b.conv_dim(), b.n_head);
+                        let inputs = ops::ScanInputs { xbc: &xbc, dt: &dt, dt_bias: &w.dt_bias, a: &w.a, d: &w.d };
+                        let (out, mut states) = ops::ssm_scan(state, &inputs, m, &b, taps.enabled())?;
+                        *at = start + m;
+                        if taps.enabled() {
+                            // The state after each position; a substituted value (isolated
+                            // layer-diff) carries on as the state.
+                            tap(taps, &tap_name(TapKind::SsmState), start, m, b.state_len(), &mut states);
+                            state.copy_from_slice(&states[(m - 1) * b.state_len()..]);
+                        }
+                        y = out;
+                        tap(taps, &tap_name(TapKind::SsmScan), start, m, b.d_inner, &mut y);
+                    }
+                    Stage::SsmNorm => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong_kind("a state-space"))?;
+                        let z = columns(&zx, b.in_dim(), 0, b.d_inner);
+                        y = ops::ssm_gated_norm(&y, &z, b.d_inner, b.n_group, &w.norm, s.norm_eps)?;
+                        tap(taps, &tap_name(TapKind::SsmNorm), start, m, b.d_inner, &mut y);
+                    }
+                    Stage::SsmOutProj => {
+                        let (_, w) = ssm_parts.ok_or_else(|| wrong_kind("a state-space"))?;
+                        attn = ops::matmul(&product_input(taps, &name("ssm_out.weight"), w.out.cols, &y), m, &w.out)?;
+                        tap(taps, &tap_name(TapKind::SsmOut), start, m, d, &mut attn);
                     }
                 }
             }
@@ -663,6 +712,9 @@ impl<T: Real> Model<T> {
             None => (&self.tok_embd, "token_embd.weight"),
         };
         let mut logits = ops::matmul(&product_input(taps, head_name, d, &normed), rows, head)?;
+        if let Some(c) = s.logit_scale {
+            logits.iter_mut().for_each(|l| *l = T::from_f64(l.to_f64() / c));
+        }
         if let Some(c) = s.final_softcap {
             logits.iter_mut().for_each(|l| *l = T::from_f64(c * (l.to_f64() / c).tanh()));
         }
@@ -704,7 +756,7 @@ impl<T: Real> Model<T> {
     }
 
     fn moe_ffn(&self, layer: &Layer<T>, h: &[T], m: usize, taps: &mut dyn Tap, li: usize, start: usize) -> Result<Vec<T>> {
-        let Ffn::Moe { router, router_bias, experts, shared, shared_gate } = &layer.ffn else {
+        let Some(Ffn::Moe { router, router_bias, experts, shared, shared_gate }) = &layer.ffn else {
             return Err(OracleError::Spec(format!("layer {li}: MoE stage but dense weights")));
         };
         let ms = self.spec.moe.as_ref().ok_or_else(|| OracleError::Spec("MoE stage without MoE spec".into()))?;

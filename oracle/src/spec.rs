@@ -200,6 +200,20 @@ pub enum Stage {
     /// RMSNorm of the FFN output before its residual add (Gemma 2/3: tap `ffn_post_norm`).
     FfnPostNorm,
     FfnResidual,
+    /// A state-space block's input projection (tap `ssm_in`: z, x/B/C and the time steps).
+    SsmInProj,
+    /// The causal depthwise convolution of x/B/C over the last `d_conv` positions, then SiLU
+    /// (tap `ssm_conv`).
+    SsmConv,
+    /// The selective scan: each head's state decays by `exp(dt A)` and takes `dt x B`; the
+    /// output reads it through C, plus `D x` (taps `ssm_state`, `ssm_scan`).
+    SsmScan,
+    /// The scan's output times SiLU of the gate z, RMS-normed per group (tap `ssm_norm`).
+    SsmNorm,
+    /// The output projection (tap `ssm_out`).
+    SsmOutProj,
+    /// The residual add that ends a layer without a feed-forward block (Mamba-2: tap `l_out`).
+    MixerResidual,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -255,6 +269,20 @@ pub struct ModelSpec {
     pub context_length: usize,
     /// Attention score scale; 1/sqrt(head_dim) unless the model says otherwise.
     pub attn_scale: f64,
+    /// Each residual branch (attention or state-space block, FFN) is multiplied by this before
+    /// it is added (Granite's `residual_multiplier`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residual_scale: Option<f64>,
+    /// The logits are divided by this (Granite's `logits_scaling`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit_scale: Option<f64>,
+    /// The attention layers rotate nothing (no `Rope` stage: Granite 4.0-H's attention).
+    #[serde(default)]
+    pub no_rope: bool,
+    /// The state-space layers' dimensions (Mamba-2); which layers are state-space layers the
+    /// per-layer shapes say (no key/value heads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssm: Option<SsmBlock>,
     /// Every layer: its block kind and dimensions, and the stages it runs in order
     /// ([`ModelSpec::derive_layers`]). `n_head` and `n_head_kv` above are the widest layer's.
     pub layers: Vec<LayerSpec>,
@@ -286,9 +314,15 @@ impl ModelSpec {
         pos(self.n_vocab, "n_vocab")?;
         pos(self.n_embd, "n_embd")?;
         pos(self.n_layer, "n_layer")?;
-        pos(self.n_head, "n_head")?;
-        pos(self.n_head_kv, "n_head_kv")?;
-        pos(self.head_dim, "head_dim")?;
+        // A model of state-space layers alone has no heads.
+        if self.has_attention() || self.layers.is_empty() {
+            pos(self.n_head, "n_head")?;
+            pos(self.n_head_kv, "n_head_kv")?;
+            pos(self.head_dim, "head_dim")?;
+        }
+        if let Some(b) = &self.ssm {
+            b.validate()?;
+        }
         self.validate_layers()?;
         if self.rope.n_rot > self.head_dim || !self.rope.n_rot.is_multiple_of(2) {
             return Err(spec_err(format!("rope n_rot {} must be even and at most head_dim {}", self.rope.n_rot, self.head_dim)));
@@ -337,10 +371,13 @@ impl ModelSpec {
                 return Err(spec_err(format!("the windowed layers' RoPE (base {}, {} rotated) must have a positive base, the same rotated dimensions as the other layers ({}) and no frequency factors", r.theta, r.n_rot, self.rope.n_rot)));
             }
         }
-        if let Some(e) = self.embd_scale {
-            if !(e.is_finite() && e > 0.0) {
-                return Err(spec_err(format!("embedding scale {e} is not a finite positive number")));
+        for (what, v) in [("embedding scale", self.embd_scale), ("residual scale", self.residual_scale), ("logit scale", self.logit_scale)] {
+            if let Some(e) = v.filter(|e| !(e.is_finite() && *e > 0.0)) {
+                return Err(spec_err(format!("{what} {e} is not a finite positive number")));
             }
+        }
+        if !(self.attn_scale.is_finite() && self.attn_scale > 0.0) {
+            return Err(spec_err(format!("attention scale {} is not a finite positive number", self.attn_scale)));
         }
         if self.sliding_window == Some(0) {
             return Err(spec_err("sliding window is zero"));
@@ -453,6 +490,8 @@ impl ModelSpec {
         };
         let head_dim = match opt_u("attention.key_length")? {
             Some(v) => v,
+            // No layer attends (a state-space model): no head width.
+            None if n_head == 0 => 0,
             None if n_head > 0 && n_embd % n_head == 0 => n_embd / n_head,
             None => return Err(spec_err(format!("{}: embedding_length {n_embd} not divisible by head_count {n_head}", g.path))),
         };
@@ -543,6 +582,18 @@ impl ModelSpec {
             }
             _ => return Err(spec_err(format!("{}: LongRoPE needs both `rope_factors_short.weight` and `rope_factors_long.weight`, without `rope_freqs.weight` or another rope scaling", g.path))),
         };
+        // State-space layers (Mamba-2): their dimensions, for every layer the head counts leave
+        // without key/value heads.
+        let ssm = match opt_u("ssm.inner_size")? {
+            None => None,
+            Some(d_inner) => Some(SsmBlock {
+                d_inner,
+                d_state: req_u("ssm.state_size")?,
+                n_group: opt_u("ssm.group_count")?.unwrap_or(1),
+                n_head: req_u("ssm.time_step_rank")?,
+                d_conv: req_u("ssm.conv_kernel")?,
+            }),
+        };
         let mut spec = ModelSpec {
             arch,
             n_vocab,
@@ -586,14 +637,24 @@ impl ModelSpec {
                 0
             },
             rope_swa: None,
-            embd_scale: gemma.then(|| gemma_embd_scale(n_embd)),
+            embd_scale: if row.granite { opt_f("embedding_scale")? } else { gemma.then(|| gemma_embd_scale(n_embd)) },
             post_norms: gemma,
             attn_sinks: has("blk.0.attn_sinks.weight"),
             attn_softcap: opt_f("attn_logit_softcapping")?.filter(|_| gemma2),
             final_softcap: opt_f("final_logit_softcapping")?.filter(|_| gemma2),
             fused: row.fused,
             context_length: ctx,
-            attn_scale: 1.0 / (head_dim as f64).sqrt(),
+            attn_scale: match opt_f("attention.scale")?.filter(|_| row.granite) {
+                Some(s) => s,
+                None if head_dim > 0 => 1.0 / (head_dim as f64).sqrt(),
+                None => 1.0,
+            },
+            residual_scale: if row.granite { opt_f("residual_scale")? } else { None },
+            logit_scale: if row.granite { opt_f("logit_scale")? } else { None },
+            // Granite 4.0-H's attention takes no positions (llama.cpp rotates a granite
+            // hybrid's queries and keys only where the file says RoPE was trained).
+            no_rope: row.granite && !g.field(&key("rope.scaling.finetuned"), |v| v.as_bool(), "true or false").map_err(spec_err)?.unwrap_or(false),
+            ssm,
             layers: Vec::new(),
         };
         if gemma {
@@ -698,10 +759,8 @@ impl ModelSpec {
             _ => {}
         }
         let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return false };
-        if !layer.parse::<usize>().is_ok_and(|i| i < self.n_layer) {
-            return false;
-        }
-        self.layer_tails(true).contains(&tail)
+        let Some(l) = layer.parse::<usize>().ok().filter(|&i| i < self.n_layer).and_then(|i| self.layers.get(i)) else { return false };
+        self.layer_tails(&l.block, true).contains(&tail)
     }
 
     /// Where a layer's FFN norm is stored (after `blk.N.`): GPT-OSS files (llama.cpp's converter,
@@ -719,9 +778,13 @@ impl ModelSpec {
     /// the loaders hand them out, or (`stored`) as the files store them: Phi-3's joined
     /// `attn_qkv` and gate/up `ffn_up` in place of the separate ones, GPT-OSS's FFN norm under
     /// [`ModelSpec::stored_ffn_norm`].
-    fn layer_tails(&self, stored: bool) -> Vec<&'static str> {
+    fn layer_tails(&self, block: &BlockKind, stored: bool) -> Vec<&'static str> {
         let fused = stored && self.fused;
         let mut tails = vec!["attn_norm.weight"];
+        if let BlockKind::Ssm(_) = block {
+            tails.extend(SSM_TAILS);
+            return self.ffn_tails(tails, stored);
+        }
         if fused {
             tails.push("attn_qkv.weight");
         } else {
@@ -745,6 +808,15 @@ impl ModelSpec {
         if self.post_norms {
             tails.push("post_attention_norm.weight");
         }
+        self.ffn_tails(tails, stored)
+    }
+
+    /// `tails` followed by the names of a layer's feed-forward weights, if the model has them.
+    fn ffn_tails(&self, mut tails: Vec<&'static str>, stored: bool) -> Vec<&'static str> {
+        if self.n_ff == 0 && self.moe.is_none() {
+            return tails;
+        }
+        let fused = stored && self.fused;
         tails.push(if stored { self.stored_ffn_norm() } else { "ffn_norm.weight" });
         if self.post_norms {
             tails.push("post_ffw_norm.weight");
@@ -773,10 +845,9 @@ impl ModelSpec {
     /// RoPE frequency factors are not among them: they are part of the spec. Only for a spec
     /// whose layer count was checked against a file (it lists every layer's names).
     pub fn tensor_names(&self) -> Vec<String> {
-        let tails = self.layer_tails(false);
         let mut names = vec!["token_embd.weight".to_string()];
-        for i in 0..self.n_layer {
-            names.extend(tails.iter().map(|t| format!("blk.{i}.{t}")));
+        for (i, l) in self.layers.iter().enumerate() {
+            names.extend(self.layer_tails(&l.block, false).iter().map(|t| format!("blk.{i}.{t}")));
         }
         names.push("output_norm.weight".into());
         if !self.tied_output {
@@ -800,10 +871,24 @@ impl ModelSpec {
     }
 }
 
+/// The weights of a Mamba-2 layer after `blk.N.` (llama.cpp's names): the input projection, the
+/// convolution's kernel and bias, the time steps' bias, A (stored as `-exp(A_log)`), D, the
+/// gated norm's scales and the output projection.
+pub const SSM_TAILS: [&str; 8] = [
+    "ssm_in.weight",
+    "ssm_conv1d.weight",
+    "ssm_conv1d.bias",
+    "ssm_dt.bias",
+    "ssm_a",
+    "ssm_d",
+    "ssm_norm.weight",
+    "ssm_out.weight",
+];
+
 mod arch;
 pub use arch::{Arch, ArchRow, GemmaKind, ARCHES};
 mod layers;
-pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, MAX_LAYERS};
+pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, SsmBlock, MAX_LAYERS};
 mod hf;
 #[cfg(test)]
 mod tests;

@@ -10,6 +10,18 @@ pub enum TapKind {
     /// Token embeddings (before the first layer).
     InpEmbd,
     AttnNorm,
+    /// A state-space layer's input projection: the gate z, x/B/C, the time steps (Mamba-2).
+    SsmIn,
+    /// x/B/C after the causal convolution and SiLU.
+    SsmConv,
+    /// The recurrent state after each position (`[n_head, head_dim, d_state]` a position).
+    SsmState,
+    /// The scan's output (the state read through C, plus D x).
+    SsmScan,
+    /// The scan's output gated by SiLU(z) and RMS-normed per group.
+    SsmNorm,
+    /// The output projection: the block's contribution to the residual.
+    SsmOut,
     AttnQ,
     AttnK,
     AttnV,
@@ -44,9 +56,15 @@ pub enum TapKind {
 
 impl TapKind {
     /// Every kind, in the order an attention layer computes them.
-    pub const ALL: [TapKind; 24] = [
+    pub const ALL: [TapKind; 30] = [
         TapKind::InpEmbd,
         TapKind::AttnNorm,
+        TapKind::SsmIn,
+        TapKind::SsmConv,
+        TapKind::SsmState,
+        TapKind::SsmScan,
+        TapKind::SsmNorm,
+        TapKind::SsmOut,
         TapKind::AttnQ,
         TapKind::AttnK,
         TapKind::AttnV,
@@ -98,6 +116,12 @@ impl TapKind {
             TapKind::LOut => "l_out",
             TapKind::ResultNorm => "result_norm",
             TapKind::ResultOutput => "result_output",
+            TapKind::SsmIn => "ssm_in",
+            TapKind::SsmConv => "ssm_conv",
+            TapKind::SsmState => "ssm_state",
+            TapKind::SsmScan => "ssm_scan",
+            TapKind::SsmNorm => "ssm_norm",
+            TapKind::SsmOut => "ssm_out",
         }
     }
 

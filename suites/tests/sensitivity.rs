@@ -171,6 +171,30 @@ fn gemma2_softcap_dropped_fails_layer_diff() {
     wiring_bugs_fail_at(&ck, "gemma2", &["cpu", "fixed"], &[devices::faulty::ModelFault::SoftcapDropped]);
 }
 
+/// Mamba-2's — the recurrent state kept in bf16, the convolution's window one position off, the
+/// decay gate's sign flipped — each red at its tap (`ssm_state`, `ssm_conv`), in both modes, on a
+/// random Mamba-2 checkpoint written by transformers, and on a Granite 4.0-H-shaped hybrid with
+/// its residual branches added unscaled besides (`ffn_inp`), where the correct `cpu` passes
+/// (skipped where transformers is not installed).
+#[test]
+fn mamba2_bugs_fail_layer_diff_at_their_tap() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/reference/make_checkpoint.py");
+    let has_transformers = std::process::Command::new("python3").args(["-c", "import transformers"]).status().is_ok_and(|s| s.success());
+    if !has_transformers {
+        assert!(std::env::var_os("TOUCHSTONE_REQUIRE_TRANSFORMERS").is_none(), "TOUCHSTONE_REQUIRE_TRANSFORMERS is set but Python cannot import transformers");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("mamba2");
+    assert!(std::process::Command::new("python3").arg(&script).arg("mamba2").arg(&ck).status().unwrap().success(), "make_checkpoint.py mamba2 failed");
+    wiring_bugs_fail_at(&ck, "mamba2", &["cpu"], &devices::faulty::ModelFault::MAMBA2);
+    let ck = dir.path().join("granite-hybrid");
+    assert!(std::process::Command::new("python3").arg(&script).arg("granite-hybrid").arg(&ck).status().unwrap().success(), "make_checkpoint.py granite-hybrid failed");
+    let mut faults = devices::faulty::ModelFault::MAMBA2.to_vec();
+    faults.push(devices::faulty::ModelFault::ResidualScaleDropped);
+    wiring_bugs_fail_at(&ck, "granite-hybrid", &["cpu"], &faults);
+}
+
 fn wiring_bugs_fail_layer_diff_at_their_tap(fixture: &str, faults: &[devices::faulty::ModelFault]) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format!("{fixture}.gguf"));

@@ -55,6 +55,34 @@ def f64_norms():
     return patched
 
 
+# Families whose transformers code casts to float32 inside the forward pass in many places (the
+# state-space scan, its norms, the residual, the logits): for them every cast of a float64
+# tensor to float32 is made a float64 one, so the whole pass runs in float64.
+F32_CASTING = {"mamba2", "granitemoehybrid"}
+
+
+def keep_float64():
+    """Make `.float()`, `.to(torch.float32)` and a float32 softmax of a float64 tensor keep float64."""
+    orig_float, orig_to, orig_softmax = torch.Tensor.float, torch.Tensor.to, torch.nn.functional.softmax
+
+    def softmax(x, *args, dtype=None, **kwargs):
+        if x.dtype == torch.float64 and dtype is torch.float32:
+            dtype = torch.float64
+        return orig_softmax(x, *args, dtype=dtype, **kwargs)
+    torch.nn.functional.softmax = softmax
+
+    def to_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else orig_float(self, *args, **kwargs)
+
+    def to(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if x is torch.float32 else x for x in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return orig_to(self, *args, **kwargs)
+    torch.Tensor.float, torch.Tensor.to = to_float, to
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
@@ -67,7 +95,10 @@ def main():
     torch.set_default_dtype(torch.float64)
     # Eager attention and experts: the fused kernels do not take float64.
     kw = {}
-    quant = json.load(open(f"{a.checkpoint}/config.json")).get("quantization_config") or {}
+    config = json.load(open(f"{a.checkpoint}/config.json"))
+    if config.get("model_type") in F32_CASTING:
+        keep_float64()
+    quant = config.get("quantization_config") or {}
     if quant.get("quant_method") == "mxfp4":
         # MXFP4 experts dequantized by transformers itself, into the float64 parameters (exact:
         # every E2M1 code times a power of two is a float64).

@@ -14,6 +14,16 @@ never a runtime dependency.
   than the model (4 x 32 over 64), eight experts of 48 with two chosen per token, YaRN RoPE with
   its correction range untruncated (as GPT-OSS's configs say), attention sinks; gate/up biases of
   sd 4, so that the clamped SwiGLU clamps a share of its inputs as on a trained model's outliers.
+- mamba2: three Mamba-2 layers (no FFN), 64 wide, eight heads of 16 in two groups, a state of 16,
+  a convolution of 4, chunks of 8 (transformers runs a prompt through the chunked scan, the
+  oracle through the recurrent one); A between -1 and -16, time steps around softplus(-2), D
+  near 1, so that the state decays at a different rate in every head.
+- granite-hybrid: Granite 4.0-H's structure (`GraniteMoeHybridForCausalLM`, dense): four layers,
+  Mamba-2 (as mamba2's) and attention (GQA 4:2, no RoPE: `position_embedding_type` nope)
+  alternating, each followed by a SwiGLU FFN; Granite's multipliers set apart from 1 (embeddings
+  x 6, attention scale 1/8 for heads of 16, each residual branch x 0.5, logits / 3). Its
+  config.json names the layer types as the published checkpoints do (`mamba`, `attention`), which
+  transformers reads and llama.cpp's converter needs.
 
 With `--tokenizer`, the checkpoint also gets a tokenizer of its vocabulary (512 tokens instead
 of 300), trained on
@@ -28,7 +38,8 @@ power-of-two scales (`*_scales`, E8M0), with `quantization_config` saying so in 
 each block's scale is the smallest power of two that brings its largest magnitude within 6, each
 code the nearest E2M1 value; the experts are 64 wide instead of 48 (whole blocks).
 
-Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss} OUT_DIR [--seed N] [--tokenizer] [--mxfp4]
+Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid} OUT_DIR [--seed N] [--tokenizer] [--mxfp4]
+       [--shape WIDTHxLAYERS] [--layer-types alternate|mamba|attention]
 """
 import argparse
 import io
@@ -160,13 +171,77 @@ def store_experts_mxfp4(out, n_layers):
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
+def ssm_shape(shape):
+    """The Mamba-2 dimensions of a `WIDTHxLAYERS` shape (None: the test's 64 x 3 or 4): heads of 64,
+    one group and a state of 128 as Mamba-2 130M's, else the test's eight heads of 16 in two
+    groups and a state of 16."""
+    if shape is None:
+        return dict(hidden=64, layers=None, heads=8, head_dim=16, groups=2, state=16)
+    width, layers = (int(v) for v in shape.split("x"))
+    return dict(hidden=width, layers=layers, heads=2 * width // 64, head_dim=64, groups=1, state=128)
+
+
+def mamba2(t, vocab, shape=None):
+    d = ssm_shape(shape)
+    cfg = t.Mamba2Config(vocab_size=vocab, hidden_size=d["hidden"], num_hidden_layers=d["layers"] or 3, num_heads=d["heads"],
+                         head_dim=d["head_dim"], expand=2, state_size=d["state"], n_groups=d["groups"], conv_kernel=4, chunk_size=8,
+                         layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, tie_word_embeddings=False, residual_in_fp32=True)
+    return ssm_init(t.Mamba2ForCausalLM(cfg).to(torch.float32))
+
+
+def ssm_init(model):
+    """Mamba-2 mixers' parameters drawn as `mamba2` draws them; the rest 0.5 / sqrt(fan-in)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(0.0, 2.77)  # A = -exp(A_log) in [-16, -1]
+            elif name.endswith("dt_bias"):
+                p.normal_(-2.0, 0.5)
+            elif name.endswith(".D"):
+                p.normal_(1.0, 0.1)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif name.endswith("conv1d.bias"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5)
+    return model
+
+
+def granite_hybrid(t, vocab, shape=None, layer_types="alternate"):
+    d = ssm_shape(shape)
+    n = d["layers"] or 4
+    types = {"alternate": ["mamba", "attention"] * (n // 2) + ["mamba"] * (n % 2), "mamba": ["mamba"] * n, "attention": ["attention"] * n}[layer_types]
+    heads = max(4, d["hidden"] // 64)
+    cfg = t.GraniteMoeHybridConfig(vocab_size=vocab, hidden_size=d["hidden"], intermediate_size=2 * d["hidden"], shared_intermediate_size=2 * d["hidden"],
+                                   num_local_experts=0, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=heads // 2 if shape is None else heads // 3,
+                                   layer_types=types, mamba_n_heads=d["heads"], mamba_d_head=d["head_dim"], mamba_n_groups=d["groups"],
+                                   mamba_d_state=d["state"], mamba_d_conv=4, mamba_expand=2,
+                                   mamba_chunk_size=8, position_embedding_type="nope", embedding_multiplier=6.0, attention_multiplier=0.125,
+                                   residual_multiplier=0.5, logits_scaling=3.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return ssm_init(t.GraniteMoeHybridForCausalLM(cfg).to(torch.float32))
+
+
+def legacy_layer_types(out):
+    """config.json's layer types as the published Granite 4.0-H checkpoints name them."""
+    path = pathlib.Path(out) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["layer_types"] = [{"linear_attention": "mamba", "full_attention": "attention"}.get(x, x) for x in cfg["layer_types"]]
+    path.write_text(json.dumps(cfg, indent=2))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss"])
+    ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss", "mamba2", "granite-hybrid"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true", help="also write a tokenizer of the vocabulary")
     ap.add_argument("--mxfp4", action="store_true", help="gpt-oss: store the experts as MXFP4 blocks")
+    ap.add_argument("--shape", help="mamba2, granite-hybrid: WIDTHxLAYERS (e.g. 768x24), heads of 64 and a state of 128 (for benchmarks)")
+    ap.add_argument("--layer-types", choices=["alternate", "mamba", "attention"], default="alternate",
+                    help="granite-hybrid: Mamba-2 and attention layers alternating (default), or every layer one kind")
     a = ap.parse_args()
     import transformers as t
     torch.manual_seed(a.seed)
@@ -174,8 +249,17 @@ def main():
     # what one split cuts and another does not.
     vocab = 512 if a.tokenizer else 300
     # MXFP4 blocks are 32 wide: experts of 64 then, not 48.
-    model = gpt_oss(t, vocab, 64 if a.mxfp4 else 48) if a.arch == "gpt-oss" else gemma(t, a.arch == "gemma2", vocab)
+    if a.arch == "gpt-oss":
+        model = gpt_oss(t, vocab, 64 if a.mxfp4 else 48)
+    elif a.arch == "mamba2":
+        model = mamba2(t, vocab, a.shape)
+    elif a.arch == "granite-hybrid":
+        model = granite_hybrid(t, vocab, a.shape, a.layer_types)
+    else:
+        model = gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)
+    if a.arch == "granite-hybrid":
+        legacy_layer_types(a.out)
     if a.mxfp4:
         store_experts_mxfp4(a.out, model.config.num_hidden_layers)
     if a.tokenizer:

@@ -186,3 +186,50 @@ fn gemma3_checkpoints_agree_with_transformers_in_f64() {
     let gguf = dir.path().join("model.gguf");
     devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu", "fixed"], &dir.path().join("gguf"));
 }
+
+/// A random Mamba-2 checkpoint written by transformers (`Mamba2ForCausalLM`: three state-space
+/// layers, heads in two groups, transformers running the prompt through its chunked scan in
+/// chunks of 8) agrees with transformers' float64 forward, layer by layer, as read by the oracle
+/// (its recurrent scan) from the checkpoint and from the GGUF llama.cpp's converter writes;
+/// greedy 32 tokens identical on `ref` and `cpu` from both, each decode step carrying the state
+/// forward (transformers recomputes the whole sequence each step); layer-diff and fixed-token
+/// pass on `cpu`. `fixed` refuses the model, naming the layer it does not run.
+#[test]
+fn mamba2_checkpoints_agree_with_transformers_in_f64() {
+    if !transformers_installed() {
+        return;
+    }
+    let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16,17,18,19,20";
+    let (dir, greedy) = checkpoint_agrees_with_transformers("mamba2", ids, &[], Some(""));
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], dir.path());
+    let gguf = dir.path().join("model.gguf");
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], &dir.path().join("gguf"));
+    let o = xtask(&["fixed-token", "--device", "cpu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", dir.path().join("ft").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "fixed"], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space (Mamba-2) layer"), "{}", text(&o));
+}
+
+/// A random Granite 4.0-H-structured checkpoint written by transformers
+/// (`GraniteMoeHybridForCausalLM`, dense: Mamba-2 and attention layers alternating, attention
+/// without RoPE, each layer's FFN after it, embeddings, attention scores, residual branches and
+/// logits scaled apart from 1) agrees with transformers' float64 forward, as read by the oracle
+/// from the checkpoint and from the GGUF llama.cpp's converter writes (`granitehybrid`,
+/// `head_count_kv` 0 on the state-space layers); greedy 32 tokens identical on `ref` and `cpu`;
+/// layer-diff and fixed-token pass on `cpu`. `gpu-emu` refuses the model, naming its first
+/// state-space layer.
+#[test]
+fn granite_hybrid_checkpoints_agree_with_transformers_in_f64() {
+    if !transformers_installed() {
+        return;
+    }
+    let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16,17,18,19,20";
+    let (dir, greedy) = checkpoint_agrees_with_transformers("granite-hybrid", ids, &[], Some(""));
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], dir.path());
+    let gguf = dir.path().join("model.gguf");
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], &dir.path().join("gguf"));
+    let o = xtask(&["fixed-token", "--device", "cpu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", dir.path().join("ft").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "gpu-emu"], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space (Mamba-2) layer"), "{}", text(&o));
+}

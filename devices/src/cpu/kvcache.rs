@@ -31,6 +31,9 @@ enum LayerState {
     /// rounded numbers in half the memory, or any other cache format (`cpu:kv-q8_0`,
     /// `cpu:kv-q8_0-f16`, ...) as encoded rows, decoded as attention reads them.
     Kv { k: Side, v: Side },
+    /// A state-space layer's last `d_conv - 1` convolution inputs and its recurrent state, as of
+    /// position `at` (f32, as computed).
+    Ssm { conv: Vec<f32>, state: Vec<f32>, at: usize },
 }
 
 /// One side of a layer's cache (keys or values): its rows, page after page.
@@ -197,7 +200,10 @@ impl KvCache {
         Self::with_shift(format, spec, PAGE_POSITIONS.trailing_zeros())
     }
     fn with_shift(format: crate::KvTypes, spec: &ModelSpec, shift: u32) -> KvCache {
-        let layers = spec.layer_states(|_| LayerState::Kv { k: Side::new(format.k, shift), v: Side::new(format.v, shift) });
+        let layers = spec.layer_states(
+            |_| LayerState::Kv { k: Side::new(format.k, shift), v: Side::new(format.v, shift) },
+            |b| LayerState::Ssm { conv: vec![0.0; (b.d_conv - 1) * b.conv_dim()], state: vec![0.0; b.state_len()], at: 0 },
+        );
         KvCache { layers, len: 0 }
     }
     /// An empty placeholder (no layers).
@@ -215,9 +221,12 @@ impl KvCache {
         }
         let mut layers = Vec::with_capacity(self.layers.len());
         for (li, l) in self.layers.iter().enumerate() {
-            let BlockKind::Attention(a) = spec.layers.get(li)?.block;
-            let LayerState::Kv { k, v } = l;
-            layers.push(LayerState::Kv { k: k.first_rows(n, a.kv_dim())?, v: v.first_rows(n, a.kv_dim())? });
+            layers.push(match (spec.layers.get(li)?.block, l) {
+                (BlockKind::Attention(a), LayerState::Kv { k, v }) => LayerState::Kv { k: k.first_rows(n, a.kv_dim())?, v: v.first_rows(n, a.kv_dim())? },
+                // A recurrent state is as of one position: only the whole of it is a prefix.
+                (_, s @ LayerState::Ssm { at, .. }) if *at == n => s.clone(),
+                _ => return None,
+            });
         }
         Some(KvCache { layers, len: n })
     }
@@ -231,15 +240,30 @@ impl KvCache {
                     k.pages.clear();
                     v.pages.clear();
                 }
+                LayerState::Ssm { conv, state, at } => {
+                    conv.fill(0.0);
+                    state.fill(0.0);
+                    *at = 0;
+                }
             }
         }
         self.len = 0;
     }
+    /// Layer `li`'s convolution history, recurrent state and the position they are as of.
+    pub(crate) fn ssm_state(&mut self, li: usize) -> Result<(&mut Vec<f32>, &mut Vec<f32>, &mut usize), String> {
+        match self.layers.get_mut(li) {
+            Some(LayerState::Ssm { conv, state, at }) => Ok((conv, state, at)),
+            _ => Err(format!("layer {li} keeps no state-space state")),
+        }
+    }
+
     /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, rounded as
     /// the cache's formats hold them) and runs attention over the cache. Keys in a block format
     /// meet the query as Q8_0 blocks of 32, as ggml multiplies them.
     pub(crate) fn write_and_attend(&mut self, li: usize, start: usize, width: usize, (q, k, v): (&[f32], &[f32], &[f32]), pos: &[usize], cfg: &kernels::AttnCfg) -> Result<Vec<f32>, String> {
-        let LayerState::Kv { k: keys, v: values } = &mut self.layers[li];
+        let Some(LayerState::Kv { k: keys, v: values }) = self.layers.get_mut(li) else {
+            return Err(format!("layer {li} keeps no keys and values"));
+        };
         keys.write(start, width, k)?;
         values.write(start, width, v)?;
         let mut q = std::borrow::Cow::Borrowed(q);

@@ -4,6 +4,7 @@
 
 pub mod kernels;
 pub mod kvcache;
+mod ssm;
 pub mod kvcodec;
 pub mod model;
 pub mod serve;

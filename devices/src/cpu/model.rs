@@ -4,7 +4,7 @@
 use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
 pub(crate) use super::kvcache::KvCache;
 use crate::{DeviceError, DeviceModel, ModelOptions};
-use crate::shared::host::{Ffn, HostWeights, Layer, PackedMat};
+use crate::shared::host::{Ffn, HostWeights, Layer, Mixer, PackedMat};
 use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, Stage};
 use oracle::Tap;
 use std::path::Path;
@@ -27,6 +27,9 @@ pub struct CpuModel {
     /// A serving bug seeded into this model's schedule executor (the `faults` feature's
     /// `devices::faulty::ServeFault`); None in every device a user opens.
     pub(crate) serve_fault: Option<super::serve_faults::ServeFault>,
+    /// A rounding applied to the state-space layers' state after every position: a seeded bug
+    /// (`devices::faulty::ModelFault::SsmStateBf16`); None in every device a user opens.
+    pub(crate) ssm_state_rounding: Option<fn(f32) -> f32>,
 }
 
 /// One sequence's part of a batch: its tokens, the position of the first, and its cache.
@@ -50,7 +53,11 @@ impl CpuModel {
             [&f.gate, &f.up, &f.down]
         }
         let layers = self.layers.iter().flat_map(move |l| {
-            [&l.wq, &l.wk, &l.wv, &l.wo]
+            let mixer: Vec<&PackedMat> = match &l.mixer {
+                Mixer::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
+                Mixer::Ssm(w) => vec![&w.in_proj, &w.out],
+            };
+            mixer
                 .into_iter()
                 .chain(l.router.as_ref())
                 .chain(l.dense.iter().chain(&l.experts).chain(l.shared.as_ref()).flat_map(ffn))
@@ -71,7 +78,7 @@ impl CpuModel {
         };
         let HostWeights { spec, tok_embd, output_norm, output, layers } = HostWeights::load(path, "cpu", &check)?;
         let kv = KvCache::new(opts.kv_cache, &spec);
-        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv, serve_fault: None })
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv, serve_fault: None, ssm_state_rounding: None })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
@@ -126,6 +133,18 @@ fn rms_rows(x: &[f32], n: usize, w: &[f32], eps: f64) -> Vec<f32> {
     kernels::rms_norm(x, n, w, eps as f32)
 }
 
+/// `x + branch`, the branch first multiplied by `scale` where the model scales its residual
+/// branches (Granite).
+fn residual(x: &[f32], branch: &[f32], scale: Option<f64>) -> Vec<f32> {
+    match scale {
+        None => kernels::add_broadcast(x, branch),
+        Some(c) => {
+            let c = c as f32;
+            x.iter().zip(branch).map(|(a, b)| a + c * b).collect()
+        }
+    }
+}
+
 fn record(t: &mut dyn Tap, name: &str, start: usize, m: usize, w: usize, data: &[f32]) {
     if t.enabled() {
         t.record(name, start, m, w, data);
@@ -162,12 +181,23 @@ impl DeviceModel for CpuModel {
         true
     }
     fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        // A recurrent state cannot be shared as a prefix of keys and values can: models with
+        // state-space layers are not served.
+        if self.spec.has_ssm() {
+            return None;
+        }
         Some(rayon::scope(|_| self.serve_schedule(schedule, &mut Vec::new())))
     }
     fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        if self.spec.has_ssm() {
+            return None;
+        }
         Some(rayon::scope(|_| self.serve_schedule(schedule, step_seconds)))
     }
     fn serve_tapped(&mut self, schedule: &oracle::schedule::Schedule, request: &str, taps: &mut dyn Tap) -> Option<Result<oracle::schedule::Served, DeviceError>> {
+        if self.spec.has_ssm() {
+            return None;
+        }
         // Taps are not `Send`: served on this thread.
         Some(self.serve_schedule_tapped(schedule, &mut Vec::new(), Some((request, taps))))
     }
@@ -223,18 +253,26 @@ impl CpuModel {
         for li in 0..s.n_layer {
             let name = |t: &str| format!("blk.{li}.{t}");
             let (mut h, mut q, mut k, mut v, mut attn, mut ffn_out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let BlockKind::Attention(a) = s.layers[li].block;
-            let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
+            let layer = &self.layers[li];
+            // The layer's block and weights by kind; a stage of another kind is an error.
+            let (attn_parts, ssm_parts) = match (s.layers[li].block, &layer.mixer) {
+                (BlockKind::Attention(a), Mixer::Attention(w)) => (Some((a, w)), None),
+                (BlockKind::Ssm(b), Mixer::Ssm(w)) => (None, Some((b, w))),
+                _ => (None, None),
+            };
+            let wrong = |what: &str| err("forward", format!("layer {li}: {what} stage in a layer of another kind"));
+            let (hd, qd, kvd) = attn_parts.map_or((0, 0, 0), |(a, _)| (a.head_dim, a.q_dim(), a.kv_dim()));
+            let (mut zx, mut xbc, mut y) = (Vec::new(), Vec::new(), Vec::new());
             for stage in &s.layers[li].stages {
-                let layer = &self.layers[li];
                 match stage {
                     Stage::AttnNorm => {
                         h = rms_rows(&x, d, &layer.attn_norm, s.norm_eps);
                         record(taps, &name("attn_norm"), start, m, d, &h);
                     }
                     Stage::QkvProj => {
-                        [q, k, v] = matmul_packed_group(&h, m, layer.wq.cols, &[layer.wq.view(), layer.wk.view(), layer.wv.view()]).try_into().expect("three outputs");
-                        if let Some([bq, bk, bv]) = &layer.bias {
+                        let (_, w) = attn_parts.ok_or_else(|| wrong("an attention"))?;
+                        [q, k, v] = matmul_packed_group(&h, m, w.wq.cols, &[w.wq.view(), w.wk.view(), w.wv.view()]).try_into().expect("three outputs");
+                        if let Some([bq, bk, bv]) = &w.bias {
                             q = kernels::add_broadcast(&q, bq);
                             k = kernels::add_broadcast(&k, bk);
                             v = kernels::add_broadcast(&v, bv);
@@ -244,7 +282,8 @@ impl CpuModel {
                         record(taps, &name("attn_v"), start, m, kvd, &v);
                     }
                     Stage::QkNorm => {
-                        if let Some([qn, kn]) = &layer.qk_norm {
+                        let (_, w) = attn_parts.ok_or_else(|| wrong("an attention"))?;
+                        if let Some([qn, kn]) = &w.qk_norm {
                             q = kernels::rms_norm(&q, hd, qn, s.norm_eps as f32);
                             k = kernels::rms_norm(&k, hd, kn, s.norm_eps as f32);
                         }
@@ -252,6 +291,7 @@ impl CpuModel {
                         record(taps, &name("attn_k_norm"), start, m, kvd, &k);
                     }
                     Stage::Rope => {
+                        let (a, _) = attn_parts.ok_or_else(|| wrong("an attention"))?;
                         let pos = super::serve_faults::rope_positions(&views, &pos);
                         kernels::rope(&mut q, &pos, a.n_head, hd, s.rope_of(&a));
                         kernels::rope(&mut k, &pos, a.n_head_kv, hd, s.rope_of(&a));
@@ -259,12 +299,13 @@ impl CpuModel {
                         record(taps, &name("attn_k_rope"), start, m, kvd, &k);
                     }
                     Stage::Attention => {
+                        let (a, w) = attn_parts.ok_or_else(|| wrong("an attention"))?;
                         let cfg = kernels::AttnCfg {
                             n_head: a.n_head,
                             n_head_kv: a.n_head_kv,
                             head_dim: hd,
                             window: a.window.unwrap_or(0),
-                            sinks: layer.sinks.as_deref(),
+                            sinks: w.sinks.as_deref(),
                             softcap: s.attn_softcap.unwrap_or(0.0) as f32,
                             scale: s.attn_scale as f32,
                         };
@@ -286,8 +327,9 @@ impl CpuModel {
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
                     Stage::AttnOutProj => {
-                        attn = matmul_packed(&attn, m, layer.wo.view());
-                        if let Some(bo) = &layer.bo {
+                        let (_, w) = attn_parts.ok_or_else(|| wrong("an attention"))?;
+                        attn = matmul_packed(&attn, m, w.wo.view());
+                        if let Some(bo) = &w.bo {
                             attn = kernels::add_broadcast(&attn, bo);
                         }
                         record(taps, &name("attn_out"), start, m, d, &attn);
@@ -299,7 +341,7 @@ impl CpuModel {
                         record(taps, &name(tap), start, m, d, out);
                     }
                     Stage::AttnResidual => {
-                        x = kernels::add_broadcast(&x, &attn);
+                        x = residual(&x, &attn, s.residual_scale);
                         record(taps, &name("ffn_inp"), start, m, d, &x);
                     }
                     Stage::FfnNorm => {
@@ -315,8 +357,64 @@ impl CpuModel {
                         ffn_out = self.moe(li, &h, m, taps, start)?;
                         record(taps, &name("ffn_out"), start, m, d, &ffn_out);
                     }
+                    Stage::SsmInProj => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong("a state-space"))?;
+                        zx = matmul_packed(&h, m, w.in_proj.view());
+                        record(taps, &name("ssm_in"), start, m, b.in_dim(), &zx);
+                    }
+                    Stage::SsmConv => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong("a state-space"))?;
+                        let (cd, id) = (b.conv_dim(), b.in_dim());
+                        xbc = Vec::with_capacity(m * cd);
+                        let mut r0 = 0;
+                        for g in segs {
+                            let n = g.tokens.len();
+                            let (hist, _, at) = caches[g.cache].ssm_state(li).map_err(|e| err("forward", e))?;
+                            if *at != g.start {
+                                return Err(err("forward", format!("layer {li}: the state-space state is as of position {at}; a call from position {} cannot continue it (a recurrent state is not cut back)", g.start)));
+                            }
+                            let input: Vec<f32> = zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.d_inner..b.d_inner + cd].iter().copied()).collect();
+                            xbc.extend(super::ssm::conv_silu(hist, &input, n, cd, &w.conv, &w.conv_bias, b.d_conv));
+                            r0 += n;
+                        }
+                        record(taps, &name("ssm_conv"), start, m, cd, &xbc);
+                    }
+                    Stage::SsmScan => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong("a state-space"))?;
+                        let (cd, id) = (b.conv_dim(), b.in_dim());
+                        let keep = taps.enabled();
+                        let (mut states, mut r0) = (Vec::new(), 0);
+                        y = Vec::with_capacity(m * b.d_inner);
+                        for g in segs {
+                            let n = g.tokens.len();
+                            let (_, state, at) = caches[g.cache].ssm_state(li).map_err(|e| err("forward", e))?;
+                            let dt: Vec<f32> = zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.d_inner + cd..].iter().copied()).collect();
+                            let (out, kept) = super::ssm::scan(state, &xbc[r0 * cd..(r0 + n) * cd], &dt, n, &b, &w.dt_bias, &w.a, &w.d, keep, self.ssm_state_rounding);
+                            *at = g.start + n;
+                            y.extend(out);
+                            states.extend(kept);
+                            r0 += n;
+                        }
+                        record(taps, &name("ssm_state"), start, m, b.state_len(), &states);
+                        record(taps, &name("ssm_scan"), start, m, b.d_inner, &y);
+                    }
+                    Stage::SsmNorm => {
+                        let (b, w) = ssm_parts.ok_or_else(|| wrong("a state-space"))?;
+                        let z: Vec<f32> = zx.chunks_exact(b.in_dim()).flat_map(|r| r[..b.d_inner].iter().copied()).collect();
+                        y = super::ssm::gated_norm(&y, &z, b.d_inner, b.n_group, &w.norm, s.norm_eps as f32);
+                        record(taps, &name("ssm_norm"), start, m, b.d_inner, &y);
+                    }
+                    Stage::SsmOutProj => {
+                        let (_, w) = ssm_parts.ok_or_else(|| wrong("a state-space"))?;
+                        attn = matmul_packed(&y, m, w.out.view());
+                        record(taps, &name("ssm_out"), start, m, d, &attn);
+                    }
+                    Stage::MixerResidual => {
+                        x = residual(&x, &attn, s.residual_scale);
+                        record(taps, &name("l_out"), start, m, d, &x);
+                    }
                     Stage::FfnResidual => {
-                        x = kernels::add_broadcast(&x, &ffn_out);
+                        x = residual(&x, &ffn_out, s.residual_scale);
                         record(taps, &name("l_out"), start, m, d, &x);
                     }
                 }
@@ -330,6 +428,10 @@ impl CpuModel {
         record(taps, "result_norm", start + row0, rows, d, &normed);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let mut logits = matmul_packed(&normed, rows, head.view());
+        if let Some(c) = s.logit_scale {
+            let inv = 1.0 / c as f32;
+            logits.iter_mut().for_each(|l| *l *= inv);
+        }
         if let Some(c) = s.final_softcap {
             let c = c as f32;
             logits.iter_mut().for_each(|l| *l = kernels::softcap(*l, c));

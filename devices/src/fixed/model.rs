@@ -5,7 +5,7 @@ use super::kernels::*;
 use super::FixedDevice;
 use crate::shared::qdot;
 use crate::{Arithmetic, DeviceError, FixedPoint, NumFormat};
-use oracle::spec::{BlockKind, ModelSpec, Stage};
+use oracle::spec::{ModelSpec, Stage};
 
 /// A whole model in integer arithmetic, dense or MoE.
 pub struct FixedModel {
@@ -34,7 +34,8 @@ struct LayerStates {
 
 impl LayerStates {
     fn new(spec: &ModelSpec) -> LayerStates {
-        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
+        // A state-space layer is refused when the model loads (`shared::attention_block`).
+        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() }, |_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
         LayerStates { layers, len: 0 }
     }
 
@@ -112,6 +113,7 @@ impl FixedModel {
     pub fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, DeviceError> {
         let (src, spec) = oracle::loader::open_weights(path).map_err(model_err)?;
         let label = src.label();
+        crate::shared::attention_model(&spec, "fixed").map_err(|why| model_err(format!("{label}: {why}")))?;
         // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4; the embedding's
         // own count stands for its 32-bit Q16 table), and the table once more where the output
         // is tied to it or INT4: refused up front when the machine cannot hold them.
@@ -157,7 +159,7 @@ impl FixedModel {
         let mut layers = Vec::new();
         for i in 0..spec.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}");
-            let BlockKind::Attention(a) = spec.layers[i].block;
+            let a = crate::shared::attention_block(&spec, i, "fixed").map_err(model_err)?;
             let (qd, kvd) = (a.q_dim(), a.kv_dim());
             let ffn = match &spec.moe {
                 None => Ffn::Dense(dense(i, "", spec.n_ff)?),
@@ -333,7 +335,7 @@ impl FixedModel {
         for li in 0..s.n_layer {
             let l = &self.layers[li];
             let name = |t: &str| format!("blk.{li}.{t}");
-            let BlockKind::Attention(a) = s.layers[li].block;
+            let a = crate::shared::attention_block(&s, li, "fixed").map_err(model_err)?;
             let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
             let (mut h, mut q, mut k, mut v, mut attn, mut out) = (
                 Vec::new(),
@@ -422,6 +424,9 @@ impl FixedModel {
                     Stage::DenseFfn | Stage::MoeFfn => {
                         out = self.ffn(l, &h, m, taps, li, start)?;
                         tap_q(taps, &name("ffn_out"), start, m, d, &out);
+                    }
+                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual => {
+                        return Err(model_err(format!("layer {li}: a {stage:?} stage; fixed runs attention layers only")));
                     }
                     Stage::FfnResidual => {
                         x = add_q(&x, &out);

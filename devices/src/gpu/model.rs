@@ -84,6 +84,7 @@ impl KvCache {
                         v: grow(old.map(|o| o.1), a.kv_dim())?,
                     }
                 }
+                BlockKind::Ssm(_) => return Err(crate::shared::attention_block(spec, li, "this device").err().unwrap_or_default()),
             });
         }
         self.layers = layers;
@@ -100,7 +101,7 @@ impl KvCache {
         let mut out = KvCache::empty();
         out.reserve(g, spec, n.max(1))?;
         for (li, (mine, theirs)) in self.layers.iter().zip(&out.layers).enumerate() {
-            let BlockKind::Attention(a) = spec.layers[li].block;
+            let a = crate::shared::attention_block(spec, li, "this device")?;
             let (LayerState::Kv { k, v }, LayerState::Kv { k: k2, v: v2 }) = (mine, theirs);
             if n > 0 {
                 g.copy(k.ptr, k2.ptr, n * a.kv_dim())?;
@@ -149,7 +150,10 @@ impl GpuModel {
         if kv != crate::KvTypes::default() {
             return Err(fail(format!("a {kv} KV cache is not implemented on GPU devices (the cache is f32)")));
         }
-        let host = HostWeights::load(path, &name, &|_, _| Ok(()))?;
+        // Attention layers only, unscaled residuals and logits: refused, named, before any weight
+        // is read.
+        let check = |_: &str, spec: &oracle::ModelSpec| crate::shared::attention_model(spec, &name);
+        let host = HostWeights::load(path, &name, &check)?;
         let mat = |p: &PackedMat| gpu.upload_mat(p.ty, p.rows, p.cols, &p.bytes);
         let vec = |v: &Vec<f32>| gpu.upload_f32(v);
         let ffn = |f: &Ffn| -> Result<GpuFfn, String> {
@@ -161,19 +165,20 @@ impl GpuModel {
         };
         let upload = || -> Result<GpuModel, String> {
             let mut layers = Vec::with_capacity(host.layers.len());
-            for l in &host.layers {
+            for (li, l) in host.layers.iter().enumerate() {
+                let a = l.mixer.attention().ok_or_else(|| format!("layer {li} is not an attention layer"))?;
                 layers.push(GpuLayer {
                     attn_norm: vec(&l.attn_norm)?,
-                    wq: mat(&l.wq)?,
-                    wk: mat(&l.wk)?,
-                    wv: mat(&l.wv)?,
-                    wo: mat(&l.wo)?,
-                    bias: match &l.bias {
+                    wq: mat(&a.wq)?,
+                    wk: mat(&a.wk)?,
+                    wv: mat(&a.wv)?,
+                    wo: mat(&a.wo)?,
+                    bias: match &a.bias {
                         Some([a, b, c]) => Some([vec(a)?, vec(b)?, vec(c)?]),
                         None => None,
                     },
-                    bo: l.bo.as_ref().map(vec).transpose()?,
-                    qk_norm: match &l.qk_norm {
+                    bo: a.bo.as_ref().map(vec).transpose()?,
+                    qk_norm: match &a.qk_norm {
                         Some([a, b]) => Some([vec(a)?, vec(b)?]),
                         None => None,
                     },
@@ -182,7 +187,7 @@ impl GpuModel {
                         Some([a, b]) => Some([vec(a)?, vec(b)?]),
                         None => None,
                     },
-                    sinks: l.sinks.as_ref().map(vec).transpose()?,
+                    sinks: a.sinks.as_ref().map(vec).transpose()?,
                     dense: l.dense.as_ref().map(ffn).transpose()?,
                     router: l.router.as_ref().map(mat).transpose()?,
                     router_bias: l.router_bias.as_ref().map(vec).transpose()?,
@@ -326,6 +331,7 @@ impl GpuModel {
         let qd_max = s.n_head * s.head_dim;
         let kvd_max = s.layers.iter().map(|l| match l.block {
             BlockKind::Attention(a) => a.kv_dim(),
+            BlockKind::Ssm(_) => 0,
         }).max().unwrap_or(0);
         let eps = s.norm_eps as f32;
         let ids = g.upload_u32(&tokens)?;
@@ -355,7 +361,7 @@ impl GpuModel {
             let mut ffn_out: Option<DevBuf> = None;
             // What each residual adds: the sublayer's output, or its post-norm (held in `post`).
             let (mut attn_res, mut ffn_res) = (attn_out.ptr, None);
-            let BlockKind::Attention(a) = s.layers[li].block;
+            let a = crate::shared::attention_block(s, li, "this device")?;
             let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
             let LayerState::Kv { k: kc, v: vc } = &caches[segs[0].cache].layers[li];
             let at = start * kvd;
@@ -490,6 +496,9 @@ impl GpuModel {
                         let o = self.moe(li, &h, m, taps, start)?;
                         record(taps, &name("ffn_out"), &o, start, m, d)?;
                         ffn_out = Some(o);
+                    }
+                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual => {
+                        return Err(format!("layer {li}: a {stage:?} stage; this device runs attention layers only"));
                     }
                     Stage::FfnResidual => {
                         let o = ffn_res.or(ffn_out.as_ref().map(|o| o.ptr)).ok_or("FFN residual before an FFN stage")?;

@@ -5,7 +5,7 @@
 use crate::DeviceError;
 use oracle::loader::{RawTensor, TensorSource};
 use oracle::quant::GgmlType;
-use oracle::spec::{BlockKind, ModelSpec};
+use oracle::spec::{BlockKind, ModelSpec, Stage};
 use std::path::Path;
 
 /// A matrix as the file stores it: `rows` rows of `cols` values in `ty`'s blocks.
@@ -25,9 +25,8 @@ pub struct Ffn {
     pub bias: Option<[Vec<f32>; 3]>,
 }
 
-/// One layer's weights.
-pub struct Layer {
-    pub attn_norm: Vec<f32>,
+/// An attention block's weights.
+pub struct AttnWeights {
     pub wq: PackedMat,
     pub wk: PackedMat,
     pub wv: PackedMat,
@@ -35,11 +34,48 @@ pub struct Layer {
     pub bias: Option<[Vec<f32>; 3]>,
     pub bo: Option<Vec<f32>>,
     pub qk_norm: Option<[Vec<f32>; 2]>,
+    /// One sink logit per query head (GPT-OSS).
+    pub sinks: Option<Vec<f32>>,
+}
+
+/// A Mamba-2 block's weights: the input and output projections, the convolution's kernel
+/// (`[conv_dim][d_conv]`) and bias, per head the time steps' bias, A (`-exp(A_log)`) and D, and
+/// the gated norm's scales (`[d_inner]`, group after group).
+pub struct SsmWeights {
+    pub in_proj: PackedMat,
+    pub conv: Vec<f32>,
+    pub conv_bias: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    pub a: Vec<f32>,
+    pub d: Vec<f32>,
+    pub norm: Vec<f32>,
+    pub out: PackedMat,
+}
+
+/// A layer's mixing block, by kind.
+pub enum Mixer {
+    Attention(AttnWeights),
+    Ssm(SsmWeights),
+}
+
+impl Mixer {
+    /// The attention block's weights; None for a block of another kind.
+    pub fn attention(&self) -> Option<&AttnWeights> {
+        match self {
+            Mixer::Attention(a) => Some(a),
+            Mixer::Ssm(_) => None,
+        }
+    }
+}
+
+/// One layer's weights.
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub mixer: Mixer,
+    /// Empty in a model without feed-forward blocks (Mamba-2).
     pub ffn_norm: Vec<f32>,
     /// Gemma's norms of the attention and FFN outputs.
     pub post_norms: Option<[Vec<f32>; 2]>,
-    /// One sink logit per query head (GPT-OSS).
-    pub sinks: Option<Vec<f32>>,
     pub dense: Option<Ffn>,
     pub router: Option<PackedMat>,
     pub router_bias: Option<Vec<f32>>,
@@ -104,6 +140,18 @@ impl Loader<'_> {
         crate::shared::qdot::float_row(t.ty, &t.bytes, &mut all);
         Ok(all.chunks_exact(n).map(<[f32]>::to_vec).collect())
     }
+    /// A float tensor of exactly GGML dims `dims` (trailing dimensions of one aside), row-major.
+    fn shaped(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>, DeviceError> {
+        let t = self.raw(name)?.ok_or_else(|| self.err(&self.label, format!("missing tensor `{name}`")))?;
+        let mut have = t.dims.clone();
+        while have.len() > dims.len() && have.last() == Some(&1) {
+            have.pop();
+        }
+        if have != dims {
+            return Err(self.err(&self.label, format!("tensor `{name}` has dims {:?}, expected {dims:?}", t.dims)));
+        }
+        self.vec(name, dims.iter().product())
+    }
     fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, DeviceError> {
         let m = self.mat_like_vec(name, n)?;
         m.ok_or_else(|| self.err(&self.label, format!("missing tensor `{name}`")))
@@ -145,9 +193,9 @@ impl HostWeights {
         let mut layers = Vec::new(); // not sized by the spec: a layer count the files do not back is an error below, not an allocation
         for i in 0..spec.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}");
-            let BlockKind::Attention(a) = spec.layers[i].block;
-            let (qd, kvd) = (a.q_dim(), a.kv_dim());
+            let has_ffn = spec.layers[i].stages.iter().any(|s| matches!(s, Stage::DenseFfn | Stage::MoeFfn));
             let (dense, router, experts, shared, shared_gate) = match &spec.moe {
+                _ if !has_ffn => (None, None, Vec::new(), None, None),
                 None => (Some(ffn(i, "", spec.n_ff)?), None, Vec::new(), None, None),
                 Some(m) => {
                     let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
@@ -170,26 +218,40 @@ impl HostWeights {
                     (None, Some(l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?), ex, shared, sg)
                 }
             };
+            let mixer = match spec.layers[i].block {
+                BlockKind::Attention(a) => {
+                    let (qd, kvd) = (a.q_dim(), a.kv_dim());
+                    Mixer::Attention(AttnWeights {
+                        wq: l.mat(&n("attn_q.weight"), qd, d)?,
+                        wk: l.mat(&n("attn_k.weight"), kvd, d)?,
+                        wv: l.mat(&n("attn_v.weight"), kvd, d)?,
+                        wo: l.mat(&n("attn_output.weight"), d, qd)?,
+                        bias: if spec.qkv_bias { Some([l.vec(&n("attn_q.bias"), qd)?, l.vec(&n("attn_k.bias"), kvd)?, l.vec(&n("attn_v.bias"), kvd)?]) } else { None },
+                        bo: if spec.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
+                        qk_norm: if spec.qk_norm { Some([l.vec(&n("attn_q_norm.weight"), hd)?, l.vec(&n("attn_k_norm.weight"), hd)?]) } else { None },
+                        sinks: if spec.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), a.n_head)?) } else { None },
+                    })
+                }
+                BlockKind::Ssm(b) => Mixer::Ssm(SsmWeights {
+                    in_proj: l.mat(&n("ssm_in.weight"), b.in_dim(), d)?,
+                    conv: l.shaped(&n("ssm_conv1d.weight"), &[b.d_conv, b.conv_dim()])?,
+                    conv_bias: l.vec(&n("ssm_conv1d.bias"), b.conv_dim())?,
+                    dt_bias: l.vec(&n("ssm_dt.bias"), b.n_head)?,
+                    a: l.vec(&n("ssm_a"), b.n_head)?,
+                    d: l.vec(&n("ssm_d"), b.n_head)?,
+                    norm: l.shaped(&n("ssm_norm.weight"), &[b.d_inner / b.n_group, b.n_group])?,
+                    out: l.mat(&n("ssm_out.weight"), d, b.d_inner)?,
+                }),
+            };
             layers.push(Layer {
                 attn_norm: l.vec(&n("attn_norm.weight"), d)?,
-                wq: l.mat(&n("attn_q.weight"), qd, d)?,
-                wk: l.mat(&n("attn_k.weight"), kvd, d)?,
-                wv: l.mat(&n("attn_v.weight"), kvd, d)?,
-                wo: l.mat(&n("attn_output.weight"), d, qd)?,
-                bias: if spec.qkv_bias { Some([l.vec(&n("attn_q.bias"), qd)?, l.vec(&n("attn_k.bias"), kvd)?, l.vec(&n("attn_v.bias"), kvd)?]) } else { None },
-                bo: if spec.out_bias { Some(l.vec(&n("attn_output.bias"), d)?) } else { None },
-                qk_norm: if spec.qk_norm { Some([l.vec(&n("attn_q_norm.weight"), hd)?, l.vec(&n("attn_k_norm.weight"), hd)?]) } else { None },
-                ffn_norm: l.vec(&n("ffn_norm.weight"), d)?,
+                mixer,
+                ffn_norm: if has_ffn { l.vec(&n("ffn_norm.weight"), d)? } else { Vec::new() },
                 post_norms: if spec.post_norms {
                     Some([
                         l.vec(&n("post_attention_norm.weight"), d)?,
                         l.vec(&n("post_ffw_norm.weight"), d)?,
                     ])
-                } else {
-                    None
-                },
-                sinks: if spec.attn_sinks {
-                    Some(l.vec(&n("attn_sinks.weight"), a.n_head)?)
                 } else {
                     None
                 },

@@ -74,6 +74,15 @@ pub fn add<T: Real>(a: &[T], b: &[T]) -> Result<Vec<T>> {
     Ok(a.iter().zip(b).map(|(x, y)| T::from_f64(x.to_f64() + y.to_f64())).collect())
 }
 
+/// `a + s b`, each element rounded once (Granite's residual branches, scaled before the add;
+/// `s` 1 is [`add`]).
+pub fn add_scaled<T: Real>(a: &[T], b: &[T], s: f64) -> Result<Vec<T>> {
+    if a.len() != b.len() {
+        return Err(OracleError::Shape(format!("add: {} values vs {}", a.len(), b.len())));
+    }
+    Ok(a.iter().zip(b).map(|(x, y)| T::from_f64(x.to_f64() + s * y.to_f64())).collect())
+}
+
 /// Softmax over each row of `x: [rows, n]`, max-subtracted, in f64. A row that is all -inf
 /// (fully masked) yields NaN, which callers must not produce.
 pub fn softmax_rows<T: Real>(x: &[T], n: usize) -> Result<Vec<T>> {

@@ -21,6 +21,11 @@ pub enum Arch {
     Gemma2,
     Gemma3,
     GptOss,
+    /// Mamba-2: state-space layers only, no feed-forward blocks.
+    Mamba2,
+    /// Granite 4.0-H (llama.cpp's `granitehybrid`): Mamba-2 layers beside attention layers, each
+    /// followed by an FFN, and Granite's scales.
+    GraniteHybrid,
 }
 
 /// What an architecture is, as the loaders and the interpreters need it.
@@ -43,6 +48,9 @@ pub struct ArchRow {
     pub fused: bool,
     /// A MoE router's chosen weights renormalized to sum to 1 when a GGUF does not say.
     pub moe_normalize_default: bool,
+    /// Granite's scales (GGUF `embedding_scale`, `attention.scale`, `residual_scale`,
+    /// `logit_scale`), and RoPE only where `rope.scaling.finetuned` says so.
+    pub granite: bool,
 }
 
 /// Which Gemma.
@@ -53,11 +61,11 @@ pub enum GemmaKind {
 }
 
 const fn row(arch: Arch, gguf: &'static str, model_types: &'static [&'static str], rope: RopeStyle) -> ArchRow {
-    ArchRow { arch, gguf, model_types, rope, gemma: None, qk_norm: false, qkv_bias: false, fused: false, moe_normalize_default: false }
+    ArchRow { arch, gguf, model_types, rope, gemma: None, qk_norm: false, qkv_bias: false, fused: false, moe_normalize_default: false, granite: false }
 }
 
 /// Every architecture, one row each.
-pub const ARCHES: [ArchRow; 11] = [
+pub const ARCHES: [ArchRow; 13] = [
     ArchRow { moe_normalize_default: true, ..row(Arch::Llama, "llama", &["llama", "mistral", "mixtral"], RopeStyle::Normal) },
     row(Arch::Mistral, "mistral", &[], RopeStyle::Normal),
     ArchRow { moe_normalize_default: true, ..row(Arch::Mixtral, "mixtral", &[], RopeStyle::Normal) },
@@ -69,6 +77,8 @@ pub const ARCHES: [ArchRow; 11] = [
     ArchRow { gemma: Some(GemmaKind::Gemma2), ..row(Arch::Gemma2, "gemma2", &["gemma2"], RopeStyle::Neox) },
     ArchRow { gemma: Some(GemmaKind::Gemma3), qk_norm: true, ..row(Arch::Gemma3, "gemma3", &["gemma3_text"], RopeStyle::Neox) },
     ArchRow { moe_normalize_default: true, ..row(Arch::GptOss, "gpt-oss", &["gpt_oss"], RopeStyle::Neox) },
+    row(Arch::Mamba2, "mamba2", &["mamba2"], RopeStyle::Normal),
+    ArchRow { granite: true, moe_normalize_default: true, ..row(Arch::GraniteHybrid, "granitehybrid", &["granitemoehybrid"], RopeStyle::Normal) },
 ];
 
 impl Arch {

@@ -17,6 +17,12 @@ impl ModelSpec {
         let gemma = row.gemma.is_some();
         let oss = arch == Arch::GptOss;
         let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe);
+        if arch == Arch::Mamba2 {
+            return Self::mamba2_from_hf(&top, file);
+        }
+        if arch == Arch::GraniteHybrid {
+            return Self::granite_hybrid_from_hf(&top, file);
+        }
         let n_embd = req("hidden_size")?;
         let n_head = req("num_attention_heads")?;
         let head_dim = u("head_dim")?.unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
@@ -235,6 +241,10 @@ impl ModelSpec {
             fused: row.fused,
             context_length: ctx,
             attn_scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+            residual_scale: None,
+            logit_scale: None,
+            no_rope: false,
+            ssm: None,
             layers: Vec::new(),
         };
         if gemma {
@@ -247,6 +257,177 @@ impl ModelSpec {
         }
         spec.derive_layers(None)?;
         spec.set_context(configured_context()?)?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// A `granitemoehybrid` config (Granite 4.0-H, dense: `num_local_experts` 0): Mamba-2 and
+    /// attention layers as `layer_types` says (`mamba`/`linear_attention`,
+    /// `attention`/`full_attention`), each followed by the shared MLP (`shared_intermediate_size`),
+    /// Granite's multipliers, RoPE only where `position_embedding_type` is `rope`.
+    fn granite_hybrid_from_hf(top: &Fields<'_>, file: &str) -> Result<ModelSpec> {
+        let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+        let req = |k: &str| top.u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
+        if top.u("num_local_experts")?.unwrap_or(0) > 0 {
+            return Err(err("config.json: num_local_experts above 0 (Granite 4.0-H's experts) is not supported; dense models are".into()));
+        }
+        if top.b("mamba_proj_bias")?.unwrap_or(false) || !top.b("mamba_conv_bias")?.unwrap_or(true) || top.b("attention_bias")?.unwrap_or(false) {
+            return Err(err("config.json: mamba_proj_bias, attention_bias, or mamba_conv_bias false: not supported".into()));
+        }
+        let n_embd = req("hidden_size")?;
+        let n_layer = req("num_hidden_layers")?;
+        if n_layer > super::MAX_LAYERS {
+            return Err(err(format!("config.json: num_hidden_layers {n_layer} is more than the {} layers a model may have", super::MAX_LAYERS)));
+        }
+        let n_head = req("num_attention_heads")?;
+        let n_head_kv = top.u("num_key_value_heads")?.unwrap_or(n_head);
+        let head_dim = n_embd.checked_div(n_head).unwrap_or(0);
+        let types = top.typed("layer_types", |v| v.as_array(), "an array of layer types")?.ok_or_else(|| err("config.json: missing `layer_types`".into()))?;
+        if types.len() != n_layer {
+            return Err(err(format!("config.json: {} layer_types for {n_layer} layers", types.len())));
+        }
+        let shapes = types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("mamba" | "linear_attention") => Ok(LayerShape { n_head: 0, n_head_kv: 0, windowed: false }),
+                Some("attention" | "full_attention") => Ok(LayerShape { n_head, n_head_kv, windowed: false }),
+                _ => Err(err(format!("config.json: layer type {t} is neither mamba nor attention"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rope = top.s("position_embedding_type")? == Some("rope");
+        let theta = match top.get("rope_parameters") {
+            Some(p) => Fields { obj: p, at: "rope_parameters.", file }.f("rope_theta")?,
+            None => top.f("rope_theta")?,
+        }
+        .unwrap_or(10_000.0);
+        let n_expand = top.u("mamba_expand")?.unwrap_or(2);
+        let ssm_heads = req("mamba_n_heads")?;
+        let ssm = SsmBlock {
+            d_inner: match top.u("mamba_d_head")? {
+                Some(hd) => hd.checked_mul(ssm_heads),
+                None => n_expand.checked_mul(n_embd),
+            }
+            .ok_or_else(|| err("config.json: mamba_d_head x mamba_n_heads overflows".into()))?,
+            d_state: top.u("mamba_d_state")?.unwrap_or(256),
+            n_group: top.u("mamba_n_groups")?.unwrap_or(1),
+            n_head: ssm_heads,
+            d_conv: top.u("mamba_d_conv")?.unwrap_or(4),
+        };
+        let mut spec = ModelSpec {
+            arch: Arch::GraniteHybrid,
+            n_vocab: req("vocab_size")?,
+            n_embd,
+            n_layer,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ff: req("shared_intermediate_size")?,
+            norm_eps: top.f("rms_norm_eps")?.unwrap_or(1e-6),
+            rope: RopeSpec { style: RopeStyle::Neox, theta, n_rot: head_dim, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None },
+            qk_norm: false,
+            qkv_bias: false,
+            out_bias: false,
+            tied_output: top.b("tie_word_embeddings")?.unwrap_or(false),
+            activation: Activation::Silu,
+            moe: None,
+            sliding_window: None,
+            swa_period: 0,
+            rope_swa: None,
+            embd_scale: top.f("embedding_multiplier")?,
+            post_norms: false,
+            attn_sinks: false,
+            attn_softcap: None,
+            final_softcap: None,
+            fused: false,
+            context_length: top.u("max_position_embeddings")?.unwrap_or(4096),
+            attn_scale: top.f("attention_multiplier")?.unwrap_or(1.0 / (head_dim.max(1) as f64).sqrt()),
+            residual_scale: top.f("residual_multiplier")?,
+            logit_scale: top.f("logits_scaling")?,
+            no_rope: !rope,
+            ssm: Some(ssm),
+            layers: Vec::new(),
+        };
+        spec.derive_layers(Some(&shapes))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// A `mamba2` config (`Mamba2ForCausalLM`): state-space layers only, no heads, no FFN.
+    /// What the GGUF form cannot hold is refused: biases on the projections (`use_bias`), a
+    /// convolution without one (`use_conv_bias` false), a clamp of the time steps
+    /// (`time_step_limit` other than (0, inf)).
+    fn mamba2_from_hf(top: &Fields<'_>, file: &str) -> Result<ModelSpec> {
+        let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+        let req = |k: &str| top.u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
+        let n_embd = req("hidden_size")?;
+        let n_layer = req("num_hidden_layers")?;
+        if n_layer > super::MAX_LAYERS {
+            return Err(err(format!("config.json: num_hidden_layers {n_layer} is more than the {} layers a model may have", super::MAX_LAYERS)));
+        }
+        let n_head = req("num_heads")?;
+        let d_inner = match (top.u("head_dim")?, top.u("expand")?) {
+            (Some(hd), _) => hd.checked_mul(n_head),
+            (None, Some(e)) => e.checked_mul(n_embd),
+            (None, None) => n_embd.checked_mul(2),
+        }
+        .ok_or_else(|| err("config.json: head_dim x num_heads overflows".into()))?;
+        if top.b("use_bias")?.unwrap_or(false) {
+            return Err(err("config.json: use_bias (biases on the input and output projections) is not supported".into()));
+        }
+        if !top.b("use_conv_bias")?.unwrap_or(true) {
+            return Err(err("config.json: use_conv_bias false (a convolution without bias) is not supported".into()));
+        }
+        if let Some(limit) = top.get("time_step_limit") {
+            // Infinity as JSON cannot hold it: null, "Infinity", or transformers'
+            // {"__float__": "Infinity"}.
+            let infinite = |v: &serde_json::Value| v.is_null() || v.as_str() == Some("Infinity") || v.get("__float__").and_then(|f| f.as_str()) == Some("Infinity");
+            let unlimited = limit.as_array().is_some_and(|l| l.len() == 2 && l[0].as_f64() == Some(0.0) && infinite(&l[1]));
+            if !unlimited {
+                return Err(err(format!("config.json: time_step_limit {limit}: a clamp of the time steps is not supported")));
+            }
+        }
+        let ssm = SsmBlock {
+            d_inner,
+            d_state: top.u("state_size")?.unwrap_or(128),
+            n_group: top.u("n_groups")?.unwrap_or(1),
+            n_head,
+            d_conv: top.u("conv_kernel")?.unwrap_or(4),
+        };
+        let mut spec = ModelSpec {
+            arch: Arch::Mamba2,
+            n_vocab: req("vocab_size")?,
+            n_embd,
+            n_layer,
+            n_head: 0,
+            n_head_kv: 0,
+            head_dim: 0,
+            n_ff: 0,
+            norm_eps: top.f("layer_norm_epsilon")?.unwrap_or(1e-5),
+            rope: RopeSpec { style: RopeStyle::Normal, theta: 10_000.0, n_rot: 0, scaling: RopeScaling::None, freq_factors: None, longrope_factors: None },
+            qk_norm: false,
+            qkv_bias: false,
+            out_bias: false,
+            tied_output: top.b("tie_word_embeddings")?.unwrap_or(false),
+            activation: Activation::Silu,
+            moe: None,
+            sliding_window: None,
+            swa_period: 0,
+            rope_swa: None,
+            embd_scale: None,
+            post_norms: false,
+            attn_sinks: false,
+            attn_softcap: None,
+            final_softcap: None,
+            fused: false,
+            context_length: top.u("max_position_embeddings")?.unwrap_or(1 << 20),
+            attn_scale: 1.0,
+            residual_scale: None,
+            logit_scale: None,
+            no_rope: false,
+            ssm: Some(ssm),
+            layers: Vec::new(),
+        };
+        spec.derive_layers(None)?;
         spec.validate()?;
         Ok(spec)
     }

@@ -18,6 +18,66 @@ pub const MAX_LAYERS: usize = 1 << 16;
 pub enum BlockKind {
     /// Softmax attention over a key/value cache (grouped-query where `n_head_kv < n_head`).
     Attention(AttentionBlock),
+    /// A Mamba-2 selective state-space layer: a causal depthwise convolution over its input,
+    /// then a scan whose recurrent state (`n_head x head_dim x d_state`) carries every earlier
+    /// position forward, gated by SiLU of a projection and normed per group.
+    Ssm(SsmBlock),
+}
+
+/// A Mamba-2 layer's dimensions (GGUF `ssm.inner_size`, `ssm.state_size`, `ssm.group_count`,
+/// `ssm.time_step_rank` (its head count), `ssm.conv_kernel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SsmBlock {
+    pub d_inner: usize,
+    pub d_state: usize,
+    pub n_group: usize,
+    pub n_head: usize,
+    pub d_conv: usize,
+}
+
+impl SsmBlock {
+    /// Width of one head's slice of the inner activations: `d_inner / n_head`.
+    pub fn head_dim(&self) -> usize {
+        self.d_inner / self.n_head.max(1)
+    }
+
+    /// Width of the convolved activations: x, then B and C (`n_group * d_state` each).
+    pub fn conv_dim(&self) -> usize {
+        self.d_inner + 2 * self.n_group * self.d_state
+    }
+
+    /// Width of the input projection: the gate z, the convolved x/B/C, then one time step per head.
+    pub fn in_dim(&self) -> usize {
+        self.d_inner + self.conv_dim() + self.n_head
+    }
+
+    /// Values of the recurrent state: `n_head * head_dim * d_state`.
+    pub fn state_len(&self) -> usize {
+        self.d_inner * self.d_state
+    }
+
+    /// Checks the dimensions fit together: every one positive, heads and groups dividing the
+    /// inner width evenly, heads grouped evenly.
+    pub fn validate(&self) -> Result<()> {
+        let ok = self.d_inner > 0
+            && self.d_state > 0
+            && self.n_group > 0
+            && self.n_head > 0
+            && self.d_conv > 0
+            && self.d_inner.is_multiple_of(self.n_head)
+            && self.n_head.is_multiple_of(self.n_group);
+        if !ok {
+            return Err(OracleError::Spec(format!(
+                "state-space layer: inner width {}, state {}, {} groups, {} heads, convolution {}: each must be positive, the heads must divide the inner width and the groups the heads",
+                self.d_inner, self.d_state, self.n_group, self.n_head, self.d_conv
+            )));
+        }
+        // Every width the interpreters allocate by stays far from overflow.
+        if self.d_inner.checked_mul(self.d_state).is_none_or(|n| n > 1 << 32) || self.d_conv > 1 << 12 {
+            return Err(OracleError::Spec(format!("state-space layer: a state of {} x {} or a convolution of {} is beyond any model", self.d_inner, self.d_state, self.d_conv)));
+        }
+        Ok(())
+    }
 }
 
 /// An attention block's dimensions and reach. A model may give its layers different head
@@ -79,9 +139,18 @@ impl ModelSpec {
             None => (0..self.n_layer).map(|li| self.scalar_shape(li)).collect(),
         };
         let stages = self.block_stages();
+        let ssm_stages = self.ssm_stages();
         self.layers = shapes
             .into_iter()
             .map(|sh| {
+                // A layer without key/value heads in a model with state-space dimensions is a
+                // state-space layer (llama.cpp's hybrids give such layers `head_count_kv` 0).
+                if let (0, Some(ssm)) = (sh.n_head_kv, self.ssm) {
+                    return LayerSpec {
+                        block: BlockKind::Ssm(ssm),
+                        stages: ssm_stages.clone(),
+                    };
+                }
                 let windowed = sh.windowed && self.sliding_window.is_some();
                 let block = AttentionBlock {
                     n_head: sh.n_head,
@@ -105,9 +174,29 @@ impl ModelSpec {
         if self.qk_norm {
             s.push(Stage::QkNorm);
         }
-        s.extend([Stage::Rope, Stage::Attention, Stage::AttnOutProj]);
+        if !self.no_rope {
+            s.push(Stage::Rope);
+        }
+        s.extend([Stage::Attention, Stage::AttnOutProj]);
         if self.post_norms {
             s.push(Stage::AttnPostNorm);
+        }
+        self.ffn_stages(s)
+    }
+
+    /// The stages of a state-space block, then the FFN's if the model has one.
+    fn ssm_stages(&self) -> Vec<Stage> {
+        let s = vec![Stage::AttnNorm, Stage::SsmInProj, Stage::SsmConv, Stage::SsmScan, Stage::SsmNorm, Stage::SsmOutProj];
+        self.ffn_stages(s)
+    }
+
+    /// `s` followed by the residual add and the feed-forward block's stages, or, in a model
+    /// without feed-forward blocks (`n_ff` 0 and no experts: Mamba-2), the residual add that ends
+    /// the layer.
+    fn ffn_stages(&self, mut s: Vec<Stage>) -> Vec<Stage> {
+        if self.n_ff == 0 && self.moe.is_none() {
+            s.push(Stage::MixerResidual);
+            return s;
         }
         s.extend([Stage::AttnResidual, Stage::FfnNorm]);
         s.push(if self.moe.is_some() {
@@ -125,20 +214,32 @@ impl ModelSpec {
     /// One state per layer, each made by the constructor for its block's kind. Every
     /// interpreter's cache is built through this, so a new kind of block is a new argument each
     /// of them must supply.
-    pub fn layer_states<S>(&self, attention: impl Fn(&AttentionBlock) -> S) -> Vec<S> {
+    pub fn layer_states<S>(&self, attention: impl Fn(&AttentionBlock) -> S, ssm: impl Fn(&SsmBlock) -> S) -> Vec<S> {
         self.layers
             .iter()
             .map(|l| match &l.block {
                 BlockKind::Attention(a) => attention(a),
+                BlockKind::Ssm(b) => ssm(b),
             })
             .collect()
     }
 
-    /// Layer `li`'s attention block.
-    pub fn attention(&self, li: usize) -> &AttentionBlock {
+    /// Layer `li`'s attention block, None for a layer of another kind.
+    pub fn attention(&self, li: usize) -> Option<&AttentionBlock> {
         match &self.layers[li].block {
-            BlockKind::Attention(a) => a,
+            BlockKind::Attention(a) => Some(a),
+            BlockKind::Ssm(_) => None,
         }
+    }
+
+    /// Whether any layer attends (a pure state-space model has no heads at all).
+    pub fn has_attention(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l.block, BlockKind::Attention(_)))
+    }
+
+    /// Whether any layer is a state-space layer.
+    pub fn has_ssm(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l.block, BlockKind::Ssm(_)))
     }
 
     /// The RoPE an attention block rotates with.
@@ -208,6 +309,12 @@ impl ModelSpec {
                         )));
                     }
                 }
+                BlockKind::Ssm(b) => {
+                    b.validate().map_err(|e| OracleError::Spec(format!("layer {li}: {e}")))?;
+                    if self.ssm != Some(*b) {
+                        return Err(OracleError::Spec(format!("layer {li}: state-space dimensions other than the model's")));
+                    }
+                }
             }
         }
         Ok(())
@@ -229,6 +336,7 @@ impl BlockKind {
     pub fn heads(&self) -> (usize, usize) {
         match self {
             BlockKind::Attention(a) => (a.n_head, a.n_head_kv),
+            BlockKind::Ssm(_) => (0, 0),
         }
     }
 
@@ -239,6 +347,11 @@ impl BlockKind {
                 n_head: a.n_head,
                 n_head_kv: a.n_head_kv,
                 windowed: a.window.is_some(),
+            },
+            BlockKind::Ssm(_) => LayerShape {
+                n_head: 0,
+                n_head_kv: 0,
+                windowed: false,
             },
         }
     }

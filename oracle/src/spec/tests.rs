@@ -119,7 +119,7 @@ fn gpt_oss_config() {
     assert!(s.moe.as_ref().is_some_and(|m| m.biases && m.normalize_topk && m.gating == Gating::Softmax));
     assert!(matches!(s.rope.scaling, RopeScaling::Yarn { truncate: false, .. }));
     assert_eq!(
-        (s.attention(0).window, s.attention(1).window),
+        (s.attention(0).unwrap().window, s.attention(1).unwrap().window),
         (Some(4), None)
     );
     assert!(
@@ -159,7 +159,7 @@ fn gemma2_gguf_metadata() {
     assert_eq!((s.attn_softcap, s.final_softcap, s.swa_period, s.qk_norm, s.post_norms, s.rope_swa.is_none()), (Some(50.0), Some(30.0), 2, false, true, true));
     assert_eq!((s.activation, s.embd_scale), (Activation::GeluTanh, Some(8.0)));
     assert_eq!(
-        (s.attention(0).window, s.attention(1).window),
+        (s.attention(0).unwrap().window, s.attention(1).unwrap().window),
         (Some(4), None)
     );
     assert_eq!(s.attn_scale, 1.0 / 32f64.sqrt());

@@ -46,13 +46,17 @@ pub struct Dims {
     pub embd_scale: f64,
     /// The gated FFN's activation is GELU (what `Arithmetic::gelu_half_table` applies to).
     pub gelu: bool,
+    /// The state-space layers' inner width, state size and convolution width (0 without them).
+    pub ssm_inner: usize,
+    pub ssm_state: usize,
+    pub ssm_conv: usize,
 }
 
 impl Dims {
     pub fn of(spec: &ModelSpec, n_pos: usize) -> Dims {
         let n_ff = spec.moe.as_ref().map_or(spec.n_ff, |m| m.expert_ffn.max(m.shared_ffn.unwrap_or(0)));
         let rope_angle_rms = spec.ropes().into_iter().map(|r| rope_angle_rms(r, n_pos)).fold(0.0, f64::max);
-        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0), gelu: spec.activation == oracle::spec::Activation::GeluTanh }
+        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0), gelu: spec.activation == oracle::spec::Activation::GeluTanh, ssm_inner: spec.ssm.map_or(0, |b| b.d_inner), ssm_state: spec.ssm.map_or(0, |b| b.d_state), ssm_conv: spec.ssm.map_or(0, |b| b.d_conv) }
     }
 }
 
@@ -100,6 +104,16 @@ pub(crate) fn op_shape(kind: TapKind, d: &Dims) -> Option<OpShape> {
         TapKind::FfnAct => s(2, false, true),
         TapKind::FfnMoeProbs => s(d.d, true, true),
         TapKind::FfnMoeTopk => None,
+        TapKind::SsmIn => s(d.d, true, false),
+        // d_conv products and a bias, then SiLU.
+        TapKind::SsmConv => s(d.ssm_conv + 1, false, true),
+        // The state carries one rounding of every earlier position forward (decayed, never
+        // amplified: exp(dt A) <= 1), and each step's decay is an exp.
+        TapKind::SsmState => s(d.n_pos.max(1) + 1, false, true),
+        // A dot product with C over the state, whose own error the state's term holds.
+        TapKind::SsmScan => s(d.ssm_state.max(d.n_pos) + 1, false, true),
+        TapKind::SsmNorm => s(d.ssm_inner, false, true),
+        TapKind::SsmOut => s(d.ssm_inner, true, false),
     }
 }
 

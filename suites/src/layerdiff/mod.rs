@@ -304,13 +304,21 @@ fn tap_inputs(layer: Option<usize>, kind: TapKind, n_layer: usize, has: &dyn Fn(
         AttnKqv => vec![first(&[AttnQRope, AttnQNorm, AttnQ]), first(&[AttnKRope, AttnKNorm, AttnK]), first(&[AttnV])],
         AttnOut => vec![first(&[AttnKqv])],
         AttnPostNorm => vec![first(&[AttnOut])],
-        FfnInp => vec![residual, first(&[AttnPostNorm, AttnOut])],
+        FfnInp => vec![residual, first(&[AttnPostNorm, AttnOut, SsmOut])],
         FfnNorm => vec![first(&[FfnInp])],
         FfnGate | FfnUp | FfnMoeProbs => vec![first(&[FfnNorm])],
         FfnAct => vec![first(&[FfnGate]), first(&[FfnUp])],
         FfnOut => vec![first(&[FfnAct, FfnNorm])],
         FfnPostNorm => vec![first(&[FfnOut])],
+        // A layer without an FFN (Mamba-2) adds its mixer's output to the residual.
+        LOut if !has(&TapName::layer(i, FfnInp).to_string()) => vec![residual, first(&[SsmOut, AttnOut])],
         LOut => vec![first(&[FfnInp]), first(&[FfnPostNorm, FfnOut])],
+        SsmIn => vec![first(&[AttnNorm])],
+        SsmConv => vec![first(&[SsmIn])],
+        SsmState => vec![first(&[SsmConv]), first(&[SsmIn])],
+        SsmScan => vec![first(&[SsmState]), first(&[SsmConv])],
+        SsmNorm => vec![first(&[SsmScan]), first(&[SsmIn])],
+        SsmOut => vec![first(&[SsmNorm])],
         // Chosen from the router's scores, compared exactly: no op error to carry.
         FfnMoeTopk => Vec::new(),
         // Kinds that stand alone have no layer.

@@ -57,6 +57,12 @@ pub fn op_behind(t: &TapDiff) -> String {
         FfnAct => "the gated activation (SwiGLU or GeGLU: act(gate) x up)".into(),
         FfnMoeProbs => format!("the router: the matrix product with {} and its softmax", w("ffn_gate_inp")),
         FfnMoeTopk => "the router's choice of experts".into(),
+        // The taps share their names with the weights that make them.
+        SsmIn | SsmOut => format!("the matrix product with {}", w(t.kind.name())),
+        SsmConv => "the state-space layer's causal convolution (ssm_conv1d) and SiLU".into(),
+        SsmState => "the selective scan's state update: decay exp(dt A), plus dt x B".into(),
+        SsmScan => "the selective scan's output: the state read through C, plus D x".into(),
+        SsmNorm => format!("the gated norm: SiLU(z) times the scan, RMS-normed per group, times {}", w(t.kind.name())),
     }
 }
 
@@ -82,6 +88,8 @@ pub fn kernel_filter(kind: TapKind) -> Option<&'static str> {
         FfnInp | LOut => "^add\\(",
         FfnAct => "^(swiglu|geglu|swiglu_oai)\\(",
         FfnMoeProbs | FfnMoeTopk => "^moe_route\\(",
+        SsmIn | SsmOut => "^matmul\\(",
+        SsmConv | SsmState | SsmScan | SsmNorm => return None,
     })
 }
 

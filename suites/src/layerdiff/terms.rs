@@ -253,8 +253,8 @@ pub fn attention_allowances(spec: &ModelSpec, device: &RecordingTap, fallback: &
     // Without the sinks (the model's weights, not at hand): a sink only takes weight from the
     // keys, so the output it leaves, and the error the roundings make in it, are smaller.
     let params = |layer: usize| {
-        let a = spec.attention(layer);
-        oracle::ops::AttentionParams {
+        let a = spec.attention(layer)?;
+        Some(oracle::ops::AttentionParams {
             n_head: a.n_head,
             n_head_kv: a.n_head_kv,
             head_dim: a.head_dim,
@@ -262,7 +262,7 @@ pub fn attention_allowances(spec: &ModelSpec, device: &RecordingTap, fallback: &
             window: a.window,
             sinks: None,
             softcap: spec.attn_softcap,
-        }
+        })
     };
     let get = |layer: usize, kinds: &[TapKind]| {
         kinds.iter().map(|k| TapName::layer(layer, *k).to_string()).find_map(|n| device.tensors.get(&n).or_else(|| fallback.tensors.get(&n))).map(|(_, v)| v.as_slice())
@@ -272,7 +272,8 @@ pub fn attention_allowances(spec: &ModelSpec, device: &RecordingTap, fallback: &
         else {
             continue;
         };
-        if let Some(s) = crate::attention_terms::sensitivity(q, k, v, n_pos, &params(layer), &roundings) {
+        let Some(params) = params(layer) else { continue };
+        if let Some(s) = crate::attention_terms::sensitivity(q, k, v, n_pos, &params, &roundings) {
             out.insert(TapName::layer(layer, TapKind::AttnKqv).to_string(), C_STAT * s);
         }
     }
