@@ -84,7 +84,8 @@ impl KvCache {
                         v: grow(old.map(|o| o.1), a.kv_dim())?,
                     }
                 }
-                BlockKind::Ssm(_) => return Err(crate::shared::attention_block(spec, li, "this device").err().unwrap_or_default()),
+                // Refused at load (`shared::attention_model`): no cache for one.
+                BlockKind::Ssm(_) => return Err(format!("layer {li} is a state-space layer; this device keeps no state for one")),
             });
         }
         self.layers = layers;

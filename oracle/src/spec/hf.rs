@@ -128,10 +128,7 @@ impl ModelSpec {
             }
         };
         let attention_bias = top.b("attention_bias")?.unwrap_or(false);
-        let n_layer = req("num_hidden_layers")?;
-        if n_layer > super::MAX_LAYERS {
-            return Err(err(format!("config.json: num_hidden_layers {n_layer} is more than the {} layers a model may have", super::MAX_LAYERS)));
-        }
+        let n_layer = layer_count(&top, file)?;
         // Mistral and Phi-3 window every layer by `sliding_window` (null: none). Qwen2/Qwen3 window only
         // with `use_sliding_window`, and then only layers from `max_window_layers` on (their
         // configs' default: 28): all of them (0) or none (>= the layer count) is one window for
@@ -274,11 +271,9 @@ impl ModelSpec {
         if top.b("mamba_proj_bias")?.unwrap_or(false) || !top.b("mamba_conv_bias")?.unwrap_or(true) || top.b("attention_bias")?.unwrap_or(false) {
             return Err(err("config.json: mamba_proj_bias, attention_bias, or mamba_conv_bias false: not supported".into()));
         }
+        no_time_step_clamp(top, file)?;
         let n_embd = req("hidden_size")?;
-        let n_layer = req("num_hidden_layers")?;
-        if n_layer > super::MAX_LAYERS {
-            return Err(err(format!("config.json: num_hidden_layers {n_layer} is more than the {} layers a model may have", super::MAX_LAYERS)));
-        }
+        let n_layer = layer_count(top, file)?;
         let n_head = req("num_attention_heads")?;
         let n_head_kv = top.u("num_key_value_heads")?.unwrap_or(n_head);
         let head_dim = n_embd.checked_div(n_head).unwrap_or(0);
@@ -355,15 +350,12 @@ impl ModelSpec {
     /// A `mamba2` config (`Mamba2ForCausalLM`): state-space layers only, no heads, no FFN.
     /// What the GGUF form cannot hold is refused: biases on the projections (`use_bias`), a
     /// convolution without one (`use_conv_bias` false), a clamp of the time steps
-    /// (`time_step_limit` other than (0, inf)).
+    /// (`time_step_limit` other than (0, inf)), as for Granite's Mamba-2 layers.
     fn mamba2_from_hf(top: &Fields<'_>, file: &str) -> Result<ModelSpec> {
         let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
         let req = |k: &str| top.u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
         let n_embd = req("hidden_size")?;
-        let n_layer = req("num_hidden_layers")?;
-        if n_layer > super::MAX_LAYERS {
-            return Err(err(format!("config.json: num_hidden_layers {n_layer} is more than the {} layers a model may have", super::MAX_LAYERS)));
-        }
+        let n_layer = layer_count(top, file)?;
         let n_head = req("num_heads")?;
         let d_inner = match (top.u("head_dim")?, top.u("expand")?) {
             (Some(hd), _) => hd.checked_mul(n_head),
@@ -377,15 +369,7 @@ impl ModelSpec {
         if !top.b("use_conv_bias")?.unwrap_or(true) {
             return Err(err("config.json: use_conv_bias false (a convolution without bias) is not supported".into()));
         }
-        if let Some(limit) = top.get("time_step_limit") {
-            // Infinity as JSON cannot hold it: null, "Infinity", or transformers'
-            // {"__float__": "Infinity"}.
-            let infinite = |v: &serde_json::Value| v.is_null() || v.as_str() == Some("Infinity") || v.get("__float__").and_then(|f| f.as_str()) == Some("Infinity");
-            let unlimited = limit.as_array().is_some_and(|l| l.len() == 2 && l[0].as_f64() == Some(0.0) && infinite(&l[1]));
-            if !unlimited {
-                return Err(err(format!("config.json: time_step_limit {limit}: a clamp of the time steps is not supported")));
-            }
-        }
+        no_time_step_clamp(top, file)?;
         let ssm = SsmBlock {
             d_inner,
             d_state: top.u("state_size")?.unwrap_or(128),
@@ -468,6 +452,27 @@ impl ModelSpec {
         self.post_norms = true;
         Ok(())
     }
+}
+
+/// `num_hidden_layers`, refused beyond the layers a model may have.
+fn layer_count(top: &Fields<'_>, file: &str) -> Result<usize> {
+    let n_layer = top.u("num_hidden_layers")?.ok_or_else(|| OracleError::Safetensors { file: file.to_string(), reason: "config.json: missing integer `num_hidden_layers`".into() })?;
+    if n_layer > super::MAX_LAYERS {
+        return Err(OracleError::Safetensors { file: file.to_string(), reason: format!("config.json: num_hidden_layers {n_layer} is more than the {} layers a model may have", super::MAX_LAYERS) });
+    }
+    Ok(n_layer)
+}
+
+/// A Mamba-2 layer's `time_step_limit` must be (0, inf): a clamp of the time steps is not
+/// supported (the GGUF form cannot hold one). Infinity as JSON cannot hold it either: null,
+/// "Infinity", or transformers' {"__float__": "Infinity"}.
+fn no_time_step_clamp(top: &Fields<'_>, file: &str) -> Result<()> {
+    let Some(limit) = top.get("time_step_limit") else { return Ok(()) };
+    let infinite = |v: &serde_json::Value| v.is_null() || v.as_str() == Some("Infinity") || v.get("__float__").and_then(|f| f.as_str()) == Some("Infinity");
+    if limit.as_array().is_some_and(|l| l.len() == 2 && l[0].as_f64() == Some(0.0) && infinite(&l[1])) {
+        return Ok(());
+    }
+    Err(OracleError::Safetensors { file: file.to_string(), reason: format!("config.json: time_step_limit {limit}: a clamp of the time steps is not supported") })
 }
 
 /// The period `config.json`'s `layer_types` describes (see [`ModelSpec::swa_period`]): N when
