@@ -275,6 +275,11 @@ pub enum ModelFault {
     SsmDecaySign,
     /// Granite's residual branches added unscaled (`residual_multiplier` ignored).
     ResidualScaleDropped,
+    /// Qwen3-Next's attention output gate never applied (the gate projected, then dropped).
+    AttnGateDropped,
+    /// RoPE over the whole head where the model rotates only a share of it (Qwen3-Next's
+    /// quarter).
+    RopeWholeHead,
 }
 
 impl ModelFault {
@@ -284,6 +289,8 @@ impl ModelFault {
     pub const GPT_OSS: [ModelFault; 3] = [ModelFault::SinksDropped, ModelFault::PlainSwiglu, ModelFault::YarnTruncated];
     /// Mamba-2's.
     pub const MAMBA2: [ModelFault; 3] = [ModelFault::SsmStateBf16, ModelFault::SsmConvShifted, ModelFault::SsmDecaySign];
+    /// Qwen3-Next's beyond its recurrent layers' (those of [`ModelFault::MAMBA2`]).
+    pub const QWEN3_NEXT: [ModelFault; 2] = [ModelFault::AttnGateDropped, ModelFault::RopeWholeHead];
 
     /// The tap kind where the bug first shows (isolated comparison): an engine that skips the
     /// post-norms records none, so the first tap off is the residual sum they feed.
@@ -300,6 +307,10 @@ impl ModelFault {
             ModelFault::SsmStateBf16 | ModelFault::SsmDecaySign => "ssm_state",
             ModelFault::SsmConvShifted => "ssm_conv",
             ModelFault::ResidualScaleDropped => "ffn_inp",
+            // An engine that skips the gate records no gated output: the projection of the
+            // ungated one is the first tap off.
+            ModelFault::AttnGateDropped => "attn_out",
+            ModelFault::RopeWholeHead => "attn_q_rope",
         }
     }
 
@@ -334,6 +345,8 @@ impl ModelFault {
             }
             ModelFault::SoftcapDropped => (inner.spec.attn_softcap, inner.spec.final_softcap) = (None, None),
             ModelFault::ResidualScaleDropped => inner.spec.residual_scale = None,
+            ModelFault::AttnGateDropped => inner.spec.layers.iter_mut().for_each(|l| l.stages.retain(|s| *s != oracle::spec::Stage::AttnGate)),
+            ModelFault::RopeWholeHead => inner.spec.rope.n_rot = inner.spec.head_dim,
             ModelFault::SsmStateBf16 => inner.ssm_state_rounding = Some(|v| half::bf16::from_f32(v).to_f32()),
             ModelFault::SsmConvShifted | ModelFault::SsmDecaySign => {
                 let k = spec.ssm.map_or(1, |b| b.d_conv);

@@ -19,6 +19,9 @@ pub fn attention_model(spec: &ModelSpec, device: &str) -> Result<(), String> {
     if spec.residual_scale.is_some() || spec.logit_scale.is_some() {
         return Err(format!("the model scales its residual branches or its logits (Granite); {device} does not"));
     }
+    if spec.attn_gate {
+        return Err(format!("the model gates its attention output (Qwen3-Next); {device} does not"));
+    }
     Ok(())
 }
 
@@ -28,7 +31,7 @@ pub fn attention_model(spec: &ModelSpec, device: &str) -> Result<(), String> {
 pub fn attention_block(spec: &ModelSpec, li: usize, device: &str) -> Result<AttentionBlock, String> {
     match spec.layers.get(li).map(|l| l.block) {
         Some(BlockKind::Attention(a)) => Ok(a),
-        Some(BlockKind::Ssm(_)) => Err(format!("layer {li} is a state-space (Mamba-2) layer; {device} runs attention layers only")),
+        Some(BlockKind::Ssm(_)) => Err(format!("layer {li} is a state-space (Mamba-2 or gated DeltaNet) layer; {device} runs attention layers only")),
         None => Err(format!("no layer {li} in a model of {}", spec.layers.len())),
     }
 }

@@ -386,6 +386,7 @@ impl FlatFile {
             residual_scale: None,
             logit_scale: None,
             no_rope: false,
+            attn_gate: false,
             ssm: None,
             layers: Vec::new(),
         };
@@ -529,8 +530,8 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
     if spec.ssm.is_some() {
         return Err(unfit("a state-space (Mamba-2) layer"));
     }
-    if spec.residual_scale.is_some() || spec.logit_scale.is_some() || spec.no_rope {
-        return Err(unfit("Granite's residual or logit scale, or attention without RoPE"));
+    if spec.residual_scale.is_some() || spec.logit_scale.is_some() || spec.no_rope || spec.attn_gate {
+        return Err(unfit("Granite's residual or logit scale, attention without RoPE, or an attention output gate"));
     }
     let arch = spec.arch.gguf_name();
     if arch.len() > 15 {

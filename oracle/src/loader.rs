@@ -58,8 +58,9 @@ pub struct SafetensorsDir {
     /// GGUF name -> its parts: one, or (a MoE layer's stacked expert tensor) one per expert, in
     /// expert order.
     index: HashMap<String, Vec<Part>>,
-    /// Gemma's checkpoints store each RMSNorm's weight less one (the model multiplies by
-    /// `1 + w`, computed in f32): handed out as `1 + w` in f32, as GGUF converters store them.
+    /// Gemma's and Qwen3-Next's checkpoints store each RMSNorm's weight less one (the model
+    /// multiplies by `1 + w`, computed in f32): handed out as `1 + w` in f32, as GGUF converters
+    /// store them. (Not a gated DeltaNet's output norm, `ssm_norm`, which multiplies by `w`.)
     norm_plus_one: bool,
     /// A Mamba-2 checkpoint's dimensions: its `A_log`, convolution kernels and gated norms are
     /// handed out in their GGUF form.
@@ -80,6 +81,9 @@ struct Part {
     /// Of a fused `gate_up_proj` `[n_expert, 2 * rows, cols]`: the gate (0) or up (1) half of
     /// every expert's rows. None: the whole tensor.
     half: Option<usize>,
+    /// Of a 2-D tensor: these rows (torch order), in this order (Qwen3-Next's q/k/v and z, each
+    /// key head's rows of them stored together). None: every row.
+    rows: Option<Vec<usize>>,
     /// One expert's matrix of a stacked `[cols, rows, n_expert]` tensor (a stack of one expert
     /// is still 3-D).
     expert: bool,
@@ -319,10 +323,25 @@ impl SafetensorsDir {
                 }
                 let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 let data = start..start + view.data().len();
-                let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, expert, oss: None, scales: None };
+                let part = |half, expert| Part { file: fi, hf: name.to_string(), dtype: view.dtype(), shape: view.shape().to_vec(), data: data.clone(), half, rows: None, expert, oss: None, scales: None };
                 let granite = spec.arch == crate::spec::Arch::GraniteHybrid;
+                let delta = spec.ssm.filter(|b| b.kind == crate::spec::SsmKind::GatedDelta);
                 let gguf = if granite {
                     None
+                } else if let Some(b) = delta {
+                    match delta_hf_to_gguf(name, &b) {
+                        Some(parts) => {
+                            for (g, rows) in parts {
+                                index.insert(g, vec![Part { rows, ..part(None, false) }]);
+                            }
+                            continue;
+                        }
+                        // Its FFN norm where llama.cpp's converter stores it (`stored_ffn_norm`).
+                        None => hf_to_gguf_name(name).map(|g| match g.strip_suffix("ffn_norm.weight") {
+                            Some(layer) => format!("{layer}{}", spec.stored_ffn_norm()),
+                            None => g,
+                        }),
+                    }
                 } else if spec.ssm.is_some() {
                     mamba_hf_to_gguf_name(name)
                 } else if spec.post_norms {
@@ -424,7 +443,7 @@ impl SafetensorsDir {
             let stored = first.and_then(|g| index.get(g)?.first()).map(|p| format!(" (`{}` in the files)", p.hf)).unwrap_or_default();
             OracleError::Safetensors { file: dir.display().to_string(), reason: format!("{reason}{stored}") }
         })?;
-        Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index, norm_plus_one: spec.post_norms, ssm: spec.ssm }, spec))
+        Ok((SafetensorsDir { dir: dir.to_path_buf(), maps, index, norm_plus_one: spec.post_norms || spec.arch.row().qwen_next, ssm: spec.ssm }, spec))
     }
 
     /// (values, bytes) of the stored tensors the index reads, each counted once (a fused
@@ -478,8 +497,8 @@ impl SafetensorsDir {
     /// tensor), or its experts joined in expert order (each of the same dims and type) under GGML
     /// dims `[cols, rows, n_expert]`.
     fn stored(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
-        if let Some(b) = self.ssm {
-            let tail = name.split_once('.').map_or("", |(_, r)| r.split_once('.').map_or("", |(_, t)| t));
+        let tail = name.split_once('.').map_or("", |(_, r)| r.split_once('.').map_or("", |(_, t)| t));
+        if let Some(b) = self.ssm.filter(|_| tail.starts_with("ssm_")) {
             let Some(t) = self.stored_as_is(name)? else { return Ok(None) };
             let f32_bytes = |v: Vec<f32>| -> Cow<'_, [u8]> { Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()) };
             return Ok(Some(match tail {
@@ -489,11 +508,11 @@ impl SafetensorsDir {
                     RawTensor { dims: t.dims, ty: GgmlType::F32, bytes: f32_bytes(w.data.iter().map(|a| -(*a as f64).exp() as f32).collect()) }
                 }
                 "ssm_conv1d.weight" if t.dims.len() == 3 && t.dims[1] == 1 => RawTensor { dims: vec![t.dims[0], t.dims[2]], ..t },
-                "ssm_norm.weight" if t.dims == [b.d_inner] => RawTensor { dims: vec![b.d_inner / b.n_group.max(1), b.n_group], ..t },
+                "ssm_norm.weight" if t.dims == [b.d_inner] && b.kind == crate::spec::SsmKind::Mamba2 => RawTensor { dims: vec![b.d_inner / b.n_group.max(1), b.n_group], ..t },
                 _ => t,
             }));
         }
-        if self.norm_plus_one && name.ends_with("norm.weight") {
+        if self.norm_plus_one && name.ends_with("norm.weight") && tail != "ssm_norm.weight" {
             let Some(t) = self.stored_as_is(name)? else { return Ok(None) };
             let w = t.decode()?;
             let bytes: Vec<u8> = w.data.iter().flat_map(|v| (1.0 + v).to_le_bytes()).collect();
@@ -525,6 +544,13 @@ impl SafetensorsDir {
                 Some(h) => half_of_each_expert(dims, ty, bytes, h).ok_or_else(|| OracleError::Safetensors {
                     file: path.display().to_string(),
                     reason: format!("fused expert tensor `{}` is not [n_expert, 2 * ffn, hidden] with whole rows", p.hf),
+                })?,
+            };
+            let (dims, bytes) = match &p.rows {
+                None => (dims, bytes),
+                Some(rows) => pick_rows(&dims, ty, &bytes, rows).ok_or_else(|| OracleError::Safetensors {
+                    file: path.display().to_string(),
+                    reason: format!("tensor `{}` {:?} is not a matrix of the rows its config describes", p.hf, p.shape),
                 })?,
             };
             if parts.len() == 1 && !p.expert {
@@ -571,6 +597,47 @@ fn invalid_tensor_entry(file: &[u8]) -> Option<String> {
             Some(_) => None,
         }
     })
+}
+
+/// Rows `rows` of a matrix of GGML dims `[cols, n_rows]`, in that order: dims `[cols,
+/// rows.len()]` and its bytes. None when the tensor is not 2-D or a row is beyond it.
+fn pick_rows(dims: &[usize], ty: GgmlType, bytes: &[u8], rows: &[usize]) -> Option<(Vec<usize>, Cow<'static, [u8]>)> {
+    let [cols, n_rows] = dims[..] else { return None };
+    let row_bytes = ty.bytes_for(cols as u64)? as usize;
+    if bytes.len() != n_rows.checked_mul(row_bytes)? || rows.iter().any(|r| *r >= n_rows) {
+        return None;
+    }
+    let out: Vec<u8> = rows.iter().flat_map(|r| &bytes[r * row_bytes..(r + 1) * row_bytes]).copied().collect();
+    Some((vec![cols, rows.len()], Cow::Owned(out)))
+}
+
+/// A Qwen3-Next gated DeltaNet tensor (after `model.layers.N.linear_attn.`) as GGUF tensors, as
+/// llama.cpp's converter writes them, each with the rows of the stored tensor it takes (None:
+/// all). `in_proj_qkvz` stores, per key head, its q, k, v and z rows together: it becomes
+/// `attn_qkv` (every head's q, then every head's k, then v) and `attn_gate` (z). None for a name
+/// that is not one of them.
+pub fn delta_hf_to_gguf(hf: &str, b: &crate::spec::SsmBlock) -> Option<Vec<(String, Option<Vec<usize>>)>> {
+    let (layer, tail) = hf.strip_prefix("model.layers.")?.split_once(".linear_attn.")?;
+    let layer: usize = layer.parse().ok()?;
+    let n = |g: &str| format!("blk.{layer}.{g}");
+    let whole = |g: &str| Some(vec![(n(g), None)]);
+    match tail {
+        "in_proj_qkvz.weight" => {
+            let (dk, ng) = (b.d_state, b.n_group);
+            let dv = b.d_inner / ng.max(1);
+            let block = 2 * dk + 2 * dv;
+            let rows = |from: usize, width: usize| -> Vec<usize> { (0..ng).flat_map(|g| g * block + from..g * block + from + width).collect() };
+            let qkv: Vec<usize> = [rows(0, dk), rows(dk, dk), rows(2 * dk, dv)].concat();
+            Some(vec![(n("attn_qkv.weight"), Some(qkv)), (n("attn_gate.weight"), Some(rows(2 * dk + dv, dv)))])
+        }
+        "in_proj_ba.weight" => whole("ssm_ba.weight"),
+        "conv1d.weight" => whole("ssm_conv1d.weight"),
+        "dt_bias" => whole("ssm_dt.bias"),
+        "A_log" => whole("ssm_a"),
+        "norm.weight" => whole("ssm_norm.weight"),
+        "out_proj.weight" => whole("ssm_out.weight"),
+        _ => None,
+    }
 }
 
 /// Half `h` (0: the first `rows`, 1: the next) of every expert's `2 * rows` rows of a fused

@@ -6,7 +6,7 @@ use crate::error::{OracleError, Result};
 use crate::loader::TensorSource;
 use crate::ops::{self, AttentionParams, Mat, RowBuf};
 use crate::real::Real;
-use crate::spec::{Activation, BlockKind, ModelSpec, Stage};
+use crate::spec::{Activation, BlockKind, ModelSpec, SsmBlock, SsmKind, Stage};
 use crate::taps::{TapKind, TapName};
 use rayon::prelude::*;
 
@@ -108,6 +108,24 @@ fn columns<T: Copy>(x: &[T], row: usize, from: usize, width: usize) -> Vec<T> {
     x.chunks_exact(row).flat_map(|r| r[from..from + width].iter().copied()).collect()
 }
 
+/// A gated DeltaNet's input projections as one row a position, as the tap `ssm_in` holds it
+/// ([`SsmBlock::in_dim`]): q/k/v, z, then b and a each in value-head order, from the stored b/a
+/// projection's rows (per key head: its value heads' b, then their a).
+fn delta_in_rows<T: Copy>(b: &SsmBlock, qkv: &[T], z: &[T], ba: &[T], m: usize) -> Vec<T> {
+    let (cd, di, nh) = (b.conv_dim(), b.d_inner, b.n_head);
+    let per_group = nh / b.n_group.max(1);
+    let mut out = Vec::with_capacity(m * b.in_dim());
+    for t in 0..m {
+        out.extend_from_slice(&qkv[t * cd..(t + 1) * cd]);
+        out.extend_from_slice(&z[t * di..(t + 1) * di]);
+        let row = &ba[t * 2 * nh..(t + 1) * 2 * nh];
+        for part in 0..2 {
+            out.extend((0..nh).map(|h| row[(h / per_group) * 2 * per_group + part * per_group + h % per_group]));
+        }
+    }
+    out
+}
+
 /// A state-space layer's state is as of position `at`; a call must continue from there (it
 /// cannot be cut back as keys and values can).
 fn check_ssm_position(li: usize, at: usize, start: usize) -> Result<()> {
@@ -187,18 +205,26 @@ pub struct AttnWeights<T> {
     pub sinks: Option<Vec<T>>,
 }
 
-/// A Mamba-2 block's weights (GGUF `blk.N.ssm_*`).
+/// A state-space block's weights (GGUF `blk.N.ssm_*`; a gated DeltaNet's projections
+/// `attn_qkv`, `attn_gate`, `ssm_ba`).
 pub struct SsmWeights<T> {
-    /// `[in_dim, n_embd]`: z, x/B/C, dt.
+    /// Mamba-2: `[in_dim, n_embd]`: z, x/B/C, dt. Gated DeltaNet: `[conv_dim, n_embd]`, q/k/v.
     pub in_proj: Mat<T>,
-    /// The convolution's kernel, `[conv_dim, d_conv]`, and bias, `[conv_dim]`.
+    /// Gated DeltaNet: the gate z's projection, `[d_inner, n_embd]`, and b's and a's,
+    /// `[2 n_head, n_embd]` (interleaved per key head, as stored).
+    pub gate_proj: Option<Mat<T>>,
+    pub ba_proj: Option<Mat<T>>,
+    /// The convolution's kernel, `[conv_dim, d_conv]`, and bias, `[conv_dim]` (zeros for a gated
+    /// DeltaNet, which has none).
     pub conv: Vec<T>,
     pub conv_bias: Vec<T>,
-    /// Per head: the time steps' bias, A (`-exp(A_log)`) and D.
+    /// Per head: the time steps' bias, A (`-exp(A_log)`) and D (Mamba-2; empty for a gated
+    /// DeltaNet).
     pub dt_bias: Vec<T>,
     pub a: Vec<T>,
     pub d: Vec<T>,
-    /// The gated norm's scales, `[d_inner]` (group after group).
+    /// The gated norm's scales: `[d_inner]` (group after group); a gated DeltaNet's one head's,
+    /// `[head_dim]`.
     pub norm: Vec<T>,
     /// `[n_embd, d_inner]`.
     pub out: Mat<T>,
@@ -391,8 +417,10 @@ impl<T: Real> Model<T> {
                 let mixer = match s.layers[i].block {
                     BlockKind::Attention(a) => {
                         let (q_dim, kv_dim) = (a.q_dim(), a.kv_dim());
+                        // With an output gate, each head's query rows then its gate's.
+                        let q_rows = if s.attn_gate { 2 * q_dim } else { q_dim };
                         Mixer::Attention(AttnWeights {
-                            wq: l.mat(&n("attn_q.weight"), q_dim, d)?,
+                            wq: l.mat(&n("attn_q.weight"), q_rows, d)?,
                             wk: l.mat(&n("attn_k.weight"), kv_dim, d)?,
                             wv: l.mat(&n("attn_v.weight"), kv_dim, d)?,
                             wo: l.mat(&n("attn_output.weight"), d, q_dim)?,
@@ -405,8 +433,22 @@ impl<T: Real> Model<T> {
                             sinks: if s.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), a.n_head)?) } else { None },
                         })
                     }
+                    BlockKind::Ssm(b) if b.kind == SsmKind::GatedDelta => Mixer::Ssm(SsmWeights {
+                        in_proj: l.mat(&n("attn_qkv.weight"), b.conv_dim(), d)?,
+                        gate_proj: Some(l.mat(&n("attn_gate.weight"), b.d_inner, d)?),
+                        ba_proj: Some(l.mat(&n("ssm_ba.weight"), 2 * b.n_head, d)?),
+                        conv: l.shaped(&n("ssm_conv1d.weight"), &[b.d_conv, b.conv_dim()])?,
+                        conv_bias: vec![T::default(); b.conv_dim()],
+                        dt_bias: l.vec(&n("ssm_dt.bias"), b.n_head)?,
+                        a: l.vec(&n("ssm_a"), b.n_head)?,
+                        d: Vec::new(),
+                        norm: l.vec(&n("ssm_norm.weight"), b.head_dim())?,
+                        out: l.mat(&n("ssm_out.weight"), d, b.d_inner)?,
+                    }),
                     BlockKind::Ssm(b) => Mixer::Ssm(SsmWeights {
                         in_proj: l.mat(&n("ssm_in.weight"), b.in_dim(), d)?,
+                        gate_proj: None,
+                        ba_proj: None,
                         conv: l.shaped(&n("ssm_conv1d.weight"), &[b.d_conv, b.conv_dim()])?,
                         conv_bias: l.vec(&n("ssm_conv1d.bias"), b.conv_dim())?,
                         dt_bias: l.vec(&n("ssm_dt.bias"), b.n_head)?,
@@ -446,7 +488,7 @@ impl<T: Real> Model<T> {
         for l in &self.layers {
             b += match &l.mixer {
                 Mixer::Attention(w) => w.wq.n_bytes() + w.wk.n_bytes() + w.wv.n_bytes() + w.wo.n_bytes(),
-                Mixer::Ssm(w) => w.in_proj.n_bytes() + w.out.n_bytes() + (w.conv.len() + w.conv_bias.len()) * sz,
+                Mixer::Ssm(w) => w.in_proj.n_bytes() + w.gate_proj.as_ref().map_or(0, Mat::n_bytes) + w.ba_proj.as_ref().map_or(0, Mat::n_bytes) + w.out.n_bytes() + (w.conv.len() + w.conv_bias.len()) * sz,
             };
             b += match &l.ffn {
                 None => 0,
@@ -523,6 +565,7 @@ impl<T: Real> Model<T> {
             let wrong_kind = |what: &str| OracleError::Spec(format!("layer {li}: {what} stage in a layer of another kind"));
             let (hd, q_dim, kv_dim) = attn_parts.map_or((0, 0, 0), |(a, _)| (a.head_dim, a.q_dim(), a.kv_dim()));
             let (mut zx, mut xbc, mut y) = (Vec::new(), Vec::new(), Vec::new());
+            let mut gate = Vec::new();
             for stage in &s.layers[li].stages {
                 match stage {
                     Stage::AttnNorm => {
@@ -534,6 +577,12 @@ impl<T: Real> Model<T> {
                         // q: [m, n_head*hd], k, v: [m, n_head_kv*hd]
                         let mut qkv = products(taps, &h, m, &[(&w.wq, &name("attn_q.weight")), (&w.wk, &name("attn_k.weight")), (&w.wv, &name("attn_v.weight"))])?.into_iter();
                         (q, k, v) = (qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default());
+                        if s.attn_gate {
+                            // Each head's query, then its gate.
+                            let split = |part: usize| -> Vec<T> { q.chunks_exact(2 * hd).flat_map(|c| c[part * hd..(part + 1) * hd].iter().copied()).collect() };
+                            (q, gate) = (split(0), split(1));
+                            tap(taps, &tap_name(TapKind::AttnGate), start, m, q_dim, &mut gate);
+                        }
                         if let (Some(bq), Some(bk), Some(bv)) = (&w.bq, &w.bk, &w.bv) {
                             ops::add_bias(&mut q, bq)?;
                             ops::add_bias(&mut k, bk)?;
@@ -601,6 +650,13 @@ impl<T: Real> Model<T> {
                             &mut attn,
                         );
                     }
+                    Stage::AttnGate => {
+                        if gate.len() != attn.len() {
+                            return Err(OracleError::Spec(format!("layer {li}: an output-gate stage without the gate's projection")));
+                        }
+                        attn = attn.iter().zip(&gate).map(|(a, g)| T::from_f64(a.to_f64() / (1.0 + (-g.to_f64()).exp()))).collect();
+                        tap(taps, &tap_name(TapKind::AttnGated), start, m, q_dim, &mut attn);
+                    }
                     Stage::AttnOutProj => {
                         let (_, w) = attn_parts.ok_or_else(|| wrong_kind("an attention"))?;
                         attn = ops::matmul(&product_input(taps, &name("attn_output.weight"), w.wo.cols, &attn), m, &w.wo)?;
@@ -648,7 +704,14 @@ impl<T: Real> Model<T> {
                     }
                     Stage::SsmInProj => {
                         let (b, w) = ssm_parts.ok_or_else(|| wrong_kind("a state-space"))?;
-                        zx = ops::matmul(&product_input(taps, &name("ssm_in.weight"), w.in_proj.cols, &h), m, &w.in_proj)?;
+                        zx = match (&w.gate_proj, &w.ba_proj) {
+                            (Some(gp), Some(bap)) => {
+                                let mut p = products(taps, &h, m, &[(&w.in_proj, &name("attn_qkv.weight")), (gp, &name("attn_gate.weight")), (bap, &name("ssm_ba.weight"))])?.into_iter();
+                                let (qkv, z, ba) = (p.next().unwrap_or_default(), p.next().unwrap_or_default(), p.next().unwrap_or_default());
+                                delta_in_rows(&b, &qkv, &z, &ba, m)
+                            }
+                            _ => ops::matmul(&product_input(taps, &name("ssm_in.weight"), w.in_proj.cols, &h), m, &w.in_proj)?,
+                        };
                         tap(taps, &tap_name(TapKind::SsmIn), start, m, b.in_dim(), &mut zx);
                     }
                     Stage::SsmConv => {
@@ -658,7 +721,7 @@ impl<T: Real> Model<T> {
                         };
                         check_ssm_position(li, *at, start)?;
                         let cd = b.conv_dim();
-                        let xin = columns(&zx, b.in_dim(), b.d_inner, cd);
+                        let xin = columns(&zx, b.in_dim(), b.conv_at(), cd);
                         xbc = ops::ssm_conv(conv, &xin, m, cd, &w.conv, &w.conv_bias, b.d_conv)?;
                         // The history: the last d_conv - 1 inputs, this call's after the earlier ones.
                         let keep = conv.len();
@@ -673,9 +736,11 @@ impl<T: Real> Model<T> {
                             return Err(wrong_kind("a state-space"));
                         };
                         check_ssm_position(li, *at, start)?;
-                        let dt = columns(&zx, b.in_dim(), b.d_inner + b.conv_dim(), b.n_head);
-                        let inputs = ops::ScanInputs { xbc: &xbc, dt: &dt, dt_bias: &w.dt_bias, a: &w.a, d: &w.d };
-                        let (out, mut states) = ops::ssm_scan(state, &inputs, m, &b, taps.enabled())?;
+                        let heads = |i: usize| columns(&zx, b.in_dim(), b.heads_at() + i * b.n_head, b.n_head);
+                        let (out, mut states) = match b.kind {
+                            SsmKind::Mamba2 => ops::ssm_scan(state, &ops::ScanInputs { xbc: &xbc, dt: &heads(0), dt_bias: &w.dt_bias, a: &w.a, d: &w.d }, m, &b, taps.enabled())?,
+                            SsmKind::GatedDelta => ops::delta_scan(state, &ops::DeltaInputs { qkv: &xbc, b: &heads(0), a: &heads(1), dt_bias: &w.dt_bias, neg_a: &w.a }, m, &b, taps.enabled())?,
+                        };
                         *at = start + m;
                         if taps.enabled() {
                             // The state after each position; a substituted value (isolated
@@ -688,8 +753,11 @@ impl<T: Real> Model<T> {
                     }
                     Stage::SsmNorm => {
                         let (b, w) = ssm_parts.ok_or_else(|| wrong_kind("a state-space"))?;
-                        let z = columns(&zx, b.in_dim(), 0, b.d_inner);
-                        y = ops::ssm_gated_norm(&y, &z, b.d_inner, b.n_group, &w.norm, s.norm_eps)?;
+                        let z = columns(&zx, b.in_dim(), b.z_at(), b.d_inner);
+                        y = match b.kind {
+                            SsmKind::Mamba2 => ops::ssm_gated_norm(&y, &z, b.d_inner, b.n_group, &w.norm, s.norm_eps)?,
+                            SsmKind::GatedDelta => ops::delta_gated_norm(&y, &z, b.head_dim(), &w.norm, s.norm_eps)?,
+                        };
                         tap(taps, &tap_name(TapKind::SsmNorm), start, m, b.d_inner, &mut y);
                     }
                     Stage::SsmOutProj => {

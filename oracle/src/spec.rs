@@ -190,6 +190,9 @@ pub enum Stage {
     QkNorm,
     Rope,
     Attention,
+    /// The attention output times the sigmoid of a gate the query projection also makes
+    /// (Qwen3-Next: taps `attn_gate` from `QkvProj`, `attn_gated`).
+    AttnGate,
     AttnOutProj,
     /// RMSNorm of the attention output before its residual add (Gemma 2/3: tap `attn_post_norm`).
     AttnPostNorm,
@@ -279,8 +282,13 @@ pub struct ModelSpec {
     /// The attention layers rotate nothing (no `Rope` stage: Granite 4.0-H's attention).
     #[serde(default)]
     pub no_rope: bool,
-    /// The state-space layers' dimensions (Mamba-2); which layers are state-space layers the
-    /// per-layer shapes say (no key/value heads).
+    /// The query projection makes, per head, the query and then a gate of the same width; the
+    /// attention output is multiplied by the gate's sigmoid before its projection (Qwen3-Next:
+    /// `attn_q` of twice the query width, stage `AttnGate`).
+    #[serde(default)]
+    pub attn_gate: bool,
+    /// The state-space layers' dimensions (Mamba-2, gated DeltaNet); which layers are
+    /// state-space layers the per-layer shapes say (no key/value heads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssm: Option<SsmBlock>,
     /// Every layer: its block kind and dimensions, and the stages it runs in order
@@ -473,7 +481,31 @@ impl ModelSpec {
             per_layer("attention.head_count_kv")?.unwrap_or_else(|| layer_heads.clone());
         let n_head = layer_heads.iter().copied().max().unwrap_or(0);
         let n_head_kv = layer_heads_kv.iter().copied().max().unwrap_or(0);
-        let heads: Vec<(usize, usize)> = layer_heads.into_iter().zip(layer_heads_kv).collect();
+        let mut heads: Vec<(usize, usize)> = layer_heads.into_iter().zip(layer_heads_kv).collect();
+        if row.qwen_next {
+            // Qwen3-Next's recurrent layers: one flag per layer, else every layer but each
+            // `full_attention_interval`-th (llama.cpp's default 4). They have no heads.
+            let flags_key = key("attention.recurrent_layers");
+            let recurrent: Vec<bool> = match g.get(&flags_key) {
+                Some(v) => v
+                    .as_array()
+                    .filter(|items| items.len() == n_layer)
+                    .and_then(|items| items.iter().map(|x| x.as_bool()).collect::<Option<Vec<bool>>>())
+                    .ok_or_else(|| spec_err(format!("{}: metadata `{flags_key}` is not one flag (true or false) per layer ({n_layer})", g.path)))?,
+                None => {
+                    let every = opt_u("full_attention_interval")?.unwrap_or(4);
+                    if every == 0 {
+                        return Err(spec_err(format!("{}: metadata `{}` is 0", g.path, key("full_attention_interval"))));
+                    }
+                    (0..heads.len()).map(|li| !(li + 1).is_multiple_of(every)).collect()
+                }
+            };
+            for (h, r) in heads.iter_mut().zip(recurrent) {
+                if r {
+                    *h = (0, 0);
+                }
+            }
+        }
         // Which layers attend through the window: every layer but each N-th (a period), or one
         // flag per layer (llama.cpp's `sliding_window_pattern`); else the architecture's rule.
         let pattern_key = key("attention.sliding_window_pattern");
@@ -592,8 +624,13 @@ impl ModelSpec {
                 n_group: opt_u("ssm.group_count")?.unwrap_or(1),
                 n_head: req_u("ssm.time_step_rank")?,
                 d_conv: req_u("ssm.conv_kernel")?,
+                kind: if row.qwen_next { SsmKind::GatedDelta } else { SsmKind::Mamba2 },
             }),
         };
+        // The attention weights a model has, as its first attention layer holds them (a hybrid's
+        // first layer may be a recurrent one).
+        let first_attn = heads.iter().position(|h| h.0 > 0).unwrap_or(0);
+        let has_attn = |tail: &str| has(&format!("blk.{first_attn}.{tail}"));
         let mut spec = ModelSpec {
             arch,
             n_vocab,
@@ -612,9 +649,9 @@ impl ModelSpec {
                 freq_factors,
                 longrope_factors,
             },
-            qk_norm: has("blk.0.attn_q_norm.weight"),
-            qkv_bias: has("blk.0.attn_q.bias"),
-            out_bias: has("blk.0.attn_output.bias"),
+            qk_norm: has_attn("attn_q_norm.weight"),
+            qkv_bias: has_attn("attn_q.bias"),
+            out_bias: has_attn("attn_output.bias"),
             tied_output: !has("output.weight"),
             activation: if gemma {
                 Activation::GeluTanh
@@ -639,7 +676,7 @@ impl ModelSpec {
             rope_swa: None,
             embd_scale: if row.granite { opt_f("embedding_scale")? } else { gemma.then(|| gemma_embd_scale(n_embd)) },
             post_norms: gemma,
-            attn_sinks: has("blk.0.attn_sinks.weight"),
+            attn_sinks: has_attn("attn_sinks.weight"),
             attn_softcap: opt_f("attn_logit_softcapping")?.filter(|_| gemma2),
             final_softcap: opt_f("final_logit_softcapping")?.filter(|_| gemma2),
             fused: row.fused,
@@ -654,6 +691,7 @@ impl ModelSpec {
             // Granite 4.0-H's attention takes no positions (llama.cpp rotates a granite
             // hybrid's queries and keys only where the file says RoPE was trained).
             no_rope: row.granite && !g.field(&key("rope.scaling.finetuned"), |v| v.as_bool(), "true or false").map_err(spec_err)?.unwrap_or(false),
+            attn_gate: row.qwen_next,
             ssm,
             layers: Vec::new(),
         };
@@ -745,150 +783,14 @@ impl ModelSpec {
         }
         self.check_no_unread(g.tensors.iter().map(|t| t.name.as_str()), "block_count").map_err(|e| spec_err(format!("{}: {e}", g.path)))
     }
-
-    /// Whether a model of this spec reads the tensor `name` (a GGUF name). The interpreter and
-    /// every device loader read these and no other, so a file that holds any other is refused
-    /// (`check_no_unread`). Decided per name, never by listing every layer's names: the layer
-    /// count may still be an unchecked claim here.
-    pub fn reads_tensor(&self, name: &str) -> bool {
-        match name {
-            "token_embd.weight" | "output_norm.weight" => return true,
-            "output.weight" => return !self.tied_output,
-            "rope_freqs.weight" => return self.rope.freq_factors.is_some() && !matches!(self.rope.scaling, RopeScaling::LongRope { .. }),
-            "rope_factors_short.weight" | "rope_factors_long.weight" => return matches!(self.rope.scaling, RopeScaling::LongRope { .. }),
-            _ => {}
-        }
-        let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return false };
-        let Some(l) = layer.parse::<usize>().ok().filter(|&i| i < self.n_layer).and_then(|i| self.layers.get(i)) else { return false };
-        self.layer_tails(&l.block, true).contains(&tail)
-    }
-
-    /// Where a layer's FFN norm is stored (after `blk.N.`): GPT-OSS files (llama.cpp's converter,
-    /// and the checkpoint loader after them) name it `post_attention_norm.weight`, after the
-    /// checkpoints' `post_attention_layernorm`; the loaders hand it out as `ffn_norm.weight`.
-    pub fn stored_ffn_norm(&self) -> &'static str {
-        if self.arch == Arch::GptOss {
-            "post_attention_norm.weight"
-        } else {
-            "ffn_norm.weight"
-        }
-    }
-
-    /// The names (after `blk.N.`) of each layer's weights, in the order of a forward pass: as
-    /// the loaders hand them out, or (`stored`) as the files store them: Phi-3's joined
-    /// `attn_qkv` and gate/up `ffn_up` in place of the separate ones, GPT-OSS's FFN norm under
-    /// [`ModelSpec::stored_ffn_norm`].
-    fn layer_tails(&self, block: &BlockKind, stored: bool) -> Vec<&'static str> {
-        let fused = stored && self.fused;
-        let mut tails = vec!["attn_norm.weight"];
-        if let BlockKind::Ssm(_) = block {
-            tails.extend(SSM_TAILS);
-            return self.ffn_tails(tails, stored);
-        }
-        if fused {
-            tails.push("attn_qkv.weight");
-        } else {
-            for (w, b) in [("attn_q.weight", "attn_q.bias"), ("attn_k.weight", "attn_k.bias"), ("attn_v.weight", "attn_v.bias")] {
-                tails.push(w);
-                if self.qkv_bias {
-                    tails.push(b);
-                }
-            }
-        }
-        if self.qk_norm {
-            tails.extend(["attn_q_norm.weight", "attn_k_norm.weight"]);
-        }
-        tails.push("attn_output.weight");
-        if self.out_bias {
-            tails.push("attn_output.bias");
-        }
-        if self.attn_sinks {
-            tails.push("attn_sinks.weight");
-        }
-        if self.post_norms {
-            tails.push("post_attention_norm.weight");
-        }
-        self.ffn_tails(tails, stored)
-    }
-
-    /// `tails` followed by the names of a layer's feed-forward weights, if the model has them.
-    fn ffn_tails(&self, mut tails: Vec<&'static str>, stored: bool) -> Vec<&'static str> {
-        if self.n_ff == 0 && self.moe.is_none() {
-            return tails;
-        }
-        let fused = stored && self.fused;
-        tails.push(if stored { self.stored_ffn_norm() } else { "ffn_norm.weight" });
-        if self.post_norms {
-            tails.push("post_ffw_norm.weight");
-        }
-        match &self.moe {
-            None if fused => tails.extend(["ffn_up.weight", "ffn_down.weight"]),
-            None => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
-            Some(m) => {
-                tails.extend(["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]);
-                if m.biases {
-                    tails.extend(["ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"]);
-                }
-                if m.shared_ffn.is_some() {
-                    tails.extend(["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]);
-                }
-                if m.shared_gate {
-                    tails.push("ffn_gate_inp_shexp.weight");
-                }
-            }
-        }
-        tails
-    }
-
-    /// The weights the interpreter reads by name, in the order of a forward pass (fused tensors
-    /// as the loaders hand them out: `attn_q`, `attn_k`, `attn_v`, `ffn_gate`, `ffn_up`).
-    /// RoPE frequency factors are not among them: they are part of the spec. Only for a spec
-    /// whose layer count was checked against a file (it lists every layer's names).
-    pub fn tensor_names(&self) -> Vec<String> {
-        let mut names = vec!["token_embd.weight".to_string()];
-        for (i, l) in self.layers.iter().enumerate() {
-            names.extend(self.layer_tails(&l.block, false).iter().map(|t| format!("blk.{i}.{t}")));
-        }
-        names.push("output_norm.weight".into());
-        if !self.tied_output {
-            names.push("output.weight".into());
-        }
-        names
-    }
-
-    /// Refuses tensors (GGUF names) this spec does not read: the model would run without them
-    /// and the judge would be wrong without saying so. `layers_key` names the metadata that set
-    /// the layer count, for the message about a layer beyond it.
-    pub fn check_no_unread<'a>(&self, present: impl Iterator<Item = &'a str>, layers_key: &str) -> std::result::Result<(), String> {
-        let unread: Vec<&str> = present.filter(|n| !self.reads_tensor(n)).collect();
-        let Some(first) = unread.iter().min() else { return Ok(()) };
-        let beyond = unread.iter().find_map(|n| n.strip_prefix("blk.")?.split_once('.')?.0.parse::<usize>().ok().filter(|&i| i >= self.n_layer));
-        let why = match beyond {
-            Some(i) => format!("{layers_key} is {} but the file holds tensors of layer {i}", self.n_layer),
-            None => format!("a {} model with this metadata reads no such weight", self.arch),
-        };
-        Err(format!("{} tensor(s) would not be read, e.g. `{first}`: {why}; a file whose weights would be ignored is refused", unread.len()))
-    }
 }
-
-/// The weights of a Mamba-2 layer after `blk.N.` (llama.cpp's names): the input projection, the
-/// convolution's kernel and bias, the time steps' bias, A (stored as `-exp(A_log)`), D, the
-/// gated norm's scales and the output projection.
-pub const SSM_TAILS: [&str; 8] = [
-    "ssm_in.weight",
-    "ssm_conv1d.weight",
-    "ssm_conv1d.bias",
-    "ssm_dt.bias",
-    "ssm_a",
-    "ssm_d",
-    "ssm_norm.weight",
-    "ssm_out.weight",
-];
 
 mod arch;
 pub use arch::{Arch, ArchRow, GemmaKind, ARCHES};
 mod layers;
-pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, SsmBlock, MAX_LAYERS};
+pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, SsmBlock, SsmKind, MAX_LAYERS};
 mod hf;
+mod tensors;
+pub use tensors::{DELTA_TAILS, SSM_TAILS};
 #[cfg(test)]
 mod tests;

@@ -10,15 +10,16 @@ pub enum TapKind {
     /// Token embeddings (before the first layer).
     InpEmbd,
     AttnNorm,
-    /// A state-space layer's input projection: the gate z, x/B/C, the time steps (Mamba-2).
+    /// A state-space layer's input projection: the gate z, x/B/C, the time steps (Mamba-2; a
+    /// gated DeltaNet's q/k/v, z, b and a: `SsmBlock::in_dim`).
     SsmIn,
-    /// x/B/C after the causal convolution and SiLU.
+    /// x/B/C (q/k/v) after the causal convolution and SiLU.
     SsmConv,
     /// The recurrent state after each position (`[n_head, head_dim, d_state]` a position).
     SsmState,
-    /// The scan's output (the state read through C, plus D x).
+    /// The scan's output (the state read through C, plus D x; through q).
     SsmScan,
-    /// The scan's output gated by SiLU(z) and RMS-normed per group.
+    /// The scan's output gated by SiLU(z) and RMS-normed per group (normed per head, then gated).
     SsmNorm,
     /// The output projection: the block's contribution to the residual.
     SsmOut,
@@ -29,8 +30,12 @@ pub enum TapKind {
     AttnKNorm,
     AttnQRope,
     AttnKRope,
+    /// The attention output gate's projection, before its sigmoid (Qwen3-Next).
+    AttnGate,
     /// Attention's output before its output projection.
     AttnKqv,
+    /// Attention's output times the sigmoid of its gate (Qwen3-Next).
+    AttnGated,
     AttnOut,
     AttnPostNorm,
     /// The residual after attention.
@@ -56,7 +61,7 @@ pub enum TapKind {
 
 impl TapKind {
     /// Every kind, in the order an attention layer computes them.
-    pub const ALL: [TapKind; 30] = [
+    pub const ALL: [TapKind; 32] = [
         TapKind::InpEmbd,
         TapKind::AttnNorm,
         TapKind::SsmIn,
@@ -72,7 +77,9 @@ impl TapKind {
         TapKind::AttnKNorm,
         TapKind::AttnQRope,
         TapKind::AttnKRope,
+        TapKind::AttnGate,
         TapKind::AttnKqv,
+        TapKind::AttnGated,
         TapKind::AttnOut,
         TapKind::AttnPostNorm,
         TapKind::FfnInp,
@@ -102,6 +109,8 @@ impl TapKind {
             TapKind::AttnQRope => "attn_q_rope",
             TapKind::AttnKRope => "attn_k_rope",
             TapKind::AttnKqv => "attn_kqv",
+            TapKind::AttnGate => "attn_gate",
+            TapKind::AttnGated => "attn_gated",
             TapKind::AttnOut => "attn_out",
             TapKind::AttnPostNorm => "attn_post_norm",
             TapKind::FfnInp => "ffn_inp",

@@ -173,9 +173,11 @@ fn gemma2_softcap_dropped_fails_layer_diff() {
 
 /// Mamba-2's — the recurrent state kept in bf16, the convolution's window one position off, the
 /// decay gate's sign flipped — each red at its tap (`ssm_state`, `ssm_conv`), in both modes, on a
-/// random Mamba-2 checkpoint written by transformers, and on a Granite 4.0-H-shaped hybrid with
-/// its residual branches added unscaled besides (`ffn_inp`), where the correct `cpu` passes
-/// (skipped where transformers is not installed).
+/// random Mamba-2 checkpoint written by transformers, on a Granite 4.0-H-shaped hybrid with
+/// its residual branches added unscaled besides (`ffn_inp`), and on a Qwen3-Next-shaped hybrid
+/// (the same three in its gated DeltaNet layers) with its attention output gate dropped
+/// (`attn_out`) and RoPE over whole heads instead of a quarter (`attn_q_rope`) besides, where the
+/// correct `cpu` passes (skipped where transformers is not installed).
 #[test]
 fn mamba2_bugs_fail_layer_diff_at_their_tap() {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/reference/make_checkpoint.py");
@@ -193,6 +195,10 @@ fn mamba2_bugs_fail_layer_diff_at_their_tap() {
     let mut faults = devices::faulty::ModelFault::MAMBA2.to_vec();
     faults.push(devices::faulty::ModelFault::ResidualScaleDropped);
     wiring_bugs_fail_at(&ck, "granite-hybrid", &["cpu"], &faults);
+    let ck = dir.path().join("qwen3-next");
+    assert!(std::process::Command::new("python3").arg(&script).arg("qwen3-next").arg(&ck).status().unwrap().success(), "make_checkpoint.py qwen3-next failed");
+    let faults: Vec<_> = devices::faulty::ModelFault::MAMBA2.into_iter().chain(devices::faulty::ModelFault::QWEN3_NEXT).collect();
+    wiring_bugs_fail_at(&ck, "qwen3-next", &["cpu"], &faults);
 }
 
 fn wiring_bugs_fail_layer_diff_at_their_tap(fixture: &str, faults: &[devices::faulty::ModelFault]) {

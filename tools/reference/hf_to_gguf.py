@@ -8,13 +8,16 @@ the same checkpoint's transformers forward through a second, independent path.
 The converter knows a byte-level BPE tokenizer's split only by the hash of what it makes of a
 fixed text, and refuses one it has not seen, as a freshly trained tokenizer is; `--pre NAME`
 names the split instead (the name it would have found for the family's own tokenizer, e.g.
-`gpt-4o` for GPT-OSS). Nothing else of the converter is changed.
+`gpt-4o` for GPT-OSS). A checkpoint without multi-token-prediction layers of a family whose
+converter expects them (Qwen3-Next) is converted with the converter's own `--no-mtp`. Nothing
+else of the converter is changed.
 
 The converter needs torch, transformers and sentencepiece (tools/peers/requirements-torch.txt).
 
 Usage: hf_to_gguf.py CHECKPOINT_DIR OUT.gguf [--outtype f32] [--pre NAME]
 """
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -43,6 +46,9 @@ def main() -> int:
     if a.pre:
         conversion.TextModel.get_vocab_base_pre = lambda self, tokenizer: a.pre
     sys.argv = ["convert_hf_to_gguf.py", a.checkpoint, "--outfile", a.out, "--outtype", a.outtype]
+    cfg = json.loads((pathlib.Path(a.checkpoint) / "config.json").read_text())
+    if "Qwen3NextForCausalLM" in cfg.get("architectures", []) and not cfg.get("mtp_num_hidden_layers"):
+        sys.argv.append("--no-mtp")
     c.main()
     return 0
 

@@ -24,6 +24,13 @@ never a runtime dependency.
   x 6, attention scale 1/8 for heads of 16, each residual branch x 0.5, logits / 3). Its
   config.json names the layer types as the published checkpoints do (`mamba`, `attention`), which
   transformers reads and llama.cpp's converter needs.
+- qwen3-next: Qwen3-Next's structure (`Qwen3NextForCausalLM`): four layers, gated DeltaNet and
+  gated full attention alternating, every layer's FFN a MoE (four experts of 32, two chosen, the
+  shares renormalized) beside a shared expert (48 wide) gated by a sigmoid. DeltaNet: two key
+  heads of 16 serving four value heads of 16 (each key head two value heads), a convolution of 4
+  (transformers' chunked form runs in chunks of 64); A between -1 and -16, `dt_bias` around -2
+  as mamba2's. Attention: GQA 4:2, heads of 32 with a quarter of each rotated (8 dimensions), an
+  output gate; the (1 + w) norms drawn around 0.
 
 With `--tokenizer`, the checkpoint also gets a tokenizer of its vocabulary (512 tokens instead
 of 300), trained on
@@ -38,7 +45,7 @@ power-of-two scales (`*_scales`, E8M0), with `quantization_config` saying so in 
 each block's scale is the smallest power of two that brings its largest magnitude within 6, each
 code the nearest E2M1 value; the experts are 64 wide instead of 48 (whole blocks).
 
-Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid} OUT_DIR [--seed N] [--tokenizer] [--mxfp4]
+Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid,qwen3-next} OUT_DIR [--seed N] [--tokenizer] [--mxfp4]
        [--shape WIDTHxLAYERS] [--layer-types alternate|mamba|attention]
 """
 import argparse
@@ -189,8 +196,9 @@ def mamba2(t, vocab, shape=None):
     return ssm_init(t.Mamba2ForCausalLM(cfg).to(torch.float32))
 
 
-def ssm_init(model):
-    """Mamba-2 mixers' parameters drawn as `mamba2` draws them; the rest 0.5 / sqrt(fan-in)."""
+def ssm_init(model, norm_mean=lambda name: 1.0):
+    """Mamba-2 mixers' parameters drawn as `mamba2` draws them (a gated DeltaNet's alike); norm
+    weights around `norm_mean(name)`; the rest 0.5 / sqrt(fan-in)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -200,7 +208,7 @@ def ssm_init(model):
             elif name.endswith(".D"):
                 p.normal_(1.0, 0.1)
             elif "norm" in name:
-                p.normal_(1.0, 0.1)
+                p.normal_(norm_mean(name), 0.1)
             elif name.endswith("conv1d.bias"):
                 p.normal_(0.0, 0.1)
             elif name.endswith("conv1d.weight"):
@@ -224,6 +232,18 @@ def granite_hybrid(t, vocab, shape=None, layer_types="alternate"):
     return ssm_init(t.GraniteMoeHybridForCausalLM(cfg).to(torch.float32))
 
 
+def qwen3_next(t, vocab):
+    cfg = t.Qwen3NextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, rope_theta=10000.0,
+                            layer_types=["linear_attention", "full_attention"] * 2, full_attention_interval=2,
+                            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                            linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256)
+    # The (1 + w) norms drawn around 0; the DeltaNet's output norm multiplies by w.
+    return ssm_init(t.Qwen3NextForCausalLM(cfg).to(torch.float32), lambda name: 1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
+
+
 def legacy_layer_types(out):
     """config.json's layer types as the published Granite 4.0-H checkpoints name them."""
     path = pathlib.Path(out) / "config.json"
@@ -234,7 +254,7 @@ def legacy_layer_types(out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss", "mamba2", "granite-hybrid"])
+    ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss", "mamba2", "granite-hybrid", "qwen3-next"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true", help="also write a tokenizer of the vocabulary")
@@ -255,6 +275,8 @@ def main():
         model = mamba2(t, vocab, a.shape)
     elif a.arch == "granite-hybrid":
         model = granite_hybrid(t, vocab, a.shape, a.layer_types)
+    elif a.arch == "qwen3-next":
+        model = qwen3_next(t, vocab)
     else:
         model = gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)
@@ -263,7 +285,7 @@ def main():
     if a.mxfp4:
         store_experts_mxfp4(a.out, model.config.num_hidden_layers)
     if a.tokenizer:
-        (byte_level_tokenizer if a.arch == "gpt-oss" else sentencepiece_tokenizer)(a.out, model.config.vocab_size)
+        (byte_level_tokenizer if a.arch in ("gpt-oss", "qwen3-next") else sentencepiece_tokenizer)(a.out, model.config.vocab_size)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ use super::{kernels, matmul_packed, matmul_packed_group, qdot, Packed};
 pub(crate) use super::kvcache::KvCache;
 use crate::{DeviceError, DeviceModel, ModelOptions};
 use crate::shared::host::{Ffn, HostWeights, Layer, Mixer, PackedMat};
-use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, Stage};
+use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, SsmKind, Stage};
 use oracle::Tap;
 use std::path::Path;
 
@@ -262,7 +262,7 @@ impl CpuModel {
             };
             let wrong = |what: &str| err("forward", format!("layer {li}: {what} stage in a layer of another kind"));
             let (hd, qd, kvd) = attn_parts.map_or((0, 0, 0), |(a, _)| (a.head_dim, a.q_dim(), a.kv_dim()));
-            let (mut zx, mut xbc, mut y) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut zx, mut xbc, mut y, mut gate) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for stage in &s.layers[li].stages {
                 match stage {
                     Stage::AttnNorm => {
@@ -272,6 +272,16 @@ impl CpuModel {
                     Stage::QkvProj => {
                         let (_, w) = attn_parts.ok_or_else(|| wrong("an attention"))?;
                         [q, k, v] = matmul_packed_group(&h, m, w.wq.cols, &[w.wq.view(), w.wk.view(), w.wv.view()]).try_into().expect("three outputs");
+                        if s.attn_gate {
+                            // Per head: its query's hd values, then its gate's.
+                            let (mut qs, mut gs) = (Vec::with_capacity(m * qd), Vec::with_capacity(m * qd));
+                            for c in q.chunks_exact(2 * hd) {
+                                qs.extend_from_slice(&c[..hd]);
+                                gs.extend_from_slice(&c[hd..]);
+                            }
+                            (q, gate) = (qs, gs);
+                            record(taps, &name("attn_gate"), start, m, qd, &gate);
+                        }
                         if let Some([bq, bk, bv]) = &w.bias {
                             q = kernels::add_broadcast(&q, bq);
                             k = kernels::add_broadcast(&k, bk);
@@ -326,6 +336,13 @@ impl CpuModel {
                         super::serve_faults::batch_faults(self.serve_fault, &views, &mut attn, qd);
                         record(taps, &name("attn_kqv"), start, m, qd, &attn);
                     }
+                    Stage::AttnGate => {
+                        if gate.len() != attn.len() {
+                            return Err(wrong("an output-gate"));
+                        }
+                        attn.iter_mut().zip(&gate).for_each(|(a, g)| *a /= 1.0 + (-g).exp());
+                        record(taps, &name("attn_gated"), start, m, qd, &attn);
+                    }
                     Stage::AttnOutProj => {
                         let (_, w) = attn_parts.ok_or_else(|| wrong("an attention"))?;
                         attn = matmul_packed(&attn, m, w.wo.view());
@@ -359,7 +376,13 @@ impl CpuModel {
                     }
                     Stage::SsmInProj => {
                         let (b, w) = ssm_parts.ok_or_else(|| wrong("a state-space"))?;
-                        zx = matmul_packed(&h, m, w.in_proj.view());
+                        zx = match (&w.gate_proj, &w.ba_proj) {
+                            (Some(gp), Some(bap)) => {
+                                let [qkv, z, ba]: [Vec<f32>; 3] = matmul_packed_group(&h, m, w.in_proj.cols, &[w.in_proj.view(), gp.view(), bap.view()]).try_into().expect("three outputs");
+                                super::ssm::delta_in_rows(&b, &qkv, &z, &ba, m)
+                            }
+                            _ => matmul_packed(&h, m, w.in_proj.view()),
+                        };
                         record(taps, &name("ssm_in"), start, m, b.in_dim(), &zx);
                     }
                     Stage::SsmConv => {
@@ -373,7 +396,7 @@ impl CpuModel {
                             if *at != g.start {
                                 return Err(err("forward", format!("layer {li}: the state-space state is as of position {at}; a call from position {} cannot continue it (a recurrent state is not cut back)", g.start)));
                             }
-                            let input: Vec<f32> = zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.d_inner..b.d_inner + cd].iter().copied()).collect();
+                            let input: Vec<f32> = zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.conv_at()..b.conv_at() + cd].iter().copied()).collect();
                             xbc.extend(super::ssm::conv_silu(hist, &input, n, cd, &w.conv, &w.conv_bias, b.d_conv));
                             r0 += n;
                         }
@@ -388,8 +411,12 @@ impl CpuModel {
                         for g in segs {
                             let n = g.tokens.len();
                             let (_, state, at) = caches[g.cache].ssm_state(li).map_err(|e| err("forward", e))?;
-                            let dt: Vec<f32> = zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.d_inner + cd..].iter().copied()).collect();
-                            let (out, kept) = super::ssm::scan(state, &xbc[r0 * cd..(r0 + n) * cd], &dt, n, &b, &w.dt_bias, &w.a, &w.d, keep, self.ssm_state_rounding);
+                            let heads = |i: usize| -> Vec<f32> { zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.heads_at() + i * b.n_head..][..b.n_head].iter().copied()).collect() };
+                            let rows = &xbc[r0 * cd..(r0 + n) * cd];
+                            let (out, kept) = match b.kind {
+                                SsmKind::Mamba2 => super::ssm::scan(state, rows, &heads(0), n, &b, &w.dt_bias, &w.a, &w.d, keep, self.ssm_state_rounding),
+                                SsmKind::GatedDelta => super::ssm::delta_scan(state, rows, &heads(0), &heads(1), n, &b, &w.dt_bias, &w.a, keep, self.ssm_state_rounding),
+                            };
                             *at = g.start + n;
                             y.extend(out);
                             states.extend(kept);
@@ -400,8 +427,11 @@ impl CpuModel {
                     }
                     Stage::SsmNorm => {
                         let (b, w) = ssm_parts.ok_or_else(|| wrong("a state-space"))?;
-                        let z: Vec<f32> = zx.chunks_exact(b.in_dim()).flat_map(|r| r[..b.d_inner].iter().copied()).collect();
-                        y = super::ssm::gated_norm(&y, &z, b.d_inner, b.n_group, &w.norm, s.norm_eps as f32);
+                        let z: Vec<f32> = zx.chunks_exact(b.in_dim()).flat_map(|r| r[b.z_at()..b.z_at() + b.d_inner].iter().copied()).collect();
+                        y = match b.kind {
+                            SsmKind::Mamba2 => super::ssm::gated_norm(&y, &z, b.d_inner, b.n_group, &w.norm, s.norm_eps as f32),
+                            SsmKind::GatedDelta => super::ssm::delta_norm(&y, &z, b.head_dim(), &w.norm, s.norm_eps as f32),
+                        };
                         record(taps, &name("ssm_norm"), start, m, b.d_inner, &y);
                     }
                     Stage::SsmOutProj => {

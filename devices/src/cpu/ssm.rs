@@ -1,6 +1,6 @@
-//! The `cpu` device's Mamba-2 kernels, in f32 as an f32 engine computes them: the causal
-//! convolution over a history the cache keeps, the selective scan one position at a time over a
-//! state the cache keeps, and the gated RMSNorm per group.
+//! The `cpu` device's state-space kernels, in f32 as an f32 engine computes them: the causal
+//! convolution over a history the cache keeps, Mamba-2's selective scan and a gated DeltaNet's
+//! delta rule one position at a time over a state the cache keeps, and their gated norms.
 
 use super::kernels::silu;
 use oracle::spec::SsmBlock;
@@ -45,33 +45,43 @@ pub(crate) fn conv_silu(hist: &mut Vec<f32>, x: &[f32], m: usize, c: usize, w: &
 pub(crate) fn scan(state: &mut [f32], xbc: &[f32], dt: &[f32], m: usize, b: &SsmBlock, dt_bias: &[f32], a: &[f32], d: &[f32], keep: bool, round: Option<fn(f32) -> f32>) -> (Vec<f32>, Vec<f32>) {
     let (nh, hd, ds, ng) = (b.n_head, b.head_dim(), b.d_state, b.n_group);
     let cd = b.conv_dim();
-    let per_group = nh / ng;
+    each_head(state, m, b, keep, |h, g, t, st, y| {
+        let row = &xbc[t * cd..(t + 1) * cd];
+        let x = &row[h * hd..(h + 1) * hd];
+        let bg = &row[b.d_inner + g * ds..b.d_inner + (g + 1) * ds];
+        let cg = &row[b.d_inner + (ng + g) * ds..b.d_inner + (ng + g + 1) * ds];
+        let step = softplus(dt[t * nh + h] + dt_bias[h]);
+        let decay = (step * a[h]).exp();
+        for (p, xp) in x.iter().enumerate() {
+            let sx = step * xp;
+            let srow = &mut st[p * ds..(p + 1) * ds];
+            let mut acc = 0.0f32;
+            for n in 0..ds {
+                srow[n] = decay * srow[n] + sx * bg[n];
+                if let Some(r) = round {
+                    srow[n] = r(srow[n]);
+                }
+                acc += srow[n] * cg[n];
+            }
+            y[p] = acc + d[h] * xp;
+        }
+    })
+}
+
+/// `step(h, g, t, state, y)` for every head `h` (in parallel; `g` its key head or group) and
+/// position `t` in order, `state` the head's `[head_dim][d_state]`, `y` its outputs at `t`; the
+/// outputs joined into position rows (`[m][d_inner]`) and, when `keep`, the state after each
+/// position (`[m][state_len]`).
+fn each_head(state: &mut [f32], m: usize, b: &SsmBlock, keep: bool, step: impl Fn(usize, usize, usize, &mut [f32], &mut [f32]) + Sync) -> (Vec<f32>, Vec<f32>) {
+    let (hd, ds) = (b.head_dim(), b.d_state);
+    let per_group = b.n_head / b.n_group;
     let heads: Vec<(Vec<f32>, Vec<f32>)> = state
         .par_chunks_mut(hd * ds)
         .enumerate()
         .map(|(h, st)| {
-            let g = h / per_group;
-            let (mut y, mut kept) = (Vec::with_capacity(m * hd), Vec::new());
-            for t in 0..m {
-                let row = &xbc[t * cd..(t + 1) * cd];
-                let x = &row[h * hd..(h + 1) * hd];
-                let bg = &row[b.d_inner + g * ds..b.d_inner + (g + 1) * ds];
-                let cg = &row[b.d_inner + (ng + g) * ds..b.d_inner + (ng + g + 1) * ds];
-                let step = softplus(dt[t * nh + h] + dt_bias[h]);
-                let decay = (step * a[h]).exp();
-                for (p, xp) in x.iter().enumerate() {
-                    let sx = step * xp;
-                    let srow = &mut st[p * ds..(p + 1) * ds];
-                    let mut acc = 0.0f32;
-                    for n in 0..ds {
-                        srow[n] = decay * srow[n] + sx * bg[n];
-                        if let Some(r) = round {
-                            srow[n] = r(srow[n]);
-                        }
-                        acc += srow[n] * cg[n];
-                    }
-                    y.push(acc + d[h] * xp);
-                }
+            let (mut y, mut kept) = (vec![0.0f32; m * hd], Vec::new());
+            for (t, yt) in y.chunks_exact_mut(hd).enumerate() {
+                step(h, h / per_group, t, st, yt);
                 if keep {
                     kept.extend_from_slice(st);
                 }
@@ -79,6 +89,13 @@ pub(crate) fn scan(state: &mut [f32], xbc: &[f32], dt: &[f32], m: usize, b: &Ssm
             (y, kept)
         })
         .collect();
+    gather_heads(&heads, m, b, keep)
+}
+
+/// Each head's output rows and kept states joined into position rows: `[m][d_inner]` and, when
+/// `keep`, `[m][state_len]`.
+fn gather_heads(heads: &[(Vec<f32>, Vec<f32>)], m: usize, b: &SsmBlock, keep: bool) -> (Vec<f32>, Vec<f32>) {
+    let (hd, ds) = (b.head_dim(), b.d_state);
     let mut y = vec![0.0f32; m * b.d_inner];
     let mut states = vec![0.0f32; if keep { m * b.state_len() } else { 0 }];
     for (h, (yh, kh)) in heads.iter().enumerate() {
@@ -91,6 +108,75 @@ pub(crate) fn scan(state: &mut [f32], xbc: &[f32], dt: &[f32], m: usize, b: &Ssm
         }
     }
     (y, states)
+}
+
+/// A gated DeltaNet's projections joined into the rows the tap `ssm_in` holds: q/k/v, z, then
+/// b and a each in value-head order (the stored b/a rows hold, per key head, its value heads'
+/// b and then their a).
+pub(crate) fn delta_in_rows(b: &SsmBlock, qkv: &[f32], z: &[f32], ba: &[f32], m: usize) -> Vec<f32> {
+    let (cd, nh) = (b.conv_dim(), b.n_head);
+    let r = nh / b.n_group;
+    let mut out = Vec::with_capacity(m * b.in_dim());
+    for ((q, zr), bar) in qkv.chunks_exact(cd).zip(z.chunks_exact(b.d_inner)).zip(ba.chunks_exact(2 * nh)).take(m) {
+        out.extend_from_slice(q);
+        out.extend_from_slice(zr);
+        // Key head g's block: b of its r value heads, then their a.
+        let (bs, as_): (Vec<f32>, Vec<f32>) = bar.chunks_exact(2 * r).flat_map(|blk| (0..r).map(move |j| (blk[j], blk[r + j]))).unzip();
+        out.extend(bs);
+        out.extend(as_);
+    }
+    out
+}
+
+/// `v / sqrt(sum v^2 + 1e-6)`.
+fn l2_normed(v: &[f32]) -> Vec<f32> {
+    let r = 1.0 / (v.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
+    v.iter().map(|x| x * r).collect()
+}
+
+/// The gated delta rule over `m` positions (`qkv` rows of `conv_dim`, `bs` and `as_` rows of
+/// `n_head`), updating `state` (`[n_head][head_dim][d_state]`) after each: per value head, its
+/// key head's k and q L2-normed (q over sqrt(d_state)), the state decayed by
+/// `exp(A softplus(a + dt_bias))`, corrected by `k (v - S k) sigmoid(b)`, read through q.
+/// Returns the output rows and, when `keep`, the state after each position; `round` as [`scan`]'s.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn delta_scan(state: &mut [f32], qkv: &[f32], bs: &[f32], as_: &[f32], m: usize, b: &SsmBlock, dt_bias: &[f32], a: &[f32], keep: bool, round: Option<fn(f32) -> f32>) -> (Vec<f32>, Vec<f32>) {
+    let (nh, hd, ds, ng) = (b.n_head, b.head_dim(), b.d_state, b.n_group);
+    let cd = b.conv_dim();
+    let q_scale = 1.0 / (ds as f32).sqrt();
+    each_head(state, m, b, keep, |h, g, t, st, y| {
+        let row = &qkv[t * cd..(t + 1) * cd];
+        let q: Vec<f32> = l2_normed(&row[g * ds..(g + 1) * ds]).iter().map(|x| x * q_scale).collect();
+        let k = l2_normed(&row[(ng + g) * ds..(ng + g + 1) * ds]);
+        let v = &row[2 * ng * ds + h * hd..2 * ng * ds + (h + 1) * hd];
+        let beta = 1.0 / (1.0 + (-bs[t * nh + h]).exp());
+        let decay = (a[h] * softplus(as_[t * nh + h] + dt_bias[h])).exp();
+        for (p, vp) in v.iter().enumerate() {
+            let srow = &mut st[p * ds..(p + 1) * ds];
+            srow.iter_mut().for_each(|s| *s *= decay);
+            let recalled: f32 = srow.iter().zip(&k).map(|(s, k)| s * k).sum();
+            let delta = beta * (vp - recalled);
+            let mut acc = 0.0f32;
+            for n in 0..ds {
+                srow[n] += k[n] * delta;
+                if let Some(r) = round {
+                    srow[n] = r(srow[n]);
+                }
+                acc += srow[n] * q[n];
+            }
+            y[p] = acc;
+        }
+    })
+}
+
+/// Each head's `width` values of `y` RMS-normed, times `w` (one head's scales), times `silu(z)`.
+pub(crate) fn delta_norm(y: &[f32], z: &[f32], width: usize, w: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = y.to_vec();
+    out.par_chunks_mut(width).zip(z.par_chunks(width)).for_each(|(v, zg)| {
+        let r = 1.0 / (v.iter().map(|a| a * a).sum::<f32>() / width as f32 + eps).sqrt();
+        v.iter_mut().zip(w).zip(zg).for_each(|((a, s), g)| *a = *a * r * s * silu(*g));
+    });
+    out
 }
 
 /// `y * silu(z)`, RMS-normed over each group of `width / n_group` values, times `w`.

@@ -425,8 +425,8 @@ impl FixedModel {
                         out = self.ffn(l, &h, m, taps, li, start)?;
                         tap_q(taps, &name("ffn_out"), start, m, d, &out);
                     }
-                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual => {
-                        return Err(model_err(format!("layer {li}: a {stage:?} stage; fixed runs attention layers only")));
+                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual | Stage::AttnGate => {
+                        return Err(model_err(format!("layer {li}: a {stage:?} stage; fixed runs attention layers without an output gate only")));
                     }
                     Stage::FfnResidual => {
                         x = add_q(&x, &out);

@@ -498,8 +498,8 @@ impl GpuModel {
                         record(taps, &name("ffn_out"), &o, start, m, d)?;
                         ffn_out = Some(o);
                     }
-                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual => {
-                        return Err(format!("layer {li}: a {stage:?} stage; this device runs attention layers only"));
+                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual | Stage::AttnGate => {
+                        return Err(format!("layer {li}: a {stage:?} stage; this device runs attention layers without an output gate only"));
                     }
                     Stage::FfnResidual => {
                         let o = ffn_res.or(ffn_out.as_ref().map(|o| o.ptr)).ok_or("FFN residual before an FFN stage")?;

@@ -38,11 +38,16 @@ pub struct AttnWeights {
     pub sinks: Option<Vec<f32>>,
 }
 
-/// A Mamba-2 block's weights: the input and output projections, the convolution's kernel
+/// A state-space block's weights: the input and output projections, the convolution's kernel
 /// (`[conv_dim][d_conv]`) and bias, per head the time steps' bias, A (`-exp(A_log)`) and D, and
-/// the gated norm's scales (`[d_inner]`, group after group).
+/// the gated norm's scales (`[d_inner]`, group after group). A gated DeltaNet's input
+/// projection is q/k/v's (`attn_qkv`) beside z's (`gate_proj`) and b/a's (`ba_proj`, as stored:
+/// interleaved per key head); it has no convolution bias (zeros) and no D, and its norm's scales
+/// are one head's.
 pub struct SsmWeights {
     pub in_proj: PackedMat,
+    pub gate_proj: Option<PackedMat>,
+    pub ba_proj: Option<PackedMat>,
     pub conv: Vec<f32>,
     pub conv_bias: Vec<f32>,
     pub dt_bias: Vec<f32>,
@@ -222,7 +227,8 @@ impl HostWeights {
                 BlockKind::Attention(a) => {
                     let (qd, kvd) = (a.q_dim(), a.kv_dim());
                     Mixer::Attention(AttnWeights {
-                        wq: l.mat(&n("attn_q.weight"), qd, d)?,
+                        // With an output gate, each head's query rows then its gate's.
+                        wq: l.mat(&n("attn_q.weight"), if spec.attn_gate { 2 * qd } else { qd }, d)?,
                         wk: l.mat(&n("attn_k.weight"), kvd, d)?,
                         wv: l.mat(&n("attn_v.weight"), kvd, d)?,
                         wo: l.mat(&n("attn_output.weight"), d, qd)?,
@@ -232,8 +238,22 @@ impl HostWeights {
                         sinks: if spec.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), a.n_head)?) } else { None },
                     })
                 }
+                BlockKind::Ssm(b) if b.kind == oracle::spec::SsmKind::GatedDelta => Mixer::Ssm(SsmWeights {
+                    in_proj: l.mat(&n("attn_qkv.weight"), b.conv_dim(), d)?,
+                    gate_proj: Some(l.mat(&n("attn_gate.weight"), b.d_inner, d)?),
+                    ba_proj: Some(l.mat(&n("ssm_ba.weight"), 2 * b.n_head, d)?),
+                    conv: l.shaped(&n("ssm_conv1d.weight"), &[b.d_conv, b.conv_dim()])?,
+                    conv_bias: vec![0.0; b.conv_dim()],
+                    dt_bias: l.vec(&n("ssm_dt.bias"), b.n_head)?,
+                    a: l.vec(&n("ssm_a"), b.n_head)?,
+                    d: Vec::new(),
+                    norm: l.vec(&n("ssm_norm.weight"), b.head_dim())?,
+                    out: l.mat(&n("ssm_out.weight"), d, b.d_inner)?,
+                }),
                 BlockKind::Ssm(b) => Mixer::Ssm(SsmWeights {
                     in_proj: l.mat(&n("ssm_in.weight"), b.in_dim(), d)?,
+                    gate_proj: None,
+                    ba_proj: None,
                     conv: l.shaped(&n("ssm_conv1d.weight"), &[b.d_conv, b.conv_dim()])?,
                     conv_bias: l.vec(&n("ssm_conv1d.bias"), b.conv_dim())?,
                     dt_bias: l.vec(&n("ssm_dt.bias"), b.n_head)?,

@@ -12,6 +12,7 @@ pub mod norm;
 pub mod rope;
 pub mod sample;
 pub mod ssm;
+pub mod delta;
 
 pub use act::{add, add_bias, add_scaled, geglu, gelu_tanh, silu, softmax_rows, swiglu, swiglu_oai, swiglu_oai_f64};
 pub use attention::{attention, attention_with, AttentionParams, AttentionWeights};
@@ -20,6 +21,7 @@ pub use matmul::{matmul, matmul_many, Mat, RowBuf};
 pub use moe::{moe_route, Routing};
 pub use norm::{layer_norm, rms_norm};
 pub use rope::{rope, rope_base_angle, rope_cos_sin};
+pub use delta::{delta_gated_norm, delta_scan, DeltaInputs};
 pub use ssm::{softplus, ssm_conv, ssm_gated_norm, ssm_scan, ScanInputs};
 pub use sample::{argmax, sample, top_k, SamplerConfig, SplitMix64};
 

@@ -72,30 +72,40 @@ pub fn ssm_scan<T: Real>(state: &mut [T], inp: &ScanInputs<'_, T>, m: usize, blk
     for (what, v) in [("dt bias", inp.dt_bias), ("A", inp.a), ("D", inp.d)] {
         check_len(&format!("ssm_scan {what}"), v.len(), 1, nh)?;
     }
-    let heads_per_group = nh / ng;
+    Ok(over_heads(state, m, blk, keep_states, |h, g, t, st, y| {
+        let row = &inp.xbc[t * cd..(t + 1) * cd];
+        let (x, b, c) = (&row[h * hd..(h + 1) * hd], &row[blk.d_inner + g * ds..][..ds], &row[blk.d_inner + (ng + g) * ds..][..ds]);
+        let dt = softplus(inp.dt[t * nh + h].to_f64() + inp.dt_bias[h].to_f64());
+        let decay = (dt * inp.a[h].to_f64()).exp();
+        for p in 0..hd {
+            let xp = x[p].to_f64();
+            let sp = &mut st[p * ds..(p + 1) * ds];
+            let mut acc = 0.0f64;
+            for n in 0..ds {
+                let s = T::from_f64(decay * sp[n].to_f64() + dt * xp * b[n].to_f64());
+                sp[n] = s;
+                acc += s.to_f64() * c[n].to_f64();
+            }
+            y[p] = T::from_f64(acc + inp.d[h].to_f64() * xp);
+        }
+    }))
+}
+
+/// Runs `step(h, g, t, state, y)` for every head `h` (in parallel; `g` its group, `n_head /
+/// n_group` heads each) and position `t` in order, `state` the head's `[head_dim, d_state]`
+/// and `y` its `head_dim` outputs at `t`; returns the outputs as rows (`[m, d_inner]`) and, when
+/// `keep_states`, the whole state after each position (`[m, state_len]`).
+pub(crate) fn over_heads<T: Real>(state: &mut [T], m: usize, blk: &SsmBlock, keep_states: bool, step: impl Fn(usize, usize, usize, &mut [T], &mut [T]) + Sync) -> (Vec<T>, Vec<T>) {
+    let (hd, ds) = (blk.head_dim(), blk.d_state);
+    let heads_per_group = blk.n_head / blk.n_group.max(1);
     let per_head: Vec<(Vec<T>, Vec<T>)> = state
-        .par_chunks_mut(hd * ds)
+        .par_chunks_mut((hd * ds).max(1))
         .enumerate()
         .map(|(h, st)| {
-            let g = h / heads_per_group;
             let mut y = vec![T::default(); m * hd];
             let mut states = Vec::with_capacity(if keep_states { m * hd * ds } else { 0 });
-            for t in 0..m {
-                let row = &inp.xbc[t * cd..(t + 1) * cd];
-                let (x, b, c) = (&row[h * hd..(h + 1) * hd], &row[blk.d_inner + g * ds..][..ds], &row[blk.d_inner + (ng + g) * ds..][..ds]);
-                let dt = softplus(inp.dt[t * nh + h].to_f64() + inp.dt_bias[h].to_f64());
-                let decay = (dt * inp.a[h].to_f64()).exp();
-                for p in 0..hd {
-                    let xp = x[p].to_f64();
-                    let sp = &mut st[p * ds..(p + 1) * ds];
-                    let mut acc = 0.0f64;
-                    for n in 0..ds {
-                        let s = T::from_f64(decay * sp[n].to_f64() + dt * xp * b[n].to_f64());
-                        sp[n] = s;
-                        acc += s.to_f64() * c[n].to_f64();
-                    }
-                    y[t * hd + p] = T::from_f64(acc + inp.d[h].to_f64() * xp);
-                }
+            for (t, yt) in y.chunks_exact_mut(hd.max(1)).enumerate() {
+                step(h, h / heads_per_group.max(1), t, st, yt);
                 if keep_states {
                     states.extend_from_slice(st);
                 }
@@ -113,7 +123,7 @@ pub fn ssm_scan<T: Real>(state: &mut [T], inp: &ScanInputs<'_, T>, m: usize, blk
             }
         }
     }
-    Ok((y, states))
+    (y, states)
 }
 
 /// Mamba-2's gated norm: `v = y silu(z)`, then each group of `y`'s `width / n_group` values
@@ -142,7 +152,7 @@ mod tests {
     use super::*;
 
     fn blk() -> SsmBlock {
-        SsmBlock { d_inner: 4, d_state: 2, n_group: 1, n_head: 2, d_conv: 3 }
+        SsmBlock { d_inner: 4, d_state: 2, n_group: 1, n_head: 2, d_conv: 3, kind: Default::default() }
     }
 
     /// Feeding the positions one call at a time gives the bits of one call over all of them: the
@@ -180,7 +190,7 @@ mod tests {
     /// output reads it through C, plus `D x`.
     #[test]
     fn first_position_by_hand() {
-        let b = SsmBlock { d_inner: 1, d_state: 1, n_group: 1, n_head: 1, d_conv: 1 };
+        let b = SsmBlock { d_inner: 1, d_state: 1, n_group: 1, n_head: 1, d_conv: 1, kind: Default::default() };
         let xbc = [2.0f64, 3.0, 0.5]; // x, B, C
         let mut s = [0.0f64];
         let (y, st) = ssm_scan(&mut s, &ScanInputs { xbc: &xbc, dt: &[0.0], dt_bias: &[0.0], a: &[-1.0], d: &[0.25] }, 1, &b, true).unwrap();

@@ -26,6 +26,9 @@ pub enum Arch {
     /// Granite 4.0-H (llama.cpp's `granitehybrid`): Mamba-2 layers beside attention layers, each
     /// followed by an FFN, and Granite's scales.
     GraniteHybrid,
+    /// Qwen3-Next: gated DeltaNet layers beside gated attention layers, MoE with a gated shared
+    /// expert.
+    Qwen3Next,
 }
 
 /// What an architecture is, as the loaders and the interpreters need it.
@@ -51,6 +54,10 @@ pub struct ArchRow {
     /// Granite's scales (GGUF `embedding_scale`, `attention.scale`, `residual_scale`,
     /// `logit_scale`), and RoPE only where `rope.scaling.finetuned` says so.
     pub granite: bool,
+    /// Qwen3-Next's structure: its recurrent layers gated DeltaNets (`attention.recurrent_layers`,
+    /// else every layer but each `full_attention_interval`-th), its attention gated, its FFN
+    /// norm stored as `post_attention_norm`, and (a checkpoint's) RMSNorm weights stored less one.
+    pub qwen_next: bool,
 }
 
 /// Which Gemma.
@@ -61,11 +68,11 @@ pub enum GemmaKind {
 }
 
 const fn row(arch: Arch, gguf: &'static str, model_types: &'static [&'static str], rope: RopeStyle) -> ArchRow {
-    ArchRow { arch, gguf, model_types, rope, gemma: None, qk_norm: false, qkv_bias: false, fused: false, moe_normalize_default: false, granite: false }
+    ArchRow { arch, gguf, model_types, rope, gemma: None, qk_norm: false, qkv_bias: false, fused: false, moe_normalize_default: false, granite: false, qwen_next: false }
 }
 
 /// Every architecture, one row each.
-pub const ARCHES: [ArchRow; 13] = [
+pub const ARCHES: [ArchRow; 14] = [
     ArchRow { moe_normalize_default: true, ..row(Arch::Llama, "llama", &["llama", "mistral", "mixtral"], RopeStyle::Normal) },
     row(Arch::Mistral, "mistral", &[], RopeStyle::Normal),
     ArchRow { moe_normalize_default: true, ..row(Arch::Mixtral, "mixtral", &[], RopeStyle::Normal) },
@@ -79,6 +86,7 @@ pub const ARCHES: [ArchRow; 13] = [
     ArchRow { moe_normalize_default: true, ..row(Arch::GptOss, "gpt-oss", &["gpt_oss"], RopeStyle::Neox) },
     row(Arch::Mamba2, "mamba2", &["mamba2"], RopeStyle::Normal),
     ArchRow { granite: true, moe_normalize_default: true, ..row(Arch::GraniteHybrid, "granitehybrid", &["granitemoehybrid"], RopeStyle::Normal) },
+    ArchRow { qk_norm: true, qwen_next: true, moe_normalize_default: true, ..row(Arch::Qwen3Next, "qwen3next", &["qwen3_next"], RopeStyle::Neox) },
 ];
 
 impl Arch {

@@ -43,11 +43,16 @@ impl ModelSpec {
             _ => top.f("rope_theta")?,
         }
         .unwrap_or(10_000.0);
-        // transformers rotates only this share of each head where a config sets it; the
-        // architectures read here rotate whole heads.
+        // transformers rotates only this share of each head where a config sets it (its first
+        // `int(head_dim * share)` dimensions); Qwen3-Next does, the other architectures read here
+        // rotate whole heads.
+        let mut n_rot = head_dim;
         for fields in [Some(&top), rope_params.as_ref()].into_iter().flatten() {
             if let Some(share) = fields.f("partial_rotary_factor")?.filter(|&x| x != 1.0) {
-                return Err(err(format!("config.json: {}partial_rotary_factor {share} is not supported (whole heads rotate)", fields.at)));
+                if !row.qwen_next || !(share > 0.0 && share < 1.0) {
+                    return Err(err(format!("config.json: {}partial_rotary_factor {share} is not supported (whole heads rotate)", fields.at)));
+                }
+                n_rot = (head_dim as f64 * share) as usize;
             }
         }
         let scaling_fields = match (&rope_params, top.get("rope_scaling")) {
@@ -174,14 +179,14 @@ impl ModelSpec {
                 shared_gate: false,
                 biases: oss,
             }),
-            "qwen2_moe" | "qwen3_moe" => {
+            "qwen2_moe" | "qwen3_moe" | "qwen3_next" => {
                 // Dense layers among the MoE ones (`mlp_only_layers`, `decoder_sparse_step`) are
                 // not one stage list for every layer.
                 let dense_layers = top.typed("mlp_only_layers", |v| v.as_array().map(Vec::len), "an array of layer indices")?.unwrap_or(0) > 0;
                 if dense_layers || u("decoder_sparse_step")?.unwrap_or(1) != 1 {
                     return Err(err("config.json: dense layers among the MoE layers (`mlp_only_layers`, `decoder_sparse_step` other than 1) are not supported".into()));
                 }
-                let shared = model_type == "qwen2_moe";
+                let shared = model_type != "qwen3_moe";
                 Some(MoeSpec {
                     n_expert: req("num_experts")?,
                     n_expert_used: req("num_experts_per_tok")?,
@@ -213,7 +218,7 @@ impl ModelSpec {
                 // Hugging Face checkpoints keep Q/K in rotate-half order for every architecture.
                 style: RopeStyle::Neox,
                 theta,
-                n_rot: head_dim,
+                n_rot,
                 scaling,
                 freq_factors,
                 longrope_factors,
@@ -241,11 +246,16 @@ impl ModelSpec {
             residual_scale: None,
             logit_scale: None,
             no_rope: false,
+            attn_gate: false,
             ssm: None,
             layers: Vec::new(),
         };
         if gemma {
             spec.gemma3_from_hf(&top, per_type("sliding_attention"), file)?;
+        }
+        if row.qwen_next {
+            spec.qwen_next_from_hf(&top, file)?;
+            return Ok(spec);
         }
         if oss {
             // Alternating windowed and global layers; all global without a window.
@@ -307,6 +317,7 @@ impl ModelSpec {
             n_group: top.u("mamba_n_groups")?.unwrap_or(1),
             n_head: ssm_heads,
             d_conv: top.u("mamba_d_conv")?.unwrap_or(4),
+            kind: SsmKind::Mamba2,
         };
         let mut spec = ModelSpec {
             arch: Arch::GraniteHybrid,
@@ -339,12 +350,62 @@ impl ModelSpec {
             residual_scale: top.f("residual_multiplier")?,
             logit_scale: top.f("logits_scaling")?,
             no_rope: !rope,
+            attn_gate: false,
             ssm: Some(ssm),
             layers: Vec::new(),
         };
         spec.derive_layers(Some(&shapes))?;
         spec.validate()?;
         Ok(spec)
+    }
+
+    /// What a `qwen3_next` config adds to the common fields: gated DeltaNet layers
+    /// (`linear_*` dimensions) where `layer_types` says `linear_attention` (else every layer but
+    /// each `full_attention_interval`-th), the attention output gate. Biases and dense layers
+    /// among the MoE ones are refused.
+    fn qwen_next_from_hf(&mut self, top: &Fields<'_>, file: &str) -> Result<()> {
+        let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+        let req = |k: &str| top.u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
+        if self.qkv_bias || self.out_bias {
+            return Err(err("config.json: attention_bias on a qwen3_next model is not supported".into()));
+        }
+        let (n_k_head, n_v_head) = (req("linear_num_key_heads")?, req("linear_num_value_heads")?);
+        let ssm = SsmBlock {
+            d_inner: req("linear_value_head_dim")?.checked_mul(n_v_head).ok_or_else(|| err("config.json: linear_value_head_dim x linear_num_value_heads overflows".into()))?,
+            d_state: req("linear_key_head_dim")?,
+            n_group: n_k_head,
+            n_head: n_v_head,
+            d_conv: req("linear_conv_kernel_dim")?,
+            kind: SsmKind::GatedDelta,
+        };
+        let n = self.n_layer;
+        let recurrent: Vec<bool> = match top.typed("layer_types", |v| v.as_array(), "an array of layer types")? {
+            Some(types) if types.len() != n => return Err(err(format!("config.json: {} layer_types for {n} layers", types.len()))),
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("linear_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(err(format!("config.json: layer type {t} is neither linear_attention nor full_attention"))),
+                })
+                .collect::<Result<_>>()?,
+            None => {
+                let every = top.u("full_attention_interval")?.unwrap_or(4);
+                if every == 0 {
+                    return Err(err("config.json: full_attention_interval is 0".into()));
+                }
+                (0..n).map(|li| !(li + 1).is_multiple_of(every)).collect()
+            }
+        };
+        let shapes: Vec<LayerShape> = recurrent
+            .into_iter()
+            .map(|r| if r { LayerShape { n_head: 0, n_head_kv: 0, windowed: false } } else { LayerShape { n_head: self.n_head, n_head_kv: self.n_head_kv, windowed: false } })
+            .collect();
+        self.attn_gate = true;
+        self.ssm = Some(ssm);
+        self.derive_layers(Some(&shapes))?;
+        self.set_context(configured_context()?)?;
+        self.validate()
     }
 
     /// A `mamba2` config (`Mamba2ForCausalLM`): state-space layers only, no heads, no FFN.
@@ -376,6 +437,7 @@ impl ModelSpec {
             n_group: top.u("n_groups")?.unwrap_or(1),
             n_head,
             d_conv: top.u("conv_kernel")?.unwrap_or(4),
+            kind: SsmKind::Mamba2,
         };
         let mut spec = ModelSpec {
             arch: Arch::Mamba2,
@@ -408,6 +470,7 @@ impl ModelSpec {
             residual_scale: None,
             logit_scale: None,
             no_rope: false,
+            attn_gate: false,
             ssm: Some(ssm),
             layers: Vec::new(),
         };

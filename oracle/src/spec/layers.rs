@@ -18,14 +18,33 @@ pub const MAX_LAYERS: usize = 1 << 16;
 pub enum BlockKind {
     /// Softmax attention over a key/value cache (grouped-query where `n_head_kv < n_head`).
     Attention(AttentionBlock),
-    /// A Mamba-2 selective state-space layer: a causal depthwise convolution over its input,
-    /// then a scan whose recurrent state (`n_head x head_dim x d_state`) carries every earlier
-    /// position forward, gated by SiLU of a projection and normed per group.
+    /// A recurrent layer with a state per head carried from position to position ([`SsmKind`]:
+    /// a Mamba-2 selective scan, or a gated DeltaNet's delta rule): a causal depthwise
+    /// convolution over its input, then the recurrence, gated by SiLU of a projection and normed.
     Ssm(SsmBlock),
 }
 
-/// A Mamba-2 layer's dimensions (GGUF `ssm.inner_size`, `ssm.state_size`, `ssm.group_count`,
-/// `ssm.time_step_rank` (its head count), `ssm.conv_kernel`).
+/// Which recurrence a state-space layer runs. Both read the same GGUF keys (`ssm.*`) and share
+/// the state's shape, `n_head x head_dim x d_state`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SsmKind {
+    /// Mamba-2: the convolution runs over x, B and C; the state decays by `exp(dt A)` and takes
+    /// `dt x B`, the output reads it through C plus `D x`; the norm is of the gated output.
+    #[default]
+    Mamba2,
+    /// Gated DeltaNet (Qwen3-Next's linear attention): the convolution runs over q, k and v;
+    /// q and k are L2-normed (q then scaled by `1/sqrt(d_state)`), the state decays by
+    /// `exp(A softplus(a + dt_bias))` and takes the delta rule's correction
+    /// `k (v - S k) sigmoid(b)`, the output reads it through q; the norm is of the output,
+    /// then gated.
+    GatedDelta,
+}
+
+/// A state-space layer's dimensions (GGUF `ssm.inner_size`, `ssm.state_size`, `ssm.group_count`,
+/// `ssm.time_step_rank` (its head count), `ssm.conv_kernel`). For a gated DeltaNet: the value
+/// width (`n_head` value heads of `head_dim`), the key head width, the key head count (each
+/// serving `n_head / n_group` value heads) and the value head count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SsmBlock {
     pub d_inner: usize,
@@ -33,6 +52,8 @@ pub struct SsmBlock {
     pub n_group: usize,
     pub n_head: usize,
     pub d_conv: usize,
+    #[serde(default)]
+    pub kind: SsmKind,
 }
 
 impl SsmBlock {
@@ -41,14 +62,39 @@ impl SsmBlock {
         self.d_inner / self.n_head.max(1)
     }
 
-    /// Width of the convolved activations: x, then B and C (`n_group * d_state` each).
+    /// Width of the convolved activations: x, then B and C (`n_group * d_state` each); for a
+    /// gated DeltaNet q and k (`n_group * d_state` each), then v (`d_inner`).
     pub fn conv_dim(&self) -> usize {
         self.d_inner + 2 * self.n_group * self.d_state
     }
 
-    /// Width of the input projection: the gate z, the convolved x/B/C, then one time step per head.
+    /// Width of the input projection's output, as the tap `ssm_in` holds it. Mamba-2: the gate
+    /// z, the convolved x/B/C, then one time step per head. Gated DeltaNet: the convolved
+    /// q/k/v, the gate z, then b and a (one of each per value head, in head order).
     pub fn in_dim(&self) -> usize {
-        self.d_inner + self.conv_dim() + self.n_head
+        self.d_inner + self.conv_dim() + self.n_head * if self.kind == SsmKind::GatedDelta { 2 } else { 1 }
+    }
+
+    /// Where, in a row of [`SsmBlock::in_dim`], the convolution's input starts.
+    pub fn conv_at(&self) -> usize {
+        match self.kind {
+            SsmKind::Mamba2 => self.d_inner,
+            SsmKind::GatedDelta => 0,
+        }
+    }
+
+    /// Where, in a row of [`SsmBlock::in_dim`], the gate z (`d_inner` values) starts.
+    pub fn z_at(&self) -> usize {
+        match self.kind {
+            SsmKind::Mamba2 => 0,
+            SsmKind::GatedDelta => self.conv_dim(),
+        }
+    }
+
+    /// Where, in a row of [`SsmBlock::in_dim`], the per-head values start: Mamba-2's time steps,
+    /// a gated DeltaNet's b (then its a).
+    pub fn heads_at(&self) -> usize {
+        self.d_inner + self.conv_dim()
     }
 
     /// Values of the recurrent state: `n_head * head_dim * d_state`.
@@ -177,7 +223,11 @@ impl ModelSpec {
         if !self.no_rope {
             s.push(Stage::Rope);
         }
-        s.extend([Stage::Attention, Stage::AttnOutProj]);
+        s.push(Stage::Attention);
+        if self.attn_gate {
+            s.push(Stage::AttnGate);
+        }
+        s.push(Stage::AttnOutProj);
         if self.post_norms {
             s.push(Stage::AttnPostNorm);
         }

@@ -50,13 +50,15 @@ pub struct Dims {
     pub ssm_inner: usize,
     pub ssm_state: usize,
     pub ssm_conv: usize,
+    /// The state-space layers are gated DeltaNets.
+    pub ssm_delta: bool,
 }
 
 impl Dims {
     pub fn of(spec: &ModelSpec, n_pos: usize) -> Dims {
         let n_ff = spec.moe.as_ref().map_or(spec.n_ff, |m| m.expert_ffn.max(m.shared_ffn.unwrap_or(0)));
         let rope_angle_rms = spec.ropes().into_iter().map(|r| rope_angle_rms(r, n_pos)).fold(0.0, f64::max);
-        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0), gelu: spec.activation == oracle::spec::Activation::GeluTanh, ssm_inner: spec.ssm.map_or(0, |b| b.d_inner), ssm_state: spec.ssm.map_or(0, |b| b.d_state), ssm_conv: spec.ssm.map_or(0, |b| b.d_conv) }
+        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0), gelu: spec.activation == oracle::spec::Activation::GeluTanh, ssm_inner: spec.ssm.map_or(0, |b| b.d_inner), ssm_state: spec.ssm.map_or(0, |b| b.d_state), ssm_conv: spec.ssm.map_or(0, |b| b.d_conv), ssm_delta: spec.ssm.is_some_and(|b| b.kind == oracle::spec::SsmKind::GatedDelta) }
     }
 }
 
@@ -95,11 +97,13 @@ pub(crate) fn op_shape(kind: TapKind, d: &Dims) -> Option<OpShape> {
         TapKind::InpEmbd => s(1, false, false),
         TapKind::AttnNorm | TapKind::FfnNorm | TapKind::ResultNorm | TapKind::AttnPostNorm | TapKind::FfnPostNorm => s(d.d, false, true),
         TapKind::AttnQNorm | TapKind::AttnKNorm => s(d.head_dim, false, true),
-        TapKind::AttnQ | TapKind::AttnK | TapKind::AttnV | TapKind::FfnGate | TapKind::FfnUp | TapKind::ResultOutput => s(d.d, true, false),
+        TapKind::AttnQ | TapKind::AttnK | TapKind::AttnV | TapKind::AttnGate | TapKind::FfnGate | TapKind::FfnUp | TapKind::ResultOutput => s(d.d, true, false),
         TapKind::AttnOut => s(d.q_dim, true, false),
         TapKind::FfnOut => s(d.n_ff, true, false),
         TapKind::AttnQRope | TapKind::AttnKRope => s(2, false, true),
         TapKind::AttnKqv => s(d.n_pos.max(d.head_dim), false, true),
+        // A sigmoid and a product.
+        TapKind::AttnGated => s(2, false, true),
         TapKind::FfnInp | TapKind::LOut => s(2, false, false),
         TapKind::FfnAct => s(2, false, true),
         TapKind::FfnMoeProbs => s(d.d, true, true),
@@ -108,8 +112,10 @@ pub(crate) fn op_shape(kind: TapKind, d: &Dims) -> Option<OpShape> {
         // d_conv products and a bias, then SiLU.
         TapKind::SsmConv => s(d.ssm_conv + 1, false, true),
         // The state carries one rounding of every earlier position forward (decayed, never
-        // amplified: exp(dt A) <= 1), and each step's decay is an exp.
-        TapKind::SsmState => s(d.n_pos.max(1) + 1, false, true),
+        // amplified: exp(dt A) <= 1; a gated DeltaNet's correction multiplies it by
+        // I - beta k k^T, whose norm is at most 1 for an L2-normed k), and each step's decay is
+        // an exp. The delta rule's recall S k is a dot product over the state's width.
+        TapKind::SsmState => s(d.n_pos.max(1) + 1 + if d.ssm_delta { d.ssm_state } else { 0 }, false, true),
         // A dot product with C over the state, whose own error the state's term holds.
         TapKind::SsmScan => s(d.ssm_state.max(d.n_pos) + 1, false, true),
         TapKind::SsmNorm => s(d.ssm_inner, false, true),

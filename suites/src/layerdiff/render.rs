@@ -52,6 +52,8 @@ pub fn op_behind(t: &TapDiff) -> String {
         ResultOutput => "the matrix product with output.weight (or the tied token_embd.weight)".into(),
         AttnQRope | AttnKRope => "RoPE (the rotation of each head's pairs by position)".into(),
         AttnKqv => "attention: scores, causal mask, softmax, the weighted sum of values".into(),
+        AttnGate => format!("the matrix product with {} (its gate rows)", w(AttnQ.name())),
+        AttnGated => "the output gate: attention's output times the sigmoid of the gate".into(),
         FfnInp => "the residual add after attention".into(),
         LOut => "the residual add after the FFN".into(),
         FfnAct => "the gated activation (SwiGLU or GeGLU: act(gate) x up)".into(),
@@ -60,9 +62,9 @@ pub fn op_behind(t: &TapDiff) -> String {
         // The taps share their names with the weights that make them.
         SsmIn | SsmOut => format!("the matrix product with {}", w(t.kind.name())),
         SsmConv => "the state-space layer's causal convolution (ssm_conv1d) and SiLU".into(),
-        SsmState => "the selective scan's state update: decay exp(dt A), plus dt x B".into(),
-        SsmScan => "the selective scan's output: the state read through C, plus D x".into(),
-        SsmNorm => format!("the gated norm: SiLU(z) times the scan, RMS-normed per group, times {}", w(t.kind.name())),
+        SsmState => "the recurrent state update (Mamba-2: decay exp(dt A), plus dt x B; gated DeltaNet: decay, then the delta rule's correction k (v - S k) sigmoid(b))".into(),
+        SsmScan => "the recurrence's output: the state read through C, plus D x (gated DeltaNet: through the L2-normed q)".into(),
+        SsmNorm => format!("the gated norm: SiLU(z) and an RMSNorm per group, times {}", w(t.kind.name())),
     }
 }
 
@@ -82,14 +84,14 @@ pub fn kernel_filter(kind: TapKind) -> Option<&'static str> {
         InpEmbd => "^embed\\(",
         AttnNorm | FfnNorm | AttnPostNorm | FfnPostNorm | ResultNorm => "^(rms_norm|layer_norm)\\(",
         AttnQNorm | AttnKNorm => "^qk_norm\\(",
-        AttnQ | AttnK | AttnV | FfnGate | FfnUp | AttnOut | FfnOut | ResultOutput => "^matmul\\(",
+        AttnQ | AttnK | AttnV | AttnGate | FfnGate | FfnUp | AttnOut | FfnOut | ResultOutput => "^matmul\\(",
         AttnQRope | AttnKRope => "^rope\\(",
         AttnKqv => "^attention",
         FfnInp | LOut => "^add\\(",
         FfnAct => "^(swiglu|geglu|swiglu_oai)\\(",
         FfnMoeProbs | FfnMoeTopk => "^moe_route\\(",
         SsmIn | SsmOut => "^matmul\\(",
-        SsmConv | SsmState | SsmScan | SsmNorm => return None,
+        SsmConv | SsmState | SsmScan | SsmNorm | AttnGated => return None,
     })
 }
 
