@@ -47,6 +47,8 @@ code the nearest E2M1 value; the experts are 64 wide instead of 48 (whole blocks
 
 Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid,qwen3-next} OUT_DIR [--seed N] [--tokenizer] [--mxfp4]
        [--shape WIDTHxLAYERS] [--layer-types alternate|mamba|attention]
+
+(`--layer-types mamba` makes every qwen3-next layer a gated DeltaNet.)
 """
 import argparse
 import io
@@ -232,14 +234,27 @@ def granite_hybrid(t, vocab, shape=None, layer_types="alternate"):
     return ssm_init(t.GraniteMoeHybridForCausalLM(cfg).to(torch.float32))
 
 
-def qwen3_next(t, vocab):
-    cfg = t.Qwen3NextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, rope_theta=10000.0,
-                            layer_types=["linear_attention", "full_attention"] * 2, full_attention_interval=2,
-                            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                            linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                            shared_expert_intermediate_size=48, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
-                            rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256)
+def qwen3_next(t, vocab, shape=None, layer_types="alternate"):
+    """The test's model, or (`shape` WIDTHxLAYERS, for benchmarks) heads of 128 as Qwen3-Next's
+    DeltaNet layers have: width / 256 key heads serving twice as many value heads, width / 128
+    attention heads over 2 key/value heads, eight experts of width / 2 (two chosen) and a shared
+    one as wide."""
+    if shape is None:
+        d = dict(hidden=64, layers=4, heads=4, kv=2, head_dim=32, k_heads=2, v_heads=4, lin_dim=16, experts=4, expert_ffn=32, shared_ffn=48, ffn=96)
+    else:
+        width, layers = (int(v) for v in shape.split("x"))
+        d = dict(hidden=width, layers=layers, heads=width // 128, kv=2, head_dim=128, k_heads=width // 256, v_heads=width // 128, lin_dim=128,
+                 experts=8, expert_ffn=width // 2, shared_ffn=width // 2, ffn=width)
+    n = d["layers"]
+    types = {"alternate": ["linear_attention", "full_attention"] * (n // 2) + ["linear_attention"] * (n % 2),
+             "linear": ["linear_attention"] * n, "full": ["full_attention"] * n}[layer_types]
+    cfg = t.Qwen3NextConfig(vocab_size=vocab, hidden_size=d["hidden"], intermediate_size=d["ffn"], num_hidden_layers=n, num_attention_heads=d["heads"],
+                            num_key_value_heads=d["kv"], head_dim=d["head_dim"], partial_rotary_factor=0.25, rope_theta=10000.0,
+                            layer_types=types, full_attention_interval=2,
+                            linear_conv_kernel_dim=4, linear_key_head_dim=d["lin_dim"], linear_value_head_dim=d["lin_dim"], linear_num_key_heads=d["k_heads"],
+                            linear_num_value_heads=d["v_heads"], num_experts=d["experts"], num_experts_per_tok=2, moe_intermediate_size=d["expert_ffn"],
+                            shared_expert_intermediate_size=d["shared_ffn"], decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=4096)
     # The (1 + w) norms drawn around 0; the DeltaNet's output norm multiplies by w.
     return ssm_init(t.Qwen3NextForCausalLM(cfg).to(torch.float32), lambda name: 1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
 
@@ -259,9 +274,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true", help="also write a tokenizer of the vocabulary")
     ap.add_argument("--mxfp4", action="store_true", help="gpt-oss: store the experts as MXFP4 blocks")
-    ap.add_argument("--shape", help="mamba2, granite-hybrid: WIDTHxLAYERS (e.g. 768x24), heads of 64 and a state of 128 (for benchmarks)")
+    ap.add_argument("--shape", help="mamba2, granite-hybrid, qwen3-next: WIDTHxLAYERS (e.g. 768x24), benchmark-sized heads (mamba2: heads of 64 and a state of 128; qwen3-next: heads of 128)")
     ap.add_argument("--layer-types", choices=["alternate", "mamba", "attention"], default="alternate",
-                    help="granite-hybrid: Mamba-2 and attention layers alternating (default), or every layer one kind")
+                    help="granite-hybrid, qwen3-next: recurrent (Mamba-2, gated DeltaNet) and attention layers alternating (default), or every layer one kind")
     a = ap.parse_args()
     import transformers as t
     torch.manual_seed(a.seed)
@@ -276,7 +291,7 @@ def main():
     elif a.arch == "granite-hybrid":
         model = granite_hybrid(t, vocab, a.shape, a.layer_types)
     elif a.arch == "qwen3-next":
-        model = qwen3_next(t, vocab)
+        model = qwen3_next(t, vocab, a.shape, {"mamba": "linear", "attention": "full"}.get(a.layer_types, a.layer_types))
     else:
         model = gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)
