@@ -17,12 +17,14 @@ Two modes:
   cover what holding every tensor in bf16 costs (the inputs' own rounding included).
 
 Expert routing and top-k use a stable sort (lower index first on ties, as the protocol asks).
-`sample` needs Touchstone's own random stream and is reported unsupported. TORCH_THREADS sets
+`sample` needs Touchstone's own random stream and is reported unsupported. `delta_rule` (a gated
+DeltaNet's recurrence) runs transformers' chunked form where transformers is installed. TORCH_THREADS sets
 torch's thread count (default: torch's own).
 
 TOUCHSTONE_EXAMPLE_BUG seeds a bug for Touchstone's own tests (each must turn cases red):
 `rms_eps_x10`, `rope_pairs_swapped`, `q4_0_nibbles_swapped`, `bf16_declared_f32` (the bf16
-mode's arithmetic, declared as f32).
+mode's arithmetic, declared as f32), `delta_chunk_term_dropped` (the delta rule run chunk by
+chunk, each chunk's state carried without its last position's term).
 """
 import json
 import math
@@ -194,6 +196,43 @@ def op_attention(p, i):
         seen &= j > pos[:, None] - window
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=1.0 / math.sqrt(hd), enable_gqa=nh != nkv)
     return [out.transpose(0, 1).reshape(m, nh * hd)]
+
+
+def op_delta_rule(p, i):
+    """The delta rule through transformers' own chunked form (Qwen3-Next's
+    `torch_chunk_gated_delta_rule`, chunks of 16: a run crosses chunk boundaries) where
+    transformers is installed; the op is left out otherwise."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    nk, nv, dk, dv = (int(p[k]) for k in ("n_k_head", "n_v_head", "d_k", "d_v"))
+    m = i["q"].shape[0]
+    q, k = (i[n].reshape(1, m, nk, dk) for n in ("q", "k"))
+    v = i["v"].reshape(1, m, nv, dv)
+    g = (i["neg_a"] * F.softplus(i["a"] + i["dt_bias"])).reshape(1, m, nv)
+    beta = torch.sigmoid(i["b"]).reshape(1, m, nv)
+    state = i["state"].reshape(1, nv, dv, dk).transpose(-1, -2)
+
+    def rule(s, e, state):
+        return torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], chunk_size=16, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    if BUG != "delta_chunk_term_dropped":
+        y, last = rule(0, m, state)
+    else:
+        # Chunk by chunk, each chunk starting from the state before the previous chunk's last
+        # position: the boundary position's term is dropped from what is carried.
+        ys, last = [], state
+        for s in range(0, m, 16):
+            e = min(s + 16, m)
+            y_c, full = rule(s, e, last)
+            ys.append(y_c)
+            last = rule(s, e - 1, last)[1] if e - 1 > s and e < m else full
+        y = torch.cat(ys, dim=1)
+    return [y.reshape(m, nv * dv).to(DT), last.transpose(-1, -2).reshape(nv, dv, dk).to(DT)]
+
+
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    del op_delta_rule
 
 
 def op_softmax(p, i):

@@ -13,6 +13,9 @@ use crate::quant::{decode, encode, GgmlType};
 use crate::spec::{Gating, RopeScaling, RopeSpec, RopeStyle};
 use std::collections::BTreeMap;
 
+mod recurrent;
+pub use recurrent::delta_rule_f64;
+
 /// A dense f32 tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
@@ -52,11 +55,14 @@ pub enum Op {
     Argmax,
     TopK,
     Sample,
+    /// A gated DeltaNet's delta rule over a run of positions from a given state (Qwen3-Next's
+    /// linear attention): the outputs and the state after the last position.
+    DeltaRule,
 }
 
 impl Op {
     /// Every op, in registry order.
-    pub const ALL: [Op; 22] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::AttentionSinks, Op::AttentionSoftcap, Op::Softmax, Op::Softcap, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample];
+    pub const ALL: [Op; 23] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::AttentionSinks, Op::AttentionSoftcap, Op::Softmax, Op::Softcap, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample, Op::DeltaRule];
 
     /// The op's name in case ids and the op protocol (`rms_norm`, `matmul`, ...).
     pub fn name(self) -> &'static str {
@@ -83,6 +89,7 @@ impl Op {
             Op::Argmax => "argmax",
             Op::TopK => "top_k",
             Op::Sample => "sample",
+            Op::DeltaRule => "delta_rule",
         }
     }
 }
@@ -164,6 +171,9 @@ pub enum ToleranceRule {
     RowReduction,
     /// Transcendental per element (rope's cos/sin, exp, tanh).
     Transcendental,
+    /// A recurrence over positions: each step's roundings carried forward by a map of norm at
+    /// most 1, so the state's error is the sum of the steps' own.
+    Recurrence,
 }
 
 impl ToleranceRule {
@@ -177,6 +187,7 @@ impl ToleranceRule {
             ToleranceRule::Dot => "a dot product's roundings (and the weight codec's error)",
             ToleranceRule::RowReduction => "a row reduction's roundings",
             ToleranceRule::Transcendental => "a transcendental's error per element",
+            ToleranceRule::Recurrence => "each step's roundings, carried through the recurrence's contraction",
         }
     }
 }
@@ -798,5 +809,6 @@ pub fn registry() -> Vec<OpEntry> {
         OpEntry { op: Op::Argmax, summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Argmax, b), reference: argmax_ref, flops: elems, bytes: n_f32 },
         OpEntry { op: Op::TopK, summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::TopK, b), reference: top_k_ref, flops: elems, bytes: n_f32 },
         OpEntry { op: Op::Sample, summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Sample, b), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
+        OpEntry { op: Op::DeltaRule, summary: "gated DeltaNet: L2-normed q/k, decay exp(A softplus(a + dt_bias)), state += k (v - S k) sigmoid(b), y = S q / sqrt(d_k)", rule: ToleranceRule::Recurrence, cases: recurrent::delta_rule_cases, reference: recurrent::delta_rule_ref, flops: recurrent::delta_rule_flops, bytes: n_f32 },
     ]
 }

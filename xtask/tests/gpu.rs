@@ -30,6 +30,9 @@ fn every_kernel_case_passes_on_the_emulated_gpu_kernels_in_any_thread_order() {
     // case passes both ways, with the same error figures, so no kernel's result depends on the
     // order a GPU picks and no two threads write one shared word between barriers.
     let n_cases: usize = oracle::registry::registry().iter().map(|e| (e.cases)(0).len()).sum();
+    // The recurrent layers' ops have no GPU kernel (the GPU devices refuse such models at load):
+    // unsupported, saying so, never passed.
+    let recurrent: usize = oracle::registry::registry().iter().filter(|e| e.op == oracle::registry::Op::DeltaRule).map(|e| (e.cases)(0).len()).sum();
     let mut runs = Vec::new();
     for device in ["gpu-emu", "gpu-emu:shuffle:racecheck"] {
         let dir = tempfile::tempdir().unwrap();
@@ -37,7 +40,8 @@ fn every_kernel_case_passes_on_the_emulated_gpu_kernels_in_any_thread_order() {
         assert_eq!(o.status.code(), Some(0), "{device}: {}", text(&o));
         let r = report(dir.path());
         assert_eq!(r["summary"]["executed"], n_cases, "{device}: every registry case ran");
-        assert_eq!(r["summary"]["passed"], n_cases, "{device}: {}", r["summary"]);
+        assert_eq!(r["summary"]["passed"], n_cases - recurrent, "{device}: {}", r["summary"]);
+        assert_eq!(r["summary"]["unsupported"], recurrent, "{device}: {}", r["summary"]);
         assert!(r["provenance"]["devices"][device].as_str().unwrap().contains("emulation"), "{}", r["provenance"]);
         runs.push(r);
     }
@@ -66,11 +70,14 @@ fn every_op_passes_with_the_block_size_the_gpus_use() {
     let o = xtask(&["kernels", "--device", device, "--report-dir", dir.path().to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let r = report(dir.path());
-    assert_eq!(r["summary"]["passed"], r["summary"]["executed"], "{}", r["summary"]);
+    // Every case but the recurrent layers' ops (unsupported on the GPU devices) passes.
+    let recurrent = r["cases"].as_array().unwrap().iter().filter(|c| c["id"].as_str().unwrap().starts_with("delta_rule(")).count();
+    assert_eq!(r["summary"]["passed"].as_u64().unwrap() as usize + recurrent, r["summary"]["executed"].as_u64().unwrap() as usize, "{}", r["summary"]);
+    assert_eq!(r["summary"]["unsupported"].as_u64().unwrap() as usize, recurrent, "{}", r["summary"]);
     let described = r["provenance"]["devices"][device].as_str().unwrap();
     assert!(described.contains("blocks of 256 fibers") && described.contains("fma") && described.contains("2 ulp"), "{}", r["provenance"]);
     let ran: std::collections::BTreeSet<&str> = r["cases"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().split('(').next().unwrap()).collect();
-    for e in oracle::registry::registry() {
+    for e in oracle::registry::registry().into_iter().filter(|e| e.op != oracle::registry::Op::DeltaRule) {
         assert!(ran.contains(e.op.name()), "no case of `{}` ran at 256 threads", e.op);
     }
 }

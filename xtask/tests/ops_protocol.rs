@@ -244,13 +244,14 @@ fn ggml_cpu_kernels_are_judged_op_by_op() {
 /// PyTorch's CPU kernels through the op protocol (examples/ops_torch; skipped, saying so,
 /// without torch, unless TOUCHSTONE_REQUIRE_TORCH=1): every case it runs passes in f32 and as a
 /// bf16 engine declared as one (its inputs held in bf16 included); the same bf16 arithmetic
-/// declared as f32 fails, and each seeded bug fails exactly the cases it touches, in both modes.
+/// declared as f32 fails, and each seeded bug fails exactly the cases it touches, in both modes
+/// (the delta rule through transformers' chunked form among them).
 #[test]
 fn torch_cpu_kernels_pass_in_f32_and_bf16_and_their_seeded_bugs_go_red() {
-    let probe = std::process::Command::new("python3").args(["-c", "import torch, gguf, numpy"]).output();
+    let probe = std::process::Command::new("python3").args(["-c", "import torch, transformers, gguf, numpy"]).output();
     if !matches!(probe, Ok(ref o) if o.status.success()) {
-        assert!(std::env::var("TOUCHSTONE_REQUIRE_TORCH").is_err(), "TOUCHSTONE_REQUIRE_TORCH is set but python3 cannot import torch, gguf and numpy");
-        eprintln!("SKIPPED: python3 with torch, gguf and numpy is not installed (pip install -r tools/peers/requirements-torch.txt)");
+        assert!(std::env::var("TOUCHSTONE_REQUIRE_TORCH").is_err(), "TOUCHSTONE_REQUIRE_TORCH is set but python3 cannot import torch, transformers, gguf and numpy");
+        eprintln!("SKIPPED: python3 with torch, transformers, gguf and numpy is not installed (pip install -r tools/peers/requirements-torch.txt)");
         return;
     }
     const TORCH: &str = "exec:python3 examples/ops_torch/engine.py";
@@ -284,6 +285,17 @@ fn torch_cpu_kernels_pass_in_f32_and_bf16_and_their_seeded_bugs_go_red() {
             for t in shown {
                 assert!(failed.get(*t).copied().unwrap_or(0) * 2 > all[*t], "{mode} {bug}: most {t} cases fail: {failed:?} of {all:?}");
             }
+        }
+        // transformers' chunked delta rule (chunks of 16) passes against the recurrent oracle
+        // above; carried across chunk boundaries without the boundary position's term, it fails
+        // exactly the cases of more than one chunk.
+        let env = [("TOUCHSTONE_EXAMPLE_BUG", "delta_chunk_term_dropped"), ("OPS_TORCH_DTYPE", mode)];
+        let (o, r) = kernels(TORCH, &["--filter", "^delta_rule"], &tmp.path().join(format!("{mode}-delta")), &env);
+        assert_eq!(o.status.code(), Some(1), "{mode} delta_chunk_term_dropped: {}", text(&o));
+        for c in r["cases"].as_array().unwrap() {
+            let id = c["id"].as_str().unwrap();
+            let chunks = id.split(",m=").nth(1).and_then(|t| t.split(',').next()).and_then(|m| m.parse::<usize>().ok()).unwrap().div_ceil(16);
+            assert_eq!(c["verdict"], if chunks > 1 { "fail" } else { "pass" }, "{mode} delta_chunk_term_dropped: {id}");
         }
     }
 }

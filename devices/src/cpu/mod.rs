@@ -293,6 +293,25 @@ impl CpuDevice {
                 let k = case.pu("k").map_err(e)?;
                 vec![Output::Ids(x.data.chunks(x.shape[1]).flat_map(|r| kernels::top_k(r, k)).collect())]
             }
+            Op::DeltaRule => {
+                let (nk, nv, dk, dv) = (case.pu("n_k_head").map_err(e)?, case.pu("n_v_head").map_err(e)?, case.pu("d_k").map_err(e)?, case.pu("d_v").map_err(e)?);
+                let blk = oracle::spec::SsmBlock { d_inner: nv * dv, d_state: dk, n_group: nk, n_head: nv, d_conv: 1, kind: oracle::spec::SsmKind::GatedDelta };
+                blk.validate().map_err(e)?;
+                let f = |n: &str| case.f32(n).map_err(e);
+                let (q, k, v) = (f("q")?, f("k")?, f("v")?);
+                let m = q.shape[0];
+                let (kd, vd) = (nk * dk, nv * dv);
+                if q.data.len() != m * kd || k.data.len() != m * kd || v.data.len() != m * vd {
+                    return Err(format!("{}: q, k, v of {m} rows are not {kd}, {kd} and {vd} wide", case.id));
+                }
+                let qkv: Vec<f32> = (0..m).flat_map(|t| q.data[t * kd..(t + 1) * kd].iter().chain(&k.data[t * kd..(t + 1) * kd]).chain(&v.data[t * vd..(t + 1) * vd]).copied().collect::<Vec<f32>>()).collect();
+                let mut state = f("state")?.data.clone();
+                if state.len() != blk.state_len() {
+                    return Err(format!("{}: a state of {} values for {} heads of {dv} x {dk}", case.id, state.len(), nv));
+                }
+                let (y, _) = ssm::delta_scan(&mut state, &qkv, &f("b")?.data, &f("a")?.data, m, &blk, &f("dt_bias")?.data, &f("neg_a")?.data, false, None);
+                vec![out(&[m, vd], y), out(&[nv, dv, dk], state)]
+            }
             Op::Sample => {
                 let x = case.f32("x").map_err(e)?;
                 let mut rng = oracle::ops::SplitMix64(case.seed);

@@ -1,0 +1,88 @@
+//! The recurrent layers' ops: a gated DeltaNet's delta rule over a run of positions, from a
+//! given state (`delta_rule`). An engine may compute it in any form (one position at a time, or
+//! in chunks as prefill kernels do); the reference is the recurrent form, in f64.
+
+use super::{case, normals, out, seed_of, t, Op, OpCase, Output};
+use crate::error::Result;
+use crate::ops::{self, SplitMix64};
+use crate::spec::{SsmBlock, SsmKind};
+
+/// (key heads, value heads, key width, value width, positions): one head; value heads sharing
+/// key heads; Qwen3-Next's head width (128); odd widths; 70 positions (past a 64-position chunk).
+const DELTA_SHAPES: [(usize, usize, usize, usize, usize); 5] = [(1, 1, 4, 4, 1), (2, 4, 16, 16, 9), (2, 4, 16, 16, 70), (1, 2, 128, 128, 5), (3, 6, 13, 7, 33)];
+
+/// Seeds per shape: even seeds start from a zero state, odd ones from a state of normals.
+const DELTA_SEEDS: u64 = 4;
+
+/// The block the case describes (its inputs' layout).
+fn block(c: &OpCase) -> Result<SsmBlock> {
+    let (nk, nv, dk, dv) = (c.pu("n_k_head")?, c.pu("n_v_head")?, c.pu("d_k")?, c.pu("d_v")?);
+    Ok(SsmBlock { d_inner: nv * dv, d_state: dk, n_group: nk, n_head: nv, d_conv: 1, kind: SsmKind::GatedDelta })
+}
+
+pub(super) fn delta_rule_cases(base: u64) -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for (nk, nv, dk, dv, m) in DELTA_SHAPES {
+        for i in 0..DELTA_SEEDS {
+            let seed = seed_of(base, i) ^ (nk * 1000 + nv * 100 + dk * 10 + dv + m * 7) as u64;
+            let mut r = SplitMix64(seed ^ 0xDE17A);
+            let q = normals(&mut r, m * nk * dk, 1.0);
+            let k = normals(&mut r, m * nk * dk, 1.0);
+            let val = normals(&mut r, m * nv * dv, 1.0);
+            let b = normals(&mut r, m * nv, 1.5);
+            let a = normals(&mut r, m * nv, 1.0);
+            let dt_bias: Vec<f32> = normals(&mut r, nv, 0.5).into_iter().map(|x| x - 2.0).collect();
+            // A = -exp(A_log), A_log uniform over [0, 2.77): decays from exp(-softplus) on.
+            let neg_a: Vec<f32> = (0..nv).map(|_| -((r.next_f64() * 2.77).exp() as f32)).collect();
+            let state = if i % 2 == 0 { vec![0.0; nv * dv * dk] } else { normals(&mut r, nv * dv * dk, 0.5) };
+            v.push(case(
+                Op::DeltaRule,
+                format!("delta_rule(k_heads={nk},v_heads={nv},d_k={dk},d_v={dv},m={m},state={},seed={seed})", if i % 2 == 0 { "zero" } else { "given" }),
+                seed,
+                vec![
+                    ("q", t(&[m, nk * dk], q)),
+                    ("k", t(&[m, nk * dk], k)),
+                    ("v", t(&[m, nv * dv], val)),
+                    ("b", t(&[m, nv], b)),
+                    ("a", t(&[m, nv], a)),
+                    ("dt_bias", t(&[nv], dt_bias)),
+                    ("neg_a", t(&[nv], neg_a)),
+                    ("state", t(&[nv, dv, dk], state)),
+                ],
+                &[("n_k_head", nk as f64), ("n_v_head", nv as f64), ("d_k", dk as f64), ("d_v", dv as f64)],
+            ));
+        }
+    }
+    v
+}
+
+/// The delta rule in f64 from the case's inputs (`ops::delta_scan`): the outputs `[m, n_v_head *
+/// d_v]` and the state after each position, `[m, n_v_head * d_v * d_k]`.
+pub fn delta_rule_f64(c: &OpCase) -> Result<(Vec<f64>, Vec<f64>)> {
+    let blk = block(c)?;
+    let f = |n: &str| -> Result<Vec<f64>> { Ok(c.f32(n)?.data.iter().map(|x| *x as f64).collect()) };
+    let (q, k, v) = (f("q")?, f("k")?, f("v")?);
+    let m = c.f32("q")?.shape.first().copied().unwrap_or(0);
+    let (kd, vd) = (blk.n_group * blk.d_state, blk.d_inner);
+    let qkv: Vec<f64> = (0..m).flat_map(|t| q[t * kd..(t + 1) * kd].iter().chain(&k[t * kd..(t + 1) * kd]).chain(&v[t * vd..(t + 1) * vd]).copied().collect::<Vec<_>>()).collect();
+    let mut state = f("state")?;
+    let (b, a, dt_bias, neg_a) = (f("b")?, f("a")?, f("dt_bias")?, f("neg_a")?);
+    let inputs = ops::DeltaInputs { qkv: &qkv, b: &b, a: &a, dt_bias: &dt_bias, neg_a: &neg_a };
+    ops::delta_scan(&mut state, &inputs, m, &blk, true)
+}
+
+pub(super) fn delta_rule_ref(c: &OpCase) -> Result<Vec<Output>> {
+    let (y, states) = delta_rule_f64(c)?;
+    let s = c.f32("state")?;
+    let last = states.len().saturating_sub(s.data.len());
+    let y32: Vec<f32> = y.iter().map(|x| *x as f32).collect();
+    let m = c.f32("q")?.shape.first().copied().unwrap_or(0);
+    Ok(vec![out(&[m, y32.len() / m.max(1)], y32), out(&s.shape, states[last..].iter().map(|x| *x as f32).collect())])
+}
+
+pub(super) fn delta_rule_flops(c: &OpCase) -> u64 {
+    let m = c.f32("q").map(|q| q.shape[0] as u64).unwrap_or(0);
+    let n = c.f32("state").map(|s| s.data.len() as u64).unwrap_or(0);
+    // Decay, recall, correction, read-out: about eight per state value a position.
+    8 * m * n
+}
