@@ -14,7 +14,7 @@ use crate::spec::{Gating, RopeScaling, RopeSpec, RopeStyle};
 use std::collections::BTreeMap;
 
 mod recurrent;
-pub use recurrent::delta_rule_f64;
+pub use recurrent::{delta_rule_f64, ssm_scan_f64};
 
 /// A dense f32 tensor.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,11 +58,14 @@ pub enum Op {
     /// A gated DeltaNet's delta rule over a run of positions from a given state (Qwen3-Next's
     /// linear attention): the outputs and the state after the last position.
     DeltaRule,
+    /// Mamba-2's selective scan over a run of positions from a given state: the outputs and the
+    /// state after the last position.
+    SsmScan,
 }
 
 impl Op {
     /// Every op, in registry order.
-    pub const ALL: [Op; 23] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::AttentionSinks, Op::AttentionSoftcap, Op::Softmax, Op::Softcap, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample, Op::DeltaRule];
+    pub const ALL: [Op; 24] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::AttentionSinks, Op::AttentionSoftcap, Op::Softmax, Op::Softcap, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample, Op::DeltaRule, Op::SsmScan];
 
     /// The op's name in case ids and the op protocol (`rms_norm`, `matmul`, ...).
     pub fn name(self) -> &'static str {
@@ -90,6 +93,7 @@ impl Op {
             Op::TopK => "top_k",
             Op::Sample => "sample",
             Op::DeltaRule => "delta_rule",
+            Op::SsmScan => "ssm_scan",
         }
     }
 }
@@ -809,6 +813,7 @@ pub fn registry() -> Vec<OpEntry> {
         OpEntry { op: Op::Argmax, summary: "index of the largest logit, lowest on ties", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Argmax, b), reference: argmax_ref, flops: elems, bytes: n_f32 },
         OpEntry { op: Op::TopK, summary: "k largest indices, best first", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::TopK, b), reference: top_k_ref, flops: elems, bytes: n_f32 },
         OpEntry { op: Op::Sample, summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Sample, b), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
-        OpEntry { op: Op::DeltaRule, summary: "gated DeltaNet: L2-normed q/k, decay exp(A softplus(a + dt_bias)), state += k (v - S k) sigmoid(b), y = S q / sqrt(d_k)", rule: ToleranceRule::Recurrence, cases: recurrent::delta_rule_cases, reference: recurrent::delta_rule_ref, flops: recurrent::delta_rule_flops, bytes: n_f32 },
+        OpEntry { op: Op::DeltaRule, summary: "gated DeltaNet: L2-normed q/k, decay exp(A softplus(a + dt_bias)), state += k (v - S k) sigmoid(b), y = S q / sqrt(d_k)", rule: ToleranceRule::Recurrence, cases: recurrent::delta_rule_cases, reference: recurrent::delta_rule_ref, flops: recurrent::recurrence_flops, bytes: n_f32 },
+        OpEntry { op: Op::SsmScan, summary: "Mamba-2: dt = softplus(dt + dt_bias), state = exp(dt A) state + dt x B, y = state C + D x", rule: ToleranceRule::Recurrence, cases: recurrent::ssm_scan_cases, reference: recurrent::ssm_scan_ref, flops: recurrent::recurrence_flops, bytes: n_f32 },
     ]
 }

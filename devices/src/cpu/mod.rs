@@ -312,6 +312,25 @@ impl CpuDevice {
                 let (y, _) = ssm::delta_scan(&mut state, &qkv, &f("b")?.data, &f("a")?.data, m, &blk, &f("dt_bias")?.data, &f("neg_a")?.data, false, None);
                 vec![out(&[m, vd], y), out(&[nv, dv, dk], state)]
             }
+            Op::SsmScan => {
+                let (nh, ng, hd, ds) = (case.pu("n_head").map_err(e)?, case.pu("n_group").map_err(e)?, case.pu("head_dim").map_err(e)?, case.pu("d_state").map_err(e)?);
+                let blk = oracle::spec::SsmBlock { d_inner: nh * hd, d_state: ds, n_group: ng, n_head: nh, d_conv: 1, kind: oracle::spec::SsmKind::Mamba2 };
+                blk.validate().map_err(e)?;
+                let f = |n: &str| case.f32(n).map_err(e);
+                let (x, b, c) = (f("x")?, f("b")?, f("c")?);
+                let m = x.shape[0];
+                let (xd, bd) = (nh * hd, ng * ds);
+                if x.data.len() != m * xd || b.data.len() != m * bd || c.data.len() != m * bd {
+                    return Err(format!("{}: x, B, C of {m} rows are not {xd}, {bd} and {bd} wide", case.id));
+                }
+                let xbc: Vec<f32> = (0..m).flat_map(|t| x.data[t * xd..(t + 1) * xd].iter().chain(&b.data[t * bd..(t + 1) * bd]).chain(&c.data[t * bd..(t + 1) * bd]).copied().collect::<Vec<f32>>()).collect();
+                let mut state = f("state")?.data.clone();
+                if state.len() != blk.state_len() {
+                    return Err(format!("{}: a state of {} values for {nh} heads of {hd} x {ds}", case.id, state.len()));
+                }
+                let (y, _) = ssm::scan(&mut state, &xbc, &f("dt")?.data, m, &blk, &f("dt_bias")?.data, &f("neg_a")?.data, &f("d")?.data, false, None);
+                vec![out(&[m, xd], y), out(&[nh, hd, ds], state)]
+            }
             Op::Sample => {
                 let x = case.f32("x").map_err(e)?;
                 let mut rng = oracle::ops::SplitMix64(case.seed);

@@ -1,6 +1,7 @@
-//! The recurrent layers' ops: a gated DeltaNet's delta rule over a run of positions, from a
-//! given state (`delta_rule`). An engine may compute it in any form (one position at a time, or
-//! in chunks as prefill kernels do); the reference is the recurrent form, in f64.
+//! The recurrent layers' ops: a gated DeltaNet's delta rule (`delta_rule`) and Mamba-2's
+//! selective scan (`ssm_scan`) over a run of positions, from a given state. An engine may compute
+//! them in any form (one position at a time, or in chunks as prefill kernels do); the reference
+//! is the recurrent form, in f64.
 
 use super::{case, normals, out, seed_of, t, Op, OpCase, Output};
 use crate::error::Result;
@@ -72,17 +73,84 @@ pub fn delta_rule_f64(c: &OpCase) -> Result<(Vec<f64>, Vec<f64>)> {
 }
 
 pub(super) fn delta_rule_ref(c: &OpCase) -> Result<Vec<Output>> {
-    let (y, states) = delta_rule_f64(c)?;
+    outputs(c, "q", delta_rule_f64(c)?)
+}
+
+/// About eight operations per state value a position (decay, update, read-out; the delta rule's
+/// recall and correction).
+pub(super) fn recurrence_flops(c: &OpCase) -> u64 {
+    let m = c.inputs.first().and_then(|(n, _)| c.f32(n).ok()).map(|q| q.shape[0] as u64).unwrap_or(0);
+    let n = c.f32("state").map(|s| s.data.len() as u64).unwrap_or(0);
+    8 * m * n
+}
+
+/// (heads, groups, head width, state width, positions): one head; heads sharing groups; Mamba-2
+/// 130M's head (64) and state (128); odd widths; 70 positions.
+const SCAN_SHAPES: [(usize, usize, usize, usize, usize); 5] = [(1, 1, 4, 4, 1), (8, 2, 16, 16, 9), (8, 2, 16, 16, 70), (2, 1, 64, 128, 5), (6, 3, 7, 13, 33)];
+
+fn scan_block(c: &OpCase) -> Result<SsmBlock> {
+    let (nh, ng, hd, ds) = (c.pu("n_head")?, c.pu("n_group")?, c.pu("head_dim")?, c.pu("d_state")?);
+    Ok(SsmBlock { d_inner: nh * hd, d_state: ds, n_group: ng, n_head: nh, d_conv: 1, kind: SsmKind::Mamba2 })
+}
+
+pub(super) fn ssm_scan_cases(base: u64) -> Vec<OpCase> {
+    let mut v = Vec::new();
+    for (nh, ng, hd, ds, m) in SCAN_SHAPES {
+        for i in 0..DELTA_SEEDS {
+            let seed = seed_of(base, i) ^ (nh * 1000 + ng * 100 + hd * 10 + ds + m * 7) as u64;
+            let mut r = SplitMix64(seed ^ 0x55CA);
+            let x = normals(&mut r, m * nh * hd, 1.0);
+            let b = normals(&mut r, m * ng * ds, 1.0);
+            let c = normals(&mut r, m * ng * ds, 1.0);
+            let dt = normals(&mut r, m * nh, 1.0);
+            let dt_bias: Vec<f32> = normals(&mut r, nh, 0.5).into_iter().map(|x| x - 2.0).collect();
+            let neg_a: Vec<f32> = (0..nh).map(|_| -((r.next_f64() * 2.77).exp() as f32)).collect();
+            let d: Vec<f32> = normals(&mut r, nh, 0.1).into_iter().map(|x| x + 1.0).collect();
+            let state = if i % 2 == 0 { vec![0.0; nh * hd * ds] } else { normals(&mut r, nh * hd * ds, 0.5) };
+            v.push(case(
+                Op::SsmScan,
+                format!("ssm_scan(heads={nh},groups={ng},head_dim={hd},d_state={ds},m={m},state={},seed={seed})", if i % 2 == 0 { "zero" } else { "given" }),
+                seed,
+                vec![
+                    ("x", t(&[m, nh * hd], x)),
+                    ("b", t(&[m, ng * ds], b)),
+                    ("c", t(&[m, ng * ds], c)),
+                    ("dt", t(&[m, nh], dt)),
+                    ("dt_bias", t(&[nh], dt_bias)),
+                    ("neg_a", t(&[nh], neg_a)),
+                    ("d", t(&[nh], d)),
+                    ("state", t(&[nh, hd, ds], state)),
+                ],
+                &[("n_head", nh as f64), ("n_group", ng as f64), ("head_dim", hd as f64), ("d_state", ds as f64)],
+            ));
+        }
+    }
+    v
+}
+
+/// Mamba-2's scan in f64 from the case's inputs (`ops::ssm_scan`): the outputs `[m, n_head *
+/// head_dim]` and the state after each position, `[m, n_head * head_dim * d_state]`.
+pub fn ssm_scan_f64(c: &OpCase) -> Result<(Vec<f64>, Vec<f64>)> {
+    let blk = scan_block(c)?;
+    let f = |n: &str| -> Result<Vec<f64>> { Ok(c.f32(n)?.data.iter().map(|x| *x as f64).collect()) };
+    let (x, b, cc) = (f("x")?, f("b")?, f("c")?);
+    let m = c.f32("x")?.shape.first().copied().unwrap_or(0);
+    let (xd, bd) = (blk.d_inner, blk.n_group * blk.d_state);
+    let xbc: Vec<f64> = (0..m).flat_map(|t| x[t * xd..(t + 1) * xd].iter().chain(&b[t * bd..(t + 1) * bd]).chain(&cc[t * bd..(t + 1) * bd]).copied().collect::<Vec<_>>()).collect();
+    let mut state = f("state")?;
+    let (dt, dt_bias, a, d) = (f("dt")?, f("dt_bias")?, f("neg_a")?, f("d")?);
+    ops::ssm_scan(&mut state, &ops::ScanInputs { xbc: &xbc, dt: &dt, dt_bias: &dt_bias, a: &a, d: &d }, m, &blk, true)
+}
+
+/// The outputs and the last state, rounded to f32, of a scan's f64 result.
+fn outputs(c: &OpCase, first: &str, (y, states): (Vec<f64>, Vec<f64>)) -> Result<Vec<Output>> {
     let s = c.f32("state")?;
     let last = states.len().saturating_sub(s.data.len());
+    let m = c.f32(first)?.shape.first().copied().unwrap_or(0);
     let y32: Vec<f32> = y.iter().map(|x| *x as f32).collect();
-    let m = c.f32("q")?.shape.first().copied().unwrap_or(0);
     Ok(vec![out(&[m, y32.len() / m.max(1)], y32), out(&s.shape, states[last..].iter().map(|x| *x as f32).collect())])
 }
 
-pub(super) fn delta_rule_flops(c: &OpCase) -> u64 {
-    let m = c.f32("q").map(|q| q.shape[0] as u64).unwrap_or(0);
-    let n = c.f32("state").map(|s| s.data.len() as u64).unwrap_or(0);
-    // Decay, recall, correction, read-out: about eight per state value a position.
-    8 * m * n
+pub(super) fn ssm_scan_ref(c: &OpCase) -> Result<Vec<Output>> {
+    outputs(c, "x", ssm_scan_f64(c)?)
 }

@@ -91,7 +91,9 @@ pub fn kernel_filter(kind: TapKind) -> Option<&'static str> {
         FfnAct => "^(swiglu|geglu|swiglu_oai)\\(",
         FfnMoeProbs | FfnMoeTopk => "^moe_route\\(",
         SsmIn | SsmOut => "^matmul\\(",
-        SsmConv | SsmState | SsmScan | SsmNorm | AttnGated => return None,
+        // The recurrence's own ops (Mamba-2's scan, a gated DeltaNet's delta rule).
+        SsmState | SsmScan => "^(ssm_scan|delta_rule)\\(",
+        SsmConv | SsmNorm | AttnGated => return None,
     })
 }
 
