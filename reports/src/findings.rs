@@ -100,6 +100,10 @@ pub struct FirstDivergence {
     pub rms_err: Option<f64>,
     pub bound: Option<f64>,
     pub worst_position: Option<usize>,
+    /// The first position whose own error is over the op's budget at that position: where an
+    /// error grows step by step (a recurrent state held too coarsely), the step it crossed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_over_position: Option<usize>,
     /// Expert-id taps: positions whose chosen experts differ.
     pub id_mismatches: Option<usize>,
     /// The op that makes the tap, in words.
@@ -123,6 +127,9 @@ impl FirstDivergence {
             };
             let at = self.worst_position.map_or("-".to_string(), |p| p.to_string());
             s += &format!(": RMS error {e:.3e}, {times} its budget of {b:.3e}, largest at position {at}");
+            if let Some(p) = self.first_over_position {
+                s += &format!(", first over its budget at position {p}");
+            }
         }
         if let Some(n) = self.id_mismatches.filter(|n| *n > 0) {
             s += &format!("; {n} expert ids differ");

@@ -234,6 +234,12 @@ fn wiring_bugs_fail_at(path: &std::path::Path, fixture: &str, good: &[&str], fau
             assert_ne!(code, 0, "{fault:?} {mode:?} passed");
             if mode == Mode::Isolated {
                 assert_eq!(first.as_ref().map(|f| f.kind.as_str()), Some(fault.first_tap()), "{fault:?}: first divergence {first:?}");
+                if fault == devices::faulty::ModelFault::SsmStateBf16 {
+                    // Named with the step its error crossed the state's bound at.
+                    let at = first.as_ref().and_then(|f| f.first_over_position);
+                    assert!(at.is_some_and(|p| p < ids.len()), "{fault:?}: no crossing step in {first:?}");
+                    eprintln!("{fixture}: {}", first.as_ref().unwrap().describe());
+                }
             }
         }
     }

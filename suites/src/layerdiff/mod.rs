@@ -72,6 +72,9 @@ pub struct TapDiff {
     /// What was added to the depth model's relative propagated budget for error magnified here
     /// and upstream (0: none; see `carry_through_ops`).
     pub magnified: f64,
+    /// The first position whose own error is over its budget at that position
+    /// ([`first_position_over`], isolated comparison where there is one).
+    pub first_over: Option<usize>,
     /// Relative RMS error, against the oracle's own pass, of the oracle run with the device's
     /// declared arithmetic emulated ([`crate::emulate::EmulatedArithmetic`]): the propagated
     /// error an honest engine of that arithmetic has here. Reported beside the device's and held
@@ -116,6 +119,7 @@ impl TapDiff {
             terms: None,
             terms_grant: 0.0,
             attention_grant: 0.0,
+            first_over: None,
         }
     }
 
@@ -265,6 +269,8 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
         if let Some(b) = &mut t.budget_isolated {
             b.abs += grant;
         }
+        let against = isolated.and_then(|i| i.tensors.get(name)).map_or(rdata, |(_, v)| v);
+        t.first_over = first_position_over(kind, ddata, against, *width, grant, arith, dims);
         out.push(t);
     }
     match isolated {
@@ -279,6 +285,18 @@ pub fn diff_with_terms(reference: &RecordingTap, isolated: Option<&RecordingTap>
         }
     }
     Ok(out)
+}
+
+/// The first position (row) whose own error is over the op's budget at that position: the budget
+/// of a run of that many positions (a recurrent state's carries one rounding of every earlier
+/// position), plus the tap's measured grant. Where an error grows with every step (a state held
+/// too coarsely), the position it crossed its bound; None where no row is over.
+fn first_position_over(kind: TapKind, device: &[f32], reference: &[f32], width: usize, grant: f64, arith: &Arithmetic, dims: &Dims) -> Option<usize> {
+    device.chunks(width.max(1)).zip(reference.chunks(width.max(1))).enumerate().find_map(|(p, (d, r))| {
+        let s = err_stats(d, r, width);
+        let b = local_budget(kind, arith, &Dims { n_pos: p + 1, ..*dims })?;
+        (s.nonfinite > 0 || s.rms_err > b.bound(s.rms_ref) + grant).then_some(p)
+    })
 }
 
 /// The taps the op behind tap `kind` of `layer` reads, by name (the stage order of

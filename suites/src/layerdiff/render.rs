@@ -26,6 +26,7 @@ pub fn first_divergence_finding(taps: &[TapDiff]) -> Option<FirstDivergence> {
         rms_err: stats.map(|s| s.rms_err),
         bound: stats.zip(budget).map(|(s, b)| b.bound(s.rms_ref)),
         worst_position: stats.map(|s| s.worst_pos),
+        first_over_position: t.first_over,
         id_mismatches: t.id_mismatches,
         op: op_behind(t),
         inputs: inputs_of(taps, t),
