@@ -3,8 +3,8 @@
 
 It needs numpy and gguf: `pip install -r requirements.txt` (the file beside this one).
 
-It stands for "your engine": a numpy float64 Llama forward pass over a GGUF file (weights decoded
-by gguf-py) that writes every tap Touchstone knows and the logits. Copy this folder (engine.py,
+It stands for "your engine": a numpy float64 Llama (or Mamba-2) forward pass over a GGUF file
+(weights decoded by gguf-py) that writes every tap Touchstone knows and the logits. Copy this folder (engine.py,
 touchstone_dump.py, requirements.txt) anywhere and gate it from there:
 
     cargo xtask gate        --device "exec:python3 engine.py" --model tiny-llama --name my-engine
@@ -40,6 +40,11 @@ try:
 except ImportError as e:
     sys.exit(f"engine.py needs numpy and gguf ({e}): pip install -r requirements.txt, the file beside engine.py")
 
+# Touchstone's own tests seed bugs through this (Mamba-2 models): `ssm_state_bf16` (the state
+# rounded to bf16 after each position), `ssm_conv_shifted` (the convolution's window one position
+# off), `ssm_decay_sign` (exp(-dt A) for exp(dt A)).
+BUG = os.environ.get("TOUCHSTONE_EXAMPLE_BUG", "")
+
 # How this engine computes, as the budgets see it: values stored as f32 in the dump.
 ARITHMETIC = {"storage": "f32", "accumulate": "f32", "activation_q8_block": None, "transcendental_ulps": 4.0, "fixed": None}
 
@@ -52,15 +57,21 @@ def load(path):
     r = GGUFReader(path)
     field = lambda key: r.fields[key].contents()
     arch = field("general.architecture")
-    if arch != "llama":
-        sys.exit(f"{path}: architecture {arch} is not llama (this example runs Llama models)")
-    cfg = {
-        "n_layer": int(field("llama.block_count")),
-        "n_head": int(field("llama.attention.head_count")),
-        "n_head_kv": int(field("llama.attention.head_count_kv")),
-        "eps": float(field("llama.attention.layer_norm_rms_epsilon")),
-        "theta": float(field("llama.rope.freq_base")),
-    }
+    if arch == "mamba2":
+        cfg = {"arch": arch, "n_layer": int(field("mamba2.block_count")), "eps": float(field("mamba2.attention.layer_norm_rms_epsilon"))}
+        for k in ("inner_size", "state_size", "group_count", "time_step_rank", "conv_kernel"):
+            cfg[k] = int(field(f"mamba2.ssm.{k}"))
+    elif arch == "llama":
+        cfg = {
+            "arch": arch,
+            "n_layer": int(field("llama.block_count")),
+            "n_head": int(field("llama.attention.head_count")),
+            "n_head_kv": int(field("llama.attention.head_count_kv")),
+            "eps": float(field("llama.attention.layer_norm_rms_epsilon")),
+            "theta": float(field("llama.rope.freq_base")),
+        }
+    else:
+        sys.exit(f"{path}: architecture {arch} is neither llama nor mamba2 (this example runs those)")
     # gguf-py gives each tensor in numpy order ([rows, cols]).
     w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64).reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
     return cfg, w
@@ -81,8 +92,55 @@ def rope(x, theta):
     return out
 
 
+def bf16(x):
+    """x rounded to bfloat16 (nearest, ties to even), as float64."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def mamba2_layer(cfg, w, p, x, taps):
+    """A Mamba-2 layer over every position: the input projection, the causal convolution and
+    SiLU, the selective scan one position after another, the gated norm, the output projection."""
+    n, di, ds, ng, nh, kc = x.shape[0], cfg["inner_size"], cfg["state_size"], cfg["group_count"], cfg["time_step_rank"], cfg["conv_kernel"]
+    hd, cd = di // nh, di + 2 * ng * ds
+    h = taps[p + "attn_norm"] = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+    zx = taps[p + "ssm_in"] = h @ w[p + "ssm_in.weight"].T
+    z, xbc, dt = zx[:, :di], zx[:, di:di + cd], zx[:, di + cd:]
+    kernel = w[p + "ssm_conv1d.weight"].reshape(cd, kc)
+    if BUG == "ssm_conv_shifted":  # each tap takes the next one's weight: the window one position off
+        kernel = np.concatenate([kernel[:, 1:], np.zeros((cd, 1))], axis=1)
+    padded = np.concatenate([np.zeros((kc - 1, cd)), xbc])
+    conv = sum(kernel[:, j] * padded[j:j + n] for j in range(kc)) + w[p + "ssm_conv1d.bias"].reshape(-1)
+    conv = taps[p + "ssm_conv"] = conv / (1.0 + np.exp(-conv))
+    xs, bs, cs = conv[:, :di].reshape(n, nh, hd), conv[:, di:di + ng * ds].reshape(n, ng, ds), conv[:, di + ng * ds:].reshape(n, ng, ds)
+    a = w[p + "ssm_a"].reshape(-1) * (-1.0 if BUG == "ssm_decay_sign" else 1.0)
+    step = np.logaddexp(0.0, dt + w[p + "ssm_dt.bias"].reshape(-1))  # softplus
+    group = np.arange(nh) // (nh // ng)
+    state, states, y = np.zeros((nh, hd, ds)), [], np.empty((n, nh, hd))
+    for t in range(n):
+        state = np.exp(step[t] * a)[:, None, None] * state + (step[t][:, None] * xs[t])[:, :, None] * bs[t][group][:, None, :]
+        if BUG == "ssm_state_bf16":
+            state = bf16(state)
+        states.append(state.reshape(-1))
+        y[t] = np.einsum("hpn,hn->hp", state, cs[t][group]) + w[p + "ssm_d"].reshape(-1)[:, None] * xs[t]
+    taps[p + "ssm_state"] = np.array(states)
+    y = taps[p + "ssm_scan"] = y.reshape(n, di)
+    v = (y * z / (1.0 + np.exp(-z))).reshape(n, ng, di // ng)
+    v = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + cfg["eps"])
+    y = taps[p + "ssm_norm"] = (v * w[p + "ssm_norm.weight"].reshape(ng, di // ng)).reshape(n, di)
+    out = taps[p + "ssm_out"] = y @ w[p + "ssm_out.weight"].T
+    return x + out
+
+
 def forward(cfg, w, ids, taps):
     """Logits [n, vocab] of every position; every tap into `taps` ([n, width] each)."""
+    if cfg["arch"] == "mamba2":
+        x = taps["inp_embd"] = w["token_embd.weight"][ids]
+        for i in range(cfg["n_layer"]):
+            x = taps[f"blk.{i}.l_out"] = mamba2_layer(cfg, w, f"blk.{i}.", x, taps)
+        x = taps["result_norm"] = rms_norm(x, w["output_norm.weight"], cfg["eps"])
+        return x @ w.get("output.weight", w["token_embd.weight"]).T
     n, nh, nkv = len(ids), cfg["n_head"], cfg["n_head_kv"]
     x = w["token_embd.weight"][ids]
     hd = x.shape[1] // nh

@@ -193,7 +193,9 @@ fn gemma3_checkpoints_agree_with_transformers_in_f64() {
 /// (its recurrent scan) from the checkpoint and from the GGUF llama.cpp's converter writes;
 /// greedy 32 tokens identical on `ref` and `cpu` from both, each decode step carrying the state
 /// forward (transformers recomputes the whole sequence each step); layer-diff and fixed-token
-/// pass on `cpu`. `fixed` refuses the model, naming the layer it does not run.
+/// pass on `cpu`. `fixed` refuses the model, naming the layer it does not run. The example
+/// engine (examples/external_engine, numpy) passes layer-diff on the GGUF, and each of its seeded
+/// bugs is red at its tap.
 #[test]
 fn mamba2_checkpoints_agree_with_transformers_in_f64() {
     if !transformers_installed() {
@@ -208,6 +210,19 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "fixed"], &[]);
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
+    // The example engine (numpy, its own Mamba-2) passes layer-diff on the GGUF; each bug it can
+    // seed is named at its tap, with the position its error first crossed the bound.
+    const ENGINE: &str = "exec:python3 examples/external_engine/engine.py";
+    let cases: [(&str, Option<&str>, Option<u64>); 4] = [("", None, None), ("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("ssm_decay_sign", Some("ssm_state"), Some(1))];
+    for (bug, tap, at) in cases {
+        let report = dir.path().join(format!("example-{bug}"));
+        let o = xtask(&["layer-diff", "--device", ENGINE, "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_EXAMPLE_BUG", bug)]);
+        assert_eq!(o.status.code(), Some(if tap.is_some() { 1 } else { 0 }), "example engine {bug}: {}", text(&o));
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
+        let first = &r["first_divergence"];
+        assert_eq!(first["kind"].as_str(), tap, "example engine {bug}: {first}");
+        assert_eq!(first["first_over_position"].as_u64(), at, "example engine {bug}: {first}");
+    }
 }
 
 /// A random Granite 4.0-H-structured checkpoint written by transformers
