@@ -24,6 +24,9 @@ pub(crate) struct KvCache {
     len: usize,
 }
 
+/// A state-space layer's convolution history, state, position and kept history, borrowed.
+pub(crate) type SsmParts<'a> = (&'a mut Vec<f32>, &'a mut Vec<f32>, &'a mut usize, Option<&'a mut SsmHistory>);
+
 /// What one layer keeps between calls, by the kind of its block.
 #[derive(Clone)]
 enum LayerState {
@@ -32,8 +35,19 @@ enum LayerState {
     /// `cpu:kv-q8_0-f16`, ...) as encoded rows, decoded as attention reads them.
     Kv { k: Side, v: Side },
     /// A state-space layer's last `d_conv - 1` convolution inputs and its recurrent state, as of
-    /// position `at` (f32, as computed).
-    Ssm { conv: Vec<f32>, state: Vec<f32>, at: usize },
+    /// position `at` (f32, as computed); a schedule executor's cache also keeps their history, so
+    /// that a prefix of any length can be restored.
+    Ssm { conv: Vec<f32>, state: Vec<f32>, at: usize, history: Option<SsmHistory> },
+}
+
+/// A state-space layer's convolution input and recurrent state after every position it has
+/// computed (rows of `conv_dim` and of `state_len`): what restoring a prefix of `n` positions
+/// needs (the last `d_conv - 1` inputs before `n`, the state after position `n - 1`), as an
+/// engine that caches prefixes of a recurrent model keeps states at the positions it may reuse.
+#[derive(Clone, Default)]
+pub(crate) struct SsmHistory {
+    pub(crate) inputs: Vec<f32>,
+    pub(crate) states: Vec<f32>,
 }
 
 /// One side of a layer's cache (keys or values): its rows, page after page.
@@ -200,9 +214,11 @@ impl KvCache {
         Self::with_shift(format, spec, PAGE_POSITIONS.trailing_zeros())
     }
     fn with_shift(format: crate::KvTypes, spec: &ModelSpec, shift: u32) -> KvCache {
+        // Paged caches serve schedules, whose requests reuse prefixes: they keep the history.
+        let paged = shift < usize::BITS - 1;
         let layers = spec.layer_states(
             |_| LayerState::Kv { k: Side::new(format.k, shift), v: Side::new(format.v, shift) },
-            |b| LayerState::Ssm { conv: vec![0.0; (b.d_conv - 1) * b.conv_dim()], state: vec![0.0; b.state_len()], at: 0 },
+            |b| LayerState::Ssm { conv: vec![0.0; (b.d_conv - 1) * b.conv_dim()], state: vec![0.0; b.state_len()], at: 0, history: paged.then(SsmHistory::default) },
         );
         KvCache { layers, len: 0 }
     }
@@ -223,8 +239,20 @@ impl KvCache {
         for (li, l) in self.layers.iter().enumerate() {
             layers.push(match (spec.layers.get(li)?.block, l) {
                 (BlockKind::Attention(a), LayerState::Kv { k, v }) => LayerState::Kv { k: k.first_rows(n, a.kv_dim())?, v: v.first_rows(n, a.kv_dim())? },
-                // A recurrent state is as of one position: only the whole of it is a prefix.
+                // A recurrent state is as of one position: the whole of it is a prefix, and an
+                // earlier position's is restored from the history where it is kept.
                 (_, s @ LayerState::Ssm { at, .. }) if *at == n => s.clone(),
+                (BlockKind::Ssm(b), LayerState::Ssm { at, history: Some(h), .. }) if n < *at => {
+                    let (cd, sl, keep) = (b.conv_dim(), b.state_len(), b.d_conv - 1);
+                    let mut conv = vec![0.0; keep * cd];
+                    // The inputs of positions n - keep .. n, zeros before position 0.
+                    for (r, p) in (n as isize - keep as isize..n as isize).enumerate().filter(|(_, p)| *p >= 0) {
+                        conv[r * cd..(r + 1) * cd].copy_from_slice(h.inputs.get(p as usize * cd..(p as usize + 1) * cd)?);
+                    }
+                    let state = if n == 0 { vec![0.0; sl] } else { h.states.get((n - 1) * sl..n * sl)?.to_vec() };
+                    let history = SsmHistory { inputs: h.inputs.get(..n * cd)?.to_vec(), states: h.states.get(..n * sl)?.to_vec() };
+                    LayerState::Ssm { conv, state, at: n, history: Some(history) }
+                }
                 _ => return None,
             });
         }
@@ -240,20 +268,35 @@ impl KvCache {
                     k.pages.clear();
                     v.pages.clear();
                 }
-                LayerState::Ssm { conv, state, at } => {
+                LayerState::Ssm { conv, state, at, history } => {
                     conv.fill(0.0);
                     state.fill(0.0);
                     *at = 0;
+                    if let Some(h) = history {
+                        *h = SsmHistory::default();
+                    }
                 }
             }
         }
         self.len = 0;
     }
-    /// Layer `li`'s convolution history, recurrent state and the position they are as of.
-    pub(crate) fn ssm_state(&mut self, li: usize) -> Result<(&mut Vec<f32>, &mut Vec<f32>, &mut usize), String> {
+    /// Layer `li`'s convolution history, recurrent state, the position they are as of, and the
+    /// history of both where this cache keeps it.
+    pub(crate) fn ssm_state(&mut self, li: usize) -> Result<SsmParts<'_>, String> {
         match self.layers.get_mut(li) {
-            Some(LayerState::Ssm { conv, state, at }) => Ok((conv, state, at)),
+            Some(LayerState::Ssm { conv, state, at, history }) => Ok((conv, state, at, history.as_mut())),
             _ => Err(format!("layer {li} keeps no state-space state")),
+        }
+    }
+
+    /// Every state-space layer's state and convolution history back to zeros, their position
+    /// kept: a prefix whose recurrent state was not restored (a seeded serving bug's only).
+    pub(crate) fn forget_ssm_states(&mut self) {
+        for l in &mut self.layers {
+            if let LayerState::Ssm { conv, state, .. } = l {
+                conv.fill(0.0);
+                state.fill(0.0);
+            }
         }
     }
 

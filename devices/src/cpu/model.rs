@@ -181,23 +181,12 @@ impl DeviceModel for CpuModel {
         true
     }
     fn serve(&mut self, schedule: &oracle::schedule::Schedule) -> Option<Result<oracle::schedule::Served, DeviceError>> {
-        // A recurrent state cannot be shared as a prefix of keys and values can: models with
-        // state-space layers are not served.
-        if self.spec.has_ssm() {
-            return None;
-        }
         Some(rayon::scope(|_| self.serve_schedule(schedule, &mut Vec::new())))
     }
     fn serve_timed(&mut self, schedule: &oracle::schedule::Schedule, step_seconds: &mut Vec<f64>) -> Option<Result<oracle::schedule::Served, DeviceError>> {
-        if self.spec.has_ssm() {
-            return None;
-        }
         Some(rayon::scope(|_| self.serve_schedule(schedule, step_seconds)))
     }
     fn serve_tapped(&mut self, schedule: &oracle::schedule::Schedule, request: &str, taps: &mut dyn Tap) -> Option<Result<oracle::schedule::Served, DeviceError>> {
-        if self.spec.has_ssm() {
-            return None;
-        }
         // Taps are not `Send`: served on this thread.
         Some(self.serve_schedule_tapped(schedule, &mut Vec::new(), Some((request, taps))))
     }
@@ -392,12 +381,15 @@ impl CpuModel {
                         let mut r0 = 0;
                         for g in segs {
                             let n = g.tokens.len();
-                            let (hist, _, at) = caches[g.cache].ssm_state(li).map_err(|e| err("forward", e))?;
+                            let (hist, _, at, history) = caches[g.cache].ssm_state(li).map_err(|e| err("forward", e))?;
                             if *at != g.start {
                                 return Err(err("forward", format!("layer {li}: the state-space state is as of position {at}; a call from position {} cannot continue it (a recurrent state is not cut back)", g.start)));
                             }
                             let input: Vec<f32> = zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.conv_at()..b.conv_at() + cd].iter().copied()).collect();
                             xbc.extend(super::ssm::conv_silu(hist, &input, n, cd, &w.conv, &w.conv_bias, b.d_conv));
+                            if let Some(h) = history {
+                                h.inputs.extend_from_slice(&input);
+                            }
                             r0 += n;
                         }
                         record(taps, &name("ssm_conv"), start, m, cd, &xbc);
@@ -410,7 +402,8 @@ impl CpuModel {
                         y = Vec::with_capacity(m * b.d_inner);
                         for g in segs {
                             let n = g.tokens.len();
-                            let (_, state, at) = caches[g.cache].ssm_state(li).map_err(|e| err("forward", e))?;
+                            let (_, state, at, history) = caches[g.cache].ssm_state(li).map_err(|e| err("forward", e))?;
+                            let keep = keep || history.is_some();
                             let heads = |i: usize| -> Vec<f32> { zx[r0 * id..(r0 + n) * id].chunks_exact(id).flat_map(|r| r[b.heads_at() + i * b.n_head..][..b.n_head].iter().copied()).collect() };
                             let rows = &xbc[r0 * cd..(r0 + n) * cd];
                             let (out, kept) = match b.kind {
@@ -419,7 +412,12 @@ impl CpuModel {
                             };
                             *at = g.start + n;
                             y.extend(out);
-                            states.extend(kept);
+                            if let Some(h) = history {
+                                h.states.extend_from_slice(&kept);
+                            }
+                            if taps.enabled() {
+                                states.extend(kept);
+                            }
                             r0 += n;
                         }
                         record(taps, &name("ssm_state"), start, m, b.state_len(), &states);

@@ -1,7 +1,9 @@
 //! The `cpu` device serving a schedule (`oracle::schedule`): every step one batch of the active
 //! requests' chunks through the same products, each request attending to its own cache slot; a
 //! slot emptied when a new request takes it; a reused prefix copied from the cache of the
-//! request that computed it (kept after that request ends for as long as a later one reuses it).
+//! request that computed it (kept after that request ends for as long as a later one reuses it),
+//! a recurrent layer's state restored as of the prefix's last position from the history the
+//! executor's caches keep.
 
 use super::model::{err, CpuModel, KvCache, Seg};
 pub use super::serve_faults::ServeFault;
@@ -50,7 +52,11 @@ impl CpuModel {
                     Some(p) => {
                         let si = schedule.index_of(&p.from).ok_or_else(|| err("schedule", format!("request `{}`: no request `{}`", r.id, p.from)))?;
                         let source = kept.get(&si).unwrap_or(&slots[schedule.requests[si].slot]);
-                        source.prefix(p.tokens, &self.spec).ok_or_else(|| err("schedule", format!("request `{}`: `{}` holds fewer than {} positions", r.id, p.from, p.tokens)))?
+                        let mut c = source.prefix(p.tokens, &self.spec).ok_or_else(|| err("schedule", format!("request `{}`: `{}` holds fewer than {} positions", r.id, p.from, p.tokens)))?;
+                        if fault == Some(ServeFault::SsmStateNotRestored) {
+                            c.forget_ssm_states();
+                        }
+                        c
                     }
                 };
             }

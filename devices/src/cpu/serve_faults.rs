@@ -28,10 +28,13 @@ pub enum ServeFault {
     /// A batch of four requests or more takes a coarser attention path (its output rounded to
     /// bf16) that the engine does not declare.
     BatchPathRounds,
+    /// A reused prefix's keys and values copied, its recurrent layers' state and convolution
+    /// history left at zero (the state not restored on a cache hit).
+    SsmStateNotRestored,
 }
 
 impl ServeFault {
-    pub const ALL: [ServeFault; 8] = [
+    pub const ALL: [ServeFault; 9] = [
         ServeFault::MaskLeak,
         ServeFault::SlotNotCleared,
         ServeFault::PrefixOffByOne,
@@ -40,6 +43,7 @@ impl ServeFault {
         ServeFault::WindowEdgeAtChunk,
         ServeFault::LogitsSwapped,
         ServeFault::BatchPathRounds,
+        ServeFault::SsmStateNotRestored,
     ];
 }
 
