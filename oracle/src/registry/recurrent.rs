@@ -15,6 +15,12 @@ const DELTA_SHAPES: [(usize, usize, usize, usize, usize); 5] = [(1, 1, 4, 4, 1),
 /// Seeds per shape: even seeds start from a zero state, odd ones from a state of normals.
 const DELTA_SEEDS: u64 = 4;
 
+/// Row `t` of each of `parts` (each `(rows, width)`), joined, for every `t < m`: an op's separate
+/// inputs as the rows `ops::ssm_scan`/`ops::delta_scan` read.
+fn join_rows(m: usize, parts: &[(&[f64], usize)]) -> Vec<f64> {
+    (0..m).flat_map(|t| parts.iter().flat_map(move |(rows, w)| rows[t * w..(t + 1) * w].iter().copied())).collect()
+}
+
 /// The block the case describes (its inputs' layout).
 fn block(c: &OpCase) -> Result<SsmBlock> {
     let (nk, nv, dk, dv) = (c.pu("n_k_head")?, c.pu("n_v_head")?, c.pu("d_k")?, c.pu("d_v")?);
@@ -65,7 +71,7 @@ pub fn delta_rule_f64(c: &OpCase) -> Result<(Vec<f64>, Vec<f64>)> {
     let (q, k, v) = (f("q")?, f("k")?, f("v")?);
     let m = c.f32("q")?.shape.first().copied().unwrap_or(0);
     let (kd, vd) = (blk.n_group * blk.d_state, blk.d_inner);
-    let qkv: Vec<f64> = (0..m).flat_map(|t| q[t * kd..(t + 1) * kd].iter().chain(&k[t * kd..(t + 1) * kd]).chain(&v[t * vd..(t + 1) * vd]).copied().collect::<Vec<_>>()).collect();
+    let qkv = join_rows(m, &[(&q, kd), (&k, kd), (&v, vd)]);
     let mut state = f("state")?;
     let (b, a, dt_bias, neg_a) = (f("b")?, f("a")?, f("dt_bias")?, f("neg_a")?);
     let inputs = ops::DeltaInputs { qkv: &qkv, b: &b, a: &a, dt_bias: &dt_bias, neg_a: &neg_a };
@@ -136,7 +142,7 @@ pub fn ssm_scan_f64(c: &OpCase) -> Result<(Vec<f64>, Vec<f64>)> {
     let (x, b, cc) = (f("x")?, f("b")?, f("c")?);
     let m = c.f32("x")?.shape.first().copied().unwrap_or(0);
     let (xd, bd) = (blk.d_inner, blk.n_group * blk.d_state);
-    let xbc: Vec<f64> = (0..m).flat_map(|t| x[t * xd..(t + 1) * xd].iter().chain(&b[t * bd..(t + 1) * bd]).chain(&cc[t * bd..(t + 1) * bd]).copied().collect::<Vec<_>>()).collect();
+    let xbc = join_rows(m, &[(&x, xd), (&b, bd), (&cc, bd)]);
     let mut state = f("state")?;
     let (dt, dt_bias, a, d) = (f("dt")?, f("dt_bias")?, f("neg_a")?, f("d")?);
     ops::ssm_scan(&mut state, &ops::ScanInputs { xbc: &xbc, dt: &dt, dt_bias: &dt_bias, a: &a, d: &d }, m, &blk, true)
