@@ -32,6 +32,7 @@ pub fn attention_block(spec: &ModelSpec, li: usize, device: &str) -> Result<Atte
     match spec.layers.get(li).map(|l| l.block) {
         Some(BlockKind::Attention(a)) => Ok(a),
         Some(BlockKind::Ssm(_)) => Err(format!("layer {li} is a state-space (Mamba-2 or gated DeltaNet) layer; {device} runs attention layers only")),
+        Some(BlockKind::Mla(_)) => Err(format!("layer {li} is a latent-attention (DeepSeek MLA) layer; {device} runs grouped-query attention layers only")),
         None => Err(format!("no layer {li} in a model of {}", spec.layers.len())),
     }
 }

@@ -388,6 +388,7 @@ impl FlatFile {
             no_rope: false,
             attn_gate: false,
             ssm: None,
+            mla: None,
             layers: Vec::new(),
         };
         let theta_swa = f64_at(h, off::ROPE_THETA_SWA);

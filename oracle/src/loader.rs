@@ -143,6 +143,17 @@ const FUSED_LAYER_NAMES: [(&str, &str); 2] = [("self_attn.qkv_proj.weight", "att
 /// Per-layer tensors of MoE checkpoints (Qwen2-MoE / Qwen3-MoE, then Mixtral): the router and
 /// the shared expert. Both routers map to one GGUF name; the Qwen form comes first, so it is the
 /// one [`gguf_to_hf_name`] gives.
+/// Latent attention's per-layer tensors (`DeepseekV3ForCausalLM`), as llama.cpp's converter
+/// names them (it splits `kv_b_proj` further; the loaders read it whole or split).
+const MLA_LAYER_NAMES: [(&str, &str); 6] = [
+    ("self_attn.q_a_proj.weight", "attn_q_a.weight"),
+    ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
+    ("self_attn.q_b_proj.weight", "attn_q_b.weight"),
+    ("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"),
+    ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
+    ("self_attn.kv_b_proj.weight", "attn_kv_b.weight"),
+];
+
 const MOE_LAYER_NAMES: [(&str, &str); 6] = [
     ("mlp.gate.weight", "ffn_gate_inp.weight"),
     ("mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"),
@@ -261,12 +272,12 @@ pub fn granite_hybrid_hf_to_gguf(hf: &str) -> Option<Vec<(String, Option<usize>)
 
 /// Maps a Hugging Face tensor name to its GGUF name (None: not a weight this loader reads).
 pub fn hf_to_gguf_name(hf: &str) -> Option<String> {
-    rename(hf, MODEL_NAMES.into_iter(), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).chain(FUSED_LAYER_NAMES), "model.layers.", "blk.")
+    rename(hf, MODEL_NAMES.into_iter(), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).chain(FUSED_LAYER_NAMES).chain(MLA_LAYER_NAMES), "model.layers.", "blk.")
 }
 
 /// Maps a GGUF tensor name to its Hugging Face name (the inverse of [`hf_to_gguf_name`]).
 pub fn gguf_to_hf_name(gguf: &str) -> Option<String> {
-    rename(gguf, MODEL_NAMES.into_iter().map(|(h, g)| (g, h)), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).chain(FUSED_LAYER_NAMES).map(|(h, g)| (g, h)), "blk.", "model.layers.")
+    rename(gguf, MODEL_NAMES.into_iter().map(|(h, g)| (g, h)), LAYER_NAMES.into_iter().chain(MOE_LAYER_NAMES).chain(FUSED_LAYER_NAMES).chain(MLA_LAYER_NAMES).map(|(h, g)| (g, h)), "blk.", "model.layers.")
 }
 
 impl SafetensorsDir {

@@ -230,10 +230,28 @@ pub struct SsmWeights<T> {
     pub out: Mat<T>,
 }
 
+/// A latent-attention block's weights (GGUF `blk.N.attn_q_a`, `attn_q_a_norm`, `attn_q_b` or
+/// `attn_q`, `attn_kv_a_mqa`, `attn_kv_a_norm`, `attn_kv_b` (or its split `attn_k_b`/`attn_v_b`),
+/// `attn_output`).
+pub struct MlaWeights<T> {
+    /// The query's compression, `[q_lora_rank, n_embd]`, and its norm; None without one.
+    pub q_a: Option<(Mat<T>, Vec<T>)>,
+    /// `[n_head * qk_head_dim, q_lora_rank or n_embd]`.
+    pub q: Mat<T>,
+    /// `[kv_lora_rank + qk_rope, n_embd]`: the latent, then the shared key.
+    pub kv_a: Mat<T>,
+    pub kv_a_norm: Vec<T>,
+    /// `[n_head * (qk_nope + v_head_dim), kv_lora_rank]`: per head its key rows, then its value's.
+    pub kv_b: Mat<T>,
+    /// `[n_embd, n_head * v_head_dim]`.
+    pub wo: Mat<T>,
+}
+
 /// A layer's mixing block's weights, by the kind of its block.
 pub enum Mixer<T> {
     Attention(AttnWeights<T>),
     Ssm(SsmWeights<T>),
+    Mla(MlaWeights<T>),
 }
 
 pub struct Layer<T> {
@@ -270,6 +288,9 @@ pub enum LayerState<T> {
     /// (`[n_head, head_dim, d_state]`), both as of position `at`: unlike keys and values they
     /// cannot be cut back to an earlier position.
     Ssm { conv: Vec<T>, state: Vec<T>, at: usize },
+    /// A latent-attention layer's normed latents (`[len, kv_lora_rank]`) and shared rotated
+    /// keys (`[len, qk_rope]`): what it expands its keys and values from.
+    Latent { latent: Vec<T>, k_pe: Vec<T> },
 }
 
 /// Every layer's state and the positions it holds.
@@ -284,6 +305,7 @@ impl<T: Real> Cache<T> {
         let layers = spec.layer_states(
             |_| LayerState::Kv { k: Vec::new(), v: Vec::new() },
             |b| LayerState::Ssm { conv: vec![T::default(); (b.d_conv - 1) * b.conv_dim()], state: vec![T::default(); b.state_len()], at: 0 },
+            |_| LayerState::Latent { latent: Vec::new(), k_pe: Vec::new() },
         );
         Cache { layers, len: 0 }
     }
@@ -433,6 +455,24 @@ impl<T: Real> Model<T> {
                             sinks: if s.attn_sinks { Some(l.vec(&n("attn_sinks.weight"), a.n_head)?) } else { None },
                         })
                     }
+                    BlockKind::Mla(b) => {
+                        let q_a = match b.q_lora_rank {
+                            0 => None,
+                            r => Some((l.mat(&n("attn_q_a.weight"), r, d)?, l.vec(&n("attn_q_a_norm.weight"), r)?)),
+                        };
+                        let q = match b.q_lora_rank {
+                            0 => l.mat(&n("attn_q.weight"), b.q_dim(), d)?,
+                            r => l.mat(&n("attn_q_b.weight"), b.q_dim(), r)?,
+                        };
+                        Mixer::Mla(MlaWeights {
+                            q_a,
+                            q,
+                            kv_a: l.mat(&n("attn_kv_a_mqa.weight"), b.kv_a_dim(), d)?,
+                            kv_a_norm: l.vec(&n("attn_kv_a_norm.weight"), b.kv_lora_rank)?,
+                            kv_b: l.mla_kv_b(i, &b)?,
+                            wo: l.mat(&n("attn_output.weight"), d, b.out_dim())?,
+                        })
+                    }
                     BlockKind::Ssm(b) if b.kind == SsmKind::GatedDelta => Mixer::Ssm(SsmWeights {
                         in_proj: l.mat(&n("attn_qkv.weight"), b.conv_dim(), d)?,
                         gate_proj: Some(l.mat(&n("attn_gate.weight"), b.d_inner, d)?),
@@ -489,6 +529,7 @@ impl<T: Real> Model<T> {
             b += match &l.mixer {
                 Mixer::Attention(w) => w.wq.n_bytes() + w.wk.n_bytes() + w.wv.n_bytes() + w.wo.n_bytes(),
                 Mixer::Ssm(w) => w.in_proj.n_bytes() + w.gate_proj.as_ref().map_or(0, Mat::n_bytes) + w.ba_proj.as_ref().map_or(0, Mat::n_bytes) + w.out.n_bytes() + (w.conv.len() + w.conv_bias.len()) * sz,
+                Mixer::Mla(w) => w.q_a.as_ref().map_or(0, |(a, _)| a.n_bytes()) + w.q.n_bytes() + w.kv_a.n_bytes() + w.kv_b.n_bytes() + w.wo.n_bytes(),
             };
             b += match &l.ffn {
                 None => 0,
@@ -562,11 +603,67 @@ impl<T: Real> Model<T> {
                 (BlockKind::Ssm(b), Mixer::Ssm(w)) => Some((*b, w)),
                 _ => None,
             };
+            let mla_parts = match (&s.layers[li].block, &layer.mixer) {
+                (BlockKind::Mla(b), Mixer::Mla(w)) => Some((*b, w)),
+                _ => None,
+            };
+            let mut latent = Vec::new();
             let wrong_kind = |what: &str| OracleError::Spec(format!("layer {li}: {what} stage in a layer of another kind"));
             let (hd, q_dim, kv_dim) = attn_parts.map_or((0, 0, 0), |(a, _)| (a.head_dim, a.q_dim(), a.kv_dim()));
             let (mut zx, mut xbc, mut y) = (Vec::new(), Vec::new(), Vec::new());
             let mut gate = Vec::new();
             for stage in &s.layers[li].stages {
+                // A latent-attention layer's own projections, rotation and attention.
+                if let Some((b, w)) = mla_parts {
+                    match stage {
+                        Stage::QkvProj => {
+                            let (q_in, q_name) = match &w.q_a {
+                                Some((qa, norm)) => {
+                                    let a = ops::matmul(&product_input(taps, &name("attn_q_a.weight"), qa.cols, &h), m, qa)?;
+                                    let mut a = ops::rms_norm(&a, qa.rows, Some(norm), s.norm_eps)?;
+                                    tap(taps, &tap_name(TapKind::AttnQA), start, m, qa.rows, &mut a);
+                                    (a, "attn_q_b.weight")
+                                }
+                                None => (h.clone(), "attn_q.weight"),
+                            };
+                            q = ops::matmul(&product_input(taps, &name(q_name), w.q.cols, &q_in), m, &w.q)?;
+                            tap(taps, &tap_name(TapKind::AttnQ), start, m, b.q_dim(), &mut q);
+                            let kv_a = ops::matmul(&product_input(taps, &name("attn_kv_a_mqa.weight"), w.kv_a.cols, &h), m, &w.kv_a)?;
+                            latent = ops::rms_norm(&columns(&kv_a, b.kv_a_dim(), 0, b.kv_lora_rank), b.kv_lora_rank, Some(&w.kv_a_norm), s.norm_eps)?;
+                            k = columns(&kv_a, b.kv_a_dim(), b.kv_lora_rank, b.qk_rope);
+                            tap(taps, &tap_name(TapKind::AttnKvA), start, m, b.kv_lora_rank, &mut latent);
+                            tap(taps, &tap_name(TapKind::AttnK), start, m, b.qk_rope, &mut k);
+                            continue;
+                        }
+                        Stage::Rope => {
+                            ops::mla_rope_heads(&mut q, &positions, &b, &s.rope)?;
+                            ops::rope(&mut k, &positions, 1, b.qk_rope, &s.rope)?;
+                            tap(taps, &tap_name(TapKind::AttnQRope), start, m, b.q_dim(), &mut q);
+                            tap(taps, &tap_name(TapKind::AttnKRope), start, m, b.qk_rope, &mut k);
+                            continue;
+                        }
+                        Stage::Attention => {
+                            let LayerState::Latent { latent: lc, k_pe: kc } = &mut cache.layers[li] else {
+                                return Err(wrong_kind("a latent-attention"));
+                            };
+                            lc.truncate(start * b.kv_lora_rank);
+                            kc.truncate(start * b.qk_rope);
+                            lc.extend_from_slice(&latent);
+                            kc.extend_from_slice(&k);
+                            let (keys, values) = ops::mla_expand(lc, kc, start + m, &w.kv_b, &b)?;
+                            let params = AttentionParams { n_head: b.n_head, n_head_kv: b.n_head, head_dim: b.qk_head_dim(), scale: s.attn_scale, window: None, sinks: None, softcap: None };
+                            attn = ops::attention_values(&q, &positions, &keys, &values, start + m, &params, taps.attention_weights(), b.v_head_dim)?;
+                            tap(taps, &tap_name(TapKind::AttnKqv), start, m, b.out_dim(), &mut attn);
+                            continue;
+                        }
+                        Stage::AttnOutProj => {
+                            attn = ops::matmul(&product_input(taps, &name("attn_output.weight"), w.wo.cols, &attn), m, &w.wo)?;
+                            tap(taps, &tap_name(TapKind::AttnOut), start, m, d, &mut attn);
+                            continue;
+                        }
+                        _ => {}
+                    }
+                }
                 match stage {
                     Stage::AttnNorm => {
                         h = ops::rms_norm(&x, d, Some(&layer.attn_norm), s.norm_eps)?;

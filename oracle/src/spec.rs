@@ -291,6 +291,11 @@ pub struct ModelSpec {
     /// state-space layers the per-layer shapes say (no key/value heads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssm: Option<SsmBlock>,
+    /// The latent-attention dimensions (DeepSeek V2/V3): every attention layer is then an
+    /// [`MlaBlock`] with its own head count; `head_dim` is a query head's width
+    /// (`qk_nope + qk_rope`) and the RoPE rotates the last `qk_rope` of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaBlock>,
     /// Every layer: its block kind and dimensions, and the stages it runs in order
     /// ([`ModelSpec::derive_layers`]). `n_head` and `n_head_kv` above are the widest layer's.
     pub layers: Vec<LayerSpec>,
@@ -693,6 +698,7 @@ impl ModelSpec {
             no_rope: row.granite && !g.field(&key("rope.scaling.finetuned"), |v| v.as_bool(), "true or false").map_err(spec_err)?.unwrap_or(false),
             attn_gate: row.qwen_next,
             ssm,
+            mla: None,
             layers: Vec::new(),
         };
         if gemma {
@@ -788,7 +794,7 @@ impl ModelSpec {
 mod arch;
 pub use arch::{Arch, ArchRow, GemmaKind, ARCHES};
 mod layers;
-pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, SsmBlock, SsmKind, MAX_LAYERS};
+pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, MlaBlock, SsmBlock, SsmKind, MAX_LAYERS};
 mod hf;
 mod tensors;
 pub use tensors::{DELTA_TAILS, SSM_TAILS};

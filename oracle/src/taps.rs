@@ -23,9 +23,13 @@ pub enum TapKind {
     SsmNorm,
     /// The output projection: the block's contribution to the residual.
     SsmOut,
+    /// Latent attention: the query's compressed form, normed (`attn_q_a`).
+    AttnQA,
     AttnQ,
     AttnK,
     AttnV,
+    /// Latent attention: the key/value latent, normed: what the cache holds (`attn_kv_a`).
+    AttnKvA,
     AttnQNorm,
     AttnKNorm,
     AttnQRope,
@@ -61,7 +65,7 @@ pub enum TapKind {
 
 impl TapKind {
     /// Every kind, in the order an attention layer computes them.
-    pub const ALL: [TapKind; 32] = [
+    pub const ALL: [TapKind; 34] = [
         TapKind::InpEmbd,
         TapKind::AttnNorm,
         TapKind::SsmIn,
@@ -70,9 +74,11 @@ impl TapKind {
         TapKind::SsmScan,
         TapKind::SsmNorm,
         TapKind::SsmOut,
+        TapKind::AttnQA,
         TapKind::AttnQ,
         TapKind::AttnK,
         TapKind::AttnV,
+        TapKind::AttnKvA,
         TapKind::AttnQNorm,
         TapKind::AttnKNorm,
         TapKind::AttnQRope,
@@ -104,6 +110,8 @@ impl TapKind {
             TapKind::AttnQ => "attn_q",
             TapKind::AttnK => "attn_k",
             TapKind::AttnV => "attn_v",
+            TapKind::AttnQA => "attn_q_a",
+            TapKind::AttnKvA => "attn_kv_a",
             TapKind::AttnQNorm => "attn_q_norm",
             TapKind::AttnKNorm => "attn_k_norm",
             TapKind::AttnQRope => "attn_q_rope",

@@ -58,7 +58,7 @@ def f64_norms():
 # Families whose transformers code casts to float32 inside the forward pass in many places (the
 # state-space scan, its norms, the residual, the logits): for them every cast of a float64
 # tensor to float32 is made a float64 one, so the whole pass runs in float64.
-F32_CASTING = {"mamba2", "granitemoehybrid", "qwen3_next"}
+F32_CASTING = {"mamba2", "granitemoehybrid", "qwen3_next", "deepseek_v3"}
 
 
 def keep_float64():

@@ -32,6 +32,13 @@ never a runtime dependency.
   as mamba2's. Attention: GQA 4:2, heads of 32 with a quarter of each rotated (8 dimensions), an
   output gate; the (1 + w) norms drawn around 0.
 
+- deepseek-v3: DeepSeek V3's latent attention (`DeepseekV3ForCausalLM`, dense layers only:
+  `first_k_dense_replace` = 3 layers): four heads, the query compressed to 32 (`q_lora_rank`; 0
+  with `--no-q-lora`: one query projection), the key/value latent 24 wide, each query head 16
+  unrotated + 8 rotated dimensions in adjacent pairs (`rope_interleave`), values of 12; YaRN
+  RoPE (factor 4 over an original context of 32, `mscale` 1 and `mscale_all_dim` 0.8, so that
+  both the rotation's magnitude and the score scale move); SwiGLU FFNs 96 wide.
+
 With `--tokenizer`, the checkpoint also gets a tokenizer of its vocabulary (512 tokens instead
 of 300), trained on
 a few fixed sentences, in the form its family ships, so that llama.cpp's converter
@@ -45,7 +52,7 @@ power-of-two scales (`*_scales`, E8M0), with `quantization_config` saying so in 
 each block's scale is the smallest power of two that brings its largest magnitude within 6, each
 code the nearest E2M1 value; the experts are 64 wide instead of 48 (whole blocks).
 
-Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid,qwen3-next} OUT_DIR [--seed N] [--tokenizer] [--mxfp4]
+Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid,qwen3-next,deepseek-v3} OUT_DIR [--seed N] [--tokenizer] [--mxfp4] [--no-q-lora]
        [--shape WIDTHxLAYERS] [--layer-types alternate|mamba|attention]
 
 (`--layer-types mamba` makes every qwen3-next layer a gated DeltaNet.)
@@ -259,6 +266,17 @@ def qwen3_next(t, vocab, shape=None, layer_types="alternate"):
     return ssm_init(t.Qwen3NextForCausalLM(cfg).to(torch.float32), lambda name: 1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
 
 
+def deepseek_v3(t, vocab, q_lora=True):
+    cfg = t.DeepseekV3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32 if q_lora else None, kv_lora_rank=24,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=3, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=2, topk_group=1, rope_interleave=True, max_position_embeddings=128,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8},
+                             rms_norm_eps=1e-6, tie_word_embeddings=False, num_mtp_layers=0)
+    return ssm_init(t.DeepseekV3ForCausalLM(cfg).to(torch.float32))
+
+
 def legacy_layer_types(out):
     """config.json's layer types as the published Granite 4.0-H checkpoints name them."""
     path = pathlib.Path(out) / "config.json"
@@ -269,10 +287,11 @@ def legacy_layer_types(out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss", "mamba2", "granite-hybrid", "qwen3-next"])
+    ap.add_argument("arch", choices=["gemma2", "gemma3", "gpt-oss", "mamba2", "granite-hybrid", "qwen3-next", "deepseek-v3"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true", help="also write a tokenizer of the vocabulary")
+    ap.add_argument("--no-q-lora", action="store_true", help="deepseek-v3: one query projection, no query compression")
     ap.add_argument("--mxfp4", action="store_true", help="gpt-oss: store the experts as MXFP4 blocks")
     ap.add_argument("--shape", help="mamba2, granite-hybrid, qwen3-next: WIDTHxLAYERS (e.g. 768x24), benchmark-sized heads (mamba2: heads of 64 and a state of 128; qwen3-next: heads of 128)")
     ap.add_argument("--layer-types", choices=["alternate", "mamba", "attention"], default="alternate",
@@ -292,6 +311,8 @@ def main():
         model = granite_hybrid(t, vocab, a.shape, a.layer_types)
     elif a.arch == "qwen3-next":
         model = qwen3_next(t, vocab, a.shape, {"mamba": "linear", "attention": "full"}.get(a.layer_types, a.layer_types))
+    elif a.arch == "deepseek-v3":
+        model = deepseek_v3(t, vocab, not a.no_q_lora)
     else:
         model = gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)
@@ -300,7 +321,7 @@ def main():
     if a.mxfp4:
         store_experts_mxfp4(a.out, model.config.num_hidden_layers)
     if a.tokenizer:
-        (byte_level_tokenizer if a.arch in ("gpt-oss", "qwen3-next") else sentencepiece_tokenizer)(a.out, model.config.vocab_size)
+        (byte_level_tokenizer if a.arch in ("gpt-oss", "qwen3-next", "deepseek-v3") else sentencepiece_tokenizer)(a.out, model.config.vocab_size)
 
 
 if __name__ == "__main__":

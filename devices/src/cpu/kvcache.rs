@@ -219,6 +219,9 @@ impl KvCache {
         let layers = spec.layer_states(
             |_| LayerState::Kv { k: Side::new(format.k, shift), v: Side::new(format.v, shift) },
             |b| LayerState::Ssm { conv: vec![0.0; (b.d_conv - 1) * b.conv_dim()], state: vec![0.0; b.state_len()], at: 0, history: paged.then(SsmHistory::default) },
+            // A latent-attention layer caches its latent on the key side, its shared rotated key
+            // on the value side.
+            |_| LayerState::Kv { k: Side::new(format.k, shift), v: Side::new(format.v, shift) },
         );
         KvCache { layers, len: 0 }
     }

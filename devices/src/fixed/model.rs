@@ -35,7 +35,7 @@ struct LayerStates {
 impl LayerStates {
     fn new(spec: &ModelSpec) -> LayerStates {
         // A state-space layer is refused when the model loads (`shared::attention_block`).
-        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() }, |_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
+        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() }, |_| LayerState::Kv { k: Vec::new(), v: Vec::new() }, |_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
         LayerStates { layers, len: 0 }
     }
 

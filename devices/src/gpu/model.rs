@@ -86,6 +86,7 @@ impl KvCache {
                 }
                 // Refused at load (`shared::attention_model`): no cache for one.
                 BlockKind::Ssm(_) => return Err(format!("layer {li} is a state-space layer; this device keeps no state for one")),
+                BlockKind::Mla(_) => return Err(format!("layer {li} is a latent-attention layer; this device keeps no latent cache")),
             });
         }
         self.layers = layers;
@@ -332,7 +333,7 @@ impl GpuModel {
         let qd_max = s.n_head * s.head_dim;
         let kvd_max = s.layers.iter().map(|l| match l.block {
             BlockKind::Attention(a) => a.kv_dim(),
-            BlockKind::Ssm(_) => 0,
+            BlockKind::Ssm(_) | BlockKind::Mla(_) => 0,
         }).max().unwrap_or(0);
         let eps = s.norm_eps as f32;
         let ids = g.upload_u32(&tokens)?;

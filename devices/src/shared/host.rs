@@ -224,6 +224,7 @@ impl HostWeights {
                 }
             };
             let mixer = match spec.layers[i].block {
+                BlockKind::Mla(_) => return Err(err(&l.label, format!("layer {i} is a latent-attention (DeepSeek MLA) layer; {device} does not run one"))),
                 BlockKind::Attention(a) => {
                     let (qd, kvd) = (a.q_dim(), a.kv_dim());
                     Mixer::Attention(AttnWeights {

@@ -115,6 +115,28 @@ impl Loader<'_> {
         Ok(t.data.chunks_exact(len).map(|c| c.iter().map(|v| T::from_f32(*v)).collect()).collect())
     }
 
+    /// Layer `li`'s latent expansion `[n_head * (qk_nope + v_head_dim), kv_lora_rank]`: stored
+    /// whole (`attn_kv_b`), or as llama.cpp's converter splits it for the absorbed form, each
+    /// head's key rows transposed (`attn_k_b`, GGML dims `[qk_nope, kv_lora_rank, n_head]`) and
+    /// its value rows (`attn_v_b`, `[kv_lora_rank, v_head_dim, n_head]`), put back together.
+    pub(super) fn mla_kv_b<T: Real>(&self, li: usize, b: &crate::spec::MlaBlock) -> Result<Mat<T>> {
+        let (rows, r) = (b.kv_b_dim(), b.kv_lora_rank);
+        if let Some(m) = self.opt_mat(&format!("blk.{li}.attn_kv_b.weight"), rows, r)? {
+            return Ok(m);
+        }
+        let (nope, vd) = (b.qk_nope, b.v_head_dim);
+        let k_b: Vec<T> = self.shaped(&format!("blk.{li}.attn_k_b.weight"), &[nope, r, b.n_head])?;
+        let v_b: Vec<T> = self.shaped(&format!("blk.{li}.attn_v_b.weight"), &[r, vd, b.n_head])?;
+        let mut kv_b = Vec::with_capacity(rows * r);
+        for h in 0..b.n_head {
+            for c in 0..nope {
+                kv_b.extend((0..r).map(|j| k_b[(h * r + j) * nope + c]));
+            }
+            kv_b.extend_from_slice(&v_b[h * vd * r..(h + 1) * vd * r]);
+        }
+        Mat::new(rows, r, kv_b)
+    }
+
     /// `e` (a size error of a packed matrix) as an error naming the file and tensor.
     pub(super) fn in_tensor(&self, name: &str, e: OracleError) -> OracleError {
         OracleError::Spec(format!("{}: tensor `{name}`: {e}", self.src.label()))

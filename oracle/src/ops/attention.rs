@@ -36,14 +36,21 @@ pub fn attention<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len
 /// [`attention`], with the weights from `weights` instead of the softmax where given (a rule
 /// that returns another number of weights than scores is an error).
 pub fn attention_with<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len: usize, p: &AttentionParams, weights: Option<&AttentionWeights>) -> Result<Vec<T>> {
+    attention_values(q, positions, k, v, kv_len, p, weights, p.head_dim)
+}
+
+/// [`attention_with`] over values `vd` wide a head (`v: [kv_len, n_kv*vd]`; latent attention's
+/// values are narrower than its keys). Returns `[m, n_head*vd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_values<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], kv_len: usize, p: &AttentionParams, weights: Option<&AttentionWeights>, vd: usize) -> Result<Vec<T>> {
     let (nh, nkv, hd) = (p.n_head, p.n_head_kv, p.head_dim);
     if nkv == 0 || nh % nkv != 0 {
         return Err(OracleError::Shape(format!("attention: {nh} query heads cannot share {nkv} kv heads")));
     }
     let m = positions.len();
-    if q.len() != m * nh * hd || k.len() < kv_len * nkv * hd || v.len() < kv_len * nkv * hd {
+    if q.len() != m * nh * hd || k.len() < kv_len * nkv * hd || v.len() < kv_len * nkv * vd {
         return Err(OracleError::Shape(format!(
-            "attention: q has {} values (expected {m} x {nh} x {hd}), k/v {} / {} (need {kv_len} x {nkv} x {hd})",
+            "attention: q has {} values (expected {m} x {nh} x {hd}), k/v {} / {} (need {kv_len} x {nkv} x {hd} / {vd})",
             q.len(),
             k.len(),
             v.len()
@@ -56,10 +63,10 @@ pub fn attention_with<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], k
         return Err(OracleError::Shape(format!("attention: query position {bad} has no key in a cache of {kv_len}")));
     }
     let group = nh / nkv;
-    let mut out = vec![T::default(); m * nh * hd];
+    let mut out = vec![T::default(); m * nh * vd];
     let bad_rule = std::sync::atomic::AtomicBool::new(false);
     // One task per (token, head): independent outputs, each reduction stays on one thread.
-    out.par_chunks_mut(hd).enumerate().for_each(|(th, o)| {
+    out.par_chunks_mut(vd.max(1)).enumerate().for_each(|(th, o)| {
         let (t, h) = (th / nh, th % nh);
         let kvh = h / group;
         let pos = positions[t];
@@ -86,14 +93,14 @@ pub fn attention_with<T: Real>(q: &[T], positions: &[usize], k: &[T], v: &[T], k
             bad_rule.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         let probs = &probs[..n_keys.min(probs.len())];
-        let mut acc = vec![0.0f64; hd];
+        let mut acc = vec![0.0f64; vd];
         for (pj, j) in probs.iter().zip(first..=pos) {
-            let vj = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-            for d in 0..hd {
+            let vj = &v[(j * nkv + kvh) * vd..(j * nkv + kvh + 1) * vd];
+            for d in 0..vd {
                 acc[d] += pj * vj[d].to_f64();
             }
         }
-        for d in 0..hd {
+        for d in 0..vd {
             o[d] = T::from_f64(acc[d]);
         }
     });

@@ -7,6 +7,7 @@ pub mod act;
 pub mod attention;
 pub mod embed;
 pub mod matmul;
+pub mod mla;
 pub mod moe;
 pub mod norm;
 pub mod rope;
@@ -15,7 +16,8 @@ pub mod ssm;
 pub mod delta;
 
 pub use act::{add, add_bias, add_scaled, geglu, gelu_tanh, silu, softmax_rows, swiglu, swiglu_oai, swiglu_oai_f64};
-pub use attention::{attention, attention_with, AttentionParams, AttentionWeights};
+pub use attention::{attention, attention_values, attention_with, AttentionParams, AttentionWeights};
+pub use mla::{mla_expand, mla_rope_heads};
 pub use embed::embed;
 pub use matmul::{matmul, matmul_many, Mat, RowBuf};
 pub use moe::{moe_route, Routing};

@@ -29,6 +29,7 @@ pub enum Arch {
     /// Qwen3-Next: gated DeltaNet layers beside gated attention layers, MoE with a gated shared
     /// expert.
     Qwen3Next,
+    Deepseek2,
 }
 
 /// What an architecture is, as the loaders and the interpreters need it.
@@ -58,6 +59,8 @@ pub struct ArchRow {
     /// else every layer but each `full_attention_interval`-th), its attention gated, its FFN
     /// norm stored as `post_attention_norm`, and (a checkpoint's) RMSNorm weights stored less one.
     pub qwen_next: bool,
+    /// Multi-head latent attention (DeepSeek V2/V3's `deepseek2`).
+    pub mla: bool,
 }
 
 /// Which Gemma.
@@ -68,11 +71,11 @@ pub enum GemmaKind {
 }
 
 const fn row(arch: Arch, gguf: &'static str, model_types: &'static [&'static str], rope: RopeStyle) -> ArchRow {
-    ArchRow { arch, gguf, model_types, rope, gemma: None, qk_norm: false, qkv_bias: false, fused: false, moe_normalize_default: false, granite: false, qwen_next: false }
+    ArchRow { arch, gguf, model_types, rope, gemma: None, qk_norm: false, qkv_bias: false, fused: false, moe_normalize_default: false, granite: false, qwen_next: false, mla: false }
 }
 
 /// Every architecture, one row each.
-pub const ARCHES: [ArchRow; 14] = [
+pub const ARCHES: [ArchRow; 15] = [
     ArchRow { moe_normalize_default: true, ..row(Arch::Llama, "llama", &["llama", "mistral", "mixtral"], RopeStyle::Normal) },
     row(Arch::Mistral, "mistral", &[], RopeStyle::Normal),
     ArchRow { moe_normalize_default: true, ..row(Arch::Mixtral, "mixtral", &[], RopeStyle::Normal) },
@@ -87,6 +90,7 @@ pub const ARCHES: [ArchRow; 14] = [
     row(Arch::Mamba2, "mamba2", &["mamba2"], RopeStyle::Normal),
     ArchRow { granite: true, moe_normalize_default: true, ..row(Arch::GraniteHybrid, "granitehybrid", &["granitemoehybrid"], RopeStyle::Normal) },
     ArchRow { qk_norm: true, qwen_next: true, moe_normalize_default: true, ..row(Arch::Qwen3Next, "qwen3next", &["qwen3_next"], RopeStyle::Neox) },
+    ArchRow { mla: true, moe_normalize_default: true, ..row(Arch::Deepseek2, "deepseek2", &["deepseek_v3"], RopeStyle::Normal) },
 ];
 
 impl Arch {

@@ -84,8 +84,11 @@ impl ModelSpec {
                         // Hugging Face scales cos/sin by `attention_factor` as given, defaulting
                         // to 1 + 0.1 ln(factor); ours (llama.cpp's) multiplies `attn_factor` by
                         // that default itself, so a given value is divided by it here.
-                        attn_factor: match s.f("attention_factor")? {
-                            Some(a) if factor > 0.0 => a / (1.0 + 0.1 * factor.ln()),
+                        attn_factor: match (s.f("attention_factor")?, s.f("mscale")?, s.f("mscale_all_dim")?) {
+                            (Some(a), _, _) if factor > 0.0 => a / (1.0 + 0.1 * factor.ln()),
+                            // DeepSeek's: the ratio of two such factors, each with its own weight
+                            // on ln(factor).
+                            (None, Some(m), Some(all)) if factor > 1.0 && m != 0.0 && all != 0.0 => yarn_mscale(factor, m) / yarn_mscale(factor, all) / (1.0 + 0.1 * factor.ln()),
                             _ => 1.0,
                         },
                         truncate: s.b("truncate")?.unwrap_or(true),
@@ -248,6 +251,7 @@ impl ModelSpec {
             no_rope: false,
             attn_gate: false,
             ssm: None,
+            mla: None,
             layers: Vec::new(),
         };
         if gemma {
@@ -255,6 +259,10 @@ impl ModelSpec {
         }
         if row.qwen_next {
             spec.qwen_next_from_hf(&top, file)?;
+            return Ok(spec);
+        }
+        if row.mla {
+            spec.mla_from_hf(&top, rope_params.as_ref(), file)?;
             return Ok(spec);
         }
         if oss {
@@ -352,6 +360,7 @@ impl ModelSpec {
             no_rope: !rope,
             attn_gate: false,
             ssm: Some(ssm),
+            mla: None,
             layers: Vec::new(),
         };
         spec.derive_layers(Some(&shapes))?;
@@ -404,6 +413,49 @@ impl ModelSpec {
         self.attn_gate = true;
         self.ssm = Some(ssm);
         self.derive_layers(Some(&shapes))?;
+        self.set_context(configured_context()?)?;
+        self.validate()
+    }
+
+    /// A `deepseek_v3` config (`DeepseekV3ForCausalLM`): latent attention on every layer
+    /// (`q_lora_rank` null: one query projection), the RoPE on the last `qk_rope_head_dim` of
+    /// each query head and on the shared key, in adjacent pairs where `rope_interleave` (the
+    /// default) says so; the score scale `1/sqrt(qk_head_dim)` times YaRN's `mscale_all_dim`
+    /// factor squared. Dense layers only (`first_k_dense_replace` at least the layer count).
+    fn mla_from_hf(&mut self, top: &Fields<'_>, rope: Option<&Fields<'_>>, file: &str) -> Result<()> {
+        let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
+        let req = |k: &str| top.u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
+        if self.qkv_bias || self.out_bias {
+            return Err(err("config.json: attention_bias on a deepseek_v3 model is not supported".into()));
+        }
+        if top.u("first_k_dense_replace")?.unwrap_or(3) < self.n_layer && top.u("n_routed_experts")?.unwrap_or(256) > 0 {
+            return Err(err("config.json: routed experts (first_k_dense_replace below num_hidden_layers) are not supported: DeepSeek's group-limited sigmoid routing is not read yet".into()));
+        }
+        let mla = MlaBlock {
+            n_head: self.n_head,
+            q_lora_rank: match top.get("q_lora_rank") {
+                None | Some(serde_json::Value::Null) => 0,
+                Some(_) => req("q_lora_rank")?,
+            },
+            kv_lora_rank: req("kv_lora_rank")?,
+            qk_nope: req("qk_nope_head_dim")?,
+            qk_rope: req("qk_rope_head_dim")?,
+            v_head_dim: req("v_head_dim")?,
+        };
+        mla.validate().map_err(|e| err(format!("config.json: {e}")))?;
+        self.head_dim = mla.qk_head_dim();
+        self.n_head_kv = self.n_head;
+        self.rope.n_rot = mla.qk_rope;
+        self.rope.style = if top.b("rope_interleave")?.unwrap_or(true) { RopeStyle::Normal } else { RopeStyle::Neox };
+        let mut scale = 1.0 / (mla.qk_head_dim() as f64).sqrt();
+        if let (RopeScaling::Yarn { factor, .. }, Some(p)) = (self.rope.scaling, rope) {
+            if let Some(all) = p.f("mscale_all_dim")?.filter(|m| *m != 0.0) {
+                scale *= yarn_mscale(factor, all).powi(2);
+            }
+        }
+        self.attn_scale = scale;
+        self.mla = Some(mla);
+        self.derive_layers(None)?;
         self.set_context(configured_context()?)?;
         self.validate()
     }
@@ -472,6 +524,7 @@ impl ModelSpec {
             no_rope: false,
             attn_gate: false,
             ssm: Some(ssm),
+            mla: None,
             layers: Vec::new(),
         };
         spec.derive_layers(None)?;
@@ -518,6 +571,12 @@ impl ModelSpec {
 }
 
 /// `num_hidden_layers`, refused beyond the layers a model may have.
+/// YaRN's magnitude factor with weight `m` on ln(factor): `0.1 m ln(factor) + 1` (1 for a
+/// factor of at most 1), as transformers' `yarn_get_mscale`.
+fn yarn_mscale(factor: f64, m: f64) -> f64 {
+    if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 }
+}
+
 fn layer_count(top: &Fields<'_>, file: &str) -> Result<usize> {
     let n_layer = top.u("num_hidden_layers")?.ok_or_else(|| OracleError::Safetensors { file: file.to_string(), reason: "config.json: missing integer `num_hidden_layers`".into() })?;
     if n_layer > super::MAX_LAYERS {

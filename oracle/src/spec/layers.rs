@@ -22,6 +22,66 @@ pub enum BlockKind {
     /// a Mamba-2 selective scan, or a gated DeltaNet's delta rule): a causal depthwise
     /// convolution over its input, then the recurrence, gated by SiLU of a projection and normed.
     Ssm(SsmBlock),
+    /// Multi-head latent attention (DeepSeek V2/V3): keys and values are expanded from one
+    /// compressed latent per position (RMS-normed) through `attn_kv_b`, beside one rotated key
+    /// shared by every head; the cache holds the latent and that key.
+    Mla(MlaBlock),
+}
+
+/// A latent-attention block's dimensions (GGUF `attention.q_lora_rank`, `kv_lora_rank`,
+/// `key_length_mla`, `value_length_mla`, `rope.dimension_count`). Each query head is
+/// `qk_nope` values that meet the expanded keys' unrotated part, then `qk_rope` rotated ones
+/// that meet the shared rotated key; each value head is `v_head_dim` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MlaBlock {
+    pub n_head: usize,
+    /// The query's own compression (`attn_q_a`, normed, then `attn_q_b`); 0: one `attn_q`.
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head_dim: usize,
+}
+
+impl MlaBlock {
+    /// One query (and key) head's width: `qk_nope + qk_rope`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope + self.qk_rope
+    }
+
+    /// Width of the queries: `n_head * qk_head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.qk_head_dim()
+    }
+
+    /// Width of the attention output: `n_head * v_head_dim`.
+    pub fn out_dim(&self) -> usize {
+        self.n_head * self.v_head_dim
+    }
+
+    /// Rows of `attn_kv_a_mqa`: the latent, then the shared key's `qk_rope`.
+    pub fn kv_a_dim(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope
+    }
+
+    /// Rows of `attn_kv_b`: per head its keys' unrotated part, then its value.
+    pub fn kv_b_dim(&self) -> usize {
+        self.n_head * (self.qk_nope + self.v_head_dim)
+    }
+
+    /// Checks the dimensions: heads, the latent, both query parts and the value positive, the
+    /// rotated part even, and every width far from overflow.
+    pub fn validate(&self) -> Result<()> {
+        let ok = self.n_head > 0 && self.kv_lora_rank > 0 && self.qk_nope > 0 && self.qk_rope > 0 && self.v_head_dim > 0 && self.qk_rope.is_multiple_of(2);
+        let small = [self.n_head, self.q_lora_rank, self.kv_lora_rank, self.qk_nope, self.qk_rope, self.v_head_dim].iter().all(|&v| v <= 1 << 16);
+        if !ok || !small {
+            return Err(OracleError::Spec(format!(
+                "latent attention: {} heads, q rank {}, kv rank {}, key parts {} + {}, value {}: each must be positive (the q rank may be 0), at most 65536, the rotated part even",
+                self.n_head, self.q_lora_rank, self.kv_lora_rank, self.qk_nope, self.qk_rope, self.v_head_dim
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Which recurrence a state-space layer runs. Both read the same GGUF keys (`ssm.*`) and share
@@ -197,6 +257,12 @@ impl ModelSpec {
                         stages: ssm_stages.clone(),
                     };
                 }
+                if let Some(mla) = self.mla {
+                    return LayerSpec {
+                        block: BlockKind::Mla(MlaBlock { n_head: sh.n_head, ..mla }),
+                        stages: stages.clone(),
+                    };
+                }
                 let windowed = sh.windowed && self.sliding_window.is_some();
                 let block = AttentionBlock {
                     n_head: sh.n_head,
@@ -264,12 +330,13 @@ impl ModelSpec {
     /// One state per layer, each made by the constructor for its block's kind. Every
     /// interpreter's cache is built through this, so a new kind of block is a new argument each
     /// of them must supply.
-    pub fn layer_states<S>(&self, attention: impl Fn(&AttentionBlock) -> S, ssm: impl Fn(&SsmBlock) -> S) -> Vec<S> {
+    pub fn layer_states<S>(&self, attention: impl Fn(&AttentionBlock) -> S, ssm: impl Fn(&SsmBlock) -> S, mla: impl Fn(&MlaBlock) -> S) -> Vec<S> {
         self.layers
             .iter()
             .map(|l| match &l.block {
                 BlockKind::Attention(a) => attention(a),
                 BlockKind::Ssm(b) => ssm(b),
+                BlockKind::Mla(b) => mla(b),
             })
             .collect()
     }
@@ -278,13 +345,18 @@ impl ModelSpec {
     pub fn attention(&self, li: usize) -> Option<&AttentionBlock> {
         match &self.layers[li].block {
             BlockKind::Attention(a) => Some(a),
-            BlockKind::Ssm(_) => None,
+            BlockKind::Ssm(_) | BlockKind::Mla(_) => None,
         }
     }
 
     /// Whether any layer attends (a pure state-space model has no heads at all).
     pub fn has_attention(&self) -> bool {
-        self.layers.iter().any(|l| matches!(l.block, BlockKind::Attention(_)))
+        self.layers.iter().any(|l| matches!(l.block, BlockKind::Attention(_) | BlockKind::Mla(_)))
+    }
+
+    /// Whether any layer is a latent-attention layer.
+    pub fn has_mla(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l.block, BlockKind::Mla(_)))
     }
 
     /// Whether any layer is a state-space layer.
@@ -365,6 +437,12 @@ impl ModelSpec {
                         return Err(OracleError::Spec(format!("layer {li}: state-space dimensions other than the model's")));
                     }
                 }
+                BlockKind::Mla(b) => {
+                    b.validate().map_err(|e| OracleError::Spec(format!("layer {li}: {e}")))?;
+                    if self.mla.is_none_or(|m| MlaBlock { n_head: b.n_head, ..m } != *b) || b.n_head > self.n_head || b.qk_head_dim() != self.head_dim {
+                        return Err(OracleError::Spec(format!("layer {li}: latent-attention dimensions other than the model's")));
+                    }
+                }
             }
         }
         Ok(())
@@ -387,6 +465,8 @@ impl BlockKind {
         match self {
             BlockKind::Attention(a) => (a.n_head, a.n_head_kv),
             BlockKind::Ssm(_) => (0, 0),
+            // Every head reads the one latent, expanded to keys and values of its own.
+            BlockKind::Mla(b) => (b.n_head, b.n_head),
         }
     }
 
@@ -401,6 +481,11 @@ impl BlockKind {
             BlockKind::Ssm(_) => LayerShape {
                 n_head: 0,
                 n_head_kv: 0,
+                windowed: false,
+            },
+            BlockKind::Mla(b) => LayerShape {
+                n_head: b.n_head,
+                n_head_kv: b.n_head,
                 windowed: false,
             },
         }

@@ -43,6 +43,16 @@ impl ModelSpec {
             tails.extend(if b.kind == SsmKind::GatedDelta { DELTA_TAILS } else { SSM_TAILS });
             return self.ffn_tails(tails, stored);
         }
+        if let BlockKind::Mla(b) = block {
+            tails.extend(if b.q_lora_rank > 0 { &["attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"][..] } else { &["attn_q.weight"][..] });
+            tails.extend(["attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_kv_b.weight"]);
+            // llama.cpp's converter stores the expansion split per head for the absorbed form.
+            if stored {
+                tails.extend(["attn_k_b.weight", "attn_v_b.weight"]);
+            }
+            tails.push("attn_output.weight");
+            return self.ffn_tails(tails, stored);
+        }
         if fused {
             tails.push("attn_qkv.weight");
         } else {

@@ -52,13 +52,15 @@ pub struct Dims {
     pub ssm_conv: usize,
     /// The state-space layers are gated DeltaNets.
     pub ssm_delta: bool,
+    /// Latent attention's key/value latent width (0 without it): the expansion's dot length.
+    pub mla_rank: usize,
 }
 
 impl Dims {
     pub fn of(spec: &ModelSpec, n_pos: usize) -> Dims {
         let n_ff = spec.moe.as_ref().map_or(spec.n_ff, |m| m.expert_ffn.max(m.shared_ffn.unwrap_or(0)));
         let rope_angle_rms = spec.ropes().into_iter().map(|r| rope_angle_rms(r, n_pos)).fold(0.0, f64::max);
-        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: spec.n_head * spec.head_dim, n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0), gelu: spec.activation == oracle::spec::Activation::GeluTanh, ssm_inner: spec.ssm.map_or(0, |b| b.d_inner), ssm_state: spec.ssm.map_or(0, |b| b.d_state), ssm_conv: spec.ssm.map_or(0, |b| b.d_conv), ssm_delta: spec.ssm.is_some_and(|b| b.kind == oracle::spec::SsmKind::GatedDelta) }
+        Dims { d: spec.n_embd, head_dim: spec.head_dim, q_dim: (spec.n_head * spec.head_dim).max(spec.mla.map_or(0, |b| b.out_dim())), n_ff, n_pos, n_layer: spec.n_layer, rope_angle_rms, embd_scale: spec.embd_scale.unwrap_or(1.0), gelu: spec.activation == oracle::spec::Activation::GeluTanh, ssm_inner: spec.ssm.map_or(0, |b| b.d_inner), ssm_state: spec.ssm.map_or(0, |b| b.d_state), ssm_conv: spec.ssm.map_or(0, |b| b.d_conv), ssm_delta: spec.ssm.is_some_and(|b| b.kind == oracle::spec::SsmKind::GatedDelta), mla_rank: spec.mla.map_or(0, |b| b.kv_lora_rank) }
     }
 }
 
@@ -98,10 +100,13 @@ pub(crate) fn op_shape(kind: TapKind, d: &Dims) -> Option<OpShape> {
         TapKind::AttnNorm | TapKind::FfnNorm | TapKind::ResultNorm | TapKind::AttnPostNorm | TapKind::FfnPostNorm => s(d.d, false, true),
         TapKind::AttnQNorm | TapKind::AttnKNorm => s(d.head_dim, false, true),
         TapKind::AttnQ | TapKind::AttnK | TapKind::AttnV | TapKind::AttnGate | TapKind::FfnGate | TapKind::FfnUp | TapKind::ResultOutput => s(d.d, true, false),
+        // A product, then an RMSNorm.
+        TapKind::AttnQA | TapKind::AttnKvA => s(d.d, true, true),
         TapKind::AttnOut => s(d.q_dim, true, false),
         TapKind::FfnOut => s(d.n_ff, true, false),
         TapKind::AttnQRope | TapKind::AttnKRope => s(2, false, true),
-        TapKind::AttnKqv => s(d.n_pos.max(d.head_dim), false, true),
+        // Latent attention first expands each cached latent (a product over its width).
+        TapKind::AttnKqv => s(d.n_pos.max(d.head_dim).max(d.mla_rank), d.mla_rank > 0, true),
         // A sigmoid and a product.
         TapKind::AttnGated => s(2, false, true),
         TapKind::FfnInp | TapKind::LOut => s(2, false, false),

@@ -314,12 +314,14 @@ fn tap_inputs(layer: Option<usize>, kind: TapKind, n_layer: usize, has: &dyn Fn(
     let residual = Some(if i == 0 { TapName::model(InpEmbd) } else { TapName::layer(i - 1, LOut) }.to_string());
     let names = match kind {
         AttnNorm => vec![residual],
-        AttnQ | AttnK | AttnV | AttnGate => vec![first(&[AttnNorm])],
+        AttnQA | AttnKvA | AttnK | AttnV | AttnGate => vec![first(&[AttnNorm])],
+        AttnQ => vec![first(&[AttnQA, AttnNorm])],
         AttnQNorm => vec![first(&[AttnQ])],
         AttnKNorm => vec![first(&[AttnK])],
         AttnQRope => vec![first(&[AttnQNorm, AttnQ])],
         AttnKRope => vec![first(&[AttnKNorm, AttnK])],
-        AttnKqv => vec![first(&[AttnQRope, AttnQNorm, AttnQ]), first(&[AttnKRope, AttnKNorm, AttnK]), first(&[AttnV])],
+        // Latent attention expands its keys and values from the latent.
+        AttnKqv => vec![first(&[AttnQRope, AttnQNorm, AttnQ]), first(&[AttnKRope, AttnKNorm, AttnK]), first(&[AttnV, AttnKvA])],
         AttnGated => vec![first(&[AttnKqv]), first(&[AttnGate])],
         AttnOut => vec![first(&[AttnGated, AttnKqv])],
         AttnPostNorm => vec![first(&[AttnOut])],

@@ -54,6 +54,8 @@ pub fn op_behind(t: &TapDiff) -> String {
         AttnQRope | AttnKRope => "RoPE (the rotation of each head's pairs by position)".into(),
         AttnKqv => "attention: scores, causal mask, softmax, the weighted sum of values".into(),
         AttnGate => format!("the matrix product with {} (its gate rows)", w(AttnQ.name())),
+        AttnQA => format!("the matrix product with {} and the RMSNorm of the query's latent", w("attn_q_a")),
+        AttnKvA => format!("the matrix product with {} (its latent rows) and the latent's RMSNorm", w("attn_kv_a_mqa")),
         AttnGated => "the output gate: attention's output times the sigmoid of the gate".into(),
         FfnInp => "the residual add after attention".into(),
         LOut => "the residual add after the FFN".into(),
@@ -91,7 +93,7 @@ pub fn kernel_filter(kind: TapKind) -> Option<&'static str> {
         FfnInp | LOut => "^add\\(",
         FfnAct => "^(swiglu|geglu|swiglu_oai)\\(",
         FfnMoeProbs | FfnMoeTopk => "^moe_route\\(",
-        SsmIn | SsmOut => "^matmul\\(",
+        SsmIn | SsmOut | AttnQA | AttnKvA => "^matmul\\(",
         // The recurrence's own ops (Mamba-2's scan, a gated DeltaNet's delta rule).
         SsmState | SsmScan => "^(ssm_scan|delta_rule)\\(",
         SsmConv | SsmNorm | AttnGated => return None,

@@ -103,7 +103,7 @@ pub fn serving(a: &ServingArgs) -> Result<(Report, Vec<Vec<String>>), Exit> {
     let (seq, p0) = target(a, &path, tok.as_ref(), spec.n_vocab)?;
     let window = spec.layers.iter().find_map(|l| match l.block {
         oracle::spec::BlockKind::Attention(at) => at.window,
-        oracle::spec::BlockKind::Ssm(_) => None,
+        oracle::spec::BlockKind::Ssm(_) | oracle::spec::BlockKind::Mla(_) => None,
     });
     let mut cases = serving::cases(&seq, p0, spec.n_vocab, window, a.seed);
     if a.random > 0 {
