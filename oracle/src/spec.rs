@@ -525,14 +525,40 @@ impl ModelSpec {
                 _ => return Err(spec_err(format!("{}: metadata `{pattern_key}` is neither a period nor one flag per layer ({n_layer})", g.path))),
             },
         };
+        // Latent attention (`deepseek2`): its dimensions; every head reads the one latent
+        // (llama.cpp's files say one key/value head). `key_length`/`value_length` are the
+        // absorbed form's (latent + rotated key, latent) where the `_mla` keys give the heads'.
+        let mla = match row.mla {
+            false => None,
+            true => {
+                let rope = req_u("rope.dimension_count")?;
+                let (k, v) = match (opt_u("attention.key_length_mla")?, opt_u("attention.value_length_mla")?) {
+                    (Some(k), Some(v)) => (k, v),
+                    _ => (req_u("attention.key_length")?, req_u("attention.value_length")?),
+                };
+                let b = MlaBlock {
+                    n_head,
+                    q_lora_rank: opt_u("attention.q_lora_rank")?.unwrap_or(0),
+                    kv_lora_rank: req_u("attention.kv_lora_rank")?,
+                    qk_nope: k.checked_sub(rope).filter(|n| *n > 0).ok_or_else(|| spec_err(format!("{}: a key of {k} leaves no unrotated part beside rope.dimension_count {rope}", g.path)))?,
+                    qk_rope: rope,
+                    v_head_dim: v,
+                };
+                b.validate().map_err(|e| spec_err(format!("{}: {e}", g.path)))?;
+                heads.iter_mut().for_each(|h| h.1 = h.0);
+                Some(b)
+            }
+        };
+        let n_head_kv = if mla.is_some() { n_head } else { n_head_kv };
         let head_dim = match opt_u("attention.key_length")? {
+            _ if mla.is_some() => mla.map_or(0, |b| b.qk_head_dim()),
             Some(v) => v,
             // No layer attends (a state-space model): no head width.
             None if n_head == 0 => 0,
             None if n_head > 0 && n_embd % n_head == 0 => n_embd / n_head,
             None => return Err(spec_err(format!("{}: embedding_length {n_embd} not divisible by head_count {n_head}", g.path))),
         };
-        if let Some(v) = opt_u("attention.value_length")?.filter(|&v| v != head_dim) {
+        if let Some(v) = opt_u("attention.value_length")?.filter(|&v| v != head_dim && mla.is_none()) {
             return Err(spec_err(format!("{}: attention.value_length {v} differs from the key length {head_dim}: value heads of another size are not supported", g.path)));
         }
         let n_vocab = match opt_u("vocab_size")? {
@@ -698,9 +724,12 @@ impl ModelSpec {
             no_rope: row.granite && !g.field(&key("rope.scaling.finetuned"), |v| v.as_bool(), "true or false").map_err(spec_err)?.unwrap_or(false),
             attn_gate: row.qwen_next,
             ssm,
-            mla: None,
+            mla,
             layers: Vec::new(),
         };
+        if let Some(b) = mla {
+            spec.mla_from_gguf(&b, opt_u("leading_dense_block_count")?.unwrap_or(0), opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0)).map_err(|e| spec_err(format!("{}: {e}", g.path)))?;
+        }
         if gemma {
             // What a `gemma3` GGUF does not store, as llama.cpp and Transformers take it: the
             // local layers' RoPE (base 10,000, unscaled), and the query scale, 1/sqrt(head_dim)
@@ -733,6 +762,27 @@ impl ModelSpec {
         spec.validate()?;
         spec.check_against_tensors(g)?;
         Ok(spec)
+    }
+
+    /// What a `deepseek2` file implies beyond its keys, as llama.cpp reads it: the score scale
+    /// `mscale^2 / sqrt(qk_head_dim)` with YaRN's `mscale = 1 + yarn_log_multiplier ln(factor)`,
+    /// the rotation's own magnitude left at 1 (transformers' when `mscale` equals
+    /// `mscale_all_dim`, as DeepSeek V3's config has them). Dense layers only: routed experts
+    /// (`leading_dense_block_count` below the layer count) are refused.
+    fn mla_from_gguf(&mut self, b: &MlaBlock, leading_dense: usize, yarn_log_mul: f64) -> Result<()> {
+        if self.moe.is_some() && leading_dense < self.n_layer {
+            return Err(spec_err(format!("routed experts from layer {leading_dense} on are not supported: DeepSeek's group-limited sigmoid routing is not read yet")));
+        }
+        self.moe = None;
+        let mut scale = 1.0 / (b.qk_head_dim() as f64).sqrt();
+        if let RopeScaling::Yarn { factor, attn_factor, .. } = &mut self.rope.scaling {
+            if *factor > 1.0 {
+                scale *= (1.0 + yarn_log_mul * factor.ln()).powi(2);
+                *attn_factor /= 1.0 + 0.1 * factor.ln();
+            }
+        }
+        self.attn_scale = scale;
+        Ok(())
     }
 
     /// Configures the model for an engine running `context` positions (None: the default), as

@@ -36,8 +36,9 @@ never a runtime dependency.
   `first_k_dense_replace` = 3 layers): four heads, the query compressed to 32 (`q_lora_rank`; 0
   with `--no-q-lora`: one query projection), the key/value latent 24 wide, each query head 16
   unrotated + 8 rotated dimensions in adjacent pairs (`rope_interleave`), values of 12; YaRN
-  RoPE (factor 4 over an original context of 32, `mscale` 1 and `mscale_all_dim` 0.8, so that
-  both the rotation's magnitude and the score scale move); SwiGLU FFNs 96 wide.
+  RoPE (factor 4 over an original context of 32, `mscale` and `mscale_all_dim` 1 as DeepSeek
+  V3's: the score scale grows by (1 + 0.1 ln 4)^2; the GGUF form holds only that case); SwiGLU
+  FFNs 96 wide.
 
 With `--tokenizer`, the checkpoint also gets a tokenizer of its vocabulary (512 tokens instead
 of 300), trained on
@@ -272,7 +273,7 @@ def deepseek_v3(t, vocab, q_lora=True):
                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=3, n_routed_experts=4,
                              num_experts_per_tok=2, n_group=2, topk_group=1, rope_interleave=True, max_position_embeddings=128,
                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-                                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8},
+                                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
                              rms_norm_eps=1e-6, tie_word_embeddings=False, num_mtp_layers=0)
     return ssm_init(t.DeepseekV3ForCausalLM(cfg).to(torch.float32))
 
