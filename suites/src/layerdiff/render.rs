@@ -54,7 +54,7 @@ pub fn op_behind(t: &TapDiff) -> String {
         AttnQRope | AttnKRope => "RoPE (the rotation of each head's pairs by position)".into(),
         AttnKqv => "attention: scores, causal mask, softmax, the weighted sum of values".into(),
         AttnGate => format!("the matrix product with {} (its gate rows)", w(AttnQ.name())),
-        AttnQA => format!("the matrix product with {} and the RMSNorm of the query's latent", w("attn_q_a")),
+        AttnQA => format!("the matrix product with {} and the RMSNorm of the query's latent", w(t.kind.name())),
         AttnKvA => format!("the matrix product with {} (its latent rows) and the latent's RMSNorm", w("attn_kv_a_mqa")),
         AttnGated => "the output gate: attention's output times the sigmoid of the gate".into(),
         FfnInp => "the residual add after attention".into(),
