@@ -280,6 +280,12 @@ pub enum ModelFault {
     /// RoPE over the whole head where the model rotates only a share of it (Qwen3-Next's
     /// quarter).
     RopeWholeHead,
+    /// Latent attention's absorbed form scaling its scores by the cached row's width
+    /// (`1/sqrt(kv_lora_rank + qk_rope)`) instead of the query head's.
+    MlaAbsorbedScale,
+    /// Latent attention's RoPE applied to the first `qk_rope` values of each query head (the
+    /// unrotated part) instead of the last.
+    MlaRopeSliceSwapped,
 }
 
 impl ModelFault {
@@ -291,6 +297,8 @@ impl ModelFault {
     pub const MAMBA2: [ModelFault; 3] = [ModelFault::SsmStateBf16, ModelFault::SsmConvShifted, ModelFault::SsmDecaySign];
     /// Qwen3-Next's beyond its recurrent layers' (those of [`ModelFault::MAMBA2`]).
     pub const QWEN3_NEXT: [ModelFault; 2] = [ModelFault::AttnGateDropped, ModelFault::RopeWholeHead];
+    /// DeepSeek V3's latent attention's.
+    pub const MLA: [ModelFault; 2] = [ModelFault::MlaAbsorbedScale, ModelFault::MlaRopeSliceSwapped];
 
     /// The tap kind where the bug first shows (isolated comparison): an engine that skips the
     /// post-norms records none, so the first tap off is the residual sum they feed.
@@ -311,6 +319,8 @@ impl ModelFault {
             // ungated one is the first tap off.
             ModelFault::AttnGateDropped => "attn_out",
             ModelFault::RopeWholeHead => "attn_q_rope",
+            ModelFault::MlaAbsorbedScale => "attn_kqv",
+            ModelFault::MlaRopeSliceSwapped => "attn_q_rope",
         }
     }
 
@@ -348,6 +358,8 @@ impl ModelFault {
             ModelFault::AttnGateDropped => inner.spec.layers.iter_mut().for_each(|l| l.stages.retain(|s| *s != oracle::spec::Stage::AttnGate)),
             ModelFault::RopeWholeHead => inner.spec.rope.n_rot = inner.spec.head_dim,
             ModelFault::SsmStateBf16 => inner.ssm_state_rounding = Some(|v| half::bf16::from_f32(v).to_f32()),
+            ModelFault::MlaAbsorbedScale => inner.mla_fault = crate::cpu::mla::MlaFault::ScaleOfCachedRow,
+            ModelFault::MlaRopeSliceSwapped => inner.mla_fault = crate::cpu::mla::MlaFault::RopeOnUnrotated,
             ModelFault::SsmConvShifted | ModelFault::SsmDecaySign => {
                 let k = spec.ssm.map_or(1, |b| b.d_conv);
                 for l in &mut inner.layers {

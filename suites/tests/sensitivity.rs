@@ -176,10 +176,13 @@ fn gemma2_softcap_dropped_fails_layer_diff() {
 /// random Mamba-2 checkpoint written by transformers, on a Granite 4.0-H-shaped hybrid with
 /// its residual branches added unscaled besides (`ffn_inp`), and on a Qwen3-Next-shaped hybrid
 /// (the same three in its gated DeltaNet layers) with its attention output gate dropped
-/// (`attn_out`) and RoPE over whole heads instead of a quarter (`attn_q_rope`) besides, where the
-/// correct `cpu` passes (skipped where transformers is not installed).
+/// (`attn_out`) and RoPE over whole heads instead of a quarter (`attn_q_rope`) besides; and
+/// latent attention's on a DeepSeek-V3-structured checkpoint — the absorbed form's score scale
+/// taken from the cached row's width (`attn_kqv`), RoPE on the unrotated slice of each query
+/// head (`attn_q_rope`) — where the correct `cpu` (the absorbed form, judged against the
+/// oracle's materialized one) passes (skipped where transformers is not installed).
 #[test]
-fn mamba2_bugs_fail_layer_diff_at_their_tap() {
+fn hybrid_and_latent_bugs_fail_layer_diff_at_their_tap() {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/reference/make_checkpoint.py");
     let has_transformers = std::process::Command::new("python3").args(["-c", "import transformers"]).status().is_ok_and(|s| s.success());
     if !has_transformers {
@@ -199,7 +202,11 @@ fn mamba2_bugs_fail_layer_diff_at_their_tap() {
     assert!(std::process::Command::new("python3").arg(&script).arg("qwen3-next").arg(&ck).status().unwrap().success(), "make_checkpoint.py qwen3-next failed");
     let faults: Vec<_> = devices::faulty::ModelFault::MAMBA2.into_iter().chain(devices::faulty::ModelFault::QWEN3_NEXT).collect();
     wiring_bugs_fail_at(&ck, "qwen3-next", &["cpu"], &faults);
+    let ck = dir.path().join("deepseek-v3");
+    assert!(std::process::Command::new("python3").arg(&script).arg("deepseek-v3").arg(&ck).status().unwrap().success(), "make_checkpoint.py deepseek-v3 failed");
+    wiring_bugs_fail_at(&ck, "deepseek-v3", &["cpu"], &devices::faulty::ModelFault::MLA);
 }
+
 
 fn wiring_bugs_fail_layer_diff_at_their_tap(fixture: &str, faults: &[devices::faulty::ModelFault]) {
     let dir = tempfile::tempdir().unwrap();

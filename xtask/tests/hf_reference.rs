@@ -281,7 +281,9 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
 /// DeepSeek's score scale) agrees with transformers' float64 forward over 70 positions, as read
 /// by the oracle from the checkpoint and from the GGUF llama.cpp's converter writes
 /// (`deepseek2`: the expansion split per head into `attn_k_b`/`attn_v_b`); greedy 32 tokens
-/// identical on `ref`. A checkpoint without the query's compression agrees too.
+/// identical on `ref` and `cpu` (which runs the absorbed form, caching latents), layer-diff
+/// passes on `cpu`. A checkpoint without the query's compression agrees too. `fixed` and
+/// `gpu-emu` refuse the model, naming its first latent-attention layer.
 #[test]
 fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     if !transformers_installed() {
@@ -289,8 +291,13 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     }
     let ids: String = (0..70).map(|i| ((i * 37 + 11) % 300).to_string()).collect::<Vec<_>>().join(",");
     let (dir, greedy) = checkpoint_agrees_with_transformers("deepseek-v3", &ids, &[], Some("deepseek-v3"));
-    for model in [dir.path().join("ck"), dir.path().join("model.gguf")] {
-        devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref"], &[], dir.path());
+    for (model, reports) in [(dir.path().join("ck"), dir.path().join("ck-reports")), (dir.path().join("model.gguf"), dir.path().join("gguf-reports"))] {
+        devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref", "cpu"], &["cpu"], &reports);
+    }
+    let gguf = dir.path().join("model.gguf");
+    for device in ["fixed", "gpu-emu"] {
+        let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", device], &[]);
+        assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "{device}: {}", text(&o));
     }
     checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--seed", "3"], None);
 }

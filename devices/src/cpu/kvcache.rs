@@ -306,6 +306,25 @@ impl KvCache {
     /// Appends layer `li`'s keys and values for positions `start..` (rows of `width`, rounded as
     /// the cache's formats hold them) and runs attention over the cache. Keys in a block format
     /// meet the query as Q8_0 blocks of 32, as ggml multiplies them.
+    /// Writes a latent-attention layer's latents (`[n, kv_lora_rank]`, on the key side) and
+    /// shared rotated keys (`[n, qk_rope]`, on the value side) at `start..`, and returns the
+    /// first `start + n` rows of each as f32.
+    pub(crate) fn write_and_read_latent(&mut self, li: usize, start: usize, (latent, k_pe): (&[f32], &[f32]), (r, rope): (usize, usize)) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let Some(LayerState::Kv { k, v }) = self.layers.get_mut(li) else {
+            return Err(format!("layer {li} keeps no latents"));
+        };
+        k.write(start, r, latent)?;
+        v.write(start, rope, k_pe)?;
+        let len = start + latent.len() / r.max(1);
+        fn flat(h: Held<'_>) -> Vec<f32> {
+            match h {
+                Held::F32(p) => p.concat(),
+                Held::F16(p) => p.iter().flat_map(|s| s.iter().map(|x| x.to_f32())).collect(),
+            }
+        }
+        Ok((flat(k.read(len, r)?), flat(v.read(len, rope)?)))
+    }
+
     pub(crate) fn write_and_attend(&mut self, li: usize, start: usize, width: usize, (q, k, v): (&[f32], &[f32], &[f32]), pos: &[usize], cfg: &kernels::AttnCfg) -> Result<Vec<f32>, String> {
         let Some(LayerState::Kv { k: keys, v: values }) = self.layers.get_mut(li) else {
             return Err(format!("layer {li} keeps no keys and values"));

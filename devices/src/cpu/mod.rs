@@ -5,6 +5,7 @@
 pub mod kernels;
 pub mod kvcache;
 mod ssm;
+pub(crate) mod mla;
 pub mod kvcodec;
 pub mod model;
 pub mod serve;

@@ -30,6 +30,9 @@ pub struct CpuModel {
     /// A rounding applied to the state-space layers' state after every position: a seeded bug
     /// (`devices::faulty::ModelFault::SsmStateBf16`); None in every device a user opens.
     pub(crate) ssm_state_rounding: Option<fn(f32) -> f32>,
+    /// A latent-attention error seeded (`devices::faulty::ModelFault::MlaAbsorbedScale`,
+    /// `MlaRopeSliceSwapped`); `MlaFault::None` in every device a user opens.
+    pub(crate) mla_fault: super::mla::MlaFault,
 }
 
 /// One sequence's part of a batch: its tokens, the position of the first, and its cache.
@@ -56,6 +59,7 @@ impl CpuModel {
             let mixer: Vec<&PackedMat> = match &l.mixer {
                 Mixer::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
                 Mixer::Ssm(w) => vec![&w.in_proj, &w.out],
+                Mixer::Mla(w) => w.q_a.iter().map(|(a, _)| a).chain([&w.q, &w.kv_a, &w.wo]).collect(),
             };
             mixer
                 .into_iter()
@@ -78,7 +82,7 @@ impl CpuModel {
         };
         let HostWeights { spec, tok_embd, output_norm, output, layers } = HostWeights::load(path, "cpu", &check)?;
         let kv = KvCache::new(opts.kv_cache, &spec);
-        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv, serve_fault: None, ssm_state_rounding: None })
+        Ok(CpuModel { spec, tok_embd, output_norm, output, layers, kv_cache: opts.kv_cache, kv, serve_fault: None, ssm_state_rounding: None, mla_fault: Default::default() })
     }
 
     fn ffn(&self, f: &Ffn, h: &[f32], m: usize, taps: Option<(&mut dyn Tap, usize, usize)>) -> Vec<f32> {
@@ -249,10 +253,74 @@ impl CpuModel {
                 (BlockKind::Ssm(b), Mixer::Ssm(w)) => (None, Some((b, w))),
                 _ => (None, None),
             };
+            let mla_parts = match (s.layers[li].block, &layer.mixer) {
+                (BlockKind::Mla(b), Mixer::Mla(w)) => Some((b, w)),
+                _ => None,
+            };
+            let mut latent = Vec::new();
             let wrong = |what: &str| err("forward", format!("layer {li}: {what} stage in a layer of another kind"));
             let (hd, qd, kvd) = attn_parts.map_or((0, 0, 0), |(a, _)| (a.head_dim, a.q_dim(), a.kv_dim()));
             let (mut zx, mut xbc, mut y, mut gate) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for stage in &s.layers[li].stages {
+                // A latent-attention layer's own projections, rotation and attention.
+                if let Some((b, w)) = mla_parts {
+                    match stage {
+                        Stage::QkvProj => {
+                            let q_in = match &w.q_a {
+                                Some((qa, norm)) => {
+                                    let a = rms_rows(&matmul_packed(&h, m, qa.view()), qa.rows, norm, s.norm_eps);
+                                    record(taps, &name("attn_q_a"), start, m, qa.rows, &a);
+                                    a
+                                }
+                                None => h.clone(),
+                            };
+                            q = matmul_packed(&q_in, m, w.q.view());
+                            record(taps, &name("attn_q"), start, m, b.q_dim(), &q);
+                            let kv_a = matmul_packed(&h, m, w.kv_a.view());
+                            let (r, rr) = (b.kv_lora_rank, b.qk_rope);
+                            let lat: Vec<f32> = kv_a.chunks_exact(r + rr).flat_map(|row| row[..r].iter().copied()).collect();
+                            latent = rms_rows(&lat, r, &w.kv_a_norm, s.norm_eps);
+                            k = kv_a.chunks_exact(r + rr).flat_map(|row| row[r..].iter().copied()).collect();
+                            record(taps, &name("attn_kv_a"), start, m, r, &latent);
+                            record(taps, &name("attn_k"), start, m, rr, &k);
+                            continue;
+                        }
+                        Stage::Rope => {
+                            let mut tails = Vec::new();
+                            let at = if self.mla_fault == super::mla::MlaFault::RopeOnUnrotated { 0 } else { b.qk_nope };
+                            super::mla::rope_tails(&mut q, &mut tails, &b, at, false);
+                            kernels::rope(&mut tails, &pos, b.n_head, b.qk_rope, &s.rope);
+                            super::mla::rope_tails(&mut q, &mut tails, &b, at, true);
+                            kernels::rope(&mut k, &pos, 1, b.qk_rope, &s.rope);
+                            record(taps, &name("attn_q_rope"), start, m, b.q_dim(), &q);
+                            record(taps, &name("attn_k_rope"), start, m, b.qk_rope, &k);
+                            continue;
+                        }
+                        Stage::Attention => {
+                            let (r, rr, qd) = (b.kv_lora_rank, b.qk_rope, b.q_dim());
+                            let scale = match self.mla_fault {
+                                super::mla::MlaFault::ScaleOfCachedRow => (s.attn_scale * (b.qk_head_dim() as f64).sqrt() / ((r + rr) as f64).sqrt()) as f32,
+                                _ => s.attn_scale as f32,
+                            };
+                            attn = Vec::with_capacity(m * b.out_dim());
+                            let mut r0 = 0;
+                            for g in segs {
+                                let rows = r0..r0 + g.tokens.len();
+                                let (lat, kpe) = caches[g.cache].write_and_read_latent(li, g.start, (&latent[rows.start * r..rows.end * r], &k[rows.start * rr..rows.end * rr]), (r, rr)).map_err(|e| err("attention", e))?;
+                                attn.extend(super::mla::attend_absorbed(&q[rows.start * qd..rows.end * qd], &pos[rows.clone()], &lat, &kpe, w, &b, scale));
+                                r0 = rows.end;
+                            }
+                            record(taps, &name("attn_kqv"), start, m, b.out_dim(), &attn);
+                            continue;
+                        }
+                        Stage::AttnOutProj => {
+                            attn = matmul_packed(&attn, m, w.wo.view());
+                            record(taps, &name("attn_out"), start, m, d, &attn);
+                            continue;
+                        }
+                        _ => {}
+                    }
+                }
                 match stage {
                     Stage::AttnNorm => {
                         h = rms_rows(&x, d, &layer.attn_norm, s.norm_eps);

@@ -57,10 +57,25 @@ pub struct SsmWeights {
     pub out: PackedMat,
 }
 
+/// A latent-attention block's weights: the query's compression and its norm (if any), the
+/// query projection, the latent/shared-key projection and the latent's norm, the expansion as
+/// the absorbed form uses it (per head its key rows `[n_head][qk_nope][kv_lora_rank]` and value
+/// rows `[n_head][v_head_dim][kv_lora_rank]`, f32), the output projection.
+pub struct MlaWeights {
+    pub q_a: Option<(PackedMat, Vec<f32>)>,
+    pub q: PackedMat,
+    pub kv_a: PackedMat,
+    pub kv_a_norm: Vec<f32>,
+    pub k_b: Vec<f32>,
+    pub v_b: Vec<f32>,
+    pub wo: PackedMat,
+}
+
 /// A layer's mixing block, by kind.
 pub enum Mixer {
     Attention(AttnWeights),
     Ssm(SsmWeights),
+    Mla(MlaWeights),
 }
 
 impl Mixer {
@@ -68,7 +83,7 @@ impl Mixer {
     pub fn attention(&self) -> Option<&AttnWeights> {
         match self {
             Mixer::Attention(a) => Some(a),
-            Mixer::Ssm(_) => None,
+            Mixer::Ssm(_) | Mixer::Mla(_) => None,
         }
     }
 }
@@ -224,7 +239,43 @@ impl HostWeights {
                 }
             };
             let mixer = match spec.layers[i].block {
-                BlockKind::Mla(_) => return Err(err(&l.label, format!("layer {i} is a latent-attention (DeepSeek MLA) layer; {device} does not run one"))),
+                BlockKind::Mla(b) => {
+                    let (nope, vd, r, nh) = (b.qk_nope, b.v_head_dim, b.kv_lora_rank, b.n_head);
+                    // The expansion, whole (per head its key rows, then its value rows) or split
+                    // as llama.cpp's converter writes it (key rows transposed per head).
+                    let (k_b, v_b) = if l.raw(&n("attn_kv_b.weight"))?.is_some() {
+                        let w = l.shaped(&n("attn_kv_b.weight"), &[r, b.kv_b_dim()])?;
+                        let (mut k_b, mut v_b) = (Vec::with_capacity(nh * nope * r), Vec::with_capacity(nh * vd * r));
+                        for head in w.chunks_exact((nope + vd) * r) {
+                            k_b.extend_from_slice(&head[..nope * r]);
+                            v_b.extend_from_slice(&head[nope * r..]);
+                        }
+                        (k_b, v_b)
+                    } else {
+                        let kt = l.shaped(&n("attn_k_b.weight"), &[nope, r, nh])?;
+                        let mut k_b = vec![0.0f32; nh * nope * r];
+                        for (hj, row) in kt.chunks_exact(nope).enumerate() {
+                            let (h, j) = (hj / r, hj % r);
+                            row.iter().enumerate().for_each(|(c, v)| k_b[(h * nope + c) * r + j] = *v);
+                        }
+                        (k_b, l.shaped(&n("attn_v_b.weight"), &[r, vd, nh])?)
+                    };
+                    Mixer::Mla(MlaWeights {
+                        q_a: match b.q_lora_rank {
+                            0 => None,
+                            qr => Some((l.mat(&n("attn_q_a.weight"), qr, d)?, l.vec(&n("attn_q_a_norm.weight"), qr)?)),
+                        },
+                        q: match b.q_lora_rank {
+                            0 => l.mat(&n("attn_q.weight"), b.q_dim(), d)?,
+                            qr => l.mat(&n("attn_q_b.weight"), b.q_dim(), qr)?,
+                        },
+                        kv_a: l.mat(&n("attn_kv_a_mqa.weight"), b.kv_a_dim(), d)?,
+                        kv_a_norm: l.vec(&n("attn_kv_a_norm.weight"), r)?,
+                        k_b,
+                        v_b,
+                        wo: l.mat(&n("attn_output.weight"), d, b.out_dim())?,
+                    })
+                }
                 BlockKind::Attention(a) => {
                     let (qd, kvd) = (a.q_dim(), a.kv_dim());
                     Mixer::Attention(AttnWeights {
