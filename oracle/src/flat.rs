@@ -531,6 +531,9 @@ fn header_bytes(spec: &ModelSpec, path: &Path) -> Result<[u8; HEADER_SIZE]> {
     if spec.ssm.is_some() {
         return Err(unfit("a state-space (Mamba-2) layer"));
     }
+    if spec.mla.is_some() {
+        return Err(unfit("a latent-attention (DeepSeek MLA) layer"));
+    }
     if spec.residual_scale.is_some() || spec.logit_scale.is_some() || spec.no_rope || spec.attn_gate {
         return Err(unfit("Granite's residual or logit scale, attention without RoPE, or an attention output gate"));
     }

@@ -41,7 +41,7 @@ fn judge(path: &std::path::Path, name: &str, model: &mut dyn DeviceModel) -> (Ve
     let seq: Vec<u32> = (0..30).map(|i| (i * 7919 + 13) as u32 % spec.n_vocab as u32).collect();
     let window = spec.layers.iter().find_map(|l| match l.block {
         oracle::spec::BlockKind::Attention(a) => a.window,
-        oracle::spec::BlockKind::Ssm(_) => None,
+        oracle::spec::BlockKind::Ssm(_) | oracle::spec::BlockKind::Mla(_) => None,
     });
     let mut cases = serving::cases(&seq, 20, spec.n_vocab, window, 3);
     let mut shared = seq[..20].to_vec();

@@ -114,7 +114,7 @@ fn term_scales_by_hand() {
 }
 
 fn dims() -> Dims {
-    Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4, rope_angle_rms: 2.0, embd_scale: 1.0, gelu: false, ssm_inner: 0, ssm_state: 0, ssm_conv: 0, ssm_delta: false }
+    Dims { d: 64, head_dim: 16, q_dim: 64, n_ff: 128, n_pos: 5, n_layer: 4, rope_angle_rms: 2.0, embd_scale: 1.0, gelu: false, ssm_inner: 0, ssm_state: 0, ssm_conv: 0, ssm_delta: false, mla_rank: 0 }
 }
 
 #[test]
