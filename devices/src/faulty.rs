@@ -286,6 +286,8 @@ pub enum ModelFault {
     /// Latent attention's RoPE applied to the first `qk_rope` values of each query head (the
     /// unrotated part) instead of the last.
     MlaRopeSliceSwapped,
+    /// DeepSeek V3's routing without its group limit: the experts chosen from every group.
+    ExpertGroupsIgnored,
 }
 
 impl ModelFault {
@@ -298,7 +300,7 @@ impl ModelFault {
     /// Qwen3-Next's beyond its recurrent layers' (those of [`ModelFault::MAMBA2`]).
     pub const QWEN3_NEXT: [ModelFault; 2] = [ModelFault::AttnGateDropped, ModelFault::RopeWholeHead];
     /// DeepSeek V3's latent attention's.
-    pub const MLA: [ModelFault; 2] = [ModelFault::MlaAbsorbedScale, ModelFault::MlaRopeSliceSwapped];
+    pub const MLA: [ModelFault; 3] = [ModelFault::MlaAbsorbedScale, ModelFault::MlaRopeSliceSwapped, ModelFault::ExpertGroupsIgnored];
 
     /// The tap kind where the bug first shows (isolated comparison): an engine that skips the
     /// post-norms records none, so the first tap off is the residual sum they feed.
@@ -321,6 +323,7 @@ impl ModelFault {
             ModelFault::RopeWholeHead => "attn_q_rope",
             ModelFault::MlaAbsorbedScale => "attn_kqv",
             ModelFault::MlaRopeSliceSwapped => "attn_q_rope",
+            ModelFault::ExpertGroupsIgnored => "ffn_moe_topk",
         }
     }
 
@@ -360,6 +363,11 @@ impl ModelFault {
             ModelFault::SsmStateBf16 => inner.ssm_state_rounding = Some(|v| half::bf16::from_f32(v).to_f32()),
             ModelFault::MlaAbsorbedScale => inner.mla_fault = crate::cpu::mla::MlaFault::ScaleOfCachedRow,
             ModelFault::MlaRopeSliceSwapped => inner.mla_fault = crate::cpu::mla::MlaFault::RopeOnUnrotated,
+            ModelFault::ExpertGroupsIgnored => {
+                if let Some(m) = &mut inner.spec.moe {
+                    m.groups = None;
+                }
+            }
             ModelFault::SsmConvShifted | ModelFault::SsmDecaySign => {
                 let k = spec.ssm.map_or(1, |b| b.d_conv);
                 for l in &mut inner.layers {

@@ -22,6 +22,9 @@ pub fn attention_model(spec: &ModelSpec, device: &str) -> Result<(), String> {
     if spec.attn_gate {
         return Err(format!("the model gates its attention output (Qwen3-Next); {device} does not"));
     }
+    if spec.moe.as_ref().is_some_and(|m| m.groups.is_some() || m.choice_bias || m.weights_scale.is_some() || m.first_dense > 0) {
+        return Err(format!("the model routes as DeepSeek V3 does (expert groups, a choice bias, scaled weights, leading dense layers); {device} does not"));
+    }
     Ok(())
 }
 

@@ -341,6 +341,10 @@ impl FlatFile {
                     shared_ffn: Some(u(off::SHARED_FFN)).filter(|&n| n > 0),
                     shared_gate: moe_flags & MOE_SHARED_GATE != 0,
                     biases: moe_flags & MOE_BIASES != 0,
+                    groups: None,
+                    choice_bias: false,
+                    weights_scale: None,
+                    first_dense: 0,
                 })
             }
         };

@@ -145,7 +145,11 @@ const FUSED_LAYER_NAMES: [(&str, &str); 2] = [("self_attn.qkv_proj.weight", "att
 /// one [`gguf_to_hf_name`] gives.
 /// Latent attention's per-layer tensors (`DeepseekV3ForCausalLM`), as llama.cpp's converter
 /// names them (it splits `kv_b_proj` further; the loaders read it whole or split).
-const MLA_LAYER_NAMES: [(&str, &str); 6] = [
+const MLA_LAYER_NAMES: [(&str, &str); 10] = [
+    ("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+    ("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"),
+    ("mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"),
+    ("mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"),
     ("self_attn.q_a_proj.weight", "attn_q_a.weight"),
     ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
     ("self_attn.q_b_proj.weight", "attn_q_b.weight"),

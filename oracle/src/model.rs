@@ -257,6 +257,38 @@ impl WeightStore {
     }
 }
 
+/// Layer `i`'s experts, router and shared expert (`m`'s).
+fn moe_weights<T: Real>(l: &Loader<'_>, i: usize, m: &crate::spec::MoeSpec, d: usize) -> Result<Ffn<T>> {
+    let n = |t: &str| format!("blk.{i}.{t}");
+    let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
+    let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
+    let downs = l.experts(&n("ffn_down_exps.weight"), m.n_expert, d, m.expert_ffn)?;
+    let mut biases: Vec<Option<[Vec<T>; 3]>> = match m.biases {
+        true => {
+            let g = l.expert_vecs(&n("ffn_gate_exps.bias"), m.n_expert, m.expert_ffn)?;
+            let u = l.expert_vecs(&n("ffn_up_exps.bias"), m.n_expert, m.expert_ffn)?;
+            let dn = l.expert_vecs(&n("ffn_down_exps.bias"), m.n_expert, d)?;
+            g.into_iter().zip(u).zip(dn).map(|((g, u), dn)| Some([g, u, dn])).collect()
+        }
+        false => Vec::new(),
+    };
+    biases.resize_with(m.n_expert, || None);
+    let experts = gates.into_iter().zip(ups).zip(downs).zip(biases).map(|(((gate, up), down), bias)| DenseFfn { gate, up, down, bias }).collect();
+    let shared = match m.shared_ffn {
+        Some(f) => Some(DenseFfn {
+            gate: l.mat(&n("ffn_gate_shexp.weight"), f, d)?,
+            up: l.mat(&n("ffn_up_shexp.weight"), f, d)?,
+            down: l.mat(&n("ffn_down_shexp.weight"), d, f)?,
+            bias: None,
+        }),
+        None => None,
+    };
+    let shared_gate = if m.shared_gate { Some(l.mat(&n("ffn_gate_inp_shexp.weight"), 1, d)?) } else { None };
+    let router_bias = if m.biases { Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?) } else { None };
+    let choice_bias = if m.choice_bias { Some(l.vec(&n("exp_probs_b.bias"), m.n_expert)?) } else { None };
+    Ok(Ffn::Moe { router: l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?, router_bias, experts, shared, shared_gate, choice_bias })
+}
+
 mod loader;
 mod weights;
 pub use weights::{AttnWeights, DenseFfn, Ffn, Layer, MlaWeights, Mixer, SsmWeights};
@@ -305,42 +337,16 @@ impl<T: Real> Model<T> {
             .map(|i| -> Result<Layer<T>> {
                 let n = |t: &str| format!("blk.{i}.{t}");
                 let has_ffn = s.layers[i].stages.iter().any(|st| matches!(st, Stage::DenseFfn | Stage::MoeFfn));
+                let dense = s.layers[i].stages.contains(&Stage::DenseFfn);
                 let ffn = match &s.moe {
                     _ if !has_ffn => None,
-                    None => Some(Ffn::Dense(DenseFfn {
+                    Some(m) if !dense => Some(moe_weights(&l, i, m, d)?),
+                    _ => Some(Ffn::Dense(DenseFfn {
                         gate: l.mat(&n("ffn_gate.weight"), s.n_ff, d)?,
                         up: l.mat(&n("ffn_up.weight"), s.n_ff, d)?,
                         down: l.mat(&n("ffn_down.weight"), d, s.n_ff)?,
                         bias: None,
                     })),
-                    Some(m) => {
-                        let gates = l.experts(&n("ffn_gate_exps.weight"), m.n_expert, m.expert_ffn, d)?;
-                        let ups = l.experts(&n("ffn_up_exps.weight"), m.n_expert, m.expert_ffn, d)?;
-                        let downs = l.experts(&n("ffn_down_exps.weight"), m.n_expert, d, m.expert_ffn)?;
-                        let mut biases: Vec<Option<[Vec<T>; 3]>> = match m.biases {
-                            true => {
-                                let g = l.expert_vecs(&n("ffn_gate_exps.bias"), m.n_expert, m.expert_ffn)?;
-                                let u = l.expert_vecs(&n("ffn_up_exps.bias"), m.n_expert, m.expert_ffn)?;
-                                let dn = l.expert_vecs(&n("ffn_down_exps.bias"), m.n_expert, d)?;
-                                g.into_iter().zip(u).zip(dn).map(|((g, u), dn)| Some([g, u, dn])).collect()
-                            }
-                            false => Vec::new(),
-                        };
-                        biases.resize_with(m.n_expert, || None);
-                        let experts = gates.into_iter().zip(ups).zip(downs).zip(biases).map(|(((gate, up), down), bias)| DenseFfn { gate, up, down, bias }).collect();
-                        let shared = match m.shared_ffn {
-                            Some(f) => Some(DenseFfn {
-                                gate: l.mat(&n("ffn_gate_shexp.weight"), f, d)?,
-                                up: l.mat(&n("ffn_up_shexp.weight"), f, d)?,
-                                down: l.mat(&n("ffn_down_shexp.weight"), d, f)?,
-                                bias: None,
-                            }),
-                            None => None,
-                        };
-                        let shared_gate = if m.shared_gate { Some(l.mat(&n("ffn_gate_inp_shexp.weight"), 1, d)?) } else { None };
-                        let router_bias = if m.biases { Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?) } else { None };
-                        Some(Ffn::Moe { router: l.mat(&n("ffn_gate_inp.weight"), m.n_expert, d)?, router_bias, experts, shared, shared_gate })
-                    }
                 };
                 let mixer = match s.layers[i].block {
                     BlockKind::Attention(a) => {
@@ -827,7 +833,7 @@ impl<T: Real> Model<T> {
     }
 
     fn moe_ffn(&self, layer: &Layer<T>, h: &[T], m: usize, taps: &mut dyn Tap, li: usize, start: usize) -> Result<Vec<T>> {
-        let Some(Ffn::Moe { router, router_bias, experts, shared, shared_gate }) = &layer.ffn else {
+        let Some(Ffn::Moe { router, router_bias, experts, shared, shared_gate, choice_bias }) = &layer.ffn else {
             return Err(OracleError::Spec(format!("layer {li}: MoE stage but dense weights")));
         };
         let ms = self.spec.moe.as_ref().ok_or_else(|| OracleError::Spec("MoE stage without MoE spec".into()))?;
@@ -846,7 +852,9 @@ impl<T: Real> Model<T> {
             if let Some(b) = router_bias {
                 logits.iter_mut().zip(b).for_each(|(l, b)| *l += b.to_f64());
             }
-            let mut r = ops::moe_route(&logits, ms.n_expert_used, ms.gating, ms.normalize_topk);
+            let bias: Option<Vec<f64>> = choice_bias.as_ref().map(|b| b.iter().map(|v| v.to_f64()).collect());
+            let rule = ops::RouteRule { k: ms.n_expert_used, gating: ms.gating, normalize: ms.normalize_topk, choice_bias: bias.as_deref(), groups: ms.groups, scale: ms.weights_scale.unwrap_or(1.0) };
+            let mut r = ops::moe_route_rule(&logits, &rule);
             if taps.enabled() {
                 if let Some(forced) = taps.route(&topk_name, start + t, &r.probs, &r.experts) {
                     r = r.with_experts(forced, ms.normalize_topk).map_err(|e| OracleError::Shape(format!("{topk_name} at position {}: {e}", start + t)))?;

@@ -179,6 +179,22 @@ pub struct MoeSpec {
     /// `ffn_gate_inp.bias`, `ffn_{gate,up,down}_exps.bias`).
     #[serde(default)]
     pub biases: bool,
+    /// DeepSeek V3's group-limited choice: the experts in `[0]` groups, each group ranked by the
+    /// sum of its two best scores, the experts chosen from the best `[1]` groups only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<[usize; 2]>,
+    /// A bias added to the scores for the choice only, not for the weights
+    /// (`blk.N.exp_probs_b.bias`, a checkpoint's `e_score_correction_bias`).
+    #[serde(default)]
+    pub choice_bias: bool,
+    /// The chosen experts' weights are multiplied by this after any renormalization
+    /// (`expert_weights_scale`, `routed_scaling_factor`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_scale: Option<f64>,
+    /// The first layers have a dense FFN (`n_ff` wide) in place of the experts
+    /// (`leading_dense_block_count`, `first_k_dense_replace`).
+    #[serde(default)]
+    pub first_dense: usize,
 }
 
 /// One step of a transformer block, in execution order.
@@ -612,6 +628,10 @@ impl ModelSpec {
                     },
                     shared_gate: has("blk.0.ffn_gate_inp_shexp.weight"),
                     biases: has("blk.0.ffn_gate_inp.bias"),
+                    groups: None,
+                    choice_bias: false,
+                    weights_scale: None,
+                    first_dense: 0,
                 })
             }
             _ => None,
@@ -728,7 +748,19 @@ impl ModelSpec {
             layers: Vec::new(),
         };
         if let Some(b) = mla {
-            spec.mla_from_gguf(&b, opt_u("leading_dense_block_count")?.unwrap_or(0), opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0)).map_err(|e| spec_err(format!("{}: {e}", g.path)))?;
+            let leading_dense = opt_u("leading_dense_block_count")?.unwrap_or(0);
+            let groups = match (opt_u("expert_group_count")?, opt_u("expert_group_used_count")?) {
+                (Some(n), Some(k)) if n > 1 => Some([n, k]),
+                _ => None,
+            };
+            let routing = DeepseekRouting {
+                leading_dense,
+                groups,
+                weights_scale: opt_f("expert_weights_scale")?,
+                shared_experts: opt_u("expert_shared_count")?.unwrap_or(0),
+                choice_bias: has(&format!("blk.{leading_dense}.exp_probs_b.bias")),
+            };
+            spec.mla_from_gguf(&b, &routing, opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0)).map_err(|e| spec_err(format!("{}: {e}", g.path)))?;
         }
         if gemma {
             // What a `gemma3` GGUF does not store, as llama.cpp and Transformers take it: the
@@ -762,27 +794,6 @@ impl ModelSpec {
         spec.validate()?;
         spec.check_against_tensors(g)?;
         Ok(spec)
-    }
-
-    /// What a `deepseek2` file implies beyond its keys, as llama.cpp reads it: the score scale
-    /// `mscale^2 / sqrt(qk_head_dim)` with YaRN's `mscale = 1 + yarn_log_multiplier ln(factor)`,
-    /// the rotation's own magnitude left at 1 (transformers' when `mscale` equals
-    /// `mscale_all_dim`, as DeepSeek V3's config has them). Dense layers only: routed experts
-    /// (`leading_dense_block_count` below the layer count) are refused.
-    fn mla_from_gguf(&mut self, b: &MlaBlock, leading_dense: usize, yarn_log_mul: f64) -> Result<()> {
-        if self.moe.is_some() && leading_dense < self.n_layer {
-            return Err(spec_err(format!("routed experts from layer {leading_dense} on are not supported: DeepSeek's group-limited sigmoid routing is not read yet")));
-        }
-        self.moe = None;
-        let mut scale = 1.0 / (b.qk_head_dim() as f64).sqrt();
-        if let RopeScaling::Yarn { factor, attn_factor, .. } = &mut self.rope.scaling {
-            if *factor > 1.0 {
-                scale *= (1.0 + yarn_log_mul * factor.ln()).powi(2);
-                *attn_factor /= 1.0 + 0.1 * factor.ln();
-            }
-        }
-        self.attn_scale = scale;
-        Ok(())
     }
 
     /// Configures the model for an engine running `context` positions (None: the default), as
@@ -847,6 +858,8 @@ mod layers;
 pub use layers::{AttentionBlock, BlockKind, LayerShape, LayerSpec, MlaBlock, SsmBlock, SsmKind, MAX_LAYERS};
 mod hf;
 mod tensors;
+mod mla;
+use mla::DeepseekRouting;
 pub use tensors::{DELTA_TAILS, SSM_TAILS};
 #[cfg(test)]
 mod tests;

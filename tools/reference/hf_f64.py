@@ -62,8 +62,15 @@ F32_CASTING = {"mamba2", "granitemoehybrid", "qwen3_next", "deepseek_v3"}
 
 
 def keep_float64():
-    """Make `.float()`, `.to(torch.float32)` and a float32 softmax of a float64 tensor keep float64."""
-    orig_float, orig_to, orig_softmax = torch.Tensor.float, torch.Tensor.to, torch.nn.functional.softmax
+    """Make `.float()`, `.to(torch.float32)`, `.type(torch.float32)` and a float32 softmax of a
+    float64 tensor keep float64."""
+    orig_float, orig_to, orig_softmax, orig_type = torch.Tensor.float, torch.Tensor.to, torch.nn.functional.softmax, torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if self.dtype == torch.float64 and args and args[0] is torch.float32:
+            return self
+        return orig_type(self, *args, **kwargs)
+    torch.Tensor.type = type_
 
     def softmax(x, *args, dtype=None, **kwargs):
         if x.dtype == torch.float64 and dtype is torch.float32:
@@ -105,6 +112,9 @@ def main():
         from transformers import Mxfp4Config
         kw["quantization_config"] = Mxfp4Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager", **kw)
+    # Modules a family keeps in float32 whatever the dtype (DeepSeek V3's router and its
+    # correction bias) widened too: exact, the stored values being float32 at most.
+    model = model.to(torch.float64)
     model.eval()
     bad = []
 

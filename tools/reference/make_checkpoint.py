@@ -32,8 +32,11 @@ never a runtime dependency.
   as mamba2's. Attention: GQA 4:2, heads of 32 with a quarter of each rotated (8 dimensions), an
   output gate; the (1 + w) norms drawn around 0.
 
-- deepseek-v3: DeepSeek V3's latent attention (`DeepseekV3ForCausalLM`, dense layers only:
-  `first_k_dense_replace` = 3 layers): four heads, the query compressed to 32 (`q_lora_rank`; 0
+- deepseek-v3: DeepSeek V3's structure (`DeepseekV3ForCausalLM`): three layers, the first dense
+  (`first_k_dense_replace` 1; all three with `--dense`), the others eight routed experts of 32 in
+  four groups, two groups kept, two experts chosen by sigmoid scores plus a correction bias
+  (drawn, sd 0.1), renormalized and scaled by 2.5, beside one shared expert. Latent attention:
+  four heads, the query compressed to 32 (`q_lora_rank`; 0
   with `--no-q-lora`: one query projection), the key/value latent 24 wide, each query head 16
   unrotated + 8 rotated dimensions in adjacent pairs (`rope_interleave`), values of 12; YaRN
   RoPE (factor 4 over an original context of 32, `mscale` and `mscale_all_dim` 1 as DeepSeek
@@ -53,7 +56,7 @@ power-of-two scales (`*_scales`, E8M0), with `quantization_config` saying so in 
 each block's scale is the smallest power of two that brings its largest magnitude within 6, each
 code the nearest E2M1 value; the experts are 64 wide instead of 48 (whole blocks).
 
-Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid,qwen3-next,deepseek-v3} OUT_DIR [--seed N] [--tokenizer] [--mxfp4] [--no-q-lora]
+Usage: make_checkpoint.py {gemma2,gemma3,gpt-oss,mamba2,granite-hybrid,qwen3-next,deepseek-v3} OUT_DIR [--seed N] [--tokenizer] [--mxfp4] [--no-q-lora] [--dense]
        [--shape WIDTHxLAYERS] [--layer-types alternate|mamba|attention]
 
 (`--layer-types mamba` makes every qwen3-next layer a gated DeltaNet.)
@@ -267,15 +270,30 @@ def qwen3_next(t, vocab, shape=None, layer_types="alternate"):
     return ssm_init(t.Qwen3NextForCausalLM(cfg).to(torch.float32), lambda name: 1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
 
 
-def deepseek_v3(t, vocab, q_lora=True):
+def deepseek_v3(t, vocab, q_lora=True, dense=False):
     cfg = t.DeepseekV3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32 if q_lora else None, kv_lora_rank=24,
-                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=3, n_routed_experts=4,
-                             num_experts_per_tok=2, n_group=2, topk_group=1, rope_interleave=True, max_position_embeddings=128,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=3 if dense else 1, n_routed_experts=8,
+                             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                             rope_interleave=True, max_position_embeddings=128,
                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
                                               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
                              rms_norm_eps=1e-6, tie_word_embeddings=False, num_mtp_layers=0)
-    return ssm_init(t.DeepseekV3ForCausalLM(cfg).to(torch.float32))
+    model = ssm_init(t.DeepseekV3ForCausalLM(cfg).to(torch.float32))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)  # transformers initializes it to zeros; a trained model's is not
+    return model
+
+
+def scoring_func_sigmoid(out):
+    """config.json's `scoring_func` as DeepSeek V3's own config.json says it (transformers'
+    config drops it; llama.cpp's converter reads it, else takes DeepSeek V2's softmax)."""
+    path = pathlib.Path(out) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["scoring_func"] = "sigmoid"
+    path.write_text(json.dumps(cfg, indent=2))
 
 
 def legacy_layer_types(out):
@@ -293,6 +311,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true", help="also write a tokenizer of the vocabulary")
     ap.add_argument("--no-q-lora", action="store_true", help="deepseek-v3: one query projection, no query compression")
+    ap.add_argument("--dense", action="store_true", help="deepseek-v3: every layer dense (first_k_dense_replace = 3)")
     ap.add_argument("--mxfp4", action="store_true", help="gpt-oss: store the experts as MXFP4 blocks")
     ap.add_argument("--shape", help="mamba2, granite-hybrid, qwen3-next: WIDTHxLAYERS (e.g. 768x24), benchmark-sized heads (mamba2: heads of 64 and a state of 128; qwen3-next: heads of 128)")
     ap.add_argument("--layer-types", choices=["alternate", "mamba", "attention"], default="alternate",
@@ -313,12 +332,14 @@ def main():
     elif a.arch == "qwen3-next":
         model = qwen3_next(t, vocab, a.shape, {"mamba": "linear", "attention": "full"}.get(a.layer_types, a.layer_types))
     elif a.arch == "deepseek-v3":
-        model = deepseek_v3(t, vocab, not a.no_q_lora)
+        model = deepseek_v3(t, vocab, not a.no_q_lora, a.dense)
     else:
         model = gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)
     if a.arch == "granite-hybrid":
         legacy_layer_types(a.out)
+    if a.arch == "deepseek-v3":
+        scoring_func_sigmoid(a.out)
     if a.mxfp4:
         store_experts_mxfp4(a.out, model.config.num_hidden_layers)
     if a.tokenizer:

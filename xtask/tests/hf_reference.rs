@@ -275,14 +275,16 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
 }
 
-/// A random DeepSeek-V3-structured checkpoint written by transformers (`DeepseekV3ForCausalLM`,
-/// dense layers: latent attention with a compressed query, a key/value latent of 24 and one
-/// shared rotated key, values narrower than keys, RoPE in adjacent pairs under YaRN with
-/// DeepSeek's score scale) agrees with transformers' float64 forward over 70 positions, as read
+/// A random DeepSeek-V3-structured checkpoint written by transformers (`DeepseekV3ForCausalLM`:
+/// latent attention with a compressed query, a key/value latent of 24 and one shared rotated
+/// key, values narrower than keys, RoPE in adjacent pairs under YaRN with DeepSeek's score
+/// scale; a dense first layer, then eight experts in four groups routed by biased sigmoid scores
+/// from the best two groups, scaled, beside a shared expert) agrees with transformers' float64
+/// forward over 70 positions, as read
 /// by the oracle from the checkpoint and from the GGUF llama.cpp's converter writes
 /// (`deepseek2`: the expansion split per head into `attn_k_b`/`attn_v_b`); greedy 32 tokens
 /// identical on `ref` and `cpu` (which runs the absorbed form, caching latents), layer-diff
-/// passes on `cpu`. A checkpoint without the query's compression agrees too. `fixed` and
+/// passes on `cpu`. A dense checkpoint without the query's compression agrees too. `fixed` and
 /// `gpu-emu` refuse the model, naming its first latent-attention layer.
 #[test]
 fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
@@ -299,5 +301,5 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
         let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", device], &[]);
         assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "{device}: {}", text(&o));
     }
-    checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--seed", "3"], None);
+    checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--dense", "--seed", "3"], None);
 }

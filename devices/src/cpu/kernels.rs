@@ -597,15 +597,51 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
 }
 
 pub fn moe_route(logits: &[f32], n: usize, k: usize, sigmoid: bool, normalize: bool) -> (Vec<u32>, Vec<f32>) {
+    moe_route_limited(logits, n, k, sigmoid, normalize, &GroupLimit::default())
+}
+
+/// DeepSeek V3's additions to the routing: a bias on the scores for the choice only, the choice
+/// limited to the best `groups[1]` of `groups[0]` groups (each ranked by its two best biased
+/// scores), the chosen weights multiplied by `scale`.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupLimit<'a> {
+    pub bias: Option<&'a [f32]>,
+    pub groups: Option<[usize; 2]>,
+    pub scale: f32,
+}
+
+impl Default for GroupLimit<'_> {
+    fn default() -> Self {
+        GroupLimit { bias: None, groups: None, scale: 1.0 }
+    }
+}
+
+/// [`moe_route`] with DeepSeek's group limit, choice bias and scale.
+pub fn moe_route_limited(logits: &[f32], n: usize, k: usize, sigmoid: bool, normalize: bool, limit: &GroupLimit) -> (Vec<u32>, Vec<f32>) {
     let (mut ids, mut ws) = (Vec::new(), Vec::new());
     for row in logits.chunks(n) {
         let p: Vec<f32> = if sigmoid { row.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect() } else { softmax(row) };
-        let sel = top_k(&p, k);
+        let mut choice = p.clone();
+        if let Some(b) = limit.bias {
+            choice.iter_mut().zip(b).for_each(|(c, b)| *c += b);
+        }
+        if let Some([g, keep]) = limit.groups.filter(|[g, _]| *g > 0 && n.is_multiple_of(*g)) {
+            let per = n / g;
+            let best: Vec<f32> = choice.chunks(per).map(|c| top_k(c, 2).iter().map(|&i| c[i as usize]).sum()).collect();
+            let kept = top_k(&best, keep);
+            for (gi, c) in choice.chunks_mut(per).enumerate() {
+                if !kept.contains(&(gi as u32)) {
+                    c.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                }
+            }
+        }
+        let sel = top_k(&choice, k);
         let mut w: Vec<f32> = sel.iter().map(|&e| p[e as usize]).collect();
         if normalize {
             let s: f32 = w.iter().sum();
             w.iter_mut().for_each(|v| *v /= s);
         }
+        w.iter_mut().for_each(|v| *v *= limit.scale);
         ids.extend(sel);
         ws.extend(w);
     }

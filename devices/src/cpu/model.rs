@@ -545,7 +545,8 @@ impl CpuModel {
         if let Some(b) = &layer.router_bias {
             logits = kernels::add_broadcast(&logits, b);
         }
-        let (ids, weights) = kernels::moe_route(&logits, ms.n_expert, ms.n_expert_used, ms.gating == Gating::Sigmoid, ms.normalize_topk);
+        let limit = kernels::GroupLimit { bias: layer.choice_bias.as_deref(), groups: ms.groups, scale: ms.weights_scale.unwrap_or(1.0) as f32 };
+        let (ids, weights) = kernels::moe_route_limited(&logits, ms.n_expert, ms.n_expert_used, ms.gating == Gating::Sigmoid, ms.normalize_topk, &limit);
         let mut out = vec![0.0f32; m * d];
         for t in 0..m {
             let ht = &h[t * d..(t + 1) * d];

@@ -102,6 +102,8 @@ pub struct Layer {
     pub experts: Vec<Ffn>,
     pub shared: Option<Ffn>,
     pub shared_gate: Option<Vec<f32>>,
+    /// The bias added to the router's scores for the choice only (DeepSeek V3's `exp_probs_b`).
+    pub choice_bias: Option<Vec<f32>>,
 }
 
 /// A model's weights and its spec.
@@ -214,7 +216,9 @@ impl HostWeights {
         for i in 0..spec.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}");
             let has_ffn = spec.layers[i].stages.iter().any(|s| matches!(s, Stage::DenseFfn | Stage::MoeFfn));
-            let (dense, router, experts, shared, shared_gate) = match &spec.moe {
+            let dense_stage = spec.layers[i].stages.contains(&Stage::DenseFfn);
+            let moe = spec.moe.as_ref().filter(|_| has_ffn && !dense_stage);
+            let (dense, router, experts, shared, shared_gate) = match moe {
                 _ if !has_ffn => (None, None, Vec::new(), None, None),
                 None => (Some(ffn(i, "", spec.n_ff)?), None, Vec::new(), None, None),
                 Some(m) => {
@@ -328,8 +332,12 @@ impl HostWeights {
                     None
                 },
                 dense,
-                router_bias: match &spec.moe {
+                router_bias: match moe {
                     Some(m) if m.biases => Some(l.vec(&n("ffn_gate_inp.bias"), m.n_expert)?),
+                    _ => None,
+                },
+                choice_bias: match moe {
+                    Some(m) if m.choice_bias => Some(l.vec(&n("exp_probs_b.bias"), m.n_expert)?),
                     _ => None,
                 },
                 router,

@@ -19,6 +19,8 @@ pub enum Ffn<T> {
         experts: Vec<DenseFfn<T>>,
         shared: Option<DenseFfn<T>>,
         shared_gate: Option<Mat<T>>,
+        /// The bias added to the scores for the choice only (DeepSeek V3's `exp_probs_b`).
+        choice_bias: Option<Vec<T>>,
     },
 }
 

@@ -20,7 +20,7 @@ pub use attention::{attention, attention_values, attention_with, AttentionParams
 pub use mla::{mla_expand, mla_rope_heads};
 pub use embed::embed;
 pub use matmul::{matmul, matmul_many, Mat, RowBuf};
-pub use moe::{moe_route, Routing};
+pub use moe::{moe_route, moe_route_rule, RouteRule, Routing};
 pub use norm::{layer_norm, rms_norm};
 pub use rope::{rope, rope_base_angle, rope_cos_sin};
 pub use delta::{delta_gated_norm, delta_scan, DeltaInputs};

@@ -12,20 +12,55 @@ pub struct Routing {
     pub experts: Vec<usize>,
     /// Weight of each chosen expert.
     pub weights: Vec<f64>,
+    /// What the chosen experts' scores are multiplied by after any renormalization.
+    pub scale: f64,
 }
 
 /// Routes one token from its router logits.
 pub fn moe_route(logits: &[f64], k: usize, gating: Gating, normalize: bool) -> Routing {
-    let probs: Vec<f64> = match gating {
+    moe_route_rule(logits, &RouteRule { k, gating, normalize, choice_bias: None, groups: None, scale: 1.0 })
+}
+
+/// How a model routes: `k` experts by `gating`'s scores (plus `choice_bias` for the choice
+/// only), from the best `groups[1]` of `groups[0]` groups where given (each ranked by the sum of
+/// its two best biased scores, ties to the lower group), the chosen scores renormalized
+/// (`normalize`) and multiplied by `scale`.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRule<'a> {
+    pub k: usize,
+    pub gating: Gating,
+    pub normalize: bool,
+    pub choice_bias: Option<&'a [f64]>,
+    pub groups: Option<[usize; 2]>,
+    pub scale: f64,
+}
+
+/// Routes one token from its router logits as `rule` says.
+pub fn moe_route_rule(logits: &[f64], rule: &RouteRule) -> Routing {
+    let probs: Vec<f64> = match rule.gating {
         Gating::Softmax => super::act::softmax_f64(logits),
         Gating::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
     };
-    let experts = super::sample::top_k_f64(&probs, k);
-    let weights = weights_of(&probs, &experts, normalize);
-    Routing { probs, experts, weights }
+    let mut choice: Vec<f64> = match rule.choice_bias {
+        Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
+        None => probs.clone(),
+    };
+    if let Some([n_group, keep]) = rule.groups.filter(|[g, _]| *g > 0 && choice.len().is_multiple_of(*g)) {
+        let per = choice.len() / n_group;
+        let group_score: Vec<f64> = choice.chunks(per).map(|g| super::sample::top_k_f64(g, 2).iter().map(|&i| g[i]).sum()).collect();
+        let kept = super::sample::top_k_f64(&group_score, keep);
+        for (gi, g) in choice.chunks_mut(per).enumerate() {
+            if !kept.contains(&gi) {
+                g.iter_mut().for_each(|v| *v = f64::NEG_INFINITY);
+            }
+        }
+    }
+    let experts = super::sample::top_k_f64(&choice, rule.k);
+    let weights = weights_of(&probs, &experts, rule.normalize, rule.scale);
+    Routing { probs, experts, weights, scale: rule.scale }
 }
 
-fn weights_of(probs: &[f64], experts: &[usize], normalize: bool) -> Vec<f64> {
+fn weights_of(probs: &[f64], experts: &[usize], normalize: bool, scale: f64) -> Vec<f64> {
     let mut weights: Vec<f64> = experts.iter().map(|&e| probs[e]).collect();
     if normalize {
         let sum: f64 = weights.iter().sum();
@@ -33,6 +68,7 @@ fn weights_of(probs: &[f64], experts: &[usize], normalize: bool) -> Vec<f64> {
             weights.iter_mut().for_each(|w| *w /= sum);
         }
     }
+    weights.iter_mut().for_each(|w| *w *= scale);
     weights
 }
 
@@ -48,7 +84,7 @@ impl Routing {
         if experts.len() != self.experts.len() || sorted.len() != experts.len() || sorted.last().is_some_and(|&e| e >= n) {
             return Err(format!("{experts:?} is not a choice of {} distinct experts of {n}", self.experts.len()));
         }
-        let weights = weights_of(&self.probs, &experts, normalize);
-        Ok(Routing { probs: self.probs, experts, weights })
+        let weights = weights_of(&self.probs, &experts, normalize, self.scale);
+        Ok(Routing { probs: self.probs, experts, weights, scale: self.scale })
     }
 }

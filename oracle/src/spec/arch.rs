@@ -90,7 +90,7 @@ pub const ARCHES: [ArchRow; 15] = [
     row(Arch::Mamba2, "mamba2", &["mamba2"], RopeStyle::Normal),
     ArchRow { granite: true, moe_normalize_default: true, ..row(Arch::GraniteHybrid, "granitehybrid", &["granitemoehybrid"], RopeStyle::Normal) },
     ArchRow { qk_norm: true, qwen_next: true, moe_normalize_default: true, ..row(Arch::Qwen3Next, "qwen3next", &["qwen3_next"], RopeStyle::Neox) },
-    ArchRow { mla: true, moe_normalize_default: true, ..row(Arch::Deepseek2, "deepseek2", &["deepseek_v3"], RopeStyle::Normal) },
+    ArchRow { mla: true, ..row(Arch::Deepseek2, "deepseek2", &["deepseek_v3"], RopeStyle::Normal) },
 ];
 
 impl Arch {

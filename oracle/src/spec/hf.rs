@@ -181,7 +181,38 @@ impl ModelSpec {
                 shared_ffn: None,
                 shared_gate: false,
                 biases: oss,
+                groups: None,
+                choice_bias: false,
+                weights_scale: None,
+                first_dense: 0,
             }),
+            // Group-limited sigmoid routing: the choice biased by `e_score_correction_bias`, the
+            // chosen weights renormalized (`norm_topk_prob`) and scaled; the shared experts one
+            // FFN; the first `first_k_dense_replace` layers dense.
+            "deepseek_v3" => match (u("n_routed_experts")?.unwrap_or(256), u("first_k_dense_replace")?.unwrap_or(3)) {
+                (0, _) => None,
+                (_, first) if first >= n_layer => None,
+                (n_expert, first_dense) => Some(MoeSpec {
+                    n_expert,
+                    n_expert_used: req("num_experts_per_tok")?,
+                    expert_ffn: req("moe_intermediate_size")?,
+                    gating: Gating::Sigmoid,
+                    normalize_topk: top.b("norm_topk_prob")?.unwrap_or(true),
+                    shared_ffn: match u("n_shared_experts")?.unwrap_or(1) {
+                        0 => None,
+                        n => Some(n.saturating_mul(req("moe_intermediate_size")?)),
+                    },
+                    shared_gate: false,
+                    biases: false,
+                    groups: match (u("n_group")?.unwrap_or(8), u("topk_group")?.unwrap_or(4)) {
+                        (g, _) if g <= 1 => None,
+                        (g, k) => Some([g, k]),
+                    },
+                    choice_bias: true,
+                    weights_scale: Some(top.f("routed_scaling_factor")?.unwrap_or(2.5)),
+                    first_dense,
+                }),
+            },
             "qwen2_moe" | "qwen3_moe" | "qwen3_next" => {
                 // Dense layers among the MoE ones (`mlp_only_layers`, `decoder_sparse_step`) are
                 // not one stage list for every layer.
@@ -199,6 +230,10 @@ impl ModelSpec {
                     shared_ffn: if shared { Some(req("shared_expert_intermediate_size")?) } else { None },
                     shared_gate: shared,
                     biases: false,
+                    groups: None,
+                    choice_bias: false,
+                    weights_scale: None,
+                    first_dense: 0,
                 })
             }
             _ => None,
@@ -421,15 +456,17 @@ impl ModelSpec {
     /// (`q_lora_rank` null: one query projection), the RoPE on the last `qk_rope_head_dim` of
     /// each query head and on the shared key, in adjacent pairs where `rope_interleave` (the
     /// default) says so; the score scale `1/sqrt(qk_head_dim)` times YaRN's `mscale_all_dim`
-    /// factor squared. Dense layers only (`first_k_dense_replace` at least the layer count).
+    /// factor squared.
     fn mla_from_hf(&mut self, top: &Fields<'_>, rope: Option<&Fields<'_>>, file: &str) -> Result<()> {
         let err = |m: String| OracleError::Safetensors { file: file.to_string(), reason: m };
         let req = |k: &str| top.u(k)?.ok_or_else(|| err(format!("config.json: missing integer `{k}`")));
         if self.qkv_bias || self.out_bias {
             return Err(err("config.json: attention_bias on a deepseek_v3 model is not supported".into()));
         }
-        if top.u("first_k_dense_replace")?.unwrap_or(3) < self.n_layer && top.u("n_routed_experts")?.unwrap_or(256) > 0 {
-            return Err(err("config.json: routed experts (first_k_dense_replace below num_hidden_layers) are not supported: DeepSeek's group-limited sigmoid routing is not read yet".into()));
+        if let Some((m, [g, k])) = self.moe.as_ref().and_then(|m| Some((m, m.groups?))) {
+            if !m.n_expert.is_multiple_of(g) || k == 0 || k > g {
+                return Err(err(format!("config.json: {} routed experts in n_group {g} groups, topk_group {k}: the groups must divide the experts and at least one, at most all, be used", m.n_expert)));
+            }
         }
         let mla = MlaBlock {
             n_head: self.n_head,

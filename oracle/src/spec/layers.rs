@@ -277,6 +277,11 @@ impl ModelSpec {
                 }
             })
             .collect();
+        // DeepSeek's first layers: a dense FFN in place of the experts.
+        let first_dense = self.moe.as_ref().map_or(0, |m| m.first_dense);
+        for l in self.layers.iter_mut().take(first_dense) {
+            l.stages.iter_mut().filter(|s| **s == Stage::MoeFfn).for_each(|s| *s = Stage::DenseFfn);
+        }
         Ok(())
     }
 

@@ -18,7 +18,7 @@ impl ModelSpec {
         }
         let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return false };
         let Some(l) = layer.parse::<usize>().ok().filter(|&i| i < self.n_layer).and_then(|i| self.layers.get(i)) else { return false };
-        self.layer_tails(&l.block, true).contains(&tail)
+        self.layer_tails(l, true).contains(&tail)
     }
 
     /// Where a layer's FFN norm is stored (after `blk.N.`): GPT-OSS files (llama.cpp's converter,
@@ -36,12 +36,13 @@ impl ModelSpec {
     /// the loaders hand them out, or (`stored`) as the files store them: Phi-3's joined
     /// `attn_qkv` and gate/up `ffn_up` in place of the separate ones, GPT-OSS's FFN norm under
     /// [`ModelSpec::stored_ffn_norm`].
-    fn layer_tails(&self, block: &BlockKind, stored: bool) -> Vec<&'static str> {
+    fn layer_tails(&self, layer: &LayerSpec, stored: bool) -> Vec<&'static str> {
+        let block = &layer.block;
         let fused = stored && self.fused;
         let mut tails = vec!["attn_norm.weight"];
         if let BlockKind::Ssm(b) = block {
             tails.extend(if b.kind == SsmKind::GatedDelta { DELTA_TAILS } else { SSM_TAILS });
-            return self.ffn_tails(tails, stored);
+            return self.ffn_tails(tails, layer, stored);
         }
         if let BlockKind::Mla(b) = block {
             tails.extend(if b.q_lora_rank > 0 { &["attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"][..] } else { &["attn_q.weight"][..] });
@@ -51,7 +52,7 @@ impl ModelSpec {
                 tails.extend(["attn_k_b.weight", "attn_v_b.weight"]);
             }
             tails.push("attn_output.weight");
-            return self.ffn_tails(tails, stored);
+            return self.ffn_tails(tails, layer, stored);
         }
         if fused {
             tails.push("attn_qkv.weight");
@@ -76,12 +77,13 @@ impl ModelSpec {
         if self.post_norms {
             tails.push("post_attention_norm.weight");
         }
-        self.ffn_tails(tails, stored)
+        self.ffn_tails(tails, layer, stored)
     }
 
     /// `tails` followed by the names of a layer's feed-forward weights, if the model has them.
-    fn ffn_tails(&self, mut tails: Vec<&'static str>, stored: bool) -> Vec<&'static str> {
-        if self.n_ff == 0 && self.moe.is_none() {
+    fn ffn_tails(&self, mut tails: Vec<&'static str>, layer: &LayerSpec, stored: bool) -> Vec<&'static str> {
+        let dense = layer.stages.contains(&Stage::DenseFfn);
+        if !dense && !layer.stages.contains(&Stage::MoeFfn) {
             return tails;
         }
         let fused = stored && self.fused;
@@ -90,10 +92,14 @@ impl ModelSpec {
             tails.push("post_ffw_norm.weight");
         }
         match &self.moe {
-            None if fused => tails.extend(["ffn_up.weight", "ffn_down.weight"]),
+            _ if dense && fused => tails.extend(["ffn_up.weight", "ffn_down.weight"]),
             None => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
+            _ if dense => tails.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]),
             Some(m) => {
                 tails.extend(["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]);
+                if m.choice_bias {
+                    tails.push("exp_probs_b.bias");
+                }
                 if m.biases {
                     tails.extend(["ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"]);
                 }
@@ -115,7 +121,7 @@ impl ModelSpec {
     pub fn tensor_names(&self) -> Vec<String> {
         let mut names = vec!["token_embd.weight".to_string()];
         for (i, l) in self.layers.iter().enumerate() {
-            names.extend(self.layer_tails(&l.block, false).iter().map(|t| format!("blk.{i}.{t}")));
+            names.extend(self.layer_tails(l, false).iter().map(|t| format!("blk.{i}.{t}")));
         }
         names.push("output_norm.weight".into());
         if !self.tied_output {
