@@ -144,7 +144,7 @@ impl FixedDevice {
                 let (ids, w, _) = moe_route_q(&q_in(l), l.shape[1], k, case.pu("sigmoid").map_err(e)? == 1, case.pu("normalize").map_err(e)? == 1);
                 vec![Output::Ids(ids), f_out(&[l.shape[0], k], &w)]
             }
-            op @ (Op::LayerNorm | Op::TopK | Op::Sample | Op::DeltaRule | Op::SsmScan) => return Err(format!("no integer kernel for `{op}`")),
+            op @ (Op::LayerNorm | Op::TopK | Op::Sample | Op::DeltaRule | Op::SsmScan | Op::MlaAttention) => return Err(format!("no integer kernel for `{op}`")),
         })
     }
 }
@@ -168,7 +168,7 @@ impl Device for FixedDevice {
             // Argmax compares Q16 integers: two logits within 2^-17 of each other round to one
             // value and resolve to the lower index, which the exact rule would report as a failure.
             Op::Embed | Op::RmsNorm | Op::QkNorm | Op::Matmul | Op::Add | Op::AddBias | Op::Rope | Op::Attention | Op::AttentionSinks | Op::AttentionSoftcap | Op::Softmax | Op::Softcap | Op::Silu | Op::GeluTanh | Op::Swiglu | Op::Geglu | Op::SwigluOai | Op::MoeRoute | Op::Argmax => Support::Yes,
-            op @ (Op::LayerNorm | Op::TopK | Op::Sample | Op::DeltaRule | Op::SsmScan) => Support::Unsupported(format!("no integer kernel for `{op}` on {}", self.name())),
+            op @ (Op::LayerNorm | Op::TopK | Op::Sample | Op::DeltaRule | Op::SsmScan | Op::MlaAttention) => Support::Unsupported(format!("no integer kernel for `{op}` on {}", self.name())),
         }
     }
     fn run_op(&self, case: &OpCase) -> Result<Vec<Output>, DeviceError> {

@@ -18,13 +18,15 @@ Two modes:
 
 Expert routing and top-k use a stable sort (lower index first on ties, as the protocol asks).
 `sample` needs Touchstone's own random stream and is reported unsupported. `delta_rule` (a gated
-DeltaNet's recurrence) runs transformers' chunked form where transformers is installed. TORCH_THREADS sets
+DeltaNet's recurrence) runs transformers' chunked form where transformers is installed;
+`mla_attention` (DeepSeek's latent attention) the absorbed form. TORCH_THREADS sets
 torch's thread count (default: torch's own).
 
 TOUCHSTONE_EXAMPLE_BUG seeds a bug for Touchstone's own tests (each must turn cases red):
 `rms_eps_x10`, `rope_pairs_swapped`, `q4_0_nibbles_swapped`, `bf16_declared_f32` (the bf16
 mode's arithmetic, declared as f32), `delta_chunk_term_dropped` (the delta rule run chunk by
-chunk, each chunk's state carried without its last position's term).
+chunk, each chunk's state carried without its last position's term), `mla_scale_of_cached_row`
+(latent attention's scores scaled by the cached row's width instead of the query head's).
 """
 import json
 import math
@@ -196,6 +198,27 @@ def op_attention(p, i):
         seen &= j > pos[:, None] - window
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=1.0 / math.sqrt(hd), enable_gqa=nh != nkv)
     return [out.transpose(0, 1).reshape(m, nh * hd)]
+
+
+def op_mla_attention(p, i):
+    """Latent attention (DeepSeek MLA) in the absorbed form engines run: each head's unrotated
+    query taken into the latent's space through its key rows of `kv_b`, scored against the cached
+    latents (its rotated part against the shared rotated keys), the weighted latents taken out
+    through its value rows. Keys and values are never expanded."""
+    nh, nope, rope, r, vd = (int(p[k]) for k in ("n_head", "qk_nope", "qk_rope", "kv_lora_rank", "v_head_dim"))
+    scale = float(p["scale"])
+    if BUG == "mla_scale_of_cached_row":
+        # The scale of the row the query meets in the cache (latent + rotated key).
+        scale *= math.sqrt(nope + rope) / math.sqrt(r + rope)
+    q = i["q"].reshape(-1, nh, nope + rope)
+    lat, kpe, pos = i["latent"], i["k_pe"], i["pos"]
+    kv_b = i["kv_b"].reshape(nh, nope + vd, r)
+    q_abs = torch.einsum("mhc,hcr->mhr", q[..., :nope], kv_b[:, :nope])
+    scores = (torch.einsum("mhr,jr->mhj", q_abs, lat) + torch.einsum("mhe,je->mhj", q[..., nope:], kpe)) * scale
+    seen = torch.arange(lat.shape[0])[None, None, :] <= pos[:, None, None]
+    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    ctx = torch.einsum("mhj,jr->mhr", weights, lat)
+    return [torch.einsum("mhr,hvr->mhv", ctx, kv_b[:, nope:]).reshape(q.shape[0], nh * vd)]
 
 
 def op_delta_rule(p, i):

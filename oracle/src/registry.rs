@@ -14,6 +14,8 @@ use crate::spec::{Gating, RopeScaling, RopeSpec, RopeStyle};
 use std::collections::BTreeMap;
 
 mod recurrent;
+mod latent;
+pub use latent::{block as mla_block, mla_attention_f64};
 pub use recurrent::{delta_rule_f64, ssm_scan_f64};
 
 /// A dense f32 tensor.
@@ -61,11 +63,14 @@ pub enum Op {
     /// Mamba-2's selective scan over a run of positions from a given state: the outputs and the
     /// state after the last position.
     SsmScan,
+    /// Latent attention (DeepSeek MLA): rotated queries over cached latents and shared rotated
+    /// keys through the expansion `attn_kv_b`, absorbed or materialized.
+    MlaAttention,
 }
 
 impl Op {
     /// Every op, in registry order.
-    pub const ALL: [Op; 24] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::AttentionSinks, Op::AttentionSoftcap, Op::Softmax, Op::Softcap, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample, Op::DeltaRule, Op::SsmScan];
+    pub const ALL: [Op; 25] = [Op::Embed, Op::RmsNorm, Op::LayerNorm, Op::Matmul, Op::AddBias, Op::Add, Op::Rope, Op::QkNorm, Op::Attention, Op::AttentionSinks, Op::AttentionSoftcap, Op::Softmax, Op::Softcap, Op::Silu, Op::GeluTanh, Op::Swiglu, Op::Geglu, Op::SwigluOai, Op::MoeRoute, Op::Argmax, Op::TopK, Op::Sample, Op::DeltaRule, Op::SsmScan, Op::MlaAttention];
 
     /// The op's name in case ids and the op protocol (`rms_norm`, `matmul`, ...).
     pub fn name(self) -> &'static str {
@@ -94,6 +99,7 @@ impl Op {
             Op::Sample => "sample",
             Op::DeltaRule => "delta_rule",
             Op::SsmScan => "ssm_scan",
+            Op::MlaAttention => "mla_attention",
         }
     }
 }
@@ -815,5 +821,6 @@ pub fn registry() -> Vec<OpEntry> {
         OpEntry { op: Op::Sample, summary: "temperature/top-k/top-p sampling, seeded", rule: ToleranceRule::Exact, cases: |b| select_cases(Op::Sample, b), reference: sample_ref, flops: per_elem_flops, bytes: n_f32 },
         OpEntry { op: Op::DeltaRule, summary: "gated DeltaNet: L2-normed q/k, decay exp(A softplus(a + dt_bias)), state += k (v - S k) sigmoid(b), y = S q / sqrt(d_k)", rule: ToleranceRule::Recurrence, cases: recurrent::delta_rule_cases, reference: recurrent::delta_rule_ref, flops: recurrent::recurrence_flops, bytes: n_f32 },
         OpEntry { op: Op::SsmScan, summary: "Mamba-2: dt = softplus(dt + dt_bias), state = exp(dt A) state + dt x B, y = state C + D x", rule: ToleranceRule::Recurrence, cases: recurrent::ssm_scan_cases, reference: recurrent::ssm_scan_ref, flops: recurrent::recurrence_flops, bytes: n_f32 },
+        OpEntry { op: Op::MlaAttention, summary: "DeepSeek MLA: softmax(scale (q_nope (W_k latent) + q_rope k_pe)) (W_v latent), absorbed or materialized", rule: ToleranceRule::Dot, cases: latent::mla_attention_cases, reference: latent::mla_attention_ref, flops: latent::mla_attention_flops, bytes: n_f32 },
     ]
 }

@@ -205,7 +205,7 @@ impl Provenance {
 /// The kernel suite's op names (`oracle::registry::Op::name`, which this crate does not depend
 /// on; a test in `suites` holds the two lists equal): a case id that starts with one is on the
 /// `ops` rung.
-pub const KERNEL_OPS: [&str; 24] = ["embed", "rms_norm", "layer_norm", "matmul", "add_bias", "add", "rope", "qk_norm", "attention", "attention_sinks", "attention_softcap", "softmax", "softcap", "silu", "gelu_tanh", "swiglu", "geglu", "swiglu_oai", "moe_route", "argmax", "top_k", "sample", "delta_rule", "ssm_scan"];
+pub const KERNEL_OPS: [&str; 25] = ["embed", "rms_norm", "layer_norm", "matmul", "add_bias", "add", "rope", "qk_norm", "attention", "attention_sinks", "attention_softcap", "softmax", "softcap", "silu", "gelu_tanh", "swiglu", "geglu", "swiglu_oai", "moe_route", "argmax", "top_k", "sample", "delta_rule", "ssm_scan", "mla_attention"];
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {

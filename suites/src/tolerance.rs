@@ -13,6 +13,7 @@ use oracle::quant::decode;
 use oracle::registry::{Input, Op, OpCase, Output, Tensor};
 
 mod recurrent;
+mod latent;
 
 /// gamma(n) = n u / (1 - n u).
 pub fn gamma(n: usize, u: f64) -> f64 {
@@ -264,6 +265,7 @@ fn derived(case: &OpCase, reference: &[Output], a: &Arithmetic) -> Bounds {
         }
         Op::Attention | Op::AttentionSinks | Op::AttentionSoftcap => attention_bounds(case, &y(0), u, ua, ulps),
         Op::DeltaRule => recurrent::delta_rule_bounds(case, u, ua, ulps),
+        Op::MlaAttention => latent::mla_attention_bounds(case, &y(0), u, ua, ulps),
         Op::SsmScan => recurrent::ssm_scan_bounds(case, u, ua, ulps),
         // cap * tanh(x / cap): the division (or a product with 1/cap, one rounding more) moves
         // the tanh's argument by 2u|x/cap|, which the slope sech^2 carries to the output; then
@@ -659,7 +661,7 @@ pub fn fixed_bounds(case: &OpCase, reference: &[Output], fp: &devices::FixedPoin
                 stored_inputs_reference: None,
             }
         }
-        Op::Argmax | Op::LayerNorm | Op::TopK | Op::Sample | Op::DeltaRule | Op::SsmScan => {
+        Op::Argmax | Op::LayerNorm | Op::TopK | Op::Sample | Op::DeltaRule | Op::SsmScan | Op::MlaAttention => {
             Bounds { per_output: reference.iter().map(|o| matches!(o, Output::F32(_)).then(|| vec![0.0; y.len()])).collect(), rule: "exact".into(), stored_inputs_reference: None }
         }
     }

@@ -270,10 +270,18 @@ def qwen3_next(t, vocab, shape=None, layer_types="alternate"):
     return ssm_init(t.Qwen3NextForCausalLM(cfg).to(torch.float32), lambda name: 1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
 
 
-def deepseek_v3(t, vocab, q_lora=True, dense=False):
-    cfg = t.DeepseekV3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-                             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32 if q_lora else None, kv_lora_rank=24,
-                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=3 if dense else 1, n_routed_experts=8,
+def deepseek_v3(t, vocab, q_lora=True, dense=False, shape=None):
+    """The test's model, or (`shape` WIDTHxLAYERS, for benchmarks) DeepSeek V3's own head and
+    latent widths (128 + 64 per query head, a latent of 512, values of 128) on width / 128 heads,
+    the query compressed to width / 2, every layer dense (FFN twice the width)."""
+    d = dict(hidden=64, layers=3, heads=4, q_lora=32, kv_lora=24, nope=16, rope=8, v=12, ffn=96)
+    if shape is not None:
+        width, layers = (int(v) for v in shape.split("x"))
+        d = dict(hidden=width, layers=layers, heads=width // 128, q_lora=width // 2, kv_lora=512, nope=128, rope=64, v=128, ffn=2 * width)
+        dense = True
+    cfg = t.DeepseekV3Config(vocab_size=vocab, hidden_size=d["hidden"], intermediate_size=d["ffn"], moe_intermediate_size=32, num_hidden_layers=d["layers"],
+                             num_attention_heads=d["heads"], num_key_value_heads=d["heads"], q_lora_rank=d["q_lora"] if q_lora else None, kv_lora_rank=d["kv_lora"],
+                             qk_nope_head_dim=d["nope"], qk_rope_head_dim=d["rope"], v_head_dim=d["v"], first_k_dense_replace=d["layers"] if dense else 1, n_routed_experts=8,
                              num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                              rope_interleave=True, max_position_embeddings=128,
                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -313,7 +321,7 @@ def main():
     ap.add_argument("--no-q-lora", action="store_true", help="deepseek-v3: one query projection, no query compression")
     ap.add_argument("--dense", action="store_true", help="deepseek-v3: every layer dense (first_k_dense_replace = 3)")
     ap.add_argument("--mxfp4", action="store_true", help="gpt-oss: store the experts as MXFP4 blocks")
-    ap.add_argument("--shape", help="mamba2, granite-hybrid, qwen3-next: WIDTHxLAYERS (e.g. 768x24), benchmark-sized heads (mamba2: heads of 64 and a state of 128; qwen3-next: heads of 128)")
+    ap.add_argument("--shape", help="mamba2, granite-hybrid, qwen3-next, deepseek-v3: WIDTHxLAYERS (e.g. 768x24), benchmark-sized heads (mamba2: heads of 64 and a state of 128; qwen3-next: heads of 128; deepseek-v3: DeepSeek V3's head and latent widths, dense)")
     ap.add_argument("--layer-types", choices=["alternate", "mamba", "attention"], default="alternate",
                     help="granite-hybrid, qwen3-next: recurrent (Mamba-2, gated DeltaNet) and attention layers alternating (default), or every layer one kind")
     a = ap.parse_args()
@@ -332,7 +340,7 @@ def main():
     elif a.arch == "qwen3-next":
         model = qwen3_next(t, vocab, a.shape, {"mamba": "linear", "attention": "full"}.get(a.layer_types, a.layer_types))
     elif a.arch == "deepseek-v3":
-        model = deepseek_v3(t, vocab, not a.no_q_lora, a.dense)
+        model = deepseek_v3(t, vocab, not a.no_q_lora, a.dense, a.shape)
     else:
         model = gemma(t, a.arch == "gemma2", vocab)
     model.save_pretrained(a.out, safe_serialization=True)

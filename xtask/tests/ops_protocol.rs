@@ -297,6 +297,16 @@ fn torch_cpu_kernels_pass_in_f32_and_bf16_and_their_seeded_bugs_go_red() {
         let chunks = id.split(",m=").nth(1).and_then(|t| t.split(',').next()).and_then(|m| m.parse::<usize>().ok()).unwrap().div_ceil(16);
         assert_eq!(c["verdict"], if chunks > 1 { "fail" } else { "pass" }, "delta_chunk_term_dropped: {id}");
     }
+    // Latent attention in the absorbed form (torch's einsums) passes against the materialized
+    // oracle above; its scores scaled by the cached row's width fail every case with more than
+    // one key to weigh.
+    let (o, r) = kernels(TORCH, &["--filter", "^mla_attention"], &tmp.path().join("mla"), &[("TOUCHSTONE_EXAMPLE_BUG", "mla_scale_of_cached_row")]);
+    assert_eq!(o.status.code(), Some(1), "mla_scale_of_cached_row: {}", text(&o));
+    for c in r["cases"].as_array().unwrap() {
+        let id = c["id"].as_str().unwrap();
+        let one_key = id.contains(",m=1,cached=0,");
+        assert_eq!(c["verdict"], if one_key { "pass" } else { "fail" }, "mla_scale_of_cached_row: {id}");
+    }
 }
 
 /// One command gates an engine on every rung it speaks: an `exec:` command that answers the op

@@ -5,7 +5,6 @@
 //! taken out through its value rows. The oracle runs the materialized form; the two are the
 //! same sum in another order, so a gate that passes judges the absorption itself.
 
-use crate::shared::host::MlaWeights;
 use oracle::spec::MlaBlock;
 use rayon::prelude::*;
 
@@ -25,16 +24,22 @@ pub(crate) enum MlaFault {
 
 /// Each query (`q: [m, n_head * qk_head_dim]`, rotated, at positions `pos`) attending to the
 /// cached latents (`[kv_len, kv_lora_rank]`) and shared rotated keys (`[kv_len, qk_rope]`) of
-/// positions `0..=pos`: `[m, n_head * v_head_dim]`. f32 throughout, one task per (row, head).
-pub(crate) fn attend_absorbed(q: &[f32], pos: &[usize], latent: &[f32], k_pe: &[f32], w: &MlaWeights, b: &MlaBlock, scale: f32) -> Vec<f32> {
+/// positions `0..=pos`, through the expansion's key rows (`k_b: [n_head][qk_nope][kv_lora_rank]`)
+/// and value rows (`v_b: [n_head][v_head_dim][kv_lora_rank]`): `[m, n_head * v_head_dim]`. f32
+/// throughout, one task per (row, head). Refused when a length does not fit.
+pub(crate) fn attend_absorbed(q: &[f32], pos: &[usize], (latent, k_pe): (&[f32], &[f32]), (k_b, v_b): (&[f32], &[f32]), b: &MlaBlock, scale: f32) -> Result<Vec<f32>, String> {
     let (nh, nope, rr, r, vd) = (b.n_head, b.qk_nope, b.qk_rope, b.kv_lora_rank, b.v_head_dim);
     let hd = nope + rr;
+    let kv_len = pos.iter().max().map_or(0, |p| p + 1);
+    if q.len() != pos.len() * nh * hd || latent.len() < kv_len * r || k_pe.len() < kv_len * rr || k_b.len() != nh * nope * r || v_b.len() != nh * vd * r {
+        return Err(format!("latent attention: {} query values for {} positions of {nh} heads of {hd}; {} latent and {} key values for {kv_len} positions; expansion {} + {} values", q.len(), pos.len(), latent.len(), k_pe.len(), k_b.len(), v_b.len()));
+    }
     let mut out = vec![0.0f32; pos.len() * nh * vd];
     out.par_chunks_mut(vd).enumerate().for_each(|(th, o)| {
         let (t, h) = (th / nh, th % nh);
         let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
         let (q_nope, q_pe) = qh.split_at(nope);
-        let k_rows = &w.k_b[h * nope * r..(h + 1) * nope * r];
+        let k_rows = &k_b[h * nope * r..(h + 1) * nope * r];
         let mut q_abs = vec![0.0f32; r];
         for (qc, row) in q_nope.iter().zip(k_rows.chunks_exact(r)) {
             q_abs.iter_mut().zip(row).for_each(|(a, w)| *a += qc * w);
@@ -58,10 +63,10 @@ pub(crate) fn attend_absorbed(q: &[f32], pos: &[usize], latent: &[f32], k_pe: &[
             let p = p / sum;
             ctx.iter_mut().zip(&latent[j * r..(j + 1) * r]).for_each(|(c, l)| *c += p * l);
         }
-        let v_rows = &w.v_b[h * vd * r..(h + 1) * vd * r];
+        let v_rows = &v_b[h * vd * r..(h + 1) * vd * r];
         o.iter_mut().zip(v_rows.chunks_exact(r)).for_each(|(o, row)| *o = row.iter().zip(&ctx).map(|(a, b)| a * b).sum());
     });
-    out
+    Ok(out)
 }
 
 /// The `qk_rope` values from `at` of every head of `q` (`[m, n_head * qk_head_dim]`; `at` is

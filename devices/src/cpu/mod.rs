@@ -294,6 +294,19 @@ impl CpuDevice {
                 let k = case.pu("k").map_err(e)?;
                 vec![Output::Ids(x.data.chunks(x.shape[1]).flat_map(|r| kernels::top_k(r, k)).collect())]
             }
+            Op::MlaAttention => {
+                let b = oracle::spec::MlaBlock { n_head: case.pu("n_head").map_err(e)?, q_lora_rank: 0, kv_lora_rank: case.pu("kv_lora_rank").map_err(e)?, qk_nope: case.pu("qk_nope").map_err(e)?, qk_rope: case.pu("qk_rope").map_err(e)?, v_head_dim: case.pu("v_head_dim").map_err(e)? };
+                b.validate().map_err(e)?;
+                let kv_b = &case.f32("kv_b").map_err(e)?.data;
+                if kv_b.len() != b.kv_b_dim() * b.kv_lora_rank {
+                    return Err(format!("mla_attention: kv_b holds {} values, expected {} x {}", kv_b.len(), b.kv_b_dim(), b.kv_lora_rank));
+                }
+                let pos: Vec<usize> = case.ids("pos").map_err(e)?.iter().map(|&p| p as usize).collect();
+                let (latent, k_pe) = (&case.f32("latent").map_err(e)?.data, &case.f32("k_pe").map_err(e)?.data);
+                let (k_b, v_b) = crate::shared::host::split_kv_b(kv_b, &b);
+                let y = mla::attend_absorbed(&case.f32("q").map_err(e)?.data, &pos, (latent, k_pe), (&k_b, &v_b), &b, case.p("scale").map_err(e)? as f32)?;
+                vec![out(&[pos.len(), b.out_dim()], y)]
+            }
             Op::DeltaRule => {
                 let (nk, nv, dk, dv) = (case.pu("n_k_head").map_err(e)?, case.pu("n_v_head").map_err(e)?, case.pu("d_k").map_err(e)?, case.pu("d_v").map_err(e)?);
                 let blk = oracle::spec::SsmBlock { d_inner: nv * dv, d_state: dk, n_group: nk, n_head: nv, d_conv: 1, kind: oracle::spec::SsmKind::GatedDelta };

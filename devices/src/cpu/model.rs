@@ -307,7 +307,7 @@ impl CpuModel {
                             for g in segs {
                                 let rows = r0..r0 + g.tokens.len();
                                 let (lat, kpe) = caches[g.cache].write_and_read_latent(li, g.start, (&latent[rows.start * r..rows.end * r], &k[rows.start * rr..rows.end * rr]), (r, rr)).map_err(|e| err("attention", e))?;
-                                attn.extend(super::mla::attend_absorbed(&q[rows.start * qd..rows.end * qd], &pos[rows.clone()], &lat, &kpe, w, &b, scale));
+                                attn.extend(super::mla::attend_absorbed(&q[rows.start * qd..rows.end * qd], &pos[rows.clone()], (&lat, &kpe), (&w.k_b, &w.v_b), &b, scale).map_err(|e| err("attention", e))?);
                                 r0 = rows.end;
                             }
                             record(taps, &name("attn_kqv"), start, m, b.out_dim(), &attn);

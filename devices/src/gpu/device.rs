@@ -36,7 +36,7 @@ impl GpuDevice {
         let param = |name: &str| case.p(name).map_err(e);
         let uparam = |name: &str| case.pu(name).map_err(e);
         Ok(match case.op {
-            Op::DeltaRule | Op::SsmScan => return Err(CaseError::Failed(format!("no kernel for `{}` on the GPU devices", case.op))),
+            Op::DeltaRule | Op::SsmScan | Op::MlaAttention => return Err(CaseError::Failed(format!("no kernel for `{}` on the GPU devices", case.op))),
             Op::Embed => {
                 let t = input("table")?;
                 let ids = case.ids("ids").map_err(e)?;
@@ -190,6 +190,7 @@ impl Device for GpuDevice {
         match case.op {
             Op::Sample if case.pu("k").unwrap_or(0) == 0 || case.pu("k").unwrap_or(0) > 64 => Support::Unsupported("sampling ranks at most 64 candidates on the device (top_k 1..=64)".into()),
             Op::DeltaRule | Op::SsmScan => Support::Unsupported("no kernel for the recurrent layers' ops on the GPU devices (they refuse such models at load)".into()),
+            Op::MlaAttention => Support::Unsupported("no kernel for latent attention on the GPU devices (they refuse such models at load)".into()),
             // Every other op: `run_op` matches them all (a new op does not compile until it has
             // a kernel).
             _ => Support::Yes,

@@ -71,6 +71,19 @@ pub struct MlaWeights {
     pub wo: PackedMat,
 }
 
+/// Latent attention's whole expansion (`[n_head * (qk_nope + v_head_dim), kv_lora_rank]`, per
+/// head its key rows then its value rows) as the absorbed form reads it: the key rows of every
+/// head, then the value rows of every head.
+pub fn split_kv_b(kv_b: &[f32], b: &oracle::spec::MlaBlock) -> (Vec<f32>, Vec<f32>) {
+    let (nope, vd, r) = (b.qk_nope, b.v_head_dim, b.kv_lora_rank);
+    let (mut k_b, mut v_b) = (Vec::with_capacity(b.n_head * nope * r), Vec::with_capacity(b.n_head * vd * r));
+    for head in kv_b.chunks_exact(((nope + vd) * r).max(1)) {
+        k_b.extend_from_slice(&head[..nope * r]);
+        v_b.extend_from_slice(&head[nope * r..]);
+    }
+    (k_b, v_b)
+}
+
 /// A layer's mixing block, by kind.
 pub enum Mixer {
     Attention(AttnWeights),
@@ -248,13 +261,7 @@ impl HostWeights {
                     // The expansion, whole (per head its key rows, then its value rows) or split
                     // as llama.cpp's converter writes it (key rows transposed per head).
                     let (k_b, v_b) = if l.raw(&n("attn_kv_b.weight"))?.is_some() {
-                        let w = l.shaped(&n("attn_kv_b.weight"), &[r, b.kv_b_dim()])?;
-                        let (mut k_b, mut v_b) = (Vec::with_capacity(nh * nope * r), Vec::with_capacity(nh * vd * r));
-                        for head in w.chunks_exact((nope + vd) * r) {
-                            k_b.extend_from_slice(&head[..nope * r]);
-                            v_b.extend_from_slice(&head[nope * r..]);
-                        }
-                        (k_b, v_b)
+                        split_kv_b(&l.shaped(&n("attn_kv_b.weight"), &[r, b.kv_b_dim()])?, &b)
                     } else {
                         let kt = l.shaped(&n("attn_k_b.weight"), &[nope, r, nh])?;
                         let mut k_b = vec![0.0f32; nh * nope * r];
