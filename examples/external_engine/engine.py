@@ -3,7 +3,7 @@
 
 It needs numpy and gguf: `pip install -r requirements.txt` (the file beside this one).
 
-It stands for "your engine": a numpy float64 Llama (or Mamba-2) forward pass over a GGUF file
+It stands for "your engine": a numpy float64 Llama (or Mamba-2, or DeepSeek V3) forward pass over a GGUF file
 (weights decoded by gguf-py) that writes every tap Touchstone knows and the logits. Copy this folder (engine.py,
 touchstone_dump.py, requirements.txt) anywhere and gate it from there:
 
@@ -40,9 +40,11 @@ try:
 except ImportError as e:
     sys.exit(f"engine.py needs numpy and gguf ({e}): pip install -r requirements.txt, the file beside engine.py")
 
-# Touchstone's own tests seed bugs through this (Mamba-2 models): `ssm_state_bf16` (the state
+# Touchstone's own tests seed bugs through this. Mamba-2 models: `ssm_state_bf16` (the state
 # rounded to bf16 after each position), `ssm_conv_shifted` (the convolution's window one position
-# off), `ssm_decay_sign` (exp(-dt A) for exp(dt A)).
+# off), `ssm_decay_sign` (exp(-dt A) for exp(dt A)). DeepSeek models: `mla_absorbed_scale` (the
+# absorbed scores scaled by the cached row's width), `mla_rope_slice_swapped` (RoPE on each query
+# head's first dimensions, not its last), `expert_groups_ignored` (experts from every group).
 BUG = os.environ.get("TOUCHSTONE_EXAMPLE_BUG", "")
 
 # How this engine computes, as the budgets see it: values stored as f32 in the dump.
@@ -70,8 +72,17 @@ def load(path):
             "eps": float(field("llama.attention.layer_norm_rms_epsilon")),
             "theta": float(field("llama.rope.freq_base")),
         }
+    elif arch == "deepseek2":
+        ds = lambda k, default=None: field(f"deepseek2.{k}") if f"deepseek2.{k}" in r.fields else default
+        cfg = {"arch": arch, "n_layer": int(ds("block_count")), "n_head": int(ds("attention.head_count")), "eps": float(ds("attention.layer_norm_rms_epsilon")),
+               "theta": float(ds("rope.freq_base")), "q_lora": int(ds("attention.q_lora_rank", 0)), "kv_lora": int(ds("attention.kv_lora_rank")),
+               "rope": int(ds("rope.dimension_count")), "key": int(ds("attention.key_length_mla")), "value": int(ds("attention.value_length_mla")),
+               "yarn": (float(ds("rope.scaling.factor", 1.0)), int(ds("rope.scaling.original_context_length", 0)), float(ds("rope.scaling.yarn_beta_fast", 32.0)),
+                        float(ds("rope.scaling.yarn_beta_slow", 1.0)), float(ds("rope.scaling.yarn_log_multiplier", 0.0))) if ds("rope.scaling.type") == "yarn" else None,
+               "dense": int(ds("leading_dense_block_count", 0)), "n_used": int(ds("expert_used_count", 0)), "groups": (int(ds("expert_group_count", 1)), int(ds("expert_group_used_count", 1))),
+               "norm_w": bool(ds("expert_weights_norm", False)), "scale_w": float(ds("expert_weights_scale", 1.0))}
     else:
-        sys.exit(f"{path}: architecture {arch} is neither llama nor mamba2 (this example runs those)")
+        sys.exit(f"{path}: architecture {arch} is neither llama, mamba2 nor deepseek2 (this example runs those)")
     # gguf-py gives each tensor in numpy order ([rows, cols]).
     w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64).reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
     return cfg, w
@@ -90,6 +101,109 @@ def rope(x, theta):
     out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
     out[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
     return out
+
+
+def rope_yarn(x, cfg):
+    """DeepSeek's RoPE over [n, heads, n_rot]: adjacent pairs, YaRN's frequencies (llama.cpp's
+    ramp between interpolated and extrapolated angles) at magnitude 1."""
+    n, nr = x.shape[0], x.shape[-1]
+    base = cfg["theta"] ** (-np.arange(0, nr, 2, dtype=np.float64) / nr)
+    if cfg["yarn"] is not None and cfg["yarn"][0] > 1.0:
+        factor, orig, fast, slow, _ = cfg["yarn"]
+        corr = lambda beta: nr * np.log(orig / (beta * 2 * np.pi)) / (2 * np.log(cfg["theta"]))
+        low, high = max(np.floor(corr(fast)), 0.0), min(np.ceil(corr(slow)), nr - 1.0)
+        keep = 1.0 - np.clip((np.arange(nr // 2) - low) / max(high - low, 0.001), 0.0, 1.0)
+        base = base / factor * (1.0 - keep) + base * keep
+    ang = np.arange(n, dtype=np.float64)[:, None] * base[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
+    out[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
+    return out
+
+
+def mla_attention(cfg, w, p, h, taps):
+    """DeepSeek's latent attention in the absorbed form: each head's unrotated query taken into
+    the latent's space through its key rows, scored against the normed latents (its rotated part
+    against the one shared rotated key), the weighted latents out through its value rows."""
+    n, nh, r, nr = h.shape[0], cfg["n_head"], cfg["kv_lora"], cfg["rope"]
+    nope, vd = cfg["key"] - nr, cfg["value"]
+    if cfg["q_lora"]:
+        qa = taps[p + "attn_q_a"] = rms_norm(h @ w[p + "attn_q_a.weight"].T, w[p + "attn_q_a_norm.weight"], cfg["eps"])
+        q = taps[p + "attn_q"] = qa @ w[p + "attn_q_b.weight"].T
+    else:
+        q = taps[p + "attn_q"] = h @ w[p + "attn_q.weight"].T
+    kv = h @ w[p + "attn_kv_a_mqa.weight"].T
+    lat = taps[p + "attn_kv_a"] = rms_norm(kv[:, :r], w[p + "attn_kv_a_norm.weight"], cfg["eps"])
+    k_pe = taps[p + "attn_k"] = kv[:, r:]
+    q = q.reshape(n, nh, nope + nr).copy()
+    at = 0 if BUG == "mla_rope_slice_swapped" else nope
+    q[..., at:at + nr] = rope_yarn(q[..., at:at + nr], cfg)
+    k_pe = rope_yarn(k_pe[:, None, :], cfg)[:, 0]
+    taps[p + "attn_q_rope"], taps[p + "attn_k_rope"] = q.reshape(n, -1), k_pe
+    # The expansion as the converter splits it: per head its key rows transposed, its value rows.
+    k_b, v_b = w[p + "attn_k_b.weight"], w[p + "attn_v_b.weight"]  # [heads, r, nope], [heads, vd, r]
+    yarn = cfg["yarn"]
+    mscale = 1.0 + yarn[4] * np.log(yarn[0]) if yarn is not None and yarn[0] > 1.0 else 1.0
+    scale = mscale * mscale / np.sqrt((r + nr) if BUG == "mla_absorbed_scale" else (nope + nr))
+    q_abs = np.einsum("nhc,hrc->nhr", q[..., :nope], k_b)
+    scores = (np.einsum("nhr,jr->hnj", q_abs, lat) + np.einsum("nhe,je->hnj", q[..., nope:], k_pe)) * scale
+    scores += np.triu(np.full((n, n), -np.inf), k=1)[None]
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    ctx = np.einsum("hnj,jr->nhr", probs, lat)
+    kqv = taps[p + "attn_kqv"] = np.einsum("nhr,hvr->nhv", ctx, v_b).reshape(n, nh * vd)
+    return kqv @ w[p + "attn_output.weight"].T
+
+
+def swiglu_ffn(w, p, suffix, h):
+    g, u = h @ w[f"{p}ffn_gate{suffix}.weight"].T, h @ w[f"{p}ffn_up{suffix}.weight"].T
+    return g, u, g / (1.0 + np.exp(-g)) * u
+
+
+def deepseek_moe(cfg, w, p, h, taps):
+    """DeepSeek V3's experts: sigmoid scores, the choice biased by `exp_probs_b` and limited to
+    the best groups (each ranked by its two best scores), the chosen weights renormalized and
+    scaled, beside the shared experts."""
+    n, k = h.shape[0], cfg["n_used"]
+    probs = taps[p + "ffn_moe_probs"] = 1.0 / (1.0 + np.exp(-(h @ w[p + "ffn_gate_inp.weight"].T)))
+    choice = probs + w[p + "exp_probs_b.bias"].reshape(-1)
+    n_group, keep = cfg["groups"]
+    if n_group > 1 and BUG != "expert_groups_ignored":
+        grouped = choice.reshape(n, n_group, -1)
+        best = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+        kept = np.argsort(-best, axis=-1, kind="stable")[:, :keep]
+        mask = np.zeros((n, n_group), dtype=bool)
+        np.put_along_axis(mask, kept, True, axis=-1)
+        choice = np.where(mask[:, :, None], grouped, -np.inf).reshape(n, -1)
+    chosen = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+    taps[p + "ffn_moe_topk"] = chosen.astype(np.float64)
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    if cfg["norm_w"]:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    weights = weights * cfg["scale_w"]
+    out = np.zeros_like(h)
+    for t in range(n):
+        for e, wt in zip(chosen[t], weights[t]):
+            g, u = w[p + "ffn_gate_exps.weight"][e] @ h[t], w[p + "ffn_up_exps.weight"][e] @ h[t]
+            out[t] += wt * (w[p + "ffn_down_exps.weight"][e] @ (g / (1.0 + np.exp(-g)) * u))
+    return out + swiglu_ffn(w, p, "_shexp", h)[2] @ w[p + "ffn_down_shexp.weight"].T
+
+
+def deepseek_layer(cfg, w, i, x, taps):
+    p = f"blk.{i}."
+    h = taps[p + "attn_norm"] = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+    attn = taps[p + "attn_out"] = mla_attention(cfg, w, p, h, taps)
+    x = taps[p + "ffn_inp"] = x + attn
+    h = taps[p + "ffn_norm"] = rms_norm(x, w[p + "ffn_norm.weight"], cfg["eps"])
+    if i < cfg["dense"]:
+        taps[p + "ffn_gate"], taps[p + "ffn_up"], act = swiglu_ffn(w, p, "", h)
+        taps[p + "ffn_act"] = act
+        ffn = act @ w[p + "ffn_down.weight"].T
+    else:
+        ffn = deepseek_moe(cfg, w, p, h, taps)
+    taps[p + "ffn_out"] = ffn
+    return x + ffn
 
 
 def bf16(x):
@@ -135,10 +249,11 @@ def mamba2_layer(cfg, w, p, x, taps):
 
 def forward(cfg, w, ids, taps):
     """Logits [n, vocab] of every position; every tap into `taps` ([n, width] each)."""
-    if cfg["arch"] == "mamba2":
+    if cfg["arch"] in ("mamba2", "deepseek2"):
+        layer = mamba2_layer if cfg["arch"] == "mamba2" else deepseek_layer
         x = taps["inp_embd"] = w["token_embd.weight"][ids]
         for i in range(cfg["n_layer"]):
-            x = taps[f"blk.{i}.l_out"] = mamba2_layer(cfg, w, f"blk.{i}.", x, taps)
+            x = taps[f"blk.{i}.l_out"] = layer(cfg, w, f"blk.{i}." if layer is mamba2_layer else i, x, taps)
         x = taps["result_norm"] = rms_norm(x, w["output_norm.weight"], cfg["eps"])
         return x @ w.get("output.weight", w["token_embd.weight"]).T
     n, nh, nkv = len(ids), cfg["n_head"], cfg["n_head_kv"]

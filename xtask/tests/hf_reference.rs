@@ -285,7 +285,10 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
 /// (`deepseek2`: the expansion split per head into `attn_k_b`/`attn_v_b`); greedy 32 tokens
 /// identical on `ref` and `cpu` (which runs the absorbed form, caching latents), layer-diff
 /// passes on `cpu`. A dense checkpoint without the query's compression agrees too. `fixed` and
-/// `gpu-emu` refuse the model, naming its first latent-attention layer.
+/// `gpu-emu` refuse the model, naming its first latent-attention layer. The example engine
+/// (examples/external_engine, numpy, absorbed) passes layer-diff on the GGUF, and each of its
+/// seeded bugs is red at its tap (the first two from position 1: one key cannot show a scale,
+/// position 0 rotates by nothing).
 #[test]
 fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     if !transformers_installed() {
@@ -300,6 +303,19 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     for device in ["fixed", "gpu-emu"] {
         let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", device], &[]);
         assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "{device}: {}", text(&o));
+    }
+    const ENGINE: &str = "exec:python3 examples/external_engine/engine.py";
+    let cases: [(&str, Option<&str>, Option<u64>); 4] = [("", None, None), ("mla_absorbed_scale", Some("attn_kqv"), Some(1)), ("mla_rope_slice_swapped", Some("attn_q_rope"), Some(1)), ("expert_groups_ignored", Some("ffn_moe_topk"), None)];
+    for (bug, tap, at) in cases {
+        let report = dir.path().join(format!("example-{bug}"));
+        let o = xtask(&["layer-diff", "--device", ENGINE, "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_EXAMPLE_BUG", bug)]);
+        assert_eq!(o.status.code(), Some(if tap.is_some() { 1 } else { 0 }), "example engine {bug}: {}", text(&o));
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
+        let first = &r["first_divergence"];
+        assert_eq!(first["kind"].as_str(), tap, "example engine {bug}: {first}");
+        if at.is_some() {
+            assert_eq!(first["first_over_position"].as_u64(), at, "example engine {bug}: {first}");
+        }
     }
     checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--dense", "--seed", "3"], None);
 }

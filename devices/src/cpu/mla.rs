@@ -5,6 +5,7 @@
 //! taken out through its value rows. The oracle runs the materialized form; the two are the
 //! same sum in another order, so a gate that passes judges the absorption itself.
 
+use crate::shared::qdot::dot_f32;
 use oracle::spec::MlaBlock;
 use rayon::prelude::*;
 
@@ -47,9 +48,7 @@ pub(crate) fn attend_absorbed(q: &[f32], pos: &[usize], (latent, k_pe): (&[f32],
         let keys = pos[t] + 1;
         let mut scores: Vec<f32> = (0..keys)
             .map(|j| {
-                let lat: f32 = q_abs.iter().zip(&latent[j * r..(j + 1) * r]).map(|(a, b)| a * b).sum();
-                let rot: f32 = q_pe.iter().zip(&k_pe[j * rr..(j + 1) * rr]).map(|(a, b)| a * b).sum();
-                (lat + rot) * scale
+                (dot_f32(&q_abs, &latent[j * r..(j + 1) * r]) + dot_f32(q_pe, &k_pe[j * rr..(j + 1) * rr])) * scale
             })
             .collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -64,7 +63,7 @@ pub(crate) fn attend_absorbed(q: &[f32], pos: &[usize], (latent, k_pe): (&[f32],
             ctx.iter_mut().zip(&latent[j * r..(j + 1) * r]).for_each(|(c, l)| *c += p * l);
         }
         let v_rows = &v_b[h * vd * r..(h + 1) * vd * r];
-        o.iter_mut().zip(v_rows.chunks_exact(r)).for_each(|(o, row)| *o = row.iter().zip(&ctx).map(|(a, b)| a * b).sum());
+        o.iter_mut().zip(v_rows.chunks_exact(r)).for_each(|(o, row)| *o = dot_f32(row, &ctx));
     });
     Ok(out)
 }

@@ -89,7 +89,8 @@ pub fn kernel_filter(kind: TapKind) -> Option<&'static str> {
         AttnQNorm | AttnKNorm => "^qk_norm\\(",
         AttnQ | AttnK | AttnV | AttnGate | FfnGate | FfnUp | AttnOut | FfnOut | ResultOutput => "^matmul\\(",
         AttnQRope | AttnKRope => "^rope\\(",
-        AttnKqv => "^attention",
+        // Grouped-query attention and its variants, or latent attention's `mla_attention`.
+        AttnKqv => "attention",
         FfnInp | LOut => "^add\\(",
         FfnAct => "^(swiglu|geglu|swiglu_oai)\\(",
         FfnMoeProbs | FfnMoeTopk => "^moe_route\\(",
