@@ -86,13 +86,14 @@ fn the_cpu_executor_serves_every_synthetic_model_green() {
     }
 }
 
-/// Recurrent models served: each request's state carried across its chunks and decode steps, a
-/// reused prefix's state restored as of its last position, in batches beside other requests:
-/// every axis green on Mamba-2 (recurrent layers only) and the Qwen3-Next-shaped hybrid (a gated
-/// DeltaNet's state and attention's keys and values in one cache).
+/// Recurrent and latent-attention models served: each request's state carried across its chunks
+/// and decode steps, a reused prefix's state restored as of its last position, in batches beside
+/// other requests: every axis green on Mamba-2 (recurrent layers only), the Qwen3-Next-shaped
+/// hybrid (a gated DeltaNet's state and attention's keys and values in one cache) and the
+/// DeepSeek-V3-shaped model (latents and shared rotated keys cached, absorbed attention).
 #[test]
 fn the_cpu_executor_serves_recurrent_models_green() {
-    for arch in ["mamba2", "qwen3-next"] {
+    for arch in ["mamba2", "qwen3-next", "deepseek-v3"] {
         let Some((_dir, path)) = checkpoint(arch) else { return };
         let mut m = devices::open("cpu").unwrap().load_model(&path, &devices::ModelOptions::default()).unwrap();
         let (cases, _) = judge(&path, arch, m.as_mut());

@@ -242,6 +242,8 @@ impl KvCache {
         for (li, l) in self.layers.iter().enumerate() {
             layers.push(match (spec.layers.get(li)?.block, l) {
                 (BlockKind::Attention(a), LayerState::Kv { k, v }) => LayerState::Kv { k: k.first_rows(n, a.kv_dim())?, v: v.first_rows(n, a.kv_dim())? },
+                // Latents on the key side, shared rotated keys on the value side.
+                (BlockKind::Mla(b), LayerState::Kv { k, v }) => LayerState::Kv { k: k.first_rows(n, b.kv_lora_rank)?, v: v.first_rows(n, b.qk_rope)? },
                 // A recurrent state is as of one position: the whole of it is a prefix, and an
                 // earlier position's is restored from the history where it is kept.
                 (_, s @ LayerState::Ssm { at, .. }) if *at == n => s.clone(),
