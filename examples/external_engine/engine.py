@@ -3,7 +3,7 @@
 
 It needs numpy and gguf: `pip install -r requirements.txt` (the file beside this one).
 
-It stands for "your engine": a numpy float64 Llama (or Mamba-2, or DeepSeek V3) forward pass over a GGUF file
+It stands for "your engine": a numpy float64 Llama (or Mamba-2, Granite 4.0-H, DeepSeek V3) forward pass over a GGUF file
 (weights decoded by gguf-py) that writes every tap Touchstone knows and the logits. Copy this folder (engine.py,
 touchstone_dump.py, requirements.txt) anywhere and gate it from there:
 
@@ -45,6 +45,7 @@ except ImportError as e:
 # off), `ssm_decay_sign` (exp(-dt A) for exp(dt A)). DeepSeek models: `mla_absorbed_scale` (the
 # absorbed scores scaled by the cached row's width), `mla_rope_slice_swapped` (RoPE on each query
 # head's first dimensions, not its last), `expert_groups_ignored` (experts from every group).
+# Granite 4.0-H models: `residual_scale_dropped` (branches added unscaled), and the Mamba-2 ones.
 BUG = os.environ.get("TOUCHSTONE_EXAMPLE_BUG", "")
 
 # How this engine computes, as the budgets see it: values stored as f32 in the dump.
@@ -59,10 +60,17 @@ def load(path):
     r = GGUFReader(path)
     field = lambda key: r.fields[key].contents()
     arch = field("general.architecture")
-    if arch == "mamba2":
-        cfg = {"arch": arch, "n_layer": int(field("mamba2.block_count")), "eps": float(field("mamba2.attention.layer_norm_rms_epsilon"))}
+    if arch in ("mamba2", "granitehybrid"):
+        cfg = {"arch": arch, "n_layer": int(field(f"{arch}.block_count")), "eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon"))}
         for k in ("inner_size", "state_size", "group_count", "time_step_rank", "conv_kernel"):
-            cfg[k] = int(field(f"mamba2.ssm.{k}"))
+            cfg[k] = int(field(f"{arch}.ssm.{k}"))
+        if arch == "granitehybrid":
+            # Granite 4.0-H: Mamba-2 layers (no key/value heads) and attention layers without
+            # RoPE, each followed by an FFN; embeddings, scores, residual branches and logits scaled.
+            kv = field("granitehybrid.attention.head_count_kv")
+            cfg.update({"n_head": int(field("granitehybrid.attention.head_count")), "n_head_kv": [int(v) for v in (kv if isinstance(kv, list) else [kv] * cfg["n_layer"])]})
+            for k in ("embedding_scale", "residual_scale", "logit_scale", "attention.scale"):
+                cfg[k] = float(field(f"granitehybrid.{k}"))
     elif arch == "llama":
         cfg = {
             "arch": arch,
@@ -82,7 +90,7 @@ def load(path):
                "dense": int(ds("leading_dense_block_count", 0)), "n_used": int(ds("expert_used_count", 0)), "groups": (int(ds("expert_group_count", 1)), int(ds("expert_group_used_count", 1))),
                "norm_w": bool(ds("expert_weights_norm", False)), "scale_w": float(ds("expert_weights_scale", 1.0))}
     else:
-        sys.exit(f"{path}: architecture {arch} is neither llama, mamba2 nor deepseek2 (this example runs those)")
+        sys.exit(f"{path}: architecture {arch} is none of llama, mamba2, granitehybrid, deepseek2 (this example runs those)")
     # gguf-py gives each tensor in numpy order ([rows, cols]).
     w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64).reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
     return cfg, w
@@ -214,11 +222,53 @@ def bf16(x):
 
 
 def mamba2_layer(cfg, w, p, x, taps):
-    """A Mamba-2 layer over every position: the input projection, the causal convolution and
-    SiLU, the selective scan one position after another, the gated norm, the output projection."""
-    n, di, ds, ng, nh, kc = x.shape[0], cfg["inner_size"], cfg["state_size"], cfg["group_count"], cfg["time_step_rank"], cfg["conv_kernel"]
-    hd, cd = di // nh, di + 2 * ng * ds
+    """A Mamba-2 layer: its mixer, then the residual add."""
     h = taps[p + "attn_norm"] = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+    return x + mamba2_mixer(cfg, w, p, h, taps)
+
+
+def granite_layer(cfg, w, i, x, taps):
+    """A Granite 4.0-H layer: a Mamba-2 mixer (no key/value heads) or attention without RoPE,
+    then the FFN, each branch scaled before its residual add."""
+    p, rs = f"blk.{i}.", (1.0 if BUG == "residual_scale_dropped" else cfg["residual_scale"])
+    h = taps[p + "attn_norm"] = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+    if cfg["n_head_kv"][i] == 0:
+        mix = mamba2_mixer(cfg, w, p, h, taps)
+    else:
+        mix = taps[p + "attn_out"] = attention(w, p, h, taps, cfg["n_head"], cfg["n_head_kv"][i], None, cfg["attention.scale"])
+    x = taps[p + "ffn_inp"] = x + rs * mix
+    h = taps[p + "ffn_norm"] = rms_norm(x, w[p + "ffn_norm.weight"], cfg["eps"])
+    taps[p + "ffn_gate"], taps[p + "ffn_up"], act = swiglu_ffn(w, p, "", h)
+    taps[p + "ffn_act"] = act
+    ffn = taps[p + "ffn_out"] = act @ w[p + "ffn_down.weight"].T
+    return x + rs * ffn
+
+
+def attention(w, p, h, taps, nh, nkv, theta, scale=None):
+    """Causal grouped-query attention over every position (RoPE with base `theta`, none for
+    None), through the output projection."""
+    n = h.shape[0]
+    q = taps[p + "attn_q"] = h @ w[p + "attn_q.weight"].T
+    k = taps[p + "attn_k"] = h @ w[p + "attn_k.weight"].T
+    v = taps[p + "attn_v"] = h @ w[p + "attn_v.weight"].T
+    hd = q.shape[1] // nh
+    q, k = q.reshape(n, nh, hd), k.reshape(n, nkv, hd)
+    if theta is not None:
+        q, k = rope(q, theta), rope(k, theta)
+        taps[p + "attn_q_rope"], taps[p + "attn_k_rope"] = q.reshape(n, -1), k.reshape(n, -1)
+    k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v.reshape(n, nkv, hd), nh // nkv, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * (scale if scale is not None else 1.0 / np.sqrt(hd)) + np.triu(np.full((n, n), -np.inf), k=1)[None]
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    kqv = taps[p + "attn_kqv"] = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
+    return kqv @ w[p + "attn_output.weight"].T
+
+
+def mamba2_mixer(cfg, w, p, h, taps):
+    """A Mamba-2 mixer over every position: the input projection, the causal convolution and
+    SiLU, the selective scan one position after another, the gated norm, the output projection."""
+    n, di, ds, ng, nh, kc = h.shape[0], cfg["inner_size"], cfg["state_size"], cfg["group_count"], cfg["time_step_rank"], cfg["conv_kernel"]
+    hd, cd = di // nh, di + 2 * ng * ds
     zx = taps[p + "ssm_in"] = h @ w[p + "ssm_in.weight"].T
     z, xbc, dt = zx[:, :di], zx[:, di:di + cd], zx[:, di + cd:]
     kernel = w[p + "ssm_conv1d.weight"].reshape(cd, kc)
@@ -244,38 +294,26 @@ def mamba2_layer(cfg, w, p, x, taps):
     v = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + cfg["eps"])
     y = taps[p + "ssm_norm"] = (v * w[p + "ssm_norm.weight"].reshape(ng, di // ng)).reshape(n, di)
     out = taps[p + "ssm_out"] = y @ w[p + "ssm_out.weight"].T
-    return x + out
+    return out
 
 
 def forward(cfg, w, ids, taps):
     """Logits [n, vocab] of every position; every tap into `taps` ([n, width] each)."""
-    if cfg["arch"] in ("mamba2", "deepseek2"):
-        layer = mamba2_layer if cfg["arch"] == "mamba2" else deepseek_layer
-        x = taps["inp_embd"] = w["token_embd.weight"][ids]
+    if cfg["arch"] in ("mamba2", "granitehybrid", "deepseek2"):
+        x = taps["inp_embd"] = w["token_embd.weight"][ids] * cfg.get("embedding_scale", 1.0)
         for i in range(cfg["n_layer"]):
-            x = taps[f"blk.{i}.l_out"] = layer(cfg, w, f"blk.{i}." if layer is mamba2_layer else i, x, taps)
+            if cfg["arch"] == "mamba2":
+                x = mamba2_layer(cfg, w, f"blk.{i}.", x, taps)
+            else:
+                x = (granite_layer if cfg["arch"] == "granitehybrid" else deepseek_layer)(cfg, w, i, x, taps)
+            taps[f"blk.{i}.l_out"] = x
         x = taps["result_norm"] = rms_norm(x, w["output_norm.weight"], cfg["eps"])
-        return x @ w.get("output.weight", w["token_embd.weight"]).T
-    n, nh, nkv = len(ids), cfg["n_head"], cfg["n_head_kv"]
-    x = w["token_embd.weight"][ids]
-    hd = x.shape[1] // nh
-    taps["inp_embd"] = x
-    mask = np.triu(np.full((n, n), -np.inf), k=1)
+        return x @ w.get("output.weight", w["token_embd.weight"]).T / cfg.get("logit_scale", 1.0)
+    x = taps["inp_embd"] = w["token_embd.weight"][ids]
     for i in range(cfg["n_layer"]):
         p = f"blk.{i}."
         h = taps[p + "attn_norm"] = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
-        q = taps[p + "attn_q"] = h @ w[p + "attn_q.weight"].T
-        k = taps[p + "attn_k"] = h @ w[p + "attn_k.weight"].T
-        v = taps[p + "attn_v"] = h @ w[p + "attn_v.weight"].T
-        q = rope(q.reshape(n, nh, hd), cfg["theta"])
-        k = rope(k.reshape(n, nkv, hd), cfg["theta"])
-        taps[p + "attn_q_rope"], taps[p + "attn_k_rope"] = q.reshape(n, -1), k.reshape(n, -1)
-        k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v.reshape(n, nkv, hd), nh // nkv, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask[None]
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        kqv = taps[p + "attn_kqv"] = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
-        attn = taps[p + "attn_out"] = kqv @ w[p + "attn_output.weight"].T
+        attn = taps[p + "attn_out"] = attention(w, p, h, taps, cfg["n_head"], cfg["n_head_kv"], cfg["theta"])
         x = taps[p + "ffn_inp"] = x + attn
         h = taps[p + "ffn_norm"] = rms_norm(x, w[p + "ffn_norm.weight"], cfg["eps"])
         g = taps[p + "ffn_gate"] = h @ w[p + "ffn_gate.weight"].T

@@ -212,17 +212,7 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
     // The example engine (numpy, its own Mamba-2) passes layer-diff on the GGUF; each bug it can
     // seed is named at its tap, with the position its error first crossed the bound.
-    const ENGINE: &str = "exec:python3 examples/external_engine/engine.py";
-    let cases: [(&str, Option<&str>, Option<u64>); 4] = [("", None, None), ("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("ssm_decay_sign", Some("ssm_state"), Some(1))];
-    for (bug, tap, at) in cases {
-        let report = dir.path().join(format!("example-{bug}"));
-        let o = xtask(&["layer-diff", "--device", ENGINE, "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_EXAMPLE_BUG", bug)]);
-        assert_eq!(o.status.code(), Some(if tap.is_some() { 1 } else { 0 }), "example engine {bug}: {}", text(&o));
-        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
-        let first = &r["first_divergence"];
-        assert_eq!(first["kind"].as_str(), tap, "example engine {bug}: {first}");
-        assert_eq!(first["first_over_position"].as_u64(), at, "example engine {bug}: {first}");
-    }
+    example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("ssm_decay_sign", Some("ssm_state"), Some(1))]);
 }
 
 /// A random Granite 4.0-H-structured checkpoint written by transformers
@@ -232,7 +222,9 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
 /// from the checkpoint and from the GGUF llama.cpp's converter writes (`granitehybrid`,
 /// `head_count_kv` 0 on the state-space layers); greedy 32 tokens identical on `ref` and `cpu`;
 /// layer-diff and fixed-token pass on `cpu`. `gpu-emu` refuses the model, naming its first
-/// state-space layer.
+/// state-space layer. The example engine (numpy, its own hybrid) passes layer-diff on the GGUF;
+/// its residual branches added unscaled are red at `blk.0.ffn_inp`, its state in bf16 at
+/// `blk.0.ssm_state`.
 #[test]
 fn granite_hybrid_checkpoints_agree_with_transformers_in_f64() {
     if !transformers_installed() {
@@ -247,6 +239,25 @@ fn granite_hybrid_checkpoints_agree_with_transformers_in_f64() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "gpu-emu"], &[]);
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
+    example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("residual_scale_dropped", Some("ffn_inp"), Some(0)), ("ssm_state_bf16", Some("ssm_state"), Some(0))]);
+}
+
+/// The example engine (examples/external_engine, numpy) on `gguf`: layer-diff passes without a
+/// seeded bug; each of `cases`' bugs (`TOUCHSTONE_EXAMPLE_BUG`) is first red at its tap kind,
+/// from the given position where one is given.
+fn example_engine_bugs(gguf: &Path, ids: &str, dir: &Path, cases: &[(&str, Option<&str>, Option<u64>)]) {
+    const ENGINE: &str = "exec:python3 examples/external_engine/engine.py";
+    for &(bug, tap, at) in cases {
+        let report = dir.join(format!("example-{bug}"));
+        let o = xtask(&["layer-diff", "--device", ENGINE, "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_EXAMPLE_BUG", bug)]);
+        assert_eq!(o.status.code(), Some(if tap.is_some() { 1 } else { 0 }), "example engine {bug}: {}", text(&o));
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
+        let first = &r["first_divergence"];
+        assert_eq!(first["kind"].as_str(), tap, "example engine {bug}: {first}");
+        if at.is_some() {
+            assert_eq!(first["first_over_position"].as_u64(), at, "example engine {bug}: {first}");
+        }
+    }
 }
 
 /// A random Qwen3-Next-structured checkpoint written by transformers (`Qwen3NextForCausalLM`:
@@ -304,18 +315,6 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
         let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", device], &[]);
         assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "{device}: {}", text(&o));
     }
-    const ENGINE: &str = "exec:python3 examples/external_engine/engine.py";
-    let cases: [(&str, Option<&str>, Option<u64>); 4] = [("", None, None), ("mla_absorbed_scale", Some("attn_kqv"), Some(1)), ("mla_rope_slice_swapped", Some("attn_q_rope"), Some(1)), ("expert_groups_ignored", Some("ffn_moe_topk"), None)];
-    for (bug, tap, at) in cases {
-        let report = dir.path().join(format!("example-{bug}"));
-        let o = xtask(&["layer-diff", "--device", ENGINE, "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_EXAMPLE_BUG", bug)]);
-        assert_eq!(o.status.code(), Some(if tap.is_some() { 1 } else { 0 }), "example engine {bug}: {}", text(&o));
-        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
-        let first = &r["first_divergence"];
-        assert_eq!(first["kind"].as_str(), tap, "example engine {bug}: {first}");
-        if at.is_some() {
-            assert_eq!(first["first_over_position"].as_u64(), at, "example engine {bug}: {first}");
-        }
-    }
+    example_engine_bugs(&gguf, &ids, dir.path(), &[("", None, None), ("mla_absorbed_scale", Some("attn_kqv"), Some(1)), ("mla_rope_slice_swapped", Some("attn_q_rope"), Some(1)), ("expert_groups_ignored", Some("ffn_moe_topk"), None)]);
     checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--dense", "--seed", "3"], None);
 }
