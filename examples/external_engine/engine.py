@@ -3,7 +3,7 @@
 
 It needs numpy and gguf: `pip install -r requirements.txt` (the file beside this one).
 
-It stands for "your engine": a numpy float64 Llama (or Mamba-2, Granite 4.0-H, DeepSeek V3) forward pass over a GGUF file
+It stands for "your engine": a numpy float64 Llama (or Mamba-2, Granite 4.0-H, Qwen3-Next, DeepSeek V3) forward pass over a GGUF file
 (weights decoded by gguf-py) that writes every tap Touchstone knows and the logits. Copy this folder (engine.py,
 touchstone_dump.py, requirements.txt) anywhere and gate it from there:
 
@@ -46,6 +46,8 @@ except ImportError as e:
 # absorbed scores scaled by the cached row's width), `mla_rope_slice_swapped` (RoPE on each query
 # head's first dimensions, not its last), `expert_groups_ignored` (experts from every group).
 # Granite 4.0-H models: `residual_scale_dropped` (branches added unscaled), and the Mamba-2 ones.
+# Qwen3-Next models: the Mamba-2 ones in its gated DeltaNet layers, `attn_gate_dropped` (the
+# attention's output gate never applied), `rope_whole_head` (RoPE over whole heads, not a quarter).
 BUG = os.environ.get("TOUCHSTONE_EXAMPLE_BUG", "")
 
 # How this engine computes, as the budgets see it: values stored as f32 in the dump.
@@ -80,6 +82,14 @@ def load(path):
             "eps": float(field("llama.attention.layer_norm_rms_epsilon")),
             "theta": float(field("llama.rope.freq_base")),
         }
+    elif arch == "qwen3next":
+        qn = lambda k, default=None: field(f"qwen3next.{k}") if f"qwen3next.{k}" in r.fields else default
+        cfg = {"arch": arch, "n_layer": int(qn("block_count")), "n_head": int(qn("attention.head_count")), "n_head_kv": int(qn("attention.head_count_kv")),
+               "eps": float(qn("attention.layer_norm_rms_epsilon")), "theta": float(qn("rope.freq_base")), "n_rot": int(qn("rope.dimension_count")),
+               "recurrent": [bool(v) for v in qn("attention.recurrent_layers")], "n_used": int(qn("expert_used_count")),
+               "norm_w": bool(qn("expert_weights_norm", True))}
+        for k in ("inner_size", "state_size", "group_count", "time_step_rank", "conv_kernel"):
+            cfg[k] = int(field(f"qwen3next.ssm.{k}"))
     elif arch == "deepseek2":
         ds = lambda k, default=None: field(f"deepseek2.{k}") if f"deepseek2.{k}" in r.fields else default
         cfg = {"arch": arch, "n_layer": int(ds("block_count")), "n_head": int(ds("attention.head_count")), "eps": float(ds("attention.layer_norm_rms_epsilon")),
@@ -90,7 +100,7 @@ def load(path):
                "dense": int(ds("leading_dense_block_count", 0)), "n_used": int(ds("expert_used_count", 0)), "groups": (int(ds("expert_group_count", 1)), int(ds("expert_group_used_count", 1))),
                "norm_w": bool(ds("expert_weights_norm", False)), "scale_w": float(ds("expert_weights_scale", 1.0))}
     else:
-        sys.exit(f"{path}: architecture {arch} is none of llama, mamba2, granitehybrid, deepseek2 (this example runs those)")
+        sys.exit(f"{path}: architecture {arch} is none of llama, mamba2, granitehybrid, qwen3next, deepseek2 (this example runs those)")
     # gguf-py gives each tensor in numpy order ([rows, cols]).
     w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64).reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
     return cfg, w
@@ -214,6 +224,123 @@ def deepseek_layer(cfg, w, i, x, taps):
     return x + ffn
 
 
+def gated_deltanet(cfg, w, p, h, taps):
+    """Qwen3-Next's linear attention over every position: q/k/v (each key head's q, then each
+    key head's k, then each value head's v), the causal convolution and SiLU, q and k L2-normed
+    (q over sqrt(d_k)), the decay exp(A softplus(a + dt_bias)) and the delta rule one position
+    after another, the norm per value head, then the gate SiLU(z), the output projection."""
+    n, di, dk, nk, nv, kc = h.shape[0], cfg["inner_size"], cfg["state_size"], cfg["group_count"], cfg["time_step_rank"], cfg["conv_kernel"]
+    dv, cd, per = di // nv, di + 2 * nk * dk, nv // nk
+    qkv = h @ w[p + "attn_qkv.weight"].T
+    z = h @ w[p + "attn_gate.weight"].T
+    ba = (h @ w[p + "ssm_ba.weight"].T).reshape(n, nk, 2, per)  # per key head: its value heads' b, then their a
+    b, a = ba[:, :, 0].reshape(n, nv), ba[:, :, 1].reshape(n, nv)
+    taps[p + "ssm_in"] = np.concatenate([qkv, z, b, a], axis=1)
+    kernel = w[p + "ssm_conv1d.weight"].reshape(cd, kc)
+    if BUG == "ssm_conv_shifted":
+        kernel = np.concatenate([kernel[:, 1:], np.zeros((cd, 1))], axis=1)
+    padded = np.concatenate([np.zeros((kc - 1, cd)), qkv])
+    conv = sum(kernel[:, j] * padded[j:j + n] for j in range(kc))
+    conv = taps[p + "ssm_conv"] = conv / (1.0 + np.exp(-conv))
+    l2 = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    q = l2(conv[:, :nk * dk].reshape(n, nk, dk)) / np.sqrt(dk)
+    k = l2(conv[:, nk * dk:2 * nk * dk].reshape(n, nk, dk))
+    v = conv[:, 2 * nk * dk:].reshape(n, nv, dv)
+    group = np.arange(nv) // per
+    beta = 1.0 / (1.0 + np.exp(-b))
+    neg_a = w[p + "ssm_a"].reshape(-1) * (-1.0 if BUG == "ssm_decay_sign" else 1.0)
+    decay = np.exp(neg_a * np.logaddexp(0.0, a + w[p + "ssm_dt.bias"].reshape(-1)))
+    state, states, y = np.zeros((nv, dv, dk)), [], np.empty((n, nv, dv))
+    for t in range(n):
+        state = decay[t][:, None, None] * state
+        kt = k[t][group]  # [nv, dk]
+        delta = beta[t][:, None] * (v[t] - np.einsum("hpn,hn->hp", state, kt))
+        state = state + delta[:, :, None] * kt[:, None, :]
+        if BUG == "ssm_state_bf16":
+            state = bf16(state)
+        states.append(state.reshape(-1))
+        y[t] = np.einsum("hpn,hn->hp", state, q[t][group])
+    taps[p + "ssm_state"] = np.array(states)
+    taps[p + "ssm_scan"] = y.reshape(n, di)
+    y = y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + cfg["eps"]) * w[p + "ssm_norm.weight"].reshape(-1)
+    y = taps[p + "ssm_norm"] = y.reshape(n, di) * (z / (1.0 + np.exp(-z)))
+    out = taps[p + "ssm_out"] = y @ w[p + "ssm_out.weight"].T
+    return out
+
+
+def rope_neox(x, theta, n_rot):
+    """RoPE over the first `n_rot` dimensions of each head of [n, heads, head_dim], pairs
+    (i, i + n_rot / 2) (rotate-half)."""
+    n, half = x.shape[0], n_rot // 2
+    ang = np.arange(n, dtype=np.float64)[:, None] * theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = x.copy()
+    x0, x1 = x[..., :half], x[..., half:n_rot]
+    out[..., :half], out[..., half:n_rot] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    return out
+
+
+def gated_attention(cfg, w, p, h, taps):
+    """Qwen3-Next's attention: each head's query then its output gate from `attn_q`, q and k
+    RMS-normed per head, RoPE on a share of each head, the output times sigmoid(gate)."""
+    n, nh, nkv = h.shape[0], cfg["n_head"], cfg["n_head_kv"]
+    qg = (h @ w[p + "attn_q.weight"].T).reshape(n, nh, 2, -1)
+    hd = qg.shape[-1]
+    q, gate = qg[:, :, 0], qg[:, :, 1].reshape(n, nh * hd)
+    taps[p + "attn_gate"] = gate
+    taps[p + "attn_q"] = q.reshape(n, -1)
+    k = taps[p + "attn_k"] = h @ w[p + "attn_k.weight"].T
+    v = taps[p + "attn_v"] = h @ w[p + "attn_v.weight"].T
+    q = rms_norm(q, w[p + "attn_q_norm.weight"], cfg["eps"])
+    k = rms_norm(k.reshape(n, nkv, hd), w[p + "attn_k_norm.weight"], cfg["eps"])
+    taps[p + "attn_q_norm"], taps[p + "attn_k_norm"] = q.reshape(n, -1), k.reshape(n, -1)
+    n_rot = hd if BUG == "rope_whole_head" else cfg["n_rot"]
+    q, k = rope_neox(q, cfg["theta"], n_rot), rope_neox(k, cfg["theta"], n_rot)
+    taps[p + "attn_q_rope"], taps[p + "attn_k_rope"] = q.reshape(n, -1), k.reshape(n, -1)
+    k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v.reshape(n, nkv, hd), nh // nkv, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.triu(np.full((n, n), -np.inf), k=1)[None]
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    kqv = taps[p + "attn_kqv"] = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
+    if BUG != "attn_gate_dropped":
+        kqv = taps[p + "attn_gated"] = kqv / (1.0 + np.exp(-gate))
+    return kqv @ w[p + "attn_output.weight"].T
+
+
+def qwen_moe(cfg, w, p, h, taps):
+    """Softmax routing to the top experts, their shares renormalized, beside a shared expert
+    scaled by the sigmoid of its own gate."""
+    n, k = h.shape[0], cfg["n_used"]
+    logits = h @ w[p + "ffn_gate_inp.weight"].T
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = taps[p + "ffn_moe_probs"] = probs / probs.sum(axis=-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    taps[p + "ffn_moe_topk"] = chosen.astype(np.float64)
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    if cfg["norm_w"]:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(n):
+        for e, wt in zip(chosen[t], weights[t]):
+            g, u = w[p + "ffn_gate_exps.weight"][e] @ h[t], w[p + "ffn_up_exps.weight"][e] @ h[t]
+            out[t] += wt * (w[p + "ffn_down_exps.weight"][e] @ (g / (1.0 + np.exp(-g)) * u))
+    shared_gate = 1.0 / (1.0 + np.exp(-(h @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1))))
+    return out + shared_gate[:, None] * (swiglu_ffn(w, p, "_shexp", h)[2] @ w[p + "ffn_down_shexp.weight"].T)
+
+
+def qwen_next_layer(cfg, w, i, x, taps):
+    p = f"blk.{i}."
+    h = taps[p + "attn_norm"] = rms_norm(x, w[p + "attn_norm.weight"], cfg["eps"])
+    if cfg["recurrent"][i]:
+        mix = gated_deltanet(cfg, w, p, h, taps)
+    else:
+        mix = taps[p + "attn_out"] = gated_attention(cfg, w, p, h, taps)
+    x = taps[p + "ffn_inp"] = x + mix
+    h = taps[p + "ffn_norm"] = rms_norm(x, w[p + "post_attention_norm.weight"], cfg["eps"])
+    ffn = taps[p + "ffn_out"] = qwen_moe(cfg, w, p, h, taps)
+    return x + ffn
+
+
 def bf16(x):
     """x rounded to bfloat16 (nearest, ties to even), as float64."""
     bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
@@ -299,13 +426,13 @@ def mamba2_mixer(cfg, w, p, h, taps):
 
 def forward(cfg, w, ids, taps):
     """Logits [n, vocab] of every position; every tap into `taps` ([n, width] each)."""
-    if cfg["arch"] in ("mamba2", "granitehybrid", "deepseek2"):
+    if cfg["arch"] in ("mamba2", "granitehybrid", "qwen3next", "deepseek2"):
         x = taps["inp_embd"] = w["token_embd.weight"][ids] * cfg.get("embedding_scale", 1.0)
         for i in range(cfg["n_layer"]):
             if cfg["arch"] == "mamba2":
                 x = mamba2_layer(cfg, w, f"blk.{i}.", x, taps)
             else:
-                x = (granite_layer if cfg["arch"] == "granitehybrid" else deepseek_layer)(cfg, w, i, x, taps)
+                x = {"granitehybrid": granite_layer, "qwen3next": qwen_next_layer, "deepseek2": deepseek_layer}[cfg["arch"]](cfg, w, i, x, taps)
             taps[f"blk.{i}.l_out"] = x
         x = taps["result_norm"] = rms_norm(x, w["output_norm.weight"], cfg["eps"])
         return x @ w.get("output.weight", w["token_embd.weight"]).T / cfg.get("logit_scale", 1.0)
