@@ -300,8 +300,8 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
 /// forward over 70 positions, as read
 /// by the oracle from the checkpoint and from the GGUF llama.cpp's converter writes
 /// (`deepseek2`: the expansion split per head into `attn_k_b`/`attn_v_b`); greedy 32 tokens
-/// identical on `ref` and `cpu` (which runs the absorbed form, caching latents), layer-diff
-/// passes on `cpu`. A dense checkpoint without the query's compression agrees too. `fixed` and
+/// identical on `ref` and `cpu` (which runs the absorbed form, caching latents), layer-diff and
+/// fixed-token (cache consistency included) pass on `cpu`. A dense checkpoint without the query's compression agrees too. `fixed` and
 /// `gpu-emu` refuse the model, naming its first latent-attention layer. The example engine
 /// (examples/external_engine, numpy, absorbed) passes layer-diff on the GGUF, and each of its
 /// seeded bugs is red at its tap (the first two from position 1: one key cannot show a scale,
@@ -317,6 +317,8 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
         devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref", "cpu"], &["cpu"], &reports);
     }
     let gguf = dir.path().join("model.gguf");
+    let o = xtask(&["fixed-token", "--device", "cpu", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--report-dir", dir.path().join("ft").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     for device in ["fixed", "gpu-emu"] {
         let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", device], &[]);
         assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "{device}: {}", text(&o));
