@@ -11,7 +11,9 @@ every position's logits requested, and reads each graph node the taps need throu
 eval callback (`cb_eval`, the hook `llama-eval-callback` prints from), by the names llama.cpp's
 graph gives them (`attn_norm-3`, `Qcur-3`, `l_out-3`, ...; docs/DUMP_FORMAT.md). Names llama.cpp
 gives twice are told apart by the node's op: the `Qcur`/`Kcur` that ROPE computes is the rotated
-one. With TOUCHSTONE_N_GENERATE > 0 it generates greedily and writes a token-only dump.
+one. A `deepseek2` model's graph runs latent attention absorbed: its `Qcur`/`Kcur`/`kqv_out` are
+the latent space's, not the heads' Touchstone's taps hold, and are left out. With
+TOUCHSTONE_N_GENERATE > 0 it generates greedily and writes a token-only dump.
 
 It also serves the schedule task (TOUCHSTONE_TASK=schedule, docs/SERVING_PROTOCOL.md), as
 llama.cpp's server does, through its multi-sequence batch API:
@@ -346,7 +348,14 @@ def main():
     if not model:
         sys.exit(f"{model_path}: llama.cpp could not load it")
     arch_buf = ctypes.create_string_buffer(64)
-    if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", arch_buf, len(arch_buf)) > 0 and arch_buf.value == b"gpt-oss":
+    llama_cpp.llama_model_meta_val_str(model, b"general.architecture", arch_buf, len(arch_buf))
+    if arch_buf.value == b"deepseek2":
+        # Latent attention runs absorbed: its `Qcur`/`Kcur`/`kqv_out` hold the latent space's
+        # queries, keys and outputs, not the heads' that Touchstone's taps hold.
+        for base in ("Qcur", "Kcur", "Vcur", "kqv_out"):
+            LAYER_TAPS.pop(base, None)
+            ROPE_TAPS.pop(base, None)
+    if arch_buf.value == b"gpt-oss":
         # GPT-OSS's graph names its FFN norm `attn_post_norm` and its experts' sum `ffn_moe_out`;
         # its `ffn_moe_probs` are the router's logits (it gates by a softmax over the chosen
         # experts' logits), not the scores Touchstone's tap holds.

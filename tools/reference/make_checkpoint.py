@@ -21,8 +21,9 @@ never a runtime dependency.
 - granite-hybrid: Granite 4.0-H's structure (`GraniteMoeHybridForCausalLM`, dense): four layers,
   Mamba-2 (as mamba2's) and attention (GQA 4:2, no RoPE: `position_embedding_type` nope)
   alternating, each followed by a SwiGLU FFN; Granite's multipliers set apart from 1 (embeddings
-  x 6, attention scale 1/8 for heads of 16, each residual branch x 0.5, logits / 3). Its
-  config.json names the layer types as the published checkpoints do (`mamba`, `attention`), which
+  x 6, attention scale 1/8 for heads of 16, each residual branch x 0.5, logits / 3);
+  `num_experts_per_tok` 0 as a dense model's (llama.cpp's loader requires it). Its config.json
+  names the layer types as the published checkpoints do (`mamba`, `attention`), which
   transformers reads and llama.cpp's converter needs.
 - qwen3-next: Qwen3-Next's structure (`Qwen3NextForCausalLM`): four layers, gated DeltaNet and
   gated full attention alternating, every layer's FFN a MoE (four experts of 32, two chosen, the
@@ -237,7 +238,7 @@ def granite_hybrid(t, vocab, shape=None, layer_types="alternate"):
     types = {"alternate": ["mamba", "attention"] * (n // 2) + ["mamba"] * (n % 2), "mamba": ["mamba"] * n, "attention": ["attention"] * n}[layer_types]
     heads = max(4, d["hidden"] // 64)
     cfg = t.GraniteMoeHybridConfig(vocab_size=vocab, hidden_size=d["hidden"], intermediate_size=2 * d["hidden"], shared_intermediate_size=2 * d["hidden"],
-                                   num_local_experts=0, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=heads // 2 if shape is None else heads // 3,
+                                   num_local_experts=0, num_experts_per_tok=0, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=heads // 2 if shape is None else heads // 3,
                                    layer_types=types, mamba_n_heads=d["heads"], mamba_d_head=d["head_dim"], mamba_n_groups=d["groups"],
                                    mamba_d_state=d["state"], mamba_d_conv=4, mamba_expand=2,
                                    mamba_chunk_size=8, position_embedding_type="nope", embedding_multiplier=6.0, attention_multiplier=0.125,

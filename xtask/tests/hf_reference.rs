@@ -213,6 +213,7 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
     // The example engine (numpy, its own Mamba-2) passes layer-diff on the GGUF; each bug it can
     // seed is named at its tap, with the position its error first crossed the bound.
     example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("ssm_decay_sign", Some("ssm_state"), Some(1))]);
+    llama_cpp_passes(&gguf, ids, dir.path());
 }
 
 /// A random Granite 4.0-H-structured checkpoint written by transformers
@@ -240,6 +241,22 @@ fn granite_hybrid_checkpoints_agree_with_transformers_in_f64() {
     let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "gpu-emu"], &[]);
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
     example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("residual_scale_dropped", Some("ffn_inp"), Some(0)), ("ssm_state_bf16", Some("ssm_state"), Some(0))]);
+    llama_cpp_passes(&gguf, ids, dir.path());
+}
+
+/// llama.cpp's CPU backend (tools/peers/llama_cpp_dump.py, PyPI's llama-cpp-python) on `gguf`:
+/// layer-diff passes on the taps its graph names, every layer output among them. A development
+/// peer: skipped, saying so, where llama-cpp-python is not installed.
+fn llama_cpp_passes(gguf: &Path, ids: &str, dir: &Path) {
+    let probe = Command::new("python3").args(["-c", "import llama_cpp, gguf, numpy"]).output();
+    if !matches!(probe, Ok(ref o) if o.status.success()) {
+        eprintln!("SKIPPED: llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp, ~12 min)");
+        return;
+    }
+    let report = dir.join("llama-cpp");
+    let o = xtask(&["layer-diff", "--device", "exec:python3 tools/peers/llama_cpp_dump.py", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "llama.cpp: {}", text(&o));
+    eprintln!("llama.cpp on {}: {}", gguf.display(), text(&o).lines().filter(|l| l.starts_with("first divergence") || l.contains("cases (")).collect::<Vec<_>>().join("; "));
 }
 
 /// The example engine (examples/external_engine, numpy) on `gguf`: layer-diff passes without a
@@ -290,6 +307,7 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
     // within 20 positions: judged over 10.
     example_engine_bugs(&gguf, &ids, dir.path(), &[("", None, None), ("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("attn_gate_dropped", Some("attn_out"), Some(0)), ("rope_whole_head", Some("attn_q_rope"), Some(1))]);
     example_engine_bugs(&gguf, "5,17,99,3,250,42,7,8,9,10", dir.path(), &[("ssm_decay_sign", Some("ssm_state"), Some(1))]);
+    llama_cpp_passes(&gguf, &ids, dir.path());
 }
 
 /// A random DeepSeek-V3-structured checkpoint written by transformers (`DeepseekV3ForCausalLM`:
@@ -324,5 +342,6 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
         assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "{device}: {}", text(&o));
     }
     example_engine_bugs(&gguf, &ids, dir.path(), &[("", None, None), ("mla_absorbed_scale", Some("attn_kqv"), Some(1)), ("mla_rope_slice_swapped", Some("attn_q_rope"), Some(1)), ("expert_groups_ignored", Some("ffn_moe_topk"), None)]);
+    llama_cpp_passes(&gguf, &ids, dir.path());
     checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--dense", "--seed", "3"], None);
 }
