@@ -430,6 +430,9 @@ impl ModelSpec {
             if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
                 return Err(spec_err(format!("{} experts used out of {}", m.n_expert_used, m.n_expert)));
             }
+            if let Some([g, k]) = m.groups.filter(|[g, k]| *g == 0 || !m.n_expert.is_multiple_of(*g) || *k == 0 || k > g) {
+                return Err(spec_err(format!("{} experts in {g} groups, {k} of them used: the groups must divide the experts and at least one, at most all, be used", m.n_expert)));
+            }
         }
         Ok(())
     }

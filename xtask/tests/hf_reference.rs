@@ -244,6 +244,11 @@ fn granite_hybrid_checkpoints_agree_with_transformers_in_f64() {
     llama_cpp_passes(&gguf, ids, dir.path());
 }
 
+/// A 70-token prompt over the test checkpoints' 300-token vocabulary: past a 64-position chunk.
+fn prompt_of_70() -> String {
+    (0..70).map(|i| ((i * 37 + 11) % 300).to_string()).collect::<Vec<_>>().join(",")
+}
+
 /// llama.cpp's CPU backend (tools/peers/llama_cpp_dump.py, PyPI's llama-cpp-python) on `gguf`:
 /// layer-diff passes on the taps its graph names, every layer output among them. A development
 /// peer: skipped, saying so, where llama-cpp-python is not installed.
@@ -293,7 +298,7 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
     if !transformers_installed() {
         return;
     }
-    let ids: String = (0..70).map(|i| ((i * 37 + 11) % 300).to_string()).collect::<Vec<_>>().join(",");
+    let ids = prompt_of_70();
     let (dir, greedy) = checkpoint_agrees_with_transformers("qwen3-next", &ids, &[], Some("qwen2"));
     devices_follow(dir.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu"], &["cpu"], dir.path());
     let gguf = dir.path().join("model.gguf");
@@ -330,7 +335,7 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     if !transformers_installed() {
         return;
     }
-    let ids: String = (0..70).map(|i| ((i * 37 + 11) % 300).to_string()).collect::<Vec<_>>().join(",");
+    let ids = prompt_of_70();
     let (dir, greedy) = checkpoint_agrees_with_transformers("deepseek-v3", &ids, &[], Some("deepseek-v3"));
     for (model, reports) in [(dir.path().join("ck"), dir.path().join("ck-reports")), (dir.path().join("model.gguf"), dir.path().join("gguf-reports"))] {
         devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref", "cpu"], &["cpu"], &reports);

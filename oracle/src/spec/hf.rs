@@ -463,11 +463,6 @@ impl ModelSpec {
         if self.qkv_bias || self.out_bias {
             return Err(err("config.json: attention_bias on a deepseek_v3 model is not supported".into()));
         }
-        if let Some((m, [g, k])) = self.moe.as_ref().and_then(|m| Some((m, m.groups?))) {
-            if !m.n_expert.is_multiple_of(g) || k == 0 || k > g {
-                return Err(err(format!("config.json: {} routed experts in n_group {g} groups, topk_group {k}: the groups must divide the experts and at least one, at most all, be used", m.n_expert)));
-            }
-        }
         let mla = MlaBlock {
             n_head: self.n_head,
             q_lora_rank: match top.get("q_lora_rank") {

@@ -25,11 +25,6 @@ impl ModelSpec {
         match &mut self.moe {
             Some(_) if r.leading_dense >= self.n_layer => self.moe = None,
             Some(m) => {
-                if let Some([n, k]) = r.groups {
-                    if n == 0 || !m.n_expert.is_multiple_of(n) || k == 0 || k > n {
-                        return Err(spec_err(format!("{n} expert groups ({k} used) do not divide {} experts", m.n_expert)));
-                    }
-                }
                 m.groups = r.groups;
                 m.weights_scale = r.weights_scale;
                 m.choice_bias = r.choice_bias;
