@@ -828,12 +828,16 @@ extern "C" __global__ void ts_top_k(const float* x, u32* ids, int n, int k) {
 
 // MoE routing of each row of n_expert logits (<= 256): softmax or sigmoid scores, the k best
 // experts (largest first, lowest index on ties), weights optionally renormalised to sum 1.
+// DeepSeek V3's additions: `bias` (null: none) added to the scores for the choice only; with
+// n_group > 0 the choice limited to the `keep` groups (of n_expert / n_group experts) whose two
+// best biased scores sum highest; the weights multiplied by `scale` last.
 // One thread per row: the row is short and the selection sequential.
-extern "C" __global__ void ts_moe_route(const float* logits, u32* ids, float* weights, int rows, int n_expert, int k, int sigmoid, int normalize) {
+extern "C" __global__ void ts_moe_route(const float* logits, u32* ids, float* weights, int rows, int n_expert, int k, int sigmoid, int normalize,
+                                        const float* bias, int n_group, int keep, float scale) {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     const float* l = logits + (long long)r * n_expert;
-    float p[256];
+    float p[256], c[256];
     if (sigmoid) {
         for (int e = 0; e < n_expert; ++e) p[e] = 1.0f / (1.0f + expf(-l[e]));
     } else {
@@ -845,20 +849,51 @@ extern "C" __global__ void ts_moe_route(const float* logits, u32* ids, float* we
         }
         for (int e = 0; e < n_expert; ++e) p[e] = p[e] / s;
     }
+    for (int e = 0; e < n_expert; ++e) c[e] = bias ? p[e] + bias[e] : p[e];
+    if (n_group > 0) {
+        int per = n_expert / n_group;
+        float best2[256];
+        for (int g = 0; g < n_group; ++g) {
+            float a = TS_NEG_INF, b = TS_NEG_INF;
+            for (int e = g * per; e < (g + 1) * per; ++e) {
+                if (c[e] > a) {
+                    b = a;
+                    a = c[e];
+                } else if (c[e] > b) {
+                    b = c[e];
+                }
+            }
+            best2[g] = per > 1 ? a + b : a;
+        }
+        // Mark the kept groups, best first; mask the others out of the choice.
+        int kept[256];
+        for (int g = 0; g < n_group; ++g) kept[g] = 0;
+        for (int j = 0; j < keep && j < n_group; ++j) {
+            int best = -1;
+            for (int g = 0; g < n_group; ++g)
+                if (!kept[g] && ts_ahead(best2[g], g, best < 0 ? 0.0f : best2[best], best)) best = g;
+            if (best >= 0) kept[best] = 1;
+        }
+        for (int e = 0; e < n_expert; ++e)
+            if (!kept[e / per]) c[e] = TS_NEG_INF;
+    }
     float total = 0.0f;
     for (int j = 0; j < k; ++j) {
         int best = -1;
         for (int e = 0; e < n_expert; ++e) {
             int taken = 0;
-            for (int c = 0; c < j; ++c) taken |= (int)ids[(long long)r * k + c] == e;
-            if (!taken && ts_ahead(p[e], e, best < 0 ? 0.0f : p[best], best)) best = e;
+            for (int q = 0; q < j; ++q) taken |= (int)ids[(long long)r * k + q] == e;
+            if (!taken && ts_ahead(c[e], e, best < 0 ? 0.0f : c[best], best)) best = e;
         }
         ids[(long long)r * k + j] = best < 0 ? (u32)n_expert : (u32)best;
         weights[(long long)r * k + j] = best < 0 ? 0.0f : p[best];
         total += best < 0 ? 0.0f : p[best];
     }
-    if (normalize)
-        for (int j = 0; j < k; ++j) weights[(long long)r * k + j] = weights[(long long)r * k + j] / total;
+    for (int j = 0; j < k; ++j) {
+        float w = weights[(long long)r * k + j];
+        if (normalize) w = w / total;
+        weights[(long long)r * k + j] = w * scale;
+    }
 }
 
 // out[i] += alpha[i / d] * y[i]: accumulates one expert's (or the shared expert's) output,

@@ -10,7 +10,7 @@ pub mod qdot;
 pub mod segment_tap;
 pub mod unpack;
 
-use oracle::spec::{AttentionBlock, BlockKind, ModelSpec, RopeScaling, RopeSpec};
+use oracle::spec::{AttentionBlock, BlockKind, ModelSpec, RopeScaling, RopeSpec, SsmBlock};
 
 /// Why a device that runs attention layers only, without Granite's residual and logit scales,
 /// refuses `spec`, if it does: the first state-space layer, or a scale it would ignore.
@@ -38,6 +38,30 @@ pub fn attention_block(spec: &ModelSpec, li: usize, device: &str) -> Result<Atte
         Some(BlockKind::Mla(_)) => Err(format!("layer {li} is a latent-attention (DeepSeek MLA) layer; {device} runs grouped-query attention layers only")),
         None => Err(format!("no layer {li} in a model of {}", spec.layers.len())),
     }
+}
+
+/// A gated DeltaNet's three projections joined into the rows the tap `ssm_in` holds (every
+/// device records the tap so): q/k/v, z, then b and a each in value-head order (the stored b/a
+/// rows hold, per key head, its value heads' b and then their a).
+pub fn delta_in_rows(b: &SsmBlock, qkv: &[f32], z: &[f32], ba: &[f32], m: usize) -> Vec<f32> {
+    let (cd, nh) = (b.conv_dim(), b.n_head);
+    let r = nh / b.n_group;
+    let mut out = Vec::with_capacity(m * b.in_dim());
+    for ((q, zr), bar) in qkv.chunks_exact(cd).zip(z.chunks_exact(b.d_inner)).zip(ba.chunks_exact(2 * nh)).take(m) {
+        out.extend_from_slice(q);
+        out.extend_from_slice(zr);
+        // Key head g's block: b of its r value heads, then their a.
+        let (bs, as_): (Vec<f32>, Vec<f32>) = bar.chunks_exact(2 * r).flat_map(|blk| (0..r).map(move |j| (blk[j], blk[r + j]))).unzip();
+        out.extend(bs);
+        out.extend(as_);
+    }
+    out
+}
+
+/// Row `t` of each of `parts` (each `(rows, width)`), joined, for every `t < m`: the
+/// recurrent ops' separate inputs as the rows the model's kernels read.
+pub fn join_rows(m: usize, parts: &[(&[f32], usize)]) -> Vec<f32> {
+    (0..m).flat_map(|t| parts.iter().flat_map(move |(rows, w)| rows[t * w..(t + 1) * w].iter().copied())).collect()
 }
 
 /// cos/sin tables are built in f64 on the host and stored as f32, as engines that precompute

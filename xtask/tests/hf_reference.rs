@@ -191,9 +191,11 @@ fn gemma3_checkpoints_agree_with_transformers_in_f64() {
 /// layers, heads in two groups, transformers running the prompt through its chunked scan in
 /// chunks of 8) agrees with transformers' float64 forward, layer by layer, as read by the oracle
 /// (its recurrent scan) from the checkpoint and from the GGUF llama.cpp's converter writes;
-/// greedy 32 tokens identical on `ref` and `cpu` from both, each decode step carrying the state
-/// forward (transformers recomputes the whole sequence each step); layer-diff and fixed-token
-/// pass on `cpu`. `fixed` refuses the model, naming the layer it does not run. The example
+/// greedy 32 tokens identical on `ref`, `cpu` and `gpu-emu` from both, each decode step carrying
+/// the state forward (transformers recomputes the whole sequence each step); layer-diff and
+/// fixed-token pass on `cpu` and `gpu-emu`, the serving rung on `gpu-emu`; the GPU kernels with
+/// the convolution's window shifted or the decay's sign flipped are red at `ssm_conv` and
+/// `ssm_state`. `fixed` refuses the model, naming the layer it does not run. The example
 /// engine (examples/external_engine, numpy) passes layer-diff on the GGUF, and each of its seeded
 /// bugs is red at its tap.
 #[test]
@@ -203,11 +205,11 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
     }
     let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16,17,18,19,20";
     let (dir, greedy) = checkpoint_agrees_with_transformers("mamba2", ids, &[], Some(""));
-    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], dir.path());
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
-    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], &dir.path().join("gguf"));
-    let o = xtask(&["fixed-token", "--device", "cpu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", dir.path().join("ft").to_str().unwrap()], &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
+    cache_rungs_pass(&gguf, ids, dir.path());
+    gpu_kernel_bugs(&gguf, ids, dir.path(), &[("- (k - 1) + j;", "- k + j;", "ssm_conv"), ("float decay = expf(step * a[h]);", "float decay = expf(-step * a[h]);", "ssm_state")]);
     let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "fixed"], &[]);
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
     // The example engine (numpy, its own Mamba-2) passes layer-diff on the GGUF; each bug it can
@@ -222,8 +224,8 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
 /// logits scaled apart from 1) agrees with transformers' float64 forward, as read by the oracle
 /// from the checkpoint and from the GGUF llama.cpp's converter writes (`granitehybrid`,
 /// `head_count_kv` 0 on the state-space layers); greedy 32 tokens identical on `ref` and `cpu`;
-/// layer-diff and fixed-token pass on `cpu`. `gpu-emu` refuses the model, naming its first
-/// state-space layer. The example engine (numpy, its own hybrid) passes layer-diff on the GGUF;
+/// layer-diff and fixed-token pass on `cpu` and `gpu-emu` (greedy identical there too), serving
+/// on `gpu-emu`. `fixed` refuses the model, naming its first state-space layer. The example engine (numpy, its own hybrid) passes layer-diff on the GGUF;
 /// its residual branches added unscaled are red at `blk.0.ffn_inp`, its state in bf16 at
 /// `blk.0.ssm_state`.
 #[test]
@@ -233,12 +235,11 @@ fn granite_hybrid_checkpoints_agree_with_transformers_in_f64() {
     }
     let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16,17,18,19,20";
     let (dir, greedy) = checkpoint_agrees_with_transformers("granite-hybrid", ids, &[], Some(""));
-    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], dir.path());
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
-    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu"], &["cpu"], &dir.path().join("gguf"));
-    let o = xtask(&["fixed-token", "--device", "cpu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", dir.path().join("ft").to_str().unwrap()], &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "gpu-emu"], &[]);
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
+    cache_rungs_pass(&gguf, ids, dir.path());
+    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "fixed"], &[]);
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
     example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("residual_scale_dropped", Some("ffn_inp"), Some(0)), ("ssm_state_bf16", Some("ssm_state"), Some(0))]);
     llama_cpp_passes(&gguf, ids, dir.path());
@@ -262,6 +263,34 @@ fn llama_cpp_passes(gguf: &Path, ids: &str, dir: &Path) {
     let o = xtask(&["layer-diff", "--device", "exec:python3 tools/peers/llama_cpp_dump.py", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "llama.cpp: {}", text(&o));
     eprintln!("llama.cpp on {}: {}", gguf.display(), text(&o).lines().filter(|l| l.starts_with("first divergence") || l.contains("cases (")).collect::<Vec<_>>().join("; "));
+}
+
+/// Fixed-token (cache consistency included) on `cpu` and `gpu-emu`, and the serving rung on
+/// `gpu-emu` (prefixes reused: recurrent states restored from a kept history, latents copied),
+/// pass on `gguf`.
+fn cache_rungs_pass(gguf: &Path, ids: &str, dir: &Path) {
+    for device in ["cpu", "gpu-emu"] {
+        let o = xtask(&["fixed-token", "--device", device, "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", dir.join(format!("ft-{device}")).to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", text(&o));
+    }
+    let o = xtask(&["serving", "--device", "gpu-emu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--prompt-len", &(ids.split(',').count() / 2).clamp(1, 10).to_string(), "--report-dir", dir.join("serving").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "gpu-emu serving: {}", text(&o));
+}
+
+/// Layer-diff on `gpu-emu` with its kernel source changed (each case's `good` text replaced by
+/// `bad`, `TOUCHSTONE_KERNEL_SOURCE`) is red, first at the case's tap kind.
+fn gpu_kernel_bugs(gguf: &Path, ids: &str, dir: &Path, cases: &[(&str, &str, &str)]) {
+    for (i, &(good, bad, tap)) in cases.iter().enumerate() {
+        let src = devices::gpu::KERNEL_SOURCE;
+        assert_eq!(src.matches(good).count(), 1, "`{good}` is not once in the kernel source; update this test");
+        let file = dir.join(format!("broken-{i}.cu"));
+        std::fs::write(&file, src.replace(good, bad)).unwrap();
+        let report = dir.join(format!("gpu-bug-{i}"));
+        let o = xtask(&["layer-diff", "--device", "gpu-emu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_KERNEL_SOURCE", file.to_str().unwrap())]);
+        assert_eq!(o.status.code(), Some(1), "gpu-emu with `{bad}`: {}", text(&o));
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
+        assert_eq!(r["first_divergence"]["kind"].as_str(), Some(tap), "gpu-emu with `{bad}`: {}", r["first_divergence"]);
+    }
 }
 
 /// The example engine (examples/external_engine, numpy) on `gguf`: layer-diff passes without a
@@ -290,8 +319,10 @@ fn example_engine_bugs(gguf: &Path, ids: &str, dir: &Path, cases: &[(&str, Optio
 /// through the recurrent form), as read by the oracle from the checkpoint and from the GGUF
 /// llama.cpp's converter writes (`qwen3next`: q/k/v and z split, `attention.recurrent_layers`);
 /// greedy 32 tokens identical on `ref` and `cpu`, each decode step carrying the state forward;
-/// layer-diff and fixed-token pass on `cpu`. `fixed` refuses the model, naming its first
-/// recurrent layer. The example engine passes layer-diff on the GGUF and names each of its seeded
+/// layer-diff and fixed-token pass on `cpu` and `gpu-emu` (greedy identical there too), serving
+/// on `gpu-emu`; the GPU kernels with the convolution's window shifted or the sign of b's
+/// sigmoid flipped are red at `ssm_conv` and `ssm_state`. `fixed` refuses the model, naming its
+/// first recurrent layer. The example engine passes layer-diff on the GGUF and names each of its seeded
 /// bugs at its tap.
 #[test]
 fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
@@ -300,18 +331,18 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
     }
     let ids = prompt_of_70();
     let (dir, greedy) = checkpoint_agrees_with_transformers("qwen3-next", &ids, &[], Some("qwen2"));
-    devices_follow(dir.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu"], &["cpu"], dir.path());
+    devices_follow(dir.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
-    devices_follow(gguf.to_str().unwrap(), &ids, &greedy, &["ref", "cpu"], &["cpu"], &dir.path().join("gguf"));
-    let o = xtask(&["fixed-token", "--device", "cpu", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--report-dir", dir.path().join("ft").to_str().unwrap()], &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    devices_follow(gguf.to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
+    cache_rungs_pass(&gguf, &ids, dir.path());
+    let short = "5,17,99,3,250,42,7,8,9,10";
+    gpu_kernel_bugs(&gguf, short, dir.path(), &[("- (k - 1) + j;", "- k + j;", "ssm_conv"), ("1.0f / (1.0f + expf(-bar[j]))", "1.0f / (1.0f + expf(bar[j]))", "ssm_state")]);
     let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", "fixed"], &[]);
     assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
     // The example engine (numpy, its own DeltaNet and gated attention) passes over the whole
     // prompt; each bug it can seed is named at its tap, over 10 positions (the decay's sign
     // flipped makes the state grow past f32's range within 20).
     example_engine_bugs(&gguf, &ids, dir.path(), &[("", None, None)]);
-    let short = "5,17,99,3,250,42,7,8,9,10";
     example_engine_bugs(&gguf, short, dir.path(), &[("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("attn_gate_dropped", Some("attn_out"), Some(0)), ("rope_whole_head", Some("attn_q_rope"), Some(1)), ("ssm_decay_sign", Some("ssm_state"), Some(1))]);
     llama_cpp_passes(&gguf, &ids, dir.path());
 }
@@ -324,9 +355,12 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
 /// forward over 70 positions, as read
 /// by the oracle from the checkpoint and from the GGUF llama.cpp's converter writes
 /// (`deepseek2`: the expansion split per head into `attn_k_b`/`attn_v_b`); greedy 32 tokens
-/// identical on `ref` and `cpu` (which runs the absorbed form, caching latents), layer-diff and
-/// fixed-token (cache consistency included) pass on `cpu`. A dense checkpoint without the query's compression agrees too. `fixed` and
-/// `gpu-emu` refuse the model, naming its first latent-attention layer. The example engine
+/// identical on `ref`, `cpu` and `gpu-emu` (both run the absorbed form, caching latents),
+/// layer-diff and fixed-token (cache consistency included) pass on both, serving on `gpu-emu`;
+/// the GPU kernels with the absorbed scale of the cached row, the rotated keys dotted with the
+/// unrotated query slice, or the group limit dropped are red at `attn_kqv`, `attn_kqv` and
+/// `ffn_moe_topk`. A dense checkpoint without the query's compression agrees too, and runs green
+/// on `gpu-emu`. `fixed` refuses the model, naming its first latent-attention layer. The example engine
 /// (examples/external_engine, numpy, absorbed) passes layer-diff on the GGUF, and each of its
 /// seeded bugs is red at its tap (the first two from position 1: one key cannot show a scale,
 /// position 0 rotates by nothing).
@@ -338,16 +372,24 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     let ids = prompt_of_70();
     let (dir, greedy) = checkpoint_agrees_with_transformers("deepseek-v3", &ids, &[], Some("deepseek-v3"));
     for (model, reports) in [(dir.path().join("ck"), dir.path().join("ck-reports")), (dir.path().join("model.gguf"), dir.path().join("gguf-reports"))] {
-        devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref", "cpu"], &["cpu"], &reports);
+        devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &reports);
     }
     let gguf = dir.path().join("model.gguf");
-    let o = xtask(&["fixed-token", "--device", "cpu", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--report-dir", dir.path().join("ft").to_str().unwrap()], &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    for device in ["fixed", "gpu-emu"] {
-        let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", device], &[]);
-        assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "{device}: {}", text(&o));
-    }
+    cache_rungs_pass(&gguf, &ids, dir.path());
+    gpu_kernel_bugs(
+        &gguf,
+        &ids,
+        dir.path(),
+        &[
+            ("s = (s + sp) * scale;", "s = (s + sp) * scale * sqrtf((float)(nope + rr) / (float)(r + rr));", "attn_kqv"),
+            ("sp += qh[nope + c] * pj[c];", "sp += qh[c] * pj[c];", "attn_kqv"),
+            ("    if (n_group > 0) {", "    if (n_group < 0) {", "ffn_moe_topk"),
+        ],
+    );
+    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", "fixed"], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "fixed: {}", text(&o));
     example_engine_bugs(&gguf, &ids, dir.path(), &[("", None, None), ("mla_absorbed_scale", Some("attn_kqv"), Some(1)), ("mla_rope_slice_swapped", Some("attn_q_rope"), Some(1)), ("expert_groups_ignored", Some("ffn_moe_topk"), None)]);
     llama_cpp_passes(&gguf, &ids, dir.path());
-    checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--dense", "--seed", "3"], None);
+    let (dense, greedy) = checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--dense", "--seed", "3"], None);
+    devices_follow(dense.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["gpu-emu"], dense.path());
 }

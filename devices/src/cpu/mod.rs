@@ -318,7 +318,7 @@ impl CpuDevice {
                 if q.data.len() != m * kd || k.data.len() != m * kd || v.data.len() != m * vd {
                     return Err(format!("{}: q, k, v of {m} rows are not {kd}, {kd} and {vd} wide", case.id));
                 }
-                let qkv = join_rows(m, &[(&q.data, kd), (&k.data, kd), (&v.data, vd)]);
+                let qkv = crate::shared::join_rows(m, &[(&q.data, kd), (&k.data, kd), (&v.data, vd)]);
                 let mut state = f("state")?.data.clone();
                 if state.len() != blk.state_len() {
                     return Err(format!("{}: a state of {} values for {} heads of {dv} x {dk}", case.id, state.len(), nv));
@@ -337,7 +337,7 @@ impl CpuDevice {
                 if x.data.len() != m * xd || b.data.len() != m * bd || c.data.len() != m * bd {
                     return Err(format!("{}: x, B, C of {m} rows are not {xd}, {bd} and {bd} wide", case.id));
                 }
-                let xbc = join_rows(m, &[(&x.data, xd), (&b.data, bd), (&c.data, bd)]);
+                let xbc = crate::shared::join_rows(m, &[(&x.data, xd), (&b.data, bd), (&c.data, bd)]);
                 let mut state = f("state")?.data.clone();
                 if state.len() != blk.state_len() {
                     return Err(format!("{}: a state of {} values for {nh} heads of {hd} x {ds}", case.id, state.len()));
@@ -428,12 +428,6 @@ fn probe(bytes: usize, reps: usize) -> Result<crate::BandwidthProbe, String> {
         gemv.push(crate::GemvRate { ty: ty.name().to_string(), weight_bytes: w.len(), gbps: w.len() as f64 / t / 1e9, kernel, alternative: false });
     }
     Ok(crate::BandwidthProbe { bytes, copy_gbps, gemv, reps, not_hardware: None })
-}
-
-/// Row `t` of each of `parts` (each `(rows, width)`), joined, for every `t < m`: the
-/// recurrent ops' separate inputs as the rows the model's kernels read.
-fn join_rows(m: usize, parts: &[(&[f32], usize)]) -> Vec<f32> {
-    (0..m).flat_map(|t| parts.iter().flat_map(move |(rows, w)| rows[t * w..(t + 1) * w].iter().copied())).collect()
 }
 
 #[cfg(test)]

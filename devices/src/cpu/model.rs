@@ -436,7 +436,7 @@ impl CpuModel {
                         zx = match (&w.gate_proj, &w.ba_proj) {
                             (Some(gp), Some(bap)) => {
                                 let [qkv, z, ba]: [Vec<f32>; 3] = matmul_packed_group(&h, m, w.in_proj.cols, &[w.in_proj.view(), gp.view(), bap.view()]).try_into().expect("three outputs");
-                                super::ssm::delta_in_rows(&b, &qkv, &z, &ba, m)
+                                crate::shared::delta_in_rows(&b, &qkv, &z, &ba, m)
                             }
                             _ => matmul_packed(&h, m, w.in_proj.view()),
                         };

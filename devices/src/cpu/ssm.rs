@@ -110,24 +110,6 @@ fn gather_heads(heads: &[(Vec<f32>, Vec<f32>)], m: usize, b: &SsmBlock, keep: bo
     (y, states)
 }
 
-/// A gated DeltaNet's projections joined into the rows the tap `ssm_in` holds: q/k/v, z, then
-/// b and a each in value-head order (the stored b/a rows hold, per key head, its value heads'
-/// b and then their a).
-pub(crate) fn delta_in_rows(b: &SsmBlock, qkv: &[f32], z: &[f32], ba: &[f32], m: usize) -> Vec<f32> {
-    let (cd, nh) = (b.conv_dim(), b.n_head);
-    let r = nh / b.n_group;
-    let mut out = Vec::with_capacity(m * b.in_dim());
-    for ((q, zr), bar) in qkv.chunks_exact(cd).zip(z.chunks_exact(b.d_inner)).zip(ba.chunks_exact(2 * nh)).take(m) {
-        out.extend_from_slice(q);
-        out.extend_from_slice(zr);
-        // Key head g's block: b of its r value heads, then their a.
-        let (bs, as_): (Vec<f32>, Vec<f32>) = bar.chunks_exact(2 * r).flat_map(|blk| (0..r).map(move |j| (blk[j], blk[r + j]))).unzip();
-        out.extend(bs);
-        out.extend(as_);
-    }
-    out
-}
-
 /// `v / sqrt(sum v^2 + 1e-6)`.
 fn l2_normed(v: &[f32]) -> Vec<f32> {
     let r = 1.0 / (v.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();

@@ -29,6 +29,68 @@ impl GpuDevice {
         Ok(())
     }
 
+    /// `ssm_scan` and `delta_rule`: the model's scan kernels over the case's rows, from its
+    /// state; the outputs and the state after the last row.
+    fn recurrent(&self, case: &OpCase) -> Result<Vec<Output>, CaseError> {
+        let g = &self.gpu;
+        let e = |r: oracle::OracleError| r.to_string();
+        let f = |n: &str| case.f32(n).map_err(e);
+        let u = |n: &str| case.pu(n).map_err(e);
+        let delta = case.op == Op::DeltaRule;
+        let blk = if delta {
+            let (nk, nv, dk, dv) = (u("n_k_head")?, u("n_v_head")?, u("d_k")?, u("d_v")?);
+            oracle::spec::SsmBlock { d_inner: nv * dv, d_state: dk, n_group: nk, n_head: nv, d_conv: 1, kind: oracle::spec::SsmKind::GatedDelta }
+        } else {
+            let (nh, ng, hd, ds) = (u("n_head")?, u("n_group")?, u("head_dim")?, u("d_state")?);
+            oracle::spec::SsmBlock { d_inner: nh * hd, d_state: ds, n_group: ng, n_head: nh, d_conv: 1, kind: oracle::spec::SsmKind::Mamba2 }
+        };
+        blk.validate().map_err(e)?;
+        let (nh, gd, di) = (blk.n_head, blk.n_group * blk.d_state, blk.d_inner);
+        // Mamba-2's x, B, C; a gated DeltaNet's q, k, v: the rows the model's kernels read.
+        let parts: [(&str, usize); 3] = if delta { [("q", gd), ("k", gd), ("v", di)] } else { [("x", di), ("b", gd), ("c", gd)] };
+        let t: Vec<_> = parts.iter().map(|(n, _)| f(n)).collect::<Result<_, _>>()?;
+        let m = t[0].shape[0];
+        if t.iter().zip(&parts).any(|(x, (_, w))| x.data.len() != m * w) {
+            return Err(format!("{}: {} of {m} rows are not {}, {} and {} wide", case.id, parts.map(|p| p.0).join(", "), parts[0].1, parts[1].1, parts[2].1).into());
+        }
+        let rows = crate::shared::join_rows(m, &[(&t[0].data, parts[0].1), (&t[1].data, parts[1].1), (&t[2].data, parts[2].1)]);
+        let state = f("state")?;
+        if state.data.len() != blk.state_len() {
+            return Err(format!("{}: a state of {} values, not {}", case.id, state.data.len(), blk.state_len()).into());
+        }
+        let heads = if delta {
+            // b and a per value head, in the order the projection stores them: per key head, its
+            // value heads' b, then their a.
+            let (b, a) = (f("b")?, f("a")?);
+            if b.data.len() != m * nh || a.data.len() != m * nh {
+                return Err(format!("{}: b and a of {m} rows are not {nh} wide", case.id).into());
+            }
+            let r = nh / blk.n_group;
+            let ba: Vec<f32> = (0..m).flat_map(|t| (0..blk.n_group).flat_map(move |kg| [&b, &a].map(|x| &x.data[t * nh + kg * r..t * nh + (kg + 1) * r]).concat())).collect();
+            ba
+        } else {
+            f("dt")?.data.clone()
+        };
+        let per_head = |n: &str| -> Result<DevBuf, CaseError> {
+            let v = f(n)?;
+            if v.data.len() != nh {
+                return Err(format!("{}: `{n}` has {} values for {nh} heads", case.id, v.data.len()).into());
+            }
+            Ok(g.upload_f32(&v.data)?)
+        };
+        let (dt_bias, neg_a) = (per_head("dt_bias")?, per_head("neg_a")?);
+        let d = if delta { None } else { Some(per_head("d")?) };
+        let (xb, hb, s0) = (g.upload_f32(&rows)?, g.upload_f32(&heads)?, g.upload_f32(&state.data)?);
+        let (y, s1) = (g.alloc_guarded(4 * m * di)?, g.alloc_guarded(4 * blk.state_len())?);
+        let io = super::recurrent::StateIo { from: s0.ptr, to: s1.ptr, stride: 0 };
+        // The state after no rows is the state before them.
+        self.timed(|| {
+            g.copy(s0.ptr, s1.ptr, blk.state_len())?;
+            g.scan(&blk, xb.ptr, (hb.ptr, nh), [dt_bias.ptr, neg_a.ptr, d.as_ref().map_or(0, |d| d.ptr)], io, y.ptr, m)
+        })?;
+        Ok(vec![out(&[m, di], y.download_f32(m * di)?), out(&[nh, blk.head_dim(), blk.d_state], s1.download_f32(blk.state_len())?)])
+    }
+
     fn run(&self, case: &OpCase) -> Result<Vec<Output>, CaseError> {
         let g = &self.gpu;
         let e = |r: oracle::OracleError| r.to_string();
@@ -36,7 +98,27 @@ impl GpuDevice {
         let param = |name: &str| case.p(name).map_err(e);
         let uparam = |name: &str| case.pu(name).map_err(e);
         Ok(match case.op {
-            Op::DeltaRule | Op::SsmScan | Op::MlaAttention => return Err(CaseError::Failed(format!("no kernel for `{}` on the GPU devices", case.op))),
+            Op::MlaAttention => {
+                let b = oracle::spec::MlaBlock { n_head: uparam("n_head")?, q_lora_rank: 0, kv_lora_rank: uparam("kv_lora_rank")?, qk_nope: uparam("qk_nope")?, qk_rope: uparam("qk_rope")?, v_head_dim: uparam("v_head_dim")? };
+                b.validate().map_err(e)?;
+                let (q, kv_b, latent, k_pe) = (input("q")?, input("kv_b")?, input("latent")?, input("k_pe")?);
+                let pos = case.ids("pos").map_err(e)?;
+                let kv_len = pos.iter().max().map_or(0, |p| *p as usize + 1);
+                let (r, rr) = (b.kv_lora_rank, b.qk_rope);
+                if kv_b.data.len() != b.kv_b_dim() * r || q.data.len() != pos.len() * b.q_dim() || latent.data.len() < kv_len * r || k_pe.data.len() < kv_len * rr {
+                    return Err(format!("{}: q of {} values for {} positions of {} heads, kv_b of {}, latent of {} and k_pe of {} for {kv_len} cached positions", case.id, q.data.len(), pos.len(), b.n_head, kv_b.data.len(), latent.data.len(), k_pe.data.len()).into());
+                }
+                let (k_b, v_b) = crate::shared::host::split_kv_b(&kv_b.data, &b);
+                let (qb, pb) = (g.upload_f32(&q.data)?, g.upload_u32(pos)?);
+                let (lb, kb) = (g.upload_f32(&latent.data)?, g.upload_f32(&k_pe.data)?);
+                let (kbb, vbb) = (g.upload_f32(&k_b)?, g.upload_f32(&v_b)?);
+                let n = pos.len() * b.out_dim();
+                let o = g.alloc_guarded(4 * n)?;
+                let scale = param("scale")? as f32;
+                self.timed(|| g.mla_attention(&b, (qb.ptr, pb.ptr), (lb.ptr, kb.ptr), (kbb.ptr, vbb.ptr), o.ptr, pos.len(), kv_len, scale))?;
+                vec![out(&[pos.len(), b.out_dim()], o.download_f32(n)?)]
+            }
+            Op::SsmScan | Op::DeltaRule => self.recurrent(case)?,
             Op::Embed => {
                 let t = input("table")?;
                 let ids = case.ids("ids").map_err(e)?;
@@ -144,7 +226,7 @@ impl GpuDevice {
                 let l = input("logits")?;
                 let (rows, n, k) = (l.shape[0], l.shape[1], uparam("k")?);
                 let (lb, ib, wb) = (g.upload_f32(&l.data)?, g.alloc_guarded(4 * rows * k)?, g.alloc_guarded(4 * rows * k)?);
-                self.timed(|| g.moe_route(lb.ptr, ib.ptr, wb.ptr, rows, n, k, uparam("sigmoid")? == 1, uparam("normalize")? == 1))?;
+                self.timed(|| g.moe_route(lb.ptr, ib.ptr, wb.ptr, rows, n, k, uparam("sigmoid")? == 1, uparam("normalize")? == 1, RouteLimit::default()))?;
                 vec![Output::Ids(ib.download_u32(rows * k)?), out(&[rows, k], wb.download_f32(rows * k)?)]
             }
             Op::Argmax | Op::TopK | Op::Sample => {
@@ -189,8 +271,6 @@ impl Device for GpuDevice {
     fn supports(&self, case: &OpCase) -> Support {
         match case.op {
             Op::Sample if case.pu("k").unwrap_or(0) == 0 || case.pu("k").unwrap_or(0) > 64 => Support::Unsupported("sampling ranks at most 64 candidates on the device (top_k 1..=64)".into()),
-            Op::DeltaRule | Op::SsmScan => Support::Unsupported("no kernel for the recurrent layers' ops on the GPU devices (they refuse such models at load)".into()),
-            Op::MlaAttention => Support::Unsupported("no kernel for latent attention on the GPU devices (they refuse such models at load)".into()),
             // Every other op: `run_op` matches them all (a new op does not compile until it has
             // a kernel).
             _ => Support::Yes,

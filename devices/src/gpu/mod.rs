@@ -11,8 +11,12 @@
 //! platform's compiler and hardware.
 
 pub mod emu;
+mod cache;
+mod mla;
 pub mod model;
+mod recurrent;
 mod serve;
+mod ssm;
 mod device;
 pub use device::GpuDevice;
 #[cfg(feature = "cuda")]
@@ -25,8 +29,10 @@ use oracle::quant::GgmlType;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// The kernel source shared by every platform, as built into the binary.
-pub const KERNEL_SOURCE: &str = include_str!("../../kernels/touchstone.cu");
+/// The kernel source shared by every platform, as built into the binary: the core kernels, then
+/// the recurrent layers' (`recurrent.cu`) and latent attention's (`latent.cu`), which use the
+/// core's helpers.
+pub const KERNEL_SOURCE: &str = concat!(include_str!("../../kernels/touchstone.cu"), include_str!("../../kernels/recurrent.cu"), include_str!("../../kernels/latent.cu"));
 /// The prelude CUDA and ROCm share, then each platform's own.
 pub const PRELUDE_GPU: &str = include_str!("../../kernels/prelude_gpu.h");
 pub const PRELUDE_CUDA: &str = include_str!("../../kernels/prelude_cuda.h");
@@ -711,15 +717,34 @@ impl Gpu {
         self.launch_rows("ts_top_k", rows, &[Arg::Ptr(x), Arg::Ptr(ids), Arg::I32(n as i32), Arg::I32(k as i32)])
     }
 
+    /// Each row's `k` experts and their weights; `limit`: DeepSeek V3's choice bias (a device
+    /// buffer of one value per expert, 0 for none), expert groups `[groups, kept]` and weight scale.
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_route(&self, logits: u64, ids: u64, weights: u64, rows: usize, n_expert: usize, k: usize, sigmoid: bool, normalize: bool) -> Result<(), GpuError> {
+    pub fn moe_route(&self, logits: u64, ids: u64, weights: u64, rows: usize, n_expert: usize, k: usize, sigmoid: bool, normalize: bool, limit: RouteLimit) -> Result<(), GpuError> {
         if n_expert > 256 || k == 0 || k > n_expert {
             return Err(format!("moe_route: {k} of {n_expert} experts (the kernel routes up to 256)").into());
+        }
+        let [groups, kept] = limit.groups.unwrap_or([0, 0]);
+        if limit.groups.is_some() && (groups == 0 || !n_expert.is_multiple_of(groups) || kept == 0 || kept > groups) {
+            return Err(format!("moe_route: {n_expert} experts in {groups} groups, {kept} kept").into());
         }
         self.launch_flat(
             "ts_moe_route",
             rows,
-            &[Arg::Ptr(logits), Arg::Ptr(ids), Arg::Ptr(weights), Arg::I32(rows as i32), Arg::I32(n_expert as i32), Arg::I32(k as i32), Arg::I32(sigmoid as i32), Arg::I32(normalize as i32)],
+            &[
+                Arg::Ptr(logits),
+                Arg::Ptr(ids),
+                Arg::Ptr(weights),
+                Arg::I32(rows as i32),
+                Arg::I32(n_expert as i32),
+                Arg::I32(k as i32),
+                Arg::I32(sigmoid as i32),
+                Arg::I32(normalize as i32),
+                Arg::Ptr(limit.bias),
+                Arg::I32(groups as i32),
+                Arg::I32(kept as i32),
+                Arg::F32(limit.scale),
+            ],
         )
     }
 
@@ -737,6 +762,23 @@ impl Gpu {
         let vec4 = n.is_multiple_of(4) && src.is_multiple_of(16) && dst.is_multiple_of(16);
         let threads = if vec4 { n / 4 } else { n };
         self.launch_flat("ts_copy", threads, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n as i64), Arg::I32(vec4 as i32)])
+    }
+}
+
+/// DeepSeek V3's additions to an MoE routing ([`Gpu::moe_route`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RouteLimit {
+    /// A device buffer of one choice-only bias per expert; 0 for none.
+    pub bias: u64,
+    /// `[groups, kept]`: the choice limited to the best `kept` of `groups` expert groups.
+    pub groups: Option<[usize; 2]>,
+    /// What the chosen weights are multiplied by, last.
+    pub scale: f32,
+}
+
+impl Default for RouteLimit {
+    fn default() -> Self {
+        RouteLimit { bias: 0, groups: None, scale: 1.0 }
     }
 }
 

@@ -3,8 +3,11 @@
 //! (`Tap::enabled`). The weights come through the cpu device's GGUF loader, so both engines read
 //! a model file the same way; nothing of the cpu device's arithmetic is reused.
 
+use super::cache::{record, record_at, KvCache, LayerState, Seg};
+use super::mla::{GpuMla, MlaStep, Rows};
+use super::ssm::{GpuSsm, SsmStep};
 use super::{DevBuf, Gpu, GpuMat};
-use crate::shared::host::{Ffn, HostWeights, PackedMat};
+use crate::shared::host::{Ffn, HostWeights, Mixer, PackedMat};
 use crate::{Arithmetic, DeviceError, DeviceModel, ModelOptions};
 use oracle::spec::{Activation, BlockKind, Gating, ModelSpec, RopeStyle, Stage};
 use oracle::Tap;
@@ -18,8 +21,7 @@ struct GpuFfn {
     bias: Option<[DevBuf; 3]>,
 }
 
-struct GpuLayer {
-    attn_norm: DevBuf,
+struct GpuAttn {
     wq: GpuMat,
     wk: GpuMat,
     wv: GpuMat,
@@ -27,99 +29,31 @@ struct GpuLayer {
     bias: Option<[DevBuf; 3]>,
     bo: Option<DevBuf>,
     qk_norm: Option<[DevBuf; 2]>,
-    ffn_norm: DevBuf,
-    post_norms: Option<[DevBuf; 2]>,
     /// One sink logit per query head (GPT-OSS).
     sinks: Option<DevBuf>,
+}
+
+/// A layer's mixing block on the device.
+enum GpuMixer {
+    Attention(GpuAttn),
+    Ssm(GpuSsm),
+    Mla(GpuMla),
+}
+
+struct GpuLayer {
+    attn_norm: DevBuf,
+    mixer: GpuMixer,
+    /// Empty (one zero) in a model without feed-forward blocks.
+    ffn_norm: DevBuf,
+    post_norms: Option<[DevBuf; 2]>,
     dense: Option<GpuFfn>,
     router: Option<GpuMat>,
     router_bias: Option<DevBuf>,
+    /// DeepSeek V3's choice-only bias of the router's scores.
+    choice_bias: Option<DevBuf>,
     experts: Vec<GpuFfn>,
     shared: Option<GpuFfn>,
     shared_gate: Option<DevBuf>,
-}
-
-/// What one layer keeps between calls on the device, by the kind of its block.
-enum LayerState {
-    /// An attention layer's keys and values, `[capacity, kv_dim]` each.
-    Kv { k: DevBuf, v: DevBuf },
-}
-
-/// Every layer's state, the positions each can hold and the positions it holds.
-pub(super) struct KvCache {
-    layers: Vec<LayerState>,
-    capacity: usize,
-    len: usize,
-}
-
-impl KvCache {
-    pub(super) fn empty() -> KvCache {
-        KvCache { layers: Vec::new(), capacity: 0, len: 0 }
-    }
-
-    /// Grows the cache to hold `need` positions, keeping what it holds.
-    fn reserve(&mut self, g: &Arc<Gpu>, spec: &ModelSpec, need: usize) -> Result<(), String> {
-        if need <= self.capacity {
-            return Ok(());
-        }
-        let capacity = need.next_power_of_two().max(64);
-        let held = self.len;
-        // Each layer's new buffer receives the positions the old one holds (none on first use).
-        let grow = |old: Option<&DevBuf>, width: usize| -> Result<DevBuf, String> {
-            let new = g.alloc(4 * capacity * width)?;
-            if let Some(old) = old.filter(|_| held > 0) {
-                g.copy(old.ptr, new.ptr, held * width)?;
-            }
-            Ok(new)
-        };
-        let mut layers = Vec::with_capacity(spec.layers.len());
-        for (li, l) in spec.layers.iter().enumerate() {
-            layers.push(match l.block {
-                BlockKind::Attention(a) => {
-                    let old = self.layers.get(li).map(|s| match s {
-                        LayerState::Kv { k, v } => (k, v),
-                    });
-                    LayerState::Kv {
-                        k: grow(old.map(|o| o.0), a.kv_dim())?,
-                        v: grow(old.map(|o| o.1), a.kv_dim())?,
-                    }
-                }
-                // Refused at load (`shared::attention_model`): no cache for one.
-                BlockKind::Ssm(_) => return Err(format!("layer {li} is a state-space layer; this device keeps no state for one")),
-                BlockKind::Mla(_) => return Err(format!("layer {li} is a latent-attention layer; this device keeps no latent cache")),
-            });
-        }
-        self.layers = layers;
-        self.capacity = capacity;
-        Ok(())
-    }
-
-    /// A new cache holding this one's first `n` positions (a prefix another request reuses),
-    /// copied on the device.
-    pub(super) fn prefix(&self, g: &Arc<Gpu>, spec: &ModelSpec, n: usize) -> Result<KvCache, String> {
-        if n > self.len {
-            return Err(format!("a prefix of {n} positions from a cache of {}", self.len));
-        }
-        let mut out = KvCache::empty();
-        out.reserve(g, spec, n.max(1))?;
-        for (li, (mine, theirs)) in self.layers.iter().zip(&out.layers).enumerate() {
-            let a = crate::shared::attention_block(spec, li, "this device")?;
-            let (LayerState::Kv { k, v }, LayerState::Kv { k: k2, v: v2 }) = (mine, theirs);
-            if n > 0 {
-                g.copy(k.ptr, k2.ptr, n * a.kv_dim())?;
-                g.copy(v.ptr, v2.ptr, n * a.kv_dim())?;
-            }
-        }
-        out.len = n;
-        Ok(out)
-    }
-}
-
-/// One sequence's part of a batch: its tokens from position `start`, attending to `caches[cache]`.
-pub(super) struct Seg<'a> {
-    pub cache: usize,
-    pub start: usize,
-    pub tokens: &'a [u32],
 }
 
 pub struct GpuModel {
@@ -132,18 +66,6 @@ pub struct GpuModel {
     kv: KvCache,
 }
 
-fn record(taps: &mut dyn Tap, name: &str, buf: &DevBuf, start: usize, m: usize, width: usize) -> Result<(), String> {
-    record_at(taps, name, buf, 0, start, m, width)
-}
-
-/// [`record`] of the `m * width` floats at `offset` (floats) in `buf` (a slice of the KV cache).
-fn record_at(taps: &mut dyn Tap, name: &str, buf: &DevBuf, offset: usize, start: usize, m: usize, width: usize) -> Result<(), String> {
-    if taps.enabled() {
-        taps.record(name, start, m, width, &buf.download_f32_at(offset, m * width)?);
-    }
-    Ok(())
-}
-
 impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, path: &std::path::Path, opts: &ModelOptions) -> Result<GpuModel, DeviceError> {
         let name = gpu.backend.name();
@@ -152,10 +74,7 @@ impl GpuModel {
         if kv != crate::KvTypes::default() {
             return Err(fail(format!("a {kv} KV cache is not implemented on GPU devices (the cache is f32)")));
         }
-        // Attention layers only, unscaled residuals and logits: refused, named, before any weight
-        // is read.
-        let check = |_: &str, spec: &oracle::ModelSpec| crate::shared::attention_model(spec, &name);
-        let host = HostWeights::load(path, &name, &check)?;
+        let host = HostWeights::load(path, &name, &|_, _| Ok(()))?;
         let mat = |p: &PackedMat| gpu.upload_mat(p.ty, p.rows, p.cols, &p.bytes);
         let vec = |v: &Vec<f32>| gpu.upload_f32(v);
         let ffn = |f: &Ffn| -> Result<GpuFfn, String> {
@@ -167,32 +86,39 @@ impl GpuModel {
         };
         let upload = || -> Result<GpuModel, String> {
             let mut layers = Vec::with_capacity(host.layers.len());
-            for (li, l) in host.layers.iter().enumerate() {
-                let a = l.mixer.attention().ok_or_else(|| format!("layer {li} is not an attention layer"))?;
+            for l in &host.layers {
+                let mixer = match &l.mixer {
+                    Mixer::Attention(a) => GpuMixer::Attention(GpuAttn {
+                        wq: mat(&a.wq)?,
+                        wk: mat(&a.wk)?,
+                        wv: mat(&a.wv)?,
+                        wo: mat(&a.wo)?,
+                        bias: match &a.bias {
+                            Some([a, b, c]) => Some([vec(a)?, vec(b)?, vec(c)?]),
+                            None => None,
+                        },
+                        bo: a.bo.as_ref().map(vec).transpose()?,
+                        qk_norm: match &a.qk_norm {
+                            Some([a, b]) => Some([vec(a)?, vec(b)?]),
+                            None => None,
+                        },
+                        sinks: a.sinks.as_ref().map(vec).transpose()?,
+                    }),
+                    Mixer::Ssm(w) => GpuMixer::Ssm(GpuSsm::upload(&gpu, w)?),
+                    Mixer::Mla(w) => GpuMixer::Mla(GpuMla::upload(&gpu, w)?),
+                };
                 layers.push(GpuLayer {
                     attn_norm: vec(&l.attn_norm)?,
-                    wq: mat(&a.wq)?,
-                    wk: mat(&a.wk)?,
-                    wv: mat(&a.wv)?,
-                    wo: mat(&a.wo)?,
-                    bias: match &a.bias {
-                        Some([a, b, c]) => Some([vec(a)?, vec(b)?, vec(c)?]),
-                        None => None,
-                    },
-                    bo: a.bo.as_ref().map(vec).transpose()?,
-                    qk_norm: match &a.qk_norm {
-                        Some([a, b]) => Some([vec(a)?, vec(b)?]),
-                        None => None,
-                    },
-                    ffn_norm: vec(&l.ffn_norm)?,
+                    mixer,
+                    ffn_norm: if l.ffn_norm.is_empty() { vec(&vec![0.0])? } else { vec(&l.ffn_norm)? },
                     post_norms: match &l.post_norms {
                         Some([a, b]) => Some([vec(a)?, vec(b)?]),
                         None => None,
                     },
-                    sinks: a.sinks.as_ref().map(vec).transpose()?,
                     dense: l.dense.as_ref().map(ffn).transpose()?,
                     router: l.router.as_ref().map(mat).transpose()?,
                     router_bias: l.router_bias.as_ref().map(vec).transpose()?,
+                    choice_bias: l.choice_bias.as_ref().map(vec).transpose()?,
                     experts: l.experts.iter().map(ffn).collect::<Result<_, _>>()?,
                     shared: l.shared.as_ref().map(ffn).transpose()?,
                     shared_gate: l.shared_gate.as_ref().map(vec).transpose()?,
@@ -256,7 +182,8 @@ impl GpuModel {
         }
         let (ids_buf, weights) = (g.alloc(4 * m * k)?, g.alloc(4 * m * k)?);
         let sigmoid = ms.gating == Gating::Sigmoid;
-        g.moe_route(logits.ptr, ids_buf.ptr, weights.ptr, m, ne, k, sigmoid, ms.normalize_topk)?;
+        let limit = super::RouteLimit { bias: layer.choice_bias.as_ref().map_or(0, |b| b.ptr), groups: ms.groups, scale: ms.weights_scale.unwrap_or(1.0) as f32 };
+        g.moe_route(logits.ptr, ids_buf.ptr, weights.ptr, m, ne, k, sigmoid, ms.normalize_topk, limit)?;
         // The host launches the chosen experts, so it needs their ids (as engines that route
         // on the host do); the weights stay on the device.
         let ids = ids_buf.download_u32(m * k)?;
@@ -329,8 +256,13 @@ impl GpuModel {
         let start = segs[0].start;
         let positions: Vec<usize> = segs.iter().flat_map(|g| g.start..g.start + g.tokens.len()).collect();
         let d = s.n_embd;
-        // Query-sized buffers hold the widest layer's.
-        let qd_max = s.n_head * s.head_dim;
+        // Query-sized buffers hold the widest layer's (an output gate's rows beside its query's
+        // before they are split).
+        let qd_max = s.layers.iter().fold(s.n_head * s.head_dim, |w, l| match l.block {
+            BlockKind::Mla(b) => w.max(b.q_dim()).max(b.out_dim()),
+            _ => w,
+        });
+        let gate = if s.attn_gate { Some((g.alloc(4 * m * 2 * qd_max)?, g.alloc(4 * m * qd_max)?)) } else { None };
         let kvd_max = s.layers.iter().map(|l| match l.block {
             BlockKind::Attention(a) => a.kv_dim(),
             BlockKind::Ssm(_) | BlockKind::Mla(_) => 0,
@@ -363,19 +295,55 @@ impl GpuModel {
             let mut ffn_out: Option<DevBuf> = None;
             // What each residual adds: the sublayer's output, or its post-norm (held in `post`).
             let (mut attn_res, mut ffn_res) = (attn_out.ptr, None);
-            let a = crate::shared::attention_block(s, li, "this device")?;
-            let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
-            let LayerState::Kv { k: kc, v: vc } = &caches[segs[0].cache].layers[li];
-            let at = start * kvd;
-            // Where this step's keys and values are until attention: the batch buffers, or the cache.
-            let ((kbuf, vbuf), kv_at) = match &batch_kv {
-                Some((kb, vb)) => ((kb, vb), 0),
-                None => ((kc, vc), at),
+            // An attention layer's shapes and where this step's keys and values are until
+            // attention: the batch buffers, or the cache (placeholders in another layer, whose
+            // stages do not read them).
+            let (a, kv_bufs, kv_at) = match (&s.layers[li].block, &caches[segs[0].cache].layers[li], &batch_kv) {
+                (BlockKind::Attention(a), _, Some((kb, vb))) => (Some(*a), Some((kb, vb)), 0),
+                (BlockKind::Attention(a), LayerState::Kv { k, v }, None) => (Some(*a), Some((k, v)), start * a.kv_dim()),
+                _ => (None, None, 0),
             };
-            let (k, v) = (kbuf.at_f32(kv_at), vbuf.at_f32(kv_at));
+            let (hd, qd, kvd) = a.map_or((0, 0, 0), |a| (a.head_dim, a.q_dim(), a.kv_dim()));
+            let (k, v) = kv_bufs.map_or((0, 0), |(kb, vb)| (kb.at_f32(kv_at), vb.at_f32(kv_at)));
+            let (mut ssm, mut ssm_normed): (Option<SsmStep>, Option<DevBuf>) = (None, None);
+            let mut mla: Option<MlaStep> = None;
             let stages = &s.layers[li].stages;
             for (si, stage) in stages.iter().enumerate() {
                 let layer = &self.layers[li];
+                let (lw, sw) = match (&layer.mixer, s.layers[li].block) {
+                    (GpuMixer::Attention(w), BlockKind::Attention(_)) => (Some(w), None),
+                    (GpuMixer::Ssm(w), BlockKind::Ssm(b)) => (None, Some((w, b))),
+                    (GpuMixer::Mla(_), BlockKind::Mla(_)) => (None, None),
+                    _ => return Err(format!("layer {li}: its weights and its block disagree")),
+                };
+                let wrong = |what: &str| format!("layer {li}: a {stage:?} stage in a layer without {what}");
+                let kv_bufs = || kv_bufs.ok_or_else(|| wrong("keys and values"));
+                // A latent-attention layer's own projections, rotation and attention.
+                if let (GpuMixer::Mla(w), BlockKind::Mla(b)) = (&layer.mixer, s.layers[li].block) {
+                    let rows = Rows { m, start, name: &name };
+                    match stage {
+                        Stage::QkvProj => {
+                            mla = Some(MlaStep::project(&g, &b, w, h.ptr, d, &q, eps, &rows, taps)?);
+                            continue;
+                        }
+                        Stage::Rope => {
+                            let table = &tables.iter().find(|(r, _)| *r == &s.rope).ok_or("no RoPE table for latent attention")?.1;
+                            mla.as_ref().ok_or_else(|| wrong("a latent projection"))?.rope(&g, &b, &q, table, s.rope.n_rot, neox, &rows, taps)?;
+                            continue;
+                        }
+                        Stage::Attention => {
+                            mla.as_ref().ok_or_else(|| wrong("a latent projection"))?.attend(&g, &b, w, li, caches, segs, (q.ptr, pos.ptr, attn.ptr), s.attn_scale as f32)?;
+                            record(taps, &name("attn_kqv"), &attn, start, m, b.out_dim())?;
+                            continue;
+                        }
+                        Stage::AttnOutProj => {
+                            g.matmul(&w.wo, attn.ptr, b.out_dim(), m, attn_out.ptr)?;
+                            record(taps, &name("attn_out"), &attn_out, start, m, d)?;
+                            continue;
+                        }
+                        _ => {}
+                    }
+                }
                 if std::mem::take(&mut normed) {
                     // Its tap was recorded where the launch ran.
                     debug_assert!(matches!(stage, Stage::AttnNorm | Stage::FfnNorm));
@@ -387,8 +355,18 @@ impl GpuModel {
                         record(taps, &name("attn_norm"), &h, start, m, d)?;
                     }
                     Stage::QkvProj => {
-                        g.matmul_group(&[(&layer.wq, q.ptr), (&layer.wk, k), (&layer.wv, v)], h.ptr, d, m)?;
-                        if let Some([bq, bk, bv]) = &layer.bias {
+                        let (w, (kbuf, vbuf)) = (lw.ok_or_else(|| wrong("attention weights"))?, kv_bufs()?);
+                        match &gate {
+                            // Per head: its query's hd values, then its gate's.
+                            Some((qg, gt)) => {
+                                g.matmul_group(&[(&w.wq, qg.ptr), (&w.wk, k), (&w.wv, v)], h.ptr, d, m)?;
+                                g.copy_cols((qg.ptr, 2 * hd, 0), (q.ptr, hd, 0), m * qd / hd, hd)?;
+                                g.copy_cols((qg.ptr, 2 * hd, hd), (gt.ptr, hd, 0), m * qd / hd, hd)?;
+                                record(taps, &name("attn_gate"), gt, start, m, qd)?;
+                            }
+                            None => g.matmul_group(&[(&w.wq, q.ptr), (&w.wk, k), (&w.wv, v)], h.ptr, d, m)?,
+                        }
+                        if let Some([bq, bk, bv]) = &w.bias {
                             g.add(q.ptr, bq.ptr, q.ptr, m * qd, qd)?;
                             g.add(k, bk.ptr, k, m * kvd, kvd)?;
                             g.add(v, bv.ptr, v, m * kvd, kvd)?;
@@ -398,7 +376,8 @@ impl GpuModel {
                         record_at(taps, &name("attn_v"), vbuf, kv_at, start, m, kvd)?;
                     }
                     Stage::QkNorm => {
-                        if let Some([qn, kn]) = &layer.qk_norm {
+                        let (w, (kbuf, _), a) = (lw.ok_or_else(|| wrong("attention weights"))?, kv_bufs()?, a.ok_or_else(|| wrong("attention"))?);
+                        if let Some([qn, kn]) = &w.qk_norm {
                             g.rms_norm_pair(
                                 (q.ptr, qn.ptr, q.ptr, m * a.n_head),
                                 (k, kn.ptr, k, m * a.n_head_kv),
@@ -410,6 +389,7 @@ impl GpuModel {
                         record_at(taps, &name("attn_k_norm"), kbuf, kv_at, start, m, kvd)?;
                     }
                     Stage::Rope => {
+                        let ((kbuf, _), a) = (kv_bufs()?, a.ok_or_else(|| wrong("attention"))?);
                         let rope = s.rope_of(&a);
                         let table = &tables
                             .iter()
@@ -429,6 +409,7 @@ impl GpuModel {
                         record_at(taps, &name("attn_k_rope"), kbuf, kv_at, start, m, kvd)?;
                     }
                     Stage::Attention => {
+                        let (w, a) = (lw.ok_or_else(|| wrong("attention weights"))?, a.ok_or_else(|| wrong("attention"))?);
                         let cfg = crate::shared::AttnCfg {
                             n_head: a.n_head,
                             n_head_kv: a.n_head_kv,
@@ -438,11 +419,11 @@ impl GpuModel {
                             softcap: s.attn_softcap.unwrap_or(0.0) as f32,
                             scale: s.attn_scale as f32,
                         };
-                        let sinks = layer.sinks.as_ref().map_or(0, |b| b.ptr);
+                        let sinks = w.sinks.as_ref().map_or(0, |b| b.ptr);
                         let mut r0 = 0;
                         for seg in segs {
                             let n = seg.tokens.len();
-                            let LayerState::Kv { k: kc, v: vc } = &caches[seg.cache].layers[li];
+                            let LayerState::Kv { k: kc, v: vc } = &caches[seg.cache].layers[li] else { return Err(wrong("a key/value cache")) };
                             if batch_kv.is_some() {
                                 g.copy(k + 4 * (r0 * kvd) as u64, kc.at_f32(seg.start * kvd), n * kvd)?;
                                 g.copy(v + 4 * (r0 * kvd) as u64, vc.at_f32(seg.start * kvd), n * kvd)?;
@@ -452,12 +433,43 @@ impl GpuModel {
                         }
                         record(taps, &name("attn_kqv"), &attn, start, m, qd)?;
                     }
+                    Stage::AttnGate => {
+                        let (_, gt) = gate.as_ref().ok_or_else(|| wrong("an output gate"))?;
+                        g.glu(gt.ptr, attn.ptr, attn.ptr, m * qd, 2)?;
+                        record(taps, &name("attn_gated"), &attn, start, m, qd)?;
+                    }
                     Stage::AttnOutProj => {
-                        g.matmul(&layer.wo, attn.ptr, qd, m, attn_out.ptr)?;
-                        if let Some(bo) = &layer.bo {
+                        let w = lw.ok_or_else(|| wrong("attention weights"))?;
+                        g.matmul(&w.wo, attn.ptr, qd, m, attn_out.ptr)?;
+                        if let Some(bo) = &w.bo {
                             g.add(attn_out.ptr, bo.ptr, attn_out.ptr, m * d, d)?;
                         }
                         record(taps, &name("attn_out"), &attn_out, start, m, d)?;
+                    }
+                    Stage::SsmInProj => {
+                        let (w, b) = sw.ok_or_else(|| wrong("a state-space block"))?;
+                        ssm = Some(SsmStep::project(&g, &b, w, h.ptr, d, m, taps, &name("ssm_in"), start)?);
+                    }
+                    Stage::SsmConv => {
+                        let ((w, b), st) = (sw.ok_or_else(|| wrong("a state-space block"))?, ssm.as_mut().ok_or_else(|| wrong("an input projection"))?);
+                        let xbc = st.convolve(&g, &b, w, li, caches, segs)?;
+                        record(taps, &name("ssm_conv"), xbc, start, m, b.conv_dim())?;
+                    }
+                    Stage::SsmScan => {
+                        let ((w, b), st) = (sw.ok_or_else(|| wrong("a state-space block"))?, ssm.as_mut().ok_or_else(|| wrong("an input projection"))?);
+                        let y = st.scan(&g, &b, w, li, caches, segs, taps, &name("ssm_state"), start)?;
+                        record(taps, &name("ssm_scan"), y, start, m, b.d_inner)?;
+                    }
+                    Stage::SsmNorm => {
+                        let ((w, b), st) = (sw.ok_or_else(|| wrong("a state-space block"))?, ssm.as_ref().ok_or_else(|| wrong("an input projection"))?);
+                        let normed = st.norm(&g, &b, w, eps)?;
+                        record(taps, &name("ssm_norm"), &normed, start, m, b.d_inner)?;
+                        ssm_normed = Some(normed);
+                    }
+                    Stage::SsmOutProj => {
+                        let ((w, b), y) = (sw.ok_or_else(|| wrong("a state-space block"))?, ssm_normed.as_ref().ok_or_else(|| wrong("a gated norm"))?);
+                        g.matmul(&w.out, y.ptr, b.d_inner, m, attn_out.ptr)?;
+                        record(taps, &name("ssm_out"), &attn_out, start, m, d)?;
                     }
                     // The attention residual is added before the FFN runs, so one buffer serves
                     // both post-norms.
@@ -474,6 +486,9 @@ impl GpuModel {
                         ffn_res = Some(p.ptr);
                     }
                     Stage::AttnResidual => {
+                        if let Some(c) = s.residual_scale {
+                            g.scale(attn_res, c as f32, m * d)?;
+                        }
                         if stages.get(si + 1) == Some(&Stage::FfnNorm) {
                             g.add_rms_norm(x.ptr, attn_res, layer.ffn_norm.ptr, h.ptr, m, d, eps)?;
                             record(taps, &name("ffn_inp"), &x, start, m, d)?;
@@ -499,11 +514,15 @@ impl GpuModel {
                         record(taps, &name("ffn_out"), &o, start, m, d)?;
                         ffn_out = Some(o);
                     }
-                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual | Stage::AttnGate => {
-                        return Err(format!("layer {li}: a {stage:?} stage; this device runs attention layers without an output gate only"));
-                    }
-                    Stage::FfnResidual => {
-                        let o = ffn_res.or(ffn_out.as_ref().map(|o| o.ptr)).ok_or("FFN residual before an FFN stage")?;
+                    // The residual that ends a layer: the FFN's, or (a layer without one) the mixer's.
+                    Stage::FfnResidual | Stage::MixerResidual => {
+                        let o = match stage {
+                            Stage::MixerResidual => attn_out.ptr,
+                            _ => ffn_res.or(ffn_out.as_ref().map(|o| o.ptr)).ok_or("FFN residual before an FFN stage")?,
+                        };
+                        if let Some(c) = s.residual_scale {
+                            g.scale(o, c as f32, m * d)?;
+                        }
                         // The norm that comes next: the next layer's attention norm when its
                         // stages start with it, else (the last layer) the output norm.
                         let next = if si + 1 < stages.len() {
@@ -545,6 +564,9 @@ impl GpuModel {
         let (rows, row0) = if all_logits { (m, 0) } else { (1, m - 1) };
         let logits = g.alloc(4 * rows * s.n_vocab)?;
         g.matmul(head, h.at_f32(row0 * d), d, rows, logits.ptr)?;
+        if let Some(c) = s.logit_scale {
+            g.scale(logits.ptr, 1.0 / c as f32, rows * s.n_vocab)?;
+        }
         if let Some(c) = s.final_softcap {
             g.softcap(logits.ptr, c as f32, rows * s.n_vocab)?;
         }

@@ -4,7 +4,8 @@
 //! copied on the device from the cache of the request that computed it (kept, moved out of its
 //! slot, after that request ends for as long as a later one reuses it).
 
-use super::model::{GpuModel, KvCache, Seg};
+use super::cache::{KvCache, Seg};
+use super::model::GpuModel;
 use crate::shared::segment_tap::SegmentTap;
 use oracle::schedule::{Schedule, Served};
 use oracle::Tap;
@@ -22,7 +23,7 @@ impl GpuModel {
             None => None,
         };
         let n_vocab = self.spec.n_vocab;
-        let mut slots: Vec<KvCache> = (0..schedule.slots).map(|_| KvCache::empty()).collect();
+        let mut slots: Vec<KvCache> = (0..schedule.slots).map(|_| KvCache::serving()).collect();
         let reused = schedule.prefix_sources();
         let mut kept: BTreeMap<usize, KvCache> = BTreeMap::new();
         let mut out = Served::new();
@@ -31,7 +32,7 @@ impl GpuModel {
             for &i in &step.arrivals {
                 let r = &schedule.requests[i];
                 slots[r.slot] = match &r.prefix {
-                    None => KvCache::empty(),
+                    None => KvCache::serving(),
                     Some(p) => {
                         let si = schedule.index_of(&p.from).ok_or_else(|| format!("schedule: request `{}`: no request `{}`", r.id, p.from))?;
                         let source = kept.get(&si).unwrap_or(&slots[schedule.requests[si].slot]);
