@@ -35,6 +35,7 @@ macro_rules! device_names {
 }
 
 mod arithmetic;
+pub mod case_file;
 pub mod cpu;
 pub mod external;
 pub mod fixed;

@@ -168,7 +168,7 @@ pub fn read_capabilities(path: &Path) -> Result<Option<Capabilities>, String> {
 }
 
 /// The input tensors of a batch, named `{index}.{input}`, and each case's entry of `cases.json`.
-fn write_batch(dir: &Path, batch: &[(&OpCase, Vec<OutputSpec>)]) -> Result<(), String> {
+pub(crate) fn write_batch(dir: &Path, batch: &[(&OpCase, Vec<OutputSpec>)]) -> Result<(), String> {
     let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut entries = Vec::new();
     for (i, (case, outputs)) in batch.iter().enumerate() {

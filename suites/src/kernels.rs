@@ -140,8 +140,17 @@ fn prepare(device: &dyn Device, case: &OpCase) -> Result<Vec<Output>, Case> {
     if let Support::Unsupported(why) = device.supports(case) {
         return Err(verdict(device, case, Verdict::Unsupported, Some(why)));
     }
-    let entry = registry().into_iter().find(|e| e.op == case.op).expect("case from the registry");
-    (entry.reference)(case).map_err(|e| verdict(device, case, Verdict::Error, Some(format!("oracle: {e}"))))
+    reference(case).map_err(|e| verdict(device, case, Verdict::Error, Some(e)))
+}
+
+/// The oracle's outputs for `case`. A case read from a file whose inputs do not fit together
+/// (shapes its parameters contradict) is an error naming it, never a panic of the run.
+pub fn reference(case: &OpCase) -> Result<Vec<Output>, String> {
+    let entry = registry().into_iter().find(|e| e.op == case.op).ok_or_else(|| format!("oracle: no op `{}` in the registry", case.op))?;
+    match std::panic::catch_unwind(|| (entry.reference)(case)) {
+        Ok(r) => r.map_err(|e| format!("oracle: {e}")),
+        Err(_) => Err(format!("oracle: the inputs of `{}` do not fit its op's shapes and parameters", case.id)),
+    }
 }
 
 /// A case decided without a comparison.

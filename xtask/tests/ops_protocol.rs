@@ -350,3 +350,51 @@ fn a_bf16_engine_passes_declared_as_bf16_and_fails_declared_as_f32() {
         assert!(failed.get(op).copied().unwrap_or(0) * 2 > all[op], "{op}: {failed:?} of {all:?}");
     }
 }
+
+/// `kernels --write-cases DIR` writes the selected cases (an op batch with the oracle's outputs);
+/// `kernels --cases DIR` reruns them on any device with the same verdicts: green on `cpu` and on
+/// the numpy engine, red on exactly the same cases as the registry's own run where the numpy
+/// engine has a seeded bug. A case file whose case does not fit its op's form (an input renamed,
+/// a shape that contradicts its tensor) or is missing is refused with exit 2, naming the file,
+/// the case and the input; nothing runs.
+#[test]
+fn written_cases_rerun_anywhere_with_the_same_verdicts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cases");
+    let filter = "^(rms_norm|rope)\\(";
+    let (o, r) = kernels("cpu", &["--filter", filter, "--write-cases", dir.to_str().unwrap()], &tmp.path().join("written"), &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let n = r["summary"]["executed"].as_u64().unwrap();
+    assert!(n > 100 && text(&o).contains(&format!("wrote {n} cases")), "{}", text(&o));
+    for f in ["cases.json", "inputs.safetensors", "expected.safetensors"] {
+        assert!(dir.join(f).is_file(), "{f} not written");
+    }
+    let failing = |r: &serde_json::Value| -> BTreeSet<String> { r["cases"].as_array().unwrap().iter().filter(|c| c["verdict"] != "pass").map(|c| c["id"].as_str().unwrap().to_string()).collect() };
+    for device in ["cpu", NUMPY] {
+        let (o, r) = kernels(device, &["--cases", dir.to_str().unwrap()], &tmp.path().join("rerun"), &[]);
+        assert_eq!(o.status.code(), Some(0), "{device}: {}", text(&o));
+        assert_eq!(r["summary"]["passed"].as_u64(), Some(n), "{device}: {}", r["summary"]);
+    }
+    let bug = [("TOUCHSTONE_EXAMPLE_BUG", "rope_pairs_swapped")];
+    let (_, direct) = kernels(NUMPY, &["--filter", filter], &tmp.path().join("direct-bug"), &bug);
+    let (o, rerun) = kernels(NUMPY, &["--cases", dir.to_str().unwrap()], &tmp.path().join("rerun-bug"), &bug);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(!failing(&direct).is_empty() && failing(&direct) == failing(&rerun), "direct {:?} vs rerun {:?}", failing(&direct), failing(&rerun));
+    // Hostile files: refused before anything runs, naming what is wrong.
+    let cases: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    for (what, path, value, says) in [("renamed", "/cases/0/inputs/0/name", serde_json::json!("y"), "inputs y (f32)"), ("reshaped", "/cases/0/inputs/0/shape", serde_json::json!([2, 2]), "declared f32 [2, 2], stored F32")] {
+        let bad = tmp.path().join(what);
+        std::fs::create_dir_all(&bad).unwrap();
+        for f in ["inputs.safetensors", "expected.safetensors"] {
+            std::fs::copy(dir.join(f), bad.join(f)).unwrap();
+        }
+        let mut c = cases.clone();
+        *c.pointer_mut(path).unwrap() = value;
+        std::fs::write(bad.join("cases.json"), c.to_string()).unwrap();
+        let o = xtask(&["kernels", "--device", "cpu", "--cases", bad.to_str().unwrap()], &[]);
+        let id = cases["cases"][0]["id"].as_str().unwrap();
+        assert!(o.status.code() == Some(2) && stderr(&o).contains(says) && stderr(&o).contains(id) && stderr(&o).contains("cases.json"), "{what}: {}", text(&o));
+    }
+    let o = xtask(&["kernels", "--device", "cpu", "--cases", tmp.path().join("absent").to_str().unwrap()], &[]);
+    assert!(o.status.code() == Some(2) && stderr(&o).contains("absent"), "{}", text(&o));
+}

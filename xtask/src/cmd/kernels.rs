@@ -34,6 +34,16 @@ pub struct KernelsArgs {
     /// `device`, the op protocol's `name`), with " (external)" where that reads as another device.
     #[arg(long)]
     name: Option<String>,
+    /// Run the cases written to this directory (by --write-cases: an op batch with the oracle's
+    /// outputs) instead of the registry's; --filter still narrows them. The verdicts are the
+    /// oracle's and the device's own, never the file's.
+    #[arg(long, conflicts_with_all = ["seed", "shard"])]
+    cases: Option<PathBuf>,
+    /// Also write the selected cases (inputs, parameters, the oracle's outputs) to this
+    /// directory, as an op batch any engine runs (docs/OP_PROTOCOL.md): a repro to attach to a
+    /// bug report, rerun anywhere with --cases.
+    #[arg(long, conflicts_with = "list")]
+    write_cases: Option<PathBuf>,
 }
 
 pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
@@ -46,9 +56,21 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
         None => None,
     };
     let opts = suites::kernels::KernelOptions { filter, shard: a.shard.as_deref().map(parse_shard).transpose()?, perf: a.perf, seed: a.seed };
-    let selected = suites::kernels::select_cases(&opts);
+    let selected = match &a.cases {
+        Some(dir) => {
+            let read = devices::case_file::read_cases(dir).map_err(|e| Exit::new(2, format!("--cases: {e}")))?;
+            read.into_iter().filter(|c| opts.filter.as_ref().is_none_or(|f| f.is_match(&c.id))).collect()
+        }
+        None => suites::kernels::select_cases(&opts),
+    };
     if a.list {
         return list(device.as_ref(), &selected, a.filter.is_some() || a.shard.is_some());
+    }
+    if let Some(dir) = &a.write_cases {
+        write_cases(dir, &selected)?;
+    }
+    if selected.is_empty() && a.cases.is_some() {
+        return Err(Exit::new(2, "--filter holds none of the cases of --cases".to_string()));
     }
     if selected.is_empty() {
         eprintln!("note: the selection (--filter, --shard) holds none of the {} cases; list them with --list", suites::kernels::select_cases(&suites::kernels::KernelOptions { seed: a.seed, ..Default::default() }).len());
@@ -63,6 +85,17 @@ pub fn main(a: KernelsArgs) -> Result<u8, Exit> {
     let dir = super::write_report(&mut report, a.report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(report.exit_code())
+}
+
+/// `--write-cases`: the selected cases and the oracle's outputs for each, written to `dir`.
+fn write_cases(dir: &std::path::Path, selected: &[oracle::registry::OpCase]) -> Result<(), Exit> {
+    if selected.is_empty() {
+        return Err(Exit::new(2, "--write-cases: the selection holds no case".to_string()));
+    }
+    let expected = selected.iter().map(suites::kernels::reference).collect::<Result<Vec<_>, _>>().map_err(|e| Exit::new(1, format!("--write-cases: {e}")))?;
+    devices::case_file::write_cases(dir, selected, &expected).map_err(|e| Exit::new(1, format!("--write-cases: {e}")))?;
+    outln!("wrote {} cases to {} (rerun: cargo xtask kernels --cases {} --device D)", selected.len(), dir.display(), dir.display());
+    Ok(())
 }
 
 /// `--list`: one line per selected case, `unsupported: WHY` after those the device cannot run;
