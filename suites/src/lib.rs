@@ -12,6 +12,7 @@ pub mod fixedtoken;
 pub mod kernels;
 pub mod layerdiff;
 pub mod machine;
+pub mod reduce;
 pub mod membw;
 pub mod selfcheck;
 pub mod serving;

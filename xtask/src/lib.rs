@@ -68,6 +68,8 @@ enum Command {
     Gate(cmd::gate::GateArgs),
     /// Kernel-level gate: every registry op case on a device vs the oracle, with derived tolerances.
     Kernels(cmd::kernels::KernelsArgs),
+    /// From the first tap over its budget to the smallest kernel case that still fails on the device alone, written for `kernels --cases`.
+    Reduce(cmd::reduce::ReduceArgs),
     /// Layer-diff gate: every tap of a device's forward pass vs the oracle (isolated and propagated), first divergence, plots.
     LayerDiff(cmd::layerdiff::LayerDiffArgs),
     /// Fixed-token gate: teacher-forced KLD/top-1/Δp vs the oracle, greedy vs the golden sequence, cache consistency.
@@ -177,6 +179,7 @@ pub fn main() -> ExitCode {
         Command::Gate(a) => cmd::gate::main(a),
         Command::Kernels(a) => cmd::kernels::main(a),
         Command::LayerDiff(a) => cmd::layerdiff::main(a),
+        Command::Reduce(a) => cmd::reduce::main(a),
         Command::FixedToken(a) => cmd::fixedtoken::main(a),
         Command::Serving(a) => cmd::serving::main(a),
         Command::Bisect(a) => cmd::bisect::main(a),

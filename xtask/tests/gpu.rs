@@ -404,3 +404,39 @@ fn bench_on_a_gpu_device_profiles_the_kernels_of_a_decode_step() {
     assert!(m["decode_kernel_busy_fraction"].as_f64().unwrap() > 0.0, "{m}");
     assert_eq!(r["decode_kernels"]["rows"].as_array().map(Vec::len), Some(kernels.len()), "{}", r["decode_kernels"]);
 }
+
+/// `reduce` turns a red layer-diff into a one-op case: with the SiLU kernel 0.1% off or the
+/// attention scores 1% off, the first divergence (`ffn_act`, `attn_kqv`) becomes a `swiglu` or
+/// `attention` case over one position that still fails on the device; the case directory it
+/// writes fails again through `kernels --cases` on that device and passes on `cpu`. A correct
+/// device has nothing to reduce (exit 0).
+#[test]
+fn reduce_turns_a_red_tap_into_a_one_op_case_that_reruns() {
+    if !emulator_available() {
+        return;
+    }
+    let o = xtask(&["reduce", "--device", "gpu-emu", "--model", "tiny-llama"], &[]);
+    assert!(o.status.code() == Some(0) && text(&o).contains("nothing to reduce"), "{}", text(&o));
+    for (good, bad, op, tap) in [("return x / (1.0f + expf(-x));", "return x / (1.0f + expf(-1.001f * x));", "swiglu", "blk.0.ffn_act"), ("        s *= scale;", "        s *= scale * 1.01f;", "attention", "blk.0.attn_kqv")] {
+        let broken = broken_source(good, bad);
+        let env = [("TOUCHSTONE_KERNEL_SOURCE", broken.path().to_str().unwrap())];
+        let dir = tempfile::tempdir().unwrap();
+        let o = xtask(&["reduce", "--device", "gpu-emu", "--model", "tiny-llama", "--report-dir", dir.path().to_str().unwrap()], &env);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        let r = report(dir.path());
+        let red = &r["reduce"];
+        assert_eq!(red["tap"], tap, "{red}");
+        assert_eq!(red["reduced"], true, "{red}");
+        assert_eq!(red["rerun"], "fail", "{red}");
+        let case = red["case"].as_str().unwrap();
+        assert!(case.starts_with(&format!("{op}(from={tap},")) && case.contains("rows=1x"), "{case}");
+        let steps = red["steps"].as_array().unwrap();
+        assert!(steps.len() >= 2 && steps.iter().all(|s| s["verdict"].is_string()), "{red}");
+        assert!(steps.last().unwrap()["values"].as_u64() < steps[0]["values"].as_u64(), "{red}");
+        let cases = dir.path().join("case");
+        let o = xtask(&["kernels", "--device", "gpu-emu", "--cases", cases.to_str().unwrap(), "--report-dir", dir.path().join("rerun").to_str().unwrap()], &env);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        let o = xtask(&["kernels", "--device", "cpu", "--cases", cases.to_str().unwrap(), "--report-dir", dir.path().join("cpu").to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    }
+}

@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod layerdiff;
 #[cfg(feature = "cuda")]
 pub mod ptx;
+pub mod reduce;
 pub mod report;
 pub mod roofline;
 pub mod run;

@@ -1,0 +1,108 @@
+//! `cargo xtask reduce`: from the first tap over its budget to the smallest kernel case that
+//! still fails on the device alone (suites::reduce), written as a case directory any device or
+//! engine reruns (`kernels --cases`).
+
+use super::{check_ids, load_engine};
+use crate::Exit;
+use devices::DeviceSpec;
+use oracle::{Precision, RecordingTap};
+use reports::{Provenance, Report};
+use std::path::PathBuf;
+use suites::layerdiff::{self, Mode};
+use suites::reduce;
+
+#[derive(clap::Args)]
+pub struct ReduceArgs {
+    #[arg(long, value_parser = super::device_arg, help = concat!("Device under test: ", devices::device_names!(), ". Its whole model gives the divergence, its ops run the case (an exec: engine speaks the dump and the op protocol).") )]
+    device: DeviceSpec,
+    #[arg(long, help = concat!("Model: ", fixtures::model_names!(), ", or a path to a .gguf file, a flat file or a safetensors directory."))]
+    model: String,
+    /// Token ids to run, comma-separated (default as layer-diff's).
+    #[arg(long, conflicts_with = "prompt")]
+    prompt_ids: Option<String>,
+    /// Text to run instead, tokenized with the model's own tokenizer.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Where report.json (the divergence, each reduction step and its verdict) and case/ (the
+    /// reduced case, for `kernels --cases`) go (default target/touchstone/reduce-YYYYMMDD-HHMMSS/).
+    #[arg(long)]
+    report_dir: Option<PathBuf>,
+}
+
+pub fn main(a: ReduceArgs) -> Result<u8, Exit> {
+    super::check_report_dir(a.report_dir.as_deref())?;
+    super::check_runs_ops(a.device.name())?;
+    let (path, mut engine, tok) = load_engine(&a.model, &a.device, Precision::F32)?;
+    let ids = match super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)? {
+        Some(ids) => ids,
+        None => super::layerdiff::default_prompt(tok.as_ref(), engine.spec().n_vocab)?,
+    };
+    check_ids(&ids, engine.spec().n_vocab)?;
+    super::check_recordings_fit("reduce", engine.spec(), true, ids.len(), 5)?;
+    let stages = super::Stages::new(3, &format!("reduce {} on {}", a.device, a.model));
+    stages.next(&format!("{}: every tap", a.device));
+    let mut device_taps = RecordingTap::default();
+    engine.prefill(&ids, &mut device_taps)?;
+    let arith = engine.arithmetic();
+    let spec = engine.spec().clone();
+    drop(engine);
+    stages.next("the oracle: its own run and on the device's values");
+    let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
+    let outcome = layerdiff::run(&oracle_model, &path, &ids, &device_taps, &arith, Mode::Isolated, 4.0, &a.model, a.device.name()).map_err(|e| Exit::new(2, e))?;
+    let Some(first) = outcome.findings.first_divergence.clone() else {
+        drop(stages);
+        outln!("nothing to reduce: every tap of {} on {} is within its budget", a.device, a.model);
+        return Ok(0);
+    };
+    let mut oracle_taps = RecordingTap::default();
+    oracle_model.prefill_logits(&ids, &mut oracle_taps).map_err(|e| Exit::new(1, e.to_string()))?;
+    drop(oracle_model);
+    stages.next("the op alone: built, checked, cut down");
+    let (src, _) = oracle::loader::open_weights(&path).map_err(|e| Exit::new(2, format!("{}: {e}", path.display())))?;
+    let tap = oracle::taps::TapName::parse(&first.tap).ok_or_else(|| Exit::new(1, format!("first divergence at `{}`, a tap of no known kind", first.tap)))?;
+    outln!("first divergence: {}", first.describe());
+    let mut report = Report::new("reduce", Provenance::collect(rayon::current_num_threads()), Vec::new());
+    report.set_section("first_divergence", &first);
+    let device = devices::open_spec(&a.device).map_err(Exit::from)?;
+    let found = reduce::reduce(device.as_ref(), tap, &spec, src.as_ref(), &oracle_taps, &device_taps).map(|r| (r.steps, r.reduced));
+    drop(stages);
+    let (steps, reduced) = match found {
+        Ok(r) => r,
+        Err(why) => {
+            outln!("no one-op case: {why}");
+            report.set_section("reduce", &serde_json::json!({ "tap": first.tap, "reduced": false, "why": why }));
+            let dir = super::write_report(&mut report, a.report_dir)?;
+            outln!("report: {}", dir.join("report.json").display());
+            return Ok(1);
+        }
+    };
+    let dir = super::write_report(&mut report, a.report_dir.clone())?;
+    let mut section = serde_json::json!({ "tap": first.tap, "steps": steps });
+    let code = match reduced {
+        Some((case, judged, inputs_from)) => {
+            let case_dir = dir.join("case");
+            let expected = suites::kernels::reference(&case).map_err(|e| Exit::new(1, e))?;
+            devices::case_file::write_cases(&case_dir, std::slice::from_ref(&case), &[expected]).map_err(|e| Exit::new(1, e))?;
+            // The written file, read back and rerun, must give the same verdict.
+            let back = devices::case_file::read_cases(&case_dir).map_err(|e| Exit::new(1, e))?;
+            let rerun = suites::kernels::run_case(device.as_ref(), &back[0], false);
+            outln!("reduced: `{}` fails on {} ({}), {}", case.id, a.device, judged.message.as_deref().unwrap_or("over its bound"), steps.last().map(|s| format!("{} values", s.values)).unwrap_or_default());
+            outln!("rerun from {}: {:?} (cargo xtask kernels --cases {} --device D)", case_dir.display(), rerun.verdict, case_dir.display());
+            section["reduced"] = true.into();
+            section["case"] = case.id.clone().into();
+            section["inputs"] = inputs_from.into();
+            section["rerun"] = serde_json::to_value(rerun.verdict).unwrap_or_default();
+            1
+        }
+        None => {
+            outln!("no one-op case: `{}` passes alone on the oracle's inputs and on the device's: the bug needs context (a cache, a batch, the layers before)", tap);
+            section["reduced"] = false.into();
+            section["why"] = "the op passes alone".into();
+            1
+        }
+    };
+    report.set_section("reduce", &section);
+    let dir = super::write_report(&mut report, Some(dir))?;
+    outln!("report: {}", dir.join("report.json").display());
+    Ok(code)
+}
