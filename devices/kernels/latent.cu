@@ -38,13 +38,7 @@ extern "C" __global__ void ts_mla_attention(const float* q, const u32* pos, cons
         local_max = fmaxf(local_max, s);
     }
     float mx = ts_block_max(local_max, red);
-    float local_sum = 0.0f;
-    for (int j = tid; j < len; j += bd) {
-        float e = expf(score[j] - mx);
-        score[j] = e;
-        local_sum += e;
-    }
-    float sum = ts_block_sum(local_sum, red);
+    float sum = ts_exp_sum(score, len, mx, red);
     for (int c = tid; c < r; c += bd) {
         float a = 0.0f;
         for (int j = 0; j < len; ++j) a += score[j] * latent[(long long)j * r + c];

@@ -329,6 +329,18 @@ __device__ float ts_block_max(float v, float* red) {
     return r;
 }
 
+// score[j] = exp(score[j] - mx) for the j < len this thread owns (j = tid, tid + blockDim, ...,
+// as it computed them); their sum over the block, which every thread gets.
+__device__ float ts_exp_sum(float* score, int len, float mx, float* red) {
+    float local_sum = 0.0f;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        float e = expf(score[j] - mx);
+        score[j] = e;
+        local_sum += e;
+    }
+    return ts_block_sum(local_sum, red);
+}
+
 // Is (v, i) ahead of (bv, bi) in "largest first, lowest index on ties, NaN never" order?
 // bi < 0 means "nothing yet".
 __device__ __forceinline__ int ts_ahead(float v, int i, float bv, int bi) {
@@ -766,13 +778,7 @@ extern "C" __global__ void ts_attention(const float* q, const u32* pos, const fl
     }
     float mx = ts_block_max(local_max, red);
     if (sinks) mx = fmaxf(mx, sinks[h]);
-    float local_sum = 0.0f;
-    for (int j = tid; j < len; j += bd) {
-        float e = expf(score[j] - mx);
-        score[j] = e;
-        local_sum += e;
-    }
-    float sum = ts_block_sum(local_sum, red);
+    float sum = ts_exp_sum(score, len, mx, red);
     if (sinks) sum += expf(sinks[h] - mx);
     for (int d = tid; d < hd; d += bd) {
         float o = 0.0f;

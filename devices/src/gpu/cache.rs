@@ -47,14 +47,16 @@ impl KvCache {
         }
         let capacity = need.next_power_of_two().max(64);
         let held = self.len;
-        // Each layer's new buffer receives the positions the old one holds (none on first use).
-        let grow = |old: Option<&DevBuf>, width: usize| -> Result<DevBuf, String> {
-            let new = g.alloc(4 * capacity * width)?;
-            if let Some(old) = old.filter(|_| held > 0) {
-                g.copy(old.ptr, new.ptr, held * width)?;
+        // Each layer's new buffer of `rows` rows receives the first `kept` rows the old one holds
+        // (none on first use).
+        let resized = |old: Option<&DevBuf>, width: usize, rows: usize, kept: usize| -> Result<DevBuf, String> {
+            let new = g.alloc(4 * rows * width)?;
+            if let Some(old) = old.filter(|_| kept > 0) {
+                g.copy(old.ptr, new.ptr, kept * width)?;
             }
             Ok(new)
         };
+        let grow = |old: Option<&DevBuf>, width: usize| resized(old, width, capacity, held);
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (li, l) in spec.layers.iter().enumerate() {
             layers.push(match l.block {
@@ -69,16 +71,16 @@ impl KvCache {
                     }
                 }
                 BlockKind::Ssm(b) => {
-                    let (inputs, states) = match self.layers.get_mut(li) {
-                        Some(LayerState::Ssm { inputs, states }) => (Some(&*inputs), Some(std::mem::replace(states, g.alloc(4)?))),
-                        _ => (None, None),
+                    let old = match self.layers.get(li) {
+                        Some(LayerState::Ssm { inputs, states }) => Some((inputs, states)),
+                        _ => None,
                     };
-                    let states = match (states, self.history) {
-                        (old, true) => grow(old.as_ref(), b.state_len())?,
-                        (Some(latest), false) => latest,
-                        (None, false) => g.alloc(4 * b.state_len())?,
+                    // The state after every position, or the latest one only.
+                    let states = match self.history {
+                        true => grow(old.map(|o| o.1), b.state_len())?,
+                        false => resized(old.map(|o| o.1), b.state_len(), 1, held.min(1))?,
                     };
-                    LayerState::Ssm { inputs: grow(inputs, b.conv_dim())?, states }
+                    LayerState::Ssm { inputs: grow(old.map(|o| o.0), b.conv_dim())?, states }
                 }
                 BlockKind::Mla(b) => {
                     let old = match self.layers.get(li) {

@@ -308,18 +308,19 @@ impl GpuModel {
             let (mut ssm, mut ssm_normed): (Option<SsmStep>, Option<DevBuf>) = (None, None);
             let mut mla: Option<MlaStep> = None;
             let stages = &s.layers[li].stages;
+            // The layer's weights by the kind of its mixer; a stage of another kind is an error.
+            let layer = &self.layers[li];
+            let (lw, sw, mw) = match (&layer.mixer, s.layers[li].block) {
+                (GpuMixer::Attention(w), BlockKind::Attention(_)) => (Some(w), None, None),
+                (GpuMixer::Ssm(w), BlockKind::Ssm(b)) => (None, Some((w, b)), None),
+                (GpuMixer::Mla(w), BlockKind::Mla(b)) => (None, None, Some((w, b))),
+                _ => return Err(format!("layer {li}: its weights and its block disagree")),
+            };
             for (si, stage) in stages.iter().enumerate() {
-                let layer = &self.layers[li];
-                let (lw, sw) = match (&layer.mixer, s.layers[li].block) {
-                    (GpuMixer::Attention(w), BlockKind::Attention(_)) => (Some(w), None),
-                    (GpuMixer::Ssm(w), BlockKind::Ssm(b)) => (None, Some((w, b))),
-                    (GpuMixer::Mla(_), BlockKind::Mla(_)) => (None, None),
-                    _ => return Err(format!("layer {li}: its weights and its block disagree")),
-                };
                 let wrong = |what: &str| format!("layer {li}: a {stage:?} stage in a layer without {what}");
                 let kv_bufs = || kv_bufs.ok_or_else(|| wrong("keys and values"));
                 // A latent-attention layer's own projections, rotation and attention.
-                if let (GpuMixer::Mla(w), BlockKind::Mla(b)) = (&layer.mixer, s.layers[li].block) {
+                if let Some((w, b)) = mw {
                     let rows = Rows { m, start, name: &name };
                     match stage {
                         Stage::QkvProj => {
