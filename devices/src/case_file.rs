@@ -7,7 +7,7 @@
 //! checked against the registry's form of its op (the same inputs, of the same kinds, and the
 //! same parameters) and every tensor against its declared dtype and shape, before anything runs.
 
-use crate::ops_protocol::{write_batch, OutputSpec, PROTOCOL, VERSION};
+use crate::ops_protocol::{write_batch, write_safetensors, OutputSpec, OwnedTensor, PROTOCOL, VERSION};
 use oracle::quant::GgmlType;
 use oracle::registry::{registry, Input, Op, OpCase, Output, Tensor};
 use std::collections::{BTreeMap, BTreeSet};
@@ -23,7 +23,7 @@ pub fn write_cases(dir: &Path, cases: &[OpCase], expected: &[Vec<Output>]) -> Re
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let batch: Vec<(&OpCase, Vec<OutputSpec>)> = cases.iter().zip(expected).map(|(c, o)| (c, o.iter().map(OutputSpec::of).collect())).collect();
     write_batch(dir, &batch)?;
-    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut owned: Vec<OwnedTensor> = Vec::new();
     for (i, outs) in expected.iter().enumerate() {
         for (j, o) in outs.iter().enumerate() {
             let (dtype, shape, bytes) = match o {
@@ -33,12 +33,7 @@ pub fn write_cases(dir: &Path, cases: &[OpCase], expected: &[Vec<Output>]) -> Re
             owned.push((format!("{i}.out{j}"), dtype, shape, bytes));
         }
     }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
-        .iter()
-        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)).map_err(|e| format!("{n}: {e}")))
-        .collect::<Result<_, _>>()?;
-    let path = dir.join("expected.safetensors");
-    safetensors::serialize_to_file(views, None, &path).map_err(|e| format!("{}: {e}", path.display()))
+    write_safetensors(&dir.join("expected.safetensors"), &owned)
 }
 
 #[derive(serde::Deserialize)]

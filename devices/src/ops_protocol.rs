@@ -169,7 +169,7 @@ pub fn read_capabilities(path: &Path) -> Result<Option<Capabilities>, String> {
 
 /// The input tensors of a batch, named `{index}.{input}`, and each case's entry of `cases.json`.
 pub(crate) fn write_batch(dir: &Path, batch: &[(&OpCase, Vec<OutputSpec>)]) -> Result<(), String> {
-    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut owned: Vec<OwnedTensor> = Vec::new();
     let mut entries = Vec::new();
     for (i, (case, outputs)) in batch.iter().enumerate() {
         let mut inputs = Vec::new();
@@ -200,15 +200,22 @@ pub(crate) fn write_batch(dir: &Path, batch: &[(&OpCase, Vec<OutputSpec>)]) -> R
         let params: serde_json::Map<String, Value> = case.params.iter().map(|(k, v)| (k.to_string(), json!(v))).collect();
         entries.push(json!({ "id": case.id, "op": case.op, "seed": case.seed, "params": params, "inputs": inputs, "outputs": outs }));
     }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
-        .iter()
-        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)).map_err(|e| format!("{n}: {e}")))
-        .collect::<Result<_, _>>()?;
-    let path = dir.join("inputs.safetensors");
-    safetensors::serialize_to_file(views, None, &path).map_err(|e| format!("{}: {e}", path.display()))?;
+    write_safetensors(&dir.join("inputs.safetensors"), &owned)?;
     let cases = json!({ "protocol": PROTOCOL, "version": VERSION, "cases": entries });
     let path = dir.join("cases.json");
     std::fs::write(&path, serde_json::to_string(&cases).expect("json") + "\n").map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// A tensor to write: its name, dtype, shape and little-endian bytes.
+pub(crate) type OwnedTensor = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// `tensors` written to `path` as one safetensors file.
+pub(crate) fn write_safetensors(path: &Path, tensors: &[OwnedTensor]) -> Result<(), String> {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)).map_err(|e| format!("{n}: {e}")))
+        .collect::<Result<_, _>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The most the engine may write for a batch: four times its outputs' f32 size and 16 MiB.

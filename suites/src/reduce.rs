@@ -302,17 +302,19 @@ pub fn values_of(case: &OpCase) -> usize {
         .sum()
 }
 
-/// The smallest cut of `start` (which fails) that still fails on `device`: positions first (the
-/// worst single position, then halves), then a product's output rows (halves). Every cut tried
-/// is a step.
-pub fn shrink(device: &dyn Device, recipe: &Recipe, taps: &RecordingTap, start: Cut, worst_row: Option<usize>, inputs_from: &str, steps: &mut Vec<Step>) -> Result<(Cut, OpCase), String> {
-    let try_cut = |cut: &Cut, steps: &mut Vec<Step>| -> Result<Option<OpCase>, String> {
+/// The smallest cut of `start` (judged failing: its case and the device's verdict) that still
+/// fails on `device`: positions first (the worst single position, then halves), one key/value
+/// head group, then a product's output rows (halves). Every cut tried after `start` is a step.
+/// Returns the cut, its case and the device's verdict on it.
+#[allow(clippy::type_complexity)]
+pub fn shrink(device: &dyn Device, recipe: &Recipe, taps: &RecordingTap, start: (Cut, OpCase, reports::Case), worst_row: Option<usize>, inputs_from: &str, steps: &mut Vec<Step>) -> Result<(Cut, OpCase, reports::Case), String> {
+    let try_cut = |cut: &Cut, steps: &mut Vec<Step>| -> Result<Option<(OpCase, reports::Case)>, String> {
         let (case, judged) = judge(device, recipe, taps, cut, inputs_from)?;
         steps.push(Step { cut: cut.describe(), values: values_of(&case), verdict: judged.verdict });
-        Ok((judged.verdict == Verdict::Fail).then_some(case))
+        Ok((judged.verdict == Verdict::Fail).then_some((case, judged)))
     };
-    let mut best = start.clone();
-    let mut case = try_cut(&best, steps)?.ok_or("the starting case passes")?;
+    let (mut best, first_case, first_judged) = start;
+    let mut case = (first_case, first_judged);
     // Positions: the worst alone, else halves while one fails.
     if let Some(r) = worst_row.filter(|r| best.rows.contains(r) && best.rows.len() > 1) {
         let one = Cut { rows: vec![r], ..best.clone() };
@@ -370,7 +372,7 @@ pub fn shrink(device: &dyn Device, recipe: &Recipe, taps: &RecordingTap, start: 
             break;
         }
     }
-    Ok((best, case))
+    Ok((best, case.0, case.1))
 }
 
 /// The position whose values differ most between two runs of `tap` (relative to the tap's scale).
@@ -414,8 +416,8 @@ pub fn reduce(device: &dyn Device, tap: TapName, spec: &ModelSpec, src: &dyn Ten
             steps.push(Step { cut: format!("{} (inputs: the {inputs_from}'s)", full.describe()), values: values_of(&case), verdict: judged.verdict });
             continue;
         }
-        let (cut, case) = shrink(device, &recipe, taps, full, worst, inputs_from, &mut steps)?;
-        let (_, judged) = judge(device, &recipe, taps, &cut, inputs_from)?;
+        steps.push(Step { cut: full.describe(), values: values_of(&case), verdict: judged.verdict });
+        let (_, case, judged) = shrink(device, &recipe, taps, (full, case, judged), worst, inputs_from, &mut steps)?;
         return Ok(Reduction { steps, reduced: Some((case, judged, inputs_from)) });
     }
     Ok(Reduction { steps, reduced: None })

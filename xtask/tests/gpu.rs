@@ -204,16 +204,6 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     assert!(stderr(&o).contains("unknown step `kernel'"), "{}", text(&o));
 }
 
-/// The built-in kernel source with one line replaced, in a temporary file for
-/// `TOUCHSTONE_KERNEL_SOURCE`.
-fn broken_source(good: &str, bad: &str) -> tempfile::NamedTempFile {
-    let src = devices::gpu::KERNEL_SOURCE;
-    assert!(src.contains(good), "`{good}` is no longer in touchstone.cu; update this test");
-    let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(file.path(), src.replace(good, bad)).unwrap();
-    file
-}
-
 #[test]
 fn a_broken_gpu_kernel_turns_the_gates_red() {
     if !emulator_available() {
@@ -221,7 +211,7 @@ fn a_broken_gpu_kernel_turns_the_gates_red() {
     }
     // SiLU with a 0.1% error in its exponent's argument: inside f32 noise for a casual look,
     // far outside the bound the device's declared arithmetic implies.
-    let broken = broken_source("return x / (1.0f + expf(-x));", "return x / (1.0f + expf(-1.001f * x));");
+    let broken = broken_kernel_source("return x / (1.0f + expf(-x));", "return x / (1.0f + expf(-1.001f * x));");
     let env = [("TOUCHSTONE_KERNEL_SOURCE", broken.path().to_str().unwrap())];
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
@@ -237,7 +227,7 @@ fn a_broken_gpu_kernel_turns_the_gates_red() {
 /// fail (exit 1: a kernel's own fault is a failed case, not one that could not run). Returns the
 /// command's output text.
 fn every_add_case_fails_with(bad: &str) -> String {
-    let broken = broken_source("if (i < n) y[i] = a[i] + b[i % bn];", bad);
+    let broken = broken_kernel_source("if (i < n) y[i] = a[i] + b[i % bn];", bad);
     let dir = tempfile::tempdir().unwrap();
     let o = xtask(
         &["kernels", "--device", "gpu-emu", "--filter", "^add\\(dtype=f32,shape=\\[3,5\\]", "--report-dir", dir.path().to_str().unwrap()],
@@ -279,7 +269,7 @@ fn racecheck_finds_the_unsynchronised_sum_that_passes_everywhere_else() {
     // thread's turn runs whole, so the sum comes out right and the suite passes; on a GPU the
     // threads' read-add-write sequences interleave and updates are lost. racecheck sees two
     // threads write one shared word between two barriers.
-    let broken = broken_source(
+    let broken = broken_kernel_source(
         "    red[tid] = v;\n    __syncthreads();\n    for (int s = blockDim.x / 2; s > 0; s >>= 1) {\n        if (tid < s) red[tid] += red[tid + s];\n        __syncthreads();\n    }",
         "    if (tid == 0) red[0] = 0.0f;\n    __syncthreads();\n    red[0] += v;\n    __syncthreads();",
     );
@@ -418,7 +408,7 @@ fn reduce_turns_a_red_tap_into_a_one_op_case_that_reruns() {
     let o = xtask(&["reduce", "--device", "gpu-emu", "--model", "tiny-llama"], &[]);
     assert!(o.status.code() == Some(0) && text(&o).contains("nothing to reduce"), "{}", text(&o));
     for (good, bad, op, tap) in [("return x / (1.0f + expf(-x));", "return x / (1.0f + expf(-1.001f * x));", "swiglu", "blk.0.ffn_act"), ("        s *= scale;", "        s *= scale * 1.01f;", "attention", "blk.0.attn_kqv")] {
-        let broken = broken_source(good, bad);
+        let broken = broken_kernel_source(good, bad);
         let env = [("TOUCHSTONE_KERNEL_SOURCE", broken.path().to_str().unwrap())];
         let dir = tempfile::tempdir().unwrap();
         let o = xtask(&["reduce", "--device", "gpu-emu", "--model", "tiny-llama", "--report-dir", dir.path().to_str().unwrap()], &env);

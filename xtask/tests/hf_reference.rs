@@ -281,12 +281,9 @@ fn cache_rungs_pass(gguf: &Path, ids: &str, dir: &Path) {
 /// `bad`, `TOUCHSTONE_KERNEL_SOURCE`) is red, first at the case's tap kind.
 fn gpu_kernel_bugs(gguf: &Path, ids: &str, dir: &Path, cases: &[(&str, &str, &str)]) {
     for (i, &(good, bad, tap)) in cases.iter().enumerate() {
-        let src = devices::gpu::KERNEL_SOURCE;
-        assert_eq!(src.matches(good).count(), 1, "`{good}` is not once in the kernel source; update this test");
-        let file = dir.join(format!("broken-{i}.cu"));
-        std::fs::write(&file, src.replace(good, bad)).unwrap();
+        let file = broken_kernel_source(good, bad);
         let report = dir.join(format!("gpu-bug-{i}"));
-        let o = xtask(&["layer-diff", "--device", "gpu-emu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_KERNEL_SOURCE", file.to_str().unwrap())]);
+        let o = xtask(&["layer-diff", "--device", "gpu-emu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", report.to_str().unwrap()], &[("TOUCHSTONE_KERNEL_SOURCE", file.path().to_str().unwrap())]);
         assert_eq!(o.status.code(), Some(1), "gpu-emu with `{bad}`: {}", text(&o));
         let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
         assert_eq!(r["first_divergence"]["kind"].as_str(), Some(tap), "gpu-emu with `{bad}`: {}", r["first_divergence"]);

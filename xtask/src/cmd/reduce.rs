@@ -64,22 +64,25 @@ pub fn main(a: ReduceArgs) -> Result<u8, Exit> {
     let mut report = Report::new("reduce", Provenance::collect(rayon::current_num_threads()), Vec::new());
     report.set_section("first_divergence", &first);
     let device = devices::open_spec(&a.device).map_err(Exit::from)?;
-    let found = reduce::reduce(device.as_ref(), tap, &spec, src.as_ref(), &oracle_taps, &device_taps).map(|r| (r.steps, r.reduced));
+    let found = reduce::reduce(device.as_ref(), tap, &spec, src.as_ref(), &oracle_taps, &device_taps);
+    let mut report_dir = a.report_dir.clone();
     drop(stages);
-    let (steps, reduced) = match found {
-        Ok(r) => r,
+    let (section, code) = match found {
         Err(why) => {
             outln!("no one-op case: {why}");
-            report.set_section("reduce", &serde_json::json!({ "tap": first.tap, "reduced": false, "why": why }));
-            let dir = super::write_report(&mut report, a.report_dir)?;
-            outln!("report: {}", dir.join("report.json").display());
-            return Ok(1);
+            (serde_json::json!({ "tap": first.tap, "reduced": false, "why": why }), 1)
         }
-    };
-    let dir = super::write_report(&mut report, a.report_dir.clone())?;
-    let mut section = serde_json::json!({ "tap": first.tap, "steps": steps });
-    let code = match reduced {
-        Some((case, judged, inputs_from)) => {
+        Ok(reduce::Reduction { steps, reduced: None }) => {
+            outln!("no one-op case: `{}` passes alone on the oracle's inputs and on the device's: the bug needs context (a cache, a batch, the layers before)", tap);
+            (serde_json::json!({ "tap": first.tap, "steps": steps, "reduced": false, "why": "the op passes alone" }), 1)
+        }
+        Ok(reduce::Reduction { steps, reduced: Some((case, judged, inputs_from)) }) => {
+            // The case goes beside the report, which is written once, last.
+            let dir = match &report_dir {
+                Some(d) => d.clone(),
+                None => super::new_report_dir(&report.suite, report.provenance.started_at.as_deref())?,
+            };
+            report_dir = Some(dir.clone());
             let case_dir = dir.join("case");
             let expected = suites::kernels::reference(&case).map_err(|e| Exit::new(1, e))?;
             devices::case_file::write_cases(&case_dir, std::slice::from_ref(&case), &[expected]).map_err(|e| Exit::new(1, e))?;
@@ -88,21 +91,12 @@ pub fn main(a: ReduceArgs) -> Result<u8, Exit> {
             let rerun = suites::kernels::run_case(device.as_ref(), &back[0], false);
             outln!("reduced: `{}` fails on {} ({}), {}", case.id, a.device, judged.message.as_deref().unwrap_or("over its bound"), steps.last().map(|s| format!("{} values", s.values)).unwrap_or_default());
             outln!("rerun from {}: {:?} (cargo xtask kernels --cases {} --device D)", case_dir.display(), rerun.verdict, case_dir.display());
-            section["reduced"] = true.into();
-            section["case"] = case.id.clone().into();
-            section["inputs"] = inputs_from.into();
-            section["rerun"] = serde_json::to_value(rerun.verdict).unwrap_or_default();
-            1
-        }
-        None => {
-            outln!("no one-op case: `{}` passes alone on the oracle's inputs and on the device's: the bug needs context (a cache, a batch, the layers before)", tap);
-            section["reduced"] = false.into();
-            section["why"] = "the op passes alone".into();
-            1
+            let section = serde_json::json!({ "tap": first.tap, "steps": steps, "reduced": true, "case": case.id, "inputs": inputs_from, "rerun": rerun.verdict });
+            (section, 1)
         }
     };
     report.set_section("reduce", &section);
-    let dir = super::write_report(&mut report, Some(dir))?;
+    let dir = super::write_report(&mut report, report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(code)
 }

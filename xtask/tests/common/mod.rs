@@ -75,3 +75,13 @@ pub fn dump_logits(model: &Path, device: &str, ids: &str, out: &Path) -> Vec<f32
     assert!(o.status.success(), "{device}: {}", stderr(&o));
     read_logits(out).1
 }
+
+/// The built-in GPU kernel source with `good` (which must occur exactly once) replaced by `bad`,
+/// in a temporary file for `TOUCHSTONE_KERNEL_SOURCE`.
+pub fn broken_kernel_source(good: &str, bad: &str) -> tempfile::NamedTempFile {
+    let src = devices::gpu::KERNEL_SOURCE;
+    assert_eq!(src.matches(good).count(), 1, "`{good}` is not once in the kernel source; update this test");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), src.replace(good, bad)).unwrap();
+    file
+}
