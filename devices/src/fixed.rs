@@ -11,9 +11,15 @@ use crate::{fail, Arithmetic, Device, DeviceError, FixedPoint, NumFormat, Suppor
 use oracle::registry::{Op, Input, OpCase, Output, Tensor};
 
 mod kernels;
+mod load;
 mod model;
 pub use kernels::*;
 pub use model::FixedModel;
+
+/// A model-level error of `fixed` (loading or running a whole model).
+fn model_err(what: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Failed { device: "fixed".into(), case: "model".into(), reason: what.to_string() }
+}
 
 pub struct FixedDevice {
     pub int4: bool,
@@ -141,7 +147,7 @@ impl FixedDevice {
             Op::MoeRoute => {
                 let l = case.f32("logits").map_err(e)?;
                 let k = case.pu("k").map_err(e)?;
-                let (ids, w, _) = moe_route_q(&q_in(l), l.shape[1], k, case.pu("sigmoid").map_err(e)? == 1, case.pu("normalize").map_err(e)? == 1);
+                let (ids, w, _) = moe_route_q(&q_in(l), l.shape[1], k, case.pu("sigmoid").map_err(e)? == 1, case.pu("normalize").map_err(e)? == 1, &RouteLimitQ::default());
                 vec![Output::Ids(ids), f_out(&[l.shape[0], k], &w)]
             }
             op @ (Op::LayerNorm | Op::TopK | Op::Sample | Op::DeltaRule | Op::SsmScan | Op::MlaAttention) => return Err(format!("no integer kernel for `{op}`")),
@@ -180,7 +186,7 @@ impl Device for FixedDevice {
             // Unsupported, not ignored: a run asked for such a cache must not report one it did not have.
             return Err(DeviceError::Unavailable(self.name(), format!("a {kv} KV cache is not implemented on the integer device (its cache holds Q16 integers)")));
         }
-        Ok(Box::new(FixedModel::load(path, self.int4)?))
+        Ok(Box::new(load::load(path, self.int4)?))
     }
 }
 

@@ -10,35 +10,7 @@ pub mod qdot;
 pub mod segment_tap;
 pub mod unpack;
 
-use oracle::spec::{AttentionBlock, BlockKind, ModelSpec, RopeScaling, RopeSpec, SsmBlock};
-
-/// Why a device that runs attention layers only, without Granite's residual and logit scales,
-/// refuses `spec`, if it does: the first state-space layer, or a scale it would ignore.
-pub fn attention_model(spec: &ModelSpec, device: &str) -> Result<(), String> {
-    (0..spec.layers.len()).try_for_each(|li| attention_block(spec, li, device).map(|_| ()))?;
-    if spec.residual_scale.is_some() || spec.logit_scale.is_some() {
-        return Err(format!("the model scales its residual branches or its logits (Granite); {device} does not"));
-    }
-    if spec.attn_gate {
-        return Err(format!("the model gates its attention output (Qwen3-Next); {device} does not"));
-    }
-    if spec.moe.as_ref().is_some_and(|m| m.groups.is_some() || m.choice_bias || m.weights_scale.is_some() || m.first_dense > 0) {
-        return Err(format!("the model routes as DeepSeek V3 does (expert groups, a choice bias, scaled weights, leading dense layers); {device} does not"));
-    }
-    Ok(())
-}
-
-/// Layer `li`'s attention block, or why a device that runs attention layers only refuses the
-/// model (a state-space layer). Every loader asks before reading a layer's weights, so a walk
-/// over the layers of a loaded model meets no other kind.
-pub fn attention_block(spec: &ModelSpec, li: usize, device: &str) -> Result<AttentionBlock, String> {
-    match spec.layers.get(li).map(|l| l.block) {
-        Some(BlockKind::Attention(a)) => Ok(a),
-        Some(BlockKind::Ssm(_)) => Err(format!("layer {li} is a state-space (Mamba-2 or gated DeltaNet) layer; {device} runs attention layers only")),
-        Some(BlockKind::Mla(_)) => Err(format!("layer {li} is a latent-attention (DeepSeek MLA) layer; {device} runs grouped-query attention layers only")),
-        None => Err(format!("no layer {li} in a model of {}", spec.layers.len())),
-    }
-}
+use oracle::spec::{RopeScaling, RopeSpec, SsmBlock};
 
 /// A gated DeltaNet's three projections joined into the rows the tap `ssm_in` holds (every
 /// device records the tap so): q/k/v, z, then b and a each in value-head order (the stored b/a

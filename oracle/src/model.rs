@@ -27,11 +27,11 @@ pub trait Tap {
     fn substitute(&mut self, _name: &str, _start_pos: usize, _n_tokens: usize, _width: usize) -> Option<Vec<f32>> {
         None
     }
-    /// MoE routing (tap `name`, `blk.L.ffn_moe_topk`): having scored the experts (`probs`) and
-    /// chosen `chosen` (best first) for the token at `pos`, the interpreter routes it to the
-    /// experts this returns instead. Layer-diff uses it to follow a device's choice where the two
+    /// MoE routing (tap `name`, `blk.L.ffn_moe_topk`): having scored, ranked and chosen the
+    /// experts for the token at `pos` (`routing`: its chosen experts best first), the
+    /// interpreter routes it to the experts this returns instead. Layer-diff uses it to follow a device's choice where the two
     /// differ only at a near tie. None keeps the interpreter's own choice.
-    fn route(&mut self, _name: &str, _pos: usize, _probs: &[f64], _chosen: &[usize]) -> Option<Vec<usize>> {
+    fn route(&mut self, _name: &str, _pos: usize, _routing: &crate::ops::Routing) -> Option<Vec<usize>> {
         None
     }
     /// The input of a matrix product (`[n, width]`, `weight` the matrix's GGUF name, e.g.
@@ -856,7 +856,7 @@ impl<T: Real> Model<T> {
             let rule = ops::RouteRule { k: ms.n_expert_used, gating: ms.gating, normalize: ms.normalize_topk, choice_bias: bias.as_deref(), groups: ms.groups, scale: ms.weights_scale.unwrap_or(1.0) };
             let mut r = ops::moe_route_rule(&logits, &rule);
             if taps.enabled() {
-                if let Some(forced) = taps.route(&topk_name, start + t, &r.probs, &r.experts) {
+                if let Some(forced) = taps.route(&topk_name, start + t, &r) {
                     r = r.with_experts(forced, ms.normalize_topk).map_err(|e| OracleError::Shape(format!("{topk_name} at position {}: {e}", start + t)))?;
                 }
             }

@@ -248,8 +248,8 @@ impl oracle::Tap for FollowRouting<'_> {
     fn record(&mut self, name: &str, start_pos: usize, n_tokens: usize, width: usize, data: &[f32]) {
         self.recorded.record(name, start_pos, n_tokens, width, data);
     }
-    fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        self.routing.route(name, pos, probs, chosen)
+    fn route(&mut self, name: &str, pos: usize, routing: &oracle::ops::Routing) -> Option<Vec<usize>> {
+        self.routing.route(name, pos, routing)
     }
 }
 

@@ -352,12 +352,13 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
 /// forward over 70 positions, as read
 /// by the oracle from the checkpoint and from the GGUF llama.cpp's converter writes
 /// (`deepseek2`: the expansion split per head into `attn_k_b`/`attn_v_b`); greedy 32 tokens
-/// identical on `ref`, `cpu` and `gpu-emu` (both run the absorbed form, caching latents),
-/// layer-diff and fixed-token (cache consistency included) pass on both, serving on `gpu-emu`;
+/// identical on `ref`, `cpu`, `fixed` and `gpu-emu` (all run the absorbed form, caching
+/// latents), layer-diff and fixed-token (cache consistency included) pass on them and on
+/// `fixed-int4` (the GGUF), serving on `gpu-emu`;
 /// the GPU kernels with the absorbed scale of the cached row, the rotated keys dotted with the
 /// unrotated query slice, or the group limit dropped are red at `attn_kqv`, `attn_kqv` and
 /// `ffn_moe_topk`. A dense checkpoint without the query's compression agrees too, and runs green
-/// on `gpu-emu`. `fixed` refuses the model, naming its first latent-attention layer. The example engine
+/// on `fixed` and `gpu-emu`. The example engine
 /// (examples/external_engine, numpy, absorbed) passes layer-diff on the GGUF, and each of its
 /// seeded bugs is red at its tap (the first two from position 1: one key cannot show a scale,
 /// position 0 rotates by nothing).
@@ -369,10 +370,16 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     let ids = prompt_of_70();
     let (dir, greedy) = checkpoint_agrees_with_transformers("deepseek-v3", &ids, &[], Some("deepseek-v3"));
     for (model, reports) in [(dir.path().join("ck"), dir.path().join("ck-reports")), (dir.path().join("model.gguf"), dir.path().join("gguf-reports"))] {
-        devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &reports);
+        devices_follow(model.to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["cpu", "fixed", "gpu-emu"], &reports);
     }
     let gguf = dir.path().join("model.gguf");
     cache_rungs_pass(&gguf, &ids, dir.path());
+    for device in ["fixed", "fixed-int4"] {
+        for gate in ["layer-diff", "fixed-token"] {
+            let o = xtask(&[gate, "--device", device, "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--report-dir", dir.path().join(format!("{gate}-{device}")).to_str().unwrap()], &[]);
+            assert_eq!(o.status.code(), Some(0), "{gate} on {device}: {}", text(&o));
+        }
+    }
     gpu_kernel_bugs(
         &gguf,
         &ids,
@@ -383,10 +390,8 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
             ("    if (n_group > 0) {", "    if (n_group < 0) {", "ffn_moe_topk"),
         ],
     );
-    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", "fixed"], &[]);
-    assert!(!o.status.success() && stderr(&o).contains("layer 0 is a latent-attention"), "fixed: {}", text(&o));
     example_engine_bugs(&gguf, &ids, dir.path(), &[("", None, None), ("mla_absorbed_scale", Some("attn_kqv"), Some(1)), ("mla_rope_slice_swapped", Some("attn_q_rope"), Some(1)), ("expert_groups_ignored", Some("ffn_moe_topk"), None)]);
     llama_cpp_passes(&gguf, &ids, dir.path());
     let (dense, greedy) = checkpoint_agrees_with_transformers("deepseek-v3", &ids, &["--no-q-lora", "--dense", "--seed", "3"], None);
-    devices_follow(dense.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["gpu-emu"], dense.path());
+    devices_follow(dense.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["fixed", "gpu-emu"], dense.path());
 }

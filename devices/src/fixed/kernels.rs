@@ -396,26 +396,100 @@ pub fn add_scaled_q(out: &mut [i64], y: &[i64], w: i64) {
     out.iter_mut().zip(y).for_each(|(a, b)| *a += shr_round(w as i128 * *b as i128, ACT));
 }
 
+/// DeepSeek V3's additions to the routing, in Q16: a bias on the scores for the choice only, the
+/// choice limited to the best `groups[1]` of `groups[0]` groups (each ranked by the sum of its
+/// two best biased scores), the chosen weights multiplied by a Q30 scale.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RouteLimitQ<'a> {
+    pub bias: Option<&'a [i64]>,
+    pub groups: Option<[usize; 2]>,
+    pub scale_q30: Option<i64>,
+}
+
 /// MoE routing over rows of `n_expert` Q16 logits: scores by the integer softmax (or sigmoid),
 /// the `k` experts of the largest logits (scores rise with the logits, and the logits hold no
-/// ties the scores' rounding would make; the lower index first on a tie), their scores as
-/// weights, divided by their sum (Q16, rounded) where `normalize`. Returns the ids, the weights
-/// and every score (`[rows, n_expert]`).
-pub fn moe_route_q(logits: &[i64], n_expert: usize, k: usize, sigmoid: bool, normalize: bool) -> (Vec<u32>, Vec<i64>, Vec<i64>) {
+/// ties the scores' rounding would make; the lower index first on a tie) or, with a choice bias
+/// or groups, of the largest (biased) scores, within the kept groups; their scores as
+/// weights, divided by their sum (Q16, rounded) where `normalize`, then scaled. Returns the ids,
+/// the weights and every score (`[rows, n_expert]`).
+pub fn moe_route_q(logits: &[i64], n_expert: usize, k: usize, sigmoid: bool, normalize: bool, limit: &RouteLimitQ) -> (Vec<u32>, Vec<i64>, Vec<i64>) {
     let (mut ids, mut weights, mut probs) = (Vec::new(), Vec::new(), Vec::with_capacity(logits.len()));
+    let ranked = |x: &[i64]| -> Vec<usize> {
+        let mut order: Vec<usize> = (0..x.len()).collect();
+        order.sort_by(|a, b| x[*b].cmp(&x[*a]).then(a.cmp(b)));
+        order
+    };
     for row in logits.chunks(n_expert.max(1)) {
         let p: Vec<i64> = if sigmoid { row.iter().map(|l| sigmoid_q16(*l)).collect() } else { softmax_q(row) };
-        let mut order: Vec<usize> = (0..row.len()).collect();
-        order.sort_by(|a, b| row[*b].cmp(&row[*a]).then(a.cmp(b)));
+        // The logits rank as the scores do; a bias or a group's sum needs the scores themselves.
+        let mut choice: Vec<i64> = match (limit.bias, limit.groups) {
+            (None, None) => row.to_vec(),
+            (b, _) => p.iter().zip(b.unwrap_or(&[]).iter().chain(std::iter::repeat(&0))).map(|(p, b)| p + b).collect(),
+        };
+        if let Some([g, keep]) = limit.groups.filter(|[g, _]| *g > 0 && row.len().is_multiple_of(*g)) {
+            let per = row.len() / g;
+            let best: Vec<i64> = choice.chunks(per).map(|c| ranked(c).iter().take(2).map(|&i| c[i]).sum()).collect();
+            let kept = ranked(&best);
+            for (gi, c) in choice.chunks_mut(per).enumerate() {
+                if !kept[..keep.min(kept.len())].contains(&gi) {
+                    c.iter_mut().for_each(|v| *v = i64::MIN);
+                }
+            }
+        }
+        let order = ranked(&choice);
         let chosen = &order[..k.min(row.len())];
         let sum: i64 = chosen.iter().map(|e| p[*e]).sum::<i64>().max(1);
         for e in chosen {
             ids.push(*e as u32);
-            weights.push(if normalize { ((p[*e] << ACT) + sum / 2) / sum } else { p[*e] });
+            let w = if normalize { ((p[*e] << ACT) + sum / 2) / sum } else { p[*e] };
+            weights.push(limit.scale_q30.map_or(w, |s| shr_round(w as i128 * s as i128, TABLE)));
         }
         probs.extend(p);
     }
     (ids, weights, probs)
+}
+
+/// Latent attention (DeepSeek MLA) in the absorbed form, in integers: for each query (`q: [m,
+/// n_head * (qk_nope + qk_rope)]`, Q16, rotated, at positions `pos`) and head, the unrotated part
+/// taken into the latent's space through the head's key rows (`k_b: [n_head][qk_nope][kv_lora_rank]`,
+/// Q24; exact, then rounded once to Q32), scored against the cached latents (`[len,
+/// kv_lora_rank]`, Q16) plus the rotated part against the shared rotated keys (`[len, qk_rope]`,
+/// Q16), exactly, the scaled score rounded once to Q16; the integer softmax; the weighted sum of
+/// latents (exact, Q32) taken out through the head's value rows (`v_b: [n_head][v_head_dim]
+/// [kv_lora_rank]`, Q24), rounded once to Q16. Every score is the materialized form's up to the
+/// Q32 rounding of the absorbed query. `[m, n_head * v_head_dim]`.
+pub fn mla_attention_q(q: &[i64], pos: &[usize], (latent, k_pe): (&[i64], &[i64]), (k_b, v_b): (&[i64], &[i64]), b: &oracle::spec::MlaBlock, scale: f64) -> Vec<i64> {
+    use rayon::prelude::*;
+    let (nh, nope, rr, r, vd) = (b.n_head, b.qk_nope, b.qk_rope, b.kv_lora_rank, b.v_head_dim);
+    let hd = nope + rr;
+    let scale_q30 = to_q(scale, TABLE) as i128;
+    let mut out = vec![0i64; pos.len() * nh * vd];
+    out.par_chunks_mut(vd.max(1)).enumerate().for_each(|(th, o)| {
+        let (t, h) = (th / nh, th % nh);
+        let (q_nope, q_pe) = q[(t * nh + h) * hd..(t * nh + h + 1) * hd].split_at(nope);
+        let mut q_abs = vec![0i128; r]; // Q40
+        for (qc, row) in q_nope.iter().zip(k_b[h * nope * r..(h + 1) * nope * r].chunks_exact(r.max(1))) {
+            q_abs.iter_mut().zip(row).for_each(|(a, w)| *a += *qc as i128 * *w as i128);
+        }
+        let q_abs: Vec<i64> = q_abs.into_iter().map(|a| shr_round(a, WGT - 16)).collect(); // Q32
+        let keys = pos[t] + 1;
+        let scores: Vec<i64> = (0..keys)
+            .map(|j| {
+                let lat = wide_dot(&q_abs, &latent[j * r..(j + 1) * r]); // Q48
+                let pe = wide_dot(q_pe, &k_pe[j * rr..(j + 1) * rr]); // Q32
+                shr_round((lat + (pe << 16)) * scale_q30, 48 + TABLE - ACT)
+            })
+            .collect();
+        let probs = softmax_q(&scores);
+        let mut ctx = vec![0i128; r]; // Q32
+        for (p, j) in probs.iter().zip(0..keys) {
+            ctx.iter_mut().zip(&latent[j * r..(j + 1) * r]).for_each(|(c, l)| *c += *p as i128 * *l as i128);
+        }
+        for (o, row) in o.iter_mut().zip(v_b[h * vd * r..(h + 1) * vd * r].chunks_exact(r.max(1))) {
+            *o = shr_round(row.iter().zip(&ctx).map(|(w, c)| *w as i128 * c).sum(), WGT + 32 - ACT);
+        }
+    });
+    out
 }
 
 /// Masked positions (-inf in the case) are represented by this sentinel and excluded.

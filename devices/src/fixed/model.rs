@@ -3,9 +3,9 @@
 
 use super::kernels::*;
 use super::FixedDevice;
-use crate::shared::qdot;
+use super::model_err;
 use crate::{Arithmetic, DeviceError, FixedPoint, NumFormat};
-use oracle::spec::{ModelSpec, Stage};
+use oracle::spec::{BlockKind, ModelSpec, Stage};
 
 /// A whole model in integer arithmetic, dense or MoE.
 pub struct FixedModel {
@@ -20,10 +20,13 @@ pub struct FixedModel {
     point: FixedPoint,
 }
 
-/// What one layer keeps between calls, by the kind of its block.
-enum LayerState {
-    /// An attention layer's keys and values, Q16, `[len, kv_dim]` each.
-    Kv { k: Vec<i64>, v: Vec<i64> },
+/// What one layer keeps between calls, Q16, rows of two widths: an attention layer's keys and
+/// values (`[len, kv_dim]` each), a latent-attention layer's normed latents (`[len,
+/// kv_lora_rank]`) and rotated shared keys (`[len, qk_rope]`).
+#[derive(Default)]
+struct LayerState {
+    first: Vec<i64>,
+    second: Vec<i64>,
 }
 
 /// Every layer's state and the positions it holds.
@@ -33,226 +36,88 @@ struct LayerStates {
 }
 
 impl LayerStates {
-    fn new(spec: &ModelSpec) -> LayerStates {
-        // A state-space layer is refused when the model loads (`shared::attention_block`).
-        let layers = spec.layer_states(|_| LayerState::Kv { k: Vec::new(), v: Vec::new() }, |_| LayerState::Kv { k: Vec::new(), v: Vec::new() }, |_| LayerState::Kv { k: Vec::new(), v: Vec::new() });
-        LayerStates { layers, len: 0 }
+    fn new(n_layer: usize) -> LayerStates {
+        LayerStates { layers: (0..n_layer).map(|_| LayerState::default()).collect(), len: 0 }
     }
 
     fn reset(&mut self) {
-        for l in &mut self.layers {
-            match l {
-                LayerState::Kv { k, v } => {
-                    k.clear();
-                    v.clear();
-                }
-            }
-        }
+        self.layers.iter_mut().for_each(|l| *l = LayerState::default());
         self.len = 0;
     }
 
-    /// Writes attention layer `li`'s keys and values for positions `start..` (rows of `width`),
-    /// dropping anything it held from `start` on; returns everything it now holds.
-    fn write(
-        &mut self,
-        li: usize,
-        start: usize,
-        width: usize,
-        k: &[i64],
-        v: &[i64],
-    ) -> (&[i64], &[i64]) {
-        let LayerState::Kv { k: kc, v: vc } = &mut self.layers[li];
-        for (cache, new) in [(&mut *kc, k), (&mut *vc, v)] {
-            cache.truncate(start * width);
+    /// Writes layer `li`'s two rows for positions `start..` (of widths `widths`), dropping
+    /// anything it held from `start` on; returns everything it now holds.
+    fn write(&mut self, li: usize, start: usize, widths: (usize, usize), a: &[i64], b: &[i64]) -> (&[i64], &[i64]) {
+        let l = &mut self.layers[li];
+        for (cache, new, w) in [(&mut l.first, a, widths.0), (&mut l.second, b, widths.1)] {
+            cache.truncate(start * w);
             cache.extend_from_slice(new);
         }
-        (kc, vc)
+        (&l.first, &l.second)
     }
 }
 
-struct FixedLayer {
-    attn_norm: Vec<i64>,
-    wq: FixedWeights,
-    wk: FixedWeights,
-    wv: FixedWeights,
-    wo: FixedWeights,
-    bias: Option<[Vec<i64>; 3]>,
+/// An attention block's weights in the device's formats.
+pub(super) struct FixedAttn {
+    pub wq: FixedWeights,
+    pub wk: FixedWeights,
+    pub wv: FixedWeights,
+    pub wo: FixedWeights,
+    pub bias: Option<[Vec<i64>; 3]>,
     /// The attention output projection's bias (`attn_output.bias`), when the model has one.
-    bo: Option<Vec<i64>>,
+    pub bo: Option<Vec<i64>>,
     /// GPT-OSS's sink logit per query head, in Q16.
-    sinks: Option<Vec<i64>>,
-    qk_norm: Option<[Vec<i64>; 2]>,
-    ffn_norm: Vec<i64>,
+    pub sinks: Option<Vec<i64>>,
+    pub qk_norm: Option<[Vec<i64>; 2]>,
+}
+
+/// A latent-attention block's weights: the query's compression and its norm (if any), the
+/// query projection, the latent/shared-key projection and the latent's norm, the expansion's
+/// key and value rows per head (Q24, `[n_head][rows][kv_lora_rank]`), the output projection.
+pub(super) struct FixedMla {
+    pub q_a: Option<(FixedWeights, Vec<i64>)>,
+    pub q: FixedWeights,
+    pub kv_a: FixedWeights,
+    pub kv_a_norm: Vec<i64>,
+    pub k_b: Vec<i64>,
+    pub v_b: Vec<i64>,
+    pub wo: FixedWeights,
+}
+
+pub(super) enum FixedMixer {
+    Attention(FixedAttn),
+    Mla(FixedMla),
+}
+
+pub(super) struct FixedLayer {
+    pub attn_norm: Vec<i64>,
+    pub mixer: FixedMixer,
+    pub ffn_norm: Vec<i64>,
     /// Gemma's norms of the attention and FFN outputs.
-    post_norms: Option<[Vec<i64>; 2]>,
-    ffn: Ffn,
+    pub post_norms: Option<[Vec<i64>; 2]>,
+    pub ffn: Option<Ffn>,
 }
 
 /// One gated FFN (a dense layer's, an expert's or a shared expert's), with GPT-OSS's biases of
 /// its gate, up and down products where the model has them, in Q16.
-struct Expert {
-    gate: FixedWeights,
-    up: FixedWeights,
-    down: FixedWeights,
-    bias: Option<[Vec<i64>; 3]>,
+pub(super) struct Expert {
+    pub gate: FixedWeights,
+    pub up: FixedWeights,
+    pub down: FixedWeights,
+    pub bias: Option<[Vec<i64>; 3]>,
 }
 
-/// A layer's FFN: dense, or a router over experts (with a shared expert and its sigmoid gate
-/// where the model has them).
-enum Ffn {
+/// A layer's FFN: dense, or a router over experts (with a shared expert and its sigmoid gate,
+/// and DeepSeek V3's choice bias, where the model has them).
+pub(super) enum Ffn {
     Dense(Expert),
-    Moe { router: FixedWeights, router_bias: Option<Vec<i64>>, experts: Vec<Expert>, shared: Option<Expert>, shared_gate: Option<Vec<i64>> },
-}
-
-fn model_err(what: impl std::fmt::Display) -> DeviceError {
-    DeviceError::Failed { device: "fixed".into(), case: "model".into(), reason: what.to_string() }
+    Moe { router: FixedWeights, router_bias: Option<Vec<i64>>, choice_bias: Option<Vec<i64>>, experts: Vec<Expert>, shared: Option<Expert>, shared_gate: Option<Vec<i64>> },
 }
 
 impl FixedModel {
-    /// Loads a GGUF file or a safetensors directory (F32/F16/BF16 tensors).
-    pub fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, DeviceError> {
-        let (src, spec) = oracle::loader::open_weights(path).map_err(model_err)?;
-        let label = src.label();
-        crate::shared::attention_model(&spec, "fixed").map_err(|why| model_err(format!("{label}: {why}")))?;
-        // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4; the embedding's
-        // own count stands for its 32-bit Q16 table), and the table once more where the output
-        // is tied to it or INT4: refused up front when the machine cannot hold them.
-        let values = src.n_elements().map_err(model_err)?;
-        let table = (spec.n_vocab as u64).saturating_mul(spec.n_embd as u64);
-        let needed = values.saturating_mul(if int4 { 2 } else { 4 }).saturating_add(if int4 || spec.tied_output { table.saturating_mul(4) } else { 0 });
-        oracle::memory::check_fits(&label, "holding the weights as integers", needed).map_err(model_err)?;
-        let raw = |name: &str| -> Result<oracle::loader::RawTensor<'_>, DeviceError> { src.raw(name).map_err(model_err)?.ok_or_else(|| model_err(format!("{label}: missing tensor `{name}`"))) };
-        let mat = |name: &str, rows: usize, cols: usize| -> Result<FixedWeights, DeviceError> {
-            let t = raw(name)?;
-            if Some(t.n_elements()) != rows.checked_mul(cols) || t.dims[0] != cols {
-                return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}]", t.dims)));
-            }
-            Ok(convert_weights(t.ty, rows, cols, &t.bytes, int4 && cols.is_multiple_of(INT4_GROUP)))
-        };
-        let vecq = |name: &str, n: usize, frac: u32| -> Result<Vec<i64>, DeviceError> {
-            let t = raw(name)?;
-            if t.n_elements() != n || !qdot::is_float(t.ty) {
-                return Err(model_err(format!("{label}: tensor `{name}`: expected {n} float values")));
-            }
-            let mut f = vec![0.0f32; n];
-            qdot::float_row(t.ty, &t.bytes, &mut f);
-            Ok(f.iter().map(|v| to_q(*v as f64, frac)).collect())
-        };
-        let (d, hd) = (spec.n_embd, spec.head_dim);
-        // Every expert's matrix out of a stacked [cols, rows, n_expert] tensor; every expert's
-        // bias out of a stacked [n, n_expert] one.
-        let experts = |name: &str, n_expert: usize, rows: usize, cols: usize| -> Result<Vec<FixedWeights>, DeviceError> {
-            let t = raw(name)?;
-            if t.dims != [cols, rows, n_expert] {
-                return Err(model_err(format!("{label}: tensor `{name}` has dims {:?}, expected [{cols}, {rows}, {n_expert}]", t.dims)));
-            }
-            let parts = t.parts(n_expert).map_err(|e| model_err(format!("{label}: tensor `{name}`: {e} (one per expert)")))?;
-            Ok(parts.map(|b| convert_weights(t.ty, rows, cols, b, int4 && cols.is_multiple_of(INT4_GROUP))).collect())
-        };
-        let expert_vecs = |name: &str, n_expert: usize, n: usize| -> Result<Vec<Vec<i64>>, DeviceError> {
-            Ok(vecq(name, n * n_expert, ACT)?.chunks_exact(n).map(<[i64]>::to_vec).collect())
-        };
-        let dense = |i: usize, suffix: &str, f: usize| -> Result<Expert, DeviceError> {
-            let n = |t: &str| format!("blk.{i}.ffn_{t}{suffix}.weight");
-            Ok(Expert { gate: mat(&n("gate"), f, d)?, up: mat(&n("up"), f, d)?, down: mat(&n("down"), d, f)?, bias: None })
-        };
-        let mut layers = Vec::new();
-        for i in 0..spec.n_layer {
-            let n = |t: &str| format!("blk.{i}.{t}");
-            let a = crate::shared::attention_block(&spec, i, "fixed").map_err(model_err)?;
-            let (qd, kvd) = (a.q_dim(), a.kv_dim());
-            let ffn = match &spec.moe {
-                None => Ffn::Dense(dense(i, "", spec.n_ff)?),
-                Some(m) => {
-                    let (ne, f) = (m.n_expert, m.expert_ffn);
-                    let (gates, ups, downs) = (experts(&n("ffn_gate_exps.weight"), ne, f, d)?, experts(&n("ffn_up_exps.weight"), ne, f, d)?, experts(&n("ffn_down_exps.weight"), ne, d, f)?);
-                    let mut biases: Vec<Option<[Vec<i64>; 3]>> = Vec::new();
-                    if m.biases {
-                        let (g, u, dn) = (expert_vecs(&n("ffn_gate_exps.bias"), ne, f)?, expert_vecs(&n("ffn_up_exps.bias"), ne, f)?, expert_vecs(&n("ffn_down_exps.bias"), ne, d)?);
-                        biases = g.into_iter().zip(u).zip(dn).map(|((g, u), dn)| Some([g, u, dn])).collect();
-                    }
-                    biases.resize_with(ne, || None);
-                    Ffn::Moe {
-                        router: mat(&n("ffn_gate_inp.weight"), ne, d)?,
-                        router_bias: if m.biases { Some(vecq(&n("ffn_gate_inp.bias"), ne, ACT)?) } else { None },
-                        experts: gates.into_iter().zip(ups).zip(downs).zip(biases).map(|(((gate, up), down), bias)| Expert { gate, up, down, bias }).collect(),
-                        shared: match m.shared_ffn {
-                            Some(f) => Some(dense(i, "_shexp", f)?),
-                            None => None,
-                        },
-                        shared_gate: if m.shared_gate { Some(vecq(&n("ffn_gate_inp_shexp.weight"), d, ACT)?) } else { None },
-                    }
-                }
-            };
-            layers.push(FixedLayer {
-                attn_norm: vecq(&n("attn_norm.weight"), d, NORM)?,
-                wq: mat(&n("attn_q.weight"), qd, d)?,
-                wk: mat(&n("attn_k.weight"), kvd, d)?,
-                wv: mat(&n("attn_v.weight"), kvd, d)?,
-                wo: mat(&n("attn_output.weight"), d, qd)?,
-                bias: if spec.qkv_bias {
-                    Some([
-                        vecq(&n("attn_q.bias"), qd, ACT)?,
-                        vecq(&n("attn_k.bias"), kvd, ACT)?,
-                        vecq(&n("attn_v.bias"), kvd, ACT)?,
-                    ])
-                } else {
-                    None
-                },
-                bo: if spec.out_bias {
-                    Some(vecq(&n("attn_output.bias"), d, ACT)?)
-                } else {
-                    None
-                },
-                sinks: if spec.attn_sinks {
-                    Some(vecq(&n("attn_sinks.weight"), a.n_head, ACT)?)
-                } else {
-                    None
-                },
-                qk_norm: if spec.qk_norm {
-                    Some([
-                        vecq(&n("attn_q_norm.weight"), hd, NORM)?,
-                        vecq(&n("attn_k_norm.weight"), hd, NORM)?,
-                    ])
-                } else {
-                    None
-                },
-                ffn_norm: vecq(&n(spec.stored_ffn_norm()), d, NORM)?,
-                post_norms: if spec.post_norms { Some([vecq(&n("post_attention_norm.weight"), d, NORM)?, vecq(&n("post_ffw_norm.weight"), d, NORM)?]) } else { None },
-                ffn,
-            });
-        }
-        // The embedding table as Q16 activations (rows are looked up, never multiplied).
-        let te = raw("token_embd.weight")?;
-        if Some(te.n_elements()) != spec.n_vocab.checked_mul(d) || te.dims[0] != d {
-            return Err(model_err(format!("{label}: tensor `token_embd.weight` has dims {:?}, expected [{d}, {}]", te.dims, spec.n_vocab)));
-        }
-        let te_bytes = te.bytes;
-        let row_bytes = te_bytes.len() / spec.n_vocab;
-        let mut tok_embd = IntValues::with_capacity(spec.n_vocab * d);
-        let (mut row, mut row_q) = (vec![0.0f32; d], vec![0i64; d]);
-        for r in 0..spec.n_vocab {
-            let rb = &te_bytes[r * row_bytes..(r + 1) * row_bytes];
-            if qdot::is_float(te.ty) {
-                qdot::float_row(te.ty, rb, &mut row);
-            } else {
-                qdot::dequantize_row(te.ty, rb, &mut row);
-            }
-            row_q.iter_mut().zip(&row).for_each(|(q, v)| *q = to_q(*v as f64, ACT));
-            tok_embd.push_row(&row_q);
-        }
-        let head = if spec.tied_output { mat("token_embd.weight", spec.n_vocab, d)? } else { mat("output.weight", spec.n_vocab, d)? };
-        let output_norm = vecq("output_norm.weight", d, NORM)?;
-        let kv = LayerStates::new(&spec);
-        Ok(FixedModel {
-            spec,
-            tok_embd,
-            output_norm,
-            head,
-            layers,
-            kv,
-            point: FixedDevice { int4 }.point(),
-        })
+    pub(super) fn new(spec: ModelSpec, tok_embd: IntValues, output_norm: Vec<i64>, head: FixedWeights, layers: Vec<FixedLayer>, int4: bool) -> FixedModel {
+        let kv = LayerStates::new(layers.len());
+        FixedModel { spec, tok_embd, output_norm, head, layers, kv, point: FixedDevice { int4 }.point() }
     }
 }
 
@@ -335,74 +200,102 @@ impl FixedModel {
         for li in 0..s.n_layer {
             let l = &self.layers[li];
             let name = |t: &str| format!("blk.{li}.{t}");
-            let a = crate::shared::attention_block(&s, li, "fixed").map_err(model_err)?;
-            let (hd, qd, kvd) = (a.head_dim, a.q_dim(), a.kv_dim());
-            let (mut h, mut q, mut k, mut v, mut attn, mut out) = (
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-            );
+            let (mut h, mut q, mut k, mut v, mut attn, mut out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let wrong = || model_err(format!("layer {li}: its weights are not of its block's kind"));
             for stage in &s.layers[li].stages {
+                // A latent-attention layer's own projections, rotation and attention.
+                if let (BlockKind::Mla(b), FixedMixer::Mla(w)) = (s.layers[li].block, &l.mixer) {
+                    match stage {
+                        Stage::QkvProj => {
+                            let q_in = match &w.q_a {
+                                Some((qa, norm)) => {
+                                    let a = rms_norm_q(&matmul_q(&h, m, qa), b.q_lora_rank, norm, s.norm_eps);
+                                    tap_q(taps, &name("attn_q_a"), start, m, b.q_lora_rank, &a);
+                                    a
+                                }
+                                None => h.clone(),
+                            };
+                            q = matmul_q(&q_in, m, &w.q);
+                            tap_q(taps, &name("attn_q"), start, m, b.q_dim(), &q);
+                            let kv_a = matmul_q(&h, m, &w.kv_a);
+                            let (r, rr) = (b.kv_lora_rank, b.qk_rope);
+                            let lat: Vec<i64> = kv_a.chunks_exact(r + rr).flat_map(|row| row[..r].iter().copied()).collect();
+                            v = rms_norm_q(&lat, r, &w.kv_a_norm, s.norm_eps);
+                            k = kv_a.chunks_exact(r + rr).flat_map(|row| row[r..].iter().copied()).collect();
+                            tap_q(taps, &name("attn_kv_a"), start, m, r, &v);
+                            tap_q(taps, &name("attn_k"), start, m, rr, &k);
+                            continue;
+                        }
+                        Stage::Rope => {
+                            // Each head's rotated part (its last qk_rope values) gathered, rotated, put back.
+                            let hd = b.qk_head_dim();
+                            let mut tails: Vec<i64> = q.chunks_exact(hd).flat_map(|hq| hq[b.qk_nope..].iter().copied()).collect();
+                            rope_q(&mut tails, &pos, b.n_head, b.qk_rope, &s.rope);
+                            q.chunks_exact_mut(hd).zip(tails.chunks_exact(b.qk_rope)).for_each(|(hq, t)| hq[b.qk_nope..].copy_from_slice(t));
+                            rope_q(&mut k, &pos, 1, b.qk_rope, &s.rope);
+                            tap_q(taps, &name("attn_q_rope"), start, m, b.q_dim(), &q);
+                            tap_q(taps, &name("attn_k_rope"), start, m, b.qk_rope, &k);
+                            continue;
+                        }
+                        Stage::Attention => {
+                            let cached = self.kv.write(li, start, (b.kv_lora_rank, b.qk_rope), &v, &k);
+                            attn = mla_attention_q(&q, &pos, cached, (&w.k_b, &w.v_b), &b, s.attn_scale);
+                            tap_q(taps, &name("attn_kqv"), start, m, b.out_dim(), &attn);
+                            continue;
+                        }
+                        Stage::AttnOutProj => {
+                            attn = matmul_q(&attn, m, &w.wo);
+                            tap_q(taps, &name("attn_out"), start, m, d, &attn);
+                            continue;
+                        }
+                        _ => {}
+                    }
+                }
+                let attn_parts = || match (s.layers[li].block, &l.mixer) {
+                    (BlockKind::Attention(a), FixedMixer::Attention(w)) => Ok((a, w)),
+                    _ => Err(wrong()),
+                };
                 match stage {
                     Stage::AttnNorm => {
                         h = rms_norm_q(&x, d, &l.attn_norm, s.norm_eps);
                         tap_q(taps, &name("attn_norm"), start, m, d, &h);
                     }
                     Stage::QkvProj => {
-                        (q, k, v) = (
-                            matmul_q(&h, m, &l.wq),
-                            matmul_q(&h, m, &l.wk),
-                            matmul_q(&h, m, &l.wv),
-                        );
-                        if let Some([bq, bk, bv]) = &l.bias {
+                        let (a, w) = attn_parts()?;
+                        (q, k, v) = (matmul_q(&h, m, &w.wq), matmul_q(&h, m, &w.wk), matmul_q(&h, m, &w.wv));
+                        if let Some([bq, bk, bv]) = &w.bias {
                             (q, k, v) = (add_q(&q, bq), add_q(&k, bk), add_q(&v, bv));
                         }
-                        tap_q(taps, &name("attn_q"), start, m, qd, &q);
-                        tap_q(taps, &name("attn_k"), start, m, kvd, &k);
-                        tap_q(taps, &name("attn_v"), start, m, kvd, &v);
+                        tap_q(taps, &name("attn_q"), start, m, a.q_dim(), &q);
+                        tap_q(taps, &name("attn_k"), start, m, a.kv_dim(), &k);
+                        tap_q(taps, &name("attn_v"), start, m, a.kv_dim(), &v);
                     }
                     Stage::QkNorm => {
-                        let [qn, kn] = l
-                            .qk_norm
-                            .as_ref()
-                            .ok_or_else(|| model_err("a q/k-norm stage without its weights"))?;
-                        q = rms_norm_q(&q, hd, qn, s.norm_eps);
-                        k = rms_norm_q(&k, hd, kn, s.norm_eps);
-                        tap_q(taps, &name("attn_q_norm"), start, m, qd, &q);
-                        tap_q(taps, &name("attn_k_norm"), start, m, kvd, &k);
+                        let (a, w) = attn_parts()?;
+                        let [qn, kn] = w.qk_norm.as_ref().ok_or_else(|| model_err("a q/k-norm stage without its weights"))?;
+                        q = rms_norm_q(&q, a.head_dim, qn, s.norm_eps);
+                        k = rms_norm_q(&k, a.head_dim, kn, s.norm_eps);
+                        tap_q(taps, &name("attn_q_norm"), start, m, a.q_dim(), &q);
+                        tap_q(taps, &name("attn_k_norm"), start, m, a.kv_dim(), &k);
                     }
                     Stage::Rope => {
-                        rope_q(&mut q, &pos, a.n_head, hd, s.rope_of(&a));
-                        rope_q(&mut k, &pos, a.n_head_kv, hd, s.rope_of(&a));
-                        tap_q(taps, &name("attn_q_rope"), start, m, qd, &q);
-                        tap_q(taps, &name("attn_k_rope"), start, m, kvd, &k);
+                        let (a, _) = attn_parts()?;
+                        rope_q(&mut q, &pos, a.n_head, a.head_dim, s.rope_of(&a));
+                        rope_q(&mut k, &pos, a.n_head_kv, a.head_dim, s.rope_of(&a));
+                        tap_q(taps, &name("attn_q_rope"), start, m, a.q_dim(), &q);
+                        tap_q(taps, &name("attn_k_rope"), start, m, a.kv_dim(), &k);
                     }
                     Stage::Attention => {
-                        let (kc, vc) = self.kv.write(li, start, kvd, &k, &v);
-                        let extras = AttnExtras {
-                            scale: Some(s.attn_scale),
-                            sinks: l.sinks.as_deref(),
-                            softcap: s.attn_softcap.map(SoftcapQ::new),
-                        };
-                        attn = attention_q(
-                            &q,
-                            &pos,
-                            kc,
-                            vc,
-                            a.n_head,
-                            a.n_head_kv,
-                            hd,
-                            a.window.unwrap_or(0),
-                            &extras,
-                        );
-                        tap_q(taps, &name("attn_kqv"), start, m, qd, &attn);
+                        let (a, w) = attn_parts()?;
+                        let (kc, vc) = self.kv.write(li, start, (a.kv_dim(), a.kv_dim()), &k, &v);
+                        let extras = AttnExtras { scale: Some(s.attn_scale), sinks: w.sinks.as_deref(), softcap: s.attn_softcap.map(SoftcapQ::new) };
+                        attn = attention_q(&q, &pos, kc, vc, a.n_head, a.n_head_kv, a.head_dim, a.window.unwrap_or(0), &extras);
+                        tap_q(taps, &name("attn_kqv"), start, m, a.q_dim(), &attn);
                     }
                     Stage::AttnOutProj => {
-                        attn = matmul_q(&attn, m, &l.wo);
-                        if let Some(bo) = &l.bo {
+                        let (_, w) = attn_parts()?;
+                        attn = matmul_q(&attn, m, &w.wo);
+                        if let Some(bo) = &w.bo {
                             attn = add_q(&attn, bo);
                         }
                         tap_q(taps, &name("attn_out"), start, m, d, &attn);
@@ -422,11 +315,12 @@ impl FixedModel {
                         tap_q(taps, &name("ffn_norm"), start, m, d, &h);
                     }
                     Stage::DenseFfn | Stage::MoeFfn => {
-                        out = self.ffn(l, &h, m, taps, li, start)?;
+                        let f = l.ffn.as_ref().ok_or_else(|| model_err(format!("layer {li}: an FFN stage without its weights")))?;
+                        out = self.ffn(f, &h, m, taps, li, start)?;
                         tap_q(taps, &name("ffn_out"), start, m, d, &out);
                     }
                     Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual | Stage::AttnGate => {
-                        return Err(model_err(format!("layer {li}: a {stage:?} stage; fixed runs attention layers without an output gate only")));
+                        return Err(model_err(format!("layer {li}: a {stage:?} stage; fixed runs attention and latent-attention layers without an output gate only")));
                     }
                     Stage::FfnResidual => {
                         x = add_q(&x, &out);
@@ -452,7 +346,7 @@ impl FixedModel {
     /// Layer `li`'s FFN (dense or MoE) on its normed input `h` (`m` rows).
     fn ffn(
         &self,
-        l: &FixedLayer,
+        ffn: &Ffn,
         h: &[i64],
         m: usize,
         taps: &mut dyn oracle::Tap,
@@ -462,11 +356,12 @@ impl FixedModel {
         let s = &self.spec;
         let d = s.n_embd;
         let name = |t: &str| format!("blk.{li}.{t}");
-        Ok(match &l.ffn {
+        Ok(match ffn {
             Ffn::Dense(f) => expert_q(s.activation, f, h, m, Some((taps, li, start))),
             Ffn::Moe {
                 router,
                 router_bias,
+                choice_bias,
                 experts,
                 shared,
                 shared_gate,
@@ -485,6 +380,7 @@ impl FixedModel {
                     ms.n_expert_used,
                     ms.gating == oracle::spec::Gating::Sigmoid,
                     ms.normalize_topk,
+                    &RouteLimitQ { bias: choice_bias.as_deref(), groups: ms.groups, scale_q30: ms.weights_scale.map(|w| to_q(w, TABLE)) },
                 );
                 tap_q(taps, &name("ffn_moe_probs"), start, m, ms.n_expert, &probs);
                 if taps.enabled() {

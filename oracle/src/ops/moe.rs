@@ -8,6 +8,15 @@ use crate::spec::Gating;
 pub struct Routing {
     /// Score of every expert: `[n_expert]`.
     pub probs: Vec<f64>,
+    /// What the choice ranks: the scores plus the choice bias where the model has one (else the
+    /// scores).
+    pub choice: Vec<f64>,
+    /// Under a group limit, how far each expert's group fell short of being kept (the lowest
+    /// kept group's score less its own group's; 0 in a kept group); empty without groups.
+    pub shortfall: Vec<f64>,
+    /// Under a group limit, how far each expert's kept group stood above the best dropped one
+    /// (infinite where none was dropped; 0 in a dropped group); empty without groups.
+    pub surplus: Vec<f64>,
     /// Chosen expert ids, best first.
     pub experts: Vec<usize>,
     /// Weight of each chosen expert.
@@ -41,23 +50,32 @@ pub fn moe_route_rule(logits: &[f64], rule: &RouteRule) -> Routing {
         Gating::Softmax => super::act::softmax_f64(logits),
         Gating::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
     };
-    let mut choice: Vec<f64> = match rule.choice_bias {
+    let ranked: Vec<f64> = match rule.choice_bias {
         Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
         None => probs.clone(),
     };
+    let mut choice = ranked.clone();
+    let (mut shortfall, mut surplus) = (Vec::new(), Vec::new());
     if let Some([n_group, keep]) = rule.groups.filter(|[g, _]| *g > 0 && choice.len().is_multiple_of(*g)) {
         let per = choice.len() / n_group;
         let group_score: Vec<f64> = choice.chunks(per).map(|g| super::sample::top_k_f64(g, 2).iter().map(|&i| g[i]).sum()).collect();
         let kept = super::sample::top_k_f64(&group_score, keep);
+        let lowest_kept = kept.iter().map(|&g| group_score[g]).fold(f64::INFINITY, f64::min);
+        let best_dropped = (0..n_group).filter(|g| !kept.contains(g)).map(|g| group_score[g]).fold(f64::NEG_INFINITY, f64::max);
+        (shortfall, surplus) = (vec![0.0; choice.len()], vec![0.0; choice.len()]);
         for (gi, g) in choice.chunks_mut(per).enumerate() {
-            if !kept.contains(&gi) {
+            let at = gi * per..(gi + 1) * per;
+            if kept.contains(&gi) {
+                surplus[at].iter_mut().for_each(|v| *v = group_score[gi] - best_dropped);
+            } else {
                 g.iter_mut().for_each(|v| *v = f64::NEG_INFINITY);
+                shortfall[at].iter_mut().for_each(|v| *v = lowest_kept - group_score[gi]);
             }
         }
     }
     let experts = super::sample::top_k_f64(&choice, rule.k);
     let weights = weights_of(&probs, &experts, rule.normalize, rule.scale);
-    Routing { probs, experts, weights, scale: rule.scale }
+    Routing { probs, choice: ranked, shortfall, surplus, experts, weights, scale: rule.scale }
 }
 
 fn weights_of(probs: &[f64], experts: &[usize], normalize: bool, scale: f64) -> Vec<f64> {
@@ -85,6 +103,6 @@ impl Routing {
             return Err(format!("{experts:?} is not a choice of {} distinct experts of {n}", self.experts.len()));
         }
         let weights = weights_of(&self.probs, &experts, normalize, self.scale);
-        Ok(Routing { probs: self.probs, experts, weights, scale: self.scale })
+        Ok(Routing { probs: self.probs, choice: self.choice, shortfall: self.shortfall, surplus: self.surplus, experts, weights, scale: self.scale })
     }
 }

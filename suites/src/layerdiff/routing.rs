@@ -25,28 +25,45 @@ pub struct RoutingFollow {
 }
 
 /// Whether the oracle should take the device's expert choice `device` instead of its own
-/// `oracle` (both best first) for a token whose scores are `probs`: when they differ only at a
-/// near tie. Let d be the expert the device dropped with the highest score and t the one it took
-/// with the lowest; the choices are `margin = probs[d] - probs[t]` apart. A device that ranks its
-/// own scores correctly can only have swapped them if its scores of d and t are off by at least
-/// that much together, so where the device recorded its scores (`device_probs`, the
-/// `ffn_moe_probs` row) the swap is followed when the margin is within their observed error (plus
-/// f32 rounding): then a top-k bug still shows as a mismatch, and the scores' error is judged by
-/// their own tap. Without recorded scores, the scores' `budget` (an RMS bound, so one score may
-/// be off by sqrt(n) times it and a pair by sqrt(2n)) sets the tolerance. Returns (margin,
-/// tolerance) when it should follow.
-pub fn follow_at_near_tie(probs: &[f64], oracle: &[usize], device: &[usize], device_probs: Option<&[f32]>, budget: Option<Budget>) -> Option<(f64, f64)> {
+/// (`routing`: its scores, what its choice ranks — the scores plus any choice bias, DeepSeek
+/// V3's — and its experts best first) for one token: when they differ only at a near tie. Let d
+/// be the expert the device dropped with the highest rank and t the one it took with the lowest;
+/// the choices are `margin = choice[d] - choice[t]` apart (at least 0), plus, where t's group was
+/// not kept, how far that group fell short — or, where less, how far d's group stood above the
+/// best group left out (the device may have left d's whole group out). A device that ranks its own scores correctly can only
+/// have swapped them if its scores of d and t are off by at least that much together (a bias is
+/// the same on both sides; two groups' scores by at most four times its largest error), so where
+/// the device recorded its scores (`device_probs`, the `ffn_moe_probs` row) the swap is followed
+/// when the margin is within their observed error (plus f32 rounding): then a top-k or group bug still shows as a mismatch, and the scores' error
+/// is judged by their own tap. Without recorded scores, the scores' `budget` (an RMS bound, so
+/// one score may be off by sqrt(n) times it and a pair by sqrt(2n)) sets the tolerance. Returns
+/// (margin, tolerance) when it should follow.
+pub fn follow_at_near_tie(routing: &oracle::ops::Routing, device: &[usize], device_probs: Option<&[f32]>, budget: Option<Budget>) -> Option<(f64, f64)> {
+    let (probs, choice, oracle) = (&routing.probs, &routing.choice, &routing.experts);
+    if choice.len() != probs.len() {
+        return None;
+    }
     let pick = |ids: &[usize], other: &[usize], best: bool| {
         let outside = ids.iter().copied().filter(|e| !other.contains(e));
-        if best { outside.max_by(|&a, &b| probs[a].total_cmp(&probs[b])) } else { outside.min_by(|&a, &b| probs[a].total_cmp(&probs[b])) }
+        if best { outside.max_by(|&a, &b| choice[a].total_cmp(&choice[b])) } else { outside.min_by(|&a, &b| choice[a].total_cmp(&choice[b])) }
     };
     // The same set (or nothing comparable): nothing to follow.
     let (d, t) = (pick(oracle, device, true)?, pick(device, oracle, false)?);
-    let margin = probs[d] - probs[t];
+    // Taken by rank (t's group let in, if it was not kept), or d's whole group left out.
+    let by_rank = (choice[d] - choice[t]).max(0.0) + routing.shortfall.get(t).copied().unwrap_or(0.0);
+    let by_group = routing.surplus.get(d).copied().filter(|s| *s > 0.0).unwrap_or(f64::INFINITY);
+    let margin = by_rank.min(by_group);
+    let groups_moved = by_group < by_rank || routing.shortfall.get(t).is_some_and(|s| *s > 0.0);
     let tolerance = match device_probs.filter(|dp| dp.len() == probs.len()) {
         Some(dp) => {
-            let observed = (dp[d] as f64 - probs[d]).abs() + (dp[t] as f64 - probs[t]).abs();
-            observed + 4.0 * f32::EPSILON as f64 * probs[d].abs().max(probs[t].abs())
+            let err = |e: usize| (dp[e] as f64 - probs[e]).abs();
+            let mut observed = err(d) + err(t);
+            if groups_moved {
+                // A group's score (its two best) moves by at most twice its largest error: the
+                // gap between two groups by at most four times the largest of any expert.
+                observed += 4.0 * (0..probs.len()).map(err).fold(0.0, f64::max);
+            }
+            observed + 4.0 * f32::EPSILON as f64 * choice[d].abs().max(choice[t].abs())
         }
         None => {
             let rms = (probs.iter().map(|p| p * p).sum::<f64>() / probs.len().max(1) as f64).sqrt();
@@ -93,7 +110,8 @@ impl<'a> RoutingFollower<'a> {
     }
 
     /// `Tap::route` for the run this follower serves.
-    pub fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
+    pub fn route(&mut self, name: &str, pos: usize, routing: &oracle::ops::Routing) -> Option<Vec<usize>> {
+        let (probs, chosen) = (&routing.probs, &routing.experts);
         let (w, data) = self.device.tensors.get(name)?;
         let row = data.get(pos * w..(pos + 1) * w).filter(|_| *w == chosen.len())?;
         // The device's ids, if they are a valid choice (else the mismatch is reported as such).
@@ -101,7 +119,7 @@ impl<'a> RoutingFollower<'a> {
         let tap = TapName::parse(name);
         let scores = tap.filter(|t| t.kind == TapKind::FfnMoeTopk).map(|t| TapName { kind: TapKind::FfnMoeProbs, ..t }.to_string());
         let device_probs = scores.and_then(|n| self.device.tensors.get(&n)).and_then(|(w, v)| v.get(pos * w..(pos + 1) * w));
-        let (margin, tolerance) = follow_at_near_tie(probs, chosen, &ids, device_probs, (self.budget_of)(tap.and_then(|t| t.layer)))?;
+        let (margin, tolerance) = follow_at_near_tie(routing, &ids, device_probs, (self.budget_of)(tap.and_then(|t| t.layer)))?;
         self.follows.push(RoutingFollow { tap: name.to_string(), position: pos, oracle: chosen.to_vec(), device: ids.clone(), margin, tolerance, run: self.run });
         Some(ids)
     }
@@ -130,10 +148,10 @@ impl Tap for Rerun<'_> {
         let range = start_pos * width..(start_pos + n_tokens) * width;
         (*w == width && data.len() >= range.end).then(|| data[range].to_vec())
     }
-    fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        let forced = self.routing.route(name, pos, probs, chosen);
+    fn route(&mut self, name: &str, pos: usize, routing: &oracle::ops::Routing) -> Option<Vec<usize>> {
+        let forced = self.routing.route(name, pos, routing);
         if let Some(p) = &mut self.products {
-            p.routed(name, forced.as_deref().unwrap_or(chosen));
+            p.routed(name, forced.as_deref().unwrap_or(&routing.experts));
         }
         forced
     }
@@ -163,8 +181,8 @@ impl oracle::Tap for Following<'_> {
     fn product_input(&mut self, weight: &str, width: usize, data: &[f32]) -> Option<Vec<f32>> {
         self.emu.product_input(weight, width, data)
     }
-    fn route(&mut self, name: &str, pos: usize, probs: &[f64], chosen: &[usize]) -> Option<Vec<usize>> {
-        self.routing.route(name, pos, probs, chosen)
+    fn route(&mut self, name: &str, pos: usize, routing: &oracle::ops::Routing) -> Option<Vec<usize>> {
+        self.routing.route(name, pos, routing)
     }
     fn attention_weights(&self) -> Option<&oracle::ops::AttentionWeights> {
         self.emu.attention_weights()

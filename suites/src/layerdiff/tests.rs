@@ -211,23 +211,50 @@ fn an_f16_kv_cache_grows_only_attention_and_what_follows_it() {
 
 #[test]
 fn routing_follows_the_device_only_at_a_near_tie_its_own_scores_explain() {
-    let probs = [0.30, 0.29, 0.10, 0.31];
+    let probs = vec![0.30, 0.29, 0.10, 0.31];
+    let r = |choice: &[f64], shortfall: &[f64], experts: &[usize]| oracle::ops::Routing { probs: probs.clone(), choice: choice.to_vec(), shortfall: shortfall.to_vec(), surplus: shortfall.iter().map(|s| if *s > 0.0 { 0.0 } else { 1.0 }).collect(), experts: experts.to_vec(), weights: vec![0.5; experts.len()], scale: 1.0 };
+    let plain = r(&probs, &[], &[3, 0]);
     let b = Some(Budget { rel: 0.01, abs: 0.0 });
     // Same experts (any order): nothing to follow.
-    assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[0, 3], None, b), None);
+    assert_eq!(follow_at_near_tie(&plain, &[0, 3], None, b), None);
     // The device took 1 for 0 (0.01 apart) with its scores of the two off by 0.006 each.
     let dev = [0.294f32, 0.296, 0.10, 0.31];
-    let (margin, tol) = follow_at_near_tie(&probs, &[3, 0], &[3, 1], Some(&dev), b).unwrap();
+    let (margin, tol) = follow_at_near_tie(&plain, &[3, 1], Some(&dev), b).unwrap();
     assert!((margin - 0.01).abs() < 1e-12 && (0.012..0.0121).contains(&tol), "{margin} {tol}");
     // The same swap with scores that do not explain it (a top-k bug): not followed.
-    assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], Some(&[0.30f32, 0.29, 0.10, 0.31]), b), None);
+    assert_eq!(follow_at_near_tie(&plain, &[3, 1], Some(&[0.30f32, 0.29, 0.10, 0.31]), b), None);
     // Taking the worst expert is no near tie, whatever the scores' budget.
     let dev = [0.30f32, 0.29, 0.10, 0.31];
-    assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 2], Some(&dev), b), None);
+    assert_eq!(follow_at_near_tie(&plain, &[3, 2], Some(&dev), b), None);
     // Without recorded scores the budget decides: sqrt(2 * 4) * 0.01 * rms(probs) ~ 0.007.
-    assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], None, b), None);
-    assert!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], None, Some(Budget { rel: 0.02, abs: 0.0 })).is_some());
-    assert_eq!(follow_at_near_tie(&probs, &[3, 0], &[3, 1], None, None), None);
+    assert_eq!(follow_at_near_tie(&plain, &[3, 1], None, b), None);
+    assert!(follow_at_near_tie(&plain, &[3, 1], None, Some(Budget { rel: 0.02, abs: 0.0 })).is_some());
+    assert_eq!(follow_at_near_tie(&plain, &[3, 1], None, None), None);
+    // With a choice bias the margin is the biased ranks': expert 2 (0.10 + 0.3) is then a near
+    // tie with 3 (0.31 + 0.1), though their scores are 0.21 apart.
+    let biased = [0.30, 0.29, 0.40, 0.41];
+    let dev = [0.30f32, 0.29, 0.106, 0.304];
+    let (margin, tol) = follow_at_near_tie(&r(&biased, &[], &[3, 0]), &[2, 0], Some(&dev), b).unwrap();
+    assert!((margin - 0.01).abs() < 1e-12 && (0.012..0.0121).contains(&tol), "{margin} {tol}");
+    assert_eq!(follow_at_near_tie(&r(&biased, &[], &[3, 0]), &[3, 1], Some(&dev), b), None);
+    // An expert of a dropped group ranked above the oracle's choice: the margin is its group's
+    // shortfall, so a device that ignores the groups is not followed where the groups are far
+    // apart, and is where its own scores' error closes the gap.
+    let grouped = |short: f64| r(&probs, &[short, short, 0.0, 0.0], &[3, 2]);
+    // A group's score moves by up to twice its largest error: 4 x 0.003 + 0.006 here.
+    let dev = [0.303f32, 0.29, 0.097, 0.31];
+    assert_eq!(follow_at_near_tie(&grouped(0.2), &[3, 0], Some(&dev), b), None);
+    let (margin, tol) = follow_at_near_tie(&grouped(0.015), &[3, 0], Some(&dev), b).unwrap();
+    assert!((margin - 0.015).abs() < 1e-12 && (0.018..0.0181).contains(&tol), "{margin} {tol}");
+    assert_eq!(follow_at_near_tie(&grouped(0.019), &[3, 0], Some(&dev), b), None);
+    // Scores without error: any shortfall is a group bug.
+    assert_eq!(follow_at_near_tie(&grouped(0.001), &[3, 0], Some(&[0.30f32, 0.29, 0.10, 0.31]), b), None);
+    // The device left out the oracle's kept group of 2 and 3 (0.004 above the best left out) and
+    // took 0 for 2: followed by that margin, whatever 0's rank.
+    let mut left_out = grouped(0.2);
+    left_out.surplus = vec![0.0, 0.0, 0.004, 0.004];
+    let (margin, _) = follow_at_near_tie(&left_out, &[3, 0], Some(&dev), b).unwrap();
+    assert!((margin - 0.004).abs() < 1e-12, "{margin}");
 }
 
 #[test]
