@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ci/device-check.sh — the GPU check, as ONE script: build with `cuda` (unless given a binary),
 # then on $DEVICE (default cuda:0) run the kernel suite, layer-diff and fixed-token on the three
-# synthetic models and SmolLM2, the SmolLM2 decode benchmark and the GEMV roofline, writing every
+# synthetic models, SmolLM2 and the hybrid and latent-attention families (Mamba-2, Granite 4.0-H,
+# Qwen3-Next, DeepSeek V3), the SmolLM2 decode benchmark and the GEMV roofline, writing every
 # report and log under $OUT. Budget: under 8 minutes on an H200 (each step has its own timeout).
 #
 #   OUT=/tmp/gpu ci/device-check.sh                 # on a GPU runner with network (builds, fetches)
@@ -28,8 +29,11 @@
 # shared-memory races). Off by default: it is slow, and some GPU runners refuse it (then the
 # step says it could not run).
 #
-# STEPS picks among "kernels models bench roofline" (default all; the fixtures of the models and
-# bench model are checked first) and "threads" (opt-in: the oracle's and the `cpu` device's
+# STEPS picks among "kernels models families bench roofline" (default all; the fixtures of the
+# models and bench model are checked first; `families` runs layer-diff and fixed-token on the
+# GGUFs of random Mamba-2, Granite 4.0-H, Qwen3-Next and DeepSeek-V3-shaped checkpoints in
+# $FAMILIES — default $STAGE/families, staged by ci/device-stage.sh — or, where that is unset and
+# python3 has transformers, writes them first with tools/reference) and "threads" (opt-in: the oracle's and the `cpu` device's
 # prefill and decode on the bench model at 1, 2, 4, 8 and 16 threads, about two minutes of CPU). DEVICE, MODELS, BENCH_MODEL and ROOFLINE_MIB override the defaults (e.g. DEVICE=gpu-emu
 # MODELS=tiny-llama BENCH_MODEL=tiny-llama ROOFLINE_MIB=1 rehearses the script on a CPU; it then
 # ends with exit 3, the roofline being inconclusive on an emulator's timings).
@@ -48,11 +52,11 @@ DEVICE=${DEVICE:-cuda:0}
 MODELS=${MODELS:-"tiny-llama tiny-qwen3 tiny-moe smollm2"}
 BENCH_MODEL=${BENCH_MODEL:-smollm2}
 ROOFLINE_MIB=${ROOFLINE_MIB:-256}
-STEPS=${STEPS:-"kernels models bench roofline"}
+STEPS=${STEPS:-"kernels models families bench roofline"}
 for s in $STEPS; do
     case $s in
-        kernels | models | bench | roofline | threads) ;;
-        *) echo "STEPS: unknown step \`$s' (kernels, models, bench, roofline, threads)" >&2; exit 2 ;;
+        kernels | models | families | bench | roofline | threads) ;;
+        *) echo "STEPS: unknown step \`$s' (kernels, models, families, bench, roofline, threads)" >&2; exit 2 ;;
     esac
 done
 [ -n "${STEPS// /}" ] || { echo "STEPS is empty: nothing would be checked" >&2; exit 2; }
@@ -170,6 +174,24 @@ if wanted models; then
         step "layer-diff-$m" 180 "$BIN" layer-diff --device "$DEVICE" --model "$m" --report-dir "$WORK/layer-diff-$m"
         step "fixed-token-$m" 240 "$BIN" fixed-token --device "$DEVICE" --model "$m" --report-dir "$WORK/fixed-token-$m"
     done
+fi
+if wanted families; then
+    FAMILIES=${FAMILIES:-${STAGE:+$STAGE/families}}
+    if [ -z "$FAMILIES" ]; then
+        FAMILIES=$WORK/families
+        step families-write 300 tools/reference/write_families.sh "$FAMILIES"
+    fi
+    found=0
+    for f in "$FAMILIES"/*.gguf; do
+        [ -f "$f" ] || continue
+        found=1
+        fam=$(basename "$f" .gguf)
+        # 20 positions over the checkpoints' 300-token vocabulary, as the tests' prompts.
+        ids=$(seq 0 19 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 37 + 11) % 300}')
+        step "layer-diff-$fam" 180 "$BIN" layer-diff --device "$DEVICE" --model "$f" --prompt-ids "$ids" --report-dir "$WORK/layer-diff-$fam"
+        step "fixed-token-$fam" 180 "$BIN" fixed-token --device "$DEVICE" --model "$f" --prompt-ids "$ids" --report-dir "$WORK/fixed-token-$fam"
+    done
+    [ $found = 1 ] || step families-found 5 sh -c "echo 'no *.gguf in $FAMILIES'; exit 2"
 fi
 if wanted bench; then
     step "bench-$BENCH_MODEL" 120 "$BIN" bench --device "$DEVICE" --model "$BENCH_MODEL" --prompt-len 32 --gen-len 128 --reps 5 --report-dir "$WORK/bench-$BENCH_MODEL"

@@ -13,6 +13,7 @@ use oracle::registry::{Op, Input, OpCase, Output, Tensor};
 mod kernels;
 mod load;
 mod model;
+mod ssm;
 pub use kernels::*;
 pub use model::FixedModel;
 

@@ -15,7 +15,7 @@ use oracle::spec::{RopeScaling, RopeSpec, SsmBlock};
 /// A gated DeltaNet's three projections joined into the rows the tap `ssm_in` holds (every
 /// device records the tap so): q/k/v, z, then b and a each in value-head order (the stored b/a
 /// rows hold, per key head, its value heads' b and then their a).
-pub fn delta_in_rows(b: &SsmBlock, qkv: &[f32], z: &[f32], ba: &[f32], m: usize) -> Vec<f32> {
+pub fn delta_in_rows<T: Copy>(b: &SsmBlock, qkv: &[T], z: &[T], ba: &[T], m: usize) -> Vec<T> {
     let (cd, nh) = (b.conv_dim(), b.n_head);
     let r = nh / b.n_group;
     let mut out = Vec::with_capacity(m * b.in_dim());
@@ -23,7 +23,7 @@ pub fn delta_in_rows(b: &SsmBlock, qkv: &[f32], z: &[f32], ba: &[f32], m: usize)
         out.extend_from_slice(q);
         out.extend_from_slice(zr);
         // Key head g's block: b of its r value heads, then their a.
-        let (bs, as_): (Vec<f32>, Vec<f32>) = bar.chunks_exact(2 * r).flat_map(|blk| (0..r).map(move |j| (blk[j], blk[r + j]))).unzip();
+        let (bs, as_): (Vec<T>, Vec<T>) = bar.chunks_exact(2 * r).flat_map(|blk| (0..r).map(move |j| (blk[j], blk[r + j]))).unzip();
         out.extend(bs);
         out.extend(as_);
     }

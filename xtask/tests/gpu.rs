@@ -202,6 +202,12 @@ fn the_device_check_runs_from_a_stage_on_the_emulator() {
     let o = device_check(&[("STEPS", "kernel"), ("OUT", out_dir)]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(stderr(&o).contains("unknown step `kernel'"), "{}", text(&o));
+    // The families step with no family model to run is a step that could not run, not a pass.
+    let empty = tempfile::tempdir().unwrap();
+    let o = device_check(&[("STAGE", stage.path().to_str().unwrap()), ("FAMILIES", empty.path().to_str().unwrap()), ("OUT", out_dir), ("DEVICE", "gpu-emu"), ("STEPS", "families")]);
+    let summary = std::fs::read_to_string(out.path().join("summary.txt")).unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}\n{summary}", text(&o));
+    assert!(summary.contains("no *.gguf in"), "{summary}");
 }
 
 #[test]

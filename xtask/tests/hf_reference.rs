@@ -191,11 +191,11 @@ fn gemma3_checkpoints_agree_with_transformers_in_f64() {
 /// layers, heads in two groups, transformers running the prompt through its chunked scan in
 /// chunks of 8) agrees with transformers' float64 forward, layer by layer, as read by the oracle
 /// (its recurrent scan) from the checkpoint and from the GGUF llama.cpp's converter writes;
-/// greedy 32 tokens identical on `ref`, `cpu` and `gpu-emu` from both, each decode step carrying
-/// the state forward (transformers recomputes the whole sequence each step); layer-diff and
-/// fixed-token pass on `cpu` and `gpu-emu`, the serving rung on `gpu-emu`; the GPU kernels with
-/// the convolution's window shifted or the decay's sign flipped are red at `ssm_conv` and
-/// `ssm_state`. `fixed` refuses the model, naming the layer it does not run. The example
+/// greedy 32 tokens identical on `ref`, `cpu`, `fixed` and `gpu-emu` from both, each decode step
+/// carrying the state forward (transformers recomputes the whole sequence each step); layer-diff
+/// and fixed-token pass on `cpu`, `fixed` and `gpu-emu` (the GGUF: `fixed-int4` too), the serving
+/// rung on `gpu-emu`; the GPU kernels with the convolution's window shifted or the decay's sign
+/// flipped are red at `ssm_conv` and `ssm_state`. The example
 /// engine (examples/external_engine, numpy) passes layer-diff on the GGUF, and each of its seeded
 /// bugs is red at its tap.
 #[test]
@@ -205,13 +205,12 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
     }
     let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16,17,18,19,20";
     let (dir, greedy) = checkpoint_agrees_with_transformers("mamba2", ids, &[], Some(""));
-    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["cpu", "fixed", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
-    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
     cache_rungs_pass(&gguf, ids, dir.path());
+    fixed_rungs_pass(&gguf, ids, dir.path());
     gpu_kernel_bugs(&gguf, ids, dir.path(), &[("- (k - 1) + j;", "- k + j;", "ssm_conv"), ("float decay = expf(step * a[h]);", "float decay = expf(-step * a[h]);", "ssm_state")]);
-    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "fixed"], &[]);
-    assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
     // The example engine (numpy, its own Mamba-2) passes layer-diff on the GGUF; each bug it can
     // seed is named at its tap, with the position its error first crossed the bound.
     example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("ssm_decay_sign", Some("ssm_state"), Some(1))]);
@@ -223,9 +222,10 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
 /// without RoPE, each layer's FFN after it, embeddings, attention scores, residual branches and
 /// logits scaled apart from 1) agrees with transformers' float64 forward, as read by the oracle
 /// from the checkpoint and from the GGUF llama.cpp's converter writes (`granitehybrid`,
-/// `head_count_kv` 0 on the state-space layers); greedy 32 tokens identical on `ref` and `cpu`;
-/// layer-diff and fixed-token pass on `cpu` and `gpu-emu` (greedy identical there too), serving
-/// on `gpu-emu`. `fixed` refuses the model, naming its first state-space layer. The example engine (numpy, its own hybrid) passes layer-diff on the GGUF;
+/// `head_count_kv` 0 on the state-space layers); greedy 32 tokens identical on `ref`, `cpu`,
+/// `fixed` and `gpu-emu`; layer-diff and fixed-token pass on `cpu`, `fixed` and `gpu-emu` (the
+/// GGUF: `fixed-int4` too), serving on `gpu-emu`. The example engine (numpy, its own hybrid)
+/// passes layer-diff on the GGUF;
 /// its residual branches added unscaled are red at `blk.0.ffn_inp`, its state in bf16 at
 /// `blk.0.ssm_state`.
 #[test]
@@ -235,12 +235,11 @@ fn granite_hybrid_checkpoints_agree_with_transformers_in_f64() {
     }
     let ids = "5,17,99,3,250,42,7,8,9,10,11,12,13,14,15,16,17,18,19,20";
     let (dir, greedy) = checkpoint_agrees_with_transformers("granite-hybrid", ids, &[], Some(""));
-    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
+    devices_follow(dir.path().join("ck").to_str().unwrap(), ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["cpu", "fixed", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
-    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
+    devices_follow(gguf.to_str().unwrap(), ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
     cache_rungs_pass(&gguf, ids, dir.path());
-    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--device", "fixed"], &[]);
-    assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
+    fixed_rungs_pass(&gguf, ids, dir.path());
     example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("residual_scale_dropped", Some("ffn_inp"), Some(0)), ("ssm_state_bf16", Some("ssm_state"), Some(0))]);
     llama_cpp_passes(&gguf, ids, dir.path());
 }
@@ -275,6 +274,17 @@ fn cache_rungs_pass(gguf: &Path, ids: &str, dir: &Path) {
     }
     let o = xtask(&["serving", "--device", "gpu-emu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--prompt-len", &(ids.split(',').count() / 2).clamp(1, 10).to_string(), "--report-dir", dir.join("serving").to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(0), "gpu-emu serving: {}", text(&o));
+}
+
+/// Layer-diff and fixed-token pass on `fixed` and `fixed-int4` (each held to its own declared
+/// arithmetic's emulation).
+fn fixed_rungs_pass(gguf: &Path, ids: &str, dir: &Path) {
+    for device in ["fixed", "fixed-int4"] {
+        for gate in ["layer-diff", "fixed-token"] {
+            let o = xtask(&[gate, "--device", device, "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", dir.join(format!("{gate}-{device}")).to_str().unwrap()], &[]);
+            assert_eq!(o.status.code(), Some(0), "{gate} on {device}: {}", text(&o));
+        }
+    }
 }
 
 /// Layer-diff on `gpu-emu` with its kernel source changed (each case's `good` text replaced by
@@ -315,11 +325,10 @@ fn example_engine_bugs(gguf: &Path, ids: &str, dir: &Path, cases: &[(&str, Optio
 /// runs it through its chunked delta rule, chunks of 64: one boundary crossed; the oracle
 /// through the recurrent form), as read by the oracle from the checkpoint and from the GGUF
 /// llama.cpp's converter writes (`qwen3next`: q/k/v and z split, `attention.recurrent_layers`);
-/// greedy 32 tokens identical on `ref` and `cpu`, each decode step carrying the state forward;
-/// layer-diff and fixed-token pass on `cpu` and `gpu-emu` (greedy identical there too), serving
-/// on `gpu-emu`; the GPU kernels with the convolution's window shifted or the sign of b's
-/// sigmoid flipped are red at `ssm_conv` and `ssm_state`. `fixed` refuses the model, naming its
-/// first recurrent layer. The example engine passes layer-diff on the GGUF and names each of its seeded
+/// greedy 32 tokens identical on `ref`, `cpu`, `fixed` and `gpu-emu`, each decode step carrying
+/// the state forward; layer-diff and fixed-token pass on `cpu`, `fixed` and `gpu-emu` (the GGUF:
+/// `fixed-int4` too), serving on `gpu-emu`; the GPU kernels with the convolution's window shifted
+/// or the sign of b's sigmoid flipped are red at `ssm_conv` and `ssm_state`. The example engine passes layer-diff on the GGUF and names each of its seeded
 /// bugs at its tap.
 #[test]
 fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
@@ -328,14 +337,13 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
     }
     let ids = prompt_of_70();
     let (dir, greedy) = checkpoint_agrees_with_transformers("qwen3-next", &ids, &[], Some("qwen2"));
-    devices_follow(dir.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], dir.path());
+    devices_follow(dir.path().join("ck").to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["cpu", "fixed", "gpu-emu"], dir.path());
     let gguf = dir.path().join("model.gguf");
-    devices_follow(gguf.to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
+    devices_follow(gguf.to_str().unwrap(), &ids, &greedy, &["ref", "cpu", "fixed", "gpu-emu"], &["cpu", "gpu-emu"], &dir.path().join("gguf"));
     cache_rungs_pass(&gguf, &ids, dir.path());
+    fixed_rungs_pass(&gguf, &ids, dir.path());
     let short = "5,17,99,3,250,42,7,8,9,10";
     gpu_kernel_bugs(&gguf, short, dir.path(), &[("- (k - 1) + j;", "- k + j;", "ssm_conv"), ("1.0f / (1.0f + expf(-bar[j]))", "1.0f / (1.0f + expf(bar[j]))", "ssm_state")]);
-    let o = xtask(&["run", "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--device", "fixed"], &[]);
-    assert!(!o.status.success() && stderr(&o).contains("layer 0 is a state-space"), "{}", text(&o));
     // The example engine (numpy, its own DeltaNet and gated attention) passes over the whole
     // prompt; each bug it can seed is named at its tap, over 10 positions (the decay's sign
     // flipped makes the state grow past f32's range within 20).
@@ -374,12 +382,7 @@ fn deepseek_v3_checkpoints_agree_with_transformers_in_f64() {
     }
     let gguf = dir.path().join("model.gguf");
     cache_rungs_pass(&gguf, &ids, dir.path());
-    for device in ["fixed", "fixed-int4"] {
-        for gate in ["layer-diff", "fixed-token"] {
-            let o = xtask(&[gate, "--device", device, "--model", gguf.to_str().unwrap(), "--prompt-ids", &ids, "--report-dir", dir.path().join(format!("{gate}-{device}")).to_str().unwrap()], &[]);
-            assert_eq!(o.status.code(), Some(0), "{gate} on {device}: {}", text(&o));
-        }
-    }
+    fixed_rungs_pass(&gguf, &ids, dir.path());
     gpu_kernel_bugs(
         &gguf,
         &ids,

@@ -50,18 +50,30 @@ pub fn isqrt(n: u128) -> u128 {
 /// exp(z) for z <= 0, z and result in Q16: 2^(z log2 e) = 2^-k * 2^f, with 2^f (f in [0,1)) from a
 /// Q30 Taylor series of 9 terms (truncation < 1e-7) and one rounding to Q16.
 pub fn exp_q16(z: i64) -> i64 {
-    if z > 0 {
-        return exp_q16(0);
-    }
-    // t = z * log2(e) in Q30.
-    const LOG2E_Q30: i128 = 1_549_082_005; // round(log2(e) * 2^30)
-    let t = ((z as i128) * LOG2E_Q30) >> ACT; // Q30, <= 0
-    let k = (-t) >> 30; // integer part of -t
-    let k = if ((-t) & ((1 << 30) - 1)) != 0 { k + 1 } else { k };
-    let f = t + (k << 30); // in [0, 2^30)
+    let (k, acc) = exp2_parts(z.min(0), ACT);
     if k >= 40 {
         return 0;
     }
+    shr_round(acc as i128, (30 - ACT as i128 + k) as u32)
+}
+
+/// exp(z) for z <= 0, z and result in Q30 ([`exp_q16`]'s series, rounded once to Q30).
+pub fn exp_q30(z: i64) -> i64 {
+    let (k, acc) = exp2_parts(z.min(0), 30);
+    if k >= 62 {
+        return 0;
+    }
+    shr_round(acc as i128, k as u32)
+}
+
+/// exp(z) (z <= 0, `frac` fractional bits) as 2^-k * 2^f: k, and 2^f in Q30.
+fn exp2_parts(z: i64, frac: u32) -> (i128, i64) {
+    // t = z * log2(e) in Q30.
+    const LOG2E_Q30: i128 = 1_549_082_005; // round(log2(e) * 2^30)
+    let t = ((z as i128) * LOG2E_Q30) >> frac; // Q30, <= 0
+    let k = (-t) >> 30; // integer part of -t
+    let k = if ((-t) & ((1 << 30) - 1)) != 0 { k + 1 } else { k };
+    let f = t + (k << 30); // in [0, 2^30)
     // 2^f = e^(f ln 2): Horner over the Taylor series in Q30.
     const LN2_Q30: i128 = 744_261_118; // round(ln 2 * 2^30)
     // y < 2^30 and acc < 2^31 (2^f < 2), so every product stays under 2^61: i64 is exact.
@@ -70,8 +82,7 @@ pub fn exp_q16(z: i64) -> i64 {
     fn term<const N: i64>(acc: i64, y: i64) -> i64 {
         (1 << 30) + ((acc * y) >> 30) / N
     }
-    let acc = term::<1>(term::<2>(term::<3>(term::<4>(term::<5>(term::<6>(term::<7>(term::<8>(term::<9>(1 << 30, y), y), y), y), y), y), y), y), y);
-    shr_round(acc as i128, (30 - ACT as i128 + k) as u32)
+    (k, term::<1>(term::<2>(term::<3>(term::<4>(term::<5>(term::<6>(term::<7>(term::<8>(term::<9>(1 << 30, y), y), y), y), y), y), y), y), y))
 }
 
 /// sigmoid(x) in Q16 from the integer exp, using the symmetry for negative inputs.

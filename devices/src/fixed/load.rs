@@ -4,25 +4,11 @@
 
 use super::kernels::*;
 use super::model_err;
-use super::model::{Expert, Ffn, FixedAttn, FixedLayer, FixedMixer, FixedMla, FixedModel};
+use super::model::{Expert, Ffn, FixedAttn, FixedLayer, FixedMixer, FixedMla, FixedModel, FixedSsm};
 use crate::shared::host::{self, HostWeights, PackedMat};
 use crate::shared::qdot;
 use crate::DeviceError;
-use oracle::spec::{BlockKind, ModelSpec};
-
-/// Why `fixed` cannot run `spec`, if it cannot: the layer kinds and scalings it has no kernels for.
-fn refusal(spec: &ModelSpec) -> Result<(), String> {
-    if let Some(li) = spec.layers.iter().position(|l| matches!(l.block, BlockKind::Ssm(_))) {
-        return Err(format!("layer {li} is a state-space (Mamba-2 or gated DeltaNet) layer; fixed runs attention and latent-attention layers only"));
-    }
-    if spec.residual_scale.is_some() || spec.logit_scale.is_some() {
-        return Err("the model scales its residual branches or its logits (Granite); fixed does not".into());
-    }
-    if spec.attn_gate {
-        return Err("the model gates its attention output (Qwen3-Next); fixed does not".into());
-    }
-    Ok(())
-}
+use oracle::spec::BlockKind;
 
 /// A vector of float values on the grid of `frac` fractional bits.
 fn vec_q(v: &[f32], frac: u32) -> Vec<i64> {
@@ -33,7 +19,6 @@ fn vec_q(v: &[f32], frac: u32) -> Vec<i64> {
 pub(super) fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, DeviceError> {
     let (src, spec) = oracle::loader::open_weights(path).map_err(model_err)?;
     let label = src.label();
-    refusal(&spec).map_err(|why| model_err(format!("{label}: {why}")))?;
     // Every weight as a 32-bit Q24 value (one byte and a group scale in INT4; the embedding's
     // own count stands for its 32-bit Q16 table), and the table once more where the output
     // is tied to it or INT4, beside the stored bytes of one layer at a time: refused up front
@@ -46,7 +31,7 @@ pub(super) fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, Dev
     // rows transposed), INT4 groups run along the stored rows, not the rows the kernel reads.
     let split_k_b: Vec<bool> = (0..spec.n_layer).map(|i| src.raw(&format!("blk.{i}.attn_kv_b.weight")).map(|t| t.is_none())).collect::<Result<_, _>>().map_err(model_err)?;
     drop(src);
-    let HostWeights { spec, tok_embd, output_norm, output, layers: host_layers } = HostWeights::load(path, "fixed", &|_, s| refusal(s))?;
+    let HostWeights { spec, tok_embd, output_norm, output, layers: host_layers } = HostWeights::load(path, "fixed", &|_, _| Ok(()))?;
     let mat = |p: &PackedMat| convert_weights(p.ty, p.rows, p.cols, &p.bytes, int4 && p.cols.is_multiple_of(INT4_GROUP));
     let expert = |f: &host::Ffn| Expert { gate: mat(&f.gate), up: mat(&f.up), down: mat(&f.down), bias: f.bias.as_ref().map(|b| b.each_ref().map(|v| vec_q(v, ACT))) };
     let mut layers = Vec::with_capacity(host_layers.len());
@@ -76,6 +61,18 @@ pub(super) fn load(path: &std::path::Path, int4: bool) -> Result<FixedModel, Dev
                     wo: mat(&w.wo),
                 })
             }
+            (host::Mixer::Ssm(w), BlockKind::Ssm(_)) => FixedMixer::Ssm(FixedSsm {
+                in_proj: mat(&w.in_proj),
+                gate_proj: w.gate_proj.as_ref().map(mat),
+                ba_proj: w.ba_proj.as_ref().map(mat),
+                conv: vec_q(&w.conv, WGT),
+                conv_bias: vec_q(&w.conv_bias, ACT),
+                dt_bias: vec_q(&w.dt_bias, ACT),
+                a: vec_q(&w.a, WGT),
+                d: vec_q(&w.d, WGT),
+                norm: vec_q(&w.norm, NORM),
+                out: mat(&w.out),
+            }),
             _ => return Err(model_err(format!("{label}: layer {li}: a block of a kind fixed does not run"))),
         };
         let ffn = match (&l.dense, &l.router) {

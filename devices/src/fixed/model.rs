@@ -5,7 +5,7 @@ use super::kernels::*;
 use super::FixedDevice;
 use super::model_err;
 use crate::{Arithmetic, DeviceError, FixedPoint, NumFormat};
-use oracle::spec::{BlockKind, ModelSpec, Stage};
+use oracle::spec::{BlockKind, ModelSpec, SsmKind, Stage};
 
 /// A whole model in integer arithmetic, dense or MoE.
 pub struct FixedModel {
@@ -20,13 +20,17 @@ pub struct FixedModel {
     point: FixedPoint,
 }
 
-/// What one layer keeps between calls, Q16, rows of two widths: an attention layer's keys and
+/// What one layer keeps between calls: Q16 rows of two widths — an attention layer's keys and
 /// values (`[len, kv_dim]` each), a latent-attention layer's normed latents (`[len,
-/// kv_lora_rank]`) and rotated shared keys (`[len, qk_rope]`).
+/// kv_lora_rank]`) and rotated shared keys (`[len, qk_rope]`), a state-space layer's last
+/// `d_conv - 1` convolution inputs (`first`) — and a state-space layer's state (Q32) as of
+/// position `at`.
 #[derive(Default)]
 struct LayerState {
     first: Vec<i64>,
     second: Vec<i64>,
+    state: Vec<i64>,
+    at: usize,
 }
 
 /// Every layer's state and the positions it holds.
@@ -84,9 +88,27 @@ pub(super) struct FixedMla {
     pub wo: FixedWeights,
 }
 
+/// A state-space block's weights: the input projection (a gated DeltaNet's q/k/v, beside its z
+/// and b/a projections), the convolution (Q24, `[conv_dim][d_conv]`) and its bias, per head the
+/// time steps' bias (Q16), A and D (Q24; a DeltaNet has no D), the gated norm's scales (Q20,
+/// `[d_inner]`, a DeltaNet's one head's), the output projection.
+pub(super) struct FixedSsm {
+    pub in_proj: FixedWeights,
+    pub gate_proj: Option<FixedWeights>,
+    pub ba_proj: Option<FixedWeights>,
+    pub conv: Vec<i64>,
+    pub conv_bias: Vec<i64>,
+    pub dt_bias: Vec<i64>,
+    pub a: Vec<i64>,
+    pub d: Vec<i64>,
+    pub norm: Vec<i64>,
+    pub out: FixedWeights,
+}
+
 pub(super) enum FixedMixer {
     Attention(FixedAttn),
     Mla(FixedMla),
+    Ssm(FixedSsm),
 }
 
 pub(super) struct FixedLayer {
@@ -118,6 +140,18 @@ impl FixedModel {
     pub(super) fn new(spec: ModelSpec, tok_embd: IntValues, output_norm: Vec<i64>, head: FixedWeights, layers: Vec<FixedLayer>, int4: bool) -> FixedModel {
         let kv = LayerStates::new(layers.len());
         FixedModel { spec, tok_embd, output_norm, head, layers, kv, point: FixedDevice { int4 }.point() }
+    }
+}
+
+/// `x + scale * branch` (Granite's residual multiplier, a Q30 constant, each product rounded
+/// once), or `x + branch`.
+fn residual_q(x: &[i64], branch: &[i64], scale: Option<f64>) -> Vec<i64> {
+    match scale {
+        None => add_q(x, branch),
+        Some(c) => {
+            let c = to_q(c, TABLE) as i128;
+            x.iter().zip(branch).map(|(a, b)| a + shr_round(*b as i128 * c, TABLE)).collect()
+        }
     }
 }
 
@@ -201,6 +235,7 @@ impl FixedModel {
             let l = &self.layers[li];
             let name = |t: &str| format!("blk.{li}.{t}");
             let (mut h, mut q, mut k, mut v, mut attn, mut out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut zx, mut xbc, mut y, mut gate) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let wrong = || model_err(format!("layer {li}: its weights are not of its block's kind"));
             for stage in &s.layers[li].stages {
                 // A latent-attention layer's own projections, rotation and attention.
@@ -263,6 +298,12 @@ impl FixedModel {
                     Stage::QkvProj => {
                         let (a, w) = attn_parts()?;
                         (q, k, v) = (matmul_q(&h, m, &w.wq), matmul_q(&h, m, &w.wk), matmul_q(&h, m, &w.wv));
+                        if s.attn_gate {
+                            // Per head: its query's head_dim values, then its gate's.
+                            let hd = a.head_dim;
+                            (q, gate) = (q.chunks_exact(2 * hd).flat_map(|c| c[..hd].iter().copied()).collect(), q.chunks_exact(2 * hd).flat_map(|c| c[hd..].iter().copied()).collect());
+                            tap_q(taps, &name("attn_gate"), start, m, a.q_dim(), &gate);
+                        }
                         if let Some([bq, bk, bv]) = &w.bias {
                             (q, k, v) = (add_q(&q, bq), add_q(&k, bk), add_q(&v, bv));
                         }
@@ -307,7 +348,7 @@ impl FixedModel {
                         tap_q(taps, &name(tap), start, m, d, v);
                     }
                     Stage::AttnResidual => {
-                        x = add_q(&x, &attn);
+                        x = residual_q(&x, &attn, s.residual_scale);
                         tap_q(taps, &name("ffn_inp"), start, m, d, &x);
                     }
                     Stage::FfnNorm => {
@@ -319,11 +360,72 @@ impl FixedModel {
                         out = self.ffn(f, &h, m, taps, li, start)?;
                         tap_q(taps, &name("ffn_out"), start, m, d, &out);
                     }
-                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj | Stage::MixerResidual | Stage::AttnGate => {
-                        return Err(model_err(format!("layer {li}: a {stage:?} stage; fixed runs attention and latent-attention layers without an output gate only")));
+                    Stage::SsmInProj | Stage::SsmConv | Stage::SsmScan | Stage::SsmNorm | Stage::SsmOutProj => {
+                        let (BlockKind::Ssm(b), FixedMixer::Ssm(w)) = (s.layers[li].block, &l.mixer) else { return Err(wrong()) };
+                        let (cd, id) = (b.conv_dim(), b.in_dim());
+                        match stage {
+                            Stage::SsmInProj => {
+                                zx = match (&w.gate_proj, &w.ba_proj) {
+                                    (Some(gp), Some(bap)) => crate::shared::delta_in_rows(&b, &matmul_q(&h, m, &w.in_proj), &matmul_q(&h, m, gp), &matmul_q(&h, m, bap), m),
+                                    _ => matmul_q(&h, m, &w.in_proj),
+                                };
+                                tap_q(taps, &name("ssm_in"), start, m, id, &zx);
+                            }
+                            Stage::SsmConv => {
+                                let st = &mut self.kv.layers[li];
+                                if st.at != start {
+                                    return Err(model_err(format!("layer {li}: the state-space state is as of position {}; a call from position {start} cannot continue it (a recurrent state is not cut back)", st.at)));
+                                }
+                                let input: Vec<i64> = zx.chunks_exact(id).flat_map(|r| r[b.conv_at()..b.conv_at() + cd].iter().copied()).collect();
+                                xbc = super::ssm::conv_silu_q(&mut st.first, &input, m, cd, &w.conv, &w.conv_bias, b.d_conv);
+                                tap_q(taps, &name("ssm_conv"), start, m, cd, &xbc);
+                            }
+                            Stage::SsmScan => {
+                                let st = &mut self.kv.layers[li];
+                                if st.state.len() != b.state_len() {
+                                    st.state = vec![0; b.state_len()];
+                                }
+                                let heads = |i: usize| -> Vec<i64> { zx.chunks_exact(id).flat_map(|r| r[b.heads_at() + i * b.n_head..][..b.n_head].iter().copied()).collect() };
+                                let params = super::ssm::ScanParams { dt_bias: &w.dt_bias, a: &w.a, d: &w.d };
+                                let states;
+                                (y, states) = match b.kind {
+                                    SsmKind::Mamba2 => super::ssm::scan_q(&mut st.state, &xbc, &heads(0), m, &b, &params),
+                                    SsmKind::GatedDelta => super::ssm::delta_scan_q(&mut st.state, &xbc, &heads(0), &heads(1), m, &b, &params),
+                                };
+                                st.at = start + m;
+                                if taps.enabled() {
+                                    let f: Vec<f32> = states.iter().map(|v| from_q(*v, super::ssm::STATE)).collect();
+                                    taps.record(&name("ssm_state"), start, m, b.state_len(), &f);
+                                }
+                                tap_q(taps, &name("ssm_scan"), start, m, b.d_inner, &y);
+                            }
+                            Stage::SsmNorm => {
+                                let z: Vec<i64> = zx.chunks_exact(id).flat_map(|r| r[b.z_at()..b.z_at() + b.d_inner].iter().copied()).collect();
+                                y = match b.kind {
+                                    SsmKind::Mamba2 => super::ssm::gated_norm_q(&y, &z, b.d_inner, b.n_group, &w.norm, s.norm_eps),
+                                    SsmKind::GatedDelta => super::ssm::delta_norm_q(&y, &z, b.head_dim(), &w.norm, s.norm_eps),
+                                };
+                                tap_q(taps, &name("ssm_norm"), start, m, b.d_inner, &y);
+                            }
+                            _ => {
+                                attn = matmul_q(&y, m, &w.out);
+                                tap_q(taps, &name("ssm_out"), start, m, d, &attn);
+                            }
+                        }
+                    }
+                    Stage::AttnGate => {
+                        if gate.len() != attn.len() {
+                            return Err(wrong());
+                        }
+                        attn.iter_mut().zip(&gate).for_each(|(a, g)| *a = shr_round(*a as i128 * sigmoid_q16(*g) as i128, ACT));
+                        tap_q(taps, &name("attn_gated"), start, m, attn.len() / m.max(1), &attn);
+                    }
+                    Stage::MixerResidual => {
+                        x = residual_q(&x, &attn, s.residual_scale);
+                        tap_q(taps, &name("l_out"), start, m, d, &x);
                     }
                     Stage::FfnResidual => {
-                        x = add_q(&x, &out);
+                        x = residual_q(&x, &out, s.residual_scale);
                         tap_q(taps, &name("l_out"), start, m, d, &x);
                     }
                 }
@@ -334,6 +436,11 @@ impl FixedModel {
         let normed = rms_norm_q(&x[row0 * d..], d, &self.output_norm, s.norm_eps);
         tap_q(taps, "result_norm", start + row0, rows, d, &normed);
         let mut logits = matmul_q(&normed, rows, &self.head);
+        if let Some(c) = s.logit_scale {
+            // Granite's logits divided by its scale: 1/scale in Q30, each product rounded once.
+            let inv = to_q(1.0 / c, TABLE) as i128;
+            logits.iter_mut().for_each(|l| *l = shr_round(*l as i128 * inv, TABLE));
+        }
         if let Some(c) = s.final_softcap.map(SoftcapQ::new) {
             logits.iter_mut().for_each(|l| *l = c.apply(*l));
         }
