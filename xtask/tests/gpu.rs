@@ -404,8 +404,9 @@ fn bench_on_a_gpu_device_profiles_the_kernels_of_a_decode_step() {
 /// `reduce` turns a red layer-diff into a one-op case: with the SiLU kernel 0.1% off or the
 /// attention scores 1% off, the first divergence (`ffn_act`, `attn_kqv`) becomes a `swiglu` or
 /// `attention` case over one position that still fails on the device; the case directory it
-/// writes fails again through `kernels --cases` on that device and passes on `cpu`. A correct
-/// device has nothing to reduce (exit 0).
+/// writes fails again through `kernels --cases` on that device and passes on `cpu`; from
+/// layer-diff's report (`--from`) the same case is found. A correct device has nothing to reduce
+/// (exit 0).
 #[test]
 fn reduce_turns_a_red_tap_into_a_one_op_case_that_reruns() {
     if !emulator_available() {
@@ -434,5 +435,19 @@ fn reduce_turns_a_red_tap_into_a_one_op_case_that_reruns() {
         assert_eq!(o.status.code(), Some(1), "{}", text(&o));
         let o = xtask(&["kernels", "--device", "cpu", "--cases", cases.to_str().unwrap(), "--report-dir", dir.path().join("cpu").to_str().unwrap()], &[]);
         assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        if op != "swiglu" {
+            continue;
+        }
+        // From layer-diff's report: the same case, without judging every tap again; a report of
+        // another device is refused, naming the field.
+        let ld = dir.path().join("ld");
+        let o = xtask(&["layer-diff", "--device", "gpu-emu", "--model", "tiny-llama", "--mode", "isolated", "--report-dir", ld.to_str().unwrap()], &env);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        let again = dir.path().join("again");
+        let o = xtask(&["reduce", "--device", "gpu-emu", "--model", "tiny-llama", "--from", ld.to_str().unwrap(), "--report-dir", again.to_str().unwrap()], &env);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert_eq!(report(&again)["reduce"]["case"].as_str(), Some(case), "{}", text(&o));
+        let o = xtask(&["reduce", "--device", "cpu", "--model", "tiny-llama", "--from", ld.to_str().unwrap()], &[]);
+        assert!(o.status.code() == Some(2) && stderr(&o).contains("judged device `gpu-emu`, not `cpu`"), "{}", text(&o));
     }
 }

@@ -23,6 +23,11 @@ pub struct ReduceArgs {
     /// Text to run instead, tokenized with the model's own tokenizer.
     #[arg(long)]
     prompt: Option<String>,
+    /// A layer-diff report of this device on this model (its report.json, or the directory
+    /// holding it): its first divergence is reduced, on its prompt, without judging every tap
+    /// again.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_ids"])]
+    from: Option<PathBuf>,
     /// Where report.json (the divergence, each reduction step and its verdict) and case/ (the
     /// reduced case, for `kernels --cases`) go (default target/touchstone/reduce-YYYYMMDD-HHMMSS/).
     #[arg(long)]
@@ -32,10 +37,16 @@ pub struct ReduceArgs {
 pub fn main(a: ReduceArgs) -> Result<u8, Exit> {
     super::check_report_dir(a.report_dir.as_deref())?;
     super::check_runs_ops(a.device.name())?;
+    let from = a.from.as_deref().map(|p| from_report(p, &a.model, a.device.name())).transpose()?;
+    if let (Some(p), Some(FromReport { first: None, .. })) = (&a.from, &from) {
+        outln!("nothing to reduce: {} found every tap of {} on {} within its budget", p.display(), a.device, a.model);
+        return Ok(0);
+    }
     let (path, mut engine, tok) = load_engine(&a.model, &a.device, Precision::F32)?;
-    let ids = match super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)? {
-        Some(ids) => ids,
-        None => super::layerdiff::default_prompt(tok.as_ref(), engine.spec().n_vocab)?,
+    let ids = match (&from, super::given_prompt(a.prompt.as_deref(), a.prompt_ids.as_deref(), tok.as_ref(), &a.model, &path)?) {
+        (Some(r), _) => r.ids.clone(),
+        (None, Some(ids)) => ids,
+        (None, None) => super::layerdiff::default_prompt(tok.as_ref(), engine.spec().n_vocab)?,
     };
     check_ids(&ids, engine.spec().n_vocab)?;
     super::check_recordings_fit("reduce", engine.spec(), true, ids.len(), 5)?;
@@ -48,8 +59,11 @@ pub fn main(a: ReduceArgs) -> Result<u8, Exit> {
     drop(engine);
     stages.next("the oracle: its own run and on the device's values");
     let (oracle_model, _) = super::load_oracle(&path, Precision::F32)?;
-    let outcome = layerdiff::run(&oracle_model, &path, &ids, &device_taps, &arith, Mode::Isolated, 4.0, &a.model, a.device.name()).map_err(|e| Exit::new(2, e))?;
-    let Some(first) = outcome.findings.first_divergence.clone() else {
+    let first = match from {
+        Some(r) => r.first,
+        None => layerdiff::run(&oracle_model, &path, &ids, &device_taps, &arith, Mode::Isolated, 4.0, &a.model, a.device.name()).map_err(|e| Exit::new(2, e))?.findings.first_divergence.clone(),
+    };
+    let Some(first) = first else {
         drop(stages);
         outln!("nothing to reduce: every tap of {} on {} is within its budget", a.device, a.model);
         return Ok(0);
@@ -99,4 +113,37 @@ pub fn main(a: ReduceArgs) -> Result<u8, Exit> {
     let dir = super::write_report(&mut report, report_dir)?;
     outln!("report: {}", dir.join("report.json").display());
     Ok(code)
+}
+
+/// What `--from` takes from a layer-diff report: its prompt and its first divergence.
+struct FromReport {
+    ids: Vec<u32>,
+    first: Option<reports::findings::FirstDivergence>,
+}
+
+/// Reads a layer-diff report (`path`, or `path/report.json`) of `device` on `model`; refuses
+/// (exit 2, naming the file and the field) one of another suite, model or device, or one
+/// without a prompt.
+fn from_report(path: &std::path::Path, model: &str, device: &str) -> Result<FromReport, Exit> {
+    let file = if path.is_dir() { path.join("report.json") } else { path.to_path_buf() };
+    let bad = |why: String| Exit::new(2, format!("--from {}: {why}", file.display()));
+    let text = std::fs::read_to_string(&file).map_err(|e| bad(e.to_string()))?;
+    let r: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    if r["suite"] != "layer-diff" {
+        return Err(bad(format!("a report of suite {}, not layer-diff", r["suite"])));
+    }
+    if r["model"].as_str() != Some(model) {
+        return Err(bad(format!("judged model {}, not `{model}`", r["model"])));
+    }
+    let judged = r["cases"].as_array().and_then(|c| c.first()).and_then(|c| c["device"].as_str());
+    if judged != Some(device) {
+        return Err(bad(format!("judged device {}, not `{device}`", judged.map_or("(none)".to_string(), |d| format!("`{d}`")))));
+    }
+    let ids: Vec<u32> = r["prompt_ids"]
+        .as_array()
+        .filter(|v| !v.is_empty())
+        .and_then(|v| v.iter().map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect())
+        .ok_or_else(|| bad("`prompt_ids`: no list of token ids".into()))?;
+    let first = serde_json::from_value(r["first_divergence"].clone()).map_err(|e| bad(format!("`first_divergence`: {e}")))?;
+    Ok(FromReport { ids, first })
 }
