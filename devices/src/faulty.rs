@@ -245,6 +245,10 @@ impl Device for FaultyDevice {
         }
         self.inject(case).map_err(|r| fail(&self.name(), case, r))
     }
+    /// Its whole model composed of its own ops (`op_model`), the fault in every call of its op.
+    fn load_model(&self, path: &std::path::Path, _opts: &crate::ModelOptions) -> Result<Box<dyn crate::DeviceModel>, DeviceError> {
+        Ok(Box::new(crate::op_model::OpModel::load(std::sync::Arc::new(FaultyDevice(self.0)), path)?))
+    }
 }
 
 /// Bugs in a whole model's wiring rather than in one kernel (Gemma 3's, GPT-OSS's): the `cpu`

@@ -48,6 +48,7 @@ pub mod process;
 pub mod probe;
 #[cfg(feature = "faults")]
 pub mod faulty;
+pub mod op_model;
 pub mod slowed;
 pub mod reference;
 pub mod shared;
