@@ -53,6 +53,14 @@ pub struct Recipe {
     /// Heads a case may be cut to (attention: query heads, key/value heads, head width; RoPE:
     /// heads, the same count, width): one key/value head's group of queries.
     pub heads: Option<(usize, usize, usize)>,
+    /// Inputs that are a column range of a tap: (input name, tap name, width, columns).
+    pub columns: Vec<(&'static str, String, usize, (usize, usize))>,
+    /// A recurrent op's state before the cut's first position: the state tap (its row at the
+    /// position before; zeros before position 0) and the input's shape.
+    pub state: Option<(String, Vec<usize>)>,
+    /// Which of the op's outputs the tap is (a scan's outputs, or its state after the cut's last
+    /// position: then the tap's row there).
+    pub output: usize,
 }
 
 /// What a case is cut to: positions, and a product's output rows.
@@ -120,7 +128,7 @@ impl Recipe {
             Ok(Packed { name: name.to_string(), ty: r.ty, rows, cols, bytes: r.bytes.into_owned() })
         };
         let one = |input: &'static str, name: String| -> Result<Vec<(&'static str, String, usize)>, String> { Ok(vec![(input, name.clone(), width(&name)?)]) };
-        let base = Recipe { op: Op::Add, tap, from_taps: Vec::new(), fixed: Vec::new(), weight: None, params: Vec::new(), causal: false, positions, heads: None };
+        let base = Recipe { op: Op::Add, tap, from_taps: Vec::new(), fixed: Vec::new(), weight: None, params: Vec::new(), causal: false, positions, heads: None, columns: Vec::new(), state: None, output: 0 };
         let li = tap.layer.unwrap_or(0);
         let eps = ("eps", spec.norm_eps);
         Ok(match tap.kind {
@@ -181,6 +189,33 @@ impl Recipe {
                 let params = vec![("n_head", a.n_head as f64), ("n_head_kv", a.n_head_kv as f64), ("head_dim", a.head_dim as f64), ("window", a.window.unwrap_or(0) as f64)];
                 Recipe { op: Op::Attention, from_taps: vec![("q", q.clone(), width(&q)?), ("k", k.clone(), width(&k)?), ("v", v.clone(), width(&v)?)], params, causal: true, heads: Some((a.n_head, a.n_head_kv, a.head_dim)), ..base }
             }
+            TapKind::SsmState | TapKind::SsmScan => {
+                let b = match spec.layers.get(li).map(|l| l.block) {
+                    Some(oracle::spec::BlockKind::Ssm(b)) => b,
+                    _ => return Err(format!("layer {li} is not a state-space layer")),
+                };
+                let (conv, inp) = (at(TapKind::SsmConv), at(TapKind::SsmIn));
+                let (cw, iw) = (width(&conv)?, width(&inp)?);
+                let (nh, ng, hd, ds) = (b.n_head, b.n_group, b.head_dim(), b.d_state);
+                let heads = |i: usize| (b.heads_at() + i * nh, b.heads_at() + (i + 1) * nh);
+                let output = (tap.kind == TapKind::SsmState) as usize;
+                let state = Some((at(TapKind::SsmState), vec![nh, hd, ds]));
+                let vecs = |names: &[(&'static str, &str)]| -> Result<Vec<(&'static str, Input)>, String> { names.iter().map(|(i, n)| Ok((*i, vector(&weight_name(n))?))).collect() };
+                match b.kind {
+                    oracle::spec::SsmKind::Mamba2 => {
+                        let bc = ng * ds;
+                        let columns = vec![("x", conv.clone(), cw, (0, b.d_inner)), ("b", conv.clone(), cw, (b.d_inner, b.d_inner + bc)), ("c", conv, cw, (b.d_inner + bc, b.d_inner + 2 * bc)), ("dt", inp, iw, heads(0))];
+                        let params = vec![("n_head", nh as f64), ("n_group", ng as f64), ("head_dim", hd as f64), ("d_state", ds as f64)];
+                        Recipe { op: Op::SsmScan, columns, fixed: vecs(&[("dt_bias", "ssm_dt.bias"), ("neg_a", "ssm_a"), ("d", "ssm_d")])?, params, state, output, ..base }
+                    }
+                    oracle::spec::SsmKind::GatedDelta => {
+                        let kd = ng * ds;
+                        let columns = vec![("q", conv.clone(), cw, (0, kd)), ("k", conv.clone(), cw, (kd, 2 * kd)), ("v", conv, cw, (2 * kd, 2 * kd + b.d_inner)), ("b", inp.clone(), iw, heads(0)), ("a", inp, iw, heads(1))];
+                        let params = vec![("n_k_head", ng as f64), ("n_v_head", nh as f64), ("d_k", ds as f64), ("d_v", hd as f64)];
+                        Recipe { op: Op::DeltaRule, columns, fixed: vecs(&[("dt_bias", "ssm_dt.bias"), ("neg_a", "ssm_a")])?, params, state, output, ..base }
+                    }
+                }
+            }
             k => return Err(format!("the kernel suite has no one-op case for `{}` taps yet", k.name())),
         })
     }
@@ -212,6 +247,25 @@ impl Recipe {
             let vals: Vec<f32> = rows.iter().flat_map(|r| data[r * w + c0..r * w + c1].iter().copied()).collect();
             inputs.push((*input, Input::F32(Tensor { shape: vec![rows.len(), c1 - c0], data: vals })));
         }
+        for (input, name, w, (c0, c1)) in &self.columns {
+            let (_, data) = taps.tensors.get(name).ok_or_else(|| format!("no tap `{name}` in the {inputs_from}'s run"))?;
+            if cut.rows.iter().any(|r| (r + 1) * w > data.len()) || c1 > w {
+                return Err(format!("tap `{name}` of the {inputs_from} holds {} positions of {w}", data.len() / w.max(&1)));
+            }
+            let vals: Vec<f32> = cut.rows.iter().flat_map(|r| data[r * w + c0..r * w + c1].iter().copied()).collect();
+            inputs.push((*input, Input::F32(Tensor { shape: vec![cut.rows.len(), c1 - c0], data: vals })));
+        }
+        if let Some((name, shape)) = &self.state {
+            let n: usize = shape.iter().product();
+            let data = match cut.rows.first().copied().unwrap_or(0) {
+                0 => vec![0.0; n],
+                r => {
+                    let (w, data) = taps.tensors.get(name).ok_or_else(|| format!("no tap `{name}` in the {inputs_from}'s run"))?;
+                    data.get((r - 1) * w..(r - 1) * w + n).filter(|_| *w == n).ok_or_else(|| format!("tap `{name}` of the {inputs_from} holds no state of {n} at position {}", r - 1))?.to_vec()
+                }
+            };
+            inputs.push(("state", Input::F32(Tensor { shape: shape.clone(), data })));
+        }
         inputs.extend(self.fixed.iter().cloned());
         if let Some(p) = &self.weight {
             let (a, b) = cut.out_rows.unwrap_or((0, p.rows));
@@ -221,6 +275,9 @@ impl Recipe {
         if matches!(self.op, Op::Rope | Op::Attention) {
             inputs.push(("pos", Input::Ids(cut.rows.iter().map(|&r| r as u32).collect())));
         }
+        // In the order the op's form in the registry has them (a written case is read back so).
+        let order = input_order(self.op);
+        inputs.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
         let mut params: std::collections::BTreeMap<&'static str, f64> = self.params.iter().copied().collect();
         if let (Some(_), Some((nh, nkv, _))) = (cut.kv_head, self.heads) {
             params.insert("n_head", (nh / nkv.max(1)) as f64);
@@ -244,12 +301,23 @@ impl Recipe {
         Ok(OpCase { op: self.op, id, seed: 0, inputs, params })
     }
 
-    /// The tap's own values over `cut` (its output rows), as a recorded run holds them.
+    /// The tap's own values over `cut` (its output rows), as a recorded run holds them; a
+    /// recurrent state's at the cut's last position only.
     pub fn tap_values(&self, taps: &RecordingTap, cut: &Cut) -> Option<Vec<f32>> {
         let (w, data) = taps.tensors.get(&self.tap.to_string())?;
         let (a, b) = cut.out_rows.unwrap_or((0, *w));
-        Some(cut.rows.iter().flat_map(|r| data[r * w + a..r * w + b].iter().copied()).collect())
+        let rows = if self.state.is_some() && self.output == 1 { cut.rows.last().map(|r| vec![*r]).unwrap_or_default() } else { cut.rows.clone() };
+        Some(rows.iter().flat_map(|r| data[r * w + a..r * w + b].iter().copied()).collect())
     }
+}
+
+/// The names of `op`'s inputs in the order its cases in the registry give them.
+fn input_order(op: Op) -> &'static [&'static str] {
+    static ORDER: std::sync::OnceLock<std::collections::BTreeMap<Op, Vec<&'static str>>> = std::sync::OnceLock::new();
+    ORDER
+        .get_or_init(|| oracle::registry::registry().into_iter().filter_map(|e| Some((e.op, (e.cases)(0).into_iter().next()?.inputs.iter().map(|(n, _)| *n).collect()))).collect())
+        .get(&op)
+        .map_or(&[], Vec::as_slice)
 }
 
 /// Relative RMS of `a` against `b`.
@@ -267,7 +335,7 @@ pub fn reproduces(recipe: &Recipe, oracle_taps: &RecordingTap) -> Result<f64, St
     let cut = recipe.full();
     let case = recipe.case(oracle_taps, &cut, "oracle")?;
     let out = crate::kernels::reference(&case)?;
-    let Some(Output::F32(t)) = out.first() else { return Err("the op gives ids, not values".into()) };
+    let Some(Output::F32(t)) = out.get(recipe.output) else { return Err("the op gives ids, not values".into()) };
     let tap = recipe.tap_values(oracle_taps, &cut).ok_or("no tap values")?;
     if t.data.len() != tap.len() {
         return Err(format!("the op gives {} values, the tap holds {}", t.data.len(), tap.len()));
@@ -322,8 +390,9 @@ pub fn shrink(device: &dyn Device, recipe: &Recipe, taps: &RecordingTap, start: 
             (best, case) = (one, c);
         }
     }
-    // Attention: an earlier position attends to fewer keys; the earliest that fails alone.
-    if recipe.causal && best.rows.len() == 1 {
+    // Attention: an earlier position attends to fewer keys; the earliest that fails alone (a
+    // recurrence: the earliest position whose step fails from the state before it).
+    if (recipe.causal || recipe.state.is_some()) && best.rows.len() == 1 {
         for r in 0..best.rows[0] {
             let one = Cut { rows: vec![r], ..best.clone() };
             if let Some(c) = try_cut(&one, steps)? {

@@ -195,7 +195,8 @@ fn gemma3_checkpoints_agree_with_transformers_in_f64() {
 /// carrying the state forward (transformers recomputes the whole sequence each step); layer-diff
 /// and fixed-token pass on `cpu`, `fixed` and `gpu-emu` (the GGUF: `fixed-int4` too), the serving
 /// rung on `gpu-emu`; the GPU kernels with the convolution's window shifted or the decay's sign
-/// flipped are red at `ssm_conv` and `ssm_state`. The example
+/// flipped are red at `ssm_conv` and `ssm_state`, the latter reduced to a one-position `ssm_scan`
+/// case. The example
 /// engine (examples/external_engine, numpy) passes layer-diff on the GGUF, and each of its seeded
 /// bugs is red at its tap.
 #[test]
@@ -211,6 +212,7 @@ fn mamba2_checkpoints_agree_with_transformers_in_f64() {
     cache_rungs_pass(&gguf, ids, dir.path());
     fixed_rungs_pass(&gguf, ids, dir.path());
     gpu_kernel_bugs(&gguf, ids, dir.path(), &[("- (k - 1) + j;", "- k + j;", "ssm_conv"), ("float decay = expf(step * a[h]);", "float decay = expf(-step * a[h]);", "ssm_state")]);
+    gpu_bug_reduces(&gguf, ids, dir.path(), ("float decay = expf(step * a[h]);", "float decay = expf(-step * a[h]);"), "ssm_scan");
     // The example engine (numpy, its own Mamba-2) passes layer-diff on the GGUF; each bug it can
     // seed is named at its tap, with the position its error first crossed the bound.
     example_engine_bugs(&gguf, ids, dir.path(), &[("", None, None), ("ssm_state_bf16", Some("ssm_state"), Some(0)), ("ssm_conv_shifted", Some("ssm_conv"), Some(0)), ("ssm_decay_sign", Some("ssm_state"), Some(1))]);
@@ -287,6 +289,22 @@ fn fixed_rungs_pass(gguf: &Path, ids: &str, dir: &Path) {
     }
 }
 
+/// `reduce` on `gpu-emu` with its kernel source changed (`good` replaced by `bad`): a one-op case
+/// of `op` over one position (its state the tap's at the position before), which fails again
+/// from its file and passes on `cpu`.
+fn gpu_bug_reduces(gguf: &Path, ids: &str, dir: &Path, (good, bad): (&str, &str), op: &str) {
+    let file = broken_kernel_source(good, bad);
+    let env = [("TOUCHSTONE_KERNEL_SOURCE", file.path().to_str().unwrap())];
+    let red = dir.join(format!("reduce-{op}"));
+    let o = xtask(&["reduce", "--device", "gpu-emu", "--model", gguf.to_str().unwrap(), "--prompt-ids", ids, "--report-dir", red.to_str().unwrap()], &env);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(red.join("report.json")).unwrap()).unwrap();
+    let case = r["reduce"]["case"].as_str().unwrap_or_default();
+    assert!(case.starts_with(&format!("{op}(from=blk.0.ssm_state,")) && case.contains("rows=1x") && r["reduce"]["rerun"] == "fail", "{}", r["reduce"]);
+    let o = xtask(&["kernels", "--device", "cpu", "--cases", red.join("case").to_str().unwrap(), "--report-dir", red.join("cpu").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+}
+
 /// Layer-diff on `gpu-emu` with its kernel source changed (each case's `good` text replaced by
 /// `bad`, `TOUCHSTONE_KERNEL_SOURCE`) is red, first at the case's tap kind.
 fn gpu_kernel_bugs(gguf: &Path, ids: &str, dir: &Path, cases: &[(&str, &str, &str)]) {
@@ -328,7 +346,8 @@ fn example_engine_bugs(gguf: &Path, ids: &str, dir: &Path, cases: &[(&str, Optio
 /// greedy 32 tokens identical on `ref`, `cpu`, `fixed` and `gpu-emu`, each decode step carrying
 /// the state forward; layer-diff and fixed-token pass on `cpu`, `fixed` and `gpu-emu` (the GGUF:
 /// `fixed-int4` too), serving on `gpu-emu`; the GPU kernels with the convolution's window shifted
-/// or the sign of b's sigmoid flipped are red at `ssm_conv` and `ssm_state`. The example engine passes layer-diff on the GGUF and names each of its seeded
+/// or the sign of b's sigmoid flipped are red at `ssm_conv` and `ssm_state`, the latter reduced
+/// to a one-position `delta_rule` case. The example engine passes layer-diff on the GGUF and names each of its seeded
 /// bugs at its tap.
 #[test]
 fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
@@ -344,6 +363,7 @@ fn qwen3_next_checkpoints_agree_with_transformers_in_f64() {
     fixed_rungs_pass(&gguf, &ids, dir.path());
     let short = "5,17,99,3,250,42,7,8,9,10";
     gpu_kernel_bugs(&gguf, short, dir.path(), &[("- (k - 1) + j;", "- k + j;", "ssm_conv"), ("1.0f / (1.0f + expf(-bar[j]))", "1.0f / (1.0f + expf(bar[j]))", "ssm_state")]);
+    gpu_bug_reduces(&gguf, short, dir.path(), ("1.0f / (1.0f + expf(-bar[j]))", "1.0f / (1.0f + expf(bar[j]))"), "delta_rule");
     // The example engine (numpy, its own DeltaNet and gated attention) passes over the whole
     // prompt; each bug it can seed is named at its tap, over 10 positions (the decay's sign
     // flipped makes the state grow past f32's range within 20).
